@@ -1,0 +1,139 @@
+"""The env hub: registration into Gymnasium/PettingZoo, ``make``, ``make_aec`` and helpful errors."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import json
+from functools import lru_cache
+from importlib import resources
+from typing import Any, Callable
+
+import gymnasium as gym
+
+from tinkergym.errors import DuplicateEnvIdError, EnvKindError, EnvPackageImportError, UnknownEnvError
+from tinkergym.registry.discovery import Discovery, EnvSpec, conflict_message, discover, warn_about
+
+_state: dict[str, Discovery] = {}
+
+
+def discovery(refresh: bool = False) -> Discovery:
+    """The latest scan of installed env packages (``refresh=True`` rescans, e.g. after a pip install)."""
+    if refresh or "scan" not in _state:
+        _state["scan"] = discover()
+    return _state["scan"]
+
+
+def list_envs(refresh: bool = False) -> list[EnvSpec]:
+    """Every installed env id (metadata only; no env package is imported), sorted by id."""
+    return sorted(discovery(refresh).specs.values(), key=lambda s: s.id)
+
+
+def register_installed_envs(refresh: bool = False) -> Discovery:
+    """Register installed ids with Gymnasium (single-agent) and PettingZoo (multi-agent) by entry-point string."""
+    found = discovery(refresh)
+    warn_about(found)
+    for env_spec in found.specs.values():
+        if env_spec.kind == "env":
+            _register_gymnasium(env_spec)
+        else:
+            _register_pettingzoo(env_spec)
+    return found
+
+
+def _register_gymnasium(env_spec: EnvSpec) -> None:
+    existing = gym.registry.get(env_spec.id)
+    if existing is not None and existing.entry_point == env_spec.entry_point:
+        return
+    gym.register(id=env_spec.id, entry_point=env_spec.entry_point, max_episode_steps=env_spec.max_episode_steps)
+
+
+def _register_pettingzoo(env_spec: EnvSpec) -> None:
+    import pettingzoo
+
+    register = getattr(pettingzoo, "register", None)  # PettingZoo >= 1.27 has a registry; older ones do not
+    if register is None or env_spec.id in pettingzoo.aec_registry:
+        return
+    register("aec", env_spec.id, entry_point=env_spec.entry_point)
+
+
+@lru_cache(maxsize=1)
+def known_packages() -> dict[str, dict[str, Any]]:
+    """The small index of env packages the hub can suggest installing."""
+    text = resources.files("tinkergym.registry").joinpath("known_packages.json").read_text(encoding="utf-8")
+    return {k: v for k, v in json.loads(text).items() if not k.startswith("_")}
+
+
+def unknown_env_message(env_id: str) -> str:
+    """Say that ``env_id`` is unknown, with close matches and the ``pip install`` that may provide it."""
+    installed = [s.id for s in list_envs()]
+    providers = {i: dist for dist, entry in known_packages().items() for i in entry["ids"]}
+    lines = [f"No installed env package provides {env_id!r}."]
+    folded = {i.lower(): i for i in {*installed, *providers}}
+    close = [folded[m] for m in difflib.get_close_matches(env_id.lower(), list(folded), n=3, cutoff=0.6)]
+    if close:
+        lines.append("Did you mean: " + ", ".join(close) + "?")
+    for candidate in [env_id, *close]:
+        dist = providers.get(candidate)
+        if dist and candidate not in installed:
+            lines.append(f"{candidate} is provided by {dist}; install it with: pip install {dist}")
+            break
+    lines.append("List installed envs with: tinkergym envs list")
+    return "\n".join(lines)
+
+
+def spec(env_id: str) -> EnvSpec:
+    """The hub's spec of ``env_id``; raises :class:`UnknownEnvError` or :class:`DuplicateEnvIdError`."""
+    found = discovery()
+    env_id = env_id.split(":", 1)[1] if env_id.startswith("tinkergym:") else env_id
+    if env_id in found.specs:
+        return found.specs[env_id]
+    if env_id in found.conflicts:
+        raise DuplicateEnvIdError(conflict_message(env_id, found.conflicts[env_id]))
+    found = discovery(refresh=True)  # a package may have been installed since the last scan
+    if env_id in found.specs:
+        return found.specs[env_id]
+    raise UnknownEnvError(unknown_env_message(env_id))
+
+
+def load_entry_point(value: str, distribution: str) -> Callable[..., Any]:
+    """Import ``module:attr``; a failure names the distribution and says how to repair it."""
+    module_name, _, attr = value.partition(":")
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise EnvPackageImportError(
+            f"{distribution} is installed but importing {module_name!r} failed: {type(exc).__name__}: {exc}. "
+            f"Reinstall it with: pip install --force-reinstall {distribution}"
+        ) from exc
+    for part in attr.split("."):
+        if not hasattr(target, part):
+            raise EnvPackageImportError(f"{distribution} declares {value!r} but {module_name} has no attribute {attr!r}.")
+        target = getattr(target, part)
+    return target
+
+
+def load_baseline(env_spec: EnvSpec) -> Callable[..., Any] | None:
+    """The baseline agent factory the package declares for ``env_spec`` (``None`` if it declares none)."""
+    if not env_spec.baseline:
+        return None
+    return load_entry_point(env_spec.baseline, env_spec.distribution)
+
+
+def make(env_id: str, **kwargs: Any) -> gym.Env:
+    """Make a single-agent env by id, like ``gym.make``, with tinkergym's errors for unknown or broken ids."""
+    env_spec = spec(env_id)
+    if env_spec.kind != "env":
+        raise EnvKindError(f"{env_spec.id} is a multi-agent (AEC) env; make it with: tinkergym.make_aec({env_spec.id!r})")
+    load_entry_point(env_spec.entry_point, env_spec.distribution)
+    if env_spec.id not in gym.registry:
+        _register_gymnasium(env_spec)
+    return gym.make(env_spec.id, **kwargs)
+
+
+def make_aec(env_id: str, **kwargs: Any) -> Any:
+    """Make a multi-agent PettingZoo AEC env by id."""
+    env_spec = spec(env_id)
+    if env_spec.kind != "aec":
+        raise EnvKindError(f"{env_spec.id} is a single-agent env; make it with: tinkergym.make({env_spec.id!r})")
+    return load_entry_point(env_spec.entry_point, env_spec.distribution)(**kwargs)

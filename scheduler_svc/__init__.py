@@ -1,0 +1,1 @@
+"""The scheduler service: jobs, GPU leases, workers, auth and the dashboard."""

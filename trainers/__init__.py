@@ -1,0 +1,1 @@
+"""Trainer plugins (entry-point group ``tinkergym.trainers``): one file per algorithm."""
