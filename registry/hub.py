@@ -73,7 +73,7 @@ def unknown_env_message(env_id: str) -> str:
     close = [folded[m] for m in difflib.get_close_matches(env_id.lower(), list(folded), n=3, cutoff=0.6)]
     if close:
         lines.append("Did you mean: " + ", ".join(close) + "?")
-    for candidate in [env_id, *close]:
+    for candidate in [env_id, *close[:1]]:
         dist = providers.get(candidate)
         if dist and candidate not in installed:
             lines.append(f"{candidate} is provided by {dist}; install it with: pip install {dist}")

@@ -15,7 +15,7 @@ from typing import Any
 from gymnasium import spaces
 
 #: Characters :meth:`PrintableText.sample` draws from: printable ASCII, whitespace included.
-SAMPLE_CHARSET = string.printable
+SAMPLE_CHARSET = string.printable.replace("\x0b", "").replace("\x0c", "")
 #: Whitespace that counts as printable in text observations and actions.
 _ALLOWED_WHITESPACE = str.maketrans("", "", "\n\t\r")
 

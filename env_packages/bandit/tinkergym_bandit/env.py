@@ -88,5 +88,5 @@ class BanditEnv(TextEnv):
             reward = probability
         else:
             reward = float(self.np_random.random() < probability)
-        outcome = "paid out 1 point" if reward >= 1 else f"paid {reward:g}"
+        outcome = "paid out 1 point" if reward == 1 else "paid nothing" if reward == 0 else f"paid {reward:g}"
         return f"You pulled the {arm} arm. It {outcome}.", float(reward), True, False, {"arm": arm}

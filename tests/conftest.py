@@ -1,0 +1,69 @@
+"""Shared fixtures: installable fake env distributions on a temporary ``sys.path`` entry."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+import gymnasium as gym
+import pytest
+
+from tinkergym.registry import hub
+
+ENV_MODULE = '''
+from tinkergym import TextEnv
+
+class EchoEnv(TextEnv):
+    """Echoes the action; reward 1 for "win". Terminates after 3 steps."""
+
+    metadata = {**TextEnv.metadata, "tinkergym": {"data": "free", "turns": "multi", "agents": 1}}
+
+    def _reset(self, options):
+        self.t = 0
+        return "say something", {}
+
+    def _step(self, action):
+        self.t += 1
+        return f"you said {action[:50]!r}"[:100], float(action == "win"), self.t >= 3, False, {}
+'''
+
+
+class FakeSite:
+    """A folder on ``sys.path`` holding fake distributions (``*.dist-info``) and their modules."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.ids: list[str] = []
+
+    def add(self, dist: str, envs: dict[str, str], module_code: str = ENV_MODULE, manifest: str | None = None, version: str = "1.0") -> None:
+        """Add distribution ``dist`` declaring ``envs`` (id -> "module:attr") with module ``module_code``."""
+        info = self.root / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        lines = "\n".join(f"{env_id} = {value}" for env_id, value in envs.items())
+        (info / "entry_points.txt").write_text(f"[tinkergym.envs]\n{lines}\n")
+        for value in envs.values():
+            package = self.root / value.split(":")[0].split(".")[0]
+            if not package.exists():
+                package.mkdir()
+                (package / "__init__.py").write_text(textwrap.dedent(module_code))
+                if manifest is not None:
+                    (package / "tinkergym_envs.toml").write_text(textwrap.dedent(manifest))
+        self.ids.extend(envs)
+
+
+@pytest.fixture
+def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., FakeSite]:
+    """A fake site folder; the hub is rescanned and the fake ids are unregistered afterwards."""
+    site = FakeSite(tmp_path / "site")
+    site.root.mkdir()
+    monkeypatch.syspath_prepend(str(site.root))
+    yield site
+    for env_id in site.ids:
+        gym.registry.pop(env_id, None)
+    for name in [m for m in sys.modules if m.startswith("fakeenv")]:
+        del sys.modules[name]
+    monkeypatch.undo()
+    hub.discovery(refresh=True)

@@ -1,0 +1,109 @@
+"""The ``tinkergym`` command line: listing, info, check, play, help and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from tinkergym.cli import main
+
+
+def run(*args: str, input: str | None = None):
+    return CliRunner().invoke(main, list(args), input=input, catch_exceptions=False)
+
+
+def test_envs_list_shows_installed_ids_with_their_facts() -> None:
+    result = run("envs", "list")
+    assert result.exit_code == 0
+    row = next(line for line in result.output.splitlines() if line.startswith("tinker/Bandit-v0"))
+    assert row.split()[1:6] == ["tinkergym-bandit", "0.1.0", "free", "single", "1"]
+    rows = [json.loads(line) for line in run("envs", "list", "--json").output.splitlines()]
+    assert {"id": "tinker/Bandit-v0", "kind": "env"}.items() <= next(r for r in rows if r["id"] == "tinker/Bandit-v0").items()
+
+
+def test_envs_info_shows_metadata_and_the_env_docstring() -> None:
+    result = run("envs", "info", "tinker/Bandit-v0")
+    assert result.exit_code == 0
+    assert "distribution:      tinkergym-bandit" in result.output
+    assert "Reward: 1 with the chosen arm's hidden probability" in result.output
+
+
+def test_envs_check_passes_and_reports() -> None:
+    result = run("envs", "check", "tinker/Bandit-v0", "--fuzz", "20")
+    assert result.exit_code == 0, result.output
+    assert "ok    tinker/Bandit-v0" in result.output and "1 passed, 0 failed" in result.output
+
+
+def test_envs_check_fails_with_exit_1_on_a_broken_env(fake_site) -> None:
+    fake_site.add(
+        "fakeenv-loud",
+        {"fake/Loud-v0": "fakeenv_loud:LoudEnv"},
+        module_code=(
+            "from tinkergym import TextEnv\n"
+            "class LoudEnv(TextEnv):\n"
+            "    def _reset(self, options):\n        return 'hi', {}\n"
+            "    def _step(self, action):\n        return 'beep\\x07', 0.0, True, False, {}\n"
+        ),
+    )
+    result = run("envs", "check", "fake/Loud-v0")
+    assert result.exit_code == 1
+    assert "FAIL  fake/Loud-v0  (fakeenv-loud)" in result.output and "not inside" in result.output
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("envs", "info", "tinker/Nope-v0"),
+        ("envs", "check", "tinker/Bandt-v0"),
+        ("envs", "check"),
+        ("play", "tinker/Bandt-v0"),
+        ("play", "--all"),
+        ("play", "tinker/Bandit-v0", "--kwarg", "arms"),
+        ("play", "tinker/Bandit-v0", "--kwarg", "colour=7", "--agent", "baseline"),
+        ("play", "tinker/Bandit-v0", "--seat", "player_3", "--agent", "baseline"),
+        ("play", "tinker/Bandit-v0", "--agent", "genius"),
+        ("envs", "new", "Bad Name!"),
+        ("frobnicate",),
+    ],
+)
+def test_bad_input_is_a_clear_message_and_exit_2(args) -> None:
+    result = CliRunner().invoke(main, list(args))
+    assert result.exit_code == 2, result.output
+    assert "Error" in result.output
+
+
+def test_unknown_id_message_suggests_the_close_match() -> None:
+    result = CliRunner().invoke(main, ["play", "tinker/Bandt-v0"])
+    assert "Did you mean: tinker/Bandit-v0" in result.output
+
+
+@pytest.mark.parametrize("command", [(), ("envs",), ("envs", "list"), ("envs", "info"), ("envs", "check"), ("envs", "new"), ("play",)])
+def test_every_command_has_help(command) -> None:
+    result = run(*command, "--help")
+    assert result.exit_code == 0 and "Usage:" in result.output and len(result.output.splitlines()) > 4
+
+
+def test_play_with_the_baseline_prints_a_transcript_and_writes_jsonl(tmp_path) -> None:
+    out = tmp_path / "t.jsonl"
+    result = run("play", "tinker/Bandit-v0", "--agent", "baseline", "--seed", "3", "--kwarg", "arms=3", "--jsonl", str(out))
+    assert result.exit_code == 0
+    assert "[system]" in result.output and "[returns] agent:" in result.output
+    record = json.loads(out.read_text())
+    assert record["env_id"] == "tinker/Bandit-v0" and record["seed"] == 3 and len(record["turns"]) == 1
+
+
+def test_a_person_plays_through_stdin() -> None:
+    result = run("play", "tinker/Bandit-v0", "--seed", "0", "--kwarg", "reward_mode=\"expected\"", input="green\n")
+    assert result.exit_code == 0, result.output
+    assert "You pulled the green arm." in result.output and "returns: agent +" in result.output
+
+
+def test_play_all_plays_every_installed_env() -> None:
+    from tinkergym import list_envs
+
+    result = run("play", "--all", "--agent", "baseline", "--seed", "0", "--max-steps", "300")
+    assert result.exit_code == 0, result.output
+    for s in list_envs():
+        assert f"===== {s.id} " in result.output

@@ -1,0 +1,5 @@
+"""``python -m tinkergym`` runs the command line."""
+
+from tinkergym.cli import main
+
+main()

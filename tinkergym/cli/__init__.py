@@ -1,0 +1,28 @@
+"""The ``tinkergym`` command line."""
+
+from __future__ import annotations
+
+import click
+
+from tinkergym.cli.envs import envs
+from tinkergym.cli.play import play
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="tinkergym", prog_name="tinkergym")
+def main() -> None:
+    """tinkergym: a Gym-compatible hub of text environments for training LLM agents.
+
+    \b
+    Examples:
+      tinkergym envs list
+      tinkergym envs check --all
+      tinkergym play tinker/Gomoku-v0 --kwarg size=7
+      tinkergym play --all --agent baseline
+    """
+
+
+main.add_command(envs)
+main.add_command(play)
+
+__all__ = ["main"]

@@ -1,0 +1,115 @@
+"""``tinkergym envs``: list, inspect, check and scaffold env packages."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import click
+
+from tinkergym.cli.common import lookup, parse_kwargs
+from tinkergym.errors import CheckFailed, TinkergymError
+from tinkergym.registry import EnvSpec, list_envs, load_baseline, load_entry_point
+
+
+@click.group()
+def envs() -> None:
+    """List, inspect, check and create env packages."""
+
+
+@envs.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object per env instead of a table.")
+def list_command(as_json: bool) -> None:
+    """List every installed env id (reads package metadata only; imports no env package)."""
+    specs = list_envs(refresh=True)
+    if as_json:
+        for s in specs:
+            click.echo(json.dumps(s.to_dict()))
+        return
+    if not specs:
+        click.echo("No env packages installed. Try: pip install tinkergym-gomoku  (or: tinkergym envs new NAME)")
+        return
+    rows = [("ID", "PACKAGE", "VERSION", "DATA", "TURNS", "AGENTS", "SUMMARY")]
+    rows += [(s.id, s.distribution, s.version, s.data, s.turns, str(s.agents), s.summary) for s in specs]
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[6])
+
+
+@envs.command("info")
+@click.argument("env_id")
+def info_command(env_id: str) -> None:
+    """Show what the hub knows about ENV_ID and the env's own documentation."""
+    s = lookup(env_id)
+    for field in ("id", "distribution", "version", "entry_point", "kind", "data", "turns", "agents", "summary", "baseline", "max_episode_steps"):
+        value = getattr(s, field)
+        if value not in (None, ""):
+            click.echo(f"{field + ':':<19}{value}")
+    try:
+        env_class = load_entry_point(s.entry_point, s.distribution)
+    except TinkergymError as exc:
+        raise click.ClickException(str(exc)) from exc
+    doc = inspect.getdoc(env_class)
+    if doc:
+        click.echo("\n" + doc)
+
+
+def _check_one(s: EnvSpec, kwargs: dict, fuzz_count: int) -> None:
+    from tinkergym.registry import make, make_aec
+    from tinkergym.testing import check_text_aec_env, check_text_env
+
+    baseline = load_baseline(s)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if s.kind == "aec":
+            check_text_aec_env(make_aec(s.id, **kwargs), baseline=baseline, fuzz_count=fuzz_count)
+        else:
+            check_text_env(make(s.id, **kwargs), baseline=baseline, fuzz_count=fuzz_count)
+
+
+@envs.command("check")
+@click.argument("env_ids", nargs=-1, metavar="[ENV_ID]...")
+@click.option("--all", "check_all", is_flag=True, help="Check every installed env.")
+@click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Keyword argument for the env (repeatable).")
+@click.option("--fuzz", "fuzz_count", default=200, show_default=True, type=click.IntRange(0), help="Random action strings to try on top of the hostile set.")
+def check_command(env_ids: tuple[str, ...], check_all: bool, kwargs: tuple[str, ...], fuzz_count: int) -> None:
+    """Run the conformance checkers (Gymnasium check_env / PettingZoo api_test + tinkergym's) on envs.
+
+    Exits with 1 if any env fails, 2 on bad usage.
+    """
+    if bool(env_ids) == check_all:
+        raise click.UsageError("give one or more ENV_IDs, or --all (not both).")
+    specs = list_envs(refresh=True) if check_all else [lookup(i) for i in env_ids]
+    env_kwargs = parse_kwargs(kwargs)
+    failures = 0
+    for s in specs:
+        try:
+            _check_one(s, env_kwargs, fuzz_count)
+        except (CheckFailed, TinkergymError) as exc:
+            failures += 1
+            click.secho(f"FAIL  {s.id}  ({s.distribution})\n      {exc}", fg="red")
+        else:
+            click.secho(f"ok    {s.id}", fg="green")
+    click.echo(f"{len(specs) - failures} passed, {failures} failed")
+    if failures:
+        sys.exit(1)
+
+
+@envs.command("new")
+@click.argument("name")
+@click.option("--dir", "parent", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True, help="Folder to create the package in.")
+@click.option("--id", "env_id", default=None, help="The env id to declare (default: NAME/CamelName-v0).")
+@click.option("--force", is_flag=True, help="Write into an existing, non-empty package folder.")
+def new_command(name: str, parent: Path, env_id: str | None, force: bool) -> None:
+    """Create a pip-installable env package tinkergym-NAME with an example env, a baseline agent and tests."""
+    from tinkergym.registry.scaffold import PackagePlan, scaffold_package
+
+    try:
+        root = scaffold_package(name, parent, env_id=env_id, force=force)
+    except TinkergymError as exc:
+        raise click.UsageError(str(exc)) from exc
+    plan = PackagePlan.for_name(name, env_id)
+    click.echo(f"Created {root} providing {plan.env_id}.\nNext:\n  pip install -e {root}\n  tinkergym envs check {plan.env_id}\n  python -m pytest {root / 'tests'}")
