@@ -1,0 +1,29 @@
+# Two entry points on a fresh machine: `make demo` and `make test`. Both create the virtual
+# environment if it is missing and install the root distribution plus every env package into it.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ENV_PACKAGES := $(sort $(dir $(wildcard env_packages/*/pyproject.toml)))
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test bench clean
+
+$(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=68"
+	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]" $(addprefix -e ./,$(ENV_PACKAGES))
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/tinkergym play --all --agent baseline --seed 0
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) benchmarks/env_throughput.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache
