@@ -514,13 +514,15 @@ def _looks_like_call(value: Any) -> bool:
 def _parse_untagged(text: str, result: ParsedToolCalls) -> None:
     """Fill ``result`` from JSON calls in fenced blocks or in the open text."""
     spans: list[tuple[int, int]] = []
-    for fence in _FENCE_RE.finditer(text):
+    fenced_errors = 0
+    for number, fence in enumerate(_FENCE_RE.finditer(text), 1):
         if fence.group(1) is None and not _CALL_START_RE.match(fence.group(2).lstrip()):
             continue
-        body = fence.group(2).strip()
-        if _scan_json(body, f"```json block {len(spans) + 1}", result, whole=True):
+        errors_before = len(result.errors)
+        if _scan_json(fence.group(2).strip(), f"```json block {number}", result, whole=True):
             spans.append(fence.span())
-    if not spans:
+        fenced_errors += len(result.errors) - errors_before
+    if not spans and not fenced_errors:
         spans = _scan_json(text, "JSON tool call", result, whole=False)
     pieces, pos = [], 0
     for start, end in sorted(spans):
