@@ -34,6 +34,7 @@ class Transcript:
     turns: list[Turn] = field(default_factory=list)
     returns: dict[str, float] = field(default_factory=dict)
     seed: int | None = None
+    tools: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable copy."""
@@ -53,7 +54,7 @@ class Transcript:
 def run_episode(env: Any, agent: Agent, *, seed: int | None = None, options: dict | None = None, max_steps: int = 10_000) -> Transcript:
     """Play one episode of a single-agent text env with ``agent``."""
     observation, info = env.reset(seed=seed, options=options)
-    transcript = Transcript(str(info.get("system_prompt", "")), observation, seed=seed)
+    transcript = Transcript(str(info.get("system_prompt", "")), observation, seed=seed, tools=info.get("tools"))
     total = 0.0
     for _ in range(max_steps):
         action = agent(observation, info)
