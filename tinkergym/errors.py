@@ -34,6 +34,10 @@ class EnvKindError(TinkergymError, TypeError):
     """A single-agent id was used where a multi-agent one is needed, or the other way round."""
 
 
+class NonFiniteError(TinkergymError, FloatingPointError):
+    """The model produced NaN or infinite values (weights, logits or gradients): training has diverged."""
+
+
 class CheckFailed(TinkergymError, AssertionError):
     """A conformance check found an env that breaks the text-env contract."""
 

@@ -6,6 +6,7 @@ import click
 
 from tinkergym.cli.envs import envs
 from tinkergym.cli.play import play
+from tinkergym.cli.train import eval_command, train
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -24,5 +25,7 @@ def main() -> None:
 
 main.add_command(envs)
 main.add_command(play)
+main.add_command(train)
+main.add_command(eval_command)
 
 __all__ = ["main"]

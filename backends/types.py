@@ -1,0 +1,133 @@
+"""Plain-data requests and responses of the Backend protocol.
+
+Everything here is token id lists, floats, strings and small dicts: no tensors and no live objects, so a
+request serializes to JSON (``to_dict`` / ``from_dict``) and the same protocol runs in-process or over HTTP.
+
+Per-token arrays in a :class:`Datum` are aligned with ``tokens``: entry ``t`` describes the prediction of
+``tokens[t]`` from ``tokens[:t]``, so entry 0 never counts (its mask is 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class _Plain:
+    """``to_dict`` / ``from_dict`` for the dataclasses below (nested lists of dataclasses included)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serializable copy."""
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls: type[T], data: dict[str, Any]) -> T:
+        """Rebuild from :meth:`to_dict` output (unknown keys are an error, so typos do not pass silently)."""
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"{cls.__name__} has no fields {sorted(unknown)}; known: {sorted(names)}")
+        return cls(**{k: _NESTED.get((cls.__name__, k), lambda v: v)(v) for k, v in data.items()})
+
+
+@dataclass
+class SamplingParams(_Plain):
+    """How to sample: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+
+
+@dataclass
+class SampledSequence(_Plain):
+    """One completion: the ids exactly as sampled, their logprobs under the sampling policy, why it stopped."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token, kept as the last id) or "length"
+
+
+@dataclass
+class SampleRequest(_Plain):
+    """``num_samples`` completions for each token prompt."""
+
+    prompts: list[list[int]]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    num_samples: int = 1
+
+
+@dataclass
+class SampleResponse(_Plain):
+    """``sequences[i]`` holds the completions of ``prompts[i]``."""
+
+    sequences: list[list[SampledSequence]]
+
+
+@dataclass
+class Datum(_Plain):
+    """One training sequence with per-token loss mask, advantages and (for RL) the sampler's logprobs."""
+
+    tokens: list[int]
+    loss_mask: list[float]
+    advantages: list[float] = field(default_factory=list)
+    sampling_logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass
+class LossSpec(_Plain):
+    """A named loss and its settings, computed by the backend.
+
+    Names: ``"cross_entropy"`` (SFT: mean negative log-likelihood of masked tokens), ``"ppo"`` (clipped
+    importance ratio against ``sampling_logprobs``), ``"importance_sampling"`` (unclipped ratio) and
+    ``"reinforce"`` (plain policy gradient, logprob times advantage). ``aggregation`` ``"token"`` averages over
+    all masked tokens of the batch; ``"sequence"`` averages each sequence first. ``kl_coef`` > 0 adds the k3
+    KL estimate to the reference policy (with LoRA: the base model with the adapter disabled).
+    """
+
+    name: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    kl_coef: float = 0.0
+    aggregation: str = "token"
+    loss_scale: float = 1.0
+
+
+@dataclass
+class ForwardBackwardRequest(_Plain):
+    """A batch and its loss; gradients accumulate until :meth:`Backend.optim_step`."""
+
+    data: list[Datum]
+    loss: LossSpec = field(default_factory=LossSpec)
+
+
+@dataclass
+class ForwardBackwardResult(_Plain):
+    """Aggregated numbers of the pass (loss, KL, clip fraction, tokens)."""
+
+    metrics: dict[str, float]
+
+
+@dataclass
+class OptimParams(_Plain):
+    """AdamW settings of one optimizer step; ``max_grad_norm`` 0 switches clipping off."""
+
+    learning_rate: float = 1e-5
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+
+
+_NESTED: dict[tuple[str, str], Any] = {
+    ("SampleRequest", "params"): lambda v: SamplingParams.from_dict(v) if isinstance(v, dict) else v,
+    ("SampleResponse", "sequences"): lambda v: [[SampledSequence.from_dict(s) if isinstance(s, dict) else s for s in row] for row in v],
+    ("ForwardBackwardRequest", "data"): lambda v: [Datum.from_dict(d) if isinstance(d, dict) else d for d in v],
+    ("ForwardBackwardRequest", "loss"): lambda v: LossSpec.from_dict(v) if isinstance(v, dict) else v,
+}

@@ -1,0 +1,164 @@
+"""Training end to end on the tiny model: CLI runs, exact resume, NaN stop, eval, a third-party trainer."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+pytest.importorskip("torch")
+
+from tinkergym.backends.models import build_tiny_model  # noqa: E402
+from tinkergym.cli import main  # noqa: E402
+from tinkergym.trainers.reporting import read_metrics  # noqa: E402
+
+VOLATILE = ("time/", "tokens/per_s")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("model"))
+
+
+def _train_args(tiny: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "train", "--env", "tinker/Bandit-v0", "--model", tiny, "--dtype", "float32", "--steps", "4",
+        "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-3",
+        "--checkpoint-every", "1", "--quiet", "--out", str(out), *extra,
+    ]
+
+
+def _stable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def test_train_writes_the_run_folder(tiny, tmp_path) -> None:
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, _train_args(tiny, out, "--eval-every", "2", "--eval-episodes", "4"), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert "eval/reward_mean" in records[1] and "eval/reward_mean" not in records[0]
+    assert json.loads((out / "config.json").read_text())["env"] == "tinker/Bandit-v0"
+    assert (out / "learning_curve.png").stat().st_size > 1000
+    assert any((out / "tensorboard").iterdir())
+    assert (out / "final" / "adapter_config.json").is_file()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
+    transcripts = [json.loads(line) for line in (out / "transcripts" / "train_step_000000.jsonl").read_text().splitlines()]
+    assert transcripts[0]["messages"][0]["role"] == "system" and transcripts[0]["messages"][-1]["role"] == "assistant"
+
+
+def test_resume_after_a_kill_is_exact(tiny, tmp_path) -> None:
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    assert CliRunner().invoke(main, _train_args(tiny, whole), catch_exceptions=False).exit_code == 0
+    command = [sys.executable, "-m", "tinkergym", *_train_args(tiny, cut, "--steps", "4")]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (cut / "checkpoints" / "step_000001").is_dir() and time.time() < deadline and process.poll() is None:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert (cut / "checkpoints" / "step_000001").is_dir()
+    result = CliRunner().invoke(main, ["train", "--resume", str(cut), "--quiet"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert _stable(read_metrics(cut / "metrics.jsonl")) == _stable(read_metrics(whole / "metrics.jsonl"))
+
+
+def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tiny, tmp_path) -> None:
+    out = tmp_path / "nan"
+    result = CliRunner().invoke(main, _train_args(tiny, out, "--lr", "1e30", "--steps", "6", "--max-grad-norm", "0"))
+    assert result.exit_code == 1
+    assert "the run stopped and the last good checkpoint is" in result.output and "Lower --lr" in result.output
+    assert any((out / "checkpoints").iterdir())
+
+
+def test_eval_of_a_model_and_of_a_run(tiny, tmp_path) -> None:
+    out = tmp_path / "run"
+    assert CliRunner().invoke(main, _train_args(tiny, out, "--steps", "1"), catch_exceptions=False).exit_code == 0
+    for source in (["--model", tiny], ["--run", str(out)]):
+        transcripts = tmp_path / "t.jsonl"
+        result = CliRunner().invoke(main, ["eval", "--env", "tinker/Bandit-v0", *source, "--episodes", "3", "--max-new-tokens", "4", "--out", str(transcripts)], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        summary = json.loads(result.stdout.strip().splitlines()[-1])
+        assert summary["episodes"] == 3.0 and 0.0 <= summary["success_rate"] <= 1.0
+        assert len(transcripts.read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--env", "tinker/Bandt-v0"], "Did you mean: tinker/Bandit-v0"),
+        (["--env", "tinker/Bandit-v0", "--trainer", "grpoo"], "Did you mean: grpo"),
+        (["--env", "tinker/Bandit-v0", "--model", "gpt-17"], "smollm2-135m"),
+        (["--env", "tinker/GomokuDuel-v0"], "multi-agent"),
+        (["--env", "tinker/Bandit-v0", "--kwarg", "arms=99"], "arms=99"),
+        (["--steps", "2"], "--env is required"),
+    ],
+)
+def test_bad_input_exits_2_with_a_suggestion(args, message, tmp_path) -> None:
+    result = CliRunner().invoke(main, ["train", *args, "--out", str(tmp_path / "x"), "--quiet"])
+    assert result.exit_code == 2, result.output
+    assert message in result.output
+
+
+TRAINER_PACKAGE = {
+    "pyproject.toml": """
+        [build-system]
+        requires = ["setuptools>=68"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "tinkergym-trainer-sgd-demo"
+        version = "0.0.1"
+        [project.entry-points."tinkergym.trainers"]
+        supervised-echo = "sgd_demo_trainer:EchoTrainer"
+        [tool.setuptools]
+        py-modules = ["sgd_demo_trainer"]
+    """,
+    "sgd_demo_trainer.py": '''
+        """A third-party trainer: cross-entropy on the env's first prompt followed by a fixed answer."""
+        from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
+        from tinkergym.trainers.base import StepOutput
+
+        class EchoTrainer:
+            needs_env = True
+
+            def __init__(self, ctx):
+                self.ctx = ctx
+
+            def train_step(self, step):
+                tokens = self.ctx.renderer.render([{"role": "user", "content": "Pick an arm."}, {"role": "assistant", "content": "red"}])
+                datum = Datum(tokens=tokens, loss_mask=[0.0] * (len(tokens) - 3) + [1.0] * 3)
+                metrics = self.ctx.backend.forward_backward(ForwardBackwardRequest([datum], LossSpec(name="cross_entropy"))).metrics
+                metrics.update(self.ctx.backend.optim_step(OptimParams(learning_rate=self.ctx.config.lr)))
+                return StepOutput(metrics)
+    ''',
+}
+
+
+@pytest.mark.slow
+def test_a_third_party_trainer_package_trains_by_name(tiny, tmp_path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    for name, text in TRAINER_PACKAGE.items():
+        (package / name).write_text(textwrap.dedent(text))
+    pip = [sys.executable, "-m", "pip"]
+    installed = subprocess.run([*pip, "install", "-q", "--no-build-isolation", "--no-deps", "-e", str(package)], capture_output=True, text=True)
+    assert installed.returncode == 0, installed.stderr
+    try:
+        out = tmp_path / "run"
+        run = subprocess.run(
+            [sys.executable, "-m", "tinkergym", *_train_args(tiny, out, "--trainer", "supervised-echo", "--steps", "5")],
+            capture_output=True, text=True, timeout=600,
+        )
+        assert run.returncode == 0, run.stderr
+        losses = [r["loss"] for r in read_metrics(out / "metrics.jsonl")]
+        assert len(losses) == 5 and losses[-1] < losses[0]
+    finally:
+        subprocess.run([*pip, "uninstall", "-y", "-q", "tinkergym-trainer-sgd-demo"], capture_output=True)

@@ -1,0 +1,129 @@
+"""Chat rendering with the model's own chat template: messages -> token ids, and the bridge between turns.
+
+:class:`ChatTemplateRenderer` wraps a Hugging Face tokenizer (imported lazily: ``transformers`` is needed only
+when a renderer is built). The rollout loop uses two calls:
+
+- :meth:`~ChatTemplateRenderer.prompt_tokens`: the first prompt, ending with the generation prompt.
+- :meth:`~ChatTemplateRenderer.bridge_tokens`: the ids that follow the sampled ids of an assistant turn up to
+  the next generation prompt: the rest of the template's turn closing (e.g. ``"\\n"`` after ``<|im_end|>``),
+  the observation message and the generation prompt. They are the template's own rendering: the suffix of
+  ``render(conversation + [observation], generation prompt)`` after ``render(conversation)``.
+
+The sampled ids themselves are never re-tokenized, so a trajectory equals the template's rendering of its
+conversation (when the sampled ids are the tokenizer's own segmentation of their text; otherwise it keeps the
+sampled ids, and the decoded texts agree). Documented differences: a trajectory ends with its last sampled
+id (what the template writes after the final end-of-turn token, e.g. a newline, is not part of the episode);
+and when a turn stops at the token budget without a stop token, the bridge starts with the template's
+end-of-turn token (mask 0), so the turn is closed exactly as the template would close it.
+
+Templates that ignore ``tools`` (SmolLM2's, for one) get the tool schemas described in the system message.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+Message = dict[str, Any]
+
+
+class ChatRenderer(Protocol):
+    """What the rollout loop needs from a tokenizer and its chat template."""
+
+    stop_token_ids: list[int]
+
+    def render(self, messages: list[Message], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> list[int]: ...
+
+    def prompt_tokens(self, messages: list[Message], tools: list[dict] | None) -> list[int]: ...
+
+    def bridge_tokens(self, messages: list[Message], observation: Message, tools: list[dict] | None, stopped: bool) -> list[int]: ...
+
+    def decode(self, tokens: list[int]) -> str: ...
+
+
+def describe_tools(tools: list[dict]) -> str:
+    """Tool schemas as system-prompt text, for chat templates that do not render ``tools`` themselves."""
+    lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "You may call these tools. Each is described by a JSON schema:\n<tools>\n" + lines + "\n</tools>\n"
+        'To call one, write <tool_call>{"name": <tool name>, "arguments": <arguments object>}</tool_call>.'
+    )
+
+
+class ChatTemplateRenderer:
+    """Renders conversations with a Hugging Face tokenizer's chat template.
+
+    Args:
+        tokenizer: a loaded tokenizer, or a local folder to load it from.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        if isinstance(tokenizer, str):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        if not getattr(tokenizer, "chat_template", None):
+            from tinkergym.errors import ConfigError
+
+            raise ConfigError("the tokenizer has no chat template; use an instruct/chat model or set tokenizer.chat_template.")
+        self.tokenizer = tokenizer
+        stops = {tokenizer.eos_token_id}
+        for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+            token_id = tokenizer.convert_tokens_to_ids(name)
+            if isinstance(token_id, int) and token_id != tokenizer.unk_token_id:
+                stops.add(token_id)
+        self.stop_token_ids = sorted(t for t in stops if t is not None)
+        self._template_renders_tools: bool | None = None
+
+    def render_text(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        """The template's text for ``messages`` (tools folded into the system message if the template ignores them)."""
+        messages, tools = self._with_tools(messages, tools)
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def render(self, messages: list[Message], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> list[int]:
+        """The template's token ids for ``messages``."""
+        return self.tokenizer.encode(self.render_text(messages, tools, add_generation_prompt), add_special_tokens=False)
+
+    def prompt_tokens(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
+        """The first prompt: the conversation so far plus the generation prompt."""
+        return self.render(messages, tools, add_generation_prompt=True)
+
+    def bridge_tokens(self, messages: list[Message], observation: Message, tools: list[dict] | None, stopped: bool) -> list[int]:
+        """Ids between the sampled ids of the last assistant turn in ``messages`` and the next generation prompt's end."""
+        closed = self.render(messages, tools)
+        following = self.render([*messages, observation], tools, add_generation_prompt=True)
+        common = 0
+        for a, b in zip(closed, following):
+            if a != b:
+                break
+            common += 1
+        end = max((i for i, t in enumerate(closed) if t in self.stop_token_ids), default=len(closed) - 1)
+        if common <= end:
+            from tinkergym.errors import TinkergymError
+
+            raise TinkergymError(
+                "the chat template renders earlier turns differently once a new message follows (it is not prefix-stable); "
+                "multi-turn rollouts need a template whose rendering of a conversation starts with its rendering of any prefix."
+            )
+        closing = closed[end + (1 if stopped else 0) : common]
+        return closing + following[common:]
+
+    def decode(self, tokens: list[int]) -> str:
+        """Text of sampled ids, without a final stop token."""
+        if tokens and tokens[-1] in self.stop_token_ids:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def _with_tools(self, messages: list[Message], tools: list[dict] | None) -> tuple[list[Message], list[dict] | None]:
+        if not tools:
+            return messages, None
+        if self._template_renders_tools is None:
+            probe = [{"role": "user", "content": "x"}]
+            plain = self.tokenizer.apply_chat_template(probe, tokenize=False)
+            self._template_renders_tools = plain != self.tokenizer.apply_chat_template(probe, tools=tools, tokenize=False)
+        if self._template_renders_tools:
+            return messages, tools
+        text = describe_tools(tools)
+        if messages and messages[0]["role"] == "system":
+            return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]], None
+        return [{"role": "system", "content": text}, *messages], None

@@ -1,0 +1,142 @@
+"""``tinkergym train`` and ``tinkergym eval``: parse options into a TrainConfig and run the shared loops."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tinkergym.cli.common import parse_kwargs
+from tinkergym.errors import TinkergymError
+
+#: CLI option -> TrainConfig field, for options that map one to one.
+_FIELDS = (
+    "env", "trainer", "model", "lora_rank", "lora_alpha", "steps", "batch_size", "group_size", "lr", "max_turns",
+    "max_new_tokens", "max_context", "temperature", "seed", "out", "kl_coef", "eval_every", "eval_episodes",
+    "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm",
+)
+
+
+def _fail(exc: Exception) -> None:
+    """Bad input -> usage error (exit 2); anything else from tinkergym -> a clear error (exit 1)."""
+    from tinkergym.errors import ConfigError, UnknownEnvError
+
+    if isinstance(exc, (ConfigError, UnknownEnvError)):
+        raise click.UsageError(str(exc)) from exc
+    raise click.ClickException(str(exc)) from exc
+
+
+def build_config(options: dict[str, Any]) -> Any:
+    """A TrainConfig from ``--config`` (if given) overridden by the options given on the command line."""
+    from tinkergym.trainers.config import TrainConfig
+
+    config = TrainConfig.load(options["config"]) if options.get("config") else TrainConfig()
+    for name in _FIELDS:
+        if options.get(name) is not None:
+            setattr(config, name, options[name])
+    if options.get("full"):
+        config.lora_rank = 0
+    if options.get("kwargs"):
+        config.env_kwargs = {**config.env_kwargs, **parse_kwargs(options["kwargs"])}
+    args = dict(config.trainer_args)
+    args.update(parse_kwargs(options.get("trainer_args") or ()))
+    if options.get("data"):
+        args["data_files"] = list(options["data"])
+    if options.get("demos"):
+        args["demos"] = options["demos"]
+    config.trainer_args = args
+    return config.validate()
+
+
+@click.command()
+@click.option("--env", help="Env id to train on (see: tinkergym envs list).")
+@click.option("--trainer", help="Trainer plugin: grpo (default), rloo, sft, or any installed one.")
+@click.option("--model", help="smollm2-135m (default), tiny (a test-sized model), a local HF folder, or a hub id.")
+@click.option("--lora-rank", type=click.IntRange(1), help="LoRA rank (default 8).")
+@click.option("--lora-alpha", type=click.IntRange(1), help="LoRA alpha (default 16).")
+@click.option("--full", is_flag=True, help="Train every parameter instead of a LoRA adapter.")
+@click.option("--steps", type=click.IntRange(1), help="Optimizer steps (default 20).")
+@click.option("--batch-size", type=click.IntRange(1), help="Prompts (env seeds) per step (default 8).")
+@click.option("--group-size", type=click.IntRange(1), help="Samples per prompt (default 8).")
+@click.option("--lr", type=float, help="Learning rate (default 1e-4).")
+@click.option("--max-turns", type=click.IntRange(1), help="Turns per episode (default 4).")
+@click.option("--max-new-tokens", type=click.IntRange(1), help="New tokens per turn (default 64).")
+@click.option("--max-context", type=click.IntRange(16), help="Context length bound (default 2048).")
+@click.option("--temperature", type=click.FloatRange(0), help="Sampling temperature (default 1.0).")
+@click.option("--seed", type=int, help="Run seed (default 0).")
+@click.option("--kl-coef", type=click.FloatRange(0), help="KL penalty to the reference policy (default 0).")
+@click.option("--loss-aggregation", type=click.Choice(["token", "sequence"]), help="Average the loss per token or per sequence.")
+@click.option("--max-grad-norm", type=click.FloatRange(0), help="Gradient clipping norm (default 1.0; 0 = off).")
+@click.option("--eval-every", type=click.IntRange(0), help="Evaluate every N steps on held-out seeds (0 = off).")
+@click.option("--eval-episodes", type=click.IntRange(1), help="Episodes per evaluation (default 32).")
+@click.option("--checkpoint-every", type=click.IntRange(1), help="Checkpoint every N steps (default 10).")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights dtype (auto: bf16 where supported).")
+@click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory).")
+@click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable), e.g. size=7.")
+@click.option("--trainer-arg", "trainer_args", multiple=True, metavar="KEY=VALUE", help="Trainer-specific setting (repeatable).")
+@click.option("--data", multiple=True, type=click.Path(exists=True, dir_okay=False), help="sft: JSONL chat transcripts (repeatable).")
+@click.option("--demos", type=click.Choice(["baseline"]), help="sft: train on demonstrations of the env's baseline agent.")
+@click.option("--out", help="Run folder (default runs/<env>-<trainer>-<time>).")
+@click.option("--config", type=click.Path(exists=True, dir_okay=False), help="YAML/JSON file of the same settings; options override it.")
+@click.option("--resume", type=click.Path(exists=True, file_okay=False), help="Continue the run in this folder from its last checkpoint.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def train(**options: Any) -> None:
+    """Train a model on an env with a trainer plugin (LoRA by default, --full for every parameter).
+
+    \b
+    Examples:
+      tinkergym train --env tinker/Bandit-v0 --steps 30 --out runs/bandit
+      tinkergym train --env tinker/Gomoku-v0 --kwarg size=7 --max-turns 8 --full
+      tinkergym train --trainer sft --env tinker/Math-v0 --demos baseline --steps 50
+      tinkergym train --resume runs/bandit
+    """
+    from tinkergym.trainers.session import TrainingRun
+
+    try:
+        if options["resume"]:
+            run = TrainingRun.resume(options["resume"])
+        else:
+            run = TrainingRun(build_config(options))
+        click.echo(f"run folder: {run.folder}", err=True)
+        last = run.run(progress=not options["quiet"])
+    except TinkergymError as exc:
+        _fail(exc)
+    shown = {k: round(v, 4) for k, v in last.items() if k.startswith(("reward", "loss", "eval/"))}
+    click.echo(json.dumps({"run": str(run.folder), **shown}))
+
+
+@click.command("eval")
+@click.option("--env", required=True, help="Env id to evaluate on.")
+@click.option("--model", help="Model to evaluate (smollm2-135m, tiny, a local folder).")
+@click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False), help="A training run folder: evaluates its latest checkpoint.")
+@click.option("--episodes", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable).")
+@click.option("--max-turns", type=click.IntRange(1), default=4, show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), help="Write transcripts to this JSONL file.")
+def eval_command(env: str, model: str | None, run_dir: str | None, episodes: int, kwargs: tuple[str, ...], max_turns: int, max_new_tokens: int, temperature: float, seed: int, out: Path | None) -> None:
+    """Evaluate a model (or a run's latest checkpoint) on an env: success rate, mean reward, transcripts."""
+    if bool(model) == bool(run_dir):
+        raise click.UsageError("give --model or --run (exactly one).")
+    from tinkergym.chat import ChatTemplateRenderer
+    from tinkergym.rollouts import RolloutConfig
+    from tinkergym.trainers.evaluation import eval_seeds, evaluate, write_transcripts
+    from tinkergym.trainers.session import env_factory, load_backend_for_eval
+
+    try:
+        make_env = env_factory(env, parse_kwargs(kwargs))
+        backend = load_backend_for_eval(model=model, run_dir=run_dir)
+        renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
+        settings = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        metrics, trajectories = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes))
+    except TinkergymError as exc:
+        _fail(exc)
+    if out is not None:
+        write_transcripts(out, trajectories, env=env)
+    click.echo(json.dumps({"env": env, **{k.removeprefix("eval/"): round(v, 4) for k, v in metrics.items()}}))
+    sys.stdout.flush()

@@ -1,0 +1,88 @@
+"""The Trainer plugin protocol, what a trainer is handed (:class:`TrainingContext`), and plugin lookup.
+
+A trainer is a class found by name in the entry-point group ``tinkergym.trainers``. It is built with a
+:class:`TrainingContext` and called once per step; it talks to compute only through ``ctx.backend`` (the
+Backend protocol) and to envs only through ``ctx.rollout``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata as md
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from tinkergym.backends.base import Backend
+from tinkergym.chat import ChatRenderer
+from tinkergym.errors import ConfigError
+from tinkergym.rollouts import RolloutConfig, Trajectory, rollout
+from tinkergym.trainers.config import TrainConfig
+
+TRAINER_GROUP = "tinkergym.trainers"
+
+
+@dataclass
+class StepOutput:
+    """What one training step returns: aggregated metrics and the trajectories it trained on (for transcripts)."""
+
+    metrics: dict[str, float]
+    trajectories: list[Trajectory] = field(default_factory=list)
+
+
+@dataclass
+class TrainingContext:
+    """Everything a trainer may use: the config, the backend, the chat renderer and an env factory."""
+
+    config: TrainConfig
+    backend: Backend
+    renderer: ChatRenderer
+    make_env: Callable[[], Any] | None = None
+    _envs: list[Any] = field(default_factory=list)
+
+    def prompt_seeds(self, step: int, count: int | None = None, salt: str = "train") -> list[int]:
+        """The env seeds of a step: a pure function of (run seed, step), so a resumed run sees the same prompts."""
+        rng = random.Random(f"{salt}:{self.config.seed}:{step}")
+        return [rng.randrange(2**31) for _ in range(count or self.config.batch_size)]
+
+    def rollout(self, seeds: list[int], sampling_seed: int, temperature: float | None = None, env_kwargs: dict | None = None) -> list[Trajectory]:
+        """Play one episode per seed with the current policy (envs are made once and reused)."""
+        if self.make_env is None:
+            raise ConfigError(f"the {self.config.trainer!r} trainer needs an env (--env).")
+        while len(self._envs) < len(seeds):
+            self._envs.append(self.make_env())
+        c = self.config
+        settings = RolloutConfig(
+            max_turns=c.max_turns,
+            max_new_tokens=c.max_new_tokens,
+            max_context=c.max_context,
+            temperature=c.temperature if temperature is None else temperature,
+            seed=sampling_seed,
+        )
+        return rollout(self._envs[: len(seeds)], self.backend, self.renderer, settings, seeds=seeds)
+
+
+class Trainer(Protocol):
+    """A training algorithm: ``Trainer(ctx)``, then ``train_step(step)`` once per step."""
+
+    #: Whether the trainer plays envs (RL) or reads a dataset (SFT).
+    needs_env: bool
+
+    def __init__(self, ctx: TrainingContext) -> None: ...
+
+    def train_step(self, step: int) -> StepOutput: ...
+
+
+def available_trainers() -> dict[str, md.EntryPoint]:
+    """Installed trainer plugins by name (metadata only)."""
+    return {ep.name: ep for ep in md.entry_points(group=TRAINER_GROUP)}
+
+
+def load_trainer(name: str) -> type:
+    """The trainer class registered as ``name``; an unknown name lists the installed ones."""
+    found = available_trainers()
+    if name not in found:
+        close = difflib.get_close_matches(name, list(found), n=3)
+        hint = f" Did you mean: {', '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown trainer {name!r}.{hint} Installed trainers: {', '.join(sorted(found)) or 'none'}.")
+    return found[name].load()

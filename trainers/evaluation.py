@@ -1,0 +1,65 @@
+"""Evaluation: the same rollout loop as training, on held-out seeds (or a test split), with transcripts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from tinkergym.backends.base import Backend
+from tinkergym.chat import ChatRenderer
+from tinkergym.rollouts import RolloutConfig, Trajectory, rollout
+
+
+def eval_seeds(run_seed: int, episodes: int) -> list[int]:
+    """Held-out env seeds: drawn from a stream that training never uses."""
+    rng = random.Random(f"eval:{run_seed}")
+    return [rng.randrange(2**31) for _ in range(episodes)]
+
+
+def evaluate(
+    make_env: Callable[[], Any],
+    backend: Backend,
+    renderer: ChatRenderer,
+    config: RolloutConfig,
+    seeds: list[int],
+    batch_size: int = 64,
+) -> tuple[dict[str, float], list[Trajectory]]:
+    """Play one episode per seed; return (success rate, mean reward, ...) and the trajectories."""
+    envs = [make_env() for _ in range(min(batch_size, len(seeds)))]
+    trajectories: list[Trajectory] = []
+    for start in range(0, len(seeds), len(envs)):
+        chunk = seeds[start : start + len(envs)]
+        trajectories.extend(rollout(envs[: len(chunk)], backend, renderer, config, seeds=chunk))
+    ok = [t for t in trajectories if not t.failed]
+    n = max(len(ok), 1)
+    metrics = {
+        "eval/reward_mean": sum(t.total_reward for t in ok) / n,
+        "eval/success_rate": sum(t.total_reward > 0 for t in ok) / n,
+        "eval/episodes": float(len(trajectories)),
+        "eval/failed": float(len(trajectories) - len(ok)),
+        "eval/tokens_per_episode": sum(t.num_sampled_tokens for t in trajectories) / max(len(trajectories), 1),
+    }
+    return metrics, trajectories
+
+
+def transcript_record(trajectory: Trajectory, **extra: Any) -> dict[str, Any]:
+    """One JSON line of a transcript: the conversation, rewards and how it ended."""
+    return {
+        **extra,
+        "messages": trajectory.messages,
+        "rewards": trajectory.rewards,
+        "total_reward": trajectory.total_reward,
+        "finish_reason": trajectory.finish_reason,
+        "error": trajectory.error,
+        "sampled_tokens": trajectory.num_sampled_tokens,
+    }
+
+
+def write_transcripts(path: Path, trajectories: list[Trajectory], **extra: Any) -> None:
+    """Write trajectories as JSONL transcripts."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        for i, trajectory in enumerate(trajectories):
+            handle.write(json.dumps(transcript_record(trajectory, episode=i, **extra), ensure_ascii=False) + "\n")
