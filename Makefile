@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # torch is pinned in the same install command as everything that depends on it (see README: Set-up).
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo play test bench clean
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 
 install: $(STAMP)
 
+# Trains SmolLM2-135M-Instruct with LoRA on tinker/Bandit-v0 (a few minutes on a CPU) and evaluates it.
 demo: install
+	$(PY) examples/train_bandit_demo.py
+
+# One episode of every installed env with its scripted baseline agent, as transcripts.
+play: install
 	$(VENV)/bin/tinkergym play --all --agent baseline --seed 0
 
 test: install

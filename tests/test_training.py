@@ -44,8 +44,9 @@ def test_train_writes_the_run_folder(tiny, tmp_path) -> None:
     result = CliRunner().invoke(main, _train_args(tiny, out, "--eval-every", "2", "--eval-episodes", "4"), catch_exceptions=False)
     assert result.exit_code == 0, result.output
     records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert "eval/reward_mean" in records[1] and "eval/reward_mean" not in records[0]
+    assert [r["step"] for r in records] == [-1, 0, 1, 2, 3]
+    assert set(records[0]) == {"step", *(k for k in records[0] if k.startswith("eval/"))}, "step -1: the model before training"
+    assert "eval/reward_mean" in records[2] and "eval/reward_mean" not in records[1]
     assert json.loads((out / "config.json").read_text())["env"] == "tinker/Bandit-v0"
     assert (out / "learning_curve.png").stat().st_size > 1000
     assert any((out / "tensorboard").iterdir())

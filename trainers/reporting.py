@@ -10,16 +10,17 @@ from typing import Any
 class MetricsLog:
     """Appends one JSON line per step and mirrors the numbers to TensorBoard when a writer is installed."""
 
-    def __init__(self, folder: Path, truncate_after: int = -1) -> None:
+    def __init__(self, folder: Path, keep_through: int | None = None) -> None:
         self.path = folder / "metrics.jsonl"
-        kept = [r for r in read_metrics(self.path) if r["step"] <= truncate_after]  # a resumed run rewrites later steps
+        # A resumed run keeps the records through its checkpoint's step and rewrites the later ones; a new run keeps none.
+        kept = [] if keep_through is None else [r for r in read_metrics(self.path) if r["step"] <= keep_through]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
         self._writer = _tensorboard_writer(folder / "tensorboard")
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Record one step."""
         with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps({"step": step, **metrics}) + "\n")
+            handle.write(json.dumps({**metrics, "step": step}) + "\n")  # the run's step wins over a backend's counter
         if self._writer is not None:
             for key, value in metrics.items():
                 if isinstance(value, (int, float)):

@@ -3,7 +3,8 @@
 Run folder layout::
 
     config.json           the resolved TrainConfig
-    metrics.jsonl         one line per step (training metrics, eval metrics beside them at eval steps)
+    metrics.jsonl         one line per step (training metrics, eval metrics beside them at eval steps;
+                          with evaluation on, a first line with step -1 evaluates the model before training)
     tensorboard/          TensorBoard events of the same numbers
     learning_curve.png    reward (and eval reward) against step
     checkpoints/step_N/   backend state (weights or adapter, optimizer, RNG) + trainer position
@@ -66,7 +67,7 @@ class TrainingRun:
         self.trainer = trainer_class(self.ctx)
         self.folder.mkdir(parents=True, exist_ok=True)
         config.save(self.folder / "config.json")
-        self.log = MetricsLog(self.folder, truncate_after=start_step - 1)
+        self.log = MetricsLog(self.folder, keep_through=start_step - 1 if start_step else None)
 
     def _build_backend(self) -> Any:
         from tinkergym.backends.models import resolve_model
@@ -99,6 +100,8 @@ class TrainingRun:
         from tqdm.auto import tqdm
 
         c, last = self.config, {}
+        if c.eval_every and self.start_step == 0 and self.make_eval_env is not None:
+            self.log.write(-1, self.evaluate(-1))  # step -1: the policy before any update, the baseline to beat
         bar = tqdm(range(self.start_step, c.steps), initial=self.start_step, total=c.steps, disable=not progress, desc="train", unit="step")
         for step in bar:
             started = time.perf_counter()

@@ -6,6 +6,7 @@ import click
 
 from tinkergym.cli.envs import envs
 from tinkergym.cli.play import play
+from tinkergym.cli.push import push
 from tinkergym.cli.train import eval_command, train
 
 
@@ -27,5 +28,6 @@ main.add_command(envs)
 main.add_command(play)
 main.add_command(train)
 main.add_command(eval_command)
+main.add_command(push)
 
 __all__ = ["main"]
