@@ -272,7 +272,10 @@ class VLLMSampler:
     # ----- sampling ---------------------------------------------------------------------------------
     def _stop_ids(self, params: SamplingParams) -> list[int]:
         if params.stop_token_ids:
-            return list(params.stop_token_ids)
+            # Ids outside the vocabulary can never be sampled (TorchBackend takes them and never stops at them);
+            # vLLM rejects them, so they are dropped here.
+            vocab = self._llm.llm_engine.model_config.get_vocab_size()
+            return [t for t in params.stop_token_ids if 0 <= t < vocab]
         eos = self._llm.get_tokenizer().eos_token_id
         return [] if eos is None else [int(eos)]
 
