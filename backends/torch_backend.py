@@ -53,7 +53,7 @@ from tinkergym.backends.types import (
     SampledSequence,
     _Plain,
 )
-from tinkergym.errors import ConfigError
+from tinkergym.errors import ConfigError, NonFiniteError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 STATE_FORMAT = 1
@@ -415,6 +415,8 @@ class TorchBackend:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        if not all(bool(torch.isfinite(p).all()) for p in trainable):  # stop before such weights reach a checkpoint
+            raise NonFiniteError(f"optimizer step {self.step} made weights NaN or infinite (learning rate {params.learning_rate:g})")
         return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "step": float(self.step)}
 
     # ----- checkpoints and export -------------------------------------------------------------------
