@@ -1,4 +1,5 @@
-"""``import tinkergym`` and making any shipped env import no torch, and listing imports no env package."""
+"""``import tinkergym``, making any shipped env, the rollout loop, the trainers' client side and the CLI import no
+torch (nor any other heavy library), and listing imports no env package."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ for s in specs:
     env = tinkergym.make_aec(s.id) if s.kind == "aec" else tinkergym.make(s.id)
     env.reset(seed=0)
     made.append(s.id)
-heavy = sorted(m for m in ("torch", "transformers", "peft", "vllm", "ray", "fastapi") if m in sys.modules)
+import tinkergym.rollouts, tinkergym.chat, tinkergym.cli, tinkergym.trainers.grpo, tinkergym.trainers.session  # noqa
+heavy = sorted(m for m in ("torch", "transformers", "peft", "vllm", "ray", "fastapi", "huggingface_hub") if m in sys.modules)
 print(json.dumps({"after_import": after_import, "after_list": after_list, "made": made, "heavy": heavy}))
 """
 
