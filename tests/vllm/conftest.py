@@ -64,7 +64,9 @@ class Kit:
 
     @staticmethod
     def encode(backend, text: str) -> list[int]:
-        return backend.tokenizer.encode(text, add_special_tokens=False)
+        """Token ids of ``text`` with the backend's tokenizer (a VLLMBackend's is its training backend's)."""
+        tokenizer = getattr(backend, "tokenizer", None) or backend.backend.tokenizer
+        return tokenizer.encode(text, add_special_tokens=False)
 
     @classmethod
     def prompt(cls, backend) -> list[int]:

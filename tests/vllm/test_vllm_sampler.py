@@ -2,10 +2,11 @@
 
 Tolerance: a vLLM logprob and TorchBackend's for the same token agree within ``TOL`` = 1e-4 (absolute). Both
 compute in float32, but with different kernels (vLLM's paged CPU attention and packed oneDNN matmuls against
-transformers' sdpa and torch matmuls), so sums run in other orders; on this model the differences seen are
-about 1e-6. 1e-4 leaves a wide margin for other CPUs while any real mismatch (untempered instead of tempered
-logprobs, a missing top-k/top-p renormalization, stale weights, an adapter not applied, an off-by-one
-position) is 1e-2 or far more. bfloat16 engines would need a much looser bound and are not what is tested here.
+transformers' sdpa and torch matmuls), so sums run in other orders; on this model the largest difference seen
+over hundreds of sampled tokens is about 5e-6. 1e-4 leaves a wide margin for other CPUs, while any real
+mismatch (untempered instead of tempered logprobs, a missing top-k/top-p renormalization, stale weights, an
+adapter not applied, an off-by-one position) is 1e-2 or far more. A bfloat16 engine would need a much looser
+bound and is not what is tested here.
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def test_lora_sync_loads_each_new_adapter(sampler: VLLMSampler, backend, kit) ->
     before = greedy(sampler, prompt)
     assert before.tokens != [red, eos]
 
-    assert kit.train(backend, "red", steps=20, learning_rate=5e-2) < 0.05
+    assert kit.train(backend, "red", steps=12, learning_rate=1e-2) < 0.1
     assert greedy(sampler, prompt).tokens == before.tokens  # nothing reaches vLLM before a sync
     sampler.sync_from(backend)
     assert sampler.info()["version"] == 1 and sampler.info()["synced_step"] == backend.step
@@ -163,7 +164,7 @@ def test_lora_sync_loads_each_new_adapter(sampler: VLLMSampler, backend, kit) ->
     assert kit.max_diff(after.logprobs, backend.logprobs([prompt + after.tokens])[0][len(prompt) :]) < TOL
 
     # A second sync is a new adapter id and folder: vLLM must not serve the first one from its cache.
-    assert kit.train(backend, "blue", steps=20, learning_rate=5e-2) < 0.05
+    assert kit.train(backend, "blue", steps=20, learning_rate=5e-3) < 0.1
     first_adapter = sampler.info()["weights"]
     sampler.sync_from(backend)
     assert sampler.info()["version"] == 2 and sampler.info()["weights"] != first_adapter

@@ -1,0 +1,387 @@
+"""One GRPO step on SmolLM2-135M-Instruct: tinkergym's GRPOTrainer against TRL's GRPOTrainer, same config.
+
+    python benchmarks/grpo_step.py                         # LoRA and full fine-tuning, both sides, 3 timed steps
+    python benchmarks/grpo_step.py --quick                 # 1 timed step per side (a smoke test)
+    python benchmarks/grpo_step.py --only tinkergym --modes lora --steps 5 --json
+
+A step is 8 prompts x 8 samples of at most 32 new tokens (temperature 1), scored by the env, then one
+optimizer step with the clipped-ratio loss averaged over completion tokens (TRL's default ``dapo`` loss,
+tinkergym's ``ppo`` loss with token aggregation), on-policy, no KL term. LoRA is r=8, alpha 16, dropout 0
+on every linear layer; full fine-tuning trains every weight. Both sides see the same prompts: the env's
+observation after a seeded reset, with its system prompt, rendered by the model's chat template. TRL's
+reward function resets the same env with the same seed and scores the completion with ``env.step``.
+
+Precision: both sides compute in bfloat16 on this CPU. tinkergym (``dtype="auto"``) keeps the frozen LoRA
+base in bfloat16 and the adapter in float32, and for full fine-tuning float32 weights under bfloat16
+autocast. TRL runs with ``bf16=True`` (autocast) and its model loaded in ``--trl-dtype`` (default: bfloat16
+for LoRA, the same layout as tinkergym's; float32 for full fine-tuning, the same master weights).
+
+Each side and mode runs in its own subprocess, one after the other, so they never share the 2 cores. The
+first step of each is a warm-up (one-off costs); the median of the next ``--steps`` steps is reported, with
+the sampling and training parts, the FLOP floor of the step at 835 GFLOP/s (this CPU's bfloat16 matmul rate),
+the process's peak RSS, and the load average at the start and end of the timed steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+RESULT_MARK = "GRPO_STEP_RESULT "
+MATMUL_FLOPS = 835e9  # bfloat16 matmul rate of this CPU, FLOP/s
+GIB = 1024**3
+
+
+@dataclass
+class BenchSettings:
+    """The step both sides run: env, batch shape, sampling, LoRA and optimizer settings."""
+
+    env: str = "tinker/Bandit-v0"
+    env_kwargs: dict[str, Any] = field(default_factory=lambda: {"reward_mode": "expected"})
+    prompts: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    lr: float = 1e-5
+    max_grad_norm: float = 1.0
+    steps: int = 3
+    seed: int = 0
+    micro_batch_size: int = 8
+    trl_dtype: str = "auto"
+
+    def lora(self, mode: str) -> int:
+        """The LoRA rank of ``mode`` (0 for full fine-tuning)."""
+        return self.lora_rank if mode == "lora" else 0
+
+
+def step_prompts(s: BenchSettings, step: int) -> list[tuple[int, list[dict[str, str]]]]:
+    """(env seed, chat messages) of the prompts of ``step``: tinkergym's seeds and the messages its rollout renders."""
+    import tinkergym
+    from tinkergym.trainers.base import TrainingContext
+    from tinkergym.trainers.config import TrainConfig
+
+    config = TrainConfig(env=s.env, batch_size=s.prompts, seed=s.seed)
+    seeds = TrainingContext(config, backend=None, renderer=None).prompt_seeds(step)  # type: ignore[arg-type]
+    env, rows = tinkergym.make(s.env, **s.env_kwargs), []
+    for seed in seeds:
+        observation, info = env.reset(seed=seed)
+        system = [{"role": "system", "content": info["system_prompt"]}] if info.get("system_prompt") else []
+        rows.append((seed, [*system, {"role": "user", "content": observation}]))
+    env.close()
+    return rows
+
+
+def flop_floor(params: int, mode: str, sampled_tokens: int, trained_tokens: int) -> float:
+    """FLOPs of the step's matmuls: 2*params per sampled-pass token (prefill included), 6 (full) or 4 (LoRA) per trained token."""
+    return 2.0 * params * sampled_tokens + (6.0 if mode == "full" else 4.0) * params * trained_tokens
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _summary(side: str, mode: str, s: BenchSettings, steps: list[dict[str, float]], extra: dict[str, Any]) -> dict[str, Any]:
+    """A worker's result: per-step records, medians of the timed steps, FLOP floor and peak RSS."""
+    timed = steps[1:] or steps
+    median = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    flops = flop_floor(extra["params"], mode, int(median["prompt_tokens"] + median["completion_tokens"]), int(median["trained_tokens"]))
+    return {
+        "side": side, "mode": mode, "settings": asdict(s), "steps": steps, "median": median,
+        "flop_floor": flops, "floor_s": flops / MATMUL_FLOPS, "x_floor": median["step_s"] / (flops / MATMUL_FLOPS),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **extra,
+    }
+
+
+# ----- tinkergym -----------------------------------------------------------------------------------
+def _timed(obj: Any, name: str, seconds: dict[str, float]) -> None:
+    """Replace ``obj.name`` (on this instance only) by a wrapper that adds its wall time to ``seconds[name]``."""
+    original: Callable = getattr(obj, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds[name] += time.perf_counter() - start
+
+    setattr(obj, name, wrapper)
+
+
+def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
+    """Warm-up plus ``s.steps`` calls of tinkergym's ``GRPOTrainer.train_step``, with the backend calls timed."""
+    import torch
+
+    from tinkergym.backends.models import resolve_model
+    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+    from tinkergym.chat import ChatTemplateRenderer
+    from tinkergym.trainers.base import TrainingContext
+    from tinkergym.trainers.config import TrainConfig
+    from tinkergym.trainers.grpo import GRPOTrainer
+    from tinkergym.trainers.session import env_factory
+
+    config = TrainConfig(
+        env=s.env, env_kwargs=s.env_kwargs, lora_rank=s.lora(mode), lora_alpha=s.lora_alpha, lora_dropout=0.0,
+        batch_size=s.prompts, group_size=s.group_size, lr=s.lr, max_grad_norm=s.max_grad_norm, max_turns=1,
+        max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=s.seed, micro_batch_size=s.micro_batch_size,
+    ).validate()
+    started = time.perf_counter()
+    backend = TorchBackend(TorchBackendConfig(
+        model=resolve_model(config.model), lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
+        dtype=config.dtype, micro_batch_size=config.micro_batch_size, seed=config.seed,
+    ))
+    ctx = TrainingContext(config, backend, ChatTemplateRenderer(backend.info()["tokenizer"]), env_factory(config.env, config.env_kwargs))
+    trainer = GRPOTrainer(ctx)
+    setup_s = time.perf_counter() - started
+    seconds: dict[str, float] = {}
+    for name in ("sample", "forward_backward", "optim_step"):
+        _timed(backend, name, seconds)
+    records, load = [], {}
+    for step in range(1 + s.steps):
+        if step == 1:
+            load["start"] = _load()
+        seconds.update(sample=0.0, forward_backward=0.0, optim_step=0.0)
+        start = time.perf_counter()
+        output = trainer.train_step(step)
+        step_s = time.perf_counter() - start
+        trajectories = output.trajectories
+        advantages = trainer.advantages([t.total_reward for t in trajectories])
+        trained = [t for t, a in zip(trajectories, advantages) if a != 0.0 and not t.failed and t.num_sampled_tokens]
+        records.append({
+            "step_s": step_s, "sample_s": seconds["sample"], "train_s": seconds["forward_backward"] + seconds["optim_step"],
+            "forward_backward_s": seconds["forward_backward"], "optim_step_s": seconds["optim_step"],
+            "other_s": step_s - sum(seconds.values()),
+            "prompt_tokens": sum(t.prompt_length for t in trajectories),
+            "completion_tokens": sum(t.num_sampled_tokens for t in trajectories),
+            "trained_sequences": len(trained), "trained_tokens": sum(len(t.tokens) for t in trained),
+            "reward_mean": output.metrics["reward/mean"],
+        })
+    load["end"] = _load()
+    info = backend.info()
+    params = sum(p.numel() for n, p in backend.model.named_parameters() if "lora_" not in n)
+    return _summary("tinkergym", mode, s, records, {
+        "params": params, "trainable_params": info["trainable_params"], "dtype": info["dtype"], "param_dtype": info["param_dtype"],
+        "setup_s": setup_s, "load": load, "threads": torch.get_num_threads(),
+    })
+
+
+# ----- TRL -----------------------------------------------------------------------------------------
+def _trl_reward(s: BenchSettings) -> Callable[..., list[float]]:
+    """A TRL reward function that resets the env with the prompt's seed and scores the completion with ``env.step``."""
+    import tinkergym
+
+    env = tinkergym.make(s.env, **s.env_kwargs)
+
+    def env_reward(prompts: list, completions: list, env_seed: list[int], **_: Any) -> list[float]:
+        rewards = []
+        for completion, seed in zip(completions, env_seed):
+            env.reset(seed=seed)
+            text = completion[-1]["content"] if isinstance(completion, list) else completion
+            rewards.append(float(env.step(text)[1]))
+        return rewards
+
+    return env_reward
+
+
+def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> Any:
+    """TRL's GRPOTrainer for ``mode``, timing its generation and scoring, with one 8 x 8 batch per optimizer step."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tinkergym.backends.models import resolve_model
+
+    class TimedGRPOTrainer(GRPOTrainer):
+        """TRL's trainer with the generation (and the whole generate-and-score part) timed, and token counts kept."""
+
+        bench: dict[str, float] = {}
+
+        def _generate_single_turn(self, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return super()._generate_single_turn(*args, **kwargs)
+            finally:
+                self.bench["generate_s"] = self.bench.get("generate_s", 0.0) + time.perf_counter() - start
+
+        def _generate_and_score_completions(self, inputs: Any) -> Any:
+            start = time.perf_counter()
+            output = super()._generate_and_score_completions(inputs)
+            self.bench["sample_s"] = self.bench.get("sample_s", 0.0) + time.perf_counter() - start
+            self.bench["prompt_tokens"] = float(output["prompt_mask"].sum())
+            self.bench["completion_tokens"] = float(output["completion_mask"].sum())
+            self.bench["trained_sequences"] = float(output["completion_ids"].shape[0])
+            return output
+
+    class StepTimer(TrainerCallback):
+        """Wall time of each optimizer step (generation included: TRL generates inside ``training_step``)."""
+
+        def __init__(self) -> None:
+            self.records: list[dict[str, float]] = []
+            self.load: dict[str, list[float]] = {}
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == 1:
+                self.load["start"] = _load()
+            TimedGRPOTrainer.bench.clear()
+            self.started = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            step_s = time.perf_counter() - self.started
+            b = dict(TimedGRPOTrainer.bench)
+            tokens = b["prompt_tokens"] + b["completion_tokens"]
+            self.records.append({
+                "step_s": step_s, "sample_s": b["sample_s"], "generate_s": b["generate_s"], "train_s": step_s - b["sample_s"],
+                "prompt_tokens": b["prompt_tokens"], "completion_tokens": b["completion_tokens"],
+                "trained_sequences": b["trained_sequences"], "trained_tokens": tokens,
+            })
+            self.load["end"] = _load()
+
+    batch = s.prompts * s.group_size
+    rows = [{"prompt": messages, "env_seed": seed} for step in range(1 + s.steps) for seed, messages in step_prompts(s, step)]
+    dtype = s.trl_dtype if s.trl_dtype != "auto" else ("bfloat16" if mode == "lora" else "float32")
+    config = GRPOConfig(
+        output_dir=output_dir, use_cpu=True, bf16=True, model_init_kwargs={"dtype": getattr(torch, dtype)},
+        per_device_train_batch_size=batch, generation_batch_size=batch, gradient_accumulation_steps=1,
+        num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature, top_p=1.0, top_k=0,
+        learning_rate=s.lr, lr_scheduler_type="constant", max_grad_norm=s.max_grad_norm, weight_decay=0.0,
+        beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group", use_vllm=False,
+        max_steps=1 + s.steps, shuffle_dataset=False, seed=s.seed, logging_steps=1, report_to="none",
+        save_strategy="no", disable_tqdm=True, dataloader_pin_memory=False, log_completions=False,
+    )
+    peft_config = None
+    if mode == "lora":
+        peft_config = LoraConfig(r=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
+    timer = StepTimer()
+    trainer = TimedGRPOTrainer(
+        model=resolve_model("smollm2-135m"), reward_funcs=_trl_reward(s), args=config,
+        train_dataset=Dataset.from_list(rows), peft_config=peft_config, callbacks=[timer],
+    )
+    trainer.bench_timer, trainer.bench_dtype = timer, dtype
+    return trainer
+
+
+def run_trl(s: BenchSettings, mode: str) -> dict[str, Any]:
+    """Warm-up plus ``s.steps`` optimizer steps of TRL's GRPOTrainer, timed with a callback."""
+    import torch
+    import trl
+
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="grpo-step-trl-") as output_dir:
+        trainer = _trl_trainer(s, mode, output_dir)
+        setup_s = time.perf_counter() - started
+        trainer.train()
+    timer = trainer.bench_timer
+    model = trainer.model
+    params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return _summary("trl", mode, s, timer.records, {
+        "params": params, "trainable_params": trainable, "dtype": "bfloat16 (autocast)", "param_dtype": trainer.bench_dtype,
+        "setup_s": setup_s, "load": timer.load, "threads": torch.get_num_threads(), "trl_version": trl.__version__,
+    })
+
+
+# ----- driver --------------------------------------------------------------------------------------
+def run_worker(side: str, mode: str, settings: BenchSettings) -> dict[str, Any]:
+    """Run one side and mode in a fresh Python process and return its result."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", side, "--modes", mode, "--settings", json.dumps(asdict(settings))]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+    raise RuntimeError(f"the {side} {mode} worker failed (exit {proc.returncode}):\n{tail}")
+
+
+def versions() -> dict[str, str]:
+    """Versions of the libraries in the comparison."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("tinkergym", "torch", "transformers", "peft", "accelerate", "trl"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def comparisons(results: list[dict[str, Any]]) -> dict[str, float]:
+    """Step-time ratio tinkergym / TRL per mode where both sides ran."""
+    by = {(r["side"], r["mode"]): r for r in results}
+    return {
+        mode: by[("tinkergym", mode)]["median"]["step_s"] / by[("trl", mode)]["median"]["step_s"]
+        for mode in ("lora", "full") if ("tinkergym", mode) in by and ("trl", mode) in by
+    }
+
+
+def print_table(results: list[dict[str, Any]], ratios: dict[str, float]) -> None:
+    """The human-readable summary: one row per side and mode, then the ratios."""
+    print(f"{'side':<10} {'mode':<5} {'step s':>7} {'sample s':>9} {'train s':>8} {'tokens p+c':>11} {'trained':>8} "
+          f"{'floor s':>8} {'x floor':>8} {'peak RSS GiB':>13}  load start -> end")
+    for r in results:
+        m = r["median"]
+        print(f"{r['side']:<10} {r['mode']:<5} {m['step_s']:>7.2f} {m['sample_s']:>9.2f} {m['train_s']:>8.2f} "
+              f"{int(m['prompt_tokens']):>5}+{int(m['completion_tokens']):<5} {int(m['trained_sequences']):>8} "
+              f"{r['floor_s']:>8.2f} {r['x_floor']:>8.1f} {r['peak_rss_bytes'] / GIB:>13.2f}  "
+              f"{r['load'].get('start')} -> {r['load'].get('end')}")
+    for mode, ratio in ratios.items():
+        print(f"{mode}: tinkergym / TRL step time = {ratio:.3f} (TRL is {1 / ratio:.1f}x the time of tinkergym)")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one timed step per side (a smoke test)")
+    parser.add_argument("--only", choices=("tinkergym", "trl"), help="run one side only")
+    parser.add_argument("--modes", default="lora,full", help="comma-separated: lora, full")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step (median reported)")
+    parser.add_argument("--env", default=BenchSettings.env, help="single-turn env id the prompts and rewards come from")
+    parser.add_argument("--env-kwargs", default=None, help='env kwargs as JSON (default for Bandit: {"reward_mode": "expected"})')
+    parser.add_argument("--micro-batch-size", type=int, default=BenchSettings.micro_batch_size, help="tinkergym's forward_backward micro-batch")
+    parser.add_argument("--trl-dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="dtype TRL loads the model in")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--worker", choices=("tinkergym", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.worker:
+        settings = BenchSettings(**json.loads(args.settings))
+        result = (run_tinkergym if args.worker == "tinkergym" else run_trl)(settings, modes[0])
+        print(RESULT_MARK + json.dumps(result), flush=True)
+        return
+    if any(m not in ("lora", "full") for m in modes):
+        sys.exit(f"--modes takes lora and/or full, not {args.modes!r}")
+    env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs is not None else ({"reward_mode": "expected"} if args.env == BenchSettings.env else {})
+    settings = BenchSettings(env=args.env, env_kwargs=env_kwargs, steps=1 if args.quick else args.steps,
+                             micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype)
+    sides = [args.only] if args.only else ["tinkergym", "trl"]
+    results = []
+    for mode in modes:
+        for side in sides:
+            if not args.json:
+                print(f"running {side} {mode} (1 warm-up + {settings.steps} timed steps), load {_load()} ...", file=sys.stderr, flush=True)
+            results.append(run_worker(side, mode, settings))
+    ratios = comparisons(results)
+    report = {"versions": versions(), "settings": asdict(settings), "matmul_flops": MATMUL_FLOPS, "results": results, "tinkergym_over_trl": ratios}
+    if not args.json:
+        print_table(results, ratios)
+    print(json.dumps(report, indent=None if args.json else 1))
+
+
+if __name__ == "__main__":
+    main()
