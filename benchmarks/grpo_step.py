@@ -59,6 +59,7 @@ class BenchSettings:
     seed: int = 0
     micro_batch_size: int = 8
     trl_dtype: str = "auto"
+    trl_micro_batch_size: int = 64
 
     def lora(self, mode: str) -> int:
         """The LoRA rank of ``mode`` (0 for full fine-tuning)."""
@@ -89,6 +90,35 @@ def flop_floor(params: int, mode: str, sampled_tokens: int, trained_tokens: int)
 
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
+
+
+class CpuShare:
+    """Cores used by this process and by every other process between ``start()`` and ``stop()`` (from /proc/stat).
+
+    ``other_cores`` near 0 means the measurement had the machine to itself; the load average alone cannot
+    say that, since it counts this process too.
+    """
+
+    def __init__(self) -> None:
+        self.start()
+
+    @staticmethod
+    def _snapshot() -> tuple[float, float, float]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+        busy = (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime
+
+    def start(self) -> None:
+        """Begin a measurement window."""
+        self._begin = self._snapshot()
+
+    def stop(self) -> dict[str, float]:
+        """``self_cores`` and ``other_cores`` averaged over the window."""
+        end = self._snapshot()
+        wall, busy, own = (b - a for a, b in zip(self._begin, end))
+        return {"self_cores": own / max(wall, 1e-9), "other_cores": max(busy - own, 0.0) / max(wall, 1e-9)}
 
 
 def _summary(side: str, mode: str, s: BenchSettings, steps: list[dict[str, float]], extra: dict[str, Any]) -> dict[str, Any]:
@@ -151,9 +181,11 @@ def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
         if step == 1:
             load["start"] = _load()
         seconds.update(sample=0.0, forward_backward=0.0, optim_step=0.0)
+        cpu = CpuShare()
         start = time.perf_counter()
         output = trainer.train_step(step)
         step_s = time.perf_counter() - start
+        cores = cpu.stop()
         trajectories = output.trajectories
         advantages = trainer.advantages([t.total_reward for t in trajectories])
         trained = [t for t, a in zip(trajectories, advantages) if a != 0.0 and not t.failed and t.num_sampled_tokens]
@@ -164,7 +196,7 @@ def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
             "prompt_tokens": sum(t.prompt_length for t in trajectories),
             "completion_tokens": sum(t.num_sampled_tokens for t in trajectories),
             "trained_sequences": len(trained), "trained_tokens": sum(len(t.tokens) for t in trained),
-            "reward_mean": output.metrics["reward/mean"],
+            "reward_mean": output.metrics["reward/mean"], **cores,
         })
     load["end"] = _load()
     info = backend.info()
@@ -235,16 +267,18 @@ def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> Any:
             if state.global_step == 1:
                 self.load["start"] = _load()
             TimedGRPOTrainer.bench.clear()
+            self.cpu = CpuShare()
             self.started = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             step_s = time.perf_counter() - self.started
+            cores = self.cpu.stop()
             b = dict(TimedGRPOTrainer.bench)
             tokens = b["prompt_tokens"] + b["completion_tokens"]
             self.records.append({
                 "step_s": step_s, "sample_s": b["sample_s"], "generate_s": b["generate_s"], "train_s": step_s - b["sample_s"],
                 "prompt_tokens": b["prompt_tokens"], "completion_tokens": b["completion_tokens"],
-                "trained_sequences": b["trained_sequences"], "trained_tokens": tokens,
+                "trained_sequences": b["trained_sequences"], "trained_tokens": tokens, **cores,
             })
             self.load["end"] = _load()
 
@@ -253,7 +287,8 @@ def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> Any:
     dtype = s.trl_dtype if s.trl_dtype != "auto" else ("bfloat16" if mode == "lora" else "float32")
     config = GRPOConfig(
         output_dir=output_dir, use_cpu=True, bf16=True, model_init_kwargs={"dtype": getattr(torch, dtype)},
-        per_device_train_batch_size=batch, generation_batch_size=batch, gradient_accumulation_steps=1,
+        per_device_train_batch_size=s.trl_micro_batch_size, gradient_accumulation_steps=batch // s.trl_micro_batch_size,
+        steps_per_generation=batch // s.trl_micro_batch_size,
         num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature, top_p=1.0, top_k=0,
         learning_rate=s.lr, lr_scheduler_type="constant", max_grad_norm=s.max_grad_norm, weight_decay=0.0,
         beta=0.0, num_iterations=1, epsilon=0.2, loss_type="dapo", scale_rewards="group", use_vllm=False,
@@ -350,6 +385,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--env-kwargs", default=None, help='env kwargs as JSON (default for Bandit: {"reward_mode": "expected"})')
     parser.add_argument("--micro-batch-size", type=int, default=BenchSettings.micro_batch_size, help="tinkergym's forward_backward micro-batch")
     parser.add_argument("--trl-dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="dtype TRL loads the model in")
+    parser.add_argument("--trl-micro-batch-size", type=int, default=BenchSettings.trl_micro_batch_size,
+                        help="TRL's per_device_train_batch_size; gradients accumulate over the 64 completions (one optimizer step)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--worker", choices=("tinkergym", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -368,7 +405,7 @@ def main() -> None:
         sys.exit(f"--modes takes lora and/or full, not {args.modes!r}")
     env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs is not None else ({"reward_mode": "expected"} if args.env == BenchSettings.env else {})
     settings = BenchSettings(env=args.env, env_kwargs=env_kwargs, steps=1 if args.quick else args.steps,
-                             micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype)
+                             micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype, trl_micro_batch_size=args.trl_micro_batch_size)
     sides = [args.only] if args.only else ["tinkergym", "trl"]
     results = []
     for mode in modes:
