@@ -3,23 +3,35 @@
     python benchmarks/grpo_step.py                         # LoRA and full fine-tuning, both sides, 3 timed steps
     python benchmarks/grpo_step.py --quick                 # 1 timed step per side (a smoke test)
     python benchmarks/grpo_step.py --only tinkergym --modes lora --steps 5 --json
+    python benchmarks/grpo_step.py --malloc no-mmap        # both sides with glibc's mmap for big blocks off
 
 A step is 8 prompts x 8 samples of at most 32 new tokens (temperature 1), scored by the env, then one
 optimizer step with the clipped-ratio loss averaged over completion tokens (TRL's default ``dapo`` loss,
-tinkergym's ``ppo`` loss with token aggregation), on-policy, no KL term. LoRA is r=8, alpha 16, dropout 0
-on every linear layer; full fine-tuning trains every weight. Both sides see the same prompts: the env's
-observation after a seeded reset, with its system prompt, rendered by the model's chat template. TRL's
-reward function resets the same env with the same seed and scores the completion with ``env.step``.
+tinkergym's ``ppo`` loss with token aggregation), clip 0.2, on-policy, no KL term, the same learning rate
+and gradient clipping. LoRA is r=8, alpha 16, dropout 0 on every linear layer; full fine-tuning trains every
+weight. Both sides see the same prompts: the env's observation after a seeded reset (tinkergym's seeds for
+the step), with its system prompt, rendered by the model's chat template. TRL's reward function resets the
+same env with the same seed and scores the completion with ``env.step``.
+
+The default env is ``tinker/Bandit-v0`` with ``reward_mode="expected"``: rewards vary within almost every
+group, so both sides train on all 64 sequences. (tinkergym leaves zero-advantage sequences out of
+``forward_backward`` while TRL computes them; with a 0/1 reward such as ``tinker/Math-v0``'s, where this
+model solves next to nothing, tinkergym would skip most of the training pass and the comparison would
+measure that instead. The ``trained`` column shows how many sequences each side trained on.)
 
 Precision: both sides compute in bfloat16 on this CPU. tinkergym (``dtype="auto"``) keeps the frozen LoRA
-base in bfloat16 and the adapter in float32, and for full fine-tuning float32 weights under bfloat16
-autocast. TRL runs with ``bf16=True`` (autocast) and its model loaded in ``--trl-dtype`` (default: bfloat16
-for LoRA, the same layout as tinkergym's; float32 for full fine-tuning, the same master weights).
+base in bfloat16 and the adapter in float32; full fine-tuning keeps float32 weights under bfloat16 autocast.
+TRL runs with ``bf16=True`` and the model loaded in ``--trl-dtype``. Its default, bfloat16, was TRL's fastest
+setting here (for full fine-tuning that means bfloat16 weights, cheaper than tinkergym's float32 ones;
+``--trl-dtype auto`` loads float32 for full fine-tuning, the same layout as tinkergym's). TRL's gradients
+accumulate over micro-batches of ``--trl-micro-batch-size`` completions (default 8, as tinkergym's
+``micro_batch_size``, and faster here than one batch of 64) into one optimizer step.
 
 Each side and mode runs in its own subprocess, one after the other, so they never share the 2 cores. The
 first step of each is a warm-up (one-off costs); the median of the next ``--steps`` steps is reported, with
 the sampling and training parts, the FLOP floor of the step at 835 GFLOP/s (this CPU's bfloat16 matmul rate),
-the process's peak RSS, and the load average at the start and end of the timed steps.
+the process's peak RSS, the cores other processes used during the timed steps (``other``: near 0 means the
+machine was ours) and the load average at their start and end.
 """
 
 from __future__ import annotations
@@ -39,6 +51,9 @@ from typing import Any, Callable
 RESULT_MARK = "GRPO_STEP_RESULT "
 MATMUL_FLOPS = 835e9  # bfloat16 matmul rate of this CPU, FLOP/s
 GIB = 1024**3
+# glibc serves blocks over 32 MiB (logits, activations) with fresh mmaps that the kernel zero-fills on every
+# allocation; with mmap off and no trimming the heap keeps and reuses them.
+NO_MMAP_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
 
 
 @dataclass
@@ -58,8 +73,9 @@ class BenchSettings:
     steps: int = 3
     seed: int = 0
     micro_batch_size: int = 8
-    trl_dtype: str = "auto"
-    trl_micro_batch_size: int = 64
+    trl_dtype: str = "bfloat16"
+    trl_micro_batch_size: int = 8
+    malloc: str = "default"
 
     def lora(self, mode: str) -> int:
         """The LoRA rank of ``mode`` (0 for full fine-tuning)."""
@@ -108,17 +124,17 @@ class CpuShare:
             ticks = [int(v) for v in f.readline().split()[1:]]
         busy = (sum(ticks[:8]) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
         usage = resource.getrusage(resource.RUSAGE_SELF)
-        return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime
+        return time.perf_counter(), busy, usage.ru_utime + usage.ru_stime, usage.ru_stime
 
     def start(self) -> None:
         """Begin a measurement window."""
         self._begin = self._snapshot()
 
     def stop(self) -> dict[str, float]:
-        """``self_cores`` and ``other_cores`` averaged over the window."""
-        end = self._snapshot()
-        wall, busy, own = (b - a for a, b in zip(self._begin, end))
-        return {"self_cores": own / max(wall, 1e-9), "other_cores": max(busy - own, 0.0) / max(wall, 1e-9)}
+        """``self_cores`` (of which ``self_sys_cores`` in the kernel) and ``other_cores``, averaged over the window."""
+        wall, busy, own, sys_ = (b - a for a, b in zip(self._begin, self._snapshot()))
+        wall = max(wall, 1e-9)
+        return {"self_cores": own / wall, "self_sys_cores": sys_ / wall, "other_cores": max(busy - own, 0.0) / wall}
 
 
 def _summary(side: str, mode: str, s: BenchSettings, steps: list[dict[str, float]], extra: dict[str, Any]) -> dict[str, Any]:
@@ -225,18 +241,13 @@ def _trl_reward(s: BenchSettings) -> Callable[..., list[float]]:
     return env_reward
 
 
-def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> Any:
-    """TRL's GRPOTrainer for ``mode``, timing its generation and scoring, with one 8 x 8 batch per optimizer step."""
-    import torch
-    from datasets import Dataset
-    from peft import LoraConfig
+def _timed_trl_classes() -> tuple[type, type]:
+    """TRL's GRPOTrainer with its generate-and-score part timed, and a callback that times whole optimizer steps."""
     from transformers import TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from tinkergym.backends.models import resolve_model
+    from trl import GRPOTrainer
 
     class TimedGRPOTrainer(GRPOTrainer):
-        """TRL's trainer with the generation (and the whole generate-and-score part) timed, and token counts kept."""
+        """TRL's trainer with generation (and the whole generate-and-score part) timed, and token counts kept."""
 
         bench: dict[str, float] = {}
 
@@ -272,21 +283,35 @@ def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> Any:
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             step_s = time.perf_counter() - self.started
-            cores = self.cpu.stop()
-            b = dict(TimedGRPOTrainer.bench)
-            tokens = b["prompt_tokens"] + b["completion_tokens"]
+            cores, b = self.cpu.stop(), dict(TimedGRPOTrainer.bench)
             self.records.append({
                 "step_s": step_s, "sample_s": b["sample_s"], "generate_s": b["generate_s"], "train_s": step_s - b["sample_s"],
                 "prompt_tokens": b["prompt_tokens"], "completion_tokens": b["completion_tokens"],
-                "trained_sequences": b["trained_sequences"], "trained_tokens": tokens, **cores,
+                "trained_sequences": b["trained_sequences"], "trained_tokens": b["prompt_tokens"] + b["completion_tokens"], **cores,
             })
             self.load["end"] = _load()
 
+    return TimedGRPOTrainer, StepTimer
+
+
+def trl_dtype(s: BenchSettings, mode: str) -> str:
+    """The dtype TRL loads the model in (``auto``: tinkergym's layout, bfloat16 for LoRA and float32 for full)."""
+    return s.trl_dtype if s.trl_dtype != "auto" else ("bfloat16" if mode == "lora" else "float32")
+
+
+def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> tuple[Any, Any]:
+    """TRL's GRPOTrainer for ``mode`` with one 8 x 8 generation batch per optimizer step, and its step timer."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from trl import GRPOConfig
+
+    from tinkergym.backends.models import resolve_model
+
     batch = s.prompts * s.group_size
     rows = [{"prompt": messages, "env_seed": seed} for step in range(1 + s.steps) for seed, messages in step_prompts(s, step)]
-    dtype = s.trl_dtype if s.trl_dtype != "auto" else ("bfloat16" if mode == "lora" else "float32")
     config = GRPOConfig(
-        output_dir=output_dir, use_cpu=True, bf16=True, model_init_kwargs={"dtype": getattr(torch, dtype)},
+        output_dir=output_dir, use_cpu=True, bf16=True, model_init_kwargs={"dtype": getattr(torch, trl_dtype(s, mode))},
         per_device_train_batch_size=s.trl_micro_batch_size, gradient_accumulation_steps=batch // s.trl_micro_batch_size,
         steps_per_generation=batch // s.trl_micro_batch_size,
         num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature, top_p=1.0, top_k=0,
@@ -298,13 +323,13 @@ def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> Any:
     peft_config = None
     if mode == "lora":
         peft_config = LoraConfig(r=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    timer = StepTimer()
-    trainer = TimedGRPOTrainer(
+    trainer_class, timer_class = _timed_trl_classes()
+    timer = timer_class()
+    trainer = trainer_class(
         model=resolve_model("smollm2-135m"), reward_funcs=_trl_reward(s), args=config,
         train_dataset=Dataset.from_list(rows), peft_config=peft_config, callbacks=[timer],
     )
-    trainer.bench_timer, trainer.bench_dtype = timer, dtype
-    return trainer
+    return trainer, timer
 
 
 def run_trl(s: BenchSettings, mode: str) -> dict[str, Any]:
@@ -314,15 +339,14 @@ def run_trl(s: BenchSettings, mode: str) -> dict[str, Any]:
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="grpo-step-trl-") as output_dir:
-        trainer = _trl_trainer(s, mode, output_dir)
+        trainer, timer = _trl_trainer(s, mode, output_dir)
         setup_s = time.perf_counter() - started
         trainer.train()
-    timer = trainer.bench_timer
     model = trainer.model
     params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return _summary("trl", mode, s, timer.records, {
-        "params": params, "trainable_params": trainable, "dtype": "bfloat16 (autocast)", "param_dtype": trainer.bench_dtype,
+        "params": params, "trainable_params": trainable, "dtype": "bfloat16 (autocast)", "param_dtype": trl_dtype(s, mode),
         "setup_s": setup_s, "load": timer.load, "threads": torch.get_num_threads(), "trl_version": trl.__version__,
     })
 
@@ -331,7 +355,10 @@ def run_trl(s: BenchSettings, mode: str) -> dict[str, Any]:
 def run_worker(side: str, mode: str, settings: BenchSettings) -> dict[str, Any]:
     """Run one side and mode in a fresh Python process and return its result."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", side, "--modes", mode, "--settings", json.dumps(asdict(settings))]
-    proc = subprocess.run(command, capture_output=True, text=True)
+    env = dict(os.environ)
+    if settings.malloc == "no-mmap":
+        env["GLIBC_TUNABLES"] = NO_MMAP_TUNABLES
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_MARK):
             return json.loads(line[len(RESULT_MARK):])
@@ -364,12 +391,12 @@ def comparisons(results: list[dict[str, Any]]) -> dict[str, float]:
 def print_table(results: list[dict[str, Any]], ratios: dict[str, float]) -> None:
     """The human-readable summary: one row per side and mode, then the ratios."""
     print(f"{'side':<10} {'mode':<5} {'step s':>7} {'sample s':>9} {'train s':>8} {'tokens p+c':>11} {'trained':>8} "
-          f"{'floor s':>8} {'x floor':>8} {'peak RSS GiB':>13}  load start -> end")
+          f"{'floor s':>8} {'x floor':>8} {'peak RSS GiB':>13} {'other':>6}  load start -> end")
     for r in results:
         m = r["median"]
         print(f"{r['side']:<10} {r['mode']:<5} {m['step_s']:>7.2f} {m['sample_s']:>9.2f} {m['train_s']:>8.2f} "
               f"{int(m['prompt_tokens']):>5}+{int(m['completion_tokens']):<5} {int(m['trained_sequences']):>8} "
-              f"{r['floor_s']:>8.2f} {r['x_floor']:>8.1f} {r['peak_rss_bytes'] / GIB:>13.2f}  "
+              f"{r['floor_s']:>8.2f} {r['x_floor']:>8.1f} {r['peak_rss_bytes'] / GIB:>13.2f} {m['other_cores']:>6.2f}  "
               f"{r['load'].get('start')} -> {r['load'].get('end')}")
     for mode, ratio in ratios.items():
         print(f"{mode}: tinkergym / TRL step time = {ratio:.3f} (TRL is {1 / ratio:.1f}x the time of tinkergym)")
@@ -384,9 +411,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--env", default=BenchSettings.env, help="single-turn env id the prompts and rewards come from")
     parser.add_argument("--env-kwargs", default=None, help='env kwargs as JSON (default for Bandit: {"reward_mode": "expected"})')
     parser.add_argument("--micro-batch-size", type=int, default=BenchSettings.micro_batch_size, help="tinkergym's forward_backward micro-batch")
-    parser.add_argument("--trl-dtype", choices=("auto", "bfloat16", "float32"), default="auto", help="dtype TRL loads the model in")
+    parser.add_argument("--trl-dtype", choices=("auto", "bfloat16", "float32"), default=BenchSettings.trl_dtype, help="dtype TRL loads the model in")
     parser.add_argument("--trl-micro-batch-size", type=int, default=BenchSettings.trl_micro_batch_size,
                         help="TRL's per_device_train_batch_size; gradients accumulate over the 64 completions (one optimizer step)")
+    parser.add_argument("--malloc", choices=("default", "no-mmap"), default="default",
+                        help="glibc malloc of both workers: as is, or without mmap for big blocks (GLIBC_TUNABLES)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--worker", choices=("tinkergym", "trl"), help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -405,19 +434,21 @@ def main() -> None:
         sys.exit(f"--modes takes lora and/or full, not {args.modes!r}")
     env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs is not None else ({"reward_mode": "expected"} if args.env == BenchSettings.env else {})
     settings = BenchSettings(env=args.env, env_kwargs=env_kwargs, steps=1 if args.quick else args.steps,
-                             micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype, trl_micro_batch_size=args.trl_micro_batch_size)
+                             micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype, trl_micro_batch_size=args.trl_micro_batch_size,
+                             malloc=args.malloc)
     sides = [args.only] if args.only else ["tinkergym", "trl"]
     results = []
     for mode in modes:
         for side in sides:
             if not args.json:
-                print(f"running {side} {mode} (1 warm-up + {settings.steps} timed steps), load {_load()} ...", file=sys.stderr, flush=True)
+                print(f"running {side} {mode} (1 warm-up + {settings.steps} timed steps, malloc {settings.malloc}), load {_load()} ...",
+                      file=sys.stderr, flush=True)
             results.append(run_worker(side, mode, settings))
     ratios = comparisons(results)
     report = {"versions": versions(), "settings": asdict(settings), "matmul_flops": MATMUL_FLOPS, "results": results, "tinkergym_over_trl": ratios}
     if not args.json:
         print_table(results, ratios)
-    print(json.dumps(report, indent=None if args.json else 1))
+    print(json.dumps(report))
 
 
 if __name__ == "__main__":
