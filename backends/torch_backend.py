@@ -4,9 +4,10 @@
 
 - ``sample``: batched generation with a KV cache over left-padded prompts (see
   :mod:`tinkergym.backends.torch_sampling` for what the returned logprobs mean).
-- ``forward_backward``: micro-batches of ``micro_batch_size`` right-padded sequences; each micro-batch's loss
-  is weighted with normalizers of the whole request, so the accumulated gradients equal those of one big
-  batch. Gradients keep accumulating across calls until ``optim_step``.
+- ``forward_backward``: micro-batches of at most ``micro_batch_size`` sequences; sequences that share their
+  prompt (a GRPO group) run it once (see :mod:`tinkergym.backends.torch_scoring`). Each micro-batch's loss is
+  weighted with normalizers of the whole request, so the accumulated gradients equal those of one big batch.
+  Gradients keep accumulating across calls until ``optim_step``.
 - KL to a reference (``LossSpec.kl_coef`` > 0): with LoRA the reference is the same model with the adapter
   switched off (no second copy of the weights). With full fine-tuning a frozen copy of the starting weights
   is loaded from disk the first time a KL term is asked for, and only then.
@@ -16,8 +17,9 @@
   both with the tokenizer.
 
 Precision: ``dtype`` is the compute dtype. LoRA keeps the frozen base in it and the adapter in float32;
-full fine-tuning in bfloat16 keeps float32 weights and runs under autocast, since AdamW updates applied to
-bfloat16 weights are mostly rounded away.
+full fine-tuning in bfloat16 keeps float32 weights; both compute under autocast (AdamW updates applied to
+bfloat16 weights are mostly rounded away, and peft's own float32 path for the adapter spends more time on
+casting activations than on the adapter itself).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import torch
 from tinkergym.backends import losses
 from tinkergym.backends.models import resolve_model
 from tinkergym.backends.torch_sampling import sample_batch
+from tinkergym.backends.torch_scoring import plan_micro_batches, sequence_logprobs
 from tinkergym.backends.types import (
     Datum,
     ForwardBackwardRequest,
@@ -78,6 +81,8 @@ class TorchBackendConfig(_Plain):
             else sdpa) or any name transformers accepts.
         micro_batch_size: Sequences per forward/backward pass; bounds memory, not the effective batch.
         max_sample_batch: Sequences generated together in one batch.
+        share_prefixes: Run a prompt shared by several sequences once, when sampling and when training
+            (exact up to floating-point summation order); False scores every sequence on its own.
         seed: Seeds torch, Python and NumPy at start (LoRA initialization, unseeded sampling, dropout).
         cache_dir: Where named models are built or converted; None uses the default cache.
     """
@@ -92,6 +97,7 @@ class TorchBackendConfig(_Plain):
     attn_implementation: str = "auto"
     micro_batch_size: int = 8
     max_sample_batch: int = 64
+    share_prefixes: bool = True
     seed: int = 0
     cache_dir: str | None = None
 
@@ -188,6 +194,10 @@ class _Batch:
     lengths: list[int] = field(default_factory=list)
 
 
+def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple:
+    return (args[0].contiguous(), *args[1:])
+
+
 def _pad_right(rows: list[list[float]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     out = torch.zeros((len(rows), width), dtype=dtype)
     for i, row in enumerate(rows):
@@ -244,6 +254,9 @@ class TorchBackend:
             self.model = self._add_lora(self.model)
         else:
             self.model.requires_grad_(True)
+        # torch 2.13 multiplies a non-contiguous [B, 1, H] slice (what logits_to_keep leaves) with a frozen
+        # weight by broadcasting the weight to [B, H, V] first: seconds per prefill with a frozen (LoRA) head.
+        self.model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
         self.step = 0
         self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=0.0)
@@ -259,8 +272,8 @@ class TorchBackend:
         return model.to(self.device)
 
     def _compute(self) -> contextlib.AbstractContextManager:
-        """Autocast to the compute dtype when the weights are kept in another one."""
-        if self.param_dtype == self.dtype:
+        """Autocast to the compute dtype when any trainable weights (full float32 masters, a LoRA adapter) are kept in another one."""
+        if self.dtype == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
@@ -277,7 +290,13 @@ class TorchBackend:
         with warnings.catch_warnings():
             # peft reads transformers' deprecated `is_gradient_checkpointing`; the warning is not actionable here.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            return get_peft_model(model, lora)
+            model = get_peft_model(model, lora)
+        # peft casts each layer's input to the adapter's float32 before the adapter; under autocast (every
+        # forward here runs in _compute) the adapter computes in the compute dtype from its float32 weights.
+        for module in model.modules():
+            if hasattr(module, "lora_A"):
+                module.cast_input_dtype_enabled = False
+        return model
 
     @property
     def is_lora(self) -> bool:
@@ -322,7 +341,7 @@ class TorchBackend:
         for start in range(0, len(flat), self.config.max_sample_batch):
             chunk = flat[start : start + self.config.max_sample_batch]
             with self._compute():
-                results.extend(sample_batch(self.model, chunk, params, stop_ids, self.pad_id, generator))
+                results.extend(sample_batch(self.model, chunk, params, stop_ids, self.pad_id, generator, self.config.share_prefixes))
         n = request.num_samples
         return SampleResponse(sequences=[results[i * n : (i + 1) * n] for i in range(len(request.prompts))])
 
@@ -371,11 +390,11 @@ class TorchBackend:
         num_sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
         self.model.train()
         sums: dict[str, float] = {}
-        for start in range(0, len(data), self.config.micro_batch_size):
-            batch = self._collate(data[start : start + self.config.micro_batch_size])
+        for micro in plan_micro_batches(data, self.config.micro_batch_size, self.config.share_prefixes):
+            batch = self._collate([data[i] for i in micro.indices])
             with self._compute():
-                logprobs = self._token_logprobs(self.model, batch)
-            reference = self._reference_logprobs(batch) if spec.kl_coef > 0 else None
+                logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro.prefix_len)
+            reference = self._reference_logprobs(batch, micro.prefix_len) if spec.kl_coef > 0 else None
             weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
             loss, micro_sums = losses.compute_loss(
                 spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference
@@ -384,17 +403,17 @@ class TorchBackend:
             sums = losses.add_sums(sums, micro_sums)
         return ForwardBackwardResult(metrics=losses.finalize_metrics(sums))
 
-    def _reference_logprobs(self, batch: _Batch) -> torch.Tensor:
-        with torch.no_grad():
+    def _reference_logprobs(self, batch: _Batch, prefix_len: int) -> torch.Tensor:
+        with torch.no_grad(), self._compute():
             if self.is_lora:
                 with self.model.disable_adapter():
-                    return self._token_logprobs(self.model, batch)
+                    return sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, prefix_len)
             if self._reference is None:
                 # The starting weights, read back from disk only when a KL term first needs them.
                 # Same precision handling as the policy, so the two agree exactly before the first update.
                 self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
-            with self._compute():
-                return self._token_logprobs(self._reference, batch)
+                self._reference.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
+            return sequence_logprobs(self._reference, batch.tokens, batch.attention, batch.mask, prefix_len)
 
     def optim_step(self, params: OptimParams) -> dict[str, float]:
         """One AdamW step with the accumulated gradients (clipped to ``max_grad_norm``), then clear them.

@@ -79,6 +79,28 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
     return input_ids.to(device), attention.to(device), positions.to(device)
 
 
+def prefill(
+    model: torch.nn.Module, prompts: list[list[int]], pad_id: int, device: torch.device, share_prompts: bool = True
+) -> tuple[torch.Tensor, object, torch.Tensor, torch.Tensor]:
+    """Run the prompts through the model once: ``(last logits [B, V], KV cache, attention mask, positions)``.
+
+    Identical prompts (a GRPO group asks for many samples of one prompt) are run once, and their cache rows
+    are copied to every sample that shares them: the prefill costs the distinct prompts, not the samples.
+    ``share_prompts=False`` runs every row.
+    """
+    distinct: dict[tuple[int, ...], int] = {}
+    row_of = [distinct.setdefault(tuple(p), len(distinct)) if share_prompts else i for i, p in enumerate(prompts)]
+    unique = [list(p) for p in distinct] if share_prompts else prompts
+    input_ids, attention, positions = left_pad(unique, pad_id, device)
+    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
+    logits_BV, cache = out.logits[:, -1], out.past_key_values
+    if len(unique) < len(prompts):
+        index = torch.tensor(row_of, dtype=torch.long, device=device)
+        cache.batch_select_indices(index)
+        logits_BV, attention, positions = logits_BV[index], attention[index], positions[index]
+    return logits_BV, cache, attention, positions
+
+
 @torch.inference_mode()
 def sample_batch(
     model: torch.nn.Module,
@@ -87,20 +109,21 @@ def sample_batch(
     stop_ids: list[int],
     pad_id: int,
     generator: torch.Generator | None = None,
+    share_prompts: bool = True,
 ) -> list[SampledSequence]:
     """Sample one completion per prompt, all prompts in one batch sharing one KV cache.
 
     A row stops at the first token in ``stop_ids`` (kept as its last id, finish reason ``"stop"``) or after
     ``params.max_new_tokens`` (``"length"``). Rows that stopped keep being fed a pad token, which nothing reads.
+    Identical prompts are prefilled once (see :func:`prefill`).
     """
     device = next(model.parameters()).device
-    input_ids, attention, positions = left_pad(prompts, pad_id, device)
+    logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts)
     stop_B = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
     rows = _Rows([[] for _ in prompts], [[] for _ in prompts], torch.zeros(len(prompts), dtype=torch.bool, device=device))
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
     next_position = positions[:, -1:] + 1
     for step in range(params.max_new_tokens):
-        tokens_B, logprobs_B = sample_next(out.logits[:, -1], params, generator)
+        tokens_B, logprobs_B = sample_next(logits_BV, params, generator)
         tokens_B = torch.where(rows.finished, torch.full_like(tokens_B, pad_id), tokens_B)
         rows.append(tokens_B, logprobs_B, stop_B)
         if bool(rows.finished.all()) or step + 1 == params.max_new_tokens:
@@ -110,9 +133,10 @@ def sample_batch(
             input_ids=tokens_B[:, None],
             attention_mask=attention,
             position_ids=next_position,
-            past_key_values=out.past_key_values,
+            past_key_values=cache,
             use_cache=True,
         )
+        logits_BV, cache = out.logits[:, -1], out.past_key_values
         next_position = next_position + 1
     stops = set(stop_ids)
     return [
