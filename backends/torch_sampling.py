@@ -35,19 +35,36 @@ def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -
     return logits_BV
 
 
+def draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row with probability ``probs_BV`` (rows need not sum to exactly 1), by inverting the CDF.
+
+    One uniform number per row instead of ``torch.multinomial``'s random number per vocabulary entry, which
+    costs more than the model's own decode step on a CPU. Entries with probability 0 are never drawn.
+    """
+    cdf_BV = probs_BV.cumsum(dim=-1)
+    u_B1 = torch.rand((probs_BV.shape[0], 1), generator=generator, device=probs_BV.device) * cdf_BV[:, -1:]
+    return torch.searchsorted(cdf_BV, u_B1, right=True).clamp_max(probs_BV.shape[-1] - 1).squeeze(-1)
+
+
 def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its logprob under the distribution it was drawn from (see the module docstring)."""
-    logits_BV = logits_BV.float()
-    if not bool(torch.isfinite(logits_BV).any(dim=-1).all()):  # a diverged model: say so instead of a torch error
+    """One token per row and its logprob under the distribution it was drawn from (see the module docstring).
+
+    Probabilities are float32 whatever the logits' dtype; at temperature 1 without filters they come straight
+    from the logits in one softmax pass, the chosen token's logprob is the log of its probability.
+    """
+    # NaN propagates through max, and a row of -inf has no finite max: one reduction checks every row.
+    if not bool(torch.isfinite(logits_BV.amax(dim=-1)).all()):  # a diverged model: say so instead of a torch error
         raise NonFiniteError("the model's logits are NaN or infinite: the weights have diverged")
     if params.temperature <= 0:
         tokens_B = logits_BV.argmax(dim=-1)
-        logprobs_BV = torch.log_softmax(logits_BV, dim=-1)
-    else:
-        scaled = filter_logits(logits_BV / params.temperature, params.top_k, params.top_p)
-        logprobs_BV = torch.log_softmax(scaled, dim=-1)
-        tokens_B = torch.multinomial(logprobs_BV.exp(), 1, generator=generator).squeeze(-1)
-    return tokens_B, logprobs_BV.gather(-1, tokens_B[:, None]).squeeze(-1)
+        chosen = logits_BV.gather(-1, tokens_B[:, None]).squeeze(-1).float()
+        return tokens_B, chosen - torch.logsumexp(logits_BV.float(), dim=-1)
+    scaled = logits_BV
+    if params.temperature != 1.0 or params.top_k > 0 or params.top_p < 1.0:
+        scaled = filter_logits(logits_BV.float() / params.temperature, params.top_k, params.top_p)
+    probs_BV = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+    tokens_B = draw(probs_BV, generator)
+    return tokens_B, probs_BV.gather(-1, tokens_B[:, None]).squeeze(-1).log()
 
 
 @dataclass

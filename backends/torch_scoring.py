@@ -74,19 +74,22 @@ def _logprobs_from(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT
 
 
 def _shared_prefix_logprobs(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """``[B, T]`` logprobs of rows that all start with the same ``prefix_len`` tokens, the prefix run once."""
+    """``[B, T]`` logprobs of rows that all start with the same ``prefix_len`` tokens, the prefix run once.
+
+    The shared pass covers the first ``prefix_len - 1`` tokens and produces no logits (an empty
+    ``logits_to_keep``); each row's pass starts at the prefix's last token, whose logits predict the row's
+    first own token, so every prediction comes out of one batched pass.
+    """
     batch, length = tokens_BT.shape
-    prefix = model(input_ids=tokens_BT[:1, :prefix_len], use_cache=True, logits_to_keep=1)
-    cache = prefix.past_key_values
+    shared = prefix_len - 1
+    no_logits = torch.empty(0, dtype=torch.long, device=tokens_BT.device)
+    cache = model(input_ids=tokens_BT[:1, :shared], use_cache=True, logits_to_keep=no_logits).past_key_values
     cache.batch_repeat_interleave(batch)
-    suffix_BS = tokens_BT[:, prefix_len:]
-    positions = torch.arange(prefix_len, length, device=tokens_BT.device).expand(batch, -1)
-    logits = model(input_ids=suffix_BS, attention_mask=attention_BT, position_ids=positions, past_key_values=cache, use_cache=True).logits
-    # The prefix's last position predicts every row's first suffix token; the suffix predicts the rest.
-    first_B = torch.log_softmax(prefix.logits[0, -1].float(), dim=-1)[suffix_BS[:, 0]]
-    rest_BS = losses.token_logprobs(logits, suffix_BS)
-    zeros = torch.zeros(batch, prefix_len, dtype=rest_BS.dtype, device=rest_BS.device)
-    return torch.cat([zeros, first_B[:, None], rest_BS[:, 1:]], dim=1)
+    rows_BS = tokens_BT[:, shared:]
+    positions = torch.arange(shared, length, device=tokens_BT.device).expand(batch, -1)
+    logits = model(input_ids=rows_BS, attention_mask=attention_BT, position_ids=positions, past_key_values=cache, use_cache=True).logits
+    scored = losses.token_logprobs(logits, rows_BS)
+    return torch.cat([torch.zeros(batch, shared, dtype=scored.dtype, device=scored.device), scored], dim=1)
 
 
 def sequence_logprobs(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, mask_BT: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
@@ -95,7 +98,7 @@ def sequence_logprobs(model: torch.nn.Module, tokens_BT: torch.Tensor, attention
     ``prefix_len`` > 0 says every row starts with the same ``prefix_len`` tokens and no loss is read inside
     them; ``mask_BT`` tells which positions are read, so logits before the first one are skipped.
     """
-    if prefix_len > 0 and tokens_BT.shape[0] > 1 and prefix_len < tokens_BT.shape[1]:
+    if prefix_len > 1 and tokens_BT.shape[0] > 1 and prefix_len < tokens_BT.shape[1]:
         return _shared_prefix_logprobs(model, tokens_BT, attention_BT, prefix_len)
     read = mask_BT.any(dim=0).nonzero()
     start = int(read[0]) if len(read) else tokens_BT.shape[1] - 1

@@ -125,7 +125,8 @@ class VLLMSamplerConfig(_Plain):
         return next((r for r in VLLM_LORA_RANKS if r >= self.lora_rank), 0) if self.lora_rank else 0
 
 
-def _import_vllm() -> Any:
+def require_vllm() -> Any:
+    """The vllm module, or a ConfigError that says how to install it."""
     try:
         import vllm
     except ImportError as exc:
@@ -211,7 +212,7 @@ class VLLMSampler:
             config = VLLMSamplerConfig(model=config, **settings)
         elif settings:
             raise ConfigError("pass settings either as a VLLMSamplerConfig or as keyword arguments, not both")
-        _import_vllm()
+        require_vllm()
         self.config = config
         self.base_path = resolve_model(config.model, config.cache_dir)
         if _on_cpu():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -107,6 +108,14 @@ def test_bad_input_exits_2_with_a_suggestion(args, message, tmp_path) -> None:
     result = CliRunner().invoke(main, ["train", *args, "--out", str(tmp_path / "x"), "--quiet"])
     assert result.exit_code == 2, result.output
     assert message in result.output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here (its lane trains with it)")
+def test_vllm_sampler_without_vllm_exits_2_before_loading_a_model(tmp_path) -> None:
+    result = CliRunner().invoke(main, ["train", "--env", "tinker/Bandit-v0", "--model", "gpt-17", "--sampler", "vllm", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2, result.output
+    assert "vllm" in result.output and "install" in result.output
+    assert not (tmp_path / "x").exists()
 
 
 TRAINER_PACKAGE = {

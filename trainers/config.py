@@ -9,6 +9,9 @@ from typing import Any
 
 from tinkergym.errors import ConfigError
 
+#: Where rollouts are sampled: the training backend itself, or a vLLM engine synced from it after every step.
+SAMPLERS = ("torch", "vllm")
+
 
 @dataclass
 class TrainConfig:
@@ -42,6 +45,7 @@ class TrainConfig:
     transcripts_every: int = 5
     dtype: str = "auto"
     micro_batch_size: int = 8
+    sampler: str = "torch"  # "torch" (the training backend samples) or "vllm" (a vLLM engine, synced every step)
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     eval_env_kwargs: dict[str, Any] = field(default_factory=dict)
     trainer_args: dict[str, Any] = field(default_factory=dict)
@@ -58,6 +62,8 @@ class TrainConfig:
             raise ConfigError(f"lr must be positive (got {self.lr}).")
         if self.loss_aggregation not in ("token", "sequence"):
             raise ConfigError("loss-aggregation must be 'token' or 'sequence'.")
+        if self.sampler not in SAMPLERS:
+            raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, not {self.sampler!r}.")
         if not self.env and self.trainer != "sft":
             raise ConfigError("--env is required: the env id to train on (see: tinkergym envs list).")
         return self

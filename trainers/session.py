@@ -74,12 +74,22 @@ class TrainingRun:
         from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
 
         c = self.config
-        return TorchBackend(
+        if c.sampler == "vllm":
+            from tinkergym.backends.vllm_sampler import require_vllm
+
+            require_vllm()  # before the model loads: a missing vLLM is a quick, clear error
+        backend = TorchBackend(
             TorchBackendConfig(
                 model=resolve_model(c.model), lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                 dtype=c.dtype, micro_batch_size=c.micro_batch_size, seed=c.seed,
             )
         )
+        if c.sampler != "vllm":
+            return backend
+        from tinkergym.backends.vllm_sampler import VLLMBackend
+
+        # Room for the whole episode: the rollout loop stops at max_context, plus one turn of new tokens.
+        return VLLMBackend(backend, max_model_len=c.max_context + c.max_new_tokens, seed=c.seed)
 
     @classmethod
     def resume(cls, folder: str | Path, backend: Any = None) -> "TrainingRun":
@@ -125,7 +135,14 @@ class TrainingRun:
         self.log.close()
         plot_learning_curve(self.folder)
         self.backend.export(str(self.folder / "final"))
+        self.close()
         return last
+
+    def close(self) -> None:
+        """Release what the backend holds beyond this process's memory (a vLLM engine); safe to call twice."""
+        close = getattr(self.backend, "close", None)
+        if callable(close):
+            close()
 
     def _check_finite(self, step: int, metrics: dict[str, float]) -> None:
         bad = sorted(k for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v) and k.startswith(("loss", "grad")))

@@ -16,7 +16,7 @@ from tinkergym.errors import TinkergymError
 _FIELDS = (
     "env", "trainer", "model", "lora_rank", "lora_alpha", "steps", "batch_size", "group_size", "lr", "max_turns",
     "max_new_tokens", "max_context", "temperature", "seed", "out", "kl_coef", "eval_every", "eval_episodes",
-    "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm",
+    "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
 )
 
 
@@ -75,6 +75,8 @@ def build_config(options: dict[str, Any]) -> Any:
 @click.option("--checkpoint-every", type=click.IntRange(1), help="Checkpoint every N steps (default 10).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights dtype (auto: bf16 where supported).")
 @click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory).")
+@click.option("--sampler", type=click.Choice(["torch", "vllm"]),
+              help="Who samples rollouts: torch (the training model, default) or vllm (a vLLM engine synced after every step; needs vllm installed).")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable), e.g. size=7.")
 @click.option("--trainer-arg", "trainer_args", multiple=True, metavar="KEY=VALUE", help="Trainer-specific setting (repeatable).")
 @click.option("--data", multiple=True, type=click.Path(exists=True, dir_okay=False), help="sft: JSONL chat transcripts (repeatable).")
