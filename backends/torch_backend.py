@@ -44,7 +44,7 @@ import torch
 from tinkergym.backends import losses
 from tinkergym.backends.models import resolve_model
 from tinkergym.backends.torch_sampling import sample_batch
-from tinkergym.backends.torch_scoring import plan_micro_batches, sequence_logprobs
+from tinkergym.backends.torch_scoring import MicroBatch, plan_micro_batches, sequence_logprobs
 from tinkergym.backends.types import (
     Datum,
     ForwardBackwardRequest,
@@ -416,8 +416,8 @@ class TorchBackend:
         for micro in plan_micro_batches(data, self.config.micro_batch_size, self.config.share_prefixes):
             batch = self._collate([data[i] for i in micro.indices])
             with self._compute():
-                logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro.prefix_len)
-            reference = self._reference_logprobs(batch, micro.prefix_len) if spec.kl_coef > 0 else None
+                logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro)
+            reference = self._reference_logprobs(batch, micro) if spec.kl_coef > 0 else None
             weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
             loss, micro_sums = losses.compute_loss(
                 spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference
@@ -426,17 +426,17 @@ class TorchBackend:
             sums = losses.add_sums(sums, micro_sums)
         return ForwardBackwardResult(metrics=losses.finalize_metrics(sums))
 
-    def _reference_logprobs(self, batch: _Batch, prefix_len: int) -> torch.Tensor:
+    def _reference_logprobs(self, batch: _Batch, micro: MicroBatch) -> torch.Tensor:
         with torch.no_grad(), self._compute():
             if self.is_lora:
                 with self.model.disable_adapter():
-                    return sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, prefix_len)
+                    return sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro)
             if self._reference is None:
                 # The starting weights, read back from disk only when a KL term first needs them.
                 # Same precision handling as the policy, so the two agree exactly before the first update.
                 self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
                 self._reference.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
-            return sequence_logprobs(self._reference, batch.tokens, batch.attention, batch.mask, prefix_len)
+            return sequence_logprobs(self._reference, batch.tokens, batch.attention, batch.mask, micro)
 
     def optim_step(self, params: OptimParams) -> dict[str, float]:
         """One AdamW step with the accumulated gradients (clipped to ``max_grad_norm``), then clear them.

@@ -16,7 +16,8 @@ Sequences without a shared prompt (SFT transcripts, single samples) are scored t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,10 +27,15 @@ from tinkergym.backends.types import Datum
 
 @dataclass
 class MicroBatch:
-    """Indices of the request's data scored together, and the length of the prompt they share (0: none shared)."""
+    """Data scored together: their indices, and for shared prompts the size and prompt length of each group.
+
+    With ``group_sizes`` empty the rows are scored on their own. Otherwise the rows come in consecutive
+    groups of ``group_sizes[g]`` rows that start with the same ``prefix_lens[g]`` tokens.
+    """
 
     indices: list[int]
-    prefix_len: int = 0
+    group_sizes: list[int] = field(default_factory=list)
+    prefix_lens: list[int] = field(default_factory=list)
 
 
 def first_loss_position(datum: Datum) -> int | None:
@@ -38,26 +44,45 @@ def first_loss_position(datum: Datum) -> int | None:
 
 
 def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes: bool = True) -> list[MicroBatch]:
-    """Split the request into micro-batches of at most ``micro_batch_size`` sequences.
+    """Split the request into micro-batches that each cost at most what ``micro_batch_size`` sequences would.
 
     With ``share_prefixes``, sequences whose tokens before the first masked-in position are identical (two
-    or more of them) form micro-batches of their own that share that prompt. The others keep their order.
+    or more of them) share that prompt: a group costs its prompt once plus each member's own tokens, and
+    groups are packed into micro-batches up to ``micro_batch_size`` times the longest sequence's tokens (the
+    memory an unshared micro-batch may take). The other sequences form micro-batches of ``micro_batch_size``
+    in their original order.
     """
     groups: dict[tuple[int, ...], list[int]] = {}
     rest: list[int] = []
     for i, datum in enumerate(data):
         first = first_loss_position(datum) if share_prefixes else None
-        if first is None:
+        if first is None or first < 2:
             rest.append(i)
         else:
             groups.setdefault(tuple(datum.tokens[:first]), []).append(i)
+    budget = micro_batch_size * max((len(d.tokens) for d in data), default=1)
     batches: list[MicroBatch] = []
+    current, cost = MicroBatch([]), 0
     for prompt, members in groups.items():
         if len(members) < 2:
             rest.extend(members)
             continue
-        for start in range(0, len(members), micro_batch_size):
-            batches.append(MicroBatch(members[start : start + micro_batch_size], prefix_len=len(prompt)))
+        opened = False  # whether this group already has rows in `current`
+        for i in members:
+            extra = len(data[i].tokens) - len(prompt) + 1 + (0 if opened else len(prompt) - 1)
+            if current.indices and cost + extra > budget:
+                batches.append(current)
+                current, cost, opened = MicroBatch([]), 0, False
+                extra = len(data[i].tokens)
+            if not opened:
+                current.group_sizes.append(0)
+                current.prefix_lens.append(len(prompt))
+                opened = True
+            current.indices.append(i)
+            current.group_sizes[-1] += 1
+            cost += extra
+    if current.indices:
+        batches.append(current)
     rest.sort()
     batches.extend(MicroBatch(rest[start : start + micro_batch_size]) for start in range(0, len(rest), micro_batch_size))
     return batches
@@ -73,33 +98,53 @@ def _logprobs_from(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT
     return torch.cat([zeros, scored], dim=1)
 
 
-def _shared_prefix_logprobs(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """``[B, T]`` logprobs of rows that all start with the same ``prefix_len`` tokens, the prefix run once.
+def _shared_prefix_logprobs(
+    model: torch.nn.Module, tokens_BT: torch.Tensor, lengths: list[int], group_sizes: list[int], prefix_lens: list[int]
+) -> torch.Tensor:
+    """``[B, T]`` logprobs of rows in groups that share a prompt, each group's prompt run once.
 
-    The shared pass covers the first ``prefix_len - 1`` tokens and produces no logits (an empty
-    ``logits_to_keep``); each row's pass starts at the prefix's last token, whose logits predict the row's
-    first own token, so every prediction comes out of one batched pass.
+    One pass runs the groups' prompts but their last token (right-padded, no logits: an empty
+    ``logits_to_keep``); its KV cache is repeated for each group's rows. A second pass runs every row from its
+    prompt's last token on, whose logits predict the row's first own token, so every prediction comes out
+    of that one batched pass. Padding inside the cache is masked out; positions continue each prompt.
     """
+    device = tokens_BT.device
     batch, length = tokens_BT.shape
-    shared = prefix_len - 1
-    no_logits = torch.empty(0, dtype=torch.long, device=tokens_BT.device)
-    cache = model(input_ids=tokens_BT[:1, :shared], use_cache=True, logits_to_keep=no_logits).past_key_values
-    cache.batch_repeat_interleave(batch)
-    rows_BS = tokens_BT[:, shared:]
-    positions = torch.arange(shared, length, device=tokens_BT.device).expand(batch, -1)
-    logits = model(input_ids=rows_BS, attention_mask=attention_BT, position_ids=positions, past_key_values=cache, use_cache=True).logits
-    scored = losses.token_logprobs(logits, rows_BS)
-    return torch.cat([torch.zeros(batch, shared, dtype=scored.dtype, device=scored.device), scored], dim=1)
+    shared = [p - 1 for p in prefix_lens]
+    group_of = torch.repeat_interleave(torch.arange(len(group_sizes), device=device), torch.tensor(group_sizes, device=device))
+    starts = torch.tensor(list(itertools.accumulate(group_sizes, initial=0))[:-1], device=device)
+    width = max(shared)
+    prefix_mask = (torch.arange(width, device=device)[None] < torch.tensor(shared, device=device)[:, None]).long()
+    prefix_ids = torch.where(prefix_mask.bool(), tokens_BT[starts, :width], torch.zeros_like(tokens_BT[starts, :width]))
+    no_logits = torch.empty(0, dtype=torch.long, device=device)
+    cache = model(input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True, logits_to_keep=no_logits).past_key_values
+    cache.batch_select_indices(group_of)
+    own = [n - shared[g] for n, g in zip(lengths, group_of.tolist())]
+    span = max(own)
+    offsets = torch.tensor([shared[g] for g in group_of.tolist()], device=device)
+    steps = torch.arange(span, device=device)[None]
+    rows_mask = steps < torch.tensor(own, device=device)[:, None]
+    index = (offsets[:, None] + steps).clamp_max(length - 1)
+    rows_BS = torch.where(rows_mask, tokens_BT.gather(1, index), torch.zeros_like(index))
+    attention = torch.cat([prefix_mask[group_of], rows_mask.long()], dim=1)
+    logits = model(input_ids=rows_BS, attention_mask=attention, position_ids=offsets[:, None] + steps, past_key_values=cache, use_cache=True).logits
+    scored_BS = losses.token_logprobs(logits, rows_BS)
+    out = []
+    for row, (g, n) in enumerate(zip(group_of.tolist(), own)):
+        pad_right = length - shared[g] - n
+        out.append(torch.cat([scored_BS.new_zeros(shared[g]), scored_BS[row, :n], scored_BS.new_zeros(pad_right)]))
+    return torch.stack(out)
 
 
-def sequence_logprobs(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, mask_BT: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
+def sequence_logprobs(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, mask_BT: torch.Tensor, micro: MicroBatch | None = None) -> torch.Tensor:
     """Float32 ``[B, T]`` logprobs of right-padded sequences (entry ``t`` scores ``tokens[t]``; unread entries are 0).
 
-    ``prefix_len`` > 0 says every row starts with the same ``prefix_len`` tokens and no loss is read inside
-    them; ``mask_BT`` tells which positions are read, so logits before the first one are skipped.
+    ``micro`` says which rows share prompts (see :class:`MicroBatch`); ``mask_BT`` tells which positions are
+    read, so rows scored on their own skip the logits before the first one.
     """
-    if prefix_len > 1 and tokens_BT.shape[0] > 1 and prefix_len < tokens_BT.shape[1]:
-        return _shared_prefix_logprobs(model, tokens_BT, attention_BT, prefix_len)
+    if micro is not None and micro.group_sizes:
+        lengths = attention_BT.sum(dim=1).tolist()
+        return _shared_prefix_logprobs(model, tokens_BT, lengths, micro.group_sizes, micro.prefix_lens)
     read = mask_BT.any(dim=0).nonzero()
     start = int(read[0]) if len(read) else tokens_BT.shape[1] - 1
     return _logprobs_from(model, tokens_BT, attention_BT, max(start, 1))

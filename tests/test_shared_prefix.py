@@ -54,19 +54,30 @@ def test_plan_groups_shared_prompts_and_keeps_the_rest_in_order() -> None:
     a, b = [1, 2, 3], [4, 5]
     data = [datum(a, [7], 1, 0), datum(b, [8], 1, 0), datum(a, [9, 9], 1, 0), datum([6], [1], 1, 0), datum(a, [5], 1, 0)]
     data.append(Datum(tokens=[1, 2], loss_mask=[0.0, 0.0]))  # no loss: never grouped
+    # Budget 2 x 5 tokens: group a costs its prompt once (2 tokens before the last) + 2, 3 and 2 of its own.
     plan = plan_micro_batches(data, micro_batch_size=2)
-    assert plan == [MicroBatch([0, 2], 3), MicroBatch([4], 3), MicroBatch([1, 3], 0), MicroBatch([5], 0)]
-    assert plan_micro_batches(data, micro_batch_size=8, share_prefixes=False) == [MicroBatch([0, 1, 2, 3, 4, 5], 0)]
+    assert plan == [MicroBatch([0, 2, 4], [3], [3]), MicroBatch([1, 3]), MicroBatch([5])]
+    assert plan_micro_batches(data, micro_batch_size=8, share_prefixes=False) == [MicroBatch([0, 1, 2, 3, 4, 5])]
     assert sorted(i for m in plan for i in m.indices) == list(range(len(data)))
 
 
-@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_plan_packs_groups_up_to_the_token_budget() -> None:
+    a, b = [1, 2, 3, 4], [5, 6]
+    data = [datum(a, [7, 7], 1, 0), datum(a, [8], 1, 0), datum(b, [9, 9, 9], 1, 0), datum(b, [9], 1, 0)]
+    # Longest sequence 6 tokens. Costs: a = 3 + 3 + 2 = 8, b = 1 + 4 + 2 = 7.
+    assert plan_micro_batches(data, micro_batch_size=3) == [MicroBatch([0, 1, 2, 3], [2, 2], [4, 2])]
+    assert plan_micro_batches(data, micro_batch_size=2) == [MicroBatch([0, 1], [2], [4]), MicroBatch([2, 3], [2], [2])]
+    # A budget below one group splits it; each part carries the prompt again.
+    assert plan_micro_batches(data, micro_batch_size=1) == [MicroBatch([0], [1], [4]), MicroBatch([1], [1], [4]), MicroBatch([2], [1], [2]), MicroBatch([3], [1], [2])]
+
+
+@pytest.mark.parametrize(("lora_rank", "micro_batch_size"), [(4, 1), (4, 3), (0, 3), (0, 8)])
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
-def test_shared_prefix_gradients_equal_per_sequence_gradients(tiny: str, lora_rank: int, aggregation: str) -> None:
+def test_shared_prefix_gradients_equal_per_sequence_gradients(tiny: str, lora_rank: int, micro_batch_size: int, aggregation: str) -> None:
     spec = LossSpec(name="ppo", clip_low=0.1, clip_high=0.3, kl_coef=0.1, aggregation=aggregation)
     results = {}
     for share in (True, False):
-        backend = make_backend(tiny, share, lora_rank=lora_rank, micro_batch_size=3)
+        backend = make_backend(tiny, share, lora_rank=lora_rank, micro_batch_size=micro_batch_size)
         if lora_rank:  # a non-zero adapter, so the KL term and the adapter's gradient path are both exercised
             with torch.no_grad():
                 for name, param in backend.model.named_parameters():
