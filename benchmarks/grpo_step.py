@@ -27,6 +27,14 @@ setting here (for full fine-tuning that means bfloat16 weights, cheaper than tin
 accumulate over micro-batches of ``--trl-micro-batch-size`` completions (default 8, as tinkergym's
 ``micro_batch_size``, and faster here than one batch of 64) into one optimizer step.
 
+What tinkergym does that TRL does not (both are part of what is measured): each group's prompt is prefilled
+once when sampling and run once in the training pass, the group's completions on top of its KV cache (so its
+``micro_batch_size`` of 8 becomes a memory budget of 8 unshared sequences, into which several groups fit);
+sampling draws tokens by inverting the CDF rather than with ``torch.multinomial``; full fine-tuning samples
+from a bfloat16 copy of its float32 weights. TRL with LoRA also meets a torch 2.13 slow path (a frozen output
+head applied to the non-contiguous last-position slice during prefill broadcasts the head's weight) that
+tinkergym avoids; that is part of TRL's time as a user would see it.
+
 Each side and mode runs in its own subprocess, one after the other, so they never share the 2 cores. The
 first step of each is a warm-up (one-off costs); the median of the next ``--steps`` steps is reported, with
 the sampling and training parts, the FLOP floor of the step at 835 GFLOP/s (this CPU's bfloat16 matmul rate),
