@@ -79,7 +79,8 @@ class TorchBackendConfig(_Plain):
         device: ``"auto"`` (cuda if available, else cpu) or a torch device string.
         attn_implementation: ``"auto"`` (flash_attention_2 when flash-attn is installed, on cuda, in bfloat16;
             else sdpa) or any name transformers accepts.
-        micro_batch_size: Sequences per forward/backward pass; bounds memory, not the effective batch.
+        micro_batch_size: Sequences per forward/backward pass; bounds memory, not the effective batch. Groups
+            that share a prompt are packed up to the tokens of that many of the request's longest sequences.
         max_sample_batch: Sequences generated together in one batch.
         share_prefixes: Run a prompt shared by several sequences once, when sampling and when training
             (exact up to floating-point summation order); False scores every sequence on its own.

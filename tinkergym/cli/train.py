@@ -74,7 +74,7 @@ def build_config(options: dict[str, Any]) -> Any:
 @click.option("--eval-episodes", type=click.IntRange(1), help="Episodes per evaluation (default 32).")
 @click.option("--checkpoint-every", type=click.IntRange(1), help="Checkpoint every N steps (default 10).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights dtype (auto: bf16 where supported).")
-@click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory).")
+@click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory; groups sharing a prompt pack into the same token budget).")
 @click.option("--sampler", type=click.Choice(["torch", "vllm"]),
               help="Who samples rollouts: torch (the training model, default) or vllm (a vLLM engine synced after every step; needs vllm installed).")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable), e.g. size=7.")
