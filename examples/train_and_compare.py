@@ -1,11 +1,16 @@
 """Train on any single-agent env and compare the greedy evaluation before and after training.
 
     python examples/train_and_compare.py --env tinker/Math-v0 --kwarg format_reward=0.5 --steps 10
-    python examples/train_and_compare.py --env tinker/Gomoku-v0 --kwarg size=7 --kwarg opponent='"random"' \\
-        --max-turns 8 --max-new-tokens 8 --steps 10
+    python examples/train_and_compare.py --env tinker/Gomoku-v0 --kwarg size=7 --kwarg win_length=4 \\
+        --kwarg opponent='"random"' --max-turns 8 --max-new-tokens 8 --warmup-sft-steps 20 --steps 15
 
 Every option of ``tinkergym train`` that matters here has a flag; the run folder keeps the metrics, the
 learning-curve PNG and the transcripts. The evaluation before training is logged as step -1.
+
+``--warmup-sft-steps N`` first fine-tunes every weight for N steps on the env's baseline agent's games
+(``--demos baseline``) into ``OUT/sft``, then runs RL with LoRA from that model (``OUT/sft/final``, a plain
+transformers folder): a model that cannot yet write a legal move gets no reward signal from RL (every
+episode of a group forfeits alike, so every advantage is 0), and the warm-up gives it one.
 """
 
 from __future__ import annotations
@@ -33,12 +38,24 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--eval-episodes", type=int, default=32)
+    parser.add_argument("--warmup-sft-steps", type=int, default=0, help="full fine-tuning steps on baseline demonstrations first")
+    parser.add_argument("--warmup-lr", type=float, default=1e-4)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     kwargs = {k: json.loads(v) for k, v in (pair.split("=", 1) for pair in args.kwarg)}
     out = args.out or f"runs/{args.env.split('/')[-1]}-{args.trainer}"
+    model = args.model
+    if args.warmup_sft_steps:
+        warmup = TrainConfig(
+            env=args.env, env_kwargs=kwargs, trainer="sft", model=model, lora_rank=0, lr=args.warmup_lr,
+            steps=args.warmup_sft_steps, batch_size=8, checkpoint_every=args.warmup_sft_steps, out=f"{out}/sft",
+            trainer_args={"demos": "baseline", "demo_episodes": 128},
+        )
+        TrainingRun(warmup).run()
+        model = f"{out}/sft/final"
+        print(f"warm-up: {args.warmup_sft_steps} SFT steps on baseline games -> {model}")
     config = TrainConfig(
-        env=args.env, env_kwargs=kwargs, trainer=args.trainer, model=args.model, lora_rank=args.lora_rank, lr=args.lr,
+        env=args.env, env_kwargs=kwargs, trainer=args.trainer, model=model, lora_rank=args.lora_rank, lr=args.lr,
         steps=args.steps, batch_size=args.batch_size, group_size=args.group_size, max_turns=args.max_turns,
         max_new_tokens=args.max_new_tokens, eval_every=args.steps, eval_episodes=args.eval_episodes,
         checkpoint_every=args.steps, out=out,

@@ -73,3 +73,12 @@ def test_trainer_plugins_are_found_by_name() -> None:
     assert load_trainer("grpo").__name__ == "GRPOTrainer"
     with pytest.raises(ConfigError, match="Did you mean: grpo"):
         load_trainer("grpoo")
+
+
+def test_success_is_the_envs_verdict_else_a_positive_reward() -> None:
+    from tinkergym.trainers.evaluation import succeeded
+
+    assert succeeded(Trajectory(rewards=[0.5], info={"is_success": False})) is False  # e.g. a format bonus alone
+    assert succeeded(Trajectory(rewards=[-0.1, 0.0], info={"is_success": True})) is True
+    assert succeeded(Trajectory(rewards=[0.0, 1.0])) is True
+    assert succeeded(Trajectory(rewards=[0.0])) is False

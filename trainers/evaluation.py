@@ -36,12 +36,18 @@ def evaluate(
     n = max(len(ok), 1)
     metrics = {
         "eval/reward_mean": sum(t.total_reward for t in ok) / n,
-        "eval/success_rate": sum(t.total_reward > 0 for t in ok) / n,
+        "eval/success_rate": sum(succeeded(t) for t in ok) / n,
         "eval/episodes": float(len(trajectories)),
         "eval/failed": float(len(trajectories) - len(ok)),
         "eval/tokens_per_episode": sum(t.num_sampled_tokens for t in trajectories) / max(len(trajectories), 1),
     }
     return metrics, trajectories
+
+
+def succeeded(trajectory: Trajectory) -> bool:
+    """The env's own verdict (``info["is_success"]`` of the last step, the Gymnasium convention), else a positive total reward."""
+    verdict = trajectory.info.get("is_success")
+    return bool(verdict) if verdict is not None else trajectory.total_reward > 0
 
 
 def transcript_record(trajectory: Trajectory, **extra: Any) -> dict[str, Any]:

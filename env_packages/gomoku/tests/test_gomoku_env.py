@@ -122,7 +122,7 @@ def test_win_gives_plus_one_and_ends_the_episode() -> None:
     env.reset(seed=0, options={"moves": ["A1", "O15", "A2", "O14", "A3", "O13", "A4", "N15"]})
     obs, reward, terminated, truncated, info = env.step("A5")
     assert (reward, terminated, truncated) == (1.0, True, False)
-    assert info["winner"] == "X" and "You win" in obs and json.dumps(info)
+    assert info["winner"] == "X" and info["is_success"] is True and "You win" in obs and json.dumps(info)
     assert env.step("B1")[2]  # after the end: still terminated, no exception
 
 
@@ -130,7 +130,7 @@ def test_loss_gives_minus_one_when_the_opponent_completes_a_line() -> None:
     env = GomokuEnv()
     env.reset(seed=0, options={"moves": ["A1", "H8", "A3", "H9", "A5", "H10", "O15", "H11"]})
     obs, reward, terminated, _, info = env.step("B14")  # ignores the four: the opponent takes the win
-    assert (reward, terminated, info["winner"]) == (-1.0, True, "O")
+    assert (reward, terminated, info["winner"], info["is_success"]) == (-1.0, True, "O", False)
     assert info["opponent_move"] in ("H7", "H12") and "You lose" in obs
 
 
@@ -142,7 +142,7 @@ def test_full_board_is_a_draw() -> None:
     env = GomokuEnv(size=5, opponent="random")
     env.reset(seed=0, options={"moves": opening})
     obs, reward, terminated, _, info = env.step(xs[-1])
-    assert (reward, terminated, info["winner"]) == (0.0, True, "draw") and "draw" in obs
+    assert (reward, terminated, info["winner"], info["is_success"]) == (0.0, True, "draw", False) and "draw" in obs
 
 
 def test_invalid_moves_cost_the_penalty_and_the_third_forfeits() -> None:

@@ -44,7 +44,7 @@ class GomokuEnv(TextEnv):
 
     Info: reset has ``system_prompt``, ``you`` (``"X"``/``"O"``), ``size``, ``win_length``, ``moves``;
     a step has ``move``, ``opponent_move`` (names or ``None``), ``moves`` (stones on the board) and
-    ``winner`` (``"X"``, ``"O"``, ``"draw"`` or ``None``).
+    ``winner`` (``"X"``, ``"O"``, ``"draw"`` or ``None``), ``is_success`` (whether the agent won).
 
     Kwargs:
         size: Board side, 5 to 26 (default 15).
@@ -129,7 +129,7 @@ class GomokuEnv(TextEnv):
         if len(game.moves) == geo.cells:
             text = f"You played {mine}. Opponent played {theirs}. The board is full: draw."
             return self._end(text, 0.0, mine, theirs)
-        info = {"move": mine, "opponent_move": theirs, "moves": len(game.moves), "winner": None}
+        info = {"move": mine, "opponent_move": theirs, "moves": len(game.moves), "winner": None, "is_success": False}
         board, number = game.draw(), len(game.moves) + 1
         text = f"You played {mine}. Opponent played {theirs}.\n\n{board}\n\nMove {number}{self._turn_tail}"
         return text, 0.0, False, False, info
@@ -137,7 +137,7 @@ class GomokuEnv(TextEnv):
     def _end(self, text: str, reward: float, mine: str, theirs: str | None) -> StepResult:
         game = self._game
         winner = SYMBOLS[game.winner] if game.winner else "draw"
-        info = {"move": mine, "opponent_move": theirs, "moves": len(game.moves), "winner": winner}
+        info = {"move": mine, "opponent_move": theirs, "moves": len(game.moves), "winner": winner, "is_success": reward > 0}
         return f"{text}\n\n{game.draw()}\n\nGame over.", reward, True, False, info
 
     def invalid_action_hint(self) -> str:

@@ -152,7 +152,7 @@ def test_correct_answer(env):
     assert (reward, terminated, truncated) == (1.0, True, False)
     assert info == {
         "problem_id": "half", "expected_answer": "3/2", "extracted_answer": "\\frac{3}{2}",
-        "answer_source": "boxed", "correct": True, "well_formed": True,
+        "answer_source": "boxed", "correct": True, "is_success": True, "well_formed": True,
     }
     assert obs == "Correct. The answer is 3/2."
 
@@ -161,7 +161,7 @@ def test_wrong_answer_and_format_reward():
     env = MathEnv(data_files=RECORDS, format_reward=0.25)
     env.reset(seed=0, options={"index": 0})
     obs, reward, terminated, _, info = env.step("\\boxed{5}")
-    assert reward == 0.25 and terminated and not info["correct"]
+    assert reward == 0.25 and terminated and not info["correct"] and info["is_success"] is False  # a format bonus is no success
     assert obs == "Incorrect. You answered '5'; the expected answer was 4."
     env.reset(options={"index": 0})
     assert env.step("\\boxed{4}")[1] == 1.25

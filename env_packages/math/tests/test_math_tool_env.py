@@ -84,7 +84,7 @@ def test_calculator_turn_then_final_answer(env):
     assert info["tool_calls_used"] == 1 and info["tool_calls_left"] == 3 and info["turn"] == 1
     obs, reward, terminated, truncated, info = env.step("So the answer is \\boxed{11/12}.")
     assert (reward, terminated, truncated) == (1.0, True, False)
-    assert info["correct"] and info["tool_calls_used"] == 1 and info["turn"] == 2
+    assert info["correct"] and info["is_success"] and info["tool_calls_used"] == 1 and info["turn"] == 2
     assert obs == "Correct. The answer is 11/12."
 
 

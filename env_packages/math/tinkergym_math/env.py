@@ -144,5 +144,6 @@ def grade_info(result: Grade, problem: Problem) -> dict[str, Any]:
         "extracted_answer": None if result.extracted is None else printable(result.extracted[:1000]),
         "answer_source": result.source,
         "correct": result.correct,
+        "is_success": result.correct,
         "well_formed": result.well_formed,
     }
