@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 from tinkergym.trainers.config import TrainConfig
@@ -40,25 +42,28 @@ def main() -> None:
     parser.add_argument("--eval-episodes", type=int, default=32)
     parser.add_argument("--warmup-sft-steps", type=int, default=0, help="full fine-tuning steps on baseline demonstrations first")
     parser.add_argument("--warmup-lr", type=float, default=1e-4)
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="sequences per forward pass (lower it for long episodes)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     kwargs = {k: json.loads(v) for k, v in (pair.split("=", 1) for pair in args.kwarg)}
     out = args.out or f"runs/{args.env.split('/')[-1]}-{args.trainer}"
     model = args.model
     if args.warmup_sft_steps:
-        warmup = TrainConfig(
-            env=args.env, env_kwargs=kwargs, trainer="sft", model=model, lora_rank=0, lr=args.warmup_lr,
-            steps=args.warmup_sft_steps, batch_size=8, checkpoint_every=args.warmup_sft_steps, out=f"{out}/sft",
-            trainer_args={"demos": "baseline", "demo_episodes": 128},
-        )
-        TrainingRun(warmup).run()
+        # Its own process: the memory of full fine-tuning goes back to the system before RL starts.
+        command = [
+            sys.executable, "-m", "tinkergym", "train", "--trainer", "sft", "--demos", "baseline", "--env", args.env,
+            "--model", model, "--full", "--lr", str(args.warmup_lr), "--steps", str(args.warmup_sft_steps), "--batch-size", "8",
+            "--checkpoint-every", str(args.warmup_sft_steps), "--trainer-arg", "demo_episodes=128", "--out", f"{out}/sft",
+            *(f"--kwarg={pair}" for pair in args.kwarg),
+        ]
+        subprocess.run(command, check=True)
         model = f"{out}/sft/final"
         print(f"warm-up: {args.warmup_sft_steps} SFT steps on baseline games -> {model}")
     config = TrainConfig(
         env=args.env, env_kwargs=kwargs, trainer=args.trainer, model=model, lora_rank=args.lora_rank, lr=args.lr,
         steps=args.steps, batch_size=args.batch_size, group_size=args.group_size, max_turns=args.max_turns,
         max_new_tokens=args.max_new_tokens, eval_every=args.steps, eval_episodes=args.eval_episodes,
-        checkpoint_every=args.steps, out=out,
+        checkpoint_every=args.steps, micro_batch_size=args.micro_batch_size, out=out,
     )
     TrainingRun(config).run()
     records = read_metrics(Path(out) / "metrics.jsonl")
