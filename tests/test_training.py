@@ -172,3 +172,19 @@ def test_a_third_party_trainer_package_trains_by_name(tiny, tmp_path) -> None:
         assert len(losses) == 5 and losses[-1] < losses[0]
     finally:
         subprocess.run([*pip, "uninstall", "-y", "-q", "tinkergym-trainer-sgd-demo"], capture_output=True)
+
+
+@pytest.mark.slow
+def test_compare_example_warms_up_with_sft_then_trains(tiny, tmp_path) -> None:
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_and_compare.py"
+    out = tmp_path / "example"
+    command = [
+        sys.executable, str(script), "--env", "tinker/Bandit-v0", "--model", tiny, "--warmup-sft-steps", "2", "--steps", "2",
+        "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "8", "--eval-episodes", "4", "--out", str(out),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "sft" / "final" / "config.json").is_file()  # the warm-up's full model, where RL started from
+    assert json.loads((out / "config.json").read_text())["model"] == str(out / "sft" / "final")
+    assert "eval before:" in result.stdout and "eval after:" in result.stdout
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [-1, 0, 1]
