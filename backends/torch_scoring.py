@@ -3,9 +3,9 @@
 Two savings, both exact up to floating-point summation order:
 
 - Shared prefixes. The samples of a GRPO group start with the same prompt, which carries no loss (mask 0).
-  :func:`plan_micro_batches` puts sequences whose whole masked-out prompt is identical into one micro-batch;
-  :func:`sequence_logprobs` runs that prompt once (batch 1), repeats its KV cache across the micro-batch and
-  runs only the completions on top of it. Gradients flow back through the repeated cache into the prompt's
+  :func:`plan_micro_batches` groups sequences whose whole masked-out prompt is identical and packs groups
+  into micro-batches by a token budget; :func:`sequence_logprobs` runs each group's prompt once, repeats its
+  KV cache for the group's rows and runs only the rows' own tokens on top of it. Gradients flow back through the repeated cache into the prompt's
   single forward pass, so the prompt's contribution to the gradient is the same as with one copy per sample.
   With 8 samples of a 100-token prompt and 25-token completions this scores ~300 tokens instead of ~1,000.
 - Logits only where a loss is read. Positions before the first masked-in token of a micro-batch produce no
