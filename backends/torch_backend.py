@@ -44,7 +44,7 @@ import torch
 from tinkergym.backends import losses
 from tinkergym.backends.models import resolve_model
 from tinkergym.backends.torch_sampling import sample_batch
-from tinkergym.backends.torch_scoring import MicroBatch, plan_micro_batches, sequence_logprobs
+from tinkergym.backends.torch_scoring import MicroBatch, logprobs_from, plan_micro_batches, sequence_logprobs
 from tinkergym.backends.types import (
     Datum,
     ForwardBackwardRequest,
@@ -255,9 +255,6 @@ class TorchBackend:
             self.model = self._add_lora(self.model)
         else:
             self.model.requires_grad_(True)
-        # torch 2.13 multiplies a non-contiguous [B, 1, H] slice (what logits_to_keep leaves) with a frozen
-        # weight by broadcasting the weight to [B, H, V] first: seconds per prefill with a frozen (LoRA) head.
-        self.model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
         self.step = 0
         self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # The fused kernel updates every weight in one pass; the default per-tensor loop takes seconds per
@@ -265,7 +262,7 @@ class TorchBackend:
         self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=0.0, fused=self.device.type in ("cpu", "cuda"))
         self._reference: torch.nn.Module | None = None
         self._sampling_copy: torch.nn.Module | None = None  # see _sampling_model
-        self._weights_version = 0  # bumped whenever the trainable weights change
+        self._sampling_copy_stale = False  # the trainable weights changed since the copy was made or refreshed
         # Padding is only ever read behind the attention mask, so any id does when the tokenizer has none.
         fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.pad_id = next(t for t in fallbacks if t is not None)
@@ -274,6 +271,9 @@ class TorchBackend:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.attn_implementation)
+        # torch 2.13 multiplies a non-contiguous [B, 1, H] slice (what logits_to_keep leaves) with a frozen
+        # weight by broadcasting the weight to [B, H, V] first: seconds per prefill with a frozen (LoRA) head.
+        model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
         return model.to(self.device)
 
     def _compute(self) -> contextlib.AbstractContextManager:
@@ -361,12 +361,11 @@ class TorchBackend:
             return self.model.eval()
         if self._sampling_copy is None:
             self._sampling_copy = copy.deepcopy(self.model).to(self.dtype).eval().requires_grad_(False)
-            self._sampling_version = self._weights_version
-        if self._sampling_version != self._weights_version:
+        elif self._sampling_copy_stale:
             with torch.no_grad():
                 for target, source in zip(self._sampling_copy.parameters(), self.model.parameters()):
                     target.copy_(source)
-            self._sampling_version = self._weights_version
+        self._sampling_copy_stale = False
         return self._sampling_copy
 
     def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -378,7 +377,7 @@ class TorchBackend:
                 chunk = sequences[start : start + self.config.max_sample_batch]
                 batch = self._collate([Datum(tokens=s, loss_mask=[0.0] * len(s)) for s in chunk])
                 with self._compute():
-                    logprobs = self._token_logprobs(self.model, batch)
+                    logprobs = logprobs_from(self.model, batch.tokens, batch.attention)
                 out.extend(row[:n] for row, n in zip(logprobs.tolist(), batch.lengths))
         return out
 
@@ -395,11 +394,6 @@ class TorchBackend:
         if all(d.sampling_logprobs for d in data):
             batch.sampling_logprobs = _pad_right([d.sampling_logprobs for d in data], width, torch.float32, self.device)
         return batch
-
-    @staticmethod
-    def _token_logprobs(model: torch.nn.Module, batch: _Batch) -> torch.Tensor:
-        logits = model(input_ids=batch.tokens, attention_mask=batch.attention, use_cache=False).logits
-        return losses.token_logprobs(logits, batch.tokens)
 
     # ----- training ---------------------------------------------------------------------------------
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
@@ -436,7 +430,6 @@ class TorchBackend:
                 # The starting weights, read back from disk only when a KL term first needs them.
                 # Same precision handling as the policy, so the two agree exactly before the first update.
                 self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
-                self._reference.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
             return sequence_logprobs(self._reference, batch.tokens, batch.attention, batch.mask, micro)
 
     def optim_step(self, params: OptimParams) -> dict[str, float]:
@@ -458,7 +451,7 @@ class TorchBackend:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self._weights_version += 1
+        self._sampling_copy_stale = True
         # Stop before such weights reach a checkpoint. NaN and inf propagate into sums: one number per tensor.
         if not bool(torch.stack([p.detach().sum(dtype=torch.float32) for p in trainable]).isfinite().all()):
             raise NonFiniteError(f"optimizer step {self.step} made weights NaN or infinite (learning rate {params.learning_rate:g})")
@@ -495,7 +488,7 @@ class TorchBackend:
         with torch.no_grad():
             for name, param in self._trainable:
                 param.copy_(weights[name])
-        self._weights_version += 1
+        self._sampling_copy_stale = True
         self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=True))
         _set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=True))
         self.step = int(meta["step"])

@@ -5,8 +5,9 @@ Two savings, both exact up to floating-point summation order:
 - Shared prefixes. The samples of a GRPO group start with the same prompt, which carries no loss (mask 0).
   :func:`plan_micro_batches` groups sequences whose whole masked-out prompt is identical and packs groups
   into micro-batches by a token budget; :func:`sequence_logprobs` runs each group's prompt once, repeats its
-  KV cache for the group's rows and runs only the rows' own tokens on top of it. Gradients flow back through the repeated cache into the prompt's
-  single forward pass, so the prompt's contribution to the gradient is the same as with one copy per sample.
+  KV cache for the group's rows and runs only the rows' own tokens on top of it. Gradients flow back through
+  the repeated cache into the prompt's single forward pass, so the prompt's contribution to the gradient is
+  the same as with one copy per sample.
   With 8 samples of a 100-token prompt and 25-token completions this scores ~300 tokens instead of ~1,000.
 - Logits only where a loss is read. Positions before the first masked-in token of a micro-batch produce no
   logits (the vocabulary projection and log-softmax are a large share of a small model's work).
@@ -88,8 +89,8 @@ def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes:
     return batches
 
 
-def _logprobs_from(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, start: int) -> torch.Tensor:
-    """``[B, T]`` logprobs, computing logits only for positions ``start - 1`` onward (earlier entries are 0)."""
+def logprobs_from(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, start: int = 1) -> torch.Tensor:
+    """``[B, T]`` logprobs of right-padded rows, with logits only for positions ``start - 1`` onward (earlier entries are 0)."""
     batch, length = tokens_BT.shape
     keep_from = max(start - 1, 0)
     logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=length - keep_from).logits
@@ -147,4 +148,4 @@ def sequence_logprobs(model: torch.nn.Module, tokens_BT: torch.Tensor, attention
         return _shared_prefix_logprobs(model, tokens_BT, lengths, micro.group_sizes, micro.prefix_lens)
     read = mask_BT.any(dim=0).nonzero()
     start = int(read[0]) if len(read) else tokens_BT.shape[1] - 1
-    return _logprobs_from(model, tokens_BT, attention_BT, max(start, 1))
+    return logprobs_from(model, tokens_BT, attention_BT, max(start, 1))
