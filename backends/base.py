@@ -28,8 +28,8 @@ class Backend(Protocol):
     def sample(self, request: SampleRequest) -> SampleResponse:
         """Sample completions for token prompts; the returned ids are exactly what the policy produced."""
 
-    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Per-token logprobs of whole sequences under the current policy (entry 0 is 0.0)."""
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Per-token logprobs of whole sequences under the current policy at ``temperature`` (entry 0 is 0.0)."""
 
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
         """Compute the named loss on the batch and accumulate gradients."""

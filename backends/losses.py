@@ -2,8 +2,9 @@
 
 Shapes are ``[B, T]`` with every per-token tensor aligned to the tokens: entry ``t`` is about predicting
 ``tokens[t]`` from ``tokens[:t]`` (entry 0 predicts nothing). Aggregation is expressed as per-token weights
-whose normalizers are computed over the whole request, so a batch split into micro-batches sums to exactly
-the loss of the unsplit batch.
+whose normalizers are computed over the whole optimizer batch (the request's, unless the request names the
+batch's totals), so a batch split into micro-batches, or into several requests before one optimizer step,
+sums to exactly the loss of the unsplit batch.
 """
 
 from __future__ import annotations
@@ -20,14 +21,27 @@ AGGREGATIONS = ("token", "sequence")
 # Losses that compare against the sampler's logprobs (an importance ratio).
 RATIO_LOSSES = ("ppo", "importance_sampling")
 POLICY_LOSSES = ("ppo", "importance_sampling", "reinforce")
+#: Where the old policy of an importance ratio comes from: the sampler's logprobs, or the trainer's own.
+OLD_LOGPROBS = ("sampler", "trainer")
 
 
-def _chunk_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+#: Bound on a log importance ratio before it is exponentiated: exp(20) is finite in float32 with room to spare.
+MAX_LOG_RATIO = 20.0
+#: Bound on the per-token k3 KL value, as verl bounds its low-variance KL.
+MAX_K3 = 10.0
+
+
+def _chunk_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    if temperature != 1.0:
+        logits_NV = logits_NV.float() / temperature
     return torch.log_softmax(logits_NV, dim=-1, dtype=torch.float32).gather(-1, targets_N[:, None]).squeeze(-1)
 
 
-def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
     """Float32 logprobs of each token under the logits of the previous position; ``[B, T]``, column 0 is 0.
+
+    ``temperature`` scores the distribution ``softmax(logits / temperature)``, the one a sampler at that
+    temperature draws from (in float32, so a bfloat16 model's logits are not rounded again by the division).
 
     No ``[B, T, V]`` copy is made: the logits are read through a flat view (every position is scored against
     the next token, the last one against a dummy id and dropped), with one float32 log-softmax pass. Up to
@@ -39,44 +53,61 @@ def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, chunk_size
     next_BT = torch.cat([tokens_BT[:, 1:], torch.zeros_like(tokens_BT[:, :1])], dim=1)
     logits_NV, targets_N = logits_BTV.reshape(-1, vocab), next_BT.reshape(-1)
     if logits_NV.shape[0] <= chunk_size:
-        logprobs_N = _chunk_logprobs(logits_NV, targets_N)
+        logprobs_N = _chunk_logprobs(logits_NV, targets_N, temperature)
     else:
         pieces = []
         for start in range(0, logits_NV.shape[0], chunk_size):
             chunk, targets = logits_NV[start : start + chunk_size], targets_N[start : start + chunk_size]
             if chunk.requires_grad:
-                pieces.append(checkpoint(_chunk_logprobs, chunk, targets, use_reentrant=False))
+                pieces.append(checkpoint(_chunk_logprobs, chunk, targets, temperature, use_reentrant=False))
             else:
-                pieces.append(_chunk_logprobs(chunk, targets))
+                pieces.append(_chunk_logprobs(chunk, targets, temperature))
         logprobs_N = torch.cat(pieces)
     zeros = torch.zeros(batch, 1, dtype=torch.float32, device=logits_BTV.device)
     return torch.cat([zeros, logprobs_N.view(batch, length)[:, :-1]], dim=1)
 
 
-def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+def _masked_log_ratio(numerator: torch.Tensor, denominator: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """``numerator - denominator`` where ``mask`` is set and 0 elsewhere, bounded by :data:`MAX_LOG_RATIO`.
+
+    Masking comes before any exponential: positions outside the loss (prompts, padding, observations) hold
+    arbitrary values, and an ``exp`` of one of them that overflows would turn ``inf * 0`` into NaN.
+    """
+    log_ratio = numerator - denominator
+    if mask is not None:
+        log_ratio = torch.where(mask > 0, log_ratio, torch.zeros_like(log_ratio))
+    return log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token k3 estimate of KL(policy || reference): ``exp(r) - r - 1`` with ``r = ref - policy``.
 
-    Non-negative, zero where the two agree, and unbiased for tokens sampled from the policy.
+    Non-negative, zero where the two agree, and unbiased for tokens sampled from the policy. Entries outside
+    ``mask`` are 0; ``r`` is bounded by :data:`MAX_LOG_RATIO` and the value by :data:`MAX_K3` (as verl's
+    low-variance KL), so one token far out of the reference's support cannot make the loss NaN or infinite.
     """
-    log_ratio = ref_logprobs - logprobs
-    return torch.exp(log_ratio) - log_ratio - 1.0
+    log_ratio = _masked_log_ratio(ref_logprobs, logprobs, mask)
+    return (torch.exp(log_ratio) - log_ratio - 1.0).clamp_max(MAX_K3)
 
 
 def policy_loss(
     name: str,
     logprobs: torch.Tensor,
     advantages: torch.Tensor | None = None,
-    sampling_logprobs: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per-token loss of ``name``, with the importance ratio and the clipped-token indicator where they exist.
 
     - ``cross_entropy``: ``-logprob``.
     - ``reinforce``: ``-logprob * advantage``.
-    - ``importance_sampling``: ``-ratio * advantage`` with ``ratio = exp(logprob - sampling_logprob)``.
+    - ``importance_sampling``: ``-ratio * advantage`` with ``ratio = exp(logprob - old_logprob)``.
     - ``ppo``: ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``; a token counts as
       clipped where the clipped term is the smaller one (its gradient is zero there).
+
+    The ratio is 1 outside ``mask`` (see :func:`_masked_log_ratio`).
     """
     if name not in LOSS_NAMES:
         raise ConfigError(f"unknown loss {name!r}; use one of {', '.join(LOSS_NAMES)}")
@@ -86,9 +117,9 @@ def policy_loss(
         raise ConfigError(f"the {name!r} loss needs advantages for every datum")
     if name == "reinforce":
         return -logprobs * advantages, None, None
-    if sampling_logprobs is None:
+    if old_logprobs is None:
         raise ConfigError(f"the {name!r} loss needs sampling_logprobs for every datum (the logprobs sample() returned)")
-    ratio = torch.exp(logprobs - sampling_logprobs)
+    ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs, mask))
     if name == "importance_sampling":
         return -ratio * advantages, ratio, None
     unclipped = ratio * advantages
@@ -96,12 +127,41 @@ def policy_loss(
     return -torch.minimum(unclipped, clipped), ratio, (clipped < unclipped).float()
 
 
-def aggregation_weights(mask_BT: torch.Tensor, aggregation: str, total_mask: float, num_sequences: int) -> torch.Tensor:
-    """Per-token weights that turn a sum over tokens into the requested mean over the whole request.
+def validate_spec(spec: Any) -> None:
+    """Refuse a :class:`~tinkergym.backends.types.LossSpec` that cannot be computed, with what to do instead."""
+    if spec.name not in LOSS_NAMES:
+        raise ConfigError(f"unknown loss {spec.name!r}; use one of {', '.join(LOSS_NAMES)}")
+    if spec.aggregation not in AGGREGATIONS:
+        raise ConfigError(f"unknown aggregation {spec.aggregation!r}; use one of {', '.join(AGGREGATIONS)}")
+    if spec.old_logprobs not in OLD_LOGPROBS:
+        raise ConfigError(f"old_logprobs must be one of {', '.join(OLD_LOGPROBS)}, not {spec.old_logprobs!r}")
+    if not spec.temperature > 0:
+        raise ConfigError(
+            f"the loss temperature must be > 0 (got {spec.temperature}): greedy samples have no distribution to train on; "
+            "sample training rollouts at a temperature > 0 (greedy decoding is fine in evaluation)"
+        )
+    if spec.top_k > 0 or spec.top_p < 1.0:
+        raise ConfigError(
+            f"top_k={spec.top_k}, top_p={spec.top_p}: the training loss scores the full distribution at the sampling "
+            "temperature, so truncated sampling would bias the importance ratio; sample training rollouts with top_k=0 and "
+            "top_p=1 (top-k/top-p are fine in evaluation)"
+        )
+    if spec.tis_cap < 0 or spec.kl_coef < 0:
+        raise ConfigError(f"tis_cap and kl_coef must be >= 0 (0 = off), not {spec.tis_cap} and {spec.kl_coef}")
+    if spec.tis_cap > 0 and spec.name in RATIO_LOSSES and spec.old_logprobs != "trainer":
+        raise ConfigError(
+            "tis_cap weighs each token by min(trainer/sampler ratio, cap), so the PPO ratio must start from the "
+            "trainer's old logprobs, not the sampler's: set old_logprobs='trainer' as well"
+        )
 
-    ``token``: every masked token weighs ``mask / total_mask`` (the request's summed mask). ``sequence``:
+
+def aggregation_weights(mask_BT: torch.Tensor, aggregation: str, total_mask: float, num_sequences: int) -> torch.Tensor:
+    """Per-token weights that turn a sum over tokens into the requested mean over the whole batch.
+
+    ``token``: every masked token weighs ``mask / total_mask`` (the batch's summed mask). ``sequence``:
     each sequence's tokens weigh ``mask / (its own mask sum * num_sequences)``, so every sequence with a
-    non-empty mask counts equally. Rows with an empty mask weigh nothing.
+    non-empty mask counts equally. Rows with an empty mask weigh nothing. ``total_mask`` and
+    ``num_sequences`` are the whole optimizer batch's, which may be more than the rows being weighed.
     """
     if aggregation not in AGGREGATIONS:
         raise ConfigError(f"unknown aggregation {aggregation!r}; use one of {', '.join(AGGREGATIONS)}")
@@ -109,6 +169,21 @@ def aggregation_weights(mask_BT: torch.Tensor, aggregation: str, total_mask: flo
         return mask_BT / max(total_mask, 1e-12)
     per_row = mask_BT.sum(dim=1, keepdim=True)
     return torch.where(per_row > 0, mask_BT / per_row.clamp_min(1e-12), torch.zeros_like(mask_BT)) / max(num_sequences, 1)
+
+
+def mismatch_sums(trainer_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Sums that measure how far the sampler's logprobs are from the trainer's on the sampled tokens.
+
+    ``mismatch_abs_sum`` (of ``|trainer - sampler|``), ``mismatch_abs_max`` and ``mismatch_kl_sum`` (the k3
+    estimate of KL(sampler || trainer), unbiased for tokens drawn by the sampler), all over masked tokens.
+    """
+    delta = _masked_log_ratio(trainer_logprobs.detach(), sampling_logprobs, mask)
+    read = mask > 0
+    return {
+        "mismatch_abs_sum": float((delta.abs() * mask).sum()),
+        "mismatch_abs_max": float(delta.abs()[read].max()) if bool(read.any()) else 0.0,
+        "mismatch_kl_sum": float(((torch.exp(delta) - delta - 1.0) * mask).sum()),
+    }
 
 
 def compute_loss(
@@ -119,20 +194,41 @@ def compute_loss(
     advantages: torch.Tensor | None = None,
     sampling_logprobs: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The scalar loss of one micro-batch and the metric sums to accumulate across micro-batches.
 
     ``spec`` is a :class:`~tinkergym.backends.types.LossSpec`; ``weights`` come from
-    :func:`aggregation_weights`; ``ref_logprobs`` are needed when ``spec.kl_coef > 0``. The sums are
-    mask-weighted (``mask_sum``, ``kl_sum``, ``ratio_sum``, ``clipped_sum``) plus ``loss`` and ``tokens``;
-    :func:`finalize_metrics` turns the accumulated sums into means.
+    :func:`aggregation_weights`; ``ref_logprobs`` are needed when ``spec.kl_coef > 0``.
+
+    The old policy of the importance ratio is ``old_logprobs`` when given (a trainer recomputed them), else
+    with ``spec.old_logprobs == "trainer"`` the policy's own logprobs of this pass, detached (equal to a
+    recomputation as long as no optimizer step ran since the batch was sampled, as in GRPO's one step per
+    batch), else the sampler's. With ``spec.tis_cap`` > 0 each token's loss is multiplied by the truncated
+    importance weight ``min(exp(trainer_old - sampler), tis_cap)``, which corrects for a sampler whose
+    numerics differ from the trainer's (vLLM, a bfloat16 copy).
+
+    The sums are mask-weighted (``mask_sum``, ``kl_sum``, ``ratio_sum``, ``clipped_sum``, ``tis_sum``,
+    mismatch sums) plus ``loss`` and ``tokens``; :func:`finalize_metrics` turns accumulated sums into means.
     """
-    per_token, ratio, clipped = policy_loss(spec.name, logprobs, advantages, sampling_logprobs, spec.clip_low, spec.clip_high)
+    trainer_old = old_logprobs if old_logprobs is not None else logprobs.detach()
+    if spec.name in RATIO_LOSSES and (old_logprobs is not None or spec.old_logprobs == "trainer"):
+        ratio_base = trainer_old
+    else:
+        ratio_base = sampling_logprobs
+    per_token, ratio, clipped = policy_loss(spec.name, logprobs, advantages, ratio_base, spec.clip_low, spec.clip_high, mask)
     sums: dict[str, float] = {"mask_sum": float(mask.sum()), "tokens": float((mask > 0).sum())}
+    if sampling_logprobs is not None:
+        sums.update(mismatch_sums(trainer_old, sampling_logprobs, mask))
+        if spec.tis_cap > 0 and spec.name in POLICY_LOSSES:
+            tis = torch.exp(_masked_log_ratio(trainer_old, sampling_logprobs, mask)).clamp_max(spec.tis_cap).detach()
+            per_token = per_token * tis
+            sums["tis_sum"] = float((tis * mask).sum())
+            sums["tis_capped_sum"] = float(((tis >= spec.tis_cap).float() * mask).sum())
     if spec.kl_coef > 0:
         if ref_logprobs is None:
             raise ConfigError("kl_coef > 0 needs reference logprobs")
-        kl = k3_kl(logprobs, ref_logprobs)
+        kl = k3_kl(logprobs, ref_logprobs, mask)
         per_token = per_token + spec.kl_coef * kl
         sums["kl_sum"] = float((kl.detach() * mask).sum())
     if ratio is not None:
@@ -145,18 +241,37 @@ def compute_loss(
 
 
 def add_sums(total: dict[str, float], sums: dict[str, float]) -> dict[str, float]:
-    """``total`` with each of ``sums`` added in (a new dict)."""
+    """``total`` with each of ``sums`` added in (a new dict); keys ending in ``_max`` keep the maximum."""
     out = dict(total)
     for key, value in sums.items():
-        out[key] = out.get(key, 0.0) + value
+        if key.endswith("_max"):
+            out[key] = max(out.get(key, value), value)
+        else:
+            out[key] = out.get(key, 0.0) + value
     return out
 
 
+#: Accumulated sum -> the metric it becomes when divided by the summed mask.
+_MEANS = (
+    ("kl_sum", "kl"),
+    ("ratio_sum", "ratio_mean"),
+    ("clipped_sum", "clip_fraction"),
+    ("tis_sum", "tis/weight_mean"),
+    ("tis_capped_sum", "tis/capped_fraction"),
+    ("mismatch_abs_sum", "mismatch/logp_abs_mean"),
+    ("mismatch_kl_sum", "mismatch/kl"),
+)
+
+
 def finalize_metrics(sums: dict[str, float]) -> dict[str, float]:
-    """Means from accumulated sums: ``loss``, ``tokens`` and, where computed, ``kl``, ``ratio_mean``, ``clip_fraction``."""
+    """Means from accumulated sums: ``loss``, ``tokens`` and, where computed, ``kl``, ``ratio_mean``,
+    ``clip_fraction``, ``tis/*`` and the sampler/trainer mismatch ``mismatch/logp_abs_mean``,
+    ``mismatch/logp_abs_max`` and ``mismatch/kl``."""
     denom = max(sums.get("mask_sum", 0.0), 1e-12)
     metrics = {"loss": sums.get("loss", 0.0), "tokens": sums.get("tokens", 0.0)}
-    for key, name in (("kl_sum", "kl"), ("ratio_sum", "ratio_mean"), ("clipped_sum", "clip_fraction")):
+    for key, name in _MEANS:
         if key in sums:
             metrics[name] = sums[key] / denom
+    if "mismatch_abs_max" in sums:
+        metrics["mismatch/logp_abs_max"] = sums["mismatch_abs_max"]
     return metrics

@@ -77,6 +77,8 @@ class Datum(_Plain):
     loss_mask: list[float]
     advantages: list[float] = field(default_factory=list)
     sampling_logprobs: list[float] = field(default_factory=list)
+    #: The old policy's logprobs as the trainer computes them (optional; see ``LossSpec.old_logprobs``).
+    old_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +90,17 @@ class LossSpec(_Plain):
     ``"reinforce"`` (plain policy gradient, logprob times advantage). ``aggregation`` ``"token"`` averages over
     all masked tokens of the batch; ``"sequence"`` averages each sequence first. ``kl_coef`` > 0 adds the k3
     KL estimate to the reference policy (with LoRA: the base model with the adapter disabled).
+
+    ``temperature`` is the temperature the data was sampled at: policy and reference logprobs are those of
+    ``softmax(logits / temperature)``, the distribution the sampler drew from, so an unchanged policy has an
+    importance ratio of exactly 1. ``top_k``/``top_p`` truncation cannot be scored that way and is refused
+    (sample training data with ``top_k=0``, ``top_p=1``; truncation is fine in evaluation).
+
+    ``old_logprobs`` is the old policy of the importance ratio: ``"sampler"`` (the datum's
+    ``sampling_logprobs``) or ``"trainer"`` (the datum's ``old_logprobs`` when given, else the policy's own
+    logprobs in this pass before its optimizer step, so the ratio starts at 1 even when the sampler's numerics
+    differ). ``tis_cap`` > 0 (with ``"trainer"``) multiplies each token's loss by the truncated importance
+    weight ``min(exp(trainer_old - sampler), tis_cap)`` that corrects for that difference.
     """
 
     name: str = "ppo"
@@ -96,14 +109,28 @@ class LossSpec(_Plain):
     kl_coef: float = 0.0
     aggregation: str = "token"
     loss_scale: float = 1.0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    old_logprobs: str = "sampler"
+    tis_cap: float = 0.0
 
 
 @dataclass
 class ForwardBackwardRequest(_Plain):
-    """A batch and its loss; gradients accumulate until :meth:`Backend.optim_step`."""
+    """A batch and its loss; gradients accumulate until :meth:`Backend.optim_step`.
+
+    ``num_tokens`` / ``num_sequences``: the loss normalizers of the whole optimizer batch (the summed loss
+    mask and the number of sequences with a non-empty mask, as TRL's ``num_items_in_batch``) when it is sent
+    in several requests, or when sequences without a gradient were left out of it; ``None`` uses this
+    request's own. Several requests with the batch's totals before one ``optim_step`` give the gradient of one
+    request with everything.
+    """
 
     data: list[Datum]
     loss: LossSpec = field(default_factory=LossSpec)
+    num_tokens: float | None = None
+    num_sequences: int | None = None
 
 
 @dataclass

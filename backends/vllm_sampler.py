@@ -439,9 +439,9 @@ class VLLMBackend:
             self.sync()
         return self.sampler.sample(request)
 
-    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Per-token logprobs under the training backend's current policy."""
-        return self.backend.logprobs(sequences)
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Per-token logprobs under the training backend's current policy at ``temperature``."""
+        return self.backend.logprobs(sequences, temperature)
 
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
         """The training backend's ``forward_backward``."""

@@ -299,10 +299,13 @@ def test_forward_backward_metrics_and_errors(tiny: str) -> None:
     backend = make_backend(tiny)
     data = rl_batch(backend)
     metrics = backend.forward_backward(ForwardBackwardRequest(data=data, loss=LossSpec(name="ppo"))).metrics
-    assert set(metrics) == {"loss", "tokens", "ratio_mean", "clip_fraction"}
+    mismatch = {"mismatch/logp_abs_mean", "mismatch/logp_abs_max", "mismatch/kl"}
+    assert set(metrics) == {"loss", "tokens", "ratio_mean", "clip_fraction"} | mismatch
     assert metrics["tokens"] == sum(sum(d.loss_mask[1:]) for d in data)
     assert 0 < metrics["clip_fraction"] < 1
-    assert set(backend.forward_backward(ForwardBackwardRequest(data=data, loss=LossSpec(name="reinforce"))).metrics) == {"loss", "tokens"}
+    assert set(backend.forward_backward(ForwardBackwardRequest(data=data, loss=LossSpec(name="reinforce"))).metrics) == {"loss", "tokens"} | mismatch
+    sft = [Datum(tokens=d.tokens, loss_mask=d.loss_mask) for d in data]
+    assert set(backend.forward_backward(ForwardBackwardRequest(data=sft, loss=LossSpec(name="cross_entropy"))).metrics) == {"loss", "tokens"}
     bad = [Datum(tokens=data[0].tokens, loss_mask=data[0].loss_mask)]
     with pytest.raises(ConfigError, match="advantages"):
         backend.forward_backward(ForwardBackwardRequest(data=bad, loss=LossSpec(name="ppo")))

@@ -11,6 +11,10 @@ from tinkergym.errors import ConfigError
 
 #: Where rollouts are sampled: the training backend itself, or a vLLM engine synced from it after every step.
 SAMPLERS = ("torch", "vllm")
+#: The old policy of the importance ratio: the sampler's logprobs, or the trainer's own (see LossSpec).
+OLD_LOGPROBS = ("sampler", "trainer")
+#: Episodes that a budget (max_turns, max_context, an episode token budget) ended: trained on, or masked.
+TRUNCATION_MODES = ("keep", "mask")
 
 
 @dataclass
@@ -46,6 +50,16 @@ class TrainConfig:
     dtype: str = "auto"
     micro_batch_size: int = 8
     sampler: str = "torch"  # "torch" (the training backend samples) or "vllm" (a vLLM engine, synced every step)
+    # The old policy of the PPO ratio: "sampler" (its logprobs, free) or "trainer" (the policy's own logprobs
+    # before the step's update, so sampler numerics do not enter the ratio). With tis_cap > 0 (needs "trainer")
+    # each token is weighted by min(trainer/sampler ratio, tis_cap): truncated importance sampling, as verl/TRL.
+    old_logprobs: str = "sampler"
+    tis_cap: float = 0.0
+    # Episodes a budget ended (finish reasons max_turns, max_episode_tokens, context; not the env's own
+    # truncation): "keep" trains on them with their reward, "mask" leaves them out of the loss and of their
+    # group's statistics. truncated_reward, when set, replaces their total reward (e.g. -1 as a penalty).
+    truncation: str = "keep"
+    truncated_reward: float | None = None
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     eval_env_kwargs: dict[str, Any] = field(default_factory=dict)
     trainer_args: dict[str, Any] = field(default_factory=dict)
@@ -64,9 +78,28 @@ class TrainConfig:
             raise ConfigError("loss-aggregation must be 'token' or 'sequence'.")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, not {self.sampler!r}.")
+        self._validate_rl()
         if not self.env and self.trainer != "sft":
             raise ConfigError("--env is required: the env id to train on (see: tinkergym envs list).")
         return self
+
+    def _validate_rl(self) -> None:
+        if self.trainer != "sft" and not self.temperature > 0:
+            raise ConfigError(
+                f"temperature must be > 0 for RL training (got {self.temperature}): greedy rollouts give every sample of a "
+                "group the same completion and no distribution to train on. Greedy decoding is for evaluation, which always uses it."
+            )
+        if self.old_logprobs not in OLD_LOGPROBS:
+            raise ConfigError(f"old-logprobs must be one of {', '.join(OLD_LOGPROBS)}, not {self.old_logprobs!r}.")
+        if self.tis_cap < 0:
+            raise ConfigError(f"tis-cap must be >= 0 (0 = off), not {self.tis_cap}.")
+        if self.tis_cap > 0 and self.old_logprobs != "trainer":
+            raise ConfigError(
+                "tis-cap weighs tokens by the trainer/sampler ratio, so the PPO ratio must start from the trainer's "
+                "logprobs: add --old-logprobs trainer (old_logprobs: trainer in a config file)."
+            )
+        if self.truncation not in TRUNCATION_MODES:
+            raise ConfigError(f"truncation must be one of {', '.join(TRUNCATION_MODES)}, not {self.truncation!r}.")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable copy."""

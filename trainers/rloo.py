@@ -18,11 +18,11 @@ class RLOOTrainer(GRPOTrainer):
 
     advantage_name = "rloo"
 
-    def advantages(self, rewards_B: list[float]) -> list[float]:
-        """Leave-one-out advantages of a step's rewards."""
-        return leave_one_out_advantages(rewards_B, self.ctx.config.group_size)
+    def advantages(self, rewards_B: list[float], valid_B: list[bool] | None = None) -> list[float]:
+        """Leave-one-out advantages of a step's rewards (invalid members are nobody's baseline)."""
+        return leave_one_out_advantages(rewards_B, self.ctx.config.group_size, valid_B=valid_B)
 
     def loss(self) -> LossSpec:
-        """The REINFORCE loss with the run's KL coefficient and aggregation."""
+        """The REINFORCE loss with the run's KL coefficient, aggregation, sampling temperature and ``tis_cap``."""
         c = self.ctx.config
-        return LossSpec(name="reinforce", kl_coef=c.kl_coef, aggregation=c.loss_aggregation)
+        return LossSpec(name="reinforce", kl_coef=c.kl_coef, aggregation=c.loss_aggregation, temperature=c.temperature, tis_cap=c.tis_cap)
