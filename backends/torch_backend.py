@@ -192,7 +192,24 @@ class _Batch:
     mask: torch.Tensor
     advantages: torch.Tensor | None = None
     sampling_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
     lengths: list[int] = field(default_factory=list)
+
+
+def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A frozen copy of ``model`` whose linear weights are in ``dtype`` and whose other weights stay as they are.
+
+    A tied output embedding gets its own ``dtype`` weight: converting the shared one would also turn the
+    input embeddings, and with them the whole residual stream, into ``dtype``.
+    """
+    sampler = copy.deepcopy(model).eval().requires_grad_(False)
+    head = sampler.get_output_embeddings()
+    if head is not None and head.weight is sampler.get_input_embeddings().weight:
+        head.weight = torch.nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
+    for module in sampler.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.to(dtype)
+    return sampler
 
 
 def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple:
@@ -207,17 +224,14 @@ def _pad_right(rows: list[list[float]], width: int, dtype: torch.dtype, device: 
 
 
 def _validate(data: list[Datum], spec: LossSpec) -> None:
-    if spec.name not in losses.LOSS_NAMES:
-        raise ConfigError(f"unknown loss {spec.name!r}; use one of {', '.join(losses.LOSS_NAMES)}")
-    if spec.aggregation not in losses.AGGREGATIONS:
-        raise ConfigError(f"unknown aggregation {spec.aggregation!r}; use one of {', '.join(losses.AGGREGATIONS)}")
+    losses.validate_spec(spec)
     for i, datum in enumerate(data):
         n = len(datum.tokens)
         if n == 0:
             raise ConfigError(f"datum {i} has no tokens")
         if len(datum.loss_mask) != n:
             raise ConfigError(f"datum {i}: loss_mask has {len(datum.loss_mask)} entries for {n} tokens; give one per token")
-        for name in ("advantages", "sampling_logprobs"):
+        for name in ("advantages", "sampling_logprobs", "old_logprobs"):
             values = getattr(datum, name)
             if values and len(values) != n:
                 raise ConfigError(f"datum {i}: {name} has {len(values)} entries for {n} tokens; give one per token (or none)")
@@ -351,25 +365,29 @@ class TorchBackend:
         return SampleResponse(sequences=[results[i * n : (i + 1) * n] for i in range(len(request.prompts))])
 
     def _sampling_model(self) -> torch.nn.Module:
-        """The model to sample with: the policy itself, or for float32 master weights a copy in the compute dtype.
+        """The model to sample with: the policy itself, or for float32 master weights a copy for sampling.
 
         Autocast re-casts every weight on every forward pass under inference mode (its cast cache is off
-        there), which for full fine-tuning costs more than a decode step itself; the copy is refreshed only
-        when the weights changed. It holds the same rounded weights the training pass computes with.
+        there), which for full fine-tuning costs more than a decode step itself. The copy holds the linear
+        layers' weights already rounded to the compute dtype and everything else (embeddings, norms) in
+        float32, and samples under the same autocast as training: the same rounded weights, float32 norms and
+        residual stream, bfloat16 matmuls, so its logprobs match the training pass's as closely as LoRA's do.
+        It is refreshed only when the weights changed.
         """
         if self.param_dtype == self.dtype:
             return self.model.eval()
         if self._sampling_copy is None:
-            self._sampling_copy = copy.deepcopy(self.model).to(self.dtype).eval().requires_grad_(False)
+            self._sampling_copy = _sampling_copy(self.model, self.dtype)
         elif self._sampling_copy_stale:
+            targets = dict(self._sampling_copy.named_parameters(remove_duplicate=False))
             with torch.no_grad():
-                for target, source in zip(self._sampling_copy.parameters(), self.model.parameters()):
-                    target.copy_(source)
+                for name, source in self.model.named_parameters(remove_duplicate=False):
+                    targets[name].copy_(source)
         self._sampling_copy_stale = False
         return self._sampling_copy
 
-    def logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
-        """Per-token logprobs of whole sequences under the current policy (entry 0 is 0.0)."""
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Per-token logprobs of whole sequences under the current policy at ``temperature`` (entry 0 is 0.0)."""
         self.model.eval()
         out: list[list[float]] = []
         with torch.no_grad():
@@ -377,7 +395,7 @@ class TorchBackend:
                 chunk = sequences[start : start + self.config.max_sample_batch]
                 batch = self._collate([Datum(tokens=s, loss_mask=[0.0] * len(s)) for s in chunk])
                 with self._compute():
-                    logprobs = logprobs_from(self.model, batch.tokens, batch.attention)
+                    logprobs = logprobs_from(self.model, batch.tokens, batch.attention, temperature=temperature)
                 out.extend(row[:n] for row, n in zip(logprobs.tolist(), batch.lengths))
         return out
 
@@ -393,6 +411,8 @@ class TorchBackend:
             batch.advantages = _pad_right([d.advantages for d in data], width, torch.float32, self.device)
         if all(d.sampling_logprobs for d in data):
             batch.sampling_logprobs = _pad_right([d.sampling_logprobs for d in data], width, torch.float32, self.device)
+        if all(d.old_logprobs for d in data):
+            batch.old_logprobs = _pad_right([d.old_logprobs for d in data], width, torch.float32, self.device)
         return batch
 
     # ----- training ---------------------------------------------------------------------------------
@@ -400,37 +420,42 @@ class TorchBackend:
         """Compute the named loss on the batch, micro-batch by micro-batch, and accumulate gradients.
 
         Metrics: ``loss`` and ``tokens`` always; ``kl`` when ``kl_coef`` > 0; ``ratio_mean`` for ``ppo`` and
-        ``importance_sampling``; ``clip_fraction`` for ``ppo``. Means are over masked tokens.
+        ``importance_sampling``; ``clip_fraction`` for ``ppo``; with sampler logprobs, the sampler/trainer
+        mismatch (``mismatch/logp_abs_mean``, ``mismatch/logp_abs_max``, ``mismatch/kl``) and with ``tis_cap``
+        the truncated importance weights (``tis/weight_mean``, ``tis/capped_fraction``). Means are over masked
+        tokens; the loss is normalized by the request's ``num_tokens``/``num_sequences`` when given.
         """
         spec, data = request.loss, request.data
         _validate(data, spec)
-        total_mask = sum(sum(d.loss_mask[1:]) for d in data)
-        num_sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
+        total_mask = sum(sum(d.loss_mask[1:]) for d in data) if request.num_tokens is None else request.num_tokens
+        num_sequences = request.num_sequences
+        if num_sequences is None:
+            num_sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
         self.model.train()
         sums: dict[str, float] = {}
         for micro in plan_micro_batches(data, self.config.micro_batch_size, self.config.share_prefixes):
             batch = self._collate([data[i] for i in micro.indices])
             with self._compute():
-                logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro)
-            reference = self._reference_logprobs(batch, micro) if spec.kl_coef > 0 else None
+                logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro, spec.temperature)
+            reference = self._reference_logprobs(batch, micro, spec.temperature) if spec.kl_coef > 0 else None
             weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
             loss, micro_sums = losses.compute_loss(
-                spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference
+                spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference, batch.old_logprobs
             )
             loss.backward()
             sums = losses.add_sums(sums, micro_sums)
         return ForwardBackwardResult(metrics=losses.finalize_metrics(sums))
 
-    def _reference_logprobs(self, batch: _Batch, micro: MicroBatch) -> torch.Tensor:
+    def _reference_logprobs(self, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
         with torch.no_grad(), self._compute():
             if self.is_lora:
                 with self.model.disable_adapter():
-                    return sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro)
+                    return sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro, temperature)
             if self._reference is None:
                 # The starting weights, read back from disk only when a KL term first needs them.
                 # Same precision handling as the policy, so the two agree exactly before the first update.
                 self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
-            return sequence_logprobs(self._reference, batch.tokens, batch.attention, batch.mask, micro)
+            return sequence_logprobs(self._reference, batch.tokens, batch.attention, batch.mask, micro, temperature)
 
     def optim_step(self, params: OptimParams) -> dict[str, float]:
         """One AdamW step with the accumulated gradients (clipped to ``max_grad_norm``), then clear them.

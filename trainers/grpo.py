@@ -6,14 +6,31 @@ reward, and uses the reward minus its group's mean (divided by the group's std u
 importance ratio (``clip_low``/``clip_high``), optionally with a KL penalty to the reference policy
 (``kl_coef``), aggregated per token or per sequence (``loss_aggregation``).
 
-The update is on-policy (one optimizer step per batch), so the sampler's own logprobs serve as the old
-policy: no second forward pass is spent on them.
+The update is on-policy (one optimizer step per batch). The old policy of the ratio is the sampler's own
+logprobs (``old_logprobs: sampler``, no second forward pass), or the trainer's logprobs of the same pass
+(``old_logprobs: trainer``), optionally with the truncated importance weight ``tis_cap`` that corrects for a
+sampler whose numerics differ (vLLM). The loss scores the distribution sampled from (logits divided by the
+sampling temperature), and the sampler/trainer mismatch is logged every step (``mismatch/*``).
+
+Degenerate groups (equal rewards) get zero advantages and are not sent to the backend unless a KL term
+applies to them, but they still count in the loss normalizer (the whole step's sampled tokens, as TRL's
+``num_items_in_batch``), so the size of an update does not depend on how many groups were degenerate.
+Failed episodes, and with ``truncation: mask`` episodes a budget ended, take no part in training or in
+their group's statistics.
 """
 
 from __future__ import annotations
 
 from tinkergym.backends.types import ForwardBackwardRequest, LossSpec, OptimParams
-from tinkergym.trainers.advantages import group_relative_advantages, rollout_metrics, trajectories_to_data
+from tinkergym.rollouts import Trajectory
+from tinkergym.trainers.advantages import (
+    batch_normalizers,
+    episode_reward,
+    group_relative_advantages,
+    rollout_metrics,
+    trainable,
+    trajectories_to_data,
+)
 from tinkergym.trainers.base import StepOutput, TrainingContext
 
 
@@ -27,28 +44,46 @@ class GRPOTrainer:
         self.ctx = ctx
         self.scale_by_std = bool(ctx.config.trainer_args.get("scale_by_std", True))
 
-    def advantages(self, rewards_B: list[float]) -> list[float]:
-        """Group-relative advantages of a step's rewards."""
-        return group_relative_advantages(rewards_B, self.ctx.config.group_size, scale_by_std=self.scale_by_std)
+    def advantages(self, rewards_B: list[float], valid_B: list[bool] | None = None) -> list[float]:
+        """Group-relative advantages of a step's rewards (invalid members stay out of the group statistics)."""
+        return group_relative_advantages(rewards_B, self.ctx.config.group_size, scale_by_std=self.scale_by_std, valid_B=valid_B)
 
     def loss(self) -> LossSpec:
-        """The clipped-ratio loss with the run's clip range, KL coefficient and aggregation."""
+        """The clipped-ratio loss with the run's clip range, KL, aggregation, sampling temperature and corrections."""
         c = self.ctx.config
-        return LossSpec(name="ppo", clip_low=c.clip_low, clip_high=c.clip_high, kl_coef=c.kl_coef, aggregation=c.loss_aggregation)
+        return LossSpec(
+            name="ppo", clip_low=c.clip_low, clip_high=c.clip_high, kl_coef=c.kl_coef, aggregation=c.loss_aggregation,
+            temperature=c.temperature, old_logprobs=c.old_logprobs, tis_cap=c.tis_cap,
+        )
+
+    def request(self, trajectories: list[Trajectory]) -> ForwardBackwardRequest:
+        """The step's backend request: advantages, the data that carries a gradient, the whole step's normalizers."""
+        c = self.ctx.config
+        valid_B = [trainable(t, c.truncation) for t in trajectories]
+        rewards_B = [episode_reward(t, c.truncated_reward) for t in trajectories]
+        advantages_B = self.advantages(rewards_B, valid_B)
+        data = trajectories_to_data(trajectories, advantages_B, valid_B, keep_zero_advantage=c.kl_coef > 0)
+        num_tokens, num_sequences = batch_normalizers(trajectories, valid_B)
+        return ForwardBackwardRequest(data=data, loss=self.loss(), num_tokens=num_tokens, num_sequences=num_sequences)
 
     def train_step(self, step: int) -> StepOutput:
         """Roll out, score, compute advantages, one gradient step."""
         c = self.ctx.config
         seeds = [s for s in self.ctx.prompt_seeds(step) for _ in range(c.group_size)]
         trajectories = self.ctx.rollout(seeds, sampling_seed=c.seed * 100_003 + step)
-        rewards_B = [t.total_reward for t in trajectories]
-        advantages_B = self.advantages(rewards_B)
-        data = trajectories_to_data(trajectories, advantages_B)
+        request = self.request(trajectories)
         metrics = rollout_metrics(trajectories)
-        metrics["batch/trained_sequences"] = float(len(data))
-        if data:
-            result = self.ctx.backend.forward_backward(ForwardBackwardRequest(data=data, loss=self.loss()))
+        metrics["batch/trained_sequences"] = float(len(request.data))
+        if request.data:
+            result = self.ctx.backend.forward_backward(request)
             metrics.update(result.metrics)
             params = OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
             metrics.update(self.ctx.backend.optim_step(params))
         return StepOutput(metrics, trajectories)
+
+    def state_dict(self) -> dict:
+        """``{}``: nothing carries over between steps (prompts and sampling follow from the config, the seed and the step)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore; see :meth:`state_dict`."""
