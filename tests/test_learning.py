@@ -60,3 +60,20 @@ def test_bandit_reward_rises(warm_model, tmp_path, trainer, lora_rank, lr) -> No
     rewards = [r["reward/mean"] for r in _run(config)]
     start, end = _mean(rewards[:2]), _mean(rewards[-5:])
     assert end > start + 0.15 and end > 0.45, f"reward did not rise clearly: {[round(r, 3) for r in rewards]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_grpo_lora_steps_do_not_collapse(warm_model, tmp_path, seed) -> None:
+    """No step's reward falls far below the steps before it: the step size does not depend on degenerate groups.
+
+    Groups whose rewards tie carry no gradient; the loss is still normalized by the whole step's tokens, so a
+    step where most groups tie is a small step, not a large one concentrated on the few groups left.
+    """
+    config = TrainConfig(
+        trainer="grpo", model=warm_model, lora_rank=8, steps=25, batch_size=8, group_size=8, lr=1e-2, seed=seed,
+        out=str(tmp_path / "rl"), **COMMON,
+    )
+    rewards = [r["reward/mean"] for r in _run(config)]
+    drops = [_mean(rewards[i - 5 : i]) - rewards[i] for i in range(5, len(rewards))]
+    assert max(drops) <= 0.25, f"a step fell {max(drops):.3f} below the 5 before it: {[round(r, 3) for r in rewards]}"
