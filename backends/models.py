@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from tinkergym.errors import ConfigError
 
@@ -174,18 +174,28 @@ def _train_tokenizer(vocab_size: int):
     )
 
 
-def build_tiny_model(path: str | os.PathLike[str], seed: int = 0, vocab_size: int = 1024, hidden: int = 64, layers: int = 2) -> str:
-    """Build a tiny Qwen2 chat model with a freshly trained byte-level BPE tokenizer into ``path``.
+def build_tiny_model(
+    path: str | os.PathLike[str],
+    seed: int = 0,
+    vocab_size: int = 1024,
+    hidden: int = 64,
+    layers: int = 2,
+    model_type: str = "qwen2",
+    **config_overrides: Any,
+) -> str:
+    """Build a tiny chat model (Qwen2 by default) with a freshly trained byte-level BPE tokenizer into ``path``.
 
     The same arguments give byte-identical weight and tokenizer files. ``vocab_size`` is the BPE target; the
-    model's vocabulary is the tokenizer's actual size. Returns ``path`` as a string.
+    model's vocabulary is the tokenizer's actual size. ``model_type`` picks another transformers causal LM,
+    and ``config_overrides`` set or replace its config's fields, e.g. an attention layout:
+    ``build_tiny_model(path, use_sliding_window=True, sliding_window=6)``. Returns ``path`` as a string.
     """
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     tokenizer = _train_tokenizer(vocab_size)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    config = Qwen2Config(
+    fields: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -201,10 +211,11 @@ def build_tiny_model(path: str | os.PathLike[str], seed: int = 0, vocab_size: in
         eos_token_id=eos_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    config = AutoConfig.for_model(model_type, **{**fields, **config_overrides})
     # A private RNG stream: building a model must not shift the caller's random state.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=tokenizer.pad_token_id)
     path = str(path)
     model.save_pretrained(path)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinkergym.backends.torch_scoring import padded_length_limit
 from tinkergym.backends.types import SampledSequence, SamplingParams
 from tinkergym.errors import NonFiniteError
 
@@ -132,8 +133,17 @@ def sample_batch(
 
     A row stops at the first token in ``stop_ids`` (kept as its last id, finish reason ``"stop"``) or after
     ``params.max_new_tokens`` (``"length"``). Rows that stopped keep being fed a pad token, which nothing reads.
-    Identical prompts are prefilled once (see :func:`prefill`).
+    Identical prompts are prefilled once (see :func:`prefill`). Prompts of different lengths run apart when
+    left padding would change the model's results (see :func:`~tinkergym.backends.torch_scoring.padded_length_limit`).
     """
+    limit = padded_length_limit(model)
+    widths = sorted({len(p) for p in prompts})
+    if limit is not None and len(widths) > 1 and widths[-1] + params.max_new_tokens > limit:
+        by_row: dict[int, SampledSequence] = {}
+        for width in widths:
+            indices = [i for i, p in enumerate(prompts) if len(p) == width]
+            by_row.update(zip(indices, sample_batch(model, [prompts[i] for i in indices], params, stop_ids, pad_id, generator, share_prompts)))
+        return [by_row[i] for i in range(len(prompts))]
     device = next(model.parameters()).device
     logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts)
     stop_B = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)

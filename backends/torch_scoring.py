@@ -9,6 +9,12 @@ Two savings, both exact up to floating-point summation order:
   the repeated cache into the prompt's single forward pass, so the prompt's contribution to the gradient is
   the same as with one copy per sample.
   With 8 samples of a 100-token prompt and 25-token completions this scores ~300 tokens instead of ~1,000.
+  Groups with prompts of different lengths share a micro-batch: each prompt is padded on the left, so its
+  rows' tokens follow it directly in the KV cache. Sliding-window and chunked attention measure distances in
+  cache indices (and chunks from the first unpadded one), so this is exact for every attention layout
+  transformers builds masks for: full, sliding-window, chunked and stacks that mix them. Llama 4's
+  attention temperature tuning scales queries by cache index, not position; past its ``floor_scale``
+  prompts of different lengths are run apart (see :func:`padded_length_limit`), each length still shared.
 - Logits only where a loss is read. Positions before the first masked-in token of a micro-batch produce no
   logits (the vocabulary projection and log-softmax are a large share of a small model's work).
 
@@ -89,36 +95,100 @@ def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes:
     return batches
 
 
-def logprobs_from(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, start: int = 1) -> torch.Tensor:
-    """``[B, T]`` logprobs of right-padded rows, with logits only for positions ``start - 1`` onward (earlier entries are 0)."""
+def logprobs_from(
+    model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, start: int = 1, temperature: float = 1.0
+) -> torch.Tensor:
+    """``[B, T]`` logprobs of right-padded rows at ``temperature``, with logits only for positions ``start - 1`` onward (earlier entries are 0)."""
     batch, length = tokens_BT.shape
     keep_from = max(start - 1, 0)
     logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=length - keep_from).logits
-    scored = losses.token_logprobs(logits, tokens_BT[:, keep_from:])
+    scored = losses.token_logprobs(logits, tokens_BT[:, keep_from:], temperature=temperature)
     zeros = torch.zeros(batch, keep_from, dtype=scored.dtype, device=scored.device)
     return torch.cat([zeros, scored], dim=1)
 
 
+def padded_length_limit(model: torch.nn.Module) -> int | None:
+    """How many cache indices a left-padded row may span before padding changes the model's results; None: no limit.
+
+    Attention masks (full, sliding-window, chunked) see through left padding. Llama 4's attention temperature
+    tuning does not: its NoPE layers scale queries by ``floor((i + 1) / floor_scale)`` of the cache index
+    ``i``, not of the position, so a padded row's scales differ from its own once indices reach
+    ``floor_scale - 1``. Past that, callers run prompts of different lengths apart.
+    """
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    if getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or []):
+        return int(config.floor_scale) - 1
+    return None
+
+
+def _left_padded_prefixes(rows_GT: torch.Tensor, shared: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, position_ids)`` ``[G, width]`` of each row's first ``shared[g]`` tokens, padded on the left.
+
+    Each prompt ends at column ``width - 1``, so the tokens run after it (cache index ``width + j``) sit
+    exactly as far from every prompt token, in cache indices, as in the unpadded sequence. Sliding-window
+    masks measure distance in cache indices, and chunked masks count chunks from the first unpadded column:
+    with right padding, a shorter prompt's tokens would look further away than they are.
+    """
+    device = rows_GT.device
+    pads = width - torch.tensor(shared, device=device)
+    columns = torch.arange(width, device=device)[None] - pads[:, None]
+    mask = columns >= 0
+    positions = columns.clamp_min(0)
+    ids = torch.where(mask, rows_GT[:, :width].gather(1, positions), torch.zeros_like(positions))
+    return ids, mask.long(), positions
+
+
 def _shared_prefix_logprobs(
-    model: torch.nn.Module, tokens_BT: torch.Tensor, lengths: list[int], group_sizes: list[int], prefix_lens: list[int]
+    model: torch.nn.Module,
+    tokens_BT: torch.Tensor,
+    lengths: list[int],
+    group_sizes: list[int],
+    prefix_lens: list[int],
+    temperature: float = 1.0,
 ) -> torch.Tensor:
     """``[B, T]`` logprobs of rows in groups that share a prompt, each group's prompt run once.
 
-    One pass runs the groups' prompts but their last token (right-padded, no logits: an empty
-    ``logits_to_keep``); its KV cache is repeated for each group's rows. A second pass runs every row from its
-    prompt's last token on, whose logits predict the row's first own token, so every prediction comes out
-    of that one batched pass. Padding inside the cache is masked out; positions continue each prompt.
+    One pass runs the groups' prompts but their last token (left-padded, see :func:`_left_padded_prefixes`;
+    no logits: an empty ``logits_to_keep``); its KV cache is repeated for each group's rows. A second pass
+    runs every row from its prompt's last token on, whose logits predict the row's first own token, so every
+    prediction comes out of that one batched pass. Padding inside the cache is masked out; positions
+    continue each prompt, and so do cache indices, which sliding-window and chunked layers measure by.
+    """
+    length = tokens_BT.shape[1]
+    shared = [p - 1 for p in prefix_lens]
+    shared_of_row = [s for s, size in zip(shared, group_sizes) for _ in range(size)]
+    own = [n - s for n, s in zip(lengths, shared_of_row)]
+    limit = padded_length_limit(model)
+    if limit is not None and len(set(shared)) > 1 and max(shared) + max(own) > limit:
+        rows_BS, logits = _own_token_logits_by_prompt_length(model, tokens_BT, lengths, group_sizes, shared)
+    else:
+        rows_BS, logits = _own_token_logits(model, tokens_BT, lengths, group_sizes, shared)
+    scored_BS = losses.token_logprobs(logits, rows_BS, temperature=temperature)
+    out = []
+    for row, (s, n) in enumerate(zip(shared_of_row, own)):
+        out.append(torch.cat([scored_BS.new_zeros(s), scored_BS[row, :n], scored_BS.new_zeros(length - s - n)]))
+    return torch.stack(out)
+
+
+def _own_token_logits(
+    model: torch.nn.Module, tokens_BT: torch.Tensor, lengths: list[int], group_sizes: list[int], shared: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows_BS, logits_BSV)``: each row from its prompt's last token on (right-padded), and their logits.
+
+    Group ``g``'s first ``shared[g]`` tokens run once, left-padded (see :func:`_left_padded_prefixes`).
     """
     device = tokens_BT.device
-    batch, length = tokens_BT.shape
-    shared = [p - 1 for p in prefix_lens]
+    length = tokens_BT.shape[1]
     group_of = torch.repeat_interleave(torch.arange(len(group_sizes), device=device), torch.tensor(group_sizes, device=device))
     starts = torch.tensor(list(itertools.accumulate(group_sizes, initial=0))[:-1], device=device)
     width = max(shared)
-    prefix_mask = (torch.arange(width, device=device)[None] < torch.tensor(shared, device=device)[:, None]).long()
-    prefix_ids = torch.where(prefix_mask.bool(), tokens_BT[starts, :width], torch.zeros_like(tokens_BT[starts, :width]))
+    prefix_ids, prefix_mask, prefix_positions = _left_padded_prefixes(tokens_BT[starts], shared, width)
     no_logits = torch.empty(0, dtype=torch.long, device=device)
-    cache = model(input_ids=prefix_ids, attention_mask=prefix_mask, use_cache=True, logits_to_keep=no_logits).past_key_values
+    cache = model(
+        input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_positions, use_cache=True, logits_to_keep=no_logits
+    ).past_key_values
     cache.batch_select_indices(group_of)
     own = [n - shared[g] for n, g in zip(lengths, group_of.tolist())]
     span = max(own)
@@ -129,23 +199,46 @@ def _shared_prefix_logprobs(
     rows_BS = torch.where(rows_mask, tokens_BT.gather(1, index), torch.zeros_like(index))
     attention = torch.cat([prefix_mask[group_of], rows_mask.long()], dim=1)
     logits = model(input_ids=rows_BS, attention_mask=attention, position_ids=offsets[:, None] + steps, past_key_values=cache, use_cache=True).logits
-    scored_BS = losses.token_logprobs(logits, rows_BS)
-    out = []
-    for row, (g, n) in enumerate(zip(group_of.tolist(), own)):
-        pad_right = length - shared[g] - n
-        out.append(torch.cat([scored_BS.new_zeros(shared[g]), scored_BS[row, :n], scored_BS.new_zeros(pad_right)]))
-    return torch.stack(out)
+    return rows_BS, logits
 
 
-def sequence_logprobs(model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, mask_BT: torch.Tensor, micro: MicroBatch | None = None) -> torch.Tensor:
-    """Float32 ``[B, T]`` logprobs of right-padded sequences (entry ``t`` scores ``tokens[t]``; unread entries are 0).
+def _own_token_logits_by_prompt_length(
+    model: torch.nn.Module, tokens_BT: torch.Tensor, lengths: list[int], group_sizes: list[int], shared: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_own_token_logits` run once per distinct prompt length, so that no prompt is padded (see :func:`padded_length_limit`)."""
+    starts = list(itertools.accumulate(group_sizes, initial=0))
+    order: list[int] = []
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for width in sorted(set(shared)):
+        groups = [g for g, s in enumerate(shared) if s == width]
+        rows = [r for g in groups for r in range(starts[g], starts[g + 1])]
+        sizes = [group_sizes[g] for g in groups]
+        parts.append(_own_token_logits(model, tokens_BT[rows], [lengths[r] for r in rows], sizes, [width] * len(groups)))
+        order.extend(rows)
+    span = max(rows_BS.shape[1] for rows_BS, _ in parts)
+    # Steps past a row's own tokens are never read; zero logits there keep the log-softmax finite.
+    rows_BS = torch.cat([torch.nn.functional.pad(r, (0, span - r.shape[1])) for r, _ in parts])
+    logits = torch.cat([torch.nn.functional.pad(v, (0, 0, 0, span - v.shape[1])) for _, v in parts])
+    back = torch.tensor(order, device=tokens_BT.device).argsort()
+    return rows_BS[back], logits[back]
+
+
+def sequence_logprobs(
+    model: torch.nn.Module,
+    tokens_BT: torch.Tensor,
+    attention_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    micro: MicroBatch | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Float32 ``[B, T]`` logprobs of right-padded sequences at ``temperature`` (entry ``t`` scores ``tokens[t]``; unread entries are 0).
 
     ``micro`` says which rows share prompts (see :class:`MicroBatch`); ``mask_BT`` tells which positions are
     read, so rows scored on their own skip the logits before the first one.
     """
     if micro is not None and micro.group_sizes:
         lengths = attention_BT.sum(dim=1).tolist()
-        return _shared_prefix_logprobs(model, tokens_BT, lengths, micro.group_sizes, micro.prefix_lens)
+        return _shared_prefix_logprobs(model, tokens_BT, lengths, micro.group_sizes, micro.prefix_lens, temperature)
     read = mask_BT.any(dim=0).nonzero()
     start = int(read[0]) if len(read) else tokens_BT.shape[1] - 1
-    return logprobs_from(model, tokens_BT, attention_BT, max(start, 1))
+    return logprobs_from(model, tokens_BT, attention_BT, max(start, 1), temperature)

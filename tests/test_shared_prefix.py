@@ -10,7 +10,7 @@ pytest.importorskip("peft")
 
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch_scoring import MicroBatch, plan_micro_batches  # noqa: E402
+from tinkergym.backends.torch_scoring import MicroBatch, plan_micro_batches, sequence_logprobs  # noqa: E402
 from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
 
 
@@ -19,8 +19,10 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
 
-def make_backend(tiny: str, share: bool, lora_rank: int = 4, micro_batch_size: int = 8) -> TorchBackend:
-    config = TorchBackendConfig(model=tiny, lora_rank=lora_rank, dtype="float32", seed=0, share_prefixes=share, micro_batch_size=micro_batch_size)
+def make_backend(tiny: str, share: bool, lora_rank: int = 4, micro_batch_size: int = 8, attn: str = "auto") -> TorchBackend:
+    config = TorchBackendConfig(
+        model=tiny, lora_rank=lora_rank, dtype="float32", seed=0, share_prefixes=share, micro_batch_size=micro_batch_size, attn_implementation=attn
+    )
     return TorchBackend(config)
 
 
@@ -107,3 +109,121 @@ def test_sampling_shared_prompts_matches_sampling_each_copy(tiny: str) -> None:
             assert shared.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
             scored = backend.logprobs([prompt + shared.tokens])[0][len(prompt) :]
             assert shared.logprobs == pytest.approx(scored, abs=1e-4)
+
+
+# Attention layouts whose masks depend on where tokens sit in the KV cache. Windows and chunks are smaller
+# than the longest prompt of LAYOUT_PROMPTS, so a prompt padded the wrong way sees the wrong tokens.
+LLAMA4_TINY = dict(model_type="llama4_text", head_dim=16, intermediate_size_mlp=128, num_local_experts=1, moe_layers=[], attention_chunk_size=5)
+LAYOUTS = {
+    "sliding": dict(use_sliding_window=True, sliding_window=6, max_window_layers=0),
+    "mistral-sliding": dict(model_type="mistral", sliding_window=6),
+    "qwen2-hybrid": dict(use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "qwen3-hybrid": dict(model_type="qwen3", head_dim=16, use_sliding_window=True, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    # Gemma 3: sliding and full layers with their own rotary bases.
+    "gemma3-hybrid": dict(model_type="gemma3_text", head_dim=16, sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
+    "chunked": dict(**LLAMA4_TINY, no_rope_layers=[1, 1]),
+    # Llama 4: a chunked layer and a full NoPE layer whose attention temperature grows with the cache index
+    # (every 8 tokens here instead of 8192).
+    "chunked-hybrid": dict(**LLAMA4_TINY, no_rope_layers=[1, 0], floor_scale=8),
+}
+LAYOUT_PROMPTS = (12, 4, 7)
+
+
+@pytest.fixture(scope="module")
+def layout_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("layouts")
+    return {name: build_tiny_model(root / name, **overrides) for name, overrides in LAYOUTS.items()}
+
+
+def mixed_prompt_batch() -> list[Datum]:
+    """Groups of samples on prompts of 12, 4 and 7 tokens (completions of 3 to 8 tokens), plus one lone sequence."""
+    gen = torch.Generator().manual_seed(3)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(5, 200, (n,), generator=gen).tolist()
+
+    data = []
+    for g, length in enumerate(LAYOUT_PROMPTS):
+        prompt = ids(length)
+        for k in range(2 + g % 2):
+            data.append(datum(prompt, ids(3 + (4 * k + g) % 6), advantage=(-1.0) ** k * (0.5 + k + g), shift=0.1 * k))
+    data.append(datum(ids(5), ids(4), advantage=1.5, shift=0.2))
+    return data
+
+
+def test_layouts_build_as_named(layout_models: dict[str, str]) -> None:
+    from transformers import AutoConfig
+
+    layer_types = {name: getattr(AutoConfig.from_pretrained(path), "layer_types", None) for name, path in layout_models.items()}
+    assert layer_types["sliding"] == ["sliding_attention"] * 2
+    assert AutoConfig.from_pretrained(layout_models["mistral-sliding"]).sliding_window == 6
+    assert layer_types["qwen2-hybrid"] == layer_types["gemma3-hybrid"] == ["sliding_attention", "full_attention"]
+    assert layer_types["chunked"] == ["chunked_attention"] * 2
+    assert layer_types["chunked-hybrid"] == ["chunked_attention", "full_attention"]
+    # Every group shares one micro-batch, so prompts of different lengths are padded against each other.
+    plan = plan_micro_batches(mixed_prompt_batch(), micro_batch_size=8)
+    assert sorted(plan[0].prefix_lens) == sorted(LAYOUT_PROMPTS)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_shared_prefix_logprobs_equal_each_sequence_alone(layout_models: dict[str, str], layout: str, attn: str) -> None:
+    backend = make_backend(layout_models[layout], share=True, lora_rank=0, attn=attn)
+    data = mixed_prompt_batch()
+    alone = backend.logprobs([d.tokens for d in data])
+    (micro,) = [m for m in plan_micro_batches(data, micro_batch_size=8) if m.group_sizes]
+    batch = backend._collate([data[i] for i in micro.indices])
+    with torch.no_grad():
+        shared = sequence_logprobs(backend.model, batch.tokens, batch.attention, batch.mask, micro)
+    for row, i in enumerate(micro.indices):
+        first = data[i].loss_mask.index(1.0)
+        got = shared[row, first : len(data[i].tokens)].tolist()
+        assert got == pytest.approx(alone[i][first:], abs=1e-4), (layout, i)
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_shared_prefix_gradients_equal_per_sequence_gradients(layout_models: dict[str, str], layout: str, lora_rank: int) -> None:
+    spec = LossSpec(name="ppo", clip_low=0.1, clip_high=0.3, kl_coef=0.1, aggregation="token")
+    results = {}
+    for share in (True, False):
+        backend = make_backend(layout_models[layout], share, lora_rank=lora_rank, micro_batch_size=8)
+        if lora_rank:
+            with torch.no_grad():
+                for name, param in backend.model.named_parameters():
+                    if "lora_B" in name:
+                        param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
+        metrics = backend.forward_backward(ForwardBackwardRequest(data=mixed_prompt_batch(), loss=spec)).metrics
+        grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad and p.grad is not None}
+        results[share] = (metrics, grads)
+    (shared_metrics, shared_grads), (plain_metrics, plain_grads) = results[True], results[False]
+    assert shared_metrics == pytest.approx(plain_metrics, rel=1e-5, abs=1e-6)
+    assert shared_grads.keys() == plain_grads.keys() and shared_grads
+    for name in plain_grads:
+        assert torch.allclose(shared_grads[name], plain_grads[name], atol=1e-6, rtol=1e-4), name
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_sampling_prompts_of_different_lengths_matches_scoring_alone(layout_models: dict[str, str], layout: str) -> None:
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in LAYOUT_PROMPTS]
+    prompts.append(prompts[0])
+    params = SamplingParams(max_new_tokens=10, seed=7)
+    out = {}
+    for share in (True, False):
+        backend = make_backend(layout_models[layout], share)
+        out[share] = backend.sample(SampleRequest(prompts=prompts, params=params, num_samples=2)).sequences
+    for shared_row, plain_row, prompt in zip(out[True], out[False], prompts):
+        for shared, plain in zip(shared_row, plain_row):
+            assert shared.tokens == plain.tokens
+            assert shared.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
+            scored = backend.logprobs([prompt + shared.tokens])[0][len(prompt) :]
+            assert shared.logprobs == pytest.approx(scored, abs=1e-4), layout
+
+
+def test_padded_length_limit_reads_llama4_temperature_tuning(layout_models: dict[str, str]) -> None:
+    from tinkergym.backends.torch_scoring import padded_length_limit
+
+    assert padded_length_limit(make_backend(layout_models["chunked-hybrid"], True).model) == 7  # through the LoRA wrapper
+    assert padded_length_limit(make_backend(layout_models["chunked"], True).model) is None  # no NoPE layer
+    assert padded_length_limit(make_backend(layout_models["sliding"], True).model) is None
