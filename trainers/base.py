@@ -10,12 +10,13 @@ from __future__ import annotations
 import difflib
 import importlib.metadata as md
 import random
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from tinkergym.backends.base import Backend
 from tinkergym.chat import ChatRenderer
-from tinkergym.errors import ConfigError
+from tinkergym.errors import ConfigError, TinkergymError, TinkergymWarning
 from tinkergym.rollouts import RolloutConfig, Trajectory, rollout
 from tinkergym.trainers.config import TrainConfig
 
@@ -63,7 +64,14 @@ class TrainingContext:
 
 
 class Trainer(Protocol):
-    """A training algorithm: ``Trainer(ctx)``, then ``train_step(step)`` once per step."""
+    """A training algorithm: ``Trainer(ctx)``, then ``train_step(step)`` once per step.
+
+    A trainer that carries state from one step to the next (an adaptive KL coefficient, a curriculum's
+    level, a data position) also implements the two methods of :class:`StatefulTrainer`; the run saves that
+    state in every checkpoint and hands it back on resume, so a resumed run continues exactly. A trainer
+    without them is treated as stateless: everything it does at a step must then follow from the config,
+    the seed and the step (e.g. :meth:`TrainingContext.prompt_seeds`).
+    """
 
     #: Whether the trainer plays envs (RL) or reads a dataset (SFT).
     needs_env: bool
@@ -71,6 +79,51 @@ class Trainer(Protocol):
     def __init__(self, ctx: TrainingContext) -> None: ...
 
     def train_step(self, step: int) -> StepOutput: ...
+
+
+class StatefulTrainer(Trainer, Protocol):
+    """A trainer whose state is saved with each checkpoint and restored on resume.
+
+    ``state_dict()`` is called right after the step a checkpoint is for, and returns what the trainer needs
+    to continue with the next step. It must be JSON data (dicts with string keys, lists, strings, numbers,
+    booleans, None): the checkpoint stores it as ``trainer_state.json``, so tuples come back as lists and
+    floats exactly. ``load_state_dict(state)`` is called on a freshly built trainer, after the backend's
+    state is restored and before the first resumed step; it receives what ``state_dict()`` returned.
+    A checkpoint written without trainer state (an older run) leaves the trainer as built.
+    """
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class TrainerStateError(TinkergymError, TypeError):
+    """A trainer's ``state_dict()`` returned something a checkpoint cannot store."""
+
+
+def trainer_state(trainer: Any) -> dict[str, Any] | None:
+    """The trainer's ``state_dict()``, or ``None`` for a trainer without one (stateless)."""
+    state_dict = getattr(trainer, "state_dict", None)
+    if not callable(state_dict):
+        return None
+    state = state_dict()
+    if not isinstance(state, dict):
+        raise TrainerStateError(f"{type(trainer).__name__}.state_dict() returned {type(state).__name__}; return a dict of JSON data.")
+    return state
+
+
+def restore_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
+    """Hand ``state`` to the trainer's ``load_state_dict``; a trainer without one has nothing to restore."""
+    load_state_dict = getattr(trainer, "load_state_dict", None)
+    if callable(load_state_dict):
+        load_state_dict(state)
+    elif state:
+        warnings.warn(
+            f"the checkpoint holds trainer state but {type(trainer).__name__} has no load_state_dict(); it starts from its "
+            "initial state. Install the trainer version that wrote the run to continue it exactly.",
+            TinkergymWarning,
+            stacklevel=2,
+        )
 
 
 def available_trainers() -> dict[str, md.EntryPoint]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 class MetricsLog:
@@ -15,7 +17,10 @@ class MetricsLog:
         # A resumed run keeps the records through its checkpoint's step and rewrites the later ones; a new run keeps none.
         kept = [] if keep_through is None else [r for r in read_metrics(self.path) if r["step"] <= keep_through]
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept), encoding="utf-8")
-        self._writer = _tensorboard_writer(folder / "tensorboard")
+        # TensorBoard's files are append-only: drop the same steps from them, or the steps run again show twice.
+        trim_event_files(folder / "tensorboard", keep_through)
+        # A resume's own file name, so a writer opened within the same second never truncates a kept file.
+        self._writer = _tensorboard_writer(folder / "tensorboard", "" if keep_through is None else f".from_step_{keep_through + 1}")
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Record one step."""
@@ -34,7 +39,7 @@ class MetricsLog:
             self._writer = None
 
 
-def _tensorboard_writer(folder: Path) -> Any:
+def _tensorboard_writer(folder: Path, filename_suffix: str = "") -> Any:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
@@ -42,7 +47,70 @@ def _tensorboard_writer(folder: Path) -> Any:
             from tensorboardX import SummaryWriter
         except ImportError:
             return None
-    return SummaryWriter(log_dir=str(folder))
+    return SummaryWriter(log_dir=str(folder), filename_suffix=filename_suffix)
+
+
+def _event_class() -> Any:
+    """The ``Event`` protobuf of whichever TensorBoard writer is installed (``None`` without one)."""
+    try:
+        from tensorboardX.proto.event_pb2 import Event
+    except ImportError:
+        try:
+            from tensorboard.compat.proto.event_pb2 import Event
+        except ImportError:
+            return None
+    return Event
+
+
+def read_event_records(path: Path) -> Iterator[tuple[bytes, Any]]:
+    """Each complete record of a TensorBoard event file as (its bytes as stored, the parsed ``Event``).
+
+    The file is a sequence of TFRecords: a little-endian u64 length, a u32 checksum of it, the payload
+    and a u32 checksum of the payload. A torn or unreadable tail (a process killed mid-write) ends the file.
+    """
+    event_class = _event_class()
+    if event_class is None:
+        return
+    from google.protobuf.message import DecodeError  # installed with every TensorBoard writer
+
+    data, pos = path.read_bytes(), 0
+    while pos + 12 <= len(data):
+        (length,) = struct.unpack_from("<Q", data, pos)
+        end = pos + 12 + length + 4
+        if end > len(data):
+            return
+        try:
+            event = event_class.FromString(data[pos + 12 : pos + 12 + length])
+        except DecodeError:
+            return
+        yield data[pos:end], event
+        pos = end
+
+
+def trim_event_files(folder: Path, keep_through: int | None) -> None:
+    """Drop the events after step ``keep_through`` (every event for ``None``) from the TensorBoard files in ``folder``.
+
+    Kept records are copied byte for byte into a file of the same name (so the files still sort in the order
+    they were written); a file left with no summary is removed. Any reader then sees each step once, not only
+    readers that honour TensorBoard's ``purge_step``.
+    """
+    if not folder.is_dir():
+        return
+    tmp = folder / ".trim.tmp"  # no "tfevents" in the name: TensorBoard never reads a half-written copy
+    tmp.unlink(missing_ok=True)
+    for path in sorted(folder.glob("*tfevents*")):
+        if keep_through is None:
+            path.unlink()
+            continue
+        if _event_class() is None:
+            return  # nothing installed reads (or wrote) event files
+        records = list(read_event_records(path))
+        kept = [(raw, event) for raw, event in records if event.step <= keep_through or event.WhichOneof("what") == "file_version"]
+        if not any(event.HasField("summary") for _, event in kept):
+            path.unlink()
+        elif len(kept) < len(records) or path.stat().st_size != sum(len(raw) for raw, _ in records):
+            tmp.write_bytes(b"".join(raw for raw, _ in kept))
+            os.replace(tmp, path)
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

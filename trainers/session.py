@@ -7,30 +7,46 @@ Run folder layout::
                           with evaluation on, a first line with step -1 evaluates the model before training)
     tensorboard/          TensorBoard events of the same numbers
     learning_curve.png    reward (and eval reward) against step
-    checkpoints/step_N/   backend state (weights or adapter, optimizer, RNG) + trainer position
+    checkpoints/step_N/   backend state (weights or adapter, optimizer, RNG) and trainer_state.json (what a
+                          stateful trainer's state_dict() returned after step N), written as one folder
+    resumes.jsonl         one line per resume: the step it continued from and the settings it changed
     transcripts/          sample episodes as JSONL (train_step_N.jsonl, eval_step_N.jsonl)
     final/                the exported model (adapter or full) that plain transformers / peft load
 
 Every random choice of a step is a function of (seed, step) or restored from the checkpoint, so
-``resume`` continues exactly: a resumed run logs the same metrics as an uninterrupted one.
+``resume`` continues exactly: a resumed run logs the same metrics as an uninterrupted one. A resume may
+also extend a run: it may change the settings in :data:`RESUMABLE_FIELDS` (``steps`` above all), none of
+which changes what a finished step meant; a finished run given more steps goes on from its last
+checkpoint and exports ``final/`` again.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
-from tinkergym.trainers.base import StepOutput, TrainingContext, load_trainer
+from tinkergym.trainers.base import StepOutput, TrainerStateError, TrainingContext, load_trainer, restore_trainer_state, trainer_state
 from tinkergym.trainers.config import TrainConfig
 from tinkergym.trainers.evaluation import eval_seeds, evaluate, write_transcripts
 from tinkergym.trainers.reporting import MetricsLog, plot_learning_curve
 
 KEEP_CHECKPOINTS = 2
+TRAINER_STATE = "trainer_state.json"
+
+#: Settings a resume may change: how far the run goes, how often it evaluates and checkpoints, and the step
+#: size and clipping of the optimizer steps still to run (what a divergence calls for). None of them changes
+#: what a finished step meant; every other setting is fixed for the life of a run.
+RESUMABLE_FIELDS = ("steps", "eval_every", "eval_episodes", "checkpoint_every", "lr", "max_grad_norm")
+
+#: The command-line spelling of config fields whose option is not simply ``--field-name``.
+_OPTION_NAMES = {"env_kwargs": "--kwarg", "trainer_args": "--trainer-arg/--data/--demos", "lora_rank": "--lora-rank/--full"}
 
 
 class TrainingDiverged(TinkergymError, RuntimeError):
@@ -92,18 +108,27 @@ class TrainingRun:
         return VLLMBackend(backend, max_model_len=c.max_context + c.max_new_tokens, seed=c.seed)
 
     @classmethod
-    def resume(cls, folder: str | Path, backend: Any = None) -> "TrainingRun":
-        """Continue the run in ``folder`` from its latest checkpoint."""
-        folder = Path(folder)
-        if not (folder / "config.json").is_file():
-            raise ConfigError(f"{folder} is not a run folder (no config.json); pass the --out folder of an earlier run.")
-        config = TrainConfig.load(folder / "config.json")
-        config.out = str(folder)
-        checkpoint = latest_checkpoint(folder)
-        run = cls(config, backend=backend, start_step=0 if checkpoint is None else checkpoint[0] + 1)
-        if checkpoint is not None:
-            run.backend.load_state(str(checkpoint[1]))
+    def resume(cls, folder: str | Path, backend: Any = None, changes: dict[str, Any] | None = None) -> "TrainingRun":
+        """Continue the run in ``folder`` from its latest checkpoint, with ``changes`` (field -> value) to its config.
+
+        Only :data:`RESUMABLE_FIELDS` may change (see :func:`plan_resume`). The config with the changes is
+        saved back to config.json, and resumes.jsonl notes the step the run continued from and what changed.
+        """
+        plan = plan_resume(folder, changes)
+        run = cls(plan.config, backend=backend, start_step=plan.start_step)
+        if plan.checkpoint is not None:
+            run.restore(plan.checkpoint)
+        note = {"step": plan.start_step, "changed": {k: list(v) for k, v in plan.changed.items()}, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        with (plan.folder / "resumes.jsonl").open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(note) + "\n")
         return run
+
+    def restore(self, checkpoint: Path) -> None:
+        """Load a checkpoint: the backend's state, then the trainer's (when the checkpoint holds one)."""
+        self.backend.load_state(str(checkpoint))
+        state_file = checkpoint / TRAINER_STATE
+        if state_file.is_file():  # checkpoints of older runs and of stateless trainers have none: the trainer stays as built
+            restore_trainer_state(self.trainer, json.loads(state_file.read_text(encoding="utf-8"))["state"])
 
     def run(self, progress: bool = True) -> dict[str, float]:
         """Train from ``start_step`` to ``config.steps``; returns the last step's metrics."""
@@ -113,30 +138,37 @@ class TrainingRun:
         if c.eval_every and self.start_step == 0 and self.make_eval_env is not None:
             self.log.write(-1, self.evaluate(-1))  # step -1: the policy before any update, the baseline to beat
         bar = tqdm(range(self.start_step, c.steps), initial=self.start_step, total=c.steps, disable=not progress, desc="train", unit="step")
-        for step in bar:
-            started = time.perf_counter()
-            try:
-                output: StepOutput = self.trainer.train_step(step)
-            except NonFiniteError as exc:
-                self._diverged(step, str(exc))
-            metrics = dict(output.metrics)
-            metrics["time/step_s"] = time.perf_counter() - started
-            metrics["tokens/per_s"] = metrics.get("tokens/sampled", 0.0) / max(metrics["time/step_s"], 1e-9)
-            self._check_finite(step, metrics)
-            if c.transcripts_every and (step % c.transcripts_every == 0 or step == c.steps - 1) and output.trajectories:
-                write_transcripts(self.folder / "transcripts" / f"train_step_{step:06d}.jsonl", output.trajectories[: c.group_size * 2], step=step)
-            if c.eval_every and ((step + 1) % c.eval_every == 0 or step == c.steps - 1):
-                metrics.update(self.evaluate(step))
-            self.log.write(step, metrics)
-            if (step + 1) % c.checkpoint_every == 0 or step == c.steps - 1:
-                self.checkpoint(step)
-            bar.set_postfix({k: f"{metrics[m]:.3g}" for k, m in (("reward", "reward/mean"), ("loss", "loss"), ("tok/s", "tokens/per_s")) if m in metrics})
-            last = metrics
-        self.log.close()
+        try:
+            for step in bar:
+                last = self._train_step(step)
+                bar.set_postfix({k: f"{last[m]:.3g}" for k, m in (("reward", "reward/mean"), ("loss", "loss"), ("tok/s", "tokens/per_s")) if m in last})
+        finally:  # an interrupted run still leaves every logged step readable in TensorBoard
+            self.log.close()
         plot_learning_curve(self.folder)
         self.backend.export(str(self.folder / "final"))
         self.close()
         return last
+
+    def _train_step(self, step: int) -> dict[str, float]:
+        """One step: train, time it, save transcripts, evaluate, log and checkpoint when due; returns its metrics."""
+        c = self.config
+        started = time.perf_counter()
+        try:
+            output: StepOutput = self.trainer.train_step(step)
+        except NonFiniteError as exc:
+            self._diverged(step, str(exc))
+        metrics = dict(output.metrics)
+        metrics["time/step_s"] = time.perf_counter() - started
+        metrics["tokens/per_s"] = metrics.get("tokens/sampled", 0.0) / max(metrics["time/step_s"], 1e-9)
+        self._check_finite(step, metrics)
+        if c.transcripts_every and (step % c.transcripts_every == 0 or step == c.steps - 1) and output.trajectories:
+            write_transcripts(self.folder / "transcripts" / f"train_step_{step:06d}.jsonl", output.trajectories[: c.group_size * 2], step=step)
+        if c.eval_every and ((step + 1) % c.eval_every == 0 or step == c.steps - 1):
+            metrics.update(self.evaluate(step))
+        self.log.write(step, metrics)
+        if (step + 1) % c.checkpoint_every == 0 or step == c.steps - 1:
+            self.checkpoint(step)
+        return metrics
 
     def close(self) -> None:
         """Release what the backend holds beyond this process's memory (a vLLM engine); safe to call twice."""
@@ -155,7 +187,8 @@ class TrainingRun:
         self.log.close()
         raise TrainingDiverged(
             f"step {step}: {what}; the run stopped and {where}. "
-            "Lower --lr (or keep --max-grad-norm clipping on) and continue from the checkpoint with --resume."
+            "Lower --lr (or keep --max-grad-norm clipping on) and continue from the checkpoint: "
+            f"tinkergym train --resume {self.folder} --lr LOWER_LR"
         )
 
     def evaluate(self, step: int) -> dict[str, float]:
@@ -169,19 +202,116 @@ class TrainingRun:
         return metrics
 
     def checkpoint(self, step: int) -> Path:
-        """Save the backend state for ``step``; keep the newest few checkpoints."""
-        path = self.folder / "checkpoints" / f"step_{step:06d}"
-        self.backend.save_state(str(path))
-        for old in sorted((self.folder / "checkpoints").glob("step_*"))[:-KEEP_CHECKPOINTS]:
+        """Save the backend's and the trainer's state after ``step`` as one folder; keep the newest few checkpoints.
+
+        Both go into a ``.tmp`` folder (which :func:`latest_checkpoint` skips) that is renamed into place last,
+        so a checkpoint is whole or absent, never weights without the trainer state that goes with them.
+        """
+        checkpoints = self.folder / "checkpoints"
+        path = checkpoints / f"step_{step:06d}"
+        staging = checkpoints / f"{path.name}.staging.tmp"
+        shutil.rmtree(staging, ignore_errors=True)
+        self.backend.save_state(str(staging))
+        state = trainer_state(self.trainer)
+        if state is not None:
+            _write_trainer_state(staging / TRAINER_STATE, self.config.trainer, step, state)
+        _move_into_place(staging, path)
+        leftovers = [p for p in checkpoints.iterdir() if p.name.endswith(".tmp")]  # of interrupted writes
+        for old in leftovers + _complete_checkpoints(self.folder)[:-KEEP_CHECKPOINTS]:
             shutil.rmtree(old, ignore_errors=True)
         return path
 
 
+def _write_trainer_state(path: Path, trainer: str, step: int, state: dict[str, Any]) -> None:
+    """Write a trainer's state as JSON; state that JSON cannot hold is an error naming the trainer."""
+    try:
+        text = json.dumps({"trainer": trainer, "step": step, "state": state}, indent=2)
+    except (TypeError, ValueError) as exc:
+        raise TrainerStateError(
+            f"the {trainer!r} trainer's state_dict() holds something JSON cannot store ({exc}); "
+            "return dicts with string keys, lists, strings, numbers, booleans and None."
+        ) from exc
+    path.write_text(text + "\n", encoding="utf-8")
+
+
+def _move_into_place(staging: Path, path: Path) -> None:
+    """Rename the finished folder ``staging`` to ``path``; an older ``path`` is first set aside under a .tmp name."""
+    if path.exists():
+        old = path.with_name(path.name + ".old.tmp")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(staging, path)
+
+
+def _complete_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoint folders of a run, oldest first, without the ``.tmp`` ones of unfinished writes."""
+    found = sorted((folder / "checkpoints").glob("step_*")) if (folder / "checkpoints").is_dir() else []
+    return [p for p in found if p.is_dir() and not p.name.endswith(".tmp")]
+
+
 def latest_checkpoint(folder: Path) -> tuple[int, Path] | None:
     """The newest complete checkpoint of a run folder as (step, path)."""
-    found = sorted((folder / "checkpoints").glob("step_*")) if (folder / "checkpoints").is_dir() else []
-    found = [p for p in found if p.is_dir() and not p.name.endswith(".tmp")]
+    found = _complete_checkpoints(folder)
     return (int(found[-1].name.split("_")[1]), found[-1]) if found else None
+
+
+def option_name(field_name: str) -> str:
+    """The command-line option that sets a config field (``eval_every`` -> ``--eval-every``)."""
+    return _OPTION_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+
+
+@dataclass
+class ResumePlan:
+    """What resuming a run folder will do: the config it runs with, the step it starts at and what it changed."""
+
+    folder: Path
+    config: TrainConfig
+    start_step: int
+    checkpoint: Path | None
+    changed: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    @property
+    def nothing_to_do(self) -> bool:
+        """Every step is trained and ``final/`` was exported after the last checkpoint, so a resume would change nothing."""
+        final = self.folder / "final"
+        if self.start_step < self.config.steps or not final.is_dir() or self.checkpoint is None:
+            return False
+        # An extension interrupted after its last checkpoint leaves an older run's final/: export it again.
+        return final.stat().st_mtime_ns >= self.checkpoint.stat().st_mtime_ns
+
+
+def plan_resume(folder: str | Path, changes: dict[str, Any] | None = None) -> ResumePlan:
+    """Check a resume of ``folder`` with ``changes`` (config field -> new value) before any model is loaded.
+
+    Raises :class:`ConfigError` for a folder that holds no run, for a change to a field outside
+    :data:`RESUMABLE_FIELDS`, and for ``steps`` below the steps the run has already trained (a resume only
+    goes on). ``steps`` equal to them is allowed: nothing is left to train (see :attr:`ResumePlan.nothing_to_do`).
+    """
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{folder} is not a run folder (no config.json); pass the --out folder of an earlier run.")
+    saved = TrainConfig.load(folder / "config.json")
+    saved.out = str(folder)
+    old = saved.to_dict()
+    config = TrainConfig.from_dict({**old, **(changes or {})})
+    changed = {k: (old[k], v) for k, v in config.to_dict().items() if v != old[k]}
+    fixed = [k for k in changed if k not in RESUMABLE_FIELDS]
+    if fixed:
+        refused = ", ".join(f"{option_name(k)} (from {json.dumps(changed[k][0])} to {json.dumps(changed[k][1])})" for k in fixed)
+        raise ConfigError(
+            f"a resume continues {folder} with the settings it was trained with, so it cannot change {refused}. "
+            f"A resume may change only {', '.join(option_name(k) for k in RESUMABLE_FIELDS)}; "
+            "to train with other settings, start a new run (another --out)."
+        )
+    config.validate()
+    checkpoint = latest_checkpoint(folder)
+    start = 0 if checkpoint is None else checkpoint[0] + 1
+    if config.steps < start:
+        raise ConfigError(
+            f"--steps {config.steps} is fewer than the {start} steps {folder} has already trained (its latest checkpoint is "
+            f"{checkpoint[1].name}); a resume only goes on: pass --steps {start} or more, or start a new run to train fewer steps."
+        )
+    return ResumePlan(folder, config, start, None if checkpoint is None else checkpoint[1], changed)
 
 
 def load_backend_for_eval(model: str | None = None, run_dir: str | None = None) -> Any:

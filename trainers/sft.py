@@ -124,3 +124,10 @@ class SFTTrainer:
         metrics.update(self.ctx.backend.optim_step(OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)))
         metrics["examples"] = float(len(self.data))
         return StepOutput(metrics)
+
+    def state_dict(self) -> dict:
+        """``{}``: the data is rebuilt from the config and each batch is drawn by a (seed, step)-seeded shuffle."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore; see :meth:`state_dict`."""

@@ -29,11 +29,14 @@ def _fail(exc: Exception) -> None:
     raise click.ClickException(str(exc)) from exc
 
 
-def build_config(options: dict[str, Any]) -> Any:
-    """A TrainConfig from ``--config`` (if given) overridden by the options given on the command line."""
+def build_config(options: dict[str, Any], base: Any = None) -> Any:
+    """A TrainConfig from ``base`` or ``--config`` (if given) overridden by the options given on the command line."""
     from tinkergym.trainers.config import TrainConfig
 
-    config = TrainConfig.load(options["config"]) if options.get("config") else TrainConfig()
+    if base is not None:
+        config = TrainConfig.from_dict(base.to_dict())
+    else:
+        config = TrainConfig.load(options["config"]) if options.get("config") else TrainConfig()
     for name in _FIELDS:
         if options.get(name) is not None:
             setattr(config, name, options[name])
@@ -49,6 +52,32 @@ def build_config(options: dict[str, Any]) -> Any:
         args["demos"] = options["demos"]
     config.trainer_args = args
     return config.validate()
+
+
+def resume_run(options: dict[str, Any]) -> Any:
+    """The run that ``--resume`` continues, with the options given applied; ``None`` when nothing is left to do.
+
+    Options are read against the run's own config.json: one that leaves its setting as it is passes, one
+    that changes a setting outside RESUMABLE_FIELDS is a usage error that lists what a resume may change.
+    """
+    from tinkergym.errors import ConfigError
+    from tinkergym.trainers.session import RESUMABLE_FIELDS, TrainingRun, option_name, plan_resume
+
+    if options.get("config"):
+        allowed = ", ".join(option_name(k) for k in RESUMABLE_FIELDS)
+        raise ConfigError(f"--config cannot be combined with --resume: a resumed run keeps its own config.json. Pass what may change ({allowed}) as options.")
+    saved = plan_resume(options["resume"]).config
+    wanted = build_config(options, base=saved).to_dict()
+    changes = {k: v for k, v in wanted.items() if v != getattr(saved, k)}
+    plan = plan_resume(options["resume"], changes)
+    if plan.nothing_to_do:
+        click.echo(
+            f"nothing to do: {plan.folder} has trained all {plan.config.steps} steps and exported final/; "
+            f"pass --steps N with N above {plan.config.steps} to train it further.",
+            err=True,
+        )
+        return None
+    return TrainingRun.resume(options["resume"], changes=changes)
 
 
 @click.command()
@@ -83,7 +112,9 @@ def build_config(options: dict[str, Any]) -> Any:
 @click.option("--demos", type=click.Choice(["baseline"]), help="sft: train on demonstrations of the env's baseline agent.")
 @click.option("--out", help="Run folder (default runs/<env>-<trainer>-<time>).")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False), help="YAML/JSON file of the same settings; options override it.")
-@click.option("--resume", type=click.Path(exists=True, file_okay=False), help="Continue the run in this folder from its last checkpoint.")
+@click.option("--resume", type=click.Path(exists=True, file_okay=False),
+              help="Continue the run in this folder from its last checkpoint, with its own settings; only --steps, "
+                   "--eval-every, --eval-episodes, --checkpoint-every, --lr and --max-grad-norm may change them.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def train(**options: Any) -> None:
     """Train a model on an env with a trainer plugin (LoRA by default, --full for every parameter).
@@ -94,20 +125,30 @@ def train(**options: Any) -> None:
       tinkergym train --env tinker/Gomoku-v0 --kwarg size=7 --max-turns 8 --full
       tinkergym train --trainer sft --env tinker/Math-v0 --demos baseline --steps 50
       tinkergym train --resume runs/bandit
+      tinkergym train --resume runs/bandit --steps 60       # extend a finished run to 60 steps
+
+    A resume continues with the run's own settings. It may change only how far the run goes (--steps: never
+    fewer than the steps already trained; as many is nothing to do once final/ is exported, exit 0), how often
+    it evaluates and checkpoints (--eval-every, --eval-episodes, --checkpoint-every) and the optimizer
+    steps still to run (--lr, --max-grad-norm); any other option that changes a setting exits with code 2.
     """
+    from tinkergym.trainers.reporting import read_metrics
     from tinkergym.trainers.session import TrainingRun
 
     try:
-        if options["resume"]:
-            run = TrainingRun.resume(options["resume"])
+        run = resume_run(options) if options["resume"] else TrainingRun(build_config(options))
+        if run is None:  # a finished run with no more steps to train
+            folder, last = Path(options["resume"]), {}
         else:
-            run = TrainingRun(build_config(options))
-        click.echo(f"run folder: {run.folder}", err=True)
-        last = run.run(progress=not options["quiet"])
+            click.echo(f"run folder: {run.folder}", err=True)
+            folder, last = run.folder, run.run(progress=not options["quiet"])
     except TinkergymError as exc:
         _fail(exc)
+    if not last:  # no step trained now: report the run's last logged step
+        records = read_metrics(folder / "metrics.jsonl")
+        last = records[-1] if records else {}
     shown = {k: round(v, 4) for k, v in last.items() if k.startswith(("reward", "loss", "eval/"))}
-    click.echo(json.dumps({"run": str(run.folder), **shown}))
+    click.echo(json.dumps({"run": str(folder), **shown}))
 
 
 @click.command("eval")
