@@ -93,6 +93,25 @@ def test_eval_of_a_model_and_of_a_run(tiny, tmp_path) -> None:
         assert len(transcripts.read_text().splitlines()) == 3
 
 
+def test_loss_corrections_from_the_command_line(tiny, tmp_path) -> None:
+    out = tmp_path / "run"
+    extra = ("--steps", "1", "--temperature", "0.7", "--old-logprobs", "trainer", "--tis-cap", "2", "--kl-coef", "0.01",
+             "--truncation", "mask", "--truncated-reward", "-1")
+    result = CliRunner().invoke(main, _train_args(tiny, out, *extra), catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert (config["temperature"], config["old_logprobs"], config["tis_cap"]) == (0.7, "trainer", 2.0)
+    assert (config["truncation"], config["truncated_reward"]) == ("mask", -1.0)
+    record = read_metrics(out / "metrics.jsonl")[-1]
+    assert record["batch/trained_sequences"] == 8, "with a KL term every sequence is trained on"
+    assert record["ratio_mean"] == pytest.approx(1.0, abs=1e-6) and record["mismatch/logp_abs_max"] < 1e-3
+    assert record["tis/weight_mean"] == pytest.approx(1.0, abs=1e-3)
+    # Evaluation may truncate the distribution it samples from.
+    result = CliRunner().invoke(main, ["eval", "--env", "tinker/Bandit-v0", "--run", str(out), "--episodes", "2", "--max-new-tokens", "4",
+                                       "--temperature", "0.8", "--top-p", "0.9", "--top-k", "5"], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -102,6 +121,8 @@ def test_eval_of_a_model_and_of_a_run(tiny, tmp_path) -> None:
         (["--env", "tinker/GomokuDuel-v0"], "multi-agent"),
         (["--env", "tinker/Bandit-v0", "--kwarg", "arms=99"], "arms=99"),
         (["--steps", "2"], "--env is required"),
+        (["--env", "tinker/Bandit-v0", "--tis-cap", "2"], "--old-logprobs trainer"),
+        (["--env", "tinker/Bandit-v0", "--temperature", "0"], "--temperature"),
     ],
 )
 def test_bad_input_exits_2_with_a_suggestion(args, message, tmp_path) -> None:

@@ -17,6 +17,7 @@ _FIELDS = (
     "env", "trainer", "model", "lora_rank", "lora_alpha", "steps", "batch_size", "group_size", "lr", "max_turns",
     "max_new_tokens", "max_context", "temperature", "seed", "out", "kl_coef", "eval_every", "eval_episodes",
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
+    "old_logprobs", "tis_cap", "truncation", "truncated_reward",
 )
 
 
@@ -94,11 +95,19 @@ def resume_run(options: dict[str, Any]) -> Any:
 @click.option("--max-turns", type=click.IntRange(1), help="Turns per episode (default 4).")
 @click.option("--max-new-tokens", type=click.IntRange(1), help="New tokens per turn (default 64).")
 @click.option("--max-context", type=click.IntRange(16), help="Context length bound (default 2048).")
-@click.option("--temperature", type=click.FloatRange(0), help="Sampling temperature (default 1.0).")
+@click.option("--temperature", type=click.FloatRange(0, min_open=True),
+              help="Sampling temperature of the rollouts (default 1.0); the loss scores the same tempered distribution.")
 @click.option("--seed", type=int, help="Run seed (default 0).")
 @click.option("--kl-coef", type=click.FloatRange(0), help="KL penalty to the reference policy (default 0).")
 @click.option("--loss-aggregation", type=click.Choice(["token", "sequence"]), help="Average the loss per token or per sequence.")
 @click.option("--max-grad-norm", type=click.FloatRange(0), help="Gradient clipping norm (default 1.0; 0 = off).")
+@click.option("--old-logprobs", type=click.Choice(["sampler", "trainer"]),
+              help="Old policy of the PPO ratio: the sampler's logprobs (default) or the trainer's own before the update.")
+@click.option("--tis-cap", type=click.FloatRange(0),
+              help="Truncated importance weight min(trainer/sampler ratio, CAP) on every token (0 = off; needs --old-logprobs trainer). 2 is usual with --sampler vllm.")
+@click.option("--truncation", type=click.Choice(["keep", "mask"]),
+              help="Episodes a budget ended (max turns, max context): keep them (default) or mask them out of the loss.")
+@click.option("--truncated-reward", type=float, help="Reward given to episodes a budget ended instead of what they collected.")
 @click.option("--eval-every", type=click.IntRange(0), help="Evaluate every N steps on held-out seeds (0 = off).")
 @click.option("--eval-episodes", type=click.IntRange(1), help="Episodes per evaluation (default 32).")
 @click.option("--checkpoint-every", type=click.IntRange(1), help="Checkpoint every N steps (default 10).")
@@ -160,9 +169,14 @@ def train(**options: Any) -> None:
 @click.option("--max-turns", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
 @click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus sampling (1 = off).")
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Top-k sampling (0 = off).")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), help="Write transcripts to this JSONL file.")
-def eval_command(env: str, model: str | None, run_dir: str | None, episodes: int, kwargs: tuple[str, ...], max_turns: int, max_new_tokens: int, temperature: float, seed: int, out: Path | None) -> None:
+def eval_command(
+    env: str, model: str | None, run_dir: str | None, episodes: int, kwargs: tuple[str, ...], max_turns: int,
+    max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, out: Path | None,
+) -> None:
     """Evaluate a model (or a run's latest checkpoint) on an env: success rate, mean reward, transcripts."""
     if bool(model) == bool(run_dir):
         raise click.UsageError("give --model or --run (exactly one).")
@@ -175,7 +189,7 @@ def eval_command(env: str, model: str | None, run_dir: str | None, episodes: int
         make_env = env_factory(env, parse_kwargs(kwargs))
         backend = load_backend_for_eval(model=model, run_dir=run_dir)
         renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
-        settings = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        settings = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
         metrics, trajectories = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes))
     except TinkergymError as exc:
         _fail(exc)
