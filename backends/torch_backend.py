@@ -131,13 +131,26 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
-def resolve_attn_implementation(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``"auto"`` -> flash_attention_2 when flash-attn is importable on cuda in bfloat16 (it needs half precision), else sdpa."""
+def resolve_attn_implementation(name: str, device: torch.device, dtype: torch.dtype, model_path: str | None = None) -> str:
+    """``"auto"`` -> flash_attention_2 when flash-attn is importable on cuda in bfloat16 (it needs half precision), else
+    sdpa; eager for a model class that supports neither (Gemma 2's soft-capped attention, for one)."""
     if name != "auto":
         return name
     if device.type == "cuda" and dtype == torch.bfloat16 and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
+        if _model_class_supports(model_path, "_supports_flash_attn"):
+            return "flash_attention_2"
+    return "sdpa" if _model_class_supports(model_path, "_supports_sdpa") else "eager"
+
+
+def _model_class_supports(model_path: str | None, flag: str) -> bool:
+    """Whether the transformers class of the model in ``model_path`` declares ``flag`` (True when it cannot be told)."""
+    if model_path is None or not os.path.isfile(os.path.join(model_path, "config.json")):
+        return True
+    import transformers
+
+    architectures = json.loads(Path(model_path, "config.json").read_text()).get("architectures") or []
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    return bool(getattr(model_class, flag, True))
 
 
 def replace_dir(tmp: str, path: str) -> None:
@@ -254,7 +267,7 @@ class TorchBackend:
         self.model_path = resolve_model(self.config.model, self.config.cache_dir)
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
-        self.attn_implementation = resolve_attn_implementation(self.config.attn_implementation, self.device, self.dtype)
+        self.attn_implementation = resolve_attn_implementation(self.config.attn_implementation, self.device, self.dtype, self.model_path)
         # Full fine-tuning keeps float32 master weights and computes in self.dtype under autocast: AdamW on
         # bfloat16 weights would round most small updates away. LoRA keeps the frozen base in self.dtype
         # (peft keeps the adapter in float32).
