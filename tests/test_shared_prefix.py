@@ -77,23 +77,29 @@ def test_plan_packs_groups_up_to_the_token_budget() -> None:
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
 def test_shared_prefix_gradients_equal_per_sequence_gradients(tiny: str, lora_rank: int, micro_batch_size: int, aggregation: str) -> None:
     spec = LossSpec(name="ppo", clip_low=0.1, clip_high=0.3, kl_coef=0.1, aggregation=aggregation)
+    shared_metrics = assert_sharing_changes_nothing(tiny, grpo_like_batch, spec, lora_rank, micro_batch_size)
+    assert lora_rank == 0 or shared_metrics["kl"] > 0
+
+
+def assert_sharing_changes_nothing(model: str, batch, spec: LossSpec, lora_rank: int, micro_batch_size: int) -> dict[str, float]:
+    """Metrics and gradients of ``forward_backward`` on ``batch()`` are the same with and without shared prompts."""
     results = {}
     for share in (True, False):
-        backend = make_backend(tiny, share, lora_rank=lora_rank, micro_batch_size=micro_batch_size)
+        backend = make_backend(model, share, lora_rank=lora_rank, micro_batch_size=micro_batch_size)
         if lora_rank:  # a non-zero adapter, so the KL term and the adapter's gradient path are both exercised
             with torch.no_grad():
                 for name, param in backend.model.named_parameters():
                     if "lora_B" in name:
                         param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
-        metrics = backend.forward_backward(ForwardBackwardRequest(data=grpo_like_batch(), loss=spec)).metrics
+        metrics = backend.forward_backward(ForwardBackwardRequest(data=batch(), loss=spec)).metrics
         grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad and p.grad is not None}
         results[share] = (metrics, grads)
     (shared_metrics, shared_grads), (plain_metrics, plain_grads) = results[True], results[False]
     assert shared_metrics == pytest.approx(plain_metrics, rel=1e-5, abs=1e-6)
-    assert lora_rank == 0 or shared_metrics["kl"] > 0
     assert shared_grads.keys() == plain_grads.keys() and shared_grads
     for name in plain_grads:
         assert torch.allclose(shared_grads[name], plain_grads[name], atol=1e-6, rtol=1e-4), name
+    return shared_metrics
 
 
 def test_sampling_shared_prompts_matches_sampling_each_copy(tiny: str) -> None:
@@ -191,22 +197,7 @@ def test_layout_shared_prefix_logprobs_equal_each_sequence_alone(layout_models: 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_shared_prefix_gradients_equal_per_sequence_gradients(layout_models: dict[str, str], layout: str, lora_rank: int) -> None:
     spec = LossSpec(name="ppo", clip_low=0.1, clip_high=0.3, kl_coef=0.1, aggregation="token")
-    results = {}
-    for share in (True, False):
-        backend = make_backend(layout_models[layout], share, lora_rank=lora_rank, micro_batch_size=8)
-        if lora_rank:
-            with torch.no_grad():
-                for name, param in backend.model.named_parameters():
-                    if "lora_B" in name:
-                        param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
-        metrics = backend.forward_backward(ForwardBackwardRequest(data=mixed_prompt_batch(), loss=spec)).metrics
-        grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.requires_grad and p.grad is not None}
-        results[share] = (metrics, grads)
-    (shared_metrics, shared_grads), (plain_metrics, plain_grads) = results[True], results[False]
-    assert shared_metrics == pytest.approx(plain_metrics, rel=1e-5, abs=1e-6)
-    assert shared_grads.keys() == plain_grads.keys() and shared_grads
-    for name in plain_grads:
-        assert torch.allclose(shared_grads[name], plain_grads[name], atol=1e-6, rtol=1e-4), name
+    assert_sharing_changes_nothing(layout_models[layout], mixed_prompt_batch, spec, lora_rank, micro_batch_size=8)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
