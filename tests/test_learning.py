@@ -68,10 +68,12 @@ def test_grpo_lora_steps_do_not_collapse(warm_model, tmp_path, seed) -> None:
     """No step's reward falls far below the steps before it: the step size does not depend on degenerate groups.
 
     Groups whose rewards tie carry no gradient; the loss is still normalized by the whole step's tokens, so a
-    step where most groups tie is a small step, not a large one concentrated on the few groups left.
+    step where most groups tie is a small step, not a large one concentrated on the few groups left. (At twice
+    this learning rate, rare junk samples with a group-normalized advantage of -2.6 still tip an occasional
+    step over, with either normalizer: the learning rate, not the normalizer, is then what to lower.)
     """
     config = TrainConfig(
-        trainer="grpo", model=warm_model, lora_rank=8, steps=25, batch_size=8, group_size=8, lr=1e-2, seed=seed,
+        trainer="grpo", model=warm_model, lora_rank=8, steps=25, batch_size=8, group_size=8, lr=5e-3, seed=seed,
         out=str(tmp_path / "rl"), **COMMON,
     )
     rewards = [r["reward/mean"] for r in _run(config)]
