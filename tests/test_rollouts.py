@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.backends.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
 from tinkergym.chat import ChatTemplateRenderer  # noqa: E402
-from tinkergym.rollouts import RolloutConfig, rollout  # noqa: E402
+from tinkergym.rollouts import RolloutConfig, Trajectory, rollout  # noqa: E402
 
 import tinkergym  # noqa: E402
 
@@ -180,3 +180,56 @@ def test_context_bound_stops_an_episode(renderer) -> None:
     limit = probe.prompt_length + 4
     (t,) = rollout([env], ScriptedSampler(renderer, ["D4"]), renderer, RolloutConfig(max_turns=5, max_new_tokens=8, max_context=limit), seeds=[0])
     assert t.finish_reason == "context" and t.num_sampled_tokens <= 4
+
+
+def test_budget_truncated_tells_rollout_budgets_from_env_ends() -> None:
+    reasons = {"terminated": False, "truncated": False, "error": False, "max_turns": True, "max_episode_tokens": True, "context": True}
+    assert {reason: Trajectory(finish_reason=reason).budget_truncated for reason in reasons} == reasons
+
+
+def test_nothing_is_appended_past_the_context_and_a_cut_episode_ends_with_its_sampled_turn(renderer) -> None:
+    env = tinkergym.make("tinker/Gomoku-v0", size=7)
+    sampler = ScriptedSampler(renderer, ["D4", "C3", "E5"])
+
+    def play(limit: int):
+        sampler.calls = 0
+        return rollout([env], sampler, renderer, RolloutConfig(max_turns=3, max_new_tokens=8, max_context=limit), seeds=[0])[0]
+
+    full = play(4096)
+    assert full.finish_reason == "max_turns" and full.budget_truncated
+    first_end = full.loss_mask.index(0.0, full.prompt_length)
+    second_start = full.loss_mask.index(1.0, first_end)
+    edges = (full.prompt_length, first_end, (first_end + second_start) // 2, second_start, second_start + 3, len(full.tokens))
+    for limit in sorted({edge + shift for edge in edges for shift in (-1, 0, 1)}):
+        t = play(limit)
+        assert len(t.tokens) <= limit and t.budget_truncated and not t.failed
+        if t.finish_reason == "context" and t.num_sampled_tokens:
+            assert t.loss_mask[-1] == 1.0 and t.messages[-1]["role"] == "assistant"
+        if first_end <= limit <= second_start:  # the first observation leaves no room for a sampled token
+            assert t.finish_reason == "context" and t.tokens == full.tokens[:first_end]
+            assert t.messages == full.messages[: len(t.messages)] and len(t.rewards) == 1
+
+
+def test_a_first_prompt_longer_than_the_context_finishes_before_anything_is_sampled(renderer) -> None:
+    envs = [tinkergym.make("tinker/Gomoku-v0", size=7), tinkergym.make("tinker/Bandit-v0")]
+    probe = rollout(envs, ScriptedSampler(renderer, ["red"]), renderer, RolloutConfig(max_turns=1, max_new_tokens=8), seeds=[0, 0])
+    long_prompt = probe[0].prompt_length
+    assert probe[1].prompt_length + 8 < long_prompt
+    sampler = ScriptedSampler(renderer, ["red"])
+    config = RolloutConfig(max_turns=1, max_new_tokens=8, max_context=long_prompt - 1)
+    cut, kept = rollout(envs, sampler, renderer, config, seeds=[0, 0])
+    assert cut.finish_reason == "context" and cut.budget_truncated and not cut.failed
+    assert cut.tokens == [] and cut.prompt_length == 0 and cut.num_sampled_tokens == 0 and cut.messages[-1]["role"] == "user"
+    assert kept.finish_reason == "terminated" and kept.num_sampled_tokens > 0
+    assert sampler.calls == 1, "only the prompt that fits is sampled"
+    config = RolloutConfig(max_turns=1, max_new_tokens=8, max_context=long_prompt)
+    (exact,) = rollout(envs[:1], ScriptedSampler(renderer, ["D4"]), renderer, config, seeds=[0])
+    assert exact.finish_reason == "context" and exact.tokens == probe[0].tokens[:long_prompt] and exact.num_sampled_tokens == 0
+
+
+def test_the_episode_token_budget_ends_the_episode_with_the_sampled_turn(renderer) -> None:
+    env = tinkergym.make("tinker/Gomoku-v0", size=7)
+    config = RolloutConfig(max_turns=5, max_new_tokens=8, max_episode_tokens=3)
+    (t,) = rollout([env], ScriptedSampler(renderer, ["D4"]), renderer, config, seeds=[0])
+    assert t.finish_reason == "max_episode_tokens" and t.budget_truncated
+    assert t.num_sampled_tokens == 3 and t.loss_mask[-1] == 1.0 and t.messages[-1]["role"] == "assistant"

@@ -10,9 +10,15 @@ One loop serves training, evaluation and inference. Each episode moves through e
   sampled (mask 1, sampler logprobs kept); they are never re-tokenized.
 - INTERACTING: the decoded text goes to ``env.step``; the observation is appended as the template renders
   it (:meth:`tinkergym.chat.ChatTemplateRenderer.bridge_tokens`, mask 0).
-- TERMINATED: termination, truncation, the turn limit, the token budget, the context length, or a failure.
-  A failed episode (an env or template error) keeps its error, is fully masked and counted; it never stops
-  the batch.
+- TERMINATED: see :class:`Trajectory` for the finish reasons. A failed episode (an env or template error)
+  keeps its error, is fully masked and counted; it never stops the batch.
+
+Env calls (``reset`` and ``step``) of one round run concurrently on a bounded thread pool
+(:attr:`RolloutConfig.env_workers`), so a slow env (a tool that starts a subprocess, a remote service)
+does not hold up the others. Everything else (decoding, rendering, appending, sampling) stays on the
+calling thread, in a fixed order, and rounds stay in lockstep: the same seeds give the same trajectories
+whatever the pool size and whichever env finishes first. An env is only ever called by one thread at a
+time; envs must not share mutable state (the usual Gymnasium contract), or use ``env_workers=1``.
 
 Nothing here imports torch: the sampler is anything with ``sample(SampleRequest) -> SampleResponse``.
 """
@@ -20,11 +26,16 @@ Nothing here imports torch: the sampler is anything with ``sample(SampleRequest)
 from __future__ import annotations
 
 import enum
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from tinkergym.backends.types import SampleRequest, SampleResponse, SamplingParams
 from tinkergym.chat import ChatRenderer, Message
+from tinkergym.errors import ConfigError
+
+#: Finish reasons of an episode cut by one of the rollout's budgets rather than ended by its env.
+BUDGET_FINISH_REASONS = frozenset({"max_turns", "max_episode_tokens", "context"})
 
 
 class Sampler(Protocol):
@@ -44,7 +55,11 @@ class EpisodeState(enum.Enum):
 
 @dataclass
 class RolloutConfig:
-    """Budgets of one rollout: turns, new tokens per turn and in all, context length, and sampling."""
+    """Budgets of one rollout: turns, new tokens per turn and in all, context length, and sampling.
+
+    ``env_workers`` is how many threads call ``env.reset`` / ``env.step`` at once (capped at the number
+    of episodes); 1 calls them one after another on the calling thread. Trajectories do not depend on it.
+    """
 
     max_turns: int = 8
     max_new_tokens: int = 128
@@ -54,11 +69,30 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    env_workers: int = 32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.env_workers, bool) or not isinstance(self.env_workers, int) or self.env_workers < 1:
+            raise ConfigError(f"env_workers={self.env_workers!r}: choose a whole number of threads, at least 1 (1 steps envs one after another).")
 
 
 @dataclass
 class Trajectory:
-    """One episode as the policy saw it: ids, per-token loss mask and sampler logprobs, per-turn rewards."""
+    """One episode as the policy saw it: ids, per-token loss mask and sampler logprobs, per-turn rewards.
+
+    ``finish_reason`` says how it ended:
+
+    - ``"terminated"``: the env ended the episode (``terminated`` from ``env.step``);
+    - ``"truncated"``: the env cut the episode itself (``truncated`` from ``env.step``);
+    - ``"max_turns"``: the rollout's turn limit was reached;
+    - ``"max_episode_tokens"``: the rollout's budget of sampled tokens per episode was used up;
+    - ``"context"``: no room was left in ``max_context`` for another sampled token, the next observation,
+      or even the first prompt (then ``tokens`` is empty when the prompt does not fit);
+    - ``"error"``: the env or the chat template failed (``error`` says how; the episode is fully masked).
+
+    The three budget reasons are :attr:`budget_truncated`. A trajectory never holds more than
+    ``max_context`` ids, and one cut by a budget after a turn ends with that turn's sampled ids.
+    """
 
     tokens: list[int] = field(default_factory=list)
     loss_mask: list[float] = field(default_factory=list)
@@ -79,6 +113,11 @@ class Trajectory:
     def failed(self) -> bool:
         """Whether the episode ended in an error (it is then fully masked)."""
         return self.error is not None
+
+    @property
+    def budget_truncated(self) -> bool:
+        """Whether a rollout budget (turns, episode tokens, context) cut the episode, not the env."""
+        return self.finish_reason in BUDGET_FINISH_REASONS
 
     @property
     def num_sampled_tokens(self) -> int:
@@ -108,10 +147,39 @@ class _Episode:
             self.trajectory.error = error
             self.trajectory.loss_mask = [0.0] * len(self.trajectory.tokens)
 
+    def fail(self, exc: Exception) -> None:
+        self.finish("error", f"{type(exc).__name__}: {exc}")
 
-def _start(episode: _Episode, renderer: ChatRenderer) -> None:
-    """PENDING -> GENERATING: reset the env and render the first prompt."""
-    observation, info = episode.env.reset(seed=episode.seed)
+
+class _EnvCalls:
+    """Runs env calls on a bounded thread pool (or inline with one worker); results come back as futures.
+
+    An env exception is kept in its future (it is data); the pool is shut down by :meth:`close`.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tinkergym-env") if workers > 1 else None
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """Start ``fn(*args, **kwargs)``; inline, it has already run when this returns."""
+        if self._pool is not None:
+            return self._pool.submit(fn, *args, **kwargs)
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
+
+    def close(self) -> None:
+        """Drop calls not started and wait for running ones, so no env is touched after the rollout returns."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _start(episode: _Episode, reset: tuple[str, dict], renderer: ChatRenderer, config: RolloutConfig) -> None:
+    """PENDING -> GENERATING: render the first prompt from the env's reset (or finish if it cannot fit)."""
+    observation, info = reset
     messages: list[Message] = []
     if info.get("system_prompt"):
         messages.append({"role": "system", "content": info["system_prompt"]})
@@ -119,8 +187,13 @@ def _start(episode: _Episode, renderer: ChatRenderer) -> None:
     episode.tools = info.get("tools") or None
     trajectory = episode.trajectory
     trajectory.messages = messages
-    trajectory.append(renderer.prompt_tokens(messages, episode.tools), 0.0)
-    trajectory.prompt_length = len(trajectory.tokens)
+    prompt = renderer.prompt_tokens(messages, episode.tools)
+    if len(prompt) <= config.max_context:
+        trajectory.append(prompt, 0.0)
+        trajectory.prompt_length = len(prompt)
+    if len(prompt) >= config.max_context:  # not even one token could be sampled
+        episode.finish("context")
+        return
     episode.state = EpisodeState.GENERATING
 
 
@@ -131,13 +204,24 @@ def _turn_budget(episode: _Episode, config: RolloutConfig) -> int:
     return budget
 
 
-def _interact(episode: _Episode, tokens: list[int], logprobs: list[float], stopped: bool, renderer: ChatRenderer, config: RolloutConfig) -> None:
-    """INTERACTING: append the sample, step the env, and append the observation or finish."""
+def _take_sample(episode: _Episode, tokens: list[int], logprobs: list[float], renderer: ChatRenderer) -> str:
+    """GENERATING -> INTERACTING: append the sampled ids and return their text for ``env.step``."""
+    episode.state = EpisodeState.INTERACTING
     trajectory = episode.trajectory
     trajectory.append(tokens, 1.0, logprobs)
     text = renderer.decode(tokens)
     trajectory.messages.append({"role": "assistant", "content": text})
-    observation, reward, terminated, truncated, info = episode.env.step(text)
+    return text
+
+
+def _after_step(episode: _Episode, result: tuple, stopped: bool, renderer: ChatRenderer, config: RolloutConfig) -> None:
+    """INTERACTING: record the env's step, then append the observation or finish.
+
+    A budget that ends the episode here ends it before the observation is appended, so the trajectory
+    ends with the sampled turn and never grows past ``max_context``.
+    """
+    observation, reward, terminated, truncated, info = result
+    trajectory = episode.trajectory
     trajectory.rewards.append(float(reward))
     trajectory.info = {k: v for k, v in info.items() if k != "tools"}
     episode.turns += 1
@@ -147,14 +231,21 @@ def _interact(episode: _Episode, tokens: list[int], logprobs: list[float], stopp
     if episode.turns >= config.max_turns:
         episode.finish("max_turns")
         return
+    if config.max_episode_tokens is not None and trajectory.num_sampled_tokens >= config.max_episode_tokens:
+        episode.finish("max_episode_tokens")
+        return
     message = {"role": "user", "content": observation}
-    trajectory.append(renderer.bridge_tokens(trajectory.messages, message, episode.tools, stopped), 0.0)
+    bridge = renderer.bridge_tokens(trajectory.messages, message, episode.tools, stopped)
+    if len(trajectory.tokens) + len(bridge) >= config.max_context:  # no room left to sample after it
+        episode.finish("context")
+        return
+    trajectory.append(bridge, 0.0)
     trajectory.messages.append(message)
     episode.state = EpisodeState.GENERATING
 
 
-def _sample_round(waiting: list[_Episode], sampler: Sampler, renderer: ChatRenderer, config: RolloutConfig, round_index: int) -> None:
-    """One batched ``sample`` call per distinct token budget among the waiting episodes."""
+def _group_by_budget(waiting: list[_Episode], config: RolloutConfig) -> dict[int, list[_Episode]]:
+    """Waiting episodes by their token budget for this turn; those with none left are finished."""
     by_budget: dict[int, list[_Episode]] = {}
     for episode in waiting:
         budget = _turn_budget(episode, config)
@@ -163,7 +254,13 @@ def _sample_round(waiting: list[_Episode], sampler: Sampler, renderer: ChatRende
             episode.finish("context" if context_left <= 0 else "max_episode_tokens")
         else:
             by_budget.setdefault(budget, []).append(episode)
-    for budget, group in by_budget.items():
+    return by_budget
+
+
+def _sample_round(waiting: list[_Episode], sampler: Sampler, renderer: ChatRenderer, config: RolloutConfig, round_index: int, env_calls: _EnvCalls) -> None:
+    """One batched ``sample`` call per distinct token budget; env steps run while later groups sample."""
+    stepping: list[tuple[_Episode, Future, bool]] = []
+    for budget, group in _group_by_budget(waiting, config).items():
         params = SamplingParams(
             max_new_tokens=budget,
             temperature=config.temperature,
@@ -174,11 +271,24 @@ def _sample_round(waiting: list[_Episode], sampler: Sampler, renderer: ChatRende
         )
         response = sampler.sample(SampleRequest(prompts=[e.trajectory.tokens for e in group], params=params))
         for episode, (sequence, *_) in zip(group, response.sequences):
-            episode.state = EpisodeState.INTERACTING
             try:
-                _interact(episode, list(sequence.tokens), list(sequence.logprobs), sequence.finish_reason == "stop", renderer, config)
-            except Exception as exc:  # an env or template failure ends this episode only
-                episode.finish("error", f"{type(exc).__name__}: {exc}")
+                text = _take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)
+            except Exception as exc:  # a template failure ends this episode only
+                episode.fail(exc)
+                continue
+            stepping.append((episode, env_calls.submit(episode.env.step, text), sequence.finish_reason == "stop"))
+    for episode, step, stopped in stepping:  # in submission order, whatever order the steps finished in
+        try:
+            _after_step(episode, step.result(), stopped, renderer, config)
+        except Exception as exc:  # an env or template failure ends this episode only
+            episode.fail(exc)
+
+
+def _env_workers(envs: list[Any], config: RolloutConfig) -> int:
+    """Threads for the env calls: one env is never called from two threads, so a repeated env means one."""
+    if len({id(env) for env in envs}) < len(envs):
+        return 1
+    return max(1, min(config.env_workers, len(envs)))
 
 
 def rollout(
@@ -195,24 +305,26 @@ def rollout(
         envs: Text envs (one episode each; for groups, pass G envs with the same seed).
         sampler: The policy (a Backend or a sampler with the same ``sample``).
         renderer: The model's chat template (:class:`tinkergym.chat.ChatTemplateRenderer`).
-        config: Budgets and sampling settings.
+        config: Budgets, sampling settings and the env thread pool size.
         seeds: Reset seed per env (``None``: unseeded).
         on_round: Called after each sampling round with (round, episodes still running).
     """
     seeds = list(seeds) if seeds is not None else [None] * len(envs)
     episodes = [_Episode(env, seed) for env, seed in zip(envs, seeds, strict=True)]
-    for episode in episodes:
-        try:
-            _start(episode, renderer)
-        except Exception as exc:
-            episode.finish("error", f"{type(exc).__name__}: {exc}")
-    round_index = 0
-    while True:
-        waiting = [e for e in episodes if e.state is EpisodeState.GENERATING]
-        if not waiting:
-            break
-        _sample_round(waiting, sampler, renderer, config, round_index)
-        round_index += 1
-        if on_round is not None:
-            on_round(round_index, sum(e.state is not EpisodeState.TERMINATED for e in episodes))
+    env_calls = _EnvCalls(_env_workers(envs, config))
+    try:
+        resets = [(e, env_calls.submit(e.env.reset, seed=e.seed)) for e in episodes]
+        for episode, reset in resets:
+            try:
+                _start(episode, reset.result(), renderer, config)
+            except Exception as exc:  # an env or template failure ends this episode only
+                episode.fail(exc)
+        round_index = 0
+        while waiting := [e for e in episodes if e.state is EpisodeState.GENERATING]:
+            _sample_round(waiting, sampler, renderer, config, round_index, env_calls)
+            round_index += 1
+            if on_round is not None:
+                on_round(round_index, sum(e.state is not EpisodeState.TERMINATED for e in episodes))
+    finally:
+        env_calls.close()
     return [e.trajectory for e in episodes]
