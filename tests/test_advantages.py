@@ -121,7 +121,7 @@ def test_grpo_request_normalizes_by_the_whole_step() -> None:
     request = _grpo().request(_step_trajectories())
     assert len(request.data) == 2, "the degenerate group is not sent"
     assert request.num_tokens == 8.0 and request.num_sequences == 4, "but it counts in the normalizers"
-    assert request.loss.temperature == 1.0 and request.loss.old_logprobs == "sampler"
+    assert request.loss.temperature == 1.0 and request.loss.old_logprobs == "trainer"
     with_kl = _grpo(kl_coef=0.1, temperature=0.7).request(_step_trajectories())
     assert len(with_kl.data) == 4 and with_kl.data[0].advantages == [0.0] * 5, "a KL term still applies to it"
     assert with_kl.loss.temperature == 0.7
@@ -140,7 +140,7 @@ def test_rl_settings_are_validated() -> None:
         TrainConfig(env="tinker/Bandit-v0", temperature=0.0).validate()
     TrainConfig(trainer="sft", temperature=0.0).validate()
     with pytest.raises(ConfigError, match="--old-logprobs trainer"):
-        TrainConfig(env="tinker/Bandit-v0", tis_cap=2.0).validate()
+        TrainConfig(env="tinker/Bandit-v0", tis_cap=2.0, old_logprobs="sampler").validate()
     TrainConfig(env="tinker/Bandit-v0", tis_cap=2.0, old_logprobs="trainer").validate()
     with pytest.raises(ConfigError, match="truncation must be one of"):
         TrainConfig(env="tinker/Bandit-v0", truncation="drop").validate()

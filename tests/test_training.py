@@ -121,7 +121,7 @@ def test_loss_corrections_from_the_command_line(tiny, tmp_path) -> None:
         (["--env", "tinker/GomokuDuel-v0"], "multi-agent"),
         (["--env", "tinker/Bandit-v0", "--kwarg", "arms=99"], "arms=99"),
         (["--steps", "2"], "--env is required"),
-        (["--env", "tinker/Bandit-v0", "--tis-cap", "2"], "--old-logprobs trainer"),
+        (["--env", "tinker/Bandit-v0", "--tis-cap", "2", "--old-logprobs", "sampler"], "--old-logprobs trainer"),
         (["--env", "tinker/Bandit-v0", "--temperature", "0"], "--temperature"),
     ],
 )

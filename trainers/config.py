@@ -50,10 +50,11 @@ class TrainConfig:
     dtype: str = "auto"
     micro_batch_size: int = 8
     sampler: str = "torch"  # "torch" (the training backend samples) or "vllm" (a vLLM engine, synced every step)
-    # The old policy of the PPO ratio: "sampler" (its logprobs, free) or "trainer" (the policy's own logprobs
-    # before the step's update, so sampler numerics do not enter the ratio). With tis_cap > 0 (needs "trainer")
-    # each token is weighted by min(trainer/sampler ratio, tis_cap): truncated importance sampling, as verl/TRL.
-    old_logprobs: str = "sampler"
+    # The old policy of the PPO ratio: "trainer" (the policy's own logprobs of the training pass, before the
+    # step's only update, as TRL does on-policy; free) or "sampler" (the sampler's logprobs, so its numerics enter
+    # the ratio: in bfloat16 up to ~0.3 nats on SmolLM2, enough to clip). With tis_cap > 0 (needs "trainer") each
+    # token is weighted by min(trainer/sampler ratio, tis_cap): truncated importance sampling, as verl/TRL.
+    old_logprobs: str = "trainer"
     tis_cap: float = 0.0
     # Episodes a budget ended (finish reasons max_turns, max_episode_tokens, context; not the env's own
     # truncation): "keep" trains on them with their reward, "mask" leaves them out of the loss and of their

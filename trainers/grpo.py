@@ -6,10 +6,10 @@ reward, and uses the reward minus its group's mean (divided by the group's std u
 importance ratio (``clip_low``/``clip_high``), optionally with a KL penalty to the reference policy
 (``kl_coef``), aggregated per token or per sequence (``loss_aggregation``).
 
-The update is on-policy (one optimizer step per batch). The old policy of the ratio is the sampler's own
-logprobs (``old_logprobs: sampler``, no second forward pass), or the trainer's logprobs of the same pass
-(``old_logprobs: trainer``), optionally with the truncated importance weight ``tis_cap`` that corrects for a
-sampler whose numerics differ (vLLM). The loss scores the distribution sampled from (logits divided by the
+The update is on-policy (one optimizer step per batch). The old policy of the ratio is the trainer's own
+logprobs of the same pass (``old_logprobs: trainer``, the default: no second forward pass, and sampler
+numerics never clip a token), or the sampler's (``old_logprobs: sampler``), optionally with the truncated
+importance weight ``tis_cap`` that corrects for a sampler whose numerics differ (vLLM, bfloat16). The loss scores the distribution sampled from (logits divided by the
 sampling temperature), and the sampler/trainer mismatch is logged every step (``mismatch/*``).
 
 Degenerate groups (equal rewards) get zero advantages and are not sent to the backend unless a KL term

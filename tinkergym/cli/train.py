@@ -102,7 +102,7 @@ def resume_run(options: dict[str, Any]) -> Any:
 @click.option("--loss-aggregation", type=click.Choice(["token", "sequence"]), help="Average the loss per token or per sequence.")
 @click.option("--max-grad-norm", type=click.FloatRange(0), help="Gradient clipping norm (default 1.0; 0 = off).")
 @click.option("--old-logprobs", type=click.Choice(["sampler", "trainer"]),
-              help="Old policy of the PPO ratio: the sampler's logprobs (default) or the trainer's own before the update.")
+              help="Old policy of the PPO ratio: the trainer's own logprobs before the update (default) or the sampler's.")
 @click.option("--tis-cap", type=click.FloatRange(0),
               help="Truncated importance weight min(trainer/sampler ratio, CAP) on every token (0 = off; needs --old-logprobs trainer). 2 is usual with --sampler vllm.")
 @click.option("--truncation", type=click.Choice(["keep", "mask"]),
