@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from tinkergym.backends.types import OLD_LOGPROBS
 from tinkergym.errors import ConfigError
 
 LOSS_NAMES = ("cross_entropy", "ppo", "importance_sampling", "reinforce")
@@ -21,8 +22,6 @@ AGGREGATIONS = ("token", "sequence")
 # Losses that compare against the sampler's logprobs (an importance ratio).
 RATIO_LOSSES = ("ppo", "importance_sampling")
 POLICY_LOSSES = ("ppo", "importance_sampling", "reinforce")
-#: Where the old policy of an importance ratio comes from: the sampler's logprobs, or the trainer's own.
-OLD_LOGPROBS = ("sampler", "trainer")
 
 
 #: Bound on a log importance ratio before it is exponentiated: exp(20) is finite in float32 with room to spare.
@@ -67,7 +66,7 @@ def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, chunk_size
     return torch.cat([zeros, logprobs_N.view(batch, length)[:, :-1]], dim=1)
 
 
-def _masked_log_ratio(numerator: torch.Tensor, denominator: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def masked_log_ratio(numerator: torch.Tensor, denominator: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """``numerator - denominator`` where ``mask`` is set and 0 elsewhere, bounded by :data:`MAX_LOG_RATIO`.
 
     Masking comes before any exponential: positions outside the loss (prompts, padding, observations) hold
@@ -86,7 +85,7 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor
     ``mask`` are 0; ``r`` is bounded by :data:`MAX_LOG_RATIO` and the value by :data:`MAX_K3` (as verl's
     low-variance KL), so one token far out of the reference's support cannot make the loss NaN or infinite.
     """
-    log_ratio = _masked_log_ratio(ref_logprobs, logprobs, mask)
+    log_ratio = masked_log_ratio(ref_logprobs, logprobs, mask)
     return (torch.exp(log_ratio) - log_ratio - 1.0).clamp_max(MAX_K3)
 
 
@@ -107,7 +106,7 @@ def policy_loss(
     - ``ppo``: ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``; a token counts as
       clipped where the clipped term is the smaller one (its gradient is zero there).
 
-    The ratio is 1 outside ``mask`` (see :func:`_masked_log_ratio`).
+    The ratio is 1 outside ``mask`` (see :func:`masked_log_ratio`).
     """
     if name not in LOSS_NAMES:
         raise ConfigError(f"unknown loss {name!r}; use one of {', '.join(LOSS_NAMES)}")
@@ -119,7 +118,7 @@ def policy_loss(
         return -logprobs * advantages, None, None
     if old_logprobs is None:
         raise ConfigError(f"the {name!r} loss needs sampling_logprobs for every datum (the logprobs sample() returned)")
-    ratio = torch.exp(_masked_log_ratio(logprobs, old_logprobs, mask))
+    ratio = torch.exp(masked_log_ratio(logprobs, old_logprobs, mask))
     if name == "importance_sampling":
         return -ratio * advantages, ratio, None
     unclipped = ratio * advantages
@@ -171,13 +170,13 @@ def aggregation_weights(mask_BT: torch.Tensor, aggregation: str, total_mask: flo
     return torch.where(per_row > 0, mask_BT / per_row.clamp_min(1e-12), torch.zeros_like(mask_BT)) / max(num_sequences, 1)
 
 
-def mismatch_sums(trainer_logprobs: torch.Tensor, sampling_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+def mismatch_sums(delta: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Sums that measure how far the sampler's logprobs are from the trainer's on the sampled tokens.
 
-    ``mismatch_abs_sum`` (of ``|trainer - sampler|``), ``mismatch_abs_max`` and ``mismatch_kl_sum`` (the k3
-    estimate of KL(sampler || trainer), unbiased for tokens drawn by the sampler), all over masked tokens.
+    ``delta`` is ``masked_log_ratio(trainer, sampler, mask)``. ``mismatch_abs_sum`` (of ``|trainer - sampler|``),
+    ``mismatch_abs_max`` and ``mismatch_kl_sum`` (the k3 estimate of KL(sampler || trainer), unbiased for tokens
+    drawn by the sampler), all over masked tokens.
     """
-    delta = _masked_log_ratio(trainer_logprobs.detach(), sampling_logprobs, mask)
     read = mask > 0
     return {
         "mismatch_abs_sum": float((delta.abs() * mask).sum()),
@@ -219,9 +218,10 @@ def compute_loss(
     per_token, ratio, clipped = policy_loss(spec.name, logprobs, advantages, ratio_base, spec.clip_low, spec.clip_high, mask)
     sums: dict[str, float] = {"mask_sum": float(mask.sum()), "tokens": float((mask > 0).sum())}
     if sampling_logprobs is not None:
-        sums.update(mismatch_sums(trainer_old, sampling_logprobs, mask))
+        sampler_gap = masked_log_ratio(trainer_old.detach(), sampling_logprobs, mask)
+        sums.update(mismatch_sums(sampler_gap, mask))
         if spec.tis_cap > 0 and spec.name in POLICY_LOSSES:
-            tis = torch.exp(_masked_log_ratio(trainer_old, sampling_logprobs, mask)).clamp_max(spec.tis_cap).detach()
+            tis = torch.exp(sampler_gap).clamp_max(spec.tis_cap)
             per_token = per_token * tis
             sums["tis_sum"] = float((tis * mask).sum())
             sums["tis_capped_sum"] = float(((tis >= spec.tis_cap).float() * mask).sum())

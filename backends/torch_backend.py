@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import shutil
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +56,7 @@ from tinkergym.backends.types import (
     _Plain,
 )
 from tinkergym.errors import ConfigError, NonFiniteError
+from tinkergym.folders import fresh_tmp_dir, replace_dir
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 STATE_FORMAT = 1
@@ -151,27 +151,6 @@ def _model_class_supports(model_path: str | None, flag: str) -> bool:
     architectures = json.loads(Path(model_path, "config.json").read_text()).get("architectures") or []
     model_class = getattr(transformers, architectures[0], None) if architectures else None
     return bool(getattr(model_class, flag, True))
-
-
-def replace_dir(tmp: str, path: str) -> None:
-    """Move the finished folder ``tmp`` to ``path``, replacing an older ``path`` (a folder cannot be os.replace'd over).
-
-    The older folder is set aside under a ``.tmp`` suffix too, so a reader that skips ``*.tmp`` never sees it.
-    """
-    old = path + ".old.tmp"
-    if os.path.exists(path):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(tmp, path)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def fresh_tmp_dir(path: str) -> str:
-    """An empty ``path + ".tmp"`` folder (left-overs of an interrupted write are removed)."""
-    tmp = os.fspath(path).rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    return tmp
 
 
 def _rng_state() -> dict[str, Any]:

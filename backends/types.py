@@ -14,6 +14,10 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+#: Where the old policy of an importance ratio comes from (``LossSpec.old_logprobs``): the sampler's logprobs,
+#: or the trainer's own.
+OLD_LOGPROBS = ("sampler", "trainer")
+
 
 class _Plain:
     """``to_dict`` / ``from_dict`` for the dataclasses below (nested lists of dataclasses included)."""

@@ -181,7 +181,7 @@ def test_mismatch_metrics_by_hand() -> None:
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0]])
     trainer = torch.tensor([[-9.0, -1.0, -2.0, -0.5]])
     sampler = torch.tensor([[0.0, -1.1, -1.8, -0.5]])
-    sums = losses.mismatch_sums(trainer, sampler, mask)
+    sums = losses.mismatch_sums(losses.masked_log_ratio(trainer, sampler, mask), mask)
     deltas = [0.1, -0.2, 0.0]
     assert sums["mismatch_abs_sum"] == pytest.approx(0.3, abs=1e-6)
     assert sums["mismatch_abs_max"] == pytest.approx(0.2, abs=1e-6)

@@ -103,18 +103,22 @@ def assert_sharing_changes_nothing(model: str, batch, spec: LossSpec, lora_rank:
 
 
 def test_sampling_shared_prompts_matches_sampling_each_copy(tiny: str) -> None:
-    prompts = [[3, 17, 40, 9], [3, 17, 40, 9], [8, 8], [3, 17, 40, 9]]
+    assert_shared_sampling_matches_each_copy(tiny, [[3, 17, 40, 9], [3, 17, 40, 9], [8, 8], [3, 17, 40, 9]])
+
+
+def assert_shared_sampling_matches_each_copy(model: str, prompts: list[list[int]]) -> None:
+    """Sampling with shared prompts gives the tokens and logprobs of sampling every copy, and scoring alone agrees."""
     params = SamplingParams(max_new_tokens=10, seed=7)
     out = {}
     for share in (True, False):
-        backend = make_backend(tiny, share)
+        backend = make_backend(model, share)
         out[share] = backend.sample(SampleRequest(prompts=prompts, params=params, num_samples=2)).sequences
     for shared_row, plain_row, prompt in zip(out[True], out[False], prompts):
         for shared, plain in zip(shared_row, plain_row):
             assert shared.tokens == plain.tokens
             assert shared.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
             scored = backend.logprobs([prompt + shared.tokens])[0][len(prompt) :]
-            assert shared.logprobs == pytest.approx(scored, abs=1e-4)
+            assert shared.logprobs == pytest.approx(scored, abs=1e-4), model
 
 
 # Attention layouts whose masks depend on where tokens sit in the KV cache. Windows and chunks are smaller
@@ -205,17 +209,7 @@ def test_layout_sampling_prompts_of_different_lengths_matches_scoring_alone(layo
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(5, 200, (n,), generator=gen).tolist() for n in LAYOUT_PROMPTS]
     prompts.append(prompts[0])
-    params = SamplingParams(max_new_tokens=10, seed=7)
-    out = {}
-    for share in (True, False):
-        backend = make_backend(layout_models[layout], share)
-        out[share] = backend.sample(SampleRequest(prompts=prompts, params=params, num_samples=2)).sequences
-    for shared_row, plain_row, prompt in zip(out[True], out[False], prompts):
-        for shared, plain in zip(shared_row, plain_row):
-            assert shared.tokens == plain.tokens
-            assert shared.logprobs == pytest.approx(plain.logprobs, abs=1e-5)
-            scored = backend.logprobs([prompt + shared.tokens])[0][len(prompt) :]
-            assert shared.logprobs == pytest.approx(scored, abs=1e-4), layout
+    assert_shared_sampling_matches_each_copy(layout_models[layout], prompts)
 
 
 def test_padded_length_limit_reads_llama4_temperature_tuning(layout_models: dict[str, str]) -> None:

@@ -105,13 +105,14 @@ def trajectories_to_data(
 ) -> list[Datum]:
     """One Datum per trajectory: its advantage on every sampled token, the sampler's logprobs kept.
 
-    Failed trajectories (and those ``valid_B`` marks false) carry no gradient and are left out; so are those
-    with zero advantage unless ``keep_zero_advantage`` (a KL term still applies to them).
+    Trajectories that ``valid_B`` marks false (by default those that are not :func:`trainable`: failed, or
+    with nothing sampled) carry no gradient and are left out; so are those with zero advantage unless
+    ``keep_zero_advantage`` (a KL term still applies to them).
     """
-    valid = [True] * len(trajectories) if valid_B is None else list(valid_B)
+    valid = [trainable(t) for t in trajectories] if valid_B is None else list(valid_B)
     data = []
     for trajectory, advantage, ok in zip(trajectories, advantages_B, valid, strict=True):
-        if not ok or trajectory.failed or not trajectory.num_sampled_tokens:
+        if not ok:
             continue
         if advantage == 0.0 and not keep_zero_advantage:
             continue

@@ -7,12 +7,11 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tinkergym.backends.types import OLD_LOGPROBS
 from tinkergym.errors import ConfigError
 
 #: Where rollouts are sampled: the training backend itself, or a vLLM engine synced from it after every step.
 SAMPLERS = ("torch", "vllm")
-#: The old policy of the importance ratio: the sampler's logprobs, or the trainer's own (see LossSpec).
-OLD_LOGPROBS = ("sampler", "trainer")
 #: Episodes that a budget (max_turns, max_context, an episode token budget) ended: trained on, or masked.
 TRUNCATION_MODES = ("keep", "mask")
 

@@ -9,8 +9,9 @@ importance ratio (``clip_low``/``clip_high``), optionally with a KL penalty to t
 The update is on-policy (one optimizer step per batch). The old policy of the ratio is the trainer's own
 logprobs of the same pass (``old_logprobs: trainer``, the default: no second forward pass, and sampler
 numerics never clip a token), or the sampler's (``old_logprobs: sampler``), optionally with the truncated
-importance weight ``tis_cap`` that corrects for a sampler whose numerics differ (vLLM, bfloat16). The loss scores the distribution sampled from (logits divided by the
-sampling temperature), and the sampler/trainer mismatch is logged every step (``mismatch/*``).
+importance weight ``tis_cap`` that corrects for a sampler whose numerics differ (vLLM, bfloat16). The loss
+scores the distribution sampled from (logits divided by the sampling temperature), and the sampler/trainer
+mismatch is logged every step (``mismatch/*``).
 
 Degenerate groups (equal rewards) get zero advantages and are not sent to the backend unless a KL term
 applies to them, but they still count in the loss normalizer (the whole step's sampled tokens, as TRL's

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -32,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
+from tinkergym.folders import replace_dir
 from tinkergym.trainers.base import StepOutput, TrainerStateError, TrainingContext, load_trainer, restore_trainer_state, trainer_state
 from tinkergym.trainers.config import TrainConfig
 from tinkergym.trainers.evaluation import eval_seeds, evaluate, write_transcripts
@@ -215,7 +215,7 @@ class TrainingRun:
         state = trainer_state(self.trainer)
         if state is not None:
             _write_trainer_state(staging / TRAINER_STATE, self.config.trainer, step, state)
-        _move_into_place(staging, path)
+        replace_dir(str(staging), str(path))
         leftovers = [p for p in checkpoints.iterdir() if p.name.endswith(".tmp")]  # of interrupted writes
         for old in leftovers + _complete_checkpoints(self.folder)[:-KEEP_CHECKPOINTS]:
             shutil.rmtree(old, ignore_errors=True)
@@ -232,15 +232,6 @@ def _write_trainer_state(path: Path, trainer: str, step: int, state: dict[str, A
             "return dicts with string keys, lists, strings, numbers, booleans and None."
         ) from exc
     path.write_text(text + "\n", encoding="utf-8")
-
-
-def _move_into_place(staging: Path, path: Path) -> None:
-    """Rename the finished folder ``staging`` to ``path``; an older ``path`` is first set aside under a .tmp name."""
-    if path.exists():
-        old = path.with_name(path.name + ".old.tmp")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-    os.replace(staging, path)
 
 
 def _complete_checkpoints(folder: Path) -> list[Path]:
