@@ -46,10 +46,12 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+# GRPO with LoRA at 1e-2 collapsed at an occasional step (0.6 -> 0.0) depending on float rounding alone (BLAS
+# results vary with memory alignment, so the same run differs after other tests): see the stability test below.
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("trainer", "lora_rank", "lr"),
-    [("grpo", 8, 1e-2), ("grpo", 0, 1e-3), ("rloo", 0, 1e-3)],
+    [("grpo", 8, 5e-3), ("grpo", 0, 1e-3), ("rloo", 0, 1e-3)],
     ids=["grpo-lora", "grpo-full", "rloo-full"],
 )
 def test_bandit_reward_rises(warm_model, tmp_path, trainer, lora_rank, lr) -> None:
