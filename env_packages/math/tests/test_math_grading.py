@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from fractions import Fraction
 
 import pytest
@@ -159,3 +160,39 @@ def test_fuzz_never_raises():
         assert isinstance(result.correct, bool)
     for hostile in ["\\boxed{" * 20_000, "{" * 50_000, "\\frac" * 10_000, "Answer:" * 10_000, "9" * 100_000]:
         grade(hostile, "3/4")
+
+
+@pytest.mark.parametrize("answer", ["inf", "-inf", "nan", "NaN", "Infinity", "1e999", "-1e999", "1e-999", "\\infty", "∞"])
+def test_non_finite_answers_are_wrong_and_never_raise(answer):
+    for reply in (answer, f"\\boxed{{{answer}}}", f"Answer: {answer}"):
+        assert not grade(reply, "5").correct
+        assert not answers_match(answer, "5")
+
+
+_LONG = 16_000
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        " " * _LONG,
+        "\n" * _LONG,
+        " \t\r\n\x0b\x0c" * (_LONG // 6),
+        "answer" + " " * _LONG,
+        "The final answer is" + " " * _LONG,
+        "answer" + "\n" * _LONG,
+        "Answer: a" + " " * _LONG + "b",
+        "Answer: 1" + " " * _LONG + "1",
+        "1" * 20_000,
+        "\\boxed{" + "1" * 20_000 + "}",
+        "Answer: " + "1" * 20_000,
+        "\\boxed a{" * (_LONG // 9),
+        "-" * _LONG + "answer",
+    ],
+    ids=lambda reply: f"{reply[:12]!r}x{len(reply)}",
+)
+def test_long_replies_grade_in_linear_time(reply):
+    started = time.perf_counter()
+    grade(reply, "5")
+    grade(reply, "blue")
+    assert time.perf_counter() - started < 0.2

@@ -33,10 +33,13 @@ MAX_NUMBER_TEXT = 120
 MAX_EXPONENT = 400
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
+# One line each: no two neighbouring parts can match the same characters, and the answer is the rest of the
+# line (stripped afterwards), so a long line that is not an answer line fails in linear time, not quadratic.
 _ANSWER_LINE = re.compile(
-    r"^[ \t>#*_-]*(?:the\s+)?(?:final\s+)?answer\s*(?:is\s*)?[*_]*\s*[:=][*_ \t]*(?P<answer>.*?)[ \t]*$",
+    r"^[ \t>#*_-]*+(?:the[ \t]++)?(?:final[ \t]++)?answer(?:[ \t]*+is)?[ \t*_]*+[:=](?P<answer>[^\n]*)",
     re.IGNORECASE | re.MULTILINE,
 )
+_ANSWER_PADDING = " \t\r*_"
 _NUMBER = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+(?:[eE][+-]?\d+)?"
 _SIMPLE = re.compile(rf"^(?P<sign>[+-]?)\s*(?P<num>{_NUMBER})(?:\s*/\s*(?P<dsign>[+-]?)(?P<den>{_NUMBER}))?(?P<rest>.*)$")
 _MIXED = re.compile(r"^(?P<sign>[+-]?)\s*(?P<whole>\d+)\s+(?P<num>\d+)\s*/\s*(?P<den>\d+)$")
@@ -117,7 +120,7 @@ def extract_answer(text: str) -> tuple[str | None, str | None]:
     boxed = extract_boxed(text)
     if boxed is not None:
         return boxed, "boxed"
-    lines = [m.group("answer").strip(" *_") for m in _ANSWER_LINE.finditer(text)]
+    lines = [m.group("answer").strip(_ANSWER_PADDING) for m in _ANSWER_LINE.finditer(text)]
     lines = [line for line in lines if line]
     if lines:
         return lines[-1], "answer_line"
