@@ -46,6 +46,10 @@ class ScaffoldError(TinkergymError, ValueError):
     """``tinkergym envs new`` cannot create the requested package."""
 
 
+class SandboxUnavailableError(TinkergymError, RuntimeError):
+    """Untrusted code cannot run here under real isolation (bubblewrap missing, user namespaces refused)."""
+
+
 class InvalidAction(TinkergymError, ValueError):
     """Raised by an env's own step logic for a bad action.
 

@@ -1,4 +1,7 @@
-"""Tests of the python sandbox: limits, isolation, clean-up and output handling."""
+"""Tests of the tool sandbox: output handling, limits and the behaviour every tool call relies on.
+
+The attacks on the isolation itself are in ``test_sandbox_attacks.py``.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +10,7 @@ import time
 
 import pytest
 
-from tinkergym_math.sandbox import MAX_CODE_BYTES, run_python
-
-pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox needs a POSIX system")
+from tinkergym.sandbox import MAX_CODE_BYTES, run_python
 
 
 def test_output_and_final_expression():
@@ -31,6 +32,7 @@ def test_exception_comes_back_as_traceback_text():
     assert 'File "<python>", line 2, in f' in result.output and "return 1 / 0" in result.output
     assert result.output.rstrip().endswith("ZeroDivisionError: division by zero")
     assert "_tinkergym" not in result.output  # the prelude stays out of the traceback
+    assert "/usr/lib" not in result.output
 
 
 def test_syntax_error_and_exit_code():
@@ -46,28 +48,6 @@ def test_timeout_kills_an_infinite_loop():
     assert time.monotonic() - start < 5
     assert result.timed_out and result.returncode == -9
     assert "timed out" in result.to_text()
-
-
-def test_timeout_kills_the_whole_process_group():
-    code = (
-        "import os, time\n"
-        "pid = os.fork()\n"
-        "if pid == 0:\n"
-        "    time.sleep(60)\n"
-        "    os._exit(0)\n"
-        "print(pid, flush=True)\n"
-        "time.sleep(60)\n"
-    )
-    result = run_python(code, timeout=1.0)
-    assert result.timed_out
-    child = int(result.output.split()[0])
-    time.sleep(0.2)
-    try:
-        with open(f"/proc/{child}/status") as handle:
-            state = next(line for line in handle if line.startswith("State:"))
-        assert "Z" in state  # a zombie waiting to be reaped is dead
-    except (FileNotFoundError, ProcessLookupError):
-        pass  # gone entirely
 
 
 def test_memory_bomb_fails_cleanly():
@@ -97,14 +77,11 @@ def test_network_is_refused():
     assert "network access is disabled" in result.output or "URLError" in result.output
 
 
-def test_files_go_to_a_private_temp_dir_that_is_removed(tmp_path):
+def test_files_go_to_a_private_tmpfs():
     code = "import os\nopen('note.txt', 'w').write('hi')\nos.mkdir('sub')\nprint(os.getcwd())\nprint(sorted(os.listdir('.')))"
     result = run_python(code)
-    workdir, listing = result.output.splitlines()
-    assert listing == "['note.txt', 'sub']"
-    assert os.path.basename(workdir).startswith("tinkergym-math-")
-    assert not os.path.exists(workdir)
-    assert not (tmp_path / "note.txt").exists() and not os.path.exists("note.txt")
+    assert result.output.splitlines() == ["/tmp", "['note.txt', 'sub']"]
+    assert not os.path.exists("/tmp/note.txt") and not os.path.exists("note.txt")
 
 
 def test_file_size_limit():
