@@ -6,14 +6,14 @@ import json
 from typing import Any, Sequence
 
 from tinkergym.core import StepResult
-from tinkergym.errors import ConfigError
+from tinkergym.errors import ConfigError, SandboxUnavailableError
 from tinkergym.tools import ParsedToolCalls, Tool, ToolBox, function_schema, parse_tool_calls
 
 from tinkergym_math.calculator import calculate
 from tinkergym_math.data import printable
 from tinkergym_math.env import MathEnv, feedback, grade_info
 from tinkergym_math.grading import grade
-from tinkergym_math.sandbox import run_python
+from tinkergym_math.sandbox import ISOLATIONS, check_sandbox, run_python
 
 TOOL_NAMES = ("python", "calculator")
 _CALL_EXAMPLE = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * (3 + 4) / 5"}}</tool_call>'
@@ -30,9 +30,10 @@ class MathToolEnv(MathEnv):
 
     Tools (schemas in ``info["tools"]`` on reset, ready for a chat template's ``tools=``):
     ``calculator(expression)`` evaluates arithmetic exactly from its syntax tree (no ``eval``);
-    ``python(code)`` runs code in a sandboxed subprocess (:mod:`tinkergym_math.sandbox`: isolated
-    interpreter, time/memory/process/file limits, private temp directory, no network) and returns what
-    it printed (a final bare expression is printed too).
+    ``python(code)`` runs code with the system's ``python3`` under bubblewrap (:mod:`tinkergym.sandbox`:
+    new namespaces as an unprivileged uid, a read-only ``/usr`` and nothing else of the host, a size-capped
+    tmpfs as working folder, no network, time/memory/process/file limits; nothing outlives a call) and
+    returns what it printed (a final bare expression is printed too).
 
     Observation: on reset, the problem, the tools and the number of tool calls allowed. After a message
     with tool calls, one ``<tool_response>\n...\n</tool_response>`` block per call, in order (malformed
@@ -62,6 +63,11 @@ class MathToolEnv(MathEnv):
         python_timeout: Wall-clock seconds per ``python`` call (default 5; up to 60).
         python_memory_mb: Address-space limit of a ``python`` call in MiB (default 512).
         max_tool_output: Characters of each tool result shown (default 2,000).
+        python_sandbox: ``"bubblewrap"`` (default): the env refuses to be made where bubblewrap cannot run,
+            with a message that says how to install it. ``"rlimits"`` opts in to a weaker guard (a plain
+            subprocess with the same limits, never as root) that is NOT a security boundary.
+        python_executable: The interpreter tool code runs with (default: the system's ``python3``); the
+            sandbox's unprivileged user must be able to read it.
 
     Determinism: the same seed and messages give the same episode as long as the code given to the
     ``python`` tool is deterministic (it runs in a fresh process each call).
@@ -81,6 +87,8 @@ class MathToolEnv(MathEnv):
         python_timeout: float = 5.0,
         python_memory_mb: int = 512,
         max_tool_output: int = 2_000,
+        python_sandbox: str = "bubblewrap",
+        python_executable: str | None = None,
         render_mode: str | None = None,
     ) -> None:
         super().__init__(data_files=data_files, split=split, format_reward=format_reward, shuffle=shuffle, render_mode=render_mode)
@@ -94,6 +102,16 @@ class MathToolEnv(MathEnv):
         names = [tools] if isinstance(tools, str) else list(tools) if isinstance(tools, (list, tuple)) else None
         if not names or any(name not in TOOL_NAMES for name in names) or len(set(names)) != len(names):
             raise ConfigError(f"tools={tools!r}: choose one or both of {list(TOOL_NAMES)}.")
+        if python_sandbox not in ISOLATIONS:
+            raise ConfigError(f"python_sandbox={python_sandbox!r}: choose 'bubblewrap' (the default) or 'rlimits' (weaker, not a security boundary).")
+        self.python_sandbox, self.python_executable = python_sandbox, python_executable
+        if "python" in names:  # fail here, once, rather than in every tool call of a training run
+            try:
+                self.python_executable = check_sandbox(python_sandbox, python_executable)
+            except ConfigError as exc:
+                raise ConfigError(f"python_executable={python_executable!r}: {exc}") from exc
+            except SandboxUnavailableError as exc:
+                raise SandboxUnavailableError(f"tinker/MathTool-v0's python tool: {exc} Or offer the calculator alone: tools=['calculator'].") from exc
         available = {
             "python": Tool(name="python", fn=self._python_tool, schema=function_schema(python)),
             "calculator": Tool.from_function(calculator),
@@ -105,7 +123,10 @@ class MathToolEnv(MathEnv):
     # ----- the tools ------------------------------------------------------------------------------
     def _python_tool(self, code: str) -> str:
         """The ``python`` tool with this env's limits."""
-        return run_python(code, timeout=self.python_timeout, memory_mb=self.python_memory_mb, max_output=self.max_tool_output).to_text()
+        return run_python(
+            code, timeout=self.python_timeout, memory_mb=self.python_memory_mb, max_output=self.max_tool_output,
+            python=self.python_executable, isolation=self.python_sandbox,
+        ).to_text()
 
     def tool_schemas(self) -> list[dict[str, Any]]:
         """The schemas of the offered tools."""
