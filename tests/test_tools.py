@@ -10,7 +10,7 @@ from typing import Literal, Optional
 import pytest
 
 from tinkergym.errors import ConfigError
-from tinkergym.tools import EXPECTED_FORM, ParsedToolCalls, Tool, ToolBox, ToolCall, function_schema, parse_tool_calls
+from tinkergym.tools import EXPECTED_FORM, MAX_JSON_DEPTH, ParsedToolCalls, Tool, ToolBox, ToolCall, function_schema, parse_tool_calls
 
 
 def get_weather(city: str, unit: Literal["celsius", "fahrenheit"] = "celsius", days: Optional[int] = None) -> str:
@@ -348,3 +348,58 @@ def test_parse_hostile_sizes_never_raise():
     for text in ["[" * 100_000, "{" * 100_000, '{"a":' * 20_000, '<tool_call>' * 5_000, '{"name": ' * 10_000, "A" * 100_000]:
         parsed = parse_tool_calls(text)
         assert parsed.calls == []
+
+
+def _nested(depth: int, leaf: object = 1) -> object:
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '<tool_call>{"name": "add", "arguments": ' + "[" * 986 + "]" * 986 + "}</tool_call>",
+        '<tool_call>{"name": "add", "arguments": {"tags": ' + "[" * 980 + "]" * 980 + "}}</tool_call>",
+        '<tool_call>{"name": "add", "arguments": {"a": ' + '{"a":' * 5_000 + "1" + "}" * 5_000 + "}}</tool_call>",
+        '<tool_call>{"name": "add", "arguments": "{\\"tags\\": ' + "[" * 500 + "]" * 500 + '}"}</tool_call>',
+        '{"name": "add", "arguments": {"tags": ' + "[" * 200 + "]" * 200 + "}}",
+        '```json\n{"name": "add", "arguments": {"tags": ' + "[" * 200 + "]" * 200 + "}}\n```",
+    ],
+    ids=["arguments-array", "argument-array", "argument-object", "arguments-string", "plain-json", "fenced-json"],
+)
+def test_parse_deeply_nested_calls_are_errors(text):
+    parsed = parse_tool_calls(text)
+    assert parsed.calls == [] and len(parsed.errors) == 1
+    assert f"more than {MAX_JSON_DEPTH} levels deep" in parsed.errors[0] and EXPECTED_FORM in parsed.errors[0]
+
+
+def test_parse_accepts_nesting_up_to_the_limit():
+    arguments = {"tags": _nested(MAX_JSON_DEPTH - 3, "x")}  # the call object and "arguments" are two levels
+    parsed = parse_tool_calls(f"<tool_call>{json.dumps({'name': 'add', 'arguments': arguments})}</tool_call>")
+    assert parsed.errors == [] and parsed.calls[0].arguments == arguments
+    arguments = {"tags": _nested(MAX_JSON_DEPTH - 1, "x")}
+    parsed = parse_tool_calls(f"<tool_call>{json.dumps({'name': 'add', 'arguments': arguments})}</tool_call>")
+    assert parsed.calls == [] and "levels deep" in parsed.errors[0]
+
+
+def test_toolbox_refuses_deep_arguments_built_by_hand(box):
+    call = ToolCall("add", {"a": 1, "b": 2.0, "tags": _nested(100_000), "extra": {}})
+    assert box.call(call) == f"Error: the arguments of tool 'add' are nested more than {MAX_JSON_DEPTH} levels deep."
+    assert box.validate(ToolCall("nope", {"x": _nested(100_000)})).startswith("Error: unknown tool 'nope'")
+
+
+def test_toolbox_deep_tool_result_is_text():
+    def deep() -> list:
+        """Return something no encoder can walk."""
+        return _nested(100_000)
+
+    result = ToolBox([deep]).call(ToolCall("deep"))
+    assert isinstance(result, str) and result
+
+
+def test_parse_hostile_numbers_never_raise():
+    for text in ['<tool_call>{"name": "add", "arguments": {"a": ' + "9" * 5_000 + "}}</tool_call>", '{"name": "add", "arguments": {"a": 1e999999999}}']:
+        parsed = parse_tool_calls(text)
+        assert isinstance(parsed, ParsedToolCalls)

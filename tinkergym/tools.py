@@ -15,7 +15,8 @@
   blocks (Qwen/Hermes chat templates), plain JSON objects or lists (optionally in a fenced
   ``json`` code block), ``"arguments"`` given as a JSON string (OpenAI style) and ``"parameters"``
   as an alias of ``"arguments"`` (Llama 3.1). Malformed calls become ``errors`` entries; it never
-  raises, whatever the input.
+  raises, whatever the input. JSON nested deeper than :data:`MAX_JSON_DEPTH` is malformed too, so
+  the recursive walks that follow (validation, ``json.dumps``, the tool itself) stay shallow.
 
 Standard library only.
 """
@@ -35,6 +36,7 @@ from tinkergym.errors import ConfigError
 
 __all__ = [
     "EXPECTED_FORM",
+    "MAX_JSON_DEPTH",
     "ParsedToolCalls",
     "Tool",
     "ToolBox",
@@ -45,6 +47,8 @@ __all__ = [
 
 #: How a tool call should look; quoted in parse errors.
 EXPECTED_FORM = '<tool_call>{"name": "<tool name>", "arguments": {"<argument>": <value>}}</tool_call>'
+#: Deepest nesting of arrays and objects accepted in a tool call (the call object itself is level 1).
+MAX_JSON_DEPTH = 64
 
 _JSON_TYPES: dict[Any, dict[str, Any]] = {
     str: {"type": "string"},
@@ -287,8 +291,33 @@ def _matches(value: Any, schema: dict[str, Any]) -> str | None:
 
 
 def _short(value: Any, limit: int = 60) -> str:
-    text = json.dumps(value, ensure_ascii=True, default=str) if not isinstance(value, str) else repr(value)
+    text = repr(value) if isinstance(value, str) else _json_text(value, ensure_ascii=True)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _json_text(value: Any, **options: Any) -> str:
+    """``json.dumps(value)``; ``str(value)`` or the type's name when the value cannot be encoded (too deep, say)."""
+    try:
+        return json.dumps(value, default=str, **options)
+    except (TypeError, ValueError, RecursionError):
+        pass
+    try:
+        return str(value)
+    except (TypeError, ValueError, RecursionError):
+        return f"<{type(value).__name__}>"
+
+
+def _too_deep(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether ``value`` nests lists and dicts more than ``limit`` levels deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, (list, tuple)) else None
+        if children is not None:
+            if depth > limit:
+                return True
+            stack.extend((child, depth + 1) for child in children)
+    return False
 
 
 def _describe_parameters(parameters: dict[str, Any]) -> str:
@@ -352,6 +381,8 @@ class ToolBox:
             return f"Error: unknown tool {_short(call.name)}. Available tools: {', '.join(self._tools) or 'none'}."
         if not isinstance(call.arguments, dict):
             return f"Error: the arguments of tool {call.name!r} must be a JSON object, got {_json_type_name(call.arguments)}."
+        if _too_deep(call.arguments):
+            return f"Error: the arguments of tool {call.name!r} are nested more than {MAX_JSON_DEPTH} levels deep."
         parameters = tool.parameters
         properties = parameters.get("properties", {})
         problems = [f"missing required argument {name!r}" for name in parameters.get("required", []) if name not in call.arguments]
@@ -386,10 +417,7 @@ class ToolBox:
         elif isinstance(result, str):
             text = result
         elif isinstance(result, (dict, list, tuple, bool, int, float)):
-            try:
-                text = json.dumps(result, ensure_ascii=False, default=str)
-            except (TypeError, ValueError):
-                text = str(result)
+            text = _json_text(result, ensure_ascii=False)
         else:
             text = str(result)
         limit = self.max_result_length
@@ -425,9 +453,9 @@ def _call_from_object(obj: Any, where: str) -> tuple[ToolCall | None, str | None
             arguments = {}
         else:
             try:
-                arguments = json.loads(arguments)
+                arguments = _shallow(json.loads(arguments))
             except (ValueError, RecursionError) as exc:
-                return None, f'{where} (tool {_short(name)}): "arguments" is a string that is not valid JSON ({exc}). Expected: {EXPECTED_FORM}'
+                return None, f'{where} (tool {_short(name)}): "arguments" is a string that {_json_problem(exc)}. Expected: {EXPECTED_FORM}'
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
@@ -448,9 +476,21 @@ def _calls_from_value(value: Any, where: str) -> tuple[list[ToolCall], list[str]
     return calls, errors
 
 
+class _TooDeep(ValueError):
+    """A JSON value nested deeper than :data:`MAX_JSON_DEPTH`."""
+
+
+def _shallow(value: Any) -> Any:
+    """``value``, decoded JSON, if it nests at most :data:`MAX_JSON_DEPTH` levels; else raise :class:`_TooDeep`."""
+    if _too_deep(value):
+        raise _TooDeep()
+    return value
+
+
 def _decode(text: str) -> tuple[Any, int]:
-    """Decode the JSON value at the start of ``text``; return it and where it ends."""
-    return json.JSONDecoder().raw_decode(text)
+    """Decode the JSON value at the start of ``text``; return it and where it ends (ValueError, RecursionError)."""
+    value, end = json.JSONDecoder().raw_decode(text)
+    return _shallow(value), end
 
 
 def _parse_tagged(text: str, result: ParsedToolCalls) -> None:
@@ -482,7 +522,7 @@ def _parse_block(body: str, where: str, result: ParsedToolCalls) -> None:
     try:
         value, end = _decode(payload)
     except (ValueError, RecursionError) as exc:
-        result.errors.append(f"{where} is not valid JSON ({_json_error(exc)}). Expected: {EXPECTED_FORM}")
+        result.errors.append(f"{where} {_json_problem(exc)}. Expected: {EXPECTED_FORM}")
         return
     rest = payload[end:].strip()
     if rest.strip("}] \n\t`"):
@@ -493,10 +533,12 @@ def _parse_block(body: str, where: str, result: ParsedToolCalls) -> None:
     result.errors.extend(errors)
 
 
-def _json_error(exc: BaseException) -> str:
-    if isinstance(exc, RecursionError):
-        return "nested too deeply"
-    return str(exc)
+def _json_problem(exc: BaseException) -> str:
+    """What is wrong with a JSON text that failed to decode, as the end of a sentence."""
+    if isinstance(exc, (_TooDeep, RecursionError)):
+        return f"nests arrays and objects more than {MAX_JSON_DEPTH} levels deep"
+    text = str(exc)
+    return f"is not valid JSON ({text if len(text) <= 120 else text[:120] + '...'})"
 
 
 def _looks_like_call(value: Any) -> bool:
@@ -546,7 +588,7 @@ def _scan_json(text: str, where: str, result: ParsedToolCalls, *, whole: bool) -
             value, end = _decode(text[start:])
         except (ValueError, RecursionError) as exc:
             if _CALL_START_RE.match(text, start):
-                result.errors.append(f"{where} at character {start} is not valid JSON ({_json_error(exc)}). Expected: {EXPECTED_FORM}")
+                result.errors.append(f"{where} at character {start} {_json_problem(exc)}. Expected: {EXPECTED_FORM}")
                 return spans
             pos = start + 1
             continue

@@ -5,8 +5,10 @@
 functions (``sqrt``, ``abs``, ``round``, ``floor``, ``ceil``, ``min``, ``max``, ``log``, ``log10``,
 ``log2``, ``exp``, ``sin``, ``cos``, ``tan``, ``factorial``, ``gcd``, ``lcm``, ``comb``, ``perm``).
 Arithmetic is exact with :class:`fractions.Fraction` (``1/3 + 1/6`` is ``1/2``) until a function
-such as ``sqrt(2)`` needs a float. Sizes are bounded: long expressions, huge powers and factorials
-are refused with a message instead of hanging. ``×``, ``÷``, ``·`` and the unicode minus are accepted.
+such as ``sqrt(2)`` needs a float. Sizes are bounded before any work that grows with them: long
+expressions, number literals with huge exponents (``1e999999999``), huge powers and factorials are
+refused with a message instead of hanging, and whole numbers too long to print exactly are shown in
+scientific notation. ``×``, ``÷``, ``·`` and the unicode minus are accepted.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import ast
 import math
 import operator
+import re
+import sys
 from fractions import Fraction
 from typing import Any, Callable, Union
 
@@ -23,6 +27,15 @@ Number = Union[Fraction, float]
 MAX_EXPRESSION_LENGTH = 500
 #: Largest result accepted, in bits of numerator or denominator.
 MAX_BITS = 20_000
+#: Most digits an exact result is printed with (numerator and denominator together); a longer one
+#: is printed to 10 significant digits, ``about 1.234567891e+5000``. This also keeps ``str(int)``
+#: under Python's 4,300-digit limit, and its cost (which grows with the square of the length) small.
+MAX_EXACT_DIGITS = 1_000
+#: Most decimal places printed for an exact terminating decimal (``1/8`` is ``0.125``).
+MAX_DECIMAL_PLACES = 30
+
+_LOG2_10 = math.log2(10)
+_DECIMAL_LITERAL = re.compile(r"(?P<whole>[0-9]*)(?:\.(?P<fraction>[0-9]*))?(?:[eE](?P<exponent>[+-]?[0-9]+))?")
 
 _REPLACEMENTS = {"×": "*", "·": "*", "÷": "/", "−": "-", "–": "-", "^": "**", "√": "sqrt"}
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
@@ -134,18 +147,47 @@ _FUNCTIONS: dict[str, Callable[..., Number]] = {
 }
 
 
+def _decimal_literal(literal: str) -> Fraction:
+    """The exact value of a decimal literal such as ``1.5e-3``, refused before any work when it is too large.
+
+    ``Fraction("1e999999999")`` would build a billion-digit integer (hours of work), and Python's own
+    ``float`` turns it into ``inf``, so the exponent is read and bounded first.
+    """
+    text = literal.replace("_", "")
+    match = _DECIMAL_LITERAL.fullmatch(text)
+    if match is None or not (match["whole"] or match["fraction"]):
+        raise CalculatorError(f"cannot read the number {_shown_literal(literal)}")
+    digits = (match["whole"] + (match["fraction"] or "")).lstrip("0")
+    if not digits:
+        return Fraction(0)
+    scale = int(match["exponent"] or 0) - len(match["fraction"] or "")  # value = int(digits) * 10**scale
+    if (len(digits) + abs(scale)) * _LOG2_10 > MAX_BITS:
+        size = "large" if scale > 0 else "small"
+        raise CalculatorError(f"the number {_shown_literal(literal)} is too {size} (exponents go up to about ±{int(MAX_BITS / _LOG2_10):,})")
+    mantissa = int(digits)
+    return Fraction(mantissa * 10**scale) if scale >= 0 else Fraction(mantissa, 10**-scale)
+
+
+def _shown_literal(literal: str) -> str:
+    return literal if len(literal) <= 30 else literal[:27] + "..."
+
+
 def _power(base: Number, exponent: Number) -> Number:
     if isinstance(exponent, Fraction) and exponent.denominator == 1 and isinstance(base, Fraction):
         n = exponent.numerator
-        size = max(base.numerator.bit_length(), base.denominator.bit_length(), 1)
-        if abs(n) * size > MAX_BITS and abs(base) != 1:
+        if base == 0:
+            if n < 0:
+                raise CalculatorError("division by zero")
+            return Fraction(0 if n else 1)
+        if abs(base) == 1:  # (-1)**n and 1**n stay small whatever n is
+            return Fraction(-1 if base < 0 and n % 2 else 1)
+        size = max(base.numerator.bit_length(), base.denominator.bit_length())
+        if abs(n) * size > MAX_BITS:
             raise CalculatorError("the power is too large")
-        if base == 0 and n < 0:
-            raise CalculatorError("division by zero")
         return base**n
-    if base < 0:
-        raise CalculatorError("a negative number to a fractional power is not a real number")
     try:
+        if base < 0 and not float(exponent).is_integer():
+            raise CalculatorError("a negative number to a fractional power is not a real number")
         return float(base) ** float(exponent)
     except OverflowError as exc:
         raise CalculatorError("the power is too large") from exc
@@ -156,12 +198,8 @@ def _eval(node: ast.AST, source: str) -> Number:
         return _eval(node.body, source)
     if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
         if isinstance(node.value, int):
-            return Fraction(node.value)
-        literal = ast.get_source_segment(source, node) or repr(node.value)
-        try:
-            return Fraction(literal.replace("_", ""))
-        except ValueError:
-            return Fraction(repr(node.value))
+            return _checked(Fraction(node.value))
+        return _decimal_literal(ast.get_source_segment(source, node) or repr(node.value))
     if isinstance(node, ast.Name):
         if node.id in _CONSTANTS:
             return _CONSTANTS[node.id]
@@ -217,25 +255,78 @@ def evaluate(expression: str) -> Number:
 
 
 def format_number(value: Number) -> str:
-    """``42``, ``1.75``, ``2/3 (about 0.6666666667)`` or a float to 12 significant digits."""
+    """``42``, ``1.75``, ``2/3 (about 0.6666666667)`` or a float to 12 significant digits.
+
+    An exact result longer than :data:`MAX_EXACT_DIGITS` digits is shown as ``about 1.234567891e+5000 (...)``.
+    """
     if isinstance(value, float):
         return f"{value:.12g}"
     if value.denominator == 1:
-        return str(value.numerator)
-    places, denominator = 0, value.denominator
-    while denominator % 10 == 0 or denominator % 2 == 0 or denominator % 5 == 0:
-        denominator //= 2 if denominator % 2 == 0 else 5
-    if denominator == 1:
-        while (value * 10**places).denominator != 1:
-            places += 1
-        if places <= 30:
-            scaled = abs(value.numerator * 10**places // value.denominator)
-            whole, frac = divmod(scaled, 10**places)
-            return f"{'-' if value < 0 else ''}{whole}.{frac:0{places}d}"
+        text = _exact_digits(value.numerator)
+        if text is not None:
+            return text
+        return f"about {_approximate(value)} (a whole number with {_digit_count(value.numerator):,} digits, too long to show exactly)"
+    places = _decimal_places(value.denominator)
+    if places is not None:
+        whole, fraction = divmod(abs(value.numerator) * 10**places // value.denominator, 10**places)
+        text = _exact_digits(whole, MAX_EXACT_DIGITS - places)
+        if text is not None:
+            return f"{'-' if value < 0 else ''}{text}.{fraction:0{places}d}"
+    denominator = _exact_digits(value.denominator)
+    numerator = _exact_digits(value.numerator, MAX_EXACT_DIGITS - len(denominator)) if denominator is not None else None
+    if numerator is None or denominator is None:
+        return f"about {_approximate(value)} (a fraction too long to show exactly)"
+    return f"{numerator}/{denominator} (about {_approximate(value)})"
+
+
+def _exact_digits(n: int, limit: int = MAX_EXACT_DIGITS) -> str | None:
+    """``str(n)``, or ``None`` when it would have more than ``limit`` digits (checked before printing)."""
+    if n.bit_length() > limit * _LOG2_10 and _digit_count(n) > limit:
+        return None
     try:
-        return f"{value.numerator}/{value.denominator} (about {float(value):.10g})"
+        return str(n)
+    except ValueError:  # sys.set_int_max_str_digits set below MAX_EXACT_DIGITS
+        return None
+
+
+def _digit_count(n: int) -> int:
+    """How many decimal digits ``abs(n)`` has, without printing it."""
+    n = abs(n)
+    if n == 0:
+        return 1
+    count = int(math.log10(n)) + 1
+    if n < 10 ** (count - 1):
+        return count - 1
+    return count + 1 if n >= 10**count else count
+
+
+def _decimal_places(denominator: int) -> int | None:
+    """The places of the exact decimal of ``k/denominator`` (in lowest terms), or ``None`` past :data:`MAX_DECIMAL_PLACES`."""
+    twos = (denominator & -denominator).bit_length() - 1
+    rest, fives = denominator >> twos, 0
+    while rest % 5 == 0 and fives <= MAX_DECIMAL_PLACES:
+        rest //= 5
+        fives += 1
+    places = max(twos, fives)
+    return places if rest == 1 and places <= MAX_DECIMAL_PLACES else None
+
+
+def _approximate(value: Fraction) -> str:
+    """``value`` to 10 significant digits; in scientific notation when it lies outside the float range."""
+    if value == 0:
+        return "0"
+    try:
+        approx = float(value)
     except OverflowError:
-        return f"{value.numerator}/{value.denominator}"
+        approx = math.inf
+    if math.isfinite(approx) and abs(approx) >= sys.float_info.min:
+        return f"{approx:.10g}"
+    log = math.log10(abs(value.numerator)) - math.log10(value.denominator)  # math.log10 takes ints of any size
+    exponent = math.floor(log)
+    mantissa = f"{10 ** (log - exponent):.10g}"
+    if mantissa.startswith("10"):  # rounded up to the next power of ten
+        mantissa, exponent = "1", exponent + 1
+    return f"{'-' if value < 0 else ''}{mantissa}e{exponent:+d}"
 
 
 def calculate(expression: str) -> str:
@@ -244,3 +335,5 @@ def calculate(expression: str) -> str:
         return format_number(evaluate(expression))
     except CalculatorError as exc:
         return f"Error: {exc}."
+    except (ArithmeticError, ValueError, TypeError, RecursionError, MemoryError) as exc:  # a bound missed: still an answer
+        return f"Error: cannot evaluate this expression ({type(exc).__name__})."

@@ -4,13 +4,15 @@ Every source yields :class:`Problem` records with a question and an answer. Reco
 ``"question"`` (non-empty text) and ``"answer"`` (text or a number); ``"id"`` and ``"topic"`` are
 optional. An answer in GSM8K form (``"...reasoning... #### 42"``) keeps only what follows ``####``.
 A bad record is a :class:`~tinkergym.errors.ConfigError` that names the file and line (or row, or
-record number) and says what is wrong.
+record number) and says what is wrong: invalid JSON, JSON nested too deeply to read, a file that
+is not UTF-8 text, a field of the wrong type.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import reprlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -26,6 +28,8 @@ SPLITS = ("train", "test")
 MAX_QUESTION_LENGTH = 12_000
 _JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
+_SHOWN = reprlib.Repr()  # bounded in depth and length, so a hostile record cannot blow up an error message
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother = 3, 50, 50
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,9 @@ def make_problem(record: Any, where: str, default_id: str) -> Problem:
         raise ConfigError(f"{where}: 'answer' is empty.")
     problem_id = record.get("id", default_id)
     topic = record.get("topic", "")
+    for name, value in (("id", problem_id), ("topic", topic)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (str, int, float))):
+            raise ConfigError(f"{where}: {name!r} must be text or a number if given; got {_shown(value)}.")
     return Problem(
         id=str(problem_id),
         topic=str(topic) if topic is not None else "",
@@ -73,29 +80,44 @@ def make_problem(record: Any, where: str, default_id: str) -> Problem:
 
 
 def _shown(value: Any) -> str:
-    text = repr(value)
+    text = _SHOWN.repr(value)
     return text if len(text) <= 60 else text[:60] + "..."
 
 
 def load_jsonl(path: Path) -> list[Problem]:
-    """Problems from a JSONL file (one JSON object per line; blank lines skipped)."""
+    """Problems from a JSONL file (one JSON object per line, UTF-8; blank lines skipped)."""
     problems = []
     try:
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
+        with open(path, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
                 where = f"{path}, line {number}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}).") from exc
-                problems.append(make_problem(record, where, f"{path.stem}-{number}"))
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); JSONL files must be UTF-8.") from exc
+                record = _json_line(raw, where, first=number == 1)
+                if record is not _BLANK:
+                    problems.append(make_problem(record, where, f"{path.stem}-{number}"))
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read the file ({exc.strerror or exc}).") from exc
     return problems
+
+
+_BLANK = object()
+
+
+def _json_line(raw: bytes, where: str, first: bool) -> Any:
+    """The JSON value on one line of a JSONL file (``_BLANK`` for a blank line); every problem is a ConfigError."""
+    try:
+        line = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text ({exc.reason} at byte {exc.start + 1} of the line); JSONL files must be UTF-8.") from exc
+    if not line.strip():
+        return _BLANK
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}).") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"{where}: the JSON nests arrays or objects too deeply to read; a record is one flat object with 'question' and 'answer'.") from exc
+    except ValueError as exc:  # e.g. an integer past Python's digit limit
+        raise ConfigError(f"{where}: cannot read the JSON ({exc}).") from exc
 
 
 def load_parquet(path: Path) -> list[Problem]:
