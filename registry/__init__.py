@@ -1,6 +1,6 @@
 """The env hub: entry-point discovery, registration into Gymnasium and PettingZoo, scaffolding of env packages."""
 
-from tinkergym.registry.discovery import ENTRY_POINT_GROUP, MANIFEST_NAME, EnvSpec
+from tinkergym.registry.discovery import ENTRY_POINT_GROUP, MANIFEST_NAME, PROVIDERS_VARIABLE, EnvSpec
 from tinkergym.registry.hub import (
     list_envs,
     load_baseline,
@@ -14,6 +14,7 @@ from tinkergym.registry.hub import (
 __all__ = [
     "ENTRY_POINT_GROUP",
     "MANIFEST_NAME",
+    "PROVIDERS_VARIABLE",
     "EnvSpec",
     "list_envs",
     "load_baseline",

@@ -1,4 +1,9 @@
-"""The env hub: registration into Gymnasium/PettingZoo, ``make``, ``make_aec`` and helpful errors."""
+"""The env hub: registration into Gymnasium/PettingZoo, ``make``, ``make_aec`` and helpful errors.
+
+The hub never replaces an entry it did not make: an installed package that declares an id already in
+Gymnasium's (or PettingZoo's) registry, such as ``phys2d/CartPole-v1``, is refused with a warning
+naming the package, and the existing env stays as it was.
+"""
 
 from __future__ import annotations
 
@@ -15,13 +20,42 @@ from tinkergym.errors import DuplicateEnvIdError, EnvKindError, EnvPackageImport
 from tinkergym.registry.discovery import Discovery, EnvSpec, conflict_message, discover, warn_about
 
 _state: dict[str, Discovery] = {}
+#: The entry point the hub registered for each id, so a rescan can tell its own entries from others'.
+_registered: dict[str, Any] = {}
 
 
 def discovery(refresh: bool = False) -> Discovery:
     """The latest scan of installed env packages (``refresh=True`` rescans, e.g. after a pip install)."""
     if refresh or "scan" not in _state:
-        _state["scan"] = discover()
+        found = discover()
+        _refuse_taken_ids(found)
+        _state["scan"] = found
     return _state["scan"]
+
+
+def _refuse_taken_ids(found: Discovery) -> None:
+    """Move specs whose id another library already registered from ``found.specs`` to ``found.problems``."""
+    for env_id, env_spec in list(found.specs.items()):
+        registry_name, existing = _existing_entry(env_spec)
+        ours = env_id in _registered and existing is not None and existing.entry_point == _registered[env_id]
+        if existing is None or ours or existing.entry_point == env_spec.entry_point:
+            continue
+        del found.specs[env_id]
+        suggestion = f"{env_spec.module.split('.')[0]}/{env_id.rsplit('/', 1)[-1]}"
+        found.problems.append(
+            f"{env_spec.distribution} {env_spec.version}: env id {env_id!r} is already in {registry_name}'s registry "
+            f"({existing.entry_point}); tinkergym leaves that env in place and does not register this package's "
+            f"{env_spec.entry_point}. Rename the id in the package's entry points, e.g. {suggestion!r}."
+        )
+
+
+def _existing_entry(env_spec: EnvSpec) -> tuple[str, Any]:
+    """The registry ``env_spec`` would go into and its current entry for the id (``None`` if free)."""
+    if env_spec.kind == "env":
+        return "Gymnasium", gym.registry.get(env_spec.id)
+    import pettingzoo
+
+    return "PettingZoo", getattr(pettingzoo, "aec_registry", {}).get(env_spec.id)
 
 
 def list_envs(refresh: bool = False) -> list[EnvSpec]:
@@ -32,6 +66,7 @@ def list_envs(refresh: bool = False) -> list[EnvSpec]:
 def register_installed_envs(refresh: bool = False) -> Discovery:
     """Register installed ids with Gymnasium (single-agent) and PettingZoo (multi-agent) by entry-point string."""
     found = discovery(refresh)
+    _refuse_taken_ids(found)  # something may have registered an id since the scan
     warn_about(found)
     for env_spec in found.specs.values():
         if env_spec.kind == "env":
@@ -42,19 +77,26 @@ def register_installed_envs(refresh: bool = False) -> Discovery:
 
 
 def _register_gymnasium(env_spec: EnvSpec) -> None:
+    """Register (or re-register, after an upgrade) an id whose registry entry is free or the hub's own."""
     existing = gym.registry.get(env_spec.id)
-    if existing is not None and existing.entry_point == env_spec.entry_point:
-        return
-    gym.register(id=env_spec.id, entry_point=env_spec.entry_point, max_episode_steps=env_spec.max_episode_steps)
+    if existing is None or existing.entry_point != env_spec.entry_point or existing.max_episode_steps != env_spec.max_episode_steps:
+        gym.registry.pop(env_spec.id, None)  # the hub's own entry: replacing it is not "overriding" another's
+        gym.register(id=env_spec.id, entry_point=env_spec.entry_point, max_episode_steps=env_spec.max_episode_steps)
+    _registered[env_spec.id] = env_spec.entry_point
 
 
 def _register_pettingzoo(env_spec: EnvSpec) -> None:
+    """Register an AEC id into PettingZoo's registry (when it has one: PettingZoo >= 1.27)."""
     import pettingzoo
 
-    register = getattr(pettingzoo, "register", None)  # PettingZoo >= 1.27 has a registry; older ones do not
-    if register is None or env_spec.id in pettingzoo.aec_registry:
+    register, registry = getattr(pettingzoo, "register", None), getattr(pettingzoo, "aec_registry", None)
+    if register is None or registry is None:
         return
-    register("aec", env_spec.id, entry_point=env_spec.entry_point)
+    existing = registry.get(env_spec.id)
+    if existing is None or existing.entry_point != env_spec.entry_point:
+        registry.pop(env_spec.id, None)
+        register("aec", env_spec.id, entry_point=env_spec.entry_point)
+    _registered[env_spec.id] = env_spec.entry_point
 
 
 @lru_cache(maxsize=1)
