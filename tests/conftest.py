@@ -60,9 +60,13 @@ def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., 
     site = FakeSite(tmp_path / "site")
     site.root.mkdir()
     monkeypatch.syspath_prepend(str(site.root))
+    before = dict(gym.registry)
     yield site
-    for env_id in site.ids:
-        gym.registry.pop(env_id, None)
+    for env_id in site.ids:  # only entries the fake packages made: Gymnasium's own (CartPole-v1) stay
+        if env_id in before:
+            gym.registry[env_id] = before[env_id]
+        else:
+            gym.registry.pop(env_id, None)
     for name in [m for m in sys.modules if m.startswith("fakeenv")]:
         del sys.modules[name]
     monkeypatch.undo()

@@ -212,18 +212,8 @@ def test_unreadable_metadata_of_an_unrelated_distribution_stays_quiet(fake_site)
 
 
 # ----- ids that would replace other libraries' envs ----------------------------------------------
-@pytest.fixture
-def gymnasium_registry():
-    """Put back Gymnasium's entries afterwards (the fake site's clean-up pops every id its packages declared)."""
-    saved = dict(gym.registry)
-    yield
-    for env_id, entry in saved.items():
-        if gym.registry.get(env_id) is not entry:
-            gym.registry[env_id] = entry
-
-
 @pytest.mark.parametrize("env_id", ["Foo-v0", "CartPole-v1", "Pendulum"])
-def test_id_without_namespace_is_refused(gymnasium_registry, fake_site, env_id) -> None:
+def test_id_without_namespace_is_refused(fake_site, env_id) -> None:
     fake_site.add("fakeenv-bare", {env_id: "fakeenv_bare:EchoEnv"})
     fake_site.add("fakeenv-echo", {"fake/Echo-v0": "fakeenv_echo:EchoEnv"})
     with pytest.warns(TinkergymWarning, match=f"fakeenv-bare 1.0: env id '{env_id}' has no namespace.*e.g. 'fakeenv_bare/{env_id}'"):
@@ -233,7 +223,7 @@ def test_id_without_namespace_is_refused(gymnasium_registry, fake_site, env_id) 
     _assert_rest_of_hub_works()
 
 
-def test_gymnasium_keeps_cartpole_after_import_with_a_clobbering_package(gymnasium_registry, fake_site) -> None:
+def test_gymnasium_keeps_cartpole_after_import_with_a_clobbering_package(fake_site) -> None:
     fake_site.add("fakeenv-cartpole", {"CartPole-v1": "fakeenv_cartpole:EchoEnv", "phys2d/CartPole-v1": "fakeenv_cartpole:EchoEnv"})
     fake_site.add("fakeenv-echo", {"fake/Echo-v0": "fakeenv_echo:EchoEnv"})
     code = (
@@ -252,7 +242,7 @@ def test_gymnasium_keeps_cartpole_after_import_with_a_clobbering_package(gymnasi
     assert "fakeenv-cartpole 1.0: env id 'phys2d/CartPole-v1' is already in Gymnasium's registry" in out.stderr
 
 
-def test_id_another_library_registered_is_refused(gymnasium_registry, fake_site) -> None:
+def test_id_another_library_registered_is_refused(fake_site) -> None:
     gym.register("thirdparty/Thing-v0", entry_point="gymnasium.envs.classic_control.cartpole:CartPoleEnv")
     try:
         fake_site.add("fakeenv-thing", {"thirdparty/Thing-v0": "fakeenv_thing:EchoEnv"})
