@@ -19,6 +19,7 @@ torch and transformers are imported inside the functions: importing this module 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -306,6 +307,36 @@ def _from_hub(repo_id: str) -> str | None:
     return snapshot_download(repo_id)
 
 
+def check_model_folder(folder: str) -> str:
+    """Return ``folder`` if it looks like a model ``save_pretrained`` wrote (or a peft adapter), else raise :class:`ConfigError`.
+
+    Reads only its config file, so a folder that is not a model fails before torch or transformers load.
+    """
+    what = _model_folder_problem(Path(folder))
+    if what is None:
+        return folder
+    raise ConfigError(
+        f"{folder} is not a Hugging Face model folder: {what}. Pass a folder that save_pretrained wrote "
+        f"(config.json with a model_type, the weights, the tokenizer), a hub id, or one of: {', '.join(KNOWN_MODELS)}."
+    )
+
+
+def _model_folder_problem(folder: Path) -> str | None:
+    """What makes ``folder`` unusable as a model, or ``None``."""
+    for name, key in (("config.json", "model_type"), ("adapter_config.json", "base_model_name_or_path")):
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+            return f"its {name} cannot be read as JSON ({type(exc).__name__}: {exc})"
+        if not isinstance(data, dict) or not isinstance(data.get(key), str):
+            return f"its {name} has no {key!r}"
+        return None
+    return "it has no config.json"
+
+
 def resolve_model(name_or_path: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
     """A local Hugging Face folder for a model name, hub id or path (see the module docstring).
 
@@ -319,7 +350,7 @@ def resolve_model(name_or_path: str, cache_dir: str | os.PathLike[str] | None = 
         return _smollm2(cache)
     local = os.path.expanduser(name_or_path)
     if os.path.isdir(local):
-        return local
+        return check_model_folder(local)
     if "/" in name_or_path and not name_or_path.startswith((".", "/", "~")):
         snapshot = _from_hub(name_or_path)
         if snapshot is not None:

@@ -11,6 +11,8 @@ from tinkergym.errors import ScaffoldError
 from tinkergym.registry.discovery import ENV_ID_PATTERN
 
 _NAME = re.compile(r"^[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*$")
+#: Longest package name: the folder tinkergym-NAME and the files in it stay well inside every file system's limits.
+MAX_NAME_LENGTH = 64
 #: Template file -> path inside the new package ({module} is replaced by the import name).
 _FILES = {
     "pyproject.toml.tmpl": "pyproject.toml",
@@ -38,6 +40,8 @@ class PackagePlan:
     def for_name(cls, name: str, env_id: str | None = None) -> "PackagePlan":
         """Derive the distribution, module, id and class names from a package name like ``wordle``."""
         base = name.lower().removeprefix("tinkergym-").removeprefix("tinkergym_")
+        if len(base) > MAX_NAME_LENGTH:
+            raise ScaffoldError(f"the package name is {len(base)} characters long, too long: use at most {MAX_NAME_LENGTH} (e.g. 'wordle').")
         if not _NAME.match(base):
             raise ScaffoldError(
                 f"{name!r} is not a usable package name: use lowercase letters, digits and single dashes, "
@@ -62,12 +66,29 @@ def scaffold_package(name: str, parent: Path, env_id: str | None = None, force: 
     """Write a new env package ``tinkergym-<name>`` under ``parent``; return its folder."""
     plan = PackagePlan.for_name(name, env_id)
     root = Path(parent) / plan.dist
-    if root.exists() and any(root.iterdir()) and not force:
-        raise ScaffoldError(f"{root} already exists and is not empty; choose another --dir or pass --force to overwrite.")
+    _check_target(Path(parent), root, force)
     templates = resources.files("tinkergym.registry").joinpath("templates", "package")
     for source, target in _FILES.items():
         text = templates.joinpath(*source.split("/")).read_text(encoding="utf-8")
         path = root / target.format(module=plan.module, short=plan.short)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(_render(text, plan), encoding="utf-8")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(_render(text, plan), encoding="utf-8")
+        except OSError as exc:
+            raise ScaffoldError(f"cannot write {path}: {exc.strerror or exc}; choose another --dir.") from exc
     return root
+
+
+def _check_target(parent: Path, root: Path, force: bool) -> None:
+    """Refuse, before anything is written, a package folder that cannot be created or that holds files (unless ``force``)."""
+    if parent.exists() and not parent.is_dir():
+        raise ScaffoldError(f"--dir {parent} is a file, not a folder; choose a folder to create the package in.")
+    if root.exists() and not root.is_dir():
+        raise ScaffoldError(f"{root} is a file, not a folder; move it away or choose another --dir (--force only overwrites a folder).")
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        occupied = any(root.iterdir())
+    except OSError as exc:
+        raise ScaffoldError(f"cannot create {root}: {exc.strerror or exc}; choose another --dir.") from exc
+    if occupied and not force:
+        raise ScaffoldError(f"{root} already exists and is not empty; choose another --dir or pass --force to overwrite.")

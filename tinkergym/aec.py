@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 from gymnasium.utils import seeding
 from pettingzoo import AECEnv
 
-from tinkergym.core import coerce_action
+from tinkergym.core import coerce_action, reset_options
 from tinkergym.errors import ConfigError, InvalidAction
 from tinkergym.spaces import DEFAULT_MAX_LENGTH, PrintableText
 
@@ -95,6 +95,7 @@ class TextAECEnv(AECEnv):
 
     def reset(self, seed: int | None = None, options: dict[str, Any] | None = None) -> None:
         """Start a game; ``infos[agent]["system_prompt"]`` holds each agent's instructions."""
+        settings = reset_options(self, options)
         if seed is not None:
             self.np_random, self.np_random_seed = seeding.np_random(seed)
         self.agents = list(self.possible_agents)
@@ -105,7 +106,7 @@ class TextAECEnv(AECEnv):
         self.infos = {a: {"system_prompt": self.system_prompt_for(a)} for a in self.agents}
         self._feedback = {}
         self._invalid_streak = {a: 0 for a in self.agents}
-        self.agent_selection = self._reset_game(dict(options or {}))
+        self.agent_selection = self._reset_game(settings)
 
     def observe(self, agent: str) -> str:
         """``agent``'s view, led by feedback on its last bad action if it made one."""

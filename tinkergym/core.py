@@ -10,6 +10,8 @@ action.
 
 from __future__ import annotations
 
+import reprlib
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import gymnasium as gym
@@ -31,6 +33,15 @@ def coerce_action(action: Any, max_length: int) -> tuple[str, str | None]:
     if isinstance(action, (bytes, bytearray)):
         return coerce_action(bytes(action).decode("utf-8", errors="replace"), max_length)
     return "", f"the action must be text (str), not {type(action).__name__}."
+
+
+def reset_options(env: Any, options: Any) -> dict[str, Any]:
+    """A copy of the ``options`` given to ``env.reset`` (``None``: empty); anything but a mapping is a :class:`ConfigError`."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise ConfigError(f"{type(env).__name__}.reset(options=...) takes a dict (see the env's docstring) or None, not {type(options).__name__} {reprlib.repr(options)}.")
+    return dict(options)
 
 
 class TextEnv(gym.Env[str, str]):
@@ -90,9 +101,10 @@ class TextEnv(gym.Env[str, str]):
     # ----- the Gymnasium API ----------------------------------------------------------------------
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[str, dict[str, Any]]:
         """Start an episode; ``info`` carries ``system_prompt`` and, for tool envs, ``tools``."""
+        settings = reset_options(self, options)
         super().reset(seed=seed)
         self.invalid_actions = 0
-        observation, extra = self._reset(dict(options or {}))
+        observation, extra = self._reset(settings)
         info: dict[str, Any] = {"system_prompt": self.get_system_prompt()}
         tools = self.tool_schemas()
         if tools:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import json
+import math
+import numbers
+import os
+import reprlib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -14,6 +19,13 @@ from tinkergym.errors import ConfigError
 SAMPLERS = ("torch", "vllm")
 #: Episodes that a budget (max_turns, max_context, an episode token budget) ended: trained on, or masked.
 TRUNCATION_MODES = ("keep", "mask")
+#: Weight dtypes a backend loads a model in ("auto": bfloat16 where the device computes it natively).
+DTYPES = ("auto", "bfloat16", "float32")
+#: Seeds a run accepts: what NumPy's legacy seeding takes.
+MAX_SEED = 2**32 - 1
+#: Bounds on the kwargs and trainer args a config holds (plain JSON values), so a hostile file cannot make saving it explode.
+MAX_VALUE_DEPTH = 64
+MAX_VALUE_NODES = 100_000
 
 
 @dataclass
@@ -66,21 +78,43 @@ class TrainConfig:
 
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` for values that cannot work; return self."""
-        positive = ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "eval_episodes")
+        self.check_types()
+        positive = ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "eval_episodes", "checkpoint_every", "lora_alpha")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)}).")
+        for name in ("weight_decay", "max_grad_norm", "kl_coef", "clip_low", "clip_high", "lora_dropout", "eval_every", "transcripts_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name.replace('_', '-')} must be 0 or more (got {getattr(self, name)}).")
         if self.lora_rank < 0:
             raise ConfigError("lora-rank must be 0 (full fine-tuning) or positive.")
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive (got {self.lr}).")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed must be from 0 to {MAX_SEED} (got {self.seed}).")
+        if self.lora_dropout >= 1:
+            raise ConfigError(f"lora-dropout must be below 1 (got {self.lora_dropout}).")
         if self.loss_aggregation not in ("token", "sequence"):
             raise ConfigError("loss-aggregation must be 'token' or 'sequence'.")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, not {self.sampler!r}.")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
+        if "\0" in self.out:
+            raise ConfigError(f"out {self.out!r} contains a NUL byte, which no folder name may hold.")
         self._validate_rl()
         if not self.env and self.trainer != "sft":
             raise ConfigError("--env is required: the env id to train on (see: tinkergym envs list).")
+        return self
+
+    def check_types(self) -> "TrainConfig":
+        """Raise :class:`ConfigError` naming the first field whose value has the wrong type; return self.
+
+        Numbers must be finite; a float field also takes an int and a numeric string (YAML 1.1 reads ``1e-4``
+        as text); paths are turned into text; kwargs and trainer args must be plain JSON values.
+        """
+        for f in fields(self):
+            setattr(self, f.name, _checked(f.name, str(f.type), getattr(self, f.name)))
         return self
 
     def _validate_rl(self) -> None:
@@ -107,31 +141,107 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
-        """Build from a dict (e.g. a YAML file); unknown keys are an error that names the known ones."""
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
+        """Build from a dict (e.g. a YAML file); unknown keys and values of the wrong type are errors that name them."""
+        names = [f.name for f in fields(cls)]
+        odd = [k for k in data if not isinstance(k, str)]
+        if odd:
+            raise ConfigError(f"config keys are setting names such as steps or lr, not {odd[0]!r} ({type(odd[0]).__name__}).")
+        unknown = sorted(set(data) - set(names))
         if unknown:
-            raise ConfigError(f"unknown config keys {unknown}; known keys: {sorted(names)}")
-        return cls(**data)
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown config keys {unknown}{hint}; known keys: {', '.join(names)}.")
+        return cls(**data).check_types()
 
     @classmethod
     def load(cls, path: str | Path) -> "TrainConfig":
-        """Read a YAML or JSON config file."""
+        """Read a YAML (``.yaml``/``.yml``) or JSON (``.json``) config file; any problem is a :class:`ConfigError` naming the file."""
         path = Path(path)
+        if path.suffix.lower() not in (".yaml", ".yml", ".json"):
+            raise ConfigError(f"{path}: name a config file .yaml, .yml or .json (the suffix says how to read it).")
         try:
             text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8.") from exc
         except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-        if path.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
-            data = json.loads(text)
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}.") from exc
+        data = _parse(path, text)
         if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of config keys to values.")
-        return cls.from_dict({k.replace("-", "_"): v for k, v in data.items()})
+            raise ConfigError(f"{path} must hold a mapping of config keys to values (such as 'steps: 20'), not a {type(data).__name__}.")
+        try:
+            return cls.from_dict({k.replace("-", "_") if isinstance(k, str) else k: v for k, v in data.items()})
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from exc
 
     def save(self, path: str | Path) -> None:
         """Write the resolved config as JSON."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+def _parse(path: Path, text: str) -> Any:
+    """The data of a config file's text, read as JSON or YAML by the file's suffix."""
+    import yaml
+
+    try:
+        if path.suffix.lower() == ".json":
+            return json.loads(text)
+        data = yaml.safe_load(text)
+        return {} if data is None else data
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}.") from exc
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(f"{path} is not valid YAML: {exc.problem or exc.context}{where}.") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {' '.join(str(exc).split())}.") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"{path} is nested too deeply to read; a config holds setting names and plain values.") from exc
+
+
+def _checked(name: str, annotation: str, value: Any) -> Any:
+    """``value`` as field ``name`` of type ``annotation`` holds it, or a :class:`ConfigError` that says what it must be."""
+    shown = reprlib.repr(value)  # bounded: a YAML alias bomb must not be expanded to be quoted
+    if annotation == "float | None" and value is None:
+        return None
+    if annotation in ("float", "float | None"):
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number (got {shown}).")
+        return value if isinstance(value, (int, float)) else float(value)  # NumPy scalars become plain numbers
+    if annotation == "int":
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise ConfigError(f"{name} must be a whole number (got {shown}).")
+        return int(value)
+    if annotation == "str":
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        if not isinstance(value, str):
+            raise ConfigError(f"{name} must be text (got {shown}).")
+        return value
+    if annotation.startswith("dict"):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{name} must be a mapping of names to values, such as {{'size': 7}} (got {shown}).")
+        _check_plain(name, value, [MAX_VALUE_NODES], 0)
+    return value
+
+
+def _check_plain(name: str, value: Any, budget: list[int], depth: int) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a plain JSON value (text keys) of bounded depth and size."""
+    budget[0] -= 1
+    if budget[0] < 0 or depth > MAX_VALUE_DEPTH:
+        raise ConfigError(f"{name} is too large or nested too deeply (at most {MAX_VALUE_DEPTH} levels and {MAX_VALUE_NODES:,} values).")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ConfigError(f"{name}: keys must be text, not {key!r} ({type(key).__name__}).")
+            _check_plain(name, item, budget, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _check_plain(name, item, budget, depth + 1)
+    elif value is not None and not isinstance(value, (str, int, float, bool)):
+        raise ConfigError(f"{name} holds {type(value).__name__} {reprlib.repr(value)}; use text, numbers, true/false, lists and mappings.")

@@ -112,14 +112,11 @@ def check_repo_id(repo_id: str) -> str:
 
 
 def load_run(folder: str | Path) -> FinishedRun:
-    """Read a finished run folder; raise :class:`ConfigError` when it is not one or has no final/ export."""
+    """Read a finished run folder; raise :class:`ConfigError` when it is not one, has no final/ export, or a file is malformed."""
     folder = Path(folder)
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{folder} is not a run folder (no config.json); pass the --out folder of a tinkergym train run.")
-    try:
-        config = TrainConfig.load(folder / "config.json")
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{folder / 'config.json'} is not valid JSON ({exc}); it is not a run folder tinkergym wrote.") from exc
+    config = TrainConfig.load(folder / "config.json")  # a malformed one is a ConfigError that names the file
     final = folder / "final"
     is_adapter = (final / "adapter_config.json").is_file()
     if not is_adapter and not (final / "config.json").is_file():

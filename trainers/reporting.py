@@ -8,6 +8,8 @@ import struct
 from pathlib import Path
 from typing import Any, Iterator
 
+from tinkergym.errors import ConfigError
+
 
 class MetricsLog:
     """Appends one JSON line per step and mirrors the numbers to TensorBoard when a writer is installed."""
@@ -114,10 +116,34 @@ def trim_event_files(folder: Path, keep_through: int | None) -> None:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The records of a metrics.jsonl file (empty if it does not exist)."""
+    """The records of a metrics.jsonl file (empty if it does not exist).
+
+    Each line must be a JSON object with an integer ``step``; a last line cut short (a process killed while
+    writing it) is dropped. Anything else is a :class:`ConfigError` that names the file and the line.
+    """
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {path} ({exc}); it is not a metrics file tinkergym wrote.") from exc
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            if number == len(lines):  # no newline after it: the write was cut short
+                break
+            problem = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+            raise ConfigError(f"{path} line {number} is not valid JSON ({problem}); fix or delete that line.") from exc
+        step = record.get("step") if isinstance(record, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int):
+            shown = line if len(line) <= 60 else line[:57] + "..."
+            raise ConfigError(f"{path} line {number}: expected a JSON object with an integer 'step', as training writes, not {shown!r}; fix or delete that line.")
+        records.append(record)
+    return records
 
 
 def plot_learning_curve(folder: Path, keys: tuple[str, ...] = ("reward/mean", "eval/reward_mean")) -> Path | None:

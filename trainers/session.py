@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import reprlib
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -60,7 +61,13 @@ def env_factory(env_id: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
     env_spec = tinkergym.spec(env_id)
     if env_spec.kind != "env":
         raise ConfigError(f"{env_id} is a multi-agent env; training drives single-agent envs (e.g. tinker/Gomoku-v0).")
-    tinkergym.make(env_id, **kwargs).close()  # fail fast on bad kwargs
+    try:
+        tinkergym.make(env_id, **kwargs).close()  # fail fast on bad kwargs
+    except TypeError as exc:  # an unknown keyword argument, or a value of a type the constructor cannot use
+        raise ConfigError(f"{env_id}: {exc}. See the accepted kwargs with: tinkergym envs info {env_id}") from exc
+    except RecursionError as exc:  # e.g. a data file nested deeper than Python's parsers go
+        given = ", ".join(f"{key}={reprlib.repr(value)}" for key, value in kwargs.items())
+        raise ConfigError(f"{env_id}: {given} is nested too deeply to read (or names a file that is); flatten it.") from exc
     return lambda: tinkergym.make(env_id, **kwargs)
 
 
@@ -72,6 +79,16 @@ class TrainingRun:
         self.folder = Path(config.out or f"runs/{config.env.split('/')[-1] or 'sft'}-{config.trainer}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.config.out = str(self.folder)
         self.start_step = start_step
+        created = _make_run_folder(self.folder)  # an --out that cannot be written fails before any model is loaded
+        try:
+            self._build(config, backend, start_step)
+        except BaseException:
+            if created and not any(self.folder.iterdir()):
+                self.folder.rmdir()  # leave no empty run folder behind a run that never started
+            raise
+
+    def _build(self, config: TrainConfig, backend: Any, start_step: int) -> None:
+        """Envs, backend, renderer and trainer, then config.json and the metrics log in the run folder."""
         trainer_class = load_trainer(config.trainer)  # unknown names fail before any model is loaded
         self.make_env = env_factory(config.env, config.env_kwargs) if config.env else None
         self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}) if config.env else None
@@ -81,7 +98,6 @@ class TrainingRun:
         self.renderer = ChatTemplateRenderer(self.backend.info()["tokenizer"])
         self.ctx = TrainingContext(config, self.backend, self.renderer, self.make_env)
         self.trainer = trainer_class(self.ctx)
-        self.folder.mkdir(parents=True, exist_ok=True)
         config.save(self.folder / "config.json")
         self.log = MetricsLog(self.folder, keep_through=start_step - 1 if start_step else None)
 
@@ -222,6 +238,19 @@ class TrainingRun:
         return path
 
 
+def _make_run_folder(folder: Path) -> bool:
+    """Create a run folder (and its parents); return whether it was created. One that cannot be is a :class:`ConfigError`."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--out {folder} is a file; a run needs a folder: choose another --out.")
+    try:
+        folder.mkdir(parents=True)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise ConfigError(f"cannot create the run folder {folder}: {exc.strerror or exc}; choose another --out.") from exc
+    return True
+
+
 def _write_trainer_state(path: Path, trainer: str, step: int, state: dict[str, Any]) -> None:
     """Write a trainer's state as JSON; state that JSON cannot hold is an error naming the trainer."""
     try:
@@ -308,17 +337,21 @@ def plan_resume(folder: str | Path, changes: dict[str, Any] | None = None) -> Re
 def load_backend_for_eval(model: str | None = None, run_dir: str | None = None) -> Any:
     """A backend for evaluation: a model as is, or a run's base model with its latest checkpoint loaded."""
     from tinkergym.backends.models import resolve_model
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
 
     if run_dir is None:
-        return TorchBackend(TorchBackendConfig(model=resolve_model(model or "smollm2-135m")))
+        path = resolve_model(model or "smollm2-135m")  # before torch is imported: a bad model fails fast
+        from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+
+        return TorchBackend(TorchBackendConfig(model=path))
     folder = Path(run_dir)
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{folder} is not a run folder (no config.json).")
-    c = TrainConfig.load(folder / "config.json")
-    backend = TorchBackend(TorchBackendConfig(model=resolve_model(c.model), lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, dtype=c.dtype, seed=c.seed))
+    c = TrainConfig.load(folder / "config.json").validate()
     checkpoint = latest_checkpoint(folder)
     if checkpoint is None:
-        raise ConfigError(f"{folder} has no checkpoint yet.")
+        raise ConfigError(f"{folder} has no checkpoint yet; train it first, or evaluate its base model with --model {c.model}.")
+    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+
+    backend = TorchBackend(TorchBackendConfig(model=resolve_model(c.model), lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, dtype=c.dtype, seed=c.seed))
     backend.load_state(str(checkpoint[1]))
     return backend

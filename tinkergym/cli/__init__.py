@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import click
 
+from tinkergym.cli.common import TinkergymGroup
 from tinkergym.cli.envs import envs
 from tinkergym.cli.play import play
 from tinkergym.cli.push import push
 from tinkergym.cli.train import eval_command, train
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=TinkergymGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="tinkergym", prog_name="tinkergym")
 def main() -> None:
     """tinkergym: a Gym-compatible hub of text environments for training LLM agents.
@@ -21,6 +22,9 @@ def main() -> None:
       tinkergym envs check --all
       tinkergym play tinker/Gomoku-v0 --kwarg size=7
       tinkergym play --all --agent baseline
+
+    Exit codes: 0 on success, 2 for bad input (an option, a file's contents, an env's kwargs), 1 when
+    the work itself fails (a failed check, a diverged run, a refused upload).
     """
 
 

@@ -1,22 +1,95 @@
-"""Shared pieces of the CLI commands: id lookup with usage errors, ``--kwarg`` parsing."""
+"""Shared pieces of the CLI commands: the error handling of the command group, path and seed options, ``--kwarg`` parsing."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import math
+import os
+import reprlib
+from pathlib import Path
+from typing import Any, Callable
 
 import click
 
-from tinkergym.errors import TinkergymError
-from tinkergym.registry import EnvSpec, spec
+from tinkergym.errors import ConfigError, EnvKindError, ScaffoldError, TinkergymError, UnknownEnvError
+
+#: tinkergym errors that mean the input was wrong (an option, a file's contents, an env's kwargs): exit code 2.
+INPUT_ERRORS = (ConfigError, UnknownEnvError, EnvKindError, ScaffoldError)
+
+#: The seeds every command accepts: what NumPy's legacy seeding (and so every backend) takes.
+SEED = click.IntRange(0, 2**32 - 1)
+
+#: Longest message shown for a library error (a hostile value quoted in full could fill the terminal).
+MAX_MESSAGE = 2_000
 
 
-def lookup(env_id: str) -> EnvSpec:
-    """The spec of ``env_id``, or a usage error (exit code 2) with suggestions."""
+def _shown(exc: Exception) -> str:
+    """The message of ``exc``, cut to :data:`MAX_MESSAGE` characters."""
+    message = str(exc)
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 30] + f" ... ({len(message):,} characters)"
+
+
+class InputError(click.ClickException):
+    """Bad input found after option parsing: its message alone, with click's usage-error exit code 2."""
+
+    exit_code = 2
+
+
+class TinkergymGroup(click.Group):
+    """A command group that shows tinkergym's errors as messages, never tracebacks: bad input exits 2, other failures 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except INPUT_ERRORS as exc:
+            raise InputError(_shown(exc)) from exc
+        except TinkergymError as exc:
+            raise click.ClickException(_shown(exc)) from exc
+
+
+class SafePath(click.Path):
+    """``click.Path`` that refuses a NUL byte with a usage error (the OS calls behind its checks raise ValueError)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and "\0" in value:
+            self.fail(f"{value!r} contains a NUL byte, which no path may hold.", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class FiniteFloat(click.FloatRange):
+    """``click.FloatRange`` that also refuses ``nan`` and ``inf`` (which compare false against any bound)."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{number} is not a finite number.", param, ctx)
+        return number
+
+
+def writable_file(path: Path | None, option: str) -> Path | None:
+    """Check before any work is done that ``path`` can be written (its folder is created); a usage error names ``option``."""
+    if path is None:
+        return None
+    if path.is_dir():
+        raise click.BadParameter(f"{str(path)!r} is a folder; give a file name.", param_hint=option)
     try:
-        return spec(env_id)
-    except TinkergymError as exc:
-        raise click.UsageError(str(exc)) from exc
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(f"cannot create the folder of {str(path)!r}: {exc.strerror or exc}.", param_hint=option) from exc
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise click.BadParameter(f"{str(path)!r} is not writable.", param_hint=option)
+    return path
+
+
+def construct_env(make: Callable[..., Any], env_id: str, kwargs: dict[str, Any]) -> Any:
+    """``make(env_id, **kwargs)``, with the errors a bad kwarg causes in any env constructor turned into :class:`ConfigError`."""
+    try:
+        return make(env_id, **kwargs)
+    except TypeError as exc:  # an unknown keyword argument, or a value of a type the constructor cannot use
+        raise ConfigError(f"{env_id}: {exc}. See the accepted kwargs with: tinkergym envs info {env_id}") from exc
+    except RecursionError as exc:  # e.g. a data file nested deeper than Python's parsers go
+        given = ", ".join(f"{key}={reprlib.repr(value)}" for key, value in kwargs.items())
+        raise ConfigError(f"{env_id}: {given} is nested too deeply to read (or names a file that is); flatten it.") from exc
 
 
 def parse_kwargs(pairs: tuple[str, ...]) -> dict[str, Any]:
@@ -28,7 +101,7 @@ def parse_kwargs(pairs: tuple[str, ...]) -> dict[str, Any]:
             raise click.BadParameter(f"{pair!r}: expected KEY=VALUE, e.g. size=7", param_hint="--kwarg")
         try:
             kwargs[key] = json.loads(raw)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             kwargs[key] = raw
     return kwargs
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import click
 
-from tinkergym.cli.common import lookup, parse_kwargs
+from tinkergym.cli.common import SafePath, construct_env, parse_kwargs
 from tinkergym.errors import CheckFailed, TinkergymError
-from tinkergym.registry import EnvSpec, list_envs, load_baseline, load_entry_point
+from tinkergym.registry import EnvSpec, list_envs, load_baseline, load_entry_point, spec
 
 
 @click.group()
@@ -43,15 +43,12 @@ def list_command(as_json: bool) -> None:
 @click.argument("env_id")
 def info_command(env_id: str) -> None:
     """Show what the hub knows about ENV_ID and the env's own documentation."""
-    s = lookup(env_id)
+    s = spec(env_id)
     for field in ("id", "distribution", "version", "entry_point", "kind", "data", "turns", "agents", "summary", "baseline", "max_episode_steps"):
         value = getattr(s, field)
         if value not in (None, ""):
             click.echo(f"{field + ':':<19}{value}")
-    try:
-        env_class = load_entry_point(s.entry_point, s.distribution)
-    except TinkergymError as exc:
-        raise click.ClickException(str(exc)) from exc
+    env_class = load_entry_point(s.entry_point, s.distribution)
     doc = inspect.getdoc(env_class)
     if doc:
         click.echo("\n" + doc)
@@ -65,9 +62,9 @@ def _check_one(s: EnvSpec, kwargs: dict, fuzz_count: int) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if s.kind == "aec":
-            check_text_aec_env(make_aec(s.id, **kwargs), baseline=baseline, fuzz_count=fuzz_count)
+            check_text_aec_env(construct_env(make_aec, s.id, kwargs), baseline=baseline, fuzz_count=fuzz_count)
         else:
-            check_text_env(make(s.id, **kwargs), baseline=baseline, fuzz_count=fuzz_count)
+            check_text_env(construct_env(make, s.id, kwargs), baseline=baseline, fuzz_count=fuzz_count)
 
 
 @envs.command("check")
@@ -82,7 +79,7 @@ def check_command(env_ids: tuple[str, ...], check_all: bool, kwargs: tuple[str, 
     """
     if bool(env_ids) == check_all:
         raise click.UsageError("give one or more ENV_IDs, or --all (not both).")
-    specs = list_envs(refresh=True) if check_all else [lookup(i) for i in env_ids]
+    specs = list_envs(refresh=True) if check_all else [spec(i) for i in env_ids]
     env_kwargs = parse_kwargs(kwargs)
     failures = 0
     for s in specs:
@@ -100,16 +97,13 @@ def check_command(env_ids: tuple[str, ...], check_all: bool, kwargs: tuple[str, 
 
 @envs.command("new")
 @click.argument("name")
-@click.option("--dir", "parent", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True, help="Folder to create the package in.")
+@click.option("--dir", "parent", type=SafePath(file_okay=False, path_type=Path), default=Path("."), show_default=True, help="Folder to create the package in.")
 @click.option("--id", "env_id", default=None, help="The env id to declare (default: NAME/CamelName-v0).")
 @click.option("--force", is_flag=True, help="Write into an existing, non-empty package folder.")
 def new_command(name: str, parent: Path, env_id: str | None, force: bool) -> None:
     """Create a pip-installable env package tinkergym-NAME with an example env, a baseline agent and tests."""
     from tinkergym.registry.scaffold import PackagePlan, scaffold_package
 
-    try:
-        root = scaffold_package(name, parent, env_id=env_id, force=force)
-    except TinkergymError as exc:
-        raise click.UsageError(str(exc)) from exc
+    root = scaffold_package(name, parent, env_id=env_id, force=force)
     plan = PackagePlan.for_name(name, env_id)
     click.echo(f"Created {root} providing {plan.env_id}.\nNext:\n  pip install -e {root}\n  tinkergym envs check {plan.env_id}\n  python -m pytest {root / 'tests'}")

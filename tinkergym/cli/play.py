@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -9,10 +10,9 @@ from typing import Any
 import click
 
 from tinkergym.agents import RandomTextAgent
-from tinkergym.cli.common import lookup, parse_kwargs
+from tinkergym.cli.common import SEED, SafePath, construct_env, parse_kwargs
 from tinkergym.episodes import Transcript, run_aec_episode, run_episode
-from tinkergym.errors import TinkergymError
-from tinkergym.registry import EnvSpec, list_envs, load_baseline, make, make_aec
+from tinkergym.registry import EnvSpec, list_envs, load_baseline, make, make_aec, spec
 
 
 class HumanAgent:
@@ -49,23 +49,18 @@ def play_one(s: EnvSpec, agent: str, opponent: str, seats: tuple[str, ...], seed
             return HumanAgent(seat)
         return _scripted(s, kind, None if seed is None else seed + offset)
 
-    try:
-        if s.kind == "aec":
-            env = make_aec(s.id, **kwargs)
-            unknown = set(seats) - set(env.possible_agents)
-            if unknown:
-                raise click.BadParameter(f"{sorted(unknown)}; this env's seats are {env.possible_agents}", param_hint="--seat")
-            chosen = set(seats or env.possible_agents[:1])
-            agents = {a: player(agent if a in chosen else opponent, a, i) for i, a in enumerate(env.possible_agents)}
-            return run_aec_episode(env, agents, seed=seed, max_steps=max_steps)
-        if seats:
-            raise click.BadParameter("--seat applies to multi-agent envs only", param_hint="--seat")
-        env = make(s.id, **kwargs)
-        return run_episode(env, player(agent, "you", 0), seed=seed, max_steps=max_steps)
-    except TinkergymError as exc:
-        raise click.UsageError(str(exc)) from exc
-    except TypeError as exc:  # an unknown keyword argument for the env's constructor
-        raise click.UsageError(f"{s.id}: {exc}. See the accepted kwargs with: tinkergym envs info {s.id}") from exc
+    if s.kind == "aec":
+        env = construct_env(make_aec, s.id, kwargs)
+        unknown = set(seats) - set(env.possible_agents)
+        if unknown:
+            raise click.BadParameter(f"{sorted(unknown)}; this env's seats are {env.possible_agents}", param_hint="--seat")
+        chosen = set(seats or env.possible_agents[:1])
+        agents = {a: player(agent if a in chosen else opponent, a, i) for i, a in enumerate(env.possible_agents)}
+        return run_aec_episode(env, agents, seed=seed, max_steps=max_steps)
+    if seats:
+        raise click.BadParameter("--seat applies to multi-agent envs only", param_hint="--seat")
+    env = construct_env(make, s.id, kwargs)
+    return run_episode(env, player(agent, "you", 0), seed=seed, max_steps=max_steps)
 
 
 @click.command()
@@ -74,10 +69,10 @@ def play_one(s: EnvSpec, agent: str, opponent: str, seats: tuple[str, ...], seed
 @click.option("--agent", type=click.Choice(["human", "baseline", "random"]), default="human", show_default=True, help="Who plays: you, the package's scripted baseline, or random text.")
 @click.option("--seat", "seats", multiple=True, metavar="AGENT", help="Multi-agent envs: the seat(s) --agent plays (default player_0); --opponent plays the rest.")
 @click.option("--opponent", type=click.Choice(["baseline", "random"]), default="baseline", show_default=True, help="Multi-agent envs: who plays the other seats.")
-@click.option("--seed", type=int, default=None, help="Seed of the episode (and of scripted agents).")
+@click.option("--seed", type=SEED, default=None, help="Seed of the episode (and of scripted agents).")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Keyword argument for the env, e.g. size=7 (repeatable).")
 @click.option("--max-steps", default=1_000, show_default=True, type=click.IntRange(1), help="Stop an episode after this many actions.")
-@click.option("--jsonl", "jsonl", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also append the transcripts to this JSONL file.")
+@click.option("--jsonl", "jsonl", type=SafePath(dir_okay=False, path_type=Path), default=None, help="Also append the transcripts to this JSONL file.")
 def play(env_id: str | None, play_all: bool, agent: str, seats: tuple[str, ...], opponent: str, seed: int | None, kwargs: tuple[str, ...], max_steps: int, jsonl: Path | None) -> None:
     """Play ENV_ID in the terminal, or watch a scripted agent play it.
 
@@ -92,16 +87,28 @@ def play(env_id: str | None, play_all: bool, agent: str, seats: tuple[str, ...],
         raise click.UsageError("give an ENV_ID or --all (not both).")
     if play_all and agent == "human":
         raise click.UsageError("--all plays every env unattended: add --agent baseline or --agent random.")
-    specs = list_envs(refresh=True) if play_all else [lookup(env_id)]
+    specs = list_envs(refresh=True) if play_all else [spec(env_id)]
     env_kwargs = parse_kwargs(kwargs)
-    for s in specs:
-        transcript = play_one(s, agent, opponent, seats, seed, {} if play_all else env_kwargs, max_steps)
-        if agent != "human":
-            click.secho(f"===== {s.id} ({s.distribution} {s.version}) =====", bold=True)
-            click.echo(transcript.format())
-        else:
-            click.echo(transcript.turns[-1].observation if transcript.turns else "")
-            click.secho("returns: " + ", ".join(f"{k} {v:+g}" for k, v in transcript.returns.items()), bold=True)
-        if jsonl is not None:
-            with jsonl.open("a", encoding="utf-8") as handle:
-                handle.write(json.dumps({"env_id": s.id, **transcript.to_dict()}) + "\n")
+    with _open_transcripts(jsonl) as transcripts:  # opened first: a path that cannot be written fails before the game
+        for s in specs:
+            transcript = play_one(s, agent, opponent, seats, seed, {} if play_all else env_kwargs, max_steps)
+            if agent != "human":
+                click.secho(f"===== {s.id} ({s.distribution} {s.version}) =====", bold=True)
+                click.echo(transcript.format())
+            else:
+                click.echo(transcript.turns[-1].observation if transcript.turns else "")
+                click.secho("returns: " + ", ".join(f"{k} {v:+g}" for k, v in transcript.returns.items()), bold=True)
+            if transcripts is not None:
+                transcripts.write(json.dumps({"env_id": s.id, **transcript.to_dict()}) + "\n")
+                transcripts.flush()
+
+
+def _open_transcripts(path: Path | None) -> Any:
+    """``path`` opened for appending (a usage error naming --jsonl when it cannot be), or a null context for ``None``."""
+    if path is None:
+        return contextlib.nullcontext()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("a", encoding="utf-8")
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write {str(path)!r}: {exc.strerror or exc}.", param_hint="--jsonl") from exc

@@ -6,11 +6,11 @@ import json
 
 import click
 
-from tinkergym.errors import ConfigError, TinkergymError
+from tinkergym.cli.common import SafePath
 
 
 @click.command()
-@click.option("--run", "run_dir", required=True, type=click.Path(exists=True, file_okay=False), help="The run folder (the --out of tinkergym train).")
+@click.option("--run", "run_dir", required=True, type=SafePath(exists=True, file_okay=False), help="The run folder (the --out of tinkergym train).")
 @click.option("--repo-id", required=True, metavar="ORG/NAME", help="The model repo to push to; created if it does not exist.")
 @click.option("--merged", is_flag=True, help="LoRA runs: merge the adapter into the base model and push a full model.")
 @click.option("--private", is_flag=True, help="Create the repo private (an existing repo keeps its visibility).")
@@ -37,10 +37,5 @@ def push(run_dir: str, repo_id: str, merged: bool, private: bool, token: str | N
     from tinkergym.trainers.publish import PushOptions, push_run
 
     options = PushOptions(run=run_dir, repo_id=repo_id, merged=merged, private=private, token=token, revision=revision, commit_message=commit_message)
-    try:
-        result = push_run(options, log=lambda line: click.echo(line, err=True))
-    except ConfigError as exc:
-        raise click.UsageError(str(exc)) from exc
-    except TinkergymError as exc:
-        raise click.ClickException(str(exc)) from exc
+    result = push_run(options, log=lambda line: click.echo(line, err=True))  # bad input exits 2, a failed upload 1 (see TinkergymGroup)
     click.echo(json.dumps(result))

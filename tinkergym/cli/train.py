@@ -9,8 +9,10 @@ from typing import Any
 
 import click
 
-from tinkergym.cli.common import parse_kwargs
-from tinkergym.errors import TinkergymError
+from tinkergym.cli.common import SEED, FiniteFloat, SafePath, parse_kwargs, writable_file
+
+#: Most episodes one evaluation plays (each has its own seed, drawn up front).
+MAX_EPISODES = 1_000_000
 
 #: CLI option -> TrainConfig field, for options that map one to one.
 _FIELDS = (
@@ -19,15 +21,6 @@ _FIELDS = (
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
     "old_logprobs", "tis_cap", "truncation", "truncated_reward",
 )
-
-
-def _fail(exc: Exception) -> None:
-    """Bad input -> usage error (exit 2); anything else from tinkergym -> a clear error (exit 1)."""
-    from tinkergym.errors import ConfigError, UnknownEnvError
-
-    if isinstance(exc, (ConfigError, UnknownEnvError)):
-        raise click.UsageError(str(exc)) from exc
-    raise click.ClickException(str(exc)) from exc
 
 
 def build_config(options: dict[str, Any], base: Any = None) -> Any:
@@ -91,25 +84,25 @@ def resume_run(options: dict[str, Any]) -> Any:
 @click.option("--steps", type=click.IntRange(1), help="Optimizer steps (default 20).")
 @click.option("--batch-size", type=click.IntRange(1), help="Prompts (env seeds) per step (default 8).")
 @click.option("--group-size", type=click.IntRange(1), help="Samples per prompt (default 8).")
-@click.option("--lr", type=float, help="Learning rate (default 1e-4).")
+@click.option("--lr", type=FiniteFloat(0, min_open=True), help="Learning rate (default 1e-4).")
 @click.option("--max-turns", type=click.IntRange(1), help="Turns per episode (default 4).")
 @click.option("--max-new-tokens", type=click.IntRange(1), help="New tokens per turn (default 64).")
 @click.option("--max-context", type=click.IntRange(16), help="Context length bound (default 2048).")
-@click.option("--temperature", type=click.FloatRange(0, min_open=True),
+@click.option("--temperature", type=FiniteFloat(0, min_open=True),
               help="Sampling temperature of the rollouts (default 1.0); the loss scores the same tempered distribution.")
-@click.option("--seed", type=int, help="Run seed (default 0).")
-@click.option("--kl-coef", type=click.FloatRange(0), help="KL penalty to the reference policy (default 0).")
+@click.option("--seed", type=SEED, help="Run seed (default 0).")
+@click.option("--kl-coef", type=FiniteFloat(0), help="KL penalty to the reference policy (default 0).")
 @click.option("--loss-aggregation", type=click.Choice(["token", "sequence"]), help="Average the loss per token or per sequence.")
-@click.option("--max-grad-norm", type=click.FloatRange(0), help="Gradient clipping norm (default 1.0; 0 = off).")
+@click.option("--max-grad-norm", type=FiniteFloat(0), help="Gradient clipping norm (default 1.0; 0 = off).")
 @click.option("--old-logprobs", type=click.Choice(["sampler", "trainer"]),
               help="Old policy of the PPO ratio: the trainer's own logprobs before the update (default) or the sampler's.")
-@click.option("--tis-cap", type=click.FloatRange(0),
+@click.option("--tis-cap", type=FiniteFloat(0),
               help="Truncated importance weight min(trainer/sampler ratio, CAP) on every token (0 = off; needs --old-logprobs trainer). 2 is usual with --sampler vllm.")
 @click.option("--truncation", type=click.Choice(["keep", "mask"]),
               help="Episodes a budget ended (max turns, max context): keep them (default) or mask them out of the loss.")
-@click.option("--truncated-reward", type=float, help="Reward given to episodes a budget ended instead of what they collected.")
+@click.option("--truncated-reward", type=FiniteFloat(), help="Reward given to episodes a budget ended instead of what they collected.")
 @click.option("--eval-every", type=click.IntRange(0), help="Evaluate every N steps on held-out seeds (0 = off).")
-@click.option("--eval-episodes", type=click.IntRange(1), help="Episodes per evaluation (default 32).")
+@click.option("--eval-episodes", type=click.IntRange(1, MAX_EPISODES), help="Episodes per evaluation (default 32).")
 @click.option("--checkpoint-every", type=click.IntRange(1), help="Checkpoint every N steps (default 10).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights dtype (auto: bf16 where supported).")
 @click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory; groups sharing a prompt pack into the same token budget).")
@@ -117,11 +110,11 @@ def resume_run(options: dict[str, Any]) -> Any:
               help="Who samples rollouts: torch (the training model, default) or vllm (a vLLM engine synced after every step; needs vllm installed).")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable), e.g. size=7.")
 @click.option("--trainer-arg", "trainer_args", multiple=True, metavar="KEY=VALUE", help="Trainer-specific setting (repeatable).")
-@click.option("--data", multiple=True, type=click.Path(exists=True, dir_okay=False), help="sft: JSONL chat transcripts (repeatable).")
+@click.option("--data", multiple=True, type=SafePath(exists=True, dir_okay=False), help="sft: JSONL chat transcripts (repeatable).")
 @click.option("--demos", type=click.Choice(["baseline"]), help="sft: train on demonstrations of the env's baseline agent.")
 @click.option("--out", help="Run folder (default runs/<env>-<trainer>-<time>).")
-@click.option("--config", type=click.Path(exists=True, dir_okay=False), help="YAML/JSON file of the same settings; options override it.")
-@click.option("--resume", type=click.Path(exists=True, file_okay=False),
+@click.option("--config", type=SafePath(exists=True, dir_okay=False), help="YAML/JSON file of the same settings; options override it.")
+@click.option("--resume", type=SafePath(exists=True, file_okay=False),
               help="Continue the run in this folder from its last checkpoint, with its own settings; only --steps, "
                    "--eval-every, --eval-episodes, --checkpoint-every, --lr and --max-grad-norm may change them.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
@@ -144,15 +137,12 @@ def train(**options: Any) -> None:
     from tinkergym.trainers.reporting import read_metrics
     from tinkergym.trainers.session import TrainingRun
 
-    try:
-        run = resume_run(options) if options["resume"] else TrainingRun(build_config(options))
-        if run is None:  # a finished run with no more steps to train
-            folder, last = Path(options["resume"]), {}
-        else:
-            click.echo(f"run folder: {run.folder}", err=True)
-            folder, last = run.folder, run.run(progress=not options["quiet"])
-    except TinkergymError as exc:
-        _fail(exc)
+    run = resume_run(options) if options["resume"] else TrainingRun(build_config(options))
+    if run is None:  # a finished run with no more steps to train
+        folder, last = Path(options["resume"]), {}
+    else:
+        click.echo(f"run folder: {run.folder}", err=True)
+        folder, last = run.folder, run.run(progress=not options["quiet"])
     if not last:  # no step trained now: report the run's last logged step
         records = read_metrics(folder / "metrics.jsonl")
         last = records[-1] if records else {}
@@ -163,16 +153,16 @@ def train(**options: Any) -> None:
 @click.command("eval")
 @click.option("--env", required=True, help="Env id to evaluate on.")
 @click.option("--model", help="Model to evaluate (smollm2-135m, tiny, a local folder).")
-@click.option("--run", "run_dir", type=click.Path(exists=True, file_okay=False), help="A training run folder: evaluates its latest checkpoint.")
-@click.option("--episodes", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--run", "run_dir", type=SafePath(exists=True, file_okay=False), help="A training run folder: evaluates its latest checkpoint.")
+@click.option("--episodes", type=click.IntRange(1, MAX_EPISODES), default=32, show_default=True)
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable).")
 @click.option("--max-turns", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus sampling (1 = off).")
+@click.option("--temperature", type=FiniteFloat(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus sampling (1 = off).")
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Top-k sampling (0 = off).")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), help="Write transcripts to this JSONL file.")
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--out", "out", type=SafePath(dir_okay=False, path_type=Path), help="Write transcripts to this JSONL file.")
 def eval_command(
     env: str, model: str | None, run_dir: str | None, episodes: int, kwargs: tuple[str, ...], max_turns: int,
     max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, out: Path | None,
@@ -180,20 +170,21 @@ def eval_command(
     """Evaluate a model (or a run's latest checkpoint) on an env: success rate, mean reward, transcripts."""
     if bool(model) == bool(run_dir):
         raise click.UsageError("give --model or --run (exactly one).")
+    writable_file(out, "--out")
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.rollouts import RolloutConfig
     from tinkergym.trainers.evaluation import eval_seeds, evaluate, write_transcripts
     from tinkergym.trainers.session import env_factory, load_backend_for_eval
 
-    try:
-        make_env = env_factory(env, parse_kwargs(kwargs))
-        backend = load_backend_for_eval(model=model, run_dir=run_dir)
-        renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
-        settings = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        metrics, trajectories = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes))
-    except TinkergymError as exc:
-        _fail(exc)
+    make_env = env_factory(env, parse_kwargs(kwargs))
+    backend = load_backend_for_eval(model=model, run_dir=run_dir)
+    renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
+    settings = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    metrics, trajectories = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes))
     if out is not None:
-        write_transcripts(out, trajectories, env=env)
+        try:
+            write_transcripts(out, trajectories, env=env)
+        except OSError as exc:
+            raise click.ClickException(f"cannot write the transcripts to {out}: {exc.strerror or exc}.") from exc
     click.echo(json.dumps({"env": env, **{k.removeprefix("eval/"): round(v, 4) for k, v in metrics.items()}}))
     sys.stdout.flush()

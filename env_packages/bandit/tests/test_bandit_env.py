@@ -85,10 +85,24 @@ def test_stepping_after_the_end_says_to_reset() -> None:
     assert "reset()" in obs and reward == 0.0 and terminated
 
 
-@pytest.mark.parametrize("kwargs", [{"arms": 1}, {"arms": 99}, {"reward_mode": "mean"}, {"render_mode": "rgb_array"}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"arms": 1}, {"arms": 99}, {"arms": True}, {"reward_mode": "mean"}, {"render_mode": "rgb_array"},
+        {"payoff_seed": "x"}, {"payoff_seed": -1}, {"payoff_seed": 1.5}, {"payoff_seed": True},
+    ],
+)
+@pytest.mark.filterwarnings("ignore:.*render_mode:UserWarning")
 def test_bad_kwargs_raise_config_error(kwargs) -> None:
-    with pytest.raises(ConfigError):
+    (name, value), = kwargs.items()
+    with pytest.raises(ConfigError, match=f"{name}={value!r}"):
         BanditEnv(**kwargs)
+    with pytest.raises(ConfigError, match=name):
+        gym.make("tinker/Bandit-v0", **kwargs)
+
+
+def test_any_seed_of_numpy_is_a_payoff_seed() -> None:
+    assert BanditEnv(payoff_seed=2**100).probabilities != BanditEnv(payoff_seed=0).probabilities
 
 
 def test_baseline_names_a_listed_arm() -> None:

@@ -46,6 +46,8 @@ class BanditEnv(TextEnv):
         super().__init__(render_mode=render_mode)
         if not isinstance(arms, int) or not 2 <= arms <= len(ARM_NAMES):
             raise ConfigError(f"arms={arms!r}: choose an integer from 2 to {len(ARM_NAMES)}.")
+        if payoff_seed is not None and (isinstance(payoff_seed, bool) or not isinstance(payoff_seed, int) or payoff_seed < 0):
+            raise ConfigError(f"payoff_seed={payoff_seed!r}: use a whole number 0 or more (fixed odds), or None (new odds every episode).")
         if reward_mode not in ("sample", "expected"):
             raise ConfigError(f"reward_mode={reward_mode!r}: use 'sample' or 'expected'.")
         self.arm_names = ARM_NAMES[:arms]
