@@ -81,14 +81,14 @@ def scaffold_package(name: str, parent: Path, env_id: str | None = None, force: 
 
 def _check_target(parent: Path, root: Path, force: bool) -> None:
     """Refuse, before anything is written, a package folder that cannot be created or that holds files (unless ``force``)."""
-    if parent.exists() and not parent.is_dir():
-        raise ScaffoldError(f"--dir {parent} is a file, not a folder; choose a folder to create the package in.")
-    if root.exists() and not root.is_dir():
-        raise ScaffoldError(f"{root} is a file, not a folder; move it away or choose another --dir (--force only overwrites a folder).")
     try:
+        if parent.exists() and not parent.is_dir():
+            raise ScaffoldError(f"--dir {parent} is a file, not a folder; choose a folder to create the package in.")
+        if root.exists() and not root.is_dir():
+            raise ScaffoldError(f"{root} is a file, not a folder; move it away or choose another --dir (--force only overwrites a folder).")
         root.mkdir(parents=True, exist_ok=True)
         occupied = any(root.iterdir())
-    except OSError as exc:
+    except OSError as exc:  # no permission, a name too long, a read-only file system
         raise ScaffoldError(f"cannot create {root}: {exc.strerror or exc}; choose another --dir.") from exc
     if occupied and not force:
         raise ScaffoldError(f"{root} already exists and is not empty; choose another --dir or pass --force to overwrite.")

@@ -20,6 +20,7 @@ from tinkergym.errors import ConfigError
 
 BANDIT = "tinker/Bandit-v0"
 DEEP = 100_000  # nesting depth of hostile JSON: far past Python's recursion limit
+LONG_NAME = "x" * 5_000  # longer than any file name a file system takes
 VALID_RUN_CONFIG = {"env": BANDIT, "model": "tiny", "steps": 1}
 
 
@@ -108,6 +109,8 @@ CASES = [
     ("new-package-is-a-file", ["envs", "new", "wordle", "--dir", "{blocked}"], "not a folder"),
     ("new-package-is-a-file-force", ["envs", "new", "wordle", "--dir", "{blocked}", "--force"], "not a folder"),
     ("new-dir-nul", ["envs", "new", "wordle", "--dir", "a\0b"], "NUL"),
+    ("new-dir-name-too-long", ["envs", "new", "wordle", "--dir", LONG_NAME], "too long"),
+    ("check-huge-fuzz", ["envs", "check", BANDIT, "--fuzz", "99999999999999999999999"], "--fuzz"),
     ("new-bad-id", ["envs", "new", "wordle", "--id", "no version"], "--id"),
     # play
     ("play-negative-seed", ["play", BANDIT, "--agent", "random", "--seed", "-5"], "--seed"),
@@ -125,6 +128,7 @@ CASES = [
     ("play-missing-data-file", ["play", "tinker/Math-v0", "--agent", "random", "--kwarg", "data_files=/nonexistent.jsonl"], "nonexistent.jsonl"),
     ("play-kwarg-deep-json", ["play", BANDIT, "--agent", "random", "--kwarg", "arms=" + "[" * DEEP], "arms"),
     ("play-kwarg-nan", ["play", "tinker/Math-v0", "--agent", "random", "--kwarg", "format_reward=NaN"], "format_reward"),
+    ("play-data-file-name-too-long", ["play", "tinker/Math-v0", "--agent", "random", "--kwarg", "data_files=" + LONG_NAME], "too long"),
     ("play-max-steps-0", ["play", BANDIT, "--agent", "random", "--max-steps", "0"], "--max-steps"),
     # train --config
     ("config-invalid-yaml", ["train", "--config", "{yaml_invalid}"], "bad.yaml"),
@@ -157,6 +161,8 @@ CASES = [
     ("train-huge-seed", ["train", "--env", BANDIT, "--seed", "99999999999999999999999"], "--seed"),
     ("train-out-is-a-file", ["train", "--env", BANDIT, "--model", "tiny", "--out", "{a_file}"], "a_file.txt"),
     ("train-out-unwritable", ["train", "--env", BANDIT, "--model", "tiny", "--out", "/proc/nope/run"], "/proc/nope/run"),
+    ("train-out-name-too-long", ["train", "--env", BANDIT, "--model", "tiny", "--out", LONG_NAME], "too long"),
+    ("train-env-nul", ["train", "--env", "tinker/Bandit\0-v0"], "Bandit"),
     ("train-unknown-trainer", ["train", "--env", BANDIT, "--trainer", "grop"], "grpo"),
     ("train-multi-agent-env", ["train", "--env", "tinker/GomokuDuel-v0"], "multi-agent"),
     ("train-bad-env-kwarg", ["train", "--env", BANDIT, "--kwarg", "payoff_seed=-1"], "payoff_seed"),
@@ -176,6 +182,7 @@ CASES = [
     ("eval-model-nul", ["eval", "--env", BANDIT, "--model", "a\0b"], "a\\x00b"),
     ("eval-out-is-a-folder", ["eval", "--env", BANDIT, "--model", "tiny", "--out", "{tmp}"], "--out"),
     ("eval-out-unwritable", ["eval", "--env", BANDIT, "--model", "tiny", "--out", "/proc/nope/t.jsonl"], "/proc/nope"),
+    ("eval-out-name-too-long", ["eval", "--env", BANDIT, "--model", "tiny", "--out", LONG_NAME], "too long"),
     ("eval-huge-episodes", ["eval", "--env", BANDIT, "--model", "tiny", "--episodes", "99999999999999999999"], "--episodes"),
     ("eval-nan-temperature", ["eval", "--env", BANDIT, "--model", "tiny", "--temperature", "nan"], "--temperature"),
     ("eval-nan-top-p", ["eval", "--env", BANDIT, "--model", "tiny", "--top-p", "nan"], "--top-p"),

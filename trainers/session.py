@@ -68,6 +68,8 @@ def env_factory(env_id: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
     except RecursionError as exc:  # e.g. a data file nested deeper than Python's parsers go
         given = ", ".join(f"{key}={reprlib.repr(value)}" for key, value in kwargs.items())
         raise ConfigError(f"{env_id}: {given} is nested too deeply to read (or names a file that is); flatten it.") from exc
+    except OSError as exc:  # a file a kwarg names: a name too long, no permission
+        raise ConfigError(f"{env_id}: cannot read {exc.filename or 'a file its kwargs name'}: {exc.strerror or exc}.") from exc
     return lambda: tinkergym.make(env_id, **kwargs)
 
 
@@ -79,19 +81,20 @@ class TrainingRun:
         self.folder = Path(config.out or f"runs/{config.env.split('/')[-1] or 'sft'}-{config.trainer}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.config.out = str(self.folder)
         self.start_step = start_step
-        created = _make_run_folder(self.folder)  # an --out that cannot be written fails before any model is loaded
+        # Unknown trainers, bad env kwargs and an --out that cannot be written all fail before any model is loaded.
+        trainer_class = load_trainer(config.trainer)
+        self.make_env = env_factory(config.env, config.env_kwargs) if config.env else None
+        self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}) if config.env else None
+        created = _make_run_folder(self.folder)
         try:
-            self._build(config, backend, start_step)
+            self._build(config, trainer_class, backend, start_step)
         except BaseException:
             if created and not any(self.folder.iterdir()):
                 self.folder.rmdir()  # leave no empty run folder behind a run that never started
             raise
 
-    def _build(self, config: TrainConfig, backend: Any, start_step: int) -> None:
-        """Envs, backend, renderer and trainer, then config.json and the metrics log in the run folder."""
-        trainer_class = load_trainer(config.trainer)  # unknown names fail before any model is loaded
-        self.make_env = env_factory(config.env, config.env_kwargs) if config.env else None
-        self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}) if config.env else None
+    def _build(self, config: TrainConfig, trainer_class: type, backend: Any, start_step: int) -> None:
+        """Backend, renderer and trainer, then config.json and the metrics log in the run folder."""
         self.backend = backend if backend is not None else self._build_backend()
         from tinkergym.chat import ChatTemplateRenderer
 
@@ -240,13 +243,13 @@ class TrainingRun:
 
 def _make_run_folder(folder: Path) -> bool:
     """Create a run folder (and its parents); return whether it was created. One that cannot be is a :class:`ConfigError`."""
-    if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"--out {folder} is a file; a run needs a folder: choose another --out.")
     try:
         folder.mkdir(parents=True)
     except FileExistsError:
+        if not folder.is_dir():
+            raise ConfigError(f"--out {folder} is a file; a run needs a folder: choose another --out.") from None
         return False
-    except OSError as exc:
+    except OSError as exc:  # no permission, a name too long, a file where a parent folder should be
         raise ConfigError(f"cannot create the run folder {folder}: {exc.strerror or exc}; choose another --out.") from exc
     return True
 

@@ -23,10 +23,17 @@ SEED = click.IntRange(0, 2**32 - 1)
 MAX_MESSAGE = 2_000
 
 
+def shorten(text: str, limit: int = 300) -> str:
+    """``text``, or its start and end around a note of what was cut when it is longer than ``limit``; the end says what went wrong."""
+    if len(text) <= limit:
+        return text
+    keep = (limit - 40) // 2
+    return f"{text[:keep]} ... ({len(text) - 2 * keep:,} characters) ... {text[-keep:]}"
+
+
 def _shown(exc: Exception) -> str:
-    """The message of ``exc``, cut to :data:`MAX_MESSAGE` characters."""
-    message = str(exc)
-    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 30] + f" ... ({len(message):,} characters)"
+    """The message of ``exc``, shortened to :data:`MAX_MESSAGE` characters."""
+    return shorten(str(exc), MAX_MESSAGE)
 
 
 class InputError(click.ClickException):
@@ -52,7 +59,7 @@ class SafePath(click.Path):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and "\0" in value:
-            self.fail(f"{value!r} contains a NUL byte, which no path may hold.", param, ctx)
+            self.fail(f"{shorten(repr(value))} contains a NUL byte, which no path may hold.", param, ctx)
         return super().convert(value, param, ctx)
 
 
@@ -70,14 +77,15 @@ def writable_file(path: Path | None, option: str) -> Path | None:
     """Check before any work is done that ``path`` can be written (its folder is created); a usage error names ``option``."""
     if path is None:
         return None
-    if path.is_dir():
-        raise click.BadParameter(f"{str(path)!r} is a folder; give a file name.", param_hint=option)
     try:
+        if path.is_dir():
+            raise click.BadParameter(f"{shorten(str(path))!r} is a folder; give a file name.", param_hint=option)
         path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise click.BadParameter(f"cannot create the folder of {str(path)!r}: {exc.strerror or exc}.", param_hint=option) from exc
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise click.BadParameter(f"{str(path)!r} is not writable.", param_hint=option)
+        writable = os.access(path.parent, os.W_OK) and (not path.exists() or os.access(path, os.W_OK))
+    except OSError as exc:  # no permission, a name too long, a file where a folder should be
+        raise click.BadParameter(f"cannot write {shorten(str(path))!r}: {exc.strerror or exc}.", param_hint=option) from exc
+    if not writable:
+        raise click.BadParameter(f"{shorten(str(path))!r} is not writable.", param_hint=option)
     return path
 
 
@@ -90,6 +98,8 @@ def construct_env(make: Callable[..., Any], env_id: str, kwargs: dict[str, Any])
     except RecursionError as exc:  # e.g. a data file nested deeper than Python's parsers go
         given = ", ".join(f"{key}={reprlib.repr(value)}" for key, value in kwargs.items())
         raise ConfigError(f"{env_id}: {given} is nested too deeply to read (or names a file that is); flatten it.") from exc
+    except OSError as exc:  # a file a kwarg names: a name too long, no permission
+        raise ConfigError(f"{env_id}: cannot read {exc.filename or 'a file its kwargs name'}: {exc.strerror or exc}.") from exc
 
 
 def parse_kwargs(pairs: tuple[str, ...]) -> dict[str, Any]:

@@ -71,7 +71,7 @@ def _check_one(s: EnvSpec, kwargs: dict, fuzz_count: int) -> None:
 @click.argument("env_ids", nargs=-1, metavar="[ENV_ID]...")
 @click.option("--all", "check_all", is_flag=True, help="Check every installed env.")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Keyword argument for the env (repeatable).")
-@click.option("--fuzz", "fuzz_count", default=200, show_default=True, type=click.IntRange(0), help="Random action strings to try on top of the hostile set.")
+@click.option("--fuzz", "fuzz_count", default=200, show_default=True, type=click.IntRange(0, 100_000), help="Random action strings to try on top of the hostile set.")
 def check_command(env_ids: tuple[str, ...], check_all: bool, kwargs: tuple[str, ...], fuzz_count: int) -> None:
     """Run the conformance checkers (Gymnasium check_env / PettingZoo api_test + tinkergym's) on envs.
 

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from tinkergym.agents import RandomTextAgent
-from tinkergym.cli.common import SEED, SafePath, construct_env, parse_kwargs
+from tinkergym.cli.common import SEED, SafePath, construct_env, parse_kwargs, shorten
 from tinkergym.episodes import Transcript, run_aec_episode, run_episode
 from tinkergym.registry import EnvSpec, list_envs, load_baseline, make, make_aec, spec
 
@@ -111,4 +111,4 @@ def _open_transcripts(path: Path | None) -> Any:
         path.parent.mkdir(parents=True, exist_ok=True)
         return path.open("a", encoding="utf-8")
     except OSError as exc:
-        raise click.BadParameter(f"cannot write {str(path)!r}: {exc.strerror or exc}.", param_hint="--jsonl") from exc
+        raise click.BadParameter(f"cannot write {shorten(str(path))!r}: {exc.strerror or exc}.", param_hint="--jsonl") from exc
