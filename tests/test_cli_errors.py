@@ -110,6 +110,8 @@ CASES = [
     ("new-package-is-a-file-force", ["envs", "new", "wordle", "--dir", "{blocked}", "--force"], "not a folder"),
     ("new-dir-nul", ["envs", "new", "wordle", "--dir", "a\0b"], "NUL"),
     ("new-dir-name-too-long", ["envs", "new", "wordle", "--dir", LONG_NAME], "too long"),
+    ("check-bad-kwarg", ["envs", "check", BANDIT, "--kwarg", "payoff_seed=-1"], "payoff_seed"),
+    ("check-unknown-kwarg", ["envs", "check", BANDIT, "--kwarg", "colour=7"], "colour"),
     ("check-huge-fuzz", ["envs", "check", BANDIT, "--fuzz", "99999999999999999999999"], "--fuzz"),
     ("new-bad-id", ["envs", "new", "wordle", "--id", "no version"], "--id"),
     # play
@@ -165,6 +167,9 @@ CASES = [
     ("train-env-nul", ["train", "--env", "tinker/Bandit\0-v0"], "Bandit"),
     ("train-unknown-trainer", ["train", "--env", BANDIT, "--trainer", "grop"], "grpo"),
     ("train-multi-agent-env", ["train", "--env", "tinker/GomokuDuel-v0"], "multi-agent"),
+    ("train-misspelt-trainer-arg", ["train", "--env", BANDIT, "--trainer-arg", "scale_by_sdt=false"], "scale_by_std"),
+    ("train-rloo-trainer-arg", ["train", "--env", BANDIT, "--trainer", "rloo", "--trainer-arg", "scale_by_std=false"], "rloo"),
+    ("train-sft-misspelt-arg", ["train", "--trainer", "sft", "--trainer-arg", "demo_episode=5", "--demos", "baseline", "--env", BANDIT], "demo_episodes"),
     ("train-bad-env-kwarg", ["train", "--env", BANDIT, "--kwarg", "payoff_seed=-1"], "payoff_seed"),
     # train --resume / eval --run with a malformed config.json
     ("resume-invalid-json", ["train", "--resume", "{run_invalid_json}"], "config.json"),

@@ -75,6 +75,9 @@ class Trainer(Protocol):
 
     #: Whether the trainer plays envs (RL) or reads a dataset (SFT).
     needs_env: bool
+    #: The ``trainer_args`` keys it reads; when a trainer declares them, any other key is refused before a
+    #: run starts (a misspelt ``--trainer-arg`` would otherwise be ignored without a word).
+    known_args: frozenset[str]
 
     def __init__(self, ctx: TrainingContext) -> None: ...
 
@@ -129,6 +132,19 @@ def restore_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
 def available_trainers() -> dict[str, md.EntryPoint]:
     """Installed trainer plugins by name (metadata only)."""
     return {ep.name: ep for ep in md.entry_points(group=TRAINER_GROUP)}
+
+
+def check_trainer_args(trainer_class: type, args: dict[str, Any], name: str) -> None:
+    """Refuse ``trainer_args`` keys that ``trainer_class`` does not read (when it declares ``known_args``)."""
+    known = getattr(trainer_class, "known_args", None)
+    if known is None:
+        return
+    for key in args:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            choices = ", ".join(sorted(known)) or "none"
+            raise ConfigError(f"trainer arg {key!r} is not one the {name} trainer reads.{hint} It reads: {choices}.")
 
 
 def load_trainer(name: str) -> type:

@@ -39,6 +39,7 @@ class GRPOTrainer:
     """Group-relative advantages + clipped policy gradient, one optimizer step per batch."""
 
     needs_env = True
+    known_args = frozenset({"scale_by_std"})
     advantage_name = "grpo"
 
     def __init__(self, ctx: TrainingContext) -> None:

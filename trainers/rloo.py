@@ -17,6 +17,7 @@ class RLOOTrainer(GRPOTrainer):
     """Leave-one-out advantages with the REINFORCE loss."""
 
     advantage_name = "rloo"
+    known_args: frozenset[str] = frozenset()  # leave-one-out baselines are never scaled
 
     def advantages(self, rewards_B: list[float], valid_B: list[bool] | None = None) -> list[float]:
         """Leave-one-out advantages of a step's rewards (invalid members are nobody's baseline)."""

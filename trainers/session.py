@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
 from tinkergym.folders import replace_dir
-from tinkergym.trainers.base import StepOutput, TrainerStateError, TrainingContext, load_trainer, restore_trainer_state, trainer_state
+from tinkergym.trainers.base import StepOutput, TrainerStateError, TrainingContext, check_trainer_args, load_trainer, restore_trainer_state, trainer_state
 from tinkergym.trainers.config import TrainConfig
 from tinkergym.trainers.evaluation import eval_seeds, evaluate, write_transcripts
 from tinkergym.trainers.reporting import MetricsLog, plot_learning_curve
@@ -83,6 +83,7 @@ class TrainingRun:
         self.start_step = start_step
         # Unknown trainers, bad env kwargs and an --out that cannot be written all fail before any model is loaded.
         trainer_class = load_trainer(config.trainer)
+        check_trainer_args(trainer_class, config.trainer_args, config.trainer)
         self.make_env = env_factory(config.env, config.env_kwargs) if config.env else None
         self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}) if config.env else None
         created = _make_run_folder(self.folder)

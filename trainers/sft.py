@@ -93,6 +93,7 @@ class SFTTrainer:
     """Cross-entropy on assistant tokens of transcripts or baseline demonstrations."""
 
     needs_env = False
+    known_args = frozenset({"data_files", "demos", "demo_episodes", "demo_min_reward"})
 
     def __init__(self, ctx: TrainingContext) -> None:
         self.ctx = ctx

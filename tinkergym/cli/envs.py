@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from tinkergym.cli.common import SafePath, construct_env, parse_kwargs
-from tinkergym.errors import CheckFailed, TinkergymError
+from tinkergym.errors import CheckFailed, ConfigError, TinkergymError
 from tinkergym.registry import EnvSpec, list_envs, load_baseline, load_entry_point, spec
 
 
@@ -61,10 +61,16 @@ def _check_one(s: EnvSpec, kwargs: dict, fuzz_count: int) -> None:
     baseline = load_baseline(s)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        try:
+            env = construct_env(make_aec if s.kind == "aec" else make, s.id, kwargs)
+        except ConfigError as exc:
+            if kwargs:  # the user's --kwarg is wrong, not the env: a usage error (exit 2)
+                raise click.UsageError(str(exc)) from exc
+            raise
         if s.kind == "aec":
-            check_text_aec_env(construct_env(make_aec, s.id, kwargs), baseline=baseline, fuzz_count=fuzz_count)
+            check_text_aec_env(env, baseline=baseline, fuzz_count=fuzz_count)
         else:
-            check_text_env(construct_env(make, s.id, kwargs), baseline=baseline, fuzz_count=fuzz_count)
+            check_text_env(env, baseline=baseline, fuzz_count=fuzz_count)
 
 
 @envs.command("check")

@@ -208,3 +208,10 @@ def test_utf8_with_byte_order_mark_and_crlf_lines_load(tmp_path):
     path = tmp_path / "windows.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + GOOD_LINE.replace(b"\n", b"\r\n") + b"\r\n" + GOOD_LINE.replace(b"1 + 1", b"2 + 2"))
     assert [p.question for p in MathEnv(data_files=path).problems] == ["What is 1 + 1?", "What is 2 + 2?"]
+
+
+@pytest.mark.parametrize("name", ["x" * 5000 + ".jsonl", "a\0b.jsonl"])
+def test_unusable_data_file_names_are_config_errors(name):
+    with pytest.raises(ConfigError, match="data file") as caught:
+        MathEnv(data_files=name)
+    assert len(str(caught.value)) < 500  # the name is shortened in the message

@@ -136,8 +136,12 @@ def load_parquet(path: Path) -> list[Problem]:
 def load_file(path: str | os.PathLike[str]) -> list[Problem]:
     """Problems from one ``.jsonl``/``.ndjson`` or ``.parquet`` file."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"data file {str(path)!r} does not exist (or is not a file).")
+    try:
+        is_file = path.is_file()
+    except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte
+        raise ConfigError(f"data file {str(path)[:200]!r}: cannot be used as a path ({exc}).") from exc
+    if not is_file:
+        raise ConfigError(f"data file {str(path)[:200]!r} does not exist (or is not a file).")
     suffix = path.suffix.lower()
     if suffix in _JSONL_SUFFIXES:
         return load_jsonl(path)
