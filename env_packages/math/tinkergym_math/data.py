@@ -139,7 +139,8 @@ def load_file(path: str | os.PathLike[str]) -> list[Problem]:
     try:
         is_file = path.is_file()
     except (OSError, ValueError) as exc:  # a name too long for the file system, a NUL byte
-        raise ConfigError(f"data file {str(path)[:200]!r}: cannot be used as a path ({exc}).") from exc
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)[:200]
+        raise ConfigError(f"data file {str(path)[:200]!r}: cannot be used as a path ({reason}).") from exc
     if not is_file:
         raise ConfigError(f"data file {str(path)[:200]!r} does not exist (or is not a file).")
     suffix = path.suffix.lower()
