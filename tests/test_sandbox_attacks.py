@@ -226,8 +226,11 @@ def test_nothing_outlives_a_call(timeout):
 
 
 def test_disk_is_bounded_in_total():
+    marker = f"marker-{uuid.uuid4().hex}"
     code = (
         "import os\n"
+        f"for folder in ('/tmp', '/dev/shm'):\n"
+        f"    open(f'{{folder}}/{marker}', 'w').write('x')\n"
         "written = 0\n"
         "for folder in ('/tmp', '/dev/shm'):\n"
         "    for i in range(200):\n"
@@ -251,6 +254,7 @@ def test_disk_is_bounded_in_total():
     written = int(result.output.split("MiB ")[-1])
     assert written <= 2 * 8, result.output
     assert "/tmp stopped 28" in result.output and "/dev/shm stopped 28" in result.output  # ENOSPC
+    assert not os.path.exists(f"/tmp/{marker}") and not os.path.exists(f"/dev/shm/{marker}")  # the host's stay untouched
 
 
 def test_process_limit_holds_and_is_per_call():
