@@ -7,6 +7,7 @@ from tinkergym.registry.hub import (
     load_entry_point,
     make,
     make_aec,
+    make_checked,
     register_installed_envs,
     spec,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "load_entry_point",
     "make",
     "make_aec",
+    "make_checked",
     "register_installed_envs",
     "spec",
 ]

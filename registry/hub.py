@@ -10,13 +10,14 @@ from __future__ import annotations
 import difflib
 import importlib
 import json
+import reprlib
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Callable
 
 import gymnasium as gym
 
-from tinkergym.errors import DuplicateEnvIdError, EnvKindError, EnvPackageImportError, UnknownEnvError
+from tinkergym.errors import ConfigError, DuplicateEnvIdError, EnvKindError, EnvPackageImportError, UnknownEnvError
 from tinkergym.registry.discovery import Discovery, EnvSpec, conflict_message, discover, warn_about
 
 _state: dict[str, Discovery] = {}
@@ -179,3 +180,21 @@ def make_aec(env_id: str, **kwargs: Any) -> Any:
     if env_spec.kind != "aec":
         raise EnvKindError(f"{env_spec.id} is a single-agent env; make it with: tinkergym.make({env_spec.id!r})")
     return load_entry_point(env_spec.entry_point, env_spec.distribution)(**kwargs)
+
+
+def make_checked(env_id: str, kwargs: dict[str, Any], *, multi_agent: bool = False) -> Any:
+    """:func:`make` (or :func:`make_aec`) with the errors a bad kwarg causes in any constructor as :class:`ConfigError`.
+
+    For front ends that take kwargs from users (the CLI, a training config): an unknown keyword, a value of
+    a type the constructor cannot use, data nested too deeply or a file that cannot be read becomes a
+    message naming the env and what to do.
+    """
+    try:
+        return make_aec(env_id, **kwargs) if multi_agent else make(env_id, **kwargs)
+    except TypeError as exc:  # an unknown keyword argument, or a value of a type the constructor cannot use
+        raise ConfigError(f"{env_id}: {exc}. See the accepted kwargs with: tinkergym envs info {env_id}") from exc
+    except RecursionError as exc:  # e.g. a data file nested deeper than Python's parsers go
+        given = ", ".join(f"{key}={reprlib.repr(value)}" for key, value in kwargs.items())
+        raise ConfigError(f"{env_id}: {given} is nested too deeply to read (or names a file that is); flatten it.") from exc
+    except OSError as exc:  # a file a kwarg names: a name too long, no permission
+        raise ConfigError(f"{env_id}: cannot read {exc.filename or 'a file its kwargs name'}: {exc.strerror or exc}.") from exc

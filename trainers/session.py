@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import reprlib
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -57,19 +56,12 @@ class TrainingDiverged(TinkergymError, RuntimeError):
 def env_factory(env_id: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
     """A function that makes ``env_id`` (single-agent) with ``kwargs``; checks the id now, not mid-run."""
     import tinkergym
+    from tinkergym.registry import make_checked
 
     env_spec = tinkergym.spec(env_id)
     if env_spec.kind != "env":
         raise ConfigError(f"{env_id} is a multi-agent env; training drives single-agent envs (e.g. tinker/Gomoku-v0).")
-    try:
-        tinkergym.make(env_id, **kwargs).close()  # fail fast on bad kwargs
-    except TypeError as exc:  # an unknown keyword argument, or a value of a type the constructor cannot use
-        raise ConfigError(f"{env_id}: {exc}. See the accepted kwargs with: tinkergym envs info {env_id}") from exc
-    except RecursionError as exc:  # e.g. a data file nested deeper than Python's parsers go
-        given = ", ".join(f"{key}={reprlib.repr(value)}" for key, value in kwargs.items())
-        raise ConfigError(f"{env_id}: {given} is nested too deeply to read (or names a file that is); flatten it.") from exc
-    except OSError as exc:  # a file a kwarg names: a name too long, no permission
-        raise ConfigError(f"{env_id}: cannot read {exc.filename or 'a file its kwargs name'}: {exc.strerror or exc}.") from exc
+    make_checked(env_id, kwargs).close()  # fail fast on bad kwargs
     return lambda: tinkergym.make(env_id, **kwargs)
 
 

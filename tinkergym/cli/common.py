@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import reprlib
 from pathlib import Path
 from typing import Any, Callable
 
@@ -90,16 +89,10 @@ def writable_file(path: Path | None, option: str) -> Path | None:
 
 
 def construct_env(make: Callable[..., Any], env_id: str, kwargs: dict[str, Any]) -> Any:
-    """``make(env_id, **kwargs)``, with the errors a bad kwarg causes in any env constructor turned into :class:`ConfigError`."""
-    try:
-        return make(env_id, **kwargs)
-    except TypeError as exc:  # an unknown keyword argument, or a value of a type the constructor cannot use
-        raise ConfigError(f"{env_id}: {exc}. See the accepted kwargs with: tinkergym envs info {env_id}") from exc
-    except RecursionError as exc:  # e.g. a data file nested deeper than Python's parsers go
-        given = ", ".join(f"{key}={reprlib.repr(value)}" for key, value in kwargs.items())
-        raise ConfigError(f"{env_id}: {given} is nested too deeply to read (or names a file that is); flatten it.") from exc
-    except OSError as exc:  # a file a kwarg names: a name too long, no permission
-        raise ConfigError(f"{env_id}: cannot read {exc.filename or 'a file its kwargs name'}: {exc.strerror or exc}.") from exc
+    """``make(env_id, **kwargs)`` (``make`` is :func:`tinkergym.make` or :func:`tinkergym.make_aec`), bad kwargs as :class:`ConfigError`."""
+    from tinkergym.registry import make_aec, make_checked
+
+    return make_checked(env_id, kwargs, multi_agent=make is make_aec)
 
 
 def parse_kwargs(pairs: tuple[str, ...]) -> dict[str, Any]:
