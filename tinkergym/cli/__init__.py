@@ -8,6 +8,8 @@ from tinkergym.cli.common import TinkergymGroup
 from tinkergym.cli.envs import envs
 from tinkergym.cli.play import play
 from tinkergym.cli.push import push
+from tinkergym.cli.serve import serve_backend
+from tinkergym.cli.serve_model import serve_model
 from tinkergym.cli.train import eval_command, train
 
 
@@ -33,5 +35,7 @@ main.add_command(play)
 main.add_command(train)
 main.add_command(eval_command)
 main.add_command(push)
+main.add_command(serve_backend)
+main.add_command(serve_model)
 
 __all__ = ["main"]
