@@ -1,0 +1,436 @@
+"""The training server's calls: argument checking, the ordered worker, and the per-session sequence store.
+
+Nothing here knows HTTP. A call is ``(session, seq, method, args)`` with JSON args; :func:`parse_call` turns
+the args into the plain-data requests of :mod:`tinkergym.backends.types` (unknown fields and wrong JSON types
+are a :class:`~tinkergym.errors.ConfigError`), :class:`CallStore` accepts a session's calls strictly in
+sequence order and keeps their results, so a retried number returns the stored result instead of running
+again, and :class:`CallWorker` runs the accepted calls one at a time in acceptance order.
+
+Only JSON reaches the backend: nothing a client sends is unpickled or executed, and the names of states and
+exports are checked by :func:`named_dir` (one path component, no symlinks, inside the run folder).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import secrets
+import threading
+import time
+import traceback
+import types
+import typing
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from tinkergym.backends.types import ForwardBackwardRequest, OptimParams, SampleRequest
+from tinkergym.errors import ConfigError, TinkergymError
+
+#: Names of states and exports: one path component of letters, digits, ``.``, ``_`` and ``-``.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+#: Where named folders live inside the run folder.
+KINDS = {"states": "states", "exports": "exports"}
+
+
+class SequenceError(TinkergymError, ValueError):
+    """A call number that is neither the next one nor a retry of a kept one, or a retry with other arguments."""
+
+
+class UnknownSessionError(TinkergymError, KeyError):
+    """A session id the server never issued (or forgot: it keeps a bounded number of sessions)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+# ----- names --------------------------------------------------------------------------------------------
+def named_dir(run_dir: Path, kind: str, name: Any) -> Path:
+    """``run_dir/<kind>/<name>`` after checking ``name``; a bad name or a symlink on the way is a :class:`ConfigError`.
+
+    ``run_dir`` must be resolved already. The ``.tmp`` siblings that atomic writes use are checked too, and
+    names ending in ``.tmp`` are refused: those are the folders of writes in progress.
+    """
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name.endswith(".tmp"):
+        raise ConfigError(
+            f"name {str(name)[:80]!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit, one path component, not ending in '.tmp'"
+        )
+    parent = run_dir / KINDS[kind]
+    folder = parent / name
+    for path in (parent, folder, Path(f"{folder}.tmp"), Path(f"{folder}.old.tmp")):
+        if path.is_symlink():
+            raise ConfigError(f"{kind}/{name}: {path.name} is a symbolic link, which the server never follows")
+    if os.path.commonpath([os.path.realpath(folder), str(run_dir)]) != str(run_dir):
+        raise ConfigError(f"{kind}/{name} resolves outside the run folder")
+    return folder
+
+
+def file_in(folder: Path, relative: str) -> Path:
+    """The regular file ``folder/relative``: no empty, ``.`` or ``..`` component, no symlink; else :class:`FileNotFoundError`."""
+    parts = relative.split("/")
+    if not relative or relative.startswith("/") or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+        raise FileNotFoundError(relative)
+    path = folder
+    for part in parts:
+        path = path / part
+        if path.is_symlink():
+            raise FileNotFoundError(relative)
+    if not path.is_file():
+        raise FileNotFoundError(relative)
+    return path
+
+
+def file_listing(folder: Path) -> list[dict[str, Any]]:
+    """``[{"path", "size", "sha256"}]`` of every regular file under ``folder``, paths relative and sorted."""
+    listing = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()):
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        listing.append({"path": path.relative_to(folder).as_posix(), "size": path.stat().st_size, "sha256": digest.hexdigest()})
+    return listing
+
+
+# ----- argument checking --------------------------------------------------------------------------------
+def _json_type_error(where: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {str(value)[:60]!r}")
+
+
+def _checked(value: Any, hint: Any, where: str) -> Any:
+    """``value`` checked against the annotation ``hint`` (JSON types only); ints become floats where floats go."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors = []
+        for option in typing.get_args(hint):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _checked(value, option, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise errors[0] if len(errors) == 1 else ConfigError(f"{where}: {str(value)[:60]!r} fits none of {hint}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise _json_type_error(where, "a list", value)
+        (item,) = typing.get_args(hint)
+        return [_checked(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _json_type_error(where, "an object", value)
+        _, item = typing.get_args(hint)
+        return {str(k): _checked(v, item, f"{where}.{k}") for k, v in value.items()}
+    if is_dataclass(hint):
+        if not isinstance(value, hint):
+            raise _json_type_error(where, f"a {hint.__name__} object", value)
+        hints = typing.get_type_hints(hint)
+        for f in fields(hint):
+            setattr(value, f.name, _checked(getattr(value, f.name), hints[f.name], f"{where}.{f.name}"))
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _json_type_error(where, "true or false", value)
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _json_type_error(where, "an integer", value)
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _json_type_error(where, "a number", value)
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise _json_type_error(where, "a string", value)
+        return value
+    raise ConfigError(f"{where}: unsupported type {hint}")
+
+
+def from_json(cls: type, data: Any, where: str) -> Any:
+    """``cls.from_dict(data)`` with every field's JSON type checked; any problem is a :class:`ConfigError`."""
+    if not isinstance(data, dict):
+        raise _json_type_error(where, f"a {cls.__name__} object", data)
+    try:
+        value = cls.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return _checked(value, cls, where)
+
+
+def _check_token_ids(rows: list[list[int]], vocab_size: int | None, where: str) -> None:
+    """Every id in ``[0, vocab_size)``: an id out of range would index past the embedding (on a GPU, a device assert)."""
+    for i, row in enumerate(rows):
+        for token in row:
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ConfigError(f"{where}[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})")
+
+
+def _only(args: dict[str, Any], method: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    unknown = set(args) - set(required) - set(optional)
+    missing = [k for k in required if k not in args]
+    if unknown or missing:
+        raise ConfigError(
+            f"{method} takes args {list(required) + list(optional)} ({', '.join(optional) or 'none'} optional); "
+            f"unknown: {sorted(unknown)}, missing: {missing}"
+        )
+
+
+@dataclass
+class ParsedCall:
+    """A checked call: the backend method to run with its plain-data arguments."""
+
+    method: str
+    args: dict[str, Any]
+
+
+def parse_call(method: Any, args: Any, vocab_size: int | None = None) -> ParsedCall:
+    """Check a call's JSON ``args`` and build the backend's arguments; anything wrong is a :class:`ConfigError`."""
+    if not isinstance(args, dict):
+        raise _json_type_error("args", "an object", args)
+    if method == "sample":
+        _only(args, method, ("request",))
+        request = from_json(SampleRequest, args["request"], "args.request")
+        _check_token_ids(request.prompts, vocab_size, "args.request.prompts")
+        if request.num_samples < 1 or request.params.max_new_tokens < 0:
+            raise ConfigError("args.request: num_samples must be >= 1 and params.max_new_tokens >= 0")
+        return ParsedCall(method, {"request": request})
+    if method == "logprobs":
+        _only(args, method, ("sequences",), ("temperature",))
+        sequences = _checked(args["sequences"], list[list[int]], "args.sequences")
+        _check_token_ids(sequences, vocab_size, "args.sequences")
+        return ParsedCall(method, {"sequences": sequences, "temperature": _checked(args.get("temperature", 1.0), float, "args.temperature")})
+    if method == "forward_backward":
+        _only(args, method, ("request",))
+        request = from_json(ForwardBackwardRequest, args["request"], "args.request")
+        _check_token_ids([d.tokens for d in request.data], vocab_size, "args.request.data.tokens")
+        return ParsedCall(method, {"request": request})
+    if method == "optim_step":
+        _only(args, method, ("params",))
+        return ParsedCall(method, {"params": from_json(OptimParams, args["params"], "args.params")})
+    if method in ("save_state", "load_state"):
+        _only(args, method, ("name",))
+        return ParsedCall(method, {"name": _checked(args["name"], str, "args.name")})
+    if method == "export":
+        _only(args, method, ("name",), ("merged",))
+        return ParsedCall(method, {"name": _checked(args["name"], str, "args.name"), "merged": _checked(args.get("merged", False), bool, "args.merged")})
+    known = "sample, logprobs, forward_backward, optim_step, save_state, load_state, export"
+    raise ConfigError(f"unknown method {str(method)[:60]!r}; the methods are: {known}")
+
+
+def run_call(backend: Any, call: ParsedCall, run_dir: Path) -> dict[str, Any]:
+    """Run a checked call on ``backend`` and return its JSON result (names are checked again, now, before use)."""
+    args = call.args
+    if call.method == "sample":
+        return backend.sample(args["request"]).to_dict()
+    if call.method == "logprobs":
+        return {"logprobs": backend.logprobs(args["sequences"], args["temperature"])}
+    if call.method == "forward_backward":
+        return backend.forward_backward(args["request"]).to_dict()
+    if call.method == "optim_step":
+        return {"metrics": {str(k): float(v) for k, v in backend.optim_step(args["params"]).items()}}
+    if call.method == "save_state":
+        folder = named_dir(run_dir, "states", args["name"])
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        backend.save_state(str(folder))
+        return {}
+    if call.method == "load_state":
+        folder = named_dir(run_dir, "states", args["name"])
+        if not folder.is_dir():
+            raise ConfigError(f"no saved state named {args['name']!r}; save one with save_state first")
+        if any(p.is_symlink() for p in folder.iterdir()):
+            raise ConfigError(f"states/{args['name']} holds a symbolic link, which the server never follows")
+        backend.load_state(str(folder))
+        return {}
+    if call.method == "export":
+        folder = named_dir(run_dir, "exports", args["name"])
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        backend.export(str(folder), merged=args["merged"])
+        return {"name": args["name"], "files": file_listing(folder)}
+    raise ConfigError(f"unknown method {call.method!r}")
+
+
+# ----- outcomes -----------------------------------------------------------------------------------------
+@dataclass
+class CallError:
+    """A failed call as the client sees it: HTTP status, error type and a message without traceback."""
+
+    status: int
+    type: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``{"error": {...}}`` body."""
+        return {"error": {"type": self.type, "message": self.message}}
+
+
+def call_error(exc: BaseException, request_id: str, logger: logging.Logger) -> CallError:
+    """Map an exception to what the client sees: bad input is 400 with its message, anything else 500 (traceback only in the log)."""
+    if isinstance(exc, (ConfigError, ValueError, TypeError)):
+        return CallError(400, "invalid_request", str(exc)[:2000])
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    logger.error(json.dumps({"event": "call_failed", "request_id": request_id, "error": type(exc).__name__, "traceback": trace}))
+    if isinstance(exc, TinkergymError):  # deliberate errors (a diverged run) say what happened
+        return CallError(500, type(exc).__name__, str(exc)[:2000])
+    return CallError(500, "internal", f"the call failed on the server ({type(exc).__name__}); request id {request_id} in the server log")
+
+
+# ----- records, the store and the worker ---------------------------------------------------------------
+@dataclass
+class CallRecord:
+    """One accepted call and, once it ran, its result or error; waiters are woken when it finishes."""
+
+    request_id: str
+    session_id: str
+    seq: int
+    method: str
+    fingerprint: str
+    call: ParsedCall | None  # None when checking the args already failed (error is set)
+    result: dict[str, Any] | None = None
+    error: CallError | None = None
+    done: bool = False
+    _waiters: list[Callable[[], None]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish(self, result: dict[str, Any] | None = None, error: CallError | None = None) -> None:
+        """Store the outcome and wake every waiter (each waiter is a thread-safe callback)."""
+        with self._lock:
+            self.result, self.error, self.done = result, error, True
+            waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            wake()
+
+    def on_done(self, wake: Callable[[], None]) -> bool:
+        """Register ``wake`` for when the call finishes; False (nothing registered) when it already has."""
+        with self._lock:
+            if self.done:
+                return False
+            self._waiters.append(wake)
+            return True
+
+
+def fingerprint(method: Any, args: Any) -> str:
+    """A digest of a call's method and args (key order does not matter), to tell a true retry from a different call."""
+    text = json.dumps([method, args], sort_keys=True, separators=(",", ":"), allow_nan=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class _Session:
+    last_seq: int = 0
+    records: OrderedDict[int, CallRecord] = field(default_factory=OrderedDict)
+
+
+class CallStore:
+    """Sessions and their last ``keep`` calls; accepts ``seq == last + 1`` and returns kept records for retries.
+
+    At most ``max_sessions`` sessions are kept (the least recently used is forgotten), so memory stays bounded.
+    """
+
+    def __init__(self, keep: int = 16, max_sessions: int = 64) -> None:
+        self.keep = keep
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._by_id: dict[str, CallRecord] = {}
+        self._lock = threading.Lock()
+
+    def new_session(self) -> str:
+        """A fresh session id (32 hex characters)."""
+        session_id = secrets.token_hex(16)
+        with self._lock:
+            self._sessions[session_id] = _Session()
+            while len(self._sessions) > self.max_sessions:
+                _, old = self._sessions.popitem(last=False)
+                for record in old.records.values():
+                    self._by_id.pop(record.request_id, None)
+        return session_id
+
+    def accept(self, session_id: str, seq: int, method: Any, args: Any, parse: Callable[[], ParsedCall]) -> tuple[CallRecord, bool]:
+        """The record of call ``seq`` and whether it is new (to be run); raises :class:`UnknownSessionError` or :class:`SequenceError`.
+
+        ``parse`` checks the args of a new call; when it fails the call is still accepted (its number is used)
+        and its stored outcome is that error.
+        """
+        print_fp = fingerprint(method, args)
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise UnknownSessionError(f"unknown session {session_id[:64]!r}; create one with POST /v1/sessions")
+            self._sessions.move_to_end(session_id)
+            kept = session.records.get(seq)
+            if kept is not None:
+                if kept.fingerprint != print_fp:
+                    raise SequenceError(f"seq {seq} was already accepted with other method or args; expected seq {session.last_seq + 1} for a new call")
+                return kept, False
+            if seq != session.last_seq + 1:
+                raise SequenceError(f"seq {seq} is out of order: expected seq {session.last_seq + 1} (or a retry of one of the last {len(session.records)} calls)")
+            request_id = secrets.token_hex(16)
+            try:
+                call, error = parse(), None
+            except ConfigError as exc:
+                call, error = None, CallError(400, "invalid_request", str(exc)[:2000])
+            record = CallRecord(request_id, session_id, seq, str(method), print_fp, call)
+            if error is not None:
+                record.finish(error=error)
+            session.last_seq = seq
+            session.records[seq] = record
+            self._by_id[request_id] = record
+            while len(session.records) > self.keep:
+                _, old = session.records.popitem(last=False)
+                self._by_id.pop(old.request_id, None)
+            return record, True
+
+    def get(self, request_id: str) -> CallRecord | None:
+        """The kept record with this id, or None."""
+        with self._lock:
+            return self._by_id.get(request_id)
+
+
+class CallWorker:
+    """One thread that runs accepted calls on the backend, strictly in the order they were submitted."""
+
+    def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger) -> None:
+        self.backend = backend
+        self.run_dir = run_dir
+        self.logger = logger
+        self._queue: queue.Queue[CallRecord | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, record: CallRecord) -> None:
+        """Queue ``record`` to run after every call submitted before it (the thread starts on first use)."""
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="tinkergym-backend-worker", daemon=True)
+                self._thread.start()
+        self._queue.put(record)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Let the thread finish the call it is running and end."""
+        with self._start_lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+
+    def _loop(self) -> None:
+        while (record := self._queue.get()) is not None:
+            start = time.perf_counter()
+            try:
+                record.finish(result=run_call(self.backend, record.call, self.run_dir))  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001 - any failure becomes the call's stored outcome
+                record.finish(error=call_error(exc, record.request_id, self.logger))
+            self.logger.info(json.dumps({
+                "event": "call", "request_id": record.request_id, "session": record.session_id, "seq": record.seq,
+                "method": record.method, "ok": record.error is None, "duration_ms": round(1000 * (time.perf_counter() - start), 1),
+            }))

@@ -1,0 +1,390 @@
+"""The training server: auth on every route, exact round trips, sequence numbers, long polls, names, limits, CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+
+from click.testing import CliRunner  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from tinkergym.backends.models import build_tiny_model  # noqa: E402
+from tinkergym.backends.server import create_app  # noqa: E402
+from tinkergym.backends.service_auth import token_digest  # noqa: E402
+from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.backends.types import (  # noqa: E402
+    Datum,
+    ForwardBackwardRequest,
+    LossSpec,
+    OptimParams,
+    SampleRequest,
+    SamplingParams,
+)
+from tinkergym.cli import main  # noqa: E402
+
+TOKEN = "t" * 40
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+OPTIM = OptimParams(learning_rate=1e-2)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def make_backend(tiny: str) -> TorchBackend:
+    return TorchBackend(TorchBackendConfig(model=tiny, dtype="float32", device="cpu", lora_rank=4, micro_batch_size=4, seed=3))
+
+
+class Client:
+    """A session on an app: numbered calls, as a remote backend makes them."""
+
+    def __init__(self, http: Any) -> None:
+        self.http = http
+        self.session = http.post("/v1/sessions", headers=AUTH).json()["session_id"]
+        self.seq = 0
+
+    def post(self, method: str, args: dict[str, Any], seq: int | None = None, wait: float = 30) -> Any:
+        if seq is None:
+            self.seq += 1
+            seq = self.seq
+        body = {"session_id": self.session, "seq": seq, "method": method, "args": args}
+        return self.http.post(f"/v1/call?wait={wait}", headers=AUTH, json=body)
+
+    def call(self, method: str, args: dict[str, Any]) -> dict[str, Any]:
+        response = self.post(method, args)
+        assert response.status_code == 200, response.text
+        return response.json()["result"]
+
+
+def serve(backend: Any, run_dir: Path, **options: Any) -> TestClient:
+    return TestClient(create_app(backend, run_dir=run_dir, token_digest=token_digest(TOKEN), **options), raise_server_exceptions=False)
+
+
+def batch(backend: TorchBackend) -> list[Datum]:
+    data = []
+    for i, text in enumerate(["The sun rises in the east.", "12 + 3 = 15", "Five in a row wins."]):
+        tokens = backend.tokenizer.encode(text, add_special_tokens=False)
+        current = backend.logprobs([tokens])[0]
+        data.append(Datum(tokens, [0.0, 0.0] + [1.0] * (len(tokens) - 2), [(-1.0) ** i * (0.5 + i)] * len(tokens), [lp + 0.1 for lp in current]))
+    return data
+
+
+class FakeBackend:
+    """Records calls; ``fail`` makes the next call raise it; ``delay`` slows ``forward_backward`` down."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.calls: list[tuple[str, Any]] = []
+        self.fail: BaseException | None = None
+        self.delay = delay
+
+    def _run(self, name: str, value: Any, result: Any) -> Any:
+        self.calls.append((name, value))
+        if self.fail is not None:
+            exc, self.fail = self.fail, None
+            raise exc
+        return result
+
+    def info(self) -> dict[str, Any]:
+        return {"model": "/secret/path/model", "model_path": "/secret/path/model", "tokenizer": "/secret/path/model", "step": 0}
+
+    def forward_backward(self, request: ForwardBackwardRequest) -> Any:
+        time.sleep(self.delay)
+        from tinkergym.backends.types import ForwardBackwardResult
+
+        return self._run("forward_backward", request, ForwardBackwardResult({"loss": 0.1 + 0.2}))
+
+    def optim_step(self, params: OptimParams) -> dict[str, float]:
+        return self._run("optim_step", params, {"grad_norm": math.nan, "step": 1.0})
+
+    def save_state(self, path: str) -> None:
+        self._run("save_state", path, None)
+        os.makedirs(path)
+        Path(path, "state.json").write_text("{}")
+
+
+def fb_args(tokens: list[int] | None = None) -> dict[str, Any]:
+    tokens = tokens or [1, 2, 3]
+    return {"request": ForwardBackwardRequest([Datum(tokens, [0.0] + [1.0] * (len(tokens) - 1))], LossSpec("cross_entropy")).to_dict()}
+
+
+# ----- auth -----------------------------------------------------------------------------------------------
+def all_routes(routes: list, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(path, route)`` of every route, inside included routers and mounts too (newer FastAPI keeps included routers whole)."""
+    found = []
+    for route in routes:
+        included = getattr(route, "original_router", None)
+        if included is not None:
+            found += all_routes(included.routes, prefix + route.include_context.prefix)
+        elif getattr(route, "routes", None) is not None and hasattr(route, "path"):
+            found += all_routes(route.routes, prefix + route.path)
+        else:
+            found.append((prefix + route.path, route))
+    return found
+
+
+def test_every_route_but_health_needs_the_token(tmp_path: Path) -> None:
+    http = serve(FakeBackend(), tmp_path)
+    checked = set()
+    for route_path, route in all_routes(http.app.routes):
+        path = re.sub(r"\{[^}]+\}", "x", route_path)
+        for method in sorted(getattr(route, "methods", None) or {"GET"}):
+            if method == "HEAD":
+                continue
+            for headers in ({}, {"Authorization": "Bearer " + "w" * 40}, {"Authorization": TOKEN}):
+                response = http.request(method, path, headers=headers, json={})
+                expected = 200 if route_path == "/health" else 401
+                assert response.status_code == expected, (method, route_path, headers, response.text)
+            checked.add(route_path)
+    assert {"/health", "/openapi.json", "/v1/info", "/v1/tokenizer", "/v1/sessions", "/v1/call", "/v1/requests/{request_id}"} <= checked
+    assert any(p.startswith("/v1/files/exports/") for p in checked)
+    openapi = http.get("/openapi.json", headers=AUTH).json()
+    assert set(openapi["paths"]) == {p.replace(":path", "") for p in checked if p != "/openapi.json"}
+
+
+def test_info_has_no_local_paths(tmp_path: Path) -> None:
+    info = serve(FakeBackend(), tmp_path).get("/v1/info", headers=AUTH).json()
+    assert info == {"model": "model", "step": 0, "protocol": 1}
+
+
+# ----- exact round trip, retries, sequence numbers --------------------------------------------------------
+def test_round_trip_equals_the_local_backend_bit_for_bit(tiny: str, tmp_path: Path) -> None:
+    local, served = make_backend(tiny), make_backend(tiny)
+    client = Client(serve(served, tmp_path))
+    sample = SampleRequest([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=5, seed=11), num_samples=2)
+    assert client.call("sample", {"request": sample.to_dict()}) == local.sample(sample).to_dict()
+    data = batch(local)
+    assert client.call("logprobs", {"sequences": [d.tokens for d in data], "temperature": 0.7}) == {"logprobs": local.logprobs([d.tokens for d in data], 0.7)}
+    request = ForwardBackwardRequest(data, LossSpec("ppo", kl_coef=0.05))
+    assert client.call("forward_backward", {"request": request.to_dict()}) == local.forward_backward(request).to_dict()
+    assert client.call("optim_step", {"params": OPTIM.to_dict()}) == {"metrics": local.optim_step(OPTIM)}
+    for (name, a), (_, b) in zip(local.model.named_parameters(), served.model.named_parameters()):
+        assert torch.equal(a, b), name
+    assert client.call("sample", {"request": sample.to_dict()}) == local.sample(sample).to_dict()
+
+
+def test_a_retried_seq_returns_the_stored_result_and_runs_once(tiny: str, tmp_path: Path) -> None:
+    backend = make_backend(tiny)
+    client = Client(serve(backend, tmp_path, keep_results=3))
+    request = ForwardBackwardRequest(batch(backend), LossSpec("importance_sampling")).to_dict()
+    client.call("forward_backward", {"request": request})
+    first = client.post("optim_step", {"params": OPTIM.to_dict()})
+    after = {n: p.detach().clone() for n, p in backend.model.named_parameters() if p.requires_grad}
+    again = client.post("optim_step", {"params": OPTIM.to_dict()}, seq=2)
+    assert first.status_code == again.status_code == 200 and first.json() == again.json() and backend.step == 1
+    assert all(torch.equal(p, after[n]) for n, p in backend.model.named_parameters() if p.requires_grad)
+    # The same number with other args, a gap, and a number no longer kept are refused, and nothing runs.
+    other = client.post("optim_step", {"params": OptimParams(learning_rate=1.0).to_dict()}, seq=2)
+    assert other.status_code == 409 and other.json()["error"]["type"] == "sequence"
+    gap = client.post("optim_step", {"params": OPTIM.to_dict()}, seq=4)
+    assert gap.status_code == 409 and "expected seq 3" in gap.json()["error"]["message"]
+    for _ in range(3):
+        client.call("logprobs", {"sequences": [[1, 2, 3]]})
+    old = client.post("forward_backward", {"request": request}, seq=1)
+    assert old.status_code == 409 and "expected seq 6" in old.json()["error"]["message"] and backend.step == 1
+    polled = client.http.get(f"/v1/requests/{first.json()['request_id']}", headers=AUTH)
+    assert polled.status_code == 404  # forgotten with its seq
+    unknown = client.http.post("/v1/call", headers=AUTH, json={"session_id": "0" * 32, "seq": 1, "method": "optim_step", "args": {}})
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found"
+
+
+def test_errors_are_stored_outcomes_mapped_to_400_and_500(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    backend = FakeBackend()
+    client = Client(serve(backend, tmp_path))
+    backend.fail = ValueError("loss_mask and tokens differ in length")
+    bad = client.post("forward_backward", fb_args())
+    assert bad.status_code == 400 and bad.json() == {"error": {"type": "invalid_request", "message": "loss_mask and tokens differ in length"}}
+    assert client.post("forward_backward", fb_args(), seq=1).json() == bad.json() and len(backend.calls) == 1
+    backend.fail = RuntimeError("CUDA error: secret detail")
+    with caplog.at_level(logging.ERROR, logger="tinkergym.backends.server"):
+        crash = client.post("forward_backward", fb_args())
+    assert crash.status_code == 500 and "secret detail" not in crash.text and "Traceback" not in crash.text
+    assert "secret detail" in caplog.text and "Traceback" in caplog.text
+    # A non-finite number travels as Python's json writes it.
+    assert math.isnan(json.loads(client.post("optim_step", {"params": OPTIM.to_dict()}).text)["result"]["metrics"]["grad_norm"])
+
+
+@pytest.mark.parametrize(
+    ("method", "args", "expected"),
+    [
+        ("train", {}, "unknown method"),
+        ("forward_backward", {"request": {**fb_args()["request"], "extra": 1}}, "no fields ['extra']"),
+        ("forward_backward", {"request": fb_args()["request"], "more": 1}, "unknown: ['more']"),
+        ("forward_backward", {"request": {"data": [{"tokens": "abc", "loss_mask": []}]}}, "expected a list"),
+        ("forward_backward", {"request": {"data": [{"tokens": [1, True], "loss_mask": [0, 1]}]}}, "expected an integer"),
+        ("forward_backward", fb_args([1, 10**9, 2]), "outside the vocabulary"),
+        ("sample", {"request": {"prompts": [[-1]]}}, "outside the vocabulary"),
+        ("optim_step", {"params": {"learning_rate": "1e-3"}}, "expected a number"),
+        ("optim_step", {"params": []}, "expected a OptimParams object"),
+        ("export", {"name": "e", "merged": "yes"}, "true or false"),
+    ],
+)
+def test_bad_calls_are_400(tmp_path: Path, method: str, args: dict, expected: str) -> None:
+    client = Client(serve(FakeBackend(), tmp_path))
+    client.http.app.state.service.vocab_size = 1000
+    response = client.post(method, args)
+    assert response.status_code == 400 and expected in response.json()["error"]["message"], response.text
+    assert client.http.app.state.service.backend.calls == []
+
+
+def test_malformed_bodies_are_400(tmp_path: Path) -> None:
+    client = Client(serve(FakeBackend(), tmp_path))
+    post = lambda **kw: client.http.post("/v1/call", headers=AUTH, **kw)  # noqa: E731
+    assert post(content=b"{not json").status_code == 400
+    assert post(json={"session_id": client.session, "seq": 1, "method": "x", "args": {}, "pickle": "..."}).status_code == 400
+    assert post(json={"session_id": client.session, "seq": 0, "method": "x", "args": {}}).status_code == 400
+    assert post(json={"session_id": client.session, "seq": "1", "method": "x", "args": {}}).status_code == 400
+    assert client.http.get("/v1/requests/nope?wait=1000", headers=AUTH).json()["error"]["type"] == "invalid_request"
+
+
+# ----- long calls ------------------------------------------------------------------------------------------
+@pytest.fixture
+def live_server(tmp_path: Path):
+    """A real uvicorn server on 127.0.0.1 serving a FakeBackend whose forward_backward takes 1 s."""
+    backend = FakeBackend(delay=1.0)
+    app = create_app(backend, run_dir=tmp_path, token_digest=token_digest(TOKEN))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=10) as http:
+        yield http, backend
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_a_call_longer_than_wait_is_202_then_long_polled(live_server) -> None:
+    http, backend = live_server
+    client = Client(http)
+    start = time.monotonic()
+    pending = client.post("forward_backward", fb_args(), wait=0.1)
+    assert pending.status_code == 202 and time.monotonic() - start < 0.8
+    body = pending.json()
+    assert body["status"] == "pending" and body["seq"] == 1
+    retry = client.post("forward_backward", fb_args(), seq=1, wait=0)  # a retry while it runs: same id, not run again
+    assert retry.status_code == 202 and retry.json()["request_id"] == body["request_id"]
+    queued = client.post("optim_step", {"params": OPTIM.to_dict()}, wait=0)  # runs after the first, in order
+    assert queued.status_code == 202
+    done = http.get(f"/v1/requests/{body['request_id']}?wait=5", headers=AUTH)
+    assert done.status_code == 200 and done.json() == {**body, "status": "done", "result": {"metrics": {"loss": 0.1 + 0.2}}}
+    assert http.get(f"/v1/requests/{queued.json()['request_id']}?wait=5", headers=AUTH).status_code == 200
+    assert [name for name, _ in backend.calls] == ["forward_backward", "optim_step"]
+
+
+# ----- names and files ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["..", "../x", "/etc", "a/b", "", ".hidden", "x.tmp", "a\\b", "x" * 129, 7])
+def test_bad_names_are_refused(tmp_path: Path, name: Any) -> None:
+    run_dir = tmp_path / "run"
+    client = Client(serve(FakeBackend(), run_dir))
+    for method in ("save_state", "load_state", "export"):
+        response = client.post(method, {"name": name})
+        assert response.status_code == 400, (method, response.text)
+    assert client.http.app.state.service.backend.calls == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_symlinks_in_the_run_folder_are_not_followed(tmp_path: Path) -> None:
+    run_dir, outside = tmp_path / "run", tmp_path / "outside"
+    outside.mkdir()
+    (run_dir / "states").mkdir(parents=True)
+    (run_dir / "states" / "link").symlink_to(outside, target_is_directory=True)
+    (run_dir / "states" / "tmplink.tmp").symlink_to(outside, target_is_directory=True)
+    client = Client(serve(FakeBackend(), run_dir))
+    for method, name in (("save_state", "link"), ("load_state", "link"), ("save_state", "tmplink")):
+        response = client.post(method, {"name": name})
+        assert response.status_code == 400 and "symbolic link" in response.text
+    assert client.post("save_state", {"name": "ok"}).status_code == 200
+    assert list(outside.iterdir()) == [] and (run_dir / "states" / "ok" / "state.json").is_file()
+    (run_dir / "exports").symlink_to(outside, target_is_directory=True)
+    assert client.post("export", {"name": "e"}).status_code == 400
+
+
+def test_states_and_exports_through_the_server(tiny: str, tmp_path: Path) -> None:
+    backend = make_backend(tiny)
+    client = Client(serve(backend, tmp_path))
+    assert client.call("save_state", {"name": "step-0"}) == {}
+    client.call("forward_backward", {"request": ForwardBackwardRequest(batch(backend), LossSpec("reinforce")).to_dict()})
+    client.call("optim_step", {"params": OPTIM.to_dict()})
+    assert client.call("load_state", {"name": "step-0"}) == {} and backend.step == 0
+    missing = client.post("load_state", {"name": "never-saved"})
+    assert missing.status_code == 400 and "no saved state" in missing.text
+    export = client.call("export", {"name": "adapter", "merged": False})
+    names = {f["path"] for f in export["files"]}
+    assert export["name"] == "adapter" and {"adapter_config.json", "adapter_model.safetensors"} <= names
+    import hashlib
+
+    for entry in export["files"]:
+        body = client.http.get(f"/v1/files/exports/adapter/{entry['path']}", headers=AUTH)
+        assert body.status_code == 200 and body.headers["content-type"] == "application/octet-stream"
+        assert len(body.content) == entry["size"] and hashlib.sha256(body.content).hexdigest() == entry["sha256"]
+    (tmp_path / "secret.txt").write_text("TOP-SECRET-CONTENT")
+    for path in ("adapter/nope.json", "adapter/..%2F..%2Fsecret.txt", "adapter/%2E%2E/%2E%2E/secret.txt", "..%2Fsecret.txt/x", "adapter/"):
+        response = client.http.get(f"/v1/files/exports/{path}", headers=AUTH)
+        assert response.status_code in (400, 404) and "TOP-SECRET" not in response.text, path
+
+
+def test_tokenizer_files_rebuild_the_same_tokenizer(tiny: str, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    backend = make_backend(tiny)
+    files = serve(backend, tmp_path / "run").get("/v1/tokenizer", headers=AUTH).json()["files"]
+    assert "tokenizer.json" in files and not any("/" in name for name in files)
+    folder = tmp_path / "client"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text, encoding="utf-8")
+    remote = AutoTokenizer.from_pretrained(folder)
+    messages = [{"role": "user", "content": "Place a stone on row 3."}]
+    assert remote.get_vocab() == backend.tokenizer.get_vocab()
+    assert remote.apply_chat_template(messages, add_generation_prompt=True) == backend.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert remote.eos_token_id == backend.tokenizer.eos_token_id
+
+
+# ----- limits ---------------------------------------------------------------------------------------------
+def test_bodies_over_the_limit_are_413(tmp_path: Path) -> None:
+    client = Client(serve(FakeBackend(), tmp_path, max_body_mb=0.01))
+    big = fb_args(list(range(1, 4000)))
+    declared = client.post("forward_backward", big)
+    assert declared.status_code == 413 and declared.json()["error"]["type"] == "body_too_large"
+    payload = json.dumps({"session_id": client.session, "seq": 1, "method": "forward_backward", "args": big}).encode()
+    streamed = client.http.post("/v1/call", headers=AUTH, content=iter([payload[i : i + 1000] for i in range(0, len(payload), 1000)]))
+    assert streamed.status_code == 413
+    assert client.post("forward_backward", fb_args(), seq=1).status_code == 200  # nothing was accepted
+
+
+# ----- the command ----------------------------------------------------------------------------------------
+def test_serve_backend_refuses_to_start_without_a_private_token_file(tmp_path: Path) -> None:
+    args = ["serve-backend", "--model", "tiny", "--run-dir", str(tmp_path / "run")]
+    missing = CliRunner().invoke(main, args)
+    assert missing.exit_code == 2 and "--token-file is required" in missing.output
+    token = tmp_path / "token.txt"
+    token.write_text(TOKEN)
+    token.chmod(0o644)
+    readable = CliRunner().invoke(main, [*args, "--token-file", str(token)])
+    assert readable.exit_code == 2 and "chmod 600" in readable.output
+    token.write_text("short")
+    token.chmod(0o600)
+    short = CliRunner().invoke(main, [*args, "--token-file", str(token)])
+    assert short.exit_code == 2 and "at least 32 characters" in short.output
+    assert not (tmp_path / "run").exists()
