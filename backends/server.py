@@ -199,7 +199,7 @@ async def wait_for(record: CallRecord, seconds: float) -> None:
         try:
             await asyncio.wait_for(event.wait(), min(seconds, MAX_WAIT))
         except asyncio.TimeoutError:
-            pass
+            record.forget(wake)
 
 
 def record_response(record: CallRecord) -> WireJSON:

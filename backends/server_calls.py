@@ -318,6 +318,12 @@ class CallRecord:
             self._waiters.append(wake)
             return True
 
+    def forget(self, wake: Callable[[], None]) -> None:
+        """Unregister ``wake`` (its waiter gave up)."""
+        with self._lock:
+            if wake in self._waiters:
+                self._waiters.remove(wake)
+
 
 def fingerprint(method: Any, args: Any) -> str:
     """A digest of a call's method and args (key order does not matter), to tell a true retry from a different call."""
@@ -426,11 +432,13 @@ class CallWorker:
     def _loop(self) -> None:
         while (record := self._queue.get()) is not None:
             start = time.perf_counter()
+            result, error = None, None
             try:
-                record.finish(result=run_call(self.backend, record.call, self.run_dir))  # type: ignore[arg-type]
+                result = run_call(self.backend, record.call, self.run_dir)  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - any failure becomes the call's stored outcome
-                record.finish(error=call_error(exc, record.request_id, self.logger))
+                error = call_error(exc, record.request_id, self.logger)
             self.logger.info(json.dumps({
                 "event": "call", "request_id": record.request_id, "session": record.session_id, "seq": record.seq,
-                "method": record.method, "ok": record.error is None, "duration_ms": round(1000 * (time.perf_counter() - start), 1),
+                "method": record.method, "ok": error is None, "duration_ms": round(1000 * (time.perf_counter() - start), 1),
             }))
+            record.finish(result=result, error=error)

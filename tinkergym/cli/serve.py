@@ -2,10 +2,81 @@
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import sys
+from pathlib import Path
+
 import click
+
+from tinkergym.cli.common import SEED, InputError, SafePath
+
+TOKEN_HINT = (
+    'make one with: python -c "import secrets; print(secrets.token_urlsafe(32))" > token.txt && chmod 600 token.txt'
+)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def request_logger(run_dir: Path) -> logging.Logger:
+    """The server's logger: one JSON line per request and call, to stderr and to ``<run-dir>/server.log``."""
+    logger = logging.getLogger("tinkergym.backends.server")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "server.log", encoding="utf-8")):
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    return logger
 
 
 @click.command("serve-backend")
-def serve_backend() -> None:
-    """Serve the Backend protocol over HTTP for remote training (not available yet)."""
-    raise click.UsageError("serve-backend is not available in this version.")
+@click.option("--model", required=True, help="Model name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
+@click.option("--lora-rank", type=click.IntRange(min=1), default=None, help="LoRA rank (default 16).")
+@click.option("--full", is_flag=True, help="Train every weight instead of a LoRA adapter.")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+@click.option("--seed", type=SEED, default=0, show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on; keep the loopback default behind an SSH tunnel or a TLS proxy.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8765, show_default=True)
+@click.option("--token-file", type=SafePath(dir_okay=False, path_type=Path), default=None, help="File with the bearer token (mode 600; required).")
+@click.option("--run-dir", type=SafePath(file_okay=False, path_type=Path), required=True, help="Folder for states/, exports/ and server.log.")
+@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True, help="Larger request bodies are refused (413).")
+def serve_backend(
+    model: str, lora_rank: int | None, full: bool, dtype: str, device: str, seed: int, host: str, port: int,
+    token_file: Path | None, run_dir: Path, max_body_mb: float,
+) -> None:
+    """Serve the Backend protocol over HTTP: sampling, gradients and optimizer steps for a remote trainer.
+
+    \b
+    Example:
+      python -c "import secrets; print(secrets.token_urlsafe(32))" > token.txt && chmod 600 token.txt
+      tinkergym serve-backend --model tiny --token-file token.txt --run-dir runs/server --port 8765
+    """
+    from tinkergym.backends.service_auth import read_token_file, token_digest
+
+    if token_file is None:
+        raise InputError(f"--token-file is required: every route but /health needs the token; {TOKEN_HINT}")
+    if full and lora_rank is not None:
+        raise click.UsageError("--full and --lora-rank exclude each other: --full trains every weight.")
+    digest = token_digest(read_token_file(token_file))  # refuses a short or group/world-readable file: exit 2
+    if not _is_loopback(host):
+        click.echo(f"warning: listening on {host}: the token and the data travel unencrypted unless a TLS proxy is in front.", err=True)
+
+    import uvicorn
+
+    from tinkergym.backends.server import create_app
+    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or 16), dtype=dtype, device=device, seed=seed)
+    backend = TorchBackend(config)
+    app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()))
+    click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
+    uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning")
