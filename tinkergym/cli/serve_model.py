@@ -4,8 +4,70 @@ from __future__ import annotations
 
 import click
 
+from tinkergym.cli.common import SafePath
+
+
+def _adapter(value: str) -> tuple[str, str]:
+    name, sep, path = value.partition("=")
+    if not sep or not name.strip() or not path:
+        raise click.BadParameter(f"{value!r}: expected NAME=PATH, e.g. bandit=runs/bandit", param_hint="--adapter")
+    return name.strip(), path
+
+
+def read_api_key(path: str) -> str:
+    """The server's API key from its file (0600, at least 32 characters), errors naming ``--api-key-file``."""
+    from tinkergym.backends.service_auth import read_token_file
+    from tinkergym.errors import ConfigError
+
+    try:
+        return read_token_file(path)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("--token-file", "--api-key-file")) from exc
+
 
 @click.command("serve-model")
-def serve_model() -> None:
-    """Serve models through an OpenAI-compatible API (not available yet)."""
-    raise click.UsageError("serve-model is not available in this version.")
+@click.option("--model", help="Base model to serve (tiny, smollm2-135m, a local HF folder, a hub id); adapters attach to it.")
+@click.option("--run", "run_dir", type=SafePath(exists=True, file_okay=False),
+              help="A training run folder: its adapter on its base model (named after the folder), or a full fine-tuning run's model.")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=PATH",
+              help="A LoRA adapter served as NAME: a run folder, a checkpoint (checkpoints/step_N) or an exported adapter folder (repeatable).")
+@click.option("--api-key-file", required=True, type=SafePath(exists=True, dir_okay=False),
+              help="File holding the API key clients send as 'Authorization: Bearer KEY' (chmod 600, 32+ characters).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Compute dtype (default: the run's, else auto).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
+@click.option("--max-model-len", type=click.IntRange(2), help="Longest prompt plus completion (default: the model's position limit).")
+def serve_model(
+    model: str | None, run_dir: str | None, adapters: tuple[str, ...], api_key_file: str, host: str, port: int,
+    dtype: str | None, device: str, max_model_len: int | None,
+) -> None:
+    """Serve a model and its LoRA adapters through an OpenAI-compatible API.
+
+    \b
+    Examples:
+      tinkergym serve-model --run runs/bandit --api-key-file key.txt
+      tinkergym serve-model --model smollm2-135m --adapter a=runs/a --adapter b=runs/b/checkpoints/step_000009 \\
+          --api-key-file key.txt --port 8001
+
+    Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: true included), and
+    GET /health without the key. A request's "model" picks the base or an adapter. Evaluate through it with:
+    tinkergym eval --endpoint http://127.0.0.1:8000/v1 --model NAME --tokenizer BASE --api-key-file key.txt --env ENV
+    """
+    from tinkergym.backends.inference_engine import plan_serving
+    from tinkergym.backends.service_auth import token_digest
+
+    key = read_api_key(api_key_file)
+    plan = plan_serving(model=model, run=run_dir, adapters=[_adapter(a) for a in adapters], dtype=dtype)
+    try:
+        import uvicorn
+
+        from tinkergym.backends.inference_server import create_inference_app
+    except ImportError as exc:
+        raise click.ClickException(f"serve-model needs the serve extra ({exc.name} is missing): pip install 'tinkergym[serve]'") from exc
+    from tinkergym.backends.inference_engine import TorchInferenceEngine
+
+    engine = TorchInferenceEngine(plan, device=device, max_model_len=max_model_len)
+    names = ", ".join(m.id for m in engine.models())
+    click.echo(f"serving {names} at http://{host}:{port}/v1", err=True)
+    uvicorn.run(create_inference_app(engine, token_digest(key)), host=host, port=port, log_level="info")
