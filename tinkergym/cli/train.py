@@ -163,11 +163,33 @@ def train(**options: Any) -> None:
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Top-k sampling (0 = off).")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--out", "out", type=SafePath(dir_okay=False, path_type=Path), help="Write transcripts to this JSONL file.")
+@click.option("--endpoint", metavar="URL",
+              help="Evaluate a served model through its OpenAI-compatible /v1/completions (token ids in and out; "
+                   "tinkergym serve-model or vLLM); --model is then the served model's name.")
+@click.option("--tokenizer", help="With --endpoint: the local model (name or folder) whose tokenizer and chat template the served "
+                                  "model uses, e.g. the base model, or a run's final/ folder.")
+@click.option("--api-key-file", type=SafePath(exists=True, dir_okay=False), help="With --endpoint: file holding the server's API key.")
 def eval_command(
     env: str, model: str | None, run_dir: str | None, episodes: int, kwargs: tuple[str, ...], max_turns: int,
     max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, out: Path | None,
+    endpoint: str | None, tokenizer: str | None, api_key_file: str | None,
 ) -> None:
-    """Evaluate a model (or a run's latest checkpoint) on an env: success rate, mean reward, transcripts."""
+    """Evaluate a model (or a run's latest checkpoint, or a served model) on an env: success rate, mean reward, transcripts.
+
+    \b
+    Examples:
+      tinkergym eval --env tinker/Bandit-v0 --run runs/bandit --episodes 64
+      tinkergym eval --env tinker/Bandit-v0 --endpoint http://127.0.0.1:8000/v1 --model bandit \\
+          --tokenizer smollm2-135m --api-key-file key.txt
+
+    Through --endpoint the same rollout loop renders prompts with the local --tokenizer's chat template and
+    sends them as token ids; the server must return the sampled token ids (a server that answers with text
+    only is refused).
+    """
+    if endpoint is None and (tokenizer or api_key_file):
+        raise click.UsageError("--tokenizer and --api-key-file go with --endpoint.")
+    if endpoint is not None and (not model or run_dir or not tokenizer):
+        raise click.UsageError("--endpoint needs --model (the served model's name) and --tokenizer (its local tokenizer), and no --run.")
     if bool(model) == bool(run_dir):
         raise click.UsageError("give --model or --run (exactly one).")
     writable_file(out, "--out")
@@ -177,7 +199,14 @@ def eval_command(
     from tinkergym.trainers.session import env_factory, load_backend_for_eval
 
     make_env = env_factory(env, parse_kwargs(kwargs))
-    backend = load_backend_for_eval(model=model, run_dir=run_dir)
+    if endpoint is not None:
+        from tinkergym.backends.endpoint_sampler import EndpointSampler, read_api_key_file, resolve_tokenizer
+
+        key = read_api_key_file(api_key_file) if api_key_file else None
+        backend = EndpointSampler(endpoint, model, api_key=key, tokenizer=resolve_tokenizer(tokenizer))
+        backend.check()
+    else:
+        backend = load_backend_for_eval(model=model, run_dir=run_dir)
     renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
     settings = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     metrics, trajectories = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes))
