@@ -61,6 +61,9 @@ class TrainConfig:
     dtype: str = "auto"
     micro_batch_size: int = 8
     sampler: str = "torch"  # "torch" (the training backend samples) or "vllm" (a vLLM engine, synced every step)
+    # A training server (tinkergym serve-backend) that computes instead of a local model: its model, LoRA
+    # rank, dtype and micro-batch size are the server's (a new run records them here). The token is never saved.
+    backend_url: str | None = None
     # The old policy of the PPO ratio: "trainer" (the policy's own logprobs of the training pass, before the
     # step's only update, as TRL does on-policy; free) or "sampler" (the sampler's logprobs, so its numerics enter
     # the ratio: in bfloat16 up to ~0.3 nats on SmolLM2, enough to clip). With tis_cap > 0 (needs "trainer") each
@@ -100,6 +103,8 @@ class TrainConfig:
             raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, not {self.sampler!r}.")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
+        if self.backend_url is not None:
+            self._validate_remote()
         if "\0" in self.out:
             raise ConfigError(f"out {self.out!r} contains a NUL byte, which no folder name may hold.")
         self._validate_rl()
@@ -134,6 +139,13 @@ class TrainConfig:
             )
         if self.truncation not in TRUNCATION_MODES:
             raise ConfigError(f"truncation must be one of {', '.join(TRUNCATION_MODES)}, not {self.truncation!r}.")
+
+    def _validate_remote(self) -> None:
+        from tinkergym.backends.remote import check_backend_url
+
+        self.backend_url = check_backend_url(self.backend_url)
+        if self.sampler != "torch":
+            raise ConfigError(f"sampler {self.sampler!r} cannot be combined with backend-url: the training server samples with its own model.")
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable copy."""
@@ -202,7 +214,7 @@ def _parse(path: Path, text: str) -> Any:
 def _checked(name: str, annotation: str, value: Any) -> Any:
     """``value`` as field ``name`` of type ``annotation`` holds it, or a :class:`ConfigError` that says what it must be."""
     shown = reprlib.repr(value)  # bounded: a YAML alias bomb must not be expanded to be quoted
-    if annotation == "float | None" and value is None:
+    if annotation in ("float | None", "str | None") and value is None:
         return None
     if annotation in ("float", "float | None"):
         if isinstance(value, str):
@@ -217,7 +229,7 @@ def _checked(name: str, annotation: str, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise ConfigError(f"{name} must be a whole number (got {shown}).")
         return int(value)
-    if annotation == "str":
+    if annotation in ("str", "str | None"):
         if isinstance(value, os.PathLike):
             value = os.fspath(value)
         if not isinstance(value, str):

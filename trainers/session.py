@@ -68,8 +68,11 @@ def env_factory(env_id: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
 class TrainingRun:
     """One run: ``TrainingRun(config).run()``, or ``TrainingRun.resume(folder).run()``."""
 
-    def __init__(self, config: TrainConfig, backend: Any = None, start_step: int = 0) -> None:
+    def __init__(self, config: TrainConfig, backend: Any = None, start_step: int = 0, backend_token: str | None = None) -> None:
         self.config = config.validate()
+        if config.backend_url and backend is None and not backend_token:
+            raise ConfigError(f"training through the server at {config.backend_url} needs its token: pass --backend-token-file FILE.")
+        self._backend_token = backend_token
         self.folder = Path(config.out or f"runs/{config.env.split('/')[-1] or 'sft'}-{config.trainer}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.config.out = str(self.folder)
         self.start_step = start_step
@@ -91,17 +94,24 @@ class TrainingRun:
         self.backend = backend if backend is not None else self._build_backend()
         from tinkergym.chat import ChatTemplateRenderer
 
-        self.renderer = ChatTemplateRenderer(self.backend.info()["tokenizer"])
+        info = self.backend.info()
+        if config.backend_url:
+            _adopt_server_settings(config, info, resumed=start_step > 0)
+        self.renderer = ChatTemplateRenderer(info["tokenizer"])
         self.ctx = TrainingContext(config, self.backend, self.renderer, self.make_env)
         self.trainer = trainer_class(self.ctx)
         config.save(self.folder / "config.json")
         self.log = MetricsLog(self.folder, keep_through=start_step - 1 if start_step else None)
 
     def _build_backend(self) -> Any:
+        c = self.config
+        if c.backend_url:  # the client of a training server: no torch here
+            from tinkergym.backends.remote import RemoteBackend
+
+            return RemoteBackend(c.backend_url, self._backend_token or "")
         from tinkergym.backends.models import resolve_model
         from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
 
-        c = self.config
         if c.sampler == "vllm":
             from tinkergym.backends.vllm_sampler import require_vllm
 
@@ -120,14 +130,17 @@ class TrainingRun:
         return VLLMBackend(backend, max_model_len=c.max_context + c.max_new_tokens, seed=c.seed)
 
     @classmethod
-    def resume(cls, folder: str | Path, backend: Any = None, changes: dict[str, Any] | None = None) -> "TrainingRun":
+    def resume(
+        cls, folder: str | Path, backend: Any = None, changes: dict[str, Any] | None = None, backend_token: str | None = None,
+    ) -> "TrainingRun":
         """Continue the run in ``folder`` from its latest checkpoint, with ``changes`` (field -> value) to its config.
 
         Only :data:`RESUMABLE_FIELDS` may change (see :func:`plan_resume`). The config with the changes is
         saved back to config.json, and resumes.jsonl notes the step the run continued from and what changed.
+        A run trained through a server (``backend_url``) continues against the same server, with ``backend_token``.
         """
         plan = plan_resume(folder, changes)
-        run = cls(plan.config, backend=backend, start_step=plan.start_step)
+        run = cls(plan.config, backend=backend, start_step=plan.start_step, backend_token=backend_token)
         if plan.checkpoint is not None:
             run.restore(plan.checkpoint)
         note = {"step": plan.start_step, "changed": {k: list(v) for k, v in plan.changed.items()}, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -232,6 +245,28 @@ class TrainingRun:
         for old in leftovers + _complete_checkpoints(self.folder)[:-KEEP_CHECKPOINTS]:
             shutil.rmtree(old, ignore_errors=True)
         return path
+
+
+def _adopt_server_settings(config: TrainConfig, info: dict[str, Any], resumed: bool) -> None:
+    """Record a training server's model, LoRA rank and dtype in ``config``: the server's settings are the run's.
+
+    A resumed run must meet the server it was trained on: other settings there are a :class:`ConfigError`.
+    """
+    served = {"model": info.get("model"), "lora_rank": info.get("lora_rank", info.get("lora"))}
+    if info.get("dtype") in ("bfloat16", "float32"):
+        served["dtype"] = info["dtype"]
+    served = {k: v for k, v in served.items() if v is not None}
+    if resumed:
+        differ = {k: (getattr(config, k), v) for k, v in served.items() if getattr(config, k) != v and not (k == "dtype" and config.dtype == "auto")}
+        if differ:
+            shown = ", ".join(f"{k} {theirs!r} (the run trained with {ours!r})" for k, (ours, theirs) in differ.items())
+            raise ConfigError(
+                f"the training server at {config.backend_url} now serves {shown}; its checkpoints would not fit. "
+                "Start the server with the run's model and LoRA rank to continue it."
+            )
+    for key, value in served.items():
+        setattr(config, key, value)
+    config.check_types()
 
 
 def _make_run_folder(folder: Path) -> bool:
@@ -343,6 +378,11 @@ def load_backend_for_eval(model: str | None = None, run_dir: str | None = None) 
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{folder} is not a run folder (no config.json).")
     c = TrainConfig.load(folder / "config.json").validate()
+    if c.backend_url:
+        raise ConfigError(
+            f"{folder} trained on the training server at {c.backend_url}, which holds its checkpoints; "
+            f"the model it exported is in {folder / 'final'}."
+        )
     checkpoint = latest_checkpoint(folder)
     if checkpoint is None:
         raise ConfigError(f"{folder} has no checkpoint yet; train it first, or evaluate its base model with --model {c.model}.")

@@ -19,8 +19,12 @@ _FIELDS = (
     "env", "trainer", "model", "lora_rank", "lora_alpha", "steps", "batch_size", "group_size", "lr", "max_turns",
     "max_new_tokens", "max_context", "temperature", "seed", "out", "kl_coef", "eval_every", "eval_episodes",
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
-    "old_logprobs", "tis_cap", "truncation", "truncated_reward",
+    "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url",
 )
+
+
+#: Options a training server decides (set when it starts), not a client training through it.
+_SERVER_OWNED = ("model", "lora_rank", "lora_alpha", "full", "dtype", "micro_batch_size", "sampler")
 
 
 def build_config(options: dict[str, Any], base: Any = None) -> Any:
@@ -48,7 +52,35 @@ def build_config(options: dict[str, Any], base: Any = None) -> Any:
     return config.validate()
 
 
-def resume_run(options: dict[str, Any]) -> Any:
+def read_backend_token(options: dict[str, Any]) -> str | None:
+    """The token in ``--backend-token-file``, if given (the file must be private to its owner, as the server's)."""
+    if not options.get("backend_token_file"):
+        return None
+    from tinkergym.backends.service_auth import read_token_file
+    from tinkergym.errors import ConfigError
+
+    try:
+        return read_token_file(options["backend_token_file"])
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("--token-file", "--backend-token-file")) from exc
+
+
+def _check_token_use(token: str | None, backend_url: str | None) -> None:
+    if token is not None and not backend_url:
+        raise click.UsageError("--backend-token-file is the token of a training server: give the server with --backend-url URL.")
+
+
+def _check_server_owned(options: dict[str, Any], backend_url: str | None) -> None:
+    """Refuse model options beside --backend-url: the training server loaded its model with its own."""
+    given = [f"--{k.replace('_', '-')}" for k in _SERVER_OWNED if options.get(k)]
+    if backend_url and given:
+        raise click.UsageError(
+            f"{', '.join(given)}: a training server's model is set where the server starts (tinkergym serve-backend); "
+            "leave these out with --backend-url."
+        )
+
+
+def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any:
     """The run that ``--resume`` continues, with the options given applied; ``None`` when nothing is left to do.
 
     Options are read against the run's own config.json: one that leaves its setting as it is passes, one
@@ -61,6 +93,7 @@ def resume_run(options: dict[str, Any]) -> Any:
         allowed = ", ".join(option_name(k) for k in RESUMABLE_FIELDS)
         raise ConfigError(f"--config cannot be combined with --resume: a resumed run keeps its own config.json. Pass what may change ({allowed}) as options.")
     saved = plan_resume(options["resume"]).config
+    _check_token_use(backend_token, options.get("backend_url") or saved.backend_url)
     wanted = build_config(options, base=saved).to_dict()
     changes = {k: v for k, v in wanted.items() if v != getattr(saved, k)}
     plan = plan_resume(options["resume"], changes)
@@ -71,7 +104,7 @@ def resume_run(options: dict[str, Any]) -> Any:
             err=True,
         )
         return None
-    return TrainingRun.resume(options["resume"], changes=changes)
+    return TrainingRun.resume(options["resume"], changes=changes, backend_token=backend_token)
 
 
 @click.command()
@@ -108,6 +141,10 @@ def resume_run(options: dict[str, Any]) -> Any:
 @click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory; groups sharing a prompt pack into the same token budget).")
 @click.option("--sampler", type=click.Choice(["torch", "vllm"]),
               help="Who samples rollouts: torch (the training model, default) or vllm (a vLLM engine synced after every step; needs vllm installed).")
+@click.option("--backend-url", metavar="URL",
+              help="Train through a training server (tinkergym serve-backend) at URL: its model computes, envs and the trainer run here.")
+@click.option("--backend-token-file", type=SafePath(dir_okay=False),
+              help="File (mode 600) holding the training server's token; needed with --backend-url and to --resume such a run.")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable), e.g. size=7.")
 @click.option("--trainer-arg", "trainer_args", multiple=True, metavar="KEY=VALUE", help="Trainer-specific setting (repeatable).")
 @click.option("--data", multiple=True, type=SafePath(exists=True, dir_okay=False), help="sft: JSONL chat transcripts (repeatable).")
@@ -128,16 +165,27 @@ def train(**options: Any) -> None:
       tinkergym train --trainer sft --env tinker/Math-v0 --demos baseline --steps 50
       tinkergym train --resume runs/bandit
       tinkergym train --resume runs/bandit --steps 60       # extend a finished run to 60 steps
+      tinkergym train --env tinker/Bandit-v0 --backend-url http://gpu-host:8765 --backend-token-file ~/.tinkergym/token
 
     A resume continues with the run's own settings. It may change only how far the run goes (--steps: never
     fewer than the steps already trained; as many is nothing to do once final/ is exported, exit 0), how often
     it evaluates and checkpoints (--eval-every, --eval-episodes, --checkpoint-every) and the optimizer
     steps still to run (--lr, --max-grad-norm); any other option that changes a setting exits with code 2.
+
+    With --backend-url the model is the server's: its model, LoRA rank, dtype and micro-batch size are set
+    where it starts (tinkergym serve-backend) and recorded in the run's config.json; the token is never saved.
     """
     from tinkergym.trainers.reporting import read_metrics
     from tinkergym.trainers.session import TrainingRun
 
-    run = resume_run(options) if options["resume"] else TrainingRun(build_config(options))
+    token = read_backend_token(options)
+    if options["resume"]:
+        run = resume_run(options, token)
+    else:
+        config = build_config(options)
+        _check_token_use(token, config.backend_url)
+        _check_server_owned(options, config.backend_url)
+        run = TrainingRun(config, backend_token=token)
     if run is None:  # a finished run with no more steps to train
         folder, last = Path(options["resume"]), {}
     else:
