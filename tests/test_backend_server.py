@@ -159,6 +159,27 @@ def test_every_route_but_health_needs_the_token(tmp_path: Path) -> None:
     assert set(openapi["paths"]) == {p.replace(":path", "") for p in checked if p != "/openapi.json"}
 
 
+def test_no_route_fails_on_garbage_with_a_valid_token(tmp_path: Path) -> None:
+    """Every documented route, with the token, answers garbage with a 4xx: nothing reaches a 500."""
+    http = serve(FakeBackend(), tmp_path)
+    openapi = http.get("/openapi.json", headers=AUTH).json()
+    session = http.post("/v1/sessions", headers=AUTH).json()["session_id"]
+    bodies = [None, b"", b"[]", b"null", b"\xff\xfe", b'{"session_id": 1}', json.dumps({"session_id": session, "seq": 1, "method": "sample", "args": {"request": None}}).encode()]
+    values = ["x", "..", "%2e%2e", "%00", "a" * 300, "-1"]
+    sent = 0
+    for path, operations in openapi["paths"].items():
+        for method in operations:
+            for value in values if "{" in path else values[:1]:
+                concrete = re.sub(r"\{[^}]+\}", value, path)
+                for body in bodies if method == "post" else [None]:
+                    for query in ("?wait=0", "?wait=x") if "wait" in json.dumps(operations[method]) else ("",):
+                        response = http.request(method.upper(), concrete + query, headers=AUTH, content=body)
+                        sent += 1
+                        assert response.status_code < 500, (method, concrete, query, body, response.text)
+                        assert response.headers["content-type"].startswith(("application/json", "application/octet-stream"))
+    assert sent >= 40
+
+
 def test_info_has_no_local_paths(tmp_path: Path) -> None:
     info = serve(FakeBackend(), tmp_path).get("/v1/info", headers=AUTH).json()
     assert info == {"model": "model", "step": 0, "protocol": 1}

@@ -79,4 +79,5 @@ def serve_backend(
     backend = TorchBackend(config)
     app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()))
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
-    uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning")
+    # Long polls hold requests open for up to 300 s: on Ctrl-C, do not wait for them.
+    uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5)
