@@ -48,14 +48,14 @@ class APIError(Exception):
 
 def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_bytes: int = MAX_BODY_BYTES) -> Any:
     """The FastAPI app serving ``engine`` behind the API key whose SHA-256 digest is ``token_digest``."""
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
 
     from tinkergym.backends.service_auth import require_token
 
     app = FastAPI(title="tinkergym inference server")
     app.state.engine = engine
+    _answer_errors_openai_style(app, max_body_bytes)
     renderers: list[Any] = []
 
     def chat_renderer() -> Any:
@@ -68,24 +68,6 @@ def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_
             except ConfigError as exc:
                 raise APIError(400, f"this model cannot chat: {exc} Use /v1/completions.") from exc
         return renderers[0]
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request"))
-        return JSONResponse(APIError(400, message, where).body(), status_code=400)
-
-    @app.middleware("http")
-    async def _bounded_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return JSONResponse(APIError(413, f"request bodies are limited to {max_body_bytes} bytes").body(), status_code=413)
-        return await call_next(request)
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -121,6 +103,31 @@ def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_
 
     require_token(app, token_digest)  # added last: the outermost middleware, so every other answer needs the key
     return app
+
+
+def _answer_errors_openai_style(app: Any, max_body_bytes: int) -> None:
+    """:class:`APIError`, invalid bodies (400, not FastAPI's 422) and oversized bodies (413) in OpenAI's error shape."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request"))
+        return JSONResponse(APIError(400, message, where).body(), status_code=400)
+
+    @app.middleware("http")
+    async def _bounded_body(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            return JSONResponse(APIError(413, f"request bodies are limited to {max_body_bytes} bytes").body(), status_code=413)
+        return await call_next(request)
 
 
 # ----- requests -> engine calls ----------------------------------------------------------------------------

@@ -91,12 +91,13 @@ def test_served_plan_is_the_base_and_its_adapters(setup) -> None:
     assert setup["engine"].plan.dtype == "float32", "adapters are served in the dtype their runs trained in"
 
 
-@pytest.mark.parametrize("name", ["a", "b"])
-def test_evaluating_through_the_endpoint_equals_evaluating_the_run(setup, name, tmp_path) -> None:
-    local, local_transcripts = _eval("--run", str(setup["runs"][name]), out=tmp_path / "local.jsonl")
+@pytest.mark.parametrize("name, temperature", [("a", "0"), ("b", "0"), ("a", "1.0")])
+def test_evaluating_through_the_endpoint_equals_evaluating_the_run(setup, name, temperature, tmp_path) -> None:
+    """Greedy, and seeded sampling too: the server samples the same batch with the same seed."""
+    local, local_transcripts = _eval("--run", str(setup["runs"][name]), "--temperature", temperature, out=tmp_path / "local.jsonl")
     served, served_transcripts = _eval(
         "--endpoint", setup["url"] + "/v1", "--model", name, "--tokenizer", setup["tiny"], "--api-key-file", str(setup["key_file"]),
-        out=tmp_path / "served.jsonl",
+        "--temperature", temperature, out=tmp_path / "served.jsonl",
     )
     assert local.exit_code == 0 and served.exit_code == 0, served.output
     assert json.loads(served.stdout.splitlines()[-1]) == json.loads(local.stdout.splitlines()[-1])
@@ -153,6 +154,25 @@ def test_sampled_ids_match_the_backend_and_adapters_switch_per_request(setup) ->
     first = {name: engine.generate(name, prompt, params, 1)[0][0].tokens for name in ("a", "b", setup["tiny"])}
     again = {name: engine.generate(name, prompt, params, 1)[0][0].tokens for name in (setup["tiny"], "b", "a")}
     assert first == again
+
+
+def test_concurrent_requests_to_different_adapters_get_their_own_answers(setup) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+
+    def ask(name: str) -> list[str]:
+        body = {"model": name, "prompt": [[5, 6, 7, 8], [9, 10]], "max_tokens": 6, "temperature": 0, "logprobs": 1, "return_tokens_as_token_ids": True}
+        request = urllib.request.Request(setup["url"] + "/v1/completions", data=json.dumps(body).encode(), headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return [c["logprobs"]["tokens"] for c in json.loads(response.read())["choices"]]
+
+    names = ["a", "b", setup["tiny"]] * 4
+    alone = {name: ask(name) for name in set(names)}
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, names))
+    assert together == [alone[name] for name in names]
+    assert alone["a"] != alone["b"]
 
 
 def test_every_route_needs_the_key(setup) -> None:
