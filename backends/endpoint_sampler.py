@@ -128,8 +128,12 @@ class EndpointSampler:
     def sample(self, request: SampleRequest) -> SampleResponse:
         """One ``/v1/completions`` request for all prompts; ``sequences[i]`` holds the ``num_samples`` completions of prompt ``i``."""
         params, n = request.params, request.num_samples
+        prompts = [list(p) for p in request.prompts]
+        sent_n = n
+        if params.temperature == 0 and n > 1:  # vLLM refuses n > 1 with greedy decoding: send the copies as prompts
+            prompts, sent_n = [p for p in prompts for _ in range(n)], 1
         body: dict[str, Any] = {
-            "model": self.model, "prompt": [list(p) for p in request.prompts], "n": n, "max_tokens": params.max_new_tokens,
+            "model": self.model, "prompt": prompts, "n": sent_n, "max_tokens": params.max_new_tokens,
             "temperature": params.temperature, "top_p": params.top_p, "logprobs": 1, "return_tokens_as_token_ids": True,
             "skip_special_tokens": False, "stream": False,
         }
