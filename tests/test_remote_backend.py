@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -257,3 +258,32 @@ def test_the_client_side_trains_without_torch(server, token_file, tmp_path) -> N
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"torch_modules": []}
     assert len(read_metrics(out / "metrics.jsonl")) == 2 and (out / "final" / "adapter_model.safetensors").is_file()
     assert any((out / "tensorboard").iterdir())
+
+
+def _source_copy(dest: Path) -> Path:
+    """The repository without virtual environments, build outputs and caches, so pip builds it from a clean tree."""
+    repo = Path(__file__).resolve().parents[1]
+    skip = {".git", "__pycache__", "build", "dist", "runs", ".cache", ".pytest_cache"}
+    shutil.copytree(repo, dest, ignore=lambda _, names: {n for n in names if n in skip or n.startswith(".venv") or n.endswith(".egg-info")})
+    return dest
+
+
+@pytest.mark.slow
+def test_a_client_only_install_trains_through_the_server(server, token_file, tmp_path) -> None:
+    """``pip install '.[client]'`` plus an env package, no torch: that environment trains through the server."""
+    source, venv, out = _source_copy(tmp_path / "src"), tmp_path / "client-venv", tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    install = subprocess.run(
+        [str(python), "-m", "pip", "install", "--quiet", f"{source}[client]", str(source / "env_packages" / "bandit")],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    assert subprocess.run([str(python), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"]).returncode == 0
+    env = {**os.environ, "TINKERGYM_CACHE": str(tmp_path / "client-cache")}
+    done = subprocess.run(
+        [str(venv / "bin" / "tinkergym"), *_remote(server, token_file, out, "--steps", "2")], capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(read_metrics(out / "metrics.jsonl")) == 2 and (out / "final" / "adapter_model.safetensors").is_file()
+    assert (out / "learning_curve.png").is_file() and any((out / "tensorboard").iterdir())
