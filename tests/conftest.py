@@ -71,3 +71,11 @@ def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., 
         del sys.modules[name]
     monkeypatch.undo()
     hub.discovery(refresh=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny causal LM with a chat-template tokenizer, built from a config (needs the ``train`` extra)."""
+    from tinkergym.backends.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")

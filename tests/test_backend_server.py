@@ -25,7 +25,6 @@ uvicorn = pytest.importorskip("uvicorn")
 from click.testing import CliRunner  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.backends.server import create_app  # noqa: E402
 from tinkergym.backends.service_auth import token_digest  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
@@ -42,11 +41,6 @@ from tinkergym.cli import main  # noqa: E402
 TOKEN = "t" * 40
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 OPTIM = OptimParams(learning_rate=1e-2)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def make_backend(tiny: str) -> TorchBackend:

@@ -19,7 +19,6 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from tinkergym.backends import torch_backend  # noqa: E402
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.torch_scoring import MicroBatch, plan_micro_batches, sequence_logprobs  # noqa: E402
 from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
@@ -33,11 +32,6 @@ pytestmark = pytest.mark.skipif(
 # bfloat16 keeps 8 bits of mantissa: logits of a few units carry errors of about 1e-2, and different batch
 # shapes (prefill and decode steps against one full pass; a shared prompt against its copies) round differently.
 BF16_MEAN, BF16_MAX = 2e-2, 0.15
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
 def make_backend(tiny: str, lora_rank: int = 4, dtype: str = "bfloat16", **overrides) -> TorchBackend:

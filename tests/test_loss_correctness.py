@@ -11,15 +11,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from tinkergym.backends import losses  # noqa: E402
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny")))
 
 
 def make_backend(tiny: str, lora_rank: int = 4, dtype: str = "float32") -> TorchBackend:

@@ -28,11 +28,6 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
-@pytest.fixture(scope="module")
 def tokenizer(tiny: str):
     from transformers import AutoTokenizer
 

@@ -33,7 +33,6 @@ pytest.importorskip("peft")
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
 import tinkergym  # noqa: E402
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 
 TOKEN = "hf_fake_write_token"
@@ -261,11 +260,6 @@ def _handler_for(hub: FakeHub) -> type[BaseHTTPRequestHandler]:
 
 
 # ----- fixtures ---------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
-
-
 def _train(tiny: str, out: Path, *extra: str) -> Path:
     args = [
         "train", "--env", ENV_ID, "--model", tiny, "--dtype", "float32", "--steps", "1", "--batch-size", "2",

@@ -25,7 +25,6 @@ pytest.importorskip("peft")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.backends.remote import REMOTE_STATE, RemoteBackend, server_name  # noqa: E402
 from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
@@ -107,11 +106,6 @@ class Server:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture

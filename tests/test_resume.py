@@ -13,7 +13,6 @@ from click.testing import CliRunner
 
 pytest.importorskip("torch")
 
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.trainers.config import TrainConfig  # noqa: E402
 from tinkergym.trainers.reporting import read_metrics  # noqa: E402
@@ -70,11 +69,6 @@ class AdaptiveTrainer(PlainTrainer):
     def load_state_dict(self, state):
         self.scale, self.updates, self.last_loss = state["scale"], state["updates"], state["last_loss"]
 '''
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("model"))
 
 
 @pytest.fixture(scope="module")

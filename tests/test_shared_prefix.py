@@ -14,11 +14,6 @@ from tinkergym.backends.torch_scoring import MicroBatch, plan_micro_batches, seq
 from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(str(tmp_path_factory.mktemp("tiny")))
-
-
 def make_backend(tiny: str, share: bool, lora_rank: int = 4, micro_batch_size: int = 8, attn: str = "auto") -> TorchBackend:
     config = TorchBackendConfig(
         model=tiny, lora_rank=lora_rank, dtype="float32", seed=0, share_prefixes=share, micro_batch_size=micro_batch_size, attn_implementation=attn

@@ -14,7 +14,6 @@ pytest.importorskip("peft")
 
 from tinkergym.backends import losses  # noqa: E402
 from tinkergym.backends.base import Backend  # noqa: E402
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.torch_sampling import filter_logits  # noqa: E402
 from tinkergym.backends.types import (  # noqa: E402
@@ -126,11 +125,6 @@ def test_filter_logits() -> None:
 
 
 # ----- the backend ----------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
-
-
 def make_backend(tiny: str, **overrides) -> TorchBackend:
     settings = {"model": tiny, "dtype": "float32", "device": "cpu", "lora_rank": 4, "micro_batch_size": 4, **overrides}
     return TorchBackend(TorchBackendConfig(**settings))

@@ -16,16 +16,10 @@ from click.testing import CliRunner
 
 pytest.importorskip("torch")
 
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.trainers.reporting import read_metrics  # noqa: E402
 
 VOLATILE = ("time/", "tokens/per_s")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> str:
-    return build_tiny_model(tmp_path_factory.mktemp("model"))
 
 
 def _train_args(tiny: str, out: Path, *extra: str) -> list[str]:
