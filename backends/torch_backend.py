@@ -11,8 +11,9 @@
 - KL to a reference (``LossSpec.kl_coef`` > 0): with LoRA the reference is the same model with the adapter
   switched off (no second copy of the weights). With full fine-tuning a frozen copy of the starting weights
   is loaded from disk the first time a KL term is asked for, and only then.
-- ``save_state`` / ``load_state``: trainable weights (safetensors), AdamW state, step and the torch, CUDA,
-  Python and NumPy RNG states; training resumed from a checkpoint continues bit for bit.
+- ``save_state`` / ``load_state``: trainable weights, AdamW state, step and the torch, CUDA (of the backend's
+  device), Python and NumPy RNG states, as safetensors and JSON only (see :mod:`tinkergym.backends.state_files`;
+  nothing is ever unpickled); training resumed from a checkpoint continues bit for bit.
 - ``export``: the peft adapter folder, or (``merged=True`` or full fine-tuning) a plain transformers folder,
   both with the tokenizer.
 
@@ -42,6 +43,14 @@ import torch
 
 from tinkergym.backends import losses
 from tinkergym.backends.models import resolve_model
+from tinkergym.backends.state_files import (
+    check_state_format,
+    read_optimizer_state,
+    read_rng_state,
+    restore_rng_state,
+    write_optimizer_state,
+    write_rng_state,
+)
 from tinkergym.backends.torch_sampling import sample_batch
 from tinkergym.backends.torch_scoring import MicroBatch, logprobs_from, plan_micro_batches, sequence_logprobs
 from tinkergym.backends.types import (
@@ -59,7 +68,9 @@ from tinkergym.errors import ConfigError, NonFiniteError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
-STATE_FORMAT = 1
+#: Version of the save_state folder layout. 1: optimizer.pt and rng.pt pickles (refused since);
+#: 2: optimizer and RNG states as safetensors + JSON.
+STATE_FORMAT = 2
 
 
 @dataclass
@@ -151,28 +162,6 @@ def _model_class_supports(model_path: str | None, flag: str) -> bool:
     architectures = json.loads(Path(model_path, "config.json").read_text()).get("architectures") or []
     model_class = getattr(transformers, architectures[0], None) if architectures else None
     return bool(getattr(model_class, flag, True))
-
-
-def _rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "gauss": float(np_state[4])},
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    npy = state["numpy"]
-    np.random.set_state(("MT19937", npy["keys"].numpy().astype(np.uint32), npy["pos"], npy["has_gauss"], npy["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 @dataclass
@@ -476,25 +465,33 @@ class TorchBackend:
 
     # ----- checkpoints and export -------------------------------------------------------------------
     def save_state(self, path: str) -> None:
-        """Write trainable weights, AdamW state, step and RNG states into the folder ``path`` atomically."""
+        """Write trainable weights, AdamW state, step and RNG states into the folder ``path`` atomically.
+
+        Files: ``state.json``, ``trainable.safetensors``, ``optimizer.safetensors`` + ``optimizer.json`` and
+        ``rng.safetensors`` + ``rng.json`` (see :mod:`tinkergym.backends.state_files`); no pickles.
+        """
         from safetensors.torch import save_file
 
         tmp = fresh_tmp_dir(path)
         save_file({n: p.detach().cpu().contiguous() for n, p in self._trainable}, os.path.join(tmp, "trainable.safetensors"))
-        torch.save(self.optimizer.state_dict(), os.path.join(tmp, "optimizer.pt"))
-        torch.save(_rng_state(), os.path.join(tmp, "rng.pt"))
+        write_optimizer_state(tmp, self.optimizer.state_dict())
+        write_rng_state(tmp, self.device)
         meta = {"format": STATE_FORMAT, "step": self.step, "config": self.config.to_dict(), "model_path": self.model_path}
         Path(tmp, "state.json").write_text(json.dumps(meta, indent=2) + "\n")
         replace_dir(tmp, os.fspath(path).rstrip("/"))
 
     def load_state(self, path: str) -> None:
-        """Restore what :meth:`save_state` wrote; the backend must have the same model and LoRA settings."""
+        """Restore what :meth:`save_state` wrote; the backend must have the same model and LoRA settings.
+
+        A folder of an older state format (``optimizer.pt``/``rng.pt`` pickles) is refused with a ConfigError.
+        """
         from safetensors.torch import load_file
 
         meta_file = Path(path, "state.json")
         if not meta_file.is_file():
             raise ConfigError(f"{path} is not a backend state folder (no state.json); pass a folder written by save_state")
         meta = json.loads(meta_file.read_text())
+        check_state_format(path, meta.get("format"), STATE_FORMAT)
         weights = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.device))
         names = [n for n, _ in self._trainable]
         if sorted(weights) != sorted(names):
@@ -502,12 +499,14 @@ class TorchBackend:
                 f"{path} holds other trainable weights than this backend (saved with lora_rank="
                 f"{meta['config'].get('lora_rank')}, this one has {self.config.lora_rank}); build the backend with the saved config"
             )
+        # Everything is read before anything changes, so a broken folder leaves the backend as it was.
+        optimizer_state, rng_state = read_optimizer_state(path), read_rng_state(path)
         with torch.no_grad():
             for name, param in self._trainable:
                 param.copy_(weights[name])
         self._sampling_copy_stale = True
-        self.optimizer.load_state_dict(torch.load(os.path.join(path, "optimizer.pt"), map_location="cpu", weights_only=True))
-        _set_rng_state(torch.load(os.path.join(path, "rng.pt"), weights_only=True))
+        self.optimizer.load_state_dict(optimizer_state)
+        restore_rng_state(*rng_state, self.device)
         self.step = int(meta["step"])
 
     def export(self, path: str, merged: bool = False) -> None:

@@ -19,6 +19,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from tinkergym.backends import torch_backend  # noqa: E402
+from tinkergym.backends.state_files import read_optimizer_state  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.torch_scoring import MicroBatch, plan_micro_batches, sequence_logprobs  # noqa: E402
 from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
@@ -225,7 +226,7 @@ def test_save_and_load_state_round_trip(tiny: str, tmp_path: Path, lora_rank: in
     loaded_weights = trainable(resumed)
     assert loaded_weights.keys() == saved_weights.keys()
     assert all(torch.equal(loaded_weights[n], saved_weights[n]) and loaded_weights[n].device.type == DEVICE_TYPE for n in saved_weights)
-    saved = torch.load(tmp_path / "state" / "optimizer.pt", map_location="cpu", weights_only=True)["state"]
+    saved = read_optimizer_state(tmp_path / "state")["state"]
     loaded = resumed.optimizer.state_dict()["state"]
     assert saved and saved.keys() == loaded.keys()
     for index in saved:
