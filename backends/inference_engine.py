@@ -14,8 +14,9 @@ Where an adapter comes from:
 
 :class:`TorchInferenceEngine` samples with :class:`~tinkergym.backends.torch_backend.TorchBackend`, built the
 way ``tinkergym eval`` builds it, so a served model gives the tokens and logprobs of evaluating it locally.
-Adapters are attached to one peft model (``load_adapter``) and switched per request under a lock. An engine
-for vLLM implements the same :class:`InferenceEngine` protocol.
+Adapters are attached to one peft model (``load_adapter``) and switched per request under a lock.
+:class:`~tinkergym.backends.vllm_inference_engine.VLLMInferenceEngine` implements the same
+:class:`InferenceEngine` protocol with a ``vllm.LLM`` (``serve-model --engine``).
 """
 
 from __future__ import annotations

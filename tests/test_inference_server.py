@@ -44,7 +44,8 @@ class LiveServer:
     """A real uvicorn server on 127.0.0.1 in a thread."""
 
     def __init__(self, app) -> None:
-        self.socket = socket.socket()
+        # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.socket.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
@@ -334,3 +335,15 @@ def test_the_serve_model_command_serves_a_run(setup) -> None:
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+def test_engine_vllm_without_vllm_exits_2_saying_to_install_it(setup) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here (the vLLM lane tests --engine vllm)")
+    args = ["serve-model", "--engine", "vllm", "--model", setup["tiny"], "--api-key-file", str(setup["key_file"])]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert "--engine vllm needs the vllm package" in result.output and "install" in result.output
+    assert "--engine [auto|torch|vllm]" in CliRunner().invoke(main, ["serve-model", "--help"]).output
