@@ -33,6 +33,7 @@ import shutil
 import threading
 import time
 import urllib.parse
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -50,6 +51,22 @@ REMOTE_STATE = "remote_state.json"
 RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_BACKOFF_S = 10.0
 _CHUNK = 1 << 20
+
+
+@dataclass
+class WireStats:
+    """What a :class:`RemoteBackend` sent and received: request and response bodies, and the seconds spent
+    encoding and decoding them (``json.dumps`` / ``json.loads`` on this side; headers are not counted)."""
+
+    requests: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    encode_s: float = 0.0
+    decode_s: float = 0.0
+
+    def snapshot(self) -> dict[str, float]:
+        """The counters as a plain dict (subtract two snapshots for one step's share)."""
+        return dict(vars(self))
 
 
 class RemoteBackendError(TinkergymError, RuntimeError):
@@ -114,6 +131,8 @@ class RemoteBackend:
         self._session: str | None = None
         self._seq = 0
         self._tokenizer: str | None = None
+        #: Bodies and (de)serialization time of every request so far (see :class:`WireStats`).
+        self.wire = WireStats()
 
     def __repr__(self) -> str:
         return f"RemoteBackend({self.url!r})"
@@ -266,20 +285,27 @@ class RemoteBackend:
             kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
             self._conn = kind(self._host, self._port, timeout=self.timeout + self.wait)
         headers = {"Authorization": f"Bearer {self._token}", "Accept": "application/json"}
-        data = None
+        data, wire = None, self.wire
         if body is not None:
+            start = time.perf_counter()
             data = json.dumps(body, separators=(",", ":")).encode("utf-8")
+            wire.encode_s += time.perf_counter() - start
+            wire.bytes_sent += len(data)
             headers["Content-Type"] = "application/json"
+        wire.requests += 1
         self._conn.request(method, self._base + path, body=data, headers=headers)
         response = self._conn.getresponse()
         if on_ok is not None and response.status == 200:
             on_ok(response)
             return 200, {}, None
         raw = response.read()
+        wire.bytes_received += len(raw)
+        start = time.perf_counter()
         try:
             payload = json.loads(raw) if raw else {}
         except ValueError:
             payload = {"error": {"type": "http", "message": raw[:300].decode("utf-8", "replace")}}
+        wire.decode_s += time.perf_counter() - start
         retry_after = response.getheader("Retry-After")
         return response.status, payload if isinstance(payload, dict) else {}, float(retry_after) if (retry_after or "").isdigit() else None
 

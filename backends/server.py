@@ -19,11 +19,8 @@ Floats travel as JSON numbers written with Python's ``repr``, so they round-trip
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
-import secrets
-import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -31,10 +28,11 @@ from typing import Any, Literal
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tinkergym.backends.asgi import BodyLimit, RequestLog, WireJSON, error_response
 from tinkergym.backends.server_calls import (
     CallRecord,
     CallStore,
@@ -114,18 +112,6 @@ class TokenizerResponse(WireModel):
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 413, 500)}
-
-
-class WireJSON(JSONResponse):
-    """JSON with floats as Python writes them (exact round trip), non-finite ones as ``NaN`` / ``Infinity``."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode("utf-8")
-
-
-def error_response(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> WireJSON:
-    """``{"error": {"type", "message"}}`` with ``status``."""
-    return WireJSON({"error": {"type": kind, "message": message}}, status_code=status, headers=headers)
 
 
 # ----- the service behind the routes --------------------------------------------------------------------
@@ -277,77 +263,6 @@ async def export_file(name: str, path: str, request: Request) -> Any:
 
 
 # ----- middleware ---------------------------------------------------------------------------------------
-class BodyTooLarge(StarletteHTTPException):
-    """A request body past the limit (raised while it streams in)."""
-
-
-class BodyLimit:
-    """Refuse bodies over ``max_bytes`` with 413: by ``Content-Length`` before reading, and by counting streamed bytes."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
-            status = 413 if declared.isdigit() else 400
-            response = error_response(status, "body_too_large" if status == 413 else "invalid_request", self._message(declared))
-            return await response(scope, receive, send)
-        received = 0
-
-        async def limited_receive() -> dict:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    raise BodyTooLarge(413, self._message(None))
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-    def _message(self, declared: bytes | None) -> str:
-        limit = f"the server takes bodies of at most {self.max_bytes:,} bytes (--max-body-mb)"
-        if declared is not None and not declared.isdigit():
-            return f"Content-Length {declared[:40]!r} is not a number"
-        return f"request body too large: {limit}; send the batch in several forward_backward calls"
-
-
-class RequestLog:
-    """One JSON line per request: request id, method, route, status, duration in ms, session and seq."""
-
-    def __init__(self, app: Any, logger: logging.Logger) -> None:
-        self.app = app
-        self.logger = logger
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        start = time.perf_counter()
-        status = 500
-        state = scope.setdefault("state", {})
-
-        async def send_status(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            route = getattr(scope.get("route"), "path", None) or scope.get("path", "")
-            self.logger.info(json.dumps({
-                "event": "request", "request_id": state.get("request_id") or secrets.token_hex(8),
-                "method": scope.get("method"), "route": route[:200], "status": status,
-                "duration_ms": round(1000 * (time.perf_counter() - start), 1),
-                "session": state.get("session"), "seq": state.get("seq"),
-            }))
-
-
 # ----- the app factory ----------------------------------------------------------------------------------
 def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
     @app.exception_handler(StarletteHTTPException)
@@ -418,7 +333,7 @@ def create_app(
     app.include_router(router)
     _add_error_handlers(app, log)
     # Added innermost first: the log sees every request, the token is checked before any body is read.
-    app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 1024 * 1024))
+    app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 1024 * 1024), hint="send the batch in several forward_backward calls (--max-body-mb)")
     require_token(app, token_digest)
     app.add_middleware(RequestLog, logger=log)
     return app

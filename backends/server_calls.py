@@ -12,6 +12,7 @@ exports are checked by :func:`named_dir` (one path component, no symlinks, insid
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -104,6 +105,11 @@ def _json_type_error(where: str, expected: str, value: Any) -> ConfigError:
     return ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {str(value)[:60]!r}")
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def _checked(value: Any, hint: Any, where: str) -> Any:
     """``value`` checked against the annotation ``hint`` (JSON types only); ints become floats where floats go."""
     origin = typing.get_origin(hint)
@@ -125,6 +131,11 @@ def _checked(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, list):
             raise _json_type_error(where, "a list", value)
         (item,) = typing.get_args(hint)
+        # Token ids and per-token floats are most of a request: one pass over them, the per-item walk only on a miss.
+        if item is int and all(type(v) is int for v in value):
+            return value
+        if item is float and all(type(v) is float for v in value):
+            return value
         return [_checked(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     if origin is dict:
         if not isinstance(value, dict):
@@ -134,7 +145,7 @@ def _checked(value: Any, hint: Any, where: str) -> Any:
     if is_dataclass(hint):
         if not isinstance(value, hint):
             raise _json_type_error(where, f"a {hint.__name__} object", value)
-        hints = typing.get_type_hints(hint)
+        hints = _type_hints(hint)
         for f in fields(hint):
             setattr(value, f.name, _checked(getattr(value, f.name), hints[f.name], f"{where}.{f.name}"))
         return value

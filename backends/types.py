@@ -9,7 +9,7 @@ Per-token arrays in a :class:`Datum` are aligned with ``tokens``: entry ``t`` de
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -19,12 +19,31 @@ T = TypeVar("T")
 OLD_LOGPROBS = ("sampler", "trainer")
 
 
+_ATOMS = frozenset({int, float, str, bool, type(None)})
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with dataclasses as dicts and every list and dict copied; a list of numbers is copied in one go."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is list or kind is tuple:
+        if all(type(v) in _ATOMS for v in value):
+            return kind(value)
+        return kind(_plain(v) for v in value)
+    if kind is dict:
+        return {k: _plain(v) for k, v in value.items()}
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    return value
+
+
 class _Plain:
     """``to_dict`` / ``from_dict`` for the dataclasses below (nested lists of dataclasses included)."""
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serializable copy."""
-        return asdict(self)  # type: ignore[call-overload]
+        """A JSON-serializable copy (lists are copied, as :func:`dataclasses.asdict` does, without its per-item deepcopy)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:

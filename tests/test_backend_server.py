@@ -246,6 +246,8 @@ def test_errors_are_stored_outcomes_mapped_to_400_and_500(tmp_path: Path, caplog
         ("forward_backward", {"request": {"data": [{"tokens": [1, True], "loss_mask": [0, 1]}]}}, "expected an integer"),
         ("forward_backward", fb_args([1, 10**9, 2]), "outside the vocabulary"),
         ("sample", {"request": {"prompts": [[-1]]}}, "outside the vocabulary"),
+        ("forward_backward", {"request": {"data": [{"tokens": [1, 2], "loss_mask": [0.0, "x"]}]}}, "data[0].loss_mask[1]: expected a number"),
+        ("forward_backward", {"request": {"data": [{"tokens": [1, 2.0], "loss_mask": [0.0, 1.0]}]}}, "data[0].tokens[1]: expected an integer"),
         ("optim_step", {"params": {"learning_rate": "1e-3"}}, "expected a number"),
         ("optim_step", {"params": []}, "expected a OptimParams object"),
         ("export", {"name": "e", "merged": "yes"}, "true or false"),
@@ -257,6 +259,25 @@ def test_bad_calls_are_400(tmp_path: Path, method: str, args: dict, expected: st
     response = client.post(method, args)
     assert response.status_code == 400 and expected in response.json()["error"]["message"], response.text
     assert client.http.app.state.service.backend.calls == []
+
+
+def test_checked_arguments_take_ints_for_floats_and_to_dict_copies_like_asdict() -> None:
+    from dataclasses import asdict
+
+    from tinkergym.backends.server_calls import parse_call
+    from tinkergym.backends.types import SampledSequence, SampleResponse
+
+    call = parse_call("forward_backward", {"request": {"data": [{"tokens": [1, 2], "loss_mask": [0, 1], "advantages": [0.5, 1]}]}})
+    datum = call.args["request"].data[0]
+    assert datum.loss_mask == [0.0, 1.0] and all(type(v) is float for v in datum.loss_mask + datum.advantages)
+    response = SampleResponse([[SampledSequence([1, 2], [-0.5, -1.0], "stop")], [SampledSequence([3], [-2.0], "length")]])
+    request = ForwardBackwardRequest([Datum([1, 2, 3], [0.0, 1.0, 1.0])], LossSpec(kl_coef=0.1), num_tokens=2.0)
+    for value in (response, request, SamplingParams(stop_token_ids=[5])):
+        plain = value.to_dict()
+        assert plain == asdict(value) and type(value).from_dict(plain) == value
+    plain = request.to_dict()
+    plain["data"][0]["tokens"].append(9)
+    assert request.data[0].tokens == [1, 2, 3]
 
 
 def test_malformed_bodies_are_400(tmp_path: Path) -> None:
@@ -275,7 +296,8 @@ def live_server(tmp_path: Path):
     """A real uvicorn server on 127.0.0.1 serving a FakeBackend whose forward_backward takes 1 s."""
     backend = FakeBackend(delay=1.0)
     app = create_app(backend, run_dir=tmp_path, token_digest=token_digest(TOKEN))
-    sock = socket.socket()
+    # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

@@ -70,7 +70,8 @@ def endpoints(tiny: str, tmp_path_factory: pytest.TempPathFactory):
     ]
     vllm_server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     ours = uvicorn.Server(uvicorn.Config(create_inference_app(TorchInferenceEngine(plan_serving(model=tiny, adapters=[("a", str(run))])), token_digest(KEY)), log_level="warning"))
-    sock = socket.socket()
+    # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     thread = threading.Thread(target=ours.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

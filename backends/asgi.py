@@ -1,0 +1,95 @@
+"""ASGI pieces shared by tinkergym's servers (training, inference, scheduler): exact JSON, body limits, request logs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+
+class WireJSON(JSONResponse):
+    """JSON with floats as Python writes them (exact round trip), non-finite ones as ``NaN`` / ``Infinity``."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode("utf-8")
+
+
+def error_response(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> WireJSON:
+    """``{"error": {"type", "message"}}`` with ``status``."""
+    return WireJSON({"error": {"type": kind, "message": message}}, status_code=status, headers=headers)
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """A request body past the limit (raised while it streams in)."""
+
+
+class BodyLimit:
+    """Refuse bodies over ``max_bytes`` with 413: by ``Content-Length`` before reading, and by counting streamed bytes."""
+
+    def __init__(self, app: Any, max_bytes: int, hint: str = "send a smaller request") -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self.hint = hint
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
+            status = 413 if declared.isdigit() else 400
+            response = error_response(status, "body_too_large" if status == 413 else "invalid_request", self._message(declared))
+            return await response(scope, receive, send)
+        received = 0
+
+        async def limited_receive() -> dict:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge(413, self._message(None))
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+    def _message(self, declared: bytes | None) -> str:
+        if declared is not None and not declared.isdigit():
+            return f"Content-Length {declared[:40]!r} is not a number"
+        return f"request body too large: the server takes bodies of at most {self.max_bytes:,} bytes; {self.hint}"
+
+
+class RequestLog:
+    """One JSON line per request: request id, method, route, status, duration in ms, session and seq."""
+
+    def __init__(self, app: Any, logger: logging.Logger) -> None:
+        self.app = app
+        self.logger = logger
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500
+        state = scope.setdefault("state", {})
+
+        async def send_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or scope.get("path", "")
+            self.logger.info(json.dumps({
+                "event": "request", "request_id": state.get("request_id") or secrets.token_hex(8),
+                "method": scope.get("method"), "route": route[:200], "status": status,
+                "duration_ms": round(1000 * (time.perf_counter() - start), 1),
+                "session": state.get("session"), "seq": state.get("seq"),
+            }))
