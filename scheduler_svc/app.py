@@ -1,0 +1,200 @@
+"""The scheduler's ASGI app, built by :func:`create_app` from :class:`SchedulerSettings` (nothing happens at import).
+
+Routes are thin (``routes/``): they authenticate, check the scope, and call the stores (``repository``,
+``leases``) in one transaction. Errors are ``{"error": {"type", "message"}}``: 400 malformed, 401 no or a bad
+key, 403 a key without the scope, 404 unknown (or another tenant's), 409 a lost compare-and-set or a stale
+lease epoch, 413 a body over the limit, 422 an Idempotency-Key reused with another body. ``/healthz`` and
+``/readyz`` are public; every other route needs a key (``Authorization: Bearer tgk_...``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
+from sqlalchemy import text
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tinkergym.backends.asgi import BodyLimit, RequestLog, WireJSON, error_response
+from tinkergym.scheduler.auth import Principal, authenticate
+from tinkergym.scheduler.db import make_engine, upgrade
+from tinkergym.scheduler.repository import Conflict, JobStore, NotFound, now
+
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
+
+
+@dataclass
+class SchedulerSettings:
+    """Everything the app needs; ``tinkergym scheduler serve`` builds it from its options.
+
+    Args:
+        db_url: SQLAlchemy URL (``sqlite:///path/scheduler.db`` or ``postgresql://user@host/db``).
+        data_dir: The artifact store: ``<data_dir>/jobs/<job id>/`` holds each job's checkpoints and exports.
+        lease_ttl_s: A lease not renewed by a heartbeat within this many seconds expires.
+        sweep_interval_s: How often the background task expires leases and grants queued jobs.
+        backfill_age_s: A queued job waiting longer than this stops smaller jobs behind it from starting
+            (so large jobs are not starved); younger ones let smaller jobs start around them.
+        max_body_bytes: Larger request bodies are refused with 413.
+        idle_timeout_s: A running job whose client has not called its server for this long is ended.
+        clock: The time source (tests move it).
+    """
+
+    db_url: str
+    data_dir: Path
+    lease_ttl_s: float = 30.0
+    sweep_interval_s: float = 1.0
+    backfill_age_s: float = 600.0
+    max_body_bytes: int = 1 << 20
+    idle_timeout_s: float = 900.0
+    max_attempts: int = 3
+    clock: Callable[[], float] = field(default=now, repr=False)
+
+
+class Forbidden(Exception):
+    """The key is valid but lacks the scope (HTTP 403)."""
+
+
+def principal(request: Request) -> Principal:
+    """The authenticated principal of a request (set by the auth middleware)."""
+    return request.state.principal
+
+
+def require(scope: str) -> Callable[[Request], Principal]:
+    """A dependency: the request's principal if its key has ``scope`` (``admin`` has every scope), else 403."""
+
+    def dependency(request: Request) -> Principal:
+        who = principal(request)
+        if not who.allows(scope):
+            raise Forbidden(f"this key lacks the {scope!r} scope (it has: {', '.join(sorted(who.scopes))})")
+        return who
+
+    dependency.__name__ = f"require_{scope}"
+    return dependency
+
+
+def _bearer(request: Request) -> str:
+    header = request.headers.get("authorization", "")
+    if header[:7].lower() == "bearer ":
+        return header[7:].strip()
+    return request.headers.get("x-api-key", "").strip()
+
+
+def _add_auth(app: FastAPI) -> None:
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next: Any) -> Any:
+        if request.url.path in PUBLIC_PATHS:
+            return await call_next(request)
+        key = _bearer(request)
+        who = await run_in_threadpool(authenticate, app.state.engine, key) if key else None
+        if who is None:
+            return error_response(401, "unauthorized", "a valid API key is required: Authorization: Bearer tgk_...",
+                                  headers={"WWW-Authenticate": "Bearer"})
+        request.state.principal = who
+        request.scope.setdefault("state", {})["tenant"] = who.tenant_id
+        return await call_next(request)
+
+
+def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> WireJSON:
+        kinds = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        return error_response(exc.status_code, kinds.get(exc.status_code, "invalid_request"), str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, exc: RequestValidationError) -> WireJSON:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
+        return error_response(400, "invalid_request", f"malformed request: {problems}"[:2000])
+
+    @app.exception_handler(Forbidden)
+    async def forbidden(request: Request, exc: Forbidden) -> WireJSON:
+        return error_response(403, "forbidden", str(exc))
+
+    @app.exception_handler(NotFound)
+    async def not_found(request: Request, exc: NotFound) -> WireJSON:
+        return error_response(404, "not_found", f"no job {str(exc)[:80]!r}")
+
+    @app.exception_handler(Conflict)
+    async def conflict(request: Request, exc: Conflict) -> WireJSON:
+        return error_response(409, "conflict", str(exc)[:2000])
+
+    @app.exception_handler(ValueError)
+    async def bad_value(request: Request, exc: ValueError) -> WireJSON:
+        return error_response(400, "invalid_request", str(exc)[:2000])
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> WireJSON:
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return error_response(500, "internal", f"unexpected server error ({type(exc).__name__}); see the scheduler log")
+
+
+def _add_health(app: FastAPI) -> None:
+    @app.get("/healthz", tags=["health"])
+    async def healthz() -> dict[str, str]:
+        """Liveness: the process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"])
+    async def readyz() -> Any:
+        """Readiness: the database answers."""
+
+        def ping() -> None:
+            with app.state.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+
+        try:
+            await run_in_threadpool(ping)
+        except Exception as exc:  # noqa: BLE001 - any database failure means not ready
+            return error_response(503, "unavailable", f"the database does not answer ({type(exc).__name__})")
+        return {"status": "ready"}
+
+
+def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = None, background: bool = True) -> FastAPI:
+    """The scheduler app: upgrades the database, then serves the routes; ``background`` runs the lease sweeper.
+
+    With ``background`` False (tests that drive the sweeper by hand), leases expire and queued jobs are
+    granted only when :func:`tinkergym.scheduler.leases.sweep` is called.
+    """
+    from tinkergym.scheduler import leases
+    from tinkergym.scheduler.routes import jobs as job_routes
+    from tinkergym.scheduler.routes import workers as worker_routes
+
+    log = logger or logging.getLogger("tinkergym.scheduler")
+    engine = make_engine(settings.db_url)
+    upgrade(engine)
+    settings.data_dir = Path(settings.data_dir).resolve()
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(leases.sweep_forever(app)) if background else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            engine.dispose()
+
+    app = FastAPI(title="tinkergym scheduler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, default_response_class=WireJSON)
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.store = JobStore(engine, settings.clock)
+    app.state.logger = log
+    _add_health(app)
+    app.include_router(job_routes.router)
+    app.include_router(worker_routes.router)
+    _add_error_handlers(app, log)
+    # Added innermost first: the log sees every request, the key is checked before the body is read.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, hint="send a smaller request")
+    _add_auth(app)
+    app.add_middleware(RequestLog, logger=log)
+    return app

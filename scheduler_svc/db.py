@@ -1,0 +1,217 @@
+"""The scheduler's tables (SQLAlchemy 2 Core) and its engine: SQLite in WAL mode by default, PostgreSQL by URL.
+
+Times are UNIX seconds (floats) taken from the scheduler's clock, so lease arithmetic is the same on every
+database. The invariants the code relies on are constraints, so a bug or a race cannot break them:
+
+- ``allocations.device_id`` is the primary key: a device is granted to at most one job at a time, whatever
+  the code does (a second grant fails with an integrity error and its transaction rolls back, all or none);
+- ``events (job_id, seq)`` is unique: an event is recorded once and a stream resumes without duplicates;
+- ``idempotency (tenant_id, method, path, key)`` is the primary key: one first request per key;
+- ``devices (worker_id, index)`` is unique: a worker registers each device once.
+
+The schema is created and upgraded by Alembic (``migrations/``; :func:`upgrade`), never by ``create_all``
+outside tests of the migrations themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import (
+    Boolean,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+    create_engine,
+    event,
+)
+from sqlalchemy.engine import Engine
+
+metadata = MetaData()
+
+tenants = Table(
+    "tenants", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("max_gpus", Integer, nullable=False, default=8),  # devices held at once by the tenant's jobs
+    Column("max_queued", Integer, nullable=False, default=100),  # jobs waiting at once
+    Column("created_at", Float, nullable=False),
+)
+
+api_keys = Table(
+    "api_keys", metadata,
+    Column("id", String(32), primary_key=True),  # the key's public prefix part: looked up, never secret
+    Column("tenant_id", String(64), ForeignKey("tenants.id"), nullable=False),
+    Column("digest", String(64), nullable=False),  # SHA-256 of the whole key, hex; the key itself is never stored
+    Column("scopes", String(200), nullable=False),  # comma-separated: read, write, admin, worker
+    Column("name", String(200), nullable=False, default=""),
+    Column("created_at", Float, nullable=False),
+    Column("revoked_at", Float, nullable=True),
+)
+
+workers = Table(
+    "workers", metadata,
+    Column("id", String(64), primary_key=True),
+    Column("name", String(200), nullable=False),
+    Column("key_id", String(32), ForeignKey("api_keys.id"), nullable=False),
+    Column("host", String(255), nullable=False),
+    Column("models", Text, nullable=False, default="[]"),  # JSON list of the model names it serves  # where the servers it starts listen (clients connect there directly)
+    Column("registered_at", Float, nullable=False),
+    Column("last_seen_at", Float, nullable=False),
+)
+
+devices = Table(
+    "devices", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("worker_id", String(64), ForeignKey("workers.id"), nullable=False),
+    Column("index", Integer, nullable=False),  # CUDA_VISIBLE_DEVICES index on the worker (or a CPU slot number)
+    Column("kind", String(16), nullable=False),  # "gpu" or "slot"
+    Column("name", String(200), nullable=False, default=""),
+    Column("active", Boolean, nullable=False, default=True),
+    UniqueConstraint("worker_id", "index", name="uq_devices_worker_index"),
+)
+
+jobs = Table(
+    "jobs", metadata,
+    Column("id", String(40), primary_key=True),
+    Column("tenant_id", String(64), ForeignKey("tenants.id"), nullable=False),
+    Column("kind", String(16), nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("priority", Integer, nullable=False, default=0),
+    Column("gpus", Integer, nullable=False),
+    Column("config", Text, nullable=False),  # the TrainConfig (or serving config) as JSON
+    Column("name", String(200), nullable=False, default=""),
+    Column("attempt", Integer, nullable=False, default=0),
+    Column("max_attempts", Integer, nullable=False, default=3),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("finished_at", Float, nullable=True),
+    Column("error", Text, nullable=True),
+    # The lease: one at a time per job. The epoch only grows (every grant adds one) and fences every write.
+    Column("lease_epoch", Integer, nullable=False, default=0),
+    Column("worker_id", String(64), ForeignKey("workers.id"), nullable=True),
+    Column("lease_expires_at", Float, nullable=True),
+    Column("server_url", String(500), nullable=True),
+    Column("server_token_digest", String(64), nullable=True),
+    Column("cursor", Integer, nullable=False, default=0),  # last event seq, so appends number without a scan
+)
+Index("ix_jobs_queue", jobs.c.state, jobs.c.priority, jobs.c.created_at)
+Index("ix_jobs_tenant", jobs.c.tenant_id, jobs.c.created_at)
+Index("ix_jobs_lease", jobs.c.state, jobs.c.lease_expires_at)
+
+allocations = Table(
+    "allocations", metadata,
+    Column("device_id", Integer, ForeignKey("devices.id"), primary_key=True),  # never a device twice
+    Column("job_id", String(40), ForeignKey("jobs.id"), nullable=False),
+    Column("epoch", Integer, nullable=False),
+    Column("granted_at", Float, nullable=False),
+)
+Index("ix_allocations_job", allocations.c.job_id)
+
+events = Table(
+    "events", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_id", String(40), ForeignKey("jobs.id"), nullable=False),
+    Column("seq", Integer, nullable=False),
+    Column("type", String(40), nullable=False),
+    Column("data", Text, nullable=False),  # JSON object
+    Column("created_at", Float, nullable=False),
+    UniqueConstraint("job_id", "seq", name="uq_events_job_seq"),
+)
+
+checkpoints = Table(
+    "checkpoints", metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("job_id", String(40), ForeignKey("jobs.id"), nullable=False),
+    Column("step", Integer, nullable=False),
+    Column("name", String(200), nullable=False),  # a folder name inside the job's artifact folder
+    Column("epoch", Integer, nullable=False),
+    Column("created_at", Float, nullable=False),
+    UniqueConstraint("job_id", "name", name="uq_checkpoints_job_name"),
+)
+
+idempotency = Table(
+    "idempotency", metadata,
+    Column("tenant_id", String(64), primary_key=True),
+    Column("method", String(8), primary_key=True),
+    Column("path", String(300), primary_key=True),
+    Column("key", String(255), primary_key=True),
+    Column("body_digest", String(64), nullable=False),
+    Column("status", Integer, nullable=True),  # None while the first request is in flight
+    Column("response", Text, nullable=True),
+    Column("created_at", Float, nullable=False),
+)
+
+
+def database_url(url: str | None, default_dir: str | Path) -> str:
+    """``url``, or the SQLite file ``scheduler.db`` in ``default_dir``."""
+    if url:
+        return url
+    path = Path(default_dir).resolve() / "scheduler.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """An engine for ``url``. SQLite: WAL journal, foreign keys on, a 30 s busy timeout, ``BEGIN IMMEDIATE`` transactions.
+
+    ``BEGIN IMMEDIATE`` takes SQLite's write lock when a transaction starts rather than at its first write,
+    so two read-then-write transactions cannot both read and then fail to upgrade (SQLite's answer to
+    ``SELECT ... FOR UPDATE``); PostgreSQL gets ``FOR UPDATE`` where a transaction reads what it will change.
+    """
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://"):]
+    if not url.startswith("sqlite"):
+        return create_engine(url, pool_pre_ping=True, future=True, **kwargs)
+    engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, future=True, **kwargs)
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # the driver's own BEGIN is off: ours below
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def is_sqlite(engine: Engine) -> bool:
+    return engine.dialect.name == "sqlite"
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Create or upgrade the schema with the Alembic migrations shipped in this package."""
+    from alembic import command
+
+    command.upgrade(alembic_config(engine), revision)
+
+
+def alembic_config(engine: Engine) -> Any:
+    """An Alembic config for ``engine`` with this package's ``migrations`` folder (no alembic.ini needed)."""
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", str(Path(__file__).parent / "migrations"))
+    config.attributes["engine"] = engine
+    return config
+
+
+def current_revision(engine: Engine) -> str | None:
+    """The database's Alembic revision (None for an empty database)."""
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as connection:
+        return MigrationContext.configure(connection).get_current_revision()

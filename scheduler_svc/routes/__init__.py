@@ -1,0 +1,1 @@
+"""The scheduler's routes: thin, one module per resource."""

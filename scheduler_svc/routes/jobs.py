@@ -1,0 +1,263 @@
+"""Jobs: submit (idempotent), list (filters, cursor pages), show, cancel, events, checkpoints."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import and_, func, or_, select
+
+from tinkergym.backends.asgi import WireJSON, error_response
+from tinkergym.scheduler import states
+from tinkergym.scheduler.app import require
+from tinkergym.scheduler.auth import Principal
+from tinkergym.scheduler.db import jobs, tenants
+from tinkergym.scheduler.idempotency import IdempotencyError, Refused, run_once
+from tinkergym.scheduler.repository import Conflict, JobStore
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+#: A model a job may name: a served name or a hub id (``org/name``), never a path.
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+MAX_CONFIG_BYTES = 64 * 1024
+#: Config keys that name folders on the submitting machine: the worker chooses its own.
+CLIENT_PATH_KEYS = ("out", "resume", "data", "config")
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class JobCreate(WireModel):
+    """A job to queue. ``config`` is the ``TrainConfig`` the CLI builds (as a JSON object)."""
+
+    kind: Literal["train", "sft", "eval", "inference"]
+    config: dict[str, Any]
+    gpus: int = Field(1, ge=1, le=64, description="devices the job needs, all on one worker")
+    priority: int = Field(0, ge=-100, le=100, description="higher runs first; ties by age")
+    name: str = Field("", max_length=200)
+    max_attempts: int | None = Field(None, ge=1, le=20, description="lost leases before the job fails (default: the scheduler's)")
+
+
+class Job(WireModel):
+    id: str
+    kind: str
+    state: str
+    name: str
+    priority: int
+    gpus: int
+    attempt: int
+    max_attempts: int
+    created_at: float
+    updated_at: float
+    finished_at: float | None = None
+    error: str | None = None
+    lease_epoch: int
+    server_url: str | None = None
+    queue_position: int | None = Field(None, description="1 for the next queued job to be considered; queued jobs only")
+    config: dict[str, Any]
+
+
+class JobPage(WireModel):
+    jobs: list[Job]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null on the last")
+
+
+class Event(WireModel):
+    seq: int
+    type: str
+    data: dict[str, Any]
+    created_at: float
+
+
+class EventPage(WireModel):
+    events: list[Event]
+    cursor: int = Field(description="the last seq returned (pass as ?after= to continue)")
+
+
+class Checkpoint(WireModel):
+    step: int
+    name: str
+    epoch: int
+    created_at: float
+
+
+class CheckpointList(WireModel):
+    checkpoints: list[Checkpoint]
+
+
+def _store(request: Request) -> JobStore:
+    return request.app.state.store
+
+
+def check_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The job's config, refused (ValueError -> 400) when too large, naming a path as its model, or carrying client paths."""
+    if len(json.dumps(config)) > MAX_CONFIG_BYTES:
+        raise ValueError(f"config is larger than {MAX_CONFIG_BYTES} bytes")
+    model = config.get("model")
+    if not isinstance(model, str) or not MODEL_NAME.match(model) or ".." in model:
+        raise ValueError(
+            f"config.model {str(model)[:100]!r} is not a model name: name one the workers serve (e.g. smollm2-135m), not a path"
+        )
+    stray = [k for k in CLIENT_PATH_KEYS if config.get(k)]
+    if stray:
+        raise ValueError(f"config fields {stray} name folders on your machine; the scheduler's workers choose their own")
+    return config
+
+
+def queue_position(conn: Any, job: dict[str, Any]) -> int | None:
+    """1 + the queued jobs considered before ``job`` (higher priority, or equal priority and older)."""
+    if job["state"] != states.QUEUED:
+        return None
+    ahead = conn.execute(select(func.count()).select_from(jobs).where(
+        jobs.c.state == states.QUEUED,
+        or_(jobs.c.priority > job["priority"], and_(jobs.c.priority == job["priority"], jobs.c.created_at < job["created_at"])),
+    )).scalar_one()
+    return int(ahead) + 1
+
+
+def job_view(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """The public view of a job row (no token digests, no worker ids)."""
+    view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position")}
+    view["config"] = json.loads(job["config"])
+    view["queue_position"] = queue_position(conn, job)
+    return view
+
+
+def _idempotent(request: Request, who: Principal, key: str | None, body: Any, handler: Any) -> WireJSON:
+    try:
+        stored = run_once(_store(request), tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
+                          body=body, handler=handler)
+    except IdempotencyError as exc:
+        kinds = {409: "conflict", 422: "idempotency_key_reused", 400: "invalid_request"}
+        return error_response(exc.status, kinds[exc.status], str(exc))
+    headers = {"Idempotent-Replayed": "true"} if stored.replayed else None
+    return WireJSON(stored.body, status_code=stored.status, headers=headers)
+
+
+@router.post("", status_code=201, response_model=Job, responses={409: {}, 422: {}, 429: {}})
+def submit(
+    body: JobCreate, request: Request, who: Principal = Depends(require("write")),
+    idempotency_key: str | None = Header(None, alias="Idempotency-Key", max_length=255),
+) -> Any:
+    """Queue a job; it is in the database before this answers 201. Retries with the same ``Idempotency-Key`` get the same job."""
+    check_config(body.config)
+    settings = request.app.state.settings
+
+    def create(conn: Any) -> tuple[int, dict[str, Any]]:
+        tenant = conn.execute(select(tenants).where(tenants.c.id == who.tenant_id)).mappings().one()
+        if body.gpus > tenant["max_gpus"]:
+            raise Refused(400, "invalid_request", f"the job asks for {body.gpus} GPUs; tenant {who.tenant_id!r} may hold at most {tenant['max_gpus']}")
+        queued = conn.execute(select(func.count()).select_from(jobs).where(jobs.c.tenant_id == who.tenant_id, jobs.c.state == states.QUEUED)).scalar_one()
+        if queued >= tenant["max_queued"]:
+            raise Refused(429, "quota", f"tenant {who.tenant_id!r} has {queued} queued jobs, its quota; wait for some to start or cancel some")
+        job = _store(request).create_job(
+            conn, tenant_id=who.tenant_id, kind=body.kind, gpus=body.gpus, config=body.config, priority=body.priority,
+            name=body.name, max_attempts=body.max_attempts or settings.max_attempts,
+        )
+        return 201, job_view(conn, job)
+
+    response = _idempotent(request, who, idempotency_key, body.model_dump(mode="json"), create)
+    if response.status_code == 201:
+        from tinkergym.scheduler import leases
+
+        leases.wake(request.app)
+    return response
+
+
+def _decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        data = json.loads(base64.urlsafe_b64decode(cursor.encode("ascii") + b"=" * (-len(cursor) % 4)))
+        return float(data["t"]), str(data["id"])
+    except (ValueError, KeyError, TypeError, binascii.Error, UnicodeError):
+        raise ValueError(f"cursor {cursor[:40]!r} is not one this server gave out; start without a cursor") from None
+
+
+def _encode_cursor(job: dict[str, Any]) -> str:
+    return base64.urlsafe_b64encode(json.dumps({"t": job["created_at"], "id": job["id"]}).encode()).decode().rstrip("=")
+
+
+@router.get("", response_model=JobPage)
+def list_jobs(
+    request: Request, who: Principal = Depends(require("read")),
+    state: str | None = Query(None, description="comma-separated states"), kind: str | None = Query(None),
+    limit: int = Query(50, ge=1, le=500), cursor: str | None = Query(None, max_length=200),
+) -> Any:
+    """The tenant's jobs, newest first, a page at a time."""
+    query = select(jobs).where(jobs.c.tenant_id == who.tenant_id)
+    if state:
+        wanted = [s.strip() for s in state.split(",") if s.strip()]
+        unknown = [s for s in wanted if s not in states.STATES]
+        if unknown:
+            raise ValueError(f"unknown states {unknown}; the states are {', '.join(states.STATES)}")
+        query = query.where(jobs.c.state.in_(wanted))
+    if kind:
+        if kind not in states.KINDS:
+            raise ValueError(f"unknown kind {kind!r}; the kinds are {', '.join(states.KINDS)}")
+        query = query.where(jobs.c.kind == kind)
+    if cursor:
+        t, job_id = _decode_cursor(cursor)
+        query = query.where(or_(jobs.c.created_at < t, and_(jobs.c.created_at == t, jobs.c.id < job_id)))
+    query = query.order_by(jobs.c.created_at.desc(), jobs.c.id.desc()).limit(limit + 1)
+    with _store(request).engine.connect() as conn:
+        rows = [dict(r) for r in conn.execute(query).mappings()]
+        page = [job_view(conn, r) for r in rows[:limit]]
+    return {"jobs": page, "next_cursor": _encode_cursor(rows[limit - 1]) if len(rows) > limit else None}
+
+
+@router.get("/{job_id}", response_model=Job, responses={404: {}})
+def show(job_id: str, request: Request, who: Principal = Depends(require("read"))) -> Any:
+    """One job (404 for another tenant's)."""
+    with _store(request).engine.connect() as conn:
+        return job_view(conn, _store(request).get(conn, job_id, who.tenant_id))
+
+
+@router.post("/{job_id}/cancel", response_model=Job, responses={404: {}, 409: {}})
+def cancel(
+    job_id: str, request: Request, who: Principal = Depends(require("write")),
+    idempotency_key: str | None = Header(None, alias="Idempotency-Key", max_length=255),
+) -> Any:
+    """Cancel: a queued job at once; a leased or running one through ``cancelling`` (its worker stops the server)."""
+    store = _store(request)
+
+    def do_cancel(conn: Any) -> tuple[int, dict[str, Any]]:
+        job = store.get(conn, job_id, who.tenant_id, for_update=True)
+        if job["state"] == states.QUEUED:
+            moved = store.transition(conn, job_id, states.CANCELLED, event={"by": who.key_id})
+        elif job["state"] in (states.LEASED, states.STARTING, states.RUNNING):
+            moved = store.transition(conn, job_id, states.CANCELLING, event={"by": who.key_id})
+        elif job["state"] == states.CANCELLING:
+            return 200, job_view(conn, job)
+        else:
+            raise Conflict(f"job {job_id} is {job['state']}: it has ended and cannot be cancelled")
+        return 200, job_view(conn, moved.job)
+
+    return _idempotent(request, who, idempotency_key, {"job_id": job_id}, do_cancel)
+
+
+@router.get("/{job_id}/events", response_model=EventPage, responses={404: {}})
+def list_events(
+    job_id: str, request: Request, who: Principal = Depends(require("read")),
+    after: int = Query(0, ge=0, description="return events with seq > after"), limit: int = Query(100, ge=1, le=1000),
+) -> Any:
+    """The job's events after a cursor, oldest first."""
+    store = _store(request)
+    with store.engine.connect() as conn:
+        store.get(conn, job_id, who.tenant_id)
+        found = store.events_after(conn, job_id, after, limit)
+    return {"events": [{k: e[k] for k in ("seq", "type", "data", "created_at")} for e in found], "cursor": found[-1]["seq"] if found else after}
+
+
+@router.get("/{job_id}/checkpoints", response_model=CheckpointList, responses={404: {}})
+def list_checkpoints(job_id: str, request: Request, who: Principal = Depends(require("read"))) -> Any:
+    """The checkpoints the job's servers recorded, by step."""
+    store = _store(request)
+    with store.engine.connect() as conn:
+        store.get(conn, job_id, who.tenant_id)
+        rows = store.checkpoints(conn, job_id)
+    return {"checkpoints": [{k: r[k] for k in ("step", "name", "epoch", "created_at")} for r in rows]}
