@@ -127,12 +127,12 @@ def _vocab_size(backend: Any) -> int | None:
 class TrainingService:
     """One backend, its run folder, the call store and the worker: what the routes of one app share."""
 
-    def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_results: int, max_sessions: int) -> None:
+    def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_results: int, max_sessions: int, keep_states: int = 0) -> None:
         self.backend = backend
         self.run_dir = run_dir
         self.logger = logger
         self.store = CallStore(keep=keep_results, max_sessions=max_sessions)
-        self.worker = CallWorker(backend, run_dir, logger)
+        self.worker = CallWorker(backend, run_dir, logger, keep_states)
         self.vocab_size = _vocab_size(backend)
         self._tokenizer_files: dict[str, str] | None = None
 
@@ -301,6 +301,7 @@ def create_app(
     max_body_mb: float = 64,
     logger: logging.Logger | None = None,
     keep_results: int = 16,
+    keep_states: int = 0,
     max_sessions: int = 64,
 ) -> FastAPI:
     """A FastAPI app serving ``backend`` (any :class:`~tinkergym.backends.base.Backend`) over HTTP.
@@ -314,11 +315,12 @@ def create_app(
             ``logging.getLogger("tinkergym.backends.server")``.
         keep_results: Calls kept per session for retries.
         max_sessions: Sessions kept (the least recently used is forgotten).
+        keep_states: With a value > 0, each ``save_state`` deletes all but that many newest saved states.
     """
     folder = Path(run_dir).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     log = logger or logging.getLogger("tinkergym.backends.server")
-    service = TrainingService(backend, folder, log, keep_results, max_sessions)
+    service = TrainingService(backend, folder, log, keep_results, max_sessions, keep_states)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -20,6 +20,7 @@ import os
 import queue
 import re
 import secrets
+import shutil
 import threading
 import time
 import traceback
@@ -239,8 +240,22 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None) -> ParsedC
     raise ConfigError(f"unknown method {str(method)[:60]!r}; the methods are: {known}")
 
 
-def run_call(backend: Any, call: ParsedCall, run_dir: Path) -> dict[str, Any]:
-    """Run a checked call on ``backend`` and return its JSON result (names are checked again, now, before use)."""
+def prune_states(run_dir: Path, keep: int, current: Path) -> list[str]:
+    """Delete all but the ``keep`` newest saved states (by modification time; ``current`` always stays); their names."""
+    states_dir = run_dir / "states"
+    saved = [p for p in states_dir.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.endswith(".tmp") and p != current]
+    saved.sort(key=lambda p: p.stat().st_mtime)
+    doomed = saved[: max(len(saved) - (keep - 1), 0)]
+    for folder in doomed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return [p.name for p in doomed]
+
+
+def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0) -> dict[str, Any]:
+    """Run a checked call on ``backend`` and return its JSON result (names are checked again, now, before use).
+
+    With ``keep_states`` > 0, a ``save_state`` leaves only that many saved states (the newest) in the run folder.
+    """
     args = call.args
     if call.method == "sample":
         return backend.sample(args["request"]).to_dict()
@@ -254,7 +269,8 @@ def run_call(backend: Any, call: ParsedCall, run_dir: Path) -> dict[str, Any]:
         folder = named_dir(run_dir, "states", args["name"])
         folder.parent.mkdir(parents=True, exist_ok=True)
         backend.save_state(str(folder))
-        return {}
+        pruned = prune_states(run_dir, keep_states, folder) if keep_states > 0 else []
+        return {"pruned": pruned} if pruned else {}
     if call.method == "load_state":
         folder = named_dir(run_dir, "states", args["name"])
         if not folder.is_dir():
@@ -416,10 +432,11 @@ class CallStore:
 class CallWorker:
     """One thread that runs accepted calls on the backend, strictly in the order they were submitted."""
 
-    def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger) -> None:
+    def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_states: int = 0) -> None:
         self.backend = backend
         self.run_dir = run_dir
         self.logger = logger
+        self.keep_states = keep_states
         self._queue: queue.Queue[CallRecord | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -445,7 +462,7 @@ class CallWorker:
             start = time.perf_counter()
             result, error = None, None
             try:
-                result = run_call(self.backend, record.call, self.run_dir)  # type: ignore[arg-type]
+                result = run_call(self.backend, record.call, self.run_dir, self.keep_states)  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - any failure becomes the call's stored outcome
                 error = call_error(exc, record.request_id, self.logger)
             self.logger.info(json.dumps({

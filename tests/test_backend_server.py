@@ -381,6 +381,15 @@ def test_states_and_exports_through_the_server(tiny: str, tmp_path: Path) -> Non
         assert response.status_code in (400, 404) and "TOP-SECRET" not in response.text, path
 
 
+def test_keep_states_prunes_the_oldest_saved_states(tmp_path: Path) -> None:
+    client = Client(serve(FakeBackend(), tmp_path, keep_states=2))
+    for step in range(4):
+        result = client.call("save_state", {"name": f"step_{step}"})
+        os.utime(tmp_path / "states" / f"step_{step}", (1000.0 + step, 1000.0 + step))  # distinct ages on any filesystem
+        assert result == ({"pruned": [f"step_{step - 2}"]} if step >= 2 else {})
+    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == ["step_2", "step_3"]
+
+
 def test_tokenizer_files_rebuild_the_same_tokenizer(tiny: str, tmp_path: Path) -> None:
     from transformers import AutoTokenizer
 

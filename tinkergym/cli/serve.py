@@ -48,9 +48,11 @@ def request_logger(run_dir: Path) -> logging.Logger:
 @click.option("--token-file", type=SafePath(dir_okay=False, path_type=Path), default=None, help="File with the bearer token (mode 600; required).")
 @click.option("--run-dir", type=SafePath(file_okay=False, path_type=Path), required=True, help="Folder for states/, exports/ and server.log.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True, help="Larger request bodies are refused (413).")
+@click.option("--keep-states", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Keep only this many newest saved states in --run-dir/states (0: keep all). Keep more than the client's checkpoints (2).")
 def serve_backend(
     model: str, lora_rank: int | None, full: bool, dtype: str, device: str, seed: int, host: str, port: int,
-    token_file: Path | None, run_dir: Path, max_body_mb: float,
+    token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int,
 ) -> None:
     """Serve the Backend protocol over HTTP: sampling, gradients and optimizer steps for a remote trainer.
 
@@ -77,7 +79,8 @@ def serve_backend(
     run_dir.mkdir(parents=True, exist_ok=True)
     config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or 16), dtype=dtype, device=device, seed=seed)
     backend = TorchBackend(config)
-    app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()))
+    app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()),
+                     keep_states=keep_states)
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     # Long polls hold requests open for up to 300 s: on Ctrl-C, do not wait for them.
     uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5)
