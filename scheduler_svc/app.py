@@ -44,6 +44,8 @@ class SchedulerSettings:
             (so large jobs are not starved); younger ones let smaller jobs start around them.
         max_body_bytes: Larger request bodies are refused with 413.
         idle_timeout_s: A running job whose client has not called its server for this long is ended.
+        sse_poll_s: How often an open event stream looks for new events (a new one arrives within this).
+        sse_keepalive_s: An event stream with nothing to send sends a keep-alive comment this often.
         clock: The time source (tests move it).
     """
 
@@ -55,6 +57,8 @@ class SchedulerSettings:
     max_body_bytes: int = 1 << 20
     idle_timeout_s: float = 900.0
     max_attempts: int = 3
+    sse_poll_s: float = 0.2
+    sse_keepalive_s: float = 15.0
     clock: Callable[[], float] = field(default=now, repr=False)
 
 
@@ -163,6 +167,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     granted only when :func:`tinkergym.scheduler.leases.sweep` is called.
     """
     from tinkergym.scheduler import leases
+    from tinkergym.scheduler.routes import events as event_routes
     from tinkergym.scheduler.routes import jobs as job_routes
     from tinkergym.scheduler.routes import workers as worker_routes
 
@@ -191,6 +196,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.state.logger = log
     _add_health(app)
     app.include_router(job_routes.router)
+    app.include_router(event_routes.router)
     app.include_router(worker_routes.router)
     _add_error_handlers(app, log)
     # Added innermost first: the log sees every request, the key is checked before the body is read.

@@ -84,6 +84,8 @@ class JobStore:
 
     def get(self, conn: Connection, job_id: str, tenant_id: str | None = None, *, for_update: bool = False) -> dict[str, Any]:
         """The job's row; :class:`NotFound` when it does not exist or belongs to another tenant than ``tenant_id``."""
+        if len(job_id) > 40 or "\x00" in job_id:  # no job has such an id (and PostgreSQL refuses NUL in text)
+            raise NotFound(job_id)
         query = select(jobs).where(jobs.c.id == job_id)
         if tenant_id is not None:
             query = query.where(jobs.c.tenant_id == tenant_id)

@@ -27,6 +27,10 @@ MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-
 MAX_CONFIG_BYTES = 64 * 1024
 #: Config keys that name folders on the submitting machine: the worker chooses its own.
 CLIENT_PATH_KEYS = ("out", "resume", "data", "config")
+#: What a job id looks like (``repository.new_job_id``); a cursor naming anything else was not made here.
+JOB_ID = re.compile(r"^job_[0-9a-f]{1,36}$")
+#: The largest event seq (``events.seq`` is a 32-bit integer on PostgreSQL): a larger cursor is a 400, not a 500.
+MAX_SEQ = 2**31 - 1
 
 
 class WireModel(BaseModel):
@@ -40,7 +44,7 @@ class JobCreate(WireModel):
     config: dict[str, Any]
     gpus: int = Field(1, ge=1, le=64, description="devices the job needs, all on one worker")
     priority: int = Field(0, ge=-100, le=100, description="higher runs first; ties by age")
-    name: str = Field("", max_length=200)
+    name: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$", description="a label; no control characters")
     max_attempts: int | None = Field(None, ge=1, le=20, description="lost leases before the job fails (default: the scheduler's)")
 
 
@@ -173,7 +177,10 @@ def submit(
 def _decode_cursor(cursor: str) -> tuple[float, str]:
     try:
         data = json.loads(base64.urlsafe_b64decode(cursor.encode("ascii") + b"=" * (-len(cursor) % 4)))
-        return float(data["t"]), str(data["id"])
+        t, job_id = float(data["t"]), data["id"]
+        if not isinstance(job_id, str) or not JOB_ID.match(job_id):
+            raise ValueError(job_id)
+        return t, job_id
     except (ValueError, KeyError, TypeError, binascii.Error, UnicodeError):
         raise ValueError(f"cursor {cursor[:40]!r} is not one this server gave out; start without a cursor") from None
 
@@ -243,7 +250,7 @@ def cancel(
 @router.get("/{job_id}/events", response_model=EventPage, responses={404: {}})
 def list_events(
     job_id: str, request: Request, who: Principal = Depends(require("read")),
-    after: int = Query(0, ge=0, description="return events with seq > after"), limit: int = Query(100, ge=1, le=1000),
+    after: int = Query(0, ge=0, le=MAX_SEQ, description="return events with seq > after"), limit: int = Query(100, ge=1, le=1000),
 ) -> Any:
     """The job's events after a cursor, oldest first."""
     store = _store(request)

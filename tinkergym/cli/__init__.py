@@ -6,6 +6,7 @@ import click
 
 from tinkergym.cli.common import TinkergymGroup
 from tinkergym.cli.envs import envs
+from tinkergym.cli.jobs import jobs
 from tinkergym.cli.play import play
 from tinkergym.cli.push import push
 from tinkergym.cli.serve import serve_backend
@@ -35,6 +36,7 @@ main.add_command(play)
 main.add_command(train)
 main.add_command(eval_command)
 main.add_command(push)
+main.add_command(jobs)
 main.add_command(serve_backend)
 main.add_command(serve_model)
 

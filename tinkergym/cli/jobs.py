@@ -1,0 +1,160 @@
+"""``tinkergym jobs list|show|cancel|logs``: the scheduler's jobs from the command line (through :mod:`tinkergym.client`)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import time
+from typing import Any, Callable
+
+import click
+
+from tinkergym.cli.common import InputError
+from tinkergym.client import API_KEY_ENV, SCHEDULER_ENV
+
+STATES = ("queued", "leased", "starting", "running", "cancelling", "succeeded", "failed", "cancelled")
+KINDS = ("train", "sft", "eval", "inference")
+
+
+def scheduler_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """``--scheduler`` and ``--api-key`` (from the environment by default) on a jobs command."""
+    command = click.option(
+        "--api-key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
+        help="An API key from `tinkergym scheduler keys create` (tgk_...). Prefer the environment variable: "
+        "a key on the command line ends up in the shell history.",
+    )(command)
+    return click.option(
+        "--scheduler", "scheduler_url", envvar=SCHEDULER_ENV, show_envvar=True, metavar="URL",
+        help="The scheduler, e.g. http://127.0.0.1:8700.",
+    )(command)
+
+
+def connect(scheduler_url: str | None, api_key: str | None) -> Any:
+    """A :class:`~tinkergym.client.SchedulerClient`; no URL or no key is bad input (exit 2) with a message saying how to give one."""
+    from tinkergym.client import SchedulerClient
+    from tinkergym.errors import ConfigError
+
+    if not api_key or not api_key.strip():
+        raise InputError(f"no API key: pass --api-key KEY or set {API_KEY_ENV} (an admin makes one with `tinkergym scheduler keys create`)")
+    if not scheduler_url:
+        raise InputError(f"no scheduler: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8700)")
+    try:
+        return SchedulerClient(scheduler_url, api_key)
+    except ConfigError as exc:
+        raise InputError(str(exc)) from exc
+
+
+def call(action: Callable[[], Any]) -> Any:
+    """Run a client call; the scheduler's refusals become exit 2 (bad request, key or id) or 1 (the scheduler failed)."""
+    from tinkergym.client import SchedulerError
+
+    try:
+        return action()
+    except SchedulerError as exc:
+        if exc.input_error:
+            raise InputError(str(exc)) from exc
+        raise click.ClickException(str(exc)) from exc
+
+
+def age(created_at: float, now: float | None = None) -> str:
+    """``42s``, ``5m``, ``3h``, ``2d``: how long ago ``created_at`` was."""
+    seconds = max(0.0, (time.time() if now is None else now) - created_at)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
+
+
+def job_table(found: list[dict[str, Any]]) -> str:
+    """The jobs as an aligned table: id, kind, state, priority, gpus, attempt, age, name."""
+    header = ("ID", "KIND", "STATE", "PRIORITY", "GPUS", "ATTEMPT", "AGE", "NAME")
+    now = time.time()
+    rows = [header] + [
+        (j["id"], j["kind"], j["state"], str(j["priority"]), str(j["gpus"]), str(j["attempt"]), age(j["created_at"], now), j["name"])
+        for j in found
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
+    return "\n".join("  ".join([c.ljust(w) for c, w in zip(r, widths)] + [r[-1]]).rstrip() for r in rows)
+
+
+def event_line(event: dict[str, Any]) -> str:
+    """``2025-01-02 03:04:05  state  {"state":"queued"}``: an event's local time, type and data."""
+    stamp = datetime.datetime.fromtimestamp(float(event["created_at"])).strftime("%Y-%m-%d %H:%M:%S")
+    return f"{stamp}  {event['type']:<10}  {json.dumps(event['data'], separators=(',', ':'), sort_keys=True)}"
+
+
+@click.group()
+def jobs() -> None:
+    """The scheduler's jobs: list, show, cancel, logs (--follow streams them as they happen).
+
+    Every command needs the scheduler's URL (--scheduler or TINKERGYM_SCHEDULER) and an API key
+    (--api-key or TINKERGYM_API_KEY). Exit codes: 2 for bad input (no key, a refused key, an unknown
+    job id), 1 when the scheduler fails or cannot be reached, or refuses the action (cancelling an ended job).
+
+    \b
+    Examples:
+      export TINKERGYM_SCHEDULER=http://127.0.0.1:8700 TINKERGYM_API_KEY=tgk_...
+      tinkergym jobs list --state queued,running
+      tinkergym jobs show job_0123
+      tinkergym jobs logs job_0123 --follow
+      tinkergym jobs cancel job_0123
+    """
+
+
+@jobs.command("list")
+@scheduler_options
+@click.option("--state", help="Only jobs in these states (comma-separated: " + ", ".join(STATES) + ").")
+@click.option("--kind", type=click.Choice(KINDS), help="Only jobs of this kind.")
+@click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True, help="At most this many jobs, newest first.")
+@click.option("--json", "as_json", is_flag=True, help="Print the jobs as one JSON list.")
+def list_command(scheduler_url: str | None, api_key: str | None, state: str | None, kind: str | None, limit: int, as_json: bool) -> None:
+    """The tenant's jobs, newest first, as a table (id, kind, state, priority, gpus, attempt, age, name)."""
+    client = connect(scheduler_url, api_key)
+    found = call(lambda: client.list(state=state, kind=kind, limit=limit))
+    click.echo(json.dumps(found, indent=2) if as_json else job_table(found))
+
+
+@jobs.command("show")
+@scheduler_options
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the job as JSON.")
+def show_command(scheduler_url: str | None, api_key: str | None, job_id: str, as_json: bool) -> None:
+    """One job: its state, attempt, queue position, server and config."""
+    client = connect(scheduler_url, api_key)
+    job = call(lambda: client.show(job_id))
+    if as_json:
+        click.echo(json.dumps(job, indent=2))
+        return
+    for field in ("id", "name", "kind", "state", "priority", "gpus", "attempt", "max_attempts", "queue_position", "server_url", "error"):
+        if job.get(field) not in (None, ""):
+            click.echo(f"{field + ':':<16}{job[field]}")
+    click.echo(f"{'age:':<16}{age(job['created_at'])}")
+    click.echo(f"{'config:':<16}{json.dumps(job.get('config', {}), sort_keys=True)}")
+
+
+@jobs.command("cancel")
+@scheduler_options
+@click.argument("job_id")
+def cancel_command(scheduler_url: str | None, api_key: str | None, job_id: str) -> None:
+    """Cancel a job: a queued one ends at once, a running one is stopped by its worker (state cancelling)."""
+    client = connect(scheduler_url, api_key)
+    job = call(lambda: client.cancel(job_id))
+    click.echo(f"{job['id']}: {job['state']}")
+
+
+@jobs.command("logs")
+@scheduler_options
+@click.argument("job_id")
+@click.option("--follow", "-f", is_flag=True, help="Keep streaming new events until the job ends.")
+@click.option("--after", type=click.IntRange(0), default=0, show_default=True, help="Only events after this sequence number.")
+@click.option("--json", "as_json", is_flag=True, help="Print each event as a JSON line.")
+def logs_command(scheduler_url: str | None, api_key: str | None, job_id: str, follow: bool, after: int, as_json: bool) -> None:
+    """The job's events (state changes, logs, metrics, checkpoints) as lines: time, type, data."""
+    client = connect(scheduler_url, api_key)
+    show = (lambda e: json.dumps(e, separators=(",", ":"))) if as_json else event_line
+
+    def run() -> None:
+        for event in client.follow(job_id, after) if follow else client.events(job_id, after):
+            click.echo(show(event))
+
+    call(run)
