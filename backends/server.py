@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -135,9 +136,21 @@ class TrainingService:
         self.worker = CallWorker(backend, run_dir, logger, keep_states)
         self.vocab_size = _vocab_size(backend)
         self._tokenizer_files: dict[str, str] | None = None
+        self._touched = time.monotonic()
+
+    def touch(self) -> None:
+        """Note a client call (for the idle timeout)."""
+        self._touched = time.monotonic()
+
+    def last_activity(self) -> float:
+        """The monotonic time of the last sign of a client: now while a call runs, else its last request or finished call."""
+        if self.worker.pending:
+            return time.monotonic()
+        return max(self._touched, self.worker.last_done)
 
     def accept(self, body: CallBody) -> CallRecord:
         """Accept (and queue) a new call or find the kept one a retry names."""
+        self.touch()
         record, new = self.store.accept(body.session_id, body.seq, body.method, body.args, lambda: parse_call(body.method, body.args, self.vocab_size))
         if new and not record.done:
             self.worker.submit(record)
@@ -244,6 +257,7 @@ async def call(body: CallBody, request: Request, wait: float = WAIT) -> WireJSON
 @router.get("/v1/requests/{request_id}", response_model=CallDone, responses={202: {"model": CallPending}, **ERRORS})
 async def poll(request_id: str, request: Request, wait: float = WAIT) -> WireJSON:
     """Long poll: the call's result once it is done, or 202 after ``wait`` seconds."""
+    _service(request).touch()
     record = _service(request).store.get(request_id)
     if record is None:
         return error_response(404, "not_found", f"unknown request id {request_id[:64]!r} (the server keeps the last calls of each session)")

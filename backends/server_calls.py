@@ -437,6 +437,8 @@ class CallWorker:
         self.run_dir = run_dir
         self.logger = logger
         self.keep_states = keep_states
+        self.pending = 0  # calls submitted and not finished
+        self.last_done = time.monotonic()
         self._queue: queue.Queue[CallRecord | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -444,6 +446,7 @@ class CallWorker:
     def submit(self, record: CallRecord) -> None:
         """Queue ``record`` to run after every call submitted before it (the thread starts on first use)."""
         with self._start_lock:
+            self.pending += 1
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="tinkergym-backend-worker", daemon=True)
                 self._thread.start()
@@ -470,3 +473,6 @@ class CallWorker:
                 "method": record.method, "ok": error is None, "duration_ms": round(1000 * (time.perf_counter() - start), 1),
             }))
             record.finish(result=result, error=error)
+            with self._start_lock:
+                self.pending -= 1
+                self.last_done = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -50,9 +51,12 @@ def request_logger(run_dir: Path) -> logging.Logger:
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True, help="Larger request bodies are refused (413).")
 @click.option("--keep-states", type=click.IntRange(min=0), default=0, show_default=True,
               help="Keep only this many newest saved states in --run-dir/states (0: keep all). Keep more than the client's checkpoints (2).")
+@click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop (exit code 75) when no client call came for this many seconds; a running call counts as activity.")
+@click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
 def serve_backend(
     model: str, lora_rank: int | None, full: bool, dtype: str, device: str, seed: int, host: str, port: int,
-    token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int,
+    token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int, idle_timeout: float | None, exit_with_parent: bool,
 ) -> None:
     """Serve the Backend protocol over HTTP: sampling, gradients and optimizer steps for a remote trainer.
 
@@ -83,4 +87,15 @@ def serve_backend(
                      keep_states=keep_states)
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     # Long polls hold requests open for up to 300 s: on Ctrl-C, do not wait for them.
-    uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5))
+    watchdog = None
+    if idle_timeout is not None or exit_with_parent:
+        from tinkergym.backends.lifetime import Watchdog
+
+        service = app.state.service
+        watchdog = Watchdog(parent_pid=os.getppid() if exit_with_parent else None, idle_timeout=idle_timeout,
+                            last_activity=service.last_activity, logger=service.logger,
+                            stop=lambda _code: setattr(server, "should_exit", True)).start()
+    server.run()
+    if watchdog is not None and watchdog.exit_code is not None:
+        sys.exit(watchdog.exit_code)

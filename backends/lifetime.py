@@ -1,0 +1,89 @@
+"""When a server started for a job should stop on its own: its parent (the worker) died, or its client went quiet.
+
+A worker starts each job's server as a child process. If the worker is killed (``kill -9``), nothing would
+stop the server, which would keep the devices and answer with a token the scheduler has moved past. So the
+server stops itself:
+
+- the kernel sends it SIGTERM when the worker dies (``PR_SET_PDEATHSIG``, set by the worker when it starts
+  the process: :func:`die_with_parent`), and as a second line :class:`Watchdog` sees that it was reparented
+  (``os.getppid()`` changed) within a second;
+- with an idle timeout, a server whose client has sent no call for that long stops too (the client died),
+  freeing the job's devices; the exit code :data:`IDLE_EXIT_CODE` tells the worker why.
+
+Stopping is a graceful shutdown of the server (``tinkergym serve-backend`` sets uvicorn's ``should_exit``), after
+which the process exits with :data:`IDLE_EXIT_CODE` or :data:`ORPHAN_EXIT_CODE`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+#: The exit code of a server that stopped because its client was idle (EX_TEMPFAIL).
+IDLE_EXIT_CODE = 75
+#: The exit code of a server that stopped because its parent died.
+ORPHAN_EXIT_CODE = 76
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """In a child process (``Popen(preexec_fn=die_with_parent)``): get SIGTERM when the parent dies (Linux)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except OSError:  # not Linux: the Watchdog's reparenting check still stops the server
+        pass
+
+
+class Watchdog:
+    """A daemon thread that stops this process when its parent dies or ``last_activity`` is older than ``idle_timeout``.
+
+    Args:
+        parent_pid: The parent to outlive never (None: do not watch; the default is the current parent).
+        idle_timeout: Seconds without activity before stopping (None: never).
+        last_activity: Returns the monotonic time of the last client call.
+        interval: Seconds between checks.
+        stop: What stopping does (default: SIGTERM to this process); tests pass their own.
+    """
+
+    def __init__(
+        self, *, parent_pid: int | None = None, idle_timeout: float | None = None, last_activity: Callable[[], float] | None = None,
+        interval: float = 0.5, stop: Callable[[int], None] | None = None, logger: logging.Logger | None = None,
+    ) -> None:
+        if idle_timeout is not None and last_activity is None:
+            raise ValueError("an idle timeout needs last_activity")
+        self.parent_pid = parent_pid
+        self.idle_timeout = idle_timeout
+        self.last_activity = last_activity
+        self.interval = interval
+        self.exit_code: int | None = None
+        self._stop = stop or (lambda _code: os.kill(os.getpid(), signal.SIGTERM))
+        self._logger = logger or logging.getLogger("tinkergym.backends.lifetime")
+        self._thread = threading.Thread(target=self._run, name="tinkergym-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def reason(self) -> int | None:
+        """:data:`ORPHAN_EXIT_CODE` or :data:`IDLE_EXIT_CODE` when the watchdog fired, else None."""
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            return ORPHAN_EXIT_CODE
+        if self.idle_timeout is not None and time.monotonic() - self.last_activity() > self.idle_timeout:  # type: ignore[misc]
+            return IDLE_EXIT_CODE
+        return None
+
+    def _run(self) -> None:
+        while self.exit_code is None:
+            time.sleep(self.interval)
+            code = self.reason()
+            if code is not None:
+                self.exit_code = code
+                why = "its parent process died" if code == ORPHAN_EXIT_CODE else f"no client call for {self.idle_timeout:g} s"
+                self._logger.warning('{"event": "stopping", "reason": "%s"}', why)
+                self._stop(code)
