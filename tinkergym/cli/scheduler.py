@@ -1,0 +1,401 @@
+"""``tinkergym scheduler``: serve the job scheduler, make and revoke its API keys, set tenant quotas, migrate its database.
+
+Keys are made here, on the scheduler's machine, and nowhere else: the service has no registration route.
+SQLAlchemy, Alembic and FastAPI are imported inside the commands, so ``import tinkergym.cli`` stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tinkergym.cli.common import FiniteFloat, InputError, SafePath, shorten
+from tinkergym.cli.serve import _is_loopback
+
+DB_ENVVAR = "TINKERGYM_SCHEDULER_DB"
+DEFAULT_DATA_DIR = Path("scheduler-data")
+
+db_option = click.option(
+    "--db", "db", default=None, envvar=DB_ENVVAR, show_envvar=True, metavar="URL",
+    help="SQLAlchemy URL: sqlite:///path/scheduler.db or postgresql://user@host:5432/name (default: <data-dir>/scheduler.db).",
+)
+data_dir_option = click.option(
+    "--data-dir", type=SafePath(file_okay=False, path_type=Path), default=DEFAULT_DATA_DIR, show_default=True,
+    help="The scheduler's folder: artifacts, scheduler.log and the default SQLite database.",
+)
+
+
+def _shown_url(url: str) -> str:
+    """``url`` with any password masked, for messages and logs."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import ArgumentError
+
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return shorten(url, 200)
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of a database error, without SQLAlchemy's background link."""
+    inner = getattr(exc, "orig", None) or exc
+    lines = [line.strip() for line in str(inner).splitlines() if line.strip()]
+    return shorten(lines[0] if lines else type(inner).__name__, 300)
+
+
+def open_database(db: str | None, data_dir: Path, *, migrate: bool = True) -> Any:
+    """An engine on the scheduler's database (upgraded to the newest schema when ``migrate``); a bad URL or an
+    unreachable server is an :class:`InputError` (exit 2)."""
+    from alembic.util.exc import CommandError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from tinkergym.scheduler.db import database_url, make_engine, upgrade
+
+    try:
+        url = database_url(db, data_dir)
+    except OSError as exc:
+        raise InputError(f"cannot create the data folder {str(data_dir)!r}: {exc.strerror or exc}") from exc
+    try:
+        engine = make_engine(url)
+        with engine.connect():
+            pass
+        if migrate:
+            upgrade(engine)
+    except (SQLAlchemyError, CommandError, ValueError, ImportError, OSError) as exc:
+        raise InputError(
+            f"cannot use the database {_shown_url(url)}: {_reason(exc)}. Check --db (or ${DB_ENVVAR}): "
+            "sqlite:///path/scheduler.db, or postgresql://user@host:5432/name with the server running"
+        ) from exc
+    return engine
+
+
+def _check_tenant(tenant: str) -> str:
+    from tinkergym.scheduler.auth import TENANT_PATTERN
+
+    if not TENANT_PATTERN.match(tenant):
+        raise click.BadParameter(
+            f"{shorten(tenant, 80)!r} is not a tenant name: use lowercase letters, digits, '.', '_' and '-' "
+            "(start with a letter or digit, at most 64)", param_hint="--tenant")
+    return tenant
+
+
+def _when(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [header, *rows])
+
+
+def scheduler_logger(data_dir: Path) -> logging.Logger:
+    """The scheduler's logger: one JSON line per request, to stderr and to ``<data-dir>/scheduler.log``."""
+    logger = logging.getLogger("tinkergym.scheduler")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    for old in list(logger.handlers):
+        logger.removeHandler(old)
+    for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(data_dir / "scheduler.log", encoding="utf-8")):
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    return logger
+
+
+@click.group("scheduler")
+def scheduler() -> None:
+    """The job scheduler: GPU leases for jobs, API keys, tenants and quotas (needs the `scheduler` extra).
+
+    \b
+    Examples:
+      tinkergym scheduler keys create --tenant acme --scopes read,write
+      tinkergym scheduler serve --port 8780
+      tinkergym scheduler serve --db postgresql://tinkergym@127.0.0.1:5432/tinkergym
+    """
+
+
+@scheduler.command("serve")
+@db_option
+@data_dir_option
+@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on; keep the loopback default behind an SSH tunnel or a TLS proxy.")
+@click.option("--port", type=click.IntRange(1, 65535), default=8780, show_default=True)
+@click.option("--lease-ttl", type=FiniteFloat(min=0, min_open=True), default=30.0, show_default=True, metavar="S",
+              help="A lease not renewed by its worker's heartbeat within this many seconds expires and its job is requeued.")
+@click.option("--sweep-interval", type=FiniteFloat(min=0, min_open=True), default=1.0, show_default=True, metavar="S",
+              help="How often expired leases are swept and queued jobs granted.")
+@click.option("--backfill-age", type=FiniteFloat(min=0), default=600.0, show_default=True, metavar="S",
+              help="A queued job older than this stops smaller jobs from starting around it (no starvation).")
+@click.option("--idle-timeout", type=FiniteFloat(min=0, min_open=True), default=900.0, show_default=True, metavar="S",
+              help="A running job whose client has been silent this long is ended.")
+@click.option("--max-attempts", type=click.IntRange(min=1), default=3, show_default=True, help="Leases a job may lose before it fails.")
+@click.option("--max-body-kb", type=click.IntRange(min=1), default=1024, show_default=True, metavar="N", help="Larger request bodies are refused (413).")
+def serve(
+    db: str | None, data_dir: Path, host: str, port: int, lease_ttl: float, sweep_interval: float, backfill_age: float,
+    idle_timeout: float, max_attempts: int, max_body_kb: int,
+) -> None:
+    """Serve the scheduler's HTTP API (upgrading its database first).
+
+    \b
+    Example:
+      tinkergym scheduler keys create --tenant acme --scopes read,write
+      tinkergym scheduler serve --data-dir scheduler-data --port 8780
+      curl -H "Authorization: Bearer tgk_..." http://127.0.0.1:8780/v1/jobs
+    """
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"cannot create the data folder {str(data_dir)!r}: {exc.strerror or exc}") from exc
+    open_database(db, data_dir).dispose()  # a bad URL or an unreachable server is exit 2, before anything listens
+    if not _is_loopback(host):
+        click.echo(f"warning: listening on {host}: API keys and data travel unencrypted unless a TLS proxy is in front.", err=True)
+
+    import uvicorn
+
+    from tinkergym.scheduler.app import SchedulerSettings, create_app
+    from tinkergym.scheduler.db import database_url
+
+    url = database_url(db, data_dir)
+    settings = SchedulerSettings(
+        db_url=url, data_dir=data_dir, lease_ttl_s=lease_ttl, sweep_interval_s=sweep_interval, backfill_age_s=backfill_age,
+        idle_timeout_s=idle_timeout, max_attempts=max_attempts, max_body_bytes=max_body_kb * 1024,
+    )
+    app = create_app(settings, logger=scheduler_logger(data_dir.resolve()))
+    click.echo(f"tinkergym scheduler on http://{host}:{port} (database {_shown_url(url)}, data {data_dir})", err=True)
+    # Event streams stay open: on Ctrl-C, do not wait for them.
+    uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5)
+
+
+@scheduler.group("keys")
+def keys() -> None:
+    """Make, list and revoke API keys (the only way to get one: there is no registration).
+
+    \b
+    Examples:
+      tinkergym scheduler keys create --tenant acme --scopes read,write --name laptop
+      tinkergym scheduler keys list --tenant acme
+      tinkergym scheduler keys revoke 0123456789ab
+    """
+
+
+@keys.command("create")
+@click.option("--tenant", required=True, help="The key's owner; created with default quotas if new.")
+@click.option("--scopes", required=True, help="Comma-separated: read, write, worker, admin (admin implies all).")
+@click.option("--name", default="", help="A label for `keys list` (who or what holds the key).")
+@db_option
+@data_dir_option
+def keys_create(tenant: str, scopes: str, name: str, db: str | None, data_dir: Path) -> None:
+    """Make a key and print it once; only its SHA-256 digest is stored.
+
+    The key alone goes to stdout (so it can be redirected to a file); its id and the notice go to stderr.
+
+    \b
+    Example:
+      tinkergym scheduler keys create --tenant acme --scopes read,write --name laptop > key.txt && chmod 600 key.txt
+      tinkergym scheduler keys create --tenant cluster --scopes worker --name gpu-host-1
+    """
+    from tinkergym.scheduler.auth import SCOPES, create_key, parse_scopes
+
+    _check_tenant(tenant)
+    try:
+        scope_list = parse_scopes(scopes)
+    except ValueError as exc:
+        unknown = sorted({s.strip() for s in scopes.split(",") if s.strip()} - set(SCOPES))
+        what = f"unknown scope {', '.join(repr(shorten(s, 40)) for s in unknown[:5])}" if unknown else "no scope given"
+        raise click.BadParameter(f"{what}: give a comma-separated list of {', '.join(SCOPES)}", param_hint="--scopes") from exc
+    if len(name) > 200:
+        raise click.BadParameter("at most 200 characters", param_hint="--name")
+    engine = open_database(db, data_dir)
+    try:
+        key_id, key = create_key(engine, tenant, scope_list, name=name)
+    finally:
+        engine.dispose()
+    click.echo(f"created key {key_id} for tenant {tenant} (scopes {','.join(scope_list)})", err=True)
+    click.echo(key)
+    click.echo("this key is shown once and never again (the scheduler keeps only its digest): store it now.", err=True)
+
+
+@keys.command("list")
+@click.option("--tenant", default=None, help="Only this tenant's keys.")
+@db_option
+@data_dir_option
+def keys_list(tenant: str | None, db: str | None, data_dir: Path) -> None:
+    """List keys: id, tenant, scopes, name, created, revoked (never the key nor its digest).
+
+    \b
+    Example:
+      tinkergym scheduler keys list --tenant acme
+    """
+    from tinkergym.scheduler.auth import list_keys
+
+    if tenant is not None:
+        _check_tenant(tenant)
+    engine = open_database(db, data_dir)
+    try:
+        found = list_keys(engine, tenant)
+    finally:
+        engine.dispose()
+    if not found:
+        click.echo("no keys" + (f" for tenant {tenant}" if tenant else "") + "; make one with: tinkergym scheduler keys create", err=True)
+        return
+    rows = [(k["id"], k["tenant_id"], k["scopes"], k["name"] or "-", _when(k["created_at"]), _when(k["revoked_at"])) for k in found]
+    click.echo(_table(("ID", "TENANT", "SCOPES", "NAME", "CREATED", "REVOKED"), rows))
+
+
+@keys.command("revoke")
+@click.argument("key_id", metavar="ID")
+@db_option
+@data_dir_option
+def keys_revoke(key_id: str, db: str | None, data_dir: Path) -> None:
+    """Revoke a key by its id: its next request is refused (401), on a running scheduler too.
+
+    \b
+    Example:
+      tinkergym scheduler keys revoke 0123456789ab
+    """
+    from tinkergym.scheduler.auth import list_keys, revoke_key
+
+    engine = open_database(db, data_dir)
+    try:
+        if revoke_key(engine, key_id):
+            click.echo(f"revoked key {key_id}")
+            return
+        known = {k["id"]: k for k in list_keys(engine)}
+    finally:
+        engine.dispose()
+    if key_id in known:
+        click.echo(f"key {key_id} was already revoked ({_when(known[key_id]['revoked_at'])})")
+        return
+    raise InputError(f"no key with id {shorten(key_id, 80)!r}; see the ids with: tinkergym scheduler keys list")
+
+
+@scheduler.group("tenants")
+def tenants() -> None:
+    """Tenants and their quotas (GPUs held at once, jobs queued at once).
+
+    \b
+    Examples:
+      tinkergym scheduler tenants set acme --max-gpus 4 --max-queued 50
+      tinkergym scheduler tenants list
+    """
+
+
+@tenants.command("set")
+@click.argument("tenant")
+@click.option("--max-gpus", type=click.IntRange(min=0), default=None, help="GPUs the tenant's jobs may hold at once (new tenants: 8).")
+@click.option("--max-queued", type=click.IntRange(min=0), default=None, help="Jobs the tenant may have queued at once (new tenants: 100).")
+@db_option
+@data_dir_option
+def tenants_set(tenant: str, max_gpus: int | None, max_queued: int | None, db: str | None, data_dir: Path) -> None:
+    """Create a tenant or change its quotas (the options not given keep their values).
+
+    \b
+    Example:
+      tinkergym scheduler tenants set acme --max-gpus 4 --max-queued 50
+    """
+    from sqlalchemy import select
+
+    from tinkergym.scheduler.auth import ensure_tenant
+    from tinkergym.scheduler.db import tenants as tenants_table
+
+    _check_tenant(tenant)
+    engine = open_database(db, data_dir)
+    try:
+        with engine.begin() as conn:
+            ensure_tenant(conn, tenant, max_gpus=max_gpus, max_queued=max_queued)
+            row = conn.execute(select(tenants_table).where(tenants_table.c.id == tenant)).mappings().one()
+    finally:
+        engine.dispose()
+    click.echo(f"tenant {row['id']}: max_gpus={row['max_gpus']} max_queued={row['max_queued']}")
+
+
+@tenants.command("list")
+@db_option
+@data_dir_option
+def tenants_list(db: str | None, data_dir: Path) -> None:
+    """List tenants and their quotas.
+
+    \b
+    Example:
+      tinkergym scheduler tenants list --db postgresql://tinkergym@127.0.0.1:5432/tinkergym
+    """
+    from sqlalchemy import select
+
+    from tinkergym.scheduler.db import tenants as tenants_table
+
+    engine = open_database(db, data_dir)
+    try:
+        with engine.connect() as conn:
+            found = list(conn.execute(select(tenants_table).order_by(tenants_table.c.id)).mappings())
+    finally:
+        engine.dispose()
+    rows = [(t["id"], str(t["max_gpus"]), str(t["max_queued"]), _when(t["created_at"])) for t in found]
+    click.echo(_table(("TENANT", "MAX_GPUS", "MAX_QUEUED", "CREATED"), rows) if rows else "no tenants")
+
+
+@scheduler.group("db")
+def db_group() -> None:
+    """The scheduler's database schema (Alembic migrations shipped in the package).
+
+    \b
+    Examples:
+      tinkergym scheduler db current
+      tinkergym scheduler db upgrade --db postgresql://tinkergym@127.0.0.1:5432/tinkergym
+    """
+
+
+@db_group.command("upgrade")
+@db_option
+@data_dir_option
+def db_upgrade(db: str | None, data_dir: Path) -> None:
+    """Create the schema, or upgrade it to this version's (`serve` does this too at start).
+
+    \b
+    Example:
+      tinkergym scheduler db upgrade --db sqlite:///scheduler-data/scheduler.db
+    """
+    from tinkergym.scheduler.db import current_revision
+
+    engine = open_database(db, data_dir, migrate=False)
+    try:
+        before = current_revision(engine)
+        engine.dispose()
+        engine = open_database(db, data_dir)
+        after = current_revision(engine)
+    finally:
+        engine.dispose()
+    if before == after:
+        click.echo(f"database is at revision {after} (the newest): nothing to do")
+    else:
+        click.echo(f"database upgraded: {before or 'empty'} -> {after}")
+
+
+@db_group.command("current")
+@db_option
+@data_dir_option
+def db_current(db: str | None, data_dir: Path) -> None:
+    """Show the database's schema revision and whether it is this version's newest.
+
+    \b
+    Example:
+      tinkergym scheduler db current
+    """
+    from alembic.script import ScriptDirectory
+
+    from tinkergym.scheduler.db import alembic_config, current_revision
+
+    engine = open_database(db, data_dir, migrate=False)
+    try:
+        revision = current_revision(engine)
+        head = ScriptDirectory.from_config(alembic_config(engine)).get_current_head()
+    finally:
+        engine.dispose()
+    if revision is None:
+        click.echo(f"empty database (no schema); the newest revision is {head}: run tinkergym scheduler db upgrade")
+    elif revision == head:
+        click.echo(f"{revision} (newest)")
+    else:
+        click.echo(f"{revision}; the newest is {head}: run tinkergym scheduler db upgrade")
