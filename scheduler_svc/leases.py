@@ -1,16 +1,445 @@
-"""Leases: grant queued jobs to workers' devices, renew by heartbeat, expire, fence by epoch. (Being written.)"""
+"""Leases: grant queued jobs to workers' devices, renew them by heartbeat, expire them, fence every write by epoch.
+
+A lease is a job's ``lease_epoch`` (a number that only grows: every grant adds one), its holder
+(``jobs.worker_id``) and its end (``jobs.lease_expires_at``, renewed by heartbeats). Every write a worker
+makes names the epoch; a write with another epoch, or for a job its worker no longer holds, is a
+:class:`~tinkergym.scheduler.repository.Conflict` (HTTP 409), so a paused or partitioned worker cannot act
+after its lease is gone.
+
+Granting (:func:`grant`) is pull: a worker asks, and gets at most one job that fits its free devices. A job
+gets all its devices or none: one ``allocations`` row per device is inserted in the transaction that moves
+the job ``queued -> leased``, and ``allocations.device_id`` is the primary key, so a device granted twice
+fails the transaction (all or none) whatever the code does. The queue order is priority (higher first),
+then age (older first). A job that cannot start here does not block smaller jobs behind it (backfill),
+except a job that has waited longer than ``backfill_age_s``: on every worker that could ever host it (it
+serves the model and has enough devices), no job after it in the order is granted, so the devices drain
+to it and large jobs are not starved. A job whose tenant holds ``tenants.max_gpus`` devices already waits
+without blocking anyone.
+
+Expiry (:func:`sweep`) runs in the app's background task (:func:`sweep_forever`), so a lease expires with
+no other traffic: the job goes back to ``queued`` with ``attempt + 1`` (``failed`` once attempts reach
+``max_attempts``; a ``cancelling`` job becomes ``cancelled``) and its devices are freed, in one transaction
+per job that re-reads the job under lock and compares its epoch and expiry, so a heartbeat racing the
+expiry cannot also win.
+
+Each lease carries a server token, ``HMAC-SHA256(scheduler secret, "<job id>:<epoch>")``: the worker hands it
+to the job's server, the job's owner gets the same one from the scheduler, and it stops working when the
+epoch moves on. The database keeps only its SHA-256 digest; the secret is 32 random bytes in the 0600 file
+``<data_dir>/scheduler.secret``.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import base64
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator
+
+from sqlalchemy import and_, delete, func, insert, or_, select, update
+from sqlalchemy.engine import Connection
+
+from tinkergym.scheduler import states
+from tinkergym.scheduler.db import allocations, api_keys, checkpoints, devices, jobs, tenants, workers
+from tinkergym.scheduler.repository import Conflict, JobStore
+
+SECRET_FILE = "scheduler.secret"
+TOKEN_PREFIX = "tgs_"
+#: Queued jobs one lease request considers at most (the queue is read in pages of :data:`_PAGE`).
+MAX_SCAN = 5000
+_PAGE = 200
+#: A checkpoint's name: one path component inside the job's artifact folder.
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+#: States a worker may report, and the events it may append.
+REPORTABLE = (states.STARTING, states.RUNNING, states.SUCCEEDED, states.FAILED, states.CANCELLED)
+WORKER_EVENTS = ("log", "metrics", "error")
+
+
+# ----- the server token ------------------------------------------------------------------------------
+def load_secret(data_dir: str | Path) -> bytes:
+    """The scheduler's 32-byte secret from ``<data_dir>/scheduler.secret`` (mode 0600), created on first use.
+
+    Creation is atomic (written to a private temporary file, then hard-linked into place), so processes
+    racing to create it all end up with the same secret.
+    """
+    path = Path(data_dir) / SECRET_FILE
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".scheduler-secret-")  # mode 0600
+        try:
+            os.write(fd, secrets.token_bytes(32))
+            os.fsync(fd)
+            os.close(fd)
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                pass  # another process made it first: use theirs
+        finally:
+            os.unlink(tmp)
+    if path.stat().st_mode & 0o077:
+        os.chmod(path, 0o600)
+    secret = path.read_bytes()
+    if len(secret) != 32:
+        raise RuntimeError(f"{path} holds {len(secret)} bytes, not a 32-byte secret; remove it to make a new one")
+    return secret
+
+
+def app_secret(app: Any) -> bytes:
+    """The app's scheduler secret (loaded once from its data folder)."""
+    secret = getattr(app.state, "server_secret", None)
+    if secret is None:
+        secret = app.state.server_secret = load_secret(app.state.settings.data_dir)
+    return secret
+
+
+def server_token(secret: bytes, job_id: str, epoch: int) -> str:
+    """The token of the job's server at lease ``epoch``: ``tgs_`` + URL-safe base64 of HMAC-SHA256(secret, "job:epoch")."""
+    mac = hmac.new(secret, f"{job_id}:{epoch}".encode("utf-8"), hashlib.sha256).digest()
+    return TOKEN_PREFIX + base64.urlsafe_b64encode(mac).decode("ascii").rstrip("=")
+
+
+def token_for(app: Any, job_id: str, epoch: int) -> str:
+    """:func:`server_token` with the app's secret (what the worker got with the lease; for the job's owner too)."""
+    return server_token(app_secret(app), job_id, epoch)
+
+
+def token_digest(token: str) -> str:
+    """SHA-256 of a token, hex: what ``jobs.server_token_digest`` holds (never the token)."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+# ----- workers ---------------------------------------------------------------------------------------
+def _locked(conn: Connection, query: Any) -> Any:
+    """``query FOR UPDATE`` where the database has it (SQLite's ``BEGIN IMMEDIATE`` already holds the write lock)."""
+    return query if conn.dialect.name == "sqlite" else query.with_for_update()
+
+
+def register_worker(
+    conn: Connection, *, key_id: str, name: str, host: str, device_list: list[dict[str, Any]], models: list[str], now: float,
+) -> str:
+    """Create or update the worker ``name`` of key ``key_id`` and upsert its devices by index; its id.
+
+    Devices the worker no longer lists are marked inactive (a job holding one keeps it until it ends; no
+    new job gets it). Registrations of one key are serialised by a lock on the key's row.
+    """
+    conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == key_id))).first()
+    row = conn.execute(select(workers.c.id).where(workers.c.key_id == key_id, workers.c.name == name)).first()
+    values = {"host": host, "models": json.dumps(sorted(set(models))), "last_seen_at": now}
+    if row is None:
+        worker_id = "wkr_" + secrets.token_hex(8)
+        conn.execute(insert(workers).values(id=worker_id, name=name, key_id=key_id, registered_at=now, **values))
+    else:
+        worker_id = row[0]
+        conn.execute(update(workers).where(workers.c.id == worker_id).values(**values))
+    known = {r.index: r.id for r in conn.execute(select(devices.c.id, devices.c.index).where(devices.c.worker_id == worker_id))}
+    listed = set()
+    for device in device_list:
+        listed.add(device["index"])
+        fields = {"kind": device["kind"], "name": device.get("name", ""), "active": True}
+        if device["index"] in known:
+            conn.execute(update(devices).where(devices.c.id == known[device["index"]]).values(**fields))
+        else:
+            conn.execute(insert(devices).values(worker_id=worker_id, index=device["index"], **fields))
+    gone = [known[i] for i in known if i not in listed]
+    if gone:
+        conn.execute(update(devices).where(devices.c.id.in_(gone)).values(active=False))
+    return worker_id
+
+
+def worker_view(conn: Connection, worker_id: str) -> dict[str, Any] | None:
+    """The worker's public view (id, name, host, models, devices with ``busy``, times); None if there is none."""
+    row = conn.execute(select(workers).where(workers.c.id == worker_id)).mappings().first()
+    if row is None:
+        return None
+    busy = select(allocations.c.device_id)
+    found = conn.execute(
+        select(devices.c.index, devices.c.kind, devices.c.name, devices.c.active, devices.c.id.in_(busy).label("busy"))
+        .where(devices.c.worker_id == worker_id).order_by(devices.c.index)
+    ).mappings()
+    return {
+        "id": row["id"], "name": row["name"], "host": row["host"], "models": json.loads(row["models"]),
+        "devices": [{k: (bool(d[k]) if k in ("active", "busy") else d[k]) for k in d} for d in found],
+        "registered_at": row["registered_at"], "last_seen_at": row["last_seen_at"],
+    }
+
+
+def owned_worker(conn: Connection, worker_id: str, key_id: str) -> dict[str, Any] | None:
+    """The worker's row if it exists and was registered with key ``key_id``; None otherwise."""
+    row = conn.execute(select(workers).where(workers.c.id == worker_id, workers.c.key_id == key_id)).mappings().first()
+    return dict(row) if row is not None else None
+
+
+def _touch(conn: Connection, worker_id: str, now: float) -> None:
+    conn.execute(update(workers).where(workers.c.id == worker_id).values(last_seen_at=now))
+
+
+# ----- granting --------------------------------------------------------------------------------------
+def _queue(conn: Connection) -> Iterator[dict[str, Any]]:
+    """Queued jobs in grant order (priority desc, created_at asc, id asc), read a page at a time."""
+    cols = (jobs.c.id, jobs.c.tenant_id, jobs.c.kind, jobs.c.priority, jobs.c.created_at, jobs.c.gpus, jobs.c.config,
+            jobs.c.lease_epoch, jobs.c.attempt)
+    last: dict[str, Any] | None = None
+    for _ in range(0, MAX_SCAN, _PAGE):
+        query = select(*cols).where(jobs.c.state == states.QUEUED)
+        if last is not None:
+            p, t, i = last["priority"], last["created_at"], last["id"]
+            query = query.where(or_(jobs.c.priority < p, and_(jobs.c.priority == p, or_(
+                jobs.c.created_at > t, and_(jobs.c.created_at == t, jobs.c.id > i)))))
+        rows = [dict(r) for r in conn.execute(
+            query.order_by(jobs.c.priority.desc(), jobs.c.created_at.asc(), jobs.c.id.asc()).limit(_PAGE)).mappings()]
+        yield from rows
+        if len(rows) < _PAGE:
+            return
+        last = rows[-1]
+
+
+def _held_by_tenant(conn: Connection, tenant_id: str) -> int:
+    """Devices held now by the tenant's jobs."""
+    return int(conn.execute(
+        select(func.count()).select_from(allocations.join(jobs, jobs.c.id == allocations.c.job_id)).where(jobs.c.tenant_id == tenant_id)
+    ).scalar_one())
+
+
+def _model(job: dict[str, Any]) -> Any:
+    try:
+        return json.loads(job["config"]).get("model")
+    except (ValueError, AttributeError):
+        return None
+
+
+def grant(conn: Connection, store: JobStore, settings: Any, worker_id: str, secret: bytes) -> dict[str, Any] | None:
+    """Lease at most one queued job to ``worker_id`` in the caller's transaction; the lease, or None when nothing fits.
+
+    The lease: ``job_id, kind, config, epoch, attempt, devices`` (indexes on the worker), ``expires_at``,
+    ``ttl_s``, ``token`` and ``checkpoint`` (the job's last one, to resume from; or None). Two grants of
+    one device raise :class:`sqlalchemy.exc.IntegrityError`: the caller rolls back and answers no lease.
+    """
+    now = store.clock()
+    worker = conn.execute(_locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().one()
+    _touch(conn, worker_id, now)
+    models = set(json.loads(worker["models"]))
+    active = conn.execute(
+        select(devices.c.id, devices.c.index).where(devices.c.worker_id == worker_id, devices.c.active.is_(True)).order_by(devices.c.index)
+    ).all()
+    taken = set(conn.execute(select(allocations.c.device_id).where(allocations.c.device_id.in_([d.id for d in active]))).scalars())
+    free = [d for d in active if d.id not in taken]
+    if not free:
+        return None
+    held: dict[str, int] = {}
+    quota: dict[str, int] = {}
+    for job in _queue(conn):
+        if _model(job) not in models or job["gpus"] > len(active):
+            continue  # never fits here: it neither starts nor holds this worker's devices
+        tenant = job["tenant_id"]
+        if tenant not in quota:
+            quota[tenant] = conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == tenant)).scalar_one()
+            held[tenant] = _held_by_tenant(conn, tenant)
+        if held[tenant] + job["gpus"] > quota[tenant]:
+            continue  # over its tenant's quota: waits, blocks nobody
+        if job["gpus"] > len(free):
+            if now - job["created_at"] > settings.backfill_age_s:
+                return None  # waited too long: the devices here drain to it, nobody behind jumps ahead
+            continue  # backfill: smaller jobs behind may start
+        lease = _take(conn, store, settings, worker_id, job, free[:job["gpus"]], secret, now)
+        if lease is not None:
+            return lease
+    return None
+
+
+def _take(
+    conn: Connection, store: JobStore, settings: Any, worker_id: str, job: dict[str, Any], chosen: list[Any], secret: bytes, now: float,
+) -> dict[str, Any] | None:
+    """Move ``job`` queued -> leased on ``chosen`` devices; None when another grant took it or its tenant's quota is gone."""
+    if conn.dialect.name != "sqlite":  # serialise grants per tenant so concurrent ones cannot both pass the quota
+        limit = conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == job["tenant_id"]).with_for_update()).scalar_one()
+        if _held_by_tenant(conn, job["tenant_id"]) + job["gpus"] > limit:
+            return None
+    epoch = job["lease_epoch"] + 1
+    expires = now + settings.lease_ttl_s
+    token = server_token(secret, job["id"], epoch)
+    try:
+        store.transition(
+            conn, job["id"], states.LEASED, epoch=job["lease_epoch"], event={"epoch": epoch},
+            lease_epoch=epoch, worker_id=worker_id, lease_expires_at=expires, server_url=None, server_token_digest=token_digest(token),
+        )
+    except Conflict:
+        return None  # another worker's grant won this job
+    for device in chosen:  # the primary key refuses a device held by another job: IntegrityError, all rolled back
+        conn.execute(insert(allocations).values(device_id=device.id, job_id=job["id"], epoch=epoch, granted_at=now))
+    indexes = [device.index for device in chosen]
+    store.append_event(conn, job["id"], "lease", {"epoch": epoch, "devices": len(indexes), "expires_at": expires, "attempt": job["attempt"]})
+    last = conn.execute(
+        select(checkpoints.c.step, checkpoints.c.name).where(checkpoints.c.job_id == job["id"])
+        .order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc()).limit(1)
+    ).mappings().first()
+    return {
+        "job_id": job["id"], "kind": job["kind"], "config": json.loads(job["config"]), "epoch": epoch, "attempt": job["attempt"],
+        "devices": indexes, "expires_at": expires, "ttl_s": settings.lease_ttl_s, "token": token,
+        "checkpoint": dict(last) if last is not None else None,
+    }
+
+
+# ----- the holder's writes (all fenced) --------------------------------------------------------------
+def held_job(conn: Connection, store: JobStore, worker_id: str, job_id: str, epoch: int) -> dict[str, Any]:
+    """The job's row if ``worker_id`` holds its lease at ``epoch``; :class:`Conflict` otherwise (the fence)."""
+    job = store.check_epoch(conn, job_id, epoch)
+    if job["worker_id"] != worker_id:
+        raise Conflict(f"job {job_id} is not leased to this worker")
+    return job
+
+
+def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, job_id: str, epoch: int) -> dict[str, Any]:
+    """Renew the lease for another ``lease_ttl_s``; ``{job_id, epoch, state, cancelling, expires_at}``.
+
+    A lease already past its end is lost even before the sweeper sees it (409): the worker must stop the
+    job's server. ``cancelling`` True tells it to stop the server and report ``cancelled``.
+    """
+    now = store.clock()
+    held_job(conn, store, worker_id, job_id, epoch)
+    job = store.renew_lease(conn, job_id, epoch, worker_id, now + settings.lease_ttl_s)
+    _touch(conn, worker_id, now)
+    return {"job_id": job_id, "epoch": epoch, "state": job["state"], "cancelling": job["state"] == states.CANCELLING,
+            "expires_at": job["lease_expires_at"]}
+
+
+def report_state(
+    conn: Connection, store: JobStore, worker_id: str, job_id: str, epoch: int, state: str, *,
+    error: str | None = None, server_url: str | None = None,
+) -> dict[str, Any]:
+    """Move the held job to ``state`` (starting, running, succeeded, failed, cancelled), fenced by ``epoch``.
+
+    ``running`` stores ``server_url``; an end (succeeded, failed, cancelled) frees the job's devices in the
+    same transaction; ``cancelled`` only from ``cancelling``. Reporting the state the job is already in is
+    answered again without a change (a retried report). Returns ``{job_id, epoch, state}``.
+    """
+    if state not in REPORTABLE:
+        raise ValueError(f"state {state!r}: a worker reports one of {', '.join(REPORTABLE)}")
+    job = held_job(conn, store, worker_id, job_id, epoch)
+    if job["state"] == state:
+        return {"job_id": job_id, "epoch": epoch, "state": state}
+    if state == states.CANCELLED and job["state"] != states.CANCELLING:
+        raise Conflict(f"job {job_id} is {job['state']}: only a cancelling job can be reported cancelled")
+    values: dict[str, Any] = {}
+    event: dict[str, Any] = {"epoch": epoch}
+    if state == states.RUNNING:
+        if not server_url:
+            raise ValueError("a running job needs server_url: where its server listens")
+        values["server_url"] = server_url
+    if error:
+        event["error"] = values["error"] = error
+    if state == states.FAILED and not error:
+        values["error"] = "the worker reported the job failed"
+    if state in states.TERMINAL:
+        values.update(lease_expires_at=None, server_url=None, server_token_digest=None)
+    store.transition(conn, job_id, state, epoch=epoch, event=event, **values)
+    if state in states.TERMINAL:
+        conn.execute(delete(allocations).where(allocations.c.job_id == job_id))
+    _touch(conn, worker_id, store.clock())
+    return {"job_id": job_id, "epoch": epoch, "state": state}
+
+
+def report_event(conn: Connection, store: JobStore, worker_id: str, job_id: str, epoch: int, type_: str, data: dict[str, Any]) -> int:
+    """Append a ``log``, ``metrics`` or ``error`` event to the held job's stream (fenced); its seq."""
+    if type_ not in WORKER_EVENTS:
+        raise ValueError(f"event type {type_!r}: a worker appends one of {', '.join(WORKER_EVENTS)}")
+    held_job(conn, store, worker_id, job_id, epoch)
+    return store.append_event(conn, job_id, type_, data)
+
+
+def report_checkpoint(conn: Connection, store: JobStore, worker_id: str, job_id: str, epoch: int, step: int, name: str) -> dict[str, Any]:
+    """Record a checkpoint folder ``name`` (one path component) at ``step`` (fenced). The same name and step again is a no-op."""
+    if not CHECKPOINT_NAME.match(name) or name in (".", ".."):
+        raise ValueError(f"checkpoint name {name[:100]!r}: one folder name of letters, digits, '.', '_' and '-'")
+    held_job(conn, store, worker_id, job_id, epoch)
+    existing = conn.execute(select(checkpoints).where(checkpoints.c.job_id == job_id, checkpoints.c.name == name)).mappings().first()
+    if existing is not None:
+        if existing["step"] != step:
+            raise Conflict(f"job {job_id} already has checkpoint {name!r} at step {existing['step']}")
+        return {"job_id": job_id, "step": step, "name": name, "epoch": existing["epoch"]}
+    store.add_checkpoint(conn, job_id, epoch, step, name)
+    return {"job_id": job_id, "step": step, "name": name, "epoch": epoch}
+
+
+# ----- expiry ----------------------------------------------------------------------------------------
+def expire(store: JobStore, job_id: str, epoch: int, now: float) -> bool:
+    """Expire the job's lease at ``epoch`` if it ended before ``now`` (one transaction); whether it did.
+
+    Re-reads the job under lock and compares epoch, state and expiry, so a heartbeat that renewed it first,
+    or a grant of a new epoch, wins instead. The job is requeued with ``attempt + 1``, failed when attempts
+    reach ``max_attempts``, or cancelled when it was cancelling; its devices are freed.
+    """
+    with store.transaction() as conn:
+        job = store.get(conn, job_id, for_update=True)
+        ends = job["lease_expires_at"]
+        if job["lease_epoch"] != epoch or job["state"] not in states.HOLDING or ends is None or ends >= now:
+            return False
+        values: dict[str, Any] = {"worker_id": None, "server_url": None, "lease_expires_at": None, "server_token_digest": None}
+        if job["state"] == states.CANCELLING:
+            to = states.CANCELLED
+        elif job["attempt"] + 1 >= job["max_attempts"]:
+            to = states.FAILED
+            values.update(attempt=job["attempt"] + 1, error=f"the job's lease was lost {job['attempt'] + 1} times (max_attempts)")
+        else:
+            to = states.QUEUED
+            values["attempt"] = job["attempt"] + 1
+        conn.execute(delete(allocations).where(allocations.c.job_id == job_id))
+        store.transition(conn, job_id, to, epoch=epoch, event={"reason": "lease expired", "epoch": epoch}, **values)
+    return True
+
+
+def sweep(app: Any) -> int:
+    """Expire every lease that ended before now (the app's clock); how many expired. Safe to run anywhere, any time."""
+    store: JobStore = app.state.store
+    now = store.clock()
+    with store.engine.connect() as conn:
+        due = conn.execute(
+            select(jobs.c.id, jobs.c.lease_epoch).where(jobs.c.state.in_(sorted(states.HOLDING)), jobs.c.lease_expires_at < now)
+            .order_by(jobs.c.lease_expires_at).limit(MAX_SCAN)
+        ).all()
+    expired = 0
+    for job_id, epoch in due:
+        try:
+            expired += expire(store, job_id, epoch, now)
+        except Exception:  # noqa: BLE001 - one job's failure must not stop the others' expiry
+            app.state.logger.exception("could not expire the lease of job %s at epoch %s", job_id, epoch)
+    if expired:
+        app.state.logger.info("expired %d lease(s)", expired)
+    return expired
 
 
 def wake(app: Any) -> None:
-    """Ask the sweeper to run soon (a job was queued or devices were freed)."""
+    """Ask the sweeper to run soon (a job was queued or devices were freed). Safe from any thread; a no-op without a sweeper."""
+    loop = getattr(app.state, "sweep_loop", None)
+    event = getattr(app.state, "sweep_event", None)
+    if loop is None or event is None:
+        return
+    try:
+        loop.call_soon_threadsafe(event.set)
+    except RuntimeError:
+        pass  # the loop is closed: the app is shutting down
 
 
 async def sweep_forever(app: Any) -> None:
-    """Expire leases and grant queued jobs every ``sweep_interval_s`` seconds, for the app's lifetime."""
-    while True:
-        await asyncio.sleep(app.state.settings.sweep_interval_s)
+    """Expire leases every ``sweep_interval_s`` seconds (sooner when woken), for the app's lifetime; never dies of an error."""
+    event = asyncio.Event()
+    app.state.sweep_event = event
+    app.state.sweep_loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                await asyncio.to_thread(sweep, app)
+            except Exception:  # noqa: BLE001 - log and go on: the sweeper is the only thing that frees a dead worker's devices
+                app.state.logger.exception("lease sweep failed; retrying in %ss", app.state.settings.sweep_interval_s)
+            try:
+                await asyncio.wait_for(event.wait(), timeout=app.state.settings.sweep_interval_s)
+            except asyncio.TimeoutError:
+                pass
+            event.clear()
+    finally:
+        app.state.sweep_event = app.state.sweep_loop = None

@@ -128,6 +128,15 @@ class JobStore:
             raise Conflict(f"job {job_id}: lease epoch {epoch} is stale (the job is {job['state']} at epoch {job['lease_epoch']})")
         return job
 
+    def renew_lease(self, conn: Connection, job_id: str, epoch: int, worker_id: str, expires_at: float) -> dict[str, Any]:
+        """Extend a held, unexpired lease to ``expires_at`` (compare-and-set on epoch, holder and expiry); :class:`Conflict` if lost."""
+        clause = and_(jobs.c.id == job_id, jobs.c.lease_epoch == epoch, jobs.c.worker_id == worker_id,
+                      jobs.c.state.in_(sorted(states.HOLDING)), jobs.c.lease_expires_at >= self.clock())
+        if conn.execute(update(jobs).where(clause).values(lease_expires_at=expires_at)).rowcount != 1:
+            current = self.get(conn, job_id)
+            raise Conflict(f"job {job_id}: the lease at epoch {epoch} is lost (the job is {current['state']} at epoch {current['lease_epoch']})")
+        return self.get(conn, job_id)
+
     # ----- events -----------------------------------------------------------------------------------
     def append_event(self, conn: Connection, job_id: str, type_: str, data: dict[str, Any]) -> int:
         """Append an event to the job's stream; its ``seq`` is the job's cursor + 1 (unique per job)."""

@@ -1,7 +1,303 @@
-"""Workers: register devices, take leases, heartbeat, report events and checkpoints. (Being written.)"""
+"""Workers: register devices, take leases, heartbeat, report state, events and checkpoints (scope ``worker``).
+
+A worker is registered under the key that registered it: only that key may act for it (another key gets
+404). Every write about a job names the lease epoch it holds; a stale epoch, or a job this worker does not
+hold, is 409 (the fence). Every POST takes an ``Idempotency-Key`` (the IETF draft's semantics); without one,
+registering, heartbeats, state reports and checkpoints are idempotent by themselves, and a lease request
+or an event is not (a retried lease request may get a second job).
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+import re
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, Header, Request
+from fastapi.exceptions import HTTPException
+from pydantic import Field, field_validator
+from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
+
+from tinkergym.backends.asgi import WireJSON, error_response
+from tinkergym.scheduler import leases, states
+from tinkergym.scheduler.app import require
+from tinkergym.scheduler.auth import Principal
+from tinkergym.scheduler.db import workers
+from tinkergym.scheduler.idempotency import IdempotencyError, run_once
+from tinkergym.scheduler.repository import JobStore
+from tinkergym.scheduler.routes.jobs import MODEL_NAME, WireModel
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
+
+WORKER_NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$"
+HOST = r"^[A-Za-z0-9.:\[\]-]{1,255}$"
+SERVER_URL = re.compile(r"^https?://[A-Za-z0-9.:\[\]-]{1,255}(/[!-~]*)?$")
+IdempotencyKey = Header(None, alias="Idempotency-Key", max_length=255)
+
+
+class DeviceIn(WireModel):
+    index: int = Field(ge=0, le=1023, description="CUDA_VISIBLE_DEVICES index (or CPU slot number)")
+    kind: Literal["gpu", "slot"]
+    name: str = Field("", max_length=200)
+
+
+class WorkerRegister(WireModel):
+    """A worker and what it holds. Registering the same name with the same key again updates it."""
+
+    name: str = Field(pattern=WORKER_NAME)
+    host: str = Field(pattern=HOST, description="where the servers it starts listen (clients connect there directly)")
+    devices: list[DeviceIn] = Field(min_length=1, max_length=256)
+    models: list[str] = Field(default_factory=list, max_length=100, description="model names its servers serve")
+
+    @field_validator("devices")
+    @classmethod
+    def _unique_indexes(cls, value: list[DeviceIn]) -> list[DeviceIn]:
+        indexes = [d.index for d in value]
+        if len(set(indexes)) != len(indexes):
+            raise ValueError("device indexes must be unique")
+        return value
+
+    @field_validator("models")
+    @classmethod
+    def _model_names(cls, value: list[str]) -> list[str]:
+        bad = [m for m in value if not MODEL_NAME.match(m) or ".." in m]
+        if bad:
+            raise ValueError(f"not model names: {bad[:3]}")
+        return value
+
+
+class DeviceOut(WireModel):
+    index: int
+    kind: str
+    name: str
+    active: bool
+    busy: bool
+
+
+class Worker(WireModel):
+    id: str
+    name: str
+    host: str
+    models: list[str]
+    devices: list[DeviceOut]
+    registered_at: float
+    last_seen_at: float
+
+
+class WorkerList(WireModel):
+    workers: list[Worker]
+
+
+class Checkpoint(WireModel):
+    step: int
+    name: str
+
+
+class Lease(WireModel):
+    job_id: str
+    kind: str
+    config: dict[str, Any]
+    epoch: int
+    attempt: int
+    devices: list[int] = Field(description="device indexes on this worker (CUDA_VISIBLE_DEVICES)")
+    expires_at: float
+    ttl_s: float = Field(description="heartbeat well within this")
+    token: str = Field(description="the job's server token, bound to this epoch")
+    checkpoint: Checkpoint | None = Field(None, description="the job's last checkpoint, to resume from")
+
+
+class LeaseAnswer(WireModel):
+    lease: Lease | None = Field(None, description="null when no queued job fits this worker's free devices")
+
+
+class Fenced(WireModel):
+    epoch: int = Field(ge=1, description="the lease epoch this worker holds")
+
+
+class HeartbeatAnswer(WireModel):
+    job_id: str
+    epoch: int
+    state: str
+    cancelling: bool = Field(description="true: stop the job's server and report state cancelled")
+    expires_at: float
+
+
+class StateReport(Fenced):
+    state: Literal["starting", "running", "succeeded", "failed", "cancelled"]
+    error: str | None = Field(None, max_length=4000)
+    server_url: str | None = Field(None, max_length=500, description="where the job's server listens (with state running)")
+
+    @field_validator("server_url")
+    @classmethod
+    def _url(cls, value: str | None) -> str | None:
+        if value is not None and not SERVER_URL.match(value):
+            raise ValueError("server_url must be an http(s) URL")
+        return value
+
+
+class StateAnswer(WireModel):
+    job_id: str
+    epoch: int
+    state: str
+
+
+class EventReport(Fenced):
+    type: Literal["log", "metrics", "error"]
+    data: dict[str, Any]
+
+
+class EventAnswer(WireModel):
+    seq: int
+
+
+class CheckpointReport(Fenced):
+    step: int = Field(ge=0)
+    name: str = Field(pattern=leases.CHECKPOINT_NAME.pattern, description="one folder name inside the job's artifact folder")
+
+
+class CheckpointAnswer(WireModel):
+    job_id: str
+    step: int
+    name: str
+    epoch: int
+
+
+def _store(request: Request) -> JobStore:
+    return request.app.state.store
+
+
+def _once(request: Request, who: Principal, key: str | None, body: Any, handler: Any, finish: Any = None) -> WireJSON:
+    """Run ``handler(conn)`` in one transaction, once per ``Idempotency-Key`` when one is given.
+
+    ``finish(body)`` completes a successful answer, first or replayed, after it is stored (what must not be stored).
+    """
+    try:
+        stored = run_once(_store(request), tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
+                          body=body, handler=handler)
+    except IdempotencyError as exc:
+        kinds = {409: "conflict", 422: "idempotency_key_reused", 400: "invalid_request"}
+        return error_response(exc.status, kinds[exc.status], str(exc))
+    answer = finish(stored.body) if finish is not None and stored.status == 200 else stored.body
+    return WireJSON(answer, status_code=stored.status, headers={"Idempotent-Replayed": "true"} if stored.replayed else None)
+
+
+def _own(conn: Any, worker_id: str, who: Principal) -> dict[str, Any]:
+    worker = leases.owned_worker(conn, worker_id, who.key_id)
+    if worker is None:
+        raise HTTPException(404, f"no worker {worker_id[:80]!r} registered with this key")
+    return worker
+
+
+@router.post("", response_model=Worker, responses={409: {}, 422: {}})
+def register(
+    body: WorkerRegister, request: Request, who: Principal = Depends(require("worker")), idempotency_key: str | None = IdempotencyKey,
+) -> Any:
+    """Register (or update) this worker and the devices it holds; devices are matched by index."""
+    store = _store(request)
+
+    def handler(conn: Any) -> tuple[int, dict[str, Any]]:
+        worker_id = leases.register_worker(
+            conn, key_id=who.key_id, name=body.name, host=body.host, device_list=[d.model_dump() for d in body.devices],
+            models=body.models, now=store.clock(),
+        )
+        return 200, leases.worker_view(conn, worker_id)
+
+    response = _once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+    leases.wake(request.app)
+    return response
+
+
+@router.get("", response_model=WorkerList)
+def list_workers(request: Request, who: Principal = Depends(require("admin"))) -> Any:
+    """Every registered worker with its devices (``busy``: held by a job now)."""
+    with _store(request).engine.connect() as conn:
+        ids = conn.execute(select(workers.c.id).order_by(workers.c.registered_at, workers.c.id)).scalars().all()
+        return {"workers": [leases.worker_view(conn, i) for i in ids]}
+
+
+@router.post("/{worker_id}/lease", response_model=LeaseAnswer, responses={404: {}, 409: {}, 422: {}})
+def lease(worker_id: str, request: Request, who: Principal = Depends(require("worker")), idempotency_key: str | None = IdempotencyKey) -> Any:
+    """Take at most one queued job that fits this worker's free devices and models (``{"lease": null}`` when none)."""
+    store, settings, app = _store(request), request.app.state.settings, request.app
+    secret = leases.app_secret(app)
+
+    def handler(conn: Any) -> tuple[int, dict[str, Any]]:
+        _own(conn, worker_id, who)
+        granted = leases.grant(conn, store, settings, worker_id, secret)
+        if granted is not None:
+            granted.pop("token")  # never stored (the idempotency record keeps the answer): derived again below
+        return 200, {"lease": granted}
+
+    def with_token(answer: dict[str, Any]) -> dict[str, Any]:
+        granted = answer.get("lease")
+        if granted is not None:
+            answer = {"lease": {**granted, "token": leases.server_token(secret, granted["job_id"], granted["epoch"])}}
+        return answer
+
+    try:
+        return _once(request, who, idempotency_key, {"worker_id": worker_id}, handler, with_token)
+    except IntegrityError:  # a device taken by a concurrent grant: this one rolled back whole
+        return {"lease": None}
+
+
+@router.post("/{worker_id}/jobs/{job_id}/heartbeat", response_model=HeartbeatAnswer, responses={404: {}, 409: {}, 422: {}})
+def heartbeat(
+    worker_id: str, job_id: str, body: Fenced, request: Request, who: Principal = Depends(require("worker")),
+    idempotency_key: str | None = IdempotencyKey,
+) -> Any:
+    """Renew the job's lease (409 when it is lost: stop the job's server). ``cancelling``: stop it and report ``cancelled``."""
+    store, settings = _store(request), request.app.state.settings
+
+    def handler(conn: Any) -> tuple[int, dict[str, Any]]:
+        _own(conn, worker_id, who)
+        return 200, leases.heartbeat(conn, store, settings, worker_id, job_id, body.epoch)
+
+    return _once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+
+
+@router.post("/{worker_id}/jobs/{job_id}/state", response_model=StateAnswer, responses={404: {}, 409: {}, 422: {}})
+def report_state(
+    worker_id: str, job_id: str, body: StateReport, request: Request, who: Principal = Depends(require("worker")),
+    idempotency_key: str | None = IdempotencyKey,
+) -> Any:
+    """Report the job's state (starting, running with ``server_url``, succeeded, failed with ``error``, cancelled)."""
+    store = _store(request)
+
+    def handler(conn: Any) -> tuple[int, dict[str, Any]]:
+        _own(conn, worker_id, who)
+        return 200, leases.report_state(conn, store, worker_id, job_id, body.epoch, body.state, error=body.error, server_url=body.server_url)
+
+    response = _once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+    if body.state in states.TERMINAL:
+        leases.wake(request.app)
+    return response
+
+
+@router.post("/{worker_id}/jobs/{job_id}/events", response_model=EventAnswer, responses={404: {}, 409: {}, 422: {}})
+def report_event(
+    worker_id: str, job_id: str, body: EventReport, request: Request, who: Principal = Depends(require("worker")),
+    idempotency_key: str | None = IdempotencyKey,
+) -> Any:
+    """Append a ``log``, ``metrics`` or ``error`` event to the job's stream."""
+    store = _store(request)
+
+    def handler(conn: Any) -> tuple[int, dict[str, Any]]:
+        _own(conn, worker_id, who)
+        return 200, {"seq": leases.report_event(conn, store, worker_id, job_id, body.epoch, body.type, body.data)}
+
+    return _once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+
+
+@router.post("/{worker_id}/jobs/{job_id}/checkpoints", response_model=CheckpointAnswer, responses={404: {}, 409: {}, 422: {}})
+def report_checkpoint(
+    worker_id: str, job_id: str, body: CheckpointReport, request: Request, who: Principal = Depends(require("worker")),
+    idempotency_key: str | None = IdempotencyKey,
+) -> Any:
+    """Record a checkpoint the job's server wrote (``name``: its folder in the job's artifact folder)."""
+    store = _store(request)
+
+    def handler(conn: Any) -> tuple[int, dict[str, Any]]:
+        _own(conn, worker_id, who)
+        return 200, leases.report_checkpoint(conn, store, worker_id, job_id, body.epoch, body.step, body.name)
+
+    return _once(request, who, idempotency_key, body.model_dump(mode="json"), handler)

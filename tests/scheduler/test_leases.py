@@ -1,0 +1,350 @@
+"""Leases: all-or-none grants, order (priority, age, backfill with an age bound), quotas, expiry, the sweeper, tokens."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import stat
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _kit() -> Any:
+    name = "tinkergym_tests_workerkit"
+    if name not in sys.modules:  # --import-mode=importlib: a helper next to the tests is loaded by path
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("workerkit.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+kit = _kit()
+Clock, register, submit, job_row, allocated, query = kit.Clock, kit.register, kit.submit, kit.job_row, kit.allocated, kit.query
+
+from tinkergym.scheduler import leases  # noqa: E402
+
+
+@pytest.fixture
+def clock() -> Any:
+    return Clock()
+
+
+@pytest.fixture
+def setup(make_client: Any, keys: Any, clock: Any) -> Any:
+    """A client with a fake clock, a user key (tenant acme) and a worker key (tenant ops)."""
+
+    class Setup:
+        client = make_client(clock=clock, lease_ttl_s=30.0, backfill_age_s=600.0)
+        user = keys.new("acme", "read,write")
+        worker = keys.new("ops", "worker")
+
+        def job(self, gpus: int = 1, priority: int = 0, model: str = "tiny", key: str | None = None, **extra: Any) -> str:
+            job_id = submit(self.client, key or self.user, gpus=gpus, priority=priority, model=model, **extra)
+            clock.advance(1.0)  # distinct ages
+            return job_id
+
+    return Setup()
+
+
+# ----- granting ---------------------------------------------------------------------------------------
+def test_lease_gives_job_devices_token_and_event(setup: Any, db_url: str) -> None:
+    w = register(setup.client, setup.worker, devices=2)
+    job_id = setup.job(gpus=2)
+    lease = w.lease()
+    assert lease["job_id"] == job_id and lease["kind"] == "train" and lease["config"] == {"model": "tiny"}
+    assert lease["epoch"] == 1 and lease["devices"] == [0, 1] and lease["checkpoint"] is None
+    assert lease["expires_at"] == pytest.approx(setup.client.app.state.settings.clock() + 30.0)
+    row = job_row(db_url, job_id)
+    assert row["state"] == "leased" and row["lease_epoch"] == 1 and row["worker_id"] == w.id
+    assert len(allocated(db_url, job_id)) == 2
+    events = setup.client.get(f"/v1/jobs/{job_id}/events", headers=kit.auth(setup.user)).json()["events"]
+    assert [e["type"] for e in events][-2:] == ["state", "lease"] and events[-1]["data"]["epoch"] == 1
+    assert w.lease() is None  # nothing else queued, no device free
+
+
+def test_job_gets_all_its_devices_or_none(setup: Any, db_url: str) -> None:
+    w = register(setup.client, setup.worker, devices=2)
+    setup.job(gpus=1)
+    first = w.lease()
+    big = setup.job(gpus=2)
+    assert first is not None and w.lease() is None  # one device free, the 2-device job needs two
+    assert job_row(db_url, big)["state"] == "queued" and allocated(db_url, big) == []
+    kit.assert_no_double_grant(db_url)
+
+
+def test_job_needs_a_worker_serving_its_model(setup: Any) -> None:
+    w = register(setup.client, setup.worker, devices=1, models=("other",))
+    setup.job(model="tiny")
+    assert w.lease() is None
+
+
+def test_two_schedulers_racing_for_one_job_exactly_one_wins(make_client: Any, keys: Any, db_url: str) -> None:
+    user, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
+    first = make_client()
+    second = make_client()  # a second app (a second scheduler process) on the same database
+    workers = [register(first, worker_key, name=f"w{i}", devices=1) for i in range(4)]
+    workers = [kit.Worker(second if i % 2 else first, w.key, w.id) for i, w in enumerate(workers)]
+    job_id = submit(first, user, gpus=1)
+    barrier = threading.Barrier(len(workers))
+    got: list[Any] = [None] * len(workers)
+
+    def take(i: int) -> None:
+        barrier.wait()
+        got[i] = workers[i].lease()
+
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(len(workers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    winners = [g for g in got if g is not None]
+    assert len(winners) == 1 and winners[0]["job_id"] == job_id and winners[0]["epoch"] == 1
+    assert len(allocated(db_url, job_id)) == 1
+    kit.assert_no_double_grant(db_url)
+
+
+def test_concurrent_lease_requests_never_grant_a_device_twice(setup: Any, db_url: str) -> None:
+    w = register(setup.client, setup.worker, devices=3)
+    jobs = [setup.job(gpus=g) for g in (2, 1, 2, 1, 1)]
+    barrier = threading.Barrier(6)
+    got: list[Any] = []
+
+    def take() -> None:
+        barrier.wait()
+        lease = w.lease()
+        if lease is not None:
+            got.append(lease)
+
+    threads = [threading.Thread(target=take) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    devices = [d for lease in got for d in lease["devices"]]
+    assert len(devices) == len(set(devices)) and len(devices) <= 3
+    assert {lease["job_id"] for lease in got} <= set(jobs)
+    kit.assert_no_double_grant(db_url)
+
+
+def test_priority_then_age(setup: Any) -> None:
+    w = register(setup.client, setup.worker, devices=1)
+    old_low = setup.job(priority=0)
+    new_high = setup.job(priority=5)
+    order = []
+    for _ in range(2):
+        lease = w.lease()
+        order.append(lease["job_id"])
+        assert w.state(lease["job_id"], lease["epoch"], "starting").status_code == 200
+        assert w.state(lease["job_id"], lease["epoch"], "running", server_url="http://127.0.0.1:9000").status_code == 200
+        assert w.state(lease["job_id"], lease["epoch"], "succeeded").status_code == 200
+    assert order == [new_high, old_low]
+    # Same priority: the older first.
+    a, b = setup.job(), setup.job()
+    assert w.lease()["job_id"] == a and b != a
+
+
+def test_backfill_small_job_starts_around_a_big_one_until_the_age_bound(setup: Any, clock: Any, db_url: str) -> None:
+    w = register(setup.client, setup.worker, devices=2)
+    setup.job(gpus=1)
+    holder = w.lease()  # one of two devices busy
+    big = setup.job(gpus=2, priority=1)  # the head of the queue: cannot start (one device free)
+    small = setup.job(gpus=1)
+    backfilled = w.lease()
+    assert backfilled is not None and backfilled["job_id"] == small  # backfill: the small job does not wait
+    assert job_row(db_url, big)["state"] == "queued"
+    # Free the backfilled device; past the age bound, the next small job no longer jumps ahead of the big one.
+    assert w.state(small, backfilled["epoch"], "cancelled").status_code == 409  # only a cancelling job is cancelled
+    assert w.state(small, backfilled["epoch"], "failed", error="boom").status_code == 200
+    clock.advance(601.0)
+    late_small = setup.job(gpus=1)
+    assert w.lease() is None  # the big job has waited > backfill_age_s: its devices drain to it
+    assert job_row(db_url, late_small)["state"] == "queued"
+    # A worker that could never host the big job (one device) still backfills.
+    other = register(setup.client, setup.worker, name="w-small", devices=1)
+    assert other.lease()["job_id"] == late_small
+    # Once the holder ends, the big job gets both devices.
+    assert w.state(holder["job_id"], holder["epoch"], "failed").status_code == 200
+    lease = w.lease()
+    assert lease["job_id"] == big and lease["devices"] == [0, 1]
+    kit.assert_no_double_grant(db_url)
+
+
+def test_tenant_quota_waits_without_blocking_others(setup: Any, keys: Any, db_url: str) -> None:
+    from sqlalchemy import update
+
+    from tinkergym.scheduler.db import make_engine, tenants
+
+    other_user = keys.new("globex", "read,write")
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(update(tenants).where(tenants.c.id == "acme").values(max_gpus=2))
+    engine.dispose()
+    w = register(setup.client, setup.worker, devices=4)
+    a1 = setup.job(gpus=2)
+    a2 = setup.job(gpus=1)  # acme would hold 3 > 2
+    g1 = setup.job(gpus=1, key=other_user)
+    assert w.lease()["job_id"] == a1
+    assert w.lease()["job_id"] == g1  # a2 is over quota: skipped, it does not block globex
+    assert w.lease() is None
+    assert job_row(db_url, a2)["state"] == "queued"
+    assert w.state(a1, 1, "failed").status_code == 200  # acme's devices freed: a2 may start
+    assert w.lease()["job_id"] == a2
+
+
+# ----- expiry -----------------------------------------------------------------------------------------
+def test_expiry_requeues_with_attempt_plus_one_and_frees_devices(setup: Any, clock: Any, db_url: str) -> None:
+    app = setup.client.app
+    w = register(setup.client, setup.worker, devices=2)
+    job_id = setup.job(gpus=2, max_attempts=2)
+    lease = w.lease()
+    clock.advance(29.0)
+    assert leases.sweep(app) == 0  # not yet
+    clock.advance(2.0)
+    assert leases.sweep(app) == 1
+    row = job_row(db_url, job_id)
+    assert row["state"] == "queued" and row["attempt"] == 1 and row["worker_id"] is None and row["lease_expires_at"] is None
+    assert row["server_token_digest"] is None and allocated(db_url) == []
+    # The old holder is fenced out everywhere.
+    assert w.heartbeat(job_id, lease["epoch"]).status_code == 409
+    assert w.state(job_id, lease["epoch"], "starting").status_code == 409
+    # Granted again at a new epoch; the second loss reaches max_attempts (2): failed.
+    again = w.lease()
+    assert again["job_id"] == job_id and again["epoch"] == 2 and again["attempt"] == 1
+    clock.advance(31.0)
+    assert leases.sweep(app) == 1
+    row = job_row(db_url, job_id)
+    assert row["state"] == "failed" and row["attempt"] == 2 and "lost" in row["error"] and allocated(db_url) == []
+    assert w.lease() is None
+
+
+def test_cancelling_job_whose_lease_expires_is_cancelled(setup: Any, clock: Any, db_url: str) -> None:
+    w = register(setup.client, setup.worker, devices=1)
+    job_id = setup.job()
+    lease = w.lease()
+    assert setup.client.post(f"/v1/jobs/{job_id}/cancel", headers=kit.auth(setup.user)).json()["state"] == "cancelling"
+    beat = w.heartbeat(job_id, lease["epoch"])
+    assert beat.status_code == 200 and beat.json()["cancelling"] is True
+    clock.advance(31.0)
+    assert leases.sweep(setup.client.app) == 1
+    assert job_row(db_url, job_id)["state"] == "cancelled" and allocated(db_url) == []
+
+
+def test_heartbeat_renews_so_sweep_keeps_the_lease(setup: Any, clock: Any, db_url: str) -> None:
+    w = register(setup.client, setup.worker, devices=1)
+    job_id = setup.job()
+    lease = w.lease()
+    for _ in range(4):
+        clock.advance(20.0)
+        beat = w.heartbeat(job_id, lease["epoch"])
+        assert beat.status_code == 200 and beat.json()["expires_at"] == pytest.approx(clock() + 30.0)
+        assert leases.sweep(setup.client.app) == 0
+    assert job_row(db_url, job_id)["state"] == "leased"
+    clock.advance(31.0)  # no heartbeat: past its end, the heartbeat itself is refused, before any sweep
+    assert w.heartbeat(job_id, lease["epoch"]).status_code == 409
+    assert leases.sweep(setup.client.app) == 1
+
+
+def test_expire_compares_epoch_and_expiry(setup: Any, clock: Any, db_url: str) -> None:
+    w = register(setup.client, setup.worker, devices=1)
+    job_id = setup.job()
+    lease = w.lease()
+    store = setup.client.app.state.store
+    assert not leases.expire(store, job_id, lease["epoch"], clock() + 10.0)  # not ended by then
+    assert not leases.expire(store, job_id, lease["epoch"] + 1, clock() + 60.0)  # another epoch
+    assert leases.expire(store, job_id, lease["epoch"], clock() + 60.0)
+    assert not leases.expire(store, job_id, lease["epoch"], clock() + 60.0)  # once
+    assert job_row(db_url, job_id)["attempt"] == 1
+
+
+def test_background_sweeper_expires_a_lease_with_no_other_traffic(make_client: Any, keys: Any, db_url: str) -> None:
+    client = make_client(background=True, lease_ttl_s=0.5, sweep_interval_s=0.1)
+    user, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
+    w = register(client, worker_key, devices=1)
+    job_id = submit(client, user)
+    assert w.lease()["job_id"] == job_id
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:  # read the database directly: no request that could do the work
+        row = job_row(db_url, job_id)
+        if row["state"] == "queued":
+            break
+        time.sleep(0.05)
+    assert row["state"] == "queued" and row["attempt"] == 1 and allocated(db_url) == []
+
+
+def test_sweeper_survives_errors_and_wakes_early(make_client: Any, monkeypatch: Any) -> None:
+    calls: list[float] = []
+    real = leases.sweep
+
+    def flaky(app: Any) -> int:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise RuntimeError("database away")
+        return real(app)
+
+    monkeypatch.setattr(leases, "sweep", flaky)
+    client = make_client(background=True, sweep_interval_s=0.2)
+    deadline = time.monotonic() + 5.0
+    while len(calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(calls) >= 3  # the error did not end the task
+    monkeypatch.setattr(client.app.state.settings, "sweep_interval_s", 30.0)
+    time.sleep(0.5)  # the task is now in a 30 s wait
+    before = len(calls)
+    threading.Thread(target=leases.wake, args=(client.app,)).start()  # from another thread, as a sync route does
+    deadline = time.monotonic() + 5.0
+    while len(calls) == before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(calls) > before
+
+
+# ----- the server token -------------------------------------------------------------------------------
+def test_server_token_is_a_stable_hmac_and_only_its_digest_is_stored(setup: Any, db_url: str, tmp_path: Path) -> None:
+    import hashlib
+    import hmac
+
+    w = register(setup.client, setup.worker, devices=1)
+    job_id = setup.job()
+    lease = w.lease()
+    secret_file = Path(setup.client.app.state.settings.data_dir) / "scheduler.secret"
+    assert stat.S_IMODE(os.stat(secret_file).st_mode) == 0o600
+    secret = secret_file.read_bytes()
+    assert len(secret) == 32
+    expected = leases.server_token(secret, job_id, lease["epoch"])
+    assert lease["token"] == expected == leases.token_for(setup.client.app, job_id, lease["epoch"])
+    mac = hmac.new(secret, f"{job_id}:{lease['epoch']}".encode(), hashlib.sha256).digest()
+    import base64
+
+    assert expected == "tgs_" + base64.urlsafe_b64encode(mac).decode().rstrip("=")
+    assert leases.server_token(secret, job_id, lease["epoch"] + 1) != expected  # a new epoch, a new token
+    row = job_row(db_url, job_id)
+    assert row["server_token_digest"] == hashlib.sha256(expected.encode()).hexdigest() == leases.token_digest(expected)
+    dump = repr(query(db_url, "SELECT * FROM jobs")) + repr(query(db_url, "SELECT * FROM events")) + repr(query(db_url, "SELECT * FROM idempotency"))
+    assert expected not in dump and expected[4:] not in dump
+    # The secret survives a restart (same file), and a fresh folder gets a new one with mode 0600.
+    assert leases.load_secret(secret_file.parent) == secret
+    fresh = leases.load_secret(tmp_path / "fresh")
+    assert len(fresh) == 32 and fresh != secret
+    assert stat.S_IMODE(os.stat(tmp_path / "fresh" / "scheduler.secret").st_mode) == 0o600
+
+
+def test_secret_created_once_under_concurrency(tmp_path: Path) -> None:
+    got: list[bytes] = []
+    barrier = threading.Barrier(8)
+
+    def load() -> None:
+        barrier.wait()
+        got.append(leases.load_secret(tmp_path))
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(got)) == 1 and len(got) == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scheduler.secret"]

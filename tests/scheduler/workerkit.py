@@ -1,0 +1,102 @@
+"""Helpers for the worker and lease tests: a clock the test moves, and a worker and a client on a TestClient."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+
+from tinkergym.scheduler.db import make_engine
+
+
+class Clock:
+    """A fake time source: ``clock()`` is ``t``; tests move it with ``advance``."""
+
+    def __init__(self, t: float = 1_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@dataclass
+class Worker:
+    """A registered worker: its id, key and the client it talks through."""
+
+    client: Any
+    key: str
+    id: str
+    body: dict[str, Any] = field(default_factory=dict)
+
+    def post(self, path: str, json: Any = None, headers: dict[str, str] | None = None) -> Any:
+        return self.client.post(f"/v1/workers/{self.id}{path}", json=json, headers={**auth(self.key), **(headers or {})})
+
+    def lease(self) -> dict[str, Any] | None:
+        response = self.post("/lease")
+        assert response.status_code == 200, response.text
+        return response.json()["lease"]
+
+    def heartbeat(self, job_id: str, epoch: int) -> Any:
+        return self.post(f"/jobs/{job_id}/heartbeat", {"epoch": epoch})
+
+    def state(self, job_id: str, epoch: int, state: str, **extra: Any) -> Any:
+        return self.post(f"/jobs/{job_id}/state", {"epoch": epoch, "state": state, **extra})
+
+
+def register(client: Any, key: str, name: str = "w1", devices: int = 2, models: tuple[str, ...] = ("tiny",),
+             host: str = "127.0.0.1", kind: str = "slot") -> Worker:
+    """Register a worker with ``devices`` devices (indexes 0..n-1) serving ``models``."""
+    body = {"name": name, "host": host, "devices": [{"index": i, "kind": kind, "name": f"dev{i}"} for i in range(devices)],
+            "models": list(models)}
+    response = client.post("/v1/workers", json=body, headers=auth(key))
+    assert response.status_code == 200, response.text
+    return Worker(client, key, response.json()["id"], body)
+
+
+def submit(client: Any, key: str, gpus: int = 1, priority: int = 0, model: str = "tiny", **extra: Any) -> str:
+    """Queue a job; its id."""
+    body = {"kind": "train", "config": {"model": model}, "gpus": gpus, "priority": priority, **extra}
+    response = client.post("/v1/jobs", json=body, headers=auth(key))
+    assert response.status_code == 201, response.text
+    return response.json()["id"]
+
+
+def query(db_url: str, sql: str, **params: Any) -> list[Any]:
+    """Rows of ``sql`` read on a connection of its own (not through the app)."""
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return [tuple(r) for r in conn.execute(text(sql), params)]
+    finally:
+        engine.dispose()
+
+
+def job_row(db_url: str, job_id: str) -> dict[str, Any]:
+    cols = ("state", "attempt", "lease_epoch", "worker_id", "lease_expires_at", "server_url", "server_token_digest", "error")
+    (row,) = query(db_url, f"SELECT {', '.join(cols)} FROM jobs WHERE id = :id", id=job_id)
+    return dict(zip(cols, row))
+
+
+def allocated(db_url: str, job_id: str | None = None) -> list[tuple[Any, ...]]:
+    """(device_id, job_id) of every allocation (or one job's)."""
+    if job_id is None:
+        return query(db_url, "SELECT device_id, job_id FROM allocations ORDER BY device_id")
+    return query(db_url, "SELECT device_id, job_id FROM allocations WHERE job_id = :j ORDER BY device_id", j=job_id)
+
+
+def assert_no_double_grant(db_url: str) -> None:
+    """No device in two allocations, and every job holding a lease holds exactly its number of devices."""
+    assert query(db_url, "SELECT device_id FROM allocations GROUP BY device_id HAVING COUNT(*) > 1") == []
+    rows = query(db_url, "SELECT j.id, j.gpus, j.state, COUNT(a.device_id) FROM jobs j LEFT JOIN allocations a ON a.job_id = j.id "
+                         "GROUP BY j.id, j.gpus, j.state")
+    for job_id, gpus, state, held in rows:
+        expected = gpus if state in ("leased", "starting", "running", "cancelling") else 0
+        assert held == expected, (job_id, state, gpus, held)
