@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tinkergym.backends.asgi import BodyLimit, RequestLog, WireJSON, error_response
 from tinkergym.scheduler.auth import Principal, authenticate
-from tinkergym.scheduler.db import make_engine, upgrade
+from tinkergym.scheduler.db import make_engine, reader, upgrade
 from tinkergym.scheduler.repository import Conflict, JobStore, NotFound, now
 
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
@@ -39,7 +39,7 @@ class SchedulerSettings:
         db_url: SQLAlchemy URL (``sqlite:///path/scheduler.db`` or ``postgresql://user@host/db``).
         data_dir: The artifact store: ``<data_dir>/jobs/<job id>/`` holds each job's checkpoints and exports.
         lease_ttl_s: A lease not renewed by a heartbeat within this many seconds expires.
-        sweep_interval_s: How often the background task expires leases and grants queued jobs.
+        sweep_interval_s: How often the background task expires leases (jobs are granted when workers ask).
         backfill_age_s: A queued job waiting longer than this stops smaller jobs behind it from starting
             (so large jobs are not starved); younger ones let smaller jobs start around them.
         max_body_bytes: Larger request bodies are refused with 413.
@@ -74,7 +74,7 @@ def principal(request: Request) -> Principal:
 def require(scope: str) -> Callable[[Request], Principal]:
     """A dependency: the request's principal if its key has ``scope`` (``admin`` has every scope), else 403."""
 
-    def dependency(request: Request) -> Principal:
+    async def dependency(request: Request) -> Principal:  # async: FastAPI would run a plain def in a thread
         who = principal(request)
         if not who.allows(scope):
             raise Forbidden(f"this key lacks the {scope!r} scope (it has: {', '.join(sorted(who.scopes))})")
@@ -84,26 +84,36 @@ def require(scope: str) -> Callable[[Request], Principal]:
     return dependency
 
 
-def _bearer(request: Request) -> str:
-    header = request.headers.get("authorization", "")
+def _bearer(headers: dict[bytes, bytes]) -> str:
+    header = headers.get(b"authorization", b"").decode("latin-1")
     if header[:7].lower() == "bearer ":
         return header[7:].strip()
-    return request.headers.get("x-api-key", "").strip()
+    return headers.get(b"x-api-key", b"").decode("latin-1").strip()
 
 
-def _add_auth(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def _authenticate(request: Request, call_next: Any) -> Any:
-        if request.url.path in PUBLIC_PATHS:
-            return await call_next(request)
-        key = _bearer(request)
-        who = await run_in_threadpool(authenticate, app.state.engine, key) if key else None
+class ApiKeyAuth:
+    """ASGI middleware: every path but :data:`PUBLIC_PATHS` needs a valid key (401 before the body is read).
+
+    The principal goes into the request's state (``request.state.principal``) for :func:`require`.
+    """
+
+    def __init__(self, app: Any, engine: Any) -> None:
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        key = _bearer(dict(scope["headers"]))
+        who = await run_in_threadpool(authenticate, self.engine, key) if key else None
         if who is None:
-            return error_response(401, "unauthorized", "a valid API key is required: Authorization: Bearer tgk_...",
-                                  headers={"WWW-Authenticate": "Bearer"})
-        request.state.principal = who
-        request.scope.setdefault("state", {})["tenant"] = who.tenant_id
-        return await call_next(request)
+            response = error_response(401, "unauthorized", "a valid API key is required: Authorization: Bearer tgk_...",
+                                      headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        state = scope.setdefault("state", {})
+        state["principal"] = who
+        state["tenant"] = who.tenant_id
+        await self.app(scope, receive, send)
 
 
 def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
@@ -150,7 +160,7 @@ def _add_health(app: FastAPI) -> None:
         """Readiness: the database answers."""
 
         def ping() -> None:
-            with app.state.engine.connect() as conn:
+            with reader(app.state.engine).connect() as conn:
                 conn.execute(text("SELECT 1"))
 
         try:
@@ -163,10 +173,11 @@ def _add_health(app: FastAPI) -> None:
 def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = None, background: bool = True) -> FastAPI:
     """The scheduler app: upgrades the database, then serves the routes; ``background`` runs the lease sweeper.
 
-    With ``background`` False (tests that drive the sweeper by hand), leases expire and queued jobs are
-    granted only when :func:`tinkergym.scheduler.leases.sweep` is called.
+    With ``background`` False (tests that drive the sweeper by hand), leases expire only when
+    :func:`tinkergym.scheduler.leases.sweep` is called. Queued jobs are granted when a worker asks for a lease.
     """
     from tinkergym.scheduler import leases
+    from tinkergym.scheduler.routes import connect as connect_routes
     from tinkergym.scheduler.routes import events as event_routes
     from tinkergym.scheduler.routes import jobs as job_routes
     from tinkergym.scheduler.routes import workers as worker_routes
@@ -197,10 +208,11 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     _add_health(app)
     app.include_router(job_routes.router)
     app.include_router(event_routes.router)
+    app.include_router(connect_routes.router)
     app.include_router(worker_routes.router)
     _add_error_handlers(app, log)
     # Added innermost first: the log sees every request, the key is checked before the body is read.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, hint="send a smaller request")
-    _add_auth(app)
+    app.add_middleware(ApiKeyAuth, engine=engine)
     app.add_middleware(RequestLog, logger=log)
     return app

@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import insert, select, update
 from sqlalchemy.engine import Engine
 
-from tinkergym.scheduler.db import api_keys, tenants
+from tinkergym.scheduler.db import api_keys, reader, tenants
 
 KEY_PREFIX = "tgk_"
 SCOPES = ("read", "write", "worker", "admin")
@@ -90,7 +90,7 @@ def list_keys(engine: Engine, tenant_id: str | None = None) -> list[dict[str, An
     query = select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.scopes, api_keys.c.name, api_keys.c.created_at, api_keys.c.revoked_at)
     if tenant_id is not None:
         query = query.where(api_keys.c.tenant_id == tenant_id)
-    with engine.connect() as conn:
+    with reader(engine).connect() as conn:
         return [dict(r) for r in conn.execute(query.order_by(api_keys.c.created_at)).mappings()]
 
 
@@ -108,7 +108,7 @@ def authenticate(engine: Engine, key: str) -> Principal | None:
     match = KEY_PATTERN.match(key or "")
     if match is None:
         return None
-    with engine.connect() as conn:
+    with reader(engine).connect() as conn:
         row = conn.execute(select(api_keys).where(api_keys.c.id == match.group(1))).mappings().first()
     # Compare even when the row is missing, so timing does not tell which ids exist.
     expected = row["digest"] if row is not None else "0" * 64

@@ -15,6 +15,9 @@ outside tests of the migrations themselves.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -183,9 +186,32 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
-        connection.exec_driver_sql("BEGIN IMMEDIATE")
+        # Reads (reader(engine)) take a snapshot without the write lock: WAL readers never wait for writers.
+        connection.exec_driver_sql("BEGIN" if connection.get_execution_options().get(_READ_OPTION) else "BEGIN IMMEDIATE")
 
+    _WRITE_LOCKS[engine] = threading.RLock()  # re-entrant: a transaction may run inside another on the same thread
     return engine
+
+
+_READ_OPTION = "tinkergym_read_only"
+_READERS: "weakref.WeakKeyDictionary[Engine, Engine]" = weakref.WeakKeyDictionary()
+_WRITE_LOCKS: "weakref.WeakKeyDictionary[Engine, threading.RLock]" = weakref.WeakKeyDictionary()
+
+
+def reader(engine: Engine) -> Engine:
+    """``engine`` for reads only: on SQLite its transactions take a snapshot instead of the write lock (elsewhere the same engine)."""
+    if not is_sqlite(engine):
+        return engine
+    found = _READERS.get(engine)
+    if found is None:
+        found = _READERS[engine] = engine.execution_options(**{_READ_OPTION: True})
+    return found
+
+
+def write_lock(engine: Engine) -> Any:
+    """A lock that lets one of this process's threads write at a time on SQLite (so they queue here instead of in
+    SQLite's busy handler, which sleeps in steps of up to 100 ms); a no-op elsewhere."""
+    return _WRITE_LOCKS.get(engine) or contextlib.nullcontext()
 
 
 def is_sqlite(engine: Engine) -> bool:

@@ -397,7 +397,7 @@ def sweep(app: Any) -> int:
     """Expire every lease that ended before now (the app's clock); how many expired. Safe to run anywhere, any time."""
     store: JobStore = app.state.store
     now = store.clock()
-    with store.engine.connect() as conn:
+    with store.read() as conn:
         due = conn.execute(
             select(jobs.c.id, jobs.c.lease_epoch).where(jobs.c.state.in_(sorted(states.HOLDING)), jobs.c.lease_expires_at < now)
             .order_by(jobs.c.lease_expires_at).limit(MAX_SCAN)

@@ -20,7 +20,7 @@ from sqlalchemy import and_, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from tinkergym.scheduler import states
-from tinkergym.scheduler.db import checkpoints, events, jobs
+from tinkergym.scheduler.db import checkpoints, events, jobs, reader, write_lock
 
 #: Event types a job's stream carries (``data`` is a JSON object).
 EVENT_TYPES = ("state", "log", "metrics", "checkpoint", "lease", "error")
@@ -60,8 +60,12 @@ class JobStore:
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
         """One transaction (``BEGIN IMMEDIATE`` on SQLite): committed on success, rolled back on any exception."""
-        with self.engine.begin() as connection:
+        with write_lock(self.engine), self.engine.begin() as connection:
             yield connection
+
+    def read(self) -> Any:
+        """A connection for reads (on SQLite a snapshot that never waits for writers): ``with store.read() as conn``."""
+        return reader(self.engine).connect()
 
     # ----- jobs -------------------------------------------------------------------------------------
     def create_job(

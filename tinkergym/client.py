@@ -158,6 +158,14 @@ class SchedulerClient:
         """Cancel a job: a queued one ends at once, a running one goes through ``cancelling``. An ended job is a 409."""
         return self._request("POST", f"/v1/jobs/{_quote(job_id)}/cancel", {})
 
+    def connection(self, job_id: str) -> dict[str, Any]:
+        """The running job's server: ``url``, ``token`` (of the current lease epoch) and ``epoch``; a 409 until it runs."""
+        return self._request("GET", f"/v1/jobs/{_quote(job_id)}/connection")
+
+    def complete(self, job_id: str, epoch: int) -> dict[str, Any]:
+        """End the job the client trained through at lease ``epoch``: it succeeds and frees its devices."""
+        return self._request("POST", f"/v1/jobs/{_quote(job_id)}/complete", {"epoch": epoch})
+
     def events(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
         """Every event of the job with ``seq > after`` recorded so far, oldest first (``seq``, ``type``, ``data``, ``created_at``)."""
         found: list[dict[str, Any]] = []

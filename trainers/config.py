@@ -64,6 +64,11 @@ class TrainConfig:
     # A training server (tinkergym serve-backend) that computes instead of a local model: its model, LoRA
     # rank, dtype and micro-batch size are the server's (a new run records them here). The token is never saved.
     backend_url: str | None = None
+    # A scheduler (tinkergym scheduler serve) that leases a worker's devices for the run: the run becomes job
+    # scheduler_job (recorded once submitted, so --resume reattaches to it) on `gpus` devices. The key is never saved.
+    scheduler_url: str | None = None
+    scheduler_job: str | None = None
+    gpus: int = 1
     # The old policy of the PPO ratio: "trainer" (the policy's own logprobs of the training pass, before the
     # step's only update, as TRL does on-policy; free) or "sampler" (the sampler's logprobs, so its numerics enter
     # the ratio: in bfloat16 up to ~0.3 nats on SmolLM2, enough to clip). With tis_cap > 0 (needs "trainer") each
@@ -105,6 +110,8 @@ class TrainConfig:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
         if self.backend_url is not None:
             self._validate_remote()
+        if self.scheduler_url is not None:
+            self._validate_scheduled()
         if "\0" in self.out:
             raise ConfigError(f"out {self.out!r} contains a NUL byte, which no folder name may hold.")
         self._validate_rl()
@@ -146,6 +153,26 @@ class TrainConfig:
         self.backend_url = check_backend_url(self.backend_url)
         if self.sampler != "torch":
             raise ConfigError(f"sampler {self.sampler!r} cannot be combined with backend-url: the training server samples with its own model.")
+
+    def _validate_scheduled(self) -> None:
+        from tinkergym.client import check_scheduler_url
+
+        if self.backend_url is not None:
+            raise ConfigError("scheduler and backend-url exclude each other: the scheduler finds the training server itself.")
+        self.scheduler_url = check_scheduler_url(self.scheduler_url)
+        if self.sampler != "torch":
+            raise ConfigError(f"sampler {self.sampler!r} cannot be combined with scheduler: the job's server samples with its own model.")
+        if self.gpus < 1:
+            raise ConfigError("gpus must be at least 1: the devices the job's server runs on.")
+
+    def job_config(self) -> dict[str, Any]:
+        """What a scheduler job needs of this config: the model settings its worker starts the server with, and the run's shape.
+
+        Folders of this machine (``out``, data files) stay here: the client runs the trainer.
+        """
+        keep = ("env", "trainer", "model", "lora_rank", "lora_alpha", "lora_dropout", "dtype", "seed", "micro_batch_size", "steps",
+                "batch_size", "group_size", "max_new_tokens", "max_context")
+        return {k: getattr(self, k) for k in keep}
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable copy."""

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from tinkergym.backends.scheduled import BackendLost
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
 from tinkergym.folders import replace_dir
 from tinkergym.trainers.base import StepOutput, TrainerStateError, TrainingContext, check_trainer_args, load_trainer, restore_trainer_state, trainer_state
@@ -68,11 +69,14 @@ def env_factory(env_id: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
 class TrainingRun:
     """One run: ``TrainingRun(config).run()``, or ``TrainingRun.resume(folder).run()``."""
 
-    def __init__(self, config: TrainConfig, backend: Any = None, start_step: int = 0, backend_token: str | None = None) -> None:
+    def __init__(
+        self, config: TrainConfig, backend: Any = None, start_step: int = 0, backend_token: str | None = None, api_key: str | None = None,
+    ) -> None:
         self.config = config.validate()
         if config.backend_url and backend is None and not backend_token:
             raise ConfigError(f"training through the server at {config.backend_url} needs its token: pass --backend-token-file FILE.")
         self._backend_token = backend_token
+        self._api_key = api_key
         self.folder = Path(config.out or f"runs/{config.env.split('/')[-1] or 'sft'}-{config.trainer}-{time.strftime('%Y%m%d-%H%M%S')}")
         self.config.out = str(self.folder)
         self.start_step = start_step
@@ -95,7 +99,9 @@ class TrainingRun:
         from tinkergym.chat import ChatTemplateRenderer
 
         info = self.backend.info()
-        if config.backend_url:
+        if config.scheduler_url:
+            config.scheduler_job = self.backend.job_id  # in config.json: --resume reattaches to the job
+        if config.backend_url or config.scheduler_url:
             _adopt_server_settings(config, info, resumed=start_step > 0)
         self.renderer = ChatTemplateRenderer(info["tokenizer"])
         self.ctx = TrainingContext(config, self.backend, self.renderer, self.make_env)
@@ -105,6 +111,19 @@ class TrainingRun:
 
     def _build_backend(self) -> Any:
         c = self.config
+        if c.scheduler_url:  # a job of a scheduler, whose worker runs the training server: no torch here either
+            from tinkergym.backends.scheduled import TERMINAL, ScheduledBackend
+            from tinkergym.client import SchedulerClient
+
+            client = SchedulerClient(c.scheduler_url, self._api_key)
+            job_config = c.job_config()
+            if c.scheduler_job:
+                if client.show(c.scheduler_job)["state"] not in TERMINAL:
+                    return ScheduledBackend(client, c.scheduler_job)  # reattach: the job waits or runs
+                # The job ended (its client went quiet, or the run is extended): a new job starts from its checkpoints.
+                job_config["resume_job"] = c.scheduler_job
+            kind = "sft" if c.trainer == "sft" else "train"
+            return ScheduledBackend.submit(client, kind, job_config, gpus=c.gpus, name=self.folder.name)
         if c.backend_url:  # the client of a training server: no torch here
             from tinkergym.backends.remote import RemoteBackend
 
@@ -132,6 +151,7 @@ class TrainingRun:
     @classmethod
     def resume(
         cls, folder: str | Path, backend: Any = None, changes: dict[str, Any] | None = None, backend_token: str | None = None,
+        api_key: str | None = None,
     ) -> "TrainingRun":
         """Continue the run in ``folder`` from its latest checkpoint, with ``changes`` (field -> value) to its config.
 
@@ -140,7 +160,7 @@ class TrainingRun:
         A run trained through a server (``backend_url``) continues against the same server, with ``backend_token``.
         """
         plan = plan_resume(folder, changes)
-        run = cls(plan.config, backend=backend, start_step=plan.start_step, backend_token=backend_token)
+        run = cls(plan.config, backend=backend, start_step=plan.start_step, backend_token=backend_token, api_key=api_key)
         if plan.checkpoint is not None:
             run.restore(plan.checkpoint)
         note = {"step": plan.start_step, "changed": {k: list(v) for k, v in plan.changed.items()}, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -162,17 +182,52 @@ class TrainingRun:
         c, last = self.config, {}
         if c.eval_every and self.start_step == 0 and self.make_eval_env is not None:
             self.log.write(-1, self.evaluate(-1))  # step -1: the policy before any update, the baseline to beat
-        bar = tqdm(range(self.start_step, c.steps), initial=self.start_step, total=c.steps, disable=not progress, desc="train", unit="step")
+        bar = tqdm(total=c.steps, initial=self.start_step, disable=not progress, desc="train", unit="step")
+        step = self.start_step
         try:
-            for step in bar:
-                last = self._train_step(step)
-                bar.set_postfix({k: f"{last[m]:.3g}" for k, m in (("reward", "reward/mean"), ("loss", "loss"), ("tok/s", "tokens/per_s")) if m in last})
+            while True:
+                try:
+                    while step < c.steps:
+                        last = self._train_step(step)
+                        step += 1
+                        bar.update(1)
+                        bar.set_postfix({k: f"{last[m]:.3g}" for k, m in (("reward", "reward/mean"), ("loss", "loss"), ("tok/s", "tokens/per_s")) if m in last})
+                    self.backend.export(str(self.folder / "final"))
+                    break
+                except BackendLost:  # a scheduler job whose server went away: the next lease's server takes over
+                    step = self._recover()
+                    bar.n = step
+                    bar.refresh()
         finally:  # an interrupted run still leaves every logged step readable in TensorBoard
+            bar.close()
             self.log.close()
         plot_learning_curve(self.folder)
-        self.backend.export(str(self.folder / "final"))
+        complete = getattr(self.backend, "complete", None)
+        if callable(complete):  # a scheduler job: the run is done, its devices are freed now rather than at an idle timeout
+            complete()
         self.close()
         return last
+
+    def _recover(self) -> int:
+        """After :class:`BackendLost`: reconnect to the job's next server, load the newest checkpoint it has; the step to go on from.
+
+        The worker restores the checkpoints the scheduler's artifact store holds; one written just before the
+        loss may not have reached it, so older checkpoints are tried in turn. With none, the run starts over.
+        """
+        self.backend.reconnect()
+        for checkpoint in reversed(_complete_checkpoints(self.folder)):
+            try:
+                self.restore(checkpoint)
+            except ConfigError:  # the new server lacks that state: try an older one
+                continue
+            step = int(checkpoint.name.split("_")[1]) + 1
+            break
+        else:
+            self.trainer = type(self.trainer)(self.ctx)  # the new server's weights are the base model's
+            step = 0
+        self.log.close()
+        self.log = MetricsLog(self.folder, keep_through=step - 1 if step else None)
+        return step
 
     def _train_step(self, step: int) -> dict[str, float]:
         """One step: train, time it, save transcripts, evaluate, log and checkpoint when due; returns its metrics."""

@@ -72,7 +72,7 @@ def _poll(store: JobStore, job_id: str, after: int) -> tuple[list[dict[str, Any]
     The job is read before its events: its terminal event is written in the same transaction as its state,
     so a job read as ended has that event among the ones read next (unless the client is already past it).
     """
-    with store.engine.connect() as conn:
+    with store.read() as conn:
         job = store.get(conn, job_id)
         found = store.events_after(conn, job_id, after, BATCH)
     return found, job["state"] in states.TERMINAL
@@ -113,7 +113,7 @@ async def stream_events(
     cursor = parse_last_event_id(last_event_id, after)
 
     def check() -> None:
-        with store.engine.connect() as conn:
+        with store.read() as conn:
             store.get(conn, job_id, who.tenant_id)  # NotFound (404) for another tenant's job
 
     await run_in_threadpool(check)

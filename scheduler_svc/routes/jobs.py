@@ -166,12 +166,7 @@ def submit(
         )
         return 201, job_view(conn, job)
 
-    response = _idempotent(request, who, idempotency_key, body.model_dump(mode="json"), create)
-    if response.status_code == 201:
-        from tinkergym.scheduler import leases
-
-        leases.wake(request.app)
-    return response
+    return _idempotent(request, who, idempotency_key, body.model_dump(mode="json"), create)
 
 
 def _decode_cursor(cursor: str) -> tuple[float, str]:
@@ -211,7 +206,7 @@ def list_jobs(
         t, job_id = _decode_cursor(cursor)
         query = query.where(or_(jobs.c.created_at < t, and_(jobs.c.created_at == t, jobs.c.id < job_id)))
     query = query.order_by(jobs.c.created_at.desc(), jobs.c.id.desc()).limit(limit + 1)
-    with _store(request).engine.connect() as conn:
+    with _store(request).read() as conn:
         rows = [dict(r) for r in conn.execute(query).mappings()]
         page = [job_view(conn, r) for r in rows[:limit]]
     return {"jobs": page, "next_cursor": _encode_cursor(rows[limit - 1]) if len(rows) > limit else None}
@@ -220,7 +215,7 @@ def list_jobs(
 @router.get("/{job_id}", response_model=Job, responses={404: {}})
 def show(job_id: str, request: Request, who: Principal = Depends(require("read"))) -> Any:
     """One job (404 for another tenant's)."""
-    with _store(request).engine.connect() as conn:
+    with _store(request).read() as conn:
         return job_view(conn, _store(request).get(conn, job_id, who.tenant_id))
 
 
@@ -254,7 +249,7 @@ def list_events(
 ) -> Any:
     """The job's events after a cursor, oldest first."""
     store = _store(request)
-    with store.engine.connect() as conn:
+    with store.read() as conn:
         store.get(conn, job_id, who.tenant_id)
         found = store.events_after(conn, job_id, after, limit)
     return {"events": [{k: e[k] for k in ("seq", "type", "data", "created_at")} for e in found], "cursor": found[-1]["seq"] if found else after}
@@ -264,7 +259,7 @@ def list_events(
 def list_checkpoints(job_id: str, request: Request, who: Principal = Depends(require("read"))) -> Any:
     """The checkpoints the job's servers recorded, by step."""
     store = _store(request)
-    with store.engine.connect() as conn:
+    with store.read() as conn:
         store.get(conn, job_id, who.tenant_id)
         rows = store.checkpoints(conn, job_id)
     return {"checkpoints": [{k: r[k] for k in ("step", "name", "epoch", "created_at")} for r in rows]}

@@ -210,7 +210,7 @@ def register(
 @router.get("", response_model=WorkerList)
 def list_workers(request: Request, who: Principal = Depends(require("admin"))) -> Any:
     """Every registered worker with its devices (``busy``: held by a job now)."""
-    with _store(request).engine.connect() as conn:
+    with _store(request).read() as conn:
         ids = conn.execute(select(workers.c.id).order_by(workers.c.registered_at, workers.c.id)).scalars().all()
         return {"workers": [leases.worker_view(conn, i) for i in ids]}
 

@@ -50,6 +50,8 @@ class TinkergymGroup(click.Group):
         except INPUT_ERRORS as exc:
             raise InputError(_shown(exc)) from exc
         except TinkergymError as exc:
+            if getattr(exc, "input_error", False):  # a service refused the request itself (a bad key, a bad argument)
+                raise InputError(_shown(exc)) from exc
             raise click.ClickException(_shown(exc)) from exc
 
 

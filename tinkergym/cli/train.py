@@ -19,7 +19,7 @@ _FIELDS = (
     "env", "trainer", "model", "lora_rank", "lora_alpha", "steps", "batch_size", "group_size", "lr", "max_turns",
     "max_new_tokens", "max_context", "temperature", "seed", "out", "kl_coef", "eval_every", "eval_episodes",
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
-    "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url",
+    "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
 )
 
 
@@ -38,6 +38,8 @@ def build_config(options: dict[str, Any], base: Any = None) -> Any:
     for name in _FIELDS:
         if options.get(name) is not None:
             setattr(config, name, options[name])
+    if options.get("scheduler"):
+        config.scheduler_url = options["scheduler"]
     if options.get("full"):
         config.lora_rank = 0
     if options.get("kwargs"):
@@ -104,7 +106,7 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
             err=True,
         )
         return None
-    return TrainingRun.resume(options["resume"], changes=changes, backend_token=backend_token)
+    return TrainingRun.resume(options["resume"], changes=changes, backend_token=backend_token, api_key=options.get("api_key"))
 
 
 @click.command()
@@ -145,6 +147,11 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
               help="Train through a training server (tinkergym serve-backend) at URL: its model computes, envs and the trainer run here.")
 @click.option("--backend-token-file", type=SafePath(dir_okay=False),
               help="File (mode 600) holding the training server's token; needed with --backend-url and to --resume such a run.")
+@click.option("--scheduler", metavar="URL",
+              help="Train as a job of a scheduler (tinkergym scheduler serve): it leases a worker's devices, whose training server computes; envs and the trainer run here.")
+@click.option("--api-key", envvar="TINKERGYM_API_KEY", show_envvar=True,
+              help="The scheduler key (tgk_...) for --scheduler and to --resume such a run; never saved.")
+@click.option("--gpus", type=click.IntRange(1, 64), help="Devices the scheduler job needs, all on one worker (default 1).")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable), e.g. size=7.")
 @click.option("--trainer-arg", "trainer_args", multiple=True, metavar="KEY=VALUE", help="Trainer-specific setting (repeatable).")
 @click.option("--data", multiple=True, type=SafePath(exists=True, dir_okay=False), help="sft: JSONL chat transcripts (repeatable).")
@@ -166,6 +173,7 @@ def train(**options: Any) -> None:
       tinkergym train --resume runs/bandit
       tinkergym train --resume runs/bandit --steps 60       # extend a finished run to 60 steps
       tinkergym train --env tinker/Bandit-v0 --backend-url http://gpu-host:8765 --backend-token-file ~/.tinkergym/token
+      TINKERGYM_API_KEY=tgk_... tinkergym train --env tinker/Bandit-v0 --scheduler http://scheduler:8780 --out runs/bandit
 
     A resume continues with the run's own settings. It may change only how far the run goes (--steps: never
     fewer than the steps already trained; as many is nothing to do once final/ is exported, exit 0), how often
@@ -174,6 +182,10 @@ def train(**options: Any) -> None:
 
     With --backend-url the model is the server's: its model, LoRA rank, dtype and micro-batch size are set
     where it starts (tinkergym serve-backend) and recorded in the run's config.json; the token is never saved.
+
+    With --scheduler the run is a job: it waits in the queue (its position is shown), then trains through
+    the server a worker starts for it. If that worker dies, the run waits for the job's next lease and goes
+    on from its newest checkpoint the new server has; --resume DIR reattaches to the job.
     """
     from tinkergym.trainers.reporting import read_metrics
     from tinkergym.trainers.session import TrainingRun
@@ -185,7 +197,9 @@ def train(**options: Any) -> None:
         config = build_config(options)
         _check_token_use(token, config.backend_url)
         _check_server_owned(options, config.backend_url)
-        run = TrainingRun(config, backend_token=token)
+        if options.get("api_key") and not config.scheduler_url:
+            raise click.UsageError("--api-key is a scheduler key: give the scheduler with --scheduler URL.")
+        run = TrainingRun(config, backend_token=token, api_key=options.get("api_key"))
     if run is None:  # a finished run with no more steps to train
         folder, last = Path(options["resume"]), {}
     else:

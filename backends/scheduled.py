@@ -1,0 +1,161 @@
+"""ScheduledBackend: the Backend protocol through a scheduler job (``tinkergym train --scheduler URL``).
+
+The client submits a job (or reattaches to one), waits in the queue while the scheduler shows its position,
+and once a worker runs the job's training server it talks to that server directly with
+:class:`~tinkergym.backends.remote.RemoteBackend` and the token of the lease's epoch; the scheduler never
+carries compute traffic. Standard library only, like RemoteBackend: no torch on the client.
+
+When the server goes away (its worker died, the lease expired and the job was queued again), a call fails
+with :class:`BackendLost`. :meth:`ScheduledBackend.reconnect` waits for the job's next lease and connects to
+the new server; :class:`~tinkergym.trainers.session.TrainingRun` then loads its newest checkpoint that the
+new server has (the worker restores checkpoints from the scheduler's artifact store) and goes on from there.
+At the end of the run, :meth:`complete` ends the job, which frees its devices at once.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable
+
+from tinkergym.backends.remote import RemoteBackend, RemoteBackendError
+from tinkergym.errors import ConfigError, TinkergymError
+
+#: States after which a job never runs again.
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+class BackendLost(RemoteBackendError):
+    """The job's server stopped answering (lease lost or worker gone); :meth:`ScheduledBackend.reconnect` waits for the next one."""
+
+
+class JobEnded(TinkergymError, RuntimeError):
+    """The job reached a terminal state (failed, cancelled, succeeded) while the client still needed it."""
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class ScheduledBackend:
+    """The Backend protocol computed by the server of scheduler job ``job_id``.
+
+    Args:
+        client: a :class:`tinkergym.client.SchedulerClient`.
+        job_id: the job (see :meth:`submit`).
+        poll: seconds between looks at a job that is not running yet.
+        wait_timeout: seconds to wait for the job to run (None: as long as it takes).
+        say: where progress lines go (queue position, connections); default stderr.
+        remote: keyword arguments for each :class:`RemoteBackend` (timeouts, retries).
+    """
+
+    def __init__(
+        self, client: Any, job_id: str, *, poll: float = 1.0, wait_timeout: float | None = None, say: Callable[[str], None] = _stderr,
+        remote: dict[str, Any] | None = None,
+    ) -> None:
+        self.client = client
+        self.job_id = job_id
+        self.poll = poll
+        self.wait_timeout = wait_timeout
+        self.say = say
+        self.remote_options = {"retries": 4, "backoff": 0.5, **(remote or {})}
+        self.epoch: int | None = None
+        self._remote: RemoteBackend | None = None
+
+    def __repr__(self) -> str:
+        return f"ScheduledBackend({self.client.url!r}, job={self.job_id!r}, epoch={self.epoch})"
+
+    @classmethod
+    def submit(cls, client: Any, kind: str, config: dict[str, Any], *, gpus: int = 1, priority: int = 0, name: str = "",
+               idempotency_key: str | None = None, **options: Any) -> "ScheduledBackend":
+        """Queue a job for ``config`` and return its backend (not yet connected: the first call waits for the lease)."""
+        job = client.submit(kind, config, gpus=gpus, priority=priority, name=name, idempotency_key=idempotency_key)
+        return cls(client, job["id"], **options)
+
+    # ----- the job's lifecycle ------------------------------------------------------------------------
+    def wait_running(self, after_epoch: int | None = None) -> dict[str, Any]:
+        """Wait until the job runs (at an epoch above ``after_epoch``); its connection (url, token, epoch)."""
+        from tinkergym.client import SchedulerError
+
+        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
+        shown = None
+        while True:
+            job = self.client.show(self.job_id)
+            state = job["state"]
+            if state in TERMINAL:
+                raise JobEnded(f"job {self.job_id} is {state}{': ' + job['error'] if job.get('error') else ''}; "
+                               f"see `tinkergym jobs logs {self.job_id}`")
+            if state == "running" and (after_epoch is None or job["lease_epoch"] > after_epoch):
+                try:
+                    return self.client.connection(self.job_id)
+                except SchedulerError as exc:
+                    if exc.status != 409:  # 409: it stopped running between the two requests
+                        raise
+            status = f"job {self.job_id}: {state}" + (f", position {job['queue_position']} in the queue" if job.get("queue_position") else "")
+            if status != shown:
+                self.say(status)
+                shown = status
+            if deadline is not None and time.monotonic() > deadline:
+                raise JobEnded(f"job {self.job_id} did not start within {self.wait_timeout:g} s (it is {state}); "
+                               f"it stays queued: reattach later with tinkergym train --resume")
+            time.sleep(self.poll)
+
+    def connect(self, after_epoch: int | None = None) -> None:
+        """Wait for the job to run and connect to its server."""
+        connection = self.wait_running(after_epoch)
+        if self._remote is not None:
+            self._remote.close()
+        self._remote = RemoteBackend(connection["url"], connection["token"], **self.remote_options)
+        self.epoch = int(connection["epoch"])
+        self.say(f"job {self.job_id}: connected to its server at {connection['url']} (lease epoch {self.epoch})")
+
+    def reconnect(self) -> None:
+        """After :class:`BackendLost`: wait for the job's next lease (a new epoch) and connect to that server."""
+        self.say(f"job {self.job_id}: its server at epoch {self.epoch} is gone; waiting for the job's next lease")
+        self.connect(after_epoch=self.epoch)
+
+    def complete(self) -> None:
+        """End the job (it succeeds; its devices are freed at once)."""
+        if self.epoch is not None:
+            self.client.complete(self.job_id, self.epoch)
+
+    # ----- the Backend protocol ---------------------------------------------------------------------
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        if self._remote is None:
+            self.connect()
+        try:
+            return getattr(self._remote, method)(*args, **kwargs)
+        except RemoteBackendError as exc:  # no answer after the retries: the server is gone
+            raise BackendLost(f"job {self.job_id}: {exc}") from exc
+        except ConfigError as exc:
+            if "refused the token" in str(exc):  # another server (a new epoch) answers on that address
+                raise BackendLost(f"job {self.job_id}: {exc}") from exc
+            raise
+
+    def info(self) -> dict[str, Any]:
+        return {**self._call("info"), "job_id": self.job_id, "scheduler": self.client.url}
+
+    def sample(self, request: Any) -> Any:
+        return self._call("sample", request)
+
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        return self._call("logprobs", sequences, temperature)
+
+    def forward_backward(self, request: Any) -> Any:
+        return self._call("forward_backward", request)
+
+    def optim_step(self, params: Any) -> dict[str, float]:
+        return self._call("optim_step", params)
+
+    def save_state(self, path: str) -> None:
+        self._call("save_state", path)
+
+    def load_state(self, path: str) -> None:
+        self._call("load_state", path)
+
+    def export(self, path: str, merged: bool = False) -> None:
+        self._call("export", path, merged)
+
+    def close(self) -> None:
+        if self._remote is not None:
+            self._remote.close()

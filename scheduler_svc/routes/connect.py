@@ -1,0 +1,79 @@
+"""The job's owner and its server: where to connect (and with which token), and saying the work is done.
+
+The scheduler never proxies compute traffic: the client asks ``GET /v1/jobs/{id}/connection`` for the
+running server's URL and the token of the current lease epoch (derived, never stored), then talks to the
+server directly. When the epoch moves on (the lease was lost and granted again), the old token stops
+working with the old server's death, and the client asks again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import delete
+
+from tinkergym.scheduler import leases, states
+from tinkergym.scheduler.app import require
+from tinkergym.scheduler.auth import Principal
+from tinkergym.scheduler.db import allocations
+from tinkergym.scheduler.repository import Conflict, JobStore
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+
+class Connection(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str
+    state: str
+    epoch: int
+    url: str = Field(description="the job's server (a training server for train/sft jobs, an inference server for inference jobs)")
+    token: str = Field(description="bearer token of that server for this lease epoch")
+
+
+class Complete(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    epoch: int = Field(ge=0, description="the lease epoch the client trained against (fences a completion from an older lease)")
+
+
+class Completed(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    job_id: str
+    state: str
+
+
+def _store(request: Request) -> JobStore:
+    return request.app.state.store
+
+
+@router.get("/{job_id}/connection", response_model=Connection, responses={404: {}, 409: {}})
+def connection(job_id: str, request: Request, who: Principal = Depends(require("write"))) -> Any:
+    """The running job's server and token; 409 (with the job's state) until the job is running."""
+    store = _store(request)
+    with store.read() as conn:
+        job = store.get(conn, job_id, who.tenant_id)
+    if job["state"] != states.RUNNING or not job["server_url"]:
+        raise Conflict(f"job {job_id} is {job['state']}: its server is reachable once it is running")
+    return {"job_id": job_id, "state": job["state"], "epoch": job["lease_epoch"], "url": job["server_url"],
+            "token": leases.token_for(request.app, job_id, job["lease_epoch"])}
+
+
+@router.post("/{job_id}/complete", response_model=Completed, responses={404: {}, 409: {}})
+def complete(job_id: str, body: Complete, request: Request, who: Principal = Depends(require("write"))) -> Any:
+    """The client is done with the job (a train job's run ended): it succeeds and its devices are freed at once.
+
+    The worker sees the end at its next heartbeat and stops the server. Completing again answers the same.
+    """
+    store = _store(request)
+    with store.transaction() as conn:
+        job = store.get(conn, job_id, who.tenant_id, for_update=True)
+        if job["state"] == states.SUCCEEDED:
+            return {"job_id": job_id, "state": job["state"]}
+        moved = store.transition(conn, job_id, states.SUCCEEDED, epoch=body.epoch, event={"by": "client", "epoch": body.epoch},
+                                 lease_expires_at=None, server_url=None, server_token_digest=None)
+        conn.execute(delete(allocations).where(allocations.c.job_id == job_id))
+    return {"job_id": job_id, "state": moved.job["state"]}

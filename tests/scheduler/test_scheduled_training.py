@@ -1,0 +1,218 @@
+"""Training as a scheduler job (``tinkergym train --scheduler URL``): the client side, against a live scheduler.
+
+The worker here is played by the test through the scheduler's real worker API (register, lease, report
+running, heartbeat) around real training servers on 127.0.0.1, so the failures the client must survive can
+be placed exactly: a worker that dies right after a checkpoint, a lease that expires, a second worker that
+takes the job at the next epoch with the checkpoints restored (as the artifact store does).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+uvicorn = pytest.importorskip("uvicorn")
+httpx = pytest.importorskip("httpx")
+
+from click.testing import CliRunner  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
+
+from tinkergym.backends.models import resolve_model  # noqa: E402
+from tinkergym.cli import main  # noqa: E402
+from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
+from tinkergym.scheduler.db import allocations, jobs, make_engine  # noqa: E402
+from tinkergym.trainers.reporting import read_metrics  # noqa: E402
+
+VOLATILE = ("time/", "tokens/per_s")
+COMMON = ("--env", "tinker/Bandit-v0", "--model", "tiny", "--dtype", "float32", "--steps", "4", "--batch-size", "2", "--group-size", "4",
+          "--max-new-tokens", "6", "--lr", "1e-3", "--checkpoint-every", "1", "--quiet")
+
+
+def _socket() -> socket.socket:
+    # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class Served:
+    """An ASGI app under uvicorn in a thread of this process."""
+
+    def __init__(self, app: Any) -> None:
+        self.sock = _socket()
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+class DieAfter:
+    """Around a training server's app: once ``marker`` exists, every request gets 503 and ``dead`` is set (the worker dies)."""
+
+    def __init__(self, app: Any, marker: Path | None) -> None:
+        self.app, self.marker, self.dead = app, marker, threading.Event()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.marker is not None and self.marker.is_dir():
+            self.dead.set()
+            await send({"type": "http.response.start", "status": 503, "headers": [(b"content-length", b"0")]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        await self.app(scope, receive, send)
+
+
+class PlayedWorker(threading.Thread):
+    """A worker: registers one slot, takes a lease, runs the job's training server, reports running, heartbeats.
+
+    ``restore_from``: a run folder whose saved states are copied into this server's before it starts (what the
+    artifact store does for a job moved to another worker). ``die_after``: once its run folder holds that saved
+    state, the next request finds the worker dead (503, then the server and the heartbeats stop).
+    """
+
+    def __init__(self, scheduler: str, key: str, name: str, run_dir: Path, restore_from: Path | None = None, die_after: str | None = None) -> None:
+        super().__init__(daemon=True)
+        self.http = httpx.Client(base_url=scheduler, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        self.name, self.run_dir, self.restore_from, self.die_after = name, run_dir, restore_from, die_after
+        self.lease: dict[str, Any] | None = None
+        self.served: Served | None = None
+        self.stopped = threading.Event()
+        self.error: BaseException | None = None
+        body = {"name": name, "host": "127.0.0.1", "devices": [{"index": 0, "kind": "slot"}], "models": ["tiny"]}
+        answer = self.http.post("/v1/workers", json=body)
+        assert answer.status_code == 200, answer.text
+        self.worker_id = answer.json()["id"]
+
+    def post(self, path: str, body: dict[str, Any]) -> Any:
+        return self.http.post(f"/v1/workers/{self.worker_id}{path}", json=body)
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            self.error = exc
+
+    def _run(self) -> None:
+        from tinkergym.backends.server import create_app as create_server
+        from tinkergym.backends.service_auth import token_digest
+        from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+
+        while self.lease is None and not self.stopped.is_set():
+            self.lease = self.post("/lease", {}).json()["lease"]
+            time.sleep(0.1)
+        if self.lease is None:
+            return
+        job, epoch, config = self.lease["job_id"], self.lease["epoch"], self.lease["config"]
+        assert self.post(f"/jobs/{job}/state", {"epoch": epoch, "state": "starting"}).status_code == 200
+        if self.restore_from is not None:
+            shutil.copytree(self.restore_from / "states", self.run_dir / "states")
+        backend = TorchBackend(TorchBackendConfig(
+            model=resolve_model(config["model"]), lora_rank=config["lora_rank"], lora_alpha=config["lora_alpha"], dtype=config["dtype"],
+            micro_batch_size=config["micro_batch_size"], seed=config["seed"],
+        ))
+        marker = self.run_dir / "states" / self.die_after if self.die_after else None
+        app = DieAfter(create_server(backend, run_dir=self.run_dir, token_digest=token_digest(self.lease["token"])), marker)
+        self.served = Served(app)
+        answer = self.post(f"/jobs/{job}/state", {"epoch": epoch, "state": "running", "server_url": self.served.url})
+        assert answer.status_code == 200, answer.text
+        while not self.stopped.is_set():
+            if app.dead.is_set():
+                self.served.stop()  # killed: the server goes, the heartbeats stop, the lease runs out
+                return
+            if self.post(f"/jobs/{job}/heartbeat", {"epoch": epoch}).status_code != 200:
+                break  # the job ended (completed by its client) or the lease was lost: stop the server
+            time.sleep(0.2)
+        self.served.stop()
+
+
+@pytest.fixture
+def scheduler(db_url: str, tmp_path: Path, keys: Any) -> Any:
+    app = create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=1.5, sweep_interval_s=0.1))
+    served = Served(app)
+    served.client_key = keys.new("acme", "read,write")
+    served.worker_key = keys.new("ops", "worker")
+    yield served
+    served.stop()
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TINKERGYM_CACHE", str(tmp_path / "cache"))
+
+
+def _train(*args: str) -> None:
+    result = CliRunner().invoke(main, ["train", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+
+
+def _stable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def _job(db_url: str) -> tuple[dict[str, Any], int]:
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            job = dict(conn.execute(select(jobs)).mappings().one())
+            held = conn.execute(select(func.count()).select_from(allocations)).scalar_one()
+    finally:
+        engine.dispose()
+    return job, held
+
+
+def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: Any, db_url: str, tmp_path: Path) -> None:
+    local, scheduled = tmp_path / "local", tmp_path / "scheduled"
+    _train(*COMMON, "--out", str(local))
+    first = PlayedWorker(scheduler.url, scheduler.worker_key, "w1", tmp_path / "w1", die_after="step_000001")
+    second = PlayedWorker(scheduler.url, scheduler.worker_key, "w2", tmp_path / "w2", restore_from=tmp_path / "w1")
+    first.start()
+    try:
+        def second_after_first() -> None:  # w1 takes the job first; w2 then waits for the next lease
+            while first.lease is None and not first.stopped.is_set():
+                time.sleep(0.05)
+            second.start()
+
+        threading.Thread(target=second_after_first, daemon=True).start()
+        _train(*COMMON, "--out", str(scheduled), "--scheduler", scheduler.url, "--api-key", scheduler.client_key)
+    finally:
+        first.stopped.set()
+        second.stopped.set()
+        first.join(timeout=30)
+        if second.is_alive():
+            second.join(timeout=30)
+    assert first.error is None and second.error is None, (first.error, second.error)
+    assert first.lease["epoch"] == 1 and second.lease["epoch"] == 2 and second.lease["attempt"] == 1
+    assert _stable(read_metrics(scheduled / "metrics.jsonl")) == _stable(read_metrics(local / "metrics.jsonl"))
+    assert sorted(p.name for p in (scheduled / "final").iterdir()) == sorted(p.name for p in (local / "final").iterdir())
+    config = json.loads((scheduled / "config.json").read_text())
+    job, held = _job(db_url)
+    assert config["scheduler_job"] == job["id"] and config["scheduler_url"] == scheduler.url
+    assert scheduler.client_key not in (scheduled / "config.json").read_text()
+    assert job["state"] == "succeeded" and job["lease_epoch"] == 2 and held == 0  # completed by the client: devices free at once
+    assert json.loads(job["config"])["model"] == "tiny"
+
+
+def test_the_scheduler_refuses_a_path_as_the_model_and_a_bad_key(scheduler: Any, tmp_path: Path, tiny: str) -> None:
+    args = [a if a != "tiny" else tiny for a in COMMON]
+    result = CliRunner().invoke(main, ["train", *args, "--out", str(tmp_path / "a"), "--scheduler", scheduler.url, "--api-key", scheduler.client_key])
+    assert result.exit_code == 2 and "not a model name" in result.output, result.output
+    result = CliRunner().invoke(main, ["train", *COMMON, "--out", str(tmp_path / "b"), "--scheduler", scheduler.url, "--api-key", "tgk_nope"])
+    assert result.exit_code == 2 and "refused the API key" in result.output, result.output
+    result = CliRunner().invoke(main, ["train", *COMMON, "--out", str(tmp_path / "c"), "--api-key", scheduler.client_key])
+    assert result.exit_code == 2 and "--scheduler" in result.output, result.output
