@@ -108,6 +108,7 @@ jobs = Table(
 Index("ix_jobs_queue", jobs.c.state, jobs.c.priority, jobs.c.created_at)
 Index("ix_jobs_tenant", jobs.c.tenant_id, jobs.c.created_at)
 Index("ix_jobs_lease", jobs.c.state, jobs.c.lease_expires_at)
+Index("ix_jobs_tenant_state", jobs.c.tenant_id, jobs.c.state)
 
 allocations = Table(
     "allocations", metadata,

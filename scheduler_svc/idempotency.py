@@ -20,9 +20,8 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from sqlalchemy import delete, insert, select, update
+from sqlalchemy import delete, select, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import IntegrityError
 
 from tinkergym.scheduler.db import idempotency
 from tinkergym.scheduler.repository import JobStore
@@ -79,21 +78,18 @@ def run_once(
     digest = fingerprint(body)
     where = (idempotency.c.tenant_id == tenant_id, idempotency.c.method == method, idempotency.c.path == path, idempotency.c.key == key)
     # 1. Claim the key (its own transaction), or answer from what is there.
+    claim = {"tenant_id": tenant_id, "method": method, "path": path, "key": key, "body_digest": digest, "status": None, "response": None}
     with store.transaction() as conn:
-        row = conn.execute(select(idempotency).where(*where)).mappings().first()
-        if row is not None:
+        # The common case, a new key, is one statement: an insert that does nothing when the key exists.
+        if conn.execute(_insert_new(conn).values(**claim, created_at=store.clock()).returning(idempotency.c.key)).first() is None:
+            row = conn.execute(select(idempotency).where(*where)).mappings().first()
+            if row is None:  # the claim in the way was removed meanwhile (its work failed): the caller retries
+                raise IdempotencyError(409, f"a request with Idempotency-Key {key!r} is in flight; retry after it ends")
             stored = _answer(row, digest, store.clock())
             if stored is not None:
                 return stored
-            conn.execute(delete(idempotency).where(*where))  # a stale marker: take it over
-        try:
-            with conn.begin_nested():
-                conn.execute(insert(idempotency).values(
-                    tenant_id=tenant_id, method=method, path=path, key=key, body_digest=digest, status=None, response=None,
-                    created_at=store.clock(),
-                ))
-        except IntegrityError:  # another request claimed it between our read and insert (PostgreSQL)
-            raise IdempotencyError(409, f"a request with Idempotency-Key {key!r} is in flight; retry after it ends") from None
+            # A stale marker (a request that died): take it over.
+            conn.execute(update(idempotency).where(*where).values(body_digest=digest, created_at=store.clock()))
     # 2. Do the work and store its response in one transaction.
     try:
         with store.transaction() as conn:
@@ -106,6 +102,15 @@ def run_once(
             return Stored(exc.status, exc.payload)
         raise
     return Stored(status, payload)
+
+
+def _insert_new(conn: Connection) -> Any:
+    """``INSERT ... ON CONFLICT DO NOTHING`` into the keys table, in the connection's dialect."""
+    if conn.dialect.name == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert as dialect_insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert as dialect_insert
+    return dialect_insert(idempotency).on_conflict_do_nothing()
 
 
 def _answer(row: Any, digest: str, now: float) -> Stored | None:

@@ -80,11 +80,13 @@ class JobStore:
             "id": new_job_id(), "tenant_id": tenant_id, "kind": kind, "state": states.QUEUED, "priority": priority, "gpus": gpus,
             "config": json.dumps(config, sort_keys=True), "name": name, "attempt": 0, "max_attempts": max_attempts,
             "created_at": t, "updated_at": t, "finished_at": None, "error": None, "lease_epoch": 0, "worker_id": None,
-            "lease_expires_at": None, "server_url": None, "server_token_digest": None, "cursor": 0,
+            "lease_expires_at": None, "server_url": None, "server_token_digest": None, "cursor": 1,
         }
+        # Two statements: the job with its cursor at its first event, and that event (seq 1).
         conn.execute(insert(jobs).values(**row))
-        self.append_event(conn, row["id"], "state", {"state": states.QUEUED, "attempt": 0})
-        return self.get(conn, row["id"])
+        conn.execute(insert(events).values(job_id=row["id"], seq=1, type="state", data=json.dumps({"state": states.QUEUED, "attempt": 0}),
+                                           created_at=t))
+        return row
 
     def get(self, conn: Connection, job_id: str, tenant_id: str | None = None, *, for_update: bool = False) -> dict[str, Any]:
         """The job's row; :class:`NotFound` when it does not exist or belongs to another tenant than ``tenant_id``."""

@@ -157,7 +157,8 @@ def submit(
         tenant = conn.execute(select(tenants).where(tenants.c.id == who.tenant_id)).mappings().one()
         if body.gpus > tenant["max_gpus"]:
             raise Refused(400, "invalid_request", f"the job asks for {body.gpus} GPUs; tenant {who.tenant_id!r} may hold at most {tenant['max_gpus']}")
-        queued = conn.execute(select(func.count()).select_from(jobs).where(jobs.c.tenant_id == who.tenant_id, jobs.c.state == states.QUEUED)).scalar_one()
+        waiting = select(jobs.c.id).where(jobs.c.tenant_id == who.tenant_id, jobs.c.state == states.QUEUED).limit(tenant["max_queued"])
+        queued = conn.execute(select(func.count()).select_from(waiting.subquery())).scalar_one()  # counts no further than the quota
         if queued >= tenant["max_queued"]:
             raise Refused(429, "quota", f"tenant {who.tenant_id!r} has {queued} queued jobs, its quota; wait for some to start or cancel some")
         job = _store(request).create_job(
