@@ -93,3 +93,24 @@ class RequestLog:
                 "duration_ms": round(1000 * (time.perf_counter() - start), 1),
                 "session": state.get("session"), "seq": state.get("seq"),
             }))
+
+
+def add_error_handlers(app: Any, logger: logging.Logger, log_name: str = "the server log") -> None:
+    """The JSON error bodies every tinkergym server gives: HTTP errors as they are, malformed requests 400,
+    anything unexpected 500 with its traceback in the log only (``log_name`` says where to look)."""
+    from fastapi.exceptions import RequestValidationError
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Any, exc: StarletteHTTPException) -> WireJSON:
+        kinds = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+        return error_response(exc.status_code, kinds.get(exc.status_code, "invalid_request"), str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Any, exc: RequestValidationError) -> WireJSON:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
+        return error_response(400, "invalid_request", f"malformed request: {problems}"[:2000])
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Any, exc: Exception) -> WireJSON:
+        logger.exception("unexpected error in %s %s", request.method, request.url.path)
+        return error_response(500, "internal", f"unexpected server error ({type(exc).__name__}); see {log_name}")

@@ -28,12 +28,10 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinkergym.backends.asgi import BodyLimit, RequestLog, WireJSON, error_response
+from tinkergym.backends.asgi import BodyLimit, RequestLog, WireJSON, add_error_handlers, error_response
 from tinkergym.backends.server_calls import (
     CallRecord,
     CallStore,
@@ -279,15 +277,7 @@ async def export_file(name: str, path: str, request: Request) -> Any:
 # ----- middleware ---------------------------------------------------------------------------------------
 # ----- the app factory ----------------------------------------------------------------------------------
 def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> WireJSON:
-        kinds = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
-        return error_response(exc.status_code, kinds.get(exc.status_code, "invalid_request"), str(exc.detail), getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def malformed(request: Request, exc: RequestValidationError) -> WireJSON:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
-        return error_response(400, "invalid_request", f"malformed request: {problems}"[:2000])
+    add_error_handlers(app, logger, "the server log")
 
     @app.exception_handler(UnknownSessionError)
     async def unknown_session(request: Request, exc: UnknownSessionError) -> WireJSON:
@@ -300,11 +290,6 @@ def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
     @app.exception_handler(ConfigError)
     async def bad_input(request: Request, exc: ConfigError) -> WireJSON:
         return error_response(400, "invalid_request", str(exc)[:2000])
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> WireJSON:
-        logger.exception("unexpected error in %s %s", request.method, request.url.path)
-        return error_response(500, "internal", f"unexpected server error ({type(exc).__name__}); see the server log")
 
 
 def create_app(

@@ -19,11 +19,9 @@ from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.exceptions import RequestValidationError
 from sqlalchemy import text
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tinkergym.backends.asgi import BodyLimit, RequestLog, WireJSON, error_response
+from tinkergym.backends.asgi import BodyLimit, RequestLog, WireJSON, add_error_handlers, error_response
 from tinkergym.scheduler.auth import Principal, authenticate
 from tinkergym.scheduler.db import make_engine, reader, upgrade
 from tinkergym.scheduler.repository import Conflict, JobStore, NotFound, now
@@ -117,15 +115,7 @@ class ApiKeyAuth:
 
 
 def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException) -> WireJSON:
-        kinds = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
-        return error_response(exc.status_code, kinds.get(exc.status_code, "invalid_request"), str(exc.detail), getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def malformed(request: Request, exc: RequestValidationError) -> WireJSON:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
-        return error_response(400, "invalid_request", f"malformed request: {problems}"[:2000])
+    add_error_handlers(app, logger, "the scheduler log")
 
     @app.exception_handler(Forbidden)
     async def forbidden(request: Request, exc: Forbidden) -> WireJSON:
@@ -142,11 +132,6 @@ def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
     @app.exception_handler(ValueError)
     async def bad_value(request: Request, exc: ValueError) -> WireJSON:
         return error_response(400, "invalid_request", str(exc)[:2000])
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> WireJSON:
-        logger.exception("unexpected error in %s %s", request.method, request.url.path)
-        return error_response(500, "internal", f"unexpected server error ({type(exc).__name__}); see the scheduler log")
 
 
 def _add_health(app: FastAPI) -> None:
