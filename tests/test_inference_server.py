@@ -20,6 +20,7 @@ pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
+from tinkergym.backends.asgi import ThreadServer  # noqa: E402
 from tinkergym.backends.inference_engine import TorchInferenceEngine, plan_serving  # noqa: E402
 from tinkergym.backends.inference_server import create_inference_app  # noqa: E402
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
@@ -40,28 +41,6 @@ def _train(tiny: str, out: Path, *extra: str) -> Path:
     return out
 
 
-class LiveServer:
-    """A real uvicorn server on 127.0.0.1 in a thread."""
-
-    def __init__(self, app) -> None:
-        # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.socket.close()
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
@@ -76,7 +55,7 @@ def setup(tmp_path_factory):
     plan = plan_serving(model=tiny, adapters=[("a", str(run_a)), ("b", str(checkpoint_b))])
     engine = TorchInferenceEngine(plan)
     app = create_inference_app(engine, token_digest(KEY))
-    server = LiveServer(app)
+    server = ThreadServer(app)
     yield {"root": root, "tiny": tiny, "key_file": key_file, "runs": {"a": run_a, "b": run_b}, "app": app, "url": server.url, "engine": engine}
     server.stop()
 
@@ -300,7 +279,7 @@ def test_a_full_finetuning_run_is_served_as_its_own_model(setup, tmp_path) -> No
     run = _train(setup["tiny"], tmp_path / "full_run", "--steps", "1", "--full")
     plan = plan_serving(run=str(run))
     assert not plan.lora and plan.base_id == "full_run" and plan.base_path == str(run / "final")
-    server = LiveServer(create_inference_app(TorchInferenceEngine(plan), token_digest(KEY)))
+    server = ThreadServer(create_inference_app(TorchInferenceEngine(plan), token_digest(KEY)))
     try:
         local, local_transcripts = _eval("--run", str(run), out=tmp_path / "local.jsonl")
         served, served_transcripts = _eval(

@@ -21,33 +21,10 @@ from tinkergym.scheduler.db import idempotency, jobs, make_engine  # noqa: E402
 from tinkergym.scheduler.idempotency import fingerprint  # noqa: E402
 from tinkergym.scheduler.repository import JobStore  # noqa: E402
 
+from tinkergym.backends.asgi import ThreadServer  # noqa: E402
 from tinkergym.client import SchedulerClient, SchedulerError  # noqa: E402
 
 CONFIG = {"model": "smollm2-135m", "env": "tinker/Bandit-v0"}
-
-
-class LiveServer:
-    """A scheduler app served by uvicorn on 127.0.0.1 in a thread."""
-
-    def __init__(self, app: Any) -> None:
-        # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.socket.bind(("127.0.0.1", 0))
-        self.port = self.socket.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        # Open streams would hold a graceful shutdown forever: cut them after a second.
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.socket.close()
 
 
 class DropProxy:
@@ -115,15 +92,15 @@ class DropProxy:
 
 
 @pytest.fixture
-def server(db_url: str, tmp_path: Path) -> Iterator[LiveServer]:
+def server(db_url: str, tmp_path: Path) -> Iterator[ThreadServer]:
     settings = SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", sse_keepalive_s=0.2)
-    live = LiveServer(create_app(settings, background=False))
+    live = ThreadServer(create_app(settings, background=False))
     yield live
     live.stop()
 
 
 @pytest.fixture
-def store(db_url: str, server: LiveServer) -> Iterator[JobStore]:
+def store(db_url: str, server: ThreadServer) -> Iterator[JobStore]:
     """A JobStore on the server's database (the test's own engine: writes as a worker's request would)."""
     engine = make_engine(db_url)
     yield JobStore(engine)

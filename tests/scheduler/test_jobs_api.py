@@ -6,9 +6,7 @@ from __future__ import annotations
 import base64
 import http.client
 import json
-import socket
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +17,7 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 
 from sqlalchemy import func, select  # noqa: E402
+from tinkergym.backends.asgi import ThreadServer  # noqa: E402
 from tinkergym.scheduler.app import PUBLIC_PATHS, SchedulerSettings, create_app  # noqa: E402
 from tinkergym.scheduler.auth import SCOPES, ensure_tenant, revoke_key  # noqa: E402
 from tinkergym.scheduler.db import idempotency, jobs, make_engine  # noqa: E402
@@ -176,31 +175,9 @@ def test_idempotency_key_replays_and_refuses_another_body(make_client, keys) -> 
     assert submit(client, key, idempotency_key="").status_code == 400
 
 
-class LiveServer:
-    """A scheduler app served by uvicorn on 127.0.0.1 in a thread."""
-
-    def __init__(self, app: Any) -> None:
-        # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.socket.bind(("127.0.0.1", 0))
-        self.port = self.socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.socket.close()
-
-
 def test_100_parallel_submissions_with_one_key_make_one_job(db_url, keys, tmp_path: Path) -> None:
     key = keys.new()
-    live = LiveServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False))
+    live = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False))
     body = json.dumps({"kind": "train", "config": CONFIG, "name": "once"}).encode()
     idem = str(uuid.uuid4())
     barrier = threading.Barrier(100)

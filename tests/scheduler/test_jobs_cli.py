@@ -20,42 +20,21 @@ from tinkergym.scheduler.db import make_engine  # noqa: E402
 from tinkergym.scheduler.repository import JobStore  # noqa: E402
 
 from tinkergym.cli import main  # noqa: E402
+from tinkergym.backends.asgi import ThreadServer  # noqa: E402
 from tinkergym.client import SchedulerClient, SchedulerError  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
 
 CONFIG = {"model": "smollm2-135m", "env": "tinker/Bandit-v0"}
 
 
-class LiveServer:
-    """A scheduler app served by uvicorn on 127.0.0.1 in a thread."""
-
-    def __init__(self, app: Any) -> None:
-        # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.socket.close()
-
-
 @pytest.fixture
-def server(db_url: str, tmp_path: Path) -> Iterator[LiveServer]:
-    live = LiveServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", sse_keepalive_s=0.5), background=False))
+def server(db_url: str, tmp_path: Path) -> Iterator[ThreadServer]:
+    live = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", sse_keepalive_s=0.5), background=False))
     yield live
     live.stop()
 
 
-def jobs_cli(server: LiveServer, key: str | None, *args: str) -> Any:
+def jobs_cli(server: ThreadServer, key: str | None, *args: str) -> Any:
     env = {"TINKERGYM_SCHEDULER": server.url, "TINKERGYM_API_KEY": key}
     return CliRunner().invoke(main, ["jobs", *args], env=env, catch_exceptions=False)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import threading
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ httpx = pytest.importorskip("httpx")
 from click.testing import CliRunner  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
+from tinkergym.backends.asgi import ThreadServer  # noqa: E402
 from tinkergym.backends.models import resolve_model  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
@@ -35,32 +35,6 @@ from tinkergym.trainers.reporting import read_metrics  # noqa: E402
 VOLATILE = ("time/", "tokens/per_s")
 COMMON = ("--env", "tinker/Bandit-v0", "--model", "tiny", "--dtype", "float32", "--steps", "4", "--batch-size", "2", "--group-size", "4",
           "--max-new-tokens", "6", "--lr", "1e-3", "--checkpoint-every", "1", "--quiet")
-
-
-def _socket() -> socket.socket:
-    # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    return sock
-
-
-class Served:
-    """An ASGI app under uvicorn in a thread of this process."""
-
-    def __init__(self, app: Any) -> None:
-        self.sock = _socket()
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="critical", timeout_graceful_shutdown=1))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
 
 
 class DieAfter:
@@ -91,7 +65,7 @@ class PlayedWorker(threading.Thread):
         self.http = httpx.Client(base_url=scheduler, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         self.name, self.run_dir, self.restore_from, self.die_after = name, run_dir, restore_from, die_after
         self.lease: dict[str, Any] | None = None
-        self.served: Served | None = None
+        self.served: ThreadServer | None = None
         self.stopped = threading.Event()
         self.error: BaseException | None = None
         body = {"name": name, "host": "127.0.0.1", "devices": [{"index": 0, "kind": "slot"}], "models": ["tiny"]}
@@ -128,7 +102,7 @@ class PlayedWorker(threading.Thread):
         ))
         marker = self.run_dir / "states" / self.die_after if self.die_after else None
         app = DieAfter(create_server(backend, run_dir=self.run_dir, token_digest=token_digest(self.lease["token"])), marker)
-        self.served = Served(app)
+        self.served = ThreadServer(app)
         answer = self.post(f"/jobs/{job}/state", {"epoch": epoch, "state": "running", "server_url": self.served.url})
         assert answer.status_code == 200, answer.text
         while not self.stopped.is_set():
@@ -144,7 +118,7 @@ class PlayedWorker(threading.Thread):
 @pytest.fixture
 def scheduler(db_url: str, tmp_path: Path, keys: Any) -> Any:
     app = create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=1.5, sweep_interval_s=0.1))
-    served = Served(app)
+    served = ThreadServer(app)
     served.client_key = keys.new("acme", "read,write")
     served.worker_key = keys.new("ops", "worker")
     yield served

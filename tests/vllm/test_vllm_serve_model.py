@@ -12,7 +12,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tinkergym.backends.asgi import ThreadServer
 from tinkergym.cli import main
 
 KEY = "vllm-serve-model-test-key-" + "k" * 20
@@ -33,30 +33,6 @@ def _train(tiny: str, out: Path, *extra: str) -> Path:
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return out
-
-
-class LiveServer:
-    """A real uvicorn server on 127.0.0.1 in a thread (as tests/test_inference_server.py starts one)."""
-
-    def __init__(self, app) -> None:
-        import uvicorn
-
-        # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
-        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        self.socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.socket.close()
 
 
 def _get(url: str) -> tuple[int, dict]:
@@ -92,7 +68,7 @@ def served(tiny: str, tmp_path_factory: pytest.TempPathFactory):
     plan = plan_serving(model=tiny, adapters=[("a", str(run_a)), ("b", str(checkpoint_b))])
     engine = VLLMInferenceEngine(plan, max_model_len=1024)
     app = create_inference_app(engine, token_digest(KEY))
-    server = LiveServer(app)
+    server = ThreadServer(app)
     try:
         yield {"tiny": tiny, "key_file": key_file, "runs": {"a": run_a, "b": run_b}, "checkpoint_b": checkpoint_b,
                "engine": engine, "url": server.url}
