@@ -9,8 +9,9 @@ A key is scoped by tenant, method and path and fingerprinted by the request body
 - the same key with another body is 422;
 - a request refused without effect (a quota, :class:`Refused`) is not stored: a retry runs again;
 - a retry while the first is still running is 409 (the first request marks the key in flight in a
-  transaction of its own before it runs; a marker older than :data:`STALE_AFTER_S` is a crashed request's,
-  and the next retry takes it over).
+  transaction of its own before it runs, naming the scheduler process that runs it; a marker of another
+  process (one that was killed and restarted: the scheduler runs as one process per database) or older
+  than :data:`STALE_AFTER_S` is a dead request's, and the next retry takes it over).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from tinkergym.scheduler.repository import JobStore
 MAX_KEY_LENGTH = 255
 #: An in-flight marker older than this belongs to a request that died; a retry may take it over.
 STALE_AFTER_S = 60.0
+#: The ``response`` of a key whose first request is in flight: this prefix and the id of the process running it.
+IN_FLIGHT = "in-flight:"
 
 
 class IdempotencyError(Exception):
@@ -78,18 +81,19 @@ def run_once(
     digest = fingerprint(body)
     where = (idempotency.c.tenant_id == tenant_id, idempotency.c.method == method, idempotency.c.path == path, idempotency.c.key == key)
     # 1. Claim the key (its own transaction), or answer from what is there.
-    claim = {"tenant_id": tenant_id, "method": method, "path": path, "key": key, "body_digest": digest, "status": None, "response": None}
+    marker = IN_FLIGHT + store.owner
+    claim = {"tenant_id": tenant_id, "method": method, "path": path, "key": key, "body_digest": digest, "status": None, "response": marker}
     with store.transaction() as conn:
         # The common case, a new key, is one statement: an insert that does nothing when the key exists.
         if conn.execute(_insert_new(conn).values(**claim, created_at=store.clock()).returning(idempotency.c.key)).first() is None:
             row = conn.execute(select(idempotency).where(*where)).mappings().first()
             if row is None:  # the claim in the way was removed meanwhile (its work failed): the caller retries
                 raise IdempotencyError(409, f"a request with Idempotency-Key {key!r} is in flight; retry after it ends")
-            stored = _answer(row, digest, store.clock())
+            stored = _answer(row, digest, store.clock(), marker)
             if stored is not None:
                 return stored
             # A stale marker (a request that died): take it over.
-            conn.execute(update(idempotency).where(*where).values(body_digest=digest, created_at=store.clock()))
+            conn.execute(update(idempotency).where(*where).values(body_digest=digest, response=marker, created_at=store.clock()))
     # 2. Do the work and store its response in one transaction.
     try:
         with store.transaction() as conn:
@@ -113,12 +117,12 @@ def _insert_new(conn: Connection) -> Any:
     return dialect_insert(idempotency).on_conflict_do_nothing()
 
 
-def _answer(row: Any, digest: str, now: float) -> Stored | None:
-    """The stored answer for an existing key row; None when it is a stale in-flight marker."""
+def _answer(row: Any, digest: str, now: float, marker: str) -> Stored | None:
+    """The stored answer for an existing key row; None when it is a dead request's in-flight marker."""
     if row["body_digest"] != digest:
         raise IdempotencyError(422, "this Idempotency-Key was used with another request body; use a new key for a new request")
     if row["status"] is None:
-        if now - row["created_at"] > STALE_AFTER_S:
+        if now - row["created_at"] > STALE_AFTER_S or (row["response"] or "") != marker:
             return None
         raise IdempotencyError(409, "a request with this Idempotency-Key is in flight; retry after it ends")
     return Stored(int(row["status"]), json.loads(row["response"]), replayed=True)

@@ -56,6 +56,8 @@ class JobStore:
     def __init__(self, engine: Engine, clock: Callable[[], float] = now) -> None:
         self.engine = engine
         self.clock = clock
+        #: This process's id (a fresh one per start): in-flight idempotency markers name it.
+        self.owner = secrets.token_hex(8)
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:

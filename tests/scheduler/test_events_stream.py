@@ -18,7 +18,7 @@ from sqlalchemy import delete, func, insert, select, update  # noqa: E402
 from tinkergym.scheduler import states  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 from tinkergym.scheduler.db import idempotency, jobs, make_engine  # noqa: E402
-from tinkergym.scheduler.idempotency import fingerprint  # noqa: E402
+from tinkergym.scheduler.idempotency import IN_FLIGHT, fingerprint  # noqa: E402
 from tinkergym.scheduler.repository import JobStore  # noqa: E402
 
 from tinkergym.backends.asgi import ThreadServer  # noqa: E402
@@ -346,6 +346,18 @@ def test_a_submission_whose_answer_is_lost_is_retried_into_one_job(server, store
         assert conn.execute(select(jobs.c.id)).scalar_one() == job["id"]
 
 
+def test_a_first_attempt_cut_off_by_a_restart_does_not_hold_its_key(server, store, keys) -> None:
+    key = keys.new()
+    body = {"kind": "train", "config": CONFIG, "gpus": 1, "priority": 0, "name": "", "max_attempts": None}
+    with store.transaction() as conn:  # what a scheduler process killed between claiming the key and its work leaves
+        conn.execute(insert(idempotency).values(tenant_id="acme", method="POST", path="/v1/jobs", key="orphan",
+                                                body_digest=fingerprint(body), status=None, response=IN_FLIGHT + "0123456789abcdef",
+                                                created_at=time.time()))
+    client = SchedulerClient(server.url, key, backoff=0.05, in_flight_wait=0.0)
+    job = client.submit("train", CONFIG, idempotency_key="orphan")  # taken over at once, not after STALE_AFTER_S
+    assert job["state"] == "queued" and client.submit("train", CONFIG, idempotency_key="orphan")["id"] == job["id"]
+
+
 def test_a_post_waits_while_its_first_attempt_is_in_flight(server, store, keys) -> None:
     key = keys.new()
     client = SchedulerClient(server.url, key, backoff=0.05)
@@ -353,7 +365,8 @@ def test_a_post_waits_while_its_first_attempt_is_in_flight(server, store, keys) 
     where = (idempotency.c.key == "stuck",)
     with store.transaction() as conn:  # as a first attempt that is still running would have left it
         conn.execute(insert(idempotency).values(tenant_id="acme", method="POST", path="/v1/jobs", key="stuck",
-                                                body_digest=fingerprint(body), status=None, response=None, created_at=time.time()))
+                                                body_digest=fingerprint(body), status=None, response=IN_FLIGHT + server.app.state.store.owner,
+                                                created_at=time.time()))
 
     def first_attempt_ends() -> None:
         time.sleep(0.6)
@@ -366,7 +379,7 @@ def test_a_post_waits_while_its_first_attempt_is_in_flight(server, store, keys) 
     assert 0.5 < time.monotonic() - t0 < 5 and job["state"] == "queued"
     impatient = SchedulerClient(server.url, key, backoff=0.05, in_flight_wait=0.3)
     with store.transaction() as conn:
-        conn.execute(update(idempotency).where(*where).values(status=None))
+        conn.execute(update(idempotency).where(*where).values(status=None, response=IN_FLIGHT + server.app.state.store.owner))
     with pytest.raises(SchedulerError) as refused:
         impatient.submit("train", CONFIG, idempotency_key="stuck")
     assert refused.value.status == 409 and "in flight" in str(refused.value)
