@@ -303,16 +303,20 @@ class TrainingRun:
 
 
 def _adopt_server_settings(config: TrainConfig, info: dict[str, Any], resumed: bool) -> None:
-    """Record a training server's model, LoRA rank and dtype in ``config``: the server's settings are the run's.
+    """Record a training server's model, LoRA settings, micro-batch size and dtype in ``config``: the server's are the run's.
 
     A resumed run must meet the server it was trained on: other settings there are a :class:`ConfigError`.
     """
-    served = {"model": info.get("model"), "lora_rank": info.get("lora_rank", info.get("lora"))}
+    alpha = info.get("lora_alpha")
+    served = {"model": info.get("model"), "lora_rank": info.get("lora_rank", info.get("lora")),
+              "lora_alpha": int(alpha) if isinstance(alpha, (int, float)) and float(alpha).is_integer() else None,
+              "lora_dropout": info.get("lora_dropout"), "micro_batch_size": info.get("micro_batch_size")}
     if info.get("dtype") in ("bfloat16", "float32"):
         served["dtype"] = info["dtype"]
     served = {k: v for k, v in served.items() if v is not None}
-    if resumed:
-        differ = {k: (getattr(config, k), v) for k, v in served.items() if getattr(config, k) != v and not (k == "dtype" and config.dtype == "auto")}
+    if resumed:  # what decides whether a checkpoint fits: the model, the adapter's shape, the dtype
+        differ = {k: (getattr(config, k), v) for k, v in served.items()
+                  if k in ("model", "lora_rank", "dtype") and getattr(config, k) != v and not (k == "dtype" and config.dtype == "auto")}
         if differ:
             shown = ", ".join(f"{k} {theirs!r} (the run trained with {ours!r})" for k, (ours, theirs) in differ.items())
             raise ConfigError(

@@ -41,6 +41,9 @@ def request_logger(run_dir: Path) -> logging.Logger:
 @click.option("--model", required=True, help="Model name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
 @click.option("--lora-rank", type=click.IntRange(min=1), default=None, help="LoRA rank (default 16).")
 @click.option("--full", is_flag=True, help="Train every weight instead of a LoRA adapter.")
+@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None, help="LoRA alpha (default 32; tinkergym train's default is 16).")
+@click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True)
+@click.option("--micro-batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences per forward/backward pass (bounds memory).")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")
 @click.option("--seed", type=SEED, default=0, show_default=True)
@@ -55,7 +58,8 @@ def request_logger(run_dir: Path) -> logging.Logger:
               help="Stop (exit code 75) when no client call came for this many seconds; a running call counts as activity.")
 @click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
 def serve_backend(
-    model: str, lora_rank: int | None, full: bool, dtype: str, device: str, seed: int, host: str, port: int,
+    model: str, lora_rank: int | None, full: bool, lora_alpha: float | None, lora_dropout: float, micro_batch_size: int,
+    dtype: str, device: str, seed: int, host: str, port: int,
     token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int, idle_timeout: float | None, exit_with_parent: bool,
 ) -> None:
     """Serve the Backend protocol over HTTP: sampling, gradients and optimizer steps for a remote trainer.
@@ -81,7 +85,9 @@ def serve_backend(
     from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or 16), dtype=dtype, device=device, seed=seed)
+    lora = {} if lora_alpha is None else {"lora_alpha": lora_alpha}
+    config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or 16), lora_dropout=lora_dropout, dtype=dtype, device=device,
+                                seed=seed, micro_batch_size=micro_batch_size, **lora)
     backend = TorchBackend(config)
     app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()),
                      keep_states=keep_states)
