@@ -6,7 +6,7 @@ import json
 import logging
 import secrets
 import time
-from typing import Any
+from typing import Any, Callable
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -29,15 +29,20 @@ class BodyTooLarge(StarletteHTTPException):
 
 
 class BodyLimit:
-    """Refuse bodies over ``max_bytes`` with 413: by ``Content-Length`` before reading, and by counting streamed bytes."""
+    """Refuse bodies over ``max_bytes`` with 413: by ``Content-Length`` before reading, and by counting streamed bytes.
 
-    def __init__(self, app: Any, max_bytes: int, hint: str = "send a smaller request") -> None:
+    ``exempt(scope)``, when given, names the requests that pass unlimited (a route that streams large bodies
+    to disk under a limit of its own, such as the scheduler's artifact uploads).
+    """
+
+    def __init__(self, app: Any, max_bytes: int, hint: str = "send a smaller request", exempt: Callable[[dict], bool] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.hint = hint
+        self.exempt = exempt
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or (self.exempt is not None and self.exempt(scope)):
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):

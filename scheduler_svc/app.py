@@ -40,7 +40,8 @@ class SchedulerSettings:
         sweep_interval_s: How often the background task expires leases (jobs are granted when workers ask).
         backfill_age_s: A queued job waiting longer than this stops smaller jobs behind it from starting
             (so large jobs are not starved); younger ones let smaller jobs start around them.
-        max_body_bytes: Larger request bodies are refused with 413.
+        max_body_bytes: Larger request bodies are refused with 413 (artifact uploads aside).
+        max_artifact_bytes: Larger artifact files (checkpoint files a worker uploads) are refused with 413.
         idle_timeout_s: A running job whose client has not called its server for this long is ended.
         sse_poll_s: How often an open event stream looks for new events (a new one arrives within this).
         sse_keepalive_s: An event stream with nothing to send sends a keep-alive comment this often.
@@ -53,6 +54,7 @@ class SchedulerSettings:
     sweep_interval_s: float = 1.0
     backfill_age_s: float = 600.0
     max_body_bytes: int = 1 << 20
+    max_artifact_bytes: int = 20 << 30
     idle_timeout_s: float = 900.0
     max_attempts: int = 3
     sse_poll_s: float = 0.2
@@ -162,6 +164,8 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     :func:`tinkergym.scheduler.leases.sweep` is called. Queued jobs are granted when a worker asks for a lease.
     """
     from tinkergym.scheduler import leases
+    from tinkergym.scheduler.artifacts import DirectoryStore
+    from tinkergym.scheduler.routes import artifacts as artifact_routes
     from tinkergym.scheduler.routes import connect as connect_routes
     from tinkergym.scheduler.routes import events as event_routes
     from tinkergym.scheduler.routes import jobs as job_routes
@@ -189,15 +193,18 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.state.settings = settings
     app.state.engine = engine
     app.state.store = JobStore(engine, settings.clock)
+    app.state.artifacts = DirectoryStore(settings.data_dir / "jobs")
     app.state.logger = log
     _add_health(app)
     app.include_router(job_routes.router)
     app.include_router(event_routes.router)
     app.include_router(connect_routes.router)
     app.include_router(worker_routes.router)
+    app.include_router(artifact_routes.worker_router)
+    app.include_router(artifact_routes.owner_router)
     _add_error_handlers(app, log)
     # Added innermost first: the log sees every request, the key is checked before the body is read.
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, hint="send a smaller request")
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, hint="send a smaller request", exempt=artifact_routes.is_upload)
     app.add_middleware(ApiKeyAuth, engine=engine)
     app.add_middleware(RequestLog, logger=log)
     return app

@@ -88,6 +88,9 @@ class SchedulerClient:
             scheduler sends a keep-alive every 15 s, so keep this above that).
     """
 
+    #: Answers sent again after a pause (a subclass may widen them, e.g. to every 5xx).
+    retry_statuses: frozenset[int] = RETRY_STATUSES
+
     def __init__(
         self, url: str | None = None, api_key: str | None = None, *, timeout: float = 30.0, retries: int = 6, backoff: float = 0.25,
         stream_timeout: float = 45.0, in_flight_wait: float = 75.0,
@@ -263,7 +266,7 @@ class SchedulerClient:
                         delay = min(delay * 2, 2.0)
                         continue
                     raise self._error(status, payload, method, path)
-                if status not in RETRY_STATUSES:
+                if status not in self.retry_statuses:
                     raise self._error(status, payload, method, path)
                 last = f"HTTP {status}: {_message(payload)}"
                 pause = max(pause, retry_after or 0.0)

@@ -368,6 +368,6 @@ def test_openapi_lists_every_route(make_client, keys) -> None:
     for method, path in routes(client.app):
         if path in ("/openapi.json",):
             continue
-        assert (method, path) in listed, (method, path)
+        assert (method, path.replace(":path}", "}")) in listed, (method, path)  # the document omits the {path:path} converter
     stream = document["paths"]["/v1/jobs/{job_id}/events/stream"]["get"]
     assert "text/event-stream" in stream["responses"]["200"]["content"]

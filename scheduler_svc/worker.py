@@ -1,0 +1,568 @@
+"""The worker (``tinkergym worker``): takes leases for its devices and runs each job's server as its own process group.
+
+Standard library and :mod:`tinkergym.client` only: no torch, no FastAPI (the servers it starts load those).
+
+For each lease, in ``<work-dir>/jobs/<job>/<epoch>/`` (the server's run folder, with the lease's token in the
+0600 file ``token``), a :class:`JobRunner`:
+
+1. restores checkpoints from the scheduler's artifact store into ``states/<name>`` (sizes and SHA-256 checked):
+   the job's last one (the lease's ``checkpoint``) and, for a job whose config continues an ended one
+   (``resume_job``), that job's newest;
+2. reports ``starting``, starts ``python -m tinkergym serve-backend ... --exit-with-parent`` (``serve-model`` for
+   inference jobs) in a new session with ``PR_SET_PDEATHSIG`` (it dies with the worker) and
+   ``CUDA_VISIBLE_DEVICES`` set to the leased devices (empty for CPU slots), waits for its ``/health`` and
+   reports ``running`` with its URL;
+3. uploads each new complete state folder the server writes (``states/<name>``, not ``*.tmp``), file by file,
+   and only then records the checkpoint (step from ``step_NNNNNN`` or ``state.json``);
+4. ends with the job: a server that exits is reported ``failed`` (exit code 75: its client went quiet; how to
+   resume is in the error); a heartbeat answer ``cancelling`` stops the server (SIGTERM, then SIGKILL) and
+   reports ``cancelled``; a heartbeat refused with 409 (the lease expired, moved on, or the client completed
+   the job) kills the process group at once. A lease that could not be renewed for its whole TTL (the
+   scheduler unreachable) is treated as lost too: the server stops before another worker's can start.
+
+A heartbeat thread per job renews the lease every ``heartbeat`` seconds (default a third of the TTL) while the
+job's thread restores, starts, uploads. SIGTERM or SIGINT stops every server and the worker; their leases
+expire and the jobs are queued again.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tinkergym.scheduler.worker_client import WorkerClient
+
+from tinkergym.client import SchedulerError
+
+log = logging.getLogger("tinkergym.worker")
+
+#: Exit codes of ``serve-backend`` (``tinkergym.backends.lifetime``, not imported here to keep this light).
+IDLE_EXIT_CODE = 75
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+STEP_NAME = re.compile(r"^step_(\d{1,12})$")
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+DTYPES = ("auto", "bfloat16", "float32")
+START_TIMEOUT_S = 900.0
+STOP_GRACE_S = 10.0
+LOG_TAIL = 3000
+
+
+class LeaseLost(Exception):
+    """The lease is gone (409 from the scheduler, or not renewed for its TTL): stop at once, report nothing."""
+
+
+class Cancelled(Exception):
+    """The job is cancelling: stop the server and report ``cancelled``."""
+
+
+class Shutdown(Exception):
+    """The worker is stopping: stop the server, report nothing (the lease expires and the job is queued again)."""
+
+
+@dataclass
+class WorkerOptions:
+    """What ``tinkergym worker`` was started with."""
+
+    name: str
+    host: str
+    devices: list[dict[str, Any]]  # {"index", "kind": "gpu"|"slot", "name"}
+    models: list[str]
+    work_dir: Path
+    ports: tuple[int, int] = (20000, 20999)
+    heartbeat: float | None = None
+    idle_timeout: float | None = None
+    poll: float = 1.0
+    python: str = field(default_factory=lambda: sys.executable)
+
+
+def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, folder: Path, gpu: bool) -> list[str]:
+    """The command line of the job's server (a :class:`ValueError` for a config it cannot start)."""
+    config = lease["config"]
+    model = config.get("model")
+    if not isinstance(model, str) or not MODEL_NAME.match(model) or ".." in model:
+        raise ValueError(f"config.model {str(model)[:100]!r} is not a model name")
+    dtype = config.get("dtype", "auto")
+    if dtype not in DTYPES:
+        raise ValueError(f"config.dtype {str(dtype)[:40]!r}: one of {', '.join(DTYPES)}")
+    device = "auto" if gpu else "cpu"
+    base = [options.python, "-m", "tinkergym"]
+    if lease["kind"] == "inference":
+        return [*base, "serve-model", "--model", model, "--api-key-file", str(folder / "token"), "--host", options.host,
+                "--port", str(port), "--dtype", dtype, "--device", device]
+    rank, seed = config.get("lora_rank", 16), config.get("seed", 0)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= 4096:
+        raise ValueError(f"config.lora_rank {rank!r}: 0 (every weight) or a positive rank")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"config.seed {seed!r}: an integer from 0 to 2**32 - 1")
+    command = [*base, "serve-backend", "--model", model, *(["--full"] if rank == 0 else ["--lora-rank", str(rank)]), "--dtype", dtype,
+               "--seed", str(seed), "--device", device, "--host", options.host, "--port", str(port), "--token-file", str(folder / "token"),
+               "--run-dir", str(folder), "--exit-with-parent"]
+    if options.idle_timeout:
+        command += ["--idle-timeout", f"{options.idle_timeout:g}"]
+    return command
+
+
+def _die_with_parent() -> None:
+    from tinkergym.backends.lifetime import die_with_parent
+
+    die_with_parent()
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _step(name: str, folder: Path) -> int | None:
+    """A state folder's step: from its name ``step_NNNNNN``, else ``state.json``'s ``step``; None when neither says."""
+    match = STEP_NAME.match(name)
+    if match:
+        return int(match.group(1))
+    try:
+        step = json.loads((folder / "state.json").read_text(encoding="utf-8")).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+def _files(folder: Path) -> list[str]:
+    """Relative paths of the regular files in a state folder (hidden names and symlinks skipped)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not os.path.islink(os.path.join(dirpath, d)))
+        for filename in sorted(filenames):
+            path = os.path.join(dirpath, filename)
+            if not filename.startswith(".") and os.path.isfile(path) and not os.path.islink(path):
+                found.append(os.path.relpath(path, folder).replace(os.sep, "/"))
+    return found
+
+
+class JobRunner(threading.Thread):
+    """One lease: restore, start the server, report, heartbeat, upload checkpoints, stop (see the module's notes)."""
+
+    def __init__(self, worker: Worker, lease: dict[str, Any]) -> None:
+        super().__init__(name=f"job-{lease['job_id']}", daemon=True)
+        self.worker, self.lease, self.options = worker, lease, worker.options
+        self.job_id, self.epoch, self.devices = lease["job_id"], int(lease["epoch"]), list(lease["devices"])
+        self.ttl = float(lease["ttl_s"])
+        self.interval = self.options.heartbeat or self.ttl / 3
+        self.client = worker.client.copy()
+        self.beats = worker.client.copy(retries=1, backoff=min(0.2, self.interval / 4), timeout=max(1.0, self.interval))
+        self.folder = self.options.work_dir / "jobs" / self.job_id / str(self.epoch)
+        self.process: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.lost, self.cancelling, self.shutdown, self.done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+        self.renewed_at = time.monotonic()
+        self.seen: dict[str, tuple[int, int]] = {}
+        self.recorded: set[str] = set()
+        self.outcome = "running"
+
+    # ----- the job ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        beats = threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.job_id}", daemon=True)
+        beats.start()
+        try:
+            self._run()
+        except LeaseLost as exc:
+            self.outcome = "lost"
+            log.warning("job %s epoch %s: the lease is over (lost, or the job ended: %s); its server is stopped", self.job_id, self.epoch, exc)
+        except Cancelled:
+            self._stop_server(graceful=True)
+            self.outcome = "cancelled"
+            self._try_report("cancelled")
+        except Shutdown:
+            self.outcome = "shutdown"
+        except Exception as exc:
+            log.exception("job %s epoch %s failed in the worker", self.job_id, self.epoch)
+            self._stop_server(graceful=False)
+            self.outcome = "failed"
+            self._try_report("failed", error=f"the worker could not run the job: {type(exc).__name__}: {exc}")
+        finally:
+            self._stop_server(graceful=self.outcome in ("cancelled", "shutdown"))
+            self.done.set()
+            beats.join(timeout=5)
+            self.client.close()
+            self.beats.close()
+            self.worker.finished(self)
+
+    def _run(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        token = self.folder / "token"
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(self.lease["token"] + "\n")
+        os.chmod(token, 0o600)
+        self._restore()
+        self._report("starting")
+        url = self._start_server()
+        self._report("running", server_url=url)
+        self._event("log", {"message": f"server running at {url} on worker {self.options.name}", "devices": self.devices})
+        next_scan = 0.0
+        while True:
+            self._check()
+            code = self.process.poll() if self.process is not None else None
+            if code is not None:
+                self._scan()
+                self._ended(code)
+                return
+            if time.monotonic() >= next_scan:
+                self._scan()
+                next_scan = time.monotonic() + 0.5
+            time.sleep(0.1)
+
+    def _ended(self, code: int) -> None:
+        """The server exited on its own: the job failed (an idle client says how to resume)."""
+        self.process = None
+        if code == IDLE_EXIT_CODE:
+            error = ("the job's client sent no call for the idle timeout, so its server stopped (exit code 75) and the devices are free; "
+                     "continue the run with: tinkergym train --resume DIR (the run's folder), which starts from its last checkpoint")
+        else:
+            error = f"the job's server exited with code {code}; the end of its log:\n{self._log_tail()}"
+        self.outcome = "failed"
+        self._report("failed", error=error)
+
+    def _check(self) -> None:
+        if self.lost.is_set():
+            raise LeaseLost("not renewed")
+        if self.shutdown.is_set():
+            raise Shutdown()
+        if self.cancelling.is_set():
+            raise Cancelled()
+
+    # ----- scheduler calls --------------------------------------------------------------------------
+    def _conflict(self, exc: SchedulerError) -> None:
+        """After a 404/409, a heartbeat says why: the lease is lost (:class:`LeaseLost`), the job is cancelling
+        (:class:`Cancelled`), or neither, and the refusal was about the request itself (returns)."""
+        try:
+            answer = self.beats.heartbeat(self.job_id, self.epoch)
+        except SchedulerError as beat:
+            if beat.status in (404, 409):
+                self._lose()
+                raise LeaseLost(str(exc)) from exc
+            raise exc from beat
+        self.renewed_at = time.monotonic()
+        if answer.get("cancelling"):
+            self.cancelling.set()
+            raise Cancelled() from exc
+
+    def _report(self, state: str, **extra: Any) -> None:
+        try:
+            self.client.report(self.job_id, self.epoch, state, **extra)
+        except SchedulerError as exc:
+            if exc.status in (404, 409):
+                self._conflict(exc)
+            raise
+
+    def _try_report(self, state: str, **extra: Any) -> None:
+        try:
+            self.client.report(self.job_id, self.epoch, state, **extra)
+        except SchedulerError as exc:
+            log.warning("job %s: could not report %s: %s", self.job_id, state, exc)
+
+    def _event(self, type_: str, data: dict[str, Any]) -> None:
+        try:
+            self.client.event(self.job_id, self.epoch, type_, data)
+        except SchedulerError as exc:
+            log.warning("job %s: could not report an event: %s", self.job_id, exc)
+
+    def _heartbeats(self) -> None:
+        while not self.done.wait(self.interval):
+            try:
+                answer = self.beats.heartbeat(self.job_id, self.epoch)
+                self.renewed_at = time.monotonic()
+                if answer.get("cancelling"):
+                    self.cancelling.set()
+            except SchedulerError as exc:
+                if exc.status in (404, 409):
+                    log.warning("job %s epoch %s: heartbeat refused (%s)", self.job_id, self.epoch, exc)
+                    self._lose()
+                    return
+                log.warning("job %s: heartbeat failed: %s", self.job_id, exc)
+            if time.monotonic() - self.renewed_at > self.ttl:
+                log.warning("job %s epoch %s: not renewed for the lease's %gs", self.job_id, self.epoch, self.ttl)
+                self._lose()
+                return
+
+    def _lose(self) -> None:
+        self.lost.set()
+        self._kill(signal.SIGKILL)
+
+    # ----- the server -------------------------------------------------------------------------------
+    def _start_server(self) -> str:
+        gpu = any(d["kind"] == "gpu" for d in self.options.devices if d["index"] in self.devices)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in self.devices) if gpu else "", PYTHONUNBUFFERED="1")
+        for _attempt in range(3):
+            self.port = self.worker.take_port()
+            try:
+                command = server_command(self.options, self.lease, self.port, self.folder, gpu)
+                with open(self.folder / "server.out", "ab") as out:
+                    self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                    cwd=self.folder, start_new_session=True, preexec_fn=_die_with_parent)
+                url = self._wait_healthy()
+            finally:
+                self.worker.release_port(self.port)
+            if url is not None:
+                return url
+        raise RuntimeError(f"the server could not bind a port; the end of its log:\n{self._log_tail()}")
+
+    def _wait_healthy(self) -> str | None:
+        """The server's URL once ``/health`` answers; None when it exited because its port was taken."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        host = f"[{self.options.host}]" if ":" in self.options.host else self.options.host
+        while time.monotonic() < deadline:
+            self._check()
+            code = self.process.poll()
+            if code is not None:
+                tail = self._log_tail()
+                if "address already in use" in tail.lower() and code != 0:
+                    self.process = None
+                    return None
+                self.process = None
+                raise RuntimeError(f"the job's server exited with code {code} while starting; the end of its log:\n{tail}")
+            try:
+                conn = http.client.HTTPConnection(self.options.host, self.port, timeout=2)
+                conn.request("GET", "/health")
+                ok = conn.getresponse().status == 200
+                conn.close()
+                if ok:
+                    return f"http://{host}:{self.port}"
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the job's server did not answer /health within {START_TIMEOUT_S:g}s; the end of its log:\n{self._log_tail()}")
+
+    def _kill(self, sig: int) -> None:
+        process = self.process
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _stop_server(self, graceful: bool) -> None:
+        """Stop the server's process group: SIGTERM and a grace period when ``graceful``, then SIGKILL."""
+        process = self.process
+        if process is None:
+            return
+        if graceful and process.poll() is None:
+            self._kill(signal.SIGTERM)
+            try:
+                process.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill(signal.SIGKILL)
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.error("job %s: the server (pid %s) did not stop", self.job_id, process.pid)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # anything the server started in its group
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.folder / "server.out", "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                handle.seek(max(handle.tell() - LOG_TAIL, 0))
+                return handle.read().decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+
+    # ----- checkpoints ------------------------------------------------------------------------------
+    def _restore(self) -> None:
+        """Download the checkpoints a new server starts from into ``states/<name>``."""
+        found = self.client.restorable(self.job_id, self.epoch)
+        own = [c for c in found if c["job_id"] == self.job_id]
+        self.recorded = {c["name"] for c in own}
+        chosen: dict[str, dict[str, Any]] = {}
+        continued = [c for c in found if c["job_id"] != self.job_id]
+        if continued:
+            newest = max(continued, key=lambda c: c["step"])
+            chosen[newest["name"]] = newest
+        named = (self.lease.get("checkpoint") or {}).get("name")
+        mine = [c for c in own if c["name"] == named] or ([max(own, key=lambda c: c["step"])] if own else [])
+        for checkpoint in mine:
+            chosen[checkpoint["name"]] = checkpoint
+        states = self.folder / "states"
+        for name, checkpoint in chosen.items():
+            self._check()
+            if not CHECKPOINT_NAME.match(name) or name.endswith(".tmp"):
+                continue
+            tmp = states / f"{name}.restore.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for entry in self.client.listing(self.job_id, self.epoch, name, checkpoint["job_id"]):
+                self.client.download(self.job_id, self.epoch, name, entry["path"], tmp.joinpath(*entry["path"].split("/")),
+                                     int(entry["size"]), str(entry["sha256"]), checkpoint["job_id"])
+            final = states / name
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            info = final.stat()
+            self.seen[name] = (info.st_ino, info.st_mtime_ns)
+            self._event("log", {"message": f"restored checkpoint {name} (step {checkpoint['step']}) of job {checkpoint['job_id']}"})
+
+    def _scan(self) -> None:
+        """Upload every new complete state folder, then record it."""
+        states = self.folder / "states"
+        if not states.is_dir():
+            return
+        for entry in sorted(os.scandir(states), key=lambda e: e.name):
+            name = entry.name
+            if name.endswith(".tmp") or not CHECKPOINT_NAME.match(name) or entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
+                continue
+            info = entry.stat(follow_symlinks=False)
+            signature = (info.st_ino, info.st_mtime_ns)
+            if self.seen.get(name) == signature:
+                continue
+            self._check()
+            if name in self.recorded:
+                self.seen[name] = signature
+                self._event("log", {"message": f"state {name} was saved again; checkpoint {name} is already recorded and is kept as it was"})
+                continue
+            step = _step(name, Path(entry.path))
+            if step is None:
+                self.seen[name] = signature
+                continue
+            try:
+                self._upload(name, Path(entry.path), step)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # the folder was being replaced: the next scan sends the new one
+            except SchedulerError as exc:
+                log.warning("job %s: checkpoint %s not uploaded: %s", self.job_id, name, exc)
+                if exc.status is None or exc.status >= 500:
+                    continue  # the scheduler is away: the next scan tries again
+                self._event("error", {"message": f"checkpoint {name} was not stored: {exc}"[:2000]})
+            self.seen[name] = signature
+
+    def _upload(self, name: str, folder: Path, step: int) -> None:
+        try:
+            self.client.drop_partial(self.job_id, self.epoch, name)
+            for relpath in _files(folder):
+                self._check()
+                self.client.upload(self.job_id, self.epoch, name, relpath, folder.joinpath(*relpath.split("/")))
+            self.client.record_checkpoint(self.job_id, self.epoch, step, name)
+        except SchedulerError as exc:
+            if exc.status in (404, 409):
+                self._conflict(exc)  # returns when the lease holds: the refusal is about this checkpoint
+            raise
+        self.recorded.add(name)
+        log.info("job %s: checkpoint %s (step %d) uploaded and recorded", self.job_id, name, step)
+
+
+class Worker:
+    """Registers the devices, asks for leases while some are free, runs a :class:`JobRunner` per lease."""
+
+    def __init__(self, client: WorkerClient, options: WorkerOptions) -> None:
+        self.client, self.options = client, options
+        self.runners: list[JobRunner] = []
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._ports: set[int] = set()
+
+    def busy(self) -> set[int]:
+        with self._lock:
+            return {i for runner in self.runners for i in runner.devices}
+
+    def finished(self, runner: JobRunner) -> None:
+        with self._lock:
+            if runner in self.runners:
+                self.runners.remove(runner)
+        log.info("job %s epoch %s: %s; its devices %s are free", runner.job_id, runner.epoch, runner.outcome, runner.devices)
+
+    def take_port(self) -> int:
+        low, high = self.options.ports
+        candidates = list(range(low, high + 1))
+        random.shuffle(candidates)
+        with self._lock:
+            for port in candidates:
+                if port not in self._ports and _port_free(self.options.host, port):
+                    self._ports.add(port)
+                    return port
+        raise RuntimeError(f"no free port in {low}-{high} on {self.options.host}")
+
+    def release_port(self, port: int) -> None:
+        with self._lock:
+            self._ports.discard(port)
+
+    def register(self) -> None:
+        self.client.register(self.options.name, self.options.host, self.options.devices, self.options.models)
+        log.info("registered as %s (%s): devices %s, models %s", self.options.name, self.client.worker_id,
+                 [d["index"] for d in self.options.devices], self.options.models)
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (or :meth:`stop`); the exit code."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stopping.set())
+        self.register()
+        delay = self.options.poll
+        while not self.stopping.is_set():
+            granted = None
+            if len(self.busy()) < len(self.options.devices):
+                try:
+                    granted = self.client.lease()
+                    delay = self.options.poll
+                except SchedulerError as exc:
+                    if exc.status == 404:  # the scheduler does not know this worker (a new database): register again
+                        self._try(self.register)
+                    elif exc.input_error:
+                        log.error("the scheduler refused this worker: %s", exc)
+                        return 2
+                    else:
+                        log.warning("no lease: %s", exc)
+                    delay = min(delay * 2, 30.0)
+            if granted is not None:
+                runner = JobRunner(self, granted)
+                with self._lock:
+                    self.runners.append(runner)
+                log.info("lease: job %s epoch %s on devices %s", runner.job_id, runner.epoch, runner.devices)
+                runner.start()
+                continue  # more devices may be free: ask again at once
+            self.stopping.wait(delay)
+        self._stop_all()
+        return 0
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _stop_all(self) -> None:
+        with self._lock:
+            runners = list(self.runners)
+        for runner in runners:
+            runner.shutdown.set()
+        for runner in runners:
+            runner.join(timeout=STOP_GRACE_S * 2 + 5)
+        log.info("stopped")
+
+    @staticmethod
+    def _try(action: Any) -> None:
+        try:
+            action()
+        except SchedulerError as exc:
+            log.warning("%s", exc)
+
+
+def default_name() -> str:
+    """This machine's host name as a worker name (letters, digits, '.', '_' and '-')."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:200].lstrip("._-")
+    return name or f"worker-{secrets.token_hex(3)}"

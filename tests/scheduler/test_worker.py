@@ -1,0 +1,346 @@
+"""``tinkergym worker`` end to end on 127.0.0.1 with CPU slots and the tiny model: a live scheduler, real worker
+subprocesses, real training servers, the client's RemoteBackend talking to them directly.
+
+One scenario per database, so the few servers it starts are shared by its steps: a job runs on worker 1 and saves
+a state, which the worker uploads and records; worker 1 is killed with SIGKILL, its server stops (it dies with
+its parent), the lease expires within TTL + sweep, the job is queued again and worker 2 takes it at epoch 2 with
+the checkpoint restored (the old token is refused, the old epoch's writes are 409); the client completes the job
+and the server stops; a second job is cancelled while running and its server is stopped.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+pytest.importorskip("uvicorn")
+
+from click.testing import CliRunner
+from tinkergym.backends.asgi import ThreadServer
+from tinkergym.backends.remote import RemoteBackend, RemoteBackendError
+from tinkergym.backends.types import (
+    Datum,
+    ForwardBackwardRequest,
+    SampleRequest,
+    SamplingParams,
+)
+from tinkergym.scheduler.app import SchedulerSettings, create_app
+from tinkergym.scheduler.db import make_engine
+
+from tinkergym.cli import main
+from tinkergym.client import SchedulerClient
+
+TTL, SWEEP = 2.0, 0.2
+CONFIG = {"model": "tiny", "dtype": "float32", "lora_rank": 4, "seed": 0}
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(every)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def in_state(client: SchedulerClient, job_id: str, state: str) -> dict[str, Any] | None:
+    """The job when it is in ``state``, else None."""
+    job = client.show(job_id)
+    return job if job["state"] == state else None
+
+
+def server_pids(run_dir: Path) -> list[int]:
+    """Processes whose command line names ``run_dir`` (the job's server at one epoch)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as handle:
+                args = handle.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as handle:
+                zombie = handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+        except OSError:
+            continue
+        if not zombie and b"serve-backend" in args and str(run_dir).encode() in args:
+            found.append(int(entry))
+    return found
+
+
+def refused(url: str) -> bool:
+    parts = urllib.parse.urlsplit(url)
+    try:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=1)
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+        conn.close()
+    except OSError:
+        return True
+    return False
+
+
+def status_with(url: str, token: str) -> int:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    conn.request("GET", "/v1/info", headers={"Authorization": f"Bearer {token}"})
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+class WorkerProcess:
+    """``tinkergym worker --slots 1 --models tiny`` as a subprocess, its log in ``<folder>/worker.log``."""
+
+    def __init__(self, scheduler: str, key: str, folder: Path, name: str) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", scheduler, "--slots", "1", "--models", "tiny",
+                   "--name", name, "--work-dir", str(folder / "work"), "--heartbeat", "0.4", "--poll", "0.2", "--port-range", "21000-29999"]
+        self.log = open(folder / "worker.log", "wb")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TINKERGYM_API_KEY": key})
+
+    def run_dir(self, job_id: str, epoch: int) -> Path:
+        return self.folder / "work" / "jobs" / job_id / str(epoch)
+
+    def text(self) -> str:
+        return (self.folder / "worker.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.log.close()
+
+
+def allocations(db_url: str) -> int:
+    from sqlalchemy import text
+
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return int(conn.execute(text("SELECT COUNT(*) FROM allocations")).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def use(backend: RemoteBackend) -> None:
+    """A sample and a gradient step through the server."""
+    answer = backend.sample(SampleRequest(prompts=[[1, 2, 3]], params=SamplingParams(max_new_tokens=3, temperature=1.0, seed=0)))
+    assert len(answer.sequences[0]) == 1
+    data = [Datum(tokens=[1, 2, 3, 4, 5], loss_mask=[0, 0, 1, 1, 1], advantages=[0, 0, 1, 1, 1], sampling_logprobs=[0, 0, -1.0, -1.0, -1.0])]
+    backend.forward_backward(ForwardBackwardRequest(data=data))
+
+
+def test_worker_input_errors_exit_2(tmp_path: Path) -> None:
+    for args in (["--slots", "1"], ["--scheduler", "http://127.0.0.1:1", "--key", "k"], ["--scheduler", "http://127.0.0.1:1", "--key", "k",
+                 "--slots", "1", "--gpus", "0"], ["--scheduler", "http://127.0.0.1:1", "--key", "k", "--gpus", "0,0"],
+                 ["--scheduler", "http://127.0.0.1:1", "--key", "k", "--slots", "1", "--models", "../x"],
+                 ["--scheduler", "ftp://x", "--key", "k", "--slots", "1"], ["--scheduler", "http://127.0.0.1:1", "--key", "k", "--slots", "1",
+                 "--port-range", "9-1"]):
+        result = CliRunner().invoke(main, ["worker", "--work-dir", str(tmp_path / "w"), *args],
+                                    env={"TINKERGYM_API_KEY": "", "TINKERGYM_SCHEDULER": ""})
+        assert result.exit_code == 2, (args, result.output)
+    assert not (tmp_path / "w").exists()
+
+
+def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
+    settings = SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)
+    server = ThreadServer(create_app(settings))
+    owner = SchedulerClient(server.url, keys.new("acme", "read,write"))
+    worker_key = keys.new("acme", "worker")
+    workers: list[WorkerProcess] = []
+    try:
+        # 1. A job runs on worker 1; the client reaches its server directly; a saved state becomes a checkpoint.
+        first = WorkerProcess(server.url, worker_key, tmp_path / "w1", "w1")
+        workers.append(first)
+        job = owner.submit("train", CONFIG)["id"]
+        wait_for("the job to run", lambda: owner.show(job)["state"] == "running", 180)
+        conn = owner.connection(job)
+        assert conn["epoch"] == 1
+        backend = RemoteBackend(conn["url"], conn["token"], retries=1, backoff=0.1)
+        use(backend)
+        local = tmp_path / "client" / "step_000001"
+        backend.save_state(str(local))
+        found = wait_for("the checkpoint", lambda: owner.checkpoints(job), 60)
+        assert [(c["step"], c["name"], c["epoch"]) for c in found] == [(1, "step_000001", 1)]
+        listing = owner._request("GET", f"/v1/jobs/{job}/artifacts/step_000001")["files"]
+        saved = first.run_dir(job, 1) / "states" / "step_000001"
+        assert sorted(f["path"] for f in listing) == sorted(p.name for p in saved.iterdir())
+        assert "state.json" in {f["path"] for f in listing}
+
+        # 2. kill -9 worker 1: its server stops, the lease expires within TTL + sweep, the job is queued again.
+        assert server_pids(first.run_dir(job, 1))
+        first.process.kill()
+        killed = time.monotonic()
+        first.process.wait(10)
+        wait_for("the orphaned server to stop", lambda: not server_pids(first.run_dir(job, 1)), 15)
+        assert refused(conn["url"])
+        shown = wait_for("the lease to expire", lambda: in_state(owner, job, "queued"), TTL + SWEEP + 5, 0.05)
+        assert time.monotonic() - killed <= TTL + SWEEP + 1.5
+        assert shown["attempt"] == 1 and allocations(db_url) == 0
+
+        # 3. Worker 2 takes it at epoch 2 with the checkpoint restored; the old token and the old epoch are refused.
+        second = WorkerProcess(server.url, worker_key, tmp_path / "w2", "w2")
+        workers.append(second)
+        wait_for("the job to run again", lambda: owner.show(job)["state"] == "running", 180)
+        conn2 = owner.connection(job)
+        assert conn2["epoch"] == 2 and conn2["token"] != conn["token"]
+        restored = second.run_dir(job, 2) / "states" / "step_000001"
+        assert sorted(p.name for p in restored.iterdir()) == sorted(f["path"] for f in listing)
+        backend2 = RemoteBackend(conn2["url"], conn2["token"], retries=1, backoff=0.1)
+        backend2.load_state(str(local))
+        use(backend2)
+        assert status_with(conn2["url"], conn["token"]) == 401 and status_with(conn2["url"], conn2["token"]) == 200
+        stale = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        worker_id = owner_worker_id(db_url, job)
+        stale.request("POST", f"/v1/workers/{worker_id}/jobs/{job}/heartbeat", body=b'{"epoch": 1}',
+                      headers={"Authorization": f"Bearer {worker_key}", "Content-Type": "application/json"})
+        assert stale.getresponse().status == 409
+        stale.close()
+
+        # 4. The client completes the job: the worker stops the server and the device is free.
+        assert owner.complete(job, 2)["state"] == "succeeded"
+        wait_for("the completed job's server to stop", lambda: not server_pids(second.run_dir(job, 2)), 15)
+        assert allocations(db_url) == 0
+        with pytest.raises(RemoteBackendError):
+            RemoteBackend(conn2["url"], conn2["token"], retries=0, timeout=2).info()
+
+        # 5. A running job is cancelled: its server is stopped and the job ends cancelled.
+        other = owner.submit("train", CONFIG)["id"]
+        wait_for("the second job to run", lambda: owner.show(other)["state"] == "running", 180)
+        run_dir = second.run_dir(other, 1)
+        assert server_pids(run_dir)
+        owner.cancel(other)
+        wait_for("the job to be cancelled", lambda: owner.show(other)["state"] == "cancelled", 30)
+        assert not server_pids(run_dir) and allocations(db_url) == 0
+        events = [e["data"].get("state") for e in owner.events(other) if e["type"] == "state"]
+        assert events[-2:] == ["cancelling", "cancelled"]
+
+        # 6. SIGTERM stops the worker cleanly.
+        second.process.send_signal(signal.SIGTERM)
+        assert second.process.wait(30) == 0
+    except BaseException:
+        for worker in workers:
+            sys.stderr.write(f"----- {worker.folder.name} -----\n{worker.text()[-6000:]}\n")
+        raise
+    finally:
+        for worker in workers:
+            worker.stop()
+        owner.close()
+        server.stop()
+
+
+def owner_worker_id(db_url: str, job_id: str) -> str:
+    from sqlalchemy import text
+
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            return str(conn.execute(text("SELECT worker_id FROM jobs WHERE id = :j"), {"j": job_id}).scalar_one())
+    finally:
+        engine.dispose()
+
+
+def test_a_refused_key_exits_2(tmp_path: Path, db_url: str) -> None:
+    server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False))
+    try:
+        result = subprocess.run([sys.executable, "-m", "tinkergym", "worker", "--scheduler", server.url, "--slots", "1",
+                                 "--work-dir", str(tmp_path / "w")], env={**os.environ, "TINKERGYM_API_KEY": "tgk_000000000000_" + "A" * 43},
+                                capture_output=True, text=True, timeout=60, check=False)
+        assert result.returncode == 2 and "401" in result.stderr, result.stderr
+    finally:
+        server.stop()
+
+
+FAKE_SERVER = r'''
+import http.server, json, os, sys, threading, time
+args = sys.argv[sys.argv.index("serve-backend") + 1:]
+opt = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
+run, seed = opt["--run-dir"], int(opt["--seed"])
+assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and opt["--device"] == "cpu" and oct(os.stat(opt["--token-file"]).st_mode & 0o777) == "0o600"
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers(); self.wfile.write(b"{}")
+    def log_message(self, *a):
+        pass
+
+server = http.server.ThreadingHTTPServer((opt["--host"], int(opt["--port"])), Health)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+if seed in (75, 3):
+    time.sleep(0.5)
+    tmp = os.path.join(run, "states", "step_000002.tmp")
+    os.makedirs(os.path.join(tmp, "sub"))
+    open(os.path.join(tmp, "state.json"), "w").write(json.dumps({"step": 2}))
+    open(os.path.join(tmp, "sub", "weights.bin"), "wb").write(os.urandom(3000))
+    os.replace(tmp, os.path.join(run, "states", "step_000002"))
+    time.sleep(1.5)
+    print("boom: the fake server fails" if seed == 3 else "idle", flush=True)
+    os._exit(seed)
+time.sleep(3600)
+'''
+
+
+def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys: Any, tmp_path: Path) -> None:
+    """The worker's handling of its servers, with a stand-in for serve-backend (no torch): a state it writes is uploaded and
+    recorded; exit code 75 fails the job saying how to resume; another code fails it with the log's tail; a job that
+    continues an ended one starts with that job's newest checkpoint restored."""
+    import threading
+
+    from tinkergym.scheduler.worker import Worker, WorkerOptions
+    from tinkergym.scheduler.worker_client import WorkerClient
+
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    fake.chmod(0o755)
+    server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)))
+    owner = SchedulerClient(server.url, keys.new("acme", "read,write"))
+    options = WorkerOptions(name="fake", host="127.0.0.1", devices=[{"index": 0, "kind": "slot", "name": "s0"}], models=["tiny"],
+                            work_dir=tmp_path / "work", ports=(30000, 39999), heartbeat=0.3, poll=0.1, python=str(fake))
+    worker = Worker(WorkerClient(server.url, keys.new("acme", "worker")), options)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        idle = owner.submit("train", {**CONFIG, "seed": 75})["id"]
+        ended = wait_for("the idle job to fail", lambda: in_state(owner, idle, "failed"), 60)
+        assert "tinkergym train --resume" in ended["error"] and "exit code 75" in ended["error"]
+        assert [(c["step"], c["name"]) for c in owner.checkpoints(idle)] == [(2, "step_000002")]
+        files = owner._request("GET", f"/v1/jobs/{idle}/artifacts/step_000002")["files"]
+        assert sorted(f["path"] for f in files) == ["state.json", "sub/weights.bin"]
+
+        broken = owner.submit("train", {**CONFIG, "seed": 3})["id"]
+        ended = wait_for("the broken job to fail", lambda: in_state(owner, broken, "failed"), 60)
+        assert "exited with code 3" in ended["error"] and "boom: the fake server fails" in ended["error"]
+
+        continued = owner.submit("train", {**CONFIG, "resume_job": idle})["id"]
+        wait_for("the continuing job to run", lambda: owner.show(continued)["state"] == "running", 60)
+        restored = tmp_path / "work" / "jobs" / continued / "1" / "states" / "step_000002"
+        original = tmp_path / "work" / "jobs" / idle / "1" / "states" / "step_000002"
+        assert (restored / "sub" / "weights.bin").read_bytes() == (original / "sub" / "weights.bin").read_bytes()
+        time.sleep(1.0)  # the restored state is not uploaded again as the new job's
+        assert owner.checkpoints(continued) == []
+        owner.complete(continued, owner.show(continued)["lease_epoch"])
+        wait_for("the device to be free", lambda: not worker.busy(), 15)
+        assert allocations(db_url) == 0
+    finally:
+        worker.stop()
+        thread.join(30)
+        owner.close()
+        server.stop()

@@ -1,0 +1,105 @@
+"""``tinkergym worker``: lend this machine's GPUs (or CPU slots) to a scheduler and run its jobs' servers.
+
+The worker is standard library only (:mod:`tinkergym.scheduler.worker`); the servers it starts load torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from pathlib import Path
+
+import click
+
+from tinkergym.cli.common import FiniteFloat, InputError, SafePath
+from tinkergym.client import API_KEY_ENV, SCHEDULER_ENV
+
+HOST = re.compile(r"^[A-Za-z0-9.:\[\]-]{1,255}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+
+
+def parse_gpus(text: str) -> list[int]:
+    """``"0,1"`` -> ``[0, 1]`` (unique indexes from 0 to 1023), else :class:`InputError`."""
+    try:
+        indexes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"--gpus {text!r}: give CUDA device indexes such as 0,1") from None
+    if not indexes or len(set(indexes)) != len(indexes) or any(not 0 <= i <= 1023 for i in indexes):
+        raise InputError(f"--gpus {text!r}: give unique CUDA device indexes from 0 to 1023, such as 0,1")
+    return indexes
+
+
+def parse_ports(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d{1,5})-(\d{1,5})", text.strip())
+    if not match or not 1024 <= int(match.group(1)) <= int(match.group(2)) <= 65535:
+        raise InputError(f"--port-range {text!r}: give LOW-HIGH between 1024 and 65535, such as 20000-20999")
+    return int(match.group(1)), int(match.group(2))
+
+
+@click.command("worker")
+@click.option("--scheduler", "scheduler_url", envvar=SCHEDULER_ENV, show_envvar=True, metavar="URL", help="The scheduler, e.g. http://10.0.0.2:8700.")
+@click.option("--key", "api_key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
+              help="A key with the worker scope (tinkergym scheduler keys create --scopes worker). Prefer the environment variable.")
+@click.option("--gpus", default=None, metavar="0,1", help="CUDA device indexes this worker lends (each job gets CUDA_VISIBLE_DEVICES).")
+@click.option("--slots", type=click.IntRange(1, 1024), default=None, help="Without GPUs: this many CPU slots (servers run on the CPU).")
+@click.option("--name", default=None, help="The worker's name (default: the host name); registering it again updates it.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Where the job servers listen; clients connect there directly.")
+@click.option("--models", default="tiny,smollm2-135m", show_default=True, help="Comma-separated model names this worker serves.")
+@click.option("--work-dir", type=SafePath(file_okay=False, path_type=Path), default=Path("worker-data"), show_default=True,
+              help="Folder for the jobs' run folders (jobs/<job>/<epoch>/: token, states, server log).")
+@click.option("--port-range", default="20000-20999", show_default=True, help="Ports the job servers listen on.")
+@click.option("--heartbeat", type=FiniteFloat(min=0.05, max=3600), default=None, help="Seconds between heartbeats (default: a third of the lease TTL).")
+@click.option("--idle-timeout", type=FiniteFloat(min=1, max=7 * 86400), default=None,
+              help="A job server whose client sent no call for this many seconds stops and the job fails (exit code 75).")
+@click.option("--poll", type=FiniteFloat(min=0.05, max=60), default=1.0, show_default=True, help="Seconds between lease requests while nothing is granted.")
+def worker(
+    scheduler_url: str | None, api_key: str | None, gpus: str | None, slots: int | None, name: str | None, host: str, models: str,
+    work_dir: Path, port_range: str, heartbeat: float | None, idle_timeout: float | None, poll: float,
+) -> None:
+    """Take the scheduler's leases for this machine's devices and run each job's server on them.
+
+    \b
+    Examples:
+      TINKERGYM_API_KEY=tgk_... tinkergym worker --scheduler http://10.0.0.2:8700 --gpus 0,1
+      tinkergym worker --scheduler http://127.0.0.1:8700 --slots 1 --models tiny     # no GPU: CPU servers
+
+    Stop it with Ctrl-C or SIGTERM: it stops its servers, and their jobs are queued again when their leases expire.
+    """
+    from tinkergym.errors import ConfigError
+
+    if not scheduler_url:
+        raise InputError(f"no scheduler: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8700)")
+    if not api_key or not api_key.strip():
+        raise InputError(f"no key: pass --key KEY or set {API_KEY_ENV} (a key with the worker scope)")
+    if (gpus is None) == (slots is None):
+        raise InputError("give exactly one of --gpus 0,1 (GPU indexes) or --slots N (CPU slots on a machine without a GPU)")
+    if not HOST.match(host):
+        raise InputError(f"--host {host!r} is not a host name or address")
+    ports = parse_ports(port_range)
+    model_list = sorted({m.strip() for m in models.split(",") if m.strip()})
+    bad = [m for m in model_list if not MODEL.match(m) or ".." in m]
+    if not model_list or bad:
+        raise InputError(f"--models {models!r}: comma-separated model names such as tiny,smollm2-135m (not paths)")
+    from tinkergym.scheduler.worker import Worker, WorkerOptions, default_name
+    from tinkergym.scheduler.worker_client import WorkerClient
+
+    name = name or default_name()
+    if not NAME.match(name):
+        raise InputError(f"--name {name!r}: letters, digits, '.', '_' and '-', starting with a letter or digit")
+    if gpus is not None:
+        devices = [{"index": i, "kind": "gpu", "name": f"cuda:{i}"} for i in parse_gpus(gpus)]
+    else:
+        devices = [{"index": i, "kind": "slot", "name": f"slot {i}"} for i in range(slots or 0)]
+    try:
+        client = WorkerClient(scheduler_url, api_key)
+    except ConfigError as exc:
+        raise InputError(str(exc)) from exc
+    work_dir.mkdir(parents=True, exist_ok=True)
+    options = WorkerOptions(name=name, host=host, devices=devices, models=model_list, work_dir=work_dir.resolve(), ports=ports,
+                            heartbeat=heartbeat, idle_timeout=idle_timeout, poll=poll)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
+    code = Worker(client, options).run()
+    if code:
+        raise SystemExit(code)
