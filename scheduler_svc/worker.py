@@ -112,6 +112,14 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
     command = [*base, "serve-backend", "--model", model, *(["--full"] if rank == 0 else ["--lora-rank", str(rank)]), "--dtype", dtype,
                "--seed", str(seed), "--device", device, "--host", options.host, "--port", str(port), "--token-file", str(folder / "token"),
                "--run-dir", str(folder), "--exit-with-parent"]
+    for key, flag, kind in (("lora_alpha", "--lora-alpha", float), ("lora_dropout", "--lora-dropout", float),
+                            ("micro_batch_size", "--micro-batch-size", int)):
+        value = config.get(key)
+        if value is None or (rank == 0 and key != "micro_batch_size"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            raise ValueError(f"config.{key} {value!r} is not a number")
+        command += [flag, repr(kind(value))]  # serve-backend checks the range
     if options.idle_timeout:
         command += ["--idle-timeout", f"{options.idle_timeout:g}"]
     return command

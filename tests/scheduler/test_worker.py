@@ -43,7 +43,7 @@ from tinkergym.cli import main
 from tinkergym.client import SchedulerClient
 
 TTL, SWEEP = 2.0, 0.2
-CONFIG = {"model": "tiny", "dtype": "float32", "lora_rank": 4, "seed": 0}
+CONFIG = {"model": "tiny", "dtype": "float32", "lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.0, "micro_batch_size": 4, "seed": 0}
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.1) -> Any:
