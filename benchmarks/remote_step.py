@@ -34,6 +34,7 @@ env's reward.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -45,7 +46,8 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
 
 from bench_machine import CpuShare, _load
 from grpo_step import BenchSettings, _timed, make_env, versions
@@ -60,7 +62,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_path: str, lora_rank: int, folder: Path, threads: int) -> tuple[subprocess.Popen, str, str, Path]:
+def start_server(model_path: str, lora_rank: int, folder: Path, threads: int, lora_alpha: int, micro_batch_size: int) -> tuple[subprocess.Popen, str, str, Path]:
     """``tinkergym serve-backend`` on a free loopback port: (process, url, token, its JSON log file)."""
     token = secrets.token_urlsafe(32)
     token_file = folder / "token"
@@ -68,7 +70,8 @@ def start_server(model_path: str, lora_rank: int, folder: Path, threads: int) ->
     token_file.chmod(0o600)
     port = free_port()
     run_dir = folder / "server"
-    model_args = ["--full"] if lora_rank == 0 else ["--lora-rank", str(lora_rank)]
+    model_args = ["--full"] if lora_rank == 0 else ["--lora-rank", str(lora_rank), "--lora-alpha", str(lora_alpha)]
+    model_args += ["--micro-batch-size", str(micro_batch_size)]
     command = [
         sys.executable, "-m", "tinkergym", "serve-backend", "--model", model_path, *model_args, "--device", "cpu", "--seed", "0",
         "--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file), "--run-dir", str(run_dir),
@@ -90,9 +93,9 @@ def start_server(model_path: str, lora_rank: int, folder: Path, threads: int) ->
     raise RuntimeError("the training server did not answer /health within 300 s")
 
 
-def server_times(log: Path, start_line: int) -> tuple[int, float, float]:
+def server_times(log: Path | None, start_line: int) -> tuple[int, float, float]:
     """(lines read, seconds of HTTP requests, seconds of Backend calls) of the server log from line ``start_line``."""
-    lines = log.read_text(encoding="utf-8").splitlines()
+    lines = log.read_text(encoding="utf-8").splitlines() if log is not None and log.is_file() else []
     requests = calls = 0.0
     for line in lines[start_line:]:
         try:
@@ -106,16 +109,92 @@ def server_times(log: Path, start_line: int) -> tuple[int, float, float]:
     return len(lines), requests, calls
 
 
+@contextlib.contextmanager
+def remote_side(via: str, model: str, config: Any, scratch: Path, threads: int, say: Any) -> Iterator[tuple[Any, Callable[[], Any], Callable[[], Path | None], dict[str, float]]]:
+    """The remote backend: (backend, its RemoteBackend (for the wire counters), its server's log, setup times).
+
+    ``direct``: ``serve-backend`` started here. ``scheduler``: ``tinkergym scheduler serve`` and ``tinkergym worker
+    --slots 1`` started here, the run submitted as a job; the worker starts the server, the client connects to it.
+    """
+    if via == "direct":
+        say(f"{model}: starting the training server ...")
+        process, url, token, log = start_server(config.model_path, config.lora_rank, scratch, threads, config.lora_alpha, config.micro_batch_size)
+        from tinkergym.backends.remote import RemoteBackend
+
+        remote = RemoteBackend(url, token, cache_dir=scratch / "cache")
+        try:
+            yield remote, lambda: remote, lambda: log, {}
+        finally:
+            remote.close()
+            _stop(process)
+        return
+    from tinkergym.backends.scheduled import ScheduledBackend
+    from tinkergym.client import SchedulerClient
+    from tinkergym.scheduler.auth import create_key
+    from tinkergym.scheduler.db import make_engine, upgrade
+
+    db = f"sqlite:///{scratch / 'scheduler.db'}"
+    engine = make_engine(db)
+    upgrade(engine)
+    client_key, worker_key = create_key(engine, "bench", ["read", "write"])[1], create_key(engine, "ops", ["worker"])[1]
+    engine.dispose()
+    port = free_port()
+    scheduler = subprocess.Popen([sys.executable, "-m", "tinkergym", "scheduler", "serve", "--db", db, "--data-dir", str(scratch / "data"),
+                                  "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    work_dir = scratch / "worker"
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "TINKERGYM_API_KEY": worker_key}
+    worker = subprocess.Popen([sys.executable, "-m", "tinkergym", "worker", "--scheduler", f"http://127.0.0.1:{port}", "--slots", "1",
+                               "--models", model, "--work-dir", str(work_dir), "--host", "127.0.0.1", "--heartbeat", "2"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/readyz", scheduler)
+        started = time.perf_counter()
+        backend = ScheduledBackend.submit(SchedulerClient(f"http://127.0.0.1:{port}", client_key), "train", config.job_config,
+                                          say=say, poll=0.2, remote={"cache_dir": scratch / "cache"})
+        backend.connect()
+        setup = {"submit_to_connected_s": time.perf_counter() - started}
+
+        def log() -> Path | None:
+            found = sorted(work_dir.rglob("server.log"))
+            return found[-1] if found else None
+
+        yield backend, lambda: backend._remote, log, setup
+        backend.complete()
+    finally:
+        _stop(worker)
+        _stop(scheduler)
+
+
+def _wait_http(url: str, process: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args[3]} exited with {process.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {seconds:g} s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
 def _stable(metrics: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in metrics.items() if not k.startswith(VOLATILE)}
 
 
-def run_model(model: str, s: BenchSettings, lora_rank: int, say: Any) -> dict[str, Any]:
+def run_model(model: str, s: BenchSettings, lora_rank: int, say: Any, via: str = "direct") -> dict[str, Any]:
     """Alternate local and remote steps of ``model``; medians, ratio, bytes and where the remote time goes."""
     import torch
 
     from tinkergym.backends.models import resolve_model
-    from tinkergym.backends.remote import RemoteBackend
     from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.trainers.base import TrainingContext
@@ -125,85 +204,80 @@ def run_model(model: str, s: BenchSettings, lora_rank: int, say: Any) -> dict[st
     model_path = resolve_model(model)
     s.reward = "hash" if model == "tiny" else "env"
     config = TrainConfig(
-        env=s.env, env_kwargs=s.env_kwargs, model=model_path, lora_rank=lora_rank, batch_size=s.prompts, group_size=s.group_size,
+        env=s.env, env_kwargs=s.env_kwargs, model=model, lora_rank=lora_rank, batch_size=s.prompts, group_size=s.group_size,
         lr=s.lr, max_grad_norm=s.max_grad_norm, max_turns=1, max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=s.seed,
     ).validate()
-    with tempfile.TemporaryDirectory(prefix="remote-step-") as scratch:
-        say(f"{model}: starting the training server ...")
-        process, url, token, log = start_server(model_path, lora_rank, Path(scratch), torch.get_num_threads())
-        try:
-            # The server's settings: serve-backend's defaults with --lora-rank (or --full), seed 0, on the CPU.
-            local = TorchBackend(TorchBackendConfig(model=model_path, lora_rank=lora_rank, device="cpu", seed=0))
-            remote = RemoteBackend(url, token, cache_dir=Path(scratch, "cache"))
-            trainers, seconds = {}, {"local": {}, "remote": {}}
-            for side, backend in (("local", local), ("remote", remote)):
-                for name in ("sample", "forward_backward", "optim_step"):
-                    _timed(backend, name, seconds[side])
-                ctx = TrainingContext(config, backend, ChatTemplateRenderer(backend.info()["tokenizer"]), lambda: make_env(s))
-                trainers[side] = GRPOTrainer(ctx)
-            records: list[dict[str, Any]] = []
-            log_line, same, load = 0, True, {}
-            for step in range(1 + s.steps):
-                if step == 1:
-                    load["start"] = _load()
-                row: dict[str, Any] = {}
-                metrics = {}
-                for side, trainer in trainers.items():
-                    wire = remote.wire.snapshot()
-                    seconds[side].update(sample=0.0, forward_backward=0.0, optim_step=0.0)
-                    cpu = CpuShare()
-                    start = time.perf_counter()
-                    output = trainer.train_step(step)
-                    row[f"{side}_s"] = time.perf_counter() - start
-                    if side == "local":  # during a remote step the server is another process: its cores are ours
-                        row["other_cores"] = cpu.stop()["other_cores"]
-                    metrics[side] = _stable(output.metrics)
-                    row[f"{side}_backend_s"] = sum(seconds[side].values())
-                    row.update({f"{side}_{name}_s": t for name, t in seconds[side].items()})
-                    if side == "remote":
-                        after = remote.wire.snapshot()
-                        delta = {k: after[k] - wire[k] for k in after}
-                        log_line, request_s, call_s = server_times(log, log_line)
-                        row.update(
-                            requests=delta["requests"], bytes_sent=delta["bytes_sent"], bytes_received=delta["bytes_received"],
-                            client_serde_s=delta["encode_s"] + delta["decode_s"], server_overhead_s=max(request_s - call_s, 0.0),
-                            server_call_s=call_s,
-                        )
-                        row["serde_share"] = (row["client_serde_s"] + row["server_overhead_s"]) / row["remote_s"]
-                row["ratio"] = row["remote_s"] / row["local_s"]
-                diff = max((abs(metrics["local"][k] - metrics["remote"].get(k, float("nan"))) for k in metrics["local"]), default=0.0)
-                row["max_metric_diff"] = diff
-                same = same and metrics["local"].keys() == metrics["remote"].keys() and diff <= 1e-6
-                row["reward_mean"] = metrics["local"].get("reward/mean")
-                records.append(row)
-                say(f"  step {step}{' (warm-up)' if step == 0 else ''}: local {row['local_s']:.3f} s, remote {row['remote_s']:.3f} s "
-                    f"({row['ratio']:.3f}x; backend calls local {row['local_backend_s']:.3f} s, remote {row['remote_backend_s']:.3f} s, "
-                    f"on the server {row['server_call_s']:.3f} s), {row['bytes_sent'] / 1024:.0f} KiB sent, {row['bytes_received'] / 1024:.0f} KiB received")
-            load["end"] = _load()
-            remote.close()
-        finally:
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+    server = SimpleNamespace(model_path=model_path, lora_rank=lora_rank, lora_alpha=config.lora_alpha, micro_batch_size=config.micro_batch_size,
+                             job_config=config.job_config())
+    with tempfile.TemporaryDirectory(prefix="remote-step-") as scratch, \
+            remote_side(via, model, server, Path(scratch), torch.get_num_threads(), say) as (remote, wire_of, log_of, setup):
+        # The server's settings: the run's LoRA rank, alpha and micro-batch size, seed 0, on the CPU.
+        local = TorchBackend(TorchBackendConfig(model=model_path, lora_rank=lora_rank, lora_alpha=config.lora_alpha,
+                                                micro_batch_size=config.micro_batch_size, device="cpu", seed=0))
+        trainers, seconds = {}, {"local": {}, "remote": {}}
+        for side, backend in (("local", local), ("remote", remote)):
+            for name in ("sample", "forward_backward", "optim_step"):
+                _timed(backend, name, seconds[side])
+            ctx = TrainingContext(config, backend, ChatTemplateRenderer(backend.info()["tokenizer"]), lambda: make_env(s))
+            trainers[side] = GRPOTrainer(ctx)
+        records: list[dict[str, Any]] = []
+        log_line, same, load = 0, True, {}
+        for step in range(1 + s.steps):
+            if step == 1:
+                load["start"] = _load()
+            row: dict[str, Any] = {}
+            metrics = {}
+            for side, trainer in trainers.items():
+                wire = wire_of().wire.snapshot()
+                seconds[side].update(sample=0.0, forward_backward=0.0, optim_step=0.0)
+                cpu = CpuShare()
+                start = time.perf_counter()
+                output = trainer.train_step(step)
+                row[f"{side}_s"] = time.perf_counter() - start
+                if side == "local":  # during a remote step the server is another process: its cores are ours
+                    row["other_cores"] = cpu.stop()["other_cores"]
+                metrics[side] = _stable(output.metrics)
+                row[f"{side}_backend_s"] = sum(seconds[side].values())
+                row.update({f"{side}_{name}_s": t for name, t in seconds[side].items()})
+                if side == "remote":
+                    after = wire_of().wire.snapshot()
+                    delta = {k: after[k] - wire[k] for k in after}
+                    log_line, request_s, call_s = server_times(log_of(), log_line)
+                    row.update(
+                        requests=delta["requests"], bytes_sent=delta["bytes_sent"], bytes_received=delta["bytes_received"],
+                        client_serde_s=delta["encode_s"] + delta["decode_s"], server_overhead_s=max(request_s - call_s, 0.0),
+                        server_call_s=call_s,
+                    )
+                    row["serde_share"] = (row["client_serde_s"] + row["server_overhead_s"]) / row["remote_s"]
+            row["ratio"] = row["remote_s"] / row["local_s"]
+            diff = max((abs(metrics["local"][k] - metrics["remote"].get(k, float("nan"))) for k in metrics["local"]), default=0.0)
+            row["max_metric_diff"] = diff
+            same = same and metrics["local"].keys() == metrics["remote"].keys() and diff <= 1e-6
+            row["reward_mean"] = metrics["local"].get("reward/mean")
+            records.append(row)
+            say(f"  step {step}{' (warm-up)' if step == 0 else ''}: local {row['local_s']:.3f} s, remote {row['remote_s']:.3f} s "
+                f"({row['ratio']:.3f}x; backend calls local {row['local_backend_s']:.3f} s, remote {row['remote_backend_s']:.3f} s, "
+                f"on the server {row['server_call_s']:.3f} s), {row['bytes_sent'] / 1024:.0f} KiB sent, {row['bytes_received'] / 1024:.0f} KiB received")
+        load["end"] = _load()
     timed = records[1:] or records
     median = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     return {
-        "model": model, "mode": "full" if lora_rank == 0 else "lora", "dtype": local.info()["dtype"], "steps": records, "median": median,
-        "ratio": median["remote_s"] / median["local_s"], "same_metrics": same, "load": load,
+        "model": model, "via": via, "mode": "full" if lora_rank == 0 else "lora", "dtype": local.info()["dtype"], "steps": records,
+        "median": median, "ratio": median["remote_s"] / median["local_s"], "same_metrics": same, "load": load, **setup,
     }
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"{'model':<14} {'mode':<5} {'dtype':<9} {'local s':>8} {'remote s':>9} {'ratio':>6} {'requests':>9} {'sent KiB':>9} "
+    print(f"{'model':<14} {'via':<10} {'mode':<5} {'dtype':<9} {'local s':>8} {'remote s':>9} {'ratio':>6} {'requests':>9} {'sent KiB':>9} "
           f"{'recv KiB':>9} {'client serde ms':>16} {'server overhead ms':>19} {'serde share':>12} {'same':>5} {'other':>6}")
     for r in results:
         m = r["median"]
-        print(f"{r['model']:<14} {r['mode']:<5} {r['dtype']:<9} {m['local_s']:>8.3f} {m['remote_s']:>9.3f} {r['ratio']:>6.3f} "
+        print(f"{r['model']:<14} {r['via']:<10} {r['mode']:<5} {r['dtype']:<9} {m['local_s']:>8.3f} {m['remote_s']:>9.3f} {r['ratio']:>6.3f} "
               f"{int(m['requests']):>9} {m['bytes_sent'] / 1024:>9.1f} {m['bytes_received'] / 1024:>9.1f} "
               f"{1000 * m['client_serde_s']:>16.1f} {1000 * m['server_overhead_s']:>19.1f} {m['serde_share']:>12.3%} "
               f"{'yes' if r['same_metrics'] else 'NO':>5} {m['other_cores']:>6.2f}")
+        if "submit_to_connected_s" in r:
+            print(f"  {r['model']} through the scheduler: {r['submit_to_connected_s']:.2f} s from submission to the job's server answering")
 
 
 def main() -> None:
@@ -211,6 +285,8 @@ def main() -> None:
     parser.add_argument("--models", default="tiny,smollm2-135m", help="comma-separated names resolve_model takes")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step (median reported)")
     parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r=8")
+    parser.add_argument("--via", choices=("direct", "scheduler", "both"), default="direct",
+                        help="the remote side: a server started here, or a job of a scheduler whose worker starts it (both: one after the other)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     args = parser.parse_args()
     if args.steps < 1:
@@ -223,7 +299,8 @@ def main() -> None:
     results = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         settings = BenchSettings(steps=args.steps, model=model)
-        results.append(run_model(model, settings, 0 if args.full else settings.lora_rank, say))
+        for via in (("direct", "scheduler") if args.via == "both" else (args.via,)):
+            results.append(run_model(model, settings, 0 if args.full else settings.lora_rank, say, via))
     report = {"versions": versions(), "results": results}
     if not args.json:
         print_table(results)

@@ -1,0 +1,110 @@
+"""End to end on 127.0.0.1: a scheduler, real `tinkergym worker` processes, and `tinkergym train --scheduler` from a
+client process in which torch cannot be imported. The first worker is killed with SIGKILL after the job's
+first checkpoint; a second worker takes the job at the next epoch; the run finishes with the metrics of a
+local run with the same seed, step for step (that GRPO raises the reward of a local run is
+tests/test_learning.py's to show: its warmed-up tiny model is a folder, which a job cannot name).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("uvicorn")
+
+from click.testing import CliRunner  # noqa: E402
+from sqlalchemy import func, select  # noqa: E402
+
+from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.cli import main  # noqa: E402
+from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
+from tinkergym.scheduler.db import allocations, jobs, make_engine  # noqa: E402
+from tinkergym.trainers.reporting import read_metrics  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+VOLATILE = ("time/", "tokens/per_s")
+RUN = ("--env", "tinker/Bandit-v0", "--model", "tiny", "--dtype", "float32", "--steps", "6", "--batch-size", "4", "--group-size", "4",
+       "--max-new-tokens", "6", "--lr", "3e-2", "--checkpoint-every", "1", "--quiet")
+# As in an install without torch: importing it fails (transformers then sees none); prints what got loaded.
+CLIENT = """
+import json, sys
+sys.modules["torch"] = None
+from tinkergym.cli import main
+try:
+    main(sys.argv[1:], standalone_mode=False)
+finally:
+    print(json.dumps({"torch_modules": sorted(m for m in sys.modules if m.startswith("torch.") or m == "torch" and sys.modules[m] is not None)}))
+"""
+
+
+def _worker(url: str, key: str, name: str, work_dir: Path, cache: Path) -> subprocess.Popen:
+    env = {**os.environ, "TINKERGYM_API_KEY": key, "TINKERGYM_CACHE": str(cache)}
+    command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", url, "--slots", "1", "--models", "tiny", "--name", name,
+               "--work-dir", str(work_dir), "--heartbeat", "0.5", "--poll", "0.2"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(work_dir.parent / f"{name}.log", "w"), env=env)
+
+
+def _stable(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
+
+
+def test_a_torch_free_client_trains_through_workers_and_survives_one(db_url: str, keys: Any, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TINKERGYM_CACHE", str(cache))
+    local = tmp_path / "local"
+    result = CliRunner().invoke(main, ["train", *RUN, "--out", str(local)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+
+    client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=2.0, sweep_interval_s=0.2)))
+    (tmp_path / "w1").mkdir()
+    (tmp_path / "w2").mkdir()
+    first = _worker(scheduler.url, worker_key, "w1", tmp_path / "w1" / "work", cache)
+    second = None
+    out = tmp_path / "scheduled"
+    client = subprocess.Popen([sys.executable, "-c", CLIENT, "train", *RUN, "--out", str(out), "--scheduler", scheduler.url],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "TINKERGYM_API_KEY": client_key, "TINKERGYM_CACHE": str(tmp_path / "client-cache")})
+    try:
+        deadline = time.monotonic() + 300
+        while not any((tmp_path / "w1" / "work").rglob("states/step_000001/state.json")):  # the job's first checkpoint, on w1
+            assert client.poll() is None, client.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint on the first worker"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+        first.wait()
+        second = _worker(scheduler.url, worker_key, "w2", tmp_path / "w2" / "work", cache)
+        stdout, stderr = client.communicate(timeout=600)
+    finally:
+        for process in (first, second, client):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait()
+        scheduler.stop()
+    assert client.returncode == 0, stderr[-4000:]
+    assert json.loads(stdout.strip().splitlines()[-1]) == {"torch_modules": []}
+    assert "waiting for the job's next lease" in stderr
+
+    records = read_metrics(out / "metrics.jsonl")
+    assert _stable(records) == _stable(read_metrics(local / "metrics.jsonl"))
+    assert [r["step"] for r in records] == list(range(6))
+    assert (out / "final" / "adapter_model.safetensors").is_file()
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            job = conn.execute(select(jobs)).mappings().one()
+            held = conn.execute(select(func.count()).select_from(allocations)).scalar_one()
+    finally:
+        engine.dispose()
+    assert job["state"] == "succeeded" and job["lease_epoch"] == 2 and job["attempt"] == 1 and held == 0
