@@ -162,8 +162,14 @@ class TrainingRun:
         plan = plan_resume(folder, changes)
         run = cls(plan.config, backend=backend, start_step=plan.start_step, backend_token=backend_token, api_key=api_key)
         if plan.checkpoint is not None:
-            run.restore(plan.checkpoint)
-        note = {"step": plan.start_step, "changed": {k: list(v) for k, v in plan.changed.items()}, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+            try:
+                run.restore(plan.checkpoint)
+            except ConfigError:
+                if not plan.config.scheduler_url:
+                    raise
+                # A scheduler job's new server has the checkpoints that reached the artifact store: maybe an older one.
+                run.start_step = run._restore_newest_available()
+        note = {"step": run.start_step, "changed": {k: list(v) for k, v in plan.changed.items()}, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         with (plan.folder / "resumes.jsonl").open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(note) + "\n")
         return run
@@ -215,6 +221,10 @@ class TrainingRun:
         loss may not have reached it, so older checkpoints are tried in turn. With none, the run starts over.
         """
         self.backend.reconnect()
+        return self._restore_newest_available()
+
+    def _restore_newest_available(self) -> int:
+        """Load the newest checkpoint whose backend state the server has (older ones in turn); the step to go on from."""
         for checkpoint in reversed(_complete_checkpoints(self.folder)):
             try:
                 self.restore(checkpoint)

@@ -27,7 +27,7 @@ from sqlalchemy import func, select  # noqa: E402
 from tinkergym.backends.asgi import ThreadServer  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.db import allocations, jobs, make_engine  # noqa: E402
+from tinkergym.scheduler.db import allocations, checkpoints, jobs, make_engine  # noqa: E402
 from tinkergym.trainers.reporting import read_metrics  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -47,10 +47,10 @@ finally:
 """
 
 
-def _worker(url: str, key: str, name: str, work_dir: Path, cache: Path) -> subprocess.Popen:
+def _worker(url: str, key: str, name: str, work_dir: Path, cache: Path, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "TINKERGYM_API_KEY": key, "TINKERGYM_CACHE": str(cache)}
     command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", url, "--slots", "1", "--models", "tiny", "--name", name,
-               "--work-dir", str(work_dir), "--heartbeat", "0.5", "--poll", "0.2"]
+               "--work-dir", str(work_dir), "--heartbeat", "0.5", "--poll", "0.2", *extra]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(work_dir.parent / f"{name}.log", "w"), env=env)
 
 
@@ -108,3 +108,55 @@ def test_a_torch_free_client_trains_through_workers_and_survives_one(db_url: str
     finally:
         engine.dispose()
     assert job["state"] == "succeeded" and job["lease_epoch"] == 2 and job["attempt"] == 1 and held == 0
+
+
+def test_a_dead_client_frees_its_job_and_resume_goes_on_from_its_checkpoints(db_url: str, keys: Any, tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TINKERGYM_CACHE", str(cache))
+    local = tmp_path / "local"
+    assert CliRunner().invoke(main, ["train", *RUN, "--out", str(local)], catch_exceptions=False).exit_code == 0
+
+    client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=2.0, sweep_interval_s=0.2)))
+    (tmp_path / "w1").mkdir()
+    worker = _worker(scheduler.url, worker_key, "w1", tmp_path / "w1" / "work", cache, "--idle-timeout", "6")
+    out = tmp_path / "scheduled"
+    engine = make_engine(db_url)
+    try:
+        client = subprocess.Popen([sys.executable, "-m", "tinkergym", "train", *RUN, "--out", str(out), "--scheduler", scheduler.url],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                  env={**os.environ, "TINKERGYM_API_KEY": client_key, "TINKERGYM_CACHE": str(tmp_path / "client-cache")})
+        deadline = time.monotonic() + 300
+        while not (out / "checkpoints" / "step_000001").is_dir():  # the run's first checkpoint: the client dies
+            assert client.poll() is None, client.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint recorded"
+            time.sleep(0.05)
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+        first_job = json.loads((out / "config.json").read_text())["scheduler_job"]
+        while True:  # its server idles out, the worker ends the job: the device is free
+            with engine.connect() as conn:
+                job = conn.execute(select(jobs).where(jobs.c.id == first_job)).mappings().one()
+                held = conn.execute(select(func.count()).select_from(allocations)).scalar_one()
+            if job["state"] == "failed":
+                break
+            assert time.monotonic() < deadline, f"the job stayed {job['state']}"
+            time.sleep(0.1)
+        assert held == 0 and "--resume" in job["error"]
+        with engine.connect() as conn:  # what its worker saved to the artifact store before the server stopped
+            assert conn.execute(select(func.count()).select_from(checkpoints)).scalar_one() >= 1
+
+        monkeypatch.setenv("TINKERGYM_API_KEY", client_key)
+        resumed = CliRunner().invoke(main, ["train", "--resume", str(out), "--quiet"], catch_exceptions=False)
+        assert resumed.exit_code == 0, resumed.output
+    finally:
+        worker.kill()
+        worker.wait()
+        scheduler.stop()
+    second_job = json.loads((out / "config.json").read_text())["scheduler_job"]
+    with engine.connect() as conn:
+        second = conn.execute(select(jobs).where(jobs.c.id == second_job)).mappings().one()
+    engine.dispose()
+    assert second_job != first_job and second["state"] == "succeeded" and json.loads(second["config"])["resume_job"] == first_job
+    assert _stable(read_metrics(out / "metrics.jsonl")) == _stable(read_metrics(local / "metrics.jsonl"))
