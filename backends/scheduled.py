@@ -14,6 +14,7 @@ At the end of the run, :meth:`complete` ends the job, which frees its devices at
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from typing import Any, Callable
@@ -113,6 +114,16 @@ class ScheduledBackend:
         """After :class:`BackendLost`: wait for the job's next lease (a new epoch) and connect to that server."""
         self.say(f"job {self.job_id}: its server at epoch {self.epoch} is gone; waiting for the job's next lease")
         self.connect(after_epoch=self.epoch)
+
+    def report_metrics(self, step: int, metrics: dict[str, Any]) -> None:
+        """Send a step's numbers to the job's event stream; a failure to do so never stops the run."""
+        from tinkergym.client import SchedulerError
+
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        try:
+            self.client.report(self.job_id, "metrics", {**numbers, "step": step})  # the run's step wins over the backend's counter
+        except (SchedulerError, OSError) as exc:
+            self.say(f"job {self.job_id}: could not report step {step}'s metrics to the scheduler ({exc})")
 
     def complete(self) -> None:
         """End the job (it succeeds; its devices are freed at once)."""

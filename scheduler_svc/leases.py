@@ -280,7 +280,7 @@ def _take(
     ).mappings().first()
     return {
         "job_id": job["id"], "kind": job["kind"], "config": json.loads(job["config"]), "epoch": epoch, "attempt": job["attempt"],
-        "devices": indexes, "expires_at": expires, "ttl_s": settings.lease_ttl_s, "token": token,
+        "devices": indexes, "expires_at": expires, "ttl_s": settings.lease_ttl_s, "idle_timeout_s": settings.idle_timeout_s, "token": token,
         "checkpoint": dict(last) if last is not None else None,
     }
 

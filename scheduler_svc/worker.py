@@ -120,8 +120,9 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
             raise ValueError(f"config.{key} {value!r} is not a number")
         command += [flag, repr(kind(value))]  # serve-backend checks the range
-    if options.idle_timeout:
-        command += ["--idle-timeout", f"{options.idle_timeout:g}"]
+    idle = options.idle_timeout or lease.get("idle_timeout_s")  # the worker's own, else the scheduler's
+    if idle:
+        command += ["--idle-timeout", f"{idle:g}"]
     return command
 
 

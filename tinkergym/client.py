@@ -169,6 +169,10 @@ class SchedulerClient:
         """End the job the client trained through at lease ``epoch``: it succeeds and frees its devices."""
         return self._request("POST", f"/v1/jobs/{_quote(job_id)}/complete", {"epoch": epoch})
 
+    def report(self, job_id: str, type_: str, data: dict[str, Any]) -> int:
+        """Append a ``metrics`` or ``log`` event of the client's run to the job's stream; its seq."""
+        return int(self._request("POST", f"/v1/jobs/{_quote(job_id)}/client-events", {"type": type_, "data": data})["seq"])
+
     def events(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
         """Every event of the job with ``seq > after`` recorded so far, oldest first (``seq``, ``type``, ``data``, ``created_at``)."""
         found: list[dict[str, Any]] = []

@@ -256,6 +256,9 @@ class TrainingRun:
         if c.eval_every and ((step + 1) % c.eval_every == 0 or step == c.steps - 1):
             metrics.update(self.evaluate(step))
         self.log.write(step, metrics)
+        report = getattr(self.backend, "report_metrics", None)
+        if callable(report):  # a scheduler job: its event stream shows the run's progress (tinkergym jobs logs --follow)
+            report(step, metrics)
         if (step + 1) % c.checkpoint_every == 0 or step == c.steps - 1:
             self.checkpoint(step)
         return metrics

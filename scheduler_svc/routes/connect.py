@@ -8,7 +8,8 @@ working with the old server's death, and the client asks again.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +22,9 @@ from tinkergym.scheduler.db import allocations
 from tinkergym.scheduler.repository import Conflict, JobStore
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+#: The largest ``data`` of a client event (as JSON).
+MAX_CLIENT_EVENT_BYTES = 16 * 1024
 
 
 class Connection(BaseModel):
@@ -44,6 +48,21 @@ class Completed(BaseModel):
 
     job_id: str
     state: str
+
+
+class ClientEvent(BaseModel):
+    """What the client reports of the run it drives: ``metrics`` of a step (numbers), or a ``log`` line."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["metrics", "log"]
+    data: dict[str, Any] = Field(description="a JSON object of at most 16 KiB")
+
+
+class EventSeq(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    seq: int
 
 
 def _store(request: Request) -> JobStore:
@@ -77,3 +96,16 @@ def complete(job_id: str, body: Complete, request: Request, who: Principal = Dep
                                  lease_expires_at=None, server_url=None, server_token_digest=None)
         conn.execute(delete(allocations).where(allocations.c.job_id == job_id))
     return {"job_id": job_id, "state": moved.job["state"]}
+
+
+@router.post("/{job_id}/client-events", response_model=EventSeq, responses={404: {}, 409: {}, 413: {}})
+def client_event(job_id: str, body: ClientEvent, request: Request, who: Principal = Depends(require("write"))) -> Any:
+    """Append the client's ``metrics`` or ``log`` event to the job's stream (``tinkergym jobs logs --follow`` shows it)."""
+    if len(json.dumps(body.data)) > MAX_CLIENT_EVENT_BYTES:
+        raise ValueError(f"event data is larger than {MAX_CLIENT_EVENT_BYTES} bytes")
+    store = _store(request)
+    with store.transaction() as conn:
+        job = store.get(conn, job_id, who.tenant_id)
+        if job["state"] in states.TERMINAL:
+            raise Conflict(f"job {job_id} is {job['state']}: it takes no more events")
+        return {"seq": store.append_event(conn, job_id, body.type, body.data)}

@@ -102,6 +102,7 @@ class Lease(WireModel):
     devices: list[int] = Field(description="device indexes on this worker (CUDA_VISIBLE_DEVICES)")
     expires_at: float
     ttl_s: float = Field(description="heartbeat well within this")
+    idle_timeout_s: float | None = Field(None, description="stop the job's server when its client has made no call for this long")
     token: str = Field(description="the job's server token, bound to this epoch")
     checkpoint: Checkpoint | None = Field(None, description="the job's last checkpoint, to resume from")
 

@@ -180,6 +180,38 @@ def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: A
     assert scheduler.client_key not in (scheduled / "config.json").read_text()
     assert job["state"] == "succeeded" and job["lease_epoch"] == 2 and held == 0  # completed by the client: devices free at once
     assert json.loads(job["config"])["model"] == "tiny"
+    # The client's steps are in the job's event stream (what `tinkergym jobs logs --follow` shows), each step at least
+    # once (the steps run again after the lost server appear twice).
+    steps = [e["data"]["step"] for e in _events(scheduler.url, scheduler.client_key, job["id"]) if e["type"] == "metrics"]
+    assert set(steps) == {0, 1, 2, 3} and steps[-1] == 3
+
+
+def _events(url: str, key: str, job_id: str) -> list[dict[str, Any]]:
+    from tinkergym.client import SchedulerClient
+
+    with SchedulerClient(url, key) as client:
+        return client.events(job_id)
+
+
+def test_client_events_are_the_owners_only_and_bounded(scheduler: Any, keys: Any) -> None:
+    from tinkergym.client import SchedulerClient, SchedulerError
+
+    owner = SchedulerClient(scheduler.url, scheduler.client_key)
+    stranger = SchedulerClient(scheduler.url, keys.new("globex", "read,write"))
+    reader = SchedulerClient(scheduler.url, keys.new("acme", "read"))
+    job = owner.submit("train", {"model": "tiny"})
+    assert owner.report(job["id"], "metrics", {"step": 0, "loss": 1.5}) > 1
+    for client, status in ((stranger, 404), (reader, 403)):
+        with pytest.raises(SchedulerError) as refused:
+            client.report(job["id"], "metrics", {"step": 0})
+        assert refused.value.status == status
+    with pytest.raises(SchedulerError) as big:
+        owner.report(job["id"], "log", {"text": "x" * 20_000})
+    assert big.value.status == 400
+    owner.cancel(job["id"])
+    with pytest.raises(SchedulerError) as ended:
+        owner.report(job["id"], "log", {"text": "late"})
+    assert ended.value.status == 409
 
 
 def test_the_scheduler_refuses_a_path_as_the_model_and_a_bad_key(scheduler: Any, tmp_path: Path, tiny: str) -> None:

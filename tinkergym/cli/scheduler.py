@@ -126,16 +126,18 @@ def scheduler() -> None:
 @click.option("--lease-ttl", type=FiniteFloat(min=0, min_open=True), default=30.0, show_default=True, metavar="S",
               help="A lease not renewed by its worker's heartbeat within this many seconds expires and its job is requeued.")
 @click.option("--sweep-interval", type=FiniteFloat(min=0, min_open=True), default=1.0, show_default=True, metavar="S",
-              help="How often expired leases are swept and queued jobs granted.")
+              help="How often expired leases are swept (jobs are granted when workers ask).")
 @click.option("--backfill-age", type=FiniteFloat(min=0), default=600.0, show_default=True, metavar="S",
               help="A queued job older than this stops smaller jobs from starting around it (no starvation).")
 @click.option("--idle-timeout", type=FiniteFloat(min=0, min_open=True), default=900.0, show_default=True, metavar="S",
-              help="A running job whose client has been silent this long is ended.")
+              help="A job's server stops when its client has made no call this long (its worker fails the job; --resume continues it).")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=3, show_default=True, help="Leases a job may lose before it fails.")
 @click.option("--max-body-kb", type=click.IntRange(min=1), default=1024, show_default=True, metavar="N", help="Larger request bodies are refused (413).")
+@click.option("--max-artifact-gb", type=FiniteFloat(min=0, min_open=True), default=20.0, show_default=True, metavar="N",
+              help="Larger checkpoint files uploaded by workers are refused (413).")
 def serve(
     db: str | None, data_dir: Path, host: str, port: int, lease_ttl: float, sweep_interval: float, backfill_age: float,
-    idle_timeout: float, max_attempts: int, max_body_kb: int,
+    idle_timeout: float, max_attempts: int, max_body_kb: int, max_artifact_gb: float,
 ) -> None:
     """Serve the scheduler's HTTP API (upgrading its database first).
 
@@ -162,6 +164,7 @@ def serve(
     settings = SchedulerSettings(
         db_url=url, data_dir=data_dir, lease_ttl_s=lease_ttl, sweep_interval_s=sweep_interval, backfill_age_s=backfill_age,
         idle_timeout_s=idle_timeout, max_attempts=max_attempts, max_body_bytes=max_body_kb * 1024,
+        max_artifact_bytes=int(max_artifact_gb * 1024**3),
     )
     app = create_app(settings, logger=scheduler_logger(data_dir.resolve()))
     click.echo(f"tinkergym scheduler on http://{host}:{port} (database {_shown_url(url)}, data {data_dir})", err=True)
