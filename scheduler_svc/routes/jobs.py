@@ -63,7 +63,7 @@ class Job(WireModel):
     error: str | None = None
     lease_epoch: int
     server_url: str | None = None
-    queue_position: int | None = Field(None, description="1 for the next queued job to be considered; queued jobs only")
+    queue_position: int | None = Field(None, description="1 for the next queued job to be considered; queued jobs, in GET /v1/jobs/{id} only")
     config: dict[str, Any]
 
 
@@ -125,11 +125,15 @@ def queue_position(conn: Any, job: dict[str, Any]) -> int | None:
     return int(ahead) + 1
 
 
-def job_view(conn: Any, job: dict[str, Any]) -> dict[str, Any]:
-    """The public view of a job row (no token digests, no worker ids)."""
+def job_view(conn: Any, job: dict[str, Any], position: bool = False) -> dict[str, Any]:
+    """The public view of a job row (no token digests, no worker ids); ``position``: count its place in the queue.
+
+    The queue position counts the queued jobs ahead, a cost that grows with the queue: ``GET /v1/jobs/{id}``
+    gives it; submissions and lists answer null, so their cost stays flat.
+    """
     view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position")}
     view["config"] = json.loads(job["config"])
-    view["queue_position"] = queue_position(conn, job)
+    view["queue_position"] = queue_position(conn, job) if position else None
     return view
 
 
@@ -217,7 +221,7 @@ def list_jobs(
 def show(job_id: str, request: Request, who: Principal = Depends(require("read"))) -> Any:
     """One job (404 for another tenant's)."""
     with _store(request).read() as conn:
-        return job_view(conn, _store(request).get(conn, job_id, who.tenant_id))
+        return job_view(conn, _store(request).get(conn, job_id, who.tenant_id), position=True)
 
 
 @router.post("/{job_id}/cancel", response_model=Job, responses={404: {}, 409: {}})

@@ -371,3 +371,15 @@ def test_openapi_lists_every_route(make_client, keys) -> None:
         assert (method, path.replace(":path}", "}")) in listed, (method, path)  # the document omits the {path:path} converter
     stream = document["paths"]["/v1/jobs/{job_id}/events/stream"]["get"]
     assert "text/event-stream" in stream["responses"]["200"]["content"]
+
+
+def test_show_counts_the_queue_position_by_priority_then_age(make_client, keys) -> None:
+    client = make_client()
+    key = keys.new()
+    old, new, urgent = (submit(client, key, priority=p) for p in (0, 0, 5))
+    assert all(r.status_code == 201 and r.json()["queue_position"] is None for r in (old, new, urgent))  # not counted on submit
+    position = {name: client.get(f"/v1/jobs/{r.json()['id']}", headers=auth(key)).json()["queue_position"]
+                for name, r in (("old", old), ("new", new), ("urgent", urgent))}
+    assert position == {"urgent": 1, "old": 2, "new": 3}
+    client.post(f"/v1/jobs/{urgent.json()['id']}/cancel", headers=auth(key))
+    assert client.get(f"/v1/jobs/{new.json()['id']}", headers=auth(key)).json()["queue_position"] == 2
