@@ -126,10 +126,13 @@ class ThreadServer:
 
     The listening socket is created with ``IPPROTO_TCP`` as uvicorn's own are: asyncio turns Nagle's algorithm
     off only for such sockets, and without that every kept-alive request waits 40 ms for a delayed ACK.
-    ``timeout_graceful_shutdown`` bounds how long :meth:`stop` waits for open streams and long polls.
+    ``timeout_graceful_shutdown`` bounds how long :meth:`stop` waits for open streams and long polls; other
+    keyword arguments go to ``uvicorn.Config``.
     """
 
-    def __init__(self, app: Any, *, timeout_graceful_shutdown: float = 1.0, log_level: str = "critical", start_timeout: float = 30.0) -> None:
+    def __init__(
+        self, app: Any, *, timeout_graceful_shutdown: float = 1.0, log_level: str = "critical", start_timeout: float = 30.0, **config: Any,
+    ) -> None:
         import socket
         import threading
 
@@ -140,7 +143,7 @@ class ThreadServer:
         self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown))
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown, **config))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout

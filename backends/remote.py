@@ -256,14 +256,21 @@ class RemoteBackend:
 
     def _request(self, method: str, path: str, body: Any, what: str, on_ok: Callable[[Any], None] | None = None) -> dict[str, Any]:
         """One request with retries on dropped connections and 502/503/504; an answer of 200 or 202 is returned, others raise."""
-        delay, last = self.backoff, ""
-        for attempt in range(self.retries + 1):
+        delay, last, fresh_retry = self.backoff, "", True
+        attempt = 0
+        while attempt <= self.retries:
             pause = delay
+            reused = self._conn is not None
             try:
                 status, payload, retry_after = self._send(method, path, body, on_ok)
             except (OSError, http.client.HTTPException) as exc:
                 self._drop_connection()
                 last = f"{type(exc).__name__}: {exc}"
+                if reused and fresh_retry:
+                    # A kept-alive connection the server closed while idle (its keep-alive timeout): send again at
+                    # once on a new one, once, without counting it as a retry.
+                    fresh_retry = False
+                    continue
             else:
                 if status in (200, 202):
                     return payload
@@ -274,6 +281,7 @@ class RemoteBackend:
             if attempt < self.retries:
                 time.sleep(min(pause, MAX_BACKOFF_S))
                 delay *= 2
+            attempt += 1
         raise RemoteBackendError(
             f"{what}: no answer from the training server at {self.url} after {self.retries + 1} tries ({last}); "
             "check that it is running (tinkergym serve-backend) and that --backend-url points at it"

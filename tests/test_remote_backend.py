@@ -282,3 +282,26 @@ def test_a_client_only_install_trains_through_the_server(server, token_file, tmp
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(read_metrics(out / "metrics.jsonl")) == 2 and (out / "final" / "adapter_model.safetensors").is_file()
     assert (out / "learning_curve.png").is_file() and any((out / "tensorboard").iterdir())
+
+
+def test_a_connection_the_server_closed_while_idle_is_replaced_at_once(tiny, tmp_path, monkeypatch) -> None:
+    from tinkergym.backends import remote as remote_module
+    from tinkergym.backends.asgi import ThreadServer
+    from tinkergym.backends.server import create_app
+    from tinkergym.backends.service_auth import token_digest
+    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+
+    backend = TorchBackend(TorchBackendConfig(model=tiny, dtype="float32", lora_rank=8, seed=0))
+    server = ThreadServer(create_app(backend, run_dir=tmp_path / "server", token_digest=token_digest(TOKEN)), timeout_keep_alive=1)
+    slept: list[float] = []
+    monkeypatch.setattr(remote_module.time, "sleep", slept.append)
+    try:
+        client = RemoteBackend(server.url, TOKEN, backoff=5.0)
+        client.logprobs([[1, 5, 6]])
+        deadline = time.monotonic() + 3  # the server closes the kept-alive connection after 1 s of silence
+        while time.monotonic() < deadline:  # (time.sleep is the recorder here)
+            pass
+        assert len(client.logprobs([[1, 5, 6, 7]])[0]) == 4
+        assert slept == [] and client.wire.requests >= 4  # sent again on a new connection, with no backoff
+    finally:
+        server.stop()

@@ -93,7 +93,9 @@ def serve_backend(
                      keep_states=keep_states)
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     # Long polls hold requests open for up to 300 s: on Ctrl-C, do not wait for them.
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5))
+    # Keep-alive well past the client's pauses between calls (rollouts, env steps), so its connection is reused.
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=75))
     watchdog = None
     if idle_timeout is not None or exit_with_parent:
         from tinkergym.backends.lifetime import Watchdog
