@@ -246,10 +246,11 @@ class SchedulerClient:
             headers["Idempotency-Key"] = idempotency_key or str(uuid.uuid4())  # kept across this call's retries
             data = json.dumps(body if body is not None else {}, separators=(",", ":")).encode("utf-8")
             headers["Content-Type"] = "application/json"
-        delay, last, failures = self.backoff, "", 0
+        delay, last, failures, fresh_retry = self.backoff, "", 0, True
         in_flight_until: float | None = None
         while True:
             pause = delay
+            reused = self._conn is not None
             try:
                 with self._lock:
                     status, payload, retry_after = self._send(method, path, data, headers)
@@ -257,6 +258,9 @@ class SchedulerClient:
                 with self._lock:
                     self._drop()
                 last = f"{type(exc).__name__}: {exc}"
+                if reused and fresh_retry:  # a kept-alive connection the server closed while idle: once more at once
+                    fresh_retry = False
+                    continue
             else:
                 if 200 <= status < 300:
                     return payload

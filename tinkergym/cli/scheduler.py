@@ -169,7 +169,7 @@ def serve(
     app = create_app(settings, logger=scheduler_logger(data_dir.resolve()))
     click.echo(f"tinkergym scheduler on http://{host}:{port} (database {_shown_url(url)}, data {data_dir})", err=True)
     # Event streams stay open: on Ctrl-C, do not wait for them.
-    uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=75)
 
 
 @scheduler.group("keys")
