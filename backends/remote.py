@@ -75,14 +75,19 @@ class RemoteBackendError(TinkergymError, RuntimeError):
 
 def check_backend_url(url: str) -> str:
     """``url`` without a trailing slash, or a :class:`ConfigError` unless it is an ``http(s)://host[:port][/path]`` URL."""
+    if not is_http_url(url):
+        raise ConfigError(f"backend-url {url!r} is not a training server URL; give one such as http://127.0.0.1:8765")
+    return url.rstrip("/")
+
+
+def is_http_url(url: str) -> bool:
+    """Whether ``url`` is ``http(s)://host[:port][/path]`` (no query, no fragment, a valid port)."""
     parts = urllib.parse.urlsplit(url)
     try:
         port = parts.port
     except ValueError:
-        port = -1
-    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query or parts.fragment:
-        raise ConfigError(f"backend-url {url!r} is not a training server URL; give one such as http://127.0.0.1:8765")
-    return url.rstrip("/")
+        return False
+    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != -1 and not parts.query and not parts.fragment
 
 
 def server_name(path: str | os.PathLike[str]) -> str:

@@ -64,12 +64,9 @@ def check_scheduler_url(url: str | None) -> str:
     url = url or os.environ.get(SCHEDULER_ENV, "")
     if not url:
         raise ConfigError(f"no scheduler URL: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8700)")
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        port = -1
-    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query or parts.fragment:
+    from tinkergym.backends.remote import is_http_url
+
+    if not is_http_url(url):
         raise ConfigError(f"scheduler URL {url!r} is not an http(s)://host[:port] URL; give one such as http://127.0.0.1:8700")
     return url.rstrip("/")
 

@@ -14,7 +14,6 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import delete
-
 from tinkergym.scheduler import leases, states
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.auth import Principal

@@ -11,14 +11,13 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import and_, func, or_, select
-
-from tinkergym.backends.asgi import WireJSON, error_response
 from tinkergym.scheduler import states
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.db import jobs, tenants
-from tinkergym.scheduler.idempotency import IdempotencyError, Refused, run_once
+from tinkergym.scheduler.idempotency import Refused
 from tinkergym.scheduler.repository import Conflict, JobStore
+from tinkergym.scheduler.routes import respond_once
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -137,17 +136,6 @@ def job_view(conn: Any, job: dict[str, Any], position: bool = False) -> dict[str
     return view
 
 
-def _idempotent(request: Request, who: Principal, key: str | None, body: Any, handler: Any) -> WireJSON:
-    try:
-        stored = run_once(_store(request), tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
-                          body=body, handler=handler)
-    except IdempotencyError as exc:
-        kinds = {409: "conflict", 422: "idempotency_key_reused", 400: "invalid_request"}
-        return error_response(exc.status, kinds[exc.status], str(exc))
-    headers = {"Idempotent-Replayed": "true"} if stored.replayed else None
-    return WireJSON(stored.body, status_code=stored.status, headers=headers)
-
-
 @router.post("", status_code=201, response_model=Job, responses={409: {}, 422: {}, 429: {}})
 def submit(
     body: JobCreate, request: Request, who: Principal = Depends(require("write")),
@@ -171,7 +159,7 @@ def submit(
         )
         return 201, job_view(conn, job)
 
-    return _idempotent(request, who, idempotency_key, body.model_dump(mode="json"), create)
+    return respond_once(request, who, idempotency_key, body.model_dump(mode="json"), create)
 
 
 def _decode_cursor(cursor: str) -> tuple[float, str]:
@@ -244,7 +232,7 @@ def cancel(
             raise Conflict(f"job {job_id} is {job['state']}: it has ended and cannot be cancelled")
         return 200, job_view(conn, moved.job)
 
-    return _idempotent(request, who, idempotency_key, {"job_id": job_id}, do_cancel)
+    return respond_once(request, who, idempotency_key, {"job_id": job_id}, do_cancel)
 
 
 @router.get("/{job_id}/events", response_model=EventPage, responses={404: {}})

@@ -17,14 +17,12 @@ from fastapi.exceptions import HTTPException
 from pydantic import Field, field_validator
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-
-from tinkergym.backends.asgi import WireJSON, error_response
 from tinkergym.scheduler import leases, states
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.db import workers
-from tinkergym.scheduler.idempotency import IdempotencyError, run_once
 from tinkergym.scheduler.repository import JobStore
+from tinkergym.scheduler.routes import respond_once
 from tinkergym.scheduler.routes.jobs import MODEL_NAME, WireModel
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
@@ -167,21 +165,6 @@ def _store(request: Request) -> JobStore:
     return request.app.state.store
 
 
-def _once(request: Request, who: Principal, key: str | None, body: Any, handler: Any, finish: Any = None) -> WireJSON:
-    """Run ``handler(conn)`` in one transaction, once per ``Idempotency-Key`` when one is given.
-
-    ``finish(body)`` completes a successful answer, first or replayed, after it is stored (what must not be stored).
-    """
-    try:
-        stored = run_once(_store(request), tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
-                          body=body, handler=handler)
-    except IdempotencyError as exc:
-        kinds = {409: "conflict", 422: "idempotency_key_reused", 400: "invalid_request"}
-        return error_response(exc.status, kinds[exc.status], str(exc))
-    answer = finish(stored.body) if finish is not None and stored.status == 200 else stored.body
-    return WireJSON(answer, status_code=stored.status, headers={"Idempotent-Replayed": "true"} if stored.replayed else None)
-
-
 def _own(conn: Any, worker_id: str, who: Principal) -> dict[str, Any]:
     worker = leases.owned_worker(conn, worker_id, who.key_id)
     if worker is None:
@@ -203,7 +186,7 @@ def register(
         )
         return 200, leases.worker_view(conn, worker_id)
 
-    response = _once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+    response = respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
     leases.wake(request.app)
     return response
 
@@ -236,7 +219,7 @@ def lease(worker_id: str, request: Request, who: Principal = Depends(require("wo
         return answer
 
     try:
-        return _once(request, who, idempotency_key, {"worker_id": worker_id}, handler, with_token)
+        return respond_once(request, who, idempotency_key, {"worker_id": worker_id}, handler, with_token)
     except IntegrityError:  # a device taken by a concurrent grant: this one rolled back whole
         return {"lease": None}
 
@@ -253,7 +236,7 @@ def heartbeat(
         _own(conn, worker_id, who)
         return 200, leases.heartbeat(conn, store, settings, worker_id, job_id, body.epoch)
 
-    return _once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+    return respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
 
 
 @router.post("/{worker_id}/jobs/{job_id}/state", response_model=StateAnswer, responses={404: {}, 409: {}, 422: {}})
@@ -268,7 +251,7 @@ def report_state(
         _own(conn, worker_id, who)
         return 200, leases.report_state(conn, store, worker_id, job_id, body.epoch, body.state, error=body.error, server_url=body.server_url)
 
-    response = _once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+    response = respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
     if body.state in states.TERMINAL:
         leases.wake(request.app)
     return response
@@ -286,7 +269,7 @@ def report_event(
         _own(conn, worker_id, who)
         return 200, {"seq": leases.report_event(conn, store, worker_id, job_id, body.epoch, body.type, body.data)}
 
-    return _once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+    return respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
 
 
 @router.post("/{worker_id}/jobs/{job_id}/checkpoints", response_model=CheckpointAnswer, responses={404: {}, 409: {}, 422: {}})
@@ -301,4 +284,4 @@ def report_checkpoint(
         _own(conn, worker_id, who)
         return 200, leases.report_checkpoint(conn, store, worker_id, job_id, body.epoch, body.step, body.name)
 
-    return _once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+    return respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
