@@ -67,7 +67,7 @@ def test_a_torch_free_client_trains_through_workers_and_survives_one(db_url: str
     assert result.exit_code == 0, result.output
 
     client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=2.0, sweep_interval_s=0.2)))
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
     (tmp_path / "w1").mkdir()
     (tmp_path / "w2").mkdir()
     first = _worker(scheduler.url, worker_key, "w1", tmp_path / "w1" / "work", cache)
@@ -118,9 +118,9 @@ def test_a_dead_client_frees_its_job_and_resume_goes_on_from_its_checkpoints(db_
     assert CliRunner().invoke(main, ["train", *RUN, "--out", str(local)], catch_exceptions=False).exit_code == 0
 
     client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=2.0, sweep_interval_s=0.2)))
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
     (tmp_path / "w1").mkdir()
-    worker = _worker(scheduler.url, worker_key, "w1", tmp_path / "w1" / "work", cache, "--idle-timeout", "6")
+    worker = _worker(scheduler.url, worker_key, "w1", tmp_path / "w1" / "work", cache, "--idle-timeout", "10")
     out = tmp_path / "scheduled"
     engine = make_engine(db_url)
     try:

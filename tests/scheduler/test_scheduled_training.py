@@ -117,7 +117,7 @@ class PlayedWorker(threading.Thread):
 
 @pytest.fixture
 def scheduler(db_url: str, tmp_path: Path, keys: Any) -> Any:
-    app = create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=1.5, sweep_interval_s=0.1))
+    app = create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.1))
     served = ThreadServer(app)
     served.client_key = keys.new("acme", "read,write")
     served.worker_key = keys.new("ops", "worker")
