@@ -192,17 +192,23 @@ async def upload(
     return info.to_dict()
 
 
+def _readable_checkpoint(request: Request, who: Principal, worker_id: str, job_id: str, epoch: int, source: str | None, name: str) -> str:
+    """The job whose checkpoint ``name`` a worker may read (its leased job, or with ``source`` the job it continues), fenced."""
+    store = _store(request)
+    with store.read() as conn:
+        owner, recorded_only = _source(conn, store, _fenced(conn, store, who, worker_id, job_id, epoch), source)
+        if recorded_only and not _recorded(conn, owner, check_name(name)):
+            raise HTTPException(404, f"job {owner} has no checkpoint {name[:100]!r}")
+    return owner
+
+
 @worker_router.get("/{worker_id}/jobs/{job_id}/artifacts/{name}", response_model=ArtifactListing, responses={400: {}, 404: {}, 409: {}})
 def worker_listing(
     worker_id: str, job_id: str, name: str, request: Request, epoch: int = EPOCH, source: str | None = SOURCE,
     who: Principal = Depends(require("worker")),
 ) -> Any:
     """The files of checkpoint ``name`` of the leased job (or, with ``source``, of the job it continues), with sizes and SHA-256."""
-    store = _store(request)
-    with store.read() as conn:
-        owner, recorded_only = _source(conn, store, _fenced(conn, store, who, worker_id, job_id, epoch), source)
-        if recorded_only and not _recorded(conn, owner, check_name(name)):
-            raise HTTPException(404, f"job {owner} has no checkpoint {name[:100]!r}")
+    owner = _readable_checkpoint(request, who, worker_id, job_id, epoch, source, name)
     return {"job_id": owner, "name": name, "files": [f.to_dict() for f in artifact_store(request).list_files(owner, name)]}
 
 
@@ -213,11 +219,7 @@ def worker_download(
     who: Principal = Depends(require("worker")),
 ) -> Any:
     """One file of checkpoint ``name`` of the leased job (or, with ``source``, of the job it continues)."""
-    store = _store(request)
-    with store.read() as conn:
-        owner, recorded_only = _source(conn, store, _fenced(conn, store, who, worker_id, job_id, epoch), source)
-        if recorded_only and not _recorded(conn, owner, check_name(name)):
-            raise HTTPException(404, f"job {owner} has no checkpoint {name[:100]!r}")
+    owner = _readable_checkpoint(request, who, worker_id, job_id, epoch, source, name)
     return _open(artifact_store(request), owner, name, path)
 
 
