@@ -8,7 +8,8 @@ answers with text alone is refused: re-tokenizing text would not give back the i
 ``tinkergym serve-model`` and vLLM's OpenAI server both qualify.
 
 The chat template stays on the client (the rollout loop renders with a local tokenizer), so the served
-model must use that tokenizer. Standard library HTTP only: evaluating through an endpoint needs no torch.
+model must use that tokenizer: a local one, or the server's own files (:meth:`EndpointSampler.fetch_tokenizer`,
+from tinkergym's servers). Standard library HTTP only: evaluating through an endpoint needs no torch.
 """
 
 from __future__ import annotations
@@ -107,6 +108,26 @@ class EndpointSampler:
         if exc.code in (400, 422):
             return ConfigError(f"{self.base}{route} refused the request: {message} (HTTP {exc.code})")
         return EndpointError(f"{self.base}{route} failed: {message} (HTTP {exc.code})")
+
+    def fetch_tokenizer(self, cache_dir: Path | None = None) -> str:
+        """Use the server's own tokenizer files (``GET /v1/tokenizer``, which tinkergym's servers send), cached by content.
+
+        A server without the route (vLLM's) is a :class:`ConfigError` saying to pass a local ``--tokenizer``.
+        """
+        from tinkergym.backends.tokenizer_files import cache_tokenizer_files, default_cache_dir
+
+        try:
+            answer = self._call("GET", "/tokenizer")
+        except ConfigError as exc:
+            if "HTTP 404" not in str(exc):
+                raise
+            raise ConfigError(f"{self.base} does not send its tokenizer (no /v1/tokenizer): pass --tokenizer, the local model "
+                              "(name or folder) whose tokenizer and chat template the served model uses.") from exc
+        try:
+            self.tokenizer = cache_tokenizer_files(answer, cache_dir or default_cache_dir(), self.base)
+        except ValueError as exc:
+            raise EndpointError(str(exc)) from exc
+        return self.tokenizer
 
     def served_models(self) -> list[str]:
         """The names ``/v1/models`` lists."""

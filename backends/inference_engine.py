@@ -147,12 +147,35 @@ def adapter_source(name: str, path: str, base_path: str) -> AdapterSource:
     return AdapterSource(name=name, path=str(folder), kind=kind, dtype=dtype)
 
 
-def plan_serving(model: str | None = None, run: str | None = None, adapters: list[tuple[str, str]] = (), dtype: str | None = None) -> ServingPlan:
-    """What ``serve-model`` serves: ``model`` (a base for ``adapters``) or a ``run`` (its adapter on its base, or its full model)."""
+def plan_serving(
+    model: str | None = None, run: str | None = None, adapters: list[tuple[str, str]] = (), dtype: str | None = None,
+    checkpoint: tuple[str, str] | None = None,
+) -> ServingPlan:
+    """What ``serve-model`` serves: ``model`` (a base for ``adapters``) or a ``run`` (its adapter on its base, or its full model).
+
+    ``checkpoint`` (NAME, PATH), with ``model``: a backend checkpoint folder (``state.json``) served as NAME: a LoRA
+    checkpoint as an adapter on ``model``, a full fine-tuning one as a model of its own in place of ``model``.
+    """
     from tinkergym.backends.models import resolve_model
 
     if (model is None) == (run is None):
         raise ConfigError("give --model or --run (exactly one).")
+    if checkpoint is not None:
+        if run is not None:
+            raise ConfigError("--checkpoint serves a checkpoint of --model's architecture: give --model, not --run.")
+        name, path = checkpoint
+        folder = Path(path)
+        if not (folder / "state.json").is_file():
+            raise ConfigError(f"--checkpoint {name}={path}: not a checkpoint folder (no state.json); pass checkpoints/step_N of a run.")
+        if not name or name == model:
+            raise ConfigError(f"--checkpoint {name}={path}: give it a name of its own, other than the base model's.")
+        state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+        if int(state.get("config", {}).get("lora_rank", 0)) == 0:
+            if adapters:
+                raise ConfigError(f"--checkpoint {name}={path} is a full fine-tuning checkpoint: it is served as a model of its own, without adapters.")
+            return ServingPlan(base_id=name, base_path=resolve_model(model), lora=False, state=str(folder),
+                               dtype=dtype or state.get("config", {}).get("dtype") or "auto")
+        adapters = [(name, path), *adapters]
     if run is None:
         plan = ServingPlan(base_id=model, base_path=resolve_model(model), dtype=dtype or "auto")
     else:

@@ -5,6 +5,9 @@ Every route but ``/health`` needs ``Authorization: Bearer <api key>`` (:mod:`tin
 which is what OpenAI clients send. A request's ``model`` picks the base or one of its LoRA adapters; an
 unknown name is a 404 that lists the served names.
 
+``GET /v1/tokenizer`` sends the tokenizer and chat template files (as the training server does), so a client
+renders prompts with the served model's own template without a copy of the model.
+
 Token faithfulness (vLLM's conventions): ``/v1/completions`` takes ``prompt`` as text or token ids, and with
 ``return_tokens_as_token_ids: true`` and ``logprobs`` set, ``logprobs.tokens`` holds the sampled ids as
 ``"token_id:<id>"`` strings beside their logprobs, the final stop token included. ``top_logprobs`` holds
@@ -73,6 +76,22 @@ def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_
     def health() -> dict[str, str]:
         """Liveness; the one route without the API key."""
         return {"status": "ok"}
+
+    tokenizer_files: list[dict[str, str]] = []
+
+    @app.get("/v1/tokenizer")
+    def tokenizer() -> dict[str, Any]:
+        """The served model's tokenizer and chat template files (``{"files": {name: text}}``), as the training server sends
+        them: a client renders prompts with exactly these (``tinkergym eval --endpoint`` needs no local model then)."""
+        if not tokenizer_files:
+            import tempfile
+
+            from tinkergym.backends.tokenizer_files import read_tokenizer_files
+
+            with tempfile.TemporaryDirectory(prefix="tinkergym-tokenizer-") as folder:
+                engine.tokenizer.save_pretrained(folder)
+                tokenizer_files.append(read_tokenizer_files(folder))
+        return {"files": tokenizer_files[0]}
 
     @app.get("/v1/models")
     def list_models() -> dict[str, Any]:

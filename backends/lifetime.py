@@ -87,3 +87,43 @@ class Watchdog:
                 why = "its parent process died" if code == ORPHAN_EXIT_CODE else f"no client call for {self.idle_timeout:g} s"
                 self._logger.warning('{"event": "stopping", "reason": "%s"}', why)
                 self._stop(code)
+
+
+class Activity:
+    """Pure ASGI middleware recording when clients last used the app: requests in flight count as activity now.
+
+    Paths in ``ignore`` (``/health`` by default: a liveness probe is not a client) and requests refused for
+    their key (401, 403) do not count. Pass :meth:`last_activity` to :class:`Watchdog`.
+    """
+
+    def __init__(self, app: Callable, ignore: tuple[str, ...] = ("/health",)) -> None:
+        self.app, self.ignore = app, ignore
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._last = time.monotonic()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.ignore:
+            await self.app(scope, receive, send)
+            return
+        status = []
+
+        async def send_status(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+
+        with self._lock:
+            self._in_flight += 1
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                if not status or status[0] not in (401, 403):
+                    self._last = time.monotonic()
+
+    def last_activity(self) -> float:
+        """The monotonic time of the last request's end, or now while one runs."""
+        with self._lock:
+            return time.monotonic() if self._in_flight else self._last

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from tinkergym.backends.tokenizer_files import cache_tokenizer_files, default_cache_dir
 from tinkergym.backends.types import ForwardBackwardRequest, ForwardBackwardResult, OptimParams, SampleRequest, SampleResponse
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
@@ -100,12 +101,6 @@ def server_name(path: str | os.PathLike[str]) -> str:
     if not NAME_PATTERN.match(name):
         raise ConfigError(f"{path}: a remote state or export needs a folder name of letters, digits, '.', '_' and '-' (got {name!r})")
     return name
-
-
-def default_cache_dir() -> Path:
-    """Where tokenizer folders fetched from training servers live: ``$TINKERGYM_CACHE/remote`` or ``~/.cache/tinkergym/remote``."""
-    root = os.environ.get("TINKERGYM_CACHE")
-    return Path(root) / "remote" if root else Path.home() / ".cache" / "tinkergym" / "remote"
 
 
 class RemoteBackend:
@@ -225,14 +220,11 @@ class RemoteBackend:
         """A local folder with the server model's tokenizer and chat template files (fetched once, cached by content)."""
         with self._lock:
             if self._tokenizer is None:
-                files = self._get_json("/v1/tokenizer", "tokenizer").get("files")
-                if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
-                    raise RemoteBackendError(f"the training server at {self.url} sent no tokenizer files")
-                for filename in files:
-                    if not isinstance(filename, str) or not NAME_PATTERN.match(filename):
-                        raise RemoteBackendError(f"the training server at {self.url} sent a tokenizer file named {filename!r}")
-                digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode("utf-8")).hexdigest()
-                self._tokenizer = str(_write_once(self.cache_dir / digest, files))
+                answer = self._get_json("/v1/tokenizer", "tokenizer")
+                try:
+                    self._tokenizer = cache_tokenizer_files(answer, self.cache_dir, f"the training server at {self.url}")
+                except ValueError as exc:
+                    raise RemoteBackendError(str(exc)) from None
             return self._tokenizer
 
     # ----- calls ------------------------------------------------------------------------------------
@@ -383,20 +375,3 @@ def _relative_file(path: Any) -> str:
     if not parts or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
         raise RemoteBackendError(f"the training server listed an exported file with an unusable path {path!r}")
     return "/".join(parts)
-
-
-def _write_once(dest: Path, files: dict[str, str]) -> Path:
-    """``dest`` holding ``files`` (name -> text): written through a private ``.tmp`` folder unless already there."""
-    if dest.is_dir():
-        return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f"{dest.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    for filename, text in files.items():
-        (tmp / filename).write_text(text, encoding="utf-8")
-    try:
-        os.rename(tmp, dest)
-    except OSError:  # another process wrote the same content first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return dest

@@ -43,15 +43,10 @@ from tinkergym.backends.server_calls import (
     parse_call,
 )
 from tinkergym.backends.service_auth import require_token
+from tinkergym.backends.tokenizer_files import read_tokenizer_files
 from tinkergym.errors import ConfigError
 
 PROTOCOL_VERSION = 1
-
-#: Files of a model folder a client needs to build the same tokenizer and chat template.
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
-    "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
-)
 
 #: ``info()`` keys that hold local paths of the server's machine.
 LOCAL_PATH_KEYS = ("model_path", "tokenizer")
@@ -165,13 +160,7 @@ class TrainingService:
     def tokenizer_files(self) -> dict[str, str]:
         """The allowlisted tokenizer files of the model folder (read once)."""
         if self._tokenizer_files is None:
-            folder = Path(self.backend.info()["tokenizer"])
-            files = {}
-            for name in TOKENIZER_FILES:
-                path = folder / name
-                if path.is_file():
-                    files[name] = path.read_text(encoding="utf-8")
-            self._tokenizer_files = files
+            self._tokenizer_files = read_tokenizer_files(self.backend.info()["tokenizer"])
         return self._tokenizer_files
 
     def export_file(self, name: str, relative: str) -> Path:

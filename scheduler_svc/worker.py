@@ -56,7 +56,10 @@ IDLE_EXIT_CODE = 75
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 STEP_NAME = re.compile(r"^step_(\d{1,12})$")
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 DTYPES = ("auto", "bfloat16", "float32")
+#: Job kinds whose server is an inference server (``serve-model``); the others get a training server.
+SERVING_KINDS = ("inference", "eval")
 START_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
 LOG_TAIL = 3000
@@ -90,8 +93,11 @@ class WorkerOptions:
     python: str = field(default_factory=lambda: sys.executable)
 
 
-def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, folder: Path, gpu: bool) -> list[str]:
-    """The command line of the job's server (a :class:`ValueError` for a config it cannot start)."""
+def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, folder: Path, gpu: bool, served: str | None = None) -> list[str]:
+    """The command line of the job's server (a :class:`ValueError` for a config it cannot start).
+
+    ``served``: for an inference or eval job serving a trained run, the name of the restored checkpoint in ``states/``.
+    """
     config = lease["config"]
     model = config.get("model")
     if not isinstance(model, str) or not MODEL_NAME.match(model) or ".." in model:
@@ -101,9 +107,19 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
         raise ValueError(f"config.dtype {str(dtype)[:40]!r}: one of {', '.join(DTYPES)}")
     device = "auto" if gpu else "cpu"
     base = [options.python, "-m", "tinkergym"]
-    if lease["kind"] == "inference":
-        return [*base, "serve-model", "--model", model, "--api-key-file", str(folder / "token"), "--host", options.host,
-                "--port", str(port), "--dtype", dtype, "--device", device]
+    idle = options.idle_timeout or lease.get("idle_timeout_s")  # the worker's own, else the scheduler's
+    lifetime = ["--exit-with-parent", *(["--idle-timeout", f"{idle:g}"] if idle else [])]
+    if lease["kind"] in SERVING_KINDS:
+        command = [*base, "serve-model", "--model", model, "--api-key-file", str(folder / "token"), "--host", options.host,
+                   "--port", str(port), "--dtype", dtype, "--device", device, *lifetime]
+        if config.get("resume_job"):  # a run the scheduler trained: its newest checkpoint, restored into states/
+            name = config.get("served_name") or "model"
+            if not isinstance(name, str) or not SERVED_NAME.match(name) or name == model:
+                raise ValueError(f"config.served_name {str(name)[:100]!r}: letters, digits, '.', '_' and '-', not the base model's name")
+            if served is None:
+                raise ValueError(f"job {config['resume_job']} (the run this job serves) has no checkpoint to serve")
+            command += ["--checkpoint", f"{name}={folder / 'states' / served}"]
+        return command
     rank, seed = config.get("lora_rank", 16), config.get("seed", 0)
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= 4096:
         raise ValueError(f"config.lora_rank {rank!r}: 0 (every weight) or a positive rank")
@@ -111,7 +127,7 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
         raise ValueError(f"config.seed {seed!r}: an integer from 0 to 2**32 - 1")
     command = [*base, "serve-backend", "--model", model, *(["--full"] if rank == 0 else ["--lora-rank", str(rank)]), "--dtype", dtype,
                "--seed", str(seed), "--device", device, "--host", options.host, "--port", str(port), "--token-file", str(folder / "token"),
-               "--run-dir", str(folder), "--exit-with-parent"]
+               "--run-dir", str(folder)]
     for key, flag, kind in (("lora_alpha", "--lora-alpha", float), ("lora_dropout", "--lora-dropout", float),
                             ("micro_batch_size", "--micro-batch-size", int)):
         value = config.get(key)
@@ -120,10 +136,7 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
             raise ValueError(f"config.{key} {value!r} is not a number")
         command += [flag, repr(kind(value))]  # serve-backend checks the range
-    idle = options.idle_timeout or lease.get("idle_timeout_s")  # the worker's own, else the scheduler's
-    if idle:
-        command += ["--idle-timeout", f"{idle:g}"]
-    return command
+    return command + lifetime
 
 
 def _die_with_parent() -> None:
@@ -184,6 +197,7 @@ class JobRunner(threading.Thread):
         self.seen: dict[str, tuple[int, int]] = {}
         self.recorded: set[str] = set()
         self.outcome = "running"
+        self.served: str | None = None  # the restored checkpoint an inference job serves
 
     # ----- the job ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -241,7 +255,10 @@ class JobRunner(threading.Thread):
     def _ended(self, code: int) -> None:
         """The server exited on its own: the job failed (an idle client says how to resume)."""
         self.process = None
-        if code == IDLE_EXIT_CODE:
+        if code == IDLE_EXIT_CODE and self.lease["kind"] in SERVING_KINDS:
+            error = ("the job's inference server got no request for the idle timeout, so it stopped (exit code 75) and the devices are "
+                     "free; serve the model again with: tinkergym serve-model --scheduler URL (the same --run or --model)")
+        elif code == IDLE_EXIT_CODE:
             error = ("the job's client sent no call for the idle timeout, so its server stopped (exit code 75) and the devices are free; "
                      "continue the run with: tinkergym train --resume DIR (the run's folder), which starts from its last checkpoint")
         else:
@@ -322,7 +339,7 @@ class JobRunner(threading.Thread):
         for _attempt in range(3):
             self.port = self.worker.take_port()
             try:
-                command = server_command(self.options, self.lease, self.port, self.folder, gpu)
+                command = server_command(self.options, self.lease, self.port, self.folder, gpu, self.served)
                 with open(self.folder / "server.out", "ab") as out:
                     self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                                     cwd=self.folder, start_new_session=True, preexec_fn=_die_with_parent)
@@ -408,6 +425,7 @@ class JobRunner(threading.Thread):
         if continued:
             newest = max(continued, key=lambda c: c["step"])
             chosen[newest["name"]] = newest
+            self.served = newest["name"]
         named = (self.lease.get("checkpoint") or {}).get("name")
         mine = [c for c in own if c["name"] == named] or ([max(own, key=lambda c: c["step"])] if own else [])
         for checkpoint in mine:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -170,6 +171,34 @@ def test_every_route_needs_the_key(setup) -> None:
                 assert answer.status_code == 401, (method, path, headers)
                 assert answer.headers["www-authenticate"] == "Bearer"
     assert client.get("/v1/models", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert ("/v1/tokenizer", "GET") in routes
+
+
+def test_eval_through_an_endpoint_uses_the_servers_tokenizer_when_none_is_given(setup, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("TINKERGYM_CACHE", str(tmp_path / "cache"))
+    given, given_transcripts = _eval("--endpoint", setup["url"], "--model", "a", "--tokenizer", setup["tiny"],
+                                     "--api-key-file", str(setup["key_file"]), out=tmp_path / "given.jsonl")
+    fetched, fetched_transcripts = _eval("--endpoint", setup["url"], "--model", "a", "--api-key-file", str(setup["key_file"]),
+                                         out=tmp_path / "fetched.jsonl")
+    assert fetched.exit_code == 0, fetched.output
+    assert fetched_transcripts == given_transcripts and fetched.stdout.splitlines()[-1] == given.stdout.splitlines()[-1]
+    cached = list((tmp_path / "cache" / "remote").iterdir())
+    assert len(cached) == 1 and (cached[0] / "tokenizer.json").is_file() and (cached[0] / "tokenizer_config.json").is_file()
+
+
+def test_a_server_without_the_tokenizer_route_asks_for_tokenizer(tmp_path) -> None:
+    from tinkergym.backends.endpoint_sampler import EndpointSampler
+    from tinkergym.errors import ConfigError
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("NotFound", (BaseHTTPRequestHandler,), {
+        "do_GET": lambda self: (self.send_response(404), self.send_header("Content-Length", "2"), self.end_headers(), self.wfile.write(b"{}")),
+        "log_message": lambda self, *a: None}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ConfigError, match="pass --tokenizer"):
+            EndpointSampler(f"http://127.0.0.1:{server.server_address[1]}", "m").fetch_tokenizer(tmp_path)
+    finally:
+        server.shutdown()
 
 
 def test_unknown_model_is_404_with_the_served_names(setup) -> None:
@@ -255,7 +284,13 @@ def test_eval_endpoint_errors_say_what_to_do(setup, model, right_key, message, t
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["eval", *EVAL, "--endpoint", "http://127.0.0.1:9/v1", "--model", "m"], "--tokenizer"),
+        (["eval", *EVAL, "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--run", "{run_a}"], "and no --run"),
+        (["eval", *EVAL, "--model", "m", "--api-key", "tgk_x"], "go with --scheduler"),
+        (["serve-model", "--model", "{tiny}", "--gpus", "2", "--api-key-file", "{key}"], "go with --scheduler"),
+        (["serve-model", "--model", "{tiny}"], "--api-key-file is required"),
+        (["serve-model", "--model", "{tiny}", "--scheduler", "http://127.0.0.1:9", "--port", "9000"], "--port: the worker sets"),
+        (["serve-model", "--model", "{tiny}", "--checkpoint", "c={run_a}", "--api-key-file", "{key}"], "not a checkpoint folder"),
+        (["serve-model", "--run", "{run_a}", "--checkpoint", "c={run_a}", "--api-key-file", "{key}"], "give --model, not --run"),
         (["eval", *EVAL, "--model", "m", "--tokenizer", "tiny"], "go with --endpoint"),
         (["eval", *EVAL, "--endpoint", "ftp://x", "--model", "m", "--tokenizer", "{tiny}"], "http:// or https://"),
         (["serve-model", "--model", "{tiny}", "--api-key-file", "{short_key}"], "at least 32 characters"),
@@ -290,13 +325,32 @@ def test_a_full_finetuning_run_is_served_as_its_own_model(setup, tmp_path) -> No
         server.stop()
     assert served.exit_code == 0, served.output
     assert served_transcripts == local_transcripts and served.stdout.splitlines()[-1] == local.stdout.splitlines()[-1]
+    # Its last checkpoint (what a scheduler's worker serves) given with --checkpoint: the same model under the name given.
+    checkpoint = sorted((run / "checkpoints").iterdir())[-1]
+    plan = plan_serving(model=setup["tiny"], checkpoint=("tuned", str(checkpoint)))
+    assert not plan.lora and plan.base_id == "tuned" and plan.state == str(checkpoint) and plan.dtype == "float32"
+    server = ThreadServer(create_inference_app(TorchInferenceEngine(plan), token_digest(KEY)))
+    try:
+        from_checkpoint, checkpoint_transcripts = _eval("--endpoint", server.url, "--model", "tuned", "--api-key-file",
+                                                        str(setup["key_file"]), out=tmp_path / "checkpoint.jsonl")
+    finally:
+        server.stop()
+    assert from_checkpoint.exit_code == 0, from_checkpoint.output
+    assert checkpoint_transcripts == local_transcripts and from_checkpoint.stdout.splitlines()[-1] == local.stdout.splitlines()[-1]
+
+
+def test_a_lora_checkpoint_given_with_checkpoint_is_an_adapter(setup) -> None:
+    checkpoint_b = sorted((setup["runs"]["b"] / "checkpoints").iterdir())[-1]
+    plan = plan_serving(model=setup["tiny"], checkpoint=("tuned", str(checkpoint_b)))
+    assert plan.lora and plan.base_id == setup["tiny"] and [(a.name, a.path, a.kind) for a in plan.adapters] == [("tuned", str(checkpoint_b), "checkpoint")]
 
 
 def test_the_serve_model_command_serves_a_run(setup) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "tinkergym", "serve-model", "--run", str(setup["runs"]["a"]), "--api-key-file", str(setup["key_file"]), "--port", str(port)]
+    command = [sys.executable, "-m", "tinkergym", "serve-model", "--run", str(setup["runs"]["a"]), "--api-key-file", str(setup["key_file"]),
+               "--port", str(port), "--idle-timeout", "3"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
         deadline = time.monotonic() + 60
@@ -311,6 +365,27 @@ def test_the_serve_model_command_serves_a_run(setup) -> None:
         with urllib.request.urlopen(request, timeout=5) as response:
             listed = json.loads(response.read())
         assert [(m["id"], m["parent"]) for m in listed["data"]] == [(setup["tiny"], None), ("run_a", setup["tiny"])]
+        # Requests keep it up past its idle timeout; /health and refused keys do not count; then it stops on its own.
+        for _ in range(4):
+            time.sleep(1)
+            with urllib.request.urlopen(request, timeout=5):
+                pass
+        assert process.poll() is None
+        last = time.monotonic()
+        bad = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer " + "x" * 40})
+        while process.poll() is None and time.monotonic() - last < 30:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    pass
+                urllib.request.urlopen(bad, timeout=5)
+                raise AssertionError("a wrong key was let in")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 401
+            except OSError:  # stopping: the port is closed
+                break
+            time.sleep(0.3)
+        assert process.wait(timeout=30) == 75, process.stdout.read()
+        assert time.monotonic() - last >= 2.5
     finally:
         process.terminate()
         process.wait(timeout=20)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
+from pathlib import Path
+
 import click
 
 from tinkergym.cli.common import SafePath
@@ -9,10 +13,10 @@ from tinkergym.cli.common import SafePath
 ENGINES = ("auto", "torch", "vllm")
 
 
-def _adapter(value: str) -> tuple[str, str]:
+def _adapter(value: str, option: str = "--adapter") -> tuple[str, str]:
     name, sep, path = value.partition("=")
     if not sep or not name.strip() or not path:
-        raise click.BadParameter(f"{value!r}: expected NAME=PATH, e.g. bandit=runs/bandit", param_hint="--adapter")
+        raise click.BadParameter(f"{value!r}: expected NAME=PATH, e.g. bandit=runs/bandit", param_hint=option)
     return name.strip(), path
 
 
@@ -49,8 +53,12 @@ def read_api_key(path: str) -> str:
               help="A training run folder: its adapter on its base model (named after the folder), or a full fine-tuning run's model.")
 @click.option("--adapter", "adapters", multiple=True, metavar="NAME=PATH",
               help="A LoRA adapter served as NAME: a run folder, a checkpoint (checkpoints/step_N) or an exported adapter folder (repeatable).")
-@click.option("--api-key-file", required=True, type=SafePath(exists=True, dir_okay=False),
-              help="File holding the API key clients send as 'Authorization: Bearer KEY' (chmod 600, 32+ characters).")
+@click.option("--checkpoint", metavar="NAME=PATH",
+              help="A checkpoint folder (checkpoints/step_N, with state.json) served as NAME on --model: a LoRA checkpoint as an "
+                   "adapter, a full fine-tuning checkpoint as a model of its own.")
+@click.option("--api-key-file", type=SafePath(exists=True, dir_okay=False),
+              help="File holding the API key clients send as 'Authorization: Bearer KEY' (chmod 600, 32+ characters); required "
+                   "unless --scheduler.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Compute dtype (default: the run's, else auto).")
@@ -61,9 +69,26 @@ def read_api_key(path: str) -> str:
                    "or auto: vllm where it imports, else torch.")
 @click.option("--gpu-memory-utilization", type=click.FloatRange(0.0, 1.0, min_open=True),
               help="vllm engine: fraction of GPU memory vLLM may take (default 0.9 on GPU, 0.3 on CPU).")
+@click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True),
+              help="Stop (exit code 75) when no request came for this many seconds (/health aside).")
+@click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
+@click.option("--scheduler", metavar="URL",
+              help="Serve as a job of a scheduler (tinkergym scheduler serve): a worker's devices serve --model, or the --run the "
+                   "scheduler trained; this command prints the endpoint, keeps it alive and ends the job on Ctrl-C.")
+@click.option("--api-key", envvar="TINKERGYM_API_KEY", show_envvar=True, help="With --scheduler: the scheduler key (tgk_...); never saved.")
+@click.option("--gpus", type=click.IntRange(1, 64), default=1, show_default=True, help="With --scheduler: devices the job needs, all on one worker.")
+@click.option("--key-file", type=SafePath(dir_okay=False, path_type=Path),
+              help="With --scheduler: where to write the endpoint's key (mode 600; rewritten when the job moves to another "
+                   "worker). Default: ~/.cache/tinkergym/jobs/JOB.key.")
+@click.option("--detach", is_flag=True,
+              help="With --scheduler: exit once the endpoint answers and leave the job running (until its idle timeout, or "
+                   "tinkergym jobs cancel JOB).")
+@click.pass_context
 def serve_model(
-    model: str | None, run_dir: str | None, adapters: tuple[str, ...], api_key_file: str, host: str, port: int,
-    dtype: str | None, device: str, max_model_len: int | None, engine: str, gpu_memory_utilization: float | None,
+    ctx: click.Context, model: str | None, run_dir: str | None, adapters: tuple[str, ...], checkpoint: str | None, api_key_file: str | None,
+    host: str, port: int, dtype: str | None, device: str, max_model_len: int | None, engine: str, gpu_memory_utilization: float | None,
+    idle_timeout: float | None, exit_with_parent: bool, scheduler: str | None, api_key: str | None, gpus: int, key_file: Path | None,
+    detach: bool,
 ) -> None:
     """Serve a model and its LoRA adapters through an OpenAI-compatible API.
 
@@ -72,6 +97,7 @@ def serve_model(
       tinkergym serve-model --run runs/bandit --api-key-file key.txt
       tinkergym serve-model --model smollm2-135m --adapter a=runs/a --adapter b=runs/b/checkpoints/step_000009 \\
           --api-key-file key.txt --port 8001
+      TINKERGYM_API_KEY=tgk_... tinkergym serve-model --scheduler http://scheduler:8780 --run runs/bandit
 
     Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: true included), and
     GET /health without the key. A request's "model" picks the base or an adapter. Evaluate through it with:
@@ -80,13 +106,36 @@ def serve_model(
     Engines: --engine auto (the default) serves with vLLM where vllm imports and with torch elsewhere;
     --engine vllm refuses to start without vllm; --engine torch computes as tinkergym eval does (--device
     applies to it only). Adapter checkpoints are converted to peft folders for vLLM when the server starts.
+
+    With --scheduler the model is served by a worker of the scheduler, as a job: --model names a model the
+    workers offer, --run a run trained with train --scheduler (the worker serves its newest checkpoint under
+    the run folder's name). The endpoint and its key file are printed once it answers (a JSON line on stdout);
+    the command then keeps the server from idling out until Ctrl-C, which ends the job.
     """
+    if scheduler:
+        given = [f"--{name.replace('_', '-')}" for name in ("adapters", "checkpoint", "api_key_file", "host", "port", "device", "max_model_len",
+                                                          "engine", "gpu_memory_utilization", "idle_timeout", "exit_with_parent")
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise click.UsageError(f"{', '.join(given).replace('--adapters', '--adapter')}: the worker sets these where it starts the job's "
+                                   "server; with --scheduler give --model or --run, and --dtype, --gpus, --key-file, --detach.")
+        from tinkergym.cli.serve_job import serve_through_scheduler
+
+        serve_through_scheduler(scheduler, api_key, model=model, run_dir=run_dir, dtype=dtype, gpus=gpus, key_file=key_file, detach=detach)
+        return
+    given = [flag for flag, value in (("--api-key", api_key), ("--key-file", key_file), ("--detach", detach)) if value] + (
+        ["--gpus"] if ctx.get_parameter_source("gpus") is not click.core.ParameterSource.DEFAULT else [])
+    if given:
+        raise click.UsageError(f"{', '.join(given)} go with --scheduler URL.")
+    if api_key_file is None:
+        raise click.UsageError("--api-key-file is required: every route but /health needs the key (or serve through --scheduler URL).")
     from tinkergym.backends.inference_engine import plan_serving
     from tinkergym.backends.service_auth import token_digest
 
     key = read_api_key(api_key_file)
     choice, engine = engine, _pick_engine(engine)
-    plan = plan_serving(model=model, run=run_dir, adapters=[_adapter(a) for a in adapters], dtype=dtype)
+    plan = plan_serving(model=model, run=run_dir, adapters=[_adapter(a) for a in adapters], dtype=dtype,
+                        checkpoint=_adapter(checkpoint, "--checkpoint") if checkpoint else None)
     try:
         import uvicorn
 
@@ -111,8 +160,18 @@ def serve_model(
         served = TorchInferenceEngine(plan, device=device, max_model_len=max_model_len)
     names = ", ".join(m.id for m in served.models())
     click.echo(f"serving {names} with the {engine} engine at http://{host}:{port}/v1", err=True)
+    from tinkergym.backends.lifetime import Activity, Watchdog
+
+    app = Activity(create_inference_app(served, token_digest(key)))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_keep_alive=75))
+    watchdog = None
+    if idle_timeout is not None or exit_with_parent:
+        watchdog = Watchdog(parent_pid=os.getppid() if exit_with_parent else None, idle_timeout=idle_timeout,
+                            last_activity=app.last_activity, stop=lambda _code: setattr(server, "should_exit", True)).start()
     try:
-        uvicorn.run(create_inference_app(served, token_digest(key)), host=host, port=port, log_level="info")
+        server.run()
     finally:
         if hasattr(served, "close"):
             served.close()
+    if watchdog is not None and watchdog.exit_code is not None:
+        sys.exit(watchdog.exit_code)

@@ -229,29 +229,37 @@ def train(**options: Any) -> None:
               help="Evaluate a served model through its OpenAI-compatible /v1/completions (token ids in and out; "
                    "tinkergym serve-model or vLLM); --model is then the served model's name.")
 @click.option("--tokenizer", help="With --endpoint: the local model (name or folder) whose tokenizer and chat template the served "
-                                  "model uses, e.g. the base model, or a run's final/ folder.")
+                                  "model uses, e.g. the base model, or a run's final/ folder (default: the files the server sends, "
+                                  "which tinkergym serve-model does).")
 @click.option("--api-key-file", type=SafePath(exists=True, dir_okay=False), help="With --endpoint: file holding the server's API key.")
+@click.option("--scheduler", metavar="URL",
+              help="Evaluate on a scheduler's worker: an eval job serves --model (a model the workers offer) or --run (a run trained "
+                   "with --scheduler); the envs run here. The job ends with the evaluation.")
+@click.option("--api-key", envvar="TINKERGYM_API_KEY", show_envvar=True, help="With --scheduler: the scheduler key (tgk_...); never saved.")
+@click.option("--gpus", type=click.IntRange(1, 64), help="With --scheduler: devices the eval job needs (default 1).")
 def eval_command(
     env: str, model: str | None, run_dir: str | None, episodes: int, kwargs: tuple[str, ...], max_turns: int,
     max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, out: Path | None,
-    endpoint: str | None, tokenizer: str | None, api_key_file: str | None,
+    endpoint: str | None, tokenizer: str | None, api_key_file: str | None, scheduler: str | None, api_key: str | None, gpus: int | None,
 ) -> None:
     """Evaluate a model (or a run's latest checkpoint, or a served model) on an env: success rate, mean reward, transcripts.
 
     \b
     Examples:
       tinkergym eval --env tinker/Bandit-v0 --run runs/bandit --episodes 64
-      tinkergym eval --env tinker/Bandit-v0 --endpoint http://127.0.0.1:8000/v1 --model bandit \\
-          --tokenizer smollm2-135m --api-key-file key.txt
+      tinkergym eval --env tinker/Bandit-v0 --endpoint http://127.0.0.1:8000/v1 --model bandit --api-key-file key.txt
+      TINKERGYM_API_KEY=tgk_... tinkergym eval --env tinker/Bandit-v0 --run runs/bandit --scheduler http://scheduler:8780
 
-    Through --endpoint the same rollout loop renders prompts with the local --tokenizer's chat template and
-    sends them as token ids; the server must return the sampled token ids (a server that answers with text
-    only is refused).
+    Through --endpoint the same rollout loop renders prompts with the chat template of --tokenizer (or of the
+    tokenizer files the server sends) and sends them as token ids; the server must return the sampled token
+    ids (a server that answers with text only is refused). --scheduler does the same through a job's server.
     """
     if endpoint is None and (tokenizer or api_key_file):
         raise click.UsageError("--tokenizer and --api-key-file go with --endpoint.")
-    if endpoint is not None and (not model or run_dir or not tokenizer):
-        raise click.UsageError("--endpoint needs --model (the served model's name) and --tokenizer (its local tokenizer), and no --run.")
+    if scheduler is None and (api_key or gpus):
+        raise click.UsageError("--api-key and --gpus go with --scheduler URL.")
+    if endpoint is not None and (not model or run_dir or scheduler):
+        raise click.UsageError("--endpoint needs --model (the served model's name), and no --run or --scheduler.")
     if bool(model) == bool(run_dir):
         raise click.UsageError("give --model or --run (exactly one).")
     writable_file(out, "--out")
@@ -261,17 +269,26 @@ def eval_command(
     from tinkergym.trainers.session import env_factory, load_backend_for_eval
 
     make_env = env_factory(env, parse_kwargs(kwargs))
-    if endpoint is not None:
-        from tinkergym.backends.endpoint_sampler import EndpointSampler, read_api_key_file, resolve_tokenizer
-
-        key = read_api_key_file(api_key_file) if api_key_file else None
-        backend = EndpointSampler(endpoint, model, api_key=key, tokenizer=resolve_tokenizer(tokenizer))
-        backend.check()
-    else:
-        backend = load_backend_for_eval(model=model, run_dir=run_dir)
-    renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
     settings = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    metrics, trajectories = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes))
+    job = None
+    try:
+        if scheduler is not None:
+            backend, job = _scheduled_endpoint(scheduler, api_key, model, run_dir, gpus or 1)
+        elif endpoint is not None:
+            from tinkergym.backends.endpoint_sampler import EndpointSampler, read_api_key_file, resolve_tokenizer
+
+            key = read_api_key_file(api_key_file) if api_key_file else None
+            backend = EndpointSampler(endpoint, model, api_key=key, tokenizer=resolve_tokenizer(tokenizer) if tokenizer else None)
+            if tokenizer is None:
+                backend.fetch_tokenizer()
+            backend.check()
+        else:
+            backend = load_backend_for_eval(model=model, run_dir=run_dir)
+        renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
+        metrics, trajectories = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes))
+    finally:
+        if job is not None:
+            click.echo(f"job {job.job_id}: {job.end()}", err=True)
     if out is not None:
         try:
             write_transcripts(out, trajectories, env=env)
@@ -279,3 +296,25 @@ def eval_command(
             raise click.ClickException(f"cannot write the transcripts to {out}: {exc.strerror or exc}.") from exc
     click.echo(json.dumps({"env": env, **{k.removeprefix("eval/"): round(v, 4) for k, v in metrics.items()}}))
     sys.stdout.flush()
+
+
+def _scheduled_endpoint(scheduler: str, api_key: str | None, model: str | None, run_dir: str | None, gpus: int) -> tuple[Any, Any]:
+    """An eval job's server as an :class:`EndpointSampler` (its tokenizer fetched), and the job (to end when done)."""
+    from tinkergym.backends.endpoint_sampler import EndpointSampler
+    from tinkergym.client import SchedulerClient
+    from tinkergym.inference_jobs import InferenceJob, job_config, served_name
+
+    client = SchedulerClient(scheduler, api_key)
+    name = served_name(run_dir) if run_dir else model
+    job = InferenceJob.submit(client, job_config(model=model, run_dir=run_dir), kind="eval", gpus=gpus, name=f"eval {name}",
+                              say=lambda line: click.echo(line, err=True))
+    try:
+        endpoint = job.wait()
+        click.echo(f"job {job.job_id}: evaluating {name} at {endpoint.url}", err=True)
+        backend = EndpointSampler(endpoint.url, name, api_key=endpoint.key)
+        backend.fetch_tokenizer()
+        backend.check()
+    except BaseException:
+        click.echo(f"job {job.job_id}: {job.end()}", err=True)
+        raise
+    return backend, job

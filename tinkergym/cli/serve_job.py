@@ -1,0 +1,85 @@
+"""``tinkergym serve-model --scheduler URL``: a model served by a scheduler's worker, followed from here."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+#: Seconds between looks at the job (a move to another worker is noticed within this).
+POLL_S = 2.0
+#: Seconds between requests that keep the server from idling out (the scheduler's idle timeout is minutes).
+KEEP_ALIVE_S = 30.0
+
+
+def _announce(job: Any, key_file: Path) -> None:
+    from tinkergym.inference_jobs import write_key_file
+
+    endpoint = job.endpoint
+    write_key_file(key_file, endpoint.key)
+    served = endpoint.models[-1] if endpoint.models else "MODEL"
+    click.echo(f"job {job.job_id}: serving {', '.join(endpoint.models)} at {endpoint.url} (lease epoch {endpoint.epoch}); "
+               f"its key is in {key_file}", err=True)
+    click.echo(f"  evaluate: tinkergym eval --endpoint {endpoint.url} --model {served} --api-key-file {key_file} --env ENV", err=True)
+    click.echo(json.dumps({"job": job.job_id, "url": endpoint.url, "models": endpoint.models, "epoch": endpoint.epoch, "key_file": str(key_file)}),
+               nl=True)
+
+
+def serve_through_scheduler(
+    scheduler: str, api_key: str | None, *, model: str | None, run_dir: str | None, dtype: str | None, gpus: int, key_file: Path | None,
+    detach: bool, poll: float = POLL_S, keep_alive: float = KEEP_ALIVE_S,
+) -> None:
+    """Submit an inference job, print its endpoint once it answers, then follow it until Ctrl-C (or return at once: ``detach``)."""
+    from tinkergym.backends.endpoint_sampler import EndpointError
+    from tinkergym.client import SchedulerClient
+    from tinkergym.errors import ConfigError
+    from tinkergym.inference_jobs import InferenceJob, InferenceJobEnded, default_key_file, job_config, served_name
+
+    config = job_config(model=model, run_dir=run_dir, dtype=dtype)
+    client = SchedulerClient(scheduler, api_key)
+    label = f"serve {served_name(run_dir) if run_dir else model}"
+    job = InferenceJob.submit(client, config, gpus=gpus, name=label, poll=min(poll, 1.0),
+                              say=lambda line: click.echo(line, err=True))
+    click.echo(f"job {job.job_id} submitted: {label} on {gpus} device(s)", err=True)
+    key_file = key_file or default_key_file(job.job_id)
+
+    def stop(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        try:
+            job.wait()
+            _announce(job, key_file)
+            if detach:
+                click.echo(f"job {job.job_id} keeps running until idle or: tinkergym jobs cancel {job.job_id}", err=True)
+                return
+            click.echo("Ctrl-C ends the job.", err=True)
+            waiting, kept = False, time.monotonic()
+            while True:
+                time.sleep(poll)
+                changed = job.changed()
+                if changed:
+                    waiting = False
+                    _announce(job, key_file)
+                elif changed is None and not waiting:
+                    waiting = True
+                    click.echo(f"job {job.job_id}: its server is gone (the worker stopped?); waiting for its next lease", err=True)
+                elif changed is False and time.monotonic() - kept >= keep_alive:
+                    try:
+                        job.keep_alive()
+                        kept = time.monotonic()
+                    except (EndpointError, ConfigError) as exc:
+                        click.echo(f"job {job.job_id}: the server did not answer ({exc})", err=True)
+        except InferenceJobEnded as exc:
+            raise click.ClickException(str(exc)) from None
+        except KeyboardInterrupt:
+            state = job.end()
+            click.echo(f"job {job.job_id}: {state}", err=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        client.close()
