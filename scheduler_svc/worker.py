@@ -113,7 +113,7 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
         command = [*base, "serve-model", "--model", model, "--api-key-file", str(folder / "token"), "--host", options.host,
                    "--port", str(port), "--dtype", dtype, "--device", device, *lifetime]
         if config.get("resume_job"):  # a run the scheduler trained: its newest checkpoint, restored into states/
-            name = config.get("served_name") or "model"
+            name = config.get("served_name", "model")
             if not isinstance(name, str) or not SERVED_NAME.match(name) or name == model:
                 raise ValueError(f"config.served_name {str(name)[:100]!r}: letters, digits, '.', '_' and '-', not the base model's name")
             if served is None:
@@ -336,6 +336,7 @@ class JobRunner(threading.Thread):
     def _start_server(self) -> str:
         gpu = any(d["kind"] == "gpu" for d in self.options.devices if d["index"] in self.devices)
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in self.devices) if gpu else "", PYTHONUNBUFFERED="1")
+        env.pop("TINKERGYM_API_KEY", None)  # the worker's key stays with the worker: the job's server has its lease token only
         for _attempt in range(3):
             self.port = self.worker.take_port()
             try:

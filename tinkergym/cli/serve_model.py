@@ -123,8 +123,8 @@ def serve_model(
 
         serve_through_scheduler(scheduler, api_key, model=model, run_dir=run_dir, dtype=dtype, gpus=gpus, key_file=key_file, detach=detach)
         return
-    given = [flag for flag, value in (("--api-key", api_key), ("--key-file", key_file), ("--detach", detach)) if value] + (
-        ["--gpus"] if ctx.get_parameter_source("gpus") is not click.core.ParameterSource.DEFAULT else [])
+    given = [flag for flag, value in (("--key-file", key_file), ("--detach", detach)) if value] + [
+        f"--{name.replace('_', '-')}" for name in ("api_key", "gpus") if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
     if given:
         raise click.UsageError(f"{', '.join(given)} go with --scheduler URL.")
     if api_key_file is None:

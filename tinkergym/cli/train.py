@@ -256,7 +256,8 @@ def eval_command(
     """
     if endpoint is None and (tokenizer or api_key_file):
         raise click.UsageError("--tokenizer and --api-key-file go with --endpoint.")
-    if scheduler is None and (api_key or gpus):
+    from_command_line = click.get_current_context().get_parameter_source("api_key") is click.core.ParameterSource.COMMANDLINE
+    if scheduler is None and ((api_key and from_command_line) or gpus):
         raise click.UsageError("--api-key and --gpus go with --scheduler URL.")
     if endpoint is not None and (not model or run_dir or scheduler):
         raise click.UsageError("--endpoint needs --model (the served model's name), and no --run or --scheduler.")
