@@ -7,7 +7,8 @@ For each lease, in ``<work-dir>/jobs/<job>/<epoch>/`` (the server's run folder, 
 
 1. restores checkpoints from the scheduler's artifact store into ``states/<name>`` (sizes and SHA-256 checked):
    the job's last one (the lease's ``checkpoint``) and, for a job whose config continues an ended one
-   (``resume_job``), that job's newest;
+   (``resume_job``), that job's newest, which an inference or eval job serves (``serve-model --checkpoint``);
+   a scheduler that fails meanwhile (5xx, no answer) is asked again while the lease holds;
 2. reports ``starting``, starts ``python -m tinkergym serve-backend ... --exit-with-parent`` (``serve-model`` for
    inference jobs) in a new session with ``PR_SET_PDEATHSIG`` (it dies with the worker) and
    ``CUDA_VISIBLE_DEVICES`` set to the leased devices (empty for CPU slots), waits for its ``/health`` and
@@ -234,7 +235,7 @@ class JobRunner(threading.Thread):
         with os.fdopen(fd, "w") as out:
             out.write(self.lease["token"] + "\n")
         os.chmod(token, 0o600)
-        self._restore()
+        self._restore_while_leased()
         self._report("starting")
         url = self._start_server()
         self._report("running", server_url=url)
@@ -416,6 +417,24 @@ class JobRunner(threading.Thread):
             return "(no log)"
 
     # ----- checkpoints ------------------------------------------------------------------------------
+    def _restore_while_leased(self) -> None:
+        """:meth:`_restore`, tried again while the scheduler is away (its 5xx, no answer) and the lease holds."""
+        delay = 0.5
+        while True:
+            try:
+                self._restore()
+                return
+            except SchedulerError as exc:
+                if exc.status in (404, 409):
+                    self._conflict(exc)
+                    raise
+                if exc.status is not None and exc.status < 500:
+                    raise
+                log.warning("job %s: restoring its checkpoints failed (%s); trying again in %.1fs", self.job_id, exc, delay)
+            time.sleep(delay)
+            self._check()  # the heartbeats end the lease once the scheduler has been away for its TTL
+            delay = min(delay * 2, 10.0)
+
     def _restore(self) -> None:
         """Download the checkpoints a new server starts from into ``states/<name>``."""
         found = self.client.restorable(self.job_id, self.epoch)

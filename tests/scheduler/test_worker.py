@@ -298,6 +298,23 @@ time.sleep(3600)
 '''
 
 
+class FailArtifactReads:
+    """ASGI wrapper of the scheduler: the next ``count`` artifact reads of workers answer 500 (the scheduler failing a while)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.count, self.failed = app, 0, 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.count > 0 and path.startswith("/v1/workers/") and "/artifacts" in path:
+            self.count -= 1
+            self.failed += 1
+            await send({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"message": "the database is away"}}'})
+            return
+        await self.app(scope, receive, send)
+
+
 def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys: Any, tmp_path: Path) -> None:
     """The worker's handling of its servers, with a stand-in for serve-backend (no torch): a state it writes is uploaded and
     recorded; exit code 75 fails the job saying how to resume; another code fails it with the log's tail; a job that
@@ -310,7 +327,8 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
     fake = tmp_path / "fake-python"
     fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
     fake.chmod(0o755)
-    server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)))
+    flaky = FailArtifactReads(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)))
+    server = ThreadServer(flaky)
     owner = SchedulerClient(server.url, keys.new("acme", "read,write"))
     options = WorkerOptions(name="fake", host="127.0.0.1", devices=[{"index": 0, "kind": "slot", "name": "s0"}], models=["tiny"],
                             work_dir=tmp_path / "work", ports=(30000, 39999), heartbeat=0.3, poll=0.1, python=str(fake))
@@ -329,8 +347,10 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
         ended = wait_for("the broken job to fail", lambda: in_state(owner, broken, "failed"), 60)
         assert "exited with code 3" in ended["error"] and "boom: the fake server fails" in ended["error"]
 
+        flaky.count = 3  # the restore meets a failing scheduler: the worker tries again while its lease holds
         continued = owner.submit("train", {**CONFIG, "resume_job": idle})["id"]
         wait_for("the continuing job to run", lambda: owner.show(continued)["state"] == "running", 60)
+        assert flaky.failed == 3 and owner.show(continued)["lease_epoch"] == 1  # the same lease, not a new one
         restored = tmp_path / "work" / "jobs" / continued / "1" / "states" / "step_000002"
         original = tmp_path / "work" / "jobs" / idle / "1" / "states" / "step_000002"
         assert (restored / "sub" / "weights.bin").read_bytes() == (original / "sub" / "weights.bin").read_bytes()
