@@ -142,12 +142,33 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if native else torch.float32
 
 
+_FLASH_ATTN: list[bool] = []
+
+
+def flash_attn_importable() -> bool:
+    """Whether ``flash_attn`` really imports here (once per process). A wheel built for another torch or CUDA is found
+    by ``find_spec`` but fails at import (undefined symbols), which must mean "not installed", not a crash at load."""
+    if not _FLASH_ATTN:
+        if importlib.util.find_spec("flash_attn") is None:
+            _FLASH_ATTN.append(False)
+        else:
+            try:
+                import flash_attn  # noqa: F401
+
+                _FLASH_ATTN.append(True)
+            except Exception as exc:  # noqa: BLE001 - ImportError, OSError, RuntimeError: any failure means unusable
+                warnings.warn(f"flash-attn is installed but does not import ({type(exc).__name__}: {str(exc)[:200]}); using sdpa attention",
+                              stacklevel=2)
+                _FLASH_ATTN.append(False)
+    return _FLASH_ATTN[0]
+
+
 def resolve_attn_implementation(name: str, device: torch.device, dtype: torch.dtype, model_path: str | None = None) -> str:
     """``"auto"`` -> flash_attention_2 when flash-attn is importable on cuda in bfloat16 (it needs half precision), else
     sdpa; eager for a model class that supports neither (Gemma 2's soft-capped attention, for one)."""
     if name != "auto":
         return name
-    if device.type == "cuda" and dtype == torch.bfloat16 and importlib.util.find_spec("flash_attn") is not None:
+    if device.type == "cuda" and dtype == torch.bfloat16 and flash_attn_importable():
         if _model_class_supports(model_path, "_supports_flash_attn"):
             return "flash_attention_2"
     return "sdpa" if _model_class_supports(model_path, "_supports_sdpa") else "eager"

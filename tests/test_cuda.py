@@ -7,7 +7,6 @@ model, so the whole file takes well under a minute on a GPU.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from pathlib import Path
@@ -88,17 +87,18 @@ def test_auto_picks_the_gpu_bfloat16_and_sdpa_or_flash_attention(tiny: str) -> N
     assert {p.device.type for p in backend.model.parameters()} == {"cuda" if cuda else "cpu"}
     if cuda:
         assert info["dtype"] == ("bfloat16" if torch.cuda.is_bf16_supported() else "float32")
-        flash = importlib.util.find_spec("flash_attn") is not None and info["dtype"] == "bfloat16"
+        flash = torch_backend.flash_attn_importable() and info["dtype"] == "bfloat16"
         assert info["attn_implementation"] == ("flash_attention_2" if flash else "sdpa")
     else:
         assert info["attn_implementation"] == "sdpa"
-    # The choice itself, with flash-attn present and absent, whatever is installed here.
-    cuda_device, real_find_spec = torch.device("cuda"), importlib.util.find_spec
+    # The choice itself, with flash-attn present and absent, whatever is installed here (tests/test_torch_backend.py
+    # checks the import test with broken and working stand-ins of the package).
+    cuda_device = torch.device("cuda")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch_backend.importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else real_find_spec(name, *a))
+        patch.setattr(torch_backend, "flash_attn_importable", lambda: True)
         assert torch_backend.resolve_attn_implementation("auto", cuda_device, torch.bfloat16, tiny) == "flash_attention_2"
         assert torch_backend.resolve_attn_implementation("auto", cuda_device, torch.float32, tiny) == "sdpa"
-        patch.setattr(torch_backend.importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a))
+        patch.setattr(torch_backend, "flash_attn_importable", lambda: False)
         assert torch_backend.resolve_attn_implementation("auto", cuda_device, torch.bfloat16, tiny) == "sdpa"
 
 

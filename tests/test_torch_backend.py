@@ -453,3 +453,30 @@ def test_requests_round_trip_through_json() -> None:
     ]
     for request in requests:
         assert type(request).from_dict(json.loads(json.dumps(request.to_dict()))) == request
+
+
+@pytest.mark.parametrize("body, usable", [("", True), ("raise ImportError('undefined symbol: _ZN3c104cuda')", False),
+                                          ("raise OSError('libcudart.so.11.0: cannot open shared object file')", False)])
+def test_flash_attention_is_chosen_only_when_flash_attn_really_imports(body: str, usable: bool, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flash-attn built for another torch is found by find_spec but fails to import: it counts as absent, with a warning."""
+    import sys
+    import warnings
+
+    import torch
+
+    from tinkergym.backends import torch_backend
+
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text(body + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+    monkeypatch.setattr(torch_backend, "_FLASH_ATTN", [])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        choice = torch_backend.resolve_attn_implementation("auto", torch.device("cuda"), torch.bfloat16)
+    assert choice == ("flash_attention_2" if usable else "sdpa")
+    assert any("does not import" in str(w.message) for w in caught) is not usable
+    assert torch_backend.resolve_attn_implementation("auto", torch.device("cuda"), torch.float32) == "sdpa"
+    assert torch_backend.resolve_attn_implementation("auto", torch.device("cpu"), torch.bfloat16) == "sdpa"
+    monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
