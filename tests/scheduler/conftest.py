@@ -4,13 +4,20 @@
 test on a private cluster that :func:`postgres_server` starts once per session on 127.0.0.1). Where the
 PostgreSQL binaries are missing the ``postgresql`` parameter is skipped, except in CI (``CI`` set), where it
 fails: ``make install`` installs them.
+
+The helpers in ``workerkit.py`` (a fake clock, a worker on a TestClient, direct database reads) are loaded here
+once, by path, and registered as the module ``workerkit``: with ``--import-mode=importlib`` no test folder is
+on ``sys.path``, and pytest imports this file before the test modules beside it, which ``import workerkit``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -25,6 +32,20 @@ from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 from tinkergym.scheduler.auth import create_key  # noqa: E402
 from tinkergym.scheduler.db import make_engine, upgrade  # noqa: E402
 from tinkergym.scheduler.devdb import PostgresServer, find_pg_bin, private_postgres  # noqa: E402
+
+
+def load_workerkit() -> ModuleType:
+    """``workerkit.py`` beside this file, loaded by path once and registered as the module ``workerkit``."""
+    if "workerkit" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("workerkit", Path(__file__).with_name("workerkit.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["workerkit"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["workerkit"]
+
+
+load_workerkit()
+
 
 def in_ci() -> bool:
     """True when the ``CI`` variable is set (to anything but empty, ``0`` or ``false``)."""

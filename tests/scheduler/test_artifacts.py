@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
-import importlib.util
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +15,7 @@ from tinkergym.scheduler.artifacts import (
     DirectoryStore,
     check_relpath,
 )
-
-
-def _kit() -> Any:
-    name = "tinkergym_tests_workerkit"
-    if name not in sys.modules:  # --import-mode=importlib: a helper next to the tests is loaded by path
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("workerkit.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-auth, register, submit = _kit().auth, _kit().register, _kit().submit
+from workerkit import auth, register, submit  # registered by conftest.py
 
 CONTENT = b"weights \x00\x01\x02" * 10
 

@@ -2,25 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-
-def _kit() -> Any:
-    name = "tinkergym_tests_workerkit"
-    if name not in sys.modules:  # --import-mode=importlib: a helper next to the tests is loaded by path
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("workerkit.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-kit = _kit()
+import workerkit as kit  # registered by conftest.py
 auth, register, submit, job_row, allocated, query = kit.auth, kit.register, kit.submit, kit.job_row, kit.allocated, kit.query
 
 from tinkergym.scheduler import leases  # noqa: E402
