@@ -45,6 +45,15 @@ class SchedulerSettings:
         idle_timeout_s: A running job whose client has not called its server for this long is ended.
         sse_poll_s: How often an open event stream looks for new events (a new one arrives within this).
         sse_keepalive_s: An event stream with nothing to send sends a keep-alive comment this often.
+        worker_timeout_s: A worker with no call (registration, lease poll, heartbeat, state report) for this long
+            is listed ``gone`` until its next call; None: three lease TTLs (never less than one TTL).
+        worker_forget_s: A worker gone this long that holds nothing is deleted (it registers again when it
+            comes back); None or 0: never.
+        checkpoint_keep_s: This long after a job ended, every checkpoint but its newest is deleted (the newest
+            is what a job continuing it restores); None or 0: never.
+        artifact_retention_s: This long after a job ended, all its artifacts are deleted (not while a queued or
+            running job continues it); None or 0: kept forever.
+        retention_interval_s: The artifact retention pass runs at most this often (by ``clock``).
         clock: The time source (tests move it).
     """
 
@@ -59,6 +68,11 @@ class SchedulerSettings:
     max_attempts: int = 3
     sse_poll_s: float = 0.2
     sse_keepalive_s: float = 15.0
+    worker_timeout_s: float | None = None
+    worker_forget_s: float | None = 86400.0
+    checkpoint_keep_s: float | None = 3600.0
+    artifact_retention_s: float | None = 30 * 86400.0
+    retention_interval_s: float = 60.0
     clock: Callable[[], float] = field(default=now, repr=False)
 
 

@@ -14,11 +14,23 @@ disk. Paths can never leave the job's folder:
 An upload is written to a private temporary file in the job's folder and renamed into place once whole, with
 its SHA-256 kept beside it (``<job>/.sha256/<name>/<path>``), so a listing does not read every byte again and
 a half-written file is never listed.
+
+Retention (:func:`sweep_artifacts`, run by the app's sweeper at most every ``retention_interval_s``): once a job
+has ended (succeeded, failed, cancelled) for ``checkpoint_keep_s``, every checkpoint but its newest (highest
+step) is deleted, rows first, then files, so a crash in between leaves unreferenced files (removed by a later
+pass) and never a recorded checkpoint without its files. The newest stays: a job that continues the ended one
+(its config's ``resume_job``) restores it. After ``artifact_retention_s`` the job's whole folder and its
+checkpoint rows go, and a ``log`` event on the job says its artifacts expired; a job that a queued or running
+job continues is kept until that job ends. A job that has not ended is never touched, so its uploads in
+progress and its checkpoints stay whole. Each pass does bounded work (:data:`RETENTION_BATCH` jobs per kind
+of work) and the next pass goes on, at once when work was left.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import re
 import secrets
@@ -27,8 +39,11 @@ import stat
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
+from sqlalchemy import delete, func, select
+from tinkergym.scheduler import states
+from tinkergym.scheduler.db import checkpoints, jobs
 from tinkergym.scheduler.leases import CHECKPOINT_NAME
 
 #: A job id as :func:`tinkergym.scheduler.repository.new_job_id` makes them.
@@ -38,6 +53,8 @@ MAX_COMPONENT_CHARS = 255
 _CHUNK = 1 << 20
 _DIGESTS = ".sha256"
 _TMP = ".tmp"
+#: Jobs one retention pass acts on at most, per kind of work (so lease sweeps are not held up).
+RETENTION_BATCH = 50
 
 
 class ArtifactPathError(ValueError):
@@ -115,6 +132,14 @@ class ArtifactStore:
 
     def delete(self, job_id: str, name: str | None = None) -> None:
         """Remove a checkpoint's files (or, with no name, all of the job's)."""
+        raise NotImplementedError
+
+    def job_ids(self) -> list[str]:
+        """The ids of the jobs that have anything stored (sorted)."""
+        raise NotImplementedError
+
+    def checkpoint_names(self, job_id: str) -> list[str]:
+        """The checkpoint folders stored for a job, recorded or not (sorted); empty when there are none."""
         raise NotImplementedError
 
 
@@ -255,6 +280,20 @@ class DirectoryStore(ArtifactStore):
             else:
                 shutil.rmtree(target, ignore_errors=True)
 
+    def job_ids(self) -> list[str]:
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in names if JOB_ID.match(n))
+
+    def checkpoint_names(self, job_id: str) -> list[str]:
+        try:
+            names = os.listdir(self._job_dir(job_id))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(n for n in names if CHECKPOINT_NAME.match(n))
+
     def _sha256(self, job_id: str, name: str, relpath: str, size: int) -> str:
         """The kept digest when it matches the file's size; otherwise the file is read again."""
         try:
@@ -286,3 +325,146 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
     tmp.write_text(text, encoding="ascii")
     os.replace(tmp, path)
+
+
+# ----- retention -----------------------------------------------------------------------------------------
+def retention_due(app: Any) -> bool:
+    """Whether a retention pass should run now: one is configured and ``retention_interval_s`` of the app's clock
+    has passed since the last (or the last left work, or the clock went back)."""
+    settings = app.state.settings
+    if not (settings.checkpoint_keep_s or settings.artifact_retention_s):
+        return False
+    now = app.state.store.clock()
+    last = getattr(app.state, "retention_ran_at", None)
+    return last is None or now < last or now - last >= settings.retention_interval_s
+
+
+def _continuing(conn: Any, job_id: str | None = None) -> set[str]:
+    """The jobs that queued or running (not ended) jobs continue (their config's ``resume_job``); with ``job_id``,
+    that job if one does."""
+    query = select(jobs.c.config).where(jobs.c.state.notin_(sorted(states.TERMINAL)))
+    query = query.where(jobs.c.config.contains(job_id)) if job_id else query.where(jobs.c.config.contains('"resume_job"'))
+    found = set()
+    for (config,) in conn.execute(query):
+        try:
+            continued = json.loads(config).get("resume_job")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(continued, str):
+            found.add(continued)
+    return found if job_id is None else found & {job_id}
+
+
+def _ended_with_checkpoints(conn: Any, ended_by: float, at_least: int, skip: set[str]) -> list[str]:
+    """Jobs ended no later than ``ended_by`` with at least ``at_least`` recorded checkpoints, oldest end first."""
+    query = (
+        select(checkpoints.c.job_id).select_from(checkpoints.join(jobs, jobs.c.id == checkpoints.c.job_id))
+        .where(jobs.c.state.in_(sorted(states.TERMINAL)), jobs.c.finished_at <= ended_by)
+        .group_by(checkpoints.c.job_id, jobs.c.finished_at).having(func.count() >= at_least)
+        .order_by(jobs.c.finished_at, checkpoints.c.job_id).limit(RETENTION_BATCH)
+    )
+    if skip:
+        query = query.where(checkpoints.c.job_id.notin_(sorted(skip)))
+    return list(conn.execute(query).scalars())
+
+
+def _ended_by(job: dict[str, Any], cutoff: float) -> bool:
+    return job["state"] in states.TERMINAL and job["finished_at"] is not None and job["finished_at"] <= cutoff
+
+
+def expire_job(store: Any, artifacts: ArtifactStore, job_id: str, ended_by: float) -> int:
+    """Delete all of a job's artifacts (rows, then its folder) if it ended by ``ended_by`` and no live job continues
+    it; the number of checkpoints deleted (a ``log`` event says so)."""
+    with store.transaction() as conn:
+        job = store.get(conn, job_id, for_update=True)
+        if not _ended_by(job, ended_by) or _continuing(conn, job_id):
+            return 0
+        names = list(conn.execute(select(checkpoints.c.name).where(checkpoints.c.job_id == job_id)).scalars())
+        if names:
+            conn.execute(delete(checkpoints).where(checkpoints.c.job_id == job_id))
+            store.append_event(conn, job_id, "log", {
+                "message": f"artifacts expired: {len(names)} checkpoint(s) deleted", "artifacts": "expired", "checkpoints": len(names)})
+    artifacts.delete(job_id)
+    return len(names)
+
+
+def prune_job(store: Any, artifacts: ArtifactStore, job_id: str, ended_by: float) -> int:
+    """Delete every checkpoint of a job that ended by ``ended_by`` but its newest (rows, then files), and any
+    unrecorded folder it left; the number of recorded checkpoints deleted (a ``log`` event says so)."""
+    with store.transaction() as conn:
+        job = store.get(conn, job_id, for_update=True)
+        if not _ended_by(job, ended_by):
+            return 0
+        rows = conn.execute(
+            select(checkpoints.c.id, checkpoints.c.name, checkpoints.c.step).where(checkpoints.c.job_id == job_id)
+            .order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc())
+        ).all()
+        older = rows[1:]
+        if older:
+            conn.execute(delete(checkpoints).where(checkpoints.c.id.in_([r.id for r in older])))
+            store.append_event(conn, job_id, "log", {
+                "message": f"deleted {len(older)} older checkpoint(s); kept the newest, {rows[0].name} (step {rows[0].step})",
+                "artifacts": "pruned", "checkpoints": len(older), "kept": rows[0].name})
+    keep = {rows[0].name} if rows else set()
+    for name in artifacts.checkpoint_names(job_id):
+        if name not in keep:
+            artifacts.delete(job_id, name)
+    return len(older)
+
+
+def _leftovers(app: Any, now: float, keep_s: float | None, retain_s: float | None, continued: set[str]) -> tuple[int, int]:
+    """Walk the next :data:`RETENTION_BATCH` job folders on disk (a cursor goes round them, pass after pass) for what the
+    database no longer names: unrecorded folders of ended jobs, folders of expired ones. (folders removed, checkpoints expired)."""
+    store, artifacts = app.state.store, app.state.artifacts
+    cursor = getattr(app.state, "retention_cursor", "")
+    batch = [j for j in artifacts.job_ids() if j > cursor][:RETENTION_BATCH]
+    app.state.retention_cursor = batch[-1] if len(batch) == RETENTION_BATCH else ""
+    removed = expired = 0
+    for job_id in batch:
+        with store.read() as conn:
+            row = conn.execute(select(jobs.c.state, jobs.c.finished_at).where(jobs.c.id == job_id)).mappings().first()
+            if row is None or not _ended_by(dict(row), now):
+                continue  # not a job of this database, or not ended: never touched
+            recorded = set(conn.execute(select(checkpoints.c.name).where(checkpoints.c.job_id == job_id)).scalars())
+        if retain_s and _ended_by(dict(row), now - retain_s) and job_id not in continued:
+            expired += expire_job(store, artifacts, job_id, now - retain_s)
+            removed += not recorded
+        elif keep_s and _ended_by(dict(row), now - keep_s):
+            for name in set(artifacts.checkpoint_names(job_id)) - recorded:  # only shrinks once a job ended: never a recorded one
+                artifacts.delete(job_id, name)
+                removed += 1
+    return removed, expired
+
+
+def sweep_artifacts(app: Any) -> dict[str, int]:
+    """One retention pass (see the module's notes): ``{"pruned": older checkpoints deleted, "expired": checkpoints of
+    expired jobs deleted, "removed": unrecorded folders removed}``."""
+    store, artifacts, settings = app.state.store, app.state.artifacts, app.state.settings
+    logger = getattr(app.state, "logger", None) or logging.getLogger("tinkergym.scheduler")
+    now = store.clock()
+    app.state.retention_ran_at = now
+    keep_s, retain_s = settings.checkpoint_keep_s or None, settings.artifact_retention_s or None
+    with store.read() as conn:
+        continued = _continuing(conn)
+        to_expire = _ended_with_checkpoints(conn, now - retain_s, 1, continued) if retain_s else []
+        to_prune = _ended_with_checkpoints(conn, now - keep_s, 2, set(to_expire)) if keep_s else []
+    done = {"pruned": 0, "expired": 0, "removed": 0}
+    for job_id in to_expire:
+        try:
+            done["expired"] += expire_job(store, artifacts, job_id, now - retain_s)
+        except Exception:  # noqa: BLE001 - one job's failure must not stop the others
+            logger.exception("could not expire the artifacts of job %s", job_id)
+    for job_id in to_prune:
+        try:
+            done["pruned"] += prune_job(store, artifacts, job_id, now - keep_s)
+        except Exception:  # noqa: BLE001 - as above
+            logger.exception("could not delete the older checkpoints of job %s", job_id)
+    removed, expired = _leftovers(app, now, keep_s, retain_s, continued)
+    done["removed"] += removed
+    done["expired"] += expired
+    if len(to_expire) == RETENTION_BATCH or len(to_prune) == RETENTION_BATCH:
+        app.state.retention_ran_at = None  # work was left: the next sweep goes on
+    if any(done.values()):
+        logger.info("artifact retention: %(pruned)d older checkpoint(s) of ended jobs deleted, %(expired)d expired, "
+                    "%(removed)d unrecorded folder(s) removed", done)
+    return done

@@ -22,6 +22,16 @@ no other traffic: the job goes back to ``queued`` with ``attempt + 1`` (``failed
 per job that re-reads the job under lock and compares its epoch and expiry, so a heartbeat racing the
 expiry cannot also win.
 
+Workers that go silent (killed, cut off) are noticed by the same sweeper: a worker not seen (no registration,
+lease poll, heartbeat or state report) for ``worker_timeout_s`` is ``gone``. That status is derived from
+``workers.last_seen_at`` and the clock, never stored, so it cannot disagree with the time the worker was last
+seen, needs no write to change, and survives a restart; the worker is ``alive`` again the moment its next call
+touches ``last_seen_at``. Granting is pull (the worker's own poll touches it first), so a gone worker's devices
+are never granted, and its leases have already expired when it turns gone (the timeout is at least the lease
+TTL, and every heartbeat touches the worker). The sweeper logs each worker that turns gone or comes back, and
+forgets (deletes, with its devices) a worker gone for ``worker_forget_s`` that holds nothing; a forgotten
+worker's next poll is answered 404 and it registers again.
+
 Each lease carries a server token, ``HMAC-SHA256(scheduler secret, "<job id>:<epoch>")``: the worker hands it
 to the job's server, the job's owner gets the same one from the scheduler, and it stops working when the
 epoch moves on. The database keeps only its SHA-256 digest; the secret is 32 random bytes in the 0600 file
@@ -35,6 +45,7 @@ import base64
 import hashlib
 import hmac
 import json
+import logging
 import os
 import re
 import secrets
@@ -152,8 +163,24 @@ def register_worker(
     return worker_id
 
 
-def worker_view(conn: Connection, worker_id: str) -> dict[str, Any] | None:
-    """The worker's public view (id, name, host, models, devices with ``busy``, times); None if there is none."""
+ALIVE, GONE = "alive", "gone"
+#: Silent workers forgotten per sweeper pass at most.
+FORGET_BATCH = 100
+
+
+def worker_timeout(settings: Any) -> float:
+    """Seconds without a call after which a worker is gone: ``worker_timeout_s`` (None: three lease TTLs), at least one TTL."""
+    configured = getattr(settings, "worker_timeout_s", None)
+    return max(float(configured) if configured else 3.0 * settings.lease_ttl_s, settings.lease_ttl_s)
+
+
+def worker_status(last_seen_at: float, now: float, timeout: float) -> str:
+    """``gone`` when the worker has not been seen for ``timeout`` seconds, else ``alive``."""
+    return GONE if now - last_seen_at > timeout else ALIVE
+
+
+def worker_view(conn: Connection, worker_id: str, *, now: float, timeout: float) -> dict[str, Any] | None:
+    """The worker's public view (id, name, host, models, ``status``, devices with ``busy``, times); None if there is none."""
     row = conn.execute(select(workers).where(workers.c.id == worker_id)).mappings().first()
     if row is None:
         return None
@@ -164,6 +191,7 @@ def worker_view(conn: Connection, worker_id: str) -> dict[str, Any] | None:
     ).mappings()
     return {
         "id": row["id"], "name": row["name"], "host": row["host"], "models": json.loads(row["models"]),
+        "status": worker_status(row["last_seen_at"], now, timeout),
         "devices": [{k: (bool(d[k]) if k in ("active", "busy") else d[k]) for k in d} for d in found],
         "registered_at": row["registered_at"], "last_seen_at": row["last_seen_at"],
     }
@@ -221,8 +249,10 @@ def grant(conn: Connection, store: JobStore, settings: Any, worker_id: str, secr
     one device raise :class:`sqlalchemy.exc.IntegrityError`: the caller rolls back and answers no lease.
     """
     now = store.clock()
-    worker = conn.execute(_locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().one()
-    _touch(conn, worker_id, now)
+    worker = conn.execute(_locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
+    if worker is None:
+        return None  # forgotten by the sweeper since the caller checked it: its next call is 404, and it registers again
+    _touch(conn, worker_id, now)  # the worker's own call: alive from now on (a gone worker comes back here)
     models = set(json.loads(worker["models"]))
     active = conn.execute(
         select(devices.c.id, devices.c.index).where(devices.c.worker_id == worker_id, devices.c.active.is_(True)).order_by(devices.c.index)
@@ -413,6 +443,64 @@ def sweep(app: Any) -> int:
     return expired
 
 
+def forget_worker(store: JobStore, worker_id: str, seen_before: float) -> bool:
+    """Delete a worker not seen since ``seen_before`` that holds nothing, with its devices (one transaction); whether it did.
+
+    Re-checks under lock (its key's row first, as registration takes it) that the worker is still that silent,
+    holds no lease and no device; ended jobs that ran on it stop naming it (``jobs.worker_id`` becomes null).
+    """
+    with store.transaction() as conn:
+        row = conn.execute(select(workers.c.key_id).where(workers.c.id == worker_id)).first()
+        if row is None:
+            return False
+        conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == row.key_id))).first()
+        worker = conn.execute(_locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
+        if worker is None or worker["last_seen_at"] >= seen_before:
+            return False
+        held = conn.execute(select(jobs.c.id).where(jobs.c.worker_id == worker_id, jobs.c.state.in_(sorted(states.HOLDING))).limit(1)).first()
+        owned = select(devices.c.id).where(devices.c.worker_id == worker_id)
+        if held is not None or conn.execute(select(allocations.c.device_id).where(allocations.c.device_id.in_(owned)).limit(1)).first():
+            return False
+        conn.execute(update(jobs).where(jobs.c.worker_id == worker_id).values(worker_id=None))
+        conn.execute(delete(devices).where(devices.c.worker_id == worker_id))
+        conn.execute(delete(workers).where(workers.c.id == worker_id))
+    return True
+
+
+def sweep_workers(app: Any) -> dict[str, int]:
+    """Log the workers that turned gone or came back since the last pass, and forget those gone for ``worker_forget_s``.
+
+    Returns ``{"gone": workers gone now, "forgotten": workers deleted by this pass}``. The status itself is
+    derived (:func:`worker_status`), so this pass only reports it and forgets.
+    """
+    store: JobStore = app.state.store
+    settings = app.state.settings
+    now, timeout = store.clock(), worker_timeout(settings)
+    with store.read() as conn:
+        silent = {r.id: r for r in conn.execute(
+            select(workers.c.id, workers.c.name, workers.c.last_seen_at).where(workers.c.last_seen_at < now - timeout))}
+    logger = getattr(app.state, "logger", None) or logging.getLogger("tinkergym.scheduler")
+    before: set[str] = getattr(app.state, "gone_workers", set())
+    for worker_id in sorted(set(silent) - before):
+        logger.warning("worker %s (%s) is gone: not seen for %.0f s", worker_id, silent[worker_id].name, now - silent[worker_id].last_seen_at)
+    for worker_id in sorted(before - set(silent)):
+        logger.info("worker %s is back", worker_id)
+    forgotten = 0
+    forget_after = getattr(settings, "worker_forget_s", None)
+    if forget_after:
+        cutoff = now - max(float(forget_after), timeout)
+        for worker_id in [w for w, r in silent.items() if r.last_seen_at < cutoff][:FORGET_BATCH]:
+            try:
+                if forget_worker(store, worker_id, cutoff):
+                    forgotten += 1
+                    silent.pop(worker_id)
+                    logger.info("forgot worker %s: not seen for over %.0f s, holding nothing", worker_id, now - cutoff)
+            except Exception:  # noqa: BLE001 - one worker's failure must not stop the sweep
+                logger.exception("could not forget worker %s", worker_id)
+    app.state.gone_workers = set(silent)
+    return {"gone": len(silent), "forgotten": forgotten}
+
+
 def wake(app: Any) -> None:
     """Ask the sweeper to run soon (a job was queued or devices were freed). Safe from any thread; a no-op without a sweeper."""
     loop = getattr(app.state, "sweep_loop", None)
@@ -426,7 +514,12 @@ def wake(app: Any) -> None:
 
 
 async def sweep_forever(app: Any) -> None:
-    """Expire leases every ``sweep_interval_s`` seconds (sooner when woken), for the app's lifetime; never dies of an error."""
+    """Every ``sweep_interval_s`` seconds (sooner when woken), for the app's lifetime, never dying of an error: expire
+    leases (:func:`sweep`), report and forget silent workers (:func:`sweep_workers`), and, at most every
+    ``retention_interval_s`` of the app's clock, delete ended jobs' old artifacts
+    (:func:`tinkergym.scheduler.artifacts.sweep_artifacts`)."""
+    from tinkergym.scheduler.artifacts import retention_due, sweep_artifacts
+
     event = asyncio.Event()
     app.state.sweep_event = event
     app.state.sweep_loop = asyncio.get_running_loop()
@@ -436,6 +529,15 @@ async def sweep_forever(app: Any) -> None:
                 await asyncio.to_thread(sweep, app)
             except Exception:  # noqa: BLE001 - log and go on: the sweeper is the only thing that frees a dead worker's devices
                 app.state.logger.exception("lease sweep failed; retrying in %ss", app.state.settings.sweep_interval_s)
+            try:
+                await asyncio.to_thread(sweep_workers, app)
+            except Exception:  # noqa: BLE001 - the lease sweep above must go on whatever happens here
+                app.state.logger.exception("worker sweep failed")
+            try:
+                if retention_due(app):
+                    await asyncio.to_thread(sweep_artifacts, app)
+            except Exception:  # noqa: BLE001 - as above
+                app.state.logger.exception("artifact retention pass failed")
             try:
                 await asyncio.wait_for(event.wait(), timeout=app.state.settings.sweep_interval_s)
             except asyncio.TimeoutError:

@@ -5,6 +5,9 @@ A worker is registered under the key that registered it: only that key may act f
 hold, is 409 (the fence). Every POST takes an ``Idempotency-Key`` (the IETF draft's semantics); without one,
 registering, heartbeats, state reports and checkpoints are idempotent by themselves, and a lease request
 or an event is not (a retried lease request may get a second job).
+
+A worker is listed ``alive`` or ``gone``: gone when it has made no call for the scheduler's ``worker_timeout_s``
+(killed, or cut off), alive again from its next call (see :mod:`tinkergym.scheduler.leases`).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.exceptions import HTTPException
 from pydantic import Field, field_validator
 from sqlalchemy import select
@@ -77,6 +80,7 @@ class Worker(WireModel):
     name: str
     host: str
     models: list[str]
+    status: Literal["alive", "gone"] = Field(description="gone: no call for the scheduler's worker timeout; alive again at its next call")
     devices: list[DeviceOut]
     registered_at: float
     last_seen_at: float
@@ -165,6 +169,10 @@ def _store(request: Request) -> JobStore:
     return request.app.state.store
 
 
+def _view(request: Request, conn: Any, worker_id: str) -> dict[str, Any] | None:
+    return leases.worker_view(conn, worker_id, now=_store(request).clock(), timeout=leases.worker_timeout(request.app.state.settings))
+
+
 def _own(conn: Any, worker_id: str, who: Principal) -> dict[str, Any]:
     worker = leases.owned_worker(conn, worker_id, who.key_id)
     if worker is None:
@@ -184,7 +192,7 @@ def register(
             conn, key_id=who.key_id, name=body.name, host=body.host, device_list=[d.model_dump() for d in body.devices],
             models=body.models, now=store.clock(),
         )
-        return 200, leases.worker_view(conn, worker_id)
+        return 200, _view(request, conn, worker_id)
 
     response = respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
     leases.wake(request.app)
@@ -192,11 +200,15 @@ def register(
 
 
 @router.get("", response_model=WorkerList)
-def list_workers(request: Request, who: Principal = Depends(require("admin"))) -> Any:
-    """Every registered worker with its devices (``busy``: held by a job now)."""
+def list_workers(
+    request: Request, status: Literal["alive", "gone"] | None = Query(None, description="only the workers in this status"),
+    who: Principal = Depends(require("admin")),
+) -> Any:
+    """Every registered worker with its status and devices (``busy``: held by a job now)."""
     with _store(request).read() as conn:
         ids = conn.execute(select(workers.c.id).order_by(workers.c.registered_at, workers.c.id)).scalars().all()
-        return {"workers": [leases.worker_view(conn, i) for i in ids]}
+        found = [v for v in (_view(request, conn, i) for i in ids) if v is not None]
+    return {"workers": [v for v in found if status is None or v["status"] == status]}
 
 
 @router.post("/{worker_id}/lease", response_model=LeaseAnswer, responses={404: {}, 409: {}, 422: {}})

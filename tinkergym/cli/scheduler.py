@@ -1,4 +1,5 @@
-"""``tinkergym scheduler``: serve the job scheduler, make and revoke its API keys, set tenant quotas, migrate its database.
+"""``tinkergym scheduler``: serve the job scheduler, make and revoke its API keys, set tenant quotas, list its workers,
+migrate its database.
 
 Keys are made here, on the scheduler's machine, and nowhere else: the service has no registration route.
 SQLAlchemy, Alembic and FastAPI are imported inside the commands, so ``import tinkergym.cli`` stays light.
@@ -115,6 +116,7 @@ def scheduler() -> None:
       tinkergym scheduler keys create --tenant acme --scopes read,write
       tinkergym scheduler serve --port 8780
       tinkergym scheduler serve --db postgresql://tinkergym@127.0.0.1:5432/tinkergym
+      tinkergym scheduler workers list
     """
 
 
@@ -135,9 +137,23 @@ def scheduler() -> None:
 @click.option("--max-body-kb", type=click.IntRange(min=1), default=1024, show_default=True, metavar="N", help="Larger request bodies are refused (413).")
 @click.option("--max-artifact-gb", type=FiniteFloat(min=0, min_open=True), default=20.0, show_default=True, metavar="N",
               help="Larger checkpoint files uploaded by workers are refused (413).")
+@click.option("--worker-timeout", type=FiniteFloat(min=0, min_open=True), default=None, metavar="S",
+              help="A worker with no call (lease poll, heartbeat) for this long is listed gone until it calls again; "
+                   "at least --lease-ttl.  [default: 3 x --lease-ttl]")
+@click.option("--forget-workers-after", type=FiniteFloat(min=0), default=86400.0, show_default=True, metavar="S",
+              help="A worker gone this long that holds nothing is deleted (it registers again if it comes back); 0: never.")
+@click.option("--checkpoint-keep", type=FiniteFloat(min=0), default=3600.0, show_default=True, metavar="S",
+              help="This long after a job ended, its checkpoints but the newest are deleted (the newest is what "
+                   "`tinkergym train --resume` continues from); 0: keep them all.")
+@click.option("--artifact-retention", type=FiniteFloat(min=0), default=30 * 86400.0, show_default=True, metavar="S",
+              help="This long after a job ended (2592000 = 30 days), all its artifacts are deleted and an event on the job "
+                   "says so; never while a queued or running job continues it; 0: keep forever.")
+@click.option("--retention-interval", type=FiniteFloat(min=0, min_open=True), default=60.0, show_default=True, metavar="S",
+              help="How often ended jobs' artifacts are checked against --checkpoint-keep and --artifact-retention.")
 def serve(
     db: str | None, data_dir: Path, host: str, port: int, lease_ttl: float, sweep_interval: float, backfill_age: float,
-    idle_timeout: float, max_attempts: int, max_body_kb: int, max_artifact_gb: float,
+    idle_timeout: float, max_attempts: int, max_body_kb: int, max_artifact_gb: float, worker_timeout: float | None,
+    forget_workers_after: float, checkpoint_keep: float, artifact_retention: float, retention_interval: float,
 ) -> None:
     """Serve the scheduler's HTTP API (upgrading its database first).
 
@@ -147,6 +163,13 @@ def serve(
       tinkergym scheduler serve --data-dir scheduler-data --port 8780
       curl -H "Authorization: Bearer tgk_..." http://127.0.0.1:8780/v1/jobs
     """
+    if worker_timeout is not None and worker_timeout < lease_ttl:
+        raise click.BadParameter(
+            f"{worker_timeout:g} s is shorter than --lease-ttl ({lease_ttl:g} s): a worker heartbeating its leases would be listed gone",
+            param_hint="--worker-timeout")
+    if forget_workers_after and forget_workers_after < (worker_timeout or 3 * lease_ttl):
+        raise click.BadParameter("a worker is forgotten only after it is gone: give at least --worker-timeout, or 0 (never)",
+                                 param_hint="--forget-workers-after")
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -164,7 +187,8 @@ def serve(
     settings = SchedulerSettings(
         db_url=url, data_dir=data_dir, lease_ttl_s=lease_ttl, sweep_interval_s=sweep_interval, backfill_age_s=backfill_age,
         idle_timeout_s=idle_timeout, max_attempts=max_attempts, max_body_bytes=max_body_kb * 1024,
-        max_artifact_bytes=int(max_artifact_gb * 1024**3),
+        max_artifact_bytes=int(max_artifact_gb * 1024**3), worker_timeout_s=worker_timeout, worker_forget_s=forget_workers_after,
+        checkpoint_keep_s=checkpoint_keep, artifact_retention_s=artifact_retention, retention_interval_s=retention_interval,
     )
     app = create_app(settings, logger=scheduler_logger(data_dir.resolve()))
     click.echo(f"tinkergym scheduler on http://{host}:{port} (database {_shown_url(url)}, data {data_dir})", err=True)
@@ -337,6 +361,65 @@ def tenants_list(db: str | None, data_dir: Path) -> None:
         engine.dispose()
     rows = [(t["id"], str(t["max_gpus"]), str(t["max_queued"]), _when(t["created_at"])) for t in found]
     click.echo(_table(("TENANT", "MAX_GPUS", "MAX_QUEUED", "CREATED"), rows) if rows else "no tenants")
+
+
+@scheduler.group("workers")
+def workers_group() -> None:
+    """The workers that registered with this scheduler, and whether they are alive.
+
+    \b
+    Examples:
+      tinkergym scheduler workers list
+      tinkergym scheduler workers list --gone
+    """
+
+
+@workers_group.command("list")
+@click.option("--worker-timeout", type=FiniteFloat(min=0, min_open=True), default=90.0, show_default=True, metavar="S",
+              help="A worker not seen for this long is shown gone: give the `serve --worker-timeout` (3 x its --lease-ttl).")
+@click.option("--gone", "only_gone", is_flag=True, help="Only the gone workers.")
+@db_option
+@data_dir_option
+def workers_list(worker_timeout: float, only_gone: bool, db: str | None, data_dir: Path) -> None:
+    """List workers: id, name, host, status (alive or gone), devices busy of active, last seen.
+
+    \b
+    Example:
+      tinkergym scheduler workers list --db postgresql://tinkergym@127.0.0.1:5432/tinkergym
+    """
+    from sqlalchemy import select
+
+    from tinkergym.scheduler.db import workers as workers_table
+    from tinkergym.scheduler.leases import GONE, worker_view
+
+    engine = open_database(db, data_dir)
+    now = time.time()
+    try:
+        with engine.connect() as conn:
+            ids = conn.execute(select(workers_table.c.id).order_by(workers_table.c.registered_at, workers_table.c.id)).scalars().all()
+            found = [v for v in (worker_view(conn, i, now=now, timeout=worker_timeout) for i in ids) if v is not None]
+    finally:
+        engine.dispose()
+    rows = []
+    for w in found:
+        if only_gone and w["status"] != GONE:
+            continue
+        active = [d for d in w["devices"] if d["active"]]
+        seen = f"{_when(w['last_seen_at'])} ({_ago(now - w['last_seen_at'])} ago)"
+        rows.append((w["id"], w["name"], w["host"], w["status"],
+                     f"{sum(d['busy'] for d in active)}/{len(active)}", seen))
+    if not rows:
+        click.echo("no gone workers" if only_gone and found else "no workers", err=True)
+        return
+    click.echo(_table(("ID", "NAME", "HOST", "STATUS", "BUSY", "LAST SEEN"), rows))
+
+
+def _ago(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit}"
+    return f"{seconds}s"
 
 
 @scheduler.group("db")
