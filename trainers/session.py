@@ -146,7 +146,10 @@ class TrainingRun:
         from tinkergym.backends.vllm_sampler import VLLMBackend
 
         # Room for the whole episode: the rollout loop stops at max_context, plus one turn of new tokens.
-        return VLLMBackend(backend, max_model_len=c.max_context + c.max_new_tokens, seed=c.seed)
+        engine = {"enforce_eager": c.sampler_eager, "device": c.sampler_device, "sleep": c.sampler_sleep}
+        if c.sampler_gpu_memory is not None:
+            engine["gpu_memory_utilization"] = c.sampler_gpu_memory
+        return VLLMBackend(backend, max_model_len=c.max_context + c.max_new_tokens, seed=c.seed, **engine)
 
     @classmethod
     def resume(

@@ -6,6 +6,8 @@ engine and closes it before the next one starts: an engine in this process holds
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -48,10 +50,11 @@ def test_full_sync_restarts_the_engine_on_cpu_with_tied_embeddings(tiny: str, ki
         assert_sampler_follows(sampler, backend, kit)
 
 
-def test_full_sync_reloads_in_place_without_tied_embeddings(tiny_untied: str, kit) -> None:
+@pytest.mark.parametrize("full_sync", ["reload", "memory"])
+def test_full_sync_reloads_in_place_without_tied_embeddings(tiny_untied: str, kit, full_sync: str) -> None:
     backend = kit.backend(tiny_untied, lora_rank=0)
-    with VLLMSampler(tiny_untied, dtype="float32", max_model_len=256) as sampler:
-        assert sampler.full_sync == "reload"
+    with VLLMSampler(tiny_untied, dtype="float32", max_model_len=256, full_sync=full_sync) as sampler:
+        assert sampler.full_sync == full_sync
         engine = sampler._llm
         prompt = kit.prompt(backend)
         greedy(sampler, prompt)  # fills the prefix cache with blocks of the old weights
@@ -101,3 +104,31 @@ def test_vllm_backend_trains_with_torch_and_samples_with_vllm(tiny: str, kit, tm
         assert backend.info()["sampler_info"]["synced_step"] == 0
     finally:
         backend.close()
+
+
+def test_auto_full_sync_takes_weights_from_memory_for_an_in_process_engine(tiny_untied: str, kit) -> None:
+    from vllm import envs
+
+    if envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        pytest.skip("weights go through memory only to an engine in this process")
+    with VLLMSampler(tiny_untied, dtype="float32", max_model_len=256) as sampler:
+        assert sampler.full_sync == "memory"
+
+
+def test_memory_sync_equals_the_file_reload(tiny_untied: str, kit) -> None:
+    """The same trained weights, loaded once from memory and once from the exported folder: identical samples."""
+    backend = kit.backend(tiny_untied, lora_rank=0)
+    prompt = kit.prompt(backend)
+    request = SampleRequest(prompts=[prompt], params=SamplingParams(max_new_tokens=6, seed=5), num_samples=4)
+    with VLLMSampler(tiny_untied, dtype="float32", max_model_len=256, full_sync="memory") as sampler:
+        before = sampler.sample(request)
+        kit.train(backend, "red", steps=15, learning_rate=1e-2)
+        sampler.sync_from(backend)
+        assert sampler.info()["weights"] == "memory" and os.listdir(sampler._sync_root) == []  # nothing exported
+        from_memory = sampler.sample(request)
+        assert from_memory != before
+        sampler.full_sync = "reload"
+        sampler.sync_from(backend)
+        assert sampler.info()["weights"].endswith("weights-2")
+        assert sampler.sample(request) == from_memory
+        assert_sampler_follows(sampler, backend, kit)

@@ -20,6 +20,7 @@ _FIELDS = (
     "max_new_tokens", "max_context", "temperature", "seed", "out", "kl_coef", "eval_every", "eval_episodes",
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
     "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
+    "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep",
 )
 
 
@@ -143,6 +144,14 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory; groups sharing a prompt pack into the same token budget).")
 @click.option("--sampler", type=click.Choice(["torch", "vllm"]),
               help="Who samples rollouts: torch (the training model, default) or vllm (a vLLM engine synced after every step; needs vllm installed).")
+@click.option("--sampler-gpu-memory", type=FiniteFloat(0, 1, min_open=True), metavar="FRACTION",
+              help="With --sampler vllm: fraction of its GPU's memory vLLM may take (default 0.3).")
+@click.option("--sampler-eager/--no-sampler-eager", default=None,
+              help="With --sampler vllm: skip CUDA graphs and compilation (faster start, slower steps); default on CPU only.")
+@click.option("--sampler-device", metavar="DEVICE",
+              help="With --sampler vllm: the engine's device, e.g. cuda:1 to keep it off the training GPU (default: vLLM's first GPU).")
+@click.option("--sampler-sleep/--no-sampler-sleep", default=None,
+              help="With --sampler vllm: free vLLM's GPU memory during training passes (sleep mode; default on GPU, unavailable on CPU).")
 @click.option("--backend-url", metavar="URL",
               help="Train through a training server (tinkergym serve-backend) at URL: its model computes, envs and the trainer run here.")
 @click.option("--backend-token-file", type=SafePath(dir_okay=False),
