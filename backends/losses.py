@@ -170,6 +170,16 @@ def aggregation_weights(mask_BT: torch.Tensor, aggregation: str, total_mask: flo
     return torch.where(per_row > 0, mask_BT / per_row.clamp_min(1e-12), torch.zeros_like(mask_BT)) / max(num_sequences, 1)
 
 
+def _mismatch_tensors(delta: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    read = mask > 0
+    # |delta| >= 0, so zeros outside the mask leave the maximum of a non-empty mask alone and make an empty one 0.
+    return {
+        "mismatch_abs_sum": (delta.abs() * mask).sum(),
+        "mismatch_abs_max": torch.where(read, delta.abs(), torch.zeros_like(delta)).amax(),
+        "mismatch_kl_sum": ((torch.exp(delta) - delta - 1.0) * mask).sum(),
+    }
+
+
 def mismatch_sums(delta: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """Sums that measure how far the sampler's logprobs are from the trainer's on the sampled tokens.
 
@@ -177,12 +187,7 @@ def mismatch_sums(delta: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     ``mismatch_abs_max`` and ``mismatch_kl_sum`` (the k3 estimate of KL(sampler || trainer), unbiased for tokens
     drawn by the sampler), all over masked tokens.
     """
-    read = mask > 0
-    return {
-        "mismatch_abs_sum": float((delta.abs() * mask).sum()),
-        "mismatch_abs_max": float(delta.abs()[read].max()) if bool(read.any()) else 0.0,
-        "mismatch_kl_sum": float(((torch.exp(delta) - delta - 1.0) * mask).sum()),
-    }
+    return sums_to_floats([_mismatch_tensors(delta, mask)])[0]
 
 
 def compute_loss(
@@ -195,7 +200,25 @@ def compute_loss(
     ref_logprobs: torch.Tensor | None = None,
     old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
+    """:func:`compute_loss_on_device` with the metric sums read back as floats (one wait for the device)."""
+    loss, sums = compute_loss_on_device(spec, logprobs, mask, weights, advantages, sampling_logprobs, ref_logprobs, old_logprobs)
+    return loss, sums_to_floats([sums])[0]
+
+
+def compute_loss_on_device(
+    spec: Any,
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    advantages: torch.Tensor | None = None,
+    sampling_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The scalar loss of one micro-batch and the metric sums to accumulate across micro-batches.
+
+    The sums stay on the device as detached float32 scalars, so a training pass need not wait for the device
+    between micro-batches; :func:`sums_to_floats` reads any number of them back at once.
 
     ``spec`` is a :class:`~tinkergym.backends.types.LossSpec`; ``weights`` come from
     :func:`aggregation_weights`; ``ref_logprobs`` are needed when ``spec.kl_coef > 0``.
@@ -216,28 +239,43 @@ def compute_loss(
     else:
         ratio_base = sampling_logprobs
     per_token, ratio, clipped = policy_loss(spec.name, logprobs, advantages, ratio_base, spec.clip_low, spec.clip_high, mask)
-    sums: dict[str, float] = {"mask_sum": float(mask.sum()), "tokens": float((mask > 0).sum())}
+    sums: dict[str, torch.Tensor] = {"mask_sum": mask.sum(), "tokens": (mask > 0).sum()}
     if sampling_logprobs is not None:
         sampler_gap = masked_log_ratio(trainer_old.detach(), sampling_logprobs, mask)
-        sums.update(mismatch_sums(sampler_gap, mask))
+        sums.update(_mismatch_tensors(sampler_gap, mask))
         if spec.tis_cap > 0 and spec.name in POLICY_LOSSES:
             tis = torch.exp(sampler_gap).clamp_max(spec.tis_cap)
             per_token = per_token * tis
-            sums["tis_sum"] = float((tis * mask).sum())
-            sums["tis_capped_sum"] = float(((tis >= spec.tis_cap).float() * mask).sum())
+            sums["tis_sum"] = (tis * mask).sum()
+            sums["tis_capped_sum"] = ((tis >= spec.tis_cap).float() * mask).sum()
     if spec.kl_coef > 0:
         if ref_logprobs is None:
             raise ConfigError("kl_coef > 0 needs reference logprobs")
         kl = k3_kl(logprobs, ref_logprobs, mask)
         per_token = per_token + spec.kl_coef * kl
-        sums["kl_sum"] = float((kl.detach() * mask).sum())
+        sums["kl_sum"] = (kl.detach() * mask).sum()
     if ratio is not None:
-        sums["ratio_sum"] = float((ratio.detach() * mask).sum())
+        sums["ratio_sum"] = (ratio.detach() * mask).sum()
     if clipped is not None:
-        sums["clipped_sum"] = float((clipped * mask).sum())
+        sums["clipped_sum"] = (clipped * mask).sum()
     loss = spec.loss_scale * (per_token * weights).sum()
-    sums["loss"] = float(loss.detach())
-    return loss, sums
+    sums["loss"] = loss.detach()
+    return loss, {key: value.detach() for key, value in sums.items()}
+
+
+def sums_to_floats(batches: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
+    """The scalar tensors of every dict in ``batches`` as Python floats, read back from the device in one copy.
+
+    Each float is what ``float()`` of its tensor gives: float32 holds every float32 or bfloat16 value (and
+    counts below 2**24) exactly; float64 is used only when some value is float64 (MPS has no float64).
+    """
+    values = [value.reshape(()) for sums in batches for value in sums.values()]
+    if not values:
+        return [{} for _ in batches]
+    dtype = torch.float64 if any(v.dtype == torch.float64 for v in values) else torch.float32
+    values = [v.to(dtype) for v in values]
+    flat = iter(torch.stack(values).tolist())
+    return [{key: next(flat) for key in sums} for sums in batches]
 
 
 def add_sums(total: dict[str, float], sums: dict[str, float]) -> dict[str, float]:

@@ -52,7 +52,14 @@ from tinkergym.backends.state_files import (
     write_rng_state,
 )
 from tinkergym.backends.torch_sampling import sample_batch
-from tinkergym.backends.torch_scoring import MicroBatch, logprobs_from, plan_micro_batches, sequence_logprobs
+from tinkergym.backends.torch_scoring import (
+    MicroBatch,
+    first_loss_position,
+    host_to_device,
+    logprobs_from,
+    plan_micro_batches,
+    sequence_logprobs,
+)
 from tinkergym.backends.types import (
     Datum,
     ForwardBackwardRequest,
@@ -196,6 +203,8 @@ class _Batch:
     sampling_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     lengths: list[int] = field(default_factory=list)
+    #: The first position >= 1 that any row reads (None: none does), known on the host.
+    first_read: int | None = None
 
 
 def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -222,7 +231,7 @@ def _pad_right(rows: list[list[float]], width: int, dtype: torch.dtype, device: 
     out = torch.zeros((len(rows), width), dtype=dtype)
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-    return out.to(device)
+    return host_to_device(out, device)
 
 
 def _validate(data: list[Datum], spec: LossSpec) -> None:
@@ -409,9 +418,10 @@ class TorchBackend:
         # Right padding with id 0: causal attention never lets a real token see the padding after it.
         tokens = _pad_right([d.tokens for d in data], width, torch.long, self.device)
         attention = _pad_right([[1] * len(d.tokens) for d in data], width, torch.long, self.device)
-        mask = _pad_right([d.loss_mask for d in data], width, torch.float32, self.device)
-        mask[:, 0] = 0.0  # the first token is not predicted by anything
-        batch = _Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data])
+        # The first token is not predicted by anything.
+        mask = _pad_right([[0.0, *d.loss_mask[1:]] for d in data], width, torch.float32, self.device)
+        reads = [t for t in map(first_loss_position, data) if t is not None]
+        batch = _Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data], first_read=min(reads, default=None))
         if all(d.advantages for d in data):
             batch.advantages = _pad_right([d.advantages for d in data], width, torch.float32, self.device)
         if all(d.sampling_logprobs for d in data):
@@ -437,30 +447,40 @@ class TorchBackend:
         if num_sequences is None:
             num_sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
         self.model.train()
-        sums: dict[str, float] = {}
+        # Metric sums stay on the device until every micro-batch ran: one read-back, not one per metric and micro-batch.
+        micro_sums: list[dict[str, torch.Tensor]] = []
         for micro in plan_micro_batches(data, self.config.micro_batch_size, self.config.share_prefixes):
             batch = self._collate([data[i] for i in micro.indices])
             with self._compute():
-                logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro, spec.temperature)
+                logprobs = self._sequence_logprobs(self.model, batch, micro, spec.temperature)
             reference = self._reference_logprobs(batch, micro, spec.temperature) if spec.kl_coef > 0 else None
             weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
-            loss, micro_sums = losses.compute_loss(
+            loss, sums = losses.compute_loss_on_device(
                 spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference, batch.old_logprobs
             )
             loss.backward()
-            sums = losses.add_sums(sums, micro_sums)
-        return ForwardBackwardResult(metrics=losses.finalize_metrics(sums))
+            micro_sums.append(sums)
+        totals: dict[str, float] = {}
+        for sums in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were
+            totals = losses.add_sums(totals, sums)
+        return ForwardBackwardResult(metrics=losses.finalize_metrics(totals))
+
+    @staticmethod
+    def _sequence_logprobs(model: torch.nn.Module, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
+        return sequence_logprobs(
+            model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, first_read=batch.first_read
+        )
 
     def _reference_logprobs(self, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
         with torch.no_grad(), self._compute():
             if self.is_lora:
                 with self.model.disable_adapter():
-                    return sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro, temperature)
+                    return self._sequence_logprobs(self.model, batch, micro, temperature)
             if self._reference is None:
                 # The starting weights, read back from disk only when a KL term first needs them.
                 # Same precision handling as the policy, so the two agree exactly before the first update.
                 self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
-            return sequence_logprobs(self._reference, batch.tokens, batch.attention, batch.mask, micro, temperature)
+            return self._sequence_logprobs(self._reference, batch, micro, temperature)
 
     def optim_step(self, params: OptimParams) -> dict[str, float]:
         """One AdamW step with the accumulated gradients (clipped to ``max_grad_norm``), then clear them.

@@ -4,17 +4,23 @@ The logprob reported for a sampled token is the log-softmax of the distribution 
 logits divided by the temperature, then restricted by top-k / top-p and renormalized. With temperature 1
 and no filters that is the policy's own logprob. Greedy decoding (temperature 0) reports the untempered
 policy logprob of the chosen token, since the point mass it samples from would report 0 for every token.
+
+The decode loop never waits for the device between steps: tokens, logprobs and stop flags stay on it, and
+whether every row has stopped is read back once every :data:`STOP_CHECK_INTERVAL` steps. The steps run past
+the first one at which every row had stopped are discarded, and the random generator is put back to its state
+after that step, so the results and the random numbers drawn are those of a loop that checked every step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from tinkergym.backends.torch_scoring import padded_length_limit
+from tinkergym.backends.torch_scoring import host_to_device, padded_length_limit
 from tinkergym.backends.types import SampledSequence, SamplingParams
 from tinkergym.errors import NonFiniteError
+
+#: Decode steps between two reads of the stop flags (each read makes the host wait for the device).
+STOP_CHECK_INTERVAL = 8
 
 
 def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -53,9 +59,21 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torc
     Probabilities are float32 whatever the logits' dtype; at temperature 1 without filters they come straight
     from the logits in one softmax pass, the chosen token's logprob is the log of its probability.
     """
+    if not bool(logits_finite(logits_BV)):  # a diverged model: say so instead of a torch error
+        raise NonFiniteError(DIVERGED)
+    return _draw_next(logits_BV, params, generator)
+
+
+DIVERGED = "the model's logits are NaN or infinite: the weights have diverged"
+
+
+def logits_finite(logits_BV: torch.Tensor) -> torch.Tensor:
+    """A boolean scalar on the device: whether every logit is finite."""
     # NaN propagates through max, and a row of -inf has no finite max: one reduction checks every row.
-    if not bool(torch.isfinite(logits_BV.amax(dim=-1)).all()):  # a diverged model: say so instead of a torch error
-        raise NonFiniteError("the model's logits are NaN or infinite: the weights have diverged")
+    return torch.isfinite(logits_BV.amax(dim=-1)).all()
+
+
+def _draw_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     if params.temperature <= 0:
         tokens_B = logits_BV.argmax(dim=-1)
         chosen = logits_BV.gather(-1, tokens_B[:, None]).squeeze(-1).float()
@@ -68,23 +86,6 @@ def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torc
     return tokens_B, probs_BV.gather(-1, tokens_B[:, None]).squeeze(-1).log()
 
 
-@dataclass
-class _Rows:
-    """Growing outputs of a batch: ids and logprobs per row, and which rows have stopped."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    finished: torch.Tensor
-
-    def append(self, tokens_B: torch.Tensor, logprobs_B: torch.Tensor, stop_ids: torch.Tensor) -> None:
-        """Record one step's token and logprob for every row still running, then mark rows that hit a stop id."""
-        for row, (token, logprob, done) in enumerate(zip(tokens_B.tolist(), logprobs_B.tolist(), self.finished.tolist())):
-            if not done:
-                self.tokens[row].append(token)
-                self.logprobs[row].append(logprob)
-        self.finished |= torch.isin(tokens_B, stop_ids)
-
-
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask, position_ids)`` of prompts padded on the left, positions counted from each prompt's start."""
     width = max(len(p) for p in prompts)
@@ -94,7 +95,7 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
         input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         attention[row, width - len(prompt) :] = 1
     positions = (attention.cumsum(dim=-1) - 1).clamp_min(0)
-    return input_ids.to(device), attention.to(device), positions.to(device)
+    return host_to_device(input_ids, device), host_to_device(attention, device), host_to_device(positions, device)
 
 
 def prefill(
@@ -110,10 +111,11 @@ def prefill(
     row_of = [distinct.setdefault(tuple(p), len(distinct)) if share_prompts else i for i, p in enumerate(prompts)]
     unique = [list(p) for p in distinct] if share_prompts else prompts
     input_ids, attention, positions = left_pad(unique, pad_id, device)
-    out = model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1)
+    mask = attention if len({len(p) for p in unique}) > 1 else None  # no padding: no mask to inspect (see _decode)
+    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     logits_BV, cache = out.logits[:, -1], out.past_key_values
     if len(unique) < len(prompts):
-        index = torch.tensor(row_of, dtype=torch.long, device=device)
+        index = host_to_device(torch.tensor(row_of, dtype=torch.long), device)
         cache.batch_select_indices(index)
         logits_BV, attention, positions = logits_BV[index], attention[index], positions[index]
     return logits_BV, cache, attention, positions
@@ -128,6 +130,7 @@ def sample_batch(
     pad_id: int,
     generator: torch.Generator | None = None,
     share_prompts: bool = True,
+    check_interval: int = STOP_CHECK_INTERVAL,
 ) -> list[SampledSequence]:
     """Sample one completion per prompt, all prompts in one batch sharing one KV cache.
 
@@ -135,6 +138,7 @@ def sample_batch(
     ``params.max_new_tokens`` (``"length"``). Rows that stopped keep being fed a pad token, which nothing reads.
     Identical prompts are prefilled once (see :func:`prefill`). Prompts of different lengths run apart when
     left padding would change the model's results (see :func:`~tinkergym.backends.torch_scoring.padded_length_limit`).
+    Whether every row has stopped is read back every ``check_interval`` steps (see the module docstring).
     """
     limit = padded_length_limit(model)
     widths = sorted({len(p) for p in prompts})
@@ -142,20 +146,92 @@ def sample_batch(
         by_row: dict[int, SampledSequence] = {}
         for width in widths:
             indices = [i for i, p in enumerate(prompts) if len(p) == width]
-            by_row.update(zip(indices, sample_batch(model, [prompts[i] for i in indices], params, stop_ids, pad_id, generator, share_prompts)))
+            by_row.update(zip(indices, sample_batch(model, [prompts[i] for i in indices], params, stop_ids, pad_id, generator, share_prompts, check_interval)))
         return [by_row[i] for i in range(len(prompts))]
     device = next(model.parameters()).device
     logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts)
-    stop_B = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    rows = _Rows([[] for _ in prompts], [[] for _ in prompts], torch.zeros(len(prompts), dtype=torch.bool, device=device))
+    stop_B = host_to_device(torch.tensor(sorted(set(stop_ids)), dtype=torch.long), device)
+    tokens_BS, logprobs_BS, steps = _decode(
+        model, logits_BV, cache, attention if len(widths) > 1 else None, positions, params, stop_B, pad_id, generator, check_interval
+    )
+    stops = set(stop_ids)
+    out = []
+    # The only reads of the results: a row's ids end at its first stop id (later ones are the pad fed to stopped rows).
+    for ids, logprobs in zip(tokens_BS[:, :steps].tolist(), logprobs_BS[:, :steps].tolist()):
+        n = next((i + 1 for i, token in enumerate(ids) if token in stops), steps)
+        out.append(SampledSequence(tokens=ids[:n], logprobs=logprobs[:n], finish_reason="stop" if ids[:n] and ids[n - 1] in stops else "length"))
+    return out
+
+
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator ``torch.rand`` draws from on ``device`` without one; None where it cannot be told."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
+
+
+def _first_stop(done: list[bool], diverged: list[bool], first_step: int) -> int | None:
+    """The first step of a checked window after which every row had stopped (None: none); a divergence before it raises."""
+    for i, (all_done, bad) in enumerate(zip(done, diverged)):
+        if bad:  # a loop checking every step would have raised at the start of this step
+            raise NonFiniteError(DIVERGED)
+        if all_done:
+            return first_step + i
+    return None
+
+
+def _decode(
+    model: torch.nn.Module,
+    logits_BV: torch.Tensor,
+    cache: object,
+    attention: torch.Tensor | None,
+    positions: torch.Tensor,
+    params: SamplingParams,
+    stop_B: torch.Tensor,
+    pad_id: int,
+    generator: torch.Generator | None,
+    check_interval: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(tokens [B, S], logprobs [B, S], steps)``: the decode loop from the prefill's logits, on the device.
+
+    Only the first ``steps`` columns count. Stop flags are read every ``check_interval`` steps (see the module
+    docstring). ``attention`` None means no row is padded: transformers then has no padding mask to inspect,
+    which would read it back from the device on every forward pass.
+    """
+    batch, steps, device = logits_BV.shape[0], params.max_new_tokens, logits_BV.device
+    tokens_BS = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
+    logprobs_BS = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    done_S = torch.zeros(steps, dtype=torch.bool, device=device)  # every row had stopped after the step
+    diverged_S = torch.zeros(steps, dtype=torch.bool, device=device)  # the step's logits were NaN or infinite
+    finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
+    rng = (generator or _default_generator(device)) if params.temperature > 0 else None
+    if params.temperature > 0 and rng is None:
+        check_interval = 1  # nothing to rewind: check every step, so no step runs past the stop
+    rng_states: list[torch.Tensor] = []  # the generator's state after each step since the last check
+    window = 0  # the first step not yet checked
     next_position = positions[:, -1:] + 1
-    for step in range(params.max_new_tokens):
-        tokens_B, logprobs_B = sample_next(logits_BV, params, generator)
-        tokens_B = torch.where(rows.finished, torch.full_like(tokens_B, pad_id), tokens_B)
-        rows.append(tokens_B, logprobs_B, stop_B)
-        if bool(rows.finished.all()) or step + 1 == params.max_new_tokens:
-            break
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+    for step in range(steps):
+        diverged_S[step] = ~logits_finite(logits_BV)
+        tokens_B, logprobs_B = _draw_next(logits_BV, params, rng)
+        tokens_B = torch.where(finished_B, torch.full_like(tokens_B, pad_id), tokens_B)
+        tokens_BS[:, step], logprobs_BS[:, step] = tokens_B, logprobs_B
+        finished_B |= torch.isin(tokens_B, stop_B)
+        done_S[step] = finished_B.all()
+        if rng is not None:
+            rng_states.append(rng.get_state())
+        if step + 1 == steps or step + 1 - window >= check_interval:
+            flags = torch.stack([done_S[window : step + 1], diverged_S[window : step + 1]]).tolist()
+            end = _first_stop(*flags, window)
+            if end is not None or step + 1 == steps:
+                end = step if end is None else end
+                if rng is not None:
+                    rng.set_state(rng_states[end - window])
+                return tokens_BS, logprobs_BS, end + 1
+            window, rng_states = step + 1, []
+        if attention is not None:
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         out = model(
             input_ids=tokens_B[:, None],
             attention_mask=attention,
@@ -165,8 +241,4 @@ def sample_batch(
         )
         logits_BV, cache = out.logits[:, -1], out.past_key_values
         next_position = next_position + 1
-    stops = set(stop_ids)
-    return [
-        SampledSequence(tokens=t, logprobs=lp, finish_reason="stop" if t and t[-1] in stops else "length")
-        for t, lp in zip(rows.tokens, rows.logprobs)
-    ]
+    return tokens_BS, logprobs_BS, 0

@@ -45,6 +45,18 @@ class MicroBatch:
     prefix_lens: list[int] = field(default_factory=list)
 
 
+def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor built from Python lists) on ``device``, without making the host wait for a GPU.
+
+    On CUDA the copy goes through pinned memory with ``non_blocking=True``: a copy from pageable memory blocks
+    the host until the GPU has caught up, which would stall the queue of kernels once per copied tensor.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def first_loss_position(datum: Datum) -> int | None:
     """The first position (>= 1) with a non-zero loss mask, or None when the datum carries no loss."""
     return next((t for t in range(1, len(datum.tokens)) if datum.loss_mask[t] != 0), None)
@@ -132,7 +144,7 @@ def _left_padded_prefixes(rows_GT: torch.Tensor, shared: list[int], width: int) 
     with right padding, a shorter prompt's tokens would look further away than they are.
     """
     device = rows_GT.device
-    pads = width - torch.tensor(shared, device=device)
+    pads = width - host_to_device(torch.tensor(shared), device)
     columns = torch.arange(width, device=device)[None] - pads[:, None]
     mask = columns >= 0
     positions = columns.clamp_min(0)
@@ -181,8 +193,15 @@ def _own_token_logits(
     """
     device = tokens_BT.device
     length = tokens_BT.shape[1]
-    group_of = torch.repeat_interleave(torch.arange(len(group_sizes), device=device), torch.tensor(group_sizes, device=device))
-    starts = torch.tensor(list(itertools.accumulate(group_sizes, initial=0))[:-1], device=device)
+    # Every index is known on the host: built there and copied once, so the device never waits on the host.
+    group_of_rows = [g for g, size in enumerate(group_sizes) for _ in range(size)]
+    own = [n - shared[g] for n, g in zip(lengths, group_of_rows)]
+    span = max(own)
+    starts_host = list(itertools.accumulate(group_sizes, initial=0))[:-1]
+    offsets_host = [shared[g] for g in group_of_rows]
+    group_of, starts, offsets, own_B = (
+        host_to_device(torch.tensor(values, dtype=torch.long), device) for values in (group_of_rows, starts_host, offsets_host, own)
+    )
     width = max(shared)
     prefix_ids, prefix_mask, prefix_positions = _left_padded_prefixes(tokens_BT[starts], shared, width)
     no_logits = torch.empty(0, dtype=torch.long, device=device)
@@ -190,11 +209,8 @@ def _own_token_logits(
         input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_positions, use_cache=True, logits_to_keep=no_logits
     ).past_key_values
     cache.batch_select_indices(group_of)
-    own = [n - shared[g] for n, g in zip(lengths, group_of.tolist())]
-    span = max(own)
-    offsets = torch.tensor([shared[g] for g in group_of.tolist()], device=device)
     steps = torch.arange(span, device=device)[None]
-    rows_mask = steps < torch.tensor(own, device=device)[:, None]
+    rows_mask = steps < own_B[:, None]
     index = (offsets[:, None] + steps).clamp_max(length - 1)
     rows_BS = torch.where(rows_mask, tokens_BT.gather(1, index), torch.zeros_like(index))
     attention = torch.cat([prefix_mask[group_of], rows_mask.long()], dim=1)
@@ -213,13 +229,14 @@ def _own_token_logits_by_prompt_length(
         groups = [g for g, s in enumerate(shared) if s == width]
         rows = [r for g in groups for r in range(starts[g], starts[g + 1])]
         sizes = [group_sizes[g] for g in groups]
-        parts.append(_own_token_logits(model, tokens_BT[rows], [lengths[r] for r in rows], sizes, [width] * len(groups)))
+        picked = tokens_BT.index_select(0, host_to_device(torch.tensor(rows, dtype=torch.long), tokens_BT.device))
+        parts.append(_own_token_logits(model, picked, [lengths[r] for r in rows], sizes, [width] * len(groups)))
         order.extend(rows)
     span = max(rows_BS.shape[1] for rows_BS, _ in parts)
     # Steps past a row's own tokens are never read; zero logits there keep the log-softmax finite.
     rows_BS = torch.cat([torch.nn.functional.pad(r, (0, span - r.shape[1])) for r, _ in parts])
     logits = torch.cat([torch.nn.functional.pad(v, (0, 0, 0, span - v.shape[1])) for _, v in parts])
-    back = torch.tensor(order, device=tokens_BT.device).argsort()
+    back = host_to_device(torch.tensor(order, dtype=torch.long).argsort(), tokens_BT.device)
     return rows_BS[back], logits[back]
 
 
@@ -230,15 +247,23 @@ def sequence_logprobs(
     mask_BT: torch.Tensor,
     micro: MicroBatch | None = None,
     temperature: float = 1.0,
+    lengths: list[int] | None = None,
+    first_read: int | None = None,
 ) -> torch.Tensor:
     """Float32 ``[B, T]`` logprobs of right-padded sequences at ``temperature`` (entry ``t`` scores ``tokens[t]``; unread entries are 0).
 
     ``micro`` says which rows share prompts (see :class:`MicroBatch`); ``mask_BT`` tells which positions are
-    read, so rows scored on their own skip the logits before the first one.
+    read, so rows scored on their own skip the logits before the first one. Callers that hold the data on the
+    host pass the rows' ``lengths`` and with them ``first_read`` (the first position >= 1 any row reads, None
+    when none does, see :func:`first_loss_position`); without ``lengths`` both are read back from the device,
+    which makes the host wait for a GPU.
     """
     if micro is not None and micro.group_sizes:
-        lengths = attention_BT.sum(dim=1).tolist()
+        if lengths is None:
+            lengths = attention_BT.sum(dim=1).tolist()
         return _shared_prefix_logprobs(model, tokens_BT, lengths, micro.group_sizes, micro.prefix_lens, temperature)
-    read = mask_BT.any(dim=0).nonzero()
-    start = int(read[0]) if len(read) else tokens_BT.shape[1] - 1
+    if first_read is None and lengths is None:
+        read = mask_BT.any(dim=0).nonzero()
+        first_read = int(read[0]) if len(read) else None
+    start = tokens_BT.shape[1] - 1 if first_read is None else first_read
     return logprobs_from(model, tokens_BT, attention_BT, max(start, 1), temperature)
