@@ -19,9 +19,11 @@ import sys
 import time
 from typing import Any, Callable
 
-from tinkergym.backends.remote import RemoteBackend, RemoteBackendError
+from tinkergym.backends.remote import RemoteBackend, RemoteBackendError, server_name
 from tinkergym.errors import ConfigError, TinkergymError
 
+#: Seconds :meth:`ScheduledBackend.complete` waits for the worker to store the run's last checkpoint.
+STORE_TIMEOUT_S = 600.0
 #: States after which a job never runs again.
 TERMINAL = ("succeeded", "failed", "cancelled")
 
@@ -61,6 +63,7 @@ class ScheduledBackend:
         self.say = say
         self.remote_options = {"retries": 4, "backoff": 0.5, **(remote or {})}
         self.epoch: int | None = None
+        self.last_state: str | None = None  # the name of the state last saved on the job's server
         self._remote: RemoteBackend | None = None
 
     def __repr__(self) -> str:
@@ -125,10 +128,37 @@ class ScheduledBackend:
         except (SchedulerError, OSError) as exc:
             self.say(f"job {self.job_id}: could not report step {step}'s metrics to the scheduler ({exc})")
 
-    def complete(self) -> None:
-        """End the job (it succeeds; its devices are freed at once)."""
-        if self.epoch is not None:
-            self.client.complete(self.job_id, self.epoch)
+    def complete(self, store_timeout: float = STORE_TIMEOUT_S) -> None:
+        """End the job (it succeeds; its devices are freed at once), once the worker has stored its last saved state.
+
+        The worker uploads each state the server saves to the scheduler's artifact store; ending the job stops the
+        server, so the run's last checkpoint (the one a later ``--resume`` or ``serve-model --scheduler`` starts
+        from) is waited for first, up to ``store_timeout`` seconds.
+        """
+        if self.epoch is None:
+            return
+        if self.last_state is not None:
+            self._wait_stored(self.last_state, store_timeout)
+        self.client.complete(self.job_id, self.epoch)
+
+    def _wait_stored(self, name: str, timeout: float) -> None:
+        from tinkergym.client import SchedulerError
+
+        deadline, said = time.monotonic() + timeout, False
+        while True:
+            try:
+                if any(c["name"] == name for c in self.client.checkpoints(self.job_id)):
+                    return
+            except (SchedulerError, OSError) as exc:
+                self.say(f"job {self.job_id}: could not list its checkpoints ({exc})")
+                return
+            if time.monotonic() > deadline:
+                self.say(f"job {self.job_id}: checkpoint {name} was not stored by the worker within {timeout:g} s; ending the job without it")
+                return
+            if not said:
+                self.say(f"job {self.job_id}: waiting for the worker to store checkpoint {name}")
+                said = True
+            time.sleep(min(self.poll, 0.25))
 
     # ----- the Backend protocol ---------------------------------------------------------------------
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -160,6 +190,7 @@ class ScheduledBackend:
 
     def save_state(self, path: str) -> None:
         self._call("save_state", path)
+        self.last_state = server_name(path)
 
     def load_state(self, path: str) -> None:
         self._call("load_state", path)

@@ -109,6 +109,8 @@ def test_a_scheduler_trained_run_is_served_and_evaluated_by_a_worker(db_url: str
         assert trained.exit_code == 0, trained.output
         training_job = json.loads((run / "config.json").read_text())["scheduler_job"]
         newest = max(client.checkpoints(training_job), key=lambda c: c["step"])
+        last_saved = sorted(p.name for p in (run / "checkpoints").iterdir())[-1]
+        assert newest["name"] == last_saved, "the job ends only once its worker has stored the run's last checkpoint"
 
         key_file = tmp_path / "endpoint.key"
         served = CliRunner().invoke(main, ["serve-model", "--scheduler", scheduler.url, "--run", str(run), "--detach", "--key-file", str(key_file)],
