@@ -131,7 +131,7 @@ class VLLMInferenceEngine:
         gpu_memory_utilization: Fraction of GPU memory vLLM may take; default 0.9 on GPU, 0.3 on CPU (where
             ``VLLM_CPU_KVCACHE_SPACE`` sizes the KV cache instead).
         seed: The engine's seed, used by requests without one.
-        enforce_eager: Skip CUDA graphs and compilation (faster start, slower steady state).
+        enforce_eager: Skip CUDA graphs and compilation (faster start, slower steady state); None: on CPU only.
         work_dir: Where converted adapters and exported models are written (a temporary folder inside it,
             removed by :meth:`close`); None uses the system's temporary folder.
         engine_kwargs: Further keyword arguments for ``vllm.LLM``.
@@ -139,7 +139,7 @@ class VLLMInferenceEngine:
 
     def __init__(
         self, plan: ServingPlan, max_model_len: int | None = None, gpu_memory_utilization: float | None = None, seed: int = 0,
-        enforce_eager: bool = True, work_dir: str | None = None, **engine_kwargs: Any,
+        enforce_eager: bool | None = None, work_dir: str | None = None, **engine_kwargs: Any,
     ) -> None:
         require_vllm()
         self.plan = plan
@@ -159,7 +159,8 @@ class VLLMInferenceEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
             self.max_model_len = int(max_model_len or _model_limit(model_path))
             utilization = gpu_memory_utilization or (0.3 if on_cpu else 0.9)
-            self._llm = self._build(model_path, lora_rank, len(ranks), utilization, seed, enforce_eager, on_cpu, engine_kwargs)
+            eager = on_cpu if enforce_eager is None else enforce_eager  # a server runs long: CUDA graphs pay off on a GPU
+            self._llm = self._build(model_path, lora_rank, len(ranks), utilization, seed, eager, on_cpu, engine_kwargs)
             self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
             self.eos_token_ids = _eos_token_ids(self.tokenizer, SimpleNamespace(generation_config=_generation_config(model_path)))
             for request in self._lora_requests.values():  # load now: a broken adapter fails at start, not at its first request
