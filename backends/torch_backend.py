@@ -104,6 +104,8 @@ class TorchBackendConfig(_Plain):
             (exact up to floating-point summation order); False scores every sequence on its own.
         seed: Seeds torch, Python and NumPy at start (LoRA initialization, unseeded sampling, dropout).
         cache_dir: Where named models are built or converted; None uses the default cache.
+        deterministic: Deterministic kernels only (:func:`deterministic_mode`: for the whole process), so a run and
+            its resume repeat bit for bit on a GPU too, at some cost in speed; on CPU the kernels already are.
     """
 
     model: str = "tiny"
@@ -119,6 +121,7 @@ class TorchBackendConfig(_Plain):
     share_prefixes: bool = True
     seed: int = 0
     cache_dir: str | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -147,6 +150,15 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     except (AttributeError, RuntimeError):
         native = False
     return torch.bfloat16 if native else torch.float32
+
+
+def deterministic_mode() -> None:
+    """Deterministic kernels for this process: ``torch.use_deterministic_algorithms(True)`` (an op without a deterministic
+    kernel raises instead of running), cuBLAS's fixed workspace and no cuDNN autotuning. Set before the first CUDA call."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
 
 
 _FLASH_ATTN: list[bool] = []
@@ -265,7 +277,12 @@ class TorchBackend:
         self.model_path = resolve_model(self.config.model, self.config.cache_dir)
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
-        self.attn_implementation = resolve_attn_implementation(self.config.attn_implementation, self.device, self.dtype, self.model_path)
+        attn = self.config.attn_implementation
+        if self.config.deterministic:
+            deterministic_mode()
+            if attn == "auto" and self.device.type == "cuda":
+                attn = "eager"  # flash-attn's and the efficient sdpa kernels' backward passes accumulate in a varying order
+        self.attn_implementation = resolve_attn_implementation(attn, self.device, self.dtype, self.model_path)
         # Full fine-tuning keeps float32 master weights and computes in self.dtype under autocast: AdamW on
         # bfloat16 weights would round most small updates away. LoRA keeps the frozen base in self.dtype
         # (peft keeps the adapter in float32).
@@ -348,6 +365,7 @@ class TorchBackend:
             "param_dtype": str(self.param_dtype).removeprefix("torch."),
             "device": str(self.device),
             "attn_implementation": self.attn_implementation,
+            "deterministic": self.config.deterministic,
             "step": self.step,
             "trainable_params": sum(p.numel() for _, p in self._trainable),
             "total_params": sum(p.numel() for p in self.model.parameters()),

@@ -480,3 +480,34 @@ def test_flash_attention_is_chosen_only_when_flash_attn_really_imports(body: str
     assert torch_backend.resolve_attn_implementation("auto", torch.device("cuda"), torch.float32) == "sdpa"
     assert torch_backend.resolve_attn_implementation("auto", torch.device("cpu"), torch.bfloat16) == "sdpa"
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
+
+
+def test_deterministic_mode_is_set_for_the_process_reported_and_kept_by_the_run(tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--deterministic reaches torch (deterministic algorithms, cuBLAS workspace), info() reports it, config.json keeps it,
+    and two runs with it log the same metrics."""
+    import os
+
+    import torch
+    from click.testing import CliRunner
+
+    from tinkergym.cli import main
+    from tinkergym.trainers.reporting import read_metrics
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        backend = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=4, dtype="float32", deterministic=True))
+        assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert backend.info()["deterministic"] is True and backend.info()["attn_implementation"] == "sdpa"
+        runs = []
+        for name in ("a", "b"):
+            args = ["train", "--env", "tinker/Bandit-v0", "--model", tiny, "--dtype", "float32", "--steps", "2", "--batch-size", "2",
+                    "--group-size", "4", "--max-new-tokens", "6", "--deterministic", "--quiet", "--out", str(tmp_path / name)]
+            result = CliRunner().invoke(main, args, catch_exceptions=False)
+            assert result.exit_code == 0, result.output
+            assert json.loads((tmp_path / name / "config.json").read_text())["deterministic"] is True
+            runs.append([{k: v for k, v in r.items() if not k.startswith(("time/", "tokens/per_s"))} for r in read_metrics(tmp_path / name / "metrics.jsonl")])
+        assert runs[0] == runs[1] and len(runs[0]) == 2
+    finally:
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.deterministic = False

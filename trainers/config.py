@@ -61,6 +61,9 @@ class TrainConfig:
     transcripts_every: int = 5
     dtype: str = "auto"
     micro_batch_size: int = 8
+    # Deterministic kernels (torch.use_deterministic_algorithms), so a run and its resume repeat bit for bit on a GPU
+    # too; on CPU they already do. Slower; eager attention on a GPU.
+    deterministic: bool = False
     sampler: str = "torch"  # "torch" (the training backend samples) or "vllm" (a vLLM engine, synced every step)
     # The vLLM sampler's engine (sampler "vllm" only; None: chosen from the platform): the fraction of its GPU's memory
     # (default 0.3), CUDA graphs and compilation off (eager; default on CPU only), its device ("cuda:N", "cpu"; default
@@ -189,8 +192,8 @@ class TrainConfig:
 
         Folders of this machine (``out``, data files) stay here: the client runs the trainer.
         """
-        keep = ("env", "trainer", "model", "lora_rank", "lora_alpha", "lora_dropout", "dtype", "seed", "micro_batch_size", "steps",
-                "batch_size", "group_size", "max_new_tokens", "max_context")
+        keep = ("env", "trainer", "model", "lora_rank", "lora_alpha", "lora_dropout", "dtype", "seed", "micro_batch_size", "deterministic",
+                "steps", "batch_size", "group_size", "max_new_tokens", "max_context")
         return {k: getattr(self, k) for k in keep}
 
     def to_dict(self) -> dict[str, Any]:

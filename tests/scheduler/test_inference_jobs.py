@@ -57,6 +57,14 @@ def test_a_serving_job_runs_serve_model_on_the_restored_checkpoint(kind: str, tm
     assert "--checkpoint" not in base and "--model" in base
 
 
+def test_a_deterministic_train_job_gets_a_deterministic_training_server(tmp_path: Path) -> None:
+    config = TrainConfig(env="tinker/Bandit-v0", model="tiny", deterministic=True).job_config()
+    command = server_command(_options(tmp_path), {"kind": "train", "config": config}, 20001, tmp_path / "f", gpu=False)
+    assert command[3] == "serve-backend" and "--deterministic" in command
+    config["deterministic"] = "yes"
+    assert "--deterministic" not in server_command(_options(tmp_path), {"kind": "train", "config": config}, 20001, tmp_path / "f", gpu=False)
+
+
 def test_the_job_config_names_the_training_job_and_refuses_a_local_run(tmp_path: Path) -> None:
     assert job_config(model="smollm2-135m") == {"model": "smollm2-135m", "dtype": "auto"}
     run = tmp_path / "my run"
