@@ -150,10 +150,13 @@ def sample_batch(
         return [by_row[i] for i in range(len(prompts))]
     device = next(model.parameters()).device
     logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts)
-    stop_B = host_to_device(torch.tensor(sorted(set(stop_ids)), dtype=torch.long), device)
-    tokens_BS, logprobs_BS, steps = _decode(
-        model, logits_BV, cache, attention if len(widths) > 1 else None, positions, params, stop_B, pad_id, generator, check_interval
-    )
+    # Whether each id is a stop id, looked up by a gather: torch.isin of many stop ids sorts and deduplicates
+    # (a data-dependent size, read back from a GPU on every step). Sampled ids and the pad id fall inside it.
+    is_stop_V = torch.zeros(max([logits_BV.shape[-1], pad_id + 1, *(t + 1 for t in stop_ids)]), dtype=torch.bool)
+    is_stop_V[[t for t in stop_ids if t >= 0]] = True
+    is_stop_V = host_to_device(is_stop_V, device)
+    mask = attention if len(widths) > 1 else None
+    tokens_BS, logprobs_BS, steps = _decode(model, logits_BV, cache, mask, positions, params, is_stop_V, pad_id, generator, check_interval)
     stops = set(stop_ids)
     out = []
     # The only reads of the results: a row's ids end at its first stop id (later ones are the pad fed to stopped rows).
@@ -189,16 +192,16 @@ def _decode(
     attention: torch.Tensor | None,
     positions: torch.Tensor,
     params: SamplingParams,
-    stop_B: torch.Tensor,
+    is_stop_V: torch.Tensor,
     pad_id: int,
     generator: torch.Generator | None,
     check_interval: int,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(tokens [B, S], logprobs [B, S], steps)``: the decode loop from the prefill's logits, on the device.
 
-    Only the first ``steps`` columns count. Stop flags are read every ``check_interval`` steps (see the module
-    docstring). ``attention`` None means no row is padded: transformers then has no padding mask to inspect,
-    which would read it back from the device on every forward pass.
+    Only the first ``steps`` columns count. ``is_stop_V`` tells for each id whether it is a stop id. Stop flags
+    are read every ``check_interval`` steps (see the module docstring). ``attention`` None means no row is
+    padded: transformers then has no padding mask to inspect, which it would read back on every forward pass.
     """
     batch, steps, device = logits_BV.shape[0], params.max_new_tokens, logits_BV.device
     tokens_BS = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
@@ -206,7 +209,9 @@ def _decode(
     done_S = torch.zeros(steps, dtype=torch.bool, device=device)  # every row had stopped after the step
     diverged_S = torch.zeros(steps, dtype=torch.bool, device=device)  # the step's logits were NaN or infinite
     finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
-    rng = (generator or _default_generator(device)) if params.temperature > 0 else None
+    rng = None
+    if params.temperature > 0:
+        rng = generator if generator is not None else _default_generator(device)
     if params.temperature > 0 and rng is None:
         check_interval = 1  # nothing to rewind: check every step, so no step runs past the stop
     rng_states: list[torch.Tensor] = []  # the generator's state after each step since the last check
@@ -217,7 +222,7 @@ def _decode(
         tokens_B, logprobs_B = _draw_next(logits_BV, params, rng)
         tokens_B = torch.where(finished_B, torch.full_like(tokens_B, pad_id), tokens_B)
         tokens_BS[:, step], logprobs_BS[:, step] = tokens_B, logprobs_B
-        finished_B |= torch.isin(tokens_B, stop_B)
+        finished_B |= is_stop_V[tokens_B]
         done_S[step] = finished_B.all()
         if rng is not None:
             rng_states.append(rng.get_state())
