@@ -22,7 +22,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import text
 
 from tinkergym.backends.asgi import BodyLimit, RequestLog, WireJSON, add_error_handlers, error_response
-from tinkergym.scheduler.auth import Principal, authenticate
+from tinkergym.scheduler.auth import KeyLookup, Principal
 from tinkergym.scheduler.db import make_engine, reader, upgrade
 from tinkergym.scheduler.repository import Conflict, JobStore, NotFound, now
 
@@ -108,18 +108,23 @@ def _bearer(headers: dict[bytes, bytes]) -> str:
 class ApiKeyAuth:
     """ASGI middleware: every path but :data:`PUBLIC_PATHS` needs a valid key (401 before the body is read).
 
-    The principal goes into the request's state (``request.state.principal``) for :func:`require`.
+    The principal goes into the request's state (``request.state.principal``) for :func:`require`. The key's row
+    is read on every request (a revoked key is refused at once), from the event loop
+    (:class:`~tinkergym.scheduler.auth.KeyLookup`: no worker thread per request); its connection closes with the app.
     """
 
     def __init__(self, app: Any, engine: Any) -> None:
         self.app = app
         self.engine = engine
+        self.lookup = KeyLookup(engine)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            return await self.app(scope, receive, self._closing_at_shutdown(send))
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
         key = _bearer(dict(scope["headers"]))
-        who = await run_in_threadpool(authenticate, self.engine, key) if key else None
+        who = await self.lookup.principal(key) if key else None
         if who is None:
             response = error_response(401, "unauthorized", "a valid API key is required: Authorization: Bearer tgk_...",
                                       headers={"WWW-Authenticate": "Bearer"})
@@ -128,6 +133,14 @@ class ApiKeyAuth:
         state["principal"] = who
         state["tenant"] = who.tenant_id
         await self.app(scope, receive, send)
+
+    def _closing_at_shutdown(self, send: Any) -> Any:
+        async def send_closing(message: dict) -> None:
+            if message["type"] in ("lifespan.shutdown.complete", "lifespan.shutdown.failed"):
+                await self.lookup.aclose()
+            await send(message)
+
+        return send_closing
 
 
 def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:

@@ -22,15 +22,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.engine import Engine
 
-from tinkergym.scheduler.db import api_keys, reader, tenants
+from tinkergym.scheduler.db import Prepared, api_keys, autocommit_reader, reader, tenants
 
 KEY_PREFIX = "tgk_"
 SCOPES = ("read", "write", "worker", "admin")
 KEY_PATTERN = re.compile(r"^tgk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
 TENANT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
+#: A key's row by its id: every request's lookup (a statement prepared once, run outside any transaction).
+_KEY_ROW = Prepared(select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.digest, api_keys.c.scopes, api_keys.c.revoked_at)
+                    .where(api_keys.c.id == bindparam("id")))
 
 
 @dataclass(frozen=True)
@@ -108,10 +111,113 @@ def authenticate(engine: Engine, key: str) -> Principal | None:
     match = KEY_PATTERN.match(key or "")
     if match is None:
         return None
-    with reader(engine).connect() as conn:
-        row = conn.execute(select(api_keys).where(api_keys.c.id == match.group(1))).mappings().first()
+    with autocommit_reader(engine).connect() as conn:
+        rows = _KEY_ROW.rows(conn, {"id": match.group(1)})
+    return _principal(key, rows)
+
+
+def _principal(key: str, rows: list[tuple]) -> Principal | None:
+    key_id, tenant_id, expected, scopes, revoked_at = rows[0] if rows else (None, None, "0" * 64, "", None)
     # Compare even when the row is missing, so timing does not tell which ids exist.
-    expected = row["digest"] if row is not None else "0" * 64
-    if not hmac.compare_digest(key_digest(key), expected) or row is None or row["revoked_at"] is not None:
+    if not hmac.compare_digest(key_digest(key), expected) or key_id is None or revoked_at is not None:
         return None
-    return Principal(row["id"], row["tenant_id"], frozenset(row["scopes"].split(",")))
+    return Principal(key_id, tenant_id, frozenset(scopes.split(",")))
+
+
+class KeyLookup:
+    """:func:`authenticate` for the auth middleware, from the event loop: no worker thread per request.
+
+    Every request still reads its key's row (a revoked key is refused at once: nothing is cached), on a
+    connection of the lookup's own:
+
+    - SQLite (a file): read-only, read from the event loop's thread itself with a busy timeout of 0. A WAL
+      reader takes no lock a writer holds, so this never waits; should SQLite be busy all the same, the lookup
+      goes to a worker thread (:func:`authenticate`) instead of waiting in the loop.
+    - PostgreSQL: a psycopg ``AsyncConnection`` in autocommit mode (the loop serves other requests while the
+      server answers); on any error the connection is dropped and this request's lookup goes to a worker thread.
+
+    :meth:`aclose` closes the connection (the middleware calls it when the app shuts down).
+    """
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._connection: Any = None
+        self._loop: Any = None
+        self._opening: Any = None
+        self._sql = _KEY_ROW.sql(engine.dialect)[0]
+        self._sqlite_path: str | None = None
+        self._conninfo: str | None = None
+        if engine.dialect.name == "sqlite":
+            path = engine.url.database
+            self._sqlite_path = path if path and path != ":memory:" and not path.startswith("file:") else None
+        elif engine.dialect.name == "postgresql" and engine.dialect.driver == "psycopg":
+            self._conninfo = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+    async def principal(self, key: str) -> Principal | None:
+        """The key's principal; None for anything but a valid, unrevoked key."""
+        match = KEY_PATTERN.match(key or "")
+        if match is None:
+            return None
+        params = {"id": match.group(1)}
+        rows: list[tuple] | None = None
+        try:
+            if self._sqlite_path is not None:
+                rows = self._sqlite_rows(params)
+            elif self._conninfo is not None:
+                rows = await self._postgres_rows(params)
+        except Exception:  # noqa: BLE001 - busy, locked, disconnected: the worker thread's lookup waits, retries and reports
+            await self.aclose()
+            rows = None
+        if rows is None:
+            from starlette.concurrency import run_in_threadpool
+
+            return await run_in_threadpool(authenticate, self.engine, key)
+        return _principal(key, rows)
+
+    def _sqlite_rows(self, params: dict[str, str]) -> list[tuple]:
+        if self._connection is None:
+            import sqlite3
+            from urllib.parse import quote
+
+            self._connection = sqlite3.connect(f"file:{quote(self._sqlite_path or '')}?mode=ro", uri=True, timeout=0,
+                                               isolation_level=None, check_same_thread=False)
+        return self._connection.execute(self._sql, params).fetchall()
+
+    async def _postgres_rows(self, params: dict[str, str]) -> list[tuple]:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        if self._connection is not None and self._loop is not loop:  # made on another event loop (tests): not usable here
+            self._connection = None
+        if self._connection is None:
+            if self._opening is None or self._loop is not loop:
+                import psycopg
+
+                self._loop = loop
+                self._opening = loop.create_task(psycopg.AsyncConnection.connect(self._conninfo, autocommit=True))
+            opening = self._opening
+            try:
+                connection = await asyncio.shield(opening)
+            finally:
+                if self._opening is opening and opening.done():
+                    self._opening = None
+            if self._connection is None:
+                self._connection = connection
+            elif self._connection is not connection:
+                await connection.close()
+        cursor = self._connection.cursor()
+        async with cursor:
+            await cursor.execute(self._sql, params)
+            return await cursor.fetchall()
+
+    async def aclose(self) -> None:
+        """Close the lookup's connection (a later lookup opens another)."""
+        connection, self._connection = self._connection, None
+        if connection is None:
+            return
+        try:
+            result = connection.close()
+            if hasattr(result, "__await__"):
+                await result
+        except Exception:  # noqa: BLE001 - closing a broken connection
+            pass

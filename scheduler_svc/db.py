@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import weakref
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from sqlalchemy import (
     create_engine,
     event,
 )
+from sqlalchemy import exc as exc_module
 from sqlalchemy.engine import Engine
 
 metadata = MetaData()
@@ -173,7 +175,9 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://"):]
     if not url.startswith("sqlite"):
-        return create_engine(url, pool_pre_ping=True, future=True, **kwargs)
+        engine = create_engine(url, future=True, **kwargs)
+        _ping_idle_connections(engine)
+        return engine
     engine = create_engine(url, connect_args={"timeout": 30, "check_same_thread": False}, future=True, **kwargs)
 
     @event.listens_for(engine, "connect")
@@ -188,15 +192,44 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Any) -> None:
         # Reads (reader(engine)) take a snapshot without the write lock: WAL readers never wait for writers.
-        connection.exec_driver_sql("BEGIN" if connection.get_execution_options().get(_READ_OPTION) else "BEGIN IMMEDIATE")
+        # On the driver's connection: SQLAlchemy's own execution path costs more than SQLite's BEGIN does.
+        connection.connection.driver_connection.execute("BEGIN" if connection.get_execution_options().get(_READ_OPTION) else "BEGIN IMMEDIATE")
 
     _WRITE_LOCKS[engine] = threading.RLock()  # re-entrant: a transaction may run inside another on the same thread
     return engine
 
 
+#: A pooled connection idle longer than this is pinged before use (one round trip), and replaced if the server dropped it.
+PING_AFTER_IDLE_S = 5.0
+
+
+def _ping_idle_connections(engine: Engine) -> None:
+    """``pool_pre_ping``, for connections idle longer than :data:`PING_AFTER_IDLE_S` only.
+
+    A ping on every checkout is a round trip per transaction; a busy server reuses its connections within
+    milliseconds, and a connection the server dropped since (it restarted) fails its statement, and SQLAlchemy
+    then replaces the pool's connections.
+    """
+
+    @event.listens_for(engine, "checkin")
+    def _checked_in(_dbapi_connection: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _checked_out(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        idle_since = record.info.get("idle_since")
+        if idle_since is None or time.monotonic() - idle_since <= PING_AFTER_IDLE_S:
+            return
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except Exception as exc:  # noqa: BLE001 - any failure: the pool opens a new connection instead
+            raise exc_module.DisconnectionError(f"a pooled connection failed its ping ({type(exc).__name__})") from exc
+
+
 _READ_OPTION = "tinkergym_read_only"
 _READERS: "weakref.WeakKeyDictionary[Engine, Engine]" = weakref.WeakKeyDictionary()
 _WRITE_LOCKS: "weakref.WeakKeyDictionary[Engine, threading.RLock]" = weakref.WeakKeyDictionary()
+_AUTOCOMMIT_READERS: "weakref.WeakKeyDictionary[Engine, Engine]" = weakref.WeakKeyDictionary()
 
 
 def reader(engine: Engine) -> Engine:
@@ -209,6 +242,18 @@ def reader(engine: Engine) -> Engine:
     return found
 
 
+def autocommit_reader(engine: Engine) -> Engine:
+    """``engine`` for reads of one statement each, outside any transaction (no ``BEGIN``, no ``ROLLBACK``: one
+    round trip fewer on PostgreSQL); on SQLite, :func:`reader` (a statement run by :class:`Prepared` on it is its own
+    snapshot)."""
+    if is_sqlite(engine):
+        return reader(engine)
+    found = _AUTOCOMMIT_READERS.get(engine)
+    if found is None:
+        found = _AUTOCOMMIT_READERS[engine] = engine.execution_options(isolation_level="AUTOCOMMIT")
+    return found
+
+
 def write_lock(engine: Engine) -> Any:
     """A lock that lets one of this process's threads write at a time on SQLite (so they queue here instead of in
     SQLite's busy handler, which sleeps in steps of up to 100 ms); a no-op elsewhere."""
@@ -217,6 +262,56 @@ def write_lock(engine: Engine) -> Any:
 
 def is_sqlite(engine: Engine) -> bool:
     return engine.dialect.name == "sqlite"
+
+
+class Prepared:
+    """A statement compiled once per dialect and run on the driver's cursor of a SQLAlchemy connection, in its transaction.
+
+    For the few statements on the hot path of a job submission, where SQLAlchemy's work per execution (a cache key,
+    an execution context, a result object) costs several times what the database does. ``statement`` is a Core
+    statement, or a function of the dialect's name that builds one; its parameters are :func:`~sqlalchemy.bindparam`
+    names, given as a dict (SQLite gets ``:name``, psycopg ``%(name)s``); literals in it keep their values. Values go
+    to the driver as they are, with no type processing: plain strings, numbers and None only.
+    """
+
+    def __init__(self, statement: Any) -> None:
+        self.statement = statement
+        self._compiled: dict[str, tuple[str, dict[str, Any]]] = {}
+
+    def sql(self, dialect: Any) -> tuple[str, dict[str, Any]]:
+        """The statement's SQL in ``dialect`` and the values of its literals (compiled on first use)."""
+        found = self._compiled.get(dialect.name)
+        if found is None:
+            statement = self.statement(dialect.name) if callable(self.statement) else self.statement
+            name = dialect.name
+            if name == "sqlite":
+                from sqlalchemy.dialects import sqlite
+
+                dialect = sqlite.dialect(paramstyle="named")  # sqlite3 takes a dict for :name parameters
+            compiled = statement.compile(dialect=dialect)
+            literals = {k: v for k, v in compiled.params.items() if v is not None}
+            found = self._compiled[name] = (str(compiled), literals)
+        return found
+
+    def rows(self, conn: Any, params: dict[str, Any]) -> list[tuple]:
+        """Run it on ``conn`` (a :class:`~sqlalchemy.engine.Connection` in a transaction) and fetch every row."""
+        sql, literals = self.sql(conn.dialect)
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute(sql, {**literals, **params} if literals else params)
+            return cursor.fetchall()
+        finally:
+            cursor.close()
+
+    def run(self, conn: Any, params: dict[str, Any]) -> int:
+        """Run it on ``conn`` (a :class:`~sqlalchemy.engine.Connection` in a transaction): the rows it changed."""
+        sql, literals = self.sql(conn.dialect)
+        cursor = conn.connection.cursor()
+        try:
+            cursor.execute(sql, {**literals, **params} if literals else params)
+            return cursor.rowcount
+        finally:
+            cursor.close()
 
 
 def upgrade(engine: Engine, revision: str = "head") -> None:

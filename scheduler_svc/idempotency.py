@@ -2,36 +2,69 @@
 
 A key is scoped by tenant, method and path and fingerprinted by the request body (its canonical JSON):
 
-- the first request with a key runs; its response is stored **in the same transaction as what it creates**,
-  so an acknowledged job always has its key and a key never points at nothing;
+- the first request with a key runs, and its response is stored **in the same transaction as what it creates**
+  (one transaction: look the key up, do the work, store the response), so an acknowledged job always has its
+  key, a key never points at nothing, and a request that fails or dies leaves nothing behind: a retry runs again;
 - a retry with the same key and body gets the stored response again (same status, same body), and
   creates nothing;
 - the same key with another body is 422;
 - a request refused without effect (a quota, :class:`Refused`) is not stored: a retry runs again;
-- a retry while the first is still running is 409 (the first request marks the key in flight in a
-  transaction of its own before it runs, naming the scheduler process that runs it; a marker of another
-  process (one that was killed and restarted: the scheduler runs as one process per database) or older
-  than :data:`STALE_AFTER_S` is a dead request's, and the next retry takes it over).
+- a retry while the first is still running is 409. In flight means: in this process, a request with the key
+  that has not ended (a set the store keeps); in another process on the same PostgreSQL database, a transaction
+  holding the key's advisory lock (``pg_try_advisory_xact_lock``, taken in the statement that looks the key
+  up). On SQLite another process's transaction holds the write lock, so a retry waits for it and then finds its
+  response. Should a first request of another process store the key between a retry's lookup and its insert
+  anyway, the retry's work rolls back and it answers with what was stored.
+
+Earlier versions claimed a key in a transaction of its own before the work, leaving a row with no status whose
+``response`` names the process running it (:data:`IN_FLIGHT`). Such a row still answers 409 while it names this
+process and is younger than :data:`STALE_AFTER_S`; otherwise it is a dead request's, and the next retry takes it over.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import and_, bindparam, func, literal_column, select, true, update
 from sqlalchemy.engine import Connection
 
-from tinkergym.scheduler.db import idempotency
+from tinkergym.scheduler.db import Prepared, idempotency
 from tinkergym.scheduler.repository import JobStore
 
 MAX_KEY_LENGTH = 255
 #: An in-flight marker older than this belongs to a request that died; a retry may take it over.
 STALE_AFTER_S = 60.0
-#: The ``response`` of a key whose first request is in flight: this prefix and the id of the process running it.
+#: The ``response`` of a key whose first request is in flight (rows of earlier versions): this prefix and the id of the process running it.
 IN_FLIGHT = "in-flight:"
+
+_SCOPE = ("tenant_id", "method", "path", "key")
+_ROW = (idempotency.c.body_digest, idempotency.c.status, idempotency.c.response, idempotency.c.created_at)
+
+
+def _find_key(dialect: str) -> Any:
+    """The key's row; on PostgreSQL with, first, whether its advisory lock was free (the lock is then held until commit)."""
+    match = [idempotency.c[name] == bindparam(name) for name in _SCOPE]
+    if dialect != "postgresql":
+        return select(true(), *_ROW).where(*match)
+    one = select(literal_column("1").label("one")).subquery("one")
+    return select(func.pg_try_advisory_xact_lock(bindparam("lock")), *_ROW).select_from(one.outerjoin(idempotency, and_(*match)))
+
+
+def _insert_key(dialect: str) -> Any:
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert
+    return insert(idempotency).values({c.key: bindparam(c.key) for c in idempotency.c}).on_conflict_do_nothing()
+
+
+_FIND_KEY = Prepared(_find_key)
+_READ_KEY = Prepared(_find_key("any"))  # the row alone, no lock: an answer to replay
+_INSERT_KEY = Prepared(_insert_key)
 
 
 class IdempotencyError(Exception):
@@ -51,6 +84,10 @@ class Refused(Exception):
         self.payload = {"error": {"type": kind, "message": message}}
 
 
+class _StoredMeanwhile(Exception):
+    """Another process stored the key between this request's lookup and its insert: roll the work back."""
+
+
 @dataclass
 class Stored:
     """A response to send: status and JSON body; ``replayed`` when it is the first request's, sent again."""
@@ -68,7 +105,7 @@ def run_once(
     store: JobStore, *, tenant_id: str, method: str, path: str, key: str | None, body: Any,
     handler: Callable[[Connection], tuple[int, dict[str, Any]]],
 ) -> Stored:
-    """Run ``handler(conn)`` in a transaction once per key; without a key, just run it."""
+    """Run ``handler(conn)`` in a transaction once per key, storing its response there; without a key, just run it."""
     if key is None:
         try:
             with store.transaction() as conn:
@@ -79,42 +116,78 @@ def run_once(
     if not key or len(key) > MAX_KEY_LENGTH or not key.isprintable():
         raise IdempotencyError(400, f"Idempotency-Key must be 1 to {MAX_KEY_LENGTH} printable characters")
     digest = fingerprint(body)
-    where = (idempotency.c.tenant_id == tenant_id, idempotency.c.method == method, idempotency.c.path == path, idempotency.c.key == key)
-    # 1. Claim the key (its own transaction), or answer from what is there.
-    marker = IN_FLIGHT + store.owner
-    claim = {"tenant_id": tenant_id, "method": method, "path": path, "key": key, "body_digest": digest, "status": None, "response": marker}
-    with store.transaction() as conn:
-        # The common case, a new key, is one statement: an insert that does nothing when the key exists.
-        if conn.execute(_insert_new(conn).values(**claim, created_at=store.clock()).returning(idempotency.c.key)).first() is None:
-            row = conn.execute(select(idempotency).where(*where)).mappings().first()
-            if row is None:  # the claim in the way was removed meanwhile (its work failed): the caller retries
-                raise IdempotencyError(409, f"a request with Idempotency-Key {key!r} is in flight; retry after it ends")
-            stored = _answer(row, digest, store.clock(), marker)
-            if stored is not None:
-                return stored
-            # A stale marker (a request that died): take it over.
-            conn.execute(update(idempotency).where(*where).values(body_digest=digest, response=marker, created_at=store.clock()))
-    # 2. Do the work and store its response in one transaction.
-    try:
-        with store.transaction() as conn:
-            status, payload = handler(conn)
-            conn.execute(update(idempotency).where(*where).values(status=status, response=json.dumps(payload)))
-    except BaseException as exc:
-        with store.transaction() as conn:  # the work rolled back: free the key for a retry
-            conn.execute(delete(idempotency).where(*where, idempotency.c.status.is_(None)))
-        if isinstance(exc, Refused):
-            return Stored(exc.status, exc.payload)
-        raise
+    scope = {"tenant_id": tenant_id, "method": method, "path": path, "key": key}
+    with _in_flight(store, scope) as claimed:
+        if not claimed:  # a request with the key runs in this process: replay a stored answer, else 409
+            return _stored_answer(store, scope, digest)
+        try:
+            with store.transaction() as conn:
+                free, row = _find(conn, scope)
+                taking_over = row is not None
+                if row is not None:
+                    stored = _answer(row, digest, store.clock(), IN_FLIGHT + store.owner)
+                    if stored is not None:
+                        return stored
+                elif not free:
+                    raise IdempotencyError(409, "a request with this Idempotency-Key is in flight; retry after it ends")
+                status, payload = handler(conn)
+                record = {**scope, "body_digest": digest, "status": status, "response": json.dumps(payload), "created_at": store.clock()}
+                if taking_over:  # a dead request's marker (an earlier version's): this request's answer replaces it
+                    where = [idempotency.c[name] == scope[name] for name in _SCOPE]
+                    stored_now = conn.execute(update(idempotency).where(*where, idempotency.c.status.is_(None)).values(**record)).rowcount == 1
+                else:
+                    stored_now = _INSERT_KEY.run(conn, record) == 1
+                if not stored_now:
+                    raise _StoredMeanwhile
+        except Refused as refused:
+            return Stored(refused.status, refused.payload)
+        except _StoredMeanwhile:
+            return _stored_answer(store, scope, digest)
     return Stored(status, payload)
 
 
-def _insert_new(conn: Connection) -> Any:
-    """``INSERT ... ON CONFLICT DO NOTHING`` into the keys table, in the connection's dialect."""
+def _stored_answer(store: JobStore, scope: dict[str, str], digest: str) -> Stored:
+    """The answer stored under the key, read without a lock; 409 when there is none yet (its first request is in flight)."""
+    with store.read() as conn:
+        rows = _READ_KEY.rows(conn, scope)
+    row = dict(zip(("free", "body_digest", "status", "response", "created_at"), rows[0])) if rows else None
+    stored = _answer(row, digest, store.clock(), IN_FLIGHT + store.owner) if row is not None else None
+    if stored is None:
+        raise IdempotencyError(409, "a request with this Idempotency-Key is in flight; retry after it ends")
+    return stored
+
+
+@contextmanager
+def _in_flight(store: JobStore, scope: dict[str, str]) -> Iterator[bool]:
+    """Mark the key in flight in this process while the block runs: True, or False when a request with it already is."""
+    claim = tuple(scope[name] for name in _SCOPE)
+    with store.keys_lock:
+        if claim in store.keys_in_flight:
+            claimed = False
+        else:
+            store.keys_in_flight.add(claim)
+            claimed = True
+    try:
+        yield claimed
+    finally:
+        if claimed:
+            with store.keys_lock:
+                store.keys_in_flight.discard(claim)
+
+
+def _find(conn: Connection, scope: dict[str, str]) -> tuple[bool, dict[str, Any] | None]:
+    """(whether no other transaction holds the key, its row or None)."""
+    params = scope
     if conn.dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert as dialect_insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert as dialect_insert
-    return dialect_insert(idempotency).on_conflict_do_nothing()
+        name = "\x00".join(scope[n] for n in _SCOPE).encode("utf-8")
+        params = {**scope, "lock": int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "big", signed=True)}
+    rows = _FIND_KEY.rows(conn, params)
+    if not rows:
+        return True, None
+    free, body_digest, status, response, created_at = rows[0]
+    if body_digest is None:  # PostgreSQL's outer join: no row
+        return bool(free), None
+    return bool(free), {"body_digest": body_digest, "status": status, "response": response, "created_at": created_at}
 
 
 def _answer(row: Any, digest: str, now: float, marker: str) -> Stored | None:

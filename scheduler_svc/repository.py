@@ -9,18 +9,20 @@ gets :class:`Conflict` (HTTP 409), whatever the interleaving.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from sqlalchemy import and_, insert, select, update
+from sqlalchemy import and_, bindparam, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from tinkergym.scheduler import states
-from tinkergym.scheduler.db import checkpoints, events, jobs, reader, write_lock
+from tinkergym.scheduler.db import Prepared, checkpoints, events, jobs, reader, tenants, write_lock
 
 #: Event types a job's stream carries (``data`` is a JSON object).
 EVENT_TYPES = ("state", "log", "metrics", "checkpoint", "lease", "error")
@@ -32,6 +34,49 @@ class Conflict(Exception):
 
 class NotFound(Exception):
     """No such job for this tenant (HTTP 404: another tenant's job is not found either)."""
+
+
+def _first_event() -> Any:
+    return insert(events).values(job_id=bindparam("id"), seq=bindparam("event_seq"), type=bindparam("event_type"),
+                                 data=bindparam("event_data"), created_at=bindparam("created_at"))
+
+
+_INSERT_JOB = Prepared(insert(jobs).values({c.key: bindparam(c.key) for c in jobs.c}))
+_INSERT_FIRST_EVENT = Prepared(_first_event())
+#: A queued job's first event, as :meth:`JobStore.append_event` would write it.
+_QUEUED_EVENT = json.dumps({"state": states.QUEUED, "attempt": 0})
+_QUEUED_COUNT = Prepared(select(func.count()).select_from(
+    select(jobs.c.id).where(jobs.c.tenant_id == bindparam("tenant_id"), jobs.c.state == states.QUEUED).limit(bindparam("limit")).subquery()))
+# SQLite (the write lock held since BEGIN IMMEDIATE): the quotas and the queued jobs in one statement.
+_QUOTAS_AND_QUEUED = Prepared(select(
+    tenants.c.max_gpus, tenants.c.max_queued,
+    select(func.count()).select_from(
+        select(jobs.c.id).where(jobs.c.tenant_id == bindparam("tenant_id"), jobs.c.state == states.QUEUED)
+        .limit(select(tenants.c.max_queued + 1).where(tenants.c.id == bindparam("tenant_id")).scalar_subquery()).subquery()
+    ).scalar_subquery(),
+).where(tenants.c.id == bindparam("tenant_id")))
+# PostgreSQL: the job and its first event (CTEs: the event's foreign key is checked at the statement's end), then
+# the tenant's queue lock (an advisory lock held to the commit) and its quotas, in one statement.
+_INSERT_JOB_AND_LOCK_QUEUE = Prepared(
+    select(func.pg_advisory_xact_lock(bindparam("queue_lock")), tenants.c.max_gpus, tenants.c.max_queued)
+    .where(tenants.c.id == bindparam("tenant_id"))
+    .add_cte(insert(jobs).values({c.key: bindparam(c.key) for c in jobs.c}).cte("new_job"))
+    .add_cte(_first_event().cte("first_event"))
+)
+
+
+@dataclass
+class Quotas:
+    """A tenant's quotas and its queued jobs (counted no further than ``max_queued + 1``)."""
+
+    max_gpus: int
+    max_queued: int
+    queued: int
+
+
+def _queue_lock(tenant_id: str) -> int:
+    """The id of the PostgreSQL advisory lock that serializes a tenant's submissions (a signed 64-bit hash)."""
+    return int.from_bytes(hashlib.blake2b(b"queue\x00" + tenant_id.encode("utf-8"), digest_size=8).digest(), "big", signed=True)
 
 
 def now() -> float:
@@ -58,6 +103,9 @@ class JobStore:
         self.clock = clock
         #: This process's id (a fresh one per start): in-flight idempotency markers name it.
         self.owner = secrets.token_hex(8)
+        #: Idempotency keys (tenant, method, path, key) whose request is running in this process (:mod:`tinkergym.scheduler.idempotency`).
+        self.keys_in_flight: set[tuple[str, str, str, str]] = set()
+        self.keys_lock = threading.Lock()
 
     @contextmanager
     def transaction(self) -> Iterator[Connection]:
@@ -75,6 +123,20 @@ class JobStore:
         name: str = "", max_attempts: int = 3,
     ) -> dict[str, Any]:
         """Insert a queued job (inside the caller's transaction, with its idempotency record) and its first event."""
+        return self.create_queued_job(conn, tenant_id=tenant_id, kind=kind, gpus=gpus, config=config, priority=priority, name=name,
+                                      max_attempts=max_attempts, count_queue=False)[0]
+
+    def create_queued_job(
+        self, conn: Connection, *, tenant_id: str, kind: str, gpus: int, config: dict[str, Any], priority: int = 0,
+        name: str = "", max_attempts: int = 3, count_queue: bool = True,
+    ) -> tuple[dict[str, Any], Quotas | None]:
+        """Insert a queued job and its first event; then (``count_queue``) the tenant's quotas and queued jobs, this one included.
+
+        The count is atomic: on PostgreSQL the tenant's submissions are serialized from here to their commit (an
+        advisory lock taken after the insert, so that it is held as briefly as can be, then the count in a statement
+        of its own, whose snapshot has every job committed before the lock was granted); SQLite's write lock does that
+        already. A caller that finds a quota exceeded raises, rolling the job back.
+        """
         if kind not in states.KINDS:
             raise ValueError(f"unknown job kind {kind!r}; the kinds are {', '.join(states.KINDS)}")
         t = self.clock()
@@ -84,11 +146,20 @@ class JobStore:
             "created_at": t, "updated_at": t, "finished_at": None, "error": None, "lease_epoch": 0, "worker_id": None,
             "lease_expires_at": None, "server_url": None, "server_token_digest": None, "cursor": 1,
         }
-        # Two statements: the job with its cursor at its first event, and that event (seq 1).
-        conn.execute(insert(jobs).values(**row))
-        conn.execute(insert(events).values(job_id=row["id"], seq=1, type="state", data=json.dumps({"state": states.QUEUED, "attempt": 0}),
-                                           created_at=t))
-        return row
+        # The job with its cursor at its first event, and that event (seq 1): statements prepared once and run on the
+        # driver's cursor (a submission's hot path).
+        params = {**row, "event_seq": 1, "event_type": "state", "event_data": _QUEUED_EVENT}
+        if conn.dialect.name == "postgresql" and count_queue:
+            max_gpus, max_queued = _INSERT_JOB_AND_LOCK_QUEUE.rows(conn, {**params, "queue_lock": _queue_lock(tenant_id)})[0][1:]
+            queued = _QUEUED_COUNT.rows(conn, {"tenant_id": tenant_id, "limit": max_queued + 1})[0][0]
+            return row, Quotas(max_gpus, max_queued, queued)
+        _INSERT_JOB.run(conn, params)
+        _INSERT_FIRST_EVENT.run(conn, params)
+        if not count_queue:
+            return row, None
+        if conn.dialect.name != "sqlite":
+            raise NotImplementedError(f"counting a queue atomically on {conn.dialect.name}")
+        return row, Quotas(*_QUOTAS_AND_QUEUED.rows(conn, {"tenant_id": tenant_id})[0])
 
     def get(self, conn: Connection, job_id: str, tenant_id: str | None = None, *, for_update: bool = False) -> dict[str, Any]:
         """The job's row; :class:`NotFound` when it does not exist or belongs to another tenant than ``tenant_id``."""

@@ -2,7 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+#: How many submissions run their transaction at once, per app: on SQLite one (its writes take turns on the write
+#: lock anyway; more threads would only wait there and contend for the GIL), on PostgreSQL a few.
+WRITERS = {"sqlite": 1}
+DEFAULT_WRITERS = 4
+
+
+async def in_writer_thread(request: Any, function: Callable[[], T]) -> T:
+    """``function()`` in a worker thread, with at most :data:`WRITERS` such calls of the app running at once (the
+    others wait in the event loop, not as threads)."""
+    import asyncio
+
+    import anyio
+    import anyio.to_thread
+
+    state = request.app.state
+    loop = asyncio.get_running_loop()
+    if getattr(state, "writers_loop", None) is not loop:  # a limiter waits with the primitives of one event loop
+        state.writers = anyio.CapacityLimiter(WRITERS.get(state.engine.dialect.name, DEFAULT_WRITERS))
+        state.writers_loop = loop
+    return await anyio.to_thread.run_sync(function, limiter=state.writers)
 
 
 def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: Any, finish: Any = None) -> Any:

@@ -14,10 +14,10 @@ from sqlalchemy import and_, func, or_, select
 from tinkergym.scheduler import states
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.auth import Principal
-from tinkergym.scheduler.db import jobs, tenants
+from tinkergym.scheduler.db import jobs
 from tinkergym.scheduler.idempotency import Refused
 from tinkergym.scheduler.repository import Conflict, JobStore
-from tinkergym.scheduler.routes import respond_once
+from tinkergym.scheduler.routes import in_writer_thread, respond_once
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -137,7 +137,7 @@ def job_view(conn: Any, job: dict[str, Any], position: bool = False) -> dict[str
 
 
 @router.post("", status_code=201, response_model=Job, responses={409: {}, 422: {}, 429: {}})
-def submit(
+async def submit(
     body: JobCreate, request: Request, who: Principal = Depends(require("write")),
     idempotency_key: str | None = Header(None, alias="Idempotency-Key", max_length=255),
 ) -> Any:
@@ -146,20 +146,20 @@ def submit(
     settings = request.app.state.settings
 
     def create(conn: Any) -> tuple[int, dict[str, Any]]:
-        tenant = conn.execute(select(tenants).where(tenants.c.id == who.tenant_id)).mappings().one()
-        if body.gpus > tenant["max_gpus"]:
-            raise Refused(400, "invalid_request", f"the job asks for {body.gpus} GPUs; tenant {who.tenant_id!r} may hold at most {tenant['max_gpus']}")
-        waiting = select(jobs.c.id).where(jobs.c.tenant_id == who.tenant_id, jobs.c.state == states.QUEUED).limit(tenant["max_queued"])
-        queued = conn.execute(select(func.count()).select_from(waiting.subquery())).scalar_one()  # counts no further than the quota
-        if queued >= tenant["max_queued"]:
-            raise Refused(429, "quota", f"tenant {who.tenant_id!r} has {queued} queued jobs, its quota; wait for some to start or cancel some")
-        job = _store(request).create_job(
+        # The job first, then the tenant's quotas with its queue counted (this job included) and held to the commit:
+        # over a quota, raising rolls the job back.
+        job, quotas = _store(request).create_queued_job(
             conn, tenant_id=who.tenant_id, kind=body.kind, gpus=body.gpus, config=body.config, priority=body.priority,
             name=body.name, max_attempts=body.max_attempts or settings.max_attempts,
         )
+        if body.gpus > quotas.max_gpus:
+            raise Refused(400, "invalid_request", f"the job asks for {body.gpus} GPUs; tenant {who.tenant_id!r} may hold at most {quotas.max_gpus}")
+        if quotas.queued > quotas.max_queued:
+            raise Refused(429, "quota", f"tenant {who.tenant_id!r} has {quotas.max_queued} queued jobs, its quota; wait for some to start or cancel some")
         return 201, job_view(conn, job)
 
-    return respond_once(request, who, idempotency_key, body.model_dump(mode="json"), create)
+    fields = body.model_dump(mode="json")
+    return await in_writer_thread(request, lambda: respond_once(request, who, idempotency_key, fields, create))
 
 
 def _decode_cursor(cursor: str) -> tuple[float, str]:
