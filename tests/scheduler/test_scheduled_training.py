@@ -105,14 +105,25 @@ class PlayedWorker(threading.Thread):
         self.served = ThreadServer(app)
         answer = self.post(f"/jobs/{job}/state", {"epoch": epoch, "state": "running", "server_url": self.served.url})
         assert answer.status_code == 200, answer.text
+        recorded: set[str] = set()
         while not self.stopped.is_set():
             if app.dead.is_set():
                 self.served.stop()  # killed: the server goes, the heartbeats stop, the lease runs out
                 return
+            self._record(job, epoch, recorded)
             if self.post(f"/jobs/{job}/heartbeat", {"epoch": epoch}).status_code != 200:
                 break  # the job ended (completed by its client) or the lease was lost: stop the server
             time.sleep(0.2)
         self.served.stop()
+
+    def _record(self, job: str, epoch: int, recorded: set[str]) -> None:
+        """Record each complete state the server saved as a checkpoint (a real worker uploads its files first)."""
+        states = self.run_dir / "states"
+        for state in sorted(states.glob("step_*")) if states.is_dir() else []:
+            if state.name not in recorded and not state.name.endswith(".tmp") and (state / "state.json").is_file():
+                answer = self.post(f"/jobs/{job}/checkpoints", {"epoch": epoch, "step": int(state.name.split("_")[1]), "name": state.name})
+                if answer.status_code == 200:
+                    recorded.add(state.name)
 
 
 @pytest.fixture
