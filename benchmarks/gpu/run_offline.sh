@@ -5,7 +5,7 @@
 # image lacks, and setuptools 84: the image's may predate the SPDX license string of pyproject.toml, which
 # setuptools reads from 77 on; PYTHONPATH puts it first for the --no-build-isolation build) and the repo with
 # its env packages (no dependencies, offline),
-# prints the machine and the versions, runs tests/test_cuda.py, then the GRPO step benchmark on cuda with
+# prints the machine and the versions, runs the GPU lane (make test-gpu's tests), then the GRPO step benchmark on cuda with
 # SmolLM2-135M-Instruct's shapes (random weights from .gpu/smollm2-135m) against TRL, LoRA and full.
 # Everything is tee'd to $OUT/run.log; pytest.txt, bench.txt and bench.json beside it.
 # Dry runs elsewhere: PY (interpreter), NO_WHEELS=1 (skip the wheels), BENCH_DEVICE, BENCH_ARGS, TEST_DEVICE.
@@ -61,8 +61,8 @@ EOF
     echo "== install check (${SECONDS}s)"
     "$PY" -P -c "import tinkergym, trl, datasets; env = tinkergym.make('tinker/Bandit-v0'); obs, info = env.reset(seed=0); print(tinkergym.__file__); print(obs.splitlines()[0], '| reward of red:', env.step('red')[1])"
 
-    echo "== tests/test_cuda.py (${SECONDS}s)"
-    timeout 180 "$PY" -P -m pytest tests/test_cuda.py -q -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt"
+    echo "== the GPU lane: test_cuda, test_host_syncs, test_gpu_attention (${SECONDS}s)"
+    timeout 300 "$PY" -P -m pytest tests/test_cuda.py tests/test_host_syncs.py tests/test_gpu_attention.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt"
     echo "pytest exit: ${PIPESTATUS[0]}"
 
     echo "== GRPO step benchmark, $BENCH_DEVICE, random SmolLM2-135M weights, $BENCH_ARGS (${SECONDS}s)"
