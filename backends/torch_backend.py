@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import importlib.util
 import json
 import math
@@ -219,19 +220,28 @@ class _Batch:
     first_read: int | None = None
 
 
-def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """A frozen copy of ``model`` whose linear weights are in ``dtype`` and whose other weights stay as they are.
+def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
+    """A frozen copy of ``model`` on ``device`` whose linear weights are in ``dtype`` and whose other weights stay as they are.
 
-    A tied output embedding gets its own ``dtype`` weight: converting the shared one would also turn the
-    input embeddings, and with them the whole residual stream, into ``dtype``.
+    Built weight by weight, never as a whole duplicate in the weights' own dtype: each linear weight is cast
+    straight into a new ``dtype`` tensor, and every other weight already on ``device`` in its dtype is shared
+    with ``model`` (a frozen alias that in-place updates of ``model`` reach), else moved there. A tied output
+    embedding gets its own ``dtype`` weight: converting the shared one would also turn the input embeddings,
+    and with them the whole residual stream, into ``dtype``.
     """
-    sampler = copy.deepcopy(model).eval().requires_grad_(False)
+    device = device if device is not None else next(model.parameters()).device
+    linear = {id(p) for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters(recurse=False)}
+    other = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear) for p in m.parameters(recurse=False)}
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        target = dtype if id(param) in linear and id(param) not in other else param.dtype
+        memo[id(param)] = torch.nn.Parameter(param.detach().to(device=device, dtype=target), requires_grad=False)
+    sampler = copy.deepcopy(model, memo).to(device).eval().requires_grad_(False)  # .to moves the buffers only
+    sampler.register_forward_pre_hook(functools.partial(_cache_in, dtype), with_kwargs=True)
     head = sampler.get_output_embeddings()
     if head is not None and head.weight is sampler.get_input_embeddings().weight:
-        head.weight = torch.nn.Parameter(head.weight.detach().to(dtype), requires_grad=False)
-    for module in sampler.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.to(dtype)
+        source = model.get_output_embeddings().weight.detach()
+        head.weight = torch.nn.Parameter(source.to(device=device, dtype=dtype), requires_grad=False)
     return sampler
 
 
@@ -264,6 +274,50 @@ def _validate(data: list[Datum], spec: LossSpec) -> None:
 
 
 class TorchBackend:
+def _cache_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """Forward pre-hook: a KV cache that stores keys and values in ``dtype`` for a pass that starts one.
+
+    With float32 embeddings and norms the rotary embedding multiplies the compute-dtype keys by float32 cosines,
+    so transformers' cache would hold float32 keys and then, concatenated into them, float32 values: twice the
+    memory. Attention reads them in ``dtype`` anyway (autocast casts its inputs; flash-attn needs them so), so
+    rounding them when they are stored changes no result of a pass without gradients.
+    """
+    if kwargs.get("use_cache") and kwargs.get("past_key_values") is None and not torch.is_grad_enabled():
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=module.config)
+        for layer in cache.layers:
+            layer.update = functools.partial(_update_in, dtype, layer.update)
+        kwargs["past_key_values"] = cache
+    return args, kwargs
+
+
+def _update_in(dtype: torch.dtype, update: Any, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    return update(keys.to(dtype), values.to(dtype), *args, **kwargs)
+
+
+def _merged_on_host(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a peft model) with its adapters merged, in host memory: no second copy of it on its device.
+
+    The weights are copied to the host one by one; each layer's update (``B @ A`` times the scaling) is still
+    computed on the device by the live layer, exactly as peft computes it there, and added on the host (an
+    elementwise sum, rounded the same way everywhere), so the merged weights are those of merging on the device.
+    """
+    host = torch.device("cpu")
+    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach().to(host, copy=True), requires_grad=p.requires_grad) for p in model.parameters()}
+    memo.update({id(b): b.detach().to(host, copy=True) for b in model.buffers()})
+    copied = copy.deepcopy(model, memo)
+    live = dict(model.named_modules())
+    for name, module in copied.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "lora_A"):
+            module.get_delta_weight = functools.partial(_delta_to_host, live[name])
+    return copied.merge_and_unload()
+
+
+def _delta_to_host(module: torch.nn.Module, adapter: str) -> torch.Tensor:
+    return module.get_delta_weight(adapter).cpu()
+
+
     """A policy in this process: transformers model (+ peft LoRA), AdamW, checkpoints and export.
 
     Args:
@@ -309,14 +363,15 @@ class TorchBackend:
         fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.pad_id = next(t for t in fallbacks if t is not None)
 
-    def _load_base(self, dtype: torch.dtype) -> torch.nn.Module:
+    def _load_base(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
+        """The base model from disk in ``dtype`` on ``device`` (default: the backend's device)."""
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.attn_implementation)
         # torch 2.13 multiplies a non-contiguous [B, 1, H] slice (what logits_to_keep leaves) with a frozen
         # weight by broadcasting the weight to [B, H, V] first: seconds per prefill with a frozen (LoRA) head.
         model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
-        return model.to(self.device)
+        return model.to(self.device if device is None else device)
 
     def _compute(self) -> contextlib.AbstractContextManager:
         """Autocast to the compute dtype when any trainable weights (full float32 masters, a LoRA adapter) are kept in another one."""
@@ -414,7 +469,8 @@ class TorchBackend:
             targets = dict(self._sampling_copy.named_parameters(remove_duplicate=False))
             with torch.no_grad():
                 for name, source in self.model.named_parameters(remove_duplicate=False):
-                    targets[name].copy_(source)
+                    if targets[name].data_ptr() != source.data_ptr():  # weights kept in their dtype are shared
+                        targets[name].copy_(source)
         self._sampling_copy_stale = False
         return self._sampling_copy
 
@@ -496,8 +552,13 @@ class TorchBackend:
                     return self._sequence_logprobs(self.model, batch, micro, temperature)
             if self._reference is None:
                 # The starting weights, read back from disk only when a KL term first needs them.
-                # Same precision handling as the policy, so the two agree exactly before the first update.
-                self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
+                # Computed like the policy, so the two agree exactly before the first update. Float32 masters
+                # are read on the host and only the frozen compute-dtype copy goes to the device (see
+                # _sampling_copy): autocast rounds the linear weights the same way on every pass.
+                if self.param_dtype == self.dtype:
+                    self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
+                else:
+                    self._reference = _sampling_copy(self._load_base(self.param_dtype, torch.device("cpu")), self.dtype, self.device)
             return self._sequence_logprobs(self._reference, batch, micro, temperature)
 
     def optim_step(self, params: OptimParams) -> dict[str, float]:
@@ -581,8 +642,8 @@ class TorchBackend:
         if self.is_lora and not merged:
             self.model.save_pretrained(tmp)
         elif self.is_lora:
-            # Merging rewrites the layers in place, so it happens on a copy.
-            copy.deepcopy(self.model).merge_and_unload().save_pretrained(tmp)
+            # Merging rewrites the layers in place, so it happens on a copy, in host memory.
+            _merged_on_host(self.model).save_pretrained(tmp)
         else:
             self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
