@@ -19,12 +19,19 @@ Two savings, both exact up to floating-point summation order:
   logits (the vocabulary projection and log-softmax are a large share of a small model's work).
 
 Sequences without a shared prompt (SFT transcripts, single samples) are scored the ordinary way, right-padded.
+
+Gradient checkpointing (see ``TorchBackendConfig.gradient_checkpointing``) keeps the shared prompt: both passes
+hand their layers a KV cache whose update a checkpointed layer may repeat when the backward pass recomputes it
+(:func:`replayable_cache`), so the prompt's keys and values still reach its rows and gradients flow back.
 """
 
 from __future__ import annotations
 
+import copy
+import functools
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -205,17 +212,72 @@ def _own_token_logits(
     width = max(shared)
     prefix_ids, prefix_mask, prefix_positions = _left_padded_prefixes(tokens_BT[starts], shared, width)
     no_logits = torch.empty(0, dtype=torch.long, device=device)
-    cache = model(
-        input_ids=prefix_ids, attention_mask=prefix_mask, position_ids=prefix_positions, use_cache=True, logits_to_keep=no_logits
-    ).past_key_values
-    cache.batch_select_indices(group_of)
+    prefix = {"input_ids": prefix_ids, "attention_mask": prefix_mask, "position_ids": prefix_positions, "logits_to_keep": no_logits}
+    use_cache = not _checkpoints_layers(model)
+    if use_cache:
+        rows_cache = model(**prefix, use_cache=True).past_key_values
+        rows_cache.batch_select_indices(group_of)
+    else:
+        # Transformers turns `use_cache` off under checkpointing (with a warning) and makes no cache, but layers
+        # that may keep one still get a cache given explicitly; each pass gets one its recomputes can replay.
+        prefix_cache = replayable_cache(model)
+        model(**prefix, past_key_values=prefix_cache, use_cache=False)
+        rows_cache = prefix_cache.select_rows(group_of)
     steps = torch.arange(span, device=device)[None]
     rows_mask = steps < own_B[:, None]
     index = (offsets[:, None] + steps).clamp_max(length - 1)
     rows_BS = torch.where(rows_mask, tokens_BT.gather(1, index), torch.zeros_like(index))
     attention = torch.cat([prefix_mask[group_of], rows_mask.long()], dim=1)
-    logits = model(input_ids=rows_BS, attention_mask=attention, position_ids=offsets[:, None] + steps, past_key_values=cache, use_cache=True).logits
+    logits = model(
+        input_ids=rows_BS, attention_mask=attention, position_ids=offsets[:, None] + steps, past_key_values=rows_cache, use_cache=use_cache
+    ).logits
     return rows_BS, logits
+
+
+def _checkpoints_layers(model: torch.nn.Module) -> bool:
+    """Whether ``model`` runs its layers under gradient checkpointing now (it does only in training mode)."""
+    return model.training and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+@functools.cache
+def _replayable_cache_class() -> type:
+    from transformers import DynamicCache
+
+    class ReplayableCache(DynamicCache):
+        """A DynamicCache for one forward pass whose layers may run twice: a checkpointed layer's recompute in the
+        backward pass calls ``update`` again, and gets what the forward pass got, without changing the cache.
+
+        Each layer's state is remembered (a shallow copy: cache layers replace their tensors, never write into
+        them) before its first update; a second update of the same layer runs on a copy of that state.
+        """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.before_update: dict[int, Any] = {}
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+            if layer_idx in self.before_update:
+                return copy.copy(self.before_update[layer_idx]).update(key_states, value_states, *args, **kwargs)
+            if getattr(self, "layer_class_to_replicate", None) is not None:
+                while len(self.layers) <= layer_idx:
+                    self.layers.append(self.layer_class_to_replicate())
+            self.before_update[layer_idx] = copy.copy(self.layers[layer_idx])
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+        def select_rows(self, indices: torch.Tensor) -> ReplayableCache:
+            """A new cache for the next pass holding rows ``indices`` of this one, which stays as it is for its own recomputes."""
+            rows = copy.copy(self)
+            rows.layers = [copy.copy(layer) for layer in self.layers]
+            rows.before_update = {}
+            rows.batch_select_indices(indices)
+            return rows
+
+    return ReplayableCache
+
+
+def replayable_cache(model: torch.nn.Module) -> Any:
+    """An empty KV cache for ``model`` that checkpointed layers can use (see ``ReplayableCache`` in :func:`_replayable_cache_class`)."""
+    return _replayable_cache_class()(config=model.config)
 
 
 def _own_token_logits_by_prompt_length(

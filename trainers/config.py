@@ -64,6 +64,9 @@ class TrainConfig:
     # Deterministic kernels (torch.use_deterministic_algorithms), so a run and its resume repeat bit for bit on a GPU
     # too; on CPU they already do. Slower; eager attention on a GPU.
     deterministic: bool = False
+    # Recompute each decoder layer's activations in the backward pass instead of keeping them (less memory, about a
+    # third more compute; same gradients). Prompts shared by a group stay shared.
+    gradient_checkpointing: bool = False
     sampler: str = "torch"  # "torch" (the training backend samples) or "vllm" (a vLLM engine, synced every step)
     # The vLLM sampler's engine (sampler "vllm" only; None: chosen from the platform): the fraction of its GPU's memory
     # (default 0.3), CUDA graphs and compilation off (eager; default on CPU only), its device ("cuda:N", "cpu"; default

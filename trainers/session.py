@@ -139,6 +139,7 @@ class TrainingRun:
             TorchBackendConfig(
                 model=resolve_model(c.model), lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                 dtype=c.dtype, micro_batch_size=c.micro_batch_size, seed=c.seed, deterministic=c.deterministic,
+                gradient_checkpointing=c.gradient_checkpointing,
             )
         )
         if c.sampler != "vllm":
@@ -329,8 +330,9 @@ def _adopt_server_settings(config: TrainConfig, info: dict[str, Any], resumed: b
               "lora_dropout": info.get("lora_dropout"), "micro_batch_size": info.get("micro_batch_size")}
     if info.get("dtype") in ("bfloat16", "float32"):
         served["dtype"] = info["dtype"]
-    if isinstance(info.get("deterministic"), bool):
-        served["deterministic"] = info["deterministic"]
+    for flag in ("deterministic", "gradient_checkpointing"):
+        if isinstance(info.get(flag), bool):
+            served[flag] = info[flag]
     served = {k: v for k, v in served.items() if v is not None}
     if resumed:  # what decides whether a checkpoint fits: the model, the adapter's shape, the dtype
         differ = {k: (getattr(config, k), v) for k, v in served.items()

@@ -25,7 +25,7 @@ _FIELDS = (
 
 
 #: Options a training server decides (set when it starts), not a client training through it.
-_SERVER_OWNED = ("model", "lora_rank", "lora_alpha", "full", "dtype", "micro_batch_size", "sampler", "deterministic")
+_SERVER_OWNED = ("model", "lora_rank", "lora_alpha", "full", "dtype", "micro_batch_size", "sampler", "deterministic", "gradient_checkpointing")
 
 
 def build_config(options: dict[str, Any], base: Any = None) -> Any:
@@ -45,6 +45,8 @@ def build_config(options: dict[str, Any], base: Any = None) -> Any:
         config.lora_rank = 0
     if options.get("deterministic"):
         config.deterministic = True
+    if options.get("gradient_checkpointing"):
+        config.gradient_checkpointing = True
     if options.get("kwargs"):
         config.env_kwargs = {**config.env_kwargs, **parse_kwargs(options["kwargs"])}
     args = dict(config.trainer_args)
@@ -145,6 +147,8 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights dtype (auto: bf16 where supported).")
 @click.option("--deterministic", is_flag=True,
               help="Deterministic kernels only, so the run and its resume repeat bit for bit on a GPU too (slower; on CPU they already do).")
+@click.option("--gradient-checkpointing", is_flag=True,
+              help="Recompute layer activations in the backward pass instead of keeping them: less memory, about a third more compute, same gradients.")
 @click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory; groups sharing a prompt pack into the same token budget).")
 @click.option("--sampler", type=click.Choice(["torch", "vllm"]),
               help="Who samples rollouts: torch (the training model, default) or vllm (a vLLM engine synced after every step; needs vllm installed).")
