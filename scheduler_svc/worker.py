@@ -137,8 +137,9 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
             raise ValueError(f"config.{key} {value!r} is not a number")
         command += [flag, repr(kind(value))]  # serve-backend checks the range
-    if config.get("deterministic") is True:
-        command.append("--deterministic")
+    for flag in ("deterministic", "gradient_checkpointing"):
+        if config.get(flag) is True:
+            command.append(f"--{flag.replace('_', '-')}")
     return command + lifetime
 
 

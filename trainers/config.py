@@ -196,7 +196,7 @@ class TrainConfig:
         Folders of this machine (``out``, data files) stay here: the client runs the trainer.
         """
         keep = ("env", "trainer", "model", "lora_rank", "lora_alpha", "lora_dropout", "dtype", "seed", "micro_batch_size", "deterministic",
-                "steps", "batch_size", "group_size", "max_new_tokens", "max_context")
+                "gradient_checkpointing", "steps", "batch_size", "group_size", "max_new_tokens", "max_context")
         return {k: getattr(self, k) for k in keep}
 
     def to_dict(self) -> dict[str, Any]:

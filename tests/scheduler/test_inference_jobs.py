@@ -58,9 +58,9 @@ def test_a_serving_job_runs_serve_model_on_the_restored_checkpoint(kind: str, tm
 
 
 def test_a_deterministic_train_job_gets_a_deterministic_training_server(tmp_path: Path) -> None:
-    config = TrainConfig(env="tinker/Bandit-v0", model="tiny", deterministic=True).job_config()
+    config = TrainConfig(env="tinker/Bandit-v0", model="tiny", deterministic=True, gradient_checkpointing=True).job_config()
     command = server_command(_options(tmp_path), {"kind": "train", "config": config}, 20001, tmp_path / "f", gpu=False)
-    assert command[3] == "serve-backend" and "--deterministic" in command
+    assert command[3] == "serve-backend" and "--deterministic" in command and "--gradient-checkpointing" in command
     config["deterministic"] = "yes"
     assert "--deterministic" not in server_command(_options(tmp_path), {"kind": "train", "config": config}, 20001, tmp_path / "f", gpu=False)
 
