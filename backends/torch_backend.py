@@ -274,6 +274,63 @@ def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     return sampler
 
 
+def _cache_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """Forward pre-hook: a KV cache that stores keys and values in ``dtype`` for a pass that starts one.
+
+    With float32 embeddings and norms the rotary embedding multiplies the compute-dtype keys by float32 cosines,
+    so transformers' cache would hold float32 keys and then, concatenated into them, float32 values: twice the
+    memory. Attention reads them in ``dtype`` anyway (autocast casts its inputs; flash-attn needs them so), so
+    rounding them when they are stored changes no result of a pass without gradients.
+    """
+    if kwargs.get("use_cache") and kwargs.get("past_key_values") is None and not torch.is_grad_enabled():
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=module.config)
+        for layer in cache.layers:
+            layer.update = functools.partial(_update_in, dtype, layer.update)
+        kwargs["past_key_values"] = cache
+    return args, kwargs
+
+
+def _update_in(dtype: torch.dtype, update: Any, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    return update(keys.to(dtype), values.to(dtype), *args, **kwargs)
+
+
+def kv_token_cost(config: Any) -> float:
+    """What one position of a copied KV cache costs next to a token run through the model in training, estimated high.
+
+    A copy holds keys and values (``2 * kv_heads * head_dim`` numbers per layer) and in the backward pass their
+    gradient as many again; a token run through the model keeps several hidden-size vectors per layer (the
+    norms' inputs, the attention and MLP outputs, the MLP's wider intermediates), counted here as just one.
+    """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return min(1.0, 4 * heads * head_dim / config.hidden_size)
+
+
+def _merged_on_host(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a peft model) with its adapters merged, in host memory: no second copy of it on its device.
+
+    The weights are copied to the host one by one; each layer's update (``B @ A`` times the scaling) is still
+    computed on the device by the live layer, exactly as peft computes it there, and added on the host (an
+    elementwise sum, rounded the same way everywhere), so the merged weights are those of merging on the device.
+    """
+    host = torch.device("cpu")
+    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach().to(host, copy=True), requires_grad=p.requires_grad) for p in model.parameters()}
+    memo.update({id(b): b.detach().to(host, copy=True) for b in model.buffers()})
+    copied = copy.deepcopy(model, memo)
+    live = dict(model.named_modules())
+    for name, module in copied.named_modules():
+        if hasattr(module, "get_delta_weight") and hasattr(module, "lora_A"):
+            module.get_delta_weight = functools.partial(_delta_to_host, live[name])
+    return copied.merge_and_unload()
+
+
+def _delta_to_host(module: torch.nn.Module, adapter: str) -> torch.Tensor:
+    return module.get_delta_weight(adapter).cpu()
+
+
 def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple:
     return (args[0].contiguous(), *args[1:])
 
@@ -303,50 +360,6 @@ def _validate(data: list[Datum], spec: LossSpec) -> None:
 
 
 class TorchBackend:
-def _cache_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """Forward pre-hook: a KV cache that stores keys and values in ``dtype`` for a pass that starts one.
-
-    With float32 embeddings and norms the rotary embedding multiplies the compute-dtype keys by float32 cosines,
-    so transformers' cache would hold float32 keys and then, concatenated into them, float32 values: twice the
-    memory. Attention reads them in ``dtype`` anyway (autocast casts its inputs; flash-attn needs them so), so
-    rounding them when they are stored changes no result of a pass without gradients.
-    """
-    if kwargs.get("use_cache") and kwargs.get("past_key_values") is None and not torch.is_grad_enabled():
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=module.config)
-        for layer in cache.layers:
-            layer.update = functools.partial(_update_in, dtype, layer.update)
-        kwargs["past_key_values"] = cache
-    return args, kwargs
-
-
-def _update_in(dtype: torch.dtype, update: Any, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    return update(keys.to(dtype), values.to(dtype), *args, **kwargs)
-
-
-def _merged_on_host(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` (a peft model) with its adapters merged, in host memory: no second copy of it on its device.
-
-    The weights are copied to the host one by one; each layer's update (``B @ A`` times the scaling) is still
-    computed on the device by the live layer, exactly as peft computes it there, and added on the host (an
-    elementwise sum, rounded the same way everywhere), so the merged weights are those of merging on the device.
-    """
-    host = torch.device("cpu")
-    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach().to(host, copy=True), requires_grad=p.requires_grad) for p in model.parameters()}
-    memo.update({id(b): b.detach().to(host, copy=True) for b in model.buffers()})
-    copied = copy.deepcopy(model, memo)
-    live = dict(model.named_modules())
-    for name, module in copied.named_modules():
-        if hasattr(module, "get_delta_weight") and hasattr(module, "lora_A"):
-            module.get_delta_weight = functools.partial(_delta_to_host, live[name])
-    return copied.merge_and_unload()
-
-
-def _delta_to_host(module: torch.nn.Module, adapter: str) -> torch.Tensor:
-    return module.get_delta_weight(adapter).cpu()
-
-
     """A policy in this process: transformers model (+ peft LoRA), AdamW, checkpoints and export.
 
     Args:
@@ -507,17 +520,35 @@ def _delta_to_host(module: torch.nn.Module, adapter: str) -> torch.Tensor:
         return self._sampling_copy
 
     def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Per-token logprobs of whole sequences under the current policy at ``temperature`` (entry 0 is 0.0)."""
+        """Per-token logprobs of whole sequences under the current policy at ``temperature`` (entry 0 is 0.0).
+
+        Scored in the micro-batches training would score them in (see :meth:`plan`), so scoring long sequences
+        takes no more memory than training on them; read back once.
+        """
         self.model.eval()
-        out: list[list[float]] = []
+        data = [Datum(tokens=s, loss_mask=[0.0] * len(s)) for s in sequences]
+        parts: list[torch.Tensor] = []
+        order: list[int] = []
         with torch.no_grad():
-            for start in range(0, len(sequences), self.config.max_sample_batch):
-                chunk = sequences[start : start + self.config.max_sample_batch]
-                batch = self._collate([Datum(tokens=s, loss_mask=[0.0] * len(s)) for s in chunk])
+            for micro in self.plan(data, share_prefixes=False):
+                batch = self._collate([data[i] for i in micro.indices])
                 with self._compute():
-                    logprobs = logprobs_from(self.model, batch.tokens, batch.attention, temperature=temperature)
-                out.extend(row[:n] for row, n in zip(logprobs.tolist(), batch.lengths))
+                    parts.append(logprobs_from(self.model, batch.tokens, batch.attention, temperature=temperature))
+                order.extend(micro.indices)
+        if not parts:
+            return []
+        width = max(part.shape[1] for part in parts)
+        rows = torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts]).tolist()
+        out: list[list[float]] = [[] for _ in sequences]
+        for i, row in zip(order, rows):
+            out[i] = row[: len(sequences[i])]
         return out
+
+    def plan(self, data: list[Datum], share_prefixes: bool | None = None) -> list[MicroBatch]:
+        """The micro-batches ``data`` is scored in: :func:`plan_micro_batches` with this backend's settings and
+        the cost of its KV cache copies (see :func:`kv_token_cost`)."""
+        share = self.config.share_prefixes if share_prefixes is None else share_prefixes
+        return plan_micro_batches(data, self.config.micro_batch_size, share, kv_token_cost(self.model.config))
 
     def _collate(self, data: list[Datum]) -> _Batch:
         width = max(len(d.tokens) for d in data)
@@ -555,7 +586,7 @@ def _delta_to_host(module: torch.nn.Module, adapter: str) -> torch.Tensor:
         self.model.train()
         # Metric sums stay on the device until every micro-batch ran: one read-back, not one per metric and micro-batch.
         micro_sums: list[dict[str, torch.Tensor]] = []
-        for micro in plan_micro_batches(data, self.config.micro_batch_size, self.config.share_prefixes):
+        for micro in self.plan(data):
             batch = self._collate([data[i] for i in micro.indices])
             with self._compute():
                 logprobs = self._sequence_logprobs(self.model, batch, micro, spec.temperature)

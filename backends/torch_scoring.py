@@ -69,7 +69,7 @@ def first_loss_position(datum: Datum) -> int | None:
     return next((t for t in range(1, len(datum.tokens)) if datum.loss_mask[t] != 0), None)
 
 
-def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes: bool = True) -> list[MicroBatch]:
+def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes: bool = True, kv_cost: float = 0.0) -> list[MicroBatch]:
     """Split the request into micro-batches that each cost at most what ``micro_batch_size`` sequences would.
 
     With ``share_prefixes``, sequences whose tokens before the first masked-in position are identical (two
@@ -77,6 +77,10 @@ def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes:
     groups are packed into micro-batches up to ``micro_batch_size`` times the longest sequence's tokens (the
     memory an unshared micro-batch may take). The other sequences form micro-batches of ``micro_batch_size``
     in their original order.
+
+    Each shared row also holds its own copy of the prompts' KV cache, as wide as the micro-batch's longest
+    prompt (shorter ones are padded to it): ``kv_cost`` is what one cache entry costs, in tokens run through
+    the model (0 leaves the copies out; see ``TorchBackend`` for the estimate it passes).
     """
     groups: dict[tuple[int, ...], list[int]] = {}
     rest: list[int] = []
@@ -88,7 +92,7 @@ def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes:
             groups.setdefault(tuple(datum.tokens[:first]), []).append(i)
     budget = micro_batch_size * max((len(d.tokens) for d in data), default=1)
     batches: list[MicroBatch] = []
-    current, cost = MicroBatch([]), 0
+    current, cost, width = MicroBatch([]), 0, 0  # width: the longest shared prompt in `current`, which every row's cache copy spans
     for prompt, members in groups.items():
         if len(members) < 2:
             rest.extend(members)
@@ -96,17 +100,18 @@ def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes:
         opened = False  # whether this group already has rows in `current`
         for i in members:
             extra = len(data[i].tokens) - len(prompt) + 1 + (0 if opened else len(prompt) - 1)
-            if current.indices and cost + extra > budget:
+            wider = max(width, len(prompt) - 1)
+            if current.indices and cost + extra + kv_cost * (len(current.indices) + 1) * wider > budget:
                 batches.append(current)
                 current, cost, opened = MicroBatch([]), 0, False
-                extra = len(data[i].tokens)
+                extra, wider = len(data[i].tokens), len(prompt) - 1
             if not opened:
                 current.group_sizes.append(0)
                 current.prefix_lens.append(len(prompt))
                 opened = True
             current.indices.append(i)
             current.group_sizes[-1] += 1
-            cost += extra
+            cost, width = cost + extra, wider
     if current.indices:
         batches.append(current)
     rest.sort()

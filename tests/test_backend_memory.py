@@ -111,3 +111,89 @@ def test_merged_export_is_bit_for_bit_the_old_one(tiny: str, tmp_path: Path, dty
     assert (tmp_path / "new" / "model.safetensors").read_bytes() == (tmp_path / "old" / "model.safetensors").read_bytes()
     base = backend.model.get_base_model().state_dict()
     assert not torch.equal(new["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.base_layer.weight"])
+
+
+# ----- micro-batches ----------------------------------------------------------------------------------
+def group_batch() -> list[Datum]:
+    """Two GRPO-like groups: a 9-token and a 5-token prompt, four completions each, advantages of both signs."""
+    data = []
+    for g, prompt in enumerate(([3, 14, 15, 92, 65, 35, 89, 79, 32], [38, 46, 26, 43, 38])):
+        for k, n in enumerate((3, 5, 2, 4)):
+            tokens = prompt + [(7 * g + 11 * k + 13 * t) % 500 + 4 for t in range(n)]
+            data.append(Datum(tokens=tokens, loss_mask=[0.0] * len(prompt) + [1.0] * n, advantages=[(-1.0) ** k * (0.5 + 0.1 * k)] * len(tokens)))
+    return data
+
+
+def test_plan_counts_the_copies_of_shared_prompts() -> None:
+    from tinkergym.backends.torch_scoring import plan_micro_batches
+
+    data = group_batch()
+    # Budget 4 x 14 = 56 tokens. Without the copies both groups fit: 8 + 4 + 6 + 3 + 5 and 4 + 4 + 6 + 3 + 5.
+    assert plan_micro_batches(data, 4) == [MicroBatch(list(range(8)), [4, 4], [9, 5])]
+    # With them each row also holds the 8 cached prompt positions (the 4 of the second prompt padded to 8):
+    # the first group's fourth row makes 26 + 4 x 8 = 58 > 56.
+    plan = plan_micro_batches(data, 4, kv_cost=1.0)
+    assert plan == [MicroBatch([0, 1, 2], [3], [9]), MicroBatch([3, 4, 5], [1, 2], [9, 5]), MicroBatch([6, 7], [2], [5])]
+    for micro in plan:
+        shared = [p - 1 for p, size in zip(micro.prefix_lens, micro.group_sizes) for _ in range(size)]
+        own = sum(len(data[i].tokens) - s for i, s in zip(micro.indices, shared))
+        assert sum(p - 1 for p in micro.prefix_lens) + own + len(micro.indices) * max(shared) <= 56
+    assert plan_micro_batches(data, 4, kv_cost=0.25) == [MicroBatch([0, 1, 2, 3, 4, 5], [4, 2], [9, 5]), MicroBatch([6, 7], [2], [5])]
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_forward_backward_is_the_same_with_the_copies_counted(tiny: str, lora_rank: int) -> None:
+    from tinkergym.backends.torch_scoring import plan_micro_batches
+
+    request = ForwardBackwardRequest(group_batch(), LossSpec(name="reinforce", kl_coef=0.1))
+    results = []
+    for kv_cost in (0.0, 1.0):
+        backend = make(tiny, lora_rank=lora_rank, dtype="float32", micro_batch_size=4)
+        backend.plan = lambda data, share_prefixes=None, b=backend, kv_cost=kv_cost: plan_micro_batches(data, 4, True, kv_cost)
+        metrics = backend.forward_backward(request).metrics
+        results.append((len(backend.plan(request.data)), metrics, {n: p.grad.clone() for n, p in backend._trainable}))
+    (n_old, old, old_grads), (n_new, new, new_grads) = results
+    assert (n_old, n_new) == (1, 3)
+    # Exact up to floating-point summation order (micro-batches add their gradients in another order).
+    assert new.keys() == old.keys() and new == pytest.approx(old, rel=1e-5, abs=1e-6)
+    for name, grad in new_grads.items():
+        assert torch.allclose(grad, old_grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_the_backend_counts_copies_at_what_they_cost() -> None:
+    from transformers import Qwen2Config
+
+    from tinkergym.backends.torch_backend import kv_token_cost
+
+    # Qwen2.5-0.5B: 2 KV heads of 64 against a hidden size of 896; a model without grouped queries costs 1.
+    assert kv_token_cost(Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2)) == pytest.approx(4 * 128 / 896)
+    assert kv_token_cost(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4)) == 1.0
+
+
+def old_logprobs(backend: TorchBackend, sequences: list[list[int]], chunk: int) -> list[list[float]]:
+    """``logprobs`` as it was: chunks of ``max_sample_batch`` sequences, read back per chunk."""
+    from tinkergym.backends.torch_scoring import logprobs_from
+
+    out = []
+    with torch.no_grad():
+        for start in range(0, len(sequences), chunk):
+            batch = backend._collate([Datum(tokens=s, loss_mask=[0.0] * len(s)) for s in sequences[start : start + chunk]])
+            with backend._compute():
+                logprobs = logprobs_from(backend.model, batch.tokens, batch.attention)
+            out.extend(row[:n] for row, n in zip(logprobs.tolist(), batch.lengths))
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_logprobs_use_the_training_budget_and_do_not_depend_on_it(tiny: str, dtype: str) -> None:
+    backend = make(tiny, lora_rank=0, dtype=dtype)
+    sequences = [[(5 * i + 3 * t) % 700 + 4 for t in range(n)] for i, n in enumerate((7, 2, 13, 1, 9, 4, 11))]
+    expected = old_logprobs(backend, sequences, 64)
+    for size in (1, 2, 3, 8):
+        backend.config.micro_batch_size = size
+        assert len(backend.plan([Datum(s, [0.0] * len(s)) for s in sequences], share_prefixes=False)) == -(-len(sequences) // size)
+        got = backend.logprobs(sequences)
+        assert [len(row) for row in got] == [len(s) for s in sequences]
+        for row, want in zip(got, expected):  # the same up to the kernels' summation order in other batch shapes
+            assert row == pytest.approx(want, abs=1e-5), size
+    assert backend.logprobs([]) == []

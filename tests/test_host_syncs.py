@@ -27,7 +27,7 @@ pytest.importorskip("peft")
 from tinkergym.backends import losses, torch_sampling  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.torch_sampling import STOP_CHECK_INTERVAL, prefill, sample_batch, sample_next  # noqa: E402
-from tinkergym.backends.torch_scoring import plan_micro_batches, sequence_logprobs  # noqa: E402
+from tinkergym.backends.torch_scoring import sequence_logprobs  # noqa: E402
 from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, SampledSequence, SamplingParams  # noqa: E402
 from tinkergym.errors import NonFiniteError  # noqa: E402
 
@@ -277,7 +277,7 @@ SPECS = {
 def test_training_reads_back_once_per_call(backends: dict[str, TorchBackend]) -> None:
     backend = backends["lora"]
     data = training_batch()
-    micro_batches = len(plan_micro_batches(data, backend.config.micro_batch_size))
+    micro_batches = len(backend.plan(data))
     assert micro_batches >= 4
     for spec in SPECS.values():
         request = ForwardBackwardRequest(data=data, loss=spec)
@@ -297,7 +297,7 @@ def reference_forward_backward(backend: TorchBackend, request: ForwardBackwardRe
     num_sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
     backend.model.train()
     sums: dict[str, float] = {}
-    for micro in plan_micro_batches(data, backend.config.micro_batch_size, backend.config.share_prefixes):
+    for micro in backend.plan(data):
         batch = backend._collate([data[i] for i in micro.indices])
         with backend._compute():
             logprobs = sequence_logprobs(backend.model, batch.tokens, batch.attention, batch.mask, micro, spec.temperature)
