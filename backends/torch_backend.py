@@ -274,6 +274,23 @@ def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     return sampler
 
 
+def _frozen_in_compute_dtype(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """``model`` (loaded on the host, used for nothing else) frozen on ``device`` as :func:`_sampling_copy` makes its copy.
+
+    Converted in place, layer by layer, so no more than one layer's weights exist twice at any time, on the
+    host; the linear layers reach ``device`` already in ``dtype``.
+    """
+    model.eval().requires_grad_(False)
+    head = model.get_output_embeddings()
+    if head is not None and head.weight is model.get_input_embeddings().weight:
+        head.weight = torch.nn.Parameter(head.weight.detach().to(device=device, dtype=dtype), requires_grad=False)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.to(device=device, dtype=dtype)
+    model.to(device).register_forward_pre_hook(functools.partial(_cache_in, dtype), with_kwargs=True)
+    return model
+
+
 def _cache_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
     """Forward pre-hook: a KV cache that stores keys and values in ``dtype`` for a pass that starts one.
 
@@ -616,12 +633,12 @@ class TorchBackend:
             if self._reference is None:
                 # The starting weights, read back from disk only when a KL term first needs them.
                 # Computed like the policy, so the two agree exactly before the first update. Float32 masters
-                # are read on the host and only the frozen compute-dtype copy goes to the device (see
-                # _sampling_copy): autocast rounds the linear weights the same way on every pass.
+                # are read on the host and the linear layers go to the device in the compute dtype (see
+                # _frozen_in_compute_dtype): autocast rounds them the same way on every pass.
                 if self.param_dtype == self.dtype:
                     self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
                 else:
-                    self._reference = _sampling_copy(self._load_base(self.param_dtype, torch.device("cpu")), self.dtype, self.device)
+                    self._reference = _frozen_in_compute_dtype(self._load_base(self.param_dtype, torch.device("cpu")), self.dtype, self.device)
             return self._sequence_logprobs(self._reference, batch, micro, temperature)
 
     def optim_step(self, params: OptimParams) -> dict[str, float]:
