@@ -20,7 +20,8 @@ import time
 from typing import Any, Callable
 
 from tinkergym.backends.remote import RemoteBackend, RemoteBackendError, server_name
-from tinkergym.errors import ConfigError, TinkergymError
+from tinkergym.client import JobEnded  # noqa: F401 - raised by wait_running; importable from here
+from tinkergym.errors import ConfigError
 
 #: Seconds :meth:`ScheduledBackend.complete` waits for the worker to store the run's last checkpoint.
 STORE_TIMEOUT_S = 600.0
@@ -30,10 +31,6 @@ TERMINAL = ("succeeded", "failed", "cancelled")
 
 class BackendLost(RemoteBackendError):
     """The job's server stopped answering (lease lost or worker gone); :meth:`ScheduledBackend.reconnect` waits for the next one."""
-
-
-class JobEnded(TinkergymError, RuntimeError):
-    """The job reached a terminal state (failed, cancelled, succeeded) while the client still needed it."""
 
 
 def _stderr(message: str) -> None:
@@ -79,30 +76,10 @@ class ScheduledBackend:
     # ----- the job's lifecycle ------------------------------------------------------------------------
     def wait_running(self, after_epoch: int | None = None) -> dict[str, Any]:
         """Wait until the job runs (at an epoch above ``after_epoch``); its connection (url, token, epoch)."""
-        from tinkergym.client import SchedulerError
+        from tinkergym.client import wait_running
 
-        deadline = None if self.wait_timeout is None else time.monotonic() + self.wait_timeout
-        shown = None
-        while True:
-            job = self.client.show(self.job_id)
-            state = job["state"]
-            if state in TERMINAL:
-                raise JobEnded(f"job {self.job_id} is {state}{': ' + job['error'] if job.get('error') else ''}; "
-                               f"see `tinkergym jobs logs {self.job_id}`")
-            if state == "running" and (after_epoch is None or job["lease_epoch"] > after_epoch):
-                try:
-                    return self.client.connection(self.job_id)
-                except SchedulerError as exc:
-                    if exc.status != 409:  # 409: it stopped running between the two requests
-                        raise
-            status = f"job {self.job_id}: {state}" + (f", position {job['queue_position']} in the queue" if job.get("queue_position") else "")
-            if status != shown:
-                self.say(status)
-                shown = status
-            if deadline is not None and time.monotonic() > deadline:
-                raise JobEnded(f"job {self.job_id} did not start within {self.wait_timeout:g} s (it is {state}); "
-                               f"it stays queued: reattach later with tinkergym train --resume")
-            time.sleep(self.poll)
+        return wait_running(self.client, self.job_id, after_epoch=after_epoch, timeout=self.wait_timeout, poll=self.poll, say=self.say,
+                            still_queued="it stays queued: reattach later with tinkergym train --resume")
 
     def connect(self, after_epoch: int | None = None) -> None:
         """Wait for the job to run and connect to its server."""

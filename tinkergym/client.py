@@ -28,7 +28,8 @@ import threading
 import time
 import urllib.parse
 import uuid
-from typing import Any, Iterator
+import sys
+from typing import Any, Callable, Iterator
 
 from tinkergym.errors import ConfigError, TinkergymError
 
@@ -57,6 +58,45 @@ class SchedulerError(TinkergymError, RuntimeError):
     def input_error(self) -> bool:
         """Whether the request itself (or the key) was wrong, as opposed to the scheduler failing or being away."""
         return self.status in INPUT_STATUSES
+
+
+class JobEnded(TinkergymError, RuntimeError):
+    """The job reached a terminal state (failed, cancelled, succeeded) while the client still needed it, or did not start in time."""
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def wait_running(
+    client: "SchedulerClient", job_id: str, *, after_epoch: int | None = None, timeout: float | None = None, poll: float = 1.0,
+    say: Callable[[str], None] = _stderr, still_queued: str = "",
+) -> dict[str, Any]:
+    """Wait until job ``job_id`` runs (at a lease epoch above ``after_epoch``); its connection (``url``, ``token``, ``epoch``).
+
+    Each change of the job's state (and queue position) is said once. A terminal job, or one not running within
+    ``timeout`` seconds (None: no limit), raises :class:`JobEnded`; ``still_queued`` ends the latter's message.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    shown = None
+    while True:
+        job = client.show(job_id)
+        state = job["state"]
+        if state in TERMINAL_STATES:
+            raise JobEnded(f"job {job_id} is {state}{': ' + job['error'] if job.get('error') else ''}; see tinkergym jobs logs {job_id}")
+        if state == "running" and (after_epoch is None or job["lease_epoch"] > after_epoch):
+            try:
+                return client.connection(job_id)
+            except SchedulerError as exc:
+                if exc.status != 409:  # 409: it stopped running between the two requests
+                    raise
+        status = f"job {job_id}: {state}" + (f", position {job['queue_position']} in the queue" if job.get("queue_position") else "")
+        if status != shown:
+            say(status)
+            shown = status
+        if deadline is not None and time.monotonic() > deadline:
+            raise JobEnded(f"job {job_id} did not start within {timeout:g} s (it is {state}){'; ' + still_queued if still_queued else ''}")
+        time.sleep(poll)
 
 
 def check_scheduler_url(url: str | None) -> str:

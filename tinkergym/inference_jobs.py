@@ -15,20 +15,19 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from tinkergym.client import TERMINAL_STATES, SchedulerError
-from tinkergym.errors import ConfigError, TinkergymError
+from tinkergym.client import TERMINAL_STATES, JobEnded, SchedulerError, wait_running
+from tinkergym.errors import ConfigError
 
 #: A name the served model may have (the run folder's name): what ``served_name`` allows in a job's config.
 SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 
 
-class InferenceJobEnded(TinkergymError, RuntimeError):
-    """The job ended (failed, cancelled, succeeded) while it was still wanted."""
+#: The job ended (failed, cancelled, succeeded) while it was still wanted, or did not start in time.
+InferenceJobEnded = JobEnded
 
 
 @dataclass
@@ -128,31 +127,10 @@ class InferenceJob:
 
     def wait(self, after_epoch: int | None = None, timeout: float | None = None) -> Endpoint:
         """Wait until the job's server runs (at a lease epoch above ``after_epoch``) and answers; its :class:`Endpoint`."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        shown = None
-        while True:
-            job = self.client.show(self.job_id)
-            state = job["state"]
-            if state in TERMINAL_STATES:
-                raise InferenceJobEnded(f"job {self.job_id} is {state}{': ' + job['error'] if job.get('error') else ''}; "
-                                        f"see tinkergym jobs logs {self.job_id}")
-            if state == "running" and (after_epoch is None or job["lease_epoch"] > after_epoch):
-                try:
-                    connection = self.client.connection(self.job_id)
-                except SchedulerError as exc:
-                    if exc.status != 409:  # 409: it stopped running between the two requests
-                        raise
-                else:
-                    self.endpoint = self._endpoint(connection)
-                    return self.endpoint
-            status = f"job {self.job_id}: {state}" + (f", position {job['queue_position']} in the queue" if job.get("queue_position") else "")
-            if status != shown:
-                self.say(status)
-                shown = status
-            if deadline is not None and time.monotonic() > deadline:
-                raise InferenceJobEnded(f"job {self.job_id} did not start within {timeout:g} s (it is {state}); "
-                                        f"it stays queued: tinkergym jobs cancel {self.job_id} to drop it")
-            time.sleep(self.poll)
+        connection = wait_running(self.client, self.job_id, after_epoch=after_epoch, timeout=timeout, poll=self.poll, say=self.say,
+                                  still_queued=f"it stays queued: tinkergym jobs cancel {self.job_id} to drop it")
+        self.endpoint = self._endpoint(connection)
+        return self.endpoint
 
     def _endpoint(self, connection: dict[str, Any]) -> Endpoint:
         from tinkergym.backends.endpoint_sampler import EndpointSampler
