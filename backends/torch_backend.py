@@ -27,8 +27,6 @@ from __future__ import annotations
 
 
 import contextlib
-import copy
-import functools
 import importlib.util
 import json
 import math
@@ -52,6 +50,7 @@ from tinkergym.backends.state_files import (
     write_optimizer_state,
     write_rng_state,
 )
+from tinkergym.backends.torch_copies import _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401 - kv_token_cost is public here
 from tinkergym.backends.torch_sampling import sample_batch
 from tinkergym.backends.torch_scoring import (
     MicroBatch,
@@ -247,105 +246,6 @@ class _Batch:
     lengths: list[int] = field(default_factory=list)
     #: The first position >= 1 that any row reads (None: none does), known on the host.
     first_read: int | None = None
-
-
-def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
-    """A frozen copy of ``model`` on ``device`` whose linear weights are in ``dtype`` and whose other weights stay as they are.
-
-    Built weight by weight, never as a whole duplicate in the weights' own dtype: each linear weight is cast
-    straight into a new ``dtype`` tensor, and every other weight already on ``device`` in its dtype is shared
-    with ``model`` (a frozen alias that in-place updates of ``model`` reach), else moved there. A tied output
-    embedding gets its own ``dtype`` weight: converting the shared one would also turn the input embeddings,
-    and with them the whole residual stream, into ``dtype``.
-    """
-    device = device if device is not None else next(model.parameters()).device
-    linear = {id(p) for m in model.modules() if isinstance(m, torch.nn.Linear) for p in m.parameters(recurse=False)}
-    other = {id(p) for m in model.modules() if not isinstance(m, torch.nn.Linear) for p in m.parameters(recurse=False)}
-    memo: dict[int, Any] = {}
-    for param in model.parameters():
-        target = dtype if id(param) in linear and id(param) not in other else param.dtype
-        memo[id(param)] = torch.nn.Parameter(param.detach().to(device=device, dtype=target), requires_grad=False)
-    sampler = copy.deepcopy(model, memo).to(device).eval().requires_grad_(False)  # .to moves the buffers only
-    sampler.register_forward_pre_hook(functools.partial(_cache_in, dtype), with_kwargs=True)
-    head = sampler.get_output_embeddings()
-    if head is not None and head.weight is sampler.get_input_embeddings().weight:
-        source = model.get_output_embeddings().weight.detach()
-        head.weight = torch.nn.Parameter(source.to(device=device, dtype=dtype), requires_grad=False)
-    return sampler
-
-
-def _frozen_in_compute_dtype(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """``model`` (loaded on the host, used for nothing else) frozen on ``device`` as :func:`_sampling_copy` makes its copy.
-
-    Converted in place, layer by layer, so no more than one layer's weights exist twice at any time, on the
-    host; the linear layers reach ``device`` already in ``dtype``.
-    """
-    model.eval().requires_grad_(False)
-    head = model.get_output_embeddings()
-    if head is not None and head.weight is model.get_input_embeddings().weight:
-        head.weight = torch.nn.Parameter(head.weight.detach().to(device=device, dtype=dtype), requires_grad=False)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.to(device=device, dtype=dtype)
-    model.to(device).register_forward_pre_hook(functools.partial(_cache_in, dtype), with_kwargs=True)
-    return model
-
-
-def _cache_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
-    """Forward pre-hook: a KV cache that stores keys and values in ``dtype`` for a pass that starts one.
-
-    With float32 embeddings and norms the rotary embedding multiplies the compute-dtype keys by float32 cosines,
-    so transformers' cache would hold float32 keys and then, concatenated into them, float32 values: twice the
-    memory. Attention reads them in ``dtype`` anyway (autocast casts its inputs; flash-attn needs them so), so
-    rounding them when they are stored changes no result of a pass without gradients.
-    """
-    if kwargs.get("use_cache") and kwargs.get("past_key_values") is None and not torch.is_grad_enabled():
-        from transformers import DynamicCache
-
-        cache = DynamicCache(config=module.config)
-        for layer in cache.layers:
-            layer.update = functools.partial(_update_in, dtype, layer.update)
-        kwargs["past_key_values"] = cache
-    return args, kwargs
-
-
-def _update_in(dtype: torch.dtype, update: Any, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    return update(keys.to(dtype), values.to(dtype), *args, **kwargs)
-
-
-def kv_token_cost(config: Any) -> float:
-    """What one position of a copied KV cache costs next to a token run through the model in training, estimated high.
-
-    A copy holds keys and values (``2 * kv_heads * head_dim`` numbers per layer) and in the backward pass their
-    gradient as many again; a token run through the model keeps several hidden-size vectors per layer (the
-    norms' inputs, the attention and MLP outputs, the MLP's wider intermediates), counted here as just one.
-    """
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return min(1.0, 4 * heads * head_dim / config.hidden_size)
-
-
-def _merged_on_host(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` (a peft model) with its adapters merged, in host memory: no second copy of it on its device.
-
-    The weights are copied to the host one by one; each layer's update (``B @ A`` times the scaling) is still
-    computed on the device by the live layer, exactly as peft computes it there, and added on the host (an
-    elementwise sum, rounded the same way everywhere), so the merged weights are those of merging on the device.
-    """
-    host = torch.device("cpu")
-    memo: dict[int, Any] = {id(p): torch.nn.Parameter(p.detach().to(host, copy=True), requires_grad=p.requires_grad) for p in model.parameters()}
-    memo.update({id(b): b.detach().to(host, copy=True) for b in model.buffers()})
-    copied = copy.deepcopy(model, memo)
-    live = dict(model.named_modules())
-    for name, module in copied.named_modules():
-        if hasattr(module, "get_delta_weight") and hasattr(module, "lora_A"):
-            module.get_delta_weight = functools.partial(_delta_to_host, live[name])
-    return copied.merge_and_unload()
-
-
-def _delta_to_host(module: torch.nn.Module, adapter: str) -> torch.Tensor:
-    return module.get_delta_weight(adapter).cpu()
 
 
 def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple:
