@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tinkergym.errors import ConfigError
+from tinkergym.folders import cache_root
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -226,8 +227,7 @@ def build_tiny_model(
 
 def default_cache_dir() -> Path:
     """Where converted and built models live: ``$TINKERGYM_CACHE/models`` or ``~/.cache/tinkergym/models``."""
-    root = os.environ.get("TINKERGYM_CACHE")
-    return Path(root) / "models" if root else Path.home() / ".cache" / "tinkergym" / "models"
+    return cache_root() / "models"
 
 
 def _build_atomically(dest: Path, build: Callable[[str], object]) -> str:

@@ -15,26 +15,20 @@ At the end of the run, :meth:`complete` ends the job, which frees its devices at
 from __future__ import annotations
 
 import math
-import sys
 import time
 from typing import Any, Callable
 
 from tinkergym.backends.remote import RemoteBackend, RemoteBackendError, server_name
-from tinkergym.client import JobEnded  # noqa: F401 - raised by wait_running; importable from here
+from tinkergym.client import TERMINAL_STATES as TERMINAL  # noqa: F401 - importable from here
+from tinkergym.client import JobEnded, print_stderr  # noqa: F401 - JobEnded: raised by wait_running; importable from here
 from tinkergym.errors import ConfigError
 
 #: Seconds :meth:`ScheduledBackend.complete` waits for the worker to store the run's last checkpoint.
 STORE_TIMEOUT_S = 600.0
-#: States after which a job never runs again.
-TERMINAL = ("succeeded", "failed", "cancelled")
 
 
 class BackendLost(RemoteBackendError):
     """The job's server stopped answering (lease lost or worker gone); :meth:`ScheduledBackend.reconnect` waits for the next one."""
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 class ScheduledBackend:
@@ -50,7 +44,7 @@ class ScheduledBackend:
     """
 
     def __init__(
-        self, client: Any, job_id: str, *, poll: float = 1.0, wait_timeout: float | None = None, say: Callable[[str], None] = _stderr,
+        self, client: Any, job_id: str, *, poll: float = 1.0, wait_timeout: float | None = None, say: Callable[[str], None] = print_stderr,
         remote: dict[str, Any] | None = None,
     ) -> None:
         self.client = client

@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tinkergym.folders import cache_root
+
 #: Files of a model folder a client needs to build the same tokenizer and chat template.
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
@@ -37,8 +39,7 @@ def read_tokenizer_files(folder: str | Path) -> dict[str, str]:
 
 def default_cache_dir() -> Path:
     """Where fetched tokenizer folders live: ``$TINKERGYM_CACHE/remote`` or ``~/.cache/tinkergym/remote``."""
-    root = os.environ.get("TINKERGYM_CACHE")
-    return Path(root) / "remote" if root else Path.home() / ".cache" / "tinkergym" / "remote"
+    return cache_root() / "remote"
 
 
 def cache_tokenizer_files(answer: Any, cache_dir: Path, source: str) -> str:

@@ -49,6 +49,7 @@ from typing import Any
 from tinkergym.scheduler.worker_client import WorkerClient
 
 from tinkergym.client import SchedulerError
+from tinkergym.folders import write_private_file
 
 log = logging.getLogger("tinkergym.worker")
 
@@ -233,11 +234,7 @@ class JobRunner(threading.Thread):
 
     def _run(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        token = self.folder / "token"
-        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as out:
-            out.write(self.lease["token"] + "\n")
-        os.chmod(token, 0o600)
+        write_private_file(self.folder / "token", self.lease["token"] + "\n")
         self._restore_while_leased()
         self._report("starting")
         url = self._start_server()

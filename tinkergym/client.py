@@ -64,13 +64,13 @@ class JobEnded(TinkergymError, RuntimeError):
     """The job reached a terminal state (failed, cancelled, succeeded) while the client still needed it, or did not start in time."""
 
 
-def _stderr(message: str) -> None:
+def print_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
 def wait_running(
     client: "SchedulerClient", job_id: str, *, after_epoch: int | None = None, timeout: float | None = None, poll: float = 1.0,
-    say: Callable[[str], None] = _stderr, still_queued: str = "",
+    say: Callable[[str], None] = print_stderr, still_queued: str = "",
 ) -> dict[str, Any]:
     """Wait until job ``job_id`` runs (at a lease epoch above ``after_epoch``); its connection (``url``, ``token``, ``epoch``).
 

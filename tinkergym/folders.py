@@ -8,6 +8,25 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """tinkergym's cache folder: ``$TINKERGYM_CACHE``, else ``~/.cache/tinkergym`` (models, fetched tokenizers, job keys)."""
+    root = os.environ.get("TINKERGYM_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "tinkergym"
+
+
+def write_private_file(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (0600), replacing it atomically (parents are made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
 
 
 def fresh_tmp_dir(path: str) -> str:

@@ -12,19 +12,14 @@ library and :mod:`tinkergym.client` only: no torch.
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from tinkergym.client import TERMINAL_STATES, JobEnded, SchedulerError, wait_running
+from tinkergym.client import TERMINAL_STATES, JobEnded, SchedulerError, print_stderr, wait_running
 from tinkergym.errors import ConfigError
-
-#: A name the served model may have (the run folder's name): what ``served_name`` allows in a job's config.
-SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-
+from tinkergym.folders import cache_root
 
 #: The job ended (failed, cancelled, succeeded) while it was still wanted, or did not start in time.
 InferenceJobEnded = JobEnded
@@ -73,24 +68,7 @@ def job_config(model: str | None = None, run_dir: str | Path | None = None, dtyp
 
 def default_key_file(job_id: str) -> Path:
     """Where the endpoint key of ``job_id`` is written unless told: ``$TINKERGYM_CACHE/jobs/`` or ``~/.cache/tinkergym/jobs/``."""
-    root = os.environ.get("TINKERGYM_CACHE")
-    base = Path(root) if root else Path.home() / ".cache" / "tinkergym"
-    return base / "jobs" / f"{job_id}.key"
-
-
-def write_key_file(path: Path, key: str) -> None:
-    """Write ``key`` to ``path`` readable by its owner only (0600), replacing it atomically."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(key + "\n")
-    os.chmod(tmp, 0o600)
-    os.replace(tmp, path)
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+    return cache_root() / "jobs" / f"{job_id}.key"
 
 
 class InferenceJob:
@@ -103,7 +81,7 @@ class InferenceJob:
         say: where progress lines go (queue position, the endpoint); default stderr.
     """
 
-    def __init__(self, client: Any, job_id: str, *, poll: float = 1.0, say: Callable[[str], None] = _stderr) -> None:
+    def __init__(self, client: Any, job_id: str, *, poll: float = 1.0, say: Callable[[str], None] = print_stderr) -> None:
         self.client, self.job_id, self.poll, self.say = client, job_id, poll, say
         self.endpoint: Endpoint | None = None
 

@@ -17,10 +17,10 @@ KEEP_ALIVE_S = 30.0
 
 
 def _announce(job: Any, key_file: Path) -> None:
-    from tinkergym.inference_jobs import write_key_file
+    from tinkergym.folders import write_private_file
 
     endpoint = job.endpoint
-    write_key_file(key_file, endpoint.key)
+    write_private_file(key_file, endpoint.key + "\n")
     served = endpoint.models[-1] if endpoint.models else "MODEL"
     click.echo(f"job {job.job_id}: serving {', '.join(endpoint.models)} at {endpoint.url} (lease epoch {endpoint.epoch}); "
                f"its key is in {key_file}", err=True)
