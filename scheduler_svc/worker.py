@@ -39,13 +39,12 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tinkergym.scheduler.job_servers import SERVING_KINDS, WorkerOptions, server_command  # noqa: F401 - public here too
 from tinkergym.scheduler.worker_client import WorkerClient
 
 from tinkergym.client import SchedulerError
@@ -57,11 +56,6 @@ log = logging.getLogger("tinkergym.worker")
 IDLE_EXIT_CODE = 75
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 STEP_NAME = re.compile(r"^step_(\d{1,12})$")
-MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
-SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-DTYPES = ("auto", "bfloat16", "float32")
-#: Job kinds whose server is an inference server (``serve-model``); the others get a training server.
-SERVING_KINDS = ("inference", "eval")
 START_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
 LOG_TAIL = 3000
@@ -77,71 +71,6 @@ class Cancelled(Exception):
 
 class Shutdown(Exception):
     """The worker is stopping: stop the server, report nothing (the lease expires and the job is queued again)."""
-
-
-@dataclass
-class WorkerOptions:
-    """What ``tinkergym worker`` was started with."""
-
-    name: str
-    host: str
-    devices: list[dict[str, Any]]  # {"index", "kind": "gpu"|"slot", "name"}
-    models: list[str]
-    work_dir: Path
-    ports: tuple[int, int] = (20000, 20999)
-    heartbeat: float | None = None
-    idle_timeout: float | None = None
-    poll: float = 1.0
-    python: str = field(default_factory=lambda: sys.executable)
-
-
-def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, folder: Path, gpu: bool, served: str | None = None) -> list[str]:
-    """The command line of the job's server (a :class:`ValueError` for a config it cannot start).
-
-    ``served``: for an inference or eval job serving a trained run, the name of the restored checkpoint in ``states/``.
-    """
-    config = lease["config"]
-    model = config.get("model")
-    if not isinstance(model, str) or not MODEL_NAME.match(model) or ".." in model:
-        raise ValueError(f"config.model {str(model)[:100]!r} is not a model name")
-    dtype = config.get("dtype", "auto")
-    if dtype not in DTYPES:
-        raise ValueError(f"config.dtype {str(dtype)[:40]!r}: one of {', '.join(DTYPES)}")
-    device = "auto" if gpu else "cpu"
-    base = [options.python, "-m", "tinkergym"]
-    idle = options.idle_timeout or lease.get("idle_timeout_s")  # the worker's own, else the scheduler's
-    lifetime = ["--exit-with-parent", *(["--idle-timeout", f"{idle:g}"] if idle else [])]
-    if lease["kind"] in SERVING_KINDS:
-        command = [*base, "serve-model", "--model", model, "--api-key-file", str(folder / "token"), "--host", options.host,
-                   "--port", str(port), "--dtype", dtype, "--device", device, *lifetime]
-        if config.get("resume_job"):  # a run the scheduler trained: its newest checkpoint, restored into states/
-            name = config.get("served_name", "model")
-            if not isinstance(name, str) or not SERVED_NAME.match(name) or name == model:
-                raise ValueError(f"config.served_name {str(name)[:100]!r}: letters, digits, '.', '_' and '-', not the base model's name")
-            if served is None:
-                raise ValueError(f"job {config['resume_job']} (the run this job serves) has no checkpoint to serve")
-            command += ["--checkpoint", f"{name}={folder / 'states' / served}"]
-        return command
-    rank, seed = config.get("lora_rank", 16), config.get("seed", 0)
-    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= 4096:
-        raise ValueError(f"config.lora_rank {rank!r}: 0 (every weight) or a positive rank")
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
-        raise ValueError(f"config.seed {seed!r}: an integer from 0 to 2**32 - 1")
-    command = [*base, "serve-backend", "--model", model, *(["--full"] if rank == 0 else ["--lora-rank", str(rank)]), "--dtype", dtype,
-               "--seed", str(seed), "--device", device, "--host", options.host, "--port", str(port), "--token-file", str(folder / "token"),
-               "--run-dir", str(folder)]
-    for key, flag, kind in (("lora_alpha", "--lora-alpha", float), ("lora_dropout", "--lora-dropout", float),
-                            ("micro_batch_size", "--micro-batch-size", int)):
-        value = config.get(key)
-        if value is None or (rank == 0 and key != "micro_batch_size"):
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-            raise ValueError(f"config.{key} {value!r} is not a number")
-        command += [flag, repr(kind(value))]  # serve-backend checks the range
-    for flag in ("deterministic", "gradient_checkpointing"):
-        if config.get(flag) is True:
-            command.append(f"--{flag.replace('_', '-')}")
-    return command + lifetime
 
 
 def _die_with_parent() -> None:

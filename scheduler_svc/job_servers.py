@@ -1,0 +1,86 @@
+"""What a worker starts for a lease: the command line of the job's server, checked field by field from the job's config.
+
+A train or sft job gets ``tinkergym serve-backend`` with the config's model settings; an inference or eval job
+gets ``tinkergym serve-model`` (serving a trained run's restored checkpoint under its name). Every value that
+reaches the command line is checked here first: a config the worker cannot start is a :class:`ValueError`.
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+DTYPES = ("auto", "bfloat16", "float32")
+#: Job kinds whose server is an inference server (``serve-model``); the others get a training server.
+SERVING_KINDS = ("inference", "eval")
+
+
+@dataclass
+class WorkerOptions:
+    """What ``tinkergym worker`` was started with."""
+
+    name: str
+    host: str
+    devices: list[dict[str, Any]]  # {"index", "kind": "gpu"|"slot", "name"}
+    models: list[str]
+    work_dir: Path
+    ports: tuple[int, int] = (20000, 20999)
+    heartbeat: float | None = None
+    idle_timeout: float | None = None
+    poll: float = 1.0
+    python: str = field(default_factory=lambda: sys.executable)
+
+
+def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, folder: Path, gpu: bool, served: str | None = None) -> list[str]:
+    """The command line of the job's server (a :class:`ValueError` for a config it cannot start).
+
+    ``served``: for an inference or eval job serving a trained run, the name of the restored checkpoint in ``states/``.
+    """
+    config = lease["config"]
+    model = config.get("model")
+    if not isinstance(model, str) or not MODEL_NAME.match(model) or ".." in model:
+        raise ValueError(f"config.model {str(model)[:100]!r} is not a model name")
+    dtype = config.get("dtype", "auto")
+    if dtype not in DTYPES:
+        raise ValueError(f"config.dtype {str(dtype)[:40]!r}: one of {', '.join(DTYPES)}")
+    device = "auto" if gpu else "cpu"
+    base = [options.python, "-m", "tinkergym"]
+    idle = options.idle_timeout or lease.get("idle_timeout_s")  # the worker's own, else the scheduler's
+    lifetime = ["--exit-with-parent", *(["--idle-timeout", f"{idle:g}"] if idle else [])]
+    if lease["kind"] in SERVING_KINDS:
+        command = [*base, "serve-model", "--model", model, "--api-key-file", str(folder / "token"), "--host", options.host,
+                   "--port", str(port), "--dtype", dtype, "--device", device, *lifetime]
+        if config.get("resume_job"):  # a run the scheduler trained: its newest checkpoint, restored into states/
+            name = config.get("served_name", "model")
+            if not isinstance(name, str) or not SERVED_NAME.match(name) or name == model:
+                raise ValueError(f"config.served_name {str(name)[:100]!r}: letters, digits, '.', '_' and '-', not the base model's name")
+            if served is None:
+                raise ValueError(f"job {config['resume_job']} (the run this job serves) has no checkpoint to serve")
+            command += ["--checkpoint", f"{name}={folder / 'states' / served}"]
+        return command
+    rank, seed = config.get("lora_rank", 16), config.get("seed", 0)
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= 4096:
+        raise ValueError(f"config.lora_rank {rank!r}: 0 (every weight) or a positive rank")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        raise ValueError(f"config.seed {seed!r}: an integer from 0 to 2**32 - 1")
+    command = [*base, "serve-backend", "--model", model, *(["--full"] if rank == 0 else ["--lora-rank", str(rank)]), "--dtype", dtype,
+               "--seed", str(seed), "--device", device, "--host", options.host, "--port", str(port), "--token-file", str(folder / "token"),
+               "--run-dir", str(folder)]
+    for key, flag, kind in (("lora_alpha", "--lora-alpha", float), ("lora_dropout", "--lora-dropout", float),
+                            ("micro_batch_size", "--micro-batch-size", int)):
+        value = config.get(key)
+        if value is None or (rank == 0 and key != "micro_batch_size"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            raise ValueError(f"config.{key} {value!r} is not a number")
+        command += [flag, repr(kind(value))]  # serve-backend checks the range
+    for flag in ("deterministic", "gradient_checkpointing"):
+        if config.get(flag) is True:
+            command.append(f"--{flag.replace('_', '-')}")
+    return command + lifetime
