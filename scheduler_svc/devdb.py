@@ -74,7 +74,9 @@ class PostgresServer:
 
     def drop_database(self, url: str) -> None:
         name = url.rsplit("/", 1)[1]
-        with self._admin(PG_ROLE) as conn:  # FORCE: engines a test left open do not keep the database alive
+        # As the superuser: FORCE terminates the database's other backends, an autovacuum worker among them, which
+        # only a superuser may signal (the test role's DROP ... FORCE then fails with InsufficientPrivilege).
+        with self._admin() as conn:  # FORCE: engines a test left open do not keep the database alive
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
