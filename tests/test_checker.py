@@ -50,6 +50,13 @@ class RaisingEnv(GuessEnv):
         return super()._step(action) if action.strip() else ({}["boom"])
 
 
+class AlwaysRaisingEnv(GuessEnv):
+    """Raises on every step, so Gymnasium's own suite (random actions) meets the exception first."""
+
+    def _step(self, action):
+        raise RuntimeError("broken step")
+
+
 class NonDeterministicEnv(GuessEnv):
     def _reset(self, options):
         obs, info = super()._reset(options)
@@ -83,6 +90,7 @@ class NumpyInfoEnv(GuessEnv):
     ("env_class", "message"),
     [
         (RaisingEnv, "raised KeyError"),
+        (AlwaysRaisingEnv, "raised RuntimeError"),
         (NonDeterministicEnv, "differ"),
         (ControlCharEnv, "not inside"),
         (NanRewardEnv, "not a finite number"),

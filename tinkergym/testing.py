@@ -143,6 +143,8 @@ def check_text_env(
                 check_env(env.unwrapped, skip_render_check=env.unwrapped.spec is None)
         except (AssertionError, TypeError, ValueError, AttributeError, NotImplementedError) as exc:
             raise CheckFailed(f"gymnasium check_env failed: {type(exc).__name__}: {exc}") from exc
+        except Exception as exc:  # the env itself raised on the peer suite's (random) actions
+            raise CheckFailed(f"gymnasium check_env: the env raised {type(exc).__name__}: {exc}") from exc
     make_agent = _agent_factory(baseline)
     for seed in seeds:
         first = run_episode(env, make_agent(seed), seed=seed, max_steps=max_steps)
@@ -201,6 +203,8 @@ def check_text_aec_env(
                     api_test(env, num_cycles=api_cycles)
             except (AssertionError, TypeError, ValueError, AttributeError, KeyError) as exc:
                 raise CheckFailed(f"pettingzoo api_test failed: {type(exc).__name__}: {exc}") from exc
+            except Exception as exc:  # the env itself raised on the peer suite's (random) actions
+                raise CheckFailed(f"pettingzoo api_test: the env raised {type(exc).__name__}: {exc}") from exc
     make_agent = _agent_factory(baseline)
     for seed in seeds:
         def seats(s: int = seed) -> dict[str, Any]:
