@@ -4,6 +4,7 @@ from tinkergym.registry.discovery import ENTRY_POINT_GROUP, MANIFEST_NAME, PROVI
 from tinkergym.registry.hub import (
     list_envs,
     load_baseline,
+    load_random_agent,
     load_entry_point,
     make,
     make_aec,
@@ -19,6 +20,7 @@ __all__ = [
     "EnvSpec",
     "list_envs",
     "load_baseline",
+    "load_random_agent",
     "load_entry_point",
     "make",
     "make_aec",

@@ -48,6 +48,7 @@ _FIELDS: dict[str, tuple[type, str]] = {
     "summary": (str, "text"),
     "agents": (int, "a whole number of at least 1"),
     "baseline": (str, "an entry point 'module:attr'"),
+    "random_agent": (str, "an entry point 'module:attr'"),
     "max_episode_steps": (int, "a whole number of at least 1"),
 }
 #: Keys a package author may expect in a manifest that tinkergym takes from elsewhere.
@@ -74,6 +75,7 @@ class EnvSpec:
     agents: int = 1
     summary: str = ""
     baseline: str | None = None
+    random_agent: str | None = None
     max_episode_steps: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -147,7 +149,7 @@ def _check_field(key: str, value: Any) -> None:
         ok = value in _KINDS
     elif ok and expected is int:
         ok = value >= 1
-    elif ok and key == "baseline":
+    elif ok and key in ("baseline", "random_agent"):
         ok = bool(_ENTRY_POINT_VALUE.match(value.strip()))
     if not ok:
         raise ValueError(f"{key} = {_shown(value)} ({_toml_type(value)}); it must be {described}")

@@ -163,6 +163,13 @@ def load_baseline(env_spec: EnvSpec) -> Callable[..., Any] | None:
     return load_entry_point(env_spec.baseline, env_spec.distribution)
 
 
+def load_random_agent(env_spec: EnvSpec) -> Callable[..., Any] | None:
+    """The random (legal-move) agent factory the package declares for ``env_spec`` (``None`` if it declares none)."""
+    if not env_spec.random_agent:
+        return None
+    return load_entry_point(env_spec.random_agent, env_spec.distribution)
+
+
 def make(env_id: str, **kwargs: Any) -> gym.Env:
     """Make a single-agent env by id, like ``gym.make``, with tinkergym's errors for unknown or broken ids."""
     env_spec = spec(env_id)

@@ -44,7 +44,7 @@ def list_command(as_json: bool) -> None:
 def info_command(env_id: str) -> None:
     """Show what the hub knows about ENV_ID and the env's own documentation."""
     s = spec(env_id)
-    for field in ("id", "distribution", "version", "entry_point", "kind", "data", "turns", "agents", "summary", "baseline", "max_episode_steps"):
+    for field in ("id", "distribution", "version", "entry_point", "kind", "data", "turns", "agents", "summary", "baseline", "random_agent", "max_episode_steps"):
         value = getattr(s, field)
         if value not in (None, ""):
             click.echo(f"{field + ':':<19}{value}")

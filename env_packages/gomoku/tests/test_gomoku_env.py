@@ -370,3 +370,21 @@ def test_conformance_single() -> None:
 
 def test_conformance_duel() -> None:
     check_text_aec_env(GomokuDuelEnv(size=7), baseline=HeuristicAgent)
+
+
+def test_random_move_agent_only_plays_empty_cells_and_the_hub_finds_it() -> None:
+    import tinkergym
+    from tinkergym.registry import load_random_agent
+    from tinkergym_gomoku.agents import RandomMoveAgent
+
+    assert load_random_agent(tinkergym.spec("tinker/GomokuDuel-v0")) is RandomMoveAgent
+    env = GomokuDuelEnv(size=5, win_length=4)
+    for seed in range(5):
+        env.reset(seed=seed)
+        agents = {"player_0": RandomMoveAgent(seed=seed), "player_1": RandomMoveAgent(seed=seed + 100)}
+        while not all(env.terminations.values()):
+            agent = env.agent_selection
+            env.step(agents[agent](env.observe(agent), {}))
+            assert not env.infos[agent].get("error"), "a random move is always a legal one"
+    first = [RandomMoveAgent(seed=3)(env.observe("player_0"), {}) for _ in range(2)]
+    assert first[0] == first[1], "seeded"

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import random
 import re
 from typing import Any
 
-from tinkergym_gomoku.game import BLACK, MAX_SIZE, MIN_SIZE, MIN_WIN_LENGTH, WHITE, turn_tail
+from tinkergym_gomoku.game import BLACK, COLUMN_LETTERS, MAX_SIZE, MIN_SIZE, MIN_WIN_LENGTH, WHITE, turn_tail
 from tinkergym_gomoku.heuristic import ScoredGame
 
 _ROW = re.compile(r"^ *(\d+) ([.XO](?: [.XO])*) \d+$", re.MULTILINE)
@@ -113,4 +114,26 @@ class HeuristicAgent:
         return self._game
 
 
-__all__ = ["HeuristicAgent"]
+class RandomMoveAgent:
+    """Plays a uniformly random empty cell of the board drawn in the observation (a legal move, if one exists).
+
+    The self-play league's ``random`` opponent: weak, but it plays the game instead of writing junk.
+
+    Args:
+        seed: Seeds the choice (``None``: random).
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def __call__(self, observation: str, info: dict[str, Any] | None = None) -> str:
+        """A random empty cell as a name such as ``"C5"``; ``"H8"`` when no board can be read."""
+        rows = _ROW.findall(observation) if isinstance(observation, str) else []
+        if not rows:
+            return "H8"
+        size = len(rows[0][1].split())
+        empty = [f"{COLUMN_LETTERS[col]}{number}" for number, cells in rows[-size:] for col, mark in enumerate(cells.split()) if mark == "."]
+        return self._rng.choice(sorted(empty)) if empty else "H8"
+
+
+__all__ = ["HeuristicAgent", "RandomMoveAgent"]
