@@ -269,6 +269,22 @@ class TorchInferenceEngine:
                 module.cast_input_dtype_enabled = False
         self._lock = threading.Lock()
 
+    def add_checkpoint_adapter(self, name: str, folder: str) -> None:
+        """Serve one more LoRA adapter, a backend checkpoint's (``state.json``), as ``name`` (e.g. a self-play snapshot)."""
+        if not self.plan.lora:
+            raise ConfigError(f"{name}: a full fine-tuning model serves no adapters; serve the checkpoint as a model of its own.")
+        if name in {m.id for m in self._served}:
+            raise ConfigError(f"{name!r} is already served; give each adapter its own name.")
+        internal = f"served_{len(self._internal)}"
+        with self._lock:
+            model = self.backend.model
+            _load_checkpoint_adapter(model, internal, folder)
+            for module in model.modules():
+                if hasattr(module, "lora_A"):
+                    module.cast_input_dtype_enabled = False
+        self._internal[name] = internal
+        self._served.append(ServedModel(name, folder, parent=self.plan.base_id))
+
     def models(self) -> list[ServedModel]:
         """The base first, then each adapter in the order given."""
         return list(self._served)

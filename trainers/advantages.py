@@ -6,7 +6,7 @@ No torch here: these run on the client, the backend receives plain :class:`~tink
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 from tinkergym.backends.types import Datum
 from tinkergym.rollouts import Trajectory
@@ -70,6 +70,34 @@ def leave_one_out_advantages(
         total = sum(kept)
         advantages_B.extend(r - (total - r) / (len(kept) - 1) if ok else 0.0 for r, ok in zip(group, valid))
     return advantages_B
+
+
+def keyed_advantages(
+    rewards_B: Sequence[float], keys_B: Sequence[Any], scale_by_std: bool = True, eps: float = 1e-6, valid_B: Sequence[bool] | None = None
+) -> list[float]:
+    """Each reward minus the mean of the rewards with the same key, over that key's std if ``scale_by_std``.
+
+    Self-play keys rewards by seat (role-conditioned baselines): the first mover's edge is each seat's own
+    baseline, not skill. Invalid members get 0 and stay out of the statistics; a key with fewer than two valid
+    rewards, or equal ones (std below ``eps``), gives zeros.
+    """
+    valid = [True] * len(rewards_B) if valid_B is None else list(valid_B)
+    if not len(rewards_B) == len(keys_B) == len(valid):
+        raise ValueError(f"{len(rewards_B)} rewards, {len(keys_B)} keys and {len(valid)} validity flags must match")
+    buckets: dict[Any, list[float]] = {}
+    for reward, key, ok in zip(rewards_B, keys_B, valid):
+        if ok:
+            buckets.setdefault(key, []).append(float(reward))
+    stats: dict[Any, tuple[float, float] | None] = {}
+    for key, kept in buckets.items():
+        mean = sum(kept) / len(kept)
+        std = math.sqrt(sum((r - mean) ** 2 for r in kept) / len(kept))
+        stats[key] = None if len(kept) < 2 or std < eps else (mean, (std + eps) if scale_by_std else 1.0)
+    out = []
+    for reward, key, ok in zip(rewards_B, keys_B, valid):
+        stat = stats.get(key) if ok else None
+        out.append(0.0 if stat is None else (float(reward) - stat[0]) / stat[1])
+    return out
 
 
 def trainable(trajectory: Trajectory, truncation: str = "keep") -> bool:

@@ -97,6 +97,9 @@ class TrainConfig:
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     eval_env_kwargs: dict[str, Any] = field(default_factory=dict)
     trainer_args: dict[str, Any] = field(default_factory=dict)
+    # Self-play (trainer "selfplay", --selfplay): the league's opponents and how often the learner is snapshotted into it.
+    opponents: str = "baseline,random,snapshots"
+    snapshot_every: int = 10
 
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` for values that cannot work; return self."""
@@ -105,7 +108,7 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)}).")
-        for name in ("weight_decay", "max_grad_norm", "kl_coef", "clip_low", "clip_high", "lora_dropout", "eval_every", "transcripts_every"):
+        for name in ("weight_decay", "max_grad_norm", "kl_coef", "clip_low", "clip_high", "lora_dropout", "eval_every", "transcripts_every", "snapshot_every"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be 0 or more (got {getattr(self, name)}).")
         if self.lora_rank < 0:
@@ -130,6 +133,10 @@ class TrainConfig:
         if "\0" in self.out:
             raise ConfigError(f"out {self.out!r} contains a NUL byte, which no folder name may hold.")
         self._validate_rl()
+        if self.trainer == "selfplay":
+            from tinkergym.trainers.selfplay import parse_opponents
+
+            parse_opponents(self.opponents)
         if not self.env and self.trainer != "sft":
             raise ConfigError("--env is required: the env id to train on (see: tinkergym envs list).")
         return self

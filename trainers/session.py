@@ -54,16 +54,18 @@ class TrainingDiverged(TinkergymError, RuntimeError):
     """The loss became NaN or infinite; the run stopped and the last good checkpoint is kept."""
 
 
-def env_factory(env_id: str, kwargs: dict[str, Any]) -> Callable[[], Any]:
-    """A function that makes ``env_id`` (single-agent) with ``kwargs``; checks the id now, not mid-run."""
+def env_factory(env_id: str, kwargs: dict[str, Any], multi_agent: bool = False) -> Callable[[], Any]:
+    """A function that makes ``env_id`` (single-agent, or AEC for ``multi_agent``) with ``kwargs``; checks the id now, not mid-run."""
     import tinkergym
     from tinkergym.registry import make_checked
 
     env_spec = tinkergym.spec(env_id)
-    if env_spec.kind != "env":
-        raise ConfigError(f"{env_id} is a multi-agent env; training drives single-agent envs (e.g. tinker/Gomoku-v0).")
-    make_checked(env_id, kwargs).close()  # fail fast on bad kwargs
-    return lambda: tinkergym.make(env_id, **kwargs)
+    if multi_agent and env_spec.kind != "aec":
+        raise ConfigError(f"{env_id} is a single-agent env; self-play drives multi-agent (AEC) envs such as tinker/GomokuDuel-v0.")
+    if not multi_agent and env_spec.kind != "env":
+        raise ConfigError(f"{env_id} is a multi-agent env: train it with self-play (--selfplay), or pick a single-agent env (e.g. tinker/Gomoku-v0).")
+    make_checked(env_id, kwargs, multi_agent=multi_agent).close()  # fail fast on bad kwargs
+    return (lambda: tinkergym.make_aec(env_id, **kwargs)) if multi_agent else (lambda: tinkergym.make(env_id, **kwargs))
 
 
 class TrainingRun:
@@ -83,8 +85,9 @@ class TrainingRun:
         # Unknown trainers, bad env kwargs and an --out that cannot be written all fail before any model is loaded.
         trainer_class = load_trainer(config.trainer)
         check_trainer_args(trainer_class, config.trainer_args, config.trainer)
-        self.make_env = env_factory(config.env, config.env_kwargs) if config.env else None
-        self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}) if config.env else None
+        multi = bool(getattr(trainer_class, "multi_agent", False))
+        self.make_env = env_factory(config.env, config.env_kwargs, multi) if config.env else None
+        self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}, multi) if config.env else None
         created = _make_run_folder(self.folder)
         try:
             self._build(config, trainer_class, backend, start_step)
@@ -293,8 +296,12 @@ class TrainingRun:
         from tinkergym.rollouts import RolloutConfig
 
         c = self.config
-        settings = RolloutConfig(max_turns=c.max_turns, max_new_tokens=c.max_new_tokens, max_context=c.max_context, temperature=0.0, seed=c.seed)
-        metrics, trajectories = evaluate(self.make_eval_env, self.backend, self.renderer, settings, eval_seeds(c.seed, c.eval_episodes))
+        own = getattr(self.trainer, "evaluate", None)
+        if callable(own):  # e.g. self-play: games against the league's fixed members
+            metrics, trajectories = own(step, eval_seeds(c.seed, c.eval_episodes))
+        else:
+            settings = RolloutConfig(max_turns=c.max_turns, max_new_tokens=c.max_new_tokens, max_context=c.max_context, temperature=0.0, seed=c.seed)
+            metrics, trajectories = evaluate(self.make_eval_env, self.backend, self.renderer, settings, eval_seeds(c.seed, c.eval_episodes))
         write_transcripts(self.folder / "transcripts" / f"eval_step_{step:06d}.jsonl", trajectories, step=step)
         return metrics
 

@@ -20,7 +20,7 @@ _FIELDS = (
     "max_new_tokens", "max_context", "temperature", "seed", "out", "kl_coef", "eval_every", "eval_episodes",
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
     "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
-    "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep",
+    "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every",
 )
 
 
@@ -39,6 +39,10 @@ def build_config(options: dict[str, Any], base: Any = None) -> Any:
     for name in _FIELDS:
         if options.get(name) is not None:
             setattr(config, name, options[name])
+    if options.get("selfplay"):
+        if options.get("trainer") not in (None, "selfplay"):
+            raise click.UsageError(f"--selfplay is the selfplay trainer; leave out --trainer {options['trainer']}.")
+        config.trainer = "selfplay"
     if options.get("scheduler"):
         config.scheduler_url = options["scheduler"]
     if options.get("full"):
@@ -116,7 +120,13 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 
 @click.command()
 @click.option("--env", help="Env id to train on (see: tinkergym envs list).")
-@click.option("--trainer", help="Trainer plugin: grpo (default), rloo, sft, or any installed one.")
+@click.option("--trainer", help="Trainer plugin: grpo (default), rloo, sft, selfplay, or any installed one.")
+@click.option("--selfplay", is_flag=True,
+              help="Self-play on a multi-agent env (e.g. tinker/GomokuDuel-v0): the learner against itself and a rated league.")
+@click.option("--opponents", metavar="LIST",
+              help="Self-play league, comma-separated: baseline, random, snapshots (of the learner), run:DIR "
+                   "(default baseline,random,snapshots).")
+@click.option("--snapshot-every", type=click.IntRange(0), help="Self-play: add a frozen snapshot of the learner every N steps (default 10; 0 = never).")
 @click.option("--model", help="smollm2-135m (default), tiny (a test-sized model), a local HF folder, or a hub id.")
 @click.option("--lora-rank", type=click.IntRange(1), help="LoRA rank (default 8).")
 @click.option("--lora-alpha", type=click.IntRange(1), help="LoRA alpha (default 16).")
@@ -187,6 +197,7 @@ def train(**options: Any) -> None:
       tinkergym train --env tinker/Bandit-v0 --steps 30 --out runs/bandit
       tinkergym train --env tinker/Gomoku-v0 --kwarg size=7 --max-turns 8 --full
       tinkergym train --trainer sft --env tinker/Math-v0 --demos baseline --steps 50
+      tinkergym train --env tinker/GomokuDuel-v0 --kwarg size=7 --kwarg win_length=4 --selfplay --opponents baseline,random,snapshots
       tinkergym train --resume runs/bandit
       tinkergym train --resume runs/bandit --steps 60       # extend a finished run to 60 steps
       tinkergym train --env tinker/Bandit-v0 --backend-url http://gpu-host:8765 --backend-token-file ~/.tinkergym/token

@@ -1,0 +1,282 @@
+"""Self-play on multi-agent (AEC) text games: the learner against itself and a rated league of opponents.
+
+Each step is two phases. **Rollout**: ``batch_size * group_size`` games are played at once by
+:func:`tinkergym.games.play_games`; in game ``i`` the learner holds seat ``i mod seats`` (so it plays every
+seat equally often) and the other seats go, with probability ``self_play_share``, to the learner itself
+(both seats learn), otherwise to one league member drawn by prioritized fictitious self-play
+(:class:`~tinkergym.trainers.league.League`). **Update**: only after every game has ended, one GRPO-style
+optimizer step on the learner's seats; nothing samples while it runs, so no policy ever acts with weights
+from the middle of an update.
+
+Advantages are per seat (role-conditioned baselines): a seat's return minus the mean return of the
+learner's trajectories in that seat this step, over their std (``scale_by_std``), so the first mover's
+edge is not learned as skill. Illegal moves cost the env's documented penalty (it is in the seat's
+return); failed and budget-ended games follow ``truncation`` / ``truncated_reward`` as in single-agent runs.
+
+The league holds the env's scripted ``baseline`` and ``random`` agents (the package's ``baseline`` and
+``random_agent``), frozen ``snapshots`` of the learner every ``snapshot_every`` steps (served for sampling
+only, :mod:`tinkergym.trainers.snapshots`), and ``run:DIR`` policies, as ``--opponents`` lists them. Every
+finished learner-vs-member game updates the ratings (openskill); ratings, the collapse detector's state
+and the snapshot list are saved with each checkpoint, so ``--resume`` continues exactly. When the
+:class:`~tinkergym.trainers.collapse.CollapseDetector` fires, the run says so and raises the fixed
+opponents' share of games to ``collapse_fixed_share``.
+
+``trainer_args``: ``self_play_share`` (0.5), ``fixed_share`` (0.2), ``pfsp_exponent`` (2), ``max_snapshots``
+(8), ``collapse_fixed_share`` (0.5), ``scale_by_std`` (true).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from tinkergym.backends.types import ForwardBackwardRequest, OptimParams
+from tinkergym.errors import ConfigError
+from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlayer, play_games
+from tinkergym.rollouts import RolloutConfig, Trajectory
+from tinkergym.trainers.advantages import batch_normalizers, episode_reward, keyed_advantages, rollout_metrics, trainable, trajectories_to_data
+from tinkergym.trainers.base import StepOutput, TrainingContext
+from tinkergym.trainers.collapse import CollapseDetector
+from tinkergym.trainers.grpo import GRPOTrainer
+from tinkergym.trainers.league import League, LeagueMember
+
+LEARNER = "learner"
+#: The names ``--opponents`` takes (besides ``run:DIR``).
+OPPONENT_KINDS = ("baseline", "random", "snapshots")
+
+
+def parse_opponents(text: str) -> list[str]:
+    """``"baseline,random,snapshots,run:DIR"`` as a list; unknown names are a :class:`ConfigError`."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in OPPONENT_KINDS and not (name.startswith("run:") and len(name) > 4):
+            raise ConfigError(f"opponent {name!r}: choose from {', '.join(OPPONENT_KINDS)} or run:DIR (a trained run's folder).")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"opponents {text!r} names one twice.")
+    return names
+
+
+def scripted_opponent(env_id: str, kind: str) -> ScriptedPlayer:
+    """The env package's ``baseline`` or ``random`` agent (random text where a package declares no random agent)."""
+    import tinkergym
+    from tinkergym.agents import RandomTextAgent
+    from tinkergym.registry import load_baseline, load_random_agent
+
+    env_spec = tinkergym.spec(env_id)
+    if kind == "baseline":
+        factory = load_baseline(env_spec)
+        if factory is None:
+            raise ConfigError(f"{env_spec.distribution} declares no baseline agent for {env_id}; leave baseline out of --opponents.")
+    else:
+        factory = load_random_agent(env_spec) or RandomTextAgent
+    return ScriptedPlayer(kind, factory)
+
+
+class SelfPlayTrainer(GRPOTrainer):
+    """Self-play with a rated opponent league, per-seat advantages and collapse detection (see the module docs)."""
+
+    needs_env = True
+    multi_agent = True
+    known_args = frozenset({"scale_by_std", "self_play_share", "fixed_share", "pfsp_exponent", "max_snapshots", "collapse_fixed_share"})
+    advantage_name = "selfplay"
+
+    def __init__(self, ctx: TrainingContext) -> None:
+        super().__init__(ctx)
+        c, args = ctx.config, ctx.config.trainer_args
+        self.self_play_share = _share(args, "self_play_share", 0.5)
+        self.collapse_fixed_share = _share(args, "collapse_fixed_share", 0.5)
+        max_snapshots = int(args.get("max_snapshots", 8))
+        self.league = League(max_snapshots=max_snapshots, fixed_share=_share(args, "fixed_share", 0.2), exponent=float(args.get("pfsp_exponent", 2.0)))
+        self.detector = CollapseDetector()
+        self.learner = ModelPlayer(LEARNER, ctx.backend)
+        self.opponents = parse_opponents(c.opponents)
+        self.snapshots_on = "snapshots" in self.opponents
+        if self.snapshots_on and (c.backend_url or c.scheduler_url):
+            raise ConfigError("snapshots are served from local checkpoints; with a training server use --opponents baseline,random.")
+        self._players: dict[str, Player] = {}
+        self._frozen: Any = None
+        for name in self.opponents:
+            if name in ("baseline", "random"):
+                self._players[name] = scripted_opponent(c.env, name)
+                self.league.add(LeagueMember(name, name))
+            elif name.startswith("run:"):
+                self.league.add(LeagueMember(name, "policy", source=name[4:]))
+        self._envs: list[Any] = []
+        self.fired: list[str] = []
+
+    # ----- players -----------------------------------------------------------------------------------
+    def _frozen_policies(self) -> Any:
+        if self._frozen is None:
+            from tinkergym.trainers.snapshots import FrozenPolicies
+
+            c = self.ctx.config
+            self._frozen = FrozenPolicies(c.model, c.dtype)
+        return self._frozen
+
+    def player(self, name: str) -> Player:
+        """The player of league member ``name`` (frozen policies load on first use)."""
+        if name not in self._players:
+            member = self.league.get(name)
+            if member.kind == "snapshot":
+                sampler = self._frozen_policies().add_checkpoint(name, member.source)
+            else:
+                sampler = self._frozen_policies().add_run(name, member.source)
+            self._players[name] = ModelPlayer(name, sampler)
+        return self._players[name]
+
+    def _games(self, count: int) -> list[Any]:
+        if self.ctx.make_env is None:
+            raise ConfigError("self-play needs a multi-agent env (--env, e.g. tinker/GomokuDuel-v0).")
+        while len(self._envs) < count:
+            self._envs.append(self.ctx.make_env())
+        return self._envs[:count]
+
+    def settings(self, temperature: float | None = None, seed: int | None = None) -> RolloutConfig:
+        """The rollout budgets of the run (``max_turns`` is moves per seat)."""
+        c = self.ctx.config
+        return RolloutConfig(max_turns=c.max_turns, max_new_tokens=c.max_new_tokens, max_context=c.max_context,
+                             temperature=c.temperature if temperature is None else temperature, seed=seed)
+
+    # ----- one step ----------------------------------------------------------------------------------
+    def schedule(self, step: int) -> tuple[list[Game], list[str]]:
+        """The step's games and the opponent of each (``learner`` for pure self-play): a pure function of the seed, the step and the league."""
+        c = self.ctx.config
+        count = c.batch_size * c.group_size
+        envs = self._games(count)
+        seats = list(envs[0].possible_agents)
+        rng = random.Random(f"selfplay:{c.seed}:{step}")
+        games, opponents = [], []
+        for i, (env, seed) in enumerate(zip(envs, self.ctx.prompt_seeds(step, count))):
+            mine = seats[i % len(seats)]
+            opponent = LEARNER
+            if len(self.league) and rng.random() >= self.self_play_share:
+                opponent = self.league.sample_opponents(1, rng)[0]
+            other = self.learner if opponent == LEARNER else self.player(opponent)
+            games.append(Game(env, {a: (self.learner if a == mine else other) for a in seats}, seed=seed))
+            opponents.append(opponent)
+        return games, opponents
+
+    def train_step(self, step: int) -> StepOutput:
+        """Rollout phase (every game to its end), then the update phase, then ratings, collapse checks and snapshots."""
+        c = self.ctx.config
+        games, opponents = self.schedule(step)
+        results = play_games(games, self.ctx.renderer, self.settings(seed=c.seed * 100_003 + step))
+        trajectories, seats = learner_seats(results)
+        valid_B = [trainable(t, c.truncation) for t in trajectories]
+        rewards_B = [episode_reward(t, c.truncated_reward) for t in trajectories]
+        advantages_B = keyed_advantages(rewards_B, seats, scale_by_std=self.scale_by_std, valid_B=valid_B)
+        data = trajectories_to_data(trajectories, advantages_B, valid_B, keep_zero_advantage=c.kl_coef > 0)
+        num_tokens, num_sequences = batch_normalizers(trajectories, valid_B)
+        metrics = rollout_metrics(trajectories)
+        metrics["batch/trained_sequences"] = float(len(data))
+        if data:
+            result = self.ctx.backend.forward_backward(ForwardBackwardRequest(data=data, loss=self.loss(), num_tokens=num_tokens, num_sequences=num_sequences))
+            metrics.update(result.metrics)
+            metrics.update(self.ctx.backend.optim_step(OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)))
+        for result, opponent in zip(results, opponents):
+            if opponent != LEARNER:
+                outcome = result.outcome(result.seat_of(LEARNER)[0])
+                if outcome is not None:
+                    self.league.record(opponent, outcome)
+        metrics.update(game_metrics(results, opponents, self.league))
+        metrics.update(self.league.metrics())
+        self.fired = self.detector.update(step, metrics)
+        metrics.update(self.detector.metrics())
+        if self.fired:
+            share = self.league.boost_fixed(self.collapse_fixed_share) if any(m.fixed for m in self.league.members) else self.league.fixed_share
+            print(f"step {step}: self-play collapse signals: {', '.join(self.fired)}; fixed opponents now get at least {share:.0%} of league games", file=sys.stderr)
+        if self.snapshots_on and c.snapshot_every and (step + 1) % c.snapshot_every == 0:
+            self.take_snapshot(step)
+        return StepOutput(metrics, trajectories)
+
+    def take_snapshot(self, step: int) -> None:
+        """Save the learner as ``snapshot:<step+1>`` (its weights after ``step + 1`` updates) and add it to the league."""
+        folder = Path(self.ctx.config.out) / "snapshots" / f"step_{step + 1:06d}"
+        self.ctx.backend.save_state(str(folder))
+        self.league.add_snapshot(step + 1, str(folder))
+
+    # ----- evaluation and state ----------------------------------------------------------------------
+    def evaluate(self, step: int, seeds: list[int]) -> tuple[dict[str, float], list[Trajectory]]:
+        """Greedy games against each fixed member (the learner takes every seat in turn): win/draw/loss rates."""
+        fixed = [m.name for m in self.league.members if m.fixed]
+        games, labels = [], []
+        envs = [self.ctx.make_env() for _ in range(len(seeds) * len(fixed))]
+        greedy = ModelPlayer(LEARNER, self.ctx.backend, temperature=0.0)
+        for name in fixed:
+            for i, seed in enumerate(seeds):
+                env = envs[len(games)]
+                seats = list(env.possible_agents)
+                mine = seats[i % len(seats)]
+                games.append(Game(env, {a: greedy if a == mine else self.player(name) for a in seats}, seed=seed))
+                labels.append(name)
+        results = play_games(games, self.ctx.renderer, self.settings(temperature=0.0, seed=self.ctx.config.seed))
+        metrics: dict[str, float] = {}
+        for name in fixed:
+            mine = [r.outcome(r.seat_of(LEARNER)[0]) for r, label in zip(results, labels) if label == name]
+            mine = [o for o in mine if o is not None]
+            n = max(len(mine), 1)
+            metrics[f"eval/win_vs_{name}"] = sum(o == 1.0 for o in mine) / n
+            metrics[f"eval/draw_vs_{name}"] = sum(o == 0.5 for o in mine) / n
+            metrics[f"eval/loss_vs_{name}"] = sum(o == 0.0 for o in mine) / n
+        trajectories, _ = learner_seats(results)
+        return metrics, trajectories
+
+    def state_dict(self) -> dict[str, Any]:
+        """The league (members, ratings, results, fixed share) and the collapse detector."""
+        return {"league": self.league.state_dict(), "collapse": self.detector.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; snapshot players reload from their checkpoints when next drawn."""
+        if "league" in state:
+            self.league.load_state_dict(state["league"])
+        if "collapse" in state:
+            self.detector.load_state_dict(state["collapse"])
+        self._players = {k: v for k, v in self._players.items() if isinstance(v, ScriptedPlayer)}
+
+
+def _share(args: dict[str, Any], key: str, default: float) -> float:
+    value = args.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"trainer arg {key}={value!r}: give a fraction from 0 to 1.")
+    return float(value)
+
+
+def learner_seats(results: list[GameResult]) -> tuple[list[Trajectory], list[str]]:
+    """Every trajectory the learner played, and the seat of each."""
+    trajectories, seats = [], []
+    for result in results:
+        for agent in result.seat_of(LEARNER):
+            trajectories.append(result.seats[agent].trajectory)
+            seats.append(agent)
+    return trajectories, seats
+
+
+def game_metrics(results: list[GameResult], opponents: list[str], league: League) -> dict[str, float]:
+    """Per-step self-play figures: draw and illegal-move rates, move lengths, per-seat returns and win rates."""
+    learner_moves = sum(s.moves for r in results for s in r.seats.values() if s.player == LEARNER)
+    illegal = sum(s.illegal_moves for r in results for s in r.seats.values() if s.player == LEARNER)
+    tokens = sum(s.trajectory.num_sampled_tokens for r in results for s in r.seats.values() if s.player == LEARNER)
+    finished = [r for r in results if r.error is None]
+    metrics = {
+        "selfplay/games": float(len(results)),
+        "selfplay/moves": float(sum(r.moves for r in results)),
+        "selfplay/draw_rate": sum(r.outcome(next(iter(r.seats))) == 0.5 for r in finished) / max(len(finished), 1),
+        "selfplay/illegal_rate": illegal / max(learner_moves, 1),
+        "selfplay/response_tokens": tokens / max(learner_moves, 1),
+    }
+    pure = [r for r, o in zip(results, opponents) if o == LEARNER and r.error is None]
+    if pure:
+        metrics["selfplay/reward"] = sum(s.reward for r in pure for s in r.seats.values()) / sum(len(r.seats) for r in pure)
+    by_seat: dict[str, list[float]] = {}
+    for r in finished:
+        for agent in r.seat_of(LEARNER):
+            by_seat.setdefault(agent, []).append(r.seats[agent].reward)
+    for agent, rewards in sorted(by_seat.items()):
+        metrics[f"selfplay/reward_{agent}"] = sum(rewards) / len(rewards)
+    fixed = {m.name for m in league.members if m.fixed}
+    against_fixed = [r.outcome(r.seat_of(LEARNER)[0]) for r, o in zip(results, opponents) if o in fixed and r.error is None]
+    if against_fixed:
+        metrics["league/winrate_fixed"] = sum(o == 1.0 for o in against_fixed) / len(against_fixed)
+    return metrics
