@@ -19,7 +19,9 @@ only, :mod:`tinkergym.trainers.snapshots`), and ``run:DIR`` policies, as ``--opp
 finished learner-vs-member game updates the ratings (openskill); ratings, the collapse detector's state
 and the snapshot list are saved with each checkpoint, so ``--resume`` continues exactly. When the
 :class:`~tinkergym.trainers.collapse.CollapseDetector` fires, the run says so and raises the fixed
-opponents' share of games to ``collapse_fixed_share``.
+opponents' share of games to ``collapse_fixed_share``. The win rate against fixed members it watches is
+taken over the newest :data:`FIXED_WINDOW` such games (once a quarter of them are played), not one step's
+handful.
 
 ``trainer_args``: ``self_play_share`` (0.5), ``fixed_share`` (0.2), ``pfsp_exponent`` (2), ``max_snapshots``
 (8), ``collapse_fixed_share`` (0.5), ``scale_by_std`` (true).
@@ -43,6 +45,8 @@ from tinkergym.trainers.grpo import GRPOTrainer
 from tinkergym.trainers.league import League, LeagueMember
 
 LEARNER = "learner"
+#: Games against fixed members the win rate the collapse detector watches is taken over (the newest ones).
+FIXED_WINDOW = 64
 #: The names ``--opponents`` takes (besides ``run:DIR``).
 OPPONENT_KINDS = ("baseline", "random", "snapshots")
 
@@ -104,6 +108,7 @@ class SelfPlayTrainer(GRPOTrainer):
             elif name.startswith("run:"):
                 self.league.add(LeagueMember(name, "policy", source=name[4:]))
         self._envs: list[Any] = []
+        self._fixed_outcomes: list[float] = []
         self.fired: list[str] = []
 
     # ----- players -----------------------------------------------------------------------------------
@@ -181,6 +186,9 @@ class SelfPlayTrainer(GRPOTrainer):
                 if outcome is not None:
                     self.league.record(opponent, outcome)
         metrics.update(game_metrics(results, opponents, self.league))
+        self._fixed_outcomes = (self._fixed_outcomes + fixed_outcomes(results, opponents, self.league))[-FIXED_WINDOW:]
+        if len(self._fixed_outcomes) >= FIXED_WINDOW // 4:  # a win rate from a handful of games is noise, not a signal
+            metrics["league/winrate_fixed"] = sum(o == 1.0 for o in self._fixed_outcomes) / len(self._fixed_outcomes)
         metrics.update(self.league.metrics())
         self.fired = self.detector.update(step, metrics)
         metrics.update(self.detector.metrics())
@@ -225,7 +233,7 @@ class SelfPlayTrainer(GRPOTrainer):
 
     def state_dict(self) -> dict[str, Any]:
         """The league (members, ratings, results, fixed share) and the collapse detector."""
-        return {"league": self.league.state_dict(), "collapse": self.detector.state_dict()}
+        return {"league": self.league.state_dict(), "collapse": self.detector.state_dict(), "fixed_outcomes": list(self._fixed_outcomes)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; snapshot players reload from their checkpoints when next drawn."""
@@ -233,6 +241,7 @@ class SelfPlayTrainer(GRPOTrainer):
             self.league.load_state_dict(state["league"])
         if "collapse" in state:
             self.detector.load_state_dict(state["collapse"])
+        self._fixed_outcomes = [float(o) for o in state.get("fixed_outcomes", [])]
         self._players = {k: v for k, v in self._players.items() if isinstance(v, ScriptedPlayer)}
 
 
@@ -275,8 +284,10 @@ def game_metrics(results: list[GameResult], opponents: list[str], league: League
             by_seat.setdefault(agent, []).append(r.seats[agent].reward)
     for agent, rewards in sorted(by_seat.items()):
         metrics[f"selfplay/reward_{agent}"] = sum(rewards) / len(rewards)
-    fixed = {m.name for m in league.members if m.fixed}
-    against_fixed = [r.outcome(r.seat_of(LEARNER)[0]) for r, o in zip(results, opponents) if o in fixed and r.error is None]
-    if against_fixed:
-        metrics["league/winrate_fixed"] = sum(o == 1.0 for o in against_fixed) / len(against_fixed)
     return metrics
+
+
+def fixed_outcomes(results: list[GameResult], opponents: list[str], league: League) -> list[float]:
+    """The learner's outcomes (1, 0.5, 0) in this step's finished games against fixed members."""
+    fixed = {m.name for m in league.members if m.fixed}
+    return [r.outcome(r.seat_of(LEARNER)[0]) for r, o in zip(results, opponents) if o in fixed and r.error is None]
