@@ -28,7 +28,7 @@ ENV = "tinker/GomokuDuel-v0"
 
 def config(out: Path, **changes) -> TrainConfig:
     settings = dict(
-        env=ENV, env_kwargs={"size": 5, "win_length": 4}, trainer="selfplay", model="tiny", steps=3, batch_size=2, group_size=4,
+        env=ENV, env_kwargs={"size": 5, "win_length": 3}, trainer="selfplay", model="tiny", steps=3, batch_size=2, group_size=4,
         max_turns=10, max_new_tokens=6, snapshot_every=1, checkpoint_every=1, transcripts_every=0, out=str(out), seed=3,
     )
     settings.update(changes)
@@ -132,7 +132,8 @@ class ScriptedPolicy:
 def run_scripted(tmp_path: Path, tiny: str, junk_from: int | None, steps: int = 10) -> tuple[SelfPlayTrainer, list[list[str]]]:
     from tinkergym.backends.torch_backend import TorchBackendConfig
 
-    c = config(tmp_path, model=tiny, opponents="baseline,random", batch_size=4, group_size=4, max_turns=13, steps=steps).validate()
+    c = config(tmp_path, model=tiny, opponents="baseline,random", env_kwargs={"size": 5, "win_length": 3}, batch_size=2, group_size=4,
+               max_turns=13, steps=steps).validate()
     backend = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=4))
     renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
     policy = ScriptedPolicy(backend, renderer, junk_from)
