@@ -156,3 +156,30 @@ def test_collapse_detection_fires_on_a_degenerate_policy_and_stays_quiet_on_a_he
     assert all(fired[7:]), "every step of the collapse is flagged"
     assert {"illegal_jump", "length_collapse"} <= set(fired[7])
     assert degenerate.league.fixed_share == pytest.approx(0.5), "a collapse raises the fixed opponents' share"
+
+
+@pytest.mark.slow
+def test_selfplay_from_the_command_line_then_eval_against_opponents(tmp_path, tiny) -> None:
+    from click.testing import CliRunner
+
+    from tinkergym.cli import main
+
+    out = tmp_path / "duel"
+    args = ["train", "--env", ENV, "--kwarg", "size=5", "--kwarg", "win_length=3", "--selfplay", "--model", tiny, "--steps", "2",
+            "--batch-size", "1", "--group-size", "4", "--max-turns", "8", "--max-new-tokens", "6", "--snapshot-every", "1",
+            "--eval-every", "2", "--eval-episodes", "2", "--out", str(out), "--quiet"]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    last = metrics_of(out)[-1]
+    assert {"eval/win_vs_baseline", "eval/loss_vs_random", "rating/learner", "collapse/any"} <= set(last)
+    assert (out / "snapshots" / "step_000001" / "state.json").is_file()
+    evaluated = CliRunner().invoke(main, ["eval", "--env", ENV, "--kwarg", "size=5", "--kwarg", "win_length=3", "--run", str(out),
+                                          "--opponent", "baseline", "--opponent", "snapshot:1", "--episodes", "2", "--max-turns", "8"])
+    assert evaluated.exit_code == 0, evaluated.output
+    summary = json.loads(evaluated.stdout.strip().splitlines()[-1])["opponents"]
+    assert set(summary) == {"baseline", "snapshot:1"} and summary["baseline"]["games"] + summary["baseline"]["errors"] == 2
+    assert "ordinal" in evaluated.stderr
+    missing = CliRunner().invoke(main, ["eval", "--env", ENV, "--run", str(out), "--opponent", "snapshot:7"])
+    assert missing.exit_code != 0 and "snapshot:1" in missing.output
+    single = CliRunner().invoke(main, ["train", "--env", "tinker/Gomoku-v0", "--selfplay", "--model", tiny, "--out", str(tmp_path / "x")])
+    assert single.exit_code != 0 and "multi-agent" in single.output

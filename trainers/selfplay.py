@@ -208,27 +208,15 @@ class SelfPlayTrainer(GRPOTrainer):
     # ----- evaluation and state ----------------------------------------------------------------------
     def evaluate(self, step: int, seeds: list[int]) -> tuple[dict[str, float], list[Trajectory]]:
         """Greedy games against each fixed member (the learner takes every seat in turn): win/draw/loss rates."""
-        fixed = [m.name for m in self.league.members if m.fixed]
-        games, labels = [], []
-        envs = [self.ctx.make_env() for _ in range(len(seeds) * len(fixed))]
+        from tinkergym.trainers.matches import play_matches
+
+        opponents = {m.name: self.player(m.name) for m in self.league.members if m.fixed}
         greedy = ModelPlayer(LEARNER, self.ctx.backend, temperature=0.0)
-        for name in fixed:
-            for i, seed in enumerate(seeds):
-                env = envs[len(games)]
-                seats = list(env.possible_agents)
-                mine = seats[i % len(seats)]
-                games.append(Game(env, {a: greedy if a == mine else self.player(name) for a in seats}, seed=seed))
-                labels.append(name)
-        results = play_games(games, self.ctx.renderer, self.settings(temperature=0.0, seed=self.ctx.config.seed))
+        records, trajectories = play_matches(greedy, opponents, self.ctx.make_env, seeds, self.ctx.renderer, self.settings(temperature=0.0, seed=self.ctx.config.seed))
         metrics: dict[str, float] = {}
-        for name in fixed:
-            mine = [r.outcome(r.seat_of(LEARNER)[0]) for r, label in zip(results, labels) if label == name]
-            mine = [o for o in mine if o is not None]
-            n = max(len(mine), 1)
-            metrics[f"eval/win_vs_{name}"] = sum(o == 1.0 for o in mine) / n
-            metrics[f"eval/draw_vs_{name}"] = sum(o == 0.5 for o in mine) / n
-            metrics[f"eval/loss_vs_{name}"] = sum(o == 0.0 for o in mine) / n
-        trajectories, _ = learner_seats(results)
+        for name, record in records.items():
+            for outcome, rate in record.rates().items():
+                metrics[f"eval/{outcome}_vs_{name}"] = rate
         return metrics, trajectories
 
     def state_dict(self) -> dict[str, Any]:

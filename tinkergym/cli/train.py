@@ -265,10 +265,14 @@ def train(**options: Any) -> None:
                    "with --scheduler); the envs run here. The job ends with the evaluation.")
 @click.option("--api-key", envvar="TINKERGYM_API_KEY", show_envvar=True, help="With --scheduler: the scheduler key (tgk_...); never saved.")
 @click.option("--gpus", type=click.IntRange(1, 64), help="With --scheduler: devices the eval job needs (default 1).")
+@click.option("--opponent", "opponents", multiple=True, metavar="NAME",
+              help="Multi-agent envs: play --run/--model against this opponent, seats alternating (repeatable): baseline, random, "
+                   "snapshot:N (a self-play run's snapshot) or run:DIR. Prints win/draw/loss and a rating table.")
 def eval_command(
     env: str, model: str | None, run_dir: str | None, episodes: int, kwargs: tuple[str, ...], max_turns: int,
     max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, out: Path | None,
     endpoint: str | None, tokenizer: str | None, api_key_file: str | None, scheduler: str | None, api_key: str | None, gpus: int | None,
+    opponents: tuple[str, ...] = (),
 ) -> None:
     """Evaluate a model (or a run's latest checkpoint, or a served model) on an env: success rate, mean reward, transcripts.
 
@@ -277,6 +281,7 @@ def eval_command(
       tinkergym eval --env tinker/Bandit-v0 --run runs/bandit --episodes 64
       tinkergym eval --env tinker/Bandit-v0 --endpoint http://127.0.0.1:8000/v1 --model bandit --api-key-file key.txt
       TINKERGYM_API_KEY=tgk_... tinkergym eval --env tinker/Bandit-v0 --run runs/bandit --scheduler http://scheduler:8780
+      tinkergym eval --env tinker/GomokuDuel-v0 --kwarg size=7 --kwarg win_length=4 --run runs/duel --opponent baseline --opponent snapshot:10
 
     Through --endpoint the same rollout loop renders prompts with the chat template of --tokenizer (or of the
     tokenizer files the server sends) and sends them as token ids; the server must return the sampled token
@@ -292,6 +297,13 @@ def eval_command(
     if bool(model) == bool(run_dir):
         raise click.UsageError("give --model or --run (exactly one).")
     writable_file(out, "--out")
+    if opponents:
+        if endpoint or scheduler:
+            raise click.UsageError("--opponent plays a local model: leave out --endpoint and --scheduler.")
+        from tinkergym.cli.matches import eval_matches
+
+        eval_matches(env, model, run_dir, opponents, episodes, parse_kwargs(kwargs), max_turns, max_new_tokens, temperature, seed, out)
+        return
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.rollouts import RolloutConfig
     from tinkergym.trainers.evaluation import eval_seeds, evaluate, write_transcripts
