@@ -85,7 +85,11 @@ class TrainingRun:
         # Unknown trainers, bad env kwargs and an --out that cannot be written all fail before any model is loaded.
         trainer_class = load_trainer(config.trainer)
         check_trainer_args(trainer_class, config.trainer_args, config.trainer)
-        multi = bool(getattr(trainer_class, "multi_agent", False))
+        multi = getattr(trainer_class, "multi_agent", False)
+        if multi is None and config.env:  # a trainer for either kind: the env's own
+            import tinkergym
+
+            multi = tinkergym.spec(config.env).kind == "aec"
         self.make_env = env_factory(config.env, config.env_kwargs, multi) if config.env else None
         self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}, multi) if config.env else None
         created = _make_run_folder(self.folder)

@@ -5,6 +5,8 @@ Data (``trainer_args``):
 - ``data_files``: JSONL files of ``{"messages": [...], "tools": [...]?}`` chat transcripts, or
 - ``demos: "baseline"`` (CLI ``--demos baseline``): transcripts that the env's scripted baseline agent plays
   (``demo_episodes``, default 256; only episodes with reward above ``demo_min_reward``, default -inf, are kept).
+  On a multi-agent env the baseline plays itself, and each seat's side of a game (its own view as user
+  turns, its moves as assistant turns) is one conversation.
 
 Each conversation is rendered with the model's chat template; the loss (mean negative log-likelihood) covers
 the assistant turns only, each up to and including its end-of-turn token, so the model also learns to stop.
@@ -55,6 +57,8 @@ def baseline_demos(env_id: str, env_kwargs: dict[str, Any], episodes: int, seed:
     factory = load_baseline(env_spec)
     if factory is None:
         raise ConfigError(f"{env_spec.distribution} declares no baseline agent for {env_id}; pass SFT data files instead.")
+    if env_spec.kind == "aec":
+        return _duel_demos(tinkergym.make_aec(env_id, **env_kwargs), factory, episodes, seed, min_reward)
     env = tinkergym.make(env_id, **env_kwargs)
     conversations = []
     for i in range(episodes):
@@ -70,6 +74,30 @@ def baseline_demos(env_id: str, env_kwargs: dict[str, Any], episodes: int, seed:
         conversations.append({"messages": messages, "tools": transcript.tools})
     if not conversations:
         raise ConfigError(f"the baseline of {env_id} produced no episode with reward above {min_reward}.")
+    return conversations
+
+
+def _duel_demos(env: Any, factory: Any, episodes: int, seed: int, min_reward: float) -> list[dict[str, Any]]:
+    """Games of the baseline against itself on a multi-agent env: each seat's own view and moves is one conversation."""
+    conversations = []
+    for i in range(episodes):
+        env.reset(seed=seed + i)
+        agents = {a: factory(seed=(seed + i) * 7919 + k) for k, a in enumerate(env.possible_agents)}
+        messages = {a: ([{"role": "system", "content": env.infos[a]["system_prompt"]}] if env.infos[a].get("system_prompt") else []) for a in agents}
+        returns = dict.fromkeys(agents, 0.0)
+        for _ in range(10_000):
+            if not env.agents or all(env.terminations.get(a) or env.truncations.get(a) for a in env.agents):
+                break
+            agent = env.agent_selection
+            observation = env.observe(agent)
+            action = agents[agent](observation, dict(env.infos[agent]))
+            messages[agent] += [{"role": "user", "content": observation}, {"role": "assistant", "content": action}]
+            env.step(action)
+            for a, reward in env.rewards.items():
+                returns[a] += float(reward)
+        conversations += [{"messages": messages[a], "tools": None} for a in agents if returns[a] > min_reward and len(messages[a]) > 1]
+    if not conversations:
+        raise ConfigError(f"the baseline's games produced no seat with a return above {min_reward}.")
     return conversations
 
 
@@ -94,6 +122,8 @@ class SFTTrainer:
 
     needs_env = False
     known_args = frozenset({"data_files", "demos", "demo_episodes", "demo_min_reward"})
+    #: Either kind of env: demonstrations of a multi-agent env are each seat's side of the baseline's games.
+    multi_agent = None
 
     def __init__(self, ctx: TrainingContext) -> None:
         self.ctx = ctx
