@@ -158,7 +158,13 @@ def plot_learning_curve(folder: Path, keys: tuple[str, ...] = ("reward/mean", "e
     records = read_metrics(folder / "metrics.jsonl")
     if not any(key in r for r in records for key in keys):  # e.g. SFT: no rewards, show the loss
         keys = ("loss",)
-    figure, axis = plt.subplots(figsize=(7, 4))
+    else:  # self-play: the greedy win rate against each fixed opponent beside the reward
+        keys = tuple(keys) + tuple(sorted({k for r in records for k in r if k.startswith("eval/win_vs_")}))
+    ratings = sorted({k for r in records for k in r if k.startswith("rating/")})
+    if ratings:  # self-play: a second panel with every league member's rating
+        figure, (axis, rating_axis) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+    else:
+        figure, axis = plt.subplots(figsize=(7, 4))
     for key in keys:
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:
@@ -169,6 +175,15 @@ def plot_learning_curve(folder: Path, keys: tuple[str, ...] = ("reward/mean", "e
     axis.grid(alpha=0.3)
     if axis.get_legend_handles_labels()[0]:
         axis.legend()
+    if ratings:
+        for key in ratings:
+            points = [(r["step"], r[key]) for r in records if key in r]
+            style = {"linewidth": 2.5} if key == "rating/learner" else {"linewidth": 1, "alpha": 0.8}
+            rating_axis.plot(*zip(*points), label=key.removeprefix("rating/"), marker="o" if len(points) < 30 else None, markersize=3, **style)
+        rating_axis.set_xlabel("step")
+        rating_axis.set_ylabel("rating (openskill ordinal)")
+        rating_axis.grid(alpha=0.3)
+        rating_axis.legend(fontsize="small", ncol=2)
     out = folder / "learning_curve.png"
     figure.savefig(out, dpi=100, bbox_inches="tight")
     plt.close(figure)
