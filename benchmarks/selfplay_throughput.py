@@ -1,0 +1,120 @@
+"""Self-play rollout throughput: a batch of games played at once against the same games played one at a time.
+
+    python benchmarks/selfplay_throughput.py                          # SmolLM2-135M, 16 games of 7x7 Gomoku (4 in a row)
+    python benchmarks/selfplay_throughput.py --model tiny --games 32  # the test-sized model
+    python benchmarks/selfplay_throughput.py --temperature 1.0        # sampled moves (the two runs then play different games)
+
+The learner holds both seats of every ``tinker/GomokuDuel-v0`` game (pure self-play) and plays up to
+``--max-turns`` moves per seat. ``batched`` plays all games through one :func:`tinkergym.games.play_games`
+call (one ``sample`` call per round for every game's seat to move); ``one at a time`` calls it once per
+game, in order, with the same seeds. Greedy by default, so both runs play the same games (up to batch
+numerics: the table shows each run's moves). Columns: ``wall`` seconds; ``moves/s`` every move of every
+seat (rejected ones included) per second; ``sample`` time inside ``sample``; ``env`` time inside the env's
+``reset`` / ``step`` / ``observe``; ``env share`` env over wall; ``other`` the rest (rendering, decoding,
+bookkeeping). The ratio line is the batched run's moves per second over the one-at-a-time run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import tinkergym
+from tinkergym.chat import ChatTemplateRenderer
+from tinkergym.games import Game, ModelPlayer, play_games
+from tinkergym.rollouts import RolloutConfig
+
+
+class TimedEnv:
+    """An AEC env whose ``reset``, ``step`` and ``observe`` are timed; everything else is the env's."""
+
+    def __init__(self, env: Any, stats: dict[str, float]) -> None:
+        self.__dict__["env"], self.__dict__["stats"] = env, stats
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.env, name)
+
+    def _timed(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.stats["env"] += time.perf_counter() - start
+
+    def reset(self, seed: int | None = None, options: dict | None = None) -> None:
+        return self._timed(self.env.reset, seed=seed, options=options)
+
+    def step(self, action: Any) -> None:
+        return self._timed(self.env.step, action)
+
+    def observe(self, agent: str) -> str:
+        return self._timed(self.env.observe, agent)
+
+
+class TimedSampler:
+    """The backend's ``sample``, timed and counted."""
+
+    def __init__(self, backend: Any, stats: dict[str, float]) -> None:
+        self.backend, self.stats = backend, stats
+
+    def sample(self, request: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return self.backend.sample(request)
+        finally:
+            self.stats["sample"] += time.perf_counter() - start
+            self.stats["calls"] += 1
+
+
+def run(backend: Any, renderer: ChatTemplateRenderer, args: argparse.Namespace, batched: bool) -> dict[str, float]:
+    """Play the benchmark's games batched or one at a time; return the timings."""
+    stats = {"env": 0.0, "sample": 0.0, "calls": 0.0}
+    learner = ModelPlayer("learner", TimedSampler(backend, stats))
+    kwargs = {"size": args.size, "win_length": args.win_length}
+    games = [Game(TimedEnv(tinkergym.make_aec("tinker/GomokuDuel-v0", **kwargs), stats), {"player_0": learner, "player_1": learner}, seed=s)
+             for s in range(args.games)]
+    settings = RolloutConfig(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    start = time.perf_counter()
+    if batched:
+        results = play_games(games, renderer, settings)
+    else:
+        results = [r for g in games for r in play_games([g], renderer, settings)]
+    wall = time.perf_counter() - start
+    moves = sum(r.moves for r in results)
+    illegal = sum(s.illegal_moves for r in results for s in r.seats.values())
+    return {"wall": wall, "moves": moves, "illegal": illegal, "moves_per_s": moves / wall, **stats, "env_share": stats["env"] / wall,
+            "other": wall - stats["sample"] - stats["env"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m (default), tiny, or a local folder")
+    parser.add_argument("--games", type=int, default=16)
+    parser.add_argument("--size", type=int, default=7)
+    parser.add_argument("--win-length", type=int, default=4)
+    parser.add_argument("--max-turns", type=int, default=6, help="moves per seat before the game is cut (a draw)")
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (both runs play the same games)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto")
+    args = parser.parse_args()
+    from tinkergym.backends.models import resolve_model
+    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+
+    backend = TorchBackend(TorchBackendConfig(model=resolve_model(args.model), dtype=args.dtype, seed=args.seed))
+    renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
+    run(backend, renderer, argparse.Namespace(**{**vars(args), "games": 2}), batched=True)  # warm-up
+    rows = {"batched": run(backend, renderer, args, batched=True), "one at a time": run(backend, renderer, args, batched=False)}
+    print(f"{'':<14} {'wall s':>8} {'moves':>6} {'illegal':>7} {'moves/s':>8} {'sample s':>9} {'calls':>6} {'env s':>7} {'env share':>9} {'other s':>8}")
+    for name, r in rows.items():
+        print(f"{name:<14} {r['wall']:>8.2f} {r['moves']:>6} {r['illegal']:>7} {r['moves_per_s']:>8.2f} {r['sample']:>9.2f} {int(r['calls']):>6} "
+              f"{r['env']:>7.3f} {r['env_share']:>9.2%} {r['other']:>8.2f}")
+    ratio = rows["batched"]["moves_per_s"] / rows["one at a time"]["moves_per_s"]
+    print(f"batched / one at a time: {ratio:.2f}x the moves per second")
+    print(json.dumps({"model": args.model, "games": args.games, "ratio": round(ratio, 3), **{k: {m: round(v, 4) for m, v in r.items()} for k, r in rows.items()}}))
+
+
+if __name__ == "__main__":
+    main()
