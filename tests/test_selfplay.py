@@ -183,3 +183,22 @@ def test_selfplay_from_the_command_line_then_eval_against_opponents(tmp_path, ti
     assert missing.exit_code != 0 and "snapshot:1" in missing.output
     single = CliRunner().invoke(main, ["train", "--env", "tinker/Gomoku-v0", "--selfplay", "--model", tiny, "--out", str(tmp_path / "x")])
     assert single.exit_code != 0 and "multi-agent" in single.output
+
+
+@pytest.mark.slow
+def test_a_policy_per_seat_trains_saves_and_resumes_each_seat(tmp_path) -> None:
+    separate = dict(opponents="baseline,random", trainer_args={"seat_policies": "separate"}, kl_coef=0.05, steps=2)
+    with pytest.raises(ConfigError, match="snapshots"):
+        TrainingRun(config(tmp_path / "bad", trainer_args={"seat_policies": "separate"}))
+    straight = tmp_path / "straight"
+    TrainingRun(config(straight, **separate)).run(progress=False)
+    last = metrics_of(straight)[-1]
+    assert "loss" in last and "player_1/loss" in last and "player_1/reward/mean" in last
+    assert (straight / "final" / "seats" / "player_1").is_dir()
+    assert (straight / "checkpoints" / "step_000001" / "seats" / "player_1" / "state.json").is_file()
+    resumed = tmp_path / "resumed"
+    TrainingRun(config(resumed, **{**separate, "steps": 1})).run(progress=False)
+    TrainingRun.resume(resumed, changes={"steps": 2}).run(progress=False)
+    again = metrics_of(resumed)[-1]
+    for key in ("loss", "player_1/loss", "player_1/reward/mean", "reward/mean", "rating/learner"):
+        assert again[key] == last[key], f"{key} differs after a resume"

@@ -39,6 +39,8 @@ class TrainingContext:
     backend: Backend
     renderer: ChatRenderer
     make_env: Callable[[], Any] | None = None
+    #: Builds another backend like ``backend`` (a local one; ``None`` for a training server or a scheduler job).
+    make_backend: Callable[[], Backend] | None = None
     _envs: list[Any] = field(default_factory=list)
 
     def prompt_seeds(self, step: int, count: int | None = None, salt: str = "train") -> list[int]:

@@ -63,7 +63,7 @@ def opponent_player(name: str, env_id: str, run_dir: str | Path | None = None, f
 
 
 def play_matches(
-    policy: Player,
+    policy: Player | dict[str, Player],
     opponents: dict[str, Player],
     make_env: Callable[[], Any],
     seeds: list[int],
@@ -72,22 +72,24 @@ def play_matches(
 ) -> tuple[dict[str, Record], list[Trajectory]]:
     """Play ``policy`` against every opponent once per seed, taking every seat in turn; all games at once.
 
+    ``policy`` may map each seat to a player of its own (a policy per seat): each then plays only its seat.
     Returns the record against each opponent and the policy's trajectories (model policies only).
     """
-    games, labels = [], []
+    games, labels, mine_of = [], [], []
     for name, opponent in opponents.items():
         for i, seed in enumerate(seeds):
             env = make_env()
             seats = list(env.possible_agents)
             mine = seats[i % len(seats)]
-            games.append(Game(env, {a: policy if a == mine else opponent for a in seats}, seed=seed))
+            me = policy[mine] if isinstance(policy, dict) else policy
+            games.append(Game(env, {a: me if a == mine else opponent for a in seats}, seed=seed))
             labels.append(name)
+            mine_of.append(mine)
     records = {name: Record() for name in opponents}
     trajectories: list[Trajectory] = []
-    for result, name in zip(play_games(games, renderer, settings), labels):
+    for result, name, seat in zip(play_games(games, renderer, settings), labels, mine_of):
         record = records[name]
         record.results.append(result)
-        seat = result.seat_of(policy.name)[0]
         outcome = result.outcome(seat)
         if outcome is None:
             record.errors += 1

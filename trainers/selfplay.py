@@ -23,8 +23,14 @@ opponents' share of games to ``collapse_fixed_share``. The win rate against fixe
 taken over the newest :data:`FIXED_WINDOW` such games (once a quarter of them are played), not one step's
 handful.
 
+``seat_policies: separate`` gives every seat a trainable policy of its own (a backend each, built like the
+run's; the run's own is the first seat's, the others are saved in each checkpoint under ``seats/<seat>`` and
+exported to ``final/seats/<seat>``): self-play games put each seat's policy in its seat, league games put
+one of them in its seat against the member, and each policy updates on its own seat's games. The league's
+ratings are then the first seat's policy's. Snapshots stay off in this mode (a snapshot would leave its seat).
+
 ``trainer_args``: ``self_play_share`` (0.5), ``fixed_share`` (0.2), ``pfsp_exponent`` (2), ``max_snapshots``
-(8), ``collapse_fixed_share`` (0.5), ``scale_by_std`` (true).
+(8), ``collapse_fixed_share`` (0.5), ``scale_by_std`` (true), ``seat_policies`` (shared).
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ class SelfPlayTrainer(GRPOTrainer):
 
     needs_env = True
     multi_agent = True
-    known_args = frozenset({"scale_by_std", "self_play_share", "fixed_share", "pfsp_exponent", "max_snapshots", "collapse_fixed_share"})
+    known_args = frozenset({"scale_by_std", "self_play_share", "fixed_share", "pfsp_exponent", "max_snapshots", "collapse_fixed_share", "seat_policies"})
     advantage_name = "selfplay"
 
     def __init__(self, ctx: TrainingContext) -> None:
@@ -110,8 +116,30 @@ class SelfPlayTrainer(GRPOTrainer):
         self._envs: list[Any] = []
         self._fixed_outcomes: list[float] = []
         self.fired: list[str] = []
+        self.seat_learners = self._seat_learners(args.get("seat_policies", "shared"))
 
     # ----- players -----------------------------------------------------------------------------------
+    def _seat_learners(self, mode: Any) -> dict[str, ModelPlayer]:
+        """``shared``: one learner for every seat ({}); ``separate``: a trainable backend of its own per seat."""
+        if mode not in ("shared", "separate"):
+            raise ConfigError(f"trainer arg seat_policies={mode!r}: choose shared (one policy plays every seat) or separate (one per seat).")
+        if mode == "shared":
+            return {}
+        if self.ctx.make_backend is None:
+            raise ConfigError("seat_policies=separate trains a backend per seat, built on this machine: leave out --backend-url and --scheduler.")
+        if self.snapshots_on:
+            raise ConfigError("seat_policies=separate has no snapshots (a snapshot would have to keep to one seat): use --opponents baseline,random.")
+        seats = list(self._games(1)[0].possible_agents)
+        learners = {seats[0]: self.learner}
+        for seat in seats[1:]:
+            learners[seat] = ModelPlayer(f"{LEARNER}@{seat}", self.ctx.make_backend())
+        return learners
+
+    def learners(self) -> dict[str, Any]:
+        """Every trainable policy by player name, with its backend."""
+        players = list(self.seat_learners.values()) or [self.learner]
+        return {p.name: p.sampler for p in players}
+
     def _frozen_policies(self) -> Any:
         if self._frozen is None:
             from tinkergym.trainers.snapshots import FrozenPolicies
@@ -158,8 +186,9 @@ class SelfPlayTrainer(GRPOTrainer):
             opponent = LEARNER
             if len(self.league) and rng.random() >= self.self_play_share:
                 opponent = self.league.sample_opponents(1, rng)[0]
-            other = self.learner if opponent == LEARNER else self.player(opponent)
-            games.append(Game(env, {a: (self.learner if a == mine else other) for a in seats}, seed=seed))
+            own = {a: self.seat_learners.get(a, self.learner) for a in seats}  # who plays each seat in self-play
+            other = self.player(opponent) if opponent != LEARNER else None
+            games.append(Game(env, {a: (own[a] if other is None or a == mine else other) for a in seats}, seed=seed))
             opponents.append(opponent)
         return games, opponents
 
@@ -168,25 +197,21 @@ class SelfPlayTrainer(GRPOTrainer):
         c = self.ctx.config
         games, opponents = self.schedule(step)
         results = play_games(games, self.ctx.renderer, self.settings(seed=c.seed * 100_003 + step))
-        trajectories, seats = learner_seats(results)
-        valid_B = [trainable(t, c.truncation) for t in trajectories]
-        rewards_B = [episode_reward(t, c.truncated_reward) for t in trajectories]
-        advantages_B = keyed_advantages(rewards_B, seats, scale_by_std=self.scale_by_std, valid_B=valid_B)
-        data = trajectories_to_data(trajectories, advantages_B, valid_B, keep_zero_advantage=c.kl_coef > 0)
-        num_tokens, num_sequences = batch_normalizers(trajectories, valid_B)
-        metrics = rollout_metrics(trajectories)
-        metrics["batch/trained_sequences"] = float(len(data))
-        if data:
-            result = self.ctx.backend.forward_backward(ForwardBackwardRequest(data=data, loss=self.loss(), num_tokens=num_tokens, num_sequences=num_sequences))
-            metrics.update(result.metrics)
-            metrics.update(self.ctx.backend.optim_step(OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)))
+        metrics: dict[str, float] = {}
+        every: list[Trajectory] = []
+        for name, backend in self.learners().items():  # the update phase: every game has ended
+            trajectories, seats = learner_seats(results, {name})
+            prefix = "" if name == LEARNER else f"{name.split('@', 1)[1]}/"
+            metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, seats).items()})
+            every += trajectories
         for result, opponent in zip(results, opponents):
-            if opponent != LEARNER:
-                outcome = result.outcome(result.seat_of(LEARNER)[0])
+            seat = result.seat_of(LEARNER)
+            if opponent != LEARNER and seat:  # with a policy per seat, the first seat's learner carries the rating
+                outcome = result.outcome(seat[0])
                 if outcome is not None:
                     self.league.record(opponent, outcome)
-        metrics.update(game_metrics(results, opponents, self.league))
-        self._fixed_outcomes = (self._fixed_outcomes + fixed_outcomes(results, opponents, self.league))[-FIXED_WINDOW:]
+        metrics.update(game_metrics(results, opponents, self.league, set(self.learners())))
+        self._fixed_outcomes = (self._fixed_outcomes + fixed_outcomes(results, opponents, self.league, set(self.learners())))[-FIXED_WINDOW:]
         if len(self._fixed_outcomes) >= FIXED_WINDOW // 4:  # a win rate from a handful of games is noise, not a signal
             metrics["league/winrate_fixed"] = sum(o == 1.0 for o in self._fixed_outcomes) / len(self._fixed_outcomes)
         metrics.update(self.league.metrics())
@@ -197,7 +222,39 @@ class SelfPlayTrainer(GRPOTrainer):
             print(f"step {step}: self-play collapse signals: {', '.join(self.fired)}; fixed opponents now get at least {share:.0%} of league games", file=sys.stderr)
         if self.snapshots_on and c.snapshot_every and (step + 1) % c.snapshot_every == 0:
             self.take_snapshot(step)
-        return StepOutput(metrics, trajectories)
+        return StepOutput(metrics, every)
+
+    def update(self, backend: Any, trajectories: list[Trajectory], seats: list[str]) -> dict[str, float]:
+        """One policy's update on its trajectories: per-seat advantages, one gradient step; its rollout and loss metrics."""
+        c = self.ctx.config
+        valid_B = [trainable(t, c.truncation) for t in trajectories]
+        rewards_B = [episode_reward(t, c.truncated_reward) for t in trajectories]
+        advantages_B = keyed_advantages(rewards_B, seats, scale_by_std=self.scale_by_std, valid_B=valid_B)
+        data = trajectories_to_data(trajectories, advantages_B, valid_B, keep_zero_advantage=c.kl_coef > 0)
+        num_tokens, num_sequences = batch_normalizers(trajectories, valid_B)
+        metrics = rollout_metrics(trajectories)
+        metrics["batch/trained_sequences"] = float(len(data))
+        if data:
+            result = backend.forward_backward(ForwardBackwardRequest(data=data, loss=self.loss(), num_tokens=num_tokens, num_sequences=num_sequences))
+            metrics.update(result.metrics)
+            metrics.update(backend.optim_step(OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)))
+        return metrics
+
+    # The session saves, restores and exports the run's own backend; these do the same for the other seats' policies.
+    def save_backends(self, folder: Path) -> None:
+        """Save each other seat's policy into ``folder/seats/<seat>``."""
+        for seat, player in list(self.seat_learners.items())[1:]:
+            player.sampler.save_state(str(Path(folder) / "seats" / seat))
+
+    def load_backends(self, folder: Path) -> None:
+        """Restore what :meth:`save_backends` wrote."""
+        for seat, player in list(self.seat_learners.items())[1:]:
+            player.sampler.load_state(str(Path(folder) / "seats" / seat))
+
+    def export_backends(self, folder: Path) -> None:
+        """Export each other seat's policy to ``folder/seats/<seat>`` (the run's own export is the first seat's)."""
+        for seat, player in list(self.seat_learners.items())[1:]:
+            player.sampler.export(str(Path(folder) / "seats" / seat))
 
     def take_snapshot(self, step: int) -> None:
         """Save the learner as ``snapshot:<step+1>`` (its weights after ``step + 1`` updates) and add it to the league."""
@@ -211,7 +268,9 @@ class SelfPlayTrainer(GRPOTrainer):
         from tinkergym.trainers.matches import play_matches
 
         opponents = {m.name: self.player(m.name) for m in self.league.members if m.fixed}
-        greedy = ModelPlayer(LEARNER, self.ctx.backend, temperature=0.0)
+        greedy: Any = ModelPlayer(LEARNER, self.ctx.backend, temperature=0.0)
+        if self.seat_learners:  # a policy per seat: each plays its own seat
+            greedy = {seat: ModelPlayer(p.name, p.sampler, temperature=0.0) for seat, p in self.seat_learners.items()}
         records, trajectories = play_matches(greedy, opponents, self.ctx.make_env, seeds, self.ctx.renderer, self.settings(temperature=0.0, seed=self.ctx.config.seed))
         metrics: dict[str, float] = {}
         for name, record in records.items():
@@ -240,21 +299,22 @@ def _share(args: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def learner_seats(results: list[GameResult]) -> tuple[list[Trajectory], list[str]]:
-    """Every trajectory the learner played, and the seat of each."""
+def learner_seats(results: list[GameResult], names: set[str] = frozenset({LEARNER})) -> tuple[list[Trajectory], list[str]]:
+    """Every trajectory the players ``names`` played, and the seat of each."""
     trajectories, seats = [], []
     for result in results:
-        for agent in result.seat_of(LEARNER):
+        for agent in [a for a, s in result.seats.items() if s.player in names]:
             trajectories.append(result.seats[agent].trajectory)
             seats.append(agent)
     return trajectories, seats
 
 
-def game_metrics(results: list[GameResult], opponents: list[str], league: League) -> dict[str, float]:
+def game_metrics(results: list[GameResult], opponents: list[str], league: League, learners: set[str] = frozenset({LEARNER})) -> dict[str, float]:
     """Per-step self-play figures: draw and illegal-move rates, move lengths, per-seat returns and win rates."""
-    learner_moves = sum(s.moves for r in results for s in r.seats.values() if s.player == LEARNER)
-    illegal = sum(s.illegal_moves for r in results for s in r.seats.values() if s.player == LEARNER)
-    tokens = sum(s.trajectory.num_sampled_tokens for r in results for s in r.seats.values() if s.player == LEARNER)
+    mine = [s for r in results for s in r.seats.values() if s.player in learners]
+    learner_moves = sum(s.moves for s in mine)
+    illegal = sum(s.illegal_moves for s in mine)
+    tokens = sum(s.trajectory.num_sampled_tokens for s in mine)
     finished = [r for r in results if r.error is None]
     metrics = {
         "selfplay/games": float(len(results)),
@@ -268,14 +328,14 @@ def game_metrics(results: list[GameResult], opponents: list[str], league: League
         metrics["selfplay/reward"] = sum(s.reward for r in pure for s in r.seats.values()) / sum(len(r.seats) for r in pure)
     by_seat: dict[str, list[float]] = {}
     for r in finished:
-        for agent in r.seat_of(LEARNER):
+        for agent in [a for a, s in r.seats.items() if s.player in learners]:
             by_seat.setdefault(agent, []).append(r.seats[agent].reward)
     for agent, rewards in sorted(by_seat.items()):
         metrics[f"selfplay/reward_{agent}"] = sum(rewards) / len(rewards)
     return metrics
 
 
-def fixed_outcomes(results: list[GameResult], opponents: list[str], league: League) -> list[float]:
-    """The learner's outcomes (1, 0.5, 0) in this step's finished games against fixed members."""
+def fixed_outcomes(results: list[GameResult], opponents: list[str], league: League, learners: set[str] = frozenset({LEARNER})) -> list[float]:
+    """The learners' outcomes (1, 0.5, 0) in this step's finished games against fixed members."""
     fixed = {m.name for m in league.members if m.fixed}
-    return [r.outcome(r.seat_of(LEARNER)[0]) for r, o in zip(results, opponents) if o in fixed and r.error is None]
+    return [r.outcome(next(a for a, s in r.seats.items() if s.player in learners)) for r, o in zip(results, opponents) if o in fixed and r.error is None]

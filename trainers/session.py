@@ -111,7 +111,8 @@ class TrainingRun:
         if config.backend_url or config.scheduler_url:
             _adopt_server_settings(config, info, resumed=start_step > 0)
         self.renderer = ChatTemplateRenderer(info["tokenizer"])
-        self.ctx = TrainingContext(config, self.backend, self.renderer, self.make_env)
+        local = not (config.backend_url or config.scheduler_url)
+        self.ctx = TrainingContext(config, self.backend, self.renderer, self.make_env, make_backend=self._build_backend if local else None)
         self.trainer = trainer_class(self.ctx)
         config.save(self.folder / "config.json")
         self.log = MetricsLog(self.folder, keep_through=start_step - 1 if start_step else None)
@@ -188,6 +189,7 @@ class TrainingRun:
     def restore(self, checkpoint: Path) -> None:
         """Load a checkpoint: the backend's state, then the trainer's (when the checkpoint holds one)."""
         self.backend.load_state(str(checkpoint))
+        _trainer_hook(self.trainer, "load_backends", checkpoint)
         state_file = checkpoint / TRAINER_STATE
         if state_file.is_file():  # checkpoints of older runs and of stateless trainers have none: the trainer stays as built
             restore_trainer_state(self.trainer, json.loads(state_file.read_text(encoding="utf-8"))["state"])
@@ -210,6 +212,7 @@ class TrainingRun:
                         bar.update(1)
                         bar.set_postfix({k: f"{last[m]:.3g}" for k, m in (("reward", "reward/mean"), ("loss", "loss"), ("tok/s", "tokens/per_s")) if m in last})
                     self.backend.export(str(self.folder / "final"))
+                    _trainer_hook(self.trainer, "export_backends", self.folder / "final")
                     break
                 except BackendLost:  # a scheduler job whose server went away: the next lease's server takes over
                     step = self._recover()
@@ -320,6 +323,7 @@ class TrainingRun:
         staging = checkpoints / f"{path.name}.staging.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         self.backend.save_state(str(staging))
+        _trainer_hook(self.trainer, "save_backends", staging)
         state = trainer_state(self.trainer)
         if state is not None:
             _write_trainer_state(staging / TRAINER_STATE, self.config.trainer, step, state)
@@ -357,6 +361,13 @@ def _adopt_server_settings(config: TrainConfig, info: dict[str, Any], resumed: b
     for key, value in served.items():
         setattr(config, key, value)
     config.check_types()
+
+
+def _trainer_hook(trainer: Any, name: str, folder: Path) -> None:
+    """Call a trainer's ``save_backends`` / ``load_backends`` / ``export_backends`` (policies beyond the run's backend), if it has one."""
+    hook = getattr(trainer, name, None)
+    if callable(hook):
+        hook(folder)
 
 
 def _make_run_folder(folder: Path) -> bool:
