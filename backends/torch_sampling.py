@@ -13,6 +13,8 @@ after that step, so the results and the random numbers drawn are those of a loop
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tinkergym.backends.torch_scoring import host_to_device, padded_length_limit
@@ -121,6 +123,59 @@ def prefill(
     return logits_BV, cache, attention, positions
 
 
+def _preallocated(cache: object, extra: int) -> object:
+    """``cache`` with each plain dynamic layer replaced by a :class:`_PreallocatedLayer` with room for ``extra`` more positions."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    for i, layer in enumerate(layers or []):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel() > 0:
+            layers[i] = _preallocated_layer_class()(layer, extra)
+    return cache
+
+
+@functools.cache
+def _preallocated_layer_class() -> type:
+    """:class:`PreallocatedLayer`, defined on first use: transformers is imported only when a model samples."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """A dynamic KV cache layer whose keys and values are views into buffers sized for the whole decode.
+
+        transformers' dynamic layer concatenates every new position onto the whole cache (a fresh tensor, and a
+        copy of all of it, per layer and step); here a step writes its position into the buffer in place. The
+        views hold exactly the positions the dynamic layer would, so attention reads the same numbers.
+        """
+
+        def __init__(self, layer: DynamicLayer, extra: int) -> None:
+            super().__init__()
+            self.dtype, self.device, self.is_initialized = layer.keys.dtype, layer.keys.device, True
+            self._keys = _grown(layer.keys, extra)
+            self._values = _grown(layer.values, extra)
+            self._length = layer.keys.shape[-2]
+            self.keys, self.values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+            start, end = self._length, self._length + key_states.shape[-2]
+            if end > self._keys.shape[-2]:  # never in the decode loop; stay correct if called past it
+                self._keys, self._values = _grown(self.keys, end - start), _grown(self.values, end - start)
+            self._keys[:, :, start:end] = key_states  # rounded to the cache's dtype as the dynamic layer's callers do
+            self._values[:, :, start:end] = value_states
+            self._length = end
+            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+            return self.keys, self.values
+
+    return PreallocatedLayer
+
+
+def _grown(states: torch.Tensor, extra: int) -> torch.Tensor:
+    """A buffer ``[B, H, S + extra, D]`` whose first ``S`` positions are ``states``."""
+    batch, heads, length, dim = states.shape
+    buffer = states.new_empty((batch, heads, length + extra, dim))
+    buffer[:, :, :length] = states
+    return buffer
+
+
 @torch.inference_mode()
 def sample_batch(
     model: torch.nn.Module,
@@ -150,6 +205,7 @@ def sample_batch(
         return [by_row[i] for i in range(len(prompts))]
     device = next(model.parameters()).device
     logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts)
+    cache = _preallocated(cache, params.max_new_tokens)
     # Whether each id is a stop id, looked up by a gather: torch.isin of many stop ids sorts and deduplicates
     # (a data-dependent size, read back from a GPU on every step). Sampled ids and the pad id fall inside it.
     is_stop_V = torch.zeros(max([logits_BV.shape[-1], pad_id + 1, *(t + 1 for t in stop_ids)]), dtype=torch.bool)
@@ -164,6 +220,36 @@ def sample_batch(
         n = next((i + 1 for i, token in enumerate(ids) if token in stops), steps)
         out.append(SampledSequence(tokens=ids[:n], logprobs=logprobs[:n], finish_reason="stop" if ids[:n] and ids[n - 1] in stops else "length"))
     return out
+
+
+def _single_query_masks(model: torch.nn.Module, cache: object, attention: torch.Tensor | None, steps: int) -> torch.Tensor | None:
+    """The decode steps' attention masks as one ``[B, 1, 1, width + steps]`` boolean buffer (a step reads a prefix), or None.
+
+    transformers takes a 4D mask as it is: it neither builds one from the 2D padding mask on every step nor reads
+    that mask back to see whether it can drop it. With the padding mask this is the mask it would build (a
+    single query sees every earlier position), so the results are the same. Without padding (``attention``
+    None) transformers passes no mask and sdpa then runs its grouped-query kernel one query head at a time,
+    which on a CPU takes several times longer than a decode step's attention with the heads of a key/value head
+    packed together (what transformers does when there is a mask); the packed kernel rounds differently in the
+    last bit, so the mask is only given there in a low-precision compute dtype, where the sampler is held to the
+    training pass's numbers within a tolerance rather than to transformers' decode bit for bit. None (the
+    plain path) for other attention implementations and for caches with other than plain full-attention layers,
+    whose masks (sliding windows, chunks) a single mask cannot express.
+    """
+    config = getattr(model, "config", None)
+    layers = getattr(cache, "layers", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or not layers:
+        return None
+    if not all(isinstance(layer, _preallocated_layer_class()) for layer in layers):
+        return None
+    keys = layers[0].keys
+    if attention is None and not (keys.device.type == "cpu" and keys.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    batch, width = keys.shape[0], keys.shape[-2]
+    masks_B11S = torch.ones((batch, 1, 1, width + steps), dtype=torch.bool, device=keys.device)
+    if attention is not None:
+        masks_B11S[:, 0, 0, :width] = attention.bool()
+    return masks_B11S
 
 
 def _default_generator(device: torch.device) -> torch.Generator | None:
@@ -217,6 +303,8 @@ def _decode(
     rng_states: list[torch.Tensor] = []  # the generator's state after each step since the last check
     window = 0  # the first step not yet checked
     next_position = positions[:, -1:] + 1
+    width = positions.shape[-1]
+    masks_B11S = _single_query_masks(model, cache, attention, steps)
     for step in range(steps):
         diverged_S[step] = ~logits_finite(logits_BV)
         tokens_B, logprobs_B = _draw_next(logits_BV, params, rng)
@@ -235,7 +323,9 @@ def _decode(
                     rng.set_state(rng_states[end - window])
                 return tokens_BS, logprobs_BS, end + 1
             window, rng_states = step + 1, []
-        if attention is not None:
+        if masks_B11S is not None:
+            attention = masks_B11S[..., : width + step + 1]
+        elif attention is not None:
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
         out = model(
             input_ids=tokens_B[:, None],
