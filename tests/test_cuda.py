@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tinkergym.backends import torch_backend  # noqa: E402
+from tinkergym.backends import torch_backend, torch_setup  # noqa: E402
 from tinkergym.backends.state_files import read_optimizer_state  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.torch_scoring import MicroBatch, plan_micro_batches, sequence_logprobs  # noqa: E402
@@ -95,10 +95,10 @@ def test_auto_picks_the_gpu_bfloat16_and_sdpa_or_flash_attention(tiny: str) -> N
     # checks the import test with broken and working stand-ins of the package).
     cuda_device = torch.device("cuda")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch_backend, "flash_attn_importable", lambda: True)
+        patch.setattr(torch_setup, "flash_attn_importable", lambda: True)
         assert torch_backend.resolve_attn_implementation("auto", cuda_device, torch.bfloat16, tiny) == "flash_attention_2"
         assert torch_backend.resolve_attn_implementation("auto", cuda_device, torch.float32, tiny) == "sdpa"
-        patch.setattr(torch_backend, "flash_attn_importable", lambda: False)
+        patch.setattr(torch_setup, "flash_attn_importable", lambda: False)
         assert torch_backend.resolve_attn_implementation("auto", cuda_device, torch.bfloat16, tiny) == "sdpa"
 
 

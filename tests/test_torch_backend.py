@@ -465,13 +465,13 @@ def test_flash_attention_is_chosen_only_when_flash_attn_really_imports(body: str
 
     import torch
 
-    from tinkergym.backends import torch_backend
+    from tinkergym.backends import torch_backend, torch_setup
 
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text(body + "\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
-    monkeypatch.setattr(torch_backend, "_FLASH_ATTN", [])
+    monkeypatch.setattr(torch_setup, "_FLASH_ATTN", [])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         choice = torch_backend.resolve_attn_implementation("auto", torch.device("cuda"), torch.bfloat16)
