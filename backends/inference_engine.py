@@ -229,6 +229,13 @@ def _load_checkpoint_adapter(peft_model: Any, internal: str, folder: str) -> Non
             params[target].copy_(value)
 
 
+def _compute_under_autocast(model: Any) -> None:
+    """As TorchBackend sets its own adapter: every LoRA adapter computes under autocast (no cast of its inputs)."""
+    for module in model.modules():
+        if hasattr(module, "lora_A"):
+            module.cast_input_dtype_enabled = False
+
+
 class TorchInferenceEngine:
     """Serves a :class:`ServingPlan` with one :class:`TorchBackend`; requests take turns on it (a lock).
 
@@ -264,9 +271,7 @@ class TorchInferenceEngine:
                 _load_checkpoint_adapter(model, internal, adapter.path)
             self._internal[adapter.name] = internal
             self._served.append(ServedModel(adapter.name, adapter.path, parent=plan.base_id))
-        for module in model.modules():  # as TorchBackend sets its own adapter: the adapter computes under autocast
-            if hasattr(module, "lora_A"):
-                module.cast_input_dtype_enabled = False
+        _compute_under_autocast(model)
         self._lock = threading.Lock()
 
     def add_checkpoint_adapter(self, name: str, folder: str) -> None:
@@ -279,9 +284,7 @@ class TorchInferenceEngine:
         with self._lock:
             model = self.backend.model
             _load_checkpoint_adapter(model, internal, folder)
-            for module in model.modules():
-                if hasattr(module, "lora_A"):
-                    module.cast_input_dtype_enabled = False
+            _compute_under_autocast(model)
         self._internal[name] = internal
         self._served.append(ServedModel(name, folder, parent=self.plan.base_id))
 

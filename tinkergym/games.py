@@ -152,6 +152,11 @@ class _Live:
     done: bool = False
 
 
+def _over(env: Any) -> bool:
+    """Whether the game is over: no agent left, or every one terminated or truncated."""
+    return not env.agents or all(env.terminations.get(a, False) or env.truncations.get(a, False) for a in env.agents)
+
+
 def _seat_seed(seed: int | None, index: int) -> int | None:
     return None if seed is None else seed * 7919 + index
 
@@ -197,7 +202,7 @@ def _end(live: _Live, reason: str, error: str | None = None) -> None:
 def _prepare(live: _Live, renderer: ChatRenderer, config: RolloutConfig) -> tuple[_Seat, str | None] | None:
     """The seat to move and, for a scripted one, its move; ends the game (returns ``None``) when it is over."""
     env = live.game.env
-    if not env.agents or all(env.terminations.get(a, False) or env.truncations.get(a, False) for a in env.agents):
+    if _over(env):
         truncated = any(env.truncations.get(a, False) for a in env.agents) and not any(env.terminations.values())
         _end(live, "truncated" if truncated else "terminated")
         return None
@@ -259,7 +264,7 @@ def _apply(live: _Live, seat: _Seat) -> None:
     for agent, reward in env.rewards.items():
         if agent in live.seats:
             live.seats[agent].pending += float(reward)
-    if env.agents and all(env.terminations.get(a, False) or env.truncations.get(a, False) for a in env.agents):
+    if env.agents and _over(env):
         live.result.final_rewards = {a: float(r) for a, r in env.rewards.items()}
 
 

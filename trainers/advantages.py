@@ -38,17 +38,8 @@ def group_relative_advantages(
     std, so ``[1, 1, 1, failed]`` is a constant group. A group whose valid rewards are equal (std below
     ``eps``), or that has fewer than two, gets zero advantages (no signal, no update).
     """
-    advantages_B: list[float] = []
-    for group, valid in _valid_groups(rewards_B, group_size, valid_B):
-        kept = [r for r, ok in zip(group, valid) if ok]
-        mean = sum(kept) / max(len(kept), 1)
-        std = math.sqrt(sum((r - mean) ** 2 for r in kept) / max(len(kept), 1))
-        if len(kept) < 2 or std < eps:
-            advantages_B.extend([0.0] * len(group))
-            continue
-        scale = (std + eps) if scale_by_std else 1.0
-        advantages_B.extend((r - mean) / scale if ok else 0.0 for r, ok in zip(group, valid))
-    return advantages_B
+    _valid_groups(rewards_B, group_size, valid_B)  # whole groups, one flag per reward
+    return keyed_advantages(rewards_B, [i // group_size for i in range(len(rewards_B))], scale_by_std, eps, valid_B)
 
 
 def leave_one_out_advantages(

@@ -22,6 +22,8 @@ their group's statistics.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from tinkergym.backends.types import ForwardBackwardRequest, LossSpec, OptimParams
 from tinkergym.rollouts import Trajectory
 from tinkergym.trainers.advantages import (
@@ -58,12 +60,13 @@ class GRPOTrainer:
             temperature=c.temperature, old_logprobs=c.old_logprobs, tis_cap=c.tis_cap,
         )
 
-    def request(self, trajectories: list[Trajectory]) -> ForwardBackwardRequest:
-        """The step's backend request: advantages, the data that carries a gradient, the whole step's normalizers."""
+    def request(self, trajectories: list[Trajectory], advantages: Callable[[list[float], list[bool]], list[float]] | None = None) -> ForwardBackwardRequest:
+        """The step's backend request: advantages (``advantages(rewards_B, valid_B)``, by default :meth:`advantages`),
+        the data that carries a gradient, the whole step's normalizers."""
         c = self.ctx.config
         valid_B = [trainable(t, c.truncation) for t in trajectories]
         rewards_B = [episode_reward(t, c.truncated_reward) for t in trajectories]
-        advantages_B = self.advantages(rewards_B, valid_B)
+        advantages_B = (advantages or self.advantages)(rewards_B, valid_B)
         data = trajectories_to_data(trajectories, advantages_B, valid_B, keep_zero_advantage=c.kl_coef > 0)
         num_tokens, num_sequences = batch_normalizers(trajectories, valid_B)
         return ForwardBackwardRequest(data=data, loss=self.loss(), num_tokens=num_tokens, num_sequences=num_sequences)
@@ -73,15 +76,20 @@ class GRPOTrainer:
         c = self.ctx.config
         seeds = [s for s in self.ctx.prompt_seeds(step) for _ in range(c.group_size)]
         trajectories = self.ctx.rollout(seeds, sampling_seed=c.seed * 100_003 + step)
-        request = self.request(trajectories)
+        return StepOutput(self.update(self.ctx.backend, trajectories), trajectories)
+
+    def update(self, backend: Any, trajectories: list[Trajectory], advantages: Callable[[list[float], list[bool]], list[float]] | None = None) -> dict[str, float]:
+        """One gradient step of ``backend`` on ``trajectories`` (see :meth:`request`); the rollout and update metrics."""
+        c = self.ctx.config
+        request = self.request(trajectories, advantages)
         metrics = rollout_metrics(trajectories)
         metrics["batch/trained_sequences"] = float(len(request.data))
         if request.data:
-            result = self.ctx.backend.forward_backward(request)
+            result = backend.forward_backward(request)
             metrics.update(result.metrics)
             params = OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
-            metrics.update(self.ctx.backend.optim_step(params))
-        return StepOutput(metrics, trajectories)
+            metrics.update(backend.optim_step(params))
+        return metrics
 
     def state_dict(self) -> dict:
         """``{}``: nothing carries over between steps (prompts and sampling follow from the config, the seed and the step)."""

@@ -35,16 +35,16 @@ ratings are then the first seat's policy's. Snapshots stay off in this mode (a s
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
-from tinkergym.backends.types import ForwardBackwardRequest, OptimParams
 from tinkergym.errors import ConfigError
 from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlayer, play_games
 from tinkergym.rollouts import RolloutConfig, Trajectory
-from tinkergym.trainers.advantages import batch_normalizers, episode_reward, keyed_advantages, rollout_metrics, trainable, trajectories_to_data
+from tinkergym.trainers.advantages import keyed_advantages
 from tinkergym.trainers.base import StepOutput, TrainingContext
 from tinkergym.trainers.collapse import CollapseDetector
 from tinkergym.trainers.grpo import GRPOTrainer
@@ -202,7 +202,8 @@ class SelfPlayTrainer(GRPOTrainer):
         for name, backend in self.learners().items():  # the update phase: every game has ended
             trajectories, seats = learner_seats(results, {name})
             prefix = "" if name == LEARNER else f"{name.split('@', 1)[1]}/"
-            metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, seats).items()})
+            by_seat = functools.partial(keyed_advantages, keys_B=seats, scale_by_std=self.scale_by_std)
+            metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, lambda r, v: by_seat(r, valid_B=v)).items()})
             every += trajectories
         for result, opponent in zip(results, opponents):
             seat = result.seat_of(LEARNER)
@@ -223,22 +224,6 @@ class SelfPlayTrainer(GRPOTrainer):
         if self.snapshots_on and c.snapshot_every and (step + 1) % c.snapshot_every == 0:
             self.take_snapshot(step)
         return StepOutput(metrics, every)
-
-    def update(self, backend: Any, trajectories: list[Trajectory], seats: list[str]) -> dict[str, float]:
-        """One policy's update on its trajectories: per-seat advantages, one gradient step; its rollout and loss metrics."""
-        c = self.ctx.config
-        valid_B = [trainable(t, c.truncation) for t in trajectories]
-        rewards_B = [episode_reward(t, c.truncated_reward) for t in trajectories]
-        advantages_B = keyed_advantages(rewards_B, seats, scale_by_std=self.scale_by_std, valid_B=valid_B)
-        data = trajectories_to_data(trajectories, advantages_B, valid_B, keep_zero_advantage=c.kl_coef > 0)
-        num_tokens, num_sequences = batch_normalizers(trajectories, valid_B)
-        metrics = rollout_metrics(trajectories)
-        metrics["batch/trained_sequences"] = float(len(data))
-        if data:
-            result = backend.forward_backward(ForwardBackwardRequest(data=data, loss=self.loss(), num_tokens=num_tokens, num_sequences=num_sequences))
-            metrics.update(result.metrics)
-            metrics.update(backend.optim_step(OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)))
-        return metrics
 
     # The session saves, restores and exports the run's own backend; these do the same for the other seats' policies.
     def save_backends(self, folder: Path) -> None:

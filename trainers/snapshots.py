@@ -48,12 +48,12 @@ class FrozenPolicies:
         from tinkergym.backends.inference_engine import ServingPlan, TorchInferenceEngine
         from tinkergym.backends.models import resolve_model
 
+        if name in self._engines:
+            return EngineSampler(self._engines[name], name)
         folder = Path(folder)
         if not (folder / "state.json").is_file():
             raise ConfigError(f"snapshot {name}: {folder} is not a backend checkpoint (no state.json).")
         saved = json.loads((folder / "state.json").read_text(encoding="utf-8")).get("config", {})
-        if name in self._engines:
-            return EngineSampler(self._engines[name], name)
         if int(saved.get("lora_rank", 0)) == 0:
             plan = ServingPlan(base_id=name, base_path=resolve_model(self.model), lora=False, state=str(folder), dtype=self.dtype)
             self._engines[name] = TorchInferenceEngine(plan, device=self.device)

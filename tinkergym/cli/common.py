@@ -90,6 +90,18 @@ def writable_file(path: Path | None, option: str) -> Path | None:
     return path
 
 
+def save_transcripts(out: Path | None, trajectories: list[Any], env: str) -> None:
+    """Write an evaluation's transcripts to ``out`` (when given); a file that cannot be written is a clear error."""
+    if out is None:
+        return
+    from tinkergym.trainers.evaluation import write_transcripts
+
+    try:
+        write_transcripts(out, trajectories, env=env)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write the transcripts to {out}: {exc.strerror or exc}.") from exc
+
+
 def construct_env(make: Callable[..., Any], env_id: str, kwargs: dict[str, Any]) -> Any:
     """``make(env_id, **kwargs)`` (``make`` is :func:`tinkergym.make` or :func:`tinkergym.make_aec`), bad kwargs as :class:`ConfigError`."""
     from tinkergym.registry import make_aec, make_checked

@@ -18,7 +18,8 @@ def eval_matches(
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.games import ModelPlayer
     from tinkergym.trainers.config import TrainConfig
-    from tinkergym.trainers.evaluation import eval_seeds, write_transcripts
+    from tinkergym.cli.common import save_transcripts
+    from tinkergym.trainers.evaluation import eval_seeds
     from tinkergym.trainers.matches import LEARNER, match_settings, opponent_player, play_matches, rated, records_table
     from tinkergym.trainers.session import env_factory, load_backend_for_eval
     from tinkergym.trainers.snapshots import FrozenPolicies
@@ -35,11 +36,7 @@ def eval_matches(
     records, trajectories = play_matches(ModelPlayer(LEARNER, backend), players, make_env, eval_seeds(seed, episodes), renderer, settings)
     click.echo(records_table(records), err=True)
     click.echo("\nratings (openskill, ordinal = mu - 3 sigma):\n" + rated(records).table(), err=True)
-    if out is not None:
-        try:
-            write_transcripts(out, trajectories, env=env)
-        except OSError as exc:
-            raise click.ClickException(f"cannot write the transcripts to {out}: {exc.strerror or exc}.") from exc
+    save_transcripts(out, trajectories, env)
     summary = {name: {"games": r.games, "errors": r.errors, **{k: round(v, 4) for k, v in r.rates().items()}} for name, r in records.items()}
     click.echo(json.dumps({"env": env, "opponents": summary}))
     sys.stdout.flush()

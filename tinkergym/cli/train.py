@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from tinkergym.cli.common import SEED, FiniteFloat, SafePath, parse_kwargs, writable_file
+from tinkergym.cli.common import SEED, FiniteFloat, SafePath, parse_kwargs, save_transcripts, writable_file
 
 #: Most episodes one evaluation plays (each has its own seed, drawn up front).
 MAX_EPISODES = 1_000_000
@@ -306,7 +306,7 @@ def eval_command(
         return
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.rollouts import RolloutConfig
-    from tinkergym.trainers.evaluation import eval_seeds, evaluate, write_transcripts
+    from tinkergym.trainers.evaluation import eval_seeds, evaluate
     from tinkergym.trainers.session import env_factory, load_backend_for_eval
 
     make_env = env_factory(env, parse_kwargs(kwargs))
@@ -330,11 +330,7 @@ def eval_command(
     finally:
         if job is not None:
             click.echo(f"job {job.job_id}: {job.end()}", err=True)
-    if out is not None:
-        try:
-            write_transcripts(out, trajectories, env=env)
-        except OSError as exc:
-            raise click.ClickException(f"cannot write the transcripts to {out}: {exc.strerror or exc}.") from exc
+    save_transcripts(out, trajectories, env)
     click.echo(json.dumps({"env": env, **{k.removeprefix("eval/"): round(v, 4) for k, v in metrics.items()}}))
     sys.stdout.flush()
 
