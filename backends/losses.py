@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from tinkergym.backends.types import OLD_LOGPROBS
 from tinkergym.errors import ConfigError
@@ -30,10 +29,50 @@ MAX_LOG_RATIO = 20.0
 MAX_K3 = 10.0
 
 
-def _chunk_logprobs(logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    if temperature != 1.0:
-        logits_NV = logits_NV.float() / temperature
-    return torch.log_softmax(logits_NV, dim=-1, dtype=torch.float32).gather(-1, targets_N[:, None]).squeeze(-1)
+class _TargetLogprob(torch.autograd.Function):
+    """Float32 ``log softmax(logits / temperature)[target]`` per row, a chunk of rows at a time, never a ``[N, V]`` float32 tensor kept.
+
+    Forward: each chunk's float32 logits give the log-normalizer (one ``logsumexp``) and the target's logit;
+    only the normalizers (``N`` floats) are kept besides the logits themselves. Backward: the gradient of a
+    row is ``g * (onehot(target) - softmax) / temperature``, written chunk by chunk straight into a tensor of
+    the logits' dtype. A log-softmax instead writes a float32 ``[N, V]`` result and reads it back in the
+    backward pass, with a ``[N, V]`` zero-filled gradient for the gather besides: three to four times the
+    memory traffic over the vocabulary, the largest tensor of a small model's pass.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits_NV: torch.Tensor, targets_N: torch.Tensor, temperature: float, chunk_size: int) -> torch.Tensor:
+        rows = logits_NV.shape[0]
+        out_N = torch.empty(rows, dtype=torch.float32, device=logits_NV.device)
+        lse_N = torch.empty(rows, dtype=torch.float32, device=logits_NV.device)
+        for start in range(0, rows, chunk_size):
+            scaled = _scaled(logits_NV[start : start + chunk_size], temperature)
+            lse_N[start : start + chunk_size] = torch.logsumexp(scaled, dim=-1)
+            chosen = scaled.gather(-1, targets_N[start : start + chunk_size, None]).squeeze(-1)
+            out_N[start : start + chunk_size] = chosen - lse_N[start : start + chunk_size]
+        ctx.save_for_backward(logits_NV, targets_N, lse_N)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out_N
+
+    @staticmethod
+    def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        logits_NV, targets_N, lse_N = ctx.saved_tensors
+        grad_NV = torch.empty_like(logits_NV)
+        for start in range(0, logits_NV.shape[0], ctx.chunk_size):
+            stop = start + ctx.chunk_size
+            grad = grad_N[start:stop, None].float()
+            probs = _scaled(logits_NV[start:stop], ctx.temperature).sub_(lse_N[start:stop, None]).exp_()
+            probs.mul_(-grad).scatter_add_(-1, targets_N[start:stop, None], grad)
+            if ctx.temperature != 1.0:
+                probs.div_(ctx.temperature)
+            grad_NV[start:stop] = probs
+        return grad_NV, None, None, None
+
+
+def _scaled(logits_NV: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A new float32 tensor of ``logits_NV / temperature`` (the division in float32, as the sampler divides)."""
+    scaled = logits_NV.to(torch.float32, copy=True)
+    return scaled.div_(temperature) if temperature != 1.0 else scaled
 
 
 def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
@@ -43,25 +82,12 @@ def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, chunk_size
     temperature draws from (in float32, so a bfloat16 model's logits are not rounded again by the division).
 
     No ``[B, T, V]`` copy is made: the logits are read through a flat view (every position is scored against
-    the next token, the last one against a dummy id and dropped), with one float32 log-softmax pass. Up to
-    ``chunk_size`` positions keep that float32 result for the backward pass; longer inputs are scored
-    ``chunk_size`` positions at a time and, under autograd, each chunk is recomputed in the backward pass
-    instead of keeping its float32 copy.
+    the next token, the last one against a dummy id and dropped), ``chunk_size`` positions at a time in
+    float32, and only a log-normalizer per position is kept for the backward pass (see :class:`_TargetLogprob`).
     """
     batch, length, vocab = logits_BTV.shape
     next_BT = torch.cat([tokens_BT[:, 1:], torch.zeros_like(tokens_BT[:, :1])], dim=1)
-    logits_NV, targets_N = logits_BTV.reshape(-1, vocab), next_BT.reshape(-1)
-    if logits_NV.shape[0] <= chunk_size:
-        logprobs_N = _chunk_logprobs(logits_NV, targets_N, temperature)
-    else:
-        pieces = []
-        for start in range(0, logits_NV.shape[0], chunk_size):
-            chunk, targets = logits_NV[start : start + chunk_size], targets_N[start : start + chunk_size]
-            if chunk.requires_grad:
-                pieces.append(checkpoint(_chunk_logprobs, chunk, targets, temperature, use_reentrant=False))
-            else:
-                pieces.append(_chunk_logprobs(chunk, targets, temperature))
-        logprobs_N = torch.cat(pieces)
+    logprobs_N = _TargetLogprob.apply(logits_BTV.reshape(-1, vocab), next_BT.reshape(-1), temperature, chunk_size)
     zeros = torch.zeros(batch, 1, dtype=torch.float32, device=logits_BTV.device)
     return torch.cat([zeros, logprobs_N.view(batch, length)[:, :-1]], dim=1)
 

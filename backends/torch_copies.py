@@ -83,13 +83,16 @@ def kv_token_cost(config: Any) -> float:
     """What one position of a copied KV cache costs next to a token run through the model in training, estimated high.
 
     A copy holds keys and values (``2 * kv_heads * head_dim`` numbers per layer) and in the backward pass their
-    gradient as many again; a token run through the model keeps several hidden-size vectors per layer (the
-    norms' inputs, the attention and MLP outputs, the MLP's wider intermediates), counted here as just one.
+    gradient as many again. A token run through the model keeps, per layer, its norms' inputs and outputs,
+    queries, keys, values, the attention output and the MLP's gate, up and activated intermediates for the
+    backward pass; counted here as just ``2 * hidden + 2 * intermediate`` numbers, about a sixth of what a
+    Llama-style layer keeps (``tests/test_backend_memory.py`` measures it), so the copies are never undercounted.
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return min(1.0, 4 * heads * head_dim / config.hidden_size)
+    intermediate = getattr(config, "intermediate_size", None) or 2 * config.hidden_size
+    return min(1.0, 4 * heads * head_dim / (2 * config.hidden_size + 2 * intermediate))
 
 
 def _merged_on_host(model: torch.nn.Module) -> torch.nn.Module:

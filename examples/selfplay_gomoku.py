@@ -70,7 +70,8 @@ def main() -> None:
     after = matches(None, str(out / "selfplay"), args.eval_games, args.max_turns, args.max_new_tokens)
     records = read_metrics(out / "selfplay" / "metrics.jsonl")
     fired = [r["step"] for r in records if r.get("collapse/any")]
-    state = json.loads(max((out / "selfplay" / "checkpoints").glob("step_*/trainer_state.json")).read_text())
+    newest = max((out / "selfplay" / "checkpoints").glob("step_*/trainer_state.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+    state = json.loads(newest.read_text())
     league = League()
     league.load_state_dict(state.get("state", state)["league"])
     print(f"\n{'opponent':<10} {'before W/D/L':>20} {'after W/D/L':>20}")

@@ -160,14 +160,35 @@ def test_forward_backward_is_the_same_with_the_copies_counted(tiny: str, lora_ra
         assert torch.allclose(grad, old_grads[name], rtol=1e-4, atol=1e-6), name
 
 
-def test_the_backend_counts_copies_at_what_they_cost() -> None:
-    from transformers import Qwen2Config
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("dims", [(64, 176, 4, 2), (576, 1536, 9, 3), (896, 4864, 14, 2), (64, 128, 4, 4)])
+def test_the_backend_counts_copies_at_what_they_cost(dims: tuple[int, int, int, int], lora: bool) -> None:
+    # What a KV copy position costs against what autograd really keeps per token: never less (the planner
+    # must not overfill a micro-batch), and not so much more that groups of samples get split for nothing.
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from tinkergym.backends.torch_backend import kv_token_cost
 
-    # Qwen2.5-0.5B: 2 KV heads of 64 against a hidden size of 896; a model without grouped queries costs 1.
-    assert kv_token_cost(Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2)) == pytest.approx(4 * 128 / 896)
-    assert kv_token_cost(Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4)) == 1.0
+    hidden, intermediate, heads, kv_heads = dims
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         num_hidden_layers=2, vocab_size=256)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear")) if lora else model.requires_grad_(True)
+    storages: dict[int, int] = {}
+
+    def keep(saved: torch.Tensor) -> torch.Tensor:
+        storages[saved.untyped_storage().data_ptr()] = saved.untyped_storage().nbytes()
+        return saved
+
+    ids = torch.randint(0, 256, (4, 64))
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda saved: saved):
+        model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    per_token = sum(storages.values()) / ids.numel()
+    copy_position = 2 * 4 * kv_heads * (hidden // heads) * 4  # keys, values and their gradients, float32, 2 layers
+    measured = copy_position / per_token
+    assert measured <= kv_token_cost(config) <= 10 * measured
 
 
 def old_logprobs(backend: TorchBackend, sequences: list[list[int]], chunk: int) -> list[list[float]]:
