@@ -56,6 +56,7 @@ from tinkergym.backends.torch_setup import (  # noqa: F401 - public here too
     deterministic_mode,
     enable_gradient_checkpointing,
     flash_attn_importable,
+    load_causal_lm,
     resolve_attn_implementation,
     resolve_device,
     resolve_dtype,
@@ -237,9 +238,7 @@ class TorchBackend:
 
     def _load_base(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
         """The base model from disk in ``dtype`` on ``device`` (default: the backend's device)."""
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=dtype, attn_implementation=self.attn_implementation)
+        model = load_causal_lm(self.model_path, dtype, attn_implementation=self.attn_implementation)
         # torch 2.13 multiplies a non-contiguous [B, 1, H] slice (what logits_to_keep leaves) with a frozen
         # weight by broadcasting the weight to [B, H, V] first: seconds per prefill with a frozen (LoRA) head.
         model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
@@ -265,6 +264,10 @@ class TorchBackend:
             # peft reads transformers' deprecated `is_gradient_checkpointing`; the warning is not actionable here.
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = get_peft_model(model, lora)
+        # An exported adapter names the model this backend started from as its base (an adapter folder it
+        # started from included; load_causal_lm merges that), not the base that folder was merged into.
+        for adapter_config in model.peft_config.values():
+            adapter_config.base_model_name_or_path = self.model_path
         # peft casts each layer's input to the adapter's float32 before the adapter; under autocast (every
         # forward here runs in _compute) the adapter computes in the compute dtype from its float32 weights.
         for module in model.modules():

@@ -109,3 +109,31 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
             module._can_checkpoint_with_cache = True
+
+
+def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> torch.nn.Module:
+    """The causal LM in folder ``path`` in ``dtype``; a peft adapter folder (a LoRA run's ``final/``) merged into its base.
+
+    ``AutoModelForCausalLM.from_pretrained`` of an adapter folder attaches the adapter unmerged, under peft's
+    default name: a LoRA added on top for training would then replace it, and training would start from the
+    base model instead of the adapter's. Here the base (``base_model_name_or_path``, itself possibly an adapter
+    folder) is loaded in float32, the adapter merged into it in float32 and the result cast to ``dtype`` once
+    (``dtype="auto"``: merged in the dtype the base's config names, as transformers loads it).
+    """
+    from transformers import AutoModelForCausalLM
+
+    folder = Path(path)
+    adapter = folder / "adapter_config.json"
+    if (folder / "config.json").is_file() or not adapter.is_file():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    from peft import PeftModel
+
+    from tinkergym.backends.models import resolve_model
+
+    base_path = resolve_model(json.loads(adapter.read_text(encoding="utf-8"))["base_model_name_or_path"])
+    base = load_causal_lm(base_path, "auto" if dtype == "auto" else torch.float32, **kwargs)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+    return merged if dtype == "auto" else merged.to(dtype)
+

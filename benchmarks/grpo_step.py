@@ -55,7 +55,7 @@ weight) that tinkergym avoids; that is part of TRL's time as a user would see it
 Each side and mode runs in its own subprocess, one after the other, so they never share the cores or the
 GPU. The first step of each is a warm-up (one-off costs); the median of the next ``--steps`` steps is
 reported (on a GPU each step is timed between device synchronizations), with the sampling and training
-parts, the FLOP floor of the step at the device's bfloat16 matmul rate, the process's peak RSS and, on a GPU,
+parts, two FLOP floors of the step at the device's bfloat16 matmul rate (every prompt run once per sample, and the shared-prefix floor: once per group), the process's peak RSS and, on a GPU,
 its peak allocated GPU memory, the cores other processes used during the timed steps (``other``: near 0 means
 the machine was ours) and the load average at their start and end. The matmul rate is measured at the start
 of every run, on the device used, in a subprocess of its own: the best of a few timed rounds of square
@@ -142,6 +142,17 @@ def flop_floor(params: int, mode: str, sampled_tokens: int, trained_tokens: int)
     return 2.0 * params * sampled_tokens + (6.0 if mode == "full" else 4.0) * params * trained_tokens
 
 
+def floors(params: int, mode: str, median: dict[str, float], group_size: int) -> dict[str, float]:
+    """The step's FLOP floors: every prompt once per sample (``per_sample``), and once per group (``shared``, the
+    work left when a group's samples share their prompt's forward pass in sampling and in training)."""
+    prompt, completion = median["prompt_tokens"], median["completion_tokens"]
+    trained_prompt = median["trained_tokens"] - completion  # the prompts of the sequences trained on
+    return {
+        "per_sample": flop_floor(params, mode, int(prompt + completion), int(median["trained_tokens"])),
+        "shared": flop_floor(params, mode, int(prompt / group_size + completion), int(trained_prompt / group_size + completion)),
+    }
+
+
 def hash_reward(text: str) -> float:
     """A reward in [0, 1) that depends on the completion's text alone (for models with random weights)."""
     return zlib.crc32(text.encode("utf-8", "replace")) % 10_007 / 10_007
@@ -179,9 +190,10 @@ def _summary(side: str, mode: str, s: BenchSettings, steps: list[dict[str, float
     """A worker's result: per-step records, medians of the timed steps, FLOP floor, peak RSS and peak GPU memory."""
     timed = steps[1:] or steps
     median = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
-    flops = flop_floor(extra["params"], mode, int(median["prompt_tokens"] + median["completion_tokens"]), int(median["trained_tokens"]))
+    flops = floors(extra["params"], mode, median, s.group_size)
     return {
-        "side": side, "mode": mode, "settings": asdict(s), "steps": steps, "median": median, "flop_floor": flops,
+        "side": side, "mode": mode, "settings": asdict(s), "steps": steps, "median": median, "flop_floor": flops["per_sample"],
+        "flop_floor_shared": flops["shared"],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, **device_extra(s.device), **extra,
     }
 
@@ -190,6 +202,8 @@ def add_floor(result: dict[str, Any], rate: float) -> None:
     """The step's FLOP floor in seconds at ``rate`` FLOP/s, and how many floors the median step took."""
     result["floor_s"] = result["flop_floor"] / rate
     result["x_floor"] = result["median"]["step_s"] / result["floor_s"]
+    result["floor_shared_s"] = result["flop_floor_shared"] / rate
+    result["x_floor_shared"] = result["median"]["step_s"] / result["floor_shared_s"]
 
 
 # ----- tinkergym -----------------------------------------------------------------------------------
@@ -445,13 +459,13 @@ def print_table(results: list[dict[str, Any]], ratios: dict[str, float]) -> None
     """The human-readable summary: one row per side and mode, then the ratios."""
     gpu = any("peak_gpu_bytes" in r for r in results)
     print(f"{'side':<10} {'mode':<5} {'step s':>7} {'sample s':>9} {'train s':>8} {'tokens p+c':>11} {'trained':>8} "
-          f"{'floor s':>8} {'x floor':>8} {'peak RSS GiB':>13}{' peak GPU GiB' if gpu else ''} {'other':>6}  load start -> end")
+          f"{'floor s':>8} {'x floor':>8} {'shared floor s':>15} {'x shared':>9} {'peak RSS GiB':>13}{' peak GPU GiB' if gpu else ''} {'other':>6}  load start -> end")
     for r in results:
         m = r["median"]
         gpu_column = f" {r.get('peak_gpu_bytes', 0) / GIB:>12.2f}" if gpu else ""
         print(f"{r['side']:<10} {r['mode']:<5} {m['step_s']:>7.3f} {m['sample_s']:>9.3f} {m['train_s']:>8.3f} "
               f"{int(m['prompt_tokens']):>5}+{int(m['completion_tokens']):<5} {int(m['trained_sequences']):>8} "
-              f"{r['floor_s']:>8.3f} {r['x_floor']:>8.1f} {r['peak_rss_bytes'] / GIB:>13.2f}{gpu_column} {m['other_cores']:>6.2f}  "
+              f"{r['floor_s']:>8.3f} {r['x_floor']:>8.1f} {r['floor_shared_s']:>15.3f} {r['x_floor_shared']:>9.1f} {r['peak_rss_bytes'] / GIB:>13.2f}{gpu_column} {m['other_cores']:>6.2f}  "
               f"{r['load'].get('start')} -> {r['load'].get('end')}")
     for mode, ratio in ratios.items():
         print(f"{mode}: tinkergym / TRL step time = {ratio:.3f} (TRL is {1 / ratio:.1f}x the time of tinkergym)")

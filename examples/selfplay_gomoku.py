@@ -1,10 +1,11 @@
 """Self-play on 7x7 Gomoku (four in a row) with SmolLM2-135M: before and after, against the baseline and random players.
 
-    python examples/selfplay_gomoku.py                       # SFT warm-up, self-play, evaluation (CPU: about an hour)
-    python examples/selfplay_gomoku.py --steps 40 --sft-steps 60 --eval-games 64
+    python examples/selfplay_gomoku.py                       # SFT warm-up, self-play, evaluation (2-core CPU: about 40 min)
+    python examples/selfplay_gomoku.py --steps 40 --sft-steps 60 --eval-games 64 --max-turns 25
 
 1. SFT warm-up on the baseline's games against itself (each seat's side is one conversation), so the model
-   learns the move format and the board (``tinkergym train --trainer sft --demos baseline``).
+   learns the move format and the board (``tinkergym train --trainer sft --demos baseline``). Its LoRA adapter
+   (``sft/final``) is the next run's ``--model``: merged into the base, with a new LoRA trained on top.
 2. Self-play from the warm model (``tinkergym train --selfplay``): the learner against itself and a league of the
    baseline, a random legal player and its own snapshots, with per-seat advantages, ratings and collapse checks.
 3. Greedy games of the warm model and of the trained one against the baseline and the random player, the
@@ -43,14 +44,16 @@ def matches(model: str | None, run: str | None, games: int, max_turns: int, max_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="runs/selfplay-gomoku")
-    parser.add_argument("--sft-steps", type=int, default=40)
-    parser.add_argument("--steps", type=int, default=20, help="self-play steps")
-    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--sft-steps", type=int, default=16)
+    parser.add_argument("--sft-batch-size", type=int, default=8, help="games per SFT step (each seat's side is one conversation)")
+    parser.add_argument("--sft-lr", type=float, default=3e-4)
+    parser.add_argument("--steps", type=int, default=6, help="self-play steps")
+    parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--group-size", type=int, default=8, help="games per step = batch size x group size")
     parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--max-turns", type=int, default=25, help="moves per seat")
+    parser.add_argument("--max-turns", type=int, default=12, help="moves per seat (a game that runs past it is a draw)")
     parser.add_argument("--max-new-tokens", type=int, default=6)
-    parser.add_argument("--eval-games", type=int, default=32, help="games against each opponent, before and after")
+    parser.add_argument("--eval-games", type=int, default=16, help="games against each opponent, before and after")
     args = parser.parse_args()
     from tinkergym.trainers.config import TrainConfig
     from tinkergym.trainers.league import League
@@ -59,13 +62,13 @@ def main() -> None:
 
     out = Path(args.out)
     common = dict(env=ENV, env_kwargs=BOARD, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, checkpoint_every=10, transcripts_every=5)
-    sft = TrainingRun(TrainConfig(trainer="sft", model="smollm2-135m", steps=args.sft_steps, batch_size=16, lr=1e-4, out=str(out / "sft"),
+    sft = TrainingRun(TrainConfig(trainer="sft", model="smollm2-135m", steps=args.sft_steps, batch_size=args.sft_batch_size, lr=args.sft_lr, out=str(out / "sft"),
                                   trainer_args={"demos": "baseline", "demo_episodes": 128}, **common))
     sft.run()
     warm = str(out / "sft" / "final")
     before = matches(warm, None, args.eval_games, args.max_turns, args.max_new_tokens)
     selfplay = TrainingRun(TrainConfig(trainer="selfplay", model=warm, steps=args.steps, batch_size=args.batch_size, group_size=args.group_size,
-                                       lr=args.lr, snapshot_every=5, eval_every=10, eval_episodes=16, out=str(out / "selfplay"), **common))
+                                       lr=args.lr, snapshot_every=max(1, args.steps // 3), eval_every=max(1, args.steps // 2), eval_episodes=8, out=str(out / "selfplay"), **common))
     selfplay.run()
     after = matches(None, str(out / "selfplay"), args.eval_games, args.max_turns, args.max_new_tokens)
     records = read_metrics(out / "selfplay" / "metrics.jsonl")

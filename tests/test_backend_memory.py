@@ -218,3 +218,29 @@ def test_logprobs_use_the_training_budget_and_do_not_depend_on_it(tiny: str, dty
         for row, want in zip(got, expected):  # the same up to the kernels' summation order in other batch shapes
             assert row == pytest.approx(want, abs=1e-5), size
     assert backend.logprobs([]) == []
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_full_fine_tuning_copies_shared_prompts_in_the_compute_dtype(tiny: str, checkpointing: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Float32 masters under bfloat16 autocast: the per-row copies of a prompt's KV cache are bfloat16 (half the
+    # memory), and the pass scores and trains as the unshared one does.
+    from transformers import DynamicCache
+
+    copied: list[set[torch.dtype]] = []
+    select = DynamicCache.batch_select_indices
+
+    def spy(cache: DynamicCache, indices: torch.Tensor) -> None:
+        copied.append({t.dtype for layer in cache.layers for t in (layer.keys, layer.values)})
+        return select(cache, indices)
+
+    monkeypatch.setattr(DynamicCache, "batch_select_indices", spy)
+    request = ForwardBackwardRequest(group_batch(), LossSpec(name="reinforce"))
+    results = {}
+    for share in (True, False):
+        backend = make(tiny, lora_rank=0, dtype="bfloat16", share_prefixes=share, gradient_checkpointing=checkpointing)
+        assert backend.param_dtype == torch.float32
+        results[share] = (backend.forward_backward(request).metrics["loss"], torch.cat([p.grad.flatten() for _, p in backend._trainable]))
+    assert copied and all(dtypes == {torch.bfloat16} for dtypes in copied)
+    (shared_loss, shared_grad), (plain_loss, plain_grad) = results[True], results[False]
+    assert shared_loss == pytest.approx(plain_loss, rel=2e-2)
+    assert torch.nn.functional.cosine_similarity(shared_grad, plain_grad, dim=0) > 0.99

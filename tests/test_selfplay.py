@@ -202,3 +202,13 @@ def test_a_policy_per_seat_trains_saves_and_resumes_each_seat(tmp_path) -> None:
     again = metrics_of(resumed)[-1]
     for key in ("loss", "player_1/loss", "player_1/reward/mean", "reward/mean", "rating/learner"):
         assert again[key] == last[key], f"{key} differs after a resume"
+
+
+def test_selfplay_evaluation_plays_on_the_eval_env(tmp_path) -> None:
+    # eval_env_kwargs apply over env_kwargs in self-play's games against the fixed members, as in single-agent evaluation.
+    out = tmp_path / "eval-env"
+    TrainingRun(config(out, steps=1, eval_every=1, eval_episodes=2, opponents="baseline", eval_env_kwargs={"size": 6})).run(progress=False)
+    transcripts = sorted((out / "transcripts").glob("eval_step_*.jsonl"))
+    text = "".join(path.read_text() for path in transcripts)
+    assert transcripts and "6x6 board" in text and "5x5 board" not in text
+    assert "eval/win_vs_baseline" in metrics_of(out)[-1]

@@ -448,6 +448,22 @@ def test_export_adapter_loads_with_peft(tiny: str, tmp_path: Path) -> None:
     assert AutoTokenizer.from_pretrained(str(tmp_path / "adapter")).encode("hello") == backend.tokenizer.encode("hello")
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # raised inside peft
+def test_training_from_an_adapter_folder_starts_from_the_adapter(tiny: str, tmp_path: Path) -> None:
+    # A LoRA run's final/ as --model (SFT warm-up, then RL or self-play): the adapter is merged into its base,
+    # with a new LoRA (or every weight) trained on top; not the base model with the adapter dropped.
+    backend = trained(tiny, 4)
+    backend.export(str(tmp_path / "sft"))
+    ids = torch.tensor([sft_datum(backend).tokens])
+    expected = backend_logits(backend, ids)
+    assert not torch.allclose(backend_logits(make_backend(tiny), ids), expected, atol=1e-3)  # training moved it
+    for lora_rank in (4, 0):
+        warm = make_backend(str(tmp_path / "sft"), lora_rank=lora_rank)
+        assert torch.allclose(backend_logits(warm, ids), expected, atol=1e-5)
+        warm.export(str(tmp_path / f"rl-{lora_rank}"))  # an adapter whose base is itself an adapter folder, or a full model
+        assert torch.allclose(backend_logits(make_backend(str(tmp_path / f"rl-{lora_rank}")), ids), expected, atol=1e-5)
+
+
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_export_merged_loads_with_transformers(tiny: str, tmp_path: Path, lora_rank: int) -> None:
     from transformers import AutoModelForCausalLM

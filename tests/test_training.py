@@ -201,5 +201,7 @@ def test_compare_example_warms_up_with_sft_then_trains(tiny, tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert (out / "sft" / "final" / "config.json").is_file()  # the warm-up's full model, where RL started from
     assert json.loads((out / "config.json").read_text())["model"] == str(out / "sft" / "final")
+    sft_steps = [r for r in read_metrics(out / "sft" / "metrics.jsonl") if r["step"] >= 0]
+    assert sft_steps and all(r["tokens/per_s"] > 0 for r in sft_steps)  # SFT reports trained tokens per second
     assert "eval before:" in result.stdout and "eval after:" in result.stdout
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [-1, 0, 1]

@@ -176,11 +176,11 @@ def latest_eval_transcripts(folder: Path) -> Path | None:
 def merge_adapter(run: FinishedRun, dest: Path) -> Path:
     """Write the run's adapter merged into its base model, with the tokenizer, as a plain transformers folder."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
     from tinkergym.backends.models import resolve_model
+    from tinkergym.backends.torch_setup import load_causal_lm
 
-    base = AutoModelForCausalLM.from_pretrained(resolve_model(run.config.model), dtype="auto")
+    base = load_causal_lm(resolve_model(run.config.model), "auto")  # an adapter folder it started from comes merged
     merged = PeftModel.from_pretrained(base, str(run.final)).merge_and_unload()
     merged.save_pretrained(str(dest))
     for path in run.final.iterdir():  # the tokenizer, exactly as the run exported it

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -248,15 +249,19 @@ class SelfPlayTrainer(GRPOTrainer):
         self.league.add_snapshot(step + 1, str(folder))
 
     # ----- evaluation and state ----------------------------------------------------------------------
-    def evaluate(self, step: int, seeds: list[int]) -> tuple[dict[str, float], list[Trajectory]]:
-        """Greedy games against each fixed member (the learner takes every seat in turn): win/draw/loss rates."""
+    def evaluate(self, step: int, seeds: list[int], make_env: Callable[[], Any] | None = None) -> tuple[dict[str, float], list[Trajectory]]:
+        """Greedy games against each fixed member (the learner takes every seat in turn): win/draw/loss rates.
+
+        ``make_env`` makes the games' envs (the session passes the eval env: ``env_kwargs`` with ``eval_env_kwargs``
+        over them); the training env without it.
+        """
         from tinkergym.trainers.matches import play_matches
 
         opponents = {m.name: self.player(m.name) for m in self.league.members if m.fixed}
         greedy: Any = ModelPlayer(LEARNER, self.ctx.backend, temperature=0.0)
         if self.seat_learners:  # a policy per seat: each plays its own seat
             greedy = {seat: ModelPlayer(p.name, p.sampler, temperature=0.0) for seat, p in self.seat_learners.items()}
-        records, trajectories = play_matches(greedy, opponents, self.ctx.make_env, seeds, self.ctx.renderer, self.settings(temperature=0.0, seed=self.ctx.config.seed))
+        records, trajectories = play_matches(greedy, opponents, make_env or self.ctx.make_env, seeds, self.ctx.renderer, self.settings(temperature=0.0, seed=self.ctx.config.seed))
         metrics: dict[str, float] = {}
         for name, record in records.items():
             for outcome, rate in record.rates().items():

@@ -263,7 +263,8 @@ class TrainingRun:
             self._diverged(step, str(exc))
         metrics = dict(output.metrics)
         metrics["time/step_s"] = time.perf_counter() - started
-        metrics["tokens/per_s"] = metrics.get("tokens/sampled", 0.0) / max(metrics["time/step_s"], 1e-9)
+        # Sampled tokens per second where the step samples; trained (loss) tokens per second where it only trains (SFT).
+        metrics["tokens/per_s"] = metrics.get("tokens/sampled", metrics.get("tokens", 0.0)) / max(metrics["time/step_s"], 1e-9)
         self._check_finite(step, metrics)
         if c.transcripts_every and (step % c.transcripts_every == 0 or step == c.steps - 1) and output.trajectories:
             write_transcripts(self.folder / "transcripts" / f"train_step_{step:06d}.jsonl", output.trajectories[: c.group_size * 2], step=step)
@@ -304,8 +305,8 @@ class TrainingRun:
 
         c = self.config
         own = getattr(self.trainer, "evaluate", None)
-        if callable(own):  # e.g. self-play: games against the league's fixed members
-            metrics, trajectories = own(step, eval_seeds(c.seed, c.eval_episodes))
+        if callable(own):  # e.g. self-play: games against the league's fixed members, on the eval env
+            metrics, trajectories = own(step, eval_seeds(c.seed, c.eval_episodes), self.make_eval_env)
         else:
             settings = RolloutConfig(max_turns=c.max_turns, max_new_tokens=c.max_new_tokens, max_context=c.max_context, temperature=0.0, seed=c.seed)
             metrics, trajectories = evaluate(self.make_eval_env, self.backend, self.renderer, settings, eval_seeds(c.seed, c.eval_episodes))
