@@ -1,6 +1,6 @@
 """Self-play on 7x7 Gomoku (four in a row) with SmolLM2-135M: before and after, against the baseline and random players.
 
-    python examples/selfplay_gomoku.py                       # SFT warm-up, self-play, evaluation (2-core CPU: about 40 min)
+    python examples/selfplay_gomoku.py                       # SFT warm-up, self-play, evaluation (2-core CPU: about 45 min)
     python examples/selfplay_gomoku.py --steps 40 --sft-steps 60 --eval-games 64 --max-turns 25
 
 1. SFT warm-up on the baseline's games against itself (each seat's side is one conversation), so the model
@@ -47,12 +47,13 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=16)
     parser.add_argument("--sft-batch-size", type=int, default=8, help="games per SFT step (each seat's side is one conversation)")
     parser.add_argument("--sft-lr", type=float, default=3e-4)
-    parser.add_argument("--steps", type=int, default=6, help="self-play steps")
+    parser.add_argument("--steps", type=int, default=4, help="self-play steps")
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--group-size", type=int, default=8, help="games per step = batch size x group size")
     parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--max-turns", type=int, default=12, help="moves per seat (a game that runs past it is a draw)")
+    parser.add_argument("--max-turns", type=int, default=8, help="moves per seat (a game that runs past it is a draw)")
     parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--reuse-sft", action="store_true", help="skip the warm-up when OUT/sft/final exists (a previous run's)")
     parser.add_argument("--eval-games", type=int, default=16, help="games against each opponent, before and after")
     args = parser.parse_args()
     from tinkergym.trainers.config import TrainConfig
@@ -62,9 +63,9 @@ def main() -> None:
 
     out = Path(args.out)
     common = dict(env=ENV, env_kwargs=BOARD, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, checkpoint_every=10, transcripts_every=5)
-    sft = TrainingRun(TrainConfig(trainer="sft", model="smollm2-135m", steps=args.sft_steps, batch_size=args.sft_batch_size, lr=args.sft_lr, out=str(out / "sft"),
-                                  trainer_args={"demos": "baseline", "demo_episodes": 128}, **common))
-    sft.run()
+    if not (args.reuse_sft and (out / "sft" / "final").is_dir()):
+        TrainingRun(TrainConfig(trainer="sft", model="smollm2-135m", steps=args.sft_steps, batch_size=args.sft_batch_size, lr=args.sft_lr,
+                                out=str(out / "sft"), trainer_args={"demos": "baseline", "demo_episodes": 128}, **common)).run()
     warm = str(out / "sft" / "final")
     before = matches(warm, None, args.eval_games, args.max_turns, args.max_new_tokens)
     selfplay = TrainingRun(TrainConfig(trainer="selfplay", model=warm, steps=args.steps, batch_size=args.batch_size, group_size=args.group_size,
