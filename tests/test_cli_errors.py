@@ -247,3 +247,14 @@ def test_a_non_finite_math_answer_is_graded_wrong(answer) -> None:
     env.reset(seed=0)
     _, reward, terminated, _, info = env.step(f"\\boxed{{{answer}}}")
     assert reward == 0.0 and terminated and info["correct"] is False
+
+
+def test_train_refuses_an_out_folder_that_holds_a_run(tmp_path: Path) -> None:
+    # A second `train --out` into a run's folder would replace its metrics and checkpoints: refused, nothing touched.
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps({"env": "tinker/Bandit-v0"}))
+    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    result = CliRunner().invoke(main, ["train", "--env", "tinker/Bandit-v0", "--model", "tiny", "--out", str(run)])
+    assert result.exit_code != 0 and f"--resume {run}" in result.output and "--overwrite" in result.output
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0, "loss": 1.0}\n'

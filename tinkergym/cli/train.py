@@ -188,6 +188,7 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--resume", type=SafePath(exists=True, file_okay=False),
               help="Continue the run in this folder from its last checkpoint, with its own settings; only --steps, "
                    "--eval-every, --eval-episodes, --checkpoint-every, --lr and --max-grad-norm may change them.")
+@click.option("--overwrite", is_flag=True, help="Start a new run in an --out folder that already holds one (its metrics and checkpoints are replaced).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def train(**options: Any) -> None:
     """Train a model on an env with a trainer plugin (LoRA by default, --full for every parameter).
@@ -223,6 +224,11 @@ def train(**options: Any) -> None:
         run = resume_run(options, token)
     else:
         config = build_config(options)
+        if _holds_run(config.out) and not options.get("overwrite"):
+            raise click.UsageError(
+                f"{config.out} already holds a run. Continue it with: tinkergym train --resume {config.out}; "
+                f"or pick another --out; or add --overwrite to start over there (its metrics and checkpoints are replaced)."
+            )
         _check_token_use(token, config.backend_url)
         _check_server_owned(options, config.backend_url)
         if options.get("api_key") and not config.scheduler_url:
@@ -238,6 +244,14 @@ def train(**options: Any) -> None:
         last = records[-1] if records else {}
     shown = {k: round(v, 4) for k, v in last.items() if k.startswith(("reward", "loss", "eval/"))}
     click.echo(json.dumps({"run": str(folder), **shown}))
+
+
+def _holds_run(out: str) -> bool:
+    """Whether ``out`` already holds a run (its config.json); a path that cannot be read is left to the run to report."""
+    try:
+        return (Path(out) / "config.json").is_file()
+    except OSError:
+        return False
 
 
 @click.command("eval")
