@@ -46,10 +46,10 @@ class _TargetLogprob(torch.autograd.Function):
         out_N = torch.empty(rows, dtype=torch.float32, device=logits_NV.device)
         lse_N = torch.empty(rows, dtype=torch.float32, device=logits_NV.device)
         for start in range(0, rows, chunk_size):
-            scaled = _scaled(logits_NV[start : start + chunk_size], temperature)
-            lse_N[start : start + chunk_size] = torch.logsumexp(scaled, dim=-1)
-            chosen = scaled.gather(-1, targets_N[start : start + chunk_size, None]).squeeze(-1)
-            out_N[start : start + chunk_size] = chosen - lse_N[start : start + chunk_size]
+            stop = start + chunk_size
+            scaled = _scaled(logits_NV[start:stop], temperature)
+            lse_N[start:stop] = torch.logsumexp(scaled, dim=-1)
+            out_N[start:stop] = scaled.gather(-1, targets_N[start:stop, None]).squeeze(-1) - lse_N[start:stop]
         ctx.save_for_backward(logits_NV, targets_N, lse_N)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return out_N

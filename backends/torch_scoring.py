@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from tinkergym.backends import losses
+from tinkergym.backends.torch_copies import _update_in
 from tinkergym.backends.types import Datum
 
 
@@ -221,10 +222,7 @@ def _own_token_logits(
     use_cache = not _checkpoints_layers(model)
     if use_cache:
         rows_cache = model(**prefix, use_cache=True).past_key_values
-        dtype = _in_compute_dtype(rows_cache.layers)
-        if dtype is not None:
-            for layer in rows_cache.layers:
-                layer.update = functools.partial(_rounding_update, dtype, layer.update)
+        _store_in_compute_dtype(rows_cache)
         rows_cache.batch_select_indices(group_of)
     else:
         # Transformers turns `use_cache` off under checkpointing (with a warning) and makes no cache, but layers
@@ -243,29 +241,25 @@ def _own_token_logits(
     return rows_BS, logits
 
 
-def _in_compute_dtype(layers: list[Any]) -> torch.dtype | None:
-    """Round the cached keys and values of ``layers`` to autocast's compute dtype, in place, before they are copied per row.
+def _store_in_compute_dtype(cache: Any) -> None:
+    """Round ``cache``'s keys and values to autocast's compute dtype, in place, before they are copied per row.
 
     Float32 master weights (full fine-tuning under autocast) make the rotary embedding return float32 keys, and
     transformers then concatenates the values into float32 too: each row's copy of its prompt's cache would take
     twice the memory :func:`~tinkergym.backends.torch_copies.kv_token_cost` counts. Attention reads keys and
     values in the compute dtype anyway (autocast casts its inputs), so the forward pass is unchanged. The cast
-    is differentiable. Returns the dtype the rows' own keys and values must be rounded to as they are appended
-    (:func:`_rounding_update`), or None when nothing was cast.
+    is differentiable. When anything was cast, the cache's ``update`` rounds the keys and values the rows'
+    own tokens append the same way.
     """
-    device = next((layer.keys.device for layer in layers if getattr(layer, "keys", None) is not None), None)
-    if device is None or not torch.is_autocast_enabled(device.type):
-        return None
-    dtype = torch.get_autocast_dtype(device.type)
-    cast = False
-    for layer in layers:
-        if getattr(layer, "keys", None) is not None and layer.keys.is_floating_point() and {layer.keys.dtype, layer.values.dtype} != {dtype}:
-            layer.keys, layer.values, layer.dtype, cast = layer.keys.to(dtype), layer.values.to(dtype), dtype, True
-    return dtype if cast else None
-
-
-def _rounding_update(dtype: torch.dtype, update: Any, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    return update(keys.to(dtype), values.to(dtype), *args, **kwargs)
+    layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.is_floating_point()]
+    if not layers or not torch.is_autocast_enabled(layers[0].keys.device.type):
+        return
+    dtype = torch.get_autocast_dtype(layers[0].keys.device.type)
+    cast = [layer for layer in layers if {layer.keys.dtype, layer.values.dtype} != {dtype}]
+    for layer in cast:
+        layer.keys, layer.values, layer.dtype = layer.keys.to(dtype), layer.values.to(dtype), dtype
+    if cast:
+        cache.update = functools.partial(_update_in, dtype, cache.update)
 
 
 def _checkpoints_layers(model: torch.nn.Module) -> bool:
@@ -288,11 +282,8 @@ def _replayable_cache_class() -> type:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.before_update: dict[int, Any] = {}
-            self.round_to: torch.dtype | None = None  # keys and values are stored in this dtype (see _in_compute_dtype)
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
-            if self.round_to is not None:
-                key_states, value_states = key_states.to(self.round_to), value_states.to(self.round_to)
             if layer_idx in self.before_update:
                 return copy.copy(self.before_update[layer_idx]).update(key_states, value_states, *args, **kwargs)
             if getattr(self, "layer_class_to_replicate", None) is not None:
@@ -306,7 +297,7 @@ def _replayable_cache_class() -> type:
             rows = copy.copy(self)
             rows.layers = [copy.copy(layer) for layer in self.layers]
             rows.before_update = {}
-            rows.round_to = _in_compute_dtype(rows.layers)
+            _store_in_compute_dtype(rows)
             rows.batch_select_indices(indices)
             return rows
 

@@ -136,4 +136,3 @@ def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> tor
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         merged = PeftModel.from_pretrained(base, path).merge_and_unload()
     return merged if dtype == "auto" else merged.to(dtype)
-
