@@ -50,6 +50,7 @@ from tinkergym.backends.state_files import (
     write_rng_state,
 )
 from tinkergym.backends.torch_copies import _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401 - kv_token_cost is public here
+from tinkergym.backends.torch_prefix_cache import PrefixCache
 from tinkergym.backends.torch_sampling import sample_batch
 from tinkergym.backends.torch_setup import (  # noqa: F401 - public here too
     DTYPES,
@@ -110,6 +111,10 @@ class TorchBackendConfig(_Plain):
         max_sample_batch: Sequences generated together in one batch.
         share_prefixes: Run a prompt shared by several sequences once, when sampling and when training
             (exact up to floating-point summation order); False scores every sequence on its own.
+        prefix_cache_mb: Memory for automatic prefix caching when sampling: each sampled sequence's keys and values
+            are kept, and a later prompt that starts with one (the next turn of a multi-turn episode or game)
+            runs only what follows (:mod:`~tinkergym.backends.torch_prefix_cache`). Emptied whenever the weights
+            change and at every training pass; 0 turns it off.
         seed: Seeds torch, Python and NumPy at start (LoRA initialization, unseeded sampling, dropout).
         cache_dir: Where named models are built or converted; None uses the default cache.
         deterministic: Deterministic kernels only (:func:`deterministic_mode`: for the whole process), so a run and
@@ -131,6 +136,7 @@ class TorchBackendConfig(_Plain):
     micro_batch_size: int = 8
     max_sample_batch: int = 64
     share_prefixes: bool = True
+    prefix_cache_mb: float = 1024.0
     seed: int = 0
     cache_dir: str | None = None
     deterministic: bool = False
@@ -143,6 +149,8 @@ class TorchBackendConfig(_Plain):
             raise ConfigError(f"lora_rank must be >= 0 (0 = full fine-tuning), not {self.lora_rank}")
         if self.micro_batch_size < 1 or self.max_sample_batch < 1:
             raise ConfigError("micro_batch_size and max_sample_batch must be at least 1")
+        if not (self.prefix_cache_mb >= 0 and math.isfinite(self.prefix_cache_mb)):
+            raise ConfigError(f"prefix_cache_mb must be >= 0 (0 turns the prefix cache off), not {self.prefix_cache_mb}")
 
 
 @dataclass
@@ -232,6 +240,7 @@ class TorchBackend:
         self._reference: torch.nn.Module | None = None
         self._sampling_copy: torch.nn.Module | None = None  # see _sampling_model
         self._sampling_copy_stale = False  # the trainable weights changed since the copy was made or refreshed
+        self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))
         # Padding is only ever read behind the attention mask, so any id does when the tokenizer has none.
         fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.pad_id = next(t for t in fallbacks if t is not None)
@@ -323,7 +332,7 @@ class TorchBackend:
         for start in range(0, len(flat), self.config.max_sample_batch):
             chunk = flat[start : start + self.config.max_sample_batch]
             with self._compute():
-                results.extend(sample_batch(model, chunk, params, stop_ids, self.pad_id, generator, self.config.share_prefixes))
+                results.extend(sample_batch(model, chunk, params, stop_ids, self.pad_id, generator, self.config.share_prefixes, prefix_cache=self.prefix_cache))
         n = request.num_samples
         return SampleResponse(sequences=[results[i * n : (i + 1) * n] for i in range(len(request.prompts))])
 
@@ -349,6 +358,11 @@ class TorchBackend:
                         targets[name].copy_(source)
         self._sampling_copy_stale = False
         return self._sampling_copy
+
+    def _weights_changed(self) -> None:
+        """Mark everything computed from the old weights stale: the sampling copy and the prefix cache."""
+        self._sampling_copy_stale = True
+        self.prefix_cache.clear()
 
     def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
         """Per-token logprobs of whole sequences under the current policy at ``temperature`` (entry 0 is 0.0).
@@ -410,6 +424,7 @@ class TorchBackend:
         """
         spec, data = request.loss, request.data
         _validate(data, spec)
+        self.prefix_cache.clear()  # its memory goes to the activations; sampling after an update starts afresh anyway
         total_mask = sum(sum(d.loss_mask[1:]) for d in data) if request.num_tokens is None else request.num_tokens
         num_sequences = request.num_sequences
         if num_sequences is None:
@@ -474,7 +489,7 @@ class TorchBackend:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self._sampling_copy_stale = True
+        self._weights_changed()
         # Stop before such weights reach a checkpoint. NaN and inf propagate into sums: one number per tensor.
         if not bool(torch.stack([p.detach().sum(dtype=torch.float32) for p in trainable]).isfinite().all()):
             raise NonFiniteError(f"optimizer step {self.step} made weights NaN or infinite (learning rate {params.learning_rate:g})")
@@ -489,6 +504,7 @@ class TorchBackend:
         """
         from safetensors.torch import save_file
 
+        self.prefix_cache.clear()  # a run resumed from here starts with an empty cache: so does this one
         tmp = fresh_tmp_dir(path)
         save_file({n: p.detach().cpu().contiguous() for n, p in self._trainable}, os.path.join(tmp, "trainable.safetensors"))
         write_optimizer_state(tmp, self.optimizer.state_dict())
@@ -521,7 +537,7 @@ class TorchBackend:
         with torch.no_grad():
             for name, param in self._trainable:
                 param.copy_(weights[name])
-        self._sampling_copy_stale = True
+        self._weights_changed()
         self.optimizer.load_state_dict(optimizer_state)
         restore_rng_state(*rng_state, self.device)
         self.step = int(meta["step"])

@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from tinkergym.backends.torch_prefix_cache import PrefixCache
 from tinkergym.backends.torch_scoring import host_to_device, padded_length_limit
 from tinkergym.backends.types import SampledSequence, SamplingParams
 from tinkergym.errors import NonFiniteError
@@ -101,26 +102,89 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tup
 
 
 def prefill(
-    model: torch.nn.Module, prompts: list[list[int]], pad_id: int, device: torch.device, share_prompts: bool = True
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    pad_id: int,
+    device: torch.device,
+    share_prompts: bool = True,
+    prefix_cache: PrefixCache | None = None,
 ) -> tuple[torch.Tensor, object, torch.Tensor, torch.Tensor]:
     """Run the prompts through the model once: ``(last logits [B, V], KV cache, attention mask, positions)``.
 
     Identical prompts (a GRPO group asks for many samples of one prompt) are run once, and their cache rows
     are copied to every sample that shares them: the prefill costs the distinct prompts, not the samples.
-    ``share_prompts=False`` runs every row.
+    ``share_prompts=False`` runs every row. With a ``prefix_cache``, what the prompts share with its entries
+    is taken from it and only the rest runs (see :func:`_cached_columns`).
     """
     distinct: dict[tuple[int, ...], int] = {}
     row_of = [distinct.setdefault(tuple(p), len(distinct)) if share_prompts else i for i, p in enumerate(prompts)]
     unique = [list(p) for p in distinct] if share_prompts else prompts
     input_ids, attention, positions = left_pad(unique, pad_id, device)
     mask = attention if len({len(p) for p in unique}) > 1 else None  # no padding: no mask to inspect (see _decode)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    past, kept = _cached_columns(unique, prefix_cache) if prefix_cache is not None else (None, 0)
+    out = model(
+        input_ids=input_ids[:, kept:],
+        attention_mask=mask,
+        position_ids=positions[:, kept:],
+        past_key_values=past,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     logits_BV, cache = out.logits[:, -1], out.past_key_values
     if len(unique) < len(prompts):
         index = host_to_device(torch.tensor(row_of, dtype=torch.long), device)
         cache.batch_select_indices(index)
         logits_BV, attention, positions = logits_BV[index], attention[index], positions[index]
     return logits_BV, cache, attention, positions
+
+
+def _cached_columns(prompts: list[list[int]], prefix_cache: PrefixCache) -> tuple[object | None, int]:
+    """``(cache, kept)``: a KV cache of the left-padded prompts' first ``kept`` columns from ``prefix_cache``, or ``(None, 0)``.
+
+    Every row runs the same last ``run`` columns, ``run`` being the most any prompt has left once its cached
+    prefix is taken: a row with less left runs the end of its cached prefix again, which is exact (those
+    positions' keys are computed from the columns before them, as in a full prefill). Rows stay left-padded
+    and contiguous, so every position keeps its cache index (what sliding-window and chunked masks measure).
+    """
+    from transformers import DynamicCache
+
+    matches = [prefix_cache.match(p) for p in prompts]
+    width = max(len(p) for p in prompts)
+    run = max(len(p) - n for p, (_, n) in zip(prompts, matches))
+    kept = width - run
+    prefix_cache.stats.prompt_tokens += sum(len(p) for p in prompts)
+    if kept <= 0:
+        return None, 0
+    cache = DynamicCache()
+    template = next(entry for entry, _ in matches if entry is not None).layers
+    for layer, (keys, values) in enumerate(template):
+        keys_BHKD = keys.new_zeros((len(prompts), keys.shape[0], kept, keys.shape[-1]))
+        values_BHKD = values.new_zeros((len(prompts), values.shape[0], kept, values.shape[-1]))
+        for row, (prompt, (entry, _)) in enumerate(zip(prompts, matches)):
+            taken = len(prompt) - run
+            if taken > 0:
+                keys_BHKD[row, :, kept - taken :] = entry.layers[layer][0][:, :taken]
+                values_BHKD[row, :, kept - taken :] = entry.layers[layer][1][:, :taken]
+        cache.update(keys_BHKD, values_BHKD, layer)
+    prefix_cache.stats.reused_tokens += sum(max(0, len(p) - run) for p in prompts)
+    return cache, kept
+
+
+def store_rows(prefix_cache: PrefixCache, cache: object, prompts: list[list[int]], completions: list[list[int]]) -> None:
+    """Keep each row's keys and values for its prompt and the sampled ids the model ran, in ``prefix_cache``.
+
+    Only caches of plain full-attention layers are kept (sliding-window layers hold just their window).
+    """
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(layer, _preallocated_layer_class()) for layer in layers):
+        return
+    width = max(len(p) for p in prompts)
+    ran = layers[0].keys.shape[-2] - width  # decode steps whose ids were run through the model
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        fed = min(len(completion), ran)
+        start, end = width - len(prompt), width + fed
+        kv = [(layer.keys[row, :, start:end].clone(), layer.values[row, :, start:end].clone()) for layer in layers]
+        prefix_cache.store([*prompt, *completion[:fed]], kv)
 
 
 def _preallocated(cache: object, extra: int) -> object:
@@ -186,6 +250,7 @@ def sample_batch(
     generator: torch.Generator | None = None,
     share_prompts: bool = True,
     check_interval: int = STOP_CHECK_INTERVAL,
+    prefix_cache: PrefixCache | None = None,
 ) -> list[SampledSequence]:
     """Sample one completion per prompt, all prompts in one batch sharing one KV cache.
 
@@ -194,6 +259,8 @@ def sample_batch(
     Identical prompts are prefilled once (see :func:`prefill`). Prompts of different lengths run apart when
     left padding would change the model's results (see :func:`~tinkergym.backends.torch_scoring.padded_length_limit`).
     Whether every row has stopped is read back every ``check_interval`` steps (see the module docstring).
+    With a ``prefix_cache``, prompts start from what it holds, and every row's keys and values are kept in it
+    afterwards (see :mod:`~tinkergym.backends.torch_prefix_cache`).
     """
     limit = padded_length_limit(model)
     widths = sorted({len(p) for p in prompts})
@@ -201,10 +268,10 @@ def sample_batch(
         by_row: dict[int, SampledSequence] = {}
         for width in widths:
             indices = [i for i, p in enumerate(prompts) if len(p) == width]
-            by_row.update(zip(indices, sample_batch(model, [prompts[i] for i in indices], params, stop_ids, pad_id, generator, share_prompts, check_interval)))
+            by_row.update(zip(indices, sample_batch(model, [prompts[i] for i in indices], params, stop_ids, pad_id, generator, share_prompts, check_interval, prefix_cache)))
         return [by_row[i] for i in range(len(prompts))]
     device = next(model.parameters()).device
-    logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts)
+    logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts, prefix_cache)
     cache = _preallocated(cache, params.max_new_tokens)
     # Whether each id is a stop id, looked up by a gather: torch.isin of many stop ids sorts and deduplicates
     # (a data-dependent size, read back from a GPU on every step). Sampled ids and the pad id fall inside it.
@@ -219,6 +286,8 @@ def sample_batch(
     for ids, logprobs in zip(tokens_BS[:, :steps].tolist(), logprobs_BS[:, :steps].tolist()):
         n = next((i + 1 for i, token in enumerate(ids) if token in stops), steps)
         out.append(SampledSequence(tokens=ids[:n], logprobs=logprobs[:n], finish_reason="stop" if ids[:n] and ids[n - 1] in stops else "length"))
+    if prefix_cache is not None and prefix_cache.max_bytes > 0:
+        store_rows(prefix_cache, cache, prompts, [seq.tokens for seq in out])
     return out
 
 

@@ -7,11 +7,13 @@
 The learner holds both seats of every ``tinker/GomokuDuel-v0`` game (pure self-play) and plays up to
 ``--max-turns`` moves per seat. ``batched`` plays all games through one :func:`tinkergym.games.play_games`
 call (one ``sample`` call per round for every game's seat to move); ``one at a time`` calls it once per
-game, in order, with the same seeds. Greedy by default, so both runs play the same games (up to batch
-numerics: the table shows each run's moves). Columns: ``wall`` seconds; ``moves/s`` every move of every
+game, in order, with the same seeds; ``batched, no prefix cache`` is the batched run with the backend's prefix
+cache off, so every round prefills each seat's whole conversation again. Greedy by default, so the runs play
+the same games (up to batch numerics: the table shows each run's moves). Columns: ``wall`` seconds; ``moves/s`` every move of every
 seat (rejected ones included) per second; ``sample`` time inside ``sample``; ``env`` time inside the env's
 ``reset`` / ``step`` / ``observe``; ``env share`` env over wall; ``other`` the rest (rendering, decoding,
-bookkeeping). The ratio line is the batched run's moves per second over the one-at-a-time run's.
+bookkeeping); ``reused`` the share of prompt tokens the prefix cache supplied. The ratio lines are the batched run's
+moves per second over the other runs'.
 """
 
 from __future__ import annotations
@@ -68,8 +70,11 @@ class TimedSampler:
             self.stats["calls"] += 1
 
 
-def run(backend: Any, renderer: ChatTemplateRenderer, args: argparse.Namespace, batched: bool) -> dict[str, float]:
-    """Play the benchmark's games batched or one at a time; return the timings."""
+def run(backend: Any, renderer: ChatTemplateRenderer, args: argparse.Namespace, batched: bool, cache_mb: float = 1024.0) -> dict[str, float]:
+    """Play the benchmark's games batched or one at a time, with a prefix cache of ``cache_mb`` MiB; return the timings."""
+    from tinkergym.backends.torch_prefix_cache import PrefixCache
+
+    backend.prefix_cache = PrefixCache(max_bytes=int(cache_mb * 2**20))
     stats = {"env": 0.0, "sample": 0.0, "calls": 0.0}
     learner = ModelPlayer("learner", TimedSampler(backend, stats))
     kwargs = {"size": args.size, "win_length": args.win_length}
@@ -84,8 +89,9 @@ def run(backend: Any, renderer: ChatTemplateRenderer, args: argparse.Namespace, 
     wall = time.perf_counter() - start
     moves = sum(r.moves for r in results)
     illegal = sum(s.illegal_moves for r in results for s in r.seats.values())
+    cache = backend.prefix_cache.stats
     return {"wall": wall, "moves": moves, "illegal": illegal, "moves_per_s": moves / wall, **stats, "env_share": stats["env"] / wall,
-            "other": wall - stats["sample"] - stats["env"]}
+            "other": wall - stats["sample"] - stats["env"], "reused": cache.reused_tokens / max(1, cache.prompt_tokens)}
 
 
 def main() -> None:
@@ -99,6 +105,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (both runs play the same games)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--skip-no-cache", action="store_true", help="leave out the run without the prefix cache (the slowest)")
     args = parser.parse_args()
     from tinkergym.backends.models import resolve_model
     from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
@@ -106,14 +113,19 @@ def main() -> None:
     backend = TorchBackend(TorchBackendConfig(model=resolve_model(args.model), dtype=args.dtype, seed=args.seed))
     renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
     run(backend, renderer, argparse.Namespace(**{**vars(args), "games": 2}), batched=True)  # warm-up
-    rows = {"batched": run(backend, renderer, args, batched=True), "one at a time": run(backend, renderer, args, batched=False)}
-    print(f"{'':<14} {'wall s':>8} {'moves':>6} {'illegal':>7} {'moves/s':>8} {'sample s':>9} {'calls':>6} {'env s':>7} {'env share':>9} {'other s':>8}")
+    rows = {"batched": run(backend, renderer, args, batched=True)}
+    if not args.skip_no_cache:
+        rows["batched, no prefix cache"] = run(backend, renderer, args, batched=True, cache_mb=0)
+    rows["one at a time"] = run(backend, renderer, args, batched=False)
+    print(f"{'':<25} {'wall s':>8} {'moves':>6} {'illegal':>7} {'moves/s':>8} {'sample s':>9} {'calls':>6} {'env s':>7} {'env share':>9} {'other s':>8} {'reused':>7}")
     for name, r in rows.items():
-        print(f"{name:<14} {r['wall']:>8.2f} {r['moves']:>6} {r['illegal']:>7} {r['moves_per_s']:>8.2f} {r['sample']:>9.2f} {int(r['calls']):>6} "
-              f"{r['env']:>7.3f} {r['env_share']:>9.2%} {r['other']:>8.2f}")
-    ratio = rows["batched"]["moves_per_s"] / rows["one at a time"]["moves_per_s"]
-    print(f"batched / one at a time: {ratio:.2f}x the moves per second")
-    print(json.dumps({"model": args.model, "games": args.games, "ratio": round(ratio, 3), **{k: {m: round(v, 4) for m, v in r.items()} for k, r in rows.items()}}))
+        print(f"{name:<25} {r['wall']:>8.2f} {r['moves']:>6} {r['illegal']:>7} {r['moves_per_s']:>8.2f} {r['sample']:>9.2f} {int(r['calls']):>6} "
+              f"{r['env']:>7.3f} {r['env_share']:>9.2%} {r['other']:>8.2f} {r['reused']:>7.1%}")
+    ratios = {name: rows["batched"]["moves_per_s"] / r["moves_per_s"] for name, r in rows.items() if name != "batched"}
+    for name, ratio in ratios.items():
+        print(f"batched / {name}: {ratio:.2f}x the moves per second")
+    print(json.dumps({"model": args.model, "games": args.games, "ratios": {k: round(v, 3) for k, v in ratios.items()},
+                      **{k: {m: round(v, 4) for m, v in r.items()} for k, r in rows.items()}}))
 
 
 if __name__ == "__main__":

@@ -67,6 +67,9 @@ class TrainConfig:
     # Recompute each decoder layer's activations in the backward pass instead of keeping them (less memory, about a
     # third more compute; same gradients). Prompts shared by a group stay shared.
     gradient_checkpointing: bool = False
+    # Memory (MiB) for the torch sampler's automatic prefix caching: a multi-turn episode's or game's next turn runs only
+    # its new tokens, not the whole conversation again. Emptied at every update; 0 turns it off.
+    prefix_cache_mb: float = 1024.0
     sampler: str = "torch"  # "torch" (the training backend samples) or "vllm" (a vLLM engine, synced every step)
     # The vLLM sampler's engine (sampler "vllm" only; None: chosen from the platform): the fraction of its GPU's memory
     # (default 0.3), CUDA graphs and compilation off (eager; default on CPU only), its device ("cuda:N", "cpu"; default
@@ -108,7 +111,8 @@ class TrainConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)}).")
-        for name in ("weight_decay", "max_grad_norm", "kl_coef", "clip_low", "clip_high", "lora_dropout", "eval_every", "transcripts_every", "snapshot_every"):
+        for name in ("weight_decay", "max_grad_norm", "kl_coef", "clip_low", "clip_high", "lora_dropout", "eval_every", "transcripts_every", "snapshot_every",
+                     "prefix_cache_mb"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be 0 or more (got {getattr(self, name)}).")
         if self.lora_rank < 0:

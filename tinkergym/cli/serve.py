@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from tinkergym.cli.common import SEED, InputError, SafePath
+from tinkergym.cli.common import SEED, FiniteFloat, InputError, SafePath
 
 TOKEN_HINT = (
     'make one with: python -c "import secrets; print(secrets.token_urlsafe(32))" > token.txt && chmod 600 token.txt'
@@ -59,12 +59,14 @@ def request_logger(run_dir: Path) -> logging.Logger:
 @click.option("--deterministic", is_flag=True, help="Deterministic kernels only (bit-for-bit repeatable on a GPU too; slower).")
 @click.option("--gradient-checkpointing", is_flag=True,
               help="Recompute layer activations in the backward pass instead of keeping them: less memory, about a third more compute, same gradients.")
+@click.option("--prefix-cache-mb", type=FiniteFloat(min=0), default=1024.0, show_default=True, metavar="MIB",
+              help="Memory for the prefix cache: a multi-turn episode's next turn samples from its new tokens only (0 = off).")
 @click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
 def serve_backend(
     model: str, lora_rank: int | None, full: bool, lora_alpha: float | None, lora_dropout: float, micro_batch_size: int,
     dtype: str, device: str, seed: int, host: str, port: int,
     token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int, idle_timeout: float | None, deterministic: bool,
-    gradient_checkpointing: bool, exit_with_parent: bool,
+    gradient_checkpointing: bool, prefix_cache_mb: float, exit_with_parent: bool,
 ) -> None:
     """Serve the Backend protocol over HTTP: sampling, gradients and optimizer steps for a remote trainer.
 
@@ -92,7 +94,7 @@ def serve_backend(
     lora = {} if lora_alpha is None else {"lora_alpha": lora_alpha}
     config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or 16), lora_dropout=lora_dropout, dtype=dtype, device=device,
                                 seed=seed, micro_batch_size=micro_batch_size, deterministic=deterministic,
-                                gradient_checkpointing=gradient_checkpointing, **lora)
+                                gradient_checkpointing=gradient_checkpointing, prefix_cache_mb=prefix_cache_mb, **lora)
     backend = TorchBackend(config)
     app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()),
                      keep_states=keep_states)

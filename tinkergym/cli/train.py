@@ -20,12 +20,14 @@ _FIELDS = (
     "max_new_tokens", "max_context", "temperature", "seed", "out", "kl_coef", "eval_every", "eval_episodes",
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
     "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
-    "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every",
+    "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every", "prefix_cache_mb",
 )
 
 
 #: Options a training server decides (set when it starts), not a client training through it.
-_SERVER_OWNED = ("model", "lora_rank", "lora_alpha", "full", "dtype", "micro_batch_size", "sampler", "deterministic", "gradient_checkpointing")
+_SERVER_OWNED = (
+    "model", "lora_rank", "lora_alpha", "full", "dtype", "micro_batch_size", "sampler", "deterministic", "gradient_checkpointing", "prefix_cache_mb",
+)
 
 
 def build_config(options: dict[str, Any], base: Any = None) -> Any:
@@ -160,6 +162,8 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--gradient-checkpointing", is_flag=True,
               help="Recompute layer activations in the backward pass instead of keeping them: less memory, about a third more compute, same gradients.")
 @click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory; groups sharing a prompt pack into the same token budget).")
+@click.option("--prefix-cache-mb", type=FiniteFloat(0), metavar="MIB",
+              help="Memory for the torch sampler's prefix cache: a multi-turn episode's next turn runs only its new tokens (default 1024; 0 = off).")
 @click.option("--sampler", type=click.Choice(["torch", "vllm"]),
               help="Who samples rollouts: torch (the training model, default) or vllm (a vLLM engine synced after every step; needs vllm installed).")
 @click.option("--sampler-gpu-memory", type=FiniteFloat(0, 1, min_open=True), metavar="FRACTION",
