@@ -307,6 +307,11 @@ def _from_hub(repo_id: str) -> str | None:
     return snapshot_download(repo_id)
 
 
+def is_adapter_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a peft adapter folder (a LoRA run's ``final/``): ``adapter_config.json`` and no model ``config.json``."""
+    return os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json"))
+
+
 def check_model_folder(folder: str) -> str:
     """Return ``folder`` if it looks like a model ``save_pretrained`` wrote (or a peft adapter), else raise :class:`ConfigError`.
 

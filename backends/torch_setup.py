@@ -122,14 +122,13 @@ def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> tor
     """
     from transformers import AutoModelForCausalLM
 
-    folder = Path(path)
-    adapter = folder / "adapter_config.json"
-    if (folder / "config.json").is_file() or not adapter.is_file():
+    from tinkergym.backends.models import is_adapter_folder, resolve_model
+
+    if not is_adapter_folder(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     from peft import PeftModel
 
-    from tinkergym.backends.models import resolve_model
-
+    adapter = Path(path, "adapter_config.json")
     base_path = resolve_model(json.loads(adapter.read_text(encoding="utf-8"))["base_model_name_or_path"])
     base = load_causal_lm(base_path, "auto" if dtype == "auto" else torch.float32, **kwargs)
     with warnings.catch_warnings():

@@ -81,7 +81,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from tinkergym.backends.models import resolve_model
+from tinkergym.backends.models import is_adapter_folder, resolve_model
 from tinkergym.backends.types import (
     ForwardBackwardRequest,
     ForwardBackwardResult,
@@ -398,15 +398,26 @@ class VLLMBackend:
     Args:
         backend: The training backend (e.g. a TorchBackend); it must offer ``export``.
         sampler: The sampler; None builds one for the backend's base model and LoRA rank from ``settings``
-            (fields of :class:`VLLMSamplerConfig`).
+            (fields of :class:`VLLMSamplerConfig`). A backend that started from a peft adapter folder (a LoRA
+            run's ``final/``) trains on that adapter merged into its base; the engine gets the same merged model
+            as its base, written once to a temporary folder (removed at :meth:`close`), since vLLM loads no
+            adapter folder as a model and a new adapter only applies on top of the weights it was trained on.
     """
 
     def __init__(self, backend: Any, sampler: VLLMSampler | None = None, **settings: Any) -> None:
         self.backend = backend
+        self._merged_start: str | None = None
         if sampler is None:
             info = backend.info()
             settings.setdefault("lora_rank", int(info.get("lora") or 0))
-            sampler = VLLMSampler(info.get("model_path") or info["model"], **settings)
+            model = info.get("model_path") or info["model"]
+            if is_adapter_folder(model):
+                model = self._merged_start = _merged_copy(model, getattr(backend, "dtype", "auto"), settings.get("sync_dir"))
+            try:
+                sampler = VLLMSampler(model, **settings)
+            except BaseException:
+                self._remove_merged_start()
+                raise
         elif settings:
             raise ConfigError("pass sampler settings only when no sampler is given")
         self.sampler = sampler
@@ -459,3 +470,25 @@ class VLLMBackend:
     def close(self) -> None:
         """Shut the sampler's engine down (the training backend needs no closing)."""
         self.sampler.close()
+        self._remove_merged_start()
+
+    def _remove_merged_start(self) -> None:
+        if self._merged_start is not None:
+            shutil.rmtree(os.path.dirname(self._merged_start), ignore_errors=True)
+            self._merged_start = None
+
+
+def _merged_copy(adapter: str, dtype: Any, parent: str | None) -> str:
+    """A temporary HF folder holding ``adapter`` merged into its base (as TorchBackend loads it) and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    from tinkergym.backends.torch_setup import load_causal_lm
+
+    folder = os.path.join(tempfile.mkdtemp(prefix="tinkergym-vllm-start-", dir=parent), "model")
+    try:
+        load_causal_lm(adapter, dtype).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(adapter).save_pretrained(folder)
+    except BaseException:
+        shutil.rmtree(os.path.dirname(folder), ignore_errors=True)
+        raise
+    return folder

@@ -132,3 +132,21 @@ def test_memory_sync_equals_the_file_reload(tiny_untied: str, kit) -> None:
         assert sampler.info()["weights"].endswith("weights-2")
         assert sampler.sample(request) == from_memory
         assert_sampler_follows(sampler, backend, kit)
+
+
+@pytest.mark.parametrize("lora_rank", [0, 8])
+def test_vllm_backend_starts_from_an_adapter_folder(tiny: str, kit, tmp_path, lora_rank: int) -> None:
+    """A LoRA run's final/ as the model: the engine samples from the adapter merged into its base, as TorchBackend trains."""
+    warm = kit.backend(tiny, lora_rank=8)
+    assert kit.train(warm, "red", steps=15, learning_rate=1e-2) < 0.1
+    warm.export(str(tmp_path / "final"))
+    backend = VLLMBackend(kit.backend(str(tmp_path / "final"), lora_rank=lora_rank), dtype="float32", max_model_len=256, sync_dir=str(tmp_path))
+    try:
+        assert_sampler_follows(backend, backend.backend, kit)  # the base model would not answer red
+        assert len(list(tmp_path.glob("tinkergym-vllm-start-*"))) == 1
+        kit.train(backend, "blue", steps=15, learning_rate=1e-2)
+        prompt = kit.prompt(backend.backend)
+        assert greedy(backend, prompt).tokens == greedy(backend.backend, prompt).tokens  # the new weights on the merged start
+    finally:
+        backend.close()
+    assert not list(tmp_path.glob("tinkergym-vllm-start-*"))
