@@ -31,7 +31,6 @@ import json
 import math
 import os
 import random
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,7 @@ from tinkergym.backends.torch_setup import (  # noqa: F401 - public here too
     enable_gradient_checkpointing,
     flash_attn_importable,
     load_causal_lm,
+    quiet_peft,
     resolve_attn_implementation,
     resolve_device,
     resolve_dtype,
@@ -269,9 +269,7 @@ class TorchBackend:
             target_modules=self.config.lora_target_modules,
             task_type="CAUSAL_LM",
         )
-        with warnings.catch_warnings():
-            # peft reads transformers' deprecated `is_gradient_checkpointing`; the warning is not actionable here.
-            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        with quiet_peft():
             model = get_peft_model(model, lora)
         # An exported adapter names the model this backend started from as its base (an adapter folder it
         # started from included; load_causal_lm merges that), not the base that folder was merged into.

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import warnings
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -111,6 +113,14 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
             module._can_checkpoint_with_cache = True
 
 
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Silence the FutureWarning peft causes by reading transformers' deprecated ``is_gradient_checkpointing`` (not actionable here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
 def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> torch.nn.Module:
     """The causal LM in folder ``path`` in ``dtype``; a peft adapter folder (a LoRA run's ``final/``) merged into its base.
 
@@ -131,7 +141,6 @@ def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> tor
     adapter = Path(path, "adapter_config.json")
     base_path = resolve_model(json.loads(adapter.read_text(encoding="utf-8"))["base_model_name_or_path"])
     base = load_causal_lm(base_path, "auto" if dtype == "auto" else torch.float32, **kwargs)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    with quiet_peft():
         merged = PeftModel.from_pretrained(base, path).merge_and_unload()
     return merged if dtype == "auto" else merged.to(dtype)
