@@ -179,7 +179,8 @@ def _shared_prefix_logprobs(
     no logits: an empty ``logits_to_keep``); its KV cache is repeated for each group's rows. A second pass
     runs every row from its prompt's last token on, whose logits predict the row's first own token, so every
     prediction comes out of that one batched pass. Padding inside the cache is masked out; positions
-    continue each prompt, and so do cache indices, which sliding-window and chunked layers measure by.
+    continue each prompt, and so do cache indices, which sliding-window and chunked layers measure by. Rows
+    of very different lengths run in separate passes on the same prompt cache (see :func:`length_chunks`).
     """
     length = tokens_BT.shape[1]
     shared = [p - 1 for p in prefix_lens]
@@ -187,58 +188,96 @@ def _shared_prefix_logprobs(
     own = [n - s for n, s in zip(lengths, shared_of_row)]
     limit = padded_length_limit(model)
     if limit is not None and len(set(shared)) > 1 and max(shared) + max(own) > limit:
-        rows_BS, logits = _own_token_logits_by_prompt_length(model, tokens_BT, lengths, group_sizes, shared)
+        parts = _own_token_logits_by_prompt_length(model, tokens_BT, lengths, group_sizes, shared)
     else:
-        rows_BS, logits = _own_token_logits(model, tokens_BT, lengths, group_sizes, shared)
-    scored_BS = losses.token_logprobs(logits, rows_BS, temperature=temperature)
-    out = []
-    for row, (s, n) in enumerate(zip(shared_of_row, own)):
-        out.append(torch.cat([scored_BS.new_zeros(s), scored_BS[row, :n], scored_BS.new_zeros(length - s - n)]))
+        parts = _own_token_logits(model, tokens_BT, lengths, group_sizes, shared)
+    out: list[torch.Tensor | None] = [None] * len(lengths)
+    for rows, rows_BS, logits in parts:
+        scored_BS = losses.token_logprobs(logits, rows_BS, temperature=temperature)
+        for i, row in enumerate(rows):
+            s, n = shared_of_row[row], own[row]
+            out[row] = torch.cat([scored_BS.new_zeros(s), scored_BS[i, :n], scored_BS.new_zeros(length - s - n)])
     return torch.stack(out)
+
+
+#: What one more pass over a chunk of rows costs, in padded tokens, by device type (see :func:`length_chunks`).
+CHUNK_OVERHEAD_TOKENS = {"cpu": 32, "cuda": 4096}
+
+
+def length_chunks(own: list[int], overhead: int) -> list[list[int]]:
+    """Rows grouped into passes by length: ``[row indices]`` per pass, longest rows first.
+
+    Rows run right-padded to the longest row of their pass, so a pass of rows of very different lengths mostly
+    computes padding. The rows sorted by length are cut where that saves more padded tokens than the
+    ``overhead`` of another pass costs (an exact minimum over contiguous cuts). On a GPU a pass's fixed cost
+    is large next to a token's and rows rarely split; on a CPU compute is paid per token.
+    """
+    order = sorted(range(len(own)), key=lambda r: -own[r])
+    n = len(order)
+    best = [0.0] + [float("inf")] * n  # best[j]: cost of the first j rows (longest first)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # rows i..j-1 in one pass, padded to row i's length
+            cost = best[i] + overhead + (j - i) * own[order[i]]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    chunks, j = [], n
+    while j > 0:
+        chunks.append(order[cut[j] : j])
+        j = cut[j]
+    return chunks[::-1]
 
 
 def _own_token_logits(
     model: torch.nn.Module, tokens_BT: torch.Tensor, lengths: list[int], group_sizes: list[int], shared: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows_BS, logits_BSV)``: each row from its prompt's last token on (right-padded), and their logits.
+) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
+    """``[(rows, rows_BS, logits_BSV)]``: rows from their prompt's last token on (right-padded) and their logits, pass by pass.
 
-    Group ``g``'s first ``shared[g]`` tokens run once, left-padded (see :func:`_left_padded_prefixes`).
+    Group ``g``'s first ``shared[g]`` tokens run once, left-padded (see :func:`_left_padded_prefixes`); its
+    KV cache serves every pass (see :func:`length_chunks`).
     """
     device = tokens_BT.device
     length = tokens_BT.shape[1]
     # Every index is known on the host: built there and copied once, so the device never waits on the host.
     group_of_rows = [g for g, size in enumerate(group_sizes) for _ in range(size)]
     own = [n - shared[g] for n, g in zip(lengths, group_of_rows)]
-    span = max(own)
     starts_host = list(itertools.accumulate(group_sizes, initial=0))[:-1]
-    offsets_host = [shared[g] for g in group_of_rows]
-    group_of, starts, offsets, own_B = (
-        host_to_device(torch.tensor(values, dtype=torch.long), device) for values in (group_of_rows, starts_host, offsets_host, own)
-    )
+    starts = host_to_device(torch.tensor(starts_host, dtype=torch.long), device)
     width = max(shared)
     prefix_ids, prefix_mask, prefix_positions = _left_padded_prefixes(tokens_BT[starts], shared, width)
     no_logits = torch.empty(0, dtype=torch.long, device=device)
     prefix = {"input_ids": prefix_ids, "attention_mask": prefix_mask, "position_ids": prefix_positions, "logits_to_keep": no_logits}
     use_cache = not _checkpoints_layers(model)
     if use_cache:
-        rows_cache = model(**prefix, use_cache=True).past_key_values
-        _store_in_compute_dtype(rows_cache)
-        rows_cache.batch_select_indices(group_of)
+        prefix_cache = model(**prefix, use_cache=True).past_key_values
+        _store_in_compute_dtype(prefix_cache)
     else:
         # Transformers turns `use_cache` off under checkpointing (with a warning) and makes no cache, but layers
         # that may keep one still get a cache given explicitly; each pass gets one its recomputes can replay.
         prefix_cache = replayable_cache(model)
         model(**prefix, past_key_values=prefix_cache, use_cache=False)
-        rows_cache = prefix_cache.select_rows(group_of)
-    steps = torch.arange(span, device=device)[None]
-    rows_mask = steps < own_B[:, None]
-    index = (offsets[:, None] + steps).clamp_max(length - 1)
-    rows_BS = torch.where(rows_mask, tokens_BT.gather(1, index), torch.zeros_like(index))
-    attention = torch.cat([prefix_mask[group_of], rows_mask.long()], dim=1)
-    logits = model(
-        input_ids=rows_BS, attention_mask=attention, position_ids=offsets[:, None] + steps, past_key_values=rows_cache, use_cache=use_cache
-    ).logits
-    return rows_BS, logits
+    parts = []
+    for rows in length_chunks(own, CHUNK_OVERHEAD_TOKENS.get(device.type, CHUNK_OVERHEAD_TOKENS["cuda"])):
+        span = max(own[r] for r in rows)
+        group_of, offsets, own_B = (
+            host_to_device(torch.tensor(values, dtype=torch.long), device)
+            for values in ([group_of_rows[r] for r in rows], [shared[group_of_rows[r]] for r in rows], [own[r] for r in rows])
+        )
+        index = host_to_device(torch.tensor(rows, dtype=torch.long), device)
+        steps = torch.arange(span, device=device)[None]
+        rows_mask = steps < own_B[:, None]
+        columns = (offsets[:, None] + steps).clamp_max(length - 1)
+        rows_BS = torch.where(rows_mask, tokens_BT[index].gather(1, columns), torch.zeros_like(columns))
+        attention = torch.cat([prefix_mask[group_of], rows_mask.long()], dim=1)
+        logits = model(
+            input_ids=rows_BS,
+            attention_mask=attention,
+            position_ids=offsets[:, None] + steps,
+            past_key_values=cache_rows(prefix_cache, group_of),
+            use_cache=use_cache,
+        ).logits
+        parts.append((rows, rows_BS, logits))
+    return parts
 
 
 def _store_in_compute_dtype(cache: Any) -> None:
@@ -248,8 +287,8 @@ def _store_in_compute_dtype(cache: Any) -> None:
     transformers then concatenates the values into float32 too: each row's copy of its prompt's cache would take
     twice the memory :func:`~tinkergym.backends.torch_copies.kv_token_cost` counts. Attention reads keys and
     values in the compute dtype anyway (autocast casts its inputs), so the forward pass is unchanged. The cast
-    is differentiable. When anything was cast, the cache's ``update`` rounds the keys and values the rows'
-    own tokens append the same way.
+    is differentiable. The cache's ``update`` then rounds the keys and values the rows' own tokens append the
+    same way (a no-op where they come in the compute dtype already).
     """
     layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None and layer.keys.is_floating_point()]
     if not layers or not torch.is_autocast_enabled(layers[0].keys.device.type):
@@ -258,7 +297,7 @@ def _store_in_compute_dtype(cache: Any) -> None:
     cast = [layer for layer in layers if {layer.keys.dtype, layer.values.dtype} != {dtype}]
     for layer in cast:
         layer.keys, layer.values, layer.dtype = layer.keys.to(dtype), layer.values.to(dtype), dtype
-    if cast:
+    if "update" not in cache.__dict__:
         cache.update = functools.partial(_update_in, dtype, cache.update)
 
 
@@ -292,16 +331,24 @@ def _replayable_cache_class() -> type:
             self.before_update[layer_idx] = copy.copy(self.layers[layer_idx])
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-        def select_rows(self, indices: torch.Tensor) -> ReplayableCache:
-            """A new cache for the next pass holding rows ``indices`` of this one, which stays as it is for its own recomputes."""
-            rows = copy.copy(self)
-            rows.layers = [copy.copy(layer) for layer in self.layers]
-            rows.before_update = {}
-            _store_in_compute_dtype(rows)
-            rows.batch_select_indices(indices)
-            return rows
-
     return ReplayableCache
+
+
+def cache_rows(cache: Any, indices: torch.Tensor) -> Any:
+    """A new cache for the next pass holding rows ``indices`` of ``cache``, which stays as it is.
+
+    A shallow copy (cache layers replace their tensors, never write into them): ``cache`` serves several passes,
+    and a :func:`replayable_cache` its own recomputes. Keys and values are stored in the compute dtype (see
+    :func:`_store_in_compute_dtype`) before the rows are copied.
+    """
+    rows = copy.copy(cache)
+    rows.__dict__.pop("update", None)  # a wrapper of the original's update (see _store_in_compute_dtype)
+    rows.layers = [copy.copy(layer) for layer in cache.layers]
+    if hasattr(rows, "before_update"):
+        rows.before_update = {}
+    _store_in_compute_dtype(rows)
+    rows.batch_select_indices(indices)
+    return rows
 
 
 def replayable_cache(model: torch.nn.Module) -> Any:
@@ -311,24 +358,18 @@ def replayable_cache(model: torch.nn.Module) -> Any:
 
 def _own_token_logits_by_prompt_length(
     model: torch.nn.Module, tokens_BT: torch.Tensor, lengths: list[int], group_sizes: list[int], shared: list[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """:func:`_own_token_logits` run once per distinct prompt length, so that no prompt is padded (see :func:`padded_length_limit`)."""
     starts = list(itertools.accumulate(group_sizes, initial=0))
-    order: list[int] = []
-    parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+    parts = []
     for width in sorted(set(shared)):
         groups = [g for g, s in enumerate(shared) if s == width]
         rows = [r for g in groups for r in range(starts[g], starts[g + 1])]
         sizes = [group_sizes[g] for g in groups]
         picked = tokens_BT.index_select(0, host_to_device(torch.tensor(rows, dtype=torch.long), tokens_BT.device))
-        parts.append(_own_token_logits(model, picked, [lengths[r] for r in rows], sizes, [width] * len(groups)))
-        order.extend(rows)
-    span = max(rows_BS.shape[1] for rows_BS, _ in parts)
-    # Steps past a row's own tokens are never read; zero logits there keep the log-softmax finite.
-    rows_BS = torch.cat([torch.nn.functional.pad(r, (0, span - r.shape[1])) for r, _ in parts])
-    logits = torch.cat([torch.nn.functional.pad(v, (0, 0, 0, span - v.shape[1])) for _, v in parts])
-    back = host_to_device(torch.tensor(order, dtype=torch.long).argsort(), tokens_BT.device)
-    return rows_BS[back], logits[back]
+        for chunk, rows_BS, logits in _own_token_logits(model, picked, [lengths[r] for r in rows], sizes, [width] * len(groups)):
+            parts.append(([rows[i] for i in chunk], rows_BS, logits))
+    return parts
 
 
 def sequence_logprobs(

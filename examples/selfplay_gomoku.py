@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--max-turns", type=int, default=8, help="moves per seat (a game that runs past it is a draw)")
     parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--micro-batch-size", type=int, default=2,
+                        help="sequences per training pass: a seat's game is one long sequence (about 2K tokens at 12 moves a seat)")
     parser.add_argument("--reuse-sft", action="store_true", help="skip the warm-up when OUT/sft/final exists (a previous run's)")
     parser.add_argument("--eval-games", type=int, default=16, help="games against each opponent, before and after")
     args = parser.parse_args()
@@ -62,7 +64,8 @@ def main() -> None:
     from tinkergym.trainers.session import TrainingRun
 
     out = Path(args.out)
-    common = dict(env=ENV, env_kwargs=BOARD, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, checkpoint_every=10, transcripts_every=5)
+    common = dict(env=ENV, env_kwargs=BOARD, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, checkpoint_every=10, transcripts_every=5,
+                  micro_batch_size=args.micro_batch_size)
     if not (args.reuse_sft and (out / "sft" / "final").is_dir()):
         TrainingRun(TrainConfig(trainer="sft", model="smollm2-135m", steps=args.sft_steps, batch_size=args.sft_batch_size, lr=args.sft_lr,
                                 out=str(out / "sft"), trainer_args={"demos": "baseline", "demo_episodes": 128}, **common)).run()

@@ -79,3 +79,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     from tinkergym.backends.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(params=["default", "every-length"])
+def length_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Shared-prompt rows in passes by length as the backend decides, or every distinct row length in a pass of its own."""
+    if request.param == "every-length":
+        from tinkergym.backends import torch_scoring
+
+        monkeypatch.setitem(torch_scoring.CHUNK_OVERHEAD_TOKENS, "cpu", 0)
+    return request.param

@@ -79,7 +79,7 @@ def assert_checkpointing_changes_nothing(model: str, lora_rank: int, share: bool
 
 @pytest.mark.parametrize("share", [True, False])
 @pytest.mark.parametrize("lora_rank", [4, 0])
-def test_checkpointing_gives_the_same_metrics_and_gradients(tiny: str, lora_rank: int, share: bool) -> None:
+def test_checkpointing_gives_the_same_metrics_and_gradients(tiny: str, lora_rank: int, share: bool, length_passes: str) -> None:
     assert any(m.group_sizes for m in plan_micro_batches(grouped_batch(), 8, share)) == share
     metrics = assert_checkpointing_changes_nothing(tiny, lora_rank, share)
     assert lora_rank == 0 or metrics["kl"] > 0

@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
+from tinkergym.backends import torch_scoring  # noqa: E402
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.torch_scoring import MicroBatch, plan_micro_batches, sequence_logprobs  # noqa: E402
@@ -58,6 +59,15 @@ def test_plan_groups_shared_prompts_and_keeps_the_rest_in_order() -> None:
     assert sorted(i for m in plan for i in m.indices) == list(range(len(data)))
 
 
+def test_rows_run_in_passes_by_length_where_that_saves_more_than_a_pass_costs() -> None:
+    own = [30, 2, 28, 3, 31]
+    # One pass: 5 x 31 + 8 = 163 tokens; long and short apart: 3 x 31 + 2 x 3 + 2 x 8 = 115; three passes cost 121.
+    assert torch_scoring.length_chunks(own, overhead=8) == [[4, 0, 2], [3, 1]]
+    assert torch_scoring.length_chunks(own, overhead=100) == [[4, 0, 2, 3, 1]]
+    assert torch_scoring.length_chunks(own, overhead=0) == [[4], [0], [2], [3], [1]]
+    assert torch_scoring.length_chunks([5, 5, 5], overhead=0) == [[0, 1, 2]]
+
+
 def test_plan_packs_groups_up_to_the_token_budget() -> None:
     a, b = [1, 2, 3, 4], [5, 6]
     data = [datum(a, [7, 7], 1, 0), datum(a, [8], 1, 0), datum(b, [9, 9, 9], 1, 0), datum(b, [9], 1, 0)]
@@ -70,7 +80,7 @@ def test_plan_packs_groups_up_to_the_token_budget() -> None:
 
 @pytest.mark.parametrize(("lora_rank", "micro_batch_size"), [(4, 1), (4, 3), (0, 3), (0, 8)])
 @pytest.mark.parametrize("aggregation", ["token", "sequence"])
-def test_shared_prefix_gradients_equal_per_sequence_gradients(tiny: str, lora_rank: int, micro_batch_size: int, aggregation: str) -> None:
+def test_shared_prefix_gradients_equal_per_sequence_gradients(tiny: str, lora_rank: int, micro_batch_size: int, aggregation: str, length_passes: str) -> None:
     spec = LossSpec(name="ppo", clip_low=0.1, clip_high=0.3, kl_coef=0.1, aggregation=aggregation)
     shared_metrics = assert_sharing_changes_nothing(tiny, grpo_like_batch, spec, lora_rank, micro_batch_size)
     assert lora_rank == 0 or shared_metrics["kl"] > 0
@@ -176,7 +186,7 @@ def test_layouts_build_as_named(layout_models: dict[str, str]) -> None:
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_shared_prefix_logprobs_equal_each_sequence_alone(layout_models: dict[str, str], layout: str, attn: str) -> None:
+def test_layout_shared_prefix_logprobs_equal_each_sequence_alone(layout_models: dict[str, str], layout: str, attn: str, length_passes: str) -> None:
     if layout.startswith("gemma2") and attn == "sdpa":
         pytest.skip("transformers runs Gemma 2's soft-capped attention only eagerly")
     backend = make_backend(layout_models[layout], share=True, lora_rank=0, attn=attn)
@@ -194,7 +204,7 @@ def test_layout_shared_prefix_logprobs_equal_each_sequence_alone(layout_models: 
 
 @pytest.mark.parametrize("lora_rank", [4, 0])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_shared_prefix_gradients_equal_per_sequence_gradients(layout_models: dict[str, str], layout: str, lora_rank: int) -> None:
+def test_layout_shared_prefix_gradients_equal_per_sequence_gradients(layout_models: dict[str, str], layout: str, lora_rank: int, length_passes: str) -> None:
     spec = LossSpec(name="ppo", clip_low=0.1, clip_high=0.3, kl_coef=0.1, aggregation="token")
     assert_sharing_changes_nothing(layout_models[layout], mixed_prompt_batch, spec, lora_rank, micro_batch_size=8)
 
