@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 from tinkergym.backends.tokenizer_files import cache_tokenizer_files, default_cache_dir
 from tinkergym.backends.types import ForwardBackwardRequest, ForwardBackwardResult, OptimParams, SampleRequest, SampleResponse
-from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
+from tinkergym.errors import ConfigError, NonFiniteError, OutOfMemoryError, TinkergymError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 
 #: The wire protocol version this client speaks.
@@ -241,7 +241,7 @@ class RemoteBackend:
                 while answer.get("status") == "pending":
                     request_id = urllib.parse.quote(str(answer["request_id"]), safe="")
                     answer = self._request("GET", f"/v1/requests/{request_id}?wait={self.wait:g}", None, method)
-            except (ConfigError, RemoteBackendError, NonFiniteError):
+            except (ConfigError, RemoteBackendError, NonFiniteError, OutOfMemoryError):
                 # Whether the server counted a refused call is its business: the next call starts a fresh session.
                 self._session = None
                 raise
@@ -343,6 +343,8 @@ class RemoteBackend:
             )
         if kind in ("NonFiniteError", "non_finite"):
             return NonFiniteError(message)
+        if kind == "OutOfMemoryError":
+            return OutOfMemoryError(f"the training server: {message}")
         if status == 400:
             return ConfigError(f"{what}: the training server refused it: {message}")
         if status == 413:

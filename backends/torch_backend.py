@@ -33,7 +33,7 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -81,7 +81,7 @@ from tinkergym.backends.types import (
     SampledSequence,
     _Plain,
 )
-from tinkergym.errors import ConfigError, NonFiniteError
+from tinkergym.errors import ConfigError, NonFiniteError, OutOfMemoryError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 
 #: Version of the save_state folder layout. 1: optimizer.pt and rng.pt pickles (refused since);
@@ -329,7 +329,7 @@ class TorchBackend:
         results: list[SampledSequence] = []
         for start in range(0, len(flat), self.config.max_sample_batch):
             chunk = flat[start : start + self.config.max_sample_batch]
-            with self._compute():
+            with self._compute(), self._out_of_memory_advice(chunk, training=False):
                 results.extend(sample_batch(model, chunk, params, stop_ids, self.pad_id, generator, self.config.share_prefixes, prefix_cache=self.prefix_cache))
         n = request.num_samples
         return SampleResponse(sequences=[results[i * n : (i + 1) * n] for i in range(len(request.prompts))])
@@ -356,6 +356,39 @@ class TorchBackend:
                         targets[name].copy_(source)
         self._sampling_copy_stale = False
         return self._sampling_copy
+
+    @contextlib.contextmanager
+    def _out_of_memory_advice(self, rows: list[Any], training: bool) -> Iterator[None]:
+        """Turn running out of device memory into :class:`OutOfMemoryError` saying what to lower; drop a partial step's gradients.
+
+        A CUDA allocation that fails raises ``torch.OutOfMemoryError``; a CPU one ``RuntimeError`` (where the
+        operating system refuses it rather than ending the process). The caches this backend holds are freed,
+        and with ``training`` the gradients accumulated since the last optimizer step (no longer a whole step's).
+        """
+        try:
+            yield
+        except RuntimeError as exc:
+            if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+                raise
+            self.prefix_cache.clear()
+            lengths = [len(getattr(row, "tokens", row)) for row in rows]
+            shape = f"{len(rows)} sequences, {sum(lengths)} tokens, the longest {max(lengths)}"
+            if training:
+                self.optimizer.zero_grad(set_to_none=True)
+                advice = (
+                    f"lower micro_batch_size (now {self.config.micro_batch_size}; --micro-batch-size), turn on gradient checkpointing "
+                    "(--gradient-checkpointing) or shorten the sequences (--max-context). The gradients accumulated since the last "
+                    "optimizer step were dropped"
+                )
+            else:
+                advice = (
+                    f"lower max_sample_batch (now {self.config.max_sample_batch}), the prefix cache (--prefix-cache-mb, now "
+                    f"{self.config.prefix_cache_mb:g}) or the prompts' length (--max-context)"
+                )
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            what = "training pass" if training else "sampling"
+            raise OutOfMemoryError(f"{what} ran out of {self.device.type} memory on {shape}: {advice}. ({exc})") from exc
 
     def _weights_changed(self) -> None:
         """Mark everything computed from the old weights stale: the sampling copy and the prefix cache."""
@@ -431,15 +464,17 @@ class TorchBackend:
         # Metric sums stay on the device until every micro-batch ran: one read-back, not one per metric and micro-batch.
         micro_sums: list[dict[str, torch.Tensor]] = []
         for micro in self.plan(data):
-            batch = self._collate([data[i] for i in micro.indices])
-            with self._compute():
-                logprobs = self._sequence_logprobs(self.model, batch, micro, spec.temperature)
-            reference = self._reference_logprobs(batch, micro, spec.temperature) if spec.kl_coef > 0 else None
-            weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
-            loss, sums = losses.compute_loss_on_device(
-                spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference, batch.old_logprobs
-            )
-            loss.backward()
+            rows = [data[i] for i in micro.indices]
+            with self._out_of_memory_advice(rows, training=True):
+                batch = self._collate(rows)
+                with self._compute():
+                    logprobs = self._sequence_logprobs(self.model, batch, micro, spec.temperature)
+                reference = self._reference_logprobs(batch, micro, spec.temperature) if spec.kl_coef > 0 else None
+                weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
+                loss, sums = losses.compute_loss_on_device(
+                    spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference, batch.old_logprobs
+                )
+                loss.backward()
             micro_sums.append(sums)
         totals: dict[str, float] = {}
         for sums in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were

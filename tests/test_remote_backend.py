@@ -28,7 +28,7 @@ pytest.importorskip("uvicorn")
 from tinkergym.backends.remote import REMOTE_STATE, RemoteBackend, server_name  # noqa: E402
 from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.errors import ConfigError, OutOfMemoryError  # noqa: E402
 from tinkergym.trainers.reporting import read_metrics  # noqa: E402
 
 VOLATILE = ("time/", "tokens/per_s")
@@ -208,6 +208,19 @@ def test_errors_say_what_to_do(server, tmp_path) -> None:
     with pytest.raises(ConfigError, match="refused"):
         backend.forward_backward(ForwardBackwardRequest(data=[Datum(tokens=[1, 2], loss_mask=[0, 1])], loss=LossSpec(name="no-such-loss")))
     assert backend.logprobs([[1, 2, 3]])[0][0] == 0.0  # a refused call leaves the client usable
+    import torch
+
+    def out_of_memory(module, args):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    layer = next(m for m in server.backend.model.modules() if type(m).__name__.endswith("DecoderLayer"))
+    handle = layer.register_forward_pre_hook(out_of_memory)
+    try:
+        with pytest.raises(OutOfMemoryError, match="the training server: training pass ran out of .* memory.*--micro-batch-size"):
+            backend.forward_backward(ForwardBackwardRequest(data=[Datum(tokens=[1, 2, 3], loss_mask=[0, 1, 1])], loss=LossSpec(name="cross_entropy")))
+    finally:
+        handle.remove()
+    assert backend.logprobs([[1, 2, 3]])[0][0] == 0.0
     local = tmp_path / "local_checkpoint"
     local.mkdir()
     (local / "state.json").write_text("{}")

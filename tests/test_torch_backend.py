@@ -27,7 +27,7 @@ from tinkergym.backends.types import (  # noqa: E402
     SampledSequence,
     SamplingParams,
 )
-from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.errors import ConfigError, OutOfMemoryError  # noqa: E402
 
 OPTIM = OptimParams(learning_rate=1e-2, max_grad_norm=1.0)
 
@@ -548,3 +548,45 @@ def test_deterministic_mode_is_set_for_the_process_reported_and_kept_by_the_run(
     finally:
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.deterministic = False
+
+
+def test_running_out_of_memory_says_what_to_lower_and_drops_the_partial_step(tiny: str) -> None:
+    """A failed allocation (CUDA's OutOfMemoryError, or a CPU allocator's refusal) becomes advice, not a torch traceback."""
+    backend = make_backend(tiny, micro_batch_size=1)
+    data = [Datum(tokens=[3, 9 + k, 27, 4, 5], loss_mask=[0.0, 0.0, 1.0, 1.0, 1.0], advantages=[1.0 - 2 * k] * 5) for k in range(2)]
+    request = ForwardBackwardRequest(data=data, loss=LossSpec(name="reinforce"))
+    layer = next(m for m in backend.model.modules() if type(m).__name__.endswith("DecoderLayer"))
+    passes: list[int] = []
+
+    def fail(error: Exception, after: int):
+        def hook(module, args):
+            passes.append(1)
+            if len(passes) > after:
+                raise error
+        return layer.register_forward_pre_hook(hook)
+
+    handle = fail(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"), after=1)  # the second micro-batch
+    with pytest.raises(OutOfMemoryError, match="lower micro_batch_size \\(now 1; --micro-batch-size\\).*--gradient-checkpointing") as info:
+        backend.forward_backward(request)
+    handle.remove()
+    assert "1 sequences, 5 tokens" in str(info.value) and "Tried to allocate 20.00 GiB" in str(info.value)
+    assert all(p.grad is None for _, p in backend._trainable)  # the first micro-batch's gradients were dropped
+    backend.forward_backward(request)  # the backend goes on; its gradients are the whole request's, once
+    fresh = make_backend(tiny, micro_batch_size=1)
+    fresh.forward_backward(request)
+    for (name, got), (_, want) in zip(backend._trainable, fresh._trainable):
+        assert torch.equal(got.grad, want.grad), name
+
+    prompt = encode(backend, "Hello there")
+    backend.sample(SampleRequest(prompts=[prompt], params=SamplingParams(max_new_tokens=3)))
+    assert backend.prefix_cache.entries
+    passes.clear()
+    handle = fail(RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 10000000000 bytes"), after=0)
+    with pytest.raises(OutOfMemoryError, match="sampling ran out of cpu memory on 1 sequences.*max_sample_batch.*--prefix-cache-mb"):
+        backend.sample(SampleRequest(prompts=[prompt + [5]], params=SamplingParams(max_new_tokens=3)))
+    handle.remove()
+    assert not backend.prefix_cache.entries
+    handle = fail(RuntimeError("shapes do not match"), after=0)  # other errors pass through as they are
+    with pytest.raises(RuntimeError, match="shapes do not match"):
+        backend.forward_backward(request)
+    handle.remove()

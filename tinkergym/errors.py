@@ -38,6 +38,10 @@ class NonFiniteError(TinkergymError, FloatingPointError):
     """The model produced NaN or infinite values (weights, logits or gradients): training has diverged."""
 
 
+class OutOfMemoryError(TinkergymError, MemoryError):
+    """A pass needed more device memory than there is; the message says which setting lowers it."""
+
+
 class CheckFailed(TinkergymError, AssertionError):
     """A conformance check found an env that breaks the text-env contract."""
 
