@@ -179,6 +179,17 @@ def _pad_right(rows: list[list[float]], width: int, dtype: torch.dtype, device: 
     return host_to_device(out, device)
 
 
+def _adapter_scope(model: torch.nn.Module) -> tuple[tuple[str, ...], bool] | None:
+    """Which peft adapters compute now, and whether adapters are switched off (``disable_adapter``); None without adapters.
+
+    Read off the first adapter layer: peft's ``set_adapter`` and ``disable_adapter`` change every layer alike.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layer = next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
+    return None if layer is None else (tuple(layer.active_adapters), bool(layer.disable_adapters))
+
+
 def _validate(data: list[Datum], spec: LossSpec) -> None:
     losses.validate_spec(spec)
     for i, datum in enumerate(data):
@@ -326,6 +337,7 @@ class TorchBackend:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         flat = [prompt for prompt in request.prompts for _ in range(request.num_samples)]
         model = self._sampling_model()
+        self.prefix_cache.scope = _adapter_scope(model)
         results: list[SampledSequence] = []
         for start in range(0, len(flat), self.config.max_sample_batch):
             chunk = flat[start : start + self.config.max_sample_batch]

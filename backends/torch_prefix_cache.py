@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -30,10 +30,11 @@ import torch
 
 @dataclass(eq=False)
 class CachedPrefix:
-    """One entry: ``tokens`` and their keys and values, ``[(keys [H, L, D], values [H, L, D])]`` per layer."""
+    """One entry: ``tokens`` and their keys and values, ``[(keys [H, L, D], values [H, L, D])]`` per layer, under weights ``scope``."""
 
     tokens: np.ndarray
     layers: list[tuple[torch.Tensor, torch.Tensor]]
+    scope: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -57,10 +58,13 @@ class PrefixCacheStats:
 class PrefixCache:
     """Keys and values of earlier samples' prompts and completions, by their tokens (see the module docstring).
 
-    ``max_bytes`` bounds what it holds; 0 turns it off (nothing is stored, nothing matches).
+    ``max_bytes`` bounds what it holds; 0 turns it off (nothing is stored, nothing matches). ``scope`` names the
+    weights computing now (e.g. which LoRA adapter is active, or none): entries match and are stored under it
+    only, so a model that switches adapters between requests never reads one adapter's keys under another.
     """
 
     max_bytes: int
+    scope: Any = None
     entries: OrderedDict[int, CachedPrefix] = field(default_factory=OrderedDict)  # least recently used first
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     _next_key: int = 0
@@ -87,7 +91,7 @@ class PrefixCache:
         best_key, best = None, 0
         for key, entry in self.entries.items():
             n = len(entry.tokens)
-            if best < n <= limit and np.array_equal(entry.tokens, ids[:n]):
+            if best < n <= limit and entry.scope == self.scope and np.array_equal(entry.tokens, ids[:n]):
                 best_key, best = key, n
         if best_key is None:
             return None, 0
@@ -102,13 +106,15 @@ class PrefixCache:
         """
         if self.max_bytes <= 0 or len(tokens) == 0:
             return
-        entry = CachedPrefix(np.asarray(tokens, dtype=np.int64), layers)
+        entry = CachedPrefix(np.asarray(tokens, dtype=np.int64), layers, self.scope)
         size = entry.nbytes
         if size > self.max_bytes:
             return
         n = len(entry.tokens)
         for key, old in list(self.entries.items()):
             m = len(old.tokens)
+            if old.scope != self.scope:
+                continue
             if m > n and np.array_equal(old.tokens[:n], entry.tokens) or m == n and np.array_equal(old.tokens, entry.tokens):
                 self.entries.move_to_end(key)  # already held
                 return

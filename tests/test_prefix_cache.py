@@ -150,3 +150,29 @@ def test_entries_are_bounded_least_recently_used_and_superseded_first() -> None:
     assert not off.entries and off.match([1, 2, 3]) == (None, 0)
     with pytest.raises(ConfigError):
         TorchBackendConfig(prefix_cache_mb=-1)
+
+
+def test_a_prompt_never_reuses_keys_another_adapter_computed(tiny: str) -> None:
+    """One model serving several adapters (snapshots, served adapters) keeps each adapter's entries to itself."""
+    backends = {mb: make_backend(tiny, mb) for mb in (64, 0)}
+    for backend in backends.values():
+        with torch.no_grad():
+            for name, param in backend.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(1))
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    cached = backends[64]
+
+    def sample(backend: TorchBackend, prompt: list[int]):
+        return backend.sample(SampleRequest(prompts=[prompt], params=greedy)).sequences[0][0]
+
+    first = sample(cached, FIRST_PROMPTS[0])
+    conversation = FIRST_PROMPTS[0] + first.tokens + [4, 5]
+    with cached.model.disable_adapter():  # the base model now: the adapter's entry must not serve it
+        got = sample(cached, conversation)
+    assert cached.prefix_cache.stats.reused_tokens == 0
+    with backends[0].model.disable_adapter():
+        want = sample(backends[0], conversation)
+    assert got.tokens == want.tokens and got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+    sample(cached, conversation)  # the adapter again: its own entry serves it
+    assert cached.prefix_cache.stats.reused_tokens > 0
