@@ -90,6 +90,7 @@ def test_selfplay_raises_the_greedy_win_rate_against_random(warm_model, tmp_path
         TrainingRun(config).run(progress=False)
         metrics = read_metrics(tmp_path / f"seed{seed}" / "metrics.jsonl")
         signals[seed] = sorted({s for m in metrics for s in SIGNALS if m.get(f"collapse/{s}")})
+        assert all(0 < m["time/rollout_s"] and 0 < m["time/update_s"] <= m["time/step_s"] for m in metrics if m["step"] >= 0)
         after[seed] = greedy_win_rate(load_backend_for_eval(run_dir=config.out))
     gain = sum(after[s] - before for s in SEEDS) / len(SEEDS)
     table = ", ".join(f"seed {s}: {before:.3f} -> {after[s]:.3f}" for s in SEEDS)

@@ -42,6 +42,9 @@ def test_train_writes_the_run_folder(tiny, tmp_path) -> None:
     assert [r["step"] for r in records] == [-1, 0, 1, 2, 3]
     assert set(records[0]) == {"step", *(k for k in records[0] if k.startswith("eval/"))}, "step -1: the model before training"
     assert "eval/reward_mean" in records[2] and "eval/reward_mean" not in records[1]
+    for record in records[1:]:  # where a step's time went: the rollout, then the update, inside the step
+        assert 0 < record["time/rollout_s"] and 0 < record["time/update_s"]
+        assert record["time/rollout_s"] + record["time/update_s"] <= record["time/step_s"]
     assert json.loads((out / "config.json").read_text())["env"] == "tinker/Bandit-v0"
     assert (out / "learning_curve.png").stat().st_size > 1000
     assert any((out / "tensorboard").iterdir())

@@ -22,6 +22,7 @@ their group's statistics.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 from tinkergym.backends.types import ForwardBackwardRequest, LossSpec, OptimParams
@@ -75,8 +76,11 @@ class GRPOTrainer:
         """Roll out, score, compute advantages, one gradient step."""
         c = self.ctx.config
         seeds = [s for s in self.ctx.prompt_seeds(step) for _ in range(c.group_size)]
+        started = time.perf_counter()
         trajectories = self.ctx.rollout(seeds, sampling_seed=c.seed * 100_003 + step)
-        return StepOutput(self.update(self.ctx.backend, trajectories), trajectories)
+        rolled_out = time.perf_counter()
+        metrics = self.update(self.ctx.backend, trajectories)
+        return StepOutput({**metrics, **phase_times(started, rolled_out)}, trajectories)
 
     def update(self, backend: Any, trajectories: list[Trajectory], advantages: Callable[[list[float], list[bool]], list[float]] | None = None) -> dict[str, float]:
         """One gradient step of ``backend`` on ``trajectories`` (see :meth:`request`); the rollout and update metrics."""
@@ -97,3 +101,8 @@ class GRPOTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Nothing to restore; see :meth:`state_dict`."""
+
+
+def phase_times(started: float, rolled_out: float) -> dict[str, float]:
+    """``time/rollout_s`` (``started`` to ``rolled_out``) and ``time/update_s`` (from then to now), ``perf_counter`` seconds."""
+    return {"time/rollout_s": rolled_out - started, "time/update_s": time.perf_counter() - rolled_out}

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import random
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,7 @@ from tinkergym.rollouts import RolloutConfig, Trajectory
 from tinkergym.trainers.advantages import keyed_advantages
 from tinkergym.trainers.base import StepOutput, TrainingContext
 from tinkergym.trainers.collapse import CollapseDetector
-from tinkergym.trainers.grpo import GRPOTrainer
+from tinkergym.trainers.grpo import GRPOTrainer, phase_times
 from tinkergym.trainers.league import League, LeagueMember
 
 LEARNER = "learner"
@@ -197,7 +198,9 @@ class SelfPlayTrainer(GRPOTrainer):
         """Rollout phase (every game to its end), then the update phase, then ratings, collapse checks and snapshots."""
         c = self.ctx.config
         games, opponents = self.schedule(step)
+        started = time.perf_counter()
         results = play_games(games, self.ctx.renderer, self.settings(seed=c.seed * 100_003 + step))
+        rolled_out = time.perf_counter()
         metrics: dict[str, float] = {}
         every: list[Trajectory] = []
         for name, backend in self.learners().items():  # the update phase: every game has ended
@@ -206,6 +209,7 @@ class SelfPlayTrainer(GRPOTrainer):
             by_seat = functools.partial(keyed_advantages, keys_B=seats, scale_by_std=self.scale_by_std)
             metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, lambda r, v: by_seat(r, valid_B=v)).items()})
             every += trajectories
+        metrics.update(phase_times(started, rolled_out))
         for result, opponent in zip(results, opponents):
             seat = result.seat_of(LEARNER)
             if opponent != LEARNER and seat:  # with a policy per seat, the first seat's learner carries the rating
