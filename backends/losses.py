@@ -85,11 +85,16 @@ def token_logprobs(logits_BTV: torch.Tensor, tokens_BT: torch.Tensor, chunk_size
     the next token, the last one against a dummy id and dropped), ``chunk_size`` positions at a time in
     float32, and only a log-normalizer per position is kept for the backward pass (see :class:`_TargetLogprob`).
     """
-    batch, length, vocab = logits_BTV.shape
+    batch = logits_BTV.shape[0]
     next_BT = torch.cat([tokens_BT[:, 1:], torch.zeros_like(tokens_BT[:, :1])], dim=1)
-    logprobs_N = _TargetLogprob.apply(logits_BTV.reshape(-1, vocab), next_BT.reshape(-1), temperature, chunk_size)
     zeros = torch.zeros(batch, 1, dtype=torch.float32, device=logits_BTV.device)
-    return torch.cat([zeros, logprobs_N.view(batch, length)[:, :-1]], dim=1)
+    return torch.cat([zeros, target_logprobs(logits_BTV, next_BT, chunk_size, temperature)[:, :-1]], dim=1)
+
+
+def target_logprobs(logits_BKV: torch.Tensor, targets_BK: torch.Tensor, chunk_size: int = 1024, temperature: float = 1.0) -> torch.Tensor:
+    """Float32 ``[B, K]`` logprob of ``targets[b, k]`` under ``logits[b, k]`` at ``temperature`` (no shift; see :func:`token_logprobs`)."""
+    batch, length, vocab = logits_BKV.shape
+    return _TargetLogprob.apply(logits_BKV.reshape(-1, vocab), targets_BK.reshape(-1), temperature, chunk_size).view(batch, length)
 
 
 def masked_log_ratio(numerator: torch.Tensor, denominator: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

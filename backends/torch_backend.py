@@ -64,9 +64,9 @@ from tinkergym.backends.torch_setup import (  # noqa: F401 - public here too
 )
 from tinkergym.backends.torch_scoring import (
     MicroBatch,
-    first_loss_position,
     host_to_device,
     logprobs_from,
+    read_positions,
     plan_micro_batches,
     sequence_logprobs,
 )
@@ -164,8 +164,9 @@ class _Batch:
     sampling_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     lengths: list[int] = field(default_factory=list)
-    #: The first position >= 1 that any row reads (None: none does), known on the host.
+    #: The first position >= 1 that any row reads (None: none does), and every one, known on the host.
     first_read: int | None = None
+    read: list[int] = field(default_factory=list)
 
 
 def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple:
@@ -445,8 +446,8 @@ class TorchBackend:
         attention = _pad_right([[1] * len(d.tokens) for d in data], width, torch.long, self.device)
         # The first token is not predicted by anything.
         mask = _pad_right([[0.0, *d.loss_mask[1:]] for d in data], width, torch.float32, self.device)
-        reads = [t for t in map(first_loss_position, data) if t is not None]
-        batch = _Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data], first_read=min(reads, default=None))
+        read = read_positions(data)
+        batch = _Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data], first_read=read[0] if read else None, read=read)
         if all(d.advantages for d in data):
             batch.advantages = _pad_right([d.advantages for d in data], width, torch.float32, self.device)
         if all(d.sampling_logprobs for d in data):
@@ -496,7 +497,7 @@ class TorchBackend:
     @staticmethod
     def _sequence_logprobs(model: torch.nn.Module, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
         return sequence_logprobs(
-            model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, first_read=batch.first_read
+            model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, first_read=batch.first_read, read=batch.read
         )
 
     def _reference_logprobs(self, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:

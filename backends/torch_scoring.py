@@ -132,6 +132,27 @@ def logprobs_from(
     return torch.cat([zeros, scored], dim=1)
 
 
+def logprobs_at(
+    model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, read: list[int], temperature: float = 1.0
+) -> torch.Tensor:
+    """``[B, T]`` logprobs of right-padded rows at ``temperature``, with logits only where some row reads (``read``: positions >= 1).
+
+    A multi-turn episode reads its sampled turns only, a small share of a sequence that is mostly the env's
+    replies: the vocabulary projection and log-softmax run on the hidden states of the positions before the
+    read ones, gathered, instead of on every position from the first read one on. Other entries are 0.
+    """
+    batch, length = tokens_BT.shape
+    index = host_to_device(torch.tensor(read, dtype=torch.long), tokens_BT.device)
+    logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=index - 1).logits
+    scored = losses.target_logprobs(logits, tokens_BT.index_select(1, index), temperature=temperature)
+    return scored.new_zeros(batch, length).index_copy(1, index, scored)
+
+
+def read_positions(data: list[Datum]) -> list[int]:
+    """The positions (>= 1) where any datum's loss mask is non-zero, in order."""
+    return sorted({t for d in data for t in range(1, len(d.tokens)) if d.loss_mask[t] != 0})
+
+
 def padded_length_limit(model: torch.nn.Module) -> int | None:
     """How many cache indices a left-padded row may span before padding changes the model's results; None: no limit.
 
@@ -381,6 +402,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     lengths: list[int] | None = None,
     first_read: int | None = None,
+    read: list[int] | None = None,
 ) -> torch.Tensor:
     """Float32 ``[B, T]`` logprobs of right-padded sequences at ``temperature`` (entry ``t`` scores ``tokens[t]``; unread entries are 0).
 
@@ -388,14 +410,17 @@ def sequence_logprobs(
     read, so rows scored on their own skip the logits before the first one. Callers that hold the data on the
     host pass the rows' ``lengths`` and with them ``first_read`` (the first position >= 1 any row reads, None
     when none does, see :func:`first_loss_position`); without ``lengths`` both are read back from the device,
-    which makes the host wait for a GPU.
+    which makes the host wait for a GPU. With ``read`` (every position any row reads, :func:`read_positions`)
+    rows scored on their own whose reads have gaps get logits at those positions only (see :func:`logprobs_at`).
     """
     if micro is not None and micro.group_sizes:
         if lengths is None:
             lengths = attention_BT.sum(dim=1).tolist()
         return _shared_prefix_logprobs(model, tokens_BT, lengths, micro.group_sizes, micro.prefix_lens, temperature)
+    if read and read[-1] - read[0] + 1 > len(read):  # reads with gaps (turns between env replies): logits there only
+        return logprobs_at(model, tokens_BT, attention_BT, read, temperature)
     if first_read is None and lengths is None:
-        read = mask_BT.any(dim=0).nonzero()
-        first_read = int(read[0]) if len(read) else None
+        reads_T = mask_BT.any(dim=0).nonzero()
+        first_read = int(reads_T[0]) if len(reads_T) else None
     start = tokens_BT.shape[1] - 1 if first_read is None else first_read
     return logprobs_from(model, tokens_BT, attention_BT, max(start, 1), temperature)

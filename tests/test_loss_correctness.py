@@ -216,3 +216,43 @@ def test_bfloat16_sampling_matches_the_training_pass(tiny: str, lora_rank: int) 
     data = sampled_batch(backend, 1.0, prompts=3, samples=4, new_tokens=16)
     metrics = backend.forward_backward(ForwardBackwardRequest(data=data, loss=LossSpec(name="ppo"))).metrics
     assert metrics["mismatch/logp_abs_mean"] < 5e-3, metrics
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0])
+def test_multi_turn_sequences_get_logits_only_where_a_turn_is_read(tiny: str, lora_rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sampled turns between unread env replies: the vocabulary projection runs at the read positions only, same loss and gradients."""
+    import torch
+
+    from tinkergym.backends import torch_backend, torch_scoring
+
+    gen = torch.Generator().manual_seed(0)
+    data = []
+    for length, turns in ((40, [(9, 12), (20, 23), (33, 36)]), (31, [(6, 8), (15, 18), (27, 31)])):
+        mask = [0.0] * length
+        for start, end in turns:
+            mask[start:end] = [1.0] * (end - start)
+        tokens = torch.randint(5, 200, (length,), generator=gen).tolist()
+        data.append(Datum(tokens=tokens, loss_mask=mask, advantages=[0.7 - len(data)] * length, sampling_logprobs=[-3.0] * length))
+    read = torch_scoring.read_positions(data)
+    assert read == sorted({t for d in data for t, m in enumerate(d.loss_mask) if m})
+    spec = LossSpec(name="ppo", kl_coef=0.1)
+    results = {}
+    for gathered in (True, False):
+        if not gathered:  # every position from the first read one on, as before
+            monkeypatch.setattr(torch_backend, "read_positions", lambda rows: list(range(read[0], read[-1] + 1)))
+        backend = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=lora_rank, dtype="float32", share_prefixes=False, micro_batch_size=8))
+        with torch.no_grad():
+            for name, param in backend.model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
+        widths: list[int] = []
+        backend.model.get_output_embeddings().register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+        metrics = backend.forward_backward(ForwardBackwardRequest(data=data, loss=spec)).metrics
+        grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
+        results[gathered] = (metrics, grads, widths)
+    (metrics, grads, widths), (plain_metrics, plain_grads, plain_widths) = results[True], results[False]
+    assert set(widths) == {len(read)} and set(plain_widths) == {40 - read[0] + 1}  # policy and KL reference passes alike
+    assert metrics == pytest.approx(plain_metrics, rel=1e-5, abs=1e-6)
+    assert grads.keys() == plain_grads.keys() and grads
+    for name in grads:
+        assert torch.allclose(grads[name], plain_grads[name], atol=1e-6, rtol=1e-4), name
