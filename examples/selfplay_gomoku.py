@@ -1,6 +1,7 @@
 """Self-play on 7x7 Gomoku (four in a row) with SmolLM2-135M: before and after, against the baseline and random players.
 
-    python examples/selfplay_gomoku.py                       # SFT warm-up, self-play, evaluation (2-core CPU: about 45 min)
+    python examples/selfplay_gomoku.py                       # SFT warm-up, self-play, evaluation (2-core CPU: under 45 min)
+    python examples/selfplay_gomoku.py --sft-steps 24 --steps 16 --max-turns 12 --eval-games 32   # about an hour
     python examples/selfplay_gomoku.py --steps 40 --sft-steps 60 --eval-games 64 --max-turns 25
 
 1. SFT warm-up on the baseline's games against itself (each seat's side is one conversation), so the model
