@@ -49,7 +49,7 @@ from tinkergym.backends.state_files import (
     write_rng_state,
 )
 from tinkergym.backends.torch_copies import _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401 - kv_token_cost is public here
-from tinkergym.backends.torch_prefix_cache import PrefixCache
+from tinkergym.backends.torch_prefix_cache import PrefixCache, adapter_scope
 from tinkergym.backends.torch_sampling import sample_batch
 from tinkergym.backends.torch_setup import (  # noqa: F401 - public here too
     DTYPES,
@@ -164,8 +164,7 @@ class _Batch:
     sampling_logprobs: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     lengths: list[int] = field(default_factory=list)
-    #: The first position >= 1 that any row reads (None: none does), and every one, known on the host.
-    first_read: int | None = None
+    #: Every position >= 1 that any row reads, known on the host.
     read: list[int] = field(default_factory=list)
 
 
@@ -178,17 +177,6 @@ def _pad_right(rows: list[list[float]], width: int, dtype: torch.dtype, device: 
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.tensor(row, dtype=dtype)
     return host_to_device(out, device)
-
-
-def _adapter_scope(model: torch.nn.Module) -> tuple[tuple[str, ...], bool] | None:
-    """Which peft adapters compute now, and whether adapters are switched off (``disable_adapter``); None without adapters.
-
-    Read off the first adapter layer: peft's ``set_adapter`` and ``disable_adapter`` change every layer alike.
-    """
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layer = next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
-    return None if layer is None else (tuple(layer.active_adapters), bool(layer.disable_adapters))
 
 
 def _validate(data: list[Datum], spec: LossSpec) -> None:
@@ -338,7 +326,7 @@ class TorchBackend:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         flat = [prompt for prompt in request.prompts for _ in range(request.num_samples)]
         model = self._sampling_model()
-        self.prefix_cache.scope = _adapter_scope(model)
+        self.prefix_cache.scope = adapter_scope(model)
         results: list[SampledSequence] = []
         for start in range(0, len(flat), self.config.max_sample_batch):
             chunk = flat[start : start + self.config.max_sample_batch]
@@ -446,8 +434,7 @@ class TorchBackend:
         attention = _pad_right([[1] * len(d.tokens) for d in data], width, torch.long, self.device)
         # The first token is not predicted by anything.
         mask = _pad_right([[0.0, *d.loss_mask[1:]] for d in data], width, torch.float32, self.device)
-        read = read_positions(data)
-        batch = _Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data], first_read=read[0] if read else None, read=read)
+        batch = _Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data], read=read_positions(data))
         if all(d.advantages for d in data):
             batch.advantages = _pad_right([d.advantages for d in data], width, torch.float32, self.device)
         if all(d.sampling_logprobs for d in data):
@@ -497,7 +484,7 @@ class TorchBackend:
     @staticmethod
     def _sequence_logprobs(model: torch.nn.Module, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
         return sequence_logprobs(
-            model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, first_read=batch.first_read, read=batch.read
+            model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, read=batch.read
         )
 
     def _reference_logprobs(self, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:

@@ -50,9 +50,6 @@ class PrefixCacheStats:
     stored: int = 0
     evicted: int = 0
 
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
 
 @dataclass
 class PrefixCache:
@@ -115,7 +112,7 @@ class PrefixCache:
             m = len(old.tokens)
             if old.scope != self.scope:
                 continue
-            if m > n and np.array_equal(old.tokens[:n], entry.tokens) or m == n and np.array_equal(old.tokens, entry.tokens):
+            if m >= n and np.array_equal(old.tokens[:n], entry.tokens):
                 self.entries.move_to_end(key)  # already held
                 return
             if m < n and np.array_equal(old.tokens, entry.tokens[:m]):
@@ -127,3 +124,14 @@ class PrefixCache:
         self.entries[self._next_key] = entry
         self._next_key += 1
         self.stats.stored += 1
+
+
+def adapter_scope(model: torch.nn.Module) -> tuple[tuple[str, ...], bool] | None:
+    """The :attr:`PrefixCache.scope` of ``model`` now: its active peft adapters and whether adapters are off; None without any.
+
+    Read off the first adapter layer: peft's ``set_adapter`` and ``disable_adapter`` change every layer alike.
+    """
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layer = next((m for m in model.modules() if isinstance(m, BaseTunerLayer)), None)
+    return None if layer is None else (tuple(layer.active_adapters), bool(layer.disable_adapters))

@@ -401,17 +401,15 @@ def sequence_logprobs(
     micro: MicroBatch | None = None,
     temperature: float = 1.0,
     lengths: list[int] | None = None,
-    first_read: int | None = None,
     read: list[int] | None = None,
 ) -> torch.Tensor:
     """Float32 ``[B, T]`` logprobs of right-padded sequences at ``temperature`` (entry ``t`` scores ``tokens[t]``; unread entries are 0).
 
     ``micro`` says which rows share prompts (see :class:`MicroBatch`); ``mask_BT`` tells which positions are
     read, so rows scored on their own skip the logits before the first one. Callers that hold the data on the
-    host pass the rows' ``lengths`` and with them ``first_read`` (the first position >= 1 any row reads, None
-    when none does, see :func:`first_loss_position`); without ``lengths`` both are read back from the device,
-    which makes the host wait for a GPU. With ``read`` (every position any row reads, :func:`read_positions`)
-    rows scored on their own whose reads have gaps get logits at those positions only (see :func:`logprobs_at`).
+    host pass the rows' ``lengths`` and ``read`` (every position >= 1 any row reads, see :func:`read_positions`);
+    without them both are read back from the device, which makes the host wait for a GPU. Rows scored on their
+    own whose reads have gaps get logits at the read positions only (see :func:`logprobs_at`).
     """
     if micro is not None and micro.group_sizes:
         if lengths is None:
@@ -419,8 +417,10 @@ def sequence_logprobs(
         return _shared_prefix_logprobs(model, tokens_BT, lengths, micro.group_sizes, micro.prefix_lens, temperature)
     if read and read[-1] - read[0] + 1 > len(read):  # reads with gaps (turns between env replies): logits there only
         return logprobs_at(model, tokens_BT, attention_BT, read, temperature)
-    if first_read is None and lengths is None:
+    if read is None:
         reads_T = mask_BT.any(dim=0).nonzero()
         first_read = int(reads_T[0]) if len(reads_T) else None
+    else:
+        first_read = read[0] if read else None
     start = tokens_BT.shape[1] - 1 if first_read is None else first_read
     return logprobs_from(model, tokens_BT, attention_BT, max(start, 1), temperature)
