@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from tinkergym.backends.torch_attention import NAME as GROUPED_MATMUL
 from tinkergym.backends.torch_prefix_cache import PrefixCache
 from tinkergym.backends.torch_scoring import host_to_device, padded_length_limit
 from tinkergym.backends.types import SampledSequence, SamplingParams
@@ -303,11 +304,15 @@ def _single_query_masks(model: torch.nn.Module, cache: object, attention: torch.
     last bit, so the mask is only given there in a low-precision compute dtype, where the sampler is held to the
     training pass's numbers within a tolerance rather than to transformers' decode bit for bit. None (the
     plain path) for other attention implementations and for caches with other than plain full-attention layers,
-    whose masks (sliding windows, chunks) a single mask cannot express.
+    whose masks (sliding windows, chunks) a single mask cannot express. The grouped_matmul implementation takes the
+    same masks, and none without padding.
     """
     config = getattr(model, "config", None)
     layers = getattr(cache, "layers", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or not layers:
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", GROUPED_MATMUL) or not layers:
+        return None
+    if implementation == GROUPED_MATMUL and attention is None:  # its single query needs no mask and no head packing
         return None
     if not all(isinstance(layer, _preallocated_layer_class()) for layer in layers):
         return None

@@ -12,6 +12,8 @@ from typing import Iterator
 
 import torch
 
+from tinkergym.backends.torch_attention import NAME as GROUPED_MATMUL
+from tinkergym.backends.torch_attention import register as register_grouped_matmul
 from tinkergym.errors import ConfigError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -69,13 +71,16 @@ def flash_attn_importable() -> bool:
 
 def resolve_attn_implementation(name: str, device: torch.device, dtype: torch.dtype, model_path: str | None = None) -> str:
     """``"auto"`` -> flash_attention_2 when flash-attn is importable on cuda in bfloat16 (it needs half precision), else
-    sdpa; eager for a model class that supports neither (Gemma 2's soft-capped attention, for one)."""
+    sdpa; on a CPU :mod:`~tinkergym.backends.torch_attention`'s grouped_matmul (sdpa's masks, faster on a CPU) where the
+    model supports sdpa; eager for a model class that supports neither (Gemma 2's soft-capped attention, for one)."""
     if name != "auto":
         return name
     if device.type == "cuda" and dtype == torch.bfloat16 and flash_attn_importable():
         if _model_class_supports(model_path, "_supports_flash_attn"):
             return "flash_attention_2"
-    return "sdpa" if _model_class_supports(model_path, "_supports_sdpa") else "eager"
+    if not _model_class_supports(model_path, "_supports_sdpa"):
+        return "eager"
+    return GROUPED_MATMUL if device.type == "cpu" else "sdpa"
 
 
 def _model_class_supports(model_path: str | None, flag: str) -> bool:
@@ -134,6 +139,8 @@ def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> tor
 
     from tinkergym.backends.models import is_adapter_folder, resolve_model
 
+    if kwargs.get("attn_implementation") == GROUPED_MATMUL:
+        register_grouped_matmul()
     if not is_adapter_folder(path):
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     from peft import PeftModel

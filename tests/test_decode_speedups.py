@@ -2,8 +2,9 @@
 
 The reference here is the model's own forward with transformers' dynamic cache (``torch.cat`` per step) and the
 2D padding mask, fed the sampled tokens: in float32 the sampler must match it bit for bit; in bfloat16 on a CPU
-without padding the decode attention runs the packed grouped-query kernel, which rounds differently in the last
-bit, so there the logits are held to the reference within bfloat16 rounding.
+without padding sdpa's decode attention runs the packed grouped-query kernel, which rounds differently in the last
+bit, so there the logits are held to the reference within bfloat16 rounding. Every test runs with sdpa and with
+the grouped_matmul implementation a CPU defaults to.
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ from tinkergym.backends.torch_sampling import _preallocated, _preallocated_layer
 from tinkergym.backends.types import SamplingParams  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def backends(tiny: str) -> dict[str, TorchBackend]:
-    return {dtype: TorchBackend(TorchBackendConfig(model=tiny, lora_rank=0, dtype=dtype, device="cpu", seed=0)) for dtype in ("float32", "bfloat16")}
+@pytest.fixture(scope="module", params=["sdpa", "grouped_matmul"])
+def backends(tiny: str, request: pytest.FixtureRequest) -> dict[str, TorchBackend]:
+    """Backends of each dtype with sdpa attention and with the grouped_matmul implementation a CPU defaults to."""
+    return {
+        dtype: TorchBackend(TorchBackendConfig(model=tiny, lora_rank=0, dtype=dtype, device="cpu", seed=0, attn_implementation=request.param))
+        for dtype in ("float32", "bfloat16")
+    }
 
 
 def prompts(lengths: tuple[int, ...], samples: int) -> list[list[int]]:
@@ -104,7 +109,9 @@ def test_bfloat16_without_padding_stays_within_rounding_of_the_plain_decode(back
         tokens_BS = torch.tensor([s.tokens for s in out])
         with torch.inference_mode():
             _, cache, _, _ = prefill(model, batch, backend.pad_id, torch.device("cpu"))
-            assert _single_query_masks(model, _preallocated(cache, 10), None, 10) is not None  # the packed path is taken
+            # sdpa takes the packed path through a mask; grouped_matmul needs none without padding
+            packed = _single_query_masks(model, _preallocated(cache, 10), None, 10) is not None
+            assert packed == (backend.attn_implementation == "sdpa")
         plain = plain_decode_logits(model, batch, tokens_BS, backend.pad_id)
         shortcut = shortcut_decode_logits(model, batch, tokens_BS, backend.pad_id)
     for a, b in zip(plain, shortcut):

@@ -176,7 +176,7 @@ def test_layouts_build_as_named(layout_models: dict[str, str]) -> None:
     assert AutoConfig.from_pretrained(layout_models["mistral-sliding"]).sliding_window == 6
     assert layer_types["qwen2-hybrid"] == layer_types["gemma3-hybrid"] == layer_types["gemma2-hybrid"] == ["sliding_attention", "full_attention"]
     assert make_backend(layout_models["gemma2-hybrid"], share=True).attn_implementation == "eager"
-    assert make_backend(layout_models["sliding"], share=True).attn_implementation == "sdpa"
+    assert make_backend(layout_models["sliding"], share=True).attn_implementation == "grouped_matmul"
     assert layer_types["chunked"] == ["chunked_attention"] * 2
     assert layer_types["chunked-hybrid"] == ["chunked_attention", "full_attention"]
     # Every group shares one micro-batch, so prompts of different lengths are padded against each other.
@@ -184,10 +184,10 @@ def test_layouts_build_as_named(layout_models: dict[str, str]) -> None:
     assert sorted(plan[0].prefix_lens) == sorted(LAYOUT_PROMPTS)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "grouped_matmul"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_shared_prefix_logprobs_equal_each_sequence_alone(layout_models: dict[str, str], layout: str, attn: str, length_passes: str) -> None:
-    if layout.startswith("gemma2") and attn == "sdpa":
+    if layout.startswith("gemma2") and attn != "eager":
         pytest.skip("transformers runs Gemma 2's soft-capped attention only eagerly")
     backend = make_backend(layout_models[layout], share=True, lora_rank=0, attn=attn)
     data = mixed_prompt_batch()
