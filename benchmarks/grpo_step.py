@@ -41,8 +41,10 @@ tinkergym's). TRL's gradients accumulate over micro-batches of ``--trl-micro-bat
 TRL (1.0 on) turns gradient checkpointing on by default, which recomputes every layer's forward pass during
 the backward pass to save activation memory; with this model's activations memory is no concern, so the
 benchmark turns it off, TRL's faster setting (``--trl-gradient-checkpointing`` turns it back on). Both sides
-use transformers' sdpa attention (tinkergym's ``auto`` picks flash_attention_2 only where flash-attn is
-installed; the result records each side's choice).
+load the model with the same attention implementation, ``--attn`` (default ``auto``: what tinkergym's ``auto``
+picks on the device: on a CPU its ``grouped_matmul``, registered with transformers in TRL's worker too; on a
+GPU flash_attention_2 where flash-attn imports, else sdpa; the result records each side's choice).
+``--attn sdpa`` runs both sides on transformers' sdpa.
 
 What tinkergym does that TRL does not (both are part of what is measured): each group's prompt is prefilled
 once when sampling and run once in the training pass, the group's completions on top of its KV cache (so its
@@ -108,6 +110,7 @@ class BenchSettings:
     trl_dtype: str = "bfloat16"
     trl_micro_batch_size: int = 8
     trl_gradient_checkpointing: bool = False
+    attn: str = "auto"  # both sides' attention implementation ("auto": what tinkergym's auto picks on the device)
     malloc: str = "default"
     device: str = "cpu"  # resolved by the driver: "cpu" or "cuda"
     model: str = "smollm2-135m"  # as given on the command line
@@ -118,6 +121,16 @@ class BenchSettings:
     def lora(self, mode: str) -> int:
         """The LoRA rank of ``mode`` (0 for full fine-tuning)."""
         return self.lora_rank if mode == "lora" else 0
+
+    def attn_implementation(self) -> str:
+        """The attention implementation both sides load the model with, made known to transformers in this process."""
+        import torch
+
+        from tinkergym.backends.torch_attention import register
+        from tinkergym.backends.torch_setup import resolve_attn_implementation
+
+        register()
+        return resolve_attn_implementation(self.attn, torch.device(self.device), torch.bfloat16, self.model_path)
 
 
 def step_prompts(s: BenchSettings, step: int) -> list[tuple[int, list[dict[str, str]]]]:
@@ -242,6 +255,7 @@ def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
     backend = TorchBackend(TorchBackendConfig(
         model=resolve_model(config.model), lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
         dtype=config.dtype, device=s.device, micro_batch_size=config.micro_batch_size, seed=config.seed,
+        attn_implementation=s.attn_implementation(),
     ))
     env_factory(config.env, config.env_kwargs)  # checks the id and kwargs
     ctx = TrainingContext(config, backend, ChatTemplateRenderer(backend.info()["tokenizer"]), lambda: make_env(s))
@@ -369,7 +383,7 @@ def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> tuple[Any, Any
     batch = s.prompts * s.group_size
     rows = [{"prompt": messages, "env_seed": seed} for step in range(1 + s.steps) for seed, messages in step_prompts(s, step)]
     config = GRPOConfig(
-        output_dir=output_dir, use_cpu=s.device == "cpu", bf16=True, model_init_kwargs={"dtype": getattr(torch, trl_dtype(s, mode))},
+        output_dir=output_dir, use_cpu=s.device == "cpu", bf16=True, model_init_kwargs={"dtype": getattr(torch, trl_dtype(s, mode)), "attn_implementation": s.attn_implementation()},
         gradient_checkpointing=s.trl_gradient_checkpointing,
         per_device_train_batch_size=s.trl_micro_batch_size, gradient_accumulation_steps=batch // s.trl_micro_batch_size,
         steps_per_generation=batch // s.trl_micro_batch_size,
@@ -486,6 +500,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="TRL's default since 1.0 (recompute activations in the backward pass); off unless given")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device of both sides (auto: cuda when available)")
+    parser.add_argument("--attn", default=BenchSettings.attn,
+                        help="attention implementation of both sides: auto (tinkergym's choice on the device), grouped_matmul, sdpa, eager, ...")
     parser.add_argument("--model", default=BenchSettings.model,
                         help="model of both sides: a name or folder resolve_model takes; a folder without weights gets random ones from its config")
     parser.add_argument("--reward", choices=("auto", "env", "hash"), default="auto",
@@ -528,7 +544,7 @@ def main() -> None:
         reward = args.reward if args.reward != "auto" else ("hash" if random_weights else "env")
         settings = BenchSettings(env=args.env, env_kwargs=env_kwargs, steps=1 if args.quick else args.steps,
                                  micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype, trl_micro_batch_size=args.trl_micro_batch_size,
-                                 trl_gradient_checkpointing=args.trl_gradient_checkpointing, malloc=args.malloc, device=device,
+                                 trl_gradient_checkpointing=args.trl_gradient_checkpointing, attn=args.attn, malloc=args.malloc, device=device,
                                  model=args.model, model_path=model_path, random_weights=random_weights, reward=reward)
         say(f"measuring the bfloat16 matmul rate on {device} ...")
         matmul = run_worker("matmul", "lora", settings)
