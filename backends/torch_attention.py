@@ -56,17 +56,17 @@ def grouped_matmul_attention(
     with torch.autocast(device_type, enabled=False):
         # Heads h = kv * groups + g read key/value head kv (transformers' repeat_kv order).
         scores = torch.matmul(query.float().reshape(batch, kv_heads, groups * length, dim), key.float().transpose(-1, -2))
-        scores_5 = scores.view(batch, kv_heads, groups, length, kv_length) * scaling
+        scores_5 = scores.view(batch, kv_heads, groups, length, kv_length).mul_(scaling)  # in place: matmul keeps its inputs only
         # Masked scores get float32's lowest value, not -inf: a padding query that sees no key then averages the
         # values (finite, and never read) instead of making NaN that padding keys would carry into later layers.
         lowest = torch.finfo(torch.float32).min
         if attention_mask is not None:
             mask_5 = _grouped(attention_mask, kv_heads, groups)
-            scores_5 = scores_5.masked_fill(~mask_5, lowest) if mask_5.dtype == torch.bool else scores_5 + mask_5
+            scores_5 = scores_5.masked_fill_(~mask_5, lowest) if mask_5.dtype == torch.bool else scores_5.add_(mask_5)
         elif is_causal and length > 1:
             # transformers passes no mask only where sdpa's upper-left aligned causal mask is the right one.
-            visible = torch.ones(length, kv_length, dtype=torch.bool, device=query.device).tril()
-            scores_5 = scores_5.masked_fill(~visible, lowest)
+            hidden = torch.ones(length, kv_length, dtype=torch.bool, device=query.device).triu_(1)
+            scores_5 = scores_5.masked_fill_(hidden, lowest)
         probs = torch.softmax(scores_5, dim=-1).to(value.dtype)
         out = torch.matmul(probs.view(batch, kv_heads, groups * length, kv_length), value)
     return out.view(batch, heads, length, dim).transpose(1, 2).contiguous(), None

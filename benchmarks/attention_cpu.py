@@ -41,7 +41,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     print(f"matmul rate: {bench_machine.matmul_rate('cpu')['matmul_flops'] / 1e12:.3f} TFLOP/s (bfloat16, square); threads {torch.get_num_threads()}, {args.dtype}")
     cases = [("train rows", 18, 30, 130, True, True), ("train prompt", 3, 99, 99, False, True), ("prefill", 8, 99, 99, False, False),
-             ("decode", 64, 1, 125, False, False)]
+             ("prefill pad", 8, 99, 99, True, False), ("decode", 64, 1, 125, True, False)]
     print(f"{'shape':<14}{'B x S over P':>16}{'sdpa ms':>10}{'grouped ms':>12}{'sdpa/grouped':>14}")
     for name, batch, length, kv_length, padded, backward in cases:
         gen = torch.Generator().manual_seed(0)
