@@ -25,7 +25,6 @@ casting activations than on the adapter itself).
 
 from __future__ import annotations
 
-
 import contextlib
 import json
 import math
@@ -48,7 +47,7 @@ from tinkergym.backends.state_files import (
     write_optimizer_state,
     write_rng_state,
 )
-from tinkergym.backends.torch_copies import _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401 - kv_token_cost is public here
+from tinkergym.backends.torch_copies import CastCopy, MergedLoraCopy, _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401
 from tinkergym.backends.torch_prefix_cache import PrefixCache, adapter_scope
 from tinkergym.backends.torch_sampling import sample_batch
 from tinkergym.backends.torch_setup import (  # noqa: F401 - public here too
@@ -124,6 +123,11 @@ class TorchBackendConfig(_Plain):
             rest in the backward pass: activation memory of one layer instead of all, for about a third more
             compute. Works with LoRA and full fine-tuning and keeps shared prompts shared (see
             :mod:`tinkergym.backends.torch_scoring`); gradients equal those without it.
+        lora_sampling: How LoRA samples: ``"adapter"`` through the adapter, as the training pass computes; or
+            ``"merged"`` from a copy of the adapted weights with the adapter merged in
+            (:class:`~tinkergym.backends.torch_copies.MergedLoraCopy`: a second copy of those weights, refreshed
+            after each optimizer step), about 1.4x faster sampling on a CPU. In bfloat16 the merged weights are
+            rounded: an update under half a bfloat16 step of its weight is lost to the sampler (``mismatch/*`` grows).
     """
 
     model: str = "tiny"
@@ -142,6 +146,7 @@ class TorchBackendConfig(_Plain):
     cache_dir: str | None = None
     deterministic: bool = False
     gradient_checkpointing: bool = False
+    lora_sampling: str = "adapter"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *DTYPES):
@@ -150,6 +155,8 @@ class TorchBackendConfig(_Plain):
             raise ConfigError(f"lora_rank must be >= 0 (0 = full fine-tuning), not {self.lora_rank}")
         if self.micro_batch_size < 1 or self.max_sample_batch < 1:
             raise ConfigError("micro_batch_size and max_sample_batch must be at least 1")
+        if self.lora_sampling not in ("merged", "adapter"):
+            raise ConfigError(f"lora_sampling must be 'adapter' or 'merged', not {self.lora_sampling!r}")
         if not (self.prefix_cache_mb >= 0 and math.isfinite(self.prefix_cache_mb)):
             raise ConfigError(f"prefix_cache_mb must be >= 0 (0 turns the prefix cache off), not {self.prefix_cache_mb}")
 
@@ -239,7 +246,7 @@ class TorchBackend:
         # step for full fine-tuning of a 135M model on a CPU.
         self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=0.0, fused=self.device.type in ("cpu", "cuda"))
         self._reference: torch.nn.Module | None = None
-        self._sampling_copy: torch.nn.Module | None = None  # see _sampling_model
+        self._sampling_copy: CastCopy | MergedLoraCopy | None = None  # see _sampling_model
         self._sampling_copy_stale = False  # the trainable weights changed since the copy was made or refreshed
         self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))
         # Padding is only ever read behind the attention mask, so any id does when the tokenizer has none.
@@ -337,27 +344,25 @@ class TorchBackend:
         return SampleResponse(sequences=[results[i * n : (i + 1) * n] for i in range(len(request.prompts))])
 
     def _sampling_model(self) -> torch.nn.Module:
-        """The model to sample with: the policy itself, or for float32 master weights a copy for sampling.
+        """The model to sample with: the policy itself, or a copy made for sampling, refreshed when the weights changed.
 
-        Autocast re-casts every weight on every forward pass under inference mode (its cast cache is off
-        there), which for full fine-tuning costs more than a decode step itself. The copy holds the linear
-        layers' weights already rounded to the compute dtype and everything else (embeddings, norms) in
-        float32, and samples under the same autocast as training: the same rounded weights, float32 norms and
-        residual stream, bfloat16 matmuls, so its logprobs match the training pass's as closely as LoRA's do.
-        It is refreshed only when the weights changed.
+        Full fine-tuning with float32 master weights samples from a :class:`CastCopy` (autocast re-casts every
+        weight on every forward pass under inference mode, its cast cache being off there, which costs more than
+        a decode step itself); LoRA with ``lora_sampling`` merged from a :class:`MergedLoraCopy` while this
+        backend's own adapter is the active one (an inference engine switches to others, or turns adapters off).
         """
-        if self.param_dtype == self.dtype:
+        if self.is_lora:
+            wanted = self.config.lora_sampling == "merged" and adapter_scope(self.model) == (("default",), False)
+        else:
+            wanted = self.param_dtype != self.dtype
+        if not wanted:
             return self.model.eval()
-        if self._sampling_copy is None:
-            self._sampling_copy = _sampling_copy(self.model, self.dtype)
+        if self._sampling_copy is None:  # a LoRA copy is None where it cannot merge: the live model samples
+            self._sampling_copy = MergedLoraCopy.build(self.model) if self.is_lora else CastCopy(self.model, self.dtype)
         elif self._sampling_copy_stale:
-            targets = dict(self._sampling_copy.named_parameters(remove_duplicate=False))
-            with torch.no_grad():
-                for name, source in self.model.named_parameters(remove_duplicate=False):
-                    if targets[name].data_ptr() != source.data_ptr():  # weights kept in their dtype are shared
-                        targets[name].copy_(source)
+            self._sampling_copy.refresh()
         self._sampling_copy_stale = False
-        return self._sampling_copy
+        return self.model.eval() if self._sampling_copy is None else self._sampling_copy.model
 
     @contextlib.contextmanager
     def _out_of_memory_advice(self, rows: list[Any], training: bool) -> Iterator[None]:

@@ -65,10 +65,10 @@ def test_sampling_after_steps_repeats_the_old_copy_exactly(tiny: str) -> None:
     for _ in range(2):
         train_step(backend)
         new = backend.sample(request)
-        sampler = backend._sampling_copy
-        backend._sampling_copy = old_sampling_copy(backend.model, backend.dtype)
+        sampler = backend._sampling_copy.model
+        backend._sampling_copy.model = old_sampling_copy(backend.model, backend.dtype)
         old = backend.sample(request)
-        backend._sampling_copy = sampler
+        backend._sampling_copy.model = sampler
         assert new == old
 
 

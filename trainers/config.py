@@ -70,6 +70,9 @@ class TrainConfig:
     # Memory (MiB) for the torch sampler's automatic prefix caching: a multi-turn episode's or game's next turn runs only
     # its new tokens, not the whole conversation again. Emptied at every update; 0 turns it off.
     prefix_cache_mb: float = 1024.0
+    # How a LoRA policy samples with the torch sampler: "adapter" (as the training pass computes) or "merged" (a copy with
+    # the adapter merged in: faster on a CPU; in bfloat16 updates under half a weight's rounding step are lost to it).
+    lora_sampling: str = "adapter"
     sampler: str = "torch"  # "torch" (the training backend samples) or "vllm" (a vLLM engine, synced every step)
     # The vLLM sampler's engine (sampler "vllm" only; None: chosen from the platform): the fraction of its GPU's memory
     # (default 0.3), CUDA graphs and compilation off (eager; default on CPU only), its device ("cuda:N", "cpu"; default
@@ -117,6 +120,8 @@ class TrainConfig:
                 raise ConfigError(f"{name.replace('_', '-')} must be 0 or more (got {getattr(self, name)}).")
         if self.lora_rank < 0:
             raise ConfigError("lora-rank must be 0 (full fine-tuning) or positive.")
+        if self.lora_sampling not in ("adapter", "merged"):
+            raise ConfigError(f"lora-sampling must be 'adapter' or 'merged' (got {self.lora_sampling!r}).")
         if not self.lr > 0:
             raise ConfigError(f"lr must be positive (got {self.lr}).")
         if not 0 <= self.seed <= MAX_SEED:

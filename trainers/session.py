@@ -147,7 +147,7 @@ class TrainingRun:
             TorchBackendConfig(
                 model=resolve_model(c.model), lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
                 dtype=c.dtype, micro_batch_size=c.micro_batch_size, seed=c.seed, deterministic=c.deterministic,
-                gradient_checkpointing=c.gradient_checkpointing, prefix_cache_mb=c.prefix_cache_mb,
+                gradient_checkpointing=c.gradient_checkpointing, prefix_cache_mb=c.prefix_cache_mb, lora_sampling=c.lora_sampling,
             )
         )
         if c.sampler != "vllm":

@@ -61,12 +61,14 @@ def request_logger(run_dir: Path) -> logging.Logger:
               help="Recompute layer activations in the backward pass instead of keeping them: less memory, about a third more compute, same gradients.")
 @click.option("--prefix-cache-mb", type=FiniteFloat(min=0), default=1024.0, show_default=True, metavar="MIB",
               help="Memory for the prefix cache: a multi-turn episode's next turn samples from its new tokens only (0 = off).")
+@click.option("--lora-sampling", type=click.Choice(["adapter", "merged"]), default="adapter", show_default=True,
+              help="How LoRA samples: through the adapter, or from a merged copy of the weights (faster on a CPU; see train --help).")
 @click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
 def serve_backend(
     model: str, lora_rank: int | None, full: bool, lora_alpha: float | None, lora_dropout: float, micro_batch_size: int,
     dtype: str, device: str, seed: int, host: str, port: int,
     token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int, idle_timeout: float | None, deterministic: bool,
-    gradient_checkpointing: bool, prefix_cache_mb: float, exit_with_parent: bool,
+    gradient_checkpointing: bool, prefix_cache_mb: float, lora_sampling: str, exit_with_parent: bool,
 ) -> None:
     """Serve the Backend protocol over HTTP: sampling, gradients and optimizer steps for a remote trainer.
 
@@ -94,7 +96,8 @@ def serve_backend(
     lora = {} if lora_alpha is None else {"lora_alpha": lora_alpha}
     config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or 16), lora_dropout=lora_dropout, dtype=dtype, device=device,
                                 seed=seed, micro_batch_size=micro_batch_size, deterministic=deterministic,
-                                gradient_checkpointing=gradient_checkpointing, prefix_cache_mb=prefix_cache_mb, **lora)
+                                gradient_checkpointing=gradient_checkpointing, prefix_cache_mb=prefix_cache_mb,
+                                lora_sampling=lora_sampling, **lora)
     backend = TorchBackend(config)
     app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()),
                      keep_states=keep_states)

@@ -21,12 +21,14 @@ _FIELDS = (
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
     "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
     "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every", "prefix_cache_mb",
+    "lora_sampling",
 )
 
 
 #: Options a training server decides (set when it starts), not a client training through it.
 _SERVER_OWNED = (
     "model", "lora_rank", "lora_alpha", "full", "dtype", "micro_batch_size", "sampler", "deterministic", "gradient_checkpointing", "prefix_cache_mb",
+    "lora_sampling",
 )
 
 
@@ -85,7 +87,7 @@ def _check_token_use(token: str | None, backend_url: str | None) -> None:
 
 def _check_server_owned(options: dict[str, Any], backend_url: str | None) -> None:
     """Refuse model options beside --backend-url: the training server loaded its model with its own."""
-    given = [f"--{k.replace('_', '-')}" for k in _SERVER_OWNED if options.get(k)]
+    given = [f"--{k.replace('_', '-')}" for k in _SERVER_OWNED if options.get(k) is not None and options.get(k) is not False]  # 0 is given
     if backend_url and given:
         raise click.UsageError(
             f"{', '.join(given)}: a training server's model is set where the server starts (tinkergym serve-backend); "
@@ -164,6 +166,9 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory; groups sharing a prompt pack into the same token budget).")
 @click.option("--prefix-cache-mb", type=FiniteFloat(0), metavar="MIB",
               help="Memory for the torch sampler's prefix cache: a multi-turn episode's next turn runs only its new tokens (default 1024; 0 = off).")
+@click.option("--lora-sampling", type=click.Choice(["adapter", "merged"]),
+              help="How LoRA samples: adapter (default: as the training pass computes) or merged (a merged copy of the weights: "
+                   "faster on a CPU, one more copy of them in memory; in bfloat16 the sampler loses updates under the weights' rounding).")
 @click.option("--sampler", type=click.Choice(["torch", "vllm"]),
               help="Who samples rollouts: torch (the training model, default) or vllm (a vLLM engine synced after every step; needs vllm installed).")
 @click.option("--sampler-gpu-memory", type=FiniteFloat(0, 1, min_open=True), metavar="FRACTION",
