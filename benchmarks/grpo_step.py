@@ -111,6 +111,7 @@ class BenchSettings:
     trl_micro_batch_size: int = 8
     trl_gradient_checkpointing: bool = False
     attn: str = "auto"  # both sides' attention implementation ("auto": what tinkergym's auto picks on the device)
+    lora_sampling: str = "adapter"  # tinkergym's TorchBackendConfig.lora_sampling (TRL generates through its adapter)
     malloc: str = "default"
     device: str = "cpu"  # resolved by the driver: "cpu" or "cuda"
     model: str = "smollm2-135m"  # as given on the command line
@@ -255,7 +256,7 @@ def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
     backend = TorchBackend(TorchBackendConfig(
         model=resolve_model(config.model), lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
         dtype=config.dtype, device=s.device, micro_batch_size=config.micro_batch_size, seed=config.seed,
-        attn_implementation=s.attn_implementation(),
+        attn_implementation=s.attn_implementation(), lora_sampling=s.lora_sampling,
     ))
     env_factory(config.env, config.env_kwargs)  # checks the id and kwargs
     ctx = TrainingContext(config, backend, ChatTemplateRenderer(backend.info()["tokenizer"]), lambda: make_env(s))
@@ -500,6 +501,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="TRL's default since 1.0 (recompute activations in the backward pass); off unless given")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device of both sides (auto: cuda when available)")
+    parser.add_argument("--lora-sampling", choices=("adapter", "merged"), default=BenchSettings.lora_sampling,
+                        help="tinkergym's LoRA sampling: through the adapter (default) or from a merged copy (TRL generates through its adapter)")
     parser.add_argument("--attn", default=BenchSettings.attn,
                         help="attention implementation of both sides: auto (tinkergym's choice on the device), grouped_matmul, sdpa, eager, ...")
     parser.add_argument("--model", default=BenchSettings.model,
@@ -544,7 +547,7 @@ def main() -> None:
         reward = args.reward if args.reward != "auto" else ("hash" if random_weights else "env")
         settings = BenchSettings(env=args.env, env_kwargs=env_kwargs, steps=1 if args.quick else args.steps,
                                  micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype, trl_micro_batch_size=args.trl_micro_batch_size,
-                                 trl_gradient_checkpointing=args.trl_gradient_checkpointing, attn=args.attn, malloc=args.malloc, device=device,
+                                 trl_gradient_checkpointing=args.trl_gradient_checkpointing, attn=args.attn, lora_sampling=args.lora_sampling, malloc=args.malloc, device=device,
                                  model=args.model, model_path=model_path, random_weights=random_weights, reward=reward)
         say(f"measuring the bfloat16 matmul rate on {device} ...")
         matmul = run_worker("matmul", "lora", settings)
