@@ -89,3 +89,33 @@ def length_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
         monkeypatch.setitem(torch_scoring.CHUNK_OVERHEAD_TOKENS, "cpu", 0)
     return request.param
+
+
+@pytest.fixture
+def serve_backend_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., object]:
+    """``build(*flags)``: the TorchBackendConfig ``tinkergym serve-backend --model tiny ... *flags`` builds (no backend is made)."""
+    import secrets
+
+    from click.testing import CliRunner
+
+    from tinkergym.backends import torch_backend
+    from tinkergym.cli import main
+
+    class Built(Exception):
+        pass
+
+    def fake_backend(config: object) -> None:
+        raise Built(config)
+
+    monkeypatch.setattr(torch_backend, "TorchBackend", fake_backend)
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe(32))
+    token.chmod(0o600)
+
+    def build(*flags: str) -> object:
+        args = ["serve-backend", "--model", "tiny", "--token-file", str(token), "--run-dir", str(tmp_path / "server"), *flags]
+        result = CliRunner().invoke(main, args)
+        assert isinstance(result.exception, Built), result.output
+        return result.exception.args[0]
+
+    return build

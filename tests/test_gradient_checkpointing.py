@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -175,25 +176,6 @@ def test_train_refuses_checkpointing_beside_a_training_server() -> None:
     assert "--gradient-checkpointing" in result.output and "serve-backend" in result.output
 
 
-def test_serve_backend_passes_the_flag(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import secrets
-
-    from click.testing import CliRunner
-
-    from tinkergym.cli import main
-
-    class Built(Exception):
-        pass
-
-    def fake_backend(config: TorchBackendConfig) -> None:
-        raise Built(config)
-
-    monkeypatch.setattr(torch_backend, "TorchBackend", fake_backend)
-    token = tmp_path / "token"
-    token.write_text(secrets.token_urlsafe(32))
-    token.chmod(0o600)
-    for flag, expected in (([], False), (["--gradient-checkpointing"], True)):
-        args = ["serve-backend", "--model", "tiny", "--token-file", str(token), "--run-dir", str(tmp_path / "server"), *flag]
-        result = CliRunner().invoke(main, args)
-        assert isinstance(result.exception, Built), result.output
-        assert result.exception.args[0].gradient_checkpointing is expected
+def test_serve_backend_passes_the_flag(serve_backend_config: Callable[..., TorchBackendConfig]) -> None:
+    assert serve_backend_config().gradient_checkpointing is False
+    assert serve_backend_config("--gradient-checkpointing").gradient_checkpointing is True

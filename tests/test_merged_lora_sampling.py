@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -166,26 +167,6 @@ def test_train_refuses_server_owned_options_beside_a_training_server(option: lis
     assert result.exit_code == 2 and option[0] in result.output and "serve-backend" in result.output
 
 
-def test_serve_backend_passes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import secrets
-
-    from click.testing import CliRunner
-
-    from tinkergym.backends import torch_backend
-    from tinkergym.cli import main
-
-    class Built(Exception):
-        pass
-
-    def fake_backend(config: TorchBackendConfig) -> None:
-        raise Built(config)
-
-    monkeypatch.setattr(torch_backend, "TorchBackend", fake_backend)
-    token = tmp_path / "token"
-    token.write_text(secrets.token_urlsafe(32))
-    token.chmod(0o600)
-    for flag, expected in (([], "adapter"), (["--lora-sampling", "merged"], "merged")):
-        args = ["serve-backend", "--model", "tiny", "--token-file", str(token), "--run-dir", str(tmp_path / "server"), *flag]
-        result = CliRunner().invoke(main, args)
-        assert isinstance(result.exception, Built), result.output
-        assert result.exception.args[0].lora_sampling == expected
+def test_serve_backend_passes_it(serve_backend_config: Callable[..., TorchBackendConfig]) -> None:
+    assert serve_backend_config().lora_sampling == "adapter"
+    assert serve_backend_config("--lora-sampling", "merged").lora_sampling == "merged"
