@@ -73,6 +73,22 @@ def test_token_logprobs_gradient_matches_log_softmax(temperature: float, chunk_s
     assert low.grad.dtype == torch.bfloat16 and torch.allclose(low.grad.float(), plain.grad, atol=2e-2)
 
 
+def test_cpu_logprob_chunks_fit_a_cache_and_change_no_result() -> None:
+    """On a CPU the default chunk is a few MiB of float32 rows (16 of a 49K vocabulary); results and gradients are those of 1,024-row chunks, bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(2, 40, 49152, generator=gen) * 3).to(torch.bfloat16)
+    tokens = torch.randint(0, 49152, (2, 40), generator=gen)
+    assert losses.chunk_rows(logits.view(-1, 49152), None) == 16 and losses.chunk_rows(logits, 7) == 7
+    assert losses.chunk_rows(torch.empty(4, 49152, device="meta"), None) == losses.CHUNK_ROWS == 1024
+    results = []
+    for chunk_size in (None, 1024):
+        ours = logits.clone().requires_grad_(True)
+        scored = losses.token_logprobs(ours, tokens, chunk_size=chunk_size, temperature=0.7)
+        scored.sum().backward()
+        results.append((scored.detach(), ours.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_k3_kl_by_hand() -> None:
     logprobs = torch.tensor([-1.0, -2.0, -0.5])
     reference = torch.tensor([-1.0, -1.0, -1.5])
