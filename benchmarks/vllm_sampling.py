@@ -16,7 +16,10 @@ logprob of every sampled token (what a rollout needs). No side stops early: each
 - ``torch_backend``: :meth:`TorchBackend.sample` (our own loop: one prefill per distinct prompt, KV cache).
 
 Each side runs in its own subprocess, one after the other; the first call is a warm-up and the median of
-``--repeats`` timed calls is reported as generated tokens per second.
+``--repeats`` timed calls is reported as generated tokens per second. ``--device`` (``auto``: cuda when
+available) puts the HF and TorchBackend sides on the device vLLM runs on; both load the model with one
+attention implementation, ``--attn`` (default: TorchBackend's ``auto`` for the device, grouped_matmul on a CPU).
+On a GPU the timers synchronize with the device and each side's peak allocated GPU memory is reported.
 """
 
 from __future__ import annotations
@@ -66,13 +69,13 @@ def _hf_generate(args: argparse.Namespace, model_path: str, prompts: list[list[i
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, attn_implementation=args.attn).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     rows = [p for p in prompts for _ in range(args.group_size)]
     width = max(map(len, rows))
-    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows])
-    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+    input_ids = torch.tensor([[pad] * (width - len(p)) + p for p in rows], device=args.device)
+    attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=args.device)
 
     def call(seed: int) -> int:
         torch.manual_seed(seed)
@@ -92,7 +95,7 @@ def _torch_backend(args: argparse.Namespace, model_path: str, prompts: list[list
     from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
     from tinkergym.backends.types import SampleRequest, SamplingParams
 
-    backend = TorchBackend(TorchBackendConfig(model=model_path, lora_rank=0, dtype="bfloat16"))
+    backend = TorchBackend(TorchBackendConfig(model=model_path, lora_rank=0, dtype="bfloat16", device=args.device, attn_implementation=args.attn))
 
     def call(seed: int) -> int:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, seed=seed, stop_token_ids=[10**9])
@@ -107,8 +110,19 @@ def run_side(side: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from tinkergym.backends.models import resolve_model
+    from tinkergym.backends.torch_attention import register
+    from tinkergym.backends.torch_setup import resolve_attn_implementation
 
     model_path = resolve_model("smollm2-135m")
+    args.device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    register()
+    args.attn = resolve_attn_implementation(args.attn, torch.device(args.device), torch.bfloat16, model_path)
+    cuda = args.device == "cuda"
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     prompts = prompt_ids(args, model_path)
     started = time.perf_counter()
     call = {"vllm": _vllm, "hf_generate": _hf_generate, "torch_backend": _torch_backend}[side](args, model_path, prompts)
@@ -116,13 +130,17 @@ def run_side(side: str, args: argparse.Namespace) -> dict[str, Any]:
     call(0)
     timings = []
     for seed in range(1, args.repeats + 1):
+        sync()
         start = time.perf_counter()
         tokens = call(seed)
+        sync()
         timings.append((time.perf_counter() - start, tokens))
     seconds = statistics.median(t for t, _ in timings)
     tokens = timings[0][1]
     return {"side": side, "setup_s": setup_s, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "prompt_tokens": sum(map(len, prompts)) * args.group_size, "threads": torch.get_num_threads(), "all": timings}
+            "prompt_tokens": sum(map(len, prompts)) * args.group_size, "threads": torch.get_num_threads(), "all": timings,
+            "device": args.device, "attn_implementation": args.attn if side != "vllm" else "vllm",
+            "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None}
 
 
 def main() -> None:
@@ -132,6 +150,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per sample (no early stop)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up (median reported)")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated: {', '.join(SIDES)}")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="device of the HF and TorchBackend sides (auto: cuda when available)")
+    parser.add_argument("--attn", default="auto", help="attention implementation of the HF and TorchBackend sides (auto: TorchBackend's choice for the device)")
     parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -146,16 +166,19 @@ def main() -> None:
     for side in [s.strip() for s in args.sides.split(",") if s.strip()]:
         print(f"running {side} ({args.prompts} prompts x {args.group_size} samples x {args.max_new_tokens} tokens) ...", file=sys.stderr, flush=True)
         command = [sys.executable, os.path.abspath(__file__), "--worker", side, "--prompts", str(args.prompts), "--group-size",
-                   str(args.group_size), "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats)]
+                   str(args.group_size), "--max-new-tokens", str(args.max_new_tokens), "--repeats", str(args.repeats),
+                   "--device", args.device, "--attn", args.attn]
         proc = subprocess.run(command, capture_output=True, text=True, env=env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_MARK)]
         if not lines:
             sys.exit(f"the {side} worker failed (exit {proc.returncode}):\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-30:]))
         results.append(json.loads(lines[-1][len(RESULT_MARK):]))
     by = {r["side"]: r for r in results}
-    print(f"{'side':<14} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'setup s':>8}")
+    print(f"{'side':<14} {'tokens':>7} {'seconds':>8} {'tokens/s':>9} {'setup s':>8}  {'device':<6} {'attention':<16} {'peak GPU GiB':>12}")
     for r in results:
-        print(f"{r['side']:<14} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f} {r['setup_s']:>8.1f}")
+        peak = "-" if r["peak_gpu_bytes"] is None else f"{r['peak_gpu_bytes'] / 2**30:.2f}"
+        print(f"{r['side']:<14} {r['tokens']:>7} {r['seconds']:>8.2f} {r['tokens_per_s']:>9.1f} {r['setup_s']:>8.1f}  "
+              f"{r['device']:<6} {r['attn_implementation']:<16} {peak:>12}")
     ratios = {f"{a}/{b}": by[a]["tokens_per_s"] / by[b]["tokens_per_s"] for a, b in (("vllm", "hf_generate"), ("torch_backend", "hf_generate"), ("vllm", "torch_backend")) if a in by and b in by}
     for name, value in ratios.items():
         print(f"throughput {name} = {value:.2f}x")
