@@ -126,7 +126,7 @@ class TorchBackendConfig(_Plain):
         lora_sampling: How LoRA samples: ``"adapter"`` through the adapter, as the training pass computes; or
             ``"merged"`` from a copy of the adapted weights with the adapter merged in
             (:class:`~tinkergym.backends.torch_copies.MergedLoraCopy`: a second copy of those weights, refreshed
-            after each optimizer step), about 1.4x faster sampling on a CPU. In bfloat16 the merged weights are
+            after each optimizer step), 1.25-1.4x faster sampling on a CPU. In bfloat16 the merged weights are
             rounded: an update under half a bfloat16 step of its weight is lost to the sampler (``mismatch/*`` grows).
     """
 

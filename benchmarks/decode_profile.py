@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled call")
     parser.add_argument("--baseline", metavar="REV", help="also time backends/torch_sampling.py of git revision REV, calls alternating")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--lora-sampling", choices=("adapter", "merged"), default="adapter", help="LoRA's sampling: through the adapter or a merged copy")
     return parser.parse_args(argv)
 
 
@@ -67,12 +68,13 @@ def decode_matmul_rates(batch: int, hidden: int, intermediate: int, vocab: int) 
     return out
 
 
-def build(mode: str, model: str) -> Any:
+def build(mode: str, model: str, lora_sampling: str = "adapter") -> Any:
     from tinkergym.backends.models import resolve_model
     from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
 
     rank = 8 if mode == "lora" else 0
-    return TorchBackend(TorchBackendConfig(model=resolve_model(model), lora_rank=rank, lora_alpha=16, lora_dropout=0.0, dtype="auto", device="cpu", seed=0))
+    return TorchBackend(TorchBackendConfig(model=resolve_model(model), lora_rank=rank, lora_alpha=16, lora_dropout=0.0, dtype="auto", device="cpu", seed=0,
+                                           lora_sampling=lora_sampling))
 
 
 def request(backend: Any, args: argparse.Namespace) -> Any:
@@ -204,7 +206,7 @@ def run_mode(mode: str, args: argparse.Namespace, rates: dict[str, float]) -> No
 
     from tinkergym.backends import torch_sampling
 
-    backend = build(mode, args.model)
+    backend = build(mode, args.model, args.lora_sampling)
     req = request(backend, args)
     variants = {"current": torch_sampling}
     if args.baseline:
