@@ -16,6 +16,63 @@ from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, Sa
 from tinkergym.errors import ConfigError  # noqa: E402
 
 
+# ----- token logprobs (the fused log-softmax) ------------------------------------------------------
+def test_token_logprobs_by_hand() -> None:
+    logits = torch.tensor([[[0.0, 0.0], [1.0, 3.0], [2.0, 2.0]]])
+    tokens = torch.tensor([[1, 1, 0]])
+    expected = [0.0, -math.log(2.0), -2.0 - math.log(1.0 + math.exp(-2.0))]  # rows [0, 0] and [1, 3] predict ids 1 and 0
+    assert losses.token_logprobs(logits, tokens)[0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_token_logprobs_low_precision_chunks_match_and_backprop() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 7, 11, generator=gen).to(torch.bfloat16).requires_grad_(True)
+    tokens = torch.randint(0, 11, (2, 7), generator=gen)
+    reference = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    chunked = losses.token_logprobs(logits, tokens, chunk_size=3)
+    assert chunked.dtype == torch.float32 and chunked.shape == (2, 7)
+    assert torch.allclose(chunked[:, 1:], reference, atol=1e-6)
+    chunked.sum().backward()
+    assert logits.grad is not None and torch.isfinite(logits.grad.float()).all()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", [1024, 4])
+def test_token_logprobs_gradient_matches_log_softmax(temperature: float, chunk_size: int) -> None:
+    # The fused logprob's hand-written backward against autograd through a plain float32 log-softmax.
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 5, 13, generator=gen, dtype=torch.float32) * 3
+    tokens = torch.randint(0, 13, (3, 5), generator=gen)
+    weights = torch.randn(3, 4, generator=gen)
+    ours = logits.clone().requires_grad_(True)
+    fused = losses.token_logprobs(ours, tokens, chunk_size=chunk_size, temperature=temperature)
+    (fused[:, 1:] * weights).sum().backward()
+    plain = logits.clone().requires_grad_(True)
+    reference = torch.log_softmax(plain / temperature, -1)[:, :-1].gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    (reference * weights).sum().backward()
+    assert torch.allclose(fused[:, 1:], reference, atol=1e-6)
+    assert torch.allclose(ours.grad, plain.grad, atol=1e-6)
+    low = logits.to(torch.bfloat16).requires_grad_(True)  # the gradient comes back in the logits' dtype
+    (losses.token_logprobs(low, tokens, chunk_size=chunk_size, temperature=temperature)[:, 1:] * weights).sum().backward()
+    assert low.grad.dtype == torch.bfloat16 and torch.allclose(low.grad.float(), plain.grad, atol=2e-2)
+
+
+def test_cpu_logprob_chunks_fit_a_cache_and_change_no_result() -> None:
+    """On a CPU the default chunk is a few MiB of float32 rows (16 of a 49K vocabulary); results and gradients are those of 1,024-row chunks, bit for bit."""
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(2, 40, 49152, generator=gen) * 3).to(torch.bfloat16)
+    tokens = torch.randint(0, 49152, (2, 40), generator=gen)
+    assert losses.chunk_rows(logits.view(-1, 49152), None) == 16 and losses.chunk_rows(logits, 7) == 7
+    assert losses.chunk_rows(torch.empty(4, 49152, device="meta"), None) == losses.CHUNK_ROWS == 1024
+    results = []
+    for chunk_size in (None, 1024):
+        ours = logits.clone().requires_grad_(True)
+        scored = losses.token_logprobs(ours, tokens, chunk_size=chunk_size, temperature=0.7)
+        scored.sum().backward()
+        results.append((scored.detach(), ours.grad))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def make_backend(tiny: str, lora_rank: int = 4, dtype: str = "float32") -> TorchBackend:
     backend = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=lora_rank, dtype=dtype, seed=0))
     if lora_rank:  # a non-zero adapter, so the adapter's path changes the logits
