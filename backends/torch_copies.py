@@ -135,7 +135,7 @@ class MergedLoraCopy:
     """A frozen, plain copy of a peft model for sampling: each adapted linear layer's weight is ``W + scaling * B @ A``.
 
     Sampling through peft runs two small matmuls per adapted layer besides the base layer's, with their casts,
-    scaling and sum: on a CPU that made a LoRA decode step 1.7x a full fine-tuning one (``decode_profile.py``).
+    scaling and sum: on a CPU that made a LoRA decode step 1.25x a full fine-tuning one (``decode_profile.py``, side by side).
     Here only the adapted linear weights are duplicated (in the base's dtype), every other weight is the live
     model's own; the merge is computed in float32 and rounded once. :meth:`refresh` recomputes the merged
     weights in place after the adapter changed. :meth:`build` returns None for what it does not cover: other
