@@ -39,14 +39,7 @@ import torch
 
 from tinkergym.backends import losses
 from tinkergym.backends.models import resolve_model
-from tinkergym.backends.state_files import (
-    check_state_format,
-    read_optimizer_state,
-    read_rng_state,
-    restore_rng_state,
-    write_optimizer_state,
-    write_rng_state,
-)
+from tinkergym.backends.state_files import check_state_format, read_optimizer_state, read_rng_state, restore_rng_state, write_optimizer_state, write_rng_state
 from tinkergym.backends.torch_copies import CastCopy, MergedLoraCopy, _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401
 from tinkergym.backends.torch_prefix_cache import PrefixCache, adapter_scope
 from tinkergym.backends.torch_sampling import sample_batch
@@ -469,19 +462,22 @@ class TorchBackend:
         self.model.train()
         # Metric sums stay on the device until every micro-batch ran: one read-back, not one per metric and micro-batch.
         micro_sums: list[dict[str, torch.Tensor]] = []
-        for micro in self.plan(data):
-            rows = [data[i] for i in micro.indices]
-            with self._out_of_memory_advice(rows, training=True):
-                batch = self._collate(rows)
-                with self._compute():
+        # One autocast region for all micro-batches: autocast casts a float32 master weight once per region and keeps
+        # the cast (the weights stay as they are until optim_step), not once per micro-batch. Loss and backward: no autocast.
+        with self._compute():
+            for micro in self.plan(data):
+                rows = [data[i] for i in micro.indices]
+                with self._out_of_memory_advice(rows, training=True):
+                    batch = self._collate(rows)
                     logprobs = self._sequence_logprobs(self.model, batch, micro, spec.temperature)
-                reference = self._reference_logprobs(batch, micro, spec.temperature) if spec.kl_coef > 0 else None
-                weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
-                loss, sums = losses.compute_loss_on_device(
-                    spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference, batch.old_logprobs
-                )
-                loss.backward()
-            micro_sums.append(sums)
+                    with torch.autocast(self.device.type, enabled=False):  # a nested region keeps the outer one's casts
+                        reference = self._reference_logprobs(batch, micro, spec.temperature) if spec.kl_coef > 0 else None
+                        weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
+                        loss, sums = losses.compute_loss_on_device(
+                            spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference, batch.old_logprobs
+                        )
+                        loss.backward()
+                micro_sums.append(sums)
         totals: dict[str, float] = {}
         for sums in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were
             totals = losses.add_sums(totals, sums)
