@@ -114,8 +114,10 @@ def _report(figures: dict[str, Any]) -> None:
             out.write(json.dumps(figures) + "\n")
 
 
-def test_lora_step_with_vllm_on_the_same_device_fits_and_sleeps_during_training(tmp_path: Path) -> None:
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: its device memory is all ours to see
+def test_lora_step_with_vllm_on_the_same_device_fits_and_sleeps_during_training(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in this process, as trainers colocate it
+    if not ON_CUDA:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     from tinkergym.backends.models import build_tiny_model
     from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
     from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
