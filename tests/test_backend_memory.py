@@ -17,6 +17,7 @@ from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig, _
 from tinkergym.backends.torch_sampling import prefill  # noqa: E402
 from tinkergym.backends.torch_scoring import MicroBatch  # noqa: E402
 from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
 def make(tiny: str, lora_rank: int = 0, dtype: str = "bfloat16", **kwargs: object) -> TorchBackend:
@@ -246,27 +247,22 @@ def test_full_fine_tuning_copies_shared_prompts_in_the_compute_dtype(tiny: str, 
     assert torch.nn.functional.cosine_similarity(shared_grad, plain_grad, dim=0) > 0.99
 
 
-class WeightCasts:
+class WeightCasts(TorchDispatchMode):
     """Counts, per float32 weight of ``model``, the casts of it to bfloat16 that reach the kernels (autocast's included)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        owners = {p.untyped_storage().data_ptr() for p in model.parameters() if p.dtype == torch.float32}
+        super().__init__()
+        self.owners = {p.untyped_storage().data_ptr() for p in model.parameters() if p.dtype == torch.float32}
         self.counts: dict[int, int] = {}  # by the weight's storage: a tied output layer is its embedding
-        counts = self.counts
 
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-                kwargs = kwargs or {}
-                source = args[0] if args else None
-                if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16 and isinstance(source, torch.Tensor):
-                    storage = source.untyped_storage().data_ptr()
-                    if storage in owners:
-                        counts[storage] = counts.get(storage, 0) + 1
-                return func(*args, **kwargs)
-
-        self.mode = Mode()
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        source = args[0] if args else None
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16 and isinstance(source, torch.Tensor):
+            storage = source.untyped_storage().data_ptr()
+            if storage in self.owners:
+                self.counts[storage] = self.counts.get(storage, 0) + 1
+        return func(*args, **kwargs)
 
 
 def test_full_fine_tuning_casts_each_master_weight_once_per_pass(tiny: str) -> None:
@@ -274,8 +270,7 @@ def test_full_fine_tuning_casts_each_master_weight_once_per_pass(tiny: str) -> N
     backend = make(tiny, micro_batch_size=1)
     data = group_batch()
     assert len(backend.plan(data)) >= 4
-    casts = WeightCasts(backend.model)
-    with casts.mode:
+    with WeightCasts(backend.model) as casts:
         backend.forward_backward(ForwardBackwardRequest(data, LossSpec(name="reinforce")))
     linear = {m.weight.untyped_storage().data_ptr() for m in backend.model.modules() if isinstance(m, torch.nn.Linear)}
     assert linear <= set(casts.counts)  # every linear layer's weight was cast, and seen here
