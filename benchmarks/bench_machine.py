@@ -10,7 +10,7 @@ import os
 import resource
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -69,33 +69,138 @@ def device_extra(device: str) -> dict[str, Any]:
     }
 
 
-def matmul_rate(device: str, rounds: int = 5) -> dict[str, Any]:
-    """The best rate of ``rounds`` timed rounds of square bfloat16 matmuls on ``device`` (about a second in all)."""
+#: Environment variables that cap the instruction sets torch's kernels use. ``ONEDNN_MAX_CPU_ISA=AVX2`` alone turns
+#: native bfloat16 off (torch then computes bfloat16 matmuls in its own emulated kernel, as on an AVX2-only CPU);
+#: with the other two, an AVX-512 machine runs every kernel as an AVX2-only one does. Recorded in each result.
+ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def native_dtype(device: str) -> str:
+    """The fastest precision ``device`` computes natively: what tinkergym's ``dtype="auto"`` decides there."""
     import torch
 
-    n = 8192 if device == "cuda" else 4096
-    a = torch.randn(n, n, device=device).to(torch.bfloat16)
-    b = torch.randn(n, n, device=device).to(torch.bfloat16)
-    flops = 2.0 * n**3
-    for _ in range(2):  # warm-up: library initialization, kernel choice
+    from tinkergym.backends.torch_setup import resolve_dtype
+
+    return str(resolve_dtype("auto", torch.device(device))).removeprefix("torch.")
+
+
+def resolve_precision(name: str, device: str) -> str:
+    """``auto`` -> :func:`native_dtype`; any other name is kept (``bfloat16``, ``float32``)."""
+    return native_dtype(device) if name == "auto" else name
+
+
+def cpu_facts() -> dict[str, Any]:
+    """The CPU's model, torch's kernel capability, whether bfloat16 is native, its bfloat16 flags, ISA caps in force."""
+    import torch
+
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    return {
+        "cpu_model": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_native_bfloat16": native_dtype("cpu") == "bfloat16", "cpu_bf16_flags": sorted(f for f in flags if "bf16" in f),
+        "isa_caps": {k: os.environ[k] for k in ISA_CAPS if k in os.environ}, "threads": torch.get_num_threads(),
+    }
+
+
+def machine_facts(device: str) -> dict[str, Any]:
+    """:func:`cpu_facts` plus, on a GPU, its name and whether it computes bfloat16 natively."""
+    facts = cpu_facts()
+    if device == "cuda":
+        import torch
+
+        facts.update(gpu_name=torch.cuda.get_device_name(), gpu_native_bfloat16=torch.cuda.is_bf16_supported())
+    facts["native_dtype"] = native_dtype(device)
+    return facts
+
+
+def describe(facts: dict[str, Any]) -> str:
+    """One line naming the CPU kind: model, capability, native bfloat16 or not, ISA caps."""
+    caps = " ".join(f"{k}={v}" for k, v in facts["isa_caps"].items())
+    return (f"{facts['cpu_model']} ({facts['cpu_capability']}, bfloat16 {'native' if facts['cpu_native_bfloat16'] else 'emulated'}"
+            f"{', capped: ' + caps if caps else ''}; {facts['threads']} threads)")
+
+
+def matmul_size(seconds_of: Callable[[int], float], target_s: float, start: int = 128, cap: int = 4096) -> int:
+    """The side of the square product to time: doubled from ``start`` until one product takes ``target_s`` or ``cap`` is reached.
+
+    ``seconds_of(n)`` times one product of side ``n``. Sizing by time keeps the measurement short where a precision
+    is emulated (a 4096^3 bfloat16 product takes over a minute on an AVX2-only CPU) and large where it is fast.
+    """
+    n = start
+    while n < cap and seconds_of(n) < target_s:
+        n *= 2
+    return min(n, cap)
+
+
+def matmul_rate(device: str, dtype: str = "bfloat16", seconds: float = 1.0) -> dict[str, Any]:
+    """FLOP/s of square ``dtype`` matmuls on ``device``: the best of 5 rounds, the whole measurement about ``seconds``.
+
+    The side is chosen by time (:func:`matmul_size`: a product of about a fiftieth of ``seconds``, at most 4096 on
+    a CPU and 8192 on a GPU), then each of 5 rounds repeats it for about a sixth of ``seconds``.
+    """
+    import torch
+
+    torch_dtype = getattr(torch, dtype)
+    operands: dict[int, tuple[Any, Any]] = {}
+
+    def product(n: int) -> float:
+        if n not in operands:
+            operands.clear()
+            operands[n] = (torch.randn(n, n, device=device).to(torch_dtype), torch.randn(n, n, device=device).to(torch_dtype))
+        a, b = operands[n]
+        a @ b  # warm-up: library initialization, kernel choice
+        sync(device)
+        start = time.perf_counter()
         a @ b
-    sync(device)
-    start = time.perf_counter()
-    a @ b
-    sync(device)
-    per_round = min(max(1, int(0.2 / max(time.perf_counter() - start, 1e-6))), 1000)  # rounds of about 0.2 s
+        sync(device)
+        return time.perf_counter() - start
+
+    began = time.perf_counter()
+    n = matmul_size(product, seconds / 50, cap=8192 if device == "cuda" else 4096)
+    one = product(n)
+    a, b = operands[n]
+    per_round = min(max(1, int(seconds / 6 / max(one, 1e-6))), 10000)
     best = 0.0
-    for _ in range(rounds):
+    for _ in range(5):
         sync(device)
         start = time.perf_counter()
         for _ in range(per_round):
             a @ b
         sync(device)
-        best = max(best, flops * per_round / (time.perf_counter() - start))
-    out = {"matmul_flops": best, "matmul_n": n, "matmul_dtype": "bfloat16", "device": device}
+        best = max(best, 2.0 * n**3 * per_round / (time.perf_counter() - start))
+    out = {"matmul_flops": best, "matmul_n": n, "matmul_dtype": dtype, "matmul_s": time.perf_counter() - began, "device": device}
     if device == "cuda":
         out["gpu_name"] = torch.cuda.get_device_name()
     return out
+
+
+def emulation_cost(side: str, dtype: str, native: str, rate: float, float32_rate: float) -> str | None:
+    """The warning for ``side`` forced into ``dtype`` where the device's native precision is ``native``, naming the cost
+    from the measured matmul rates (``dtype``'s and float32's, FLOP/s); None where ``dtype`` is native or float32."""
+    if dtype in ("float32", native) or rate >= float32_rate:
+        return None
+    slower = float32_rate / max(rate, 1e-9)
+    return (f"warning: {side} runs in {dtype}, which this device does not compute natively (tinkergym's auto picks {native}): "
+            f"its matmuls measured {rate / 1e9:.1f} GFLOP/s against {float32_rate / 1e9:.1f} GFLOP/s in float32, {slower:.0f}x slower; "
+            f"expect that side to take up to {slower:.0f}x as long (--dtype auto runs it at the native precision)")
+
+
+def emulation_warning(side: str, dtype: str, device: str, seconds: float = 0.5) -> str | None:
+    """:func:`emulation_cost` with both rates measured here (about ``seconds`` each), or None without measuring."""
+    native = native_dtype(device)
+    if dtype in ("float32", native):
+        return None
+    rate, float32_rate = (matmul_rate(device, d, seconds)["matmul_flops"] for d in (dtype, "float32"))
+    return emulation_cost(side, dtype, native, rate, float32_rate)
 
 
 def _load() -> list[float]:

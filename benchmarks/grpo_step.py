@@ -78,10 +78,13 @@ import sys
 import tempfile
 import time
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
-from bench_machine import CpuShare, _load, device_extra, has_weights, matmul_rate, random_model, resolve_device, sync
+from bench_machine import (
+    CpuShare, _load, describe, device_extra, emulation_cost, has_weights, machine_facts, matmul_rate, random_model,
+    resolve_device, resolve_precision, sync,
+)
 
 RESULT_MARK = "GRPO_STEP_RESULT "
 GIB = 1024**3
@@ -107,7 +110,8 @@ class BenchSettings:
     steps: int = 3
     seed: int = 0
     micro_batch_size: int = 8
-    trl_dtype: str = "bfloat16"
+    dtype: str = "bfloat16"  # both sides' compute precision, resolved by the driver ("auto": the device's native one)
+    trl_dtype: str = "auto"  # the dtype TRL loads weights in (see trl_dtype())
     trl_micro_batch_size: int = 8
     trl_gradient_checkpointing: bool = False
     attn: str = "auto"  # both sides' attention implementation ("auto": what tinkergym's auto picks on the device)
@@ -131,7 +135,7 @@ class BenchSettings:
         from tinkergym.backends.torch_setup import resolve_attn_implementation
 
         register()
-        return resolve_attn_implementation(self.attn, torch.device(self.device), torch.bfloat16, self.model_path)
+        return resolve_attn_implementation(self.attn, torch.device(self.device), getattr(torch, self.dtype), self.model_path)
 
 
 def step_prompts(s: BenchSettings, step: int) -> list[tuple[int, list[dict[str, str]]]]:
@@ -255,7 +259,7 @@ def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
     started = time.perf_counter()
     backend = TorchBackend(TorchBackendConfig(
         model=resolve_model(config.model), lora_rank=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0,
-        dtype=config.dtype, device=s.device, micro_batch_size=config.micro_batch_size, seed=config.seed,
+        dtype=s.dtype, device=s.device, micro_batch_size=config.micro_batch_size, seed=config.seed,
         attn_implementation=s.attn_implementation(), lora_sampling=s.lora_sampling,
     ))
     env_factory(config.env, config.env_kwargs)  # checks the id and kwargs
@@ -370,8 +374,18 @@ def _timed_trl_classes(device: str) -> tuple[type, type]:
 
 
 def trl_dtype(s: BenchSettings, mode: str) -> str:
-    """The dtype TRL loads the model in (``auto``: tinkergym's layout, bfloat16 for LoRA and float32 for full)."""
-    return s.trl_dtype if s.trl_dtype != "auto" else ("bfloat16" if mode == "lora" else "float32")
+    """The dtype TRL loads the model in: ``auto`` the compute precision (bfloat16 weights under bfloat16, TRL's fastest
+    layout on a CPU); ``tinkergym`` tinkergym's layout (a LoRA base in the compute precision, float32 full-tuning weights)."""
+    if s.trl_dtype == "auto":
+        return s.dtype
+    if s.trl_dtype == "tinkergym":
+        return s.dtype if mode == "lora" else "float32"
+    return s.trl_dtype
+
+
+def trl_precision(s: BenchSettings, mode: str) -> str:
+    """TRL's compute precision: bfloat16 under ``bf16=True`` (autocast) or with bfloat16 weights, else float32."""
+    return "bfloat16" if "bfloat16" in (s.dtype, trl_dtype(s, mode)) else "float32"
 
 
 def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> tuple[Any, Any]:
@@ -384,7 +398,7 @@ def _trl_trainer(s: BenchSettings, mode: str, output_dir: str) -> tuple[Any, Any
     batch = s.prompts * s.group_size
     rows = [{"prompt": messages, "env_seed": seed} for step in range(1 + s.steps) for seed, messages in step_prompts(s, step)]
     config = GRPOConfig(
-        output_dir=output_dir, use_cpu=s.device == "cpu", bf16=True, model_init_kwargs={"dtype": getattr(torch, trl_dtype(s, mode)), "attn_implementation": s.attn_implementation()},
+        output_dir=output_dir, use_cpu=s.device == "cpu", bf16=s.dtype == "bfloat16", model_init_kwargs={"dtype": getattr(torch, trl_dtype(s, mode)), "attn_implementation": s.attn_implementation()},
         gradient_checkpointing=s.trl_gradient_checkpointing,
         per_device_train_batch_size=s.trl_micro_batch_size, gradient_accumulation_steps=batch // s.trl_micro_batch_size,
         steps_per_generation=batch // s.trl_micro_batch_size,
@@ -420,7 +434,8 @@ def run_trl(s: BenchSettings, mode: str) -> dict[str, Any]:
     params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return _summary("trl", mode, s, timer.records, {
-        "params": params, "trainable_params": trainable, "dtype": "bfloat16 (autocast)", "param_dtype": trl_dtype(s, mode),
+        "params": params, "trainable_params": trainable, "dtype": trl_precision(s, mode), "param_dtype": trl_dtype(s, mode),
+        "bf16_autocast": bool(trainer.args.bf16),
         "attn_implementation": getattr(model.config, "_attn_implementation", None),
         "gradient_checkpointing": bool(getattr(trainer.args, "gradient_checkpointing", False)),
         "setup_s": setup_s, "load": timer.load, "threads": torch.get_num_threads(), "trl_version": trl.__version__,
@@ -428,6 +443,31 @@ def run_trl(s: BenchSettings, mode: str) -> dict[str, Any]:
 
 
 # ----- driver --------------------------------------------------------------------------------------
+def side_precision(s: BenchSettings, side: str, mode: str) -> str:
+    """The precision ``side`` computes ``mode`` in."""
+    return trl_precision(s, mode) if side == "trl" else s.dtype
+
+
+def precision_rates(s: BenchSettings, sides: list[str], modes: list[str], native: str, say: Callable[[str], None]) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """The matmul rate of every precision a side computes in (each in a worker of its own), and a warning for each side
+    forced into a precision the device does not compute natively (float32's rate measured too, to name the cost)."""
+    used = {(side, side_precision(s, side, mode)) for side in sides for mode in modes}
+    precisions = sorted({p for _, p in used} | ({"float32"} if any(p != native for _, p in used) else set()))
+    rates = {}
+    for precision in precisions:
+        say(f"measuring the {precision} matmul rate on {s.device} ...")
+        rates[precision] = run_worker("matmul", "lora", replace(s, dtype=precision))
+        say(f"matmul rate: {rates[precision]['matmul_flops'] / 1e12:.3f} TFLOP/s ({precision}, {rates[precision]['matmul_n']}^3, "
+            f"{rates[precision]['matmul_s']:.1f} s, {rates[precision].get('gpu_name', s.device)})")
+    warnings = []
+    for side, precision in sorted(used):
+        warning = emulation_cost(side, precision, native, rates[precision]["matmul_flops"], rates["float32"]["matmul_flops"] if "float32" in rates else 0.0)
+        if warning:
+            say(warning)
+            warnings.append(warning)
+    return rates, warnings
+
+
 def run_worker(side: str, mode: str, settings: BenchSettings) -> dict[str, Any]:
     """Run one side and mode (or the ``matmul`` rate measurement) in a fresh Python process and return its result."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", side, "--modes", mode, "--settings", json.dumps(asdict(settings))]
@@ -495,7 +535,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--env", default=BenchSettings.env, help="single-turn env id the prompts and rewards come from")
     parser.add_argument("--env-kwargs", default=None, help='env kwargs as JSON (default for Bandit: {"reward_mode": "expected"})')
     parser.add_argument("--micro-batch-size", type=int, default=BenchSettings.micro_batch_size, help="tinkergym's forward_backward micro-batch")
-    parser.add_argument("--trl-dtype", choices=("auto", "bfloat16", "float32"), default=BenchSettings.trl_dtype, help="dtype TRL loads the model in")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="compute precision of both sides (auto: the fastest one the device computes natively, tinkergym's dtype=auto)")
+    parser.add_argument("--trl-dtype", choices=("auto", "tinkergym", "bfloat16", "float32"), default=BenchSettings.trl_dtype,
+                        help="dtype TRL loads the model in (auto: the compute precision; tinkergym: tinkergym's layout, float32 weights for full)")
     parser.add_argument("--trl-micro-batch-size", type=int, default=BenchSettings.trl_micro_batch_size,
                         help="TRL's per_device_train_batch_size; gradients accumulate over the 64 completions (one optimizer step)")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
@@ -523,7 +566,7 @@ def main() -> None:
     if args.worker:
         settings = BenchSettings(**json.loads(args.settings))
         if args.worker == "matmul":
-            result = matmul_rate(settings.device)
+            result = matmul_rate(settings.device, settings.dtype)
         else:
             result = (run_tinkergym if args.worker == "tinkergym" else run_trl)(settings, modes[0])
         print(RESULT_MARK + json.dumps(result), flush=True)
@@ -544,31 +587,34 @@ def main() -> None:
         if random_weights:
             say(f"{args.model}: no weights in {model_path}; drawing random ones from its config.json (seed {BenchSettings.seed})")
             model_path = random_model(model_path, BenchSettings.seed, os.path.join(scratch, "model"))
-        reward = args.reward if args.reward != "auto" else ("hash" if random_weights else "env")
-        settings = BenchSettings(env=args.env, env_kwargs=env_kwargs, steps=1 if args.quick else args.steps,
+        untrained = random_weights or args.model == "tiny"  # the test model's weights are random too
+        reward = args.reward if args.reward != "auto" else ("hash" if untrained else "env")
+        settings = BenchSettings(env=args.env, env_kwargs=env_kwargs, steps=1 if args.quick else args.steps, dtype=resolve_precision(args.dtype, device),
                                  micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype, trl_micro_batch_size=args.trl_micro_batch_size,
                                  trl_gradient_checkpointing=args.trl_gradient_checkpointing, attn=args.attn, lora_sampling=args.lora_sampling, malloc=args.malloc, device=device,
                                  model=args.model, model_path=model_path, random_weights=random_weights, reward=reward)
-        say(f"measuring the bfloat16 matmul rate on {device} ...")
-        matmul = run_worker("matmul", "lora", settings)
-        say(f"matmul rate: {matmul['matmul_flops'] / 1e12:.3f} TFLOP/s (bfloat16, {matmul['matmul_n']}^3, {matmul.get('gpu_name', device)})")
+        facts = machine_facts(device)
+        say(f"machine: {describe(facts)}; native precision {facts['native_dtype']}")
         sides = [args.only] if args.only else ["tinkergym", "trl"]
+        rates, warnings = precision_rates(settings, sides, modes, facts["native_dtype"], say)
         results = []
         for mode in modes:
             for side in sides:
-                say(f"running {side} {mode} on {device} (1 warm-up + {settings.steps} timed steps, malloc {settings.malloc}), load {_load()} ...")
+                say(f"running {side} {mode} on {device} in {side_precision(settings, side, mode)} (1 warm-up + {settings.steps} timed steps, "
+                    f"malloc {settings.malloc}), load {_load()} ...")
                 results.append(run_worker(side, mode, settings))
-                add_floor(results[-1], matmul["matmul_flops"])
+                add_floor(results[-1], rates[results[-1]["dtype"]]["matmul_flops"])
     ratios = comparisons(results)
-    notes = []
-    if random_weights:
+    notes = list(warnings)
+    if untrained:
         notes.append(f"{args.model} has random weights (seed {settings.seed}): the timings are valid, the rewards are not")
     if reward == "hash":
         notes.append("rewards are hashed from the completions' text (--reward hash), not the env's")
-    report = {"versions": versions(), "settings": asdict(settings), **matmul, "results": results, "tinkergym_over_trl": ratios, "notes": notes}
+    report = {"versions": versions(), "settings": asdict(settings), "machine": facts, "matmul": rates, **rates.get(settings.dtype, {}),
+              "results": results, "tinkergym_over_trl": ratios, "notes": notes}
     if not args.json:
-        print(f"device: {device}{' (' + matmul['gpu_name'] + ')' if 'gpu_name' in matmul else ''}; model: {args.model}; "
-              f"bfloat16 matmul rate {matmul['matmul_flops'] / 1e12:.3f} TFLOP/s (the floor's rate)")
+        print(f"device: {device}{' (' + facts['gpu_name'] + ')' if 'gpu_name' in facts else ''}; CPU: {describe(facts)}; model: {args.model}; "
+              + "; ".join(f"{d} matmul rate {r['matmul_flops'] / 1e12:.3f} TFLOP/s" for d, r in rates.items()) + " (the floor's rate of the sides in it)")
         print_table(results, ratios)
         for note in notes:
             print(f"note: {note}")
