@@ -3,24 +3,28 @@
     python benchmarks/decode_profile.py                      # LoRA, 8 prompts x 8 samples x 24 tokens, 3 timed calls
     python benchmarks/decode_profile.py --modes lora full --calls 5 --top 30
     python benchmarks/decode_profile.py --no-profile         # timings only (the profiler slows each op a little)
+    python benchmarks/decode_profile.py --quick --model tiny # 1 call of 4 tokens, no profile (a smoke test)
 
 The request is a GRPO step's sampling: the first ``--prompts`` observations of ``tinker/Bandit-v0`` (the env of
 ``grpo_step.py``, with its system prompt) rendered by SmolLM2-135M-Instruct's chat template, ``--group`` samples
 each, temperature 1, seeded. No row stops early (the stop id is outside the vocabulary), so every call decodes
 exactly ``--new-tokens`` steps and the calls are comparable. The backend is built as ``grpo_step.py`` builds it
-(``dtype="auto"``: bfloat16 where the CPU has native bfloat16; LoRA r=8 or full fine-tuning).
+(``--dtype auto``: bfloat16 where the CPU computes it natively, float32 where it is emulated; LoRA r=8 or full
+fine-tuning); a forced emulated precision prints a warning with its cost.
 
 Printed per mode: the median wall time of ``sample`` and its split into the shared-prefix prefill, the decode
 forward passes (timed by hooks on the sampling model) and the rest of each decode step (drawing the token,
 stop flags, the loop itself); then the FLOP floor of the call at the measured matmul rates, and with the
 profiler a table of the top ops by self CPU time plus the share of the call spent outside any op (Python,
-transformers' bookkeeping, the dispatcher). Matmul rates are measured in the same run: square bfloat16
-products (``bench_machine.matmul_rate``) and the decode's own shapes in bfloat16 and float32.
+transformers' bookkeeping, the dispatcher). Matmul rates are measured in the same run, in the call's precision:
+square products (``bench_machine.matmul_rate``, sized by time) and the decode's own shapes (about a second each).
+The CPU's kind (torch's capability, native bfloat16 or not) heads the output; the last line is the result as JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -42,38 +46,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--baseline", metavar="REV", help="also time backends/torch_sampling.py of git revision REV, calls alternating")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--lora-sampling", choices=("adapter", "merged"), default="adapter", help="LoRA's sampling: through the adapter or a merged copy")
-    return parser.parse_args(argv)
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="the backend's precision (auto: the fastest one the CPU computes natively)")
+    parser.add_argument("--quick", action="store_true", help="1 timed call of 4 tokens, no profile (a smoke test)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.calls, args.new_tokens, args.no_profile = 1, 4, True
+    return args
 
 
-def decode_matmul_rates(batch: int, hidden: int, intermediate: int, vocab: int) -> dict[str, float]:
-    """FLOP/s of the decode step's own linear shapes ([batch, in] x [in, out]) in bfloat16 and float32."""
+def decode_matmul_rate(batch: int, hidden: int, intermediate: int, vocab: int, dtype: str, seconds: float = 1.0) -> float:
+    """FLOP/s of the decode step's own linear shapes ([batch, in] x [in, out]) in ``dtype``: the best of 5 rounds of about
+    a fifth of ``seconds`` each (one pass over the shapes is timed first, so an emulated precision stays as short)."""
     import torch
 
-    out = {}
-    for dtype in (torch.bfloat16, torch.float32):
-        shapes = [(hidden, hidden), (hidden, intermediate), (intermediate, hidden), (hidden, vocab)]
-        xs = [torch.randn(batch, k).to(dtype) for k, _ in shapes]
-        ws = [torch.randn(n, k).to(dtype) for k, n in shapes]
-        flops = sum(2.0 * batch * k * n for k, n in shapes)
+    shapes = [(hidden, hidden), (hidden, intermediate), (intermediate, hidden), (hidden, vocab)]
+    xs = [torch.randn(batch, k).to(getattr(torch, dtype)) for k, _ in shapes]
+    ws = [torch.randn(n, k).to(getattr(torch, dtype)) for k, n in shapes]
+    flops = sum(2.0 * batch * k * n for k, n in shapes)
+
+    def one_pass() -> None:
         for x, w in zip(xs, ws):
             torch.nn.functional.linear(x, w)
-        best = 0.0
-        for _ in range(5):
-            start = time.perf_counter()
-            for _ in range(10):
-                for x, w in zip(xs, ws):
-                    torch.nn.functional.linear(x, w)
-            best = max(best, 10 * flops / (time.perf_counter() - start))
-        out[str(dtype).removeprefix("torch.")] = best
-    return out
+
+    one_pass()  # warm-up
+    start = time.perf_counter()
+    one_pass()
+    passes = min(max(1, int(seconds / 5 / max(time.perf_counter() - start, 1e-6))), 1000)
+    best = 0.0
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(passes):
+            one_pass()
+        best = max(best, passes * flops / (time.perf_counter() - start))
+    return best
 
 
-def build(mode: str, model: str, lora_sampling: str = "adapter") -> Any:
+def build(mode: str, model: str, lora_sampling: str = "adapter", dtype: str = "auto") -> Any:
     from tinkergym.backends.models import resolve_model
     from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
 
     rank = 8 if mode == "lora" else 0
-    return TorchBackend(TorchBackendConfig(model=resolve_model(model), lora_rank=rank, lora_alpha=16, lora_dropout=0.0, dtype="auto", device="cpu", seed=0,
+    return TorchBackend(TorchBackendConfig(model=resolve_model(model), lora_rank=rank, lora_alpha=16, lora_dropout=0.0, dtype=dtype, device="cpu", seed=0,
                                            lora_sampling=lora_sampling))
 
 
@@ -201,12 +215,12 @@ def compare(outputs: dict[str, Any]) -> str:
     return f"{len(same)}/{len(pairs)} sequences with the same ids as the baseline; largest logprob difference among them {diff:.2e}"
 
 
-def run_mode(mode: str, args: argparse.Namespace, rates: dict[str, float]) -> None:
+def run_mode(mode: str, args: argparse.Namespace, rates: dict[str, float]) -> dict[str, Any]:
     import torch
 
     from tinkergym.backends import torch_sampling
 
-    backend = build(mode, args.model, args.lora_sampling)
+    backend = build(mode, args.model, args.lora_sampling, args.dtype)
     req = request(backend, args)
     variants = {"current": torch_sampling}
     if args.baseline:
@@ -237,21 +251,33 @@ def run_mode(mode: str, args: argparse.Namespace, rates: dict[str, float]) -> No
               f"= {total_flops / rate:.3f} s  (current call {medians['current']['total'] * rate / total_flops:.1f}x)")
     if not args.no_profile:
         profile_call(backend, req, args.top)
+    return {"mode": mode, "dtype": str(backend.dtype).removeprefix("torch."), "attn_implementation": backend.attn_implementation,
+            "sequences": batch, "new_tokens": args.new_tokens, "flop_floor": total_flops, "median": medians, "calls": records}
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
 
+    from tinkergym.backends.models import resolve_model
+
     if args.threads:
         torch.set_num_threads(args.threads)
-    square = bench_machine.matmul_rate("cpu")["matmul_flops"]
-    shaped = decode_matmul_rates(args.prompts * args.group, 576, 1536, 49152)
-    print(f"matmul: square 4096 bfloat16 {square / 1e12:.2f} TFLOP/s; decode shapes (batch {args.prompts * args.group}) "
-          + ", ".join(f"{k} {v / 1e12:.2f} TFLOP/s" for k, v in shaped.items()))
-    rates = {"square-bf16": square, **{f"decode-{k}": v for k, v in shaped.items()}}
-    for mode in args.modes:
-        run_mode(mode, args, rates)
+    args.dtype = bench_machine.resolve_precision(args.dtype, "cpu")
+    facts = bench_machine.machine_facts("cpu")
+    warning = bench_machine.emulation_warning("the backend", args.dtype, "cpu")
+    if warning:
+        print(warning)
+    square = bench_machine.matmul_rate("cpu", args.dtype)
+    config = json.loads(open(f"{resolve_model(args.model)}/config.json").read())
+    shaped = decode_matmul_rate(args.prompts * args.group, config["hidden_size"], config["intermediate_size"], config["vocab_size"], args.dtype)
+    print(f"CPU: {bench_machine.describe(facts)}")
+    print(f"matmul in {args.dtype}: square {square['matmul_n']} {square['matmul_flops'] / 1e12:.2f} TFLOP/s; "
+          f"decode shapes (batch {args.prompts * args.group}) {shaped / 1e12:.2f} TFLOP/s")
+    rates = {"square": square["matmul_flops"], "decode-shapes": shaped}
+    modes = [run_mode(mode, args, rates) for mode in args.modes]
+    print(json.dumps({"machine": facts, "dtype": args.dtype, "matmul": {**square, "decode_shapes_flops": shaped}, "modes": modes,
+                      "notes": [warning] if warning else []}))
     sys.stdout.flush()
 
 

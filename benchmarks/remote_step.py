@@ -3,6 +3,7 @@
     python benchmarks/remote_step.py                          # tiny and smollm2-135m, LoRA, 1 warm-up + 3 timed steps
     python benchmarks/remote_step.py --models tiny --steps 10 --json
     python benchmarks/remote_step.py --models smollm2-135m --full
+    python benchmarks/remote_step.py --quick                  # the tiny model, 1 timed step (a smoke test)
 
 The step is ``benchmarks/grpo_step.py``'s: 8 prompts x 8 samples of at most 32 new tokens of ``tinker/Bandit-v0``,
 scored by the env, then one optimizer step (LoRA r=8, or every weight with ``--full``). Both sides run
@@ -25,6 +26,9 @@ request and response bodies per remote step and the number of HTTP requests, and
 summed duration of the Backend calls they ran, i.e. parsing, validation, encoding, thread hand-offs and
 waiting in the event loop), and ``serde_share`` = both over the remote step time. The tiny model's step is
 milliseconds of compute, so its ratio shows the protocol's fixed cost; SmolLM2's shows it on a real step.
+
+Both sides compute in ``--dtype`` (``auto``: the precision the CPU computes natively, as tinkergym's ``dtype="auto"``;
+a forced emulated one prints a warning with its cost); the CPU's kind is recorded with the results.
 
 The tiny model has random weights: its completions name no arm, so it is paid a number hashed from the
 completion's text (``grpo_step.py``'s ``--reward hash``), which makes every group train. SmolLM2 is paid the
@@ -49,7 +53,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable, Iterator
 
-from bench_machine import CpuShare, _load
+from bench_machine import CpuShare, _load, describe, emulation_warning, machine_facts, resolve_precision
 from grpo_step import BenchSettings, _timed, make_env, versions
 
 #: Metric keys that are timings (they differ between the sides by nature).
@@ -62,7 +66,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model_path: str, lora_rank: int, folder: Path, threads: int, lora_alpha: int, micro_batch_size: int) -> tuple[subprocess.Popen, str, str, Path]:
+def start_server(model_path: str, lora_rank: int, folder: Path, threads: int, lora_alpha: int, micro_batch_size: int,
+                 dtype: str = "auto") -> tuple[subprocess.Popen, str, str, Path]:
     """``tinkergym serve-backend`` on a free loopback port: (process, url, token, its JSON log file)."""
     token = secrets.token_urlsafe(32)
     token_file = folder / "token"
@@ -71,7 +76,7 @@ def start_server(model_path: str, lora_rank: int, folder: Path, threads: int, lo
     port = free_port()
     run_dir = folder / "server"
     model_args = ["--full"] if lora_rank == 0 else ["--lora-rank", str(lora_rank), "--lora-alpha", str(lora_alpha)]
-    model_args += ["--micro-batch-size", str(micro_batch_size)]
+    model_args += ["--micro-batch-size", str(micro_batch_size), "--dtype", dtype]
     command = [
         sys.executable, "-m", "tinkergym", "serve-backend", "--model", model_path, *model_args, "--device", "cpu", "--seed", "0",
         "--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file), "--run-dir", str(run_dir),
@@ -118,7 +123,8 @@ def remote_side(via: str, model: str, config: Any, scratch: Path, threads: int, 
     """
     if via == "direct":
         say(f"{model}: starting the training server ...")
-        process, url, token, log = start_server(config.model_path, config.lora_rank, scratch, threads, config.lora_alpha, config.micro_batch_size)
+        process, url, token, log = start_server(config.model_path, config.lora_rank, scratch, threads, config.lora_alpha, config.micro_batch_size,
+                                                config.dtype)
         from tinkergym.backends.remote import RemoteBackend
 
         remote = RemoteBackend(url, token, cache_dir=scratch / "cache")
@@ -206,14 +212,15 @@ def run_model(model: str, s: BenchSettings, lora_rank: int, say: Any, via: str =
     config = TrainConfig(
         env=s.env, env_kwargs=s.env_kwargs, model=model, lora_rank=lora_rank, batch_size=s.prompts, group_size=s.group_size,
         lr=s.lr, max_grad_norm=s.max_grad_norm, max_turns=1, max_new_tokens=s.max_new_tokens, temperature=s.temperature, seed=s.seed,
+        dtype=s.dtype,
     ).validate()
     server = SimpleNamespace(model_path=model_path, lora_rank=lora_rank, lora_alpha=config.lora_alpha, micro_batch_size=config.micro_batch_size,
-                             job_config=config.job_config())
+                             dtype=s.dtype, job_config=config.job_config())
     with tempfile.TemporaryDirectory(prefix="remote-step-") as scratch, \
             remote_side(via, model, server, Path(scratch), torch.get_num_threads(), say) as (remote, wire_of, log_of, setup):
         # The server's settings: the run's LoRA rank, alpha and micro-batch size, seed 0, on the CPU.
         local = TorchBackend(TorchBackendConfig(model=model_path, lora_rank=lora_rank, lora_alpha=config.lora_alpha,
-                                                micro_batch_size=config.micro_batch_size, device="cpu", seed=0))
+                                                micro_batch_size=config.micro_batch_size, device="cpu", seed=0, dtype=s.dtype))
         trainers, seconds = {}, {"local": {}, "remote": {}}
         for side, backend in (("local", local), ("remote", remote)):
             for name in ("sample", "forward_backward", "optim_step"):
@@ -268,6 +275,7 @@ def run_model(model: str, s: BenchSettings, lora_rank: int, say: Any, via: str =
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
+    print(f"CPU: {describe(results[0]['machine'])}" if results else "no results")
     print(f"{'model':<14} {'via':<10} {'mode':<5} {'dtype':<9} {'local s':>8} {'remote s':>9} {'ratio':>6} {'requests':>9} {'sent KiB':>9} "
           f"{'recv KiB':>9} {'client serde ms':>16} {'server overhead ms':>19} {'serde share':>12} {'same':>5} {'other':>6}")
     for r in results:
@@ -287,8 +295,13 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r=8")
     parser.add_argument("--via", choices=("direct", "scheduler", "both"), default="direct",
                         help="the remote side: a server started here, or a job of a scheduler whose worker starts it (both: one after the other)")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="precision of both sides (auto: the fastest one the CPU computes natively)")
+    parser.add_argument("--quick", action="store_true", help="the tiny model only, 1 timed step (a smoke test)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     args = parser.parse_args()
+    if args.quick:
+        args.models, args.steps = "tiny", 1
     if args.steps < 1:
         sys.exit("--steps must be at least 1")
 
@@ -296,12 +309,16 @@ def main() -> None:
         if not args.json:
             print(message, file=sys.stderr, flush=True)
 
+    dtype, facts = resolve_precision(args.dtype, "cpu"), machine_facts("cpu")
+    warning = emulation_warning("both sides", dtype, "cpu")
+    if warning:
+        say(warning)
     results = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
-        settings = BenchSettings(steps=args.steps, model=model)
+        settings = BenchSettings(steps=args.steps, model=model, dtype=dtype)
         for via in (("direct", "scheduler") if args.via == "both" else (args.via,)):
-            results.append(run_model(model, settings, 0 if args.full else settings.lora_rank, say, via))
-    report = {"versions": versions(), "results": results}
+            results.append({**run_model(model, settings, 0 if args.full else settings.lora_rank, say, via), "machine": facts})
+    report = {"versions": versions(), "machine": facts, "dtype": dtype, "results": results, "notes": [warning] if warning else []}
     if not args.json:
         print_table(results)
     print(json.dumps(report))

@@ -3,6 +3,7 @@
     python benchmarks/selfplay_throughput.py                          # SmolLM2-135M, 16 games of 7x7 Gomoku (4 in a row)
     python benchmarks/selfplay_throughput.py --model tiny --games 32  # the test-sized model
     python benchmarks/selfplay_throughput.py --temperature 1.0        # sampled moves (the two runs then play different games)
+    python benchmarks/selfplay_throughput.py --quick --model tiny     # 2 games of 2 moves a seat (a smoke test)
 
 The learner holds both seats of every ``tinker/GomokuDuel-v0`` game (pure self-play) and plays up to
 ``--max-turns`` moves per seat. ``batched`` plays all games through one :func:`tinkergym.games.play_games`
@@ -13,7 +14,9 @@ the same games (up to batch numerics: the table shows each run's moves). Columns
 seat (rejected ones included) per second; ``sample`` time inside ``sample``; ``env`` time inside the env's
 ``reset`` / ``step`` / ``observe``; ``env share`` env over wall; ``other`` the rest (rendering, decoding,
 bookkeeping); ``reused`` the share of prompt tokens the prefix cache supplied. The ratio lines are the batched run's
-moves per second over the other runs'.
+moves per second over the other runs'. The model runs in ``--dtype`` (``auto``: the precision the CPU computes
+natively, as tinkergym's ``dtype="auto"``; a forced emulated one prints a warning with its cost); the CPU's kind and
+the precision are printed first and recorded in the JSON line.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import json
 import time
 from typing import Any
 
+import bench_machine
 import tinkergym
 from tinkergym.chat import ChatTemplateRenderer
 from tinkergym.games import Game, ModelPlayer, play_games
@@ -104,13 +108,23 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (both runs play the same games)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                        help="the model's precision (auto: the fastest one the device computes natively)")
     parser.add_argument("--skip-no-cache", action="store_true", help="leave out the run without the prefix cache (the slowest)")
+    parser.add_argument("--quick", action="store_true", help="2 games of 2 moves a seat, without the no-cache run (a smoke test)")
     args = parser.parse_args()
+    if args.quick:
+        args.games, args.max_turns, args.skip_no_cache = 2, 2, True
     from tinkergym.backends.models import resolve_model
     from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
 
     backend = TorchBackend(TorchBackendConfig(model=resolve_model(args.model), dtype=args.dtype, seed=args.seed))
+    device = backend.device.type
+    facts, dtype = bench_machine.machine_facts(device), str(backend.dtype).removeprefix("torch.")
+    warning = bench_machine.emulation_warning("the model", dtype, device)
+    print(f"CPU: {bench_machine.describe(facts)}; device {device}, {dtype}")
+    if warning:
+        print(warning)
     renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
     run(backend, renderer, argparse.Namespace(**{**vars(args), "games": 2}), batched=True)  # warm-up
     rows = {"batched": run(backend, renderer, args, batched=True)}
@@ -124,7 +138,8 @@ def main() -> None:
     ratios = {name: rows["batched"]["moves_per_s"] / r["moves_per_s"] for name, r in rows.items() if name != "batched"}
     for name, ratio in ratios.items():
         print(f"batched / {name}: {ratio:.2f}x the moves per second")
-    print(json.dumps({"model": args.model, "games": args.games, "ratios": {k: round(v, 3) for k, v in ratios.items()},
+    print(json.dumps({"model": args.model, "games": args.games, "machine": facts, "dtype": dtype, "notes": [warning] if warning else [],
+                      "ratios": {k: round(v, 3) for k, v in ratios.items()},
                       **{k: {m: round(v, 4) for m, v in r.items()} for k, r in rows.items()}}))
 
 
