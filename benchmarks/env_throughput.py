@@ -78,7 +78,10 @@ def main() -> None:
     parser.add_argument("--kwargs", default="{}", help="JSON kwargs for the envs, e.g. '{\"size\": 7}'")
     parser.add_argument("--seconds", type=float, default=3.0, help="measuring time per env and mode")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of a table")
+    parser.add_argument("--quick", action="store_true", help="0.1 s per env and mode (a smoke test)")
     args = parser.parse_args()
+    if args.quick:
+        args.seconds = 0.1
     ids = args.env_ids or [s.id for s in tinkergym.list_envs()]
     print(f"{'env':<24} {'kwargs':<24} {'how':<9} {'steps':>8} {'total steps/s':>14} {'env steps/s':>12}")
     for env_id in ids:

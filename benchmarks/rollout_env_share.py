@@ -3,6 +3,7 @@
     python benchmarks/rollout_env_share.py                        # 64 episodes, 3 python calls each, remote-model pacing
     python benchmarks/rollout_env_share.py --model tiny           # the tiny model generates on this CPU instead
     python benchmarks/rollout_env_share.py --workers 1 4 8 32     # more pool sizes
+    python benchmarks/rollout_env_share.py --quick                # 4 episodes of 1 call (a smoke test)
 
 Every episode calls the ``python`` tool ``--calls`` times (each call starts a sandboxed subprocess), then
 answers. The answers are scripted: the code of each call evaluates the expression the math package's
@@ -169,7 +170,11 @@ def main() -> None:
     parser.add_argument("--model", default="none", help="TorchBackend model that generates on this machine, or 'none'")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--max-context", type=int, default=4096)
+    parser.add_argument("--quick", action="store_true", help="4 episodes of 1 call, pools of 1 and 4, no wait per sample (a smoke test)")
     args = parser.parse_args()
+    if args.quick:
+        args.episodes, args.calls, args.workers = 4, 1, [1, 4]
+        args.sample_seconds = 0.0 if args.sample_seconds is None else args.sample_seconds
     if args.sample_seconds is None:
         args.sample_seconds = 2.0 if args.model == "none" else 0.0
     backend = None

@@ -2,6 +2,7 @@
 
     python benchmarks/sandbox_latency.py                 # 40 calls of each, interleaved
     python benchmarks/sandbox_latency.py --calls 200 --code "print(sum(range(10**5)))"
+    python benchmarks/sandbox_latency.py --quick         # 2 calls of each (a smoke test)
 
 Three ways to run the same code, taken in turn call after call so that load on the machine hits them alike:
 
@@ -31,7 +32,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--calls", type=int, default=40, help="calls of each kind (default 40)")
     parser.add_argument("--code", default="print(sum(range(10)))", help="the code each call runs")
+    parser.add_argument("--quick", action="store_true", help="2 calls of each (a smoke test)")
     args = parser.parse_args()
+    if args.quick:
+        args.calls = 2
     python = find_python()
     kinds = {
         "bubblewrap": lambda: run_python(args.code),

@@ -2,6 +2,7 @@
 
     python benchmarks/scheduler_load.py                      # both databases, 16 clients, 3000 submissions each
     python benchmarks/scheduler_load.py --db sqlite --clients 32 --jobs 5000 --json
+    python benchmarks/scheduler_load.py --quick              # SQLite, 40 submissions (a smoke test)
 
 For each database this starts ``tinkergym scheduler serve`` as its own process on 127.0.0.1 (one uvicorn
 worker, its defaults otherwise; PostgreSQL is a private cluster from ``tinkergym.scheduler.devdb`` with
@@ -178,7 +179,10 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=3000, help="timed submissions per database")
     parser.add_argument("--warmup", type=int, default=200, help="untimed submissions first")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--quick", action="store_true", help="SQLite only, 4 clients, 40 submissions after 10 (a smoke test)")
     args = parser.parse_args()
+    if args.quick:
+        args.db, args.clients, args.jobs, args.warmup = "sqlite", 4, 40, 10
     results = []
     with tempfile.TemporaryDirectory(prefix="scheduler-load-") as folder:
         scratch = Path(folder)

@@ -1,0 +1,205 @@
+"""The benchmarks still run: each script's ``--quick`` path on the tiny model, and the precision each side runs in.
+
+Every benchmark runs each side at the fastest precision the device computes natively (tinkergym's
+``dtype="auto"``), measures its matmul rate in that precision, sized by time, and records the CPU's kind. A CPU
+without native bfloat16 is made here from this one with oneDNN's and ATen's instruction-set caps
+(``ONEDNN_MAX_CPU_ISA=AVX2`` turns native bfloat16 off: torch then computes bfloat16 matmuls in its emulated
+kernel, as on an AVX2-only CPU), so both paths run on any x86-64 machine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+import bench_machine  # noqa: E402
+
+#: An AVX2-only CPU, as far as torch's kernels can tell (see the module docstring).
+AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+x86_only = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the instruction-set caps are x86-64's")
+
+
+def run_benchmark(script: str, *args: str, env: dict[str, str] | None = None) -> tuple[dict[str, Any], str]:
+    """Run ``benchmarks/<script>`` in a fresh interpreter; its last JSON line and everything it printed."""
+    base = {k: v for k, v in os.environ.items() if k not in AVX2}
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          env={**base, **(env or {})}, cwd=BENCHMARKS.parent, timeout=900)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{script} {' '.join(args)} exited with {proc.returncode}:\n{output[-4000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, f"{script} printed no JSON result:\n{output[-4000:]}"
+    return json.loads(lines[-1]), output
+
+
+def native() -> str:
+    from tinkergym.backends.torch_setup import resolve_dtype
+
+    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+
+
+def check_machine(facts: dict[str, Any], capped: bool = False) -> None:
+    """The CPU's kind as recorded in a result: torch's capability, native bfloat16 or not, the caps in force."""
+    if capped:
+        assert facts["cpu_capability"] == "AVX2" and facts["cpu_native_bfloat16"] is False and facts["native_dtype"] == "float32"
+        assert facts["isa_caps"] == AVX2
+    else:
+        assert facts["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+        assert facts["native_dtype"] == native() and facts["cpu_native_bfloat16"] == (native() == "bfloat16")
+        assert facts["isa_caps"] == {}
+
+
+# ----- bench_machine -------------------------------------------------------------------------------
+@pytest.mark.parametrize(("rate", "expected"), [(0.9e9, 256), (137e9, 2048), (1e15, 4096)])
+def test_the_matmul_is_sized_by_time(rate: float, expected: int) -> None:
+    """At an emulated bfloat16 rate the product stays small; at a native rate it grows to the cap, not past it."""
+    timed: list[int] = []
+
+    def seconds_of(n: int) -> float:
+        timed.append(n)
+        return 2.0 * n**3 / rate
+
+    assert bench_machine.matmul_size(seconds_of, target_s=0.02, cap=4096) == expected
+    assert all(2.0 * n**3 / rate < 0.02 for n in timed[:-1])  # only the last size timed took the target or more
+
+
+def test_the_matmul_rate_is_measured_in_the_precision_asked() -> None:
+    result = bench_machine.matmul_rate("cpu", "float32", seconds=0.2)
+    assert result["matmul_dtype"] == "float32" and result["matmul_flops"] > 0
+    assert 128 <= result["matmul_n"] <= 4096 and result["matmul_n"] & (result["matmul_n"] - 1) == 0
+
+
+def test_a_forced_emulated_precision_names_its_cost() -> None:
+    warning = bench_machine.emulation_cost("trl", "bfloat16", "float32", rate=0.9e9, float32_rate=137e9)
+    assert warning is not None and "trl runs in bfloat16" in warning and "152x slower" in warning and "--dtype auto" in warning
+    assert bench_machine.emulation_cost("trl", "float32", "bfloat16", rate=137e9, float32_rate=137e9) is None
+    assert bench_machine.emulation_cost("trl", "bfloat16", "bfloat16", rate=0.9e9, float32_rate=137e9) is None
+    assert bench_machine.emulation_cost("trl", "bfloat16", "float32", rate=200e9, float32_rate=137e9) is None  # not slower: no cost
+
+
+def test_the_native_precision_is_tinkergyms_auto() -> None:
+    assert bench_machine.native_dtype("cpu") == native()
+    assert bench_machine.resolve_precision("auto", "cpu") == native() and bench_machine.resolve_precision("float32", "cpu") == "float32"
+    check_machine(bench_machine.machine_facts("cpu"))
+
+
+# ----- the GRPO step against TRL -------------------------------------------------------------------
+def check_grpo(report: dict[str, Any], precision: str, modes: tuple[str, ...], sides: tuple[str, ...] = ("tinkergym", "trl")) -> None:
+    results = {(r["side"], r["mode"]): r for r in report["results"]}
+    assert set(results) == {(side, mode) for side in sides for mode in modes}
+    for (side, _), r in results.items():
+        assert r["dtype"] == precision, (side, r["dtype"])
+        assert r["median"]["trained_sequences"] == 64  # hashed rewards: every group trains on both sides
+        assert r["x_floor"] > 0 and math.isfinite(r["floor_s"])
+        if side == "trl":
+            assert r["bf16_autocast"] == (precision == "bfloat16")
+            assert r["param_dtype"] == precision
+    assert report["matmul"][precision]["matmul_dtype"] == precision
+    if len(sides) == 2:
+        assert set(report["tinkergym_over_trl"]) == set(modes) and all(v > 0 for v in report["tinkergym_over_trl"].values())
+
+
+@pytest.mark.slow
+def test_grpo_step_quick_runs_both_sides_at_the_native_precision() -> None:
+    report, _ = run_benchmark("grpo_step.py", "--quick", "--model", "tiny", "--json")
+    check_machine(report["machine"])
+    check_grpo(report, native(), ("lora", "full"))
+    assert not any(note.startswith("warning:") for note in report["notes"])
+
+
+@x86_only
+@pytest.mark.slow
+def test_grpo_step_runs_trl_in_float32_where_bfloat16_is_emulated() -> None:
+    report, _ = run_benchmark("grpo_step.py", "--quick", "--model", "tiny", "--modes", "lora", "--json", env=AVX2)
+    check_machine(report["machine"], capped=True)
+    check_grpo(report, "float32", ("lora",))
+    assert set(report["matmul"]) == {"float32"}  # the emulated precision is never measured: nothing runs in it
+
+
+@x86_only
+@pytest.mark.slow
+def test_grpo_step_warns_when_a_side_is_forced_into_emulated_bfloat16() -> None:
+    report, output = run_benchmark("grpo_step.py", "--quick", "--model", "tiny", "--modes", "lora", "--only", "tinkergym",
+                                   "--dtype", "bfloat16", "--json", env=AVX2)
+    check_grpo(report, "bfloat16", ("lora",), sides=("tinkergym",))
+    warnings = [note for note in report["notes"] if note.startswith("warning:")]
+    assert len(warnings) == 1 and "tinkergym runs in bfloat16" in warnings[0] and "x slower" in warnings[0]
+    assert warnings[0] in output  # printed as it runs, not only recorded
+    assert report["matmul"]["bfloat16"]["matmul_flops"] < report["matmul"]["float32"]["matmul_flops"]
+
+
+# ----- the other benchmarks ------------------------------------------------------------------------
+@pytest.mark.slow
+def test_decode_profile_quick() -> None:
+    report, _ = run_benchmark("decode_profile.py", "--quick", "--model", "tiny")
+    check_machine(report["machine"])
+    assert report["dtype"] == native() and report["matmul"]["matmul_dtype"] == native()
+    (mode,) = report["modes"]
+    assert mode["mode"] == "lora" and mode["dtype"] == native() and mode["sequences"] == 64 and mode["median"]["current"]["total"] > 0
+
+
+@pytest.mark.parametrize("capped", [False, pytest.param(True, marks=x86_only)])
+def test_attention_cpu_quick(capped: bool) -> None:
+    report, _ = run_benchmark("attention_cpu.py", "--quick", env=AVX2 if capped else None)
+    check_machine(report["machine"], capped)
+    precision = "float32" if capped else native()
+    assert report["dtype"] == precision and report["matmul"]["matmul_dtype"] == precision
+    assert [r["shape"] for r in report["results"]] == ["train rows", "train prompt", "prefill", "prefill pad", "decode"]
+    assert all(r["sdpa_s"] > 0 and r["grouped_s"] > 0 for r in report["results"])
+
+
+@pytest.mark.slow
+def test_selfplay_throughput_quick() -> None:
+    report, _ = run_benchmark("selfplay_throughput.py", "--quick", "--model", "tiny")
+    check_machine(report["machine"])
+    assert report["dtype"] == native() and report["games"] == 2
+    assert report["batched"]["moves"] == report["one at a time"]["moves"] > 0
+
+
+@pytest.mark.slow
+def test_remote_step_quick() -> None:
+    report, _ = run_benchmark("remote_step.py", "--quick", "--json")
+    check_machine(report["machine"])
+    (result,) = report["results"]
+    assert result["model"] == "tiny" and result["dtype"] == native() == report["dtype"]
+    assert result["median"]["requests"] >= 3 and result["ratio"] > 0 and len(result["steps"]) == 2
+
+
+def test_env_throughput_quick() -> None:
+    import tinkergym
+
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "env_throughput.py"), "--quick", "--json"], capture_output=True, text=True,
+                          cwd=BENCHMARKS.parent, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert {r["env"] for r in rows} == {spec.id for spec in tinkergym.list_envs()}
+    assert all(r["steps"] > 0 for r in rows)
+
+
+def test_sandbox_latency_quick() -> None:
+    report, _ = run_benchmark("sandbox_latency.py", "--quick")
+    assert set(report) == {"bubblewrap", "rlimits", "bare"} and all(v["median_ms"] > 0 for v in report.values())
+
+
+def test_rollout_env_share_quick() -> None:
+    report, _ = run_benchmark("rollout_env_share.py", "--quick")
+    assert report["identical"] is True and [r["workers"] for r in report["rows"]] == [1, 4]
+    assert all(r["python_calls"] == 4 for r in report["rows"])  # 4 episodes x 1 sandboxed call, in both runs
+
+
+def test_scheduler_load_quick() -> None:
+    report, _ = run_benchmark("scheduler_load.py", "--quick", "--json")
+    (result,) = report["results"]
+    assert result["database"] == "sqlite" and result["failures"] == 0 and result["submissions"] == 40
+    assert result["jobs_in_db"] == result["expected_in_db"] == 50
