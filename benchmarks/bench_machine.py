@@ -158,11 +158,14 @@ def matmul_rate(device: str, dtype: str = "bfloat16", seconds: float = 1.0) -> d
             operands[n] = (torch.randn(n, n, device=device).to(torch_dtype), torch.randn(n, n, device=device).to(torch_dtype))
         a, b = operands[n]
         a @ b  # warm-up: library initialization, kernel choice
-        sync(device)
-        start = time.perf_counter()
-        a @ b
-        sync(device)
-        return time.perf_counter() - start
+        best = float("inf")
+        for _ in range(2):  # the faster of two: a stray stall would make the side too small
+            sync(device)
+            start = time.perf_counter()
+            a @ b
+            sync(device)
+            best = min(best, time.perf_counter() - start)
+        return best
 
     began = time.perf_counter()
     n = matmul_size(product, seconds / 50, cap=8192 if device == "cuda" else 4096)

@@ -30,13 +30,22 @@ group, so both sides train on all 64 sequences. (tinkergym leaves zero-advantage
 model solves next to nothing, tinkergym would skip most of the training pass and the comparison would
 measure that instead. The ``trained`` column shows how many sequences each side trained on.)
 
-Precision: both sides compute in bfloat16 (on a CPU without native bfloat16, tinkergym's ``auto`` picks
-float32; check the ``dtype`` field of the result). tinkergym (``dtype="auto"``) keeps the frozen LoRA
-base in bfloat16 and the adapter in float32; full fine-tuning keeps float32 weights under bfloat16 autocast.
-TRL runs with ``bf16=True`` (on a CPU and on a GPU) and the model loaded in ``--trl-dtype``. Its default,
-bfloat16, was TRL's fastest setting on a 2-core CPU (for full fine-tuning that means bfloat16 weights, cheaper
-than tinkergym's float32 ones; ``--trl-dtype auto`` loads float32 for full fine-tuning, the same layout as
-tinkergym's). TRL's gradients accumulate over micro-batches of ``--trl-micro-batch-size`` completions (default
+Precision: both sides compute in ``--dtype`` (default ``auto``: the fastest precision the device computes
+natively, what tinkergym's ``dtype="auto"`` decides: bfloat16 on a GPU and on a CPU with AVX512-BF16 or AMX,
+float32 on a CPU where bfloat16 is emulated, such as an AVX2-only one, where a bfloat16 matmul runs about 150x
+slower than a float32 one). In bfloat16, tinkergym keeps the frozen LoRA base in bfloat16 and the adapter in
+float32, and full fine-tuning keeps float32 weights under bfloat16 autocast; TRL runs with ``bf16=True`` and the
+model loaded in ``--trl-dtype`` (``auto``, the default: bfloat16, TRL's fastest setting on a 2-core CPU, which for
+full fine-tuning means bfloat16 weights, cheaper than tinkergym's float32 ones; ``tinkergym`` loads float32 for
+full fine-tuning, the same layout as tinkergym's). In float32, both sides hold float32 weights and TRL runs with
+``bf16=False``. A side forced into a precision the device does not compute natively (``--dtype bfloat16`` there,
+or ``--trl-dtype bfloat16`` under float32) prints a warning with the measured cost, and the result records
+each side's ``dtype`` (and TRL's ``param_dtype`` and ``bf16_autocast``). The CPU's kind is recorded too
+(``machine``: its model, ``torch.backends.cpu.get_cpu_capability()``, native bfloat16 or not, and any of
+``ONEDNN_MAX_CPU_ISA``, ``ATEN_CPU_CAPABILITY``, ``MKL_ENABLE_INSTRUCTIONS`` set to cap the instruction sets:
+``ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2`` makes an AVX-512 CPU compute as
+an AVX2-only one does, bfloat16 matmuls emulated included, to take that kind's figures on this one).
+TRL's gradients accumulate over micro-batches of ``--trl-micro-batch-size`` completions (default
 8, as tinkergym's ``micro_batch_size``, and faster on that CPU than one batch of 64) into one optimizer step.
 TRL (1.0 on) turns gradient checkpointing on by default, which recomputes every layer's forward pass during
 the backward pass to save activation memory; with this model's activations memory is no concern, so the
@@ -49,21 +58,23 @@ GPU flash_attention_2 where flash-attn imports, else sdpa; the result records ea
 What tinkergym does that TRL does not (both are part of what is measured): each group's prompt is prefilled
 once when sampling and run once in the training pass, the group's completions on top of its KV cache (so its
 ``micro_batch_size`` of 8 becomes a memory budget of 8 unshared sequences, into which several groups fit);
-sampling draws tokens by inverting the CDF rather than with ``torch.multinomial``; full fine-tuning samples
-from a bfloat16 copy of its float32 weights. TRL with LoRA on a CPU also meets a torch 2.13 slow path (a
+sampling draws tokens by inverting the CDF rather than with ``torch.multinomial``; full fine-tuning in bfloat16
+samples from a bfloat16 copy of its float32 weights (in float32 it samples from the weights themselves). TRL with LoRA on a CPU also meets a torch 2.13 slow path (a
 frozen output head applied to the non-contiguous last-position slice during prefill broadcasts the head's
 weight) that tinkergym avoids; that is part of TRL's time as a user would see it.
 
 Each side and mode runs in its own subprocess, one after the other, so they never share the cores or the
 GPU. The first step of each is a warm-up (one-off costs); the median of the next ``--steps`` steps is
 reported (on a GPU each step is timed between device synchronizations), with the sampling and training
-parts, two FLOP floors of the step at the device's bfloat16 matmul rate (every prompt run once per sample, and the shared-prefix floor: once per group), the process's peak RSS and, on a GPU,
+parts, two FLOP floors of the step at the device's matmul rate in the side's precision (every prompt run once per
+sample, and the shared-prefix floor: once per group), the process's peak RSS and, on a GPU,
 its peak allocated GPU memory, the cores other processes used during the timed steps (``other``: near 0 means
 the machine was ours) and the load average at their start and end. The matmul rate is measured at the start
-of every run, on the device used, in a subprocess of its own: the best of a few timed rounds of square
-bfloat16 products (4096 on a CPU, 8192 on a GPU). The project's 2-core CPU with AMX measured 0.8 to 2.0
-TFLOP/s depending on what else ran (the floor moves with it; compare ``x floor`` within one run), an H100
-about 800 TFLOP/s.
+of every run, on the device used, for each precision a side runs in, in a subprocess of its own: the best of 5
+rounds of square products, the side sized by time (doubled from 128 until one product takes about 20 ms, at most
+4096 on a CPU and 8192 on a GPU; about a second in all, whatever the precision's speed). The project's 2-core
+AVX-512 CPU measured 0.39-0.42 TFLOP/s in bfloat16 and 0.19 in float32 (the floor moves with what else ran;
+compare ``x floor`` within one run), an H100 about 800 TFLOP/s in bfloat16.
 """
 
 from __future__ import annotations
