@@ -32,14 +32,18 @@ class BodyLimit:
     """Refuse bodies over ``max_bytes`` with 413: by ``Content-Length`` before reading, and by counting streamed bytes.
 
     ``exempt(scope)``, when given, names the requests that pass unlimited (a route that streams large bodies
-    to disk under a limit of its own, such as the scheduler's artifact uploads).
+    to disk under a limit of its own, such as the scheduler's artifact uploads). ``answer(status, kind, message)``
+    builds the refusal of a declared length (default :func:`error_response`); a body that streams past the limit
+    raises :class:`BodyTooLarge`, which the app's exception handlers answer in the same shape.
     """
 
-    def __init__(self, app: Any, max_bytes: int, hint: str = "send a smaller request", exempt: Callable[[dict], bool] | None = None) -> None:
+    def __init__(self, app: Any, max_bytes: int, hint: str = "send a smaller request", exempt: Callable[[dict], bool] | None = None,
+                 answer: Callable[[int, str, str], Any] = error_response) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.hint = hint
         self.exempt = exempt
+        self.answer = answer
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or (self.exempt is not None and self.exempt(scope)):
@@ -47,7 +51,7 @@ class BodyLimit:
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             status = 413 if declared.isdigit() else 400
-            response = error_response(status, "body_too_large" if status == 413 else "invalid_request", self._message(declared))
+            response = self.answer(status, "body_too_large" if status == 413 else "invalid_request", self._message(declared))
             return await response(scope, receive, send)
         received = 0
 

@@ -125,10 +125,19 @@ def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_
 
 
 def _answer_errors_openai_style(app: Any, max_body_bytes: int) -> None:
-    """:class:`APIError`, invalid bodies (400, not FastAPI's 422) and oversized bodies (413) in OpenAI's error shape."""
+    """:class:`APIError`, invalid bodies (400, not FastAPI's 422) and oversized bodies (413) in OpenAI's error shape.
+
+    Bodies are bounded by the servers' shared :class:`~tinkergym.backends.asgi.BodyLimit`: by ``Content-Length``
+    before reading, and by counting the bytes of a body that streams in without one (chunked transfer).
+    """
     from fastapi import Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
+
+    from tinkergym.backends.asgi import BodyLimit, BodyTooLarge
+
+    def openai_error(status: int, kind: str, message: str) -> JSONResponse:
+        return JSONResponse(APIError(status, message).body(), status_code=status)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -141,12 +150,11 @@ def _answer_errors_openai_style(app: Any, max_body_bytes: int) -> None:
         message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(first.get("msg", "invalid request"))
         return JSONResponse(APIError(400, message, where).body(), status_code=400)
 
-    @app.middleware("http")
-    async def _bounded_body(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return JSONResponse(APIError(413, f"request bodies are limited to {max_body_bytes} bytes").body(), status_code=413)
-        return await call_next(request)
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
+        return openai_error(exc.status_code, "body_too_large", str(exc.detail))
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, hint="send fewer or shorter prompts per request", answer=openai_error)
 
 
 # ----- requests -> engine calls ----------------------------------------------------------------------------

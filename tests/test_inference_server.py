@@ -233,6 +233,22 @@ def test_bad_requests_are_400_in_openai_shape(setup, body, message) -> None:
     assert message in answer.json()["error"]["message"]
 
 
+def test_bodies_over_the_limit_are_413_declared_or_streamed(setup) -> None:
+    """A body over the limit is refused whether it declares its length or streams in chunks without one."""
+    from fastapi.testclient import TestClient
+
+    client = TestClient(create_inference_app(setup["engine"], token_digest(KEY), max_body_bytes=4096))
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    big = json.dumps({"model": "a", "prompt": list(range(1, 3000)), "max_tokens": 1}).encode()
+    declared = client.post("/v1/completions", headers=headers, content=big)
+    streamed = client.post("/v1/completions", headers=headers, content=iter([big[i : i + 1000] for i in range(0, len(big), 1000)]))
+    for answer in (streamed, declared):
+        assert answer.status_code == 413, answer.text
+        assert "at most 4,096 bytes" in answer.json()["error"]["message"] and answer.json()["error"]["code"] == 413
+    small = client.post("/v1/completions", headers=headers, content=json.dumps({"model": "a", "prompt": [5, 6], "max_tokens": 1}).encode())
+    assert small.status_code == 200, small.text
+
+
 class _TextOnly(BaseHTTPRequestHandler):
     """An OpenAI-shaped server whose completions carry text and no token ids."""
 
