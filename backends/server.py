@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from tinkergym.backends.asgi import BodyLimit, RequestLog, WireJSON, add_error_handlers, error_response
 from tinkergym.backends.server_calls import (
+    CallLimits,
     CallRecord,
     CallStore,
     CallWorker,
@@ -121,8 +122,10 @@ def _vocab_size(backend: Any) -> int | None:
 class TrainingService:
     """One backend, its run folder, the call store and the worker: what the routes of one app share."""
 
-    def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_results: int, max_sessions: int, keep_states: int = 0) -> None:
+    def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_results: int, max_sessions: int, keep_states: int = 0,
+                 limits: CallLimits = CallLimits()) -> None:
         self.backend = backend
+        self.limits = limits
         self.run_dir = run_dir
         self.logger = logger
         self.store = CallStore(keep=keep_results, max_sessions=max_sessions)
@@ -144,18 +147,18 @@ class TrainingService:
     def accept(self, body: CallBody) -> CallRecord:
         """Accept (and queue) a new call or find the kept one a retry names."""
         self.touch()
-        record, new = self.store.accept(body.session_id, body.seq, body.method, body.args, lambda: parse_call(body.method, body.args, self.vocab_size))
+        record, new = self.store.accept(body.session_id, body.seq, body.method, body.args, lambda: parse_call(body.method, body.args, self.vocab_size, self.limits))
         if new and not record.done:
             self.worker.submit(record)
         return record
 
     def info(self) -> dict[str, Any]:
-        """``backend.info()`` without local paths, plus the protocol version."""
+        """``backend.info()`` without local paths, plus the protocol version and the limits of one call."""
         info = {k: v for k, v in self.backend.info().items() if k not in LOCAL_PATH_KEYS}
         model = info.get("model")
         if isinstance(model, str) and (os.path.isabs(model) or os.path.exists(model)):
             info["model"] = Path(model).name
-        return {**info, "protocol": PROTOCOL_VERSION}
+        return {**info, "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()}
 
     def tokenizer_files(self) -> dict[str, str]:
         """The allowlisted tokenizer files of the model folder (read once)."""
@@ -291,6 +294,7 @@ def create_app(
     keep_results: int = 16,
     keep_states: int = 0,
     max_sessions: int = 64,
+    limits: CallLimits = CallLimits(),
 ) -> FastAPI:
     """A FastAPI app serving ``backend`` (any :class:`~tinkergym.backends.base.Backend`) over HTTP.
 
@@ -304,11 +308,12 @@ def create_app(
         keep_results: Calls kept per session for retries.
         max_sessions: Sessions kept (the least recently used is forgotten).
         keep_states: With a value > 0, each ``save_state`` deletes all but that many newest saved states.
+        limits: What one call may ask for (samples, new tokens, sequences, tokens); larger asks are refused with 400.
     """
     folder = Path(run_dir).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     log = logger or logging.getLogger("tinkergym.backends.server")
-    service = TrainingService(backend, folder, log, keep_results, max_sessions, keep_states)
+    service = TrainingService(backend, folder, log, keep_results, max_sessions, keep_states, limits)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

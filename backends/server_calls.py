@@ -188,6 +188,53 @@ def _check_token_ids(rows: list[list[int]], vocab_size: int | None, where: str) 
                 raise ConfigError(f"{where}[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})")
 
 
+@dataclass(frozen=True)
+class CallLimits:
+    """What one call may ask of the backend, checked from the request's numbers before anything is allocated.
+
+    ``num_samples``: completions per prompt; ``new_tokens``: a sample call's ``max_new_tokens``; ``sequences``: the
+    sequences a call holds (a sample call's prompts times ``num_samples``, a training or scoring call's rows);
+    ``tokens``: the tokens a call holds (a sample call's prompt and new tokens of every sequence it makes, a
+    training or scoring call's summed row lengths). Each is a ``serve-backend`` option, named in the refusal and
+    listed by ``GET /v1/info``.
+    """
+
+    num_samples: int = 4096
+    new_tokens: int = 1 << 20
+    sequences: int = 1 << 16
+    tokens: int = 1 << 27
+
+    #: The serve-backend option of each limit.
+    OPTIONS = {"num_samples": "--max-num-samples", "new_tokens": "--max-request-new-tokens", "sequences": "--max-request-sequences",
+               "tokens": "--max-request-tokens"}
+
+    def as_dict(self) -> dict[str, int]:
+        """The limits by name, as ``/v1/info`` lists them."""
+        return {"max_" + f.name: getattr(self, f.name) for f in fields(self)}
+
+    def check(self, name: str, value: int, where: str, what: str) -> None:
+        """Refuse ``value`` over the limit ``name`` with a :class:`ConfigError` that names the limit and its option."""
+        limit = getattr(self, name)
+        if value > limit:
+            raise ConfigError(f"{where}: {value:,} {what} is over this server's limit of {limit:,} ({self.OPTIONS[name]} on serve-backend; "
+                              f"GET /v1/info lists the limits): split the request into smaller calls")
+
+    def check_sample(self, request: SampleRequest) -> None:
+        """A sample request's samples per prompt, new tokens, sequences and held tokens."""
+        if request.num_samples < 1 or request.params.max_new_tokens < 0:
+            raise ConfigError("args.request: num_samples must be >= 1 and params.max_new_tokens >= 0")
+        self.check("num_samples", request.num_samples, "args.request.num_samples", "samples per prompt")
+        self.check("new_tokens", request.params.max_new_tokens, "args.request.params.max_new_tokens", "new tokens")
+        self.check("sequences", len(request.prompts) * request.num_samples, "args.request", "sequences (prompts x num_samples)")
+        held = request.num_samples * (sum(map(len, request.prompts)) + len(request.prompts) * request.params.max_new_tokens)
+        self.check("tokens", held, "args.request", "tokens (num_samples x (prompt tokens + max_new_tokens) over the prompts)")
+
+    def check_rows(self, rows: list[list[int]], where: str) -> None:
+        """A training or scoring call's rows and their summed length."""
+        self.check("sequences", len(rows), where, "sequences")
+        self.check("tokens", sum(map(len, rows)), where, "tokens")
+
+
 def _only(args: dict[str, Any], method: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
     unknown = set(args) - set(required) - set(optional)
     missing = [k for k in required if k not in args]
@@ -206,25 +253,27 @@ class ParsedCall:
     args: dict[str, Any]
 
 
-def parse_call(method: Any, args: Any, vocab_size: int | None = None) -> ParsedCall:
-    """Check a call's JSON ``args`` and build the backend's arguments; anything wrong is a :class:`ConfigError`."""
+def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: CallLimits = CallLimits()) -> ParsedCall:
+    """Check a call's JSON ``args`` and build the backend's arguments; anything wrong, or over ``limits``, is a
+    :class:`ConfigError`."""
     if not isinstance(args, dict):
         raise _json_type_error("args", "an object", args)
     if method == "sample":
         _only(args, method, ("request",))
         request = from_json(SampleRequest, args["request"], "args.request")
+        limits.check_sample(request)
         _check_token_ids(request.prompts, vocab_size, "args.request.prompts")
-        if request.num_samples < 1 or request.params.max_new_tokens < 0:
-            raise ConfigError("args.request: num_samples must be >= 1 and params.max_new_tokens >= 0")
         return ParsedCall(method, {"request": request})
     if method == "logprobs":
         _only(args, method, ("sequences",), ("temperature",))
         sequences = _checked(args["sequences"], list[list[int]], "args.sequences")
+        limits.check_rows(sequences, "args.sequences")
         _check_token_ids(sequences, vocab_size, "args.sequences")
         return ParsedCall(method, {"sequences": sequences, "temperature": _checked(args.get("temperature", 1.0), float, "args.temperature")})
     if method == "forward_backward":
         _only(args, method, ("request",))
         request = from_json(ForwardBackwardRequest, args["request"], "args.request")
+        limits.check_rows([d.tokens for d in request.data], "args.request.data")
         _check_token_ids([d.tokens for d in request.data], vocab_size, "args.request.data.tokens")
         return ParsedCall(method, {"request": request})
     if method == "optim_step":

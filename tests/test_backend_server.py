@@ -26,6 +26,7 @@ from click.testing import CliRunner  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from tinkergym.backends.server import create_app  # noqa: E402
+from tinkergym.backends.server_calls import CallLimits  # noqa: E402
 from tinkergym.backends.service_auth import token_digest  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.types import (  # noqa: E402
@@ -176,7 +177,7 @@ def test_no_route_fails_on_garbage_with_a_valid_token(tmp_path: Path) -> None:
 
 def test_info_has_no_local_paths(tmp_path: Path) -> None:
     info = serve(FakeBackend(), tmp_path).get("/v1/info", headers=AUTH).json()
-    assert info == {"model": "model", "step": 0, "protocol": 1}
+    assert info == {"model": "model", "step": 0, "protocol": 1, "limits": CallLimits().as_dict()}
 
 
 # ----- exact round trip, retries, sequence numbers --------------------------------------------------------
@@ -417,6 +418,70 @@ def test_bodies_over_the_limit_are_413(tmp_path: Path) -> None:
     streamed = client.http.post("/v1/call", headers=AUTH, content=iter([payload[i : i + 1000] for i in range(0, len(payload), 1000)]))
     assert streamed.status_code == 413
     assert client.post("forward_backward", fb_args(), seq=1).status_code == 200  # nothing was accepted
+
+
+SMALL = CallLimits(num_samples=8, new_tokens=200, sequences=32, tokens=1000)
+
+
+@pytest.mark.parametrize(("method", "args", "limit", "option"), [
+    ("sample", {"request": SampleRequest([[1, 2]], num_samples=10**9).to_dict()}, "limit of 8", "--max-num-samples"),
+    ("sample", {"request": SampleRequest([[1, 2]], SamplingParams(max_new_tokens=10**9)).to_dict()}, "limit of 200", "--max-request-new-tokens"),
+    ("sample", {"request": SampleRequest([[1, 2]] * 5, num_samples=8).to_dict()}, "limit of 32", "--max-request-sequences"),
+    ("sample", {"request": SampleRequest([[1] * 100] * 2, SamplingParams(max_new_tokens=64), num_samples=4).to_dict()}, "limit of 1,000",
+     "--max-request-tokens"),
+    ("forward_backward", {"request": ForwardBackwardRequest([Datum([1, 2], [0.0, 1.0])] * 33, LossSpec("cross_entropy")).to_dict()},
+     "limit of 32", "--max-request-sequences"),
+    ("forward_backward", fb_args([1] * 1001), "limit of 1,000", "--max-request-tokens"),
+    ("logprobs", {"sequences": [[1, 2]] * 33}, "limit of 32", "--max-request-sequences"),
+    ("logprobs", {"sequences": [[1] * 600, [2] * 401]}, "limit of 1,000", "--max-request-tokens"),
+])
+def test_calls_over_a_limit_are_refused_before_the_backend_sees_them(tmp_path: Path, method: str, args: dict, limit: str, option: str) -> None:
+    """Sizes a request can ask for are bounded from its numbers alone (num_samples=10**9 grew a server by gigabytes)."""
+    backend = FakeBackend()
+    client = Client(serve(backend, tmp_path, limits=SMALL))
+    refused = client.post(method, args)
+    assert refused.status_code == 400, refused.text
+    message = refused.json()["error"]["message"]
+    assert limit in message and option in message and "/v1/info" in message
+    assert backend.calls == []
+    assert client.post(method, args, seq=client.seq).json() == refused.json()  # a stored outcome: a retry gets the same answer
+    assert client.post("forward_backward", fb_args()).status_code == 200 and len(backend.calls) == 1
+
+
+def test_calls_within_the_limits_run_and_the_limits_are_listed(tmp_path: Path) -> None:
+    backend = FakeBackend()
+    http = serve(backend, tmp_path, limits=SMALL)
+    assert http.get("/v1/info", headers=AUTH).json()["limits"] == {
+        "max_num_samples": 8, "max_new_tokens": 200, "max_sequences": 32, "max_tokens": 1000}
+    client = Client(http)
+    assert client.post("forward_backward", {"request": ForwardBackwardRequest([Datum([1] * 500, [1.0] * 500)] * 2, LossSpec("cross_entropy")).to_dict()}).status_code == 200
+    assert [name for name, _ in backend.calls] == ["forward_backward"]
+
+
+def test_serve_backend_passes_its_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import secrets
+
+    from tinkergym.backends import server, torch_backend
+
+    class Built(Exception):
+        pass
+
+    def fake_create_app(backend: Any, **options: Any) -> None:
+        raise Built(options["limits"])
+
+    monkeypatch.setattr(torch_backend, "TorchBackend", lambda config: FakeBackend())
+    monkeypatch.setattr(server, "create_app", fake_create_app)
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe(32))
+    token.chmod(0o600)
+    args = ["serve-backend", "--model", "tiny", "--token-file", str(token), "--run-dir", str(tmp_path / "server")]
+    flags = ["--max-num-samples", "3", "--max-request-new-tokens", "5", "--max-request-sequences", "7", "--max-request-tokens", "11"]
+    built = CliRunner().invoke(main, args + flags).exception
+    assert isinstance(built, Built) and built.args[0] == CallLimits(num_samples=3, new_tokens=5, sequences=7, tokens=11)
+    default = CliRunner().invoke(main, args).exception
+    assert isinstance(default, Built) and default.args[0] == CallLimits()
+    refused = CliRunner().invoke(main, args + ["--max-num-samples", "0"])
+    assert refused.exit_code == 2 and "--max-num-samples" in refused.output
 
 
 # ----- the command ----------------------------------------------------------------------------------------

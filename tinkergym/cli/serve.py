@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 
+from tinkergym.backends.server_calls import CallLimits
 from tinkergym.cli.common import SEED, FiniteFloat, InputError, SafePath
 
 TOKEN_HINT = (
@@ -64,13 +65,23 @@ def request_logger(run_dir: Path) -> logging.Logger:
 @click.option("--lora-sampling", type=click.Choice(["adapter", "merged"]), default="adapter", show_default=True,
               help="How LoRA samples: through the adapter, or from a merged copy of the weights (faster on a CPU; see train --help).")
 @click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
+@click.option("--max-num-samples", type=click.IntRange(min=1), default=CallLimits.num_samples, show_default=True, help="Most completions per prompt in one sample call.")
+@click.option("--max-request-new-tokens", type=click.IntRange(min=1), default=CallLimits.new_tokens, show_default=True, help="Most max_new_tokens of one sample call.")
+@click.option("--max-request-sequences", type=click.IntRange(min=1), default=CallLimits.sequences, show_default=True,
+              help="Most sequences one call holds: a sample call's prompts x num_samples, a training or scoring call's rows.")
+@click.option("--max-request-tokens", type=click.IntRange(min=1), default=CallLimits.tokens, show_default=True,
+              help="Most tokens one call holds: prompt plus new tokens of every sequence a sample call makes, a training call's row lengths.")
 def serve_backend(
     model: str, lora_rank: int | None, full: bool, lora_alpha: float | None, lora_dropout: float, micro_batch_size: int,
     dtype: str, device: str, seed: int, host: str, port: int,
     token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int, idle_timeout: float | None, deterministic: bool,
     gradient_checkpointing: bool, prefix_cache_mb: float, lora_sampling: str, exit_with_parent: bool,
+    max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
 ) -> None:
     """Serve the Backend protocol over HTTP: sampling, gradients and optimizer steps for a remote trainer.
+
+    Every call is checked against the --max-* limits before anything is allocated (GET /v1/info lists them);
+    a call over one is refused with 400 naming it.
 
     \b
     Example:
@@ -100,7 +111,8 @@ def serve_backend(
                                 lora_sampling=lora_sampling, **lora)
     backend = TorchBackend(config)
     app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()),
-                     keep_states=keep_states)
+                     keep_states=keep_states, limits=CallLimits(num_samples=max_num_samples, new_tokens=max_request_new_tokens,
+                                                                sequences=max_request_sequences, tokens=max_request_tokens))
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     # Long polls hold requests open for up to 300 s: on Ctrl-C, do not wait for them.
     # Keep-alive well past the client's pauses between calls (rollouts, env steps), so its connection is reused.
