@@ -7,7 +7,9 @@ disk. Paths can never leave the job's folder:
 - a job id is ``job_<hex>`` and a checkpoint name one path component
   (:data:`tinkergym.scheduler.leases.CHECKPOINT_NAME`);
 - a relative file path is ``/``-separated components, none empty, ``.`` or ``..``, none holding a backslash,
-  a NUL or a control character, none starting with ``.`` (the store's own temporary and digest files do);
+  a NUL or a control character, none starting with ``.`` (the store's own temporary and digest files do), its
+  lengths counted in UTF-8 bytes (:func:`tinkergym.scheduler.artifact_paths.check_relpath`, which a worker
+  applies to what it restores too);
 - no symbolic link is followed: every existing component is checked with ``lstat``, files are opened with
   ``O_NOFOLLOW``, and the resolved path must still lie inside the job's folder.
 
@@ -43,22 +45,17 @@ from typing import Any, BinaryIO
 
 from sqlalchemy import delete, func, select
 from tinkergym.scheduler import states
+from tinkergym.scheduler.artifact_paths import MAX_COMPONENT_BYTES, MAX_PATH_BYTES, ArtifactPathError, check_relpath  # noqa: F401 - the store's rules
 from tinkergym.scheduler.db import checkpoints, jobs
 from tinkergym.scheduler.leases import CHECKPOINT_NAME
 
 #: A job id as :func:`tinkergym.scheduler.repository.new_job_id` makes them.
 JOB_ID = re.compile(r"^job_[0-9a-f]{1,36}$")
-MAX_PATH_CHARS = 1024
-MAX_COMPONENT_CHARS = 255
 _CHUNK = 1 << 20
 _DIGESTS = ".sha256"
 _TMP = ".tmp"
 #: Jobs one retention pass acts on at most, per kind of work (so lease sweeps are not held up).
 RETENTION_BATCH = 50
-
-
-class ArtifactPathError(ValueError):
-    """A job id, checkpoint name or file path that could leave the job's folder, or is not allowed (HTTP 400)."""
 
 
 class ArtifactTooLarge(Exception):
@@ -88,19 +85,6 @@ def check_name(name: str) -> str:
     if not isinstance(name, str) or not CHECKPOINT_NAME.match(name) or name in (".", ".."):
         raise ArtifactPathError(f"checkpoint name {str(name)[:100]!r}: one folder name of letters, digits, '.', '_' and '-'")
     return name
-
-
-def check_relpath(relpath: str) -> list[str]:
-    """The components of a relative file path, or :class:`ArtifactPathError` for anything that could escape or hide."""
-    if not isinstance(relpath, str) or not relpath or len(relpath) > MAX_PATH_CHARS:
-        raise ArtifactPathError(f"a file path of 1 to {MAX_PATH_CHARS} characters is needed")
-    if relpath.startswith("/") or "\\" in relpath or "\0" in relpath:
-        raise ArtifactPathError(f"file path {relpath[:100]!r}: relative, '/'-separated, no backslash or NUL")
-    parts = relpath.split("/")
-    for part in parts:
-        if part in ("", ".", "..") or part.startswith(".") or len(part) > MAX_COMPONENT_CHARS or not part.isprintable():
-            raise ArtifactPathError(f"file path {relpath[:100]!r}: no empty, '.', '..' or hidden component, no control characters")
-    return parts
 
 
 class ArtifactStore:

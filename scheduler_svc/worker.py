@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tinkergym.scheduler.artifact_paths import check_relpath
 from tinkergym.scheduler.job_servers import SERVING_KINDS, WorkerOptions, server_command  # noqa: F401 - public here too
 from tinkergym.scheduler.worker_client import WorkerClient
 
@@ -388,7 +389,8 @@ class JobRunner(threading.Thread):
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
             for entry in self.client.listing(self.job_id, self.epoch, name, checkpoint["job_id"]):
-                self.client.download(self.job_id, self.epoch, name, entry["path"], tmp.joinpath(*entry["path"].split("/")),
+                parts = check_relpath(entry["path"])  # the store's own rule: whatever is listed lands inside tmp
+                self.client.download(self.job_id, self.epoch, name, entry["path"], tmp.joinpath(*parts),
                                      int(entry["size"]), str(entry["sha256"]), checkpoint["job_id"])
             final = states / name
             shutil.rmtree(final, ignore_errors=True)

@@ -45,6 +45,11 @@ def test_relative_paths_are_checked() -> None:
     for bad in ("", "..", "a/../b", "/etc/passwd", "a//b", "./a", "a\\b", "a\x00b", ".hidden", "a/.tmp/b", "a\nb", "x" * 2000):
         with pytest.raises(ArtifactPathError):
             check_relpath(bad)
+    # Lengths in UTF-8 bytes, as file systems count them: 128 two-byte characters are 256 bytes, one too many.
+    assert check_relpath("é" * 127 + "a") == ["é" * 127 + "a"]
+    for bad in ("é" * 128, "é/" * 400 + "x", "a\ud800b", "ok/\udfff"):
+        with pytest.raises(ArtifactPathError):
+            check_relpath(bad)
 
 
 def test_upload_list_download_and_record(make_client, keys) -> None:

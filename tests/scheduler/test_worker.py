@@ -11,6 +11,7 @@ and the server stops; a second job is cancelled while running and its server is 
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import subprocess
@@ -359,6 +360,86 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
         owner.complete(continued, owner.show(continued)["lease_epoch"])
         wait_for("the device to be free", lambda: not worker.busy(), 15)
         assert allocations(db_url) == 0
+    finally:
+        worker.stop()
+        thread.join(30)
+        owner.close()
+        server.stop()
+
+
+class HostileListings:
+    """ASGI wrapper of the scheduler standing in for a hostile one (or whoever answers in its place): every file of a
+    worker's artifact listing is named ``../../../<path>``, and a download of such a name gets the real file."""
+
+    ESCAPE = "../../../"
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.on = app, False
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if not (self.on and scope["type"] == "http" and path.startswith("/v1/workers/") and "/artifacts/" in path):
+            return await self.app(scope, receive, send)
+        if "/" + self.ESCAPE in path:  # a download of a listed name: serve the real file
+            real = path.replace("/" + self.ESCAPE, "/")
+            return await self.app({**scope, "path": real, "raw_path": real.encode()}, receive, send)
+        start: dict[str, Any] = {}
+        body = bytearray()
+
+        async def rewrite(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                start.update(message)
+                return
+            body.extend(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            answer = bytes(body)
+            if start["status"] == 200:
+                listing = json.loads(answer)
+                for entry in listing.get("files", []):
+                    entry["path"] = self.ESCAPE + entry["path"]
+                answer = json.dumps(listing).encode()
+            headers = [(k, v) for k, v in start["headers"] if k.lower() != b"content-length"] + [(b"content-length", str(len(answer)).encode())]
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": answer})
+
+        await self.app(scope, receive, rewrite)
+
+
+def test_a_hostile_listing_cannot_place_files_outside_the_jobs_folder(db_url: str, keys: Any, tmp_path: Path) -> None:
+    """The worker restores only inside the job's folder, whatever the listing says: a name such as ``../../../state.json``
+    fails that job with the reason, before any download, and the worker goes on to the next job."""
+    import threading
+
+    from tinkergym.scheduler.worker import Worker, WorkerOptions
+    from tinkergym.scheduler.worker_client import WorkerClient
+
+    fake = tmp_path / "fake-python"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    fake.chmod(0o755)
+    hostile = HostileListings(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)))
+    server = ThreadServer(hostile)
+    owner = SchedulerClient(server.url, keys.new("acme", "read,write"))
+    options = WorkerOptions(name="fake", host="127.0.0.1", devices=[{"index": 0, "kind": "slot", "name": "s0"}], models=["tiny"],
+                            work_dir=tmp_path / "work", ports=(30000, 39999), heartbeat=0.3, poll=0.1, python=str(fake))
+    worker = Worker(WorkerClient(server.url, keys.new("acme", "worker")), options)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    try:
+        ended = owner.submit("train", {**CONFIG, "seed": 75})["id"]  # exits 75 after saving step_000002
+        wait_for("the first job to fail", lambda: in_state(owner, ended, "failed"), 60)
+        assert [c["name"] for c in owner.checkpoints(ended)] == ["step_000002"]
+        hostile.on = True
+        continued = owner.submit("train", {**CONFIG, "resume_job": ended})["id"]
+        failed = wait_for("the continuing job to fail", lambda: in_state(owner, continued, "failed"), 60)
+        assert "ArtifactPathError" in failed["error"] and "../../../" in failed["error"]
+        jobs = tmp_path / "work" / "jobs"  # the worker writes only into jobs/<job>/<epoch>/; ../../../ from a restore lands in jobs/<job>/
+        stray = [p for p in jobs.glob("*/*") if not p.is_dir()] + [p for p in (tmp_path / "work").rglob("state.json") if "states" not in p.parts]
+        assert stray == [], stray
+        hostile.on = False
+        after = owner.submit("train", {**CONFIG, "seed": 75})["id"]  # the worker is still there and takes the next job
+        wait_for("the next job to end", lambda: in_state(owner, after, "failed"), 60)
+        assert thread.is_alive()
     finally:
         worker.stop()
         thread.join(30)
