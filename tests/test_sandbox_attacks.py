@@ -323,3 +323,98 @@ def test_rlimits_opt_in_is_not_root_and_keeps_its_limits():
     assert int(nproc) <= 20
     if os.geteuid() == 0:
         assert int(uid) == NOBODY
+
+
+#: Raw system calls through libc (what an attacker does past Python's own guards), x86-64 numbers: each prints
+#: ``name result errno``. Arguments are valid where it matters, so that each call succeeds without the filter
+#: on a stock kernel (io_uring with a zeroed params block, userfaultfd in user mode only, a keyring lookup...).
+SYSCALL_ATTACKS = r'''
+import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+class iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+src, dst, params, pair = (ctypes.create_string_buffer(n) for n in (16, 16, 120, 8))
+local, remote = iovec(ctypes.cast(dst, ctypes.c_void_p), 16), iovec(ctypes.cast(src, ctypes.c_void_p), 16)
+attacks = {
+    "ptrace": (101, 0, 0, 0, 0),
+    "process_vm_readv": (310, os.getpid(), ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0),
+    "process_vm_writev": (311, os.getpid(), ctypes.addressof(local), 1, ctypes.addressof(remote), 1, 0),
+    "io_uring_setup": (425, 1, ctypes.addressof(params)),
+    "userfaultfd": (323, 1),
+    "bpf": (321, 0, 0, 0),
+    "perf_event_open": (298, 0, 0, -1, -1, 0),
+    "keyctl": (250, 0, -3, 0),
+    "add_key": (248, 0, 0, 0, 0, -3),
+    "socket_inet": (41, 2, 1, 0),
+    "socket_inet6": (41, 10, 2, 0),
+    "socket_vsock": (41, 40, 1, 0),
+    "socket_netlink": (41, 16, 3, 0),
+    "socket_packet": (41, 17, 3, 0),
+    "socketpair_inet": (53, 2, 1, 0, ctypes.addressof(pair)),
+    "socket_unix": (41, 1, 1, 0),
+}
+for name, (nr, *args) in attacks.items():
+    ctypes.set_errno(0)
+    result = libc.syscall(ctypes.c_long(nr), *(ctypes.c_long(a) for a in args))
+    print(name, result, ctypes.get_errno())
+'''
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the attack uses x86-64 system call numbers")
+def test_the_seccomp_filter_denies_what_code_has_no_use_for():
+    """ptrace, cross-process memory, io_uring, userfaultfd, bpf, perf events, the key store and every socket family but
+    AF_UNIX answer EPERM inside the sandbox; without the filter (the rlimits guard) most of them succeed here."""
+    import errno
+
+    result = run_python(SYSCALL_ATTACKS)
+    rows = {name: (int(value), int(err)) for name, value, err in (line.split() for line in result.output.splitlines())}
+    assert len(rows) == 16, result.output
+    for name, (value, err) in rows.items():
+        if name == "socket_unix":
+            assert value >= 0, result.output  # local sockets still work (multiprocessing, asyncio)
+        else:
+            assert (value, err) == (-1, errno.EPERM), (name, result.output)
+    status = run_python("print(open('/proc/self/status').read())").output
+    assert "Seccomp:\t2" in status  # a filter is in force (bubblewrap installs none of its own)
+    unfiltered = run_python(SYSCALL_ATTACKS, isolation="rlimits").output
+    allowed = [line.split()[0] for line in unfiltered.splitlines() if int(line.split()[1]) >= 0]
+    assert {"ptrace", "socket_inet", "socket_unix"} <= set(allowed), unfiltered  # the calls are real: they work unfiltered
+
+
+def test_system_calls_of_another_abi_end_the_process():
+    """A 32-bit system call (int 0x80) would pass a filter written for x86-64's numbers: it ends the process instead."""
+    if os.uname().machine != "x86_64":
+        pytest.skip("the attack is x86-64 machine code")
+    code = (
+        "import ctypes, mmap\n"
+        "# mov eax, 20 (getpid on i386); int 0x80; ret\n"
+        "blob = bytes([0xb8, 20, 0, 0, 0, 0xcd, 0x80, 0xc3])\n"
+        "page = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)\n"
+        "page.write(blob)\n"
+        "address = ctypes.addressof(ctypes.c_char.from_buffer(page))\n"
+        "print('before', flush=True)\n"
+        "print('after', ctypes.CFUNCTYPE(ctypes.c_int)(address)(), flush=True)\n"
+    )
+    import signal
+
+    if "after" not in run_python(code, isolation="rlimits").output:
+        pytest.skip("this kernel runs no 32-bit system calls (no IA-32 emulation): nothing to filter")
+    result = run_python(code)
+    assert "before" in result.output and "after" not in result.output, result.output
+    assert result.returncode == -signal.SIGSYS, result  # the filter's bad-ABI action
+
+
+def test_without_libseccomp_bindings_the_sandbox_refuses(monkeypatch):
+    from tinkergym import sandbox
+
+    def missing() -> bytes:
+        raise SandboxUnavailableError("the sandbox's seccomp filter needs libseccomp's Python bindings ... apt-get install bubblewrap python3-seccomp")
+
+    monkeypatch.setattr(sandbox, "seccomp_program", missing)
+    sandbox._bubblewrap_problem.cache_clear()
+    try:
+        result = run_python("print(1)")
+        assert result.output.startswith("Error:") and "python3-seccomp" in result.output and "1\n" not in result.output
+    finally:
+        sandbox._bubblewrap_problem.cache_clear()

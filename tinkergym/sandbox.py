@@ -19,7 +19,12 @@ Flatpak uses; Debian/Ubuntu package ``bubblewrap``):
 - the ``rlimits`` that bound each process (address space, CPU seconds, processes, file size, open files,
   no core dumps), a wall-clock ``timeout``, and output cut to ``max_output`` characters;
 - ``--die-with-parent``: when the sandbox's first process ends, the kernel ends every process in its PID
-  namespace, so nothing a call starts (a double-forked daemon included) outlives it.
+  namespace, so nothing a call starts (a double-forked daemon included) outlives it;
+- a seccomp filter (bubblewrap's ``--seccomp``, built by libseccomp's own Python bindings, Debian/Ubuntu
+  ``python3-seccomp``, Fedora ``python3-libseccomp``) that answers ``EPERM`` to the system calls code has no use
+  for and that widen the kernel's attack surface (:data:`DENIED_SYSCALLS`: ``ptrace``, cross-process memory
+  access, ``io_uring``, ``userfaultfd``, ``bpf``, ``perf_event_open``, the key store) and to ``socket`` and
+  ``socketpair`` of any family but ``AF_UNIX``; system calls of another ABI (32-bit, x32) end the process.
 
 The interpreter is the system's ``python3`` (tool code needs the standard library only); another one can
 be named (``python=``) when the sandbox's user can read it. A Python installed under ``/root`` (pyenv,
@@ -68,8 +73,8 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 SANDBOX_WORKDIR = "/tmp"
 
 _INSTALL_HINT = (
-    "Install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora/RHEL: dnf install bubblewrap; "
-    "Arch: pacman -S bubblewrap) and allow unprivileged user namespaces (sysctl "
+    "Install bubblewrap and libseccomp's Python bindings (Debian/Ubuntu: apt-get install bubblewrap python3-seccomp; "
+    "Fedora/RHEL: dnf install bubblewrap python3-libseccomp; Arch: pacman -S bubblewrap libseccomp) and allow unprivileged user namespaces (sysctl "
     "kernel.unprivileged_userns_clone=1 on older Debian kernels; on Ubuntu 24.04 and later an AppArmor profile "
     "for bwrap, or kernel.apparmor_restrict_unprivileged_userns=0; in Docker, run with --security-opt "
     "seccomp=unconfined or use a runtime that allows them). Or accept a weaker guard that is NOT a security "
@@ -274,11 +279,70 @@ def _interpreter_dirs(python: str) -> list[str]:
     return [os.path.dirname(os.path.dirname(python))]
 
 
+# ----- the seccomp filter -------------------------------------------------------------------------
+
+#: System calls the sandbox's seccomp filter answers with EPERM (``socket`` and ``socketpair`` too, for any family
+#: but ``AF_UNIX``).
+DENIED_SYSCALLS = (
+    "ptrace", "process_vm_readv", "process_vm_writev", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "userfaultfd", "bpf", "perf_event_open", "keyctl", "add_key", "request_key",
+)
+
+#: Builds the filter with libseccomp's bindings and writes its BPF program to standard output (run by an
+#: interpreter that has them: this one, or the system's ``python3`` with ``python3-seccomp``).
+_FILTER_SCRIPT = r"""
+import errno, socket, sys
+import seccomp
+denied = seccomp.ERRNO(errno.EPERM)
+f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)  # other ABIs than the native one: the default bad-arch action, kill
+for name in sys.argv[1:]:
+    f.add_rule(denied, name)
+for name in ("socket", "socketpair"):
+    f.add_rule(denied, name, seccomp.Arg(0, seccomp.NE, socket.AF_UNIX))
+sys.stdout.flush()
+f.export_bpf(sys.stdout)
+"""
+
+
+@lru_cache(maxsize=1)
+def seccomp_program() -> bytes:
+    """The sandbox's seccomp filter as a BPF program (built once per process).
+
+    Raises:
+        SandboxUnavailableError: no interpreter here has libseccomp's Python bindings (the message says how to
+            install them).
+    """
+    tried = []
+    for interpreter in dict.fromkeys([sys.executable, "/usr/bin/python3", shutil.which("python3") or "/usr/bin/python3"]):
+        try:
+            done = subprocess.run([interpreter, "-I", "-c", _FILTER_SCRIPT, *DENIED_SYSCALLS], capture_output=True, timeout=30)
+        except (OSError, subprocess.SubprocessError) as exc:
+            tried.append(f"{interpreter}: {exc}")
+            continue
+        if done.returncode == 0 and done.stdout and len(done.stdout) % 8 == 0:  # whole sock_filter instructions
+            return done.stdout
+        tried.append(f"{interpreter}: {(done.stderr.decode('utf-8', 'replace').strip().splitlines() or ['no program'])[-1]}")
+    raise SandboxUnavailableError(
+        "the sandbox's seccomp filter needs libseccomp's Python bindings, which no interpreter here has "
+        f"({'; '.join(tried)}). {_INSTALL_HINT}"
+    )
+
+
+def _program_fd(program: bytes) -> int:
+    """A pipe's read end holding ``program`` (for bubblewrap's ``--seccomp FD``); the caller closes it."""
+    read, write = os.pipe()
+    try:
+        os.write(write, program)  # a few hundred bytes: well within a pipe's buffer
+    finally:
+        os.close(write)
+    return read
+
+
 # ----- bubblewrap ---------------------------------------------------------------------------------
 
 
-def _bubblewrap_argv(bwrap: str, python: str, disk_mb: int) -> list[str]:
-    """The ``bwrap`` command line up to (not including) the interpreter."""
+def _bubblewrap_argv(bwrap: str, python: str, disk_mb: int, seccomp_fd: int) -> list[str]:
+    """The ``bwrap`` command line up to (not including) the interpreter; ``seccomp_fd`` holds the filter's program."""
     disk = str(disk_mb * 1024 * 1024)
     argv = [
         bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent", "--new-session",
@@ -299,6 +363,7 @@ def _bubblewrap_argv(bwrap: str, python: str, disk_mb: int) -> list[str]:
         "--size", disk, "--tmpfs", SANDBOX_WORKDIR,
         "--chdir", SANDBOX_WORKDIR,
         "--remount-ro", "/",
+        "--seccomp", str(seccomp_fd),
     ]
     return argv
 
@@ -308,14 +373,21 @@ def _bubblewrap_problem(bwrap: str | None, python: str, uid: int | None) -> str 
     """Why bubblewrap cannot run ``python`` here (``None`` if it can), found by starting it once."""
     if bwrap is None:
         return "the bubblewrap program (bwrap) was not found on PATH."
-    argv = _bubblewrap_argv(bwrap, python, 1) + [python, "-I", "-c", "print('ok')"]
+    try:
+        program = seccomp_program()
+    except SandboxUnavailableError as exc:
+        return str(exc)
+    fd = _program_fd(program)
+    argv = _bubblewrap_argv(bwrap, python, 1, fd) + [python, "-I", "-c", "print('ok')"]
     try:
         done = subprocess.run(
             argv, capture_output=True, timeout=30, env=_clean_environment(SANDBOX_WORKDIR), cwd="/",
-            user=uid, group=uid, extra_groups=[] if uid is not None else None,
+            user=uid, group=uid, extra_groups=[] if uid is not None else None, pass_fds=(fd,),
         )
     except (OSError, subprocess.SubprocessError) as exc:
         return f"bubblewrap could not be started ({exc})."
+    finally:
+        os.close(fd)
     if done.returncode != 0 or done.stdout.strip() != b"ok":
         detail = (done.stderr or done.stdout).decode("utf-8", "replace").strip().splitlines()
         who = "" if uid is None else f" as uid {uid}"
@@ -464,9 +536,14 @@ def run_python(
     limits = _limits(timeout, int(memory_mb), int(max_file_mb), int(max_processes))
     uid = _run_as()
     if isolation == "bubblewrap":
-        argv = _bubblewrap_argv(shutil.which("bwrap") or "bwrap", interpreter, int(disk_mb))
-        argv += _interpreter_argv(interpreter, network_namespace=False, limits=limits)
-        return _start(argv, payload, start, timeout, max_output, uid, cwd="/", workdir=SANDBOX_WORKDIR, exit_codes_of_signals=True)
+        fd = _program_fd(seccomp_program())  # built when check_sandbox probed bubblewrap
+        try:
+            argv = _bubblewrap_argv(shutil.which("bwrap") or "bwrap", interpreter, int(disk_mb), fd)
+            argv += _interpreter_argv(interpreter, network_namespace=False, limits=limits)
+            return _start(argv, payload, start, timeout, max_output, uid, cwd="/", workdir=SANDBOX_WORKDIR, exit_codes_of_signals=True,
+                          pass_fds=(fd,))
+        finally:
+            os.close(fd)
     workdir = tempfile.mkdtemp(prefix="tinkergym-sandbox-")
     try:
         if uid is not None:
@@ -483,13 +560,13 @@ def _interpreter_argv(interpreter: str, *, network_namespace: bool, limits: list
 
 
 def _start(argv: list[str], payload: bytes, start: float, timeout: float, max_output: int, uid: int | None, *,
-           cwd: str, workdir: str, exit_codes_of_signals: bool) -> SandboxResult:
+           cwd: str, workdir: str, exit_codes_of_signals: bool, pass_fds: tuple[int, ...] = ()) -> SandboxResult:
     """Start ``argv`` as ``uid`` in a new session, feed it the code and collect the result."""
     try:
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             cwd=cwd, env=_clean_environment(workdir), start_new_session=True, close_fds=True,
-            user=uid, group=uid, extra_groups=[] if uid is not None else None,
+            user=uid, group=uid, extra_groups=[] if uid is not None else None, pass_fds=pass_fds,
         )
     except OSError as exc:
         return _refused(f"could not start Python ({exc}).", start)
