@@ -10,6 +10,7 @@ and the server stops; a second job is cancelled while running and its server is 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -316,10 +317,10 @@ class FailArtifactReads:
         await self.app(scope, receive, send)
 
 
-def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys: Any, tmp_path: Path) -> None:
-    """The worker's handling of its servers, with a stand-in for serve-backend (no torch): a state it writes is uploaded and
-    recorded; exit code 75 fails the job saying how to resume; another code fails it with the log's tail; a job that
-    continues an ended one starts with that job's newest checkpoint restored."""
+@contextlib.contextmanager
+def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Path) -> Iterator[tuple[Any, SchedulerClient, Any, Any]]:
+    """A scheduler on 127.0.0.1 whose app ``wrap`` wraps, an owner's client, and a worker in a thread whose servers are
+    :data:`FAKE_SERVER`: ``(wrapped app, owner, worker, its thread)``, all stopped afterwards."""
     import threading
 
     from tinkergym.scheduler.worker import Worker, WorkerOptions
@@ -328,8 +329,8 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
     fake = tmp_path / "fake-python"
     fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
     fake.chmod(0o755)
-    flaky = FailArtifactReads(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)))
-    server = ThreadServer(flaky)
+    app = wrap(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)))
+    server = ThreadServer(app)
     owner = SchedulerClient(server.url, keys.new("acme", "read,write"))
     options = WorkerOptions(name="fake", host="127.0.0.1", devices=[{"index": 0, "kind": "slot", "name": "s0"}], models=["tiny"],
                             work_dir=tmp_path / "work", ports=(30000, 39999), heartbeat=0.3, poll=0.1, python=str(fake))
@@ -337,6 +338,19 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
+        yield app, owner, worker, thread
+    finally:
+        worker.stop()
+        thread.join(30)
+        owner.close()
+        server.stop()
+
+
+def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys: Any, tmp_path: Path) -> None:
+    """The worker's handling of its servers, with a stand-in for serve-backend (no torch): a state it writes is uploaded and
+    recorded; exit code 75 fails the job saying how to resume; another code fails it with the log's tail; a job that
+    continues an ended one starts with that job's newest checkpoint restored."""
+    with fake_worker(FailArtifactReads, db_url, keys, tmp_path) as (flaky, owner, worker, _):
         idle = owner.submit("train", {**CONFIG, "seed": 75})["id"]
         ended = wait_for("the idle job to fail", lambda: in_state(owner, idle, "failed"), 60)
         assert "tinkergym train --resume" in ended["error"] and "exit code 75" in ended["error"]
@@ -360,11 +374,6 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
         owner.complete(continued, owner.show(continued)["lease_epoch"])
         wait_for("the device to be free", lambda: not worker.busy(), 15)
         assert allocations(db_url) == 0
-    finally:
-        worker.stop()
-        thread.join(30)
-        owner.close()
-        server.stop()
 
 
 class HostileListings:
@@ -409,23 +418,7 @@ class HostileListings:
 def test_a_hostile_listing_cannot_place_files_outside_the_jobs_folder(db_url: str, keys: Any, tmp_path: Path) -> None:
     """The worker restores only inside the job's folder, whatever the listing says: a name such as ``../../../state.json``
     fails that job with the reason, before any download, and the worker goes on to the next job."""
-    import threading
-
-    from tinkergym.scheduler.worker import Worker, WorkerOptions
-    from tinkergym.scheduler.worker_client import WorkerClient
-
-    fake = tmp_path / "fake-python"
-    fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
-    fake.chmod(0o755)
-    hostile = HostileListings(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)))
-    server = ThreadServer(hostile)
-    owner = SchedulerClient(server.url, keys.new("acme", "read,write"))
-    options = WorkerOptions(name="fake", host="127.0.0.1", devices=[{"index": 0, "kind": "slot", "name": "s0"}], models=["tiny"],
-                            work_dir=tmp_path / "work", ports=(30000, 39999), heartbeat=0.3, poll=0.1, python=str(fake))
-    worker = Worker(WorkerClient(server.url, keys.new("acme", "worker")), options)
-    thread = threading.Thread(target=worker.run, daemon=True)
-    thread.start()
-    try:
+    with fake_worker(HostileListings, db_url, keys, tmp_path) as (hostile, owner, _, thread):
         ended = owner.submit("train", {**CONFIG, "seed": 75})["id"]  # exits 75 after saving step_000002
         wait_for("the first job to fail", lambda: in_state(owner, ended, "failed"), 60)
         assert [c["name"] for c in owner.checkpoints(ended)] == ["step_000002"]
@@ -440,8 +433,3 @@ def test_a_hostile_listing_cannot_place_files_outside_the_jobs_folder(db_url: st
         after = owner.submit("train", {**CONFIG, "seed": 75})["id"]  # the worker is still there and takes the next job
         wait_for("the next job to end", lambda: in_state(owner, after, "failed"), 60)
         assert thread.is_alive()
-    finally:
-        worker.stop()
-        thread.join(30)
-        owner.close()
-        server.stop()
