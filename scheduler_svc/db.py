@@ -42,6 +42,11 @@ from sqlalchemy.engine import Engine
 
 metadata = MetaData()
 
+#: The largest value an ``Integer`` column holds on every database (PostgreSQL's INTEGER is 32-bit signed): every
+#: integer a request may store (epochs, steps, sequence numbers) is bounded by it at the edge, so a larger one is
+#: answered 400, never a database error.
+MAX_INT = 2**31 - 1
+
 tenants = Table(
     "tenants", metadata,
     Column("id", String(64), primary_key=True),

@@ -42,7 +42,7 @@ from tinkergym.scheduler.artifacts import (
     check_name,
 )
 from tinkergym.scheduler.auth import Principal
-from tinkergym.scheduler.db import checkpoints
+from tinkergym.scheduler.db import MAX_INT, checkpoints
 from tinkergym.scheduler.repository import Conflict, JobStore, NotFound
 from tinkergym.scheduler.routes.jobs import WireModel
 
@@ -53,7 +53,7 @@ owner_router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 UPLOAD_PATH = re.compile(r"^/v1/workers/[^/]+/jobs/[^/]+/artifacts/[^/]+/.+$")
 _CHUNK = 1 << 20
 _BUFFER = 4 << 20
-EPOCH = Query(ge=1, le=2**31 - 1, description="the lease epoch this worker holds")
+EPOCH = Query(ge=1, le=MAX_INT, description="the lease epoch this worker holds")
 SOURCE = Query(None, max_length=40, description="read another job's recorded checkpoints: the job the leased job's config continues (resume_job)")
 
 

@@ -17,7 +17,7 @@ from sqlalchemy import delete
 from tinkergym.scheduler import leases, states
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.auth import Principal
-from tinkergym.scheduler.db import allocations
+from tinkergym.scheduler.db import MAX_INT, allocations
 from tinkergym.scheduler.repository import Conflict, JobStore
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -39,7 +39,7 @@ class Connection(BaseModel):
 class Complete(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    epoch: int = Field(ge=0, description="the lease epoch the client trained against (fences a completion from an older lease)")
+    epoch: int = Field(ge=0, le=MAX_INT, description="the lease epoch the client trained against (fences a completion from an older lease)")
 
 
 class Completed(BaseModel):

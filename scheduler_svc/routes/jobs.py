@@ -14,7 +14,7 @@ from sqlalchemy import and_, func, or_, select
 from tinkergym.scheduler import states
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.auth import Principal
-from tinkergym.scheduler.db import jobs
+from tinkergym.scheduler.db import MAX_INT, jobs
 from tinkergym.scheduler.idempotency import Refused
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.routes import in_writer_thread, respond_once
@@ -29,7 +29,7 @@ CLIENT_PATH_KEYS = ("out", "resume", "data", "config")
 #: What a job id looks like (``repository.new_job_id``); a cursor naming anything else was not made here.
 JOB_ID = re.compile(r"^job_[0-9a-f]{1,36}$")
 #: The largest event seq (``events.seq`` is a 32-bit integer on PostgreSQL): a larger cursor is a 400, not a 500.
-MAX_SEQ = 2**31 - 1
+MAX_SEQ = MAX_INT
 
 
 class WireModel(BaseModel):

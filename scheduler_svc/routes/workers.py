@@ -23,7 +23,7 @@ from sqlalchemy.exc import IntegrityError
 from tinkergym.scheduler import leases, states
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.auth import Principal
-from tinkergym.scheduler.db import workers
+from tinkergym.scheduler.db import MAX_INT, workers
 from tinkergym.scheduler.repository import JobStore
 from tinkergym.scheduler.routes import respond_once
 from tinkergym.scheduler.routes.jobs import MODEL_NAME, WireModel
@@ -114,7 +114,7 @@ class LeaseAnswer(WireModel):
 
 
 class Fenced(WireModel):
-    epoch: int = Field(ge=1, description="the lease epoch this worker holds")
+    epoch: int = Field(ge=1, le=MAX_INT, description="the lease epoch this worker holds")
 
 
 class HeartbeatAnswer(WireModel):
@@ -154,7 +154,7 @@ class EventAnswer(WireModel):
 
 
 class CheckpointReport(Fenced):
-    step: int = Field(ge=0)
+    step: int = Field(ge=0, le=MAX_INT)
     name: str = Field(pattern=leases.CHECKPOINT_NAME.pattern, description="one folder name inside the job's artifact folder")
 
 

@@ -239,3 +239,26 @@ def test_openapi_documents_the_worker_routes(env: Any) -> None:
                  "/v1/workers/{worker_id}/jobs/{job_id}/state", "/v1/workers/{worker_id}/jobs/{job_id}/events",
                  "/v1/workers/{worker_id}/jobs/{job_id}/checkpoints"):
         assert "post" in paths[path], path
+
+
+# ----- integers past the database's columns ---------------------------------------------------------------
+@pytest.mark.parametrize("value", [2**31, 2**63, 2**64 + 1])
+def test_integers_past_an_integer_column_are_400_on_every_route_that_stores_them(env: Any, value: int) -> None:
+    """An epoch or step beyond what an INTEGER column holds (2**63 gave a 500 on SQLite, anything over 2**31 - 1 on
+    PostgreSQL) is refused at the edge, and the lease and the job are untouched."""
+    w, job_id, lease = leased(env)
+    epoch = lease["epoch"]
+    answers = {
+        "heartbeat": w.heartbeat(job_id, value),
+        "state": w.state(job_id, value, "starting"),
+        "event": w.post(f"/jobs/{job_id}/events", {"epoch": value, "type": "log", "data": {"line": "x"}}),
+        "checkpoint epoch": w.post(f"/jobs/{job_id}/checkpoints", {"epoch": value, "step": 1, "name": "s1"}),
+        "checkpoint step": w.post(f"/jobs/{job_id}/checkpoints", {"epoch": epoch, "step": value, "name": "s1"}),
+        "artifact epoch": env.client.get(f"/v1/workers/{w.id}/jobs/{job_id}/checkpoints", params={"epoch": value}, headers=auth(env.worker)),
+        "complete": env.client.post(f"/v1/jobs/{job_id}/complete", json={"epoch": value}, headers=auth(env.user)),
+        "events after": env.client.get(f"/v1/jobs/{job_id}/events", params={"after": value}, headers=auth(env.user)),
+    }
+    for route, answer in answers.items():
+        assert answer.status_code == 400, (route, answer.status_code, answer.text)
+    assert w.heartbeat(job_id, epoch).status_code == 200
+    assert w.post(f"/jobs/{job_id}/checkpoints", {"epoch": epoch, "step": 2**31 - 1, "name": "s1"}).status_code == 200  # the largest fits
