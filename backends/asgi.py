@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import secrets
 import time
+import urllib.parse
 from typing import Any, Callable
 
 from fastapi.responses import JSONResponse
@@ -13,10 +15,93 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 
 class WireJSON(JSONResponse):
-    """JSON with floats as Python writes them (exact round trip), non-finite ones as ``NaN`` / ``Infinity``."""
+    """JSON with floats as Python writes them (exact round trip), non-finite ones as ``NaN`` / ``Infinity``.
+
+    Text that UTF-8 cannot carry (a lone UTF-16 surrogate, stored before :class:`StrictText` refused it) is sent as
+    a JSON escape instead, so whatever was stored can always be answered.
+    """
 
     def render(self, content: Any) -> bytes:
-        return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode("utf-8")
+        try:
+            return json.dumps(content, ensure_ascii=False, allow_nan=True, separators=(",", ":")).encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode("ascii")
+
+
+#: Characters no database column stores and no UTF-8 reply carries: NUL (PostgreSQL refuses it in text) and lone
+#: UTF-16 surrogates (which only a JSON escape such as ``\ud800`` can produce).
+UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
+
+
+def unstorable_text(value: Any, where: str) -> str | None:
+    """Where in ``value`` (JSON data: keys and string values, nested) a string holds a NUL or a lone surrogate, or None."""
+    stack = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, str):
+            if UNSTORABLE.search(item):
+                return at
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                if UNSTORABLE.search(key):
+                    return f"{at} (a key)"
+                stack.append((child, f"{at}.{key[:40]}"))
+        elif isinstance(item, list):
+            stack.extend((child, f"{at}[{i}]") for i, child in enumerate(item))
+    return None
+
+
+class StrictText:
+    """Refuse, with 400, text that could be stored but not answered: a NUL or a lone surrogate in the path, the query
+    or any string of a JSON body (keys included), before any route sees it.
+
+    JSON bodies are read whole (bounded by :class:`BodyLimit`, which must be added after this, outside it) and replayed
+    to the app; only a body with a backslash-u escape is parsed, the only way such characters reach JSON text. Bodies of
+    another content type, and requests ``exempt(scope)`` names, pass as they are.
+    """
+
+    def __init__(self, app: Any, exempt: Callable[[dict], bool] | None = None) -> None:
+        self.app = app
+        self.exempt = exempt
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or (self.exempt is not None and self.exempt(scope)):
+            return await self.app(scope, receive, send)
+        query = urllib.parse.unquote(scope.get("query_string", b"").decode("latin-1"), errors="replace")
+        problem = next((at for text, at in ((scope["path"], "the path"), (query, "the query string")) if UNSTORABLE.search(text)), None)
+        content_type = dict(scope["headers"]).get(b"content-type", b"application/json")
+        body = b""
+        if problem is None and b"json" in content_type:
+            chunks, more = [], True
+            try:
+                while more:
+                    message = await receive()
+                    if message["type"] != "http.request":
+                        return
+                    chunks.append(message.get("body", b""))
+                    more = message.get("more_body", False)
+            except BodyTooLarge as exc:  # raised by BodyLimit, outside the app's own handlers
+                return await error_response(exc.status_code, "body_too_large", str(exc.detail))(scope, receive, send)
+            body = b"".join(chunks)
+            if b"\\u" in body:
+                try:
+                    problem = unstorable_text(json.loads(body), "the body")
+                except ValueError:
+                    pass  # not JSON: the route answers that
+            replayed, upstream = False, receive
+
+            async def replay() -> dict:
+                nonlocal replayed
+                if replayed:
+                    return await upstream()  # http.disconnect, when the client goes
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            receive = replay
+        if problem is not None:
+            message = f"{problem} holds a NUL character or a lone UTF-16 surrogate, which cannot be stored: send valid Unicode text"
+            return await error_response(400, "invalid_request", message)(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def error_response(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> WireJSON:

@@ -21,7 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import text
 
-from tinkergym.backends.asgi import BodyLimit, RequestLog, WireJSON, add_error_handlers, error_response
+from tinkergym.backends.asgi import BodyLimit, RequestLog, StrictText, WireJSON, add_error_handlers, error_response
 from tinkergym.scheduler.auth import KeyLookup, Principal
 from tinkergym.scheduler.db import make_engine, reader, upgrade
 from tinkergym.scheduler.repository import Conflict, JobStore, NotFound, now
@@ -230,7 +230,9 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.include_router(artifact_routes.worker_router)
     app.include_router(artifact_routes.owner_router)
     _add_error_handlers(app, log)
-    # Added innermost first: the log sees every request, the key is checked before the body is read.
+    # Added innermost first: the log sees every request, the key is checked before the body is read, the body's size
+    # before its text.
+    app.add_middleware(StrictText, exempt=artifact_routes.is_upload)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, hint="send a smaller request", exempt=artifact_routes.is_upload)
     app.add_middleware(ApiKeyAuth, engine=engine)
     app.add_middleware(RequestLog, logger=log)

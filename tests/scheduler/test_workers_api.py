@@ -262,3 +262,16 @@ def test_integers_past_an_integer_column_are_400_on_every_route_that_stores_them
         assert answer.status_code == 400, (route, answer.status_code, answer.text)
     assert w.heartbeat(job_id, epoch).status_code == 200
     assert w.post(f"/jobs/{job_id}/checkpoints", {"epoch": epoch, "step": 2**31 - 1, "name": "s1"}).status_code == 200  # the largest fits
+
+
+def test_an_event_with_unstorable_text_is_400_and_the_event_list_still_answers(env: Any) -> None:
+    import json
+
+    w, job_id, lease = leased(env)
+    for text in ("\ud800", "a\x00b"):
+        body = json.dumps({"epoch": lease["epoch"], "type": "log", "data": {"line": text}}).encode()
+        answer = env.client.post(f"/v1/workers/{w.id}/jobs/{job_id}/events", content=body,
+                                 headers={**auth(env.worker), "Content-Type": "application/json"})
+        assert answer.status_code == 400, answer.text
+    assert env.client.get(f"/v1/jobs/{job_id}/events", headers=auth(env.user)).status_code == 200
+    assert w.heartbeat(job_id, lease["epoch"]).status_code == 200  # the lease is untouched
