@@ -503,10 +503,10 @@ class Worker:
                 except SchedulerError as exc:
                     if exc.status == 404:  # the scheduler does not know this worker (a new database): register again
                         self._try(self.register)
-                    elif exc.input_error:
+                    elif exc.status in (401, 403):  # the key: nothing this worker can do but stop
                         log.error("the scheduler refused this worker: %s", exc)
                         return 2
-                    else:
+                    else:  # one lease's answer (a 4xx of a job, the scheduler away) never ends the worker
                         log.warning("no lease: %s", exc)
                     delay = min(delay * 2, 30.0)
             if granted is not None:

@@ -433,3 +433,28 @@ def test_a_hostile_listing_cannot_place_files_outside_the_jobs_folder(db_url: st
         after = owner.submit("train", {**CONFIG, "seed": 75})["id"]  # the worker is still there and takes the next job
         wait_for("the next job to end", lambda: in_state(owner, after, "failed"), 60)
         assert thread.is_alive()
+
+
+class RefuseLeases:
+    """ASGI wrapper of the scheduler: the next ``count`` lease requests of workers answer 400 (one job's bad answer)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app, self.count, self.refused = app, 0, 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and self.count > 0 and scope.get("path", "").endswith("/lease"):
+            self.count -= 1
+            self.refused += 1
+            await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"error": {"type": "invalid_request", "message": "this lease cannot be answered"}}'})
+            return
+        await self.app(scope, receive, send)
+
+
+def test_a_4xx_answer_to_a_lease_request_never_ends_the_worker(db_url: str, keys: Any, tmp_path: Path) -> None:
+    """Only a refused key (401/403) stops a worker: a 400 for one lease is logged, and the worker asks again and runs the job."""
+    with fake_worker(RefuseLeases, db_url, keys, tmp_path) as (refusing, owner, _, thread):
+        refusing.count = 3
+        job = owner.submit("train", {**CONFIG, "seed": 75})["id"]
+        wait_for("the job to run and end", lambda: in_state(owner, job, "failed"), 60)  # the stand-in server exits 75
+        assert refusing.refused == 3 and thread.is_alive()
