@@ -22,7 +22,7 @@ Flatpak uses; Debian/Ubuntu package ``bubblewrap``):
   namespace, so nothing a call starts (a double-forked daemon included) outlives it;
 - a seccomp filter (bubblewrap's ``--seccomp``, built by libseccomp's own Python bindings, Debian/Ubuntu
   ``python3-seccomp``, Fedora ``python3-libseccomp``) that answers ``EPERM`` to the system calls code has no use
-  for and that widen the kernel's attack surface (:data:`DENIED_SYSCALLS`: ``ptrace``, cross-process memory
+  for and that widen the kernel's attack surface (:data:`~tinkergym.sandbox_filter.DENIED_SYSCALLS`: ``ptrace``, cross-process memory
   access, ``io_uring``, ``userfaultfd``, ``bpf``, ``perf_event_open``, the key store) and to ``socket`` and
   ``socketpair`` of any family but ``AF_UNIX``; system calls of another ABI (32-bit, x32) end the process.
 
@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from tinkergym.errors import ConfigError, SandboxUnavailableError
+from tinkergym.sandbox_filter import DENIED_SYSCALLS, program_fd, seccomp_program  # noqa: F401 - DENIED_SYSCALLS: public here too
 
 #: Longest code accepted, in UTF-8 bytes (it is sent through a pipe before the child starts reading).
 MAX_CODE_BYTES = 60_000
@@ -279,65 +280,6 @@ def _interpreter_dirs(python: str) -> list[str]:
     return [os.path.dirname(os.path.dirname(python))]
 
 
-# ----- the seccomp filter -------------------------------------------------------------------------
-
-#: System calls the sandbox's seccomp filter answers with EPERM (``socket`` and ``socketpair`` too, for any family
-#: but ``AF_UNIX``).
-DENIED_SYSCALLS = (
-    "ptrace", "process_vm_readv", "process_vm_writev", "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "userfaultfd", "bpf", "perf_event_open", "keyctl", "add_key", "request_key",
-)
-
-#: Builds the filter with libseccomp's bindings and writes its BPF program to standard output (run by an
-#: interpreter that has them: this one, or the system's ``python3`` with ``python3-seccomp``).
-_FILTER_SCRIPT = r"""
-import errno, socket, sys
-import seccomp
-denied = seccomp.ERRNO(errno.EPERM)
-f = seccomp.SyscallFilter(defaction=seccomp.ALLOW)  # other ABIs than the native one: the default bad-arch action, kill
-for name in sys.argv[1:]:
-    f.add_rule(denied, name)
-for name in ("socket", "socketpair"):
-    f.add_rule(denied, name, seccomp.Arg(0, seccomp.NE, socket.AF_UNIX))
-sys.stdout.flush()
-f.export_bpf(sys.stdout)
-"""
-
-
-@lru_cache(maxsize=1)
-def seccomp_program() -> bytes:
-    """The sandbox's seccomp filter as a BPF program (built once per process).
-
-    Raises:
-        SandboxUnavailableError: no interpreter here has libseccomp's Python bindings (the message says how to
-            install them).
-    """
-    tried = []
-    for interpreter in dict.fromkeys([sys.executable, "/usr/bin/python3", shutil.which("python3") or "/usr/bin/python3"]):
-        try:
-            done = subprocess.run([interpreter, "-I", "-c", _FILTER_SCRIPT, *DENIED_SYSCALLS], capture_output=True, timeout=30)
-        except (OSError, subprocess.SubprocessError) as exc:
-            tried.append(f"{interpreter}: {exc}")
-            continue
-        if done.returncode == 0 and done.stdout and len(done.stdout) % 8 == 0:  # whole sock_filter instructions
-            return done.stdout
-        tried.append(f"{interpreter}: {(done.stderr.decode('utf-8', 'replace').strip().splitlines() or ['no program'])[-1]}")
-    raise SandboxUnavailableError(
-        "the sandbox's seccomp filter needs libseccomp's Python bindings, which no interpreter here has "
-        f"({'; '.join(tried)}). {_INSTALL_HINT}"
-    )
-
-
-def _program_fd(program: bytes) -> int:
-    """A pipe's read end holding ``program`` (for bubblewrap's ``--seccomp FD``); the caller closes it."""
-    read, write = os.pipe()
-    try:
-        os.write(write, program)  # a few hundred bytes: well within a pipe's buffer
-    finally:
-        os.close(write)
-    return read
-
-
 # ----- bubblewrap ---------------------------------------------------------------------------------
 
 
@@ -377,7 +319,7 @@ def _bubblewrap_problem(bwrap: str | None, python: str, uid: int | None) -> str 
         program = seccomp_program()
     except SandboxUnavailableError as exc:
         return str(exc)
-    fd = _program_fd(program)
+    fd = program_fd(program)
     argv = _bubblewrap_argv(bwrap, python, 1, fd) + [python, "-I", "-c", "print('ok')"]
     try:
         done = subprocess.run(
@@ -536,7 +478,7 @@ def run_python(
     limits = _limits(timeout, int(memory_mb), int(max_file_mb), int(max_processes))
     uid = _run_as()
     if isolation == "bubblewrap":
-        fd = _program_fd(seccomp_program())  # built when check_sandbox probed bubblewrap
+        fd = program_fd(seccomp_program())  # built when check_sandbox probed bubblewrap
         try:
             argv = _bubblewrap_argv(shutil.which("bwrap") or "bwrap", interpreter, int(disk_mb), fd)
             argv += _interpreter_argv(interpreter, network_namespace=False, limits=limits)
