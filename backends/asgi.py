@@ -70,7 +70,6 @@ class StrictText:
         query = urllib.parse.unquote(scope.get("query_string", b"").decode("latin-1"), errors="replace")
         problem = next((at for text, at in ((scope["path"], "the path"), (query, "the query string")) if UNSTORABLE.search(text)), None)
         content_type = dict(scope["headers"]).get(b"content-type", b"application/json")
-        body = b""
         if problem is None and b"json" in content_type:
             chunks, more = [], True
             try:

@@ -274,8 +274,8 @@ def run_model(model: str, s: BenchSettings, lora_rank: int, say: Any, via: str =
     }
 
 
-def print_table(results: list[dict[str, Any]]) -> None:
-    print(f"CPU: {describe(results[0]['machine'])}" if results else "no results")
+def print_table(results: list[dict[str, Any]], facts: dict[str, Any]) -> None:
+    print(f"CPU: {describe(facts)}")
     print(f"{'model':<14} {'via':<10} {'mode':<5} {'dtype':<9} {'local s':>8} {'remote s':>9} {'ratio':>6} {'requests':>9} {'sent KiB':>9} "
           f"{'recv KiB':>9} {'client serde ms':>16} {'server overhead ms':>19} {'serde share':>12} {'same':>5} {'other':>6}")
     for r in results:
@@ -317,10 +317,10 @@ def main() -> None:
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         settings = BenchSettings(steps=args.steps, model=model, dtype=dtype)
         for via in (("direct", "scheduler") if args.via == "both" else (args.via,)):
-            results.append({**run_model(model, settings, 0 if args.full else settings.lora_rank, say, via), "machine": facts})
+            results.append(run_model(model, settings, 0 if args.full else settings.lora_rank, say, via))
     report = {"versions": versions(), "machine": facts, "dtype": dtype, "results": results, "notes": [warning] if warning else []}
     if not args.json:
-        print_table(results)
+        print_table(results, facts)
     print(json.dumps(report))
 
 

@@ -300,21 +300,32 @@ time.sleep(3600)
 '''
 
 
-class FailArtifactReads:
-    """ASGI wrapper of the scheduler: the next ``count`` artifact reads of workers answer 500 (the scheduler failing a while)."""
+class CannedErrors:
+    """ASGI wrapper of the scheduler: the next ``count`` requests that ``matches(path)`` are answered ``status`` with
+    ``message`` instead (``answered`` counts them): the scheduler failing a while, or one answer a worker cannot use."""
 
-    def __init__(self, app: Any) -> None:
-        self.app, self.count, self.failed = app, 0, 0
+    def __init__(self, app: Any, status: int, message: str, matches: Callable[[str], bool]) -> None:
+        self.app, self.status, self.matches, self.count, self.answered = app, status, matches, 0, 0
+        self.body = json.dumps({"error": {"type": "invalid_request" if status < 500 else "internal", "message": message}}).encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        path = scope.get("path", "")
-        if scope["type"] == "http" and self.count > 0 and path.startswith("/v1/workers/") and "/artifacts" in path:
+        if scope["type"] == "http" and self.count > 0 and self.matches(scope.get("path", "")):
             self.count -= 1
-            self.failed += 1
-            await send({"type": "http.response.start", "status": 500, "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body", "body": b'{"error": {"message": "the database is away"}}'})
+            self.answered += 1
+            await send({"type": "http.response.start", "status": self.status, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": self.body})
             return
         await self.app(scope, receive, send)
+
+
+def fail_artifact_reads(app: Any) -> CannedErrors:
+    """Workers' artifact reads answer 500 (the scheduler's database away), ``count`` times."""
+    return CannedErrors(app, 500, "the database is away", lambda path: path.startswith("/v1/workers/") and "/artifacts" in path)
+
+
+def refuse_leases(app: Any) -> CannedErrors:
+    """Workers' lease requests answer 400 (one lease's answer a worker cannot use), ``count`` times."""
+    return CannedErrors(app, 400, "this lease cannot be answered", lambda path: path.endswith("/lease"))
 
 
 @contextlib.contextmanager
@@ -350,7 +361,7 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
     """The worker's handling of its servers, with a stand-in for serve-backend (no torch): a state it writes is uploaded and
     recorded; exit code 75 fails the job saying how to resume; another code fails it with the log's tail; a job that
     continues an ended one starts with that job's newest checkpoint restored."""
-    with fake_worker(FailArtifactReads, db_url, keys, tmp_path) as (flaky, owner, worker, _):
+    with fake_worker(fail_artifact_reads, db_url, keys, tmp_path) as (flaky, owner, worker, _):
         idle = owner.submit("train", {**CONFIG, "seed": 75})["id"]
         ended = wait_for("the idle job to fail", lambda: in_state(owner, idle, "failed"), 60)
         assert "tinkergym train --resume" in ended["error"] and "exit code 75" in ended["error"]
@@ -365,7 +376,7 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
         flaky.count = 3  # the restore meets a failing scheduler: the worker tries again while its lease holds
         continued = owner.submit("train", {**CONFIG, "resume_job": idle})["id"]
         wait_for("the continuing job to run", lambda: owner.show(continued)["state"] == "running", 60)
-        assert flaky.failed == 3 and owner.show(continued)["lease_epoch"] == 1  # the same lease, not a new one
+        assert flaky.answered == 3 and owner.show(continued)["lease_epoch"] == 1  # the same lease, not a new one
         restored = tmp_path / "work" / "jobs" / continued / "1" / "states" / "step_000002"
         original = tmp_path / "work" / "jobs" / idle / "1" / "states" / "step_000002"
         assert (restored / "sub" / "weights.bin").read_bytes() == (original / "sub" / "weights.bin").read_bytes()
@@ -435,26 +446,10 @@ def test_a_hostile_listing_cannot_place_files_outside_the_jobs_folder(db_url: st
         assert thread.is_alive()
 
 
-class RefuseLeases:
-    """ASGI wrapper of the scheduler: the next ``count`` lease requests of workers answer 400 (one job's bad answer)."""
-
-    def __init__(self, app: Any) -> None:
-        self.app, self.count, self.refused = app, 0, 0
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and self.count > 0 and scope.get("path", "").endswith("/lease"):
-            self.count -= 1
-            self.refused += 1
-            await send({"type": "http.response.start", "status": 400, "headers": [(b"content-type", b"application/json")]})
-            await send({"type": "http.response.body", "body": b'{"error": {"type": "invalid_request", "message": "this lease cannot be answered"}}'})
-            return
-        await self.app(scope, receive, send)
-
-
 def test_a_4xx_answer_to_a_lease_request_never_ends_the_worker(db_url: str, keys: Any, tmp_path: Path) -> None:
     """Only a refused key (401/403) stops a worker: a 400 for one lease is logged, and the worker asks again and runs the job."""
-    with fake_worker(RefuseLeases, db_url, keys, tmp_path) as (refusing, owner, _, thread):
+    with fake_worker(refuse_leases, db_url, keys, tmp_path) as (refusing, owner, _, thread):
         refusing.count = 3
         job = owner.submit("train", {**CONFIG, "seed": 75})["id"]
         wait_for("the job to run and end", lambda: in_state(owner, job, "failed"), 60)  # the stand-in server exits 75
-        assert refusing.refused == 3 and thread.is_alive()
+        assert refusing.answered == 3 and thread.is_alive()
