@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
+    BigInteger,
     Boolean,
     Column,
     Float,
@@ -52,6 +53,10 @@ tenants = Table(
     Column("id", String(64), primary_key=True),
     Column("max_gpus", Integer, nullable=False, default=8),  # devices held at once by the tenant's jobs
     Column("max_queued", Integer, nullable=False, default=100),  # jobs waiting at once
+    Column("max_artifact_bytes", BigInteger, nullable=False, default=100 << 30),  # bytes its jobs' stored artifacts hold
+    Column("max_events_per_job", Integer, nullable=False, default=100_000),
+    Column("max_event_bytes", Integer, nullable=False, default=65536),  # one event's data, as JSON
+    Column("keep_ended_jobs", Integer, nullable=False, default=1000),  # ended jobs kept; older ones are deleted
     Column("created_at", Float, nullable=False),
 )
 
@@ -64,6 +69,9 @@ api_keys = Table(
     Column("name", String(200), nullable=False, default=""),
     Column("created_at", Float, nullable=False),
     Column("revoked_at", Float, nullable=True),
+    # A worker credential's bounds (JSON: devices, kind, models, tenants); None for a tenant's key. Only the operator
+    # makes one (``tinkergym scheduler workers create``), and only such a key holds the ``worker`` scope.
+    Column("worker_bounds", Text, nullable=True),
 )
 
 workers = Table(
@@ -72,9 +80,11 @@ workers = Table(
     Column("name", String(200), nullable=False),
     Column("key_id", String(32), ForeignKey("api_keys.id"), nullable=False),
     Column("host", String(255), nullable=False),
-    Column("models", Text, nullable=False, default="[]"),  # JSON list of the model names it serves  # where the servers it starts listen (clients connect there directly)
+    Column("models", Text, nullable=False, default="[]"),  # JSON list of the model names it serves
     Column("registered_at", Float, nullable=False),
     Column("last_seen_at", Float, nullable=False),
+    Column("strikes", Integer, nullable=False, default=0),  # leases in a row that expired before the job's server came up
+    Column("quarantined_at", Float, nullable=True),  # set at quarantine_after strikes: no more leases until released
 )
 
 devices = Table(
@@ -111,6 +121,7 @@ jobs = Table(
     Column("server_url", String(500), nullable=True),
     Column("server_token_digest", String(64), nullable=True),
     Column("cursor", Integer, nullable=False, default=0),  # last event seq, so appends number without a scan
+    Column("artifact_bytes", BigInteger, nullable=False, default=0),  # bytes its stored artifacts hold (the tenant's quota)
 )
 Index("ix_jobs_queue", jobs.c.state, jobs.c.priority, jobs.c.created_at)
 Index("ix_jobs_tenant", jobs.c.tenant_id, jobs.c.created_at)
