@@ -3,8 +3,10 @@
 Routes are thin (``routes/``): they authenticate, check the scope, and call the stores (``repository``,
 ``leases``) in one transaction. Errors are ``{"error": {"type", "message"}}``: 400 malformed, 401 no or a bad
 key, 403 a key without the scope, 404 unknown (or another tenant's), 409 a lost compare-and-set or a stale
-lease epoch, 413 a body over the limit, 422 an Idempotency-Key reused with another body. ``/healthz`` and
-``/readyz`` are public; every other route needs a key (``Authorization: Bearer tgk_...``).
+lease epoch, 413 a body over the limit (or a tenant's quota on one event or its stored artifact bytes), 422 an
+Idempotency-Key reused with another body, 429 a tenant's quota reached (queued jobs, events per job: raised with
+``tinkergym scheduler tenants set``). ``/healthz`` and ``/readyz`` are public; every other route needs a key
+(``Authorization: Bearer tgk_...``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from sqlalchemy import text
 
 from tinkergym.backends.asgi import BodyLimit, RequestLog, StrictText, WireJSON, add_error_handlers, error_response
 from tinkergym.scheduler.auth import KeyLookup, Principal
+from tinkergym.scheduler.credentials import BoundsError
 from tinkergym.scheduler.db import make_engine, reader, upgrade
+from tinkergym.scheduler.leases import Quarantined
+from tinkergym.scheduler.quotas import QuotaExceeded
 from tinkergym.scheduler.repository import Conflict, JobStore, NotFound, now
 
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
@@ -43,8 +48,11 @@ class SchedulerSettings:
         max_body_bytes: Larger request bodies are refused with 413 (artifact uploads aside).
         max_artifact_bytes: Larger artifact files (checkpoint files a worker uploads) are refused with 413.
         idle_timeout_s: A running job whose client has not called its server for this long is ended.
-        sse_poll_s: How often an open event stream looks for new events (a new one arrives within this).
+        sse_poll_s: How often the app's one stream watcher looks for new events of every streamed job, in one query
+            (a new event reaches its streams within this).
         sse_keepalive_s: An event stream with nothing to send sends a keep-alive comment this often.
+        max_streams_per_key: Event streams one key may hold open at once; past it, 429 with ``Retry-After``.
+        max_streams: Event streams the app serves at once, all keys together; past it, 429 with ``Retry-After``.
         worker_timeout_s: A worker with no call (registration, lease poll, heartbeat, state report) for this long
             is listed ``gone`` until its next call; None: three lease TTLs (never less than one TTL).
         worker_forget_s: A worker gone this long that holds nothing is deleted (it registers again when it
@@ -53,7 +61,17 @@ class SchedulerSettings:
             is what a job continuing it restores); None or 0: never.
         artifact_retention_s: This long after a job ended, all its artifacts are deleted (not while a queued or
             running job continues it); None or 0: kept forever.
-        retention_interval_s: The artifact retention pass runs at most this often (by ``clock``).
+        retention_interval_s: The artifact retention pass runs at most this often (by ``clock``), and so does the job
+            retention pass (:mod:`tinkergym.scheduler.retention`).
+        job_retention_s: This long after a job ended, it is deleted with its events, checkpoints and artifacts (not
+            while a queued or running job continues it); None or 0: kept (each tenant still keeps only its
+            ``keep_ended_jobs`` newest ended jobs).
+        idempotency_ttl_s: Idempotency-Key records older than this are deleted (a retry after it runs again); None
+            or 0: kept forever.
+        quarantine_after: A worker whose leases expire this many times in a row before the job's server came up
+            (it takes jobs and never runs them) is quarantined: no more leases until the operator releases it
+            (``tinkergym scheduler workers release``); 0: never. Below ``max_attempts``, so one such worker alone
+            never fails a job.
         clock: The time source (tests move it).
     """
 
@@ -68,11 +86,16 @@ class SchedulerSettings:
     max_attempts: int = 3
     sse_poll_s: float = 0.2
     sse_keepalive_s: float = 15.0
+    max_streams_per_key: int = 16
+    max_streams: int = 1000
     worker_timeout_s: float | None = None
     worker_forget_s: float | None = 86400.0
     checkpoint_keep_s: float | None = 3600.0
     artifact_retention_s: float | None = 30 * 86400.0
     retention_interval_s: float = 60.0
+    job_retention_s: float | None = 90 * 86400.0
+    idempotency_ttl_s: float | None = 86400.0
+    quarantine_after: int = 2
     clock: Callable[[], float] = field(default=now, repr=False)
 
 
@@ -147,8 +170,14 @@ def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
     add_error_handlers(app, logger, "the scheduler log")
 
     @app.exception_handler(Forbidden)
-    async def forbidden(request: Request, exc: Forbidden) -> WireJSON:
+    @app.exception_handler(BoundsError)
+    @app.exception_handler(Quarantined)
+    async def forbidden(request: Request, exc: Exception) -> WireJSON:
         return error_response(403, "forbidden", str(exc))
+
+    @app.exception_handler(QuotaExceeded)
+    async def quota_exceeded(request: Request, exc: QuotaExceeded) -> WireJSON:
+        return error_response(exc.status, "quota", str(exc))
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, exc: NotFound) -> WireJSON:
@@ -187,6 +216,8 @@ def _add_health(app: FastAPI) -> None:
 def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = None, background: bool = True) -> FastAPI:
     """The scheduler app: upgrades the database, then serves the routes; ``background`` runs the lease sweeper.
 
+    The event streams' watcher (:class:`~tinkergym.scheduler.streams.StreamHub`) runs either way, from the first stream.
+
     With ``background`` False (tests that drive the sweeper by hand), leases expire only when
     :func:`tinkergym.scheduler.leases.sweep` is called. Queued jobs are granted when a worker asks for a lease.
     """
@@ -197,6 +228,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     from tinkergym.scheduler.routes import events as event_routes
     from tinkergym.scheduler.routes import jobs as job_routes
     from tinkergym.scheduler.routes import workers as worker_routes
+    from tinkergym.scheduler.streams import StreamHub
 
     log = logger or logging.getLogger("tinkergym.scheduler")
     engine = make_engine(settings.db_url)
@@ -214,6 +246,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            await app.state.streams.aclose()
             engine.dispose()
 
     app = FastAPI(title="tinkergym scheduler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, default_response_class=WireJSON)
@@ -221,6 +254,8 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.state.engine = engine
     app.state.store = JobStore(engine, settings.clock)
     app.state.artifacts = DirectoryStore(settings.data_dir / "jobs")
+    app.state.streams = StreamHub(engine, interval_s=settings.sse_poll_s, max_streams=settings.max_streams,
+                                  max_streams_per_key=settings.max_streams_per_key, logger=log)
     app.state.logger = log
     _add_health(app)
     app.include_router(job_routes.router)

@@ -5,11 +5,13 @@ characters) is the row it is looked up by, and ``<secret>`` is 32 random bytes (
 base64. The database holds ``sha256(key)`` only; a random key of that length needs no slow password hash,
 and SHA-256 keeps a lookup in microseconds at hundreds of requests per second.
 
-Scopes: ``read`` (list and show jobs, events, checkpoints, artifacts), ``write`` (submit and cancel jobs),
-``worker`` (register devices, take and renew leases, report events and checkpoints) and ``admin`` (every
-scope of its tenant, plus the cluster's workers). A key belongs to one tenant and never sees another's jobs.
-Keys are made only by ``tinkergym scheduler keys create`` on the scheduler's machine: there is no
-registration route.
+Scopes of a tenant's key: ``read`` (list and show jobs, events, checkpoints, artifacts), ``write`` (submit and
+cancel jobs) and ``admin`` (every scope of its tenant, and the workers that serve it). A key belongs to one tenant
+and never sees another's jobs. The ``worker`` scope (register devices, take and renew leases, report events and
+checkpoints) belongs to worker credentials only, the cluster's keys with bounds
+(:mod:`tinkergym.scheduler.credentials`): ``admin`` does not imply it. Keys are made only by ``tinkergym scheduler
+keys create`` (tenants) and ``tinkergym scheduler workers create`` (workers) on the scheduler's machine: there is
+no registration route.
 """
 
 from __future__ import annotations
@@ -25,26 +27,32 @@ from typing import Any
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.engine import Engine
 
+from tinkergym.scheduler.credentials import WorkerBounds, parse_bounds
 from tinkergym.scheduler.db import Prepared, api_keys, autocommit_reader, reader, tenants
 
 KEY_PREFIX = "tgk_"
 SCOPES = ("read", "write", "worker", "admin")
+#: The scopes a tenant's key may hold (``worker`` is a worker credential's alone).
+TENANT_SCOPES = ("read", "write", "admin")
 KEY_PATTERN = re.compile(r"^tgk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
 TENANT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 #: A key's row by its id: every request's lookup (a statement prepared once, run outside any transaction).
-_KEY_ROW = Prepared(select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.digest, api_keys.c.scopes, api_keys.c.revoked_at)
-                    .where(api_keys.c.id == bindparam("id")))
+_KEY_ROW = Prepared(select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.digest, api_keys.c.scopes, api_keys.c.revoked_at,
+                           api_keys.c.worker_bounds).where(api_keys.c.id == bindparam("id")))
 
 
 @dataclass(frozen=True)
 class Principal:
-    """Who a request is: the key's id, its tenant and scopes."""
+    """Who a request is: the key's id, its tenant and scopes, and a worker credential's bounds (None for a tenant's key)."""
 
     key_id: str
     tenant_id: str
     scopes: frozenset[str]
+    bounds: WorkerBounds | None = None
 
     def allows(self, scope: str) -> bool:
+        if scope == "worker":  # a worker credential's alone: admin does not imply it
+            return self.bounds is not None and "worker" in self.scopes
         return scope in self.scopes or "admin" in self.scopes
 
 
@@ -53,32 +61,44 @@ def key_digest(key: str) -> str:
 
 
 def parse_scopes(text: str) -> list[str]:
-    """``"read,write"`` -> ``["read", "write"]``; unknown scopes are a :class:`ValueError`."""
+    """``"read,write"`` -> ``["read", "write"]``: a tenant key's scopes; unknown ones, and ``worker``, are a :class:`ValueError`."""
     scopes = sorted({s.strip() for s in text.split(",") if s.strip()})
-    unknown = [s for s in scopes if s not in SCOPES]
+    if "worker" in scopes:
+        raise ValueError("the worker scope belongs to worker credentials, which only the operator makes: "
+                         "tinkergym scheduler workers create NAME --devices N")
+    unknown = [s for s in scopes if s not in TENANT_SCOPES]
     if not scopes or unknown:
-        raise ValueError(f"scopes {text!r}: give a comma-separated list of {', '.join(SCOPES)}")
+        raise ValueError(f"scopes {text!r}: give a comma-separated list of {', '.join(TENANT_SCOPES)}")
     return scopes
 
 
-def ensure_tenant(conn: Any, tenant_id: str, max_gpus: int | None = None, max_queued: int | None = None) -> None:
-    """Create the tenant if it does not exist; set its quotas where given."""
+def new_key() -> tuple[str, str]:
+    """A fresh ``(key_id, key)``: ``tgk_<12 hex>_<43 URL-safe base64 characters>``."""
+    key_id = secrets.token_hex(6)
+    return key_id, f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+
+
+def ensure_tenant(
+    conn: Any, tenant_id: str, max_gpus: int | None = None, max_queued: int | None = None, *, max_artifact_bytes: int | None = None,
+    max_events_per_job: int | None = None, max_event_bytes: int | None = None, keep_ended_jobs: int | None = None,
+) -> None:
+    """Create the tenant if it does not exist; set its quotas where given (new tenants: the table's defaults for the rest)."""
     if not TENANT_PATTERN.match(tenant_id):
         raise ValueError(f"tenant {tenant_id!r}: use lowercase letters, digits, '.', '_' and '-' (at most 64)")
+    given = {"max_gpus": max_gpus, "max_queued": max_queued, "max_artifact_bytes": max_artifact_bytes,
+             "max_events_per_job": max_events_per_job, "max_event_bytes": max_event_bytes, "keep_ended_jobs": keep_ended_jobs}
+    quotas = {k: v for k, v in given.items() if v is not None}
     exists = conn.execute(select(tenants.c.id).where(tenants.c.id == tenant_id)).first()
     if exists is None:
-        conn.execute(insert(tenants).values(id=tenant_id, max_gpus=8 if max_gpus is None else max_gpus,
-                                            max_queued=100 if max_queued is None else max_queued, created_at=time.time()))
+        conn.execute(insert(tenants).values(id=tenant_id, **{"max_gpus": 8, "max_queued": 100, **quotas}, created_at=time.time()))
         return
-    quotas = {k: v for k, v in (("max_gpus", max_gpus), ("max_queued", max_queued)) if v is not None}
     if quotas:
         conn.execute(update(tenants).where(tenants.c.id == tenant_id).values(**quotas))
 
 
 def create_key(engine: Engine, tenant_id: str, scopes: list[str], name: str = "") -> tuple[str, str]:
     """A new key for ``tenant_id`` (created if needed): ``(key_id, key)``. The key is returned once and never stored."""
-    key_id = secrets.token_hex(6)
-    key = f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+    key_id, key = new_key()
     with engine.begin() as conn:
         ensure_tenant(conn, tenant_id)
         conn.execute(insert(api_keys).values(
@@ -89,8 +109,11 @@ def create_key(engine: Engine, tenant_id: str, scopes: list[str], name: str = ""
 
 
 def list_keys(engine: Engine, tenant_id: str | None = None) -> list[dict[str, Any]]:
-    """Every key (or a tenant's): id, tenant, scopes, name, created and revoked times; never a digest."""
-    query = select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.scopes, api_keys.c.name, api_keys.c.created_at, api_keys.c.revoked_at)
+    """Every tenant's key (or one tenant's): id, tenant, scopes, name, created and revoked times; never a digest.
+
+    Worker credentials are listed by :func:`tinkergym.scheduler.credentials.list_worker_keys`."""
+    query = (select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.scopes, api_keys.c.name, api_keys.c.created_at, api_keys.c.revoked_at)
+             .where(api_keys.c.worker_bounds.is_(None)))
     if tenant_id is not None:
         query = query.where(api_keys.c.tenant_id == tenant_id)
     with reader(engine).connect() as conn:
@@ -117,11 +140,11 @@ def authenticate(engine: Engine, key: str) -> Principal | None:
 
 
 def _principal(key: str, rows: list[tuple]) -> Principal | None:
-    key_id, tenant_id, expected, scopes, revoked_at = rows[0] if rows else (None, None, "0" * 64, "", None)
+    key_id, tenant_id, expected, scopes, revoked_at, bounds = rows[0] if rows else (None, None, "0" * 64, "", None, None)
     # Compare even when the row is missing, so timing does not tell which ids exist.
     if not hmac.compare_digest(key_digest(key), expected) or key_id is None or revoked_at is not None:
         return None
-    return Principal(key_id, tenant_id, frozenset(scopes.split(",")))
+    return Principal(key_id, tenant_id, frozenset(scopes.split(",")), parse_bounds(bounds))
 
 
 class KeyLookup:

@@ -32,6 +32,16 @@ TTL, and every heartbeat touches the worker). The sweeper logs each worker that 
 forgets (deletes, with its devices) a worker gone for ``worker_forget_s`` that holds nothing; a forgotten
 worker's next poll is answered 404 and it registers again.
 
+Only a worker credential leases (:mod:`tinkergym.scheduler.credentials`): the grant reads the queues of the tenants
+its credential serves, and offers only the models it allows. A worker that takes leases and never runs them (each
+expires while the job is still ``leased`` or ``starting``: the worker never heartbeated, or its server never came
+up) gets a strike per such expiry; at ``quarantine_after`` strikes in a row (default 2) it is quarantined: its lease
+requests are refused (403) until the operator releases it (``tinkergym scheduler workers release``). Such expiries
+count against the job's attempts like any other (a job whose server can never start still ends), and the default
+keeps ``quarantine_after`` below ``max_attempts``, so one rogue worker alone never fails a job; the owner's events
+say which worker lost the lease and when it was quarantined. A credential's workers can hold at most its device
+bound, so a credential costs the queue at most that many times ``quarantine_after`` attempts.
+
 Each lease carries a server token, ``HMAC-SHA256(scheduler secret, "<job id>:<epoch>")``: the worker hands it
 to the job's server, the job's owner gets the same one from the scheduler, and it stops working when the
 epoch moves on. The database keeps only its SHA-256 digest; the secret is 32 random bytes in the 0600 file
@@ -45,7 +55,6 @@ import base64
 import hashlib
 import hmac
 import json
-import logging
 import os
 import re
 import secrets
@@ -57,8 +66,13 @@ from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler import states
-from tinkergym.scheduler.db import allocations, api_keys, checkpoints, devices, jobs, tenants, workers
+from tinkergym.scheduler.credentials import WorkerBounds
+from tinkergym.scheduler.db import allocations, checkpoints, devices, jobs, tenants, workers
 from tinkergym.scheduler.repository import Conflict, JobStore
+from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
+    ALIVE, FORGET_BATCH, GONE, _locked, _strike, forget_worker, owned_worker, register_worker, release_worker, sweep_workers,
+    worker_status, worker_timeout, worker_view,
+)
 
 SECRET_FILE = "scheduler.secret"
 TOKEN_PREFIX = "tgs_"
@@ -125,96 +139,20 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
 
 
-# ----- workers ---------------------------------------------------------------------------------------
-def _locked(conn: Connection, query: Any) -> Any:
-    """``query FOR UPDATE`` where the database has it (SQLite's ``BEGIN IMMEDIATE`` already holds the write lock)."""
-    return query if conn.dialect.name == "sqlite" else query.with_for_update()
-
-
-def register_worker(
-    conn: Connection, *, key_id: str, name: str, host: str, device_list: list[dict[str, Any]], models: list[str], now: float,
-) -> str:
-    """Create or update the worker ``name`` of key ``key_id`` and upsert its devices by index; its id.
-
-    Devices the worker no longer lists are marked inactive (a job holding one keeps it until it ends; no
-    new job gets it). Registrations of one key are serialised by a lock on the key's row.
-    """
-    conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == key_id))).first()
-    row = conn.execute(select(workers.c.id).where(workers.c.key_id == key_id, workers.c.name == name)).first()
-    values = {"host": host, "models": json.dumps(sorted(set(models))), "last_seen_at": now}
-    if row is None:
-        worker_id = "wkr_" + secrets.token_hex(8)
-        conn.execute(insert(workers).values(id=worker_id, name=name, key_id=key_id, registered_at=now, **values))
-    else:
-        worker_id = row[0]
-        conn.execute(update(workers).where(workers.c.id == worker_id).values(**values))
-    known = {r.index: r.id for r in conn.execute(select(devices.c.id, devices.c.index).where(devices.c.worker_id == worker_id))}
-    listed = set()
-    for device in device_list:
-        listed.add(device["index"])
-        fields = {"kind": device["kind"], "name": device.get("name", ""), "active": True}
-        if device["index"] in known:
-            conn.execute(update(devices).where(devices.c.id == known[device["index"]]).values(**fields))
-        else:
-            conn.execute(insert(devices).values(worker_id=worker_id, index=device["index"], **fields))
-    gone = [known[i] for i in known if i not in listed]
-    if gone:
-        conn.execute(update(devices).where(devices.c.id.in_(gone)).values(active=False))
-    return worker_id
-
-
-ALIVE, GONE = "alive", "gone"
-#: Silent workers forgotten per sweeper pass at most.
-FORGET_BATCH = 100
-
-
-def worker_timeout(settings: Any) -> float:
-    """Seconds without a call after which a worker is gone: ``worker_timeout_s`` (None: three lease TTLs), at least one TTL."""
-    configured = getattr(settings, "worker_timeout_s", None)
-    return max(float(configured) if configured else 3.0 * settings.lease_ttl_s, settings.lease_ttl_s)
-
-
-def worker_status(last_seen_at: float, now: float, timeout: float) -> str:
-    """``gone`` when the worker has not been seen for ``timeout`` seconds, else ``alive``."""
-    return GONE if now - last_seen_at > timeout else ALIVE
-
-
-def worker_view(conn: Connection, worker_id: str, *, now: float, timeout: float) -> dict[str, Any] | None:
-    """The worker's public view (id, name, host, models, ``status``, devices with ``busy``, times); None if there is none."""
-    row = conn.execute(select(workers).where(workers.c.id == worker_id)).mappings().first()
-    if row is None:
-        return None
-    busy = select(allocations.c.device_id)
-    found = conn.execute(
-        select(devices.c.index, devices.c.kind, devices.c.name, devices.c.active, devices.c.id.in_(busy).label("busy"))
-        .where(devices.c.worker_id == worker_id).order_by(devices.c.index)
-    ).mappings()
-    return {
-        "id": row["id"], "name": row["name"], "host": row["host"], "models": json.loads(row["models"]),
-        "status": worker_status(row["last_seen_at"], now, timeout),
-        "devices": [{k: (bool(d[k]) if k in ("active", "busy") else d[k]) for k in d} for d in found],
-        "registered_at": row["registered_at"], "last_seen_at": row["last_seen_at"],
-    }
-
-
-def owned_worker(conn: Connection, worker_id: str, key_id: str) -> dict[str, Any] | None:
-    """The worker's row if it exists and was registered with key ``key_id``; None otherwise."""
-    row = conn.execute(select(workers).where(workers.c.id == worker_id, workers.c.key_id == key_id)).mappings().first()
-    return dict(row) if row is not None else None
-
-
 def _touch(conn: Connection, worker_id: str, now: float) -> None:
     conn.execute(update(workers).where(workers.c.id == worker_id).values(last_seen_at=now))
 
 
 # ----- granting --------------------------------------------------------------------------------------
-def _queue(conn: Connection) -> Iterator[dict[str, Any]]:
-    """Queued jobs in grant order (priority desc, created_at asc, id asc), read a page at a time."""
+def _queue(conn: Connection, tenant_ids: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
+    """Queued jobs (of ``tenant_ids`` only, when given) in grant order (priority desc, created_at asc, id asc), a page at a time."""
     cols = (jobs.c.id, jobs.c.tenant_id, jobs.c.kind, jobs.c.priority, jobs.c.created_at, jobs.c.gpus, jobs.c.config,
             jobs.c.lease_epoch, jobs.c.attempt)
     last: dict[str, Any] | None = None
     for _ in range(0, MAX_SCAN, _PAGE):
         query = select(*cols).where(jobs.c.state == states.QUEUED)
+        if tenant_ids is not None:
+            query = query.where(jobs.c.tenant_id.in_(tenant_ids))
         if last is not None:
             p, t, i = last["priority"], last["created_at"], last["id"]
             query = query.where(or_(jobs.c.priority < p, and_(jobs.c.priority == p, or_(
@@ -241,19 +179,34 @@ def _model(job: dict[str, Any]) -> Any:
         return None
 
 
-def grant(conn: Connection, store: JobStore, settings: Any, worker_id: str, secret: bytes) -> dict[str, Any] | None:
+class Quarantined(PermissionError):
+    """The worker is quarantined (HTTP 403): too many of its leases expired before their job's server came up."""
+
+
+def grant(
+    conn: Connection, store: JobStore, settings: Any, worker_id: str, secret: bytes, bounds: WorkerBounds | None = None,
+) -> dict[str, Any] | None:
     """Lease at most one queued job to ``worker_id`` in the caller's transaction; the lease, or None when nothing fits.
 
-    The lease: ``job_id, kind, config, epoch, attempt, devices`` (indexes on the worker), ``expires_at``,
-    ``ttl_s``, ``token`` and ``checkpoint`` (the job's last one, to resume from; or None). Two grants of
-    one device raise :class:`sqlalchemy.exc.IntegrityError`: the caller rolls back and answers no lease.
+    Only jobs within the worker credential's ``bounds`` are considered: its tenants' queues alone are read, and its
+    models only. A quarantined worker gets :class:`Quarantined`. The lease: ``job_id, kind, config, epoch, attempt,
+    devices`` (indexes on the worker), ``expires_at``, ``ttl_s``, ``token`` and ``checkpoint`` (the job's last one,
+    to resume from; or None). Two grants of one device raise :class:`sqlalchemy.exc.IntegrityError`: the caller rolls
+    back and answers no lease.
     """
     now = store.clock()
     worker = conn.execute(_locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
     if worker is None:
         return None  # forgotten by the sweeper since the caller checked it: its next call is 404, and it registers again
     _touch(conn, worker_id, now)  # the worker's own call: alive from now on (a gone worker comes back here)
+    if worker["quarantined_at"] is not None:
+        raise Quarantined(
+            f"worker {worker_id} is quarantined: {worker['strikes']} of its leases in a row expired before the job's server came up "
+            f"(it took jobs and never ran them). The operator releases it with: tinkergym scheduler workers release {worker_id}"
+        )
     models = set(json.loads(worker["models"]))
+    if bounds is not None and bounds.models is not None:
+        models &= set(bounds.models)
     active = conn.execute(
         select(devices.c.id, devices.c.index).where(devices.c.worker_id == worker_id, devices.c.active.is_(True)).order_by(devices.c.index)
     ).all()
@@ -263,7 +216,7 @@ def grant(conn: Connection, store: JobStore, settings: Any, worker_id: str, secr
         return None
     held: dict[str, int] = {}
     quota: dict[str, int] = {}
-    for job in _queue(conn):
+    for job in _queue(conn, bounds.tenants if bounds is not None else None):
         if _model(job) not in models or job["gpus"] > len(active):
             continue  # never fits here: it neither starts nor holds this worker's devices
         tenant = job["tenant_id"]
@@ -361,6 +314,7 @@ def report_state(
         if not server_url:
             raise ValueError("a running job needs server_url: where its server listens")
         values["server_url"] = server_url
+        conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.strikes != 0).values(strikes=0))
     if error:
         event["error"] = values["error"] = error
     if state == states.FAILED and not error:
@@ -379,7 +333,7 @@ def report_event(conn: Connection, store: JobStore, worker_id: str, job_id: str,
     if type_ not in WORKER_EVENTS:
         raise ValueError(f"event type {type_!r}: a worker appends one of {', '.join(WORKER_EVENTS)}")
     held_job(conn, store, worker_id, job_id, epoch)
-    return store.append_event(conn, job_id, type_, data)
+    return store.append_event(conn, job_id, type_, data, limited=True)  # within the tenant's quotas (tinkergym.scheduler.quotas)
 
 
 def report_checkpoint(conn: Connection, store: JobStore, worker_id: str, job_id: str, epoch: int, step: int, name: str) -> dict[str, Any]:
@@ -397,18 +351,22 @@ def report_checkpoint(conn: Connection, store: JobStore, worker_id: str, job_id:
 
 
 # ----- expiry ----------------------------------------------------------------------------------------
-def expire(store: JobStore, job_id: str, epoch: int, now: float) -> bool:
+def expire(store: JobStore, job_id: str, epoch: int, now: float, quarantine_after: int = 0) -> bool:
     """Expire the job's lease at ``epoch`` if it ended before ``now`` (one transaction); whether it did.
 
     Re-reads the job under lock and compares epoch, state and expiry, so a heartbeat that renewed it first,
     or a grant of a new epoch, wins instead. The job is requeued with ``attempt + 1``, failed when attempts
-    reach ``max_attempts``, or cancelled when it was cancelling; its devices are freed.
+    reach ``max_attempts``, or cancelled when it was cancelling; its devices are freed. A lease that expired
+    before the job's server came up (still ``leased`` or ``starting``) is a strike against its worker
+    (:func:`_strike`), which is quarantined at ``quarantine_after`` strikes in a row (0: never).
     """
     with store.transaction() as conn:
         job = store.get(conn, job_id, for_update=True)
         ends = job["lease_expires_at"]
         if job["lease_epoch"] != epoch or job["state"] not in states.HOLDING or ends is None or ends >= now:
             return False
+        if job["state"] in (states.LEASED, states.STARTING) and job["worker_id"] is not None:
+            _strike(conn, store, job, quarantine_after, now)
         values: dict[str, Any] = {"worker_id": None, "server_url": None, "lease_expires_at": None, "server_token_digest": None}
         if job["state"] == states.CANCELLING:
             to = states.CANCELLED
@@ -435,70 +393,12 @@ def sweep(app: Any) -> int:
     expired = 0
     for job_id, epoch in due:
         try:
-            expired += expire(store, job_id, epoch, now)
+            expired += expire(store, job_id, epoch, now, getattr(app.state.settings, "quarantine_after", 0))
         except Exception:  # noqa: BLE001 - one job's failure must not stop the others' expiry
             app.state.logger.exception("could not expire the lease of job %s at epoch %s", job_id, epoch)
     if expired:
         app.state.logger.info("expired %d lease(s)", expired)
     return expired
-
-
-def forget_worker(store: JobStore, worker_id: str, seen_before: float) -> bool:
-    """Delete a worker not seen since ``seen_before`` that holds nothing, with its devices (one transaction); whether it did.
-
-    Re-checks under lock (its key's row first, as registration takes it) that the worker is still that silent,
-    holds no lease and no device; ended jobs that ran on it stop naming it (``jobs.worker_id`` becomes null).
-    """
-    with store.transaction() as conn:
-        row = conn.execute(select(workers.c.key_id).where(workers.c.id == worker_id)).first()
-        if row is None:
-            return False
-        conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == row.key_id))).first()
-        worker = conn.execute(_locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
-        if worker is None or worker["last_seen_at"] >= seen_before:
-            return False
-        held = conn.execute(select(jobs.c.id).where(jobs.c.worker_id == worker_id, jobs.c.state.in_(sorted(states.HOLDING))).limit(1)).first()
-        owned = select(devices.c.id).where(devices.c.worker_id == worker_id)
-        if held is not None or conn.execute(select(allocations.c.device_id).where(allocations.c.device_id.in_(owned)).limit(1)).first():
-            return False
-        conn.execute(update(jobs).where(jobs.c.worker_id == worker_id).values(worker_id=None))
-        conn.execute(delete(devices).where(devices.c.worker_id == worker_id))
-        conn.execute(delete(workers).where(workers.c.id == worker_id))
-    return True
-
-
-def sweep_workers(app: Any) -> dict[str, int]:
-    """Log the workers that turned gone or came back since the last pass, and forget those gone for ``worker_forget_s``.
-
-    Returns ``{"gone": workers gone now, "forgotten": workers deleted by this pass}``. The status itself is
-    derived (:func:`worker_status`), so this pass only reports it and forgets.
-    """
-    store: JobStore = app.state.store
-    settings = app.state.settings
-    now, timeout = store.clock(), worker_timeout(settings)
-    with store.read() as conn:
-        silent = {r.id: r for r in conn.execute(
-            select(workers.c.id, workers.c.name, workers.c.last_seen_at).where(workers.c.last_seen_at < now - timeout))}
-    logger = getattr(app.state, "logger", None) or logging.getLogger("tinkergym.scheduler")
-    before: set[str] = getattr(app.state, "gone_workers", set())
-    for worker_id in sorted(set(silent) - before):
-        logger.warning("worker %s (%s) is gone: not seen for %.0f s", worker_id, silent[worker_id].name, now - silent[worker_id].last_seen_at)
-    for worker_id in sorted(before - set(silent)):
-        logger.info("worker %s is back", worker_id)
-    forgotten = 0
-    forget_after = getattr(settings, "worker_forget_s", None)
-    if forget_after:
-        cutoff = now - max(float(forget_after), timeout)
-        for worker_id in [w for w, r in silent.items() if r.last_seen_at < cutoff][:FORGET_BATCH]:
-            try:
-                if forget_worker(store, worker_id, cutoff):
-                    forgotten += 1
-                    silent.pop(worker_id)
-                    logger.info("forgot worker %s: not seen for over %.0f s, holding nothing", worker_id, now - cutoff)
-            except Exception:  # noqa: BLE001 - one worker's failure must not stop the sweep
-                logger.exception("could not forget worker %s", worker_id)
-    app.state.gone_workers = set(silent)
-    return {"gone": len(silent), "forgotten": forgotten}
 
 
 def wake(app: Any) -> None:
@@ -517,7 +417,9 @@ async def sweep_forever(app: Any) -> None:
     """Every ``sweep_interval_s`` seconds (sooner when woken), for the app's lifetime, never dying of an error: expire
     leases (:func:`sweep`), report and forget silent workers (:func:`sweep_workers`), and, at most every
     ``retention_interval_s`` of the app's clock, delete ended jobs' old artifacts
-    (:func:`tinkergym.scheduler.artifacts.sweep_artifacts`)."""
+    (:func:`tinkergym.scheduler.artifacts.sweep_artifacts`) and old ended jobs and idempotency records
+    (:func:`tinkergym.scheduler.retention.sweep_if_due`)."""
+    from tinkergym.scheduler import retention
     from tinkergym.scheduler.artifacts import retention_due, sweep_artifacts
 
     event = asyncio.Event()
@@ -538,6 +440,10 @@ async def sweep_forever(app: Any) -> None:
                     await asyncio.to_thread(sweep_artifacts, app)
             except Exception:  # noqa: BLE001 - as above
                 app.state.logger.exception("artifact retention pass failed")
+            try:
+                await asyncio.to_thread(retention.sweep_if_due, app)  # ended jobs and old idempotency records
+            except Exception:  # noqa: BLE001 - as above
+                app.state.logger.exception("job retention pass failed")
             try:
                 await asyncio.wait_for(event.wait(), timeout=app.state.settings.sweep_interval_s)
             except asyncio.TimeoutError:

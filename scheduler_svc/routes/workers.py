@@ -1,7 +1,9 @@
 """Workers: register devices, take leases, heartbeat, report state, events and checkpoints (scope ``worker``).
 
-A worker is registered under the key that registered it: only that key may act for it (another key gets
-404). Every write about a job names the lease epoch it holds; a stale epoch, or a job this worker does not
+Only a worker credential (:mod:`tinkergym.scheduler.credentials`, made by the operator) has the ``worker`` scope;
+a registration must fit its bounds (403 otherwise) and a lease is granted within them. A quarantined worker's
+lease request is 403 (:class:`~tinkergym.scheduler.leases.Quarantined`). A worker is registered under the key
+that registered it: only that key may act for it (another key gets 404). Every write about a job names the lease epoch it holds; a stale epoch, or a job this worker does not
 hold, is 409 (the fence). Every POST takes an ``Idempotency-Key`` (the IETF draft's semantics); without one,
 registering, heartbeats, state reports and checkpoints are idempotent by themselves, and a lease request
 or an event is not (a retried lease request may get a second job).
@@ -23,7 +25,8 @@ from sqlalchemy.exc import IntegrityError
 from tinkergym.scheduler import leases, states
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.auth import Principal
-from tinkergym.scheduler.db import MAX_INT, workers
+from tinkergym.scheduler.credentials import parse_bounds
+from tinkergym.scheduler.db import MAX_INT, api_keys, workers
 from tinkergym.scheduler.repository import JobStore
 from tinkergym.scheduler.routes import respond_once
 from tinkergym.scheduler.routes.jobs import MODEL_NAME, WireModel
@@ -84,6 +87,8 @@ class Worker(WireModel):
     devices: list[DeviceOut]
     registered_at: float
     last_seen_at: float
+    strikes: int = Field(0, description="leases in a row that expired before the job's server came up")
+    quarantined: bool = Field(False, description="no more leases until the operator releases it (tinkergym scheduler workers release)")
 
 
 class WorkerList(WireModel):
@@ -180,7 +185,7 @@ def _own(conn: Any, worker_id: str, who: Principal) -> dict[str, Any]:
     return worker
 
 
-@router.post("", response_model=Worker, responses={409: {}, 422: {}})
+@router.post("", response_model=Worker, responses={403: {}, 409: {}, 422: {}})
 def register(
     body: WorkerRegister, request: Request, who: Principal = Depends(require("worker")), idempotency_key: str | None = IdempotencyKey,
 ) -> Any:
@@ -189,7 +194,7 @@ def register(
 
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         worker_id = leases.register_worker(
-            conn, key_id=who.key_id, name=body.name, host=body.host, device_list=[d.model_dump() for d in body.devices],
+            conn, key_id=who.key_id, bounds=who.bounds, name=body.name, host=body.host, device_list=[d.model_dump() for d in body.devices],
             models=body.models, now=store.clock(),
         )
         return 200, _view(request, conn, worker_id)
@@ -204,14 +209,17 @@ def list_workers(
     request: Request, status: Literal["alive", "gone"] | None = Query(None, description="only the workers in this status"),
     who: Principal = Depends(require("admin")),
 ) -> Any:
-    """Every registered worker with its status and devices (``busy``: held by a job now)."""
+    """The workers that serve this key's tenant (its own pool and the shared ones), with status and devices
+    (``busy``: held by a job now). The operator lists them all with ``tinkergym scheduler workers list``."""
     with _store(request).read() as conn:
-        ids = conn.execute(select(workers.c.id).order_by(workers.c.registered_at, workers.c.id)).scalars().all()
+        rows = conn.execute(select(workers.c.id, api_keys.c.worker_bounds).join(api_keys, api_keys.c.id == workers.c.key_id)
+                            .order_by(workers.c.registered_at, workers.c.id)).all()
+        ids = [r.id for r in rows if (bounds := parse_bounds(r.worker_bounds)) is not None and bounds.serves(who.tenant_id)]
         found = [v for v in (_view(request, conn, i) for i in ids) if v is not None]
     return {"workers": [v for v in found if status is None or v["status"] == status]}
 
 
-@router.post("/{worker_id}/lease", response_model=LeaseAnswer, responses={404: {}, 409: {}, 422: {}})
+@router.post("/{worker_id}/lease", response_model=LeaseAnswer, responses={403: {}, 404: {}, 409: {}, 422: {}})
 def lease(worker_id: str, request: Request, who: Principal = Depends(require("worker")), idempotency_key: str | None = IdempotencyKey) -> Any:
     """Take at most one queued job that fits this worker's free devices and models (``{"lease": null}`` when none)."""
     store, settings, app = _store(request), request.app.state.settings, request.app
@@ -219,7 +227,7 @@ def lease(worker_id: str, request: Request, who: Principal = Depends(require("wo
 
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         _own(conn, worker_id, who)
-        granted = leases.grant(conn, store, settings, worker_id, secret)
+        granted = leases.grant(conn, store, settings, worker_id, secret, who.bounds)
         if granted is not None:
             granted.pop("token")  # never stored (the idempotency record keeps the answer): derived again below
         return 200, {"lease": granted}

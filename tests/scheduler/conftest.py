@@ -30,6 +30,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 from tinkergym.scheduler.auth import create_key  # noqa: E402
+from tinkergym.scheduler.credentials import WorkerBounds, create_worker_key  # noqa: E402
 from tinkergym.scheduler.db import make_engine, upgrade  # noqa: E402
 from tinkergym.scheduler.devdb import PostgresServer, find_pg_bin, private_postgres  # noqa: E402
 
@@ -87,15 +88,30 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 @dataclass
 class Keys:
-    """Keys made on the database (as ``tinkergym scheduler keys create`` does): ``new(tenant, scopes)`` -> key."""
+    """Keys made on the database: ``new(tenant, scopes)`` -> a tenant's key (as ``tinkergym scheduler keys create`` makes
+    it); ``worker(devices, ...)`` -> a worker credential (as ``tinkergym scheduler workers create`` makes it).
+
+    ``new(tenant, "worker")`` is a worker credential for 64 devices of any kind and model that serves every tenant
+    (``tenant`` is not its tenant: a worker credential belongs to the cluster)."""
 
     db_url: str
 
     def new(self, tenant: str = "acme", scopes: str = "read,write") -> str:
+        if scopes == "worker":
+            return self.worker(64)
         engine = make_engine(self.db_url)
         try:
             upgrade(engine)
             return create_key(engine, tenant, scopes.split(","))[1]
+        finally:
+            engine.dispose()
+
+    def worker(self, devices: int = 64, kind: str | None = None, models: tuple[str, ...] | None = None,
+               tenants: tuple[str, ...] | None = None) -> str:
+        engine = make_engine(self.db_url)
+        try:
+            upgrade(engine)
+            return create_worker_key(engine, WorkerBounds(devices, kind, models, tenants))[1]
         finally:
             engine.dispose()
 

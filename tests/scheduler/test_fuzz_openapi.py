@@ -1,5 +1,6 @@
 """Hostile input: schemathesis generates requests for every operation of the scheduler's OpenAPI document,
-with a valid key that may use every route (admin), and the scheduler answers none of them with a 5xx.
+with a valid key for each route (a tenant's admin key; a worker credential for the workers' routes), and the
+scheduler answers none of them with a 5xx.
 
 A worker is registered and a job is queued first, so the generated ids sometimes meet real rows; the
 fuzzer's own ids and bodies (NULs, huge numbers, odd unicode, wrong types) must all end as 4xx.
@@ -19,9 +20,17 @@ from schemathesis.checks import not_a_server_error  # noqa: E402
 
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 from tinkergym.scheduler.auth import create_key  # noqa: E402
+from tinkergym.scheduler.credentials import WorkerBounds, create_worker_key  # noqa: E402
 from tinkergym.scheduler.db import make_engine, upgrade  # noqa: E402
 
 HEADERS: dict[str, str] = {}
+WORKER_HEADERS: dict[str, str] = {}
+
+
+def _headers(operation: Any) -> dict[str, str]:
+    """The worker credential for the workers' own routes (registering, leases, reports), the admin key elsewhere."""
+    path, method = operation.path, operation.method.upper()
+    return WORKER_HEADERS if path.startswith("/v1/workers/") or (path == "/v1/workers" and method == "POST") else HEADERS
 
 
 @pytest.fixture
@@ -30,13 +39,14 @@ def scheduler_schema(tmp_path: Path) -> Any:
     engine = make_engine(url)
     upgrade(engine)
     HEADERS["Authorization"] = "Bearer " + create_key(engine, "fuzz", ["admin"])[1]
+    WORKER_HEADERS["Authorization"] = "Bearer " + create_worker_key(engine, WorkerBounds(4))[1]
     engine.dispose()
     app = create_app(SchedulerSettings(db_url=url, data_dir=tmp_path / "data"), background=False)
     from fastapi.testclient import TestClient
 
     with TestClient(app) as client:  # real rows for the generated requests to meet
         worker = {"name": "w", "host": "127.0.0.1", "devices": [{"index": 0, "kind": "slot"}], "models": ["tiny"]}
-        assert client.post("/v1/workers", json=worker, headers=HEADERS).status_code == 200
+        assert client.post("/v1/workers", json=worker, headers=WORKER_HEADERS).status_code == 200
         job = {"kind": "train", "config": {"model": "tiny"}}
         assert client.post("/v1/jobs", json=job, headers=HEADERS).status_code == 201
     return schemathesis.openapi.from_asgi("/openapi.json", app, headers=HEADERS)
@@ -51,7 +61,7 @@ def test_no_request_makes_a_server_error(scheduler_schema: Any) -> None:
         @given(case=operation.as_strategy())
         @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def run(case: Any) -> None:
-            statuses.append(case.call_and_validate(headers=HEADERS, checks=[not_a_server_error]).status_code)
+            statuses.append(case.call_and_validate(headers=_headers(operation), checks=[not_a_server_error]).status_code)
 
         try:
             run()

@@ -189,6 +189,8 @@ def test_expiry_requeues_with_attempt_plus_one_and_frees_devices(setup: Any, clo
     w = register(setup.client, setup.worker, devices=2)
     job_id = setup.job(gpus=2, max_attempts=2)
     lease = w.lease()
+    for state in ("starting", "running"):  # lost mid-run
+        assert w.state(job_id, lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
     clock.advance(29.0)
     assert leases.sweep(app) == 0  # not yet
     clock.advance(2.0)
@@ -202,6 +204,8 @@ def test_expiry_requeues_with_attempt_plus_one_and_frees_devices(setup: Any, clo
     # Granted again at a new epoch; the second loss reaches max_attempts (2): failed.
     again = w.lease()
     assert again["job_id"] == job_id and again["epoch"] == 2 and again["attempt"] == 1
+    for state in ("starting", "running"):
+        assert w.state(job_id, again["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
     clock.advance(31.0)
     assert leases.sweep(app) == 1
     row = job_row(db_url, job_id)

@@ -46,7 +46,7 @@ def test_keys_create_list_revoke(db_url: str, tmp_path: Path) -> None:
     assert made.stdout.count("tgk_") == 1 and KEY_PATTERN.match(key)  # the key alone on stdout, once
     key_id = KEY_PATTERN.match(key).group(1)
     assert key_id in made.stderr and "shown once" in made.stderr and "tgk_" not in made.stderr
-    _create_key(db_url, tmp_path, tenant="other", scopes="worker")
+    _create_key(db_url, tmp_path, tenant="other", scopes="read")
 
     listed = cli("keys", "list", "--db", db_url)
     assert listed.exit_code == 0, listed.output

@@ -60,9 +60,14 @@ def test_registration_is_idempotent_and_upserts_devices(env: Any, db_url: str) -
 
 
 def kit_key(env: Any, scopes: str, tenant: str = "ops") -> str:
+    """A tenant's key with ``scopes``, or (``"worker"``) a worker credential for 64 devices serving every tenant."""
     from tinkergym.scheduler.auth import create_key
+    from tinkergym.scheduler.credentials import WorkerBounds, create_worker_key
 
-    return create_key(env.client.app.state.engine, tenant, scopes.split(","))[1]
+    engine = env.client.app.state.engine
+    if scopes == "worker":
+        return create_worker_key(engine, WorkerBounds(64))[1]
+    return create_key(engine, tenant, scopes.split(","))[1]
 
 
 def test_inactive_devices_are_not_granted(env: Any) -> None:

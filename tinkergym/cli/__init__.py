@@ -10,6 +10,7 @@ from tinkergym.cli.jobs import jobs
 from tinkergym.cli.play import play
 from tinkergym.cli.push import push
 from tinkergym.cli.scheduler import scheduler
+from tinkergym.cli import scheduler_workers  # noqa: F401,E402 - registers `scheduler workers` on the scheduler group
 from tinkergym.cli.serve import serve_backend
 from tinkergym.cli.serve_model import serve_model
 from tinkergym.cli.train import eval_command, train

@@ -1,5 +1,5 @@
-"""``tinkergym scheduler``: serve the job scheduler, make and revoke its API keys, set tenant quotas, list its workers,
-migrate its database.
+"""``tinkergym scheduler``: serve the job scheduler, make and revoke its API keys, set tenant quotas, make worker
+credentials and list its workers (:mod:`tinkergym.cli.scheduler_workers`), migrate its database.
 
 Keys are made here, on the scheduler's machine, and nowhere else: the service has no registration route.
 SQLAlchemy, Alembic and FastAPI are imported inside the commands, so ``import tinkergym.cli`` stays light.
@@ -16,9 +16,13 @@ from typing import Any
 import click
 
 from tinkergym.cli.common import FiniteFloat, InputError, SafePath, shorten
+from tinkergym.cli.connection_options import connection_limits, connection_options
 from tinkergym.cli.serve import _is_loopback
 
 DB_ENVVAR = "TINKERGYM_SCHEDULER_DB"
+GIB = 1 << 30
+#: :data:`tinkergym.scheduler.db.MAX_INT` (the largest integer a quota column holds), without importing SQLAlchemy here.
+MAX_INT = 2**31 - 1
 DEFAULT_DATA_DIR = Path("scheduler-data")
 
 db_option = click.option(
@@ -137,6 +141,11 @@ def scheduler() -> None:
 @click.option("--max-body-kb", type=click.IntRange(min=1), default=1024, show_default=True, metavar="N", help="Larger request bodies are refused (413).")
 @click.option("--max-artifact-gb", type=FiniteFloat(min=0, min_open=True), default=20.0, show_default=True, metavar="N",
               help="Larger checkpoint files uploaded by workers are refused (413).")
+@click.option("--max-streams-per-key", type=click.IntRange(min=1), default=16, show_default=True, metavar="N",
+              help="Event streams (jobs logs --follow) one key may hold open at once; one more is refused with 429.")
+@click.option("--max-streams", type=click.IntRange(min=1), default=1000, show_default=True, metavar="N",
+              help="Event streams open at once, all keys together; one more is refused with 429. Below --max-connections.")
+@connection_options
 @click.option("--worker-timeout", type=FiniteFloat(min=0, min_open=True), default=None, metavar="S",
               help="A worker with no call (lease poll, heartbeat) for this long is listed gone until it calls again; "
                    "at least --lease-ttl.  [default: 3 x --lease-ttl]")
@@ -149,11 +158,20 @@ def scheduler() -> None:
               help="This long after a job ended (2592000 = 30 days), all its artifacts are deleted and an event on the job "
                    "says so; never while a queued or running job continues it; 0: keep forever.")
 @click.option("--retention-interval", type=FiniteFloat(min=0, min_open=True), default=60.0, show_default=True, metavar="S",
-              help="How often ended jobs' artifacts are checked against --checkpoint-keep and --artifact-retention.")
+              help="How often ended jobs' artifacts are checked against --checkpoint-keep and --artifact-retention, "
+                   "and ended jobs and idempotency records against --job-retention and --idempotency-ttl.")
+@click.option("--job-retention", type=FiniteFloat(min=0), default=90 * 86400.0, show_default=True, metavar="S",
+              help="This long after a job ended (7776000 = 90 days), it is deleted with its events, checkpoints and artifacts; "
+                   "never while a queued or running job continues it; 0: no age limit (each tenant still keeps only its "
+                   "newest ended jobs: tenants set --keep-ended-jobs).")
+@click.option("--idempotency-ttl", type=FiniteFloat(min=0), default=86400.0, show_default=True, metavar="S",
+              help="Idempotency-Key records older than this are deleted (a retry after that runs as a new request); 0: keep them.")
 def serve(
     db: str | None, data_dir: Path, host: str, port: int, lease_ttl: float, sweep_interval: float, backfill_age: float,
     idle_timeout: float, max_attempts: int, max_body_kb: int, max_artifact_gb: float, worker_timeout: float | None,
+    max_streams_per_key: int, max_streams: int, header_timeout: float, body_timeout: float, max_connections: int,
     forget_workers_after: float, checkpoint_keep: float, artifact_retention: float, retention_interval: float,
+    job_retention: float, idempotency_ttl: float,
 ) -> None:
     """Serve the scheduler's HTTP API (upgrading its database first).
 
@@ -167,6 +185,9 @@ def serve(
         raise click.BadParameter(
             f"{worker_timeout:g} s is shorter than --lease-ttl ({lease_ttl:g} s): a worker heartbeating its leases would be listed gone",
             param_hint="--worker-timeout")
+    if max_streams >= max_connections:
+        raise click.BadParameter(f"give fewer than --max-connections ({max_connections}): each stream holds a connection, and "
+                                 "other requests need some", param_hint="--max-streams")
     if forget_workers_after and forget_workers_after < (worker_timeout or 3 * lease_ttl):
         raise click.BadParameter("a worker is forgotten only after it is gone: give at least --worker-timeout, or 0 (never)",
                                  param_hint="--forget-workers-after")
@@ -180,6 +201,7 @@ def serve(
 
     import uvicorn
 
+    from tinkergym.backends.slow_clients import server_config
     from tinkergym.scheduler.app import SchedulerSettings, create_app
     from tinkergym.scheduler.db import database_url
 
@@ -187,13 +209,17 @@ def serve(
     settings = SchedulerSettings(
         db_url=url, data_dir=data_dir, lease_ttl_s=lease_ttl, sweep_interval_s=sweep_interval, backfill_age_s=backfill_age,
         idle_timeout_s=idle_timeout, max_attempts=max_attempts, max_body_bytes=max_body_kb * 1024,
+        max_streams_per_key=max_streams_per_key, max_streams=max_streams,
         max_artifact_bytes=int(max_artifact_gb * 1024**3), worker_timeout_s=worker_timeout, worker_forget_s=forget_workers_after,
         checkpoint_keep_s=checkpoint_keep, artifact_retention_s=artifact_retention, retention_interval_s=retention_interval,
+        job_retention_s=job_retention, idempotency_ttl_s=idempotency_ttl,
     )
     app = create_app(settings, logger=scheduler_logger(data_dir.resolve()))
     click.echo(f"tinkergym scheduler on http://{host}:{port} (database {_shown_url(url)}, data {data_dir})", err=True)
     # Event streams stay open: on Ctrl-C, do not wait for them.
-    uvicorn.run(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=75)
+    config = server_config(app, connection_limits(header_timeout, body_timeout, max_connections), host=host, port=port,
+                           access_log=False, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=75)
+    uvicorn.Server(config).run()
 
 
 @scheduler.group("keys")
@@ -210,7 +236,8 @@ def keys() -> None:
 
 @keys.command("create")
 @click.option("--tenant", required=True, help="The key's owner; created with default quotas if new.")
-@click.option("--scopes", required=True, help="Comma-separated: read, write, worker, admin (admin implies all).")
+@click.option("--scopes", required=True, help="Comma-separated: read, write, admin (admin implies both). Workers get a "
+              "worker credential instead: tinkergym scheduler workers create.")
 @click.option("--name", default="", help="A label for `keys list` (who or what holds the key).")
 @db_option
 @data_dir_option
@@ -222,17 +249,19 @@ def keys_create(tenant: str, scopes: str, name: str, db: str | None, data_dir: P
     \b
     Example:
       tinkergym scheduler keys create --tenant acme --scopes read,write --name laptop > key.txt && chmod 600 key.txt
-      tinkergym scheduler keys create --tenant cluster --scopes worker --name gpu-host-1
     """
-    from tinkergym.scheduler.auth import SCOPES, create_key, parse_scopes
+    from tinkergym.scheduler.auth import TENANT_SCOPES, create_key, parse_scopes
 
     _check_tenant(tenant)
     try:
         scope_list = parse_scopes(scopes)
     except ValueError as exc:
-        unknown = sorted({s.strip() for s in scopes.split(",") if s.strip()} - set(SCOPES))
+        given = {s.strip() for s in scopes.split(",") if s.strip()}
+        if "worker" in given:
+            raise click.BadParameter(str(exc), param_hint="--scopes") from exc
+        unknown = sorted(given - set(TENANT_SCOPES))
         what = f"unknown scope {', '.join(repr(shorten(s, 40)) for s in unknown[:5])}" if unknown else "no scope given"
-        raise click.BadParameter(f"{what}: give a comma-separated list of {', '.join(SCOPES)}", param_hint="--scopes") from exc
+        raise click.BadParameter(f"{what}: give a comma-separated list of {', '.join(TENANT_SCOPES)}", param_hint="--scopes") from exc
     if len(name) > 200:
         raise click.BadParameter("at most 200 characters", param_hint="--name")
     engine = open_database(db, data_dir)
@@ -301,11 +330,12 @@ def keys_revoke(key_id: str, db: str | None, data_dir: Path) -> None:
 
 @scheduler.group("tenants")
 def tenants() -> None:
-    """Tenants and their quotas (GPUs held at once, jobs queued at once).
+    """Tenants and their quotas (GPUs held at once, jobs queued at once, stored artifacts, events, ended jobs kept).
 
     \b
     Examples:
       tinkergym scheduler tenants set acme --max-gpus 4 --max-queued 50
+      tinkergym scheduler tenants set acme --max-artifact-gb 500 --max-events-per-job 200000 --keep-ended-jobs 5000
       tinkergym scheduler tenants list
     """
 
@@ -314,14 +344,28 @@ def tenants() -> None:
 @click.argument("tenant")
 @click.option("--max-gpus", type=click.IntRange(min=0), default=None, help="GPUs the tenant's jobs may hold at once (new tenants: 8).")
 @click.option("--max-queued", type=click.IntRange(min=0), default=None, help="Jobs the tenant may have queued at once (new tenants: 100).")
+@click.option("--max-artifact-gb", type=FiniteFloat(min=0), default=None, metavar="GIB",
+              help="Artifact bytes (checkpoints) the tenant's jobs may store in all, in GiB (2**30 bytes; fractions allowed); "
+                   "an upload past it is refused (413). New tenants: 100.")
+@click.option("--max-events-per-job", type=click.IntRange(0, MAX_INT), default=None, metavar="N",
+              help="Events one job may hold; a client's or worker's event past it is refused (429). New tenants: 100000.")
+@click.option("--max-event-kb", type=click.IntRange(1, MAX_INT // 1024), default=None, metavar="KIB",
+              help="One event's data, as JSON, in KiB (1024 bytes); a larger one is refused (413). New tenants: 64.")
+@click.option("--keep-ended-jobs", type=click.IntRange(0, MAX_INT), default=None, metavar="N",
+              help="Ended jobs kept; older ones are deleted with their events and artifacts (see serve --job-retention). "
+                   "New tenants: 1000.")
 @db_option
 @data_dir_option
-def tenants_set(tenant: str, max_gpus: int | None, max_queued: int | None, db: str | None, data_dir: Path) -> None:
+def tenants_set(
+    tenant: str, max_gpus: int | None, max_queued: int | None, max_artifact_gb: float | None, max_events_per_job: int | None,
+    max_event_kb: int | None, keep_ended_jobs: int | None, db: str | None, data_dir: Path,
+) -> None:
     """Create a tenant or change its quotas (the options not given keep their values).
 
     \b
     Example:
       tinkergym scheduler tenants set acme --max-gpus 4 --max-queued 50
+      tinkergym scheduler tenants set acme --max-artifact-gb 0.5 --max-event-kb 128
     """
     from sqlalchemy import select
 
@@ -332,94 +376,53 @@ def tenants_set(tenant: str, max_gpus: int | None, max_queued: int | None, db: s
     engine = open_database(db, data_dir)
     try:
         with engine.begin() as conn:
-            ensure_tenant(conn, tenant, max_gpus=max_gpus, max_queued=max_queued)
+            ensure_tenant(conn, tenant, max_gpus=max_gpus, max_queued=max_queued,
+                          max_artifact_bytes=None if max_artifact_gb is None else round(max_artifact_gb * GIB),
+                          max_events_per_job=max_events_per_job, max_event_bytes=None if max_event_kb is None else max_event_kb * 1024,
+                          keep_ended_jobs=keep_ended_jobs)
             row = conn.execute(select(tenants_table).where(tenants_table.c.id == tenant)).mappings().one()
     finally:
         engine.dispose()
-    click.echo(f"tenant {row['id']}: max_gpus={row['max_gpus']} max_queued={row['max_queued']}")
+    click.echo(f"tenant {row['id']}: max_gpus={row['max_gpus']} max_queued={row['max_queued']} "
+               f"max_artifact_gb={_gib(row['max_artifact_bytes'])} max_events_per_job={row['max_events_per_job']} "
+               f"max_event_kb={_kib(row['max_event_bytes'])} keep_ended_jobs={row['keep_ended_jobs']}")
+
+
+def _gib(n: int) -> str:
+    """Bytes as GiB, as ``--max-artifact-gb`` takes them (at most 3 decimals)."""
+    return f"{n / GIB:.3f}".rstrip("0").rstrip(".")
+
+
+def _kib(n: int) -> str:
+    return f"{n / 1024:.3f}".rstrip("0").rstrip(".")
 
 
 @tenants.command("list")
 @db_option
 @data_dir_option
 def tenants_list(db: str | None, data_dir: Path) -> None:
-    """List tenants and their quotas.
+    """List tenants, their quotas and the artifact bytes they store (STORED_GB).
 
     \b
     Example:
       tinkergym scheduler tenants list --db postgresql://tinkergym@127.0.0.1:5432/tinkergym
     """
-    from sqlalchemy import select
+    from sqlalchemy import func, select
 
+    from tinkergym.scheduler.db import jobs as jobs_table
     from tinkergym.scheduler.db import tenants as tenants_table
 
     engine = open_database(db, data_dir)
     try:
         with engine.connect() as conn:
             found = list(conn.execute(select(tenants_table).order_by(tenants_table.c.id)).mappings())
+            stored = dict(conn.execute(select(jobs_table.c.tenant_id, func.sum(jobs_table.c.artifact_bytes)).group_by(jobs_table.c.tenant_id)).all())
     finally:
         engine.dispose()
-    rows = [(t["id"], str(t["max_gpus"]), str(t["max_queued"]), _when(t["created_at"])) for t in found]
-    click.echo(_table(("TENANT", "MAX_GPUS", "MAX_QUEUED", "CREATED"), rows) if rows else "no tenants")
-
-
-@scheduler.group("workers")
-def workers_group() -> None:
-    """The workers that registered with this scheduler, and whether they are alive.
-
-    \b
-    Examples:
-      tinkergym scheduler workers list
-      tinkergym scheduler workers list --gone
-    """
-
-
-@workers_group.command("list")
-@click.option("--worker-timeout", type=FiniteFloat(min=0, min_open=True), default=90.0, show_default=True, metavar="S",
-              help="A worker not seen for this long is shown gone: give the `serve --worker-timeout` (3 x its --lease-ttl).")
-@click.option("--gone", "only_gone", is_flag=True, help="Only the gone workers.")
-@db_option
-@data_dir_option
-def workers_list(worker_timeout: float, only_gone: bool, db: str | None, data_dir: Path) -> None:
-    """List workers: id, name, host, status (alive or gone), devices busy of active, last seen.
-
-    \b
-    Example:
-      tinkergym scheduler workers list --db postgresql://tinkergym@127.0.0.1:5432/tinkergym
-    """
-    from sqlalchemy import select
-
-    from tinkergym.scheduler.db import workers as workers_table
-    from tinkergym.scheduler.leases import GONE, worker_view
-
-    engine = open_database(db, data_dir)
-    now = time.time()
-    try:
-        with engine.connect() as conn:
-            ids = conn.execute(select(workers_table.c.id).order_by(workers_table.c.registered_at, workers_table.c.id)).scalars().all()
-            found = [v for v in (worker_view(conn, i, now=now, timeout=worker_timeout) for i in ids) if v is not None]
-    finally:
-        engine.dispose()
-    rows = []
-    for w in found:
-        if only_gone and w["status"] != GONE:
-            continue
-        active = [d for d in w["devices"] if d["active"]]
-        seen = f"{_when(w['last_seen_at'])} ({_ago(now - w['last_seen_at'])} ago)"
-        rows.append((w["id"], w["name"], w["host"], w["status"],
-                     f"{sum(d['busy'] for d in active)}/{len(active)}", seen))
-    if not rows:
-        click.echo("no gone workers" if only_gone and found else "no workers", err=True)
-        return
-    click.echo(_table(("ID", "NAME", "HOST", "STATUS", "BUSY", "LAST SEEN"), rows))
-
-
-def _ago(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds // size}{unit}"
-    return f"{seconds}s"
+    rows = [(t["id"], str(t["max_gpus"]), str(t["max_queued"]), _gib(t["max_artifact_bytes"]), _gib(int(stored.get(t["id"]) or 0)),
+             str(t["max_events_per_job"]), _kib(t["max_event_bytes"]), str(t["keep_ended_jobs"]), _when(t["created_at"])) for t in found]
+    header = ("TENANT", "MAX_GPUS", "MAX_QUEUED", "MAX_ARTIFACT_GB", "STORED_GB", "MAX_EVENTS_PER_JOB", "MAX_EVENT_KB", "KEEP_ENDED_JOBS", "CREATED")
+    click.echo(_table(header, rows) if rows else "no tenants")
 
 
 @scheduler.group("db")

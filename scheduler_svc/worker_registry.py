@@ -1,0 +1,186 @@
+"""Workers in the scheduler's tables: registration within a credential's bounds, status (alive or gone), strikes and
+quarantine, and forgetting silent ones (see :mod:`tinkergym.scheduler.leases` for how these fit the leases)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+from typing import Any
+
+from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy.engine import Connection
+
+from tinkergym.scheduler import states
+from tinkergym.scheduler.credentials import WorkerBounds
+from tinkergym.scheduler.db import allocations, api_keys, devices, jobs, workers
+from tinkergym.scheduler.repository import JobStore
+
+
+def _locked(conn: Connection, query: Any) -> Any:
+    """``query FOR UPDATE`` where the database has it (SQLite's ``BEGIN IMMEDIATE`` already holds the write lock)."""
+    return query if conn.dialect.name == "sqlite" else query.with_for_update()
+
+
+def register_worker(
+    conn: Connection, *, key_id: str, bounds: WorkerBounds, name: str, host: str, device_list: list[dict[str, Any]], models: list[str],
+    now: float,
+) -> str:
+    """Create or update the worker ``name`` of worker credential ``key_id`` and upsert its devices by index; its id.
+
+    The registration must fit the credential's ``bounds`` (:class:`~tinkergym.scheduler.credentials.BoundsError`
+    otherwise), counting the active devices of the credential's other workers. Devices the worker no longer lists
+    are marked inactive (a job holding one keeps it until it ends; no new job gets it). Registrations of one key are
+    serialised by a lock on the key's row, so two at once cannot both fit the bound.
+    """
+    conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == key_id))).first()
+    row = conn.execute(select(workers.c.id).where(workers.c.key_id == key_id, workers.c.name == name)).first()
+    others = select(workers.c.id).where(workers.c.key_id == key_id, workers.c.name != name)
+    elsewhere = conn.execute(select(func.count()).select_from(devices).where(devices.c.worker_id.in_(others), devices.c.active.is_(True))).scalar_one()
+    bounds.check_registration(device_list, models, int(elsewhere))
+    values = {"host": host, "models": json.dumps(sorted(set(models))), "last_seen_at": now}
+    if row is None:
+        worker_id = "wkr_" + secrets.token_hex(8)
+        conn.execute(insert(workers).values(id=worker_id, name=name, key_id=key_id, registered_at=now, **values))
+    else:
+        worker_id = row[0]
+        conn.execute(update(workers).where(workers.c.id == worker_id).values(**values))
+    known = {r.index: r.id for r in conn.execute(select(devices.c.id, devices.c.index).where(devices.c.worker_id == worker_id))}
+    listed = set()
+    for device in device_list:
+        listed.add(device["index"])
+        fields = {"kind": device["kind"], "name": device.get("name", ""), "active": True}
+        if device["index"] in known:
+            conn.execute(update(devices).where(devices.c.id == known[device["index"]]).values(**fields))
+        else:
+            conn.execute(insert(devices).values(worker_id=worker_id, index=device["index"], **fields))
+    gone = [known[i] for i in known if i not in listed]
+    if gone:
+        conn.execute(update(devices).where(devices.c.id.in_(gone)).values(active=False))
+    return worker_id
+
+
+ALIVE, GONE = "alive", "gone"
+#: Silent workers forgotten per sweeper pass at most.
+FORGET_BATCH = 100
+
+
+def worker_timeout(settings: Any) -> float:
+    """Seconds without a call after which a worker is gone: ``worker_timeout_s`` (None: three lease TTLs), at least one TTL."""
+    configured = getattr(settings, "worker_timeout_s", None)
+    return max(float(configured) if configured else 3.0 * settings.lease_ttl_s, settings.lease_ttl_s)
+
+
+def worker_status(last_seen_at: float, now: float, timeout: float) -> str:
+    """``gone`` when the worker has not been seen for ``timeout`` seconds, else ``alive``."""
+    return GONE if now - last_seen_at > timeout else ALIVE
+
+
+def worker_view(conn: Connection, worker_id: str, *, now: float, timeout: float) -> dict[str, Any] | None:
+    """The worker's public view (id, name, host, models, ``status``, devices with ``busy``, times); None if there is none."""
+    row = conn.execute(select(workers).where(workers.c.id == worker_id)).mappings().first()
+    if row is None:
+        return None
+    busy = select(allocations.c.device_id)
+    found = conn.execute(
+        select(devices.c.index, devices.c.kind, devices.c.name, devices.c.active, devices.c.id.in_(busy).label("busy"))
+        .where(devices.c.worker_id == worker_id).order_by(devices.c.index)
+    ).mappings()
+    return {
+        "id": row["id"], "name": row["name"], "host": row["host"], "models": json.loads(row["models"]),
+        "status": worker_status(row["last_seen_at"], now, timeout),
+        "devices": [{k: (bool(d[k]) if k in ("active", "busy") else d[k]) for k in d} for d in found],
+        "registered_at": row["registered_at"], "last_seen_at": row["last_seen_at"],
+        "strikes": row["strikes"], "quarantined": row["quarantined_at"] is not None,
+    }
+
+
+def owned_worker(conn: Connection, worker_id: str, key_id: str) -> dict[str, Any] | None:
+    """The worker's row if it exists and was registered with key ``key_id``; None otherwise."""
+    row = conn.execute(select(workers).where(workers.c.id == worker_id, workers.c.key_id == key_id)).mappings().first()
+    return dict(row) if row is not None else None
+
+
+def _strike(conn: Connection, store: JobStore, job: dict[str, Any], quarantine_after: int, now: float) -> None:
+    """Count a lease of ``job`` that expired before its server came up against its worker; quarantine it at ``quarantine_after``.
+
+    The job's owner reads why in its events (the worker, its strikes, and its quarantine). Strikes reset when one of
+    the worker's jobs reports ``running``; a quarantined worker gets no lease until the operator releases it.
+    """
+    worker_id = job["worker_id"]
+    row = conn.execute(_locked(conn, select(workers.c.strikes, workers.c.quarantined_at).where(workers.c.id == worker_id))).first()
+    if row is None:
+        return
+    strikes = row.strikes + 1
+    quarantine = bool(quarantine_after) and strikes >= quarantine_after and row.quarantined_at is None
+    conn.execute(update(workers).where(workers.c.id == worker_id).values(
+        strikes=strikes, **({"quarantined_at": now} if quarantine else {})))
+    data: dict[str, Any] = {"message": "the lease expired before the job's server came up", "worker": worker_id, "strikes": strikes}
+    if quarantine:
+        data["message"] += f"; worker {worker_id} is quarantined after {strikes} such leases in a row and gets no more jobs"
+    store.append_event(conn, job["id"], "log", data)
+
+
+def release_worker(store: JobStore, worker_id: str) -> bool:
+    """End a worker's quarantine and clear its strikes; False when there is no such worker."""
+    with store.transaction() as conn:
+        result = conn.execute(update(workers).where(workers.c.id == worker_id).values(strikes=0, quarantined_at=None))
+    return result.rowcount == 1
+
+
+def forget_worker(store: JobStore, worker_id: str, seen_before: float) -> bool:
+    """Delete a worker not seen since ``seen_before`` that holds nothing, with its devices (one transaction); whether it did.
+
+    Re-checks under lock (its key's row first, as registration takes it) that the worker is still that silent,
+    holds no lease and no device; ended jobs that ran on it stop naming it (``jobs.worker_id`` becomes null).
+    """
+    with store.transaction() as conn:
+        row = conn.execute(select(workers.c.key_id).where(workers.c.id == worker_id)).first()
+        if row is None:
+            return False
+        conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == row.key_id))).first()
+        worker = conn.execute(_locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
+        if worker is None or worker["last_seen_at"] >= seen_before:
+            return False
+        held = conn.execute(select(jobs.c.id).where(jobs.c.worker_id == worker_id, jobs.c.state.in_(sorted(states.HOLDING))).limit(1)).first()
+        owned = select(devices.c.id).where(devices.c.worker_id == worker_id)
+        if held is not None or conn.execute(select(allocations.c.device_id).where(allocations.c.device_id.in_(owned)).limit(1)).first():
+            return False
+        conn.execute(update(jobs).where(jobs.c.worker_id == worker_id).values(worker_id=None))
+        conn.execute(delete(devices).where(devices.c.worker_id == worker_id))
+        conn.execute(delete(workers).where(workers.c.id == worker_id))
+    return True
+
+
+def sweep_workers(app: Any) -> dict[str, int]:
+    """Log the workers that turned gone or came back since the last pass, and forget those gone for ``worker_forget_s``.
+
+    Returns ``{"gone": workers gone now, "forgotten": workers deleted by this pass}``. The status itself is
+    derived (:func:`worker_status`), so this pass only reports it and forgets.
+    """
+    store: JobStore = app.state.store
+    settings = app.state.settings
+    now, timeout = store.clock(), worker_timeout(settings)
+    with store.read() as conn:
+        silent = {r.id: r for r in conn.execute(
+            select(workers.c.id, workers.c.name, workers.c.last_seen_at).where(workers.c.last_seen_at < now - timeout))}
+    logger = getattr(app.state, "logger", None) or logging.getLogger("tinkergym.scheduler")
+    before: set[str] = getattr(app.state, "gone_workers", set())
+    for worker_id in sorted(set(silent) - before):
+        logger.warning("worker %s (%s) is gone: not seen for %.0f s", worker_id, silent[worker_id].name, now - silent[worker_id].last_seen_at)
+    for worker_id in sorted(before - set(silent)):
+        logger.info("worker %s is back", worker_id)
+    forgotten = 0
+    forget_after = getattr(settings, "worker_forget_s", None)
+    if forget_after:
+        cutoff = now - max(float(forget_after), timeout)
+        for worker_id in [w for w, r in silent.items() if r.last_seen_at < cutoff][:FORGET_BATCH]:
+            try:
+                if forget_worker(store, worker_id, cutoff):
+                    forgotten += 1
+                    silent.pop(worker_id)
+                    logger.info("forgot worker %s: not seen for over %.0f s, holding nothing", worker_id, now - cutoff)
+            except Exception:  # noqa: BLE001 - one worker's failure must not stop the sweep
+                logger.exception("could not forget worker %s", worker_id)
+    app.state.gone_workers = set(silent)
+    return {"gone": len(silent), "forgotten": forgotten}

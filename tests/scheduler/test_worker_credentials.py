@@ -1,0 +1,212 @@
+"""Workers are the cluster's principals: only an operator-made worker credential registers a worker or takes a lease,
+within its bounds (devices by count and kind, models, tenants); a tenant's admin key is no worker; a worker that
+takes leases and never runs them is quarantined before it can fail a job; the migration takes the worker scope
+from tenants' keys. On SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from click.testing import CliRunner
+from workerkit import Clock, auth, job_row, register, submit  # registered by conftest.py
+
+from tinkergym.cli import main
+from tinkergym.scheduler import leases
+from tinkergym.scheduler.auth import KEY_PATTERN, key_digest
+from tinkergym.scheduler.db import make_engine, upgrade
+
+
+def _body(name: str = "w1", devices: int = 1, kind: str = "gpu", models: tuple[str, ...] = ("tiny",)) -> dict[str, Any]:
+    return {"name": name, "host": "127.0.0.1", "devices": [{"index": i, "kind": kind} for i in range(devices)], "models": list(models)}
+
+
+@pytest.fixture
+def env(make_client: Any, keys: Any) -> Any:
+    class Env:
+        clock = Clock()
+        client = make_client(clock=clock, lease_ttl_s=30.0)
+        acme = keys.new("acme", "read,write")
+        acme_admin = keys.new("acme", "admin")
+
+    return Env()
+
+
+# ----- who may act as a worker ----------------------------------------------------------------------------
+def test_a_tenants_admin_key_neither_registers_nor_leases(env: Any, keys: Any) -> None:
+    job_id = submit(env.client, env.acme)
+    refused = env.client.post("/v1/workers", json=_body(), headers=auth(env.acme_admin))
+    assert refused.status_code == 403 and "worker" in refused.json()["error"]["message"]
+    # Even a worker id registered by a real credential: the admin key is not a worker.
+    w = register(env.client, keys.worker(4), devices=1)
+    assert env.client.post(f"/v1/workers/{w.id}/lease", headers=auth(env.acme_admin)).status_code == 403
+    assert job_row(env.client.app.state.settings.db_url, job_id)["state"] == "queued"
+
+
+def test_a_credential_bound_to_another_tenant_gets_no_lease_of_this_tenants_job(env: Any, keys: Any, db_url: str) -> None:
+    job_id = submit(env.client, env.acme)
+    globex_pool = register(env.client, keys.worker(4, tenants=("globex",)), name="globex-box", devices=1)
+    assert globex_pool.lease() is None
+    assert job_row(db_url, job_id)["state"] == "queued"
+    acme_pool = register(env.client, keys.worker(4, tenants=("acme",)), name="acme-box", devices=1)
+    lease = acme_pool.lease()
+    assert lease is not None and lease["job_id"] == job_id
+    # The globex pool runs globex's jobs.
+    globex = keys.new("globex", "read,write")
+    theirs = submit(env.client, globex)
+    assert globex_pool.lease()["job_id"] == theirs
+
+
+def test_a_tenant_admin_lists_only_the_workers_that_serve_it(env: Any, keys: Any) -> None:
+    shared = register(env.client, keys.worker(2), name="shared", devices=1)
+    mine = register(env.client, keys.worker(2, tenants=("acme",)), name="mine", devices=1)
+    register(env.client, keys.worker(2, tenants=("globex",)), name="theirs", devices=1)
+    listed = env.client.get("/v1/workers", headers=auth(env.acme_admin))
+    assert listed.status_code == 200 and {w["id"] for w in listed.json()["workers"]} == {shared.id, mine.id}
+
+
+# ----- bounds -----------------------------------------------------------------------------------------------
+def test_a_credential_registers_no_more_devices_than_it_holds(env: Any, keys: Any, db_url: str) -> None:
+    key = keys.worker(4, kind="gpu")
+    too_many = env.client.post("/v1/workers", json=_body(devices=64), headers=auth(key))
+    assert too_many.status_code == 403 and "4 device(s)" in too_many.json()["error"]["message"]
+    assert env.client.post("/v1/workers", json=_body("a", devices=3), headers=auth(key)).status_code == 200
+    # Across workers: 3 on "a" leave 1 for "b".
+    second = env.client.post("/v1/workers", json=_body("b", devices=2), headers=auth(key))
+    assert second.status_code == 403 and "3 on its other workers" in second.json()["error"]["message"]
+    assert env.client.post("/v1/workers", json=_body("b", devices=1), headers=auth(key)).status_code == 200
+    # Re-registering "a" with as many devices is an update, not more devices.
+    assert env.client.post("/v1/workers", json=_body("a", devices=3), headers=auth(key)).status_code == 200
+    active = sa.text("SELECT count(*) FROM devices WHERE active")
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            assert conn.execute(active).scalar_one() == 4
+    finally:
+        engine.dispose()
+
+
+def test_a_credential_registers_only_its_kind_and_models(env: Any, keys: Any) -> None:
+    key = keys.worker(4, kind="gpu", models=("tiny",))
+    wrong_kind = env.client.post("/v1/workers", json=_body(kind="slot"), headers=auth(key))
+    assert wrong_kind.status_code == 403 and "gpu devices only" in wrong_kind.json()["error"]["message"]
+    other_model = env.client.post("/v1/workers", json=_body(models=("tiny", "org/big")), headers=auth(key))
+    assert other_model.status_code == 403 and "org/big" in other_model.json()["error"]["message"]
+
+
+def test_a_lease_offers_only_the_models_the_credential_allows(env: Any, keys: Any, db_url: str) -> None:
+    key = keys.worker(4, models=("tiny",))
+    w = register(env.client, key, devices=1, models=("tiny",))
+    big = submit(env.client, env.acme, model="org/big")
+    # The operator narrows the credential to another model: the worker's registered model no longer leases.
+    from tinkergym.scheduler.credentials import WorkerBounds, set_worker_bounds
+
+    engine = make_engine(db_url)
+    try:
+        key_id = KEY_PATTERN.match(key).group(1)
+        assert set_worker_bounds(engine, key_id, WorkerBounds(4, models=("org/big",)))
+    finally:
+        engine.dispose()
+    tiny = submit(env.client, env.acme)
+    assert w.lease() is None
+    assert job_row(db_url, big)["state"] == "queued" and job_row(db_url, tiny)["state"] == "queued"
+
+
+# ----- the worker that never runs what it takes ----------------------------------------------------------
+def test_a_worker_that_never_heartbeats_is_quarantined_before_it_fails_a_job(env: Any, keys: Any, db_url: str) -> None:
+    app = env.client.app
+    rogue = register(env.client, keys.worker(1), name="rogue", devices=1)
+    job_id = submit(env.client, env.acme)
+    for strike in (1, 2):
+        lease = rogue.lease()
+        assert lease is not None and lease["job_id"] == job_id
+        env.clock.advance(31.0)
+        assert leases.sweep(app) == 1
+        row = job_row(db_url, job_id)
+        assert row["state"] == "queued" and row["attempt"] == strike  # max_attempts 3: still queued
+    refused = rogue.post("/lease")
+    assert refused.status_code == 403 and "quarantined" in refused.json()["error"]["message"]
+    assert "workers release" in refused.json()["error"]["message"]
+    # The owner reads why.
+    found = env.client.get(f"/v1/jobs/{job_id}/events", headers=auth(env.acme)).json()["events"]
+    notes = [e["data"] for e in found if e["type"] == "log" and e["data"].get("worker") == rogue.id]
+    assert [n["strikes"] for n in notes] == [1, 2] and "quarantined" in notes[-1]["message"]
+    # An honest worker runs the job, and its running job clears its own strikes.
+    honest = register(env.client, keys.worker(1), name="honest", devices=1)
+    lease = honest.lease()
+    assert lease["job_id"] == job_id
+    for state in ("starting", "running"):
+        assert honest.state(job_id, lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+    # The operator releases the rogue: it leases again.
+    cli = CliRunner().invoke(main, ["scheduler", "workers", "release", rogue.id, "--db", db_url])
+    assert cli.exit_code == 0, cli.output
+    assert rogue.post("/lease").status_code == 200
+    listed = CliRunner().invoke(main, ["scheduler", "workers", "list", "--db", db_url])
+    assert "quarantined" not in listed.output
+
+
+def test_strikes_reset_when_a_server_comes_up(env: Any, keys: Any, db_url: str) -> None:
+    app = env.client.app
+    w = register(env.client, keys.worker(1), devices=1)
+    first, second = submit(env.client, env.acme), submit(env.client, env.acme)
+    lease = w.lease()
+    env.clock.advance(31.0)
+    leases.sweep(app)  # strike 1
+    lease = w.lease()
+    for state in ("starting", "running"):
+        assert w.state(lease["job_id"], lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+    assert w.state(lease["job_id"], lease["epoch"], "succeeded").status_code == 200
+    lease = w.lease()
+    env.clock.advance(31.0)
+    leases.sweep(app)  # strike 1 again, not 2
+    assert w.post("/lease").status_code == 200
+    assert {job_row(db_url, j)["state"] for j in (first, second)} <= {"queued", "leased", "succeeded"}
+
+
+# ----- the operator's commands ----------------------------------------------------------------------------
+def test_worker_credentials_are_made_by_the_operator_only(db_url: str, tmp_path: Path) -> None:
+    def cli(*args: str) -> Any:
+        return CliRunner().invoke(main, ["scheduler", *args, "--db", db_url, "--data-dir", str(tmp_path)])
+
+    refused = cli("keys", "create", "--tenant", "acme", "--scopes", "read,worker")
+    assert refused.exit_code == 2 and "workers create" in refused.output
+    made = cli("workers", "create", "gpu-host-1", "--devices", "4", "--kind", "gpu", "--model", "tiny", "--tenant", "acme")
+    assert made.exit_code == 0, made.output
+    key = made.stdout.strip()
+    assert KEY_PATTERN.match(key) and made.stdout.count("tgk_") == 1 and "4 gpus" in made.stderr
+    key_id = KEY_PATTERN.match(key).group(1)
+    listed = cli("workers", "credentials")
+    assert key_id in listed.stdout and "tenants: acme" in listed.stdout and key_digest(key) not in listed.stdout
+    assert key_id not in cli("keys", "list").output  # tenants' keys only
+    changed = cli("workers", "set", key_id, "--devices", "8")
+    assert changed.exit_code == 0 and "8 devices" in changed.stdout and "tenants: all" in changed.stdout
+    assert cli("workers", "set", "ffffffffffff", "--devices", "1").exit_code == 2
+    assert cli("keys", "revoke", key_id).exit_code == 0
+    assert cli("workers", "release", "wkr_nope").exit_code == 2
+
+
+# ----- the migration ----------------------------------------------------------------------------------------
+def test_the_migration_takes_the_worker_scope_from_tenants_keys(db_url: str, caplog: Any) -> None:
+    engine = make_engine(db_url)
+    try:
+        upgrade(engine, "0003")
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO tenants (id, max_gpus, max_queued, created_at) VALUES ('acme', 8, 100, 0)"))
+            for key_id, scopes in (("aaaaaaaaaaaa", "worker"), ("bbbbbbbbbbbb", "read,worker"), ("cccccccccccc", "admin"),
+                                   ("dddddddddddd", "read,write")):
+                conn.execute(sa.text("INSERT INTO api_keys (id, tenant_id, digest, scopes, name, created_at) "
+                                     "VALUES (:id, 'acme', :d, :s, '', 0)"), {"id": key_id, "d": "0" * 64, "s": scopes})
+        with caplog.at_level(logging.WARNING):
+            upgrade(engine)
+        with engine.connect() as conn:
+            rows = {r.id: (r.scopes, r.revoked_at is not None) for r in conn.execute(sa.text("SELECT id, scopes, revoked_at FROM api_keys"))}
+    finally:
+        engine.dispose()
+    assert rows == {"aaaaaaaaaaaa": ("", True), "bbbbbbbbbbbb": ("read", False), "cccccccccccc": ("admin", False),
+                    "dddddddddddd": ("read,write", False)}
+    warned = caplog.text
+    assert "aaaaaaaaaaaa" in warned and "revoked" in warned and "bbbbbbbbbbbb" in warned and "cccccccccccc" in warned
+    assert "dddddddddddd" not in warned and "workers create" in warned
