@@ -137,12 +137,13 @@ def remote_side(via: str, model: str, config: Any, scratch: Path, threads: int, 
     from tinkergym.backends.scheduled import ScheduledBackend
     from tinkergym.client import SchedulerClient
     from tinkergym.scheduler.auth import create_key
+    from tinkergym.scheduler.credentials import WorkerBounds, create_worker_key
     from tinkergym.scheduler.db import make_engine, upgrade
 
     db = f"sqlite:///{scratch / 'scheduler.db'}"
     engine = make_engine(db)
     upgrade(engine)
-    client_key, worker_key = create_key(engine, "bench", ["read", "write"])[1], create_key(engine, "ops", ["worker"])[1]
+    client_key, worker_key = create_key(engine, "bench", ["read", "write"])[1], create_worker_key(engine, WorkerBounds(1))[1]
     engine.dispose()
     port = free_port()
     scheduler = subprocess.Popen([sys.executable, "-m", "tinkergym", "scheduler", "serve", "--db", db, "--data-dir", str(scratch / "data"),

@@ -41,7 +41,7 @@ def parse_ports(text: str) -> tuple[int, int]:
 @click.command("worker")
 @click.option("--scheduler", "scheduler_url", envvar=SCHEDULER_ENV, show_envvar=True, metavar="URL", help="The scheduler, e.g. http://10.0.0.2:8700.")
 @click.option("--key", "api_key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
-              help="A key with the worker scope (tinkergym scheduler keys create --scopes worker). Prefer the environment variable.")
+              help="A worker credential (made on the scheduler's machine: tinkergym scheduler workers create). Prefer the environment variable.")
 @click.option("--gpus", default=None, metavar="0,1", help="CUDA device indexes this worker lends (each job gets CUDA_VISIBLE_DEVICES).")
 @click.option("--slots", type=click.IntRange(1, 1024), default=None, help="Without GPUs: this many CPU slots (servers run on the CPU).")
 @click.option("--name", default=None, help="The worker's name (default: the host name); registering it again updates it.")
@@ -72,7 +72,7 @@ def worker(
     if not scheduler_url:
         raise InputError(f"no scheduler: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8700)")
     if not api_key or not api_key.strip():
-        raise InputError(f"no key: pass --key KEY or set {API_KEY_ENV} (a key with the worker scope)")
+        raise InputError(f"no key: pass --key KEY or set {API_KEY_ENV} (a worker credential: tinkergym scheduler workers create NAME --devices N)")
     if (gpus is None) == (slots is None):
         raise InputError("give exactly one of --gpus 0,1 (GPU indexes) or --slots N (CPU slots on a machine without a GPU)")
     if not HOST.match(host):
