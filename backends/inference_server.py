@@ -49,8 +49,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
-def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_bytes: int = MAX_BODY_BYTES) -> Any:
-    """The FastAPI app serving ``engine`` behind the API key whose SHA-256 digest is ``token_digest``."""
+def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_bytes: int = MAX_BODY_BYTES, lease: Any = None) -> Any:
+    """The FastAPI app serving ``engine`` behind the API key whose SHA-256 digest is ``token_digest``; with a ``lease``
+    (:class:`~tinkergym.backends.service_auth.LeaseFile`: a scheduler's worker started it), no call past its end."""
     from fastapi import FastAPI
     from fastapi.responses import StreamingResponse
 
@@ -120,7 +121,7 @@ def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_
             return StreamingResponse(chunks_or_body, media_type="text/event-stream")
         return chunks_or_body
 
-    require_token(app, token_digest)  # added last: the outermost middleware, so every other answer needs the key
+    require_token(app, token_digest, lease=lease)  # added last: the outermost middleware, so every other answer needs the key
     return app
 
 
@@ -128,13 +129,14 @@ def _answer_errors_openai_style(app: Any, max_body_bytes: int) -> None:
     """:class:`APIError`, invalid bodies (400, not FastAPI's 422) and oversized bodies (413) in OpenAI's error shape.
 
     Bodies are bounded by the servers' shared :class:`~tinkergym.backends.asgi.BodyLimit`: by ``Content-Length``
-    before reading, and by counting the bytes of a body that streams in without one (chunked transfer).
+    before reading, and by counting the bytes of a body that streams in without one (chunked transfer). Text with a
+    lone UTF-16 surrogate (or a NUL), which no tokenizer encodes, is refused by :class:`~tinkergym.backends.asgi.StrictText`.
     """
     from fastapi import Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
-    from tinkergym.backends.asgi import BodyLimit, BodyTooLarge
+    from tinkergym.backends.asgi import BodyLimit, BodyTooLarge, StrictText
 
     def openai_error(status: int, kind: str, message: str) -> JSONResponse:
         return JSONResponse(APIError(status, message).body(), status_code=status)
@@ -154,6 +156,7 @@ def _answer_errors_openai_style(app: Any, max_body_bytes: int) -> None:
     async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
         return openai_error(exc.status_code, "body_too_large", str(exc.detail))
 
+    app.add_middleware(StrictText, answer=openai_error)  # inside BodyLimit, which bounds what it reads
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, hint="send fewer or shorter prompts per request", answer=openai_error)
 
 

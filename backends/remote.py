@@ -336,6 +336,8 @@ class RemoteBackend:
         """The tinkergym error for a refused call, with the server's message."""
         message = _message(payload)
         kind = (payload.get("error") or {}).get("type") if isinstance(payload.get("error"), dict) else None
+        if status == 401 and kind == "lease_ended":  # a scheduler job's server whose lease ended: the job moves on
+            return RemoteBackendError(f"{what}: the training server at {self.url}: {message}")
         if status == 401:
             return ConfigError(
                 f"the training server at {self.url} refused the token (401 Unauthorized): check that --backend-token-file "

@@ -43,7 +43,7 @@ from tinkergym.backends.server_calls import (
     named_dir,
     parse_call,
 )
-from tinkergym.backends.service_auth import require_token
+from tinkergym.backends.service_auth import LeaseFile, require_token
 from tinkergym.backends.tokenizer_files import read_tokenizer_files
 from tinkergym.errors import ConfigError
 
@@ -295,6 +295,7 @@ def create_app(
     keep_states: int = 0,
     max_sessions: int = 64,
     limits: CallLimits = CallLimits(),
+    lease: LeaseFile | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``backend`` (any :class:`~tinkergym.backends.base.Backend`) over HTTP.
 
@@ -309,6 +310,7 @@ def create_app(
         max_sessions: Sessions kept (the least recently used is forgotten).
         keep_states: With a value > 0, each ``save_state`` deletes all but that many newest saved states.
         limits: What one call may ask for (samples, new tokens, sequences, tokens); larger asks are refused with 400.
+        lease: The lease the server serves under (a scheduler's worker started it): past its end every call is refused.
     """
     folder = Path(run_dir).resolve()
     folder.mkdir(parents=True, exist_ok=True)
@@ -329,6 +331,6 @@ def create_app(
     _add_error_handlers(app, log)
     # Added innermost first: the log sees every request, the token is checked before any body is read.
     app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 1024 * 1024), hint="send the batch in several forward_backward calls (--max-body-mb)")
-    require_token(app, token_digest)
+    require_token(app, token_digest, lease=lease)
     app.add_middleware(RequestLog, logger=log)
     return app

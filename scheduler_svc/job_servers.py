@@ -52,7 +52,8 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
     device = "auto" if gpu else "cpu"
     base = [options.python, "-m", "tinkergym"]
     idle = options.idle_timeout or lease.get("idle_timeout_s")  # the worker's own, else the scheduler's
-    lifetime = ["--exit-with-parent", *(["--idle-timeout", f"{idle:g}"] if idle else [])]
+    # The lease's deadline, renewed by the worker at every heartbeat: past it the server refuses every call.
+    lifetime = ["--exit-with-parent", "--lease-file", str(folder / "lease"), *(["--idle-timeout", f"{idle:g}"] if idle else [])]
     if lease["kind"] in SERVING_KINDS:
         command = [*base, "serve-model", "--model", model, "--api-key-file", str(folder / "token"), "--host", options.host,
                    "--port", str(port), "--dtype", dtype, "--device", device, *lifetime]

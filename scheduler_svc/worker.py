@@ -3,7 +3,8 @@
 Standard library and :mod:`tinkergym.client` only: no torch, no FastAPI (the servers it starts load those).
 
 For each lease, in ``<work-dir>/jobs/<job>/<epoch>/`` (the server's run folder, with the lease's token in the
-0600 file ``token``), a :class:`JobRunner`:
+0600 file ``token`` and the lease's deadline in ``lease``, moved on at every heartbeat the scheduler accepts: past it
+the server refuses every call, so a frozen worker's server stops serving when its lease ends), a :class:`JobRunner`:
 
 1. restores checkpoints from the scheduler's artifact store into ``states/<name>`` (sizes and SHA-256 checked):
    the job's last one (the lease's ``checkpoint``) and, for a job whose config continues an ended one
@@ -48,6 +49,7 @@ from tinkergym.scheduler.artifact_paths import check_relpath
 from tinkergym.scheduler.job_servers import SERVING_KINDS, WorkerOptions, server_command  # noqa: F401 - public here too
 from tinkergym.scheduler.worker_client import WorkerClient
 
+from tinkergym.backends.service_auth import write_lease_file
 from tinkergym.client import SchedulerError
 from tinkergym.folders import write_private_file
 
@@ -129,6 +131,7 @@ class JobRunner(threading.Thread):
         self.port: int | None = None
         self.lost, self.cancelling, self.shutdown, self.done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
         self.renewed_at = time.monotonic()
+        self._lease_lock = threading.Lock()
         self.seen: dict[str, tuple[int, int]] = {}
         self.recorded: set[str] = set()
         self.outcome = "running"
@@ -165,6 +168,7 @@ class JobRunner(threading.Thread):
     def _run(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
         write_private_file(self.folder / "token", self.lease["token"] + "\n")
+        self._renewed(self.renewed_at)
         self._restore_while_leased()
         self._report("starting")
         url = self._start_server()
@@ -209,6 +213,7 @@ class JobRunner(threading.Thread):
     def _conflict(self, exc: SchedulerError) -> None:
         """After a 404/409, a heartbeat says why: the lease is lost (:class:`LeaseLost`), the job is cancelling
         (:class:`Cancelled`), or neither, and the refusal was about the request itself (returns)."""
+        sent = time.monotonic()
         try:
             answer = self.beats.heartbeat(self.job_id, self.epoch)
         except SchedulerError as beat:
@@ -216,7 +221,7 @@ class JobRunner(threading.Thread):
                 self._lose()
                 raise LeaseLost(str(exc)) from exc
             raise exc from beat
-        self.renewed_at = time.monotonic()
+        self._renewed(sent)
         if answer.get("cancelling"):
             self.cancelling.set()
             raise Cancelled() from exc
@@ -244,8 +249,9 @@ class JobRunner(threading.Thread):
     def _heartbeats(self) -> None:
         while not self.done.wait(self.interval):
             try:
+                sent = time.monotonic()
                 answer = self.beats.heartbeat(self.job_id, self.epoch)
-                self.renewed_at = time.monotonic()
+                self._renewed(sent)
                 if answer.get("cancelling"):
                     self.cancelling.set()
             except SchedulerError as exc:
@@ -258,6 +264,14 @@ class JobRunner(threading.Thread):
                 log.warning("job %s epoch %s: not renewed for the lease's %gs", self.job_id, self.epoch, self.ttl)
                 self._lose()
                 return
+
+    def _renewed(self, sent: float) -> None:
+        """The scheduler renewed the lease by a call sent at ``sent`` (monotonic): it ends no sooner than ``sent + ttl``,
+        the deadline the server reads from its lease file."""
+        with self._lease_lock:
+            self.renewed_at = max(self.renewed_at, sent)
+            if not self.lost.is_set():
+                write_lease_file(self.folder / "lease", self.renewed_at + self.ttl, self.epoch)
 
     def _lose(self) -> None:
         self.lost.set()

@@ -12,6 +12,7 @@ import click
 
 from tinkergym.backends.server_calls import CallLimits
 from tinkergym.cli.common import SEED, FiniteFloat, InputError, SafePath
+from tinkergym.cli.connection_options import connection_limits, connection_options
 
 TOKEN_HINT = (
     'make one with: python -c "import secrets; print(secrets.token_urlsafe(32))" > token.txt && chmod 600 token.txt'
@@ -65,18 +66,22 @@ def request_logger(run_dir: Path) -> logging.Logger:
 @click.option("--lora-sampling", type=click.Choice(["adapter", "merged"]), default="adapter", show_default=True,
               help="How LoRA samples: through the adapter, or from a merged copy of the weights (faster on a CPU; see train --help).")
 @click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
+@click.option("--lease-file", type=SafePath(dir_okay=False, path_type=Path), default=None,
+              help="A scheduler's worker renews the lease's deadline in this file; past it every call is refused (401 lease_ended).")
 @click.option("--max-num-samples", type=click.IntRange(min=1), default=CallLimits.num_samples, show_default=True, help="Most completions per prompt in one sample call.")
 @click.option("--max-request-new-tokens", type=click.IntRange(min=1), default=CallLimits.new_tokens, show_default=True, help="Most max_new_tokens of one sample call.")
 @click.option("--max-request-sequences", type=click.IntRange(min=1), default=CallLimits.sequences, show_default=True,
               help="Most sequences one call holds: a sample call's prompts x num_samples, a training or scoring call's rows.")
 @click.option("--max-request-tokens", type=click.IntRange(min=1), default=CallLimits.tokens, show_default=True,
               help="Most tokens one call holds: prompt plus new tokens of every sequence a sample call makes, a training call's row lengths.")
+@connection_options
 def serve_backend(
     model: str, lora_rank: int | None, full: bool, lora_alpha: float | None, lora_dropout: float, micro_batch_size: int,
     dtype: str, device: str, seed: int, host: str, port: int,
     token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int, idle_timeout: float | None, deterministic: bool,
-    gradient_checkpointing: bool, prefix_cache_mb: float, lora_sampling: str, exit_with_parent: bool,
+    gradient_checkpointing: bool, prefix_cache_mb: float, lora_sampling: str, exit_with_parent: bool, lease_file: Path | None,
     max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
+    header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
     """Serve the Backend protocol over HTTP: sampling, gradients and optimizer steps for a remote trainer.
 
@@ -88,7 +93,7 @@ def serve_backend(
       python -c "import secrets; print(secrets.token_urlsafe(32))" > token.txt && chmod 600 token.txt
       tinkergym serve-backend --model tiny --token-file token.txt --run-dir runs/server --port 8765
     """
-    from tinkergym.backends.service_auth import read_token_file, token_digest
+    from tinkergym.backends.service_auth import LeaseFile, read_token_file, token_digest
 
     if token_file is None:
         raise InputError(f"--token-file is required: every route but /health needs the token; {TOKEN_HINT}")
@@ -101,6 +106,7 @@ def serve_backend(
     import uvicorn
 
     from tinkergym.backends.server import create_app
+    from tinkergym.backends.slow_clients import server_config
     from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,12 +118,13 @@ def serve_backend(
     backend = TorchBackend(config)
     app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()),
                      keep_states=keep_states, limits=CallLimits(num_samples=max_num_samples, new_tokens=max_request_new_tokens,
-                                                                sequences=max_request_sequences, tokens=max_request_tokens))
+                                                                sequences=max_request_sequences, tokens=max_request_tokens),
+                     lease=LeaseFile(lease_file) if lease_file is not None else None)
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     # Long polls hold requests open for up to 300 s: on Ctrl-C, do not wait for them.
     # Keep-alive well past the client's pauses between calls (rollouts, env steps), so its connection is reused.
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, access_log=False, log_level="warning", timeout_graceful_shutdown=5,
-                                           timeout_keep_alive=75))
+    server = uvicorn.Server(server_config(app, connection_limits(header_timeout, body_timeout, max_connections), host=host, port=port,
+                                         access_log=False, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=75))
     watchdog = None
     if idle_timeout is not None or exit_with_parent:
         from tinkergym.backends.lifetime import Watchdog

@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from tinkergym.cli.common import SafePath
+from tinkergym.cli.connection_options import connection_limits, connection_options
 
 ENGINES = ("auto", "torch", "vllm")
 
@@ -72,6 +73,8 @@ def read_api_key(path: str) -> str:
 @click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True),
               help="Stop (exit code 75) when no request came for this many seconds (/health aside).")
 @click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
+@click.option("--lease-file", type=SafePath(dir_okay=False, path_type=Path), default=None,
+              help="A scheduler's worker renews the lease's deadline in this file; past it every call is refused (401 lease_ended).")
 @click.option("--scheduler", metavar="URL",
               help="Serve as a job of a scheduler (tinkergym scheduler serve): a worker's devices serve --model, or the --run the "
                    "scheduler trained; this command prints the endpoint, keeps it alive and ends the job on Ctrl-C.")
@@ -83,12 +86,13 @@ def read_api_key(path: str) -> str:
 @click.option("--detach", is_flag=True,
               help="With --scheduler: exit once the endpoint answers and leave the job running (until its idle timeout, or "
                    "tinkergym jobs cancel JOB).")
+@connection_options
 @click.pass_context
 def serve_model(
     ctx: click.Context, model: str | None, run_dir: str | None, adapters: tuple[str, ...], checkpoint: str | None, api_key_file: str | None,
     host: str, port: int, dtype: str | None, device: str, max_model_len: int | None, engine: str, gpu_memory_utilization: float | None,
-    idle_timeout: float | None, exit_with_parent: bool, scheduler: str | None, api_key: str | None, gpus: int, key_file: Path | None,
-    detach: bool,
+    idle_timeout: float | None, exit_with_parent: bool, lease_file: Path | None, scheduler: str | None, api_key: str | None, gpus: int, key_file: Path | None,
+    detach: bool, header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
     """Serve a model and its LoRA adapters through an OpenAI-compatible API.
 
@@ -114,7 +118,8 @@ def serve_model(
     """
     if scheduler:
         given = [f"--{name.replace('_', '-')}" for name in ("adapters", "checkpoint", "api_key_file", "host", "port", "device", "max_model_len",
-                                                          "engine", "gpu_memory_utilization", "idle_timeout", "exit_with_parent")
+                                                          "engine", "gpu_memory_utilization", "idle_timeout", "exit_with_parent", "lease_file",
+                                                          "header_timeout", "body_timeout", "max_connections")
                  if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
         if given:
             raise click.UsageError(f"{', '.join(given).replace('--adapters', '--adapter')}: the worker sets these where it starts the job's "
@@ -130,7 +135,7 @@ def serve_model(
     if api_key_file is None:
         raise click.UsageError("--api-key-file is required: every route but /health needs the key (or serve through --scheduler URL).")
     from tinkergym.backends.inference_engine import plan_serving
-    from tinkergym.backends.service_auth import token_digest
+    from tinkergym.backends.service_auth import LeaseFile, token_digest
 
     key = read_api_key(api_key_file)
     choice, engine = engine, _pick_engine(engine)
@@ -140,6 +145,7 @@ def serve_model(
         import uvicorn
 
         from tinkergym.backends.inference_server import create_inference_app
+        from tinkergym.backends.slow_clients import server_config
     except ImportError as exc:
         raise click.ClickException(f"serve-model needs the serve extra ({exc.name} is missing): pip install 'tinkergym[serve]'") from exc
     served = None
@@ -162,8 +168,9 @@ def serve_model(
     click.echo(f"serving {names} with the {engine} engine at http://{host}:{port}/v1", err=True)
     from tinkergym.backends.lifetime import Activity, Watchdog
 
-    app = Activity(create_inference_app(served, token_digest(key)))
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info", timeout_keep_alive=75))
+    app = Activity(create_inference_app(served, token_digest(key), lease=LeaseFile(lease_file) if lease_file is not None else None))
+    limits = connection_limits(header_timeout, body_timeout, max_connections)
+    server = uvicorn.Server(server_config(app, limits, host=host, port=port, log_level="info", timeout_keep_alive=75))
     watchdog = None
     if idle_timeout is not None or exit_with_parent:
         watchdog = Watchdog(parent_pid=os.getppid() if exit_with_parent else None, idle_timeout=idle_timeout,
