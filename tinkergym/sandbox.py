@@ -18,6 +18,10 @@ Flatpak uses; Debian/Ubuntu package ``bubblewrap``):
   follows a mount into the host;
 - the ``rlimits`` that bound each process (address space, CPU seconds, processes, file size, open files,
   no core dumps), a wall-clock ``timeout``, and output cut to ``max_output`` characters;
+- a bound on the call's total memory, processes and files together (:mod:`tinkergym.sandbox_memory`): a memory
+  cgroup of its own limited to ``memory_mb`` (``"cgroup-v2"``; ``"cgroup-v1"`` on a hybrid host) where this process
+  may make one, else ``"implied"``: the code kept to one process, so ``memory_mb`` plus the two tmpfs folders.
+  :func:`memory_bound` says which holds here, each result which held for it (and its peak, and OOM kills);
 - ``--die-with-parent``: when the sandbox's first process ends, the kernel ends every process in its PID
   namespace, so nothing a call starts (a double-forked daemon included) outlives it;
 - a seccomp filter (bubblewrap's ``--seccomp``, built by libseccomp's own Python bindings, Debian/Ubuntu
@@ -52,11 +56,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from tinkergym import sandbox_memory
 from tinkergym.errors import ConfigError, SandboxUnavailableError
 from tinkergym.sandbox_filter import DENIED_SYSCALLS, program_fd, seccomp_program  # noqa: F401 - DENIED_SYSCALLS: public here too
+from tinkergym.sandbox_memory import MEMORY_BOUNDS, MemoryBound, memory_bound  # noqa: F401 - public here too
 
 #: Longest code accepted, in UTF-8 bytes (it is sent through a pipe before the child starts reading).
 MAX_CODE_BYTES = 60_000
@@ -164,6 +170,10 @@ class SandboxResult:
         timed_out: The wall-clock timeout killed it.
         truncated: The output was cut.
         duration: Seconds from start to finish.
+        memory_bound: What bounded the call's total memory (one of :data:`MEMORY_BOUNDS`; ``""`` if it never started).
+        memory_total_bytes: That bound's total, for the call's processes and files together.
+        memory_peak_bytes: The most the call held at once, where its cgroup kept it.
+        memory_killed: The OOM killer ended a process of the call: it reached its memory bound.
     """
 
     output: str
@@ -171,12 +181,18 @@ class SandboxResult:
     timed_out: bool
     truncated: bool
     duration: float
+    memory_bound: str = ""
+    memory_total_bytes: int = 0
+    memory_peak_bytes: int | None = None
+    memory_killed: bool = False
 
     def to_text(self) -> str:
         """The output with a note on timeouts, signals and exit codes, for a tool result."""
         notes = []
         if self.timed_out:
             notes.append(f"[timed out after {self.duration:.1f}s; the process was killed]")
+        elif self.memory_killed:
+            notes.append(f"[killed: memory limit ({self.memory_total_bytes >> 20} MiB for all the call's processes and files)]")
         elif self.truncated and self.returncode is not None and self.returncode < 0:
             notes.append("[stopped: too much output]")
         elif self.returncode is not None and self.returncode < 0:
@@ -446,6 +462,7 @@ def run_python(
     max_processes: int = 32,
     python: str | None = None,
     isolation: str = "bubblewrap",
+    memory_bound: str | None = None,
 ) -> SandboxResult:
     """Run ``code`` in a sandbox and return what it printed (see the module docstring).
 
@@ -455,13 +472,15 @@ def run_python(
     Args:
         code: Python source.
         timeout: Wall-clock seconds before everything the call started is killed (the CPU limit is one more).
-        memory_mb: Address-space limit of each process, in MiB.
+        memory_mb: Address-space limit of each process, and in a cgroup the limit of the call's total, in MiB.
         max_output: Characters of output kept.
         max_file_mb: Largest file the code may write, in MiB.
         disk_mb: Size of the working directory's tmpfs (and of ``/dev/shm``'s), in MiB (bubblewrap only).
         max_processes: Processes and threads the code may have at once.
         python: The interpreter (default: the system's ``python3``).
         isolation: ``"bubblewrap"`` (default) or ``"rlimits"`` (a weaker guard, not a security boundary).
+        memory_bound: ``None`` (default) for the best bound on the call's total memory that this host offers;
+            ``"implied"`` to do without a cgroup (see :mod:`tinkergym.sandbox_memory`).
     """
     start = time.monotonic()
     for name, value, low, high in (("timeout", timeout, 0.01, 3600), ("memory_mb", memory_mb, 16, 1 << 20),
@@ -475,15 +494,35 @@ def run_python(
         interpreter = check_sandbox(isolation, python)
     except (SandboxUnavailableError, ConfigError) as exc:
         return _refused(str(exc))
+    try:
+        bound, cgroup = sandbox_memory.call_bound(memory_mb=int(memory_mb), disk_mb=int(disk_mb), max_processes=int(max_processes),
+                                                  isolation=isolation, kind=memory_bound)
+    except ConfigError as exc:
+        return _refused(str(exc))
     limits = _limits(timeout, int(memory_mb), int(max_file_mb), int(max_processes))
+    try:
+        result = _launch(isolation, interpreter, payload, start, timeout, max_output, int(disk_mb), limits, cgroup)
+        peak, killed = (cgroup.peak_bytes(), cgroup.oom_kills() > 0) if cgroup is not None else (None, False)
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
+    return replace(result, memory_bound=bound.kind, memory_total_bytes=bound.total_bytes, memory_peak_bytes=peak, memory_killed=killed)
+
+
+def _launch(isolation: str, interpreter: str, payload: bytes, start: float, timeout: float, max_output: int, disk_mb: int,
+            limits: list[tuple[str, int, int]], cgroup: sandbox_memory.CallCgroup | None) -> SandboxResult:
+    """Run the code with ``isolation``; without a cgroup, bubblewrap's seccomp filter keeps it to one process."""
     uid = _run_as()
     if isolation == "bubblewrap":
-        fd = program_fd(seccomp_program())  # built when check_sandbox probed bubblewrap
         try:
-            argv = _bubblewrap_argv(shutil.which("bwrap") or "bwrap", interpreter, int(disk_mb), fd)
+            fd = program_fd(seccomp_program(single_process=cgroup is None))  # built once; the other when bubblewrap was probed
+        except SandboxUnavailableError as exc:
+            return _refused(str(exc), start)
+        try:
+            argv = _bubblewrap_argv(shutil.which("bwrap") or "bwrap", interpreter, disk_mb, fd)
             argv += _interpreter_argv(interpreter, network_namespace=False, limits=limits)
             return _start(argv, payload, start, timeout, max_output, uid, cwd="/", workdir=SANDBOX_WORKDIR, exit_codes_of_signals=True,
-                          pass_fds=(fd,))
+                          pass_fds=(fd,), cgroup=cgroup)
         finally:
             os.close(fd)
     workdir = tempfile.mkdtemp(prefix="tinkergym-sandbox-")
@@ -491,7 +530,8 @@ def run_python(
         if uid is not None:
             os.chown(workdir, uid, uid)
         argv = _interpreter_argv(interpreter, network_namespace=True, limits=limits)
-        return _start(argv, payload, start, timeout, max_output, uid, cwd=workdir, workdir=workdir, exit_codes_of_signals=False)
+        return _start(argv, payload, start, timeout, max_output, uid, cwd=workdir, workdir=workdir, exit_codes_of_signals=False,
+                      cgroup=cgroup)
     finally:
         _remove_tree(workdir)
 
@@ -502,8 +542,12 @@ def _interpreter_argv(interpreter: str, *, network_namespace: bool, limits: list
 
 
 def _start(argv: list[str], payload: bytes, start: float, timeout: float, max_output: int, uid: int | None, *,
-           cwd: str, workdir: str, exit_codes_of_signals: bool, pass_fds: tuple[int, ...] = ()) -> SandboxResult:
-    """Start ``argv`` as ``uid`` in a new session, feed it the code and collect the result."""
+           cwd: str, workdir: str, exit_codes_of_signals: bool, pass_fds: tuple[int, ...] = (),
+           cgroup: sandbox_memory.CallCgroup | None = None) -> SandboxResult:
+    """Start ``argv`` as ``uid`` in a new session (and ``cgroup``), feed it the code and collect the result."""
+    if cgroup is not None:  # a shell holds at `read` until it is in the cgroup, then becomes argv: all it starts is in there
+        argv = ["/bin/sh", "-c", 'read -r _ && exec "$@"', "sh", *argv]
+        payload = b"\n" + payload
     try:
         proc = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -512,6 +556,13 @@ def _start(argv: list[str], payload: bytes, start: float, timeout: float, max_ou
         )
     except OSError as exc:
         return _refused(f"could not start Python ({exc}).", start)
+    if cgroup is not None:
+        try:
+            cgroup.join(proc.pid)
+        except OSError as exc:
+            _kill_group(proc)
+            proc.communicate()
+            return _refused(f"could not place the call in its memory cgroup {cgroup.path} ({exc}).", start)
     result = _finish(proc, payload, start, timeout, max_output)
     code = result.returncode
     if exit_codes_of_signals and code is not None and code > 128 and not result.timed_out:
