@@ -26,6 +26,11 @@ checkpoint rows go, and a ``log`` event on the job says its artifacts expired; a
 job continues is kept until that job ends. A job that has not ended is never touched, so its uploads in
 progress and its checkpoints stay whole. Each pass does bounded work (:data:`RETENTION_BATCH` jobs per kind
 of work) and the next pass goes on, at once when work was left.
+
+Bytes: a job's ``artifact_bytes`` is what its stored files hold, the count its tenant's ``max_artifact_bytes``
+bounds (:mod:`tinkergym.scheduler.quotas`). An upload adds its size less the file it replaces, a worker's delete
+and every retention delete give the bytes back, and a pass counts an ended job's files again where the count
+differs (files stored before bytes were counted). Deleting whole ended jobs is :mod:`tinkergym.scheduler.retention`'s.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from sqlalchemy import delete, func, select
-from tinkergym.scheduler import states
+from tinkergym.scheduler import quotas, states
 from tinkergym.scheduler.artifact_paths import MAX_COMPONENT_BYTES, MAX_PATH_BYTES, ArtifactPathError, check_relpath  # noqa: F401 - the store's rules
 from tinkergym.scheduler.db import checkpoints, jobs
 from tinkergym.scheduler.leases import CHECKPOINT_NAME
@@ -54,6 +59,7 @@ JOB_ID = re.compile(r"^job_[0-9a-f]{1,36}$")
 _CHUNK = 1 << 20
 _DIGESTS = ".sha256"
 _TMP = ".tmp"
+_TRASH = ".trash"  # beside the job folders: deleted jobs' files, until the pass that deleted them empties it
 #: Jobs one retention pass acts on at most, per kind of work (so lease sweeps are not held up).
 RETENTION_BATCH = 50
 
@@ -124,6 +130,27 @@ class ArtifactStore:
 
     def checkpoint_names(self, job_id: str) -> list[str]:
         """The checkpoint folders stored for a job, recorded or not (sorted); empty when there are none."""
+        raise NotImplementedError
+
+    def size_of(self, job_id: str, name: str, relpath: str) -> int:
+        """The size of a stored file; 0 when there is none (what an upload to that path replaces)."""
+        raise NotImplementedError
+
+    def usage(self, job_id: str, name: str | None = None) -> int:
+        """The bytes a checkpoint's files hold (or, with no name, all of the job's): what its tenant's quota counts."""
+        raise NotImplementedError
+
+    def trash(self, job_id: str) -> str | None:
+        """Take all of a job's files out of view at once (quick: inside a transaction); a handle for :meth:`untrash`, or
+        None when nothing is stored. :meth:`empty_trash` deletes them."""
+        raise NotImplementedError
+
+    def untrash(self, job_id: str, handle: str) -> None:
+        """Put back what :meth:`trash` took (its transaction failed)."""
+        raise NotImplementedError
+
+    def empty_trash(self) -> int:
+        """Delete everything trashed (also what a crash left there); how many jobs' files."""
         raise NotImplementedError
 
 
@@ -278,6 +305,44 @@ class DirectoryStore(ArtifactStore):
             return []
         return sorted(n for n in names if CHECKPOINT_NAME.match(n))
 
+    def size_of(self, job_id: str, name: str, relpath: str) -> int:
+        try:
+            info = os.lstat(self.path_of(job_id, name, relpath))
+        except (FileNotFoundError, NotADirectoryError):
+            return 0
+        return info.st_size if stat.S_ISREG(info.st_mode) else 0
+
+    def usage(self, job_id: str, name: str | None = None) -> int:
+        folder = self._job_dir(job_id) if name is None else self.path_of(job_id, name)
+        if not os.path.isdir(folder) or os.path.islink(folder):
+            return 0
+        return sum(os.lstat(folder / relpath).st_size for relpath in _walk(folder))
+
+    def trash(self, job_id: str) -> str | None:
+        job_dir = self._job_dir(job_id)
+        if not os.path.lexists(job_dir):
+            return None
+        (self.root / _TRASH).mkdir(mode=0o700, exist_ok=True)
+        handle = f"{job_id}.{secrets.token_hex(4)}"
+        os.rename(job_dir, self.root / _TRASH / handle)
+        return handle
+
+    def untrash(self, job_id: str, handle: str) -> None:
+        os.rename(self.root / _TRASH / handle, self._job_dir(job_id))
+
+    def empty_trash(self) -> int:
+        try:
+            entries = os.listdir(self.root / _TRASH)
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            target = self.root / _TRASH / entry
+            if os.path.islink(target) or not os.path.isdir(target):
+                os.unlink(target)
+            else:
+                shutil.rmtree(target, ignore_errors=True)
+        return len(entries)
+
     def _sha256(self, job_id: str, name: str, relpath: str, size: int) -> str:
         """The kept digest when it matches the file's size; otherwise the file is read again."""
         try:
@@ -323,7 +388,7 @@ def retention_due(app: Any) -> bool:
     return last is None or now < last or now - last >= settings.retention_interval_s
 
 
-def _continuing(conn: Any, job_id: str | None = None) -> set[str]:
+def continued_jobs(conn: Any, job_id: str | None = None) -> set[str]:
     """The jobs that queued or running (not ended) jobs continue (their config's ``resume_job``); with ``job_id``,
     that job if one does."""
     query = select(jobs.c.config).where(jobs.c.state.notin_(sorted(states.TERMINAL)))
@@ -361,13 +426,14 @@ def expire_job(store: Any, artifacts: ArtifactStore, job_id: str, ended_by: floa
     it; the number of checkpoints deleted (a ``log`` event says so)."""
     with store.transaction() as conn:
         job = store.get(conn, job_id, for_update=True)
-        if not _ended_by(job, ended_by) or _continuing(conn, job_id):
+        if not _ended_by(job, ended_by) or continued_jobs(conn, job_id):
             return 0
         names = list(conn.execute(select(checkpoints.c.name).where(checkpoints.c.job_id == job_id)).scalars())
         if names:
             conn.execute(delete(checkpoints).where(checkpoints.c.job_id == job_id))
             store.append_event(conn, job_id, "log", {
                 "message": f"artifacts expired: {len(names)} checkpoint(s) deleted", "artifacts": "expired", "checkpoints": len(names)})
+        quotas.set_job_bytes(conn, job_id, 0)
     artifacts.delete(job_id)
     return len(names)
 
@@ -390,10 +456,20 @@ def prune_job(store: Any, artifacts: ArtifactStore, job_id: str, ended_by: float
                 "message": f"deleted {len(older)} older checkpoint(s); kept the newest, {rows[0].name} (step {rows[0].step})",
                 "artifacts": "pruned", "checkpoints": len(older), "kept": rows[0].name})
     keep = {rows[0].name} if rows else set()
-    for name in artifacts.checkpoint_names(job_id):
-        if name not in keep:
-            artifacts.delete(job_id, name)
+    removed = [name for name in artifacts.checkpoint_names(job_id) if name not in keep]
+    for name in removed:
+        artifacts.delete(job_id, name)
+    if removed:
+        recount(store, artifacts, job_id)
     return len(older)
+
+
+def recount(store: Any, artifacts: ArtifactStore, job_id: str) -> None:
+    """Set an ended job's ``artifact_bytes`` to what its files hold (after deletes; or files stored before bytes were counted)."""
+    with store.transaction() as conn:
+        job = store.get(conn, job_id, for_update=True)
+        if job["state"] in states.TERMINAL:  # an ended job's files change only here: the count is exact
+            quotas.set_job_bytes(conn, job_id, artifacts.usage(job_id))
 
 
 def _leftovers(app: Any, now: float, keep_s: float | None, retain_s: float | None, continued: set[str]) -> tuple[int, int]:
@@ -406,17 +482,20 @@ def _leftovers(app: Any, now: float, keep_s: float | None, retain_s: float | Non
     removed = expired = 0
     for job_id in batch:
         with store.read() as conn:
-            row = conn.execute(select(jobs.c.state, jobs.c.finished_at).where(jobs.c.id == job_id)).mappings().first()
+            row = conn.execute(select(jobs.c.state, jobs.c.finished_at, jobs.c.artifact_bytes).where(jobs.c.id == job_id)).mappings().first()
             if row is None or not _ended_by(dict(row), now):
                 continue  # not a job of this database, or not ended: never touched
             recorded = set(conn.execute(select(checkpoints.c.name).where(checkpoints.c.job_id == job_id)).scalars())
         if retain_s and _ended_by(dict(row), now - retain_s) and job_id not in continued:
             expired += expire_job(store, artifacts, job_id, now - retain_s)
             removed += not recorded
-        elif keep_s and _ended_by(dict(row), now - keep_s):
+            continue
+        if keep_s and _ended_by(dict(row), now - keep_s):
             for name in set(artifacts.checkpoint_names(job_id)) - recorded:  # only shrinks once a job ended: never a recorded one
                 artifacts.delete(job_id, name)
                 removed += 1
+        if artifacts.usage(job_id) != row["artifact_bytes"]:  # files stored before bytes were counted, or just removed
+            recount(store, artifacts, job_id)
     return removed, expired
 
 
@@ -429,7 +508,7 @@ def sweep_artifacts(app: Any) -> dict[str, int]:
     app.state.retention_ran_at = now
     keep_s, retain_s = settings.checkpoint_keep_s or None, settings.artifact_retention_s or None
     with store.read() as conn:
-        continued = _continuing(conn)
+        continued = continued_jobs(conn)
         to_expire = _ended_with_checkpoints(conn, now - retain_s, 1, continued) if retain_s else []
         to_prune = _ended_with_checkpoints(conn, now - keep_s, 2, set(to_expire)) if keep_s else []
     done = {"pruned": 0, "expired": 0, "removed": 0}

@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 from sqlalchemy import and_, bindparam, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
-from tinkergym.scheduler import states
+from tinkergym.scheduler import quotas, states
 from tinkergym.scheduler.db import Prepared, checkpoints, events, jobs, reader, tenants, write_lock
 
 #: Event types a job's stream carries (``data`` is a JSON object).
@@ -217,14 +217,22 @@ class JobStore:
         return self.get(conn, job_id)
 
     # ----- events -----------------------------------------------------------------------------------
-    def append_event(self, conn: Connection, job_id: str, type_: str, data: dict[str, Any]) -> int:
-        """Append an event to the job's stream; its ``seq`` is the job's cursor + 1 (unique per job)."""
+    def append_event(self, conn: Connection, job_id: str, type_: str, data: dict[str, Any], *, limited: bool = False) -> int:
+        """Append an event to the job's stream; its ``seq`` is the job's cursor + 1 (unique per job).
+
+        ``limited``: an event a client or a worker sent, appended only within its tenant's quotas (events per job,
+        bytes per event), else :class:`~tinkergym.scheduler.quotas.QuotaExceeded`. The scheduler's own events are not.
+        """
         if type_ not in EVENT_TYPES:
             raise ValueError(f"unknown event type {type_!r}; the types are {', '.join(EVENT_TYPES)}")
-        seq = conn.execute(
-            update(jobs).where(jobs.c.id == job_id).values(cursor=jobs.c.cursor + 1).returning(jobs.c.cursor)
-        ).scalar_one()
-        conn.execute(insert(events).values(job_id=job_id, seq=seq, type=type_, data=json.dumps(data), created_at=self.clock()))
+        text = json.dumps(data)
+        if limited:
+            seq = quotas.next_limited_seq(conn, job_id, len(text.encode("utf-8")))
+        else:
+            seq = conn.execute(
+                update(jobs).where(jobs.c.id == job_id).values(cursor=jobs.c.cursor + 1).returning(jobs.c.cursor)
+            ).scalar_one()
+        conn.execute(insert(events).values(job_id=job_id, seq=seq, type=type_, data=text, created_at=self.clock()))
         return seq
 
     def events_after(self, conn: Connection, job_id: str, after: int, limit: int = 100) -> list[dict[str, Any]]:

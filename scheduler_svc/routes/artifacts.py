@@ -4,9 +4,11 @@ Worker side (scope ``worker``, only the worker the key registered, fenced by the
 
 - ``PUT /v1/workers/{wid}/jobs/{job}/artifacts/{name}/{path}``: one file, the raw body streamed to a temporary
   file and moved into place once whole (``settings.max_artifact_bytes``, not the JSON body limit; an optional
-  ``?sha256=`` is checked). A checkpoint already recorded never changes (409).
+  ``?sha256=`` is checked). A checkpoint already recorded never changes (409). The file counts toward its job's
+  ``artifact_bytes`` and its tenant's ``max_artifact_bytes`` (413 over it: :mod:`tinkergym.scheduler.quotas`),
+  a file uploaded again at the same path with its new size only.
 - ``GET .../artifacts/{name}`` (files with size and SHA-256), ``GET .../artifacts/{name}/{path}`` (one file),
-  ``DELETE .../artifacts/{name}`` (a partial upload of a checkpoint not recorded yet), and
+  ``DELETE .../artifacts/{name}`` (a partial upload of a checkpoint not recorded yet; its bytes are given back), and
   ``GET /v1/workers/{wid}/jobs/{job}/checkpoints``: the leased job's checkpoints and those of the job its config
   continues (``resume_job``, same tenant). With ``?source=<that job>``, the reads serve that job's recorded
   checkpoints, so a job that continues an ended one restores them.
@@ -32,7 +34,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import Field
 from sqlalchemy import select
 from tinkergym.backends.asgi import error_response
-from tinkergym.scheduler import leases
+from tinkergym.scheduler import leases, quotas
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.artifacts import (
     ArtifactPathError,
@@ -153,13 +155,18 @@ async def upload(
         return error_response(413, "body_too_large", f"the file is {int(declared):,} bytes; artifacts are at most {limit:,} bytes")
     check_name(name)
 
-    def fence() -> None:
+    def fence() -> tuple[dict[str, Any], int, int]:
+        """The leased job, its tenant's max_artifact_bytes and the bytes it stores besides the file this one replaces."""
         with store.read() as conn:
-            _fenced(conn, store, who, worker_id, job_id, epoch)
+            job = _fenced(conn, store, who, worker_id, job_id, epoch)
             if _recorded(conn, job_id, name):
                 raise Conflict(f"checkpoint {name!r} of job {job_id} is recorded: its files do not change")
+            quota, stored = quotas.artifact_usage(conn, job["tenant_id"])
+            return job, quota, stored - artifacts.size_of(job_id, name, path)
 
-    await run_in_threadpool(fence)
+    job, quota, stored = await run_in_threadpool(fence)
+    if declared is not None and declared.isdigit() and stored + int(declared) > quota:  # refused before a byte is stored
+        raise quotas.refuse_upload(job, int(declared), stored, quota)
     writer = await run_in_threadpool(artifacts.open_upload, job_id, name, path, limit)
     try:
         buffered: list[bytes] = []
@@ -170,6 +177,8 @@ async def upload(
             if pending >= _BUFFER:
                 await run_in_threadpool(writer.write, b"".join(buffered))
                 buffered, pending = [], 0
+                if stored + writer.size > quota:  # a body longer than it said, or of no declared length: stop storing it
+                    raise quotas.refuse_upload(job, writer.size, stored, quota)
         await run_in_threadpool(writer.write, b"".join(buffered))
         await run_in_threadpool(writer.close)
         if sha256 is not None and writer.sha.hexdigest() != sha256:
@@ -177,9 +186,10 @@ async def upload(
 
         def commit() -> Any:
             with store.transaction() as conn:  # the lease row stays locked while the file moves into place
-                _fenced(conn, store, who, worker_id, job_id, epoch)
+                held = _fenced(conn, store, who, worker_id, job_id, epoch)
                 if _recorded(conn, job_id, name):
                     raise Conflict(f"checkpoint {name!r} of job {job_id} is recorded: its files do not change")
+                quotas.charge_upload(conn, held, writer.size, artifacts.size_of(job_id, name, path))  # exact: the tenant's row is locked
                 return writer.commit()
 
         info = await run_in_threadpool(commit)
@@ -233,7 +243,9 @@ def worker_delete(
         _fenced(conn, store, who, worker_id, job_id, epoch)
         if _recorded(conn, job_id, check_name(name)):
             raise Conflict(f"checkpoint {name!r} of job {job_id} is recorded: it is kept")
+        freed = artifact_store(request).usage(job_id, name)
         artifact_store(request).delete(job_id, name)
+        quotas.release_bytes(conn, job_id, freed)
 
 
 @worker_router.get("/{worker_id}/jobs/{job_id}/checkpoints", response_model=WorkerCheckpointList, responses={404: {}, 409: {}})

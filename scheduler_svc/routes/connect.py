@@ -8,7 +8,6 @@ working with the old server's death, and the client asks again.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
@@ -21,9 +20,6 @@ from tinkergym.scheduler.db import MAX_INT, allocations
 from tinkergym.scheduler.repository import Conflict, JobStore
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
-
-#: The largest ``data`` of a client event (as JSON).
-MAX_CLIENT_EVENT_BYTES = 16 * 1024
 
 
 class Connection(BaseModel):
@@ -55,7 +51,7 @@ class ClientEvent(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["metrics", "log"]
-    data: dict[str, Any] = Field(description="a JSON object of at most 16 KiB")
+    data: dict[str, Any] = Field(description="a JSON object of at most the tenant's max_event_bytes (64 KiB unless raised)")
 
 
 class EventSeq(BaseModel):
@@ -97,14 +93,16 @@ def complete(job_id: str, body: Complete, request: Request, who: Principal = Dep
     return {"job_id": job_id, "state": moved.job["state"]}
 
 
-@router.post("/{job_id}/client-events", response_model=EventSeq, responses={404: {}, 409: {}, 413: {}})
+@router.post("/{job_id}/client-events", response_model=EventSeq, responses={404: {}, 409: {}, 413: {}, 429: {}})
 def client_event(job_id: str, body: ClientEvent, request: Request, who: Principal = Depends(require("write"))) -> Any:
-    """Append the client's ``metrics`` or ``log`` event to the job's stream (``tinkergym jobs logs --follow`` shows it)."""
-    if len(json.dumps(body.data)) > MAX_CLIENT_EVENT_BYTES:
-        raise ValueError(f"event data is larger than {MAX_CLIENT_EVENT_BYTES} bytes")
+    """Append the client's ``metrics`` or ``log`` event to the job's stream (``tinkergym jobs logs --follow`` shows it).
+
+    Within the tenant's quotas (:mod:`tinkergym.scheduler.quotas`): 413 for an event over ``max_event_bytes``, 429 once
+    the job holds ``max_events_per_job`` events.
+    """
     store = _store(request)
     with store.transaction() as conn:
         job = store.get(conn, job_id, who.tenant_id)
         if job["state"] in states.TERMINAL:
             raise Conflict(f"job {job_id} is {job['state']}: it takes no more events")
-        return {"seq": store.append_event(conn, job_id, body.type, body.data)}
+        return {"seq": store.append_event(conn, job_id, body.type, body.data, limited=True)}

@@ -1,7 +1,10 @@
 """Artifact retention, with the app's clock moved: an ended job keeps only its newest checkpoint after
 ``checkpoint_keep_s`` and nothing after ``artifact_retention_s`` (its row stays, an event says why); a job that a
 live job continues keeps its newest; a job that has not ended is never touched, its uploads in progress included;
-the app's background sweeper runs it; ``tinkergym scheduler serve`` takes the settings."""
+the app's background sweeper runs it; ``tinkergym scheduler serve`` takes the settings.
+
+Job retention: an ended job is deleted with its events, checkpoints and files after ``job_retention_s`` (never one
+that has not ended, nor one a live job continues), and Idempotency-Key records after ``idempotency_ttl_s``."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from tinkergym.scheduler import retention
 from tinkergym.scheduler.artifacts import retention_due, sweep_artifacts
 from workerkit import Clock, auth, query, register, submit  # registered by conftest.py
 
@@ -209,7 +213,66 @@ def test_the_background_sweeper_runs_retention_rate_limited(make_client: Any, ke
 
 def test_serve_takes_the_settings_and_refuses_a_worker_timeout_below_the_lease_ttl(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["scheduler", "serve", "--help"])
-    for option in ("--checkpoint-keep", "--artifact-retention", "--retention-interval", "--worker-timeout", "--forget-workers-after"):
+    for option in ("--checkpoint-keep", "--artifact-retention", "--retention-interval", "--worker-timeout", "--forget-workers-after",
+                   "--job-retention", "--idempotency-ttl"):
         assert option in result.output
     bad = CliRunner().invoke(main, ["scheduler", "serve", "--lease-ttl", "30", "--worker-timeout", "10", "--data-dir", str(tmp_path)])
     assert bad.exit_code == 2 and "--worker-timeout" in bad.output
+
+
+# ----- job retention ---------------------------------------------------------------------------------------
+def test_ended_jobs_go_after_the_job_retention_with_their_events_checkpoints_and_files(make_client: Any, keys: Any, tmp_path: Path,
+                                                                                      db_url: str) -> None:
+    env = Env(make_client, keys, tmp_path, job_retention_s=90 * DAY, lease_ttl_s=1e9)
+    old, epoch = env.run()
+    env.checkpoint(old, epoch, 1)
+    env.end(old, epoch)
+    continued, epoch = env.run()
+    env.checkpoint(continued, epoch, 1)
+    env.end(continued, epoch, "failed")
+    waiting = submit(env.client, env.owner, config={"model": "tiny", "resume_job": continued})  # queued: never leased
+    env.clock.advance(90 * DAY - 1.0)
+    assert retention.sweep_jobs(env.client.app)["jobs"] == 0
+    env.clock.advance(2.0)
+    assert retention.sweep_jobs(env.client.app)["jobs"] == 1
+    for table in ("jobs", "events", "checkpoints", "allocations"):
+        column = "id" if table == "jobs" else "job_id"
+        assert query(db_url, f"SELECT COUNT(*) FROM {table} WHERE {column} = :j", j=old) == [(0,)], table
+    assert not (env.root / old).exists() and not list((env.root / ".trash").iterdir())
+    assert env.client.get(f"/v1/jobs/{old}", headers=auth(env.owner)).status_code == 404
+    assert env.recorded(db_url, continued) == ["step_000001"] and env.on_disk(continued) == ["step_000001"]  # a live job continues it
+    assert env.client.get(f"/v1/jobs/{waiting}", headers=auth(env.owner)).json()["state"] == "queued"  # not ended: never touched
+    assert env.client.post(f"/v1/jobs/{waiting}/cancel", headers=auth(env.owner)).status_code == 200
+    assert retention.sweep_jobs(env.client.app)["jobs"] == 1  # nobody continues it any more; the one just ended stays
+    assert {r[0] for r in query(db_url, "SELECT id FROM jobs")} == {waiting} and not (env.root / continued).exists()
+
+
+def test_idempotency_records_expire_after_their_ttl_and_the_key_then_runs_again(make_client: Any, keys: Any, tmp_path: Path,
+                                                                              db_url: str) -> None:
+    env = Env(make_client, keys, tmp_path, idempotency_ttl_s=DAY)
+    body, headers = {"kind": "train", "config": {"model": "tiny"}}, {**auth(env.owner), "Idempotency-Key": "nightly-1"}
+    first = env.client.post("/v1/jobs", json=body, headers=headers)
+    assert first.status_code == 201, first.text
+    env.clock.advance(DAY - 1.0)
+    assert retention.sweep_jobs(env.client.app)["keys"] == 0
+    replayed = env.client.post("/v1/jobs", json=body, headers=headers)
+    assert replayed.headers.get("Idempotent-Replayed") == "true" and replayed.json()["id"] == first.json()["id"]
+    env.clock.advance(2.0)
+    assert retention.sweep_jobs(env.client.app)["keys"] == 1
+    assert query(db_url, "SELECT COUNT(*) FROM idempotency") == [(0,)]
+    again = env.client.post("/v1/jobs", json=body, headers=headers)
+    assert again.status_code == 201 and "Idempotent-Replayed" not in again.headers and again.json()["id"] != first.json()["id"]
+
+
+def test_the_background_sweeper_deletes_ended_jobs_past_the_tenants_keep(make_client: Any, keys: Any, tmp_path: Path, db_url: str) -> None:
+    env = Env(make_client, keys, tmp_path, background=True, sweep_interval_s=0.05, lease_ttl_s=1e9)
+    job_id, epoch = env.run()
+    env.checkpoint(job_id, epoch, 1)
+    env.end(job_id, epoch)
+    kept = CliRunner().invoke(main, ["scheduler", "tenants", "set", "acme", "--keep-ended-jobs", "0", "--db", db_url])
+    assert kept.exit_code == 0 and "keep_ended_jobs=0" in kept.stdout, kept.output
+    env.clock.advance(61.0)  # the next pass is due
+    deadline = time.monotonic() + 20.0
+    while (query(db_url, "SELECT id FROM jobs WHERE id = :j", j=job_id) or (env.root / job_id).exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # no request: the app's background task does it
+    assert query(db_url, "SELECT id FROM jobs WHERE id = :j", j=job_id) == [] and not (env.root / job_id).exists()

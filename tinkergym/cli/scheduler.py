@@ -392,8 +392,9 @@ def tenants_set(
 
 
 def _gib(n: int) -> str:
-    """Bytes as GiB, as ``--max-artifact-gb`` takes them (at most 3 decimals)."""
-    return f"{n / GIB:.3f}".rstrip("0").rstrip(".")
+    """Bytes as GiB, as ``--max-artifact-gb`` takes them (3 decimals, or 3 significant digits below 0.001)."""
+    text = f"{n / GIB:.3f}".rstrip("0").rstrip(".")
+    return f"{n / GIB:.3g}" if text == "0" and n else text
 
 
 def _kib(n: int) -> str:
