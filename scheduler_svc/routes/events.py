@@ -1,9 +1,11 @@
 """A job's events as server-sent events (``GET /v1/jobs/{id}/events/stream``).
 
 The stream first sends the events after the client's cursor (the ``Last-Event-ID`` header a reconnecting
-``EventSource`` sends, or ``?after=``), then stays open: it polls the database every ``sse_poll_s`` seconds (in
-a thread, with a connection taken from the pool for that one poll and given back, so an idle stream holds no
-connection) and sends each new event as
+``EventSource`` sends, or ``?after=``), then stays open. It does not poll: the app's one watcher
+(:class:`~tinkergym.scheduler.streams.StreamHub`) reads the event cursors of every streamed job in one query each
+``sse_poll_s`` seconds and wakes the streams whose job has new events; a woken stream reads them (in a thread, with
+a connection taken from the pool for that one read and given back, so an idle stream holds no connection) and
+sends each as
 
 ::
 
@@ -14,8 +16,11 @@ connection) and sends each new event as
 A comment (``: keep-alive``) goes out when nothing else was sent for ``sse_keepalive_s`` seconds, so proxies
 keep the connection and a client notices a dead one. The stream ends after the event that moves the job to a
 terminal state (succeeded, failed, cancelled); a client that resumes after that event gets an empty stream.
-Events are numbered per job (``seq``, unique in the database) and sent in order, so resuming from the last
-``id`` seen loses nothing and repeats nothing.
+A stream whose key is revoked ends at the watcher's next pass. Events are numbered per job (``seq``, unique in the
+database) and sent in order, so resuming from the last ``id`` seen loses nothing and repeats nothing.
+
+A key holds at most ``max_streams_per_key`` open streams and the app ``max_streams``; past either, 429 with
+``Retry-After``.
 """
 
 from __future__ import annotations
@@ -25,21 +30,22 @@ import time
 from typing import Any, AsyncIterator
 
 import anyio
-from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from tinkergym.backends.asgi import error_response
 from tinkergym.scheduler import states
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.auth import Principal
-from tinkergym.scheduler.repository import JobStore
+from tinkergym.scheduler.repository import JobStore, NotFound
 from tinkergym.scheduler.routes.jobs import MAX_SEQ
+from tinkergym.scheduler.streams import RETRY_AFTER_S, StreamHub, StreamRefused, Subscription
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-#: Defaults when the app's settings do not say (``SchedulerSettings.sse_poll_s`` / ``sse_keepalive_s``).
-POLL_S = 0.2
+#: The default when the app's settings do not say (``SchedulerSettings.sse_keepalive_s``).
 KEEPALIVE_S = 15.0
-#: Events read per poll; a backlog larger than this goes out over several polls without waiting between them.
+#: Events read at once; a backlog larger than this goes out over several reads without waiting between them.
 BATCH = 500
 #: The reconnection delay (ms) the stream suggests to ``EventSource`` clients.
 RETRY_MS = 1000
@@ -78,50 +84,79 @@ def _poll(store: JobStore, job_id: str, after: int) -> tuple[list[dict[str, Any]
     return found, job["state"] in states.TERMINAL
 
 
-async def _stream(store: JobStore, job_id: str, after: int, poll_s: float, keepalive_s: float) -> AsyncIterator[bytes]:
+async def _stream(store: JobStore, subscription: Subscription, keepalive_s: float) -> AsyncIterator[bytes]:
     yield f"retry: {RETRY_MS}\n\n".encode()
-    cursor, last_sent = after, time.monotonic()
+    last_sent = time.monotonic()
     while True:
-        found, ended = await run_in_threadpool(_poll, store, job_id, cursor)
+        try:
+            found, ended = await run_in_threadpool(_poll, store, subscription.job_id, subscription.cursor)
+        except NotFound:
+            return  # the job was deleted (retention): nothing more will come
         for event in found:
             yield sse_message(event)
-            cursor, last_sent = event["seq"], time.monotonic()
+            subscription.cursor, last_sent = event["seq"], time.monotonic()
             if is_terminal_event(event):
                 return
         if len(found) >= BATCH:
             continue  # more backlog: read on at once
         if ended:
             return  # the client resumed after the terminal event: nothing more will come
-        if time.monotonic() - last_sent >= keepalive_s:
-            yield b": keep-alive\n\n"
-            last_sent = time.monotonic()
-        await anyio.sleep(poll_s)
+        while not subscription.wake.is_set():  # until the watcher sees a new event (or a revoked key)
+            with anyio.move_on_after(max(0.0, keepalive_s - (time.monotonic() - last_sent))):
+                await subscription.wake.wait()
+            if not subscription.wake.is_set():
+                yield b": keep-alive\n\n"
+                last_sent = time.monotonic()
+        subscription.wake.clear()  # before the read: a wake during it is kept for the next round
+        if subscription.revoked:
+            return
+
+
+class _CountedStream(StreamingResponse):
+    """The stream's response; its slot in the hub is freed however the response ends (done, client gone, error)."""
+
+    def __init__(self, content: Any, hub: StreamHub, subscription: Subscription, **options: Any) -> None:
+        super().__init__(content, **options)
+        self.hub, self.subscription = hub, subscription
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.hub.close(self.subscription)
 
 
 @router.get(
     "/{job_id}/events/stream",
     response_class=StreamingResponse,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}, 404: {}},
+    responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events"}, 404: {}, 429: {}},
 )
 async def stream_events(
     job_id: str, request: Request, who: Principal = Depends(require("read")),
     after: int = Query(0, ge=0, le=MAX_SEQ, description="send events with seq > after (Last-Event-ID takes precedence)"),
     last_event_id: str | None = Header(None, alias="Last-Event-ID", max_length=40),
-) -> StreamingResponse:
+) -> Response:
     """The job's events as server-sent events: the backlog after the cursor, then each new one; ends with the job."""
     store: JobStore = request.app.state.store
+    hub: StreamHub = request.app.state.streams
     cursor = parse_last_event_id(last_event_id, after)
+    try:
+        subscription = hub.open(job_id, who.key_id, cursor)  # refused before any database work
+    except StreamRefused as exc:
+        return error_response(429, "too_many_streams", str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def check() -> None:
         with store.read() as conn:
             store.get(conn, job_id, who.tenant_id)  # NotFound (404) for another tenant's job
 
-    await run_in_threadpool(check)
-    settings = request.app.state.settings
-    poll_s = float(getattr(settings, "sse_poll_s", POLL_S))
-    keepalive_s = float(getattr(settings, "sse_keepalive_s", KEEPALIVE_S))
-    return StreamingResponse(
-        _stream(store, job_id, cursor, poll_s, keepalive_s),
+    try:
+        await run_in_threadpool(check)
+    except BaseException:
+        hub.close(subscription)
+        raise
+    keepalive_s = float(getattr(request.app.state.settings, "sse_keepalive_s", KEEPALIVE_S))
+    return _CountedStream(
+        _stream(store, subscription, keepalive_s), hub, subscription,
         media_type="text/event-stream",
         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
     )

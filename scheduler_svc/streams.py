@@ -1,0 +1,158 @@
+"""Open event streams: counted per key and overall, and woken by one watcher per app instead of polling each.
+
+:class:`StreamHub` holds the app's open streams (:class:`Subscription`). A stream past ``max_streams_per_key`` for
+its key, or past ``max_streams`` for the app, is refused (:class:`StreamRefused`, answered 429 with ``Retry-After``).
+
+One background task (the watcher, started with the first stream) runs every ``interval_s`` seconds while streams
+are open, and reads in one query both the event cursor (``jobs.cursor``, the last event's seq) of every job that
+has an open stream and which of the streams' keys are still valid. A stream whose job's cursor is past what it
+sent is woken and reads its new events; one whose key was revoked (or deleted) is woken to end. An idle stream
+reads nothing: the database sees one query per interval, however many streams are open. A failed query is logged
+and tried again at the next interval; the streams wait meanwhile (sending their keep-alives).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Integer, String, literal, select, union_all
+
+from tinkergym.scheduler.db import api_keys, autocommit_reader, jobs
+
+#: Seconds a refused client is told to wait (``Retry-After``): streams end with their jobs, or when clients leave.
+RETRY_AFTER_S = 5
+
+
+class StreamRefused(Exception):
+    """A stream over a limit (HTTP 429); the message names the limit and how to raise it."""
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One open stream: its job, its key, the last seq it sent, and the event the watcher sets to wake it."""
+
+    job_id: str
+    key_id: str
+    cursor: int
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    revoked: bool = False  # the key was revoked: the stream ends when woken
+
+
+class StreamHub:
+    """The app's open streams, their limits, and the watcher that wakes them (see the module's docstring)."""
+
+    def __init__(self, engine: Any, *, interval_s: float, max_streams: int, max_streams_per_key: int,
+                 logger: logging.Logger | None = None) -> None:
+        self.engine = engine
+        self.interval_s = interval_s
+        self.max_streams = max_streams
+        self.max_streams_per_key = max_streams_per_key
+        self.logger = logger or logging.getLogger("tinkergym.scheduler")
+        self.subscriptions: set[Subscription] = set()
+        self.per_key: Counter[str] = Counter()
+        #: Watcher passes that read the database, and the ones that failed (for tests and diagnostics).
+        self.passes = 0
+        self.failures = 0
+        self._failing = 0  # failed passes in a row
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._opened: asyncio.Event | None = None
+
+    def open(self, job_id: str, key_id: str, cursor: int) -> Subscription:
+        """Count a new stream of ``key_id`` on ``job_id`` (resuming after ``cursor``); :class:`StreamRefused` over a limit."""
+        if self.per_key[key_id] >= self.max_streams_per_key:
+            raise StreamRefused(
+                f"this key has {self.per_key[key_id]} event streams open, the most one key may hold: close one first "
+                f"(the operator raises the limit with: tinkergym scheduler serve --max-streams-per-key N)")
+        if len(self.subscriptions) >= self.max_streams:
+            raise StreamRefused(
+                f"the scheduler has {len(self.subscriptions)} event streams open, the most it serves at once: retry later "
+                f"(the operator raises the limit with: tinkergym scheduler serve --max-streams N)")
+        self._ensure_watcher()
+        subscription = Subscription(job_id, key_id, cursor)
+        self.subscriptions.add(subscription)
+        self.per_key[key_id] += 1
+        assert self._opened is not None
+        self._opened.set()
+        return subscription
+
+    def close(self, subscription: Subscription) -> None:
+        """Free the stream's slot (once; closing again does nothing)."""
+        if subscription in self.subscriptions:
+            self.subscriptions.discard(subscription)
+            self.per_key[subscription.key_id] -= 1
+            if self.per_key[subscription.key_id] <= 0:
+                del self.per_key[subscription.key_id]
+
+    async def aclose(self) -> None:
+        """Stop the watcher (the app's shutdown)."""
+        task, self._task = self._task, None
+        if task is not None and not task.done() and task.get_loop() is asyncio.get_running_loop():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    def _ensure_watcher(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done() and self._loop is loop:
+            return
+        self._loop = loop  # a watcher waits with the primitives of one event loop (tests run apps on several)
+        self._opened = asyncio.Event()
+        self._task = loop.create_task(self._watch(self._opened), name="tinkergym event stream watcher")
+
+    async def _watch(self, opened: asyncio.Event) -> None:
+        while True:
+            if not self.subscriptions:
+                opened.clear()
+                await opened.wait()
+            await asyncio.sleep(self.interval_s)
+            if self.subscriptions:
+                await self.watch_once()
+
+    async def watch_once(self) -> None:
+        """One pass: read the open streams' job cursors and live keys in one query; wake the streams that have news."""
+        import anyio.to_thread
+
+        watched = list(self.subscriptions)
+        try:
+            cursors, live_keys = await anyio.to_thread.run_sync(
+                self._read, sorted({s.job_id for s in watched}), sorted({s.key_id for s in watched}))
+        except Exception as exc:  # noqa: BLE001 - the database is down or busy: the streams wait, the next pass retries
+            self.failures += 1
+            self._failing += 1
+            if self._failing == 1 or self._failing % 100 == 0:
+                self.logger.warning("event streams: reading job cursors failed (%s: %s); retrying every %g s", type(exc).__name__,
+                                    str(exc).splitlines()[0][:300] if str(exc) else "", self.interval_s)
+            return
+        if self._failing:
+            self.logger.warning("event streams: reading job cursors works again after %d failed passes", self._failing)
+            self._failing = 0
+        self.passes += 1
+        for subscription in watched:
+            if subscription.key_id not in live_keys:
+                subscription.revoked = True
+                subscription.wake.set()
+            elif cursors.get(subscription.job_id, subscription.cursor + 1) > subscription.cursor:  # a deleted job wakes too
+                subscription.wake.set()
+
+    def _read(self, job_ids: list[str], key_ids: list[str]) -> tuple[dict[str, int], set[str]]:
+        query = union_all(
+            select(literal("job", String), jobs.c.id, jobs.c.cursor).where(jobs.c.id.in_(job_ids)),
+            select(literal("key", String), api_keys.c.id, literal(0, Integer))
+            .where(api_keys.c.id.in_(key_ids), api_keys.c.revoked_at.is_(None)),
+        )
+        cursors: dict[str, int] = {}
+        live: set[str] = set()
+        with autocommit_reader(self.engine).connect() as conn:
+            for kind, row_id, cursor in conn.execute(query):
+                if kind == "job":
+                    cursors[row_id] = int(cursor)
+                else:
+                    live.add(row_id)
+        return cursors, live
