@@ -347,7 +347,7 @@ def tenants() -> None:
 @click.argument("tenant")
 @click.option("--max-gpus", type=click.IntRange(min=0), default=None, help="GPUs the tenant's jobs may hold at once (new tenants: 8).")
 @click.option("--max-queued", type=click.IntRange(min=0), default=None, help="Jobs the tenant may have queued at once (new tenants: 100).")
-@click.option("--max-artifact-gb", type=FiniteFloat(min=0), default=None, metavar="GIB",
+@click.option("--max-artifact-gb", type=FiniteFloat(min=0, max=(2**63 - 1) // GIB), default=None, metavar="GIB",
               help="Artifact bytes (checkpoints) the tenant's jobs may store in all, in GiB (2**30 bytes; fractions allowed); "
                    "an upload past it is refused (413). New tenants: 100.")
 @click.option("--max-events-per-job", type=click.IntRange(0, MAX_INT), default=None, metavar="N",
