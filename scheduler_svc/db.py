@@ -127,6 +127,7 @@ Index("ix_jobs_queue", jobs.c.state, jobs.c.priority, jobs.c.created_at)
 Index("ix_jobs_tenant", jobs.c.tenant_id, jobs.c.created_at)
 Index("ix_jobs_lease", jobs.c.state, jobs.c.lease_expires_at)
 Index("ix_jobs_tenant_state", jobs.c.tenant_id, jobs.c.state)
+Index("ix_jobs_state_finished", jobs.c.state, jobs.c.finished_at)  # the retention pass: ended jobs by age
 
 allocations = Table(
     "allocations", metadata,
@@ -170,6 +171,7 @@ idempotency = Table(
     Column("response", Text, nullable=True),
     Column("created_at", Float, nullable=False),
 )
+Index("ix_idempotency_created", idempotency.c.created_at)  # the retention pass: records past their TTL
 
 
 def database_url(url: str | None, default_dir: str | Path) -> str:

@@ -277,7 +277,7 @@ def report_state(
     return response
 
 
-@router.post("/{worker_id}/jobs/{job_id}/events", response_model=EventAnswer, responses={404: {}, 409: {}, 422: {}})
+@router.post("/{worker_id}/jobs/{job_id}/events", response_model=EventAnswer, responses={404: {}, 409: {}, 413: {}, 422: {}, 429: {}})
 def report_event(
     worker_id: str, job_id: str, body: EventReport, request: Request, who: Principal = Depends(require("worker")),
     idempotency_key: str | None = IdempotencyKey,

@@ -181,6 +181,7 @@ def test_worker_credentials_are_made_by_the_operator_only(db_url: str, tmp_path:
     listed = cli("workers", "credentials")
     assert key_id in listed.stdout and "tenants: acme" in listed.stdout and key_digest(key) not in listed.stdout
     assert key_id not in cli("keys", "list").output  # tenants' keys only
+    assert "_cluster" not in cli("tenants", "list").output  # the credentials' tenant holds no jobs: not listed
     changed = cli("workers", "set", key_id, "--devices", "8")
     assert changed.exit_code == 0 and "8 devices" in changed.stdout and "tenants: all" in changed.stdout
     assert cli("workers", "set", "ffffffffffff", "--devices", "1").exit_code == 2

@@ -413,13 +413,15 @@ def tenants_list(db: str | None, data_dir: Path) -> None:
     """
     from sqlalchemy import func, select
 
+    from tinkergym.scheduler.credentials import CLUSTER  # the worker credentials' tenant: no jobs, not listed
+
     from tinkergym.scheduler.db import jobs as jobs_table
     from tinkergym.scheduler.db import tenants as tenants_table
 
     engine = open_database(db, data_dir)
     try:
         with engine.connect() as conn:
-            found = list(conn.execute(select(tenants_table).order_by(tenants_table.c.id)).mappings())
+            found = list(conn.execute(select(tenants_table).where(tenants_table.c.id != CLUSTER).order_by(tenants_table.c.id)).mappings())
             stored = dict(conn.execute(select(jobs_table.c.tenant_id, func.sum(jobs_table.c.artifact_bytes)).group_by(jobs_table.c.tenant_id)).all())
     finally:
         engine.dispose()

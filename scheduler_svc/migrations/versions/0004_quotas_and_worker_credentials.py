@@ -8,7 +8,8 @@
 - ``api_keys.worker_bounds``: a worker credential's bounds (JSON: devices, kind, models, tenants), set only by
   ``tinkergym scheduler workers create``;
 - ``workers.strikes`` and ``workers.quarantined_at``: leases that expired before the job's server came up, in a
-  row, and when the worker was quarantined for them.
+  row, and when the worker was quarantined for them;
+- indexes for the retention pass: ended jobs by age, idempotency records by age.
 
 Keys lose the ``worker`` scope here: a tenant's key (``admin`` or ``worker``) no longer registers workers or takes
 leases. Each such key is named in a warning; a key left with no scope is revoked. Make worker credentials with
@@ -48,6 +49,8 @@ def upgrade() -> None:
     with op.batch_alter_table("workers") as batch:
         batch.add_column(sa.Column("strikes", sa.Integer, nullable=False, server_default="0"))
         batch.add_column(sa.Column("quarantined_at", sa.Float, nullable=True))
+    op.create_index("ix_jobs_state_finished", "jobs", ["state", "finished_at"])
+    op.create_index("ix_idempotency_created", "idempotency", ["created_at"])
     _drop_worker_scope()
 
 
@@ -73,6 +76,8 @@ def _drop_worker_scope() -> None:
 
 
 def downgrade() -> None:
+    op.drop_index("ix_idempotency_created", "idempotency")
+    op.drop_index("ix_jobs_state_finished", "jobs")
     with op.batch_alter_table("workers") as batch:
         batch.drop_column("quarantined_at")
         batch.drop_column("strikes")
