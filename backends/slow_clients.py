@@ -141,6 +141,14 @@ class RequestDeadlines:
     _too_large = False
     _refused = False
 
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)  # type: ignore[misc] - the uvicorn protocol this is mixed into
+        self._admit()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel()
+        super().connection_lost(exc)  # type: ignore[misc]
+
     def _admit(self) -> bool:
         """At ``connection_made``, after uvicorn counted the connection: False (and a 503) when it is one too many."""
         if len(self.connections) <= self.limits.max_connections:
@@ -232,14 +240,6 @@ def _httptools_deadlines() -> type:
     class HttpToolsDeadlines(RequestDeadlines, HttpToolsProtocol):
         """uvicorn's httptools protocol with :class:`RequestDeadlines` (its parser's callbacks mark the phases)."""
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._admit()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel()
-            super().connection_lost(exc)
-
         def data_received(self, data: bytes) -> None:
             if not self._refused:
                 super().data_received(data)
@@ -283,14 +283,6 @@ def _h11_deadlines() -> type:
 
     class H11Deadlines(RequestDeadlines, H11Protocol):
         """uvicorn's h11 protocol with :class:`RequestDeadlines` (the phase follows h11's state of the client)."""
-
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._admit()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel()
-            super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
             if self._refused:

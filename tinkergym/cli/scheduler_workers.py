@@ -27,6 +27,13 @@ _TENANTS = click.option("--tenant", "tenant_list", multiple=True, metavar="TENAN
                         help="A tenant whose jobs its workers run (repeat it): the tenant's own pool; default every tenant.")
 
 
+def _bound_options(command: Any) -> Any:
+    """The bounds' options (devices, kind, models, tenants) and the database's, on ``command``."""
+    for option in reversed((_DEVICES, _KIND, _MODELS, _TENANTS, db_option, data_dir_option)):
+        command = option(command)
+    return command
+
+
 def _bounds(devices: int, kind: str | None, models: tuple[str, ...], tenant_list: tuple[str, ...]) -> Any:
     from tinkergym.scheduler.credentials import WorkerBounds
     from tinkergym.scheduler.routes.jobs import MODEL_NAME
@@ -55,12 +62,7 @@ def workers_group() -> None:
 
 @workers_group.command("create")
 @click.argument("name")
-@_DEVICES
-@_KIND
-@_MODELS
-@_TENANTS
-@db_option
-@data_dir_option
+@_bound_options
 def workers_create(name: str, devices: int, kind: str | None, models: tuple[str, ...], tenant_list: tuple[str, ...],
                    db: str | None, data_dir: Path) -> None:
     """Make a worker credential NAME and print its key once; only its SHA-256 digest is stored.
@@ -89,12 +91,7 @@ def workers_create(name: str, devices: int, kind: str | None, models: tuple[str,
 
 @workers_group.command("set")
 @click.argument("key_id", metavar="ID")
-@_DEVICES
-@_KIND
-@_MODELS
-@_TENANTS
-@db_option
-@data_dir_option
+@_bound_options
 def workers_set(key_id: str, devices: int, kind: str | None, models: tuple[str, ...], tenant_list: tuple[str, ...],
                 db: str | None, data_dir: Path) -> None:
     """Replace the bounds of worker credential ID (models and tenants apply at its next lease, devices at its next registration).
