@@ -57,12 +57,14 @@ class StrictText:
 
     JSON bodies are read whole (bounded by :class:`BodyLimit`, which must be added after this, outside it) and replayed
     to the app; only a body with a backslash-u escape is parsed, the only way such characters reach JSON text. Bodies of
-    another content type, and requests ``exempt(scope)`` names, pass as they are.
+    another content type, and requests ``exempt(scope)`` names, pass as they are. ``answer(status, kind, message)`` builds
+    the refusal (default :func:`error_response`), as for :class:`BodyLimit`.
     """
 
-    def __init__(self, app: Any, exempt: Callable[[dict], bool] | None = None) -> None:
+    def __init__(self, app: Any, exempt: Callable[[dict], bool] | None = None, answer: Callable[[int, str, str], Any] | None = None) -> None:
         self.app = app
         self.exempt = exempt
+        self.answer = answer or error_response
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or (self.exempt is not None and self.exempt(scope)):
@@ -80,7 +82,7 @@ class StrictText:
                     chunks.append(message.get("body", b""))
                     more = message.get("more_body", False)
             except BodyTooLarge as exc:  # raised by BodyLimit, outside the app's own handlers
-                return await error_response(exc.status_code, "body_too_large", str(exc.detail))(scope, receive, send)
+                return await self.answer(exc.status_code, "body_too_large", str(exc.detail))(scope, receive, send)
             body = b"".join(chunks)
             if b"\\u" in body:
                 try:
@@ -99,7 +101,7 @@ class StrictText:
             receive = replay
         if problem is not None:
             message = f"{problem} holds a NUL character or a lone UTF-16 surrogate, which cannot be stored: send valid Unicode text"
-            return await error_response(400, "invalid_request", message)(scope, receive, send)
+            return await self.answer(400, "invalid_request", message)(scope, receive, send)
         await self.app(scope, receive, send)
 
 

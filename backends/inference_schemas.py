@@ -20,6 +20,32 @@ MAX_MESSAGES = 1024
 MAX_TOKEN_ID = 2**31 - 1
 
 
+class ErrorDetail(BaseModel):
+    """What went wrong: ``param`` names the request field at fault, where one is."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every refusal, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+#: An event of a streamed completion (the schema of each event, as OpenAPI 3.2's ``itemSchema`` is).
+STREAM_EVENT = {"type": "object", "required": ["data"], "properties": {"data": {"type": "string", "description": "a chunk as JSON; the last is [DONE]"}}}
+
+#: The answers of the completion routes besides a JSON body, for the OpenAPI document: server-sent events with ``stream``,
+#: and refusals (400, 401, 404, 413) in OpenAI's error shape.
+COMPLETION_ANSWERS: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/event-stream": {"schema": STREAM_EVENT}}, "description": "the completion, or with stream its server-sent events"},
+    "4XX": {"model": ErrorResponse, "description": "refused, with what to change"},
+}
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
 
@@ -61,13 +87,22 @@ class CompletionRequest(_Sampling):
     include_stop_str_in_output: bool = False
 
 
+class ContentPart(BaseModel):
+    """One part of a message's content: ``{"type": "text", "text": ...}``; parts of other types are skipped."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = Field(max_length=64)
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
-    """One message; ``content`` is text or a list of text parts (``{"type": "text", "text": ...}``)."""
+    """One message; ``content`` is text or a list of content parts."""
 
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -27,7 +27,7 @@ import uuid
 from typing import Any, Iterator
 
 from tinkergym.backends.inference_engine import InferenceEngine
-from tinkergym.backends.inference_schemas import MAX_PROMPTS, MAX_TOKEN_ID, ChatCompletionRequest, CompletionRequest
+from tinkergym.backends.inference_schemas import COMPLETION_ANSWERS, MAX_PROMPTS, MAX_TOKEN_ID, ChatCompletionRequest, CompletionRequest
 from tinkergym.backends.types import SampledSequence, SamplingParams
 from tinkergym.errors import ConfigError
 
@@ -105,7 +105,7 @@ def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_
         ]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=COMPLETION_ANSWERS)
     def completions(request: CompletionRequest) -> Any:
         """Complete text or token-id prompts; ``stream: true`` answers with server-sent events."""
         chunks_or_body = complete(engine, request)
@@ -113,7 +113,7 @@ def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_
             return StreamingResponse(chunks_or_body, media_type="text/event-stream")
         return chunks_or_body
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=COMPLETION_ANSWERS)
     def chat_completions(request: ChatCompletionRequest) -> Any:
         """Answer a conversation rendered with the model's chat template; ``stream: true`` answers with server-sent events."""
         chunks_or_body = chat(engine, request, chat_renderer())
@@ -130,7 +130,7 @@ def _answer_errors_openai_style(app: Any, max_body_bytes: int) -> None:
 
     Bodies are bounded by the servers' shared :class:`~tinkergym.backends.asgi.BodyLimit`: by ``Content-Length``
     before reading, and by counting the bytes of a body that streams in without one (chunked transfer). Text with a
-    lone UTF-16 surrogate (or a NUL), which no tokenizer encodes, is refused by :class:`~tinkergym.backends.asgi.StrictText`.
+    lone UTF-16 surrogate (no tokenizer encodes one) or a NUL is refused by :class:`~tinkergym.backends.asgi.StrictText`.
     """
     from fastapi import Request
     from fastapi.exceptions import RequestValidationError

@@ -9,6 +9,7 @@ sums to exactly the loss of the unsplit batch.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,6 +28,8 @@ POLICY_LOSSES = ("ppo", "importance_sampling", "reinforce")
 MAX_LOG_RATIO = 20.0
 #: Bound on the per-token k3 KL value, as verl bounds its low-variance KL.
 MAX_K3 = 10.0
+#: The largest float32: the loss settings scale and clamp float32 tensors, and torch refuses a number past it.
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 class _TargetLogprob(torch.autograd.Function):
@@ -195,6 +198,10 @@ def validate_spec(spec: Any) -> None:
             "temperature, so truncated sampling would bias the importance ratio; sample training rollouts with top_k=0 and "
             "top_p=1 (top-k/top-p are fine in evaluation)"
         )
+    settings = {name: getattr(spec, name) for name in ("clip_low", "clip_high", "kl_coef", "loss_scale", "temperature", "tis_cap")}
+    unfit = [f"{name}={value!r}" for name, value in settings.items() if math.isnan(value) or FLOAT32_MAX < abs(value) < math.inf]
+    if unfit:
+        raise ConfigError(f"{', '.join(unfit)}: the loss settings must be numbers that float32 holds (not NaN; at most {FLOAT32_MAX:.4g} in size, or infinite)")
     if spec.tis_cap < 0 or spec.kl_coef < 0:
         raise ConfigError(f"tis_cap and kl_coef must be >= 0 (0 = off), not {spec.tis_cap} and {spec.kl_coef}")
     if spec.tis_cap > 0 and spec.name in RATIO_LOSSES and spec.old_logprobs != "trainer":

@@ -16,6 +16,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -32,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tinkergym.backends.types import ForwardBackwardRequest, OptimParams, SampleRequest
-from tinkergym.errors import ConfigError, TinkergymError
+from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
 
 #: Names of states and exports: one path component of letters, digits, ``.``, ``_`` and ``-``.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -117,7 +118,7 @@ def _checked(value: Any, hint: Any, where: str) -> Any:
     if hint is Any:
         return value
     if origin in (typing.Union, types.UnionType):
-        errors = []
+        errors: list[ConfigError] = []
         for option in typing.get_args(hint):
             if option is type(None):
                 if value is None:
@@ -126,7 +127,7 @@ def _checked(value: Any, hint: Any, where: str) -> Any:
             try:
                 return _checked(value, option, where)
             except ConfigError as exc:
-                errors.append(str(exc))
+                errors.append(exc)
         raise errors[0] if len(errors) == 1 else ConfigError(f"{where}: {str(value)[:60]!r} fits none of {hint}")
     if origin is list:
         if not isinstance(value, list):
@@ -161,7 +162,10 @@ def _checked(value: Any, hint: Any, where: str) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _json_type_error(where, "a number", value)
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past a float's range (JSON integers have no bound)
+            raise ConfigError(f"{where}: {str(value)[:24]}... is too large for a number (at most about 1.8e308)") from None
     if hint is str:
         if not isinstance(value, str):
             raise _json_type_error(where, "a string", value)
@@ -181,8 +185,11 @@ def from_json(cls: type, data: Any, where: str) -> Any:
 
 
 def _check_token_ids(rows: list[list[int]], vocab_size: int | None, where: str) -> None:
-    """Every id in ``[0, vocab_size)``: an id out of range would index past the embedding (on a GPU, a device assert)."""
+    """Every row holds a token and every id is in ``[0, vocab_size)``: an empty row has nothing to run the model on,
+    an id out of range would index past the embedding (on a GPU, a device assert)."""
     for i, row in enumerate(rows):
+        if not row:
+            raise ConfigError(f"{where}[{i}] has no tokens: every sequence needs at least one")
         for token in row:
             if token < 0 or (vocab_size is not None and token >= vocab_size):
                 raise ConfigError(f"{where}[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})")
@@ -235,6 +242,23 @@ class CallLimits:
         self.check("tokens", sum(map(len, rows)), where, "tokens")
 
 
+def check_optim(params: OptimParams) -> None:
+    """AdamW's own bounds on its settings (the backend sets them per step, past the optimizer's constructor checks), and
+    no NaN or infinity where one writes NaN into the weights. A :class:`ConfigError` names the setting."""
+    bounds: dict[str, tuple[Callable[[float], bool], str]] = {
+        "learning_rate": (lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+        "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+        "eps": (lambda v: 0 < v < math.inf, "a finite number > 0"),  # 0 divides 0 by 0 where a gradient is 0
+        "weight_decay": (lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        "max_grad_norm": (lambda v: v >= 0, "a number >= 0 (0: no clipping)"),
+    }
+    for name, (fits, wanted) in bounds.items():
+        value = getattr(params, name)
+        if not fits(value):  # NaN fits nothing
+            raise ConfigError(f"args.params.{name} must be {wanted}, got {value!r}")
+
+
 def _only(args: dict[str, Any], method: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
     unknown = set(args) - set(required) - set(optional)
     missing = [k for k in required if k not in args]
@@ -278,7 +302,9 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
         return ParsedCall(method, {"request": request})
     if method == "optim_step":
         _only(args, method, ("params",))
-        return ParsedCall(method, {"params": from_json(OptimParams, args["params"], "args.params")})
+        params = from_json(OptimParams, args["params"], "args.params")
+        check_optim(params)
+        return ParsedCall(method, {"params": params})
     if method in ("save_state", "load_state"):
         _only(args, method, ("name",))
         return ParsedCall(method, {"name": _checked(args["name"], str, "args.name")})
@@ -351,11 +377,14 @@ class CallError:
 
 
 def call_error(exc: BaseException, request_id: str, logger: logging.Logger) -> CallError:
-    """Map an exception to what the client sees: bad input is 400 with its message, anything else 500 (traceback only in the log)."""
+    """Map an exception to what the client sees: bad input is 400 with its message, diverged weights 409 (the model's state,
+    not the server, is at fault: load a saved state), anything else 500 (traceback only in the log)."""
     if isinstance(exc, (ConfigError, ValueError, TypeError)):
         return CallError(400, "invalid_request", str(exc)[:2000])
     trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     logger.error(json.dumps({"event": "call_failed", "request_id": request_id, "error": type(exc).__name__, "traceback": trace}))
+    if isinstance(exc, NonFiniteError):
+        return CallError(409, type(exc).__name__, f"{str(exc)[:2000]}; load a saved state (load_state) to go on")
     if isinstance(exc, TinkergymError):  # deliberate errors (a diverged run) say what happened
         return CallError(500, type(exc).__name__, str(exc)[:2000])
     return CallError(500, "internal", f"the call failed on the server ({type(exc).__name__}); request id {request_id} in the server log")
