@@ -96,6 +96,7 @@ class CallPending(WireModel):
 class ErrorDetail(WireModel):
     type: str
     message: str
+    code: int | None = Field(None, description="the HTTP status, where the answer carries it (401)")
 
 
 class ErrorResponse(WireModel):

@@ -324,3 +324,12 @@ def test_the_document_declares_refusals_and_event_streams(inference: Any) -> Non
         answers = paths[path]["post"]["responses"]
         assert set(answers) == {"200", "4XX"} and "text/event-stream" in answers["200"]["content"], answers
         assert answers["4XX"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def test_a_refused_token_is_answered_in_the_documented_error_shape(training: TestClient) -> None:
+    from tinkergym.backends.server import ErrorResponse
+
+    for headers in ({}, {"Authorization": "Bearer " + "x" * 40}):
+        response = training.get("/v1/info", headers=headers)
+        assert response.status_code == 401
+        assert ErrorResponse.model_validate(response.json()).error.type == "unauthorized"
