@@ -224,7 +224,11 @@ def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
         with pytest.raises(RemoteBackendError):
             RemoteBackend(conn2["url"], conn2["token"], retries=0, timeout=2).info()
 
-        # 5. A running job is cancelled: its server is stopped and the job ends cancelled.
+        # 5. A job the worker cannot start (a config it refuses, poison for its server) fails with the reason; the
+        # worker lives on and runs the next one. Then a running job is cancelled: its server stops, the job ends cancelled.
+        poison = owner.submit("train", {**CONFIG, "lora_rank": "\u00e9" * 3, "dtype": "float32"})["id"]
+        failed = wait_for("the poison job to fail", lambda: in_state(owner, poison, "failed"), 60)
+        assert "lora_rank" in failed["error"] and second.process.poll() is None
         other = owner.submit("train", CONFIG)["id"]
         wait_for("the second job to run", lambda: owner.show(other)["state"] == "running", 180)
         run_dir = second.run_dir(other, 1)
