@@ -4,7 +4,7 @@
 
     from tinkergym.client import SchedulerClient
 
-    client = SchedulerClient("http://10.0.0.2:8700", api_key)        # or api_key=None: $TINKERGYM_API_KEY
+    client = SchedulerClient("http://10.0.0.2:8780", api_key)        # or api_key=None: $TINKERGYM_API_KEY
     job = client.submit("train", {"model": "smollm2-135m", "env": "tinker/Bandit-v0"}, gpus=1)
     for event in client.follow(job["id"]):                             # until the job ends
         print(event["seq"], event["type"], event["data"])
@@ -103,11 +103,11 @@ def check_scheduler_url(url: str | None) -> str:
     """``url`` (or ``$TINKERGYM_SCHEDULER``) without a trailing slash; :class:`ConfigError` unless it is ``http(s)://host[:port][/path]``."""
     url = url or os.environ.get(SCHEDULER_ENV, "")
     if not url:
-        raise ConfigError(f"no scheduler URL: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8700)")
+        raise ConfigError(f"no scheduler URL: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8780)")
     from tinkergym.backends.remote import is_http_url
 
     if not is_http_url(url):
-        raise ConfigError(f"scheduler URL {url!r} is not an http(s)://host[:port] URL; give one such as http://127.0.0.1:8700")
+        raise ConfigError(f"scheduler URL {url!r} is not an http(s)://host[:port] URL; give one such as http://127.0.0.1:8780")
     return url.rstrip("/")
 
 
@@ -115,7 +115,7 @@ class SchedulerClient:
     """The scheduler's job API at ``url`` with ``api_key`` (default ``$TINKERGYM_API_KEY``).
 
     Args:
-        url: the scheduler, e.g. ``http://10.0.0.2:8700`` (default ``$TINKERGYM_SCHEDULER``).
+        url: the scheduler, e.g. ``http://10.0.0.2:8780`` (default ``$TINKERGYM_SCHEDULER``).
         api_key: a key from ``tinkergym scheduler keys create`` (``tgk_...``).
         timeout: seconds to wait for an answer on the connection.
         retries: how often a request is sent again after a dropped connection, a 502/503/504 or an in-flight 409.

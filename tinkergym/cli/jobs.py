@@ -25,7 +25,7 @@ def scheduler_options(command: Callable[..., Any]) -> Callable[..., Any]:
     )(command)
     return click.option(
         "--scheduler", "scheduler_url", envvar=SCHEDULER_ENV, show_envvar=True, metavar="URL",
-        help="The scheduler, e.g. http://127.0.0.1:8700.",
+        help="The scheduler, e.g. http://127.0.0.1:8780.",
     )(command)
 
 
@@ -37,7 +37,7 @@ def connect(scheduler_url: str | None, api_key: str | None) -> Any:
     if not api_key or not api_key.strip():
         raise InputError(f"no API key: pass --api-key KEY or set {API_KEY_ENV} (an admin makes one with `tinkergym scheduler keys create`)")
     if not scheduler_url:
-        raise InputError(f"no scheduler: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8700)")
+        raise InputError(f"no scheduler: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8780)")
     try:
         return SchedulerClient(scheduler_url, api_key)
     except ConfigError as exc:
@@ -93,7 +93,7 @@ def jobs() -> None:
 
     \b
     Examples:
-      export TINKERGYM_SCHEDULER=http://127.0.0.1:8700 TINKERGYM_API_KEY=tgk_...
+      export TINKERGYM_SCHEDULER=http://127.0.0.1:8780 TINKERGYM_API_KEY=tgk_...
       tinkergym jobs list --state queued,running
       tinkergym jobs show job_0123
       tinkergym jobs logs job_0123 --follow

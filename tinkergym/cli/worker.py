@@ -39,7 +39,7 @@ def parse_ports(text: str) -> tuple[int, int]:
 
 
 @click.command("worker")
-@click.option("--scheduler", "scheduler_url", envvar=SCHEDULER_ENV, show_envvar=True, metavar="URL", help="The scheduler, e.g. http://10.0.0.2:8700.")
+@click.option("--scheduler", "scheduler_url", envvar=SCHEDULER_ENV, show_envvar=True, metavar="URL", help="The scheduler, e.g. http://10.0.0.2:8780.")
 @click.option("--key", "api_key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
               help="A worker credential (made on the scheduler's machine: tinkergym scheduler workers create). Prefer the environment variable.")
 @click.option("--gpus", default=None, metavar="0,1", help="CUDA device indexes this worker lends (each job gets CUDA_VISIBLE_DEVICES).")
@@ -62,15 +62,15 @@ def worker(
 
     \b
     Examples:
-      TINKERGYM_API_KEY=tgk_... tinkergym worker --scheduler http://10.0.0.2:8700 --gpus 0,1
-      tinkergym worker --scheduler http://127.0.0.1:8700 --slots 1 --models tiny     # no GPU: CPU servers
+      TINKERGYM_API_KEY=tgk_... tinkergym worker --scheduler http://10.0.0.2:8780 --gpus 0,1
+      tinkergym worker --scheduler http://127.0.0.1:8780 --slots 1 --models tiny     # no GPU: CPU servers
 
     Stop it with Ctrl-C or SIGTERM: it stops its servers, and their jobs are queued again when their leases expire.
     """
     from tinkergym.errors import ConfigError
 
     if not scheduler_url:
-        raise InputError(f"no scheduler: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8700)")
+        raise InputError(f"no scheduler: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8780)")
     if not api_key or not api_key.strip():
         raise InputError(f"no key: pass --key KEY or set {API_KEY_ENV} (a worker credential: tinkergym scheduler workers create NAME --devices N)")
     if (gpus is None) == (slots is None):
