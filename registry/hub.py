@@ -113,7 +113,9 @@ def unknown_env_message(env_id: str) -> str:
     providers = {i: dist for dist, entry in known_packages().items() for i in entry["ids"]}
     lines = [f"No installed env package provides {env_id!r}."]
     folded = {i.lower(): i for i in {*installed, *providers}}
-    close = [folded[m] for m in difflib.get_close_matches(env_id.lower(), list(folded), n=3, cutoff=0.6)]
+    # An id the hub knows is right as typed (its package is missing): no other ids to suggest, and never the typed one.
+    matches = [] if env_id in providers else difflib.get_close_matches(env_id.lower(), list(folded), n=4, cutoff=0.6)
+    close = [folded[m] for m in matches if folded[m] != env_id][:3]
     if close:
         lines.append("Did you mean: " + ", ".join(close) + "?")
     for candidate in [env_id, *close[:1]]:

@@ -61,8 +61,9 @@ def test_unknown_id_suggests_close_matches_and_the_package() -> None:
 
 def test_uninstalled_known_id_names_the_pip_install(fake_site, monkeypatch) -> None:
     monkeypatch.setitem(hub.known_packages(), "tinkergym-fakeworld", {"ids": ["tinker/FakeWorld-v0"]})
-    with pytest.raises(UnknownEnvError, match=r"install it with: pip install tinkergym-fakeworld"):
+    with pytest.raises(UnknownEnvError, match=r"install it with: pip install tinkergym-fakeworld") as caught:
         tinkergym.spec("tinker/FakeWorld-v0")
+    assert "Did you mean" not in str(caught.value)  # never the id that was typed
     with pytest.raises(UnknownEnvError, match="Did you mean: tinker/FakeWorld-v0"):
         tinkergym.spec("tinker/FakeWrld-v0")
 
