@@ -256,5 +256,6 @@ def test_train_refuses_an_out_folder_that_holds_a_run(tmp_path: Path) -> None:
     (run / "config.json").write_text(json.dumps({"env": "tinker/Bandit-v0"}))
     (run / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
     result = CliRunner().invoke(main, ["train", "--env", "tinker/Bandit-v0", "--model", "tiny", "--out", str(run)])
-    assert result.exit_code != 0 and f"--resume {run}" in result.output and "--overwrite" in result.output
+    assert result.exit_code == 2 and f"--resume {run}" in result.output and "--overwrite" in result.output
+    assert "Usage:" not in result.output  # the message alone: the command line was right, the folder is taken
     assert (run / "metrics.jsonl").read_text() == '{"step": 0, "loss": 1.0}\n'

@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from tinkergym.cli.common import SEED, FiniteFloat, SafePath, parse_kwargs, save_transcripts, writable_file
+from tinkergym.cli.common import SEED, FiniteFloat, InputError, SafePath, parse_kwargs, save_transcripts, writable_file
 
 #: Most episodes one evaluation plays (each has its own seed, drawn up front).
 MAX_EPISODES = 1_000_000
@@ -234,7 +234,7 @@ def train(**options: Any) -> None:
     else:
         config = build_config(options)
         if _holds_run(config.out) and not options.get("overwrite"):
-            raise click.UsageError(
+            raise InputError(
                 f"{config.out} already holds a run. Continue it with: tinkergym train --resume {config.out}; "
                 f"or pick another --out; or add --overwrite to start over there (its metrics and checkpoints are replaced)."
             )
