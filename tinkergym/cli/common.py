@@ -41,12 +41,41 @@ class InputError(click.ClickException):
     exit_code = 2
 
 
+#: The extra that installs a module a command imports (the top-level package name), by the command's first word where
+#: the module belongs to more than one extra.
+_EXTRAS: dict[str, str] = {
+    "sqlalchemy": "scheduler", "alembic": "scheduler", "psycopg": "scheduler", "httpx": "scheduler",
+    "fastapi": "serve", "uvicorn": "serve", "httptools": "serve", "starlette": "serve",
+    "torch": "train", "peft": "train", "accelerate": "train", "safetensors": "train", "gguf": "train", "openskill": "train",
+    "transformers": "client", "tokenizers": "client", "jinja2": "client", "tqdm": "client", "yaml": "client",
+    "matplotlib": "client", "tensorboardX": "client", "huggingface_hub": "hub", "vllm": "vllm", "trl": "bench",
+}
+_COMMAND_EXTRAS = {"scheduler": {"serve": "scheduler", "client": "scheduler"}, "train": {"client": "train"},
+                   "serve-backend": {"client": "serve"}, "serve-model": {"client": "serve"}, "push": {"client": "hub"}}
+
+
+def missing_extra(module: str | None, command: str | None) -> str | None:
+    """The extra of tinkergym that installs ``module`` for ``command`` (its first word); None for a module of none."""
+    extra = _EXTRAS.get((module or "").split(".")[0])
+    return _COMMAND_EXTRAS.get(command or "", {}).get(extra or "", extra) if extra else None
+
+
 class TinkergymGroup(click.Group):
-    """A command group that shows tinkergym's errors as messages, never tracebacks: bad input exits 2, other failures 1."""
+    """A command group that shows tinkergym's errors as messages, never tracebacks: bad input exits 2, other failures 1;
+    a module that is not installed names the extra that installs it."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except ModuleNotFoundError as exc:
+            command = ctx.invoked_subcommand
+            extra = missing_extra(exc.name, command)
+            if extra is None:
+                raise
+            what = f"tinkergym {command}" if command else "this command"
+            raise click.ClickException(
+                f"{what} needs the {extra!r} extra (no module named {exc.name!r}): install it with: pip install 'tinkergym[{extra}]'"
+            ) from exc
         except INPUT_ERRORS as exc:
             raise InputError(_shown(exc)) from exc
         except TinkergymError as exc:
