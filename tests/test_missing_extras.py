@@ -37,3 +37,12 @@ def test_the_extra_follows_the_command() -> None:
     assert missing_extra("transformers.models", "train") == "train"
     assert missing_extra("transformers", "jobs") == "client"
     assert missing_extra("numpy", "train") is None  # a core dependency: not an extra's, the traceback stays
+
+
+def test_a_client_without_torch_hears_no_advice_to_install_it(tmp_path: Path) -> None:
+    code = ("import sys\nsys.modules['torch'] = None\nimport tinkergym.cli\nfrom transformers import AutoTokenizer\n"
+            "print(AutoTokenizer.__name__)")
+    result = subprocess.run([sys.executable, "-W", "error::DeprecationWarning:tinkergym", "-c", code], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode == 0 and "AutoTokenizer" in result.stdout, result.stderr
+    assert "PyTorch was not found" not in result.stderr

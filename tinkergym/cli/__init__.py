@@ -2,7 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import click
+
+
+def _torch_missing() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is None
+    except (ImportError, ValueError):  # ValueError: blocked in sys.modules
+        return True
+
+
+if _torch_missing():
+    # A client install (training through a server or a scheduler) has transformers for the chat template and no torch
+    # by design: transformers' advice that "PyTorch was not found" is noise there.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from tinkergym.cli.common import TinkergymGroup
 from tinkergym.cli.envs import envs
