@@ -23,6 +23,7 @@ if _torch_missing():
 from tinkergym.cli.common import TinkergymGroup
 from tinkergym.cli.envs import envs
 from tinkergym.cli.jobs import jobs
+from tinkergym.cli import jobs_download  # noqa: F401,E402 - registers `jobs download` on the jobs group
 from tinkergym.cli.play import play
 from tinkergym.cli.push import push
 from tinkergym.cli.scheduler import scheduler

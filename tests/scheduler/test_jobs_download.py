@@ -1,0 +1,69 @@
+"""``tinkergym jobs download``: an owner gets a job's checkpoint (the newest, or one by step or name) into a folder,
+every file checked against the size and SHA-256 the store lists; another tenant's job and an unknown checkpoint are
+refused with exit 2, a file that does not match its listing with exit 1 and nothing kept."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from click.testing import CliRunner  # noqa: E402
+from workerkit import auth, register, submit  # noqa: E402 - registered by conftest.py
+
+from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.cli import main  # noqa: E402
+from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
+
+FILES = {"state.json": b'{"step": 1}', "adapter/adapter_model.safetensors": b"\x00\x01weights" * 50}
+
+
+def _store(client: Any, worker: Any, job_id: str, epoch: int, name: str, step: int, files: dict[str, bytes]) -> None:
+    for path, body in files.items():
+        url = f"/v1/workers/{worker.id}/jobs/{job_id}/artifacts/{name}/{path}"
+        response = client.put(url, content=body, params={"epoch": epoch, "sha256": hashlib.sha256(body).hexdigest()}, headers=auth(worker.key))
+        assert response.status_code == 200, response.text
+    assert worker.post(f"/jobs/{job_id}/checkpoints", {"epoch": epoch, "step": step, "name": name}).status_code == 200
+
+
+def test_an_owner_downloads_a_jobs_checkpoints(make_client: Any, keys: Any, db_url: str, tmp_path: Path) -> None:
+    client = make_client()
+    owner, stranger = keys.new("acme", "read,write"), keys.new("globex", "read")
+    worker = register(client, keys.worker(1), devices=1)
+    job_id = submit(client, owner)
+    lease = worker.lease()
+    _store(client, worker, job_id, lease["epoch"], "step_000001", 1, FILES)
+    _store(client, worker, job_id, lease["epoch"], "step_000002", 2, {**FILES, "state.json": b'{"step": 2}'})
+    server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False))
+
+    def download(key: str, *args: str) -> Any:
+        env = {"TINKERGYM_SCHEDULER": server.url, "TINKERGYM_API_KEY": key}
+        return CliRunner().invoke(main, ["jobs", "download", job_id, *args], env=env)
+
+    try:
+        newest = download(owner, "--out", str(tmp_path / "newest"))
+        assert newest.exit_code == 0, newest.output
+        assert "step_000002" in newest.output
+        assert (tmp_path / "newest" / "state.json").read_bytes() == b'{"step": 2}'
+        assert (tmp_path / "newest" / "adapter" / "adapter_model.safetensors").read_bytes() == FILES["adapter/adapter_model.safetensors"]
+        first = download(owner, "--checkpoint", "1", "--out", str(tmp_path / "first"))
+        assert first.exit_code == 0 and (tmp_path / "first" / "state.json").read_bytes() == b'{"step": 1}'
+        by_name = download(owner, "--checkpoint", "step_000001", "--out", str(tmp_path / "by-name"))
+        assert by_name.exit_code == 0 and (tmp_path / "by-name" / "state.json").is_file()
+
+        unknown = download(owner, "--checkpoint", "7", "--out", str(tmp_path / "none"))
+        assert unknown.exit_code == 2 and "no checkpoint '7'" in unknown.output and "step_000002 (step 2)" in unknown.output
+        theirs = download(stranger, "--out", str(tmp_path / "theirs"))
+        assert theirs.exit_code == 2 and not (tmp_path / "theirs").exists()
+
+        stored = tmp_path / "data" / "jobs" / job_id / "step_000001" / "state.json"
+        stored.write_bytes(b'{"step": 9}')  # the store's file changed behind its listing
+        bad = download(owner, "--checkpoint", "1", "--out", str(tmp_path / "bad"))
+        assert bad.exit_code == 1 and "SHA-256" in bad.output
+        assert not list((tmp_path / "bad").rglob("state.json*"))
+    finally:
+        server.stop()
