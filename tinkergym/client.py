@@ -43,6 +43,10 @@ INPUT_STATUSES = frozenset({400, 401, 403, 404, 413, 422})
 #: Job states a job never leaves (as in ``tinkergym.scheduler.states``, not imported: that needs the server's libraries).
 TERMINAL_STATES = frozenset({"succeeded", "failed", "cancelled"})
 MAX_BACKOFF_S = 10.0
+#: Seconds a queued job waits with no worker able to host it before :func:`wait_running` says how to go on.
+UNPLACEABLE_HINT_S = 600.0
+#: Wait reasons (``wait_reason.code``) that hold until a worker that can host the job registers.
+UNPLACEABLE = frozenset({"no_worker", "no_model", "too_few_devices"})
 PAGE_SIZE = 500
 
 
@@ -70,15 +74,19 @@ def print_stderr(message: str) -> None:
 
 def wait_running(
     client: "SchedulerClient", job_id: str, *, after_epoch: int | None = None, timeout: float | None = None, poll: float = 1.0,
-    say: Callable[[str], None] = print_stderr, still_queued: str = "",
+    say: Callable[[str], None] = print_stderr, still_queued: str = "", unplaceable_after: float | None = UNPLACEABLE_HINT_S,
 ) -> dict[str, Any]:
     """Wait until job ``job_id`` runs (at a lease epoch above ``after_epoch``); its connection (``url``, ``token``, ``epoch``).
 
-    Each change of the job's state (and queue position) is said once. A terminal job, or one not running within
-    ``timeout`` seconds (None: no limit), raises :class:`JobEnded`; ``still_queued`` ends the latter's message.
+    Each change of the job's state (and queue position, and why it waits) is said once. A terminal job, or one not
+    running within ``timeout`` seconds (None: no limit), raises :class:`JobEnded`; ``still_queued`` ends the latter's
+    message. A job that no worker can host (no worker alive, none offering its model, none large enough) for
+    ``unplaceable_after`` seconds is said once, with how to go on; the wait goes on (None: never said).
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     shown = None
+    unplaceable_since: float | None = None
+    hinted = False
     while True:
         job = client.show(job_id)
         state = job["state"]
@@ -91,9 +99,21 @@ def wait_running(
                 if exc.status != 409:  # 409: it stopped running between the two requests
                     raise
         status = f"job {job_id}: {state}" + (f", position {job['queue_position']} in the queue" if job.get("queue_position") else "")
+        reason = job.get("wait_reason") if state == "queued" else None
+        if reason:
+            status += f" ({reason['message']})"
         if status != shown:
             say(status)
             shown = status
+        if reason and reason.get("code") in UNPLACEABLE:
+            unplaceable_since = time.monotonic() if unplaceable_since is None else unplaceable_since
+            if not hinted and unplaceable_after is not None and time.monotonic() - unplaceable_since >= unplaceable_after:
+                hinted = True
+                model = (job.get("config") or {}).get("model") or "MODEL"
+                say(f"job {job_id} has waited {unplaceable_after:g} s and no worker can run it: {reason['message']}. It keeps waiting; "
+                    f"drop it with: tinkergym jobs cancel {job_id}, or start a worker that can run it: tinkergym worker --models {model}")
+        else:
+            unplaceable_since = None
         if deadline is not None and time.monotonic() > deadline:
             raise JobEnded(f"job {job_id} did not start within {timeout:g} s (it is {state}){'; ' + still_queued if still_queued else ''}")
         time.sleep(poll)
@@ -223,6 +243,10 @@ class SchedulerClient:
     def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         """The checkpoints the job's servers recorded (``step``, ``name``, ``epoch``, ``created_at``), by step."""
         return self._request("GET", f"/v1/jobs/{_quote(job_id)}/checkpoints")["checkpoints"]
+
+    def workers(self, status: str | None = None) -> list[dict[str, Any]]:
+        """The workers that serve this key's tenant: ``name``, ``status`` (alive, gone), ``models``, ``devices`` (``busy``)."""
+        return self._request("GET", "/v1/workers", query={"status": status})["workers"]
 
     def follow(self, job_id: str, after: int = 0) -> Iterator[dict[str, Any]]:
         """The job's events with ``seq > after`` as they happen, until the one that ends the job.

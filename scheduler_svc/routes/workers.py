@@ -89,6 +89,7 @@ class Worker(WireModel):
     last_seen_at: float
     strikes: int = Field(0, description="leases in a row that expired before the job's server came up")
     quarantined: bool = Field(False, description="no more leases until the operator releases it (tinkergym scheduler workers release)")
+    quarantine_reason: str | None = Field(None, description="why it is quarantined")
 
 
 class WorkerList(WireModel):
@@ -149,6 +150,10 @@ class StateAnswer(WireModel):
     state: str
 
 
+class ReleaseReport(Fenced):
+    reason: str = Field(min_length=1, max_length=2000, description="why this worker cannot run the job (its machine's fault)")
+
+
 class EventReport(Fenced):
     type: Literal["log", "metrics", "error"]
     data: dict[str, Any]
@@ -207,10 +212,11 @@ def register(
 @router.get("", response_model=WorkerList)
 def list_workers(
     request: Request, status: Literal["alive", "gone"] | None = Query(None, description="only the workers in this status"),
-    who: Principal = Depends(require("admin")),
+    who: Principal = Depends(require("read")),
 ) -> Any:
-    """The workers that serve this key's tenant (its own pool and the shared ones), with status and devices
-    (``busy``: held by a job now). The operator lists them all with ``tinkergym scheduler workers list``."""
+    """The workers that serve this key's tenant (its own pool and the shared ones): the capacity and models it can use,
+    with status and devices (``busy``: held by a job now; never whose job). Any tenant key with ``read`` lists them;
+    the operator lists them all with ``tinkergym scheduler workers list``."""
     with _store(request).read() as conn:
         rows = conn.execute(select(workers.c.id, api_keys.c.worker_bounds).join(api_keys, api_keys.c.id == workers.c.key_id)
                             .order_by(workers.c.registered_at, workers.c.id)).all()
@@ -305,3 +311,21 @@ def report_checkpoint(
         return 200, leases.report_checkpoint(conn, store, worker_id, job_id, body.epoch, body.step, body.name)
 
     return respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+
+
+@router.post("/{worker_id}/jobs/{job_id}/release", response_model=StateAnswer, responses={404: {}, 409: {}, 422: {}})
+def release_job(
+    worker_id: str, job_id: str, body: ReleaseReport, request: Request, who: Principal = Depends(require("worker")),
+    idempotency_key: str | None = IdempotencyKey,
+) -> Any:
+    """Give the job back because this worker cannot run it (a package, a model or a device missing on its machine): the
+    job is queued again at the same attempt and the worker is quarantined with ``reason`` until the operator releases it."""
+    store = _store(request)
+
+    def handler(conn: Any) -> tuple[int, dict[str, Any]]:
+        _own(conn, worker_id, who)
+        return 200, leases.release_job(conn, store, worker_id, job_id, body.epoch, body.reason)
+
+    response = respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+    leases.wake(request.app)
+    return response

@@ -99,7 +99,8 @@ def test_worker_routes_need_the_worker_scope_and_the_registering_key(env: Any) -
     assert stranger.post("/lease").status_code == 404
     assert stranger.heartbeat(job_id, lease["epoch"]).status_code == 404
     assert env.client.get("/v1/workers", headers=auth(env.worker)).status_code == 403
-    listing = env.client.get("/v1/workers", headers=auth(kit_key(env, "admin")))
+    assert env.client.get("/v1/workers", headers=auth(kit_key(env, "write"))).status_code == 403
+    listing = env.client.get("/v1/workers", headers=auth(kit_key(env, "read")))
     assert listing.status_code == 200 and [x["id"] for x in listing.json()["workers"]] == [w.id]
     assert listing.json()["workers"][0]["devices"][0]["busy"] is True
 

@@ -32,6 +32,7 @@ from tinkergym.cli.serve import serve_backend
 from tinkergym.cli.serve_model import serve_model
 from tinkergym.cli.train import eval_command, train
 from tinkergym.cli.worker import worker
+from tinkergym.cli.workers import workers
 
 
 @click.group(cls=TinkergymGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -61,5 +62,6 @@ main.add_command(serve_backend)
 main.add_command(serve_model)
 main.add_command(scheduler)
 main.add_command(worker)
+main.add_command(workers)
 
 __all__ = ["main"]

@@ -1,6 +1,7 @@
-"""``tinkergym jobs download``: an owner gets a job's checkpoint (the newest, or one by step or name) into a folder,
-every file checked against the size and SHA-256 the store lists; another tenant's job and an unknown checkpoint are
-refused with exit 2, a file that does not match its listing with exit 1 and nothing kept."""
+"""What an owner does from any machine: ``tinkergym jobs download`` gets a job's checkpoint (the newest, or one by step or
+name), every file checked against the size and SHA-256 the store lists (another tenant's job and an unknown checkpoint
+are exit 2, a file that does not match its listing exit 1 with nothing kept); ``tinkergym workers list`` shows the
+workers that serve the key's tenant and nothing of other tenants."""
 
 from __future__ import annotations
 
@@ -67,3 +68,23 @@ def test_an_owner_downloads_a_jobs_checkpoints(make_client: Any, keys: Any, db_u
         assert not list((tmp_path / "bad").rglob("state.json*"))
     finally:
         server.stop()
+
+
+def test_any_tenant_key_lists_the_workers_that_serve_it(make_client: Any, keys: Any, db_url: str, tmp_path: Path) -> None:
+    client = make_client()
+    reader = keys.new("acme", "read")
+    register(client, keys.worker(2, tenants=("acme",)), name="acme-box", devices=2, models=("tiny", "org/big"))
+    register(client, keys.worker(1, tenants=("globex",)), name="globex-box", devices=1)
+    owner = keys.new("acme", "read,write")
+    submit(client, owner)
+    server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False))
+    try:
+        env = {"TINKERGYM_SCHEDULER": server.url, "TINKERGYM_API_KEY": reader}
+        listed = CliRunner().invoke(main, ["workers", "list"], env=env)
+    finally:
+        server.stop()
+    assert listed.exit_code == 0, listed.output
+    header, *rows = listed.output.strip().splitlines()
+    assert header.split()[:3] == ["NAME", "STATUS", "MODELS"]
+    assert len(rows) == 1 and rows[0].split()[:4] == ["acme-box", "alive", "org/big,tiny", "2"]
+    assert "globex" not in listed.output and "job_" not in listed.output
