@@ -363,9 +363,28 @@ class SchedulerClient:
         retry_after = response.getheader("Retry-After") or ""
         return response.status, payload if isinstance(payload, dict) else {"value": payload}, float(retry_after) if retry_after.isdigit() else None
 
+    def _model_server(self) -> bool:
+        """Whether the URL answers as a training or inference server does: ``/health`` without a key, and ``/healthz`` (the
+        scheduler's, without a key) not. Asked on connections of its own, only to explain a refused key."""
+        answers = {}
+        for probe in ("/health", "/healthz"):
+            connection = self._connection(min(self.timeout, 5.0))
+            try:
+                connection.request("GET", self._base + probe, headers={"Accept": "application/json"})
+                answers[probe] = connection.getresponse().status
+            except (OSError, http.client.HTTPException):
+                return False
+            finally:
+                connection.close()
+        return answers["/health"] == 200 and answers["/healthz"] != 200
+
     def _error(self, status: int, payload: dict[str, Any], method: str, path: str) -> SchedulerError:
         message, kind = _message(payload), _kind(payload)
-        if status == 401:
+        if status == 401 and self._model_server():
+            text = (f"{self.url} is a tinkergym training or inference server (serve-backend, serve-model), not the scheduler: "
+                    "give the scheduler's URL (`tinkergym scheduler serve`, port 8780 by default) with --scheduler or "
+                    f"{SCHEDULER_ENV}")
+        elif status == 401:
             text = (f"the scheduler at {self.url} refused the API key (401): pass a valid, unrevoked key with --api-key or "
                     f"{API_KEY_ENV} (keys come from `tinkergym scheduler keys create`)")
         elif status == 403:
