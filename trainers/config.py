@@ -106,6 +106,8 @@ class TrainConfig:
     # Self-play (trainer "selfplay", --selfplay): the league's opponents and how often the learner is snapshotted into it.
     opponents: str = "baseline,random,snapshots"
     snapshot_every: int = 10
+    # A Weights & Biases project to log every step's numbers to as well (None: metrics.jsonl and TensorBoard only).
+    wandb_project: str | None = None
 
     def validate(self) -> "TrainConfig":
         """Raise :class:`ConfigError` for values that cannot work; return self."""

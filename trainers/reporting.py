@@ -1,4 +1,4 @@
-"""Run reporting: metrics.jsonl, TensorBoard events and the learning-curve PNG."""
+"""Run reporting: metrics.jsonl, TensorBoard events, opt-in trackers (:mod:`tinkergym.trainers.trackers`) and the learning-curve PNG."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from tinkergym.errors import ConfigError
 class MetricsLog:
     """Appends one JSON line per step and mirrors the numbers to TensorBoard when a writer is installed."""
 
-    def __init__(self, folder: Path, keep_through: int | None = None) -> None:
+    def __init__(self, folder: Path, keep_through: int | None = None, wandb_project: str | None = None,
+                 run_config: dict[str, Any] | None = None) -> None:
         self.path = folder / "metrics.jsonl"
         # A resumed run keeps the records through its checkpoint's step and rewrites the later ones; a new run keeps none.
         kept = [] if keep_through is None else [r for r in read_metrics(self.path) if r["step"] <= keep_through]
@@ -23,6 +24,11 @@ class MetricsLog:
         trim_event_files(folder / "tensorboard", keep_through)
         # A resume's own file name, so a writer opened within the same second never truncates a kept file.
         self._writer = _tensorboard_writer(folder / "tensorboard", "" if keep_through is None else f".from_step_{keep_through + 1}")
+        self._trackers: list[Any] = []
+        if wandb_project:
+            from tinkergym.trainers.trackers import WandbTracker
+
+            self._trackers.append(WandbTracker(folder, wandb_project, run_config or {}))
 
     def write(self, step: int, metrics: dict[str, Any]) -> None:
         """Record one step."""
@@ -33,12 +39,17 @@ class MetricsLog:
                 if isinstance(value, (int, float)):
                     self._writer.add_scalar(key, value, step)
             self._writer.flush()
+        for tracker in self._trackers:
+            tracker.log(step, metrics)
 
     def close(self) -> None:
-        """Flush and close the TensorBoard writer."""
+        """Flush and close the TensorBoard writer and the trackers."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        for tracker in self._trackers:
+            tracker.close()
+        self._trackers = []
 
 
 def _tensorboard_writer(folder: Path, filename_suffix: str = "") -> Any:

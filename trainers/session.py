@@ -54,6 +54,17 @@ class TrainingDiverged(TinkergymError, RuntimeError):
     """The loss became NaN or infinite; the run stopped and the last good checkpoint is kept."""
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a run before it was handed back (its job waited in the queue, or a resume loaded its checkpoint).
+
+    ``folder`` and ``backend`` are the run's, so the caller can end or leave the job the run already holds.
+    """
+
+    def __init__(self, folder: Path, backend: Any) -> None:
+        super().__init__()
+        self.folder, self.backend = folder, backend
+
+
 def env_factory(env_id: str, kwargs: dict[str, Any], multi_agent: bool = False) -> Callable[[], Any]:
     """A function that makes ``env_id`` (single-agent, or AEC for ``multi_agent``) with ``kwargs``; checks the id now, not mid-run."""
     import tinkergym
@@ -95,9 +106,11 @@ class TrainingRun:
         created = _make_run_folder(self.folder)
         try:
             self._build(config, trainer_class, backend, start_step)
-        except BaseException:
+        except BaseException as exc:
             if created and not any(self.folder.iterdir()):
                 self.folder.rmdir()  # leave no empty run folder behind a run that never started
+            if isinstance(exc, KeyboardInterrupt) and getattr(self, "backend", None) is not None:
+                raise RunInterrupted(self.folder, self.backend) from exc
             raise
 
     def _build(self, config: TrainConfig, trainer_class: type, backend: Any, start_step: int) -> None:
@@ -105,9 +118,10 @@ class TrainingRun:
         self.backend = backend if backend is not None else self._build_backend()
         from tinkergym.chat import ChatTemplateRenderer
 
-        info = self.backend.info()
-        if config.scheduler_url:
+        if config.scheduler_url and config.scheduler_job != self.backend.job_id:
             config.scheduler_job = self.backend.job_id  # in config.json: --resume reattaches to the job
+            config.save(self.folder / "config.json")  # before the wait in the queue, which Ctrl-C may end
+        info = self.backend.info()
         if config.backend_url or config.scheduler_url:
             _adopt_server_settings(config, info, resumed=start_step > 0)
         self.renderer = ChatTemplateRenderer(info["tokenizer"])
@@ -115,7 +129,11 @@ class TrainingRun:
         self.ctx = TrainingContext(config, self.backend, self.renderer, self.make_env, make_backend=self._build_backend if local else None)
         self.trainer = trainer_class(self.ctx)
         config.save(self.folder / "config.json")
-        self.log = MetricsLog(self.folder, keep_through=start_step - 1 if start_step else None)
+        self.log = self._metrics_log(start_step - 1 if start_step else None)
+
+    def _metrics_log(self, keep_through: int | None) -> MetricsLog:
+        return MetricsLog(self.folder, keep_through=keep_through, wandb_project=self.config.wandb_project,
+                          run_config=self.config.to_dict())
 
     def _build_backend(self) -> Any:
         c = self.config
@@ -181,6 +199,8 @@ class TrainingRun:
                     raise
                 # A scheduler job's new server has the checkpoints that reached the artifact store: maybe an older one.
                 run.start_step = run._restore_newest_available()
+            except KeyboardInterrupt as exc:
+                raise RunInterrupted(run.folder, run.backend) from exc
         note = {"step": run.start_step, "changed": {k: list(v) for k, v in plan.changed.items()}, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         with (plan.folder / "resumes.jsonl").open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(note) + "\n")
@@ -235,7 +255,10 @@ class TrainingRun:
         loss may not have reached it, so older checkpoints are tried in turn. With none, the run starts over.
         """
         self.backend.reconnect()
-        return self._restore_newest_available()
+        step = self._restore_newest_available()
+        loaded = f"from checkpoint step_{step - 1:06d}" if step else "from the start (the new server has none of its checkpoints)"
+        self.backend.say(f"job {self.backend.job_id}: reconnected to its new server (epoch {self.backend.epoch}); redoing step {step} {loaded}")
+        return step
 
     def _restore_newest_available(self) -> int:
         """Load the newest checkpoint whose backend state the server has (older ones in turn); the step to go on from."""
@@ -250,7 +273,7 @@ class TrainingRun:
             self.trainer = type(self.trainer)(self.ctx)  # the new server's weights are the base model's
             step = 0
         self.log.close()
-        self.log = MetricsLog(self.folder, keep_through=step - 1 if step else None)
+        self.log = self._metrics_log(step - 1 if step else None)
         return step
 
     def _train_step(self, step: int) -> dict[str, float]:

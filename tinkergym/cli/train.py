@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 
@@ -20,7 +20,7 @@ _FIELDS = (
     "max_new_tokens", "max_context", "temperature", "seed", "out", "kl_coef", "eval_every", "eval_episodes",
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
     "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
-    "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every", "prefix_cache_mb",
+    "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every", "prefix_cache_mb", "wandb_project",
     "lora_sampling",
 )
 
@@ -198,6 +198,10 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
               help="Continue the run in this folder from its last checkpoint, with its own settings; only --steps, "
                    "--eval-every, --eval-episodes, --checkpoint-every, --lr and --max-grad-norm may change them.")
 @click.option("--overwrite", is_flag=True, help="Start a new run in an --out folder that already holds one (its metrics and checkpoints are replaced).")
+@click.option("--wandb", "wandb_project", metavar="PROJECT",
+              help="Also log every step to this Weights & Biases project (needs the wandb extra; WANDB_MODE=offline logs locally).")
+@click.option("--keep-on-interrupt", is_flag=True,
+              help="With --scheduler: Ctrl-C leaves the job running (reattach with --resume) instead of cancelling it.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def train(**options: Any) -> None:
     """Train a model on an env with a trainer plugin (LoRA by default, --full for every parameter).
@@ -223,36 +227,90 @@ def train(**options: Any) -> None:
 
     With --scheduler the run is a job: it waits in the queue (its position is shown), then trains through
     the server a worker starts for it. If that worker dies, the run waits for the job's next lease and goes
-    on from its newest checkpoint the new server has; --resume DIR reattaches to the job.
+    on from its newest checkpoint the new server has; --resume DIR reattaches to the job. Ctrl-C cancels the
+    job (--keep-on-interrupt: leaves it running) and says how to resume; a second Ctrl-C exits at once (code 130).
     """
+    from tinkergym.cli.interrupts import second_interrupt_exits
+
+    holder: dict[str, Any] = {}
+    with second_interrupt_exits(lambda: _left_behind(holder.get("run"))):
+        _train(options, holder)
+
+
+def _train(options: dict[str, Any], holder: dict[str, Any]) -> None:
+    """The train command's work; ``holder["run"]`` is the run once built (what a second Ctrl-C names)."""
     from tinkergym.trainers.reporting import read_metrics
-    from tinkergym.trainers.session import TrainingRun
+    from tinkergym.trainers.session import RunInterrupted, plan_resume
 
     token = read_backend_token(options)
-    if options["resume"]:
-        run = resume_run(options, token)
-    else:
-        config = build_config(options)
-        if _holds_run(config.out) and not options.get("overwrite"):
-            raise InputError(
-                f"{config.out} already holds a run. Continue it with: tinkergym train --resume {config.out}; "
-                f"or pick another --out; or add --overwrite to start over there (its metrics and checkpoints are replaced)."
-            )
-        _check_token_use(token, config.backend_url)
-        _check_server_owned(options, config.backend_url)
-        if options.get("api_key") and not config.scheduler_url:
-            raise click.UsageError("--api-key is a scheduler key: give the scheduler with --scheduler URL.")
-        run = TrainingRun(config, backend_token=token, api_key=options.get("api_key"))
+    if options.get("keep_on_interrupt") and not (options.get("scheduler") or (options["resume"] and plan_resume(options["resume"]).config.scheduler_url)):
+        raise click.UsageError("--keep-on-interrupt leaves a scheduler job running: it goes with --scheduler URL (or --resume of such a run).")
+    try:
+        if options["resume"]:
+            run = resume_run(options, token)
+        else:
+            run = _new_run(options, token)
+    except RunInterrupted as exc:
+        holder["run"] = exc  # its backend names the job a second Ctrl-C leaves
+        _stop_run(exc.folder, exc.backend, options.get("keep_on_interrupt", False))
+    holder["run"] = run
     if run is None:  # a finished run with no more steps to train
         folder, last = Path(options["resume"]), {}
     else:
         click.echo(f"run folder: {run.folder}", err=True)
-        folder, last = run.folder, run.run(progress=not options["quiet"])
+        try:
+            folder, last = run.folder, run.run(progress=not options["quiet"])
+        except KeyboardInterrupt:
+            _stop_run(run.folder, run.backend, options.get("keep_on_interrupt", False))
     if not last:  # no step trained now: report the run's last logged step
         records = read_metrics(folder / "metrics.jsonl")
         last = records[-1] if records else {}
     shown = {k: round(v, 4) for k, v in last.items() if k.startswith(("reward", "loss", "eval/"))}
     click.echo(json.dumps({"run": str(folder), **shown}))
+
+
+def _new_run(options: dict[str, Any], token: str | None) -> Any:
+    """A new :class:`TrainingRun` from the options, after the checks of its run folder and of the options that go together."""
+    from tinkergym.trainers.session import TrainingRun
+
+    config = build_config(options)
+    if _holds_run(config.out) and not options.get("overwrite"):
+        raise InputError(
+            f"{config.out} already holds a run. Continue it with: tinkergym train --resume {config.out}; "
+            f"or pick another --out; or add --overwrite to start over there (its metrics and checkpoints are replaced)."
+        )
+    _check_token_use(token, config.backend_url)
+    _check_server_owned(options, config.backend_url)
+    if options.get("api_key") and not config.scheduler_url:
+        raise click.UsageError("--api-key is a scheduler key: give the scheduler with --scheduler URL.")
+    return TrainingRun(config, backend_token=token, api_key=options.get("api_key"))
+
+
+def _stop_run(folder: Path, backend: Any, keep: bool) -> NoReturn:
+    """After Ctrl-C: cancel the run's scheduler job (or leave it: ``keep``), say how to go on, and exit with code 130."""
+    from tinkergym.cli.interrupts import interrupted, job_outcome, stop_job
+    from tinkergym.trainers.session import latest_checkpoint
+
+    click.echo("", err=True)
+    checkpoint = latest_checkpoint(folder)
+    kept = f"its checkpoints are kept (newest: {checkpoint[1].name})" if checkpoint else "it has no checkpoint yet"
+    job_id = getattr(backend, "job_id", None)
+    if job_id is None:
+        getattr(backend, "close", lambda: None)()
+        interrupted(f"interrupted: the run folder {folder} stays resumable ({kept}); go on with: tinkergym train --resume {folder}")
+    state = stop_job(backend.client, job_id, keep)
+    backend.close()
+    if keep:
+        interrupted(f"interrupted: job {job_id} keeps running ({state}) without a client until its server's idle timeout; "
+                    f"reattach with: tinkergym train --resume {folder} (or end it: tinkergym jobs cancel {job_id}). The run folder: {kept}.")
+    interrupted(f"interrupted: {job_outcome(job_id, state)}; the run folder {folder} stays resumable ({kept}); "
+                f"go on with: tinkergym train --resume {folder} (a new job starts from its checkpoints).")
+
+
+def _left_behind(holder: Any) -> str:
+    """What a second Ctrl-C leaves: the scheduler job of a run (or the eval job itself), if there is one, and how to end it."""
+    job_id = getattr(holder, "job_id", None) or getattr(getattr(holder, "backend", None), "job_id", None)
+    return f"; job {job_id} may still hold its devices: tinkergym jobs cancel {job_id}" if job_id else ""
 
 
 def _holds_run(out: str) -> bool:
@@ -291,11 +349,13 @@ def _holds_run(out: str) -> bool:
 @click.option("--opponent", "opponents", multiple=True, metavar="NAME",
               help="Multi-agent envs: play --run/--model against this opponent, seats alternating (repeatable): baseline, random, "
                    "snapshot:N (a self-play run's snapshot) or run:DIR. Prints win/draw/loss and a rating table.")
+@click.option("--keep-on-interrupt", is_flag=True, help="With --scheduler: Ctrl-C leaves the eval job running instead of cancelling it.")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
 def eval_command(
     env: str, model: str | None, run_dir: str | None, episodes: int, kwargs: tuple[str, ...], max_turns: int,
     max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, out: Path | None,
     endpoint: str | None, tokenizer: str | None, api_key_file: str | None, scheduler: str | None, api_key: str | None, gpus: int | None,
-    opponents: tuple[str, ...] = (),
+    opponents: tuple[str, ...] = (), keep_on_interrupt: bool = False, quiet: bool = False,
 ) -> None:
     """Evaluate a model (or a run's latest checkpoint, or a served model) on an env: success rate, mean reward, transcripts.
 
@@ -309,12 +369,14 @@ def eval_command(
     Through --endpoint the same rollout loop renders prompts with the chat template of --tokenizer (or of the
     tokenizer files the server sends) and sends them as token ids; the server must return the sampled token
     ids (a server that answers with text only is refused). --scheduler does the same through a job's server.
+    A bar on stderr shows the episodes done and the mean reward so far (--quiet: none). Ctrl-C cancels a
+    --scheduler job (--keep-on-interrupt: leaves it running); a second Ctrl-C exits at once (code 130).
     """
     if endpoint is None and (tokenizer or api_key_file):
         raise click.UsageError("--tokenizer and --api-key-file go with --endpoint.")
     from_command_line = click.get_current_context().get_parameter_source("api_key") is click.core.ParameterSource.COMMANDLINE
-    if scheduler is None and ((api_key and from_command_line) or gpus):
-        raise click.UsageError("--api-key and --gpus go with --scheduler URL.")
+    if scheduler is None and ((api_key and from_command_line) or gpus or keep_on_interrupt):
+        raise click.UsageError("--api-key, --gpus and --keep-on-interrupt go with --scheduler URL.")
     if endpoint is not None and (not model or run_dir or scheduler):
         raise click.UsageError("--endpoint needs --model (the served model's name), and no --run or --scheduler.")
     if bool(model) == bool(run_dir):
@@ -327,17 +389,37 @@ def eval_command(
 
         eval_matches(env, model, run_dir, opponents, episodes, parse_kwargs(kwargs), max_turns, max_new_tokens, temperature, seed, out)
         return
-    from tinkergym.chat import ChatTemplateRenderer
+    from tinkergym.cli.interrupts import second_interrupt_exits
     from tinkergym.rollouts import RolloutConfig
-    from tinkergym.trainers.evaluation import eval_seeds, evaluate
-    from tinkergym.trainers.session import env_factory, load_backend_for_eval
+    from tinkergym.trainers.session import env_factory
 
     make_env = env_factory(env, parse_kwargs(kwargs))
     settings = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    held: dict[str, Any] = {}  # the eval job, once submitted
+    with second_interrupt_exits(lambda: _left_behind(held.get("job"))):
+        try:
+            metrics, trajectories = _evaluate(make_env, settings, seed, episodes, quiet, model, run_dir, endpoint, tokenizer, api_key_file,
+                                              scheduler, api_key, gpus, held)
+        except KeyboardInterrupt:
+            _stop_eval(held.get("job"), keep_on_interrupt)
+    save_transcripts(out, trajectories, env)
+    click.echo(json.dumps({"env": env, **{k.removeprefix("eval/"): round(v, 4) for k, v in metrics.items()}}))
+    sys.stdout.flush()
+
+
+def _evaluate(
+    make_env: Any, settings: Any, seed: int, episodes: int, quiet: bool, model: str | None, run_dir: str | None, endpoint: str | None,
+    tokenizer: str | None, api_key_file: str | None, scheduler: str | None, api_key: str | None, gpus: int | None, held: dict[str, Any],
+) -> tuple[dict[str, float], list[Any]]:
+    """The evaluation of ``eval`` through its backend (a local model, an endpoint, or a scheduler job held in ``held["job"]``)."""
+    from tinkergym.chat import ChatTemplateRenderer
+    from tinkergym.trainers.evaluation import eval_seeds, evaluate
+    from tinkergym.trainers.session import load_backend_for_eval
+
     job = None
     try:
         if scheduler is not None:
-            backend, job = _scheduled_endpoint(scheduler, api_key, model, run_dir, gpus or 1)
+            backend, job = _scheduled_endpoint(scheduler, api_key, model, run_dir, gpus or 1, held)
         elif endpoint is not None:
             from tinkergym.backends.endpoint_sampler import EndpointSampler, read_api_key_file, resolve_tokenizer
 
@@ -349,16 +431,35 @@ def eval_command(
         else:
             backend = load_backend_for_eval(model=model, run_dir=run_dir)
         renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
-        metrics, trajectories = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes))
-    finally:
+        result = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes), progress=not quiet)
+    except KeyboardInterrupt:
+        raise  # the job is the caller's to cancel or leave
+    except BaseException:
         if job is not None:
             click.echo(f"job {job.job_id}: {job.end()}", err=True)
-    save_transcripts(out, trajectories, env)
-    click.echo(json.dumps({"env": env, **{k.removeprefix("eval/"): round(v, 4) for k, v in metrics.items()}}))
-    sys.stdout.flush()
+        raise
+    if job is not None:
+        click.echo(f"job {job.job_id}: {job.end()}", err=True)
+    return result
 
 
-def _scheduled_endpoint(scheduler: str, api_key: str | None, model: str | None, run_dir: str | None, gpus: int) -> tuple[Any, Any]:
+def _stop_eval(job: Any, keep: bool) -> NoReturn:
+    """After Ctrl-C in ``eval``: cancel its scheduler job (or leave it: ``keep``), say so, and exit with code 130."""
+    from tinkergym.cli.interrupts import interrupted, job_outcome, stop_job
+
+    click.echo("", err=True)
+    if job is None:
+        interrupted("interrupted: the evaluation stopped; nothing was written.")
+    state = stop_job(job.client, job.job_id, keep)
+    if keep:
+        interrupted(f"interrupted: the evaluation stopped; job {job.job_id} keeps running ({state}) until its server's idle timeout "
+                    f"(end it: tinkergym jobs cancel {job.job_id}).")
+    interrupted(f"interrupted: the evaluation stopped; {job_outcome(job.job_id, state)}.")
+
+
+def _scheduled_endpoint(
+    scheduler: str, api_key: str | None, model: str | None, run_dir: str | None, gpus: int, held: dict[str, Any],
+) -> tuple[Any, Any]:
     """An eval job's server as an :class:`EndpointSampler` (its tokenizer fetched), and the job (to end when done)."""
     from tinkergym.backends.endpoint_sampler import EndpointSampler
     from tinkergym.client import SchedulerClient
@@ -368,13 +469,14 @@ def _scheduled_endpoint(scheduler: str, api_key: str | None, model: str | None, 
     name = served_name(run_dir) if run_dir else model
     job = InferenceJob.submit(client, job_config(model=model, run_dir=run_dir), kind="eval", gpus=gpus, name=f"eval {name}",
                               say=lambda line: click.echo(line, err=True))
+    held["job"] = job
     try:
         endpoint = job.wait()
         click.echo(f"job {job.job_id}: evaluating {name} at {endpoint.url}", err=True)
         backend = EndpointSampler(endpoint.url, name, api_key=endpoint.key)
         backend.fetch_tokenizer()
         backend.check()
-    except BaseException:
+    except Exception:
         click.echo(f"job {job.job_id}: {job.end()}", err=True)
         raise
     return backend, job
