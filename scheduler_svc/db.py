@@ -85,6 +85,7 @@ workers = Table(
     Column("last_seen_at", Float, nullable=False),
     Column("strikes", Integer, nullable=False, default=0),  # leases in a row that expired before the job's server came up
     Column("quarantined_at", Float, nullable=True),  # set at quarantine_after strikes: no more leases until released
+    Column("quarantine_reason", Text, nullable=True),  # why: its strikes, or the fault it reported giving a job back
 )
 
 devices = Table(

@@ -35,6 +35,7 @@ class WorkerOptions:
     idle_timeout: float | None = None
     poll: float = 1.0
     python: str = field(default_factory=lambda: sys.executable)
+    keep_states: int = 2  # a job's uploaded states kept in its folder, the newest (0: all)
 
 
 def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, folder: Path, gpu: bool, served: str | None = None) -> list[str]:

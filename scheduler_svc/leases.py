@@ -42,6 +42,10 @@ keeps ``quarantine_after`` below ``max_attempts``, so one rogue worker alone nev
 say which worker lost the lease and when it was quarantined. A credential's workers can hold at most its device
 bound, so a credential costs the queue at most that many times ``quarantine_after`` attempts.
 
+A worker that cannot run a job it was granted (its machine lacks a package, the model's files or a device) gives it back
+(:func:`release_job`): the job is queued again at the same attempt and the worker is quarantined with the reason, so a
+job is given back at most once per worker and never fails for a worker's fault.
+
 Each lease carries a server token, ``HMAC-SHA256(scheduler secret, "<job id>:<epoch>")``: the worker hands it
 to the job's server, the job's owner gets the same one from the scheduler, and it stops working when the
 epoch moves on. The database keeps only its SHA-256 digest; the secret is 32 random bytes in the 0600 file
@@ -70,7 +74,8 @@ from tinkergym.scheduler.credentials import WorkerBounds
 from tinkergym.scheduler.db import allocations, checkpoints, devices, jobs, tenants, workers
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
-    ALIVE, FORGET_BATCH, GONE, _locked, _strike, forget_worker, owned_worker, register_worker, release_worker, sweep_workers,
+    ALIVE, FORGET_BATCH, GONE, _locked, _strike, forget_worker, owned_worker, quarantine_worker, register_worker, release_worker,
+    sweep_workers,
     worker_status, worker_timeout, worker_view,
 )
 
@@ -200,10 +205,8 @@ def grant(
         return None  # forgotten by the sweeper since the caller checked it: its next call is 404, and it registers again
     _touch(conn, worker_id, now)  # the worker's own call: alive from now on (a gone worker comes back here)
     if worker["quarantined_at"] is not None:
-        raise Quarantined(
-            f"worker {worker_id} is quarantined: {worker['strikes']} of its leases in a row expired before the job's server came up "
-            f"(it took jobs and never ran them). The operator releases it with: tinkergym scheduler workers release {worker_id}"
-        )
+        why = worker["quarantine_reason"] or f"{worker['strikes']} of its leases in a row expired before the job's server came up"
+        raise Quarantined(f"worker {worker_id} is quarantined: {why}. The operator releases it with: tinkergym scheduler workers release {worker_id}")
     models = set(json.loads(worker["models"]))
     if bounds is not None and bounds.models is not None:
         models &= set(bounds.models)
@@ -348,6 +351,26 @@ def report_checkpoint(conn: Connection, store: JobStore, worker_id: str, job_id:
         return {"job_id": job_id, "step": step, "name": name, "epoch": existing["epoch"]}
     store.add_checkpoint(conn, job_id, epoch, step, name)
     return {"job_id": job_id, "step": step, "name": name, "epoch": epoch}
+
+
+def release_job(conn: Connection, store: JobStore, worker_id: str, job_id: str, epoch: int, reason: str) -> dict[str, Any]:
+    """The worker gives the held job back because it cannot run it (its machine's fault, ``reason``), fenced by ``epoch``.
+
+    The job is queued again at the same attempt (a cancelling one is cancelled), its devices are freed, an event names
+    the worker and the reason, and the worker is quarantined for it (no lease until the operator releases it), so a
+    job is given back at most once per worker. Returns ``{job_id, epoch, state}``.
+    """
+    job = held_job(conn, store, worker_id, job_id, epoch)
+    now = store.clock()
+    to = states.CANCELLED if job["state"] == states.CANCELLING else states.QUEUED
+    values: dict[str, Any] = {"worker_id": None, "server_url": None, "lease_expires_at": None, "server_token_digest": None}
+    conn.execute(delete(allocations).where(allocations.c.job_id == job_id))
+    store.transition(conn, job_id, to, epoch=epoch, event={"reason": "given back by its worker", "epoch": epoch, "worker": worker_id}, **values)
+    quarantine_worker(conn, worker_id, f"it gave job {job_id} back: {reason}", now)
+    store.append_event(conn, job_id, "log", {"message": f"worker {worker_id} could not run the job and gave it back (not counted as an attempt): "
+                                                        f"{reason}; the worker is quarantined", "worker": worker_id, "reason": reason})
+    _touch(conn, worker_id, now)
+    return {"job_id": job_id, "epoch": epoch, "state": to}
 
 
 # ----- expiry ----------------------------------------------------------------------------------------

@@ -16,11 +16,16 @@ the server refuses every call, so a frozen worker's server stops serving when it
    reports ``running`` with its URL;
 3. uploads each new complete state folder the server writes (``states/<name>``, not ``*.tmp``), file by file,
    and only then records the checkpoint (step from ``step_NNNNNN`` or ``state.json``);
-4. ends with the job: a server that exits is reported ``failed`` (exit code 75: its client went quiet; how to
-   resume is in the error); a heartbeat answer ``cancelling`` stops the server (SIGTERM, then SIGKILL) and
-   reports ``cancelled``; a heartbeat refused with 409 (the lease expired, moved on, or the client completed
-   the job) kills the process group at once. A lease that could not be renewed for its whole TTL (the
-   scheduler unreachable) is treated as lost too: the server stops before another worker's can start.
+4. ends with the job: a server that exits is reported ``failed`` with one line (exit code 75: its client went quiet;
+   how to resume is in the error; the log's tail goes to the worker's log); a heartbeat answer ``cancelling`` stops
+   the server (SIGTERM, then SIGKILL) and reports ``cancelled``; a heartbeat refused with 409 (the lease expired,
+   moved on, or the client completed the job: then it is no warning) kills the process group at once. A lease that
+   could not be renewed for its whole TTL (the scheduler unreachable) is treated as lost too: the server stops
+   before another worker's can start.
+
+A server that cannot run on this machine (:func:`~tinkergym.scheduler.worker_checks.server_fault`), or the worker's own
+fault (its disk, no free port), gives the job back (queued at the same attempt; this worker is quarantined); only the job's
+own faults fail it. States and folders are bounded by :mod:`tinkergym.scheduler.worker_folders`.
 
 A heartbeat thread per job renews the lease every ``heartbeat`` seconds (default a third of the TTL) while the
 job's thread restores, starts, uploads. SIGTERM or SIGINT stops every server and the worker; their leases
@@ -30,7 +35,6 @@ expire and the jobs are queued again.
 from __future__ import annotations
 
 import http.client
-import json
 import logging
 import os
 import random
@@ -47,7 +51,11 @@ from typing import Any
 
 from tinkergym.scheduler.artifact_paths import check_relpath
 from tinkergym.scheduler.job_servers import SERVING_KINDS, WorkerOptions, server_command  # noqa: F401 - public here too
+from tinkergym.scheduler.worker_checks import last_line, server_fault
 from tinkergym.scheduler.worker_client import WorkerClient
+from tinkergym.scheduler.worker_folders import finish_folder, prune_states
+from tinkergym.scheduler.worker_folders import state_files as _files
+from tinkergym.scheduler.worker_folders import state_step as _step
 
 from tinkergym.backends.service_auth import write_lease_file
 from tinkergym.client import SchedulerError
@@ -58,7 +66,8 @@ log = logging.getLogger("tinkergym.worker")
 #: Exit codes of ``serve-backend`` (``tinkergym.backends.lifetime``, not imported here to keep this light).
 IDLE_EXIT_CODE = 75
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-STEP_NAME = re.compile(r"^step_(\d{1,12})$")
+#: A 409's message when the job itself ended at this epoch (its client completed it, it was cancelled or failed).
+ENDED = re.compile(r"the job is (succeeded|failed|cancelled) at epoch (\d+)")
 START_TIMEOUT_S = 900.0
 STOP_GRACE_S = 10.0
 LOG_TAIL = 3000
@@ -76,6 +85,14 @@ class Shutdown(Exception):
     """The worker is stopping: stop the server, report nothing (the lease expires and the job is queued again)."""
 
 
+class WorkerFault(Exception):
+    """This machine cannot run the job (a package, the model, a device, its disk): give the job back, do not fail it."""
+
+
+class JobFault(Exception):
+    """The job's own fault (its config, a server that refused it): fail the job with this one-line message."""
+
+
 def _die_with_parent() -> None:
     from tinkergym.backends.lifetime import die_with_parent
 
@@ -89,30 +106,6 @@ def _port_free(host: str, port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _step(name: str, folder: Path) -> int | None:
-    """A state folder's step: from its name ``step_NNNNNN``, else ``state.json``'s ``step``; None when neither says."""
-    match = STEP_NAME.match(name)
-    if match:
-        return int(match.group(1))
-    try:
-        step = json.loads((folder / "state.json").read_text(encoding="utf-8")).get("step")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
-
-
-def _files(folder: Path) -> list[str]:
-    """Relative paths of the regular files in a state folder (hidden names and symlinks skipped)."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and not os.path.islink(os.path.join(dirpath, d)))
-        for filename in sorted(filenames):
-            path = os.path.join(dirpath, filename)
-            if not filename.startswith(".") and os.path.isfile(path) and not os.path.islink(path):
-                found.append(os.path.relpath(path, folder).replace(os.sep, "/"))
-    return found
 
 
 class JobRunner(threading.Thread):
@@ -131,6 +124,7 @@ class JobRunner(threading.Thread):
         self.port: int | None = None
         self.lost, self.cancelling, self.shutdown, self.done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
         self.renewed_at = time.monotonic()
+        self.lost_why = "not renewed"
         self._lease_lock = threading.Lock()
         self.seen: dict[str, tuple[int, int]] = {}
         self.recorded: set[str] = set()
@@ -144,26 +138,56 @@ class JobRunner(threading.Thread):
         try:
             self._run()
         except LeaseLost as exc:
-            self.outcome = "lost"
-            log.warning("job %s epoch %s: the lease is over (lost, or the job ended: %s); its server is stopped", self.job_id, self.epoch, exc)
+            ended = self._ended_as(str(exc))
+            self.outcome = ended or "lost"
+            if ended is None:
+                log.warning("job %s epoch %s: the lease is lost (%s); its server is stopped", self.job_id, self.epoch, exc)
         except Cancelled:
             self._stop_server(graceful=True)
             self.outcome = "cancelled"
             self._try_report("cancelled")
         except Shutdown:
             self.outcome = "shutdown"
-        except Exception as exc:
-            log.exception("job %s epoch %s failed in the worker", self.job_id, self.epoch)
+        except (WorkerFault, OSError) as exc:  # this machine's fault: the job goes back to the queue, not counted
+            self._stop_server(graceful=False)
+            self._give_back(str(exc) if isinstance(exc, WorkerFault) else f"{type(exc).__name__}: {exc}")
+        except JobFault as exc:
             self._stop_server(graceful=False)
             self.outcome = "failed"
-            self._try_report("failed", error=f"the worker could not run the job: {type(exc).__name__}: {exc}")
+            self._try_report("failed", error=str(exc))
+        except Exception as exc:
+            log.exception("job %s epoch %s failed in the worker", self.job_id, self.epoch)  # the traceback stays here
+            self._stop_server(graceful=False)
+            self.outcome = "failed"
+            first = (str(exc).strip().splitlines() or [""])[0]
+            self._try_report("failed", error=f"the worker could not run the job: {type(exc).__name__}: {first}")
         finally:
             self._stop_server(graceful=self.outcome in ("cancelled", "shutdown"))
             self.done.set()
+            try:
+                finish_folder(self.folder, self.outcome)
+            except OSError as exc:
+                log.warning("job %s: could not clean its folder %s: %s", self.job_id, self.folder, exc)
             beats.join(timeout=5)
             self.client.close()
             self.beats.close()
             self.worker.finished(self)
+
+    def _ended_as(self, message: str) -> str | None:
+        """The job's end state when a 409 says the job itself ended at this epoch (no fault: its client completed it,
+        or it was cancelled), else None."""
+        match = ENDED.search(message)
+        return match.group(1) if match and int(match.group(2)) == self.epoch else None
+
+    def _give_back(self, reason: str) -> None:
+        """Release the job (queued again at the same attempt); the scheduler quarantines this worker for ``reason``."""
+        self.outcome = "released"
+        reason = " ".join(reason.split())[:1000]
+        log.error("job %s epoch %s: this worker cannot run it (%s); it is given back, this worker quarantined", self.job_id, self.epoch, reason)
+        try:
+            self.client.release(self.job_id, self.epoch, reason)
+        except SchedulerError as exc:
+            log.warning("job %s: could not give it back (%s); its lease expires instead", self.job_id, exc)
 
     def _run(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -197,13 +221,18 @@ class JobRunner(threading.Thread):
             error = ("the job's client sent no call for the idle timeout, so its server stopped (exit code 75) and the devices are free; "
                      "continue the run with: tinkergym train --resume DIR (the run's folder), which starts from its last checkpoint")
         else:
-            error = f"the job's server exited with code {code}; the end of its log:\n{self._log_tail()}"
+            tail = self._log_tail()
+            fault = server_fault(code, tail)
+            if fault is not None:
+                raise WorkerFault(f"the job's server exited with code {code}: {fault}")
+            log.warning("job %s: its server exited with code %s; the end of its log:\n%s", self.job_id, code, tail)
+            error = f"the job's server exited with code {code}: {last_line(tail, 'no log')}"
         self.outcome = "failed"
         self._report("failed", error=error)
 
     def _check(self) -> None:
         if self.lost.is_set():
-            raise LeaseLost("not renewed")
+            raise LeaseLost(self.lost_why)
         if self.shutdown.is_set():
             raise Shutdown()
         if self.cancelling.is_set():
@@ -218,8 +247,8 @@ class JobRunner(threading.Thread):
             answer = self.beats.heartbeat(self.job_id, self.epoch)
         except SchedulerError as beat:
             if beat.status in (404, 409):
-                self._lose()
-                raise LeaseLost(str(exc)) from exc
+                self._lose(str(beat))
+                raise LeaseLost(str(beat)) from exc
             raise exc from beat
         self._renewed(sent)
         if answer.get("cancelling"):
@@ -256,8 +285,10 @@ class JobRunner(threading.Thread):
                     self.cancelling.set()
             except SchedulerError as exc:
                 if exc.status in (404, 409):
-                    log.warning("job %s epoch %s: heartbeat refused (%s)", self.job_id, self.epoch, exc)
-                    self._lose()
+                    ended = self._ended_as(str(exc))
+                    (log.info if ended else log.warning)("job %s epoch %s: heartbeat refused (%s)", self.job_id, self.epoch,
+                                                         f"the job is {ended}" if ended else exc)
+                    self._lose(str(exc))
                     return
                 log.warning("job %s: heartbeat failed: %s", self.job_id, exc)
             if time.monotonic() - self.renewed_at > self.ttl:
@@ -273,7 +304,8 @@ class JobRunner(threading.Thread):
             if not self.lost.is_set():
                 write_lease_file(self.folder / "lease", self.renewed_at + self.ttl, self.epoch)
 
-    def _lose(self) -> None:
+    def _lose(self, why: str = "not renewed") -> None:
+        self.lost_why = why
         self.lost.set()
         self._kill(signal.SIGKILL)
 
@@ -294,7 +326,8 @@ class JobRunner(threading.Thread):
                 self.worker.release_port(self.port)
             if url is not None:
                 return url
-        raise RuntimeError(f"the server could not bind a port; the end of its log:\n{self._log_tail()}")
+        raise WorkerFault(f"the job's server could not bind a port in {self.options.ports[0]}-{self.options.ports[1]}: "
+                          f"{last_line(self._log_tail(), 'no log')}")
 
     def _wait_healthy(self) -> str | None:
         """The server's URL once ``/health`` answers; None when it exited because its port was taken."""
@@ -309,7 +342,11 @@ class JobRunner(threading.Thread):
                     self.process = None
                     return None
                 self.process = None
-                raise RuntimeError(f"the job's server exited with code {code} while starting; the end of its log:\n{tail}")
+                fault = server_fault(code, tail)
+                if fault is not None:
+                    raise WorkerFault(f"the job's server exited with code {code} while starting: {fault}")
+                log.warning("job %s: its server exited with code %s while starting; the end of its log:\n%s", self.job_id, code, tail)
+                raise JobFault(f"the job's server exited with code {code} while starting: {last_line(tail, 'no log')}")
             try:
                 conn = http.client.HTTPConnection(self.options.host, self.port, timeout=2)
                 conn.request("GET", "/health")
@@ -445,6 +482,8 @@ class JobRunner(threading.Thread):
                     continue  # the scheduler is away: the next scan tries again
                 self._event("error", {"message": f"checkpoint {name} was not stored: {exc}"[:2000]})
             self.seen[name] = signature
+        for name in prune_states(states, self.recorded, self.options.keep_states, {self.served} if self.served else set()):
+            self.seen.pop(name, None)  # uploaded and recorded: the scheduler keeps it
 
     def _upload(self, name: str, folder: Path, step: int) -> None:
         try:

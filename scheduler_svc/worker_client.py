@@ -76,6 +76,10 @@ class WorkerClient(SchedulerClient):
             body["server_url"] = server_url
         return self._request("POST", f"{self._job(job_id)}/state", body)
 
+    def release(self, job_id: str, epoch: int, reason: str) -> dict[str, Any]:
+        """Give the job back (this worker cannot run it): queued again at the same attempt; this worker is quarantined."""
+        return self._request("POST", f"{self._job(job_id)}/release", {"epoch": epoch, "reason": reason[:2000]})
+
     def event(self, job_id: str, epoch: int, type_: str, data: dict[str, Any]) -> int:
         return int(self._request("POST", f"{self._job(job_id)}/events", {"epoch": epoch, "type": type_, "data": data})["seq"])
 

@@ -91,7 +91,7 @@ def worker_view(conn: Connection, worker_id: str, *, now: float, timeout: float)
         "status": worker_status(row["last_seen_at"], now, timeout),
         "devices": [{k: (bool(d[k]) if k in ("active", "busy") else d[k]) for k in d} for d in found],
         "registered_at": row["registered_at"], "last_seen_at": row["last_seen_at"],
-        "strikes": row["strikes"], "quarantined": row["quarantined_at"] is not None,
+        "strikes": row["strikes"], "quarantined": row["quarantined_at"] is not None, "quarantine_reason": row["quarantine_reason"],
     }
 
 
@@ -113,18 +113,25 @@ def _strike(conn: Connection, store: JobStore, job: dict[str, Any], quarantine_a
         return
     strikes = row.strikes + 1
     quarantine = bool(quarantine_after) and strikes >= quarantine_after and row.quarantined_at is None
+    reason = f"{strikes} of its leases in a row expired before the job's server came up (it took jobs and never ran them)"
     conn.execute(update(workers).where(workers.c.id == worker_id).values(
-        strikes=strikes, **({"quarantined_at": now} if quarantine else {})))
+        strikes=strikes, **({"quarantined_at": now, "quarantine_reason": reason} if quarantine else {})))
     data: dict[str, Any] = {"message": "the lease expired before the job's server came up", "worker": worker_id, "strikes": strikes}
     if quarantine:
         data["message"] += f"; worker {worker_id} is quarantined after {strikes} such leases in a row and gets no more jobs"
     store.append_event(conn, job["id"], "log", data)
 
 
+def quarantine_worker(conn: Connection, worker_id: str, reason: str, now: float) -> None:
+    """Quarantine the worker for ``reason`` (it reported it cannot run jobs): no lease until the operator releases it."""
+    conn.execute(update(workers).where(workers.c.id == worker_id).values(
+        quarantined_at=func.coalesce(workers.c.quarantined_at, now), quarantine_reason=reason))
+
+
 def release_worker(store: JobStore, worker_id: str) -> bool:
     """End a worker's quarantine and clear its strikes; False when there is no such worker."""
     with store.transaction() as conn:
-        result = conn.execute(update(workers).where(workers.c.id == worker_id).values(strikes=0, quarantined_at=None))
+        result = conn.execute(update(workers).where(workers.c.id == worker_id).values(strikes=0, quarantined_at=None, quarantine_reason=None))
     return result.rowcount == 1
 
 

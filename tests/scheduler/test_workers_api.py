@@ -281,3 +281,33 @@ def test_an_event_with_unstorable_text_is_400_and_the_event_list_still_answers(e
         assert answer.status_code == 400, answer.text
     assert env.client.get(f"/v1/jobs/{job_id}/events", headers=auth(env.user)).status_code == 200
     assert w.heartbeat(job_id, lease["epoch"]).status_code == 200  # the lease is untouched
+
+
+def test_a_worker_gives_back_a_job_it_cannot_run(env: Any, db_url: str) -> None:
+    """Release: the job is queued again at the same attempt with its devices free, its events name the worker and the reason,
+    and the worker is quarantined with that reason (403 on its next lease request) until the operator releases it."""
+    w, job_id, lease = leased(env)
+    epoch = lease["epoch"]
+    assert w.state(job_id, epoch, "starting").status_code == 200
+    reason = "the job's server exited with code 69 while starting: No module named 'uvicorn'"
+    assert w.post(f"/jobs/{job_id}/release", {"epoch": epoch, "reason": ""}).status_code == 400
+    assert w.post(f"/jobs/{job_id}/release", {"epoch": epoch + 1, "reason": reason}).status_code == 409
+    answer = w.post(f"/jobs/{job_id}/release", {"epoch": epoch, "reason": reason})
+    assert answer.status_code == 200 and answer.json() == {"job_id": job_id, "epoch": epoch, "state": "queued"}
+    row = job_row(db_url, job_id)
+    assert (row["state"], row["attempt"], row["worker_id"], row["lease_expires_at"]) == ("queued", 0, None, None)
+    assert allocated(db_url) == []
+    named = [e["data"] for e in events(env, job_id) if e["type"] == "log" and e["data"].get("worker") == w.id]
+    assert len(named) == 1 and named[0]["reason"] == reason
+    refused = w.post("/lease")
+    assert refused.status_code == 403 and "No module named 'uvicorn'" in refused.json()["error"]["message"]
+    assert w.post(f"/jobs/{job_id}/release", {"epoch": epoch, "reason": reason}).status_code in (200, 409)  # a retry changes nothing
+    assert job_row(db_url, job_id)["attempt"] == 0
+    listing = env.client.get("/v1/workers", headers=auth(kit_key(env, "read"))).json()["workers"]
+    assert [(x["quarantined"], reason in x["quarantine_reason"]) for x in listing if x["id"] == w.id] == [(True, True)]
+
+    other = register(env.client, env.worker, name="w2", devices=1)
+    again = other.lease()
+    assert again["job_id"] == job_id and again["epoch"] == epoch + 1 and again["attempt"] == 0
+    assert leases.release_worker(env.client.app.state.store, w.id)
+    assert query(db_url, "SELECT quarantined_at, quarantine_reason FROM workers WHERE id = :i", i=w.id) == [(None, None)]

@@ -103,19 +103,28 @@ def serve_backend(
     if not _is_loopback(host):
         click.echo(f"warning: listening on {host}: the token and the data travel unencrypted unless a TLS proxy is in front.", err=True)
 
-    import uvicorn
+    from tinkergym.backends.lifetime import EnvironmentFault, environment_faults
+    from tinkergym.errors import ConfigError
 
-    from tinkergym.backends.server import create_app
-    from tinkergym.backends.slow_clients import server_config
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+    with environment_faults():  # this machine's faults (a package, the model's files, a device) exit 69, not 2
+        import uvicorn
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lora = {} if lora_alpha is None else {"lora_alpha": lora_alpha}
-    config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or 16), lora_dropout=lora_dropout, dtype=dtype, device=device,
-                                seed=seed, micro_batch_size=micro_batch_size, deterministic=deterministic,
-                                gradient_checkpointing=gradient_checkpointing, prefix_cache_mb=prefix_cache_mb,
-                                lora_sampling=lora_sampling, **lora)
-    backend = TorchBackend(config)
+        from tinkergym.backends.models import resolve_model
+        from tinkergym.backends.server import create_app
+        from tinkergym.backends.slow_clients import server_config
+        from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lora = {} if lora_alpha is None else {"lora_alpha": lora_alpha}
+        config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or 16), lora_dropout=lora_dropout, dtype=dtype,
+                                    device=device, seed=seed, micro_batch_size=micro_batch_size, deterministic=deterministic,
+                                    gradient_checkpointing=gradient_checkpointing, prefix_cache_mb=prefix_cache_mb,
+                                    lora_sampling=lora_sampling, **lora)
+        try:
+            resolve_model(model)
+        except ConfigError as exc:
+            raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
+        backend = TorchBackend(config)
     app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()),
                      keep_states=keep_states, limits=CallLimits(num_samples=max_num_samples, new_tokens=max_request_new_tokens,
                                                                 sequences=max_request_sequences, tokens=max_request_tokens),

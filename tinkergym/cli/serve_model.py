@@ -146,8 +146,11 @@ def serve_model(
 
         from tinkergym.backends.inference_server import create_inference_app
         from tinkergym.backends.slow_clients import server_config
-    except ImportError as exc:
-        raise click.ClickException(f"serve-model needs the serve extra ({exc.name} is missing): pip install 'tinkergym[serve]'") from exc
+    except ImportError as exc:  # this machine's fault, not the request's: exit 69 (a worker gives the job back)
+        from tinkergym.backends.lifetime import ENVIRONMENT_EXIT_CODE
+
+        click.echo(f"error: serve-model needs the serve extra ({exc.name} is missing): pip install 'tinkergym[serve]'", err=True)
+        raise SystemExit(ENVIRONMENT_EXIT_CODE) from exc
     served = None
     if engine == "vllm":
         from tinkergym.backends.vllm_inference_engine import VLLMInferenceEngine

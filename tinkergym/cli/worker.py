@@ -54,9 +54,15 @@ def parse_ports(text: str) -> tuple[int, int]:
 @click.option("--idle-timeout", type=FiniteFloat(min=1, max=7 * 86400), default=None,
               help="A job server whose client sent no call for this many seconds stops and the job fails (exit code 75).")
 @click.option("--poll", type=FiniteFloat(min=0.05, max=60), default=1.0, show_default=True, help="Seconds between lease requests while nothing is granted.")
+@click.option("--python", "python", default=sys.executable, show_default="this Python", metavar="PATH",
+              help="The Python the job servers run under (it needs the train and serve extras).")
+@click.option("--keep-states", type=click.IntRange(0, 10000), default=2, show_default=True,
+              help="A job's saved states kept in its folder once uploaded, the newest (0: all); the scheduler keeps every one.")
+@click.option("--skip-model-check", is_flag=True, help="Start even when a model of --models is not available here yet (it is fetched when a job starts).")
 def worker(
     scheduler_url: str | None, api_key: str | None, gpus: str | None, slots: int | None, name: str | None, host: str, models: str,
-    work_dir: Path, port_range: str, heartbeat: float | None, idle_timeout: float | None, poll: float,
+    work_dir: Path, port_range: str, heartbeat: float | None, idle_timeout: float | None, poll: float, python: str, keep_states: int,
+    skip_model_check: bool,
 ) -> None:
     """Take the scheduler's leases for this machine's devices and run each job's server on them.
 
@@ -65,7 +71,9 @@ def worker(
       TINKERGYM_API_KEY=tgk_... tinkergym worker --scheduler http://10.0.0.2:8780 --gpus 0,1
       tinkergym worker --scheduler http://127.0.0.1:8780 --slots 1 --models tiny     # no GPU: CPU servers
 
-    Stop it with Ctrl-C or SIGTERM: it stops its servers, and their jobs are queued again when their leases expire.
+    At start it checks that it can run what it offers (the servers' packages under --python, each model of --models,
+    each GPU of --gpus) and refuses to start otherwise (exit 2). Stop it with Ctrl-C or SIGTERM: it stops its servers,
+    and their jobs are queued again when their leases expire.
     """
     from tinkergym.errors import ConfigError
 
@@ -96,9 +104,15 @@ def worker(
         client = WorkerClient(scheduler_url, api_key)
     except ConfigError as exc:
         raise InputError(str(exc)) from exc
+    from tinkergym.scheduler.worker_checks import WorkerCheckFailed, check_worker
+
+    try:
+        check_worker(python, devices, model_list, check_models=not skip_model_check)
+    except WorkerCheckFailed as exc:  # one line, before any registration: a worker never takes jobs it cannot run
+        raise InputError(f"this worker cannot run what it offers: {exc}") from None
     work_dir.mkdir(parents=True, exist_ok=True)
     options = WorkerOptions(name=name, host=host, devices=devices, models=model_list, work_dir=work_dir.resolve(), ports=ports,
-                            heartbeat=heartbeat, idle_timeout=idle_timeout, poll=poll)
+                            heartbeat=heartbeat, idle_timeout=idle_timeout, poll=poll, python=python, keep_states=keep_states)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
     code = Worker(client, options).run()
     if code:
