@@ -72,6 +72,9 @@ class SchedulerSettings:
             (it takes jobs and never runs them) is quarantined: no more leases until the operator releases it
             (``tinkergym scheduler workers release``); 0: never. Below ``max_attempts``, so one such worker alone
             never fails a job.
+        refuse_unplaceable: Refuse (400) a job that no registered worker, alive or gone, could ever host (its model is
+            offered by none, or none offering it has its device count), naming what the workers offer; False: it waits
+            with its reason (:mod:`tinkergym.scheduler.placement`).
         clock: The time source (tests move it).
     """
 
@@ -96,6 +99,7 @@ class SchedulerSettings:
     job_retention_s: float | None = 90 * 86400.0
     idempotency_ttl_s: float | None = 86400.0
     quarantine_after: int = 2
+    refuse_unplaceable: bool = False
     clock: Callable[[], float] = field(default=now, repr=False)
 
 

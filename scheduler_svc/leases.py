@@ -442,7 +442,7 @@ async def sweep_forever(app: Any) -> None:
     ``retention_interval_s`` of the app's clock, delete ended jobs' old artifacts
     (:func:`tinkergym.scheduler.artifacts.sweep_artifacts`) and old ended jobs and idempotency records
     (:func:`tinkergym.scheduler.retention.sweep_if_due`)."""
-    from tinkergym.scheduler import retention
+    from tinkergym.scheduler import placement, retention
     from tinkergym.scheduler.artifacts import retention_due, sweep_artifacts
 
     event = asyncio.Event()
@@ -463,6 +463,10 @@ async def sweep_forever(app: Any) -> None:
                     await asyncio.to_thread(sweep_artifacts, app)
             except Exception:  # noqa: BLE001 - as above
                 app.state.logger.exception("artifact retention pass failed")
+            try:
+                await asyncio.to_thread(placement.note_wait_reasons, app)  # a `waiting` event when a queued job's reason changes
+            except Exception:  # noqa: BLE001 - as above
+                app.state.logger.exception("wait reason pass failed")
             try:
                 await asyncio.to_thread(retention.sweep_if_due, app)  # ended jobs and old idempotency records
             except Exception:  # noqa: BLE001 - as above

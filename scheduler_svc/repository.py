@@ -25,7 +25,7 @@ from tinkergym.scheduler import quotas, states
 from tinkergym.scheduler.db import Prepared, checkpoints, events, jobs, reader, tenants, write_lock
 
 #: Event types a job's stream carries (``data`` is a JSON object).
-EVENT_TYPES = ("state", "log", "metrics", "checkpoint", "lease", "error")
+EVENT_TYPES = ("state", "log", "metrics", "checkpoint", "lease", "error", "waiting")
 
 
 class Conflict(Exception):

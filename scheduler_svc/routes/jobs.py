@@ -11,7 +11,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import and_, func, or_, select
-from tinkergym.scheduler import states
+from tinkergym.scheduler import placement, states
 from tinkergym.scheduler.app import require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.db import MAX_INT, jobs
@@ -47,6 +47,13 @@ class JobCreate(WireModel):
     max_attempts: int | None = Field(None, ge=1, le=20, description="lost leases before the job fails (default: the scheduler's)")
 
 
+class WaitReason(WireModel):
+    """Why a queued job waits (:mod:`tinkergym.scheduler.placement`)."""
+
+    code: Literal["no_worker", "no_model", "too_few_devices", "quota", "behind", "busy", "ready"]
+    message: str
+
+
 class Job(WireModel):
     id: str
     kind: str
@@ -63,6 +70,7 @@ class Job(WireModel):
     lease_epoch: int
     server_url: str | None = None
     queue_position: int | None = Field(None, description="1 for the next queued job to be considered; queued jobs, in GET /v1/jobs/{id} only")
+    wait_reason: WaitReason | None = Field(None, description="why a queued job waits; queued jobs, in GET /v1/jobs and /v1/jobs/{id}")
     config: dict[str, Any]
 
 
@@ -124,15 +132,16 @@ def queue_position(conn: Any, job: dict[str, Any]) -> int | None:
     return int(ahead) + 1
 
 
-def job_view(conn: Any, job: dict[str, Any], position: bool = False) -> dict[str, Any]:
+def job_view(conn: Any, job: dict[str, Any], position: bool = False, wait_reason: dict[str, str] | None = None) -> dict[str, Any]:
     """The public view of a job row (no token digests, no worker ids); ``position``: count its place in the queue.
 
     The queue position counts the queued jobs ahead, a cost that grows with the queue: ``GET /v1/jobs/{id}``
     gives it; submissions and lists answer null, so their cost stays flat.
     """
-    view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position")}
+    view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position", "wait_reason")}
     view["config"] = json.loads(job["config"])
     view["queue_position"] = queue_position(conn, job) if position else None
+    view["wait_reason"] = wait_reason
     return view
 
 
@@ -154,6 +163,10 @@ async def submit(
         )
         if body.gpus > quotas.max_gpus:
             raise Refused(400, "invalid_request", f"the job asks for {body.gpus} GPUs; tenant {who.tenant_id!r} may hold at most {quotas.max_gpus}")
+        if getattr(settings, "refuse_unplaceable", False):
+            unplaceable = placement.refusal(conn, who.tenant_id, body.config.get("model"), body.gpus)
+            if unplaceable is not None:
+                raise Refused(400, "unplaceable", f"no worker could ever run this job: {unplaceable}")
         if quotas.queued > quotas.max_queued:
             raise Refused(429, "quota", f"tenant {who.tenant_id!r} has {quotas.max_queued} queued jobs, its quota; wait for some to start or cancel some")
         return 201, job_view(conn, job)
@@ -199,17 +212,22 @@ def list_jobs(
         t, job_id = _decode_cursor(cursor)
         query = query.where(or_(jobs.c.created_at < t, and_(jobs.c.created_at == t, jobs.c.id < job_id)))
     query = query.order_by(jobs.c.created_at.desc(), jobs.c.id.desc()).limit(limit + 1)
-    with _store(request).read() as conn:
+    store = _store(request)
+    with store.read() as conn:
         rows = [dict(r) for r in conn.execute(query).mappings()]
-        page = [job_view(conn, r) for r in rows[:limit]]
+        reasons = placement.wait_reasons(conn, request.app.state.settings, store.clock(), rows[:limit])
+        page = [job_view(conn, r, wait_reason=reasons.get(r["id"])) for r in rows[:limit]]
     return {"jobs": page, "next_cursor": _encode_cursor(rows[limit - 1]) if len(rows) > limit else None}
 
 
 @router.get("/{job_id}", response_model=Job, responses={404: {}})
 def show(job_id: str, request: Request, who: Principal = Depends(require("read"))) -> Any:
     """One job (404 for another tenant's)."""
-    with _store(request).read() as conn:
-        return job_view(conn, _store(request).get(conn, job_id, who.tenant_id), position=True)
+    store = _store(request)
+    with store.read() as conn:
+        job = store.get(conn, job_id, who.tenant_id)
+        reasons = placement.wait_reasons(conn, request.app.state.settings, store.clock(), [job])
+        return job_view(conn, job, position=True, wait_reason=reasons.get(job_id))
 
 
 @router.post("/{job_id}/cancel", response_model=Job, responses={404: {}, 409: {}})

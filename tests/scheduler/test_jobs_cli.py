@@ -46,9 +46,9 @@ def test_list_show_cancel_and_logs(server, keys) -> None:
     listed = jobs_cli(server, key, "list")
     assert listed.exit_code == 0, listed.output
     lines = listed.output.splitlines()
-    assert lines[0].split() == ["ID", "KIND", "STATE", "PRIORITY", "GPUS", "ATTEMPT", "AGE", "NAME"]
+    assert lines[0].split() == ["ID", "KIND", "STATE", "PRIORITY", "GPUS", "ATTEMPT", "AGE", "REASON", "NAME"]
     assert [line.split()[0] for line in lines[1:]] == made[::-1]  # newest first
-    assert lines[1].split()[1:] == ["train", "queued", "2", "1", "0", lines[1].split()[6], "run-2"]
+    assert lines[1].split()[1:] == ["train", "queued", "2", "1", "0", lines[1].split()[6], "no_worker", "run-2"]
     as_json = json.loads(jobs_cli(server, key, "list", "--json", "--limit", "2").output)
     assert [j["id"] for j in as_json] == made[:0:-1]
     shown = jobs_cli(server, key, "show", made[0])

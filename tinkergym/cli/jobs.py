@@ -66,11 +66,12 @@ def age(created_at: float, now: float | None = None) -> str:
 
 
 def job_table(found: list[dict[str, Any]]) -> str:
-    """The jobs as an aligned table: id, kind, state, priority, gpus, attempt, age, name."""
-    header = ("ID", "KIND", "STATE", "PRIORITY", "GPUS", "ATTEMPT", "AGE", "NAME")
+    """The jobs as an aligned table: id, kind, state, priority, gpus, attempt, age, reason (why a queued job waits), name."""
+    header = ("ID", "KIND", "STATE", "PRIORITY", "GPUS", "ATTEMPT", "AGE", "REASON", "NAME")
     now = time.time()
     rows = [header] + [
-        (j["id"], j["kind"], j["state"], str(j["priority"]), str(j["gpus"]), str(j["attempt"]), age(j["created_at"], now), j["name"])
+        (j["id"], j["kind"], j["state"], str(j["priority"]), str(j["gpus"]), str(j["attempt"]), age(j["created_at"], now),
+         (j.get("wait_reason") or {}).get("code", "-"), j["name"])
         for j in found
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(header) - 1)]
@@ -108,7 +109,10 @@ def jobs() -> None:
 @click.option("--limit", type=click.IntRange(1, 100_000), default=50, show_default=True, help="At most this many jobs, newest first.")
 @click.option("--json", "as_json", is_flag=True, help="Print the jobs as one JSON list.")
 def list_command(scheduler_url: str | None, api_key: str | None, state: str | None, kind: str | None, limit: int, as_json: bool) -> None:
-    """The tenant's jobs, newest first, as a table (id, kind, state, priority, gpus, attempt, age, name)."""
+    """The tenant's jobs, newest first, as a table (id, kind, state, priority, gpus, attempt, age, reason, name).
+
+    REASON says why a queued job waits: no_worker, no_model, too_few_devices, quota, behind, busy or ready
+    (`jobs show` gives the whole message)."""
     client = connect(scheduler_url, api_key)
     found = call(lambda: client.list(state=state, kind=kind, limit=limit))
     click.echo(json.dumps(found, indent=2) if as_json else job_table(found))
@@ -119,7 +123,7 @@ def list_command(scheduler_url: str | None, api_key: str | None, state: str | No
 @click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the job as JSON.")
 def show_command(scheduler_url: str | None, api_key: str | None, job_id: str, as_json: bool) -> None:
-    """One job: its state, attempt, queue position, server and config."""
+    """One job: its state, attempt, queue position, why it waits (when queued), server and config."""
     client = connect(scheduler_url, api_key)
     job = call(lambda: client.show(job_id))
     if as_json:
@@ -128,6 +132,8 @@ def show_command(scheduler_url: str | None, api_key: str | None, job_id: str, as
     for field in ("id", "name", "kind", "state", "priority", "gpus", "attempt", "max_attempts", "queue_position", "server_url", "error"):
         if job.get(field) not in (None, ""):
             click.echo(f"{field + ':':<16}{job[field]}")
+        if field == "queue_position" and job.get("wait_reason"):
+            click.echo(f"{'reason:':<16}{job['wait_reason']['code']}: {job['wait_reason']['message']}")
     click.echo(f"{'age:':<16}{age(job['created_at'])}")
     click.echo(f"{'config:':<16}{json.dumps(job.get('config', {}), sort_keys=True)}")
 

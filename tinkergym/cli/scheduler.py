@@ -169,12 +169,15 @@ def scheduler() -> None:
                    "newest ended jobs: tenants set --keep-ended-jobs).")
 @click.option("--idempotency-ttl", type=FiniteFloat(min=0), default=86400.0, show_default=True, metavar="S",
               help="Idempotency-Key records older than this are deleted (a retry after that runs as a new request); 0: keep them.")
+@click.option("--refuse-unplaceable", is_flag=True,
+              help="Refuse (400) a job whose model no registered worker (alive or gone) offers, or that asks for more devices "
+                   "than any worker offering its model has; by default such a job waits, its reason shown, for such a worker.")
 def serve(
     db: str | None, data_dir: Path, host: str, port: int, lease_ttl: float, sweep_interval: float, backfill_age: float,
     idle_timeout: float, max_attempts: int, quarantine_after: int, max_body_kb: int, max_artifact_gb: float, worker_timeout: float | None,
     max_streams_per_key: int, max_streams: int, header_timeout: float, body_timeout: float, max_connections: int,
     forget_workers_after: float, checkpoint_keep: float, artifact_retention: float, retention_interval: float,
-    job_retention: float, idempotency_ttl: float,
+    job_retention: float, idempotency_ttl: float, refuse_unplaceable: bool,
 ) -> None:
     """Serve the scheduler's HTTP API (upgrading its database first).
 
@@ -215,7 +218,7 @@ def serve(
         max_streams_per_key=max_streams_per_key, max_streams=max_streams,
         max_artifact_bytes=int(max_artifact_gb * 1024**3), worker_timeout_s=worker_timeout, worker_forget_s=forget_workers_after,
         checkpoint_keep_s=checkpoint_keep, artifact_retention_s=artifact_retention, retention_interval_s=retention_interval,
-        job_retention_s=job_retention, idempotency_ttl_s=idempotency_ttl,
+        job_retention_s=job_retention, idempotency_ttl_s=idempotency_ttl, refuse_unplaceable=refuse_unplaceable,
     )
     app = create_app(settings, logger=scheduler_logger(data_dir.resolve()))
     click.echo(f"tinkergym scheduler on http://{host}:{port} (database {_shown_url(url)}, data {data_dir})", err=True)

@@ -29,11 +29,21 @@ def _announce(job: Any, key_file: Path) -> None:
                nl=True)
 
 
+def _detached(job_id: str) -> None:
+    click.echo(f"job {job_id} is queued and runs without this command: follow it with tinkergym jobs show {job_id} "
+               f"(why it waits, its server) or tinkergym jobs logs {job_id} --follow; end it with tinkergym jobs cancel {job_id}", err=True)
+    click.echo(json.dumps({"job": job_id}), nl=True)
+
+
 def serve_through_scheduler(
     scheduler: str, api_key: str | None, *, model: str | None, run_dir: str | None, dtype: str | None, gpus: int, key_file: Path | None,
     detach: bool, poll: float = POLL_S, keep_alive: float = KEEP_ALIVE_S,
 ) -> None:
-    """Submit an inference job, print its endpoint once it answers, then follow it until Ctrl-C (or return at once: ``detach``)."""
+    """Submit an inference job, print its endpoint once it answers, then follow it until Ctrl-C.
+
+    With ``detach``, print the job's id (and how to follow it) and return as soon as it is queued; with ``detach`` and
+    ``key_file``, return once the endpoint answers and its key is written.
+    """
     from tinkergym.backends.endpoint_sampler import EndpointError
     from tinkergym.client import SchedulerClient
     from tinkergym.errors import ConfigError
@@ -45,6 +55,10 @@ def serve_through_scheduler(
     job = InferenceJob.submit(client, config, gpus=gpus, name=label, poll=min(poll, 1.0),
                               say=lambda line: click.echo(line, err=True))
     click.echo(f"job {job.job_id} submitted: {label} on {gpus} device(s)", err=True)
+    if detach and key_file is None:
+        client.close()
+        _detached(job.job_id)
+        return
     key_file = key_file or default_key_file(job.job_id)
 
     def stop(*_: Any) -> None:

@@ -84,8 +84,9 @@ def read_api_key(path: str) -> str:
               help="With --scheduler: where to write the endpoint's key (mode 600; rewritten when the job moves to another "
                    "worker). Default: ~/.cache/tinkergym/jobs/JOB.key.")
 @click.option("--detach", is_flag=True,
-              help="With --scheduler: exit once the endpoint answers and leave the job running (until its idle timeout, or "
-                   "tinkergym jobs cancel JOB).")
+              help="With --scheduler: print the job's id and exit once it is queued, leaving it to run (until its idle timeout, "
+                   "or tinkergym jobs cancel JOB); follow it with tinkergym jobs show JOB. With --key-file too: exit once the "
+                   "endpoint answers and its key is written.")
 @connection_options
 @click.pass_context
 def serve_model(

@@ -1,0 +1,238 @@
+"""Why a queued job waits, computed from the tables on read (the reason column of Slurm's ``squeue``).
+
+A queued job's reason is one of, first match wins:
+
+- ``no_worker``: no worker that may run the tenant's jobs is alive (registered, seen within the worker timeout,
+  not quarantined, its credential serving the tenant);
+- ``no_model``: none of those workers offers the job's model;
+- ``too_few_devices``: none of the workers offering the model has as many devices as the job asks for;
+- ``quota``: the tenant's jobs hold its ``max_gpus`` devices (this job would go past it);
+- ``behind``: K queued jobs before it (by priority, then age) can run on the workers that can host it;
+- ``busy``: a worker could host it, but its devices are held by other jobs;
+- ``ready``: a worker has the free devices for it: it starts at that worker's next lease request.
+
+The first three are *unplaceable*: the job never starts until a worker that can host it registers. Nothing is
+stored: the reason follows the tables (workers, devices, allocations, the queue) and the clock, as
+:func:`tinkergym.scheduler.leases.grant` reads them. The app's sweeper appends a ``waiting`` event when a queued
+job's reason changes (:func:`note_wait_reasons`), keeping the last reason of each job in memory only: after a
+restart each queued job gets one ``waiting`` event again.
+
+:func:`offered` is what workers have ever offered (registered workers, alive or gone): ``tinkergym scheduler serve
+--refuse-unplaceable`` refuses a job that none of them could host (:func:`refusal`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from sqlalchemy import select
+from sqlalchemy.engine import Connection
+
+from tinkergym.scheduler import states
+from tinkergym.scheduler.credentials import WorkerBounds, parse_bounds
+from tinkergym.scheduler.db import allocations, api_keys, devices, tenants, workers
+from tinkergym.scheduler.repository import NotFound
+from tinkergym.scheduler.worker_registry import worker_timeout
+
+NO_WORKER, NO_MODEL, TOO_FEW_DEVICES = "no_worker", "no_model", "too_few_devices"
+QUOTA, BEHIND, BUSY, READY = "quota", "behind", "busy", "ready"
+#: Reasons that hold until a worker that can host the job registers: nothing the queue does starts the job.
+UNPLACEABLE = (NO_WORKER, NO_MODEL, TOO_FEW_DEVICES)
+
+
+@dataclass(frozen=True)
+class Host:
+    """A registered worker as placement sees it: the models it may offer (within its credential) and its active devices."""
+
+    id: str
+    models: frozenset[str]
+    devices: int
+    free: int
+    kind: str
+    bounds: WorkerBounds
+    alive: bool
+
+    def hosts(self, model: Any, gpus: int) -> bool:
+        return model in self.models and gpus <= self.devices
+
+
+def _model(config: Any) -> Any:
+    try:
+        return (json.loads(config) if isinstance(config, str) else config).get("model")
+    except (ValueError, AttributeError):
+        return None
+
+
+def load_hosts(conn: Connection, now: float, timeout: float) -> list[Host]:
+    """Every registered worker whose credential stands (not revoked, bounds readable); ``alive`` when seen within
+    ``timeout`` and not quarantined."""
+    rows = conn.execute(
+        select(workers.c.id, workers.c.models, workers.c.last_seen_at, workers.c.quarantined_at, api_keys.c.worker_bounds)
+        .select_from(workers.join(api_keys, api_keys.c.id == workers.c.key_id)).where(api_keys.c.revoked_at.is_(None))
+    ).all()
+    counts: dict[str, dict[str, Any]] = {}
+    for worker_id, kind, held in conn.execute(
+        select(devices.c.worker_id, devices.c.kind, devices.c.id.in_(select(allocations.c.device_id))).where(devices.c.active.is_(True))
+    ):
+        entry = counts.setdefault(worker_id, {"devices": 0, "free": 0, "kind": kind})
+        entry["devices"] += 1
+        entry["free"] += 0 if held else 1
+    found = []
+    for row in rows:
+        bounds = parse_bounds(row.worker_bounds)
+        if bounds is None:
+            continue
+        models = set(json.loads(row.models))
+        if bounds.models is not None:
+            models &= set(bounds.models)
+        entry = counts.get(row.id, {"devices": 0, "free": 0, "kind": bounds.kind or "device"})
+        alive = now - row.last_seen_at <= timeout and row.quarantined_at is None
+        found.append(Host(row.id, frozenset(models), entry["devices"], entry["free"], str(entry["kind"]), bounds, alive))
+    return found
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
+def _devices(n: int, kind: str) -> str:
+    return _plural(n, "GPU") if kind == "gpu" else _plural(n, "slot" if kind == "slot" else "device")
+
+
+class Placement:
+    """One read of the cluster (workers, devices, allocations, tenants' quotas) that says why queued jobs wait."""
+
+    def __init__(self, conn: Connection, settings: Any, now: float) -> None:
+        self.conn = conn
+        self.hosts = [h for h in load_hosts(conn, now, worker_timeout(settings)) if h.alive]
+        self._quota: dict[str, tuple[int, int]] = {}
+
+    def quota(self, tenant: str) -> tuple[int, int]:
+        """(devices the tenant's jobs hold, its max_gpus)."""
+        if tenant not in self._quota:
+            from tinkergym.scheduler.leases import _held_by_tenant
+
+            limit = self.conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == tenant)).scalar_one_or_none()
+            self._quota[tenant] = (_held_by_tenant(self.conn, tenant), int(limit or 0))
+        return self._quota[tenant]
+
+    def _over_quota(self, job: dict[str, Any]) -> bool:
+        held, limit = self.quota(job["tenant_id"])
+        return held + job["gpus"] > limit
+
+    def _capable(self, job: dict[str, Any]) -> frozenset[str]:
+        model = _model(job["config"])
+        return frozenset(h.id for h in self.hosts if h.bounds.serves(job["tenant_id"]) and h.hosts(model, job["gpus"]))
+
+    def placed(self, job: dict[str, Any]) -> dict[str, str] | None:
+        """The reason of ``job`` that does not depend on the jobs ahead of it (all but ``behind``); None when those are clear."""
+        model, gpus, tenant = _model(job["config"]), job["gpus"], job["tenant_id"]
+        served = [h for h in self.hosts if h.bounds.serves(tenant)]
+        if not served:
+            return reason(NO_WORKER, f"no worker is alive to run tenant {tenant}'s jobs; start one: tinkergym worker --models {model}")
+        offering = [h for h in served if model in h.models]
+        if not offering:
+            models = sorted({m for h in served for m in h.models})
+            return reason(NO_MODEL, f"no worker offers model {model} (alive workers offer: {', '.join(models[:10]) or 'nothing'}); "
+                                    f"start one: tinkergym worker --models {model}")
+        if not any(h.devices >= gpus for h in offering):
+            largest = max(offering, key=lambda h: h.devices)
+            return reason(TOO_FEW_DEVICES, f"no worker offering {model} has {_devices(gpus, largest.kind)} "
+                                           f"(the largest has {_devices(largest.devices, largest.kind)})")
+        if self._over_quota(job):
+            held, limit = self.quota(tenant)
+            return reason(QUOTA, f"tenant {tenant}'s jobs hold {held} of its {limit} devices (max_gpus); this job needs {gpus}")
+        return None
+
+    def reasons(self, queue: Iterable[dict[str, Any]], wanted: set[str] | None = None) -> dict[str, dict[str, str]]:
+        """The reason of each job of ``queue`` (queued jobs in grant order, from the front) whose id is in ``wanted``
+        (None: every one); stops once all wanted jobs are seen."""
+        found: dict[str, dict[str, str]] = {}
+        ahead: dict[frozenset[str], int] = {}  # the jobs seen so far that may start, by the workers that could host them
+        for job in queue:
+            if wanted is not None and len(found) == len(wanted):
+                break
+            early = self.placed(job)
+            capable = self._capable(job) if early is None else frozenset()
+            if wanted is None or job["id"] in wanted:
+                found[job["id"]] = early or self._late(job, capable, ahead)
+            if capable:
+                ahead[capable] = ahead.get(capable, 0) + 1
+        return found
+
+    def _late(self, job: dict[str, Any], capable: frozenset[str], ahead: dict[frozenset[str], int]) -> dict[str, str]:
+        k = sum(n for hosts, n in ahead.items() if hosts & capable)
+        if k:
+            return reason(BEHIND, f"behind {_plural(k, 'queued job')} that go first on the workers that can host it")
+        if not any(h.free >= job["gpus"] for h in self.hosts if h.id in capable):
+            return reason(BUSY, f"the {_plural(len(capable), 'worker')} that can host it have their devices held by other jobs")
+        return reason(READY, "a worker has free devices for it: it starts at that worker's next lease request")
+
+
+def reason(code: str, message: str) -> dict[str, str]:
+    return {"code": code, "message": message}
+
+
+def wait_reasons(conn: Connection, settings: Any, now: float, queued: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """The reasons of the ``queued`` jobs (rows with id, tenant_id, gpus, config, state): the queue is read up to the last."""
+    from tinkergym.scheduler.leases import _queue
+
+    wanted = {j["id"] for j in queued if j["state"] == states.QUEUED}
+    if not wanted:
+        return {}
+    return Placement(conn, settings, now).reasons(_queue(conn), wanted)
+
+
+# ----- what workers have ever offered ----------------------------------------------------------------
+def offered(conn: Connection, tenant: str) -> dict[str, int]:
+    """Each model that a registered worker serving ``tenant`` offers (alive or gone), with the most devices one such worker has."""
+    most: dict[str, int] = {}
+    for host in load_hosts(conn, 0.0, float("inf")):
+        if host.bounds.serves(tenant):
+            for model in host.models:
+                most[model] = max(most.get(model, 0), host.devices)
+    return most
+
+
+def refusal(conn: Connection, tenant: str, model: Any, gpus: int) -> str | None:
+    """Why no registered worker could ever host a job of ``tenant`` for ``model`` on ``gpus`` devices; None when one could."""
+    most = offered(conn, tenant)
+    cluster = "; ".join(f"{m}: up to {n} device(s)" for m, n in sorted(most.items())[:20]) or "no worker has registered"
+    if model not in most:
+        return f"no worker offers model {model} (the workers offer {cluster}); start one: tinkergym worker --models {model}"
+    if gpus > most[model]:
+        return f"no worker offering {model} has {gpus} devices (the workers offer {cluster})"
+    return None
+
+
+# ----- the sweeper's pass ----------------------------------------------------------------------------
+def note_wait_reasons(app: Any) -> int:
+    """Append a ``waiting`` event (``code``, ``message``) to each queued job whose reason code changed since the last pass;
+    how many. The last codes live in ``app.state.wait_reasons`` (memory only)."""
+    from tinkergym.scheduler.leases import MAX_SCAN, _queue
+
+    store = app.state.store
+    last: dict[str, str] = getattr(app.state, "wait_reasons", None) or {}
+    with store.read() as conn:
+        queue = []
+        for job in _queue(conn):
+            queue.append(job)
+            if len(queue) >= MAX_SCAN:
+                break
+        found = Placement(conn, app.state.settings, store.clock()).reasons(queue) if queue else {}
+    changed = {job_id: r for job_id, r in found.items() if last.get(job_id) != r["code"]}
+    noted = 0
+    if changed:
+        with store.transaction() as conn:
+            for job_id, r in changed.items():
+                try:
+                    queued = store.get(conn, job_id, for_update=True)["state"] == states.QUEUED
+                except NotFound:
+                    continue  # deleted since the read
+                if queued:
+                    store.append_event(conn, job_id, "waiting", r)
+                    noted += 1
+    app.state.wait_reasons = {job_id: r["code"] for job_id, r in found.items()}
+    return noted

@@ -1,0 +1,205 @@
+"""Jobs that cannot run say so: each queued job's reason (API, CLI, the client's progress line, the event stream),
+``--refuse-unplaceable``, and ``serve-model --scheduler --detach`` returning at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+import workerkit as kit  # noqa: E402 - registered by conftest.py
+from click.testing import CliRunner  # noqa: E402
+from sqlalchemy import update  # noqa: E402
+
+from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.cli import main  # noqa: E402
+from tinkergym.client import SchedulerClient, wait_running  # noqa: E402
+from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
+from tinkergym.scheduler.db import make_engine, tenants  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def reason(client: Any, key: str, job_id: str) -> dict[str, str]:
+    response = client.get(f"/v1/jobs/{job_id}", headers=kit.auth(key))
+    assert response.status_code == 200, response.text
+    return response.json()["wait_reason"]
+
+
+def listed_reasons(client: Any, key: str) -> dict[str, Any]:
+    response = client.get("/v1/jobs", headers=kit.auth(key))
+    assert response.status_code == 200, response.text
+    return {j["id"]: (j["wait_reason"] or {}).get("code") for j in response.json()["jobs"]}
+
+
+def set_max_gpus(db_url: str, tenant: str, n: int) -> None:
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(update(tenants).where(tenants.c.id == tenant).values(max_gpus=n))
+    finally:
+        engine.dispose()
+
+
+def events_of(client: Any, key: str, job_id: str) -> list[dict[str, Any]]:
+    response = client.get(f"/v1/jobs/{job_id}/events", headers=kit.auth(key))
+    assert response.status_code == 200, response.text
+    return response.json()["events"]
+
+
+def test_each_reason_appears_when_it_should(make_client: Any, keys: Any, db_url: str) -> None:
+    clock = kit.Clock()
+    client = make_client(clock=clock, lease_ttl_s=10.0)
+    user = keys.new("acme", "read,write")
+    job = kit.submit(client, user, gpus=1, model="tiny")
+    assert reason(client, user, job)["code"] == "no_worker"
+
+    elsewhere = kit.register(client, keys.worker(8, tenants=("globex",)), name="pool", devices=2)
+    assert elsewhere.id and reason(client, user, job)["code"] == "no_worker", "a worker serving other tenants only does not count"
+
+    w = kit.register(client, keys.worker(8), name="w1", devices=2, models=("tiny",))
+    wrong_model = kit.submit(client, user, model="smollm2-136m")
+    too_big = kit.submit(client, user, gpus=3)
+    missing = reason(client, user, wrong_model)
+    assert missing["code"] == "no_model" and "smollm2-136m" in missing["message"] and "tiny" in missing["message"]
+    large = reason(client, user, too_big)
+    assert large["code"] == "too_few_devices" and "3 slots" in large["message"] and "the largest has 2 slots" in large["message"]
+    assert reason(client, user, job)["code"] == "ready"
+
+    assert w.lease()["job_id"] == job  # holds 1 of 2 devices
+    pair = kit.submit(client, user, gpus=2)
+    assert reason(client, user, pair)["code"] == "busy"
+    clock.advance(1.0)  # the queue's order is priority, then age
+    behind = kit.submit(client, user, gpus=2)
+    behind_reason = reason(client, user, behind)
+    assert behind_reason["code"] == "behind" and "behind 1 queued job" in behind_reason["message"]
+    listed = listed_reasons(client, user)
+    assert listed[job] is None and listed[pair] == "busy" and listed[behind] == "behind" and listed[wrong_model] == "no_model"
+
+    set_max_gpus(db_url, "acme", 2)
+    quota = reason(client, user, pair)
+    assert quota["code"] == "quota" and "1 of its 2" in quota["message"]
+
+    clock.advance(1000.0)  # every worker is gone now
+    assert reason(client, user, pair)["code"] == "no_worker"
+    w.lease()  # w1 calls again: alive
+    assert reason(client, user, wrong_model)["code"] == "no_model"
+
+
+def test_a_waiting_event_once_per_change_of_reason(make_client: Any, keys: Any) -> None:
+    from tinkergym.scheduler import placement
+
+    client = make_client()
+    app = client.app
+    user = keys.new("acme", "read,write")
+    job = kit.submit(client, user, model="tiny")
+    assert placement.note_wait_reasons(app) == 1
+    assert placement.note_wait_reasons(app) == 0, "the same reason again is no new event"
+    waiting = [e for e in events_of(client, user, job) if e["type"] == "waiting"]
+    assert [e["data"]["code"] for e in waiting] == ["no_worker"]
+
+    kit.register(client, keys.worker(8), devices=1, models=("other",))
+    placement.note_wait_reasons(app)
+    kit.register(client, keys.worker(8), name="w2", devices=1, models=("tiny",))
+    placement.note_wait_reasons(app)
+    placement.note_wait_reasons(app)
+    waiting = [e for e in events_of(client, user, job) if e["type"] == "waiting"]
+    assert [e["data"]["code"] for e in waiting] == ["no_worker", "no_model", "ready"]
+
+
+def test_the_sweeper_streams_the_waiting_event(db_url: str, keys: Any, tmp_path: Path) -> None:
+    user = keys.new("acme", "read,write")
+    server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", sweep_interval_s=0.05)))
+    client = SchedulerClient(server.url, user)
+    try:
+        job = client.submit("train", {"model": "smollm2-136m"})["id"]
+        for event in client.follow(job):
+            if event["type"] == "waiting":
+                assert event["data"]["code"] == "no_worker" and "smollm2-136m" in event["data"]["message"]
+                break
+        client.cancel(job)
+        assert [e["type"] for e in client.events(job)].count("waiting") == 1
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_refuse_unplaceable_refuses_what_no_worker_offered(make_client: Any, keys: Any) -> None:
+    clock = kit.Clock()
+    client = make_client(refuse_unplaceable=True, clock=clock)
+    user = keys.new("acme", "read,write")
+
+    def post(model: str, gpus: int = 1) -> Any:
+        return client.post("/v1/jobs", json={"kind": "train", "config": {"model": model}, "gpus": gpus}, headers=kit.auth(user))
+
+    refused = post("tiny")
+    assert refused.status_code == 400 and "no worker has registered" in refused.json()["error"]["message"]
+    kit.register(client, keys.worker(8), devices=2, models=("tiny",))
+    assert post("tiny", gpus=2).status_code == 201
+    wrong = post("smollm2-136m")
+    assert wrong.status_code == 400
+    assert "no worker offers model smollm2-136m" in wrong.json()["error"]["message"] and "tiny: up to 2" in wrong.json()["error"]["message"]
+    big = post("tiny", gpus=3)
+    assert big.status_code == 400 and "has 3 devices" in big.json()["error"]["message"]
+    clock.advance(10_000.0)  # the worker is gone, but it offered tiny: a job for it may wait for its return
+    assert post("tiny").status_code == 201
+
+
+@pytest.fixture
+def server(db_url: str, tmp_path: Path) -> Iterator[ThreadServer]:
+    server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data")))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_serve_model_detach_exits_at_once_and_jobs_show_says_why(server: ThreadServer, keys: Any) -> None:
+    user = keys.new("acme", "read,write")
+    env = {**os.environ, "TINKERGYM_API_KEY": user, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "tinkergym", "serve-model", "--scheduler", server.url, "--model", "smollm2-136m", "--detach"],
+        capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    job = json.loads(done.stdout.splitlines()[-1])["job"]
+    assert f"tinkergym jobs show {job}" in done.stderr
+
+    shown = CliRunner().invoke(main, ["jobs", "show", job, "--scheduler", server.url, "--api-key", user], catch_exceptions=False)
+    assert shown.exit_code == 0, shown.output
+    assert "reason:" in shown.output and "no_worker" in shown.output and "tinkergym worker --models smollm2-136m" in shown.output
+    listed = CliRunner().invoke(main, ["jobs", "list", "--scheduler", server.url, "--api-key", user], catch_exceptions=False)
+    header, row = listed.output.splitlines()[:2]
+    assert "REASON" in header.split() and "no_worker" in row.split()
+
+
+class Hinted(Exception):
+    pass
+
+
+def test_the_progress_line_says_why_and_an_unplaceable_job_says_how_to_go_on(server: ThreadServer, keys: Any) -> None:
+    user = keys.new("acme", "read,write")
+    client = SchedulerClient(server.url, user)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        if "keeps waiting" in line:
+            raise Hinted
+
+    try:
+        job = client.submit("train", {"model": "smollm2-136m"}, gpus=3)["id"]
+        with pytest.raises(Hinted):
+            wait_running(client, job, poll=0.01, say=say, unplaceable_after=0.0)
+        assert "no worker is alive" in lines[0]
+        assert f"tinkergym jobs cancel {job}" in lines[-1] and "tinkergym worker --models smollm2-136m" in lines[-1]
+        assert sum("keeps waiting" in line for line in lines) == 1
+    finally:
+        client.close()
