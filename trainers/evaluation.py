@@ -25,13 +25,26 @@ def evaluate(
     config: RolloutConfig,
     seeds: list[int],
     batch_size: int = 64,
+    progress: bool = False,
 ) -> tuple[dict[str, float], list[Trajectory]]:
-    """Play one episode per seed; return (success rate, mean reward, ...) and the trajectories."""
+    """Play one episode per seed; return (success rate, mean reward, ...) and the trajectories.
+
+    ``progress`` shows a bar on stderr: episodes done of the total and the mean reward so far.
+    """
     envs = [make_env() for _ in range(min(batch_size, len(seeds)))]
     trajectories: list[Trajectory] = []
-    for start in range(0, len(seeds), len(envs)):
-        chunk = seeds[start : start + len(envs)]
-        trajectories.extend(rollout(envs[: len(chunk)], backend, renderer, config, seeds=chunk))
+    bar = _progress_bar(len(seeds)) if progress else None
+    try:
+        for start in range(0, len(seeds), len(envs)):
+            chunk = seeds[start : start + len(envs)]
+            trajectories.extend(rollout(envs[: len(chunk)], backend, renderer, config, seeds=chunk))
+            if bar is not None:
+                done = [t for t in trajectories if not t.failed]
+                bar.set_postfix({"reward": f"{sum(t.total_reward for t in done) / max(len(done), 1):.3g}"}, refresh=False)
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
     ok = [t for t in trajectories if not t.failed]
     n = max(len(ok), 1)
     metrics = {
@@ -42,6 +55,13 @@ def evaluate(
         "eval/tokens_per_episode": sum(t.num_sampled_tokens for t in trajectories) / max(len(trajectories), 1),
     }
     return metrics, trajectories
+
+
+def _progress_bar(total: int) -> Any:
+    """The evaluation's progress bar on stderr, as the train command's: episodes done of ``total``, mean reward so far."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="eval", unit="episode")
 
 
 def succeeded(trajectory: Trajectory) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -95,6 +96,9 @@ def test_a_torch_free_client_trains_through_workers_and_survives_one(db_url: str
     assert client.returncode == 0, stderr[-4000:]
     assert json.loads(stdout.strip().splitlines()[-1]) == {"torch_modules": []}
     assert "waiting for the job's next lease" in stderr
+    redo = re.search(r"job \S+: reconnected to its new server \(epoch 2\); redoing step (\d+) from (checkpoint step_(\d{6})|the start)", stderr)
+    assert redo, stderr[-4000:]
+    assert int(redo.group(1)) == (int(redo.group(3)) + 1 if redo.group(3) else 0)
 
     records = read_metrics(out / "metrics.jsonl")
     assert _stable(records) == _stable(read_metrics(local / "metrics.jsonl"))
