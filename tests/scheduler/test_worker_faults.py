@@ -204,8 +204,9 @@ def test_a_worker_that_cannot_run_what_it_offers_refuses_to_start(tmp_path: Path
     assert "--models nobody/no-such-model" in line and "--models tiny" not in line, line
 
 
-def test_a_server_without_its_packages_exits_with_the_environment_code(tmp_path: Path) -> None:
-    """serve-backend on a machine without uvicorn: exit code 69 and one line, which a worker reads as its own fault."""
+def test_a_server_that_cannot_run_here_exits_with_the_environment_code(tmp_path: Path) -> None:
+    """serve-backend on a machine without uvicorn, serve-model of a model the machine lacks: exit code 69 and one line,
+    which a worker reads as its own fault."""
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe(32))
     token.chmod(0o600)
@@ -214,6 +215,11 @@ def test_a_server_without_its_packages_exits_with_the_environment_code(tmp_path:
                           capture_output=True, text=True, timeout=120, check=False)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 69 and len(lines) == 1 and "uvicorn" in lines[0], (done.returncode, done.stderr[-3000:])
+    done = subprocess.run([sys.executable, "-m", "tinkergym", "serve-model", "--model", "nobody/no-such-model", "--api-key-file", str(token),
+                           "--engine", "torch", "--port", "29999"], env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                          capture_output=True, text=True, timeout=120, check=False)
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert done.returncode == 69 and len(lines) == 1 and "nobody/no-such-model" in lines[0], (done.returncode, done.stderr[-3000:])
 
 
 def test_a_server_that_cannot_run_here_gives_the_job_back(cluster: Cluster, tmp_path: Path) -> None:

@@ -48,6 +48,19 @@ def read_api_key(path: str) -> str:
         raise ConfigError(str(exc).replace("--token-file", "--api-key-file")) from exc
 
 
+def _check_model(model: str) -> None:
+    """Exit 69 with one line (:func:`tinkergym.backends.lifetime.environment_faults`) when ``model`` is not available here."""
+    from tinkergym.backends.lifetime import EnvironmentFault, environment_faults
+    from tinkergym.backends.models import resolve_model
+    from tinkergym.errors import ConfigError
+
+    with environment_faults():
+        try:
+            resolve_model(model)
+        except ConfigError as exc:
+            raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
+
+
 @click.command("serve-model")
 @click.option("--model", help="Base model to serve (tiny, smollm2-135m, a local HF folder, a hub id); adapters attach to it.")
 @click.option("--run", "run_dir", type=SafePath(exists=True, file_okay=False),
@@ -140,6 +153,8 @@ def serve_model(
 
     key = read_api_key(api_key_file)
     choice, engine = engine, _pick_engine(engine)
+    if model is not None:  # a model missing here is this machine's fault (exit 69), not the request's
+        _check_model(model)
     plan = plan_serving(model=model, run=run_dir, adapters=[_adapter(a) for a in adapters], dtype=dtype,
                         checkpoint=_adapter(checkpoint, "--checkpoint") if checkpoint else None)
     try:
