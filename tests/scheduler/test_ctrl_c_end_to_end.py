@@ -115,3 +115,42 @@ def test_ctrl_c_leaves_or_cancels_the_job_and_the_run_goes_on(db_url: str, keys:
     assert config["scheduler_job"] != job_id and json.loads(second["config"])["resume_job"] == job_id
     assert second["state"] == "succeeded" and held == 0
     assert latest_checkpoint(out)[0] == last + 1 and (out / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_ctrl_c_cancels_a_running_eval_job(db_url: str, keys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TINKERGYM_CACHE", str(cache))
+    client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
+    (tmp_path / "w1").mkdir()
+    worker = _worker(scheduler.url, worker_key, tmp_path / "w1" / "work", cache)
+    env = {**os.environ, "TINKERGYM_API_KEY": client_key, "TINKERGYM_CACHE": str(tmp_path / "client-cache")}
+    engine = make_engine(db_url)
+    client = subprocess.Popen([sys.executable, "-m", "tinkergym", "eval", "--env", "tinker/Bandit-v0", "--model", "tiny", "--episodes", "100000",
+                               "--max-new-tokens", "4", "--scheduler", scheduler.url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        seen = ""
+        while "evaluating tiny at" not in seen:  # the eval job's server answers: the evaluation runs
+            line = client.stderr.readline()
+            assert line, f"the client ended: {seen[-3000:]}"
+            seen += line
+        client.send_signal(signal.SIGINT)
+        stderr = seen + client.communicate(timeout=TIMEOUT_S)[1]
+        assert client.returncode == 130, stderr[-3000:]
+        with engine.connect() as conn:
+            job_id = conn.execute(select(jobs.c.id).where(jobs.c.kind == "eval")).scalar_one()
+        assert f"job {job_id} is cancelled" in stderr and "Aborted!" not in stderr
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            job, held = _job(engine, job_id)
+            if job["state"] == "cancelled" and held == 0:
+                break
+            assert time.monotonic() < deadline, f"the job stayed {job['state']} holding {held} device(s)"
+            time.sleep(0.1)
+    finally:
+        for process in (client, worker):
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        scheduler.stop()
+        engine.dispose()
