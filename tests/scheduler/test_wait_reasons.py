@@ -7,7 +7,7 @@ import json
 import os
 import subprocess
 import sys
-import time
+import threading
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -121,10 +121,14 @@ def test_the_sweeper_streams_the_waiting_event(db_url: str, keys: Any, tmp_path:
     client = SchedulerClient(server.url, user)
     try:
         job = client.submit("train", {"model": "smollm2-136m"})["id"]
-        for event in client.follow(job):
-            if event["type"] == "waiting":
-                assert event["data"]["code"] == "no_worker" and "smollm2-136m" in event["data"]["message"]
-                break
+        give_up = threading.Timer(60.0, lambda: SchedulerClient(server.url, user).cancel(job))  # ends the stream if no event comes
+        give_up.start()
+        try:
+            waiting = next((e for e in client.follow(job) if e["type"] == "waiting"), None)
+        finally:
+            give_up.cancel()
+        assert waiting is not None, "the stream carries a waiting event"
+        assert waiting["data"]["code"] == "no_worker" and "smollm2-136m" in waiting["data"]["message"]
         client.cancel(job)
         assert [e["type"] for e in client.events(job)].count("waiting") == 1
     finally:
@@ -197,7 +201,7 @@ def test_the_progress_line_says_why_and_an_unplaceable_job_says_how_to_go_on(ser
     try:
         job = client.submit("train", {"model": "smollm2-136m"}, gpus=3)["id"]
         with pytest.raises(Hinted):
-            wait_running(client, job, poll=0.01, say=say, unplaceable_after=0.0)
+            wait_running(client, job, poll=0.01, say=say, unplaceable_after=0.0, timeout=60.0)
         assert "no worker is alive" in lines[0]
         assert f"tinkergym jobs cancel {job}" in lines[-1] and "tinkergym worker --models smollm2-136m" in lines[-1]
         assert sum("keeps waiting" in line for line in lines) == 1
