@@ -5,7 +5,8 @@ Routes are thin (``routes/``): they authenticate, check the scope, and call the 
 key, 403 a key without the scope, 404 unknown (or another tenant's), 409 a lost compare-and-set or a stale
 lease epoch, 413 a body over the limit (or a tenant's quota on one event or its stored artifact bytes), 422 an
 Idempotency-Key reused with another body, 429 a tenant's quota reached (queued jobs, events per job: raised with
-``tinkergym scheduler tenants set``). ``/healthz`` and ``/readyz`` are public; every other route needs a key
+``tinkergym scheduler tenants set``), 503 with ``Retry-After`` an inference job that has no server yet (the gateway,
+``routes/gateway.py``). ``/healthz`` and ``/readyz`` are public; every other route needs a key
 (``Authorization: Bearer tgk_...``).
 """
 
@@ -75,6 +76,9 @@ class SchedulerSettings:
         refuse_unplaceable: Refuse (400) a job that no registered worker, alive or gone, could ever host (its model is
             offered by none, or none offering it has its device count), naming what the workers offer; False: it waits
             with its reason (:mod:`tinkergym.scheduler.placement`).
+        gateway_max_per_tenant: Requests one tenant may have in flight through the inference gateway
+            (``/v1/jobs/{id}/openai/v1/...``) at once; past it, 429 with ``Retry-After``.
+        gateway_read_timeout_s: A job's server that sends nothing for this long ends the forwarded request (504).
         clock: The time source (tests move it).
     """
 
@@ -100,6 +104,8 @@ class SchedulerSettings:
     idempotency_ttl_s: float | None = 86400.0
     quarantine_after: int = 2
     refuse_unplaceable: bool = False
+    gateway_max_per_tenant: int = 64
+    gateway_read_timeout_s: float = 600.0
     clock: Callable[[], float] = field(default=now, repr=False)
 
 
@@ -230,6 +236,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     from tinkergym.scheduler.routes import artifacts as artifact_routes
     from tinkergym.scheduler.routes import connect as connect_routes
     from tinkergym.scheduler.routes import events as event_routes
+    from tinkergym.scheduler.routes import gateway as gateway_routes
     from tinkergym.scheduler.routes import jobs as job_routes
     from tinkergym.scheduler.routes import workers as worker_routes
     from tinkergym.scheduler.streams import StreamHub
@@ -251,6 +258,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await app.state.streams.aclose()
+            await app.state.gateway.aclose()
             engine.dispose()
 
     app = FastAPI(title="tinkergym scheduler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, default_response_class=WireJSON)
@@ -260,11 +268,13 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.state.artifacts = DirectoryStore(settings.data_dir / "jobs")
     app.state.streams = StreamHub(engine, interval_s=settings.sse_poll_s, max_streams=settings.max_streams,
                                   max_streams_per_key=settings.max_streams_per_key, logger=log)
+    app.state.gateway = gateway_routes.Forwarding(settings.gateway_max_per_tenant, settings.gateway_read_timeout_s)
     app.state.logger = log
     _add_health(app)
     app.include_router(job_routes.router)
     app.include_router(event_routes.router)
     app.include_router(connect_routes.router)
+    app.include_router(gateway_routes.router)
     app.include_router(worker_routes.router)
     app.include_router(artifact_routes.worker_router)
     app.include_router(artifact_routes.owner_router)

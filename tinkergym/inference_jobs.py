@@ -5,9 +5,10 @@ model, or a run the scheduler trained: its config names the training job (``resu
 checkpoint the worker restores from the artifact store and serves under the run's name (a LoRA run as an
 adapter on its base, a full fine-tuning run as a model of its own). Weights never pass through this machine.
 
-The endpoint is the worker's server, reached directly with the lease's token, which changes when the job
-moves to another worker (a new lease epoch): :class:`InferenceJob` follows the job and says so. Standard
-library and :mod:`tinkergym.client` only: no torch.
+The job has a stable endpoint on the scheduler (:func:`gateway_url`: an OpenAI client's ``base_url``, called with
+the owner's API key), which forwards each call to wherever the job runs now. The worker's server can also be
+reached directly with the lease's token, which changes when the job moves to another worker (a new lease epoch):
+:class:`InferenceJob` follows the job and says so. Standard library and :mod:`tinkergym.client` only: no torch.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ class Endpoint:
     key: str
     epoch: int
     models: list[str]
+
+
+def gateway_url(scheduler_url: str, job_id: str) -> str:
+    """The job's stable OpenAI-compatible base URL on the scheduler (``.../v1/jobs/JOB/openai/v1``): it follows the job
+    across workers; call it with the owner's API key (a key with the ``write`` scope)."""
+    return f"{scheduler_url.rstrip('/')}/v1/jobs/{job_id}/openai/v1"
 
 
 def served_name(folder: str | Path) -> str:

@@ -1,8 +1,9 @@
 """The job's owner and its server: where to connect (and with which token), and saying the work is done.
 
-The scheduler never proxies compute traffic: the client asks ``GET /v1/jobs/{id}/connection`` for the
+The scheduler never proxies training traffic: the client asks ``GET /v1/jobs/{id}/connection`` for the
 running server's URL and the token of the current lease epoch (derived, never stored), then talks to the
-server directly. When the epoch moves on (the lease was lost and granted again), the old token stops
+server directly (an inference job's calls may instead go through the scheduler's gateway, ``routes/gateway.py``,
+which follows the job across leases). When the epoch moves on (the lease was lost and granted again), the old token stops
 working with the old server's death, and the client asks again.
 """
 

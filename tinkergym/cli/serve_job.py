@@ -16,17 +16,20 @@ POLL_S = 2.0
 KEEP_ALIVE_S = 30.0
 
 
-def _announce(job: Any, key_file: Path) -> None:
+def _announce(job: Any, key_file: Path, base_url: str) -> None:
     from tinkergym.folders import write_private_file
 
     endpoint = job.endpoint
     write_private_file(key_file, endpoint.key + "\n")
     served = endpoint.models[-1] if endpoint.models else "MODEL"
-    click.echo(f"job {job.job_id}: serving {', '.join(endpoint.models)} at {endpoint.url} (lease epoch {endpoint.epoch}); "
-               f"its key is in {key_file}", err=True)
+    click.echo(f"job {job.job_id}: serving {', '.join(endpoint.models)} at {base_url} (use your API key); "
+               "this endpoint follows the job when it moves to another worker", err=True)
+    click.echo(f"  OpenAI client: OpenAI(base_url=\"{base_url}\", api_key=YOUR_API_KEY)", err=True)
+    click.echo(f"  the worker's own server (lease epoch {endpoint.epoch}, changes with the worker): {endpoint.url}, its key in {key_file}",
+               err=True)
     click.echo(f"  evaluate: tinkergym eval --endpoint {endpoint.url} --model {served} --api-key-file {key_file} --env ENV", err=True)
-    click.echo(json.dumps({"job": job.job_id, "url": endpoint.url, "models": endpoint.models, "epoch": endpoint.epoch, "key_file": str(key_file)}),
-               nl=True)
+    click.echo(json.dumps({"job": job.job_id, "base_url": base_url, "url": endpoint.url, "models": endpoint.models, "epoch": endpoint.epoch,
+                           "key_file": str(key_file)}), nl=True)
 
 
 def _detached(job_id: str) -> None:
@@ -47,7 +50,7 @@ def serve_through_scheduler(
     from tinkergym.backends.endpoint_sampler import EndpointError
     from tinkergym.client import SchedulerClient
     from tinkergym.errors import ConfigError
-    from tinkergym.inference_jobs import InferenceJob, InferenceJobEnded, default_key_file, job_config, served_name
+    from tinkergym.inference_jobs import InferenceJob, InferenceJobEnded, default_key_file, gateway_url, job_config, served_name
 
     config = job_config(model=model, run_dir=run_dir, dtype=dtype)
     client = SchedulerClient(scheduler, api_key)
@@ -68,7 +71,7 @@ def serve_through_scheduler(
     try:
         try:
             job.wait()
-            _announce(job, key_file)
+            _announce(job, key_file, gateway_url(client.url, job.job_id))
             if detach:
                 click.echo(f"job {job.job_id} keeps running until idle or: tinkergym jobs cancel {job.job_id}", err=True)
                 return
@@ -79,7 +82,7 @@ def serve_through_scheduler(
                 changed = job.changed()
                 if changed:
                     waiting = False
-                    _announce(job, key_file)
+                    _announce(job, key_file, gateway_url(client.url, job.job_id))
                 elif changed is None and not waiting:
                     waiting = True
                     click.echo(f"job {job.job_id}: its server is gone (the worker stopped?); waiting for its next lease", err=True)
