@@ -10,7 +10,8 @@ events chunk by chunk, nothing buffered).
 
 Answers of the gateway itself: 404 for an unknown job, another tenant's, or one whose kind is not served (training
 traffic never passes through the scheduler); 503 with ``Retry-After`` while the job has no server that answers
-(queued, starting, or its server gone before the lease expired); 409 once the job has ended; 429 with
+(queued, starting, or its server gone before the lease expired); 409 once the job has ended (or is being
+cancelled); 429 with
 ``Retry-After`` past the tenant's ``gateway_max_per_tenant`` requests in flight; 504 when the server sends nothing
 for ``gateway_read_timeout_s``. The app's body limit (``max_body_bytes``) bounds what is forwarded.
 """
@@ -149,7 +150,7 @@ async def forward(job_id: str, path: str, request: Request, who: Principal = Dep
     The answer is the server's, streamed back unchanged (``stream: true`` as server-sent events).
     """
     job = await run_in_threadpool(_served_job, request, job_id, who.tenant_id)
-    if job["state"] in states.TERMINAL:
+    if job["state"] in states.TERMINAL or job["state"] == states.CANCELLING:
         raise Conflict(f"job {job_id} is {job['state']}: it serves no more; submit a new inference job")
     if job["state"] != states.RUNNING or not job["server_url"]:
         return _unavailable(f"job {job_id} is {job['state']}: it has no server yet; retry shortly")

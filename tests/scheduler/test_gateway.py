@@ -187,6 +187,9 @@ def test_the_same_url_follows_the_job_to_its_next_server_and_token(make_setup: A
     old.refuse = True  # its lease ended on the server: what the client sees is "retry", not a bad key
     refused = s.http.get(url, headers=headers)
     assert refused.status_code == 503 and "retry-after" in refused.headers
+    old.server.stop()  # the worker died with its server: until the lease expires, still "retry"
+    dead = s.http.get(url, headers=headers)
+    assert dead.status_code == 503 and "retry-after" in dead.headers and "does not answer" in dead.json()["error"]["message"]
     s.clock.advance(TTL + 1)
     assert leases.sweep(s.app) == 1
     requeued = s.http.get(url, headers=headers)
@@ -219,6 +222,7 @@ def test_only_the_owners_served_jobs_pass(make_setup: Any) -> None:
     assert upstream.seen == []
 
     assert s.http.post(f"/v1/jobs/{served}/cancel", headers=kit.auth(s.owner)).status_code == 200
+    assert s.http.get(f"{s.base(served)}/models", headers=kit.auth(s.owner)).status_code == 409  # cancelling: no new calls
     lease_epoch = kit.job_row(s.keys.db_url, served)["lease_epoch"]
     assert worker.state(served, lease_epoch, "cancelled").status_code == 200
     ended = s.http.get(f"{s.base(served)}/models", headers=kit.auth(s.owner))
