@@ -301,3 +301,28 @@ def test_a_job_served_by_a_real_worker_answers_an_openai_client_through_the_gate
         worker.terminate()
         worker.wait(timeout=60)
         scheduler.stop()
+
+
+def test_serve_passes_the_gateway_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import uvicorn
+    from click.testing import CliRunner
+
+    from tinkergym.cli import main
+
+    class Built(Exception):
+        pass
+
+    def fake_server(config: Any) -> None:
+        raise Built(config)
+
+    monkeypatch.setattr(uvicorn, "Server", fake_server)
+    args = ["scheduler", "serve", "--data-dir", str(tmp_path / "data")]
+    built = CliRunner().invoke(main, args + ["--gateway-max-per-tenant", "3", "--gateway-read-timeout", "45"])
+    assert isinstance(built.exception, Built), built.output
+    settings = built.exception.args[0].app.state.settings
+    assert (settings.gateway_max_per_tenant, settings.gateway_read_timeout_s) == (3, 45.0)
+    assert built.exception.args[0].app.state.gateway.max_per_tenant == 3
+    default = CliRunner().invoke(main, args).exception.args[0].app.state.settings
+    assert (default.gateway_max_per_tenant, default.gateway_read_timeout_s) == (SchedulerSettings.gateway_max_per_tenant,
+                                                                                SchedulerSettings.gateway_read_timeout_s)
+    assert CliRunner().invoke(main, args + ["--gateway-max-per-tenant", "0"]).exit_code == 2

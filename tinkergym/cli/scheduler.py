@@ -148,6 +148,11 @@ def scheduler() -> None:
               help="Event streams (jobs logs --follow) one key may hold open at once; one more is refused with 429.")
 @click.option("--max-streams", type=click.IntRange(min=1), default=1000, show_default=True, metavar="N",
               help="Event streams open at once, all keys together; one more is refused with 429. Below --max-connections.")
+@click.option("--gateway-max-per-tenant", type=click.IntRange(min=1), default=64, show_default=True, metavar="N",
+              help="Requests one tenant may have in flight through the inference gateway (/v1/jobs/JOB/openai/v1/...); "
+                   "one more is refused with 429.")
+@click.option("--gateway-read-timeout", type=FiniteFloat(min=0, min_open=True), default=600.0, show_default=True, metavar="S",
+              help="An inference job's server that sends nothing for this long ends the request forwarded by the gateway (504).")
 @connection_options
 @click.option("--worker-timeout", type=FiniteFloat(min=0, min_open=True), default=None, metavar="S",
               help="A worker with no call (lease poll, heartbeat) for this long is listed gone until it calls again; "
@@ -177,7 +182,7 @@ def serve(
     idle_timeout: float, max_attempts: int, quarantine_after: int, max_body_kb: int, max_artifact_gb: float, worker_timeout: float | None,
     max_streams_per_key: int, max_streams: int, header_timeout: float, body_timeout: float, max_connections: int,
     forget_workers_after: float, checkpoint_keep: float, artifact_retention: float, retention_interval: float,
-    job_retention: float, idempotency_ttl: float, refuse_unplaceable: bool,
+    job_retention: float, idempotency_ttl: float, refuse_unplaceable: bool, gateway_max_per_tenant: int, gateway_read_timeout: float,
 ) -> None:
     """Serve the scheduler's HTTP API (upgrading its database first).
 
@@ -219,6 +224,7 @@ def serve(
         max_artifact_bytes=int(max_artifact_gb * 1024**3), worker_timeout_s=worker_timeout, worker_forget_s=forget_workers_after,
         checkpoint_keep_s=checkpoint_keep, artifact_retention_s=artifact_retention, retention_interval_s=retention_interval,
         job_retention_s=job_retention, idempotency_ttl_s=idempotency_ttl, refuse_unplaceable=refuse_unplaceable,
+        gateway_max_per_tenant=gateway_max_per_tenant, gateway_read_timeout_s=gateway_read_timeout,
     )
     app = create_app(settings, logger=scheduler_logger(data_dir.resolve()))
     click.echo(f"tinkergym scheduler on http://{host}:{port} (database {_shown_url(url)}, data {data_dir})", err=True)
