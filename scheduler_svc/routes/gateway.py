@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from typing import Any
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.concurrency import run_in_threadpool
@@ -149,6 +150,8 @@ async def forward(job_id: str, path: str, request: Request, who: Principal = Dep
 
     The answer is the server's, streamed back unchanged (``stream: true`` as server-sent events).
     """
+    if any(part in (".", "..") for part in path.split("/")):  # the server's /v1 API only, whatever the client's encoding
+        raise NotFound(job_id)
     job = await run_in_threadpool(_served_job, request, job_id, who.tenant_id)
     if job["state"] in states.TERMINAL or job["state"] == states.CANCELLING:
         raise Conflict(f"job {job_id} is {job['state']}: it serves no more; submit a new inference job")
@@ -172,7 +175,7 @@ async def _send(request: Request, gate: Forwarding, job: dict[str, Any], path: s
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_REQUEST_HEADERS}
     headers.update({"Authorization": f"Bearer {token}", "Accept-Encoding": "identity"})
     query = request.url.query
-    url = f"{job['server_url'].rstrip('/')}/v1/{path}" + (f"?{query}" if query else "")
+    url = f"{job['server_url'].rstrip('/')}/v1/{quote(path, safe='/')}" + (f"?{query}" if query else "")
     client = gate.client()
     upstream_request = client.build_request(request.method, url, headers=headers, content=await request.body())
     try:

@@ -142,6 +142,10 @@ def test_a_call_is_forwarded_with_the_epochs_token_and_never_the_owners_key(make
     missing = s.http.get(f"{s.base(job_id)}/missing", headers=headers)
     assert missing.status_code == 404 and missing.json() == {"error": {"type": "not_found"}}  # the server's answer, as it is
 
+    for escaping in ("..%2F..%2Fhealthz", "%2E%2E/%2E%2E/healthz", "models%3Fx=1%23"):
+        assert s.http.get(f"{s.base(job_id)}/{escaping}", headers=headers).status_code in (200, 404)
+    assert [seen["path"] for seen in upstream.seen[3:]] == ["/v1/models%3Fx=1%23"]  # within /v1, encoded as it came
+    del upstream.seen[3:]
     first, second, _ = upstream.seen
     assert (first["method"], first["path"], first["body"]) == ("GET", "/v1/models", b"")
     assert (second["method"], second["path"], second["query"]) == ("POST", "/v1/chat/completions", "trace=1&x=%20y")
