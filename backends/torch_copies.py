@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from tinkergym.backends.cache_names import cache_name
+
 
 def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
     """A frozen copy of ``model`` on ``device`` whose linear weights are in ``dtype`` and whose other weights stay as they are.
@@ -79,13 +81,14 @@ def _cache_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: 
     memory. Attention reads them in ``dtype`` anyway (autocast casts its inputs; flash-attn needs them so), so
     rounding them when they are stored changes no result of a pass without gradients.
     """
-    if kwargs.get("use_cache") and kwargs.get("past_key_values") is None and not torch.is_grad_enabled():
+    given = kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None  # either name, whichever the caller used
+    if kwargs.get("use_cache") and not given and not torch.is_grad_enabled():
         from transformers import DynamicCache
 
         cache = DynamicCache(config=module.config)
         for layer in cache.layers:
             layer.update = functools.partial(_update_in, dtype, layer.update)
-        kwargs["past_key_values"] = cache
+        kwargs[cache_name()] = cache
     return args, kwargs
 
 

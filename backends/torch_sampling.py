@@ -17,6 +17,7 @@ import functools
 
 import torch
 
+from tinkergym.backends.cache_names import cache_kwargs, cache_of
 from tinkergym.backends.torch_attention import NAME as GROUPED_MATMUL
 from tinkergym.backends.torch_prefix_cache import PrefixCache
 from tinkergym.backends.torch_scoring import host_to_device, padded_length_limit
@@ -127,11 +128,11 @@ def prefill(
         input_ids=input_ids[:, kept:],
         attention_mask=mask,
         position_ids=positions[:, kept:],
-        past_key_values=past,
+        **cache_kwargs(past),
         use_cache=True,
         logits_to_keep=1,
     )
-    logits_BV, cache = out.logits[:, -1], out.past_key_values
+    logits_BV, cache = out.logits[:, -1], cache_of(out)
     if len(unique) < len(prompts):
         index = host_to_device(torch.tensor(row_of, dtype=torch.long), device)
         cache.batch_select_indices(index)
@@ -405,9 +406,9 @@ def _decode(
             input_ids=tokens_B[:, None],
             attention_mask=attention,
             position_ids=next_position,
-            past_key_values=cache,
+            **cache_kwargs(cache),
             use_cache=True,
         )
-        logits_BV, cache = out.logits[:, -1], out.past_key_values
+        logits_BV, cache = out.logits[:, -1], cache_of(out)
         next_position = next_position + 1
     return tokens_BS, logprobs_BS, 0

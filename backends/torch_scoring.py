@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from tinkergym.backends import losses
+from tinkergym.backends.cache_names import cache_kwargs, cache_of
 from tinkergym.backends.torch_copies import _update_in
 from tinkergym.backends.types import Datum
 
@@ -270,13 +271,13 @@ def _own_token_logits(
     prefix = {"input_ids": prefix_ids, "attention_mask": prefix_mask, "position_ids": prefix_positions, "logits_to_keep": no_logits}
     use_cache = not _checkpoints_layers(model)
     if use_cache:
-        prefix_cache = model(**prefix, use_cache=True).past_key_values
+        prefix_cache = cache_of(model(**prefix, use_cache=True))
         _store_in_compute_dtype(prefix_cache)
     else:
         # Transformers turns `use_cache` off under checkpointing (with a warning) and makes no cache, but layers
         # that may keep one still get a cache given explicitly; each pass gets one its recomputes can replay.
         prefix_cache = replayable_cache(model)
-        model(**prefix, past_key_values=prefix_cache, use_cache=False)
+        model(**prefix, **cache_kwargs(prefix_cache), use_cache=False)
     parts = []
     for rows in length_chunks(own, CHUNK_OVERHEAD_TOKENS.get(device.type, CHUNK_OVERHEAD_TOKENS["cuda"])):
         span = max(own[r] for r in rows)
@@ -294,7 +295,7 @@ def _own_token_logits(
             input_ids=rows_BS,
             attention_mask=attention,
             position_ids=offsets[:, None] + steps,
-            past_key_values=cache_rows(prefix_cache, group_of),
+            **cache_kwargs(cache_rows(prefix_cache, group_of)),
             use_cache=use_cache,
         ).logits
         parts.append((rows, rows_BS, logits))

@@ -14,6 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from tinkergym.backends.cache_names import cache_kwargs, cache_of  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.torch_sampling import _preallocated, _preallocated_layer_class, _single_query_masks, prefill, sample_batch  # noqa: E402
 from tinkergym.backends.types import SamplingParams  # noqa: E402
@@ -40,8 +41,8 @@ def plain_decode_logits(model: torch.nn.Module, batch: list[list[int]], tokens_B
     out, position = [logits_BV.float()], positions[:, -1:] + 1
     for step in range(tokens_BS.shape[1] - 1):
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-        result = model(input_ids=tokens_BS[:, step : step + 1], attention_mask=attention, position_ids=position, past_key_values=cache, use_cache=True)
-        cache, position = result.past_key_values, position + 1
+        result = model(input_ids=tokens_BS[:, step : step + 1], attention_mask=attention, position_ids=position, **cache_kwargs(cache), use_cache=True)
+        cache, position = cache_of(result), position + 1
         out.append(result.logits[:, -1].float())
     return out
 
@@ -75,8 +76,8 @@ def shortcut_decode_logits(model: torch.nn.Module, batch: list[list[int]], token
             mask = masks[..., : width + step + 1]
         else:
             padded = mask = None if padded is None else torch.cat([padded, torch.ones_like(padded[:, :1])], dim=1)
-        result = model(input_ids=tokens_BS[:, step : step + 1], attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True)
-        cache, position = result.past_key_values, position + 1
+        result = model(input_ids=tokens_BS[:, step : step + 1], attention_mask=mask, position_ids=position, **cache_kwargs(cache), use_cache=True)
+        cache, position = cache_of(result), position + 1
         out.append(result.logits[:, -1].float())
     return out
 

@@ -25,6 +25,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
 from tinkergym.backends import losses, torch_sampling  # noqa: E402
+from tinkergym.backends.cache_names import cache_kwargs, cache_of  # noqa: E402
 from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.torch_sampling import STOP_CHECK_INTERVAL, prefill, sample_batch, sample_next  # noqa: E402
 from tinkergym.backends.torch_scoring import sequence_logprobs  # noqa: E402
@@ -139,8 +140,8 @@ def reference_sample_batch(model, prompts_, params, stop_ids, pad_id, generator=
         if bool(finished.all()) or step + 1 == params.max_new_tokens:
             break
         attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-        out = model(input_ids=tokens_B[:, None], attention_mask=attention, position_ids=next_position, past_key_values=cache, use_cache=True)
-        logits_BV, cache = out.logits[:, -1], out.past_key_values
+        out = model(input_ids=tokens_B[:, None], attention_mask=attention, position_ids=next_position, **cache_kwargs(cache), use_cache=True)
+        logits_BV, cache = out.logits[:, -1], cache_of(out)
         next_position = next_position + 1
     stops = set(stop_ids)
     return [SampledSequence(tokens=t, logprobs=lp, finish_reason="stop" if t and t[-1] in stops else "length") for t, lp in zip(tokens, logprobs)]
