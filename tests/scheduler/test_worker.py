@@ -44,6 +44,7 @@ from tinkergym.scheduler.db import make_engine
 
 from tinkergym.cli import main
 from tinkergym.client import SchedulerClient
+from workerkit import WorkerProcess  # noqa: E402 - registered by conftest.py
 
 TTL, SWEEP = 2.0, 0.2
 CONFIG = {"model": "tiny", "dtype": "float32", "lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.0, "micro_batch_size": 4, "seed": 0}
@@ -102,34 +103,6 @@ def status_with(url: str, token: str) -> int:
     status = conn.getresponse().status
     conn.close()
     return status
-
-
-class WorkerProcess:
-    """``tinkergym worker --slots 1 --models tiny`` as a subprocess, its log in ``<folder>/worker.log``."""
-
-    def __init__(self, scheduler: str, key: str, folder: Path, name: str) -> None:
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", scheduler, "--slots", "1", "--models", "tiny",
-                   "--name", name, "--work-dir", str(folder / "work"), "--heartbeat", "0.4", "--poll", "0.2", "--port-range", "21000-29999"]
-        self.log = open(folder / "worker.log", "wb")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TINKERGYM_API_KEY": key})
-
-    def run_dir(self, job_id: str, epoch: int) -> Path:
-        return self.folder / "work" / "jobs" / job_id / str(epoch)
-
-    def text(self) -> str:
-        return (self.folder / "worker.log").read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        self.log.close()
 
 
 def allocations(db_url: str) -> int:

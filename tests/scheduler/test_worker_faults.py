@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from tinkergym.scheduler.app import SchedulerSettings, create_app
 from tinkergym.scheduler.db import make_engine
 
 from tinkergym.client import SchedulerClient
+from workerkit import WorkerProcess  # noqa: E402 - registered by conftest.py
 
 CONFIG = {"model": "tiny", "dtype": "float32", "lora_rank": 4, "seed": 0}
 
@@ -99,30 +99,6 @@ class LeasePolls:
         await self.app(scope, receive, send)
 
 
-class Worker:
-    """``python -m tinkergym worker --slots 1 --models tiny`` with ``python`` for its servers, its log in ``<folder>/worker.log``."""
-
-    def __init__(self, scheduler: str, key: str, folder: Path, name: str, python: Path, *extra: str) -> None:
-        self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", scheduler, "--slots", "1", "--models", "tiny", "--name", name,
-                   "--work-dir", str(folder / "work"), "--heartbeat", "0.3", "--poll", "0.1", "--port-range", "30000-39999",
-                   "--python", str(python), *extra]
-        self.log = open(folder / "worker.log", "wb")
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TINKERGYM_API_KEY": key})
-
-    def text(self) -> str:
-        return (self.folder / "worker.log").read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        self.log.close()
 
 
 class Cluster:
@@ -134,10 +110,11 @@ class Cluster:
         self.server = ThreadServer(self.polls)
         self.owner = SchedulerClient(self.server.url, keys.new("acme", "read,write"))
         self.key = keys.new("acme", "worker")
-        self.workers: list[Worker] = []
+        self.workers: list[WorkerProcess] = []
 
-    def worker(self, name: str, python: Path, *extra: str) -> Worker:
-        started = Worker(self.server.url, self.key, self.tmp_path / name, name, python, *extra)
+    def worker(self, name: str, python: Path, *extra: str) -> WorkerProcess:
+        started = WorkerProcess(self.server.url, self.key, self.tmp_path / name, name, "--python", str(python), *extra,
+                                heartbeat="0.3", poll="0.1", ports="30000-39999")
         self.workers.append(started)
         return started
 

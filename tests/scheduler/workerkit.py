@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
@@ -100,3 +105,34 @@ def assert_no_double_grant(db_url: str) -> None:
     for job_id, gpus, state, held in rows:
         expected = gpus if state in ("leased", "starting", "running", "cancelling") else 0
         assert held == expected, (job_id, state, gpus, held)
+
+
+class WorkerProcess:
+    """``tinkergym worker --slots 1 --models tiny`` as a subprocess (``extra`` arguments after its own), its log in
+    ``<folder>/worker.log``."""
+
+    def __init__(self, scheduler: str, key: str, folder: Path, name: str, *extra: str, heartbeat: str = "0.4", poll: str = "0.2",
+                 ports: str = "21000-29999") -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", scheduler, "--slots", "1", "--models", "tiny",
+                   "--name", name, "--work-dir", str(folder / "work"), "--heartbeat", heartbeat, "--poll", poll, "--port-range", ports,
+                   *extra]
+        self.log = open(folder / "worker.log", "wb")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "TINKERGYM_API_KEY": key})
+
+    def run_dir(self, job_id: str, epoch: int) -> Path:
+        return self.folder / "work" / "jobs" / job_id / str(epoch)
+
+    def text(self) -> str:
+        return (self.folder / "worker.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.log.close()
