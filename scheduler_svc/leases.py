@@ -74,9 +74,8 @@ from tinkergym.scheduler.credentials import WorkerBounds
 from tinkergym.scheduler.db import allocations, checkpoints, devices, jobs, tenants, workers
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
-    ALIVE, FORGET_BATCH, GONE, _locked, _strike, forget_worker, owned_worker, quarantine_worker, register_worker, release_worker,
-    sweep_workers,
-    worker_status, worker_timeout, worker_view,
+    ALIVE, FORGET_BATCH, GONE, _locked, _strike, forget_worker, mark_gone, owned_worker, quarantine_worker, register_worker,
+    release_worker, sweep_workers, worker_status, worker_timeout, worker_view,
 )
 
 SECRET_FILE = "scheduler.secret"

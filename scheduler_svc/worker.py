@@ -583,6 +583,7 @@ class Worker:
             runner.shutdown.set()
         for runner in runners:
             runner.join(timeout=STOP_GRACE_S * 2 + 5)
+        self._try(self.client.copy(retries=0, timeout=5.0).leave)  # listed gone at once, not after the worker timeout
         log.info("stopped")
 
     @staticmethod

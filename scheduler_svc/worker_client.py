@@ -60,6 +60,10 @@ class WorkerClient(SchedulerClient):
         self.worker_id = answer["id"]
         return answer
 
+    def leave(self) -> dict[str, Any]:
+        """Tell the scheduler this worker is stopping: it is listed ``gone`` at once (alive again at its next call)."""
+        return self._request("POST", f"/v1/workers/{_q(self.worker_id)}/leave", {})
+
     def lease(self) -> dict[str, Any] | None:
         """At most one queued job that fits the free devices (None when there is none)."""
         return self._request("POST", f"/v1/workers/{_q(self.worker_id)}/lease", {})["lease"]

@@ -71,6 +71,11 @@ def worker_timeout(settings: Any) -> float:
     return max(float(configured) if configured else 3.0 * settings.lease_ttl_s, settings.lease_ttl_s)
 
 
+def mark_gone(conn: Connection, worker_id: str, now: float, timeout: float) -> None:
+    """List the worker ``gone`` from ``now`` (it said it is stopping): its last call moves to just past the timeout."""
+    conn.execute(update(workers).where(workers.c.id == worker_id).values(last_seen_at=min(now - timeout - 1e-3, now)))
+
+
 def worker_status(last_seen_at: float, now: float, timeout: float) -> str:
     """``gone`` when the worker has not been seen for ``timeout`` seconds, else ``alive``."""
     return GONE if now - last_seen_at > timeout else ALIVE

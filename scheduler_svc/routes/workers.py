@@ -225,6 +225,18 @@ def list_workers(
     return {"workers": [v for v in found if status is None or v["status"] == status]}
 
 
+@router.post("/{worker_id}/leave", response_model=Worker, responses={404: {}, 422: {}})
+def leave(worker_id: str, request: Request, who: Principal = Depends(require("worker"))) -> Any:
+    """This worker is stopping (its servers are stopped): listed ``gone`` at once instead of after the worker timeout;
+    its leases still end as leases do. Its next call makes it ``alive`` again."""
+    store, settings = _store(request), request.app.state.settings
+
+    with store.transaction() as conn:
+        _own(conn, worker_id, who)
+        leases.mark_gone(conn, worker_id, store.clock(), leases.worker_timeout(settings))
+        return _view(request, conn, worker_id)
+
+
 @router.post("/{worker_id}/lease", response_model=LeaseAnswer, responses={403: {}, 404: {}, 409: {}, 422: {}})
 def lease(worker_id: str, request: Request, who: Principal = Depends(require("worker")), idempotency_key: str | None = IdempotencyKey) -> Any:
     """Take at most one queued job that fits this worker's free devices and models (``{"lease": null}`` when none)."""

@@ -1,10 +1,12 @@
 """Silent workers: listed ``gone`` after the worker timeout (the background sweeper notices with no other traffic),
 never granted anything, ``alive`` again at their next call, forgotten after a long silence when they hold nothing;
-``tinkergym scheduler workers list`` shows the status."""
+``tinkergym scheduler workers list`` shows the status. A worker that stops cleanly says so and is ``gone`` at once."""
 
 from __future__ import annotations
 
+import json
 import time
+import urllib.request
 from typing import Any
 
 import pytest
@@ -12,6 +14,7 @@ from click.testing import CliRunner
 from tinkergym.scheduler import leases
 from workerkit import (  # registered by conftest.py
     Clock,
+    WorkerProcess,
     allocated,
     auth,
     job_row,
@@ -20,7 +23,9 @@ from workerkit import (  # registered by conftest.py
     submit,
 )
 
+from tinkergym.backends.asgi import ThreadServer
 from tinkergym.cli import main
+from tinkergym.scheduler.app import SchedulerSettings, create_app
 
 
 def listing(client: Any, admin: str, **params: Any) -> dict[str, dict[str, Any]]:
@@ -160,3 +165,38 @@ def test_cli_workers_list_shows_the_status(env: Any, db_url: str, tmp_path: Any)
     gone_only = CliRunner().invoke(main, [*args, "--gone"])
     assert gone_only.exit_code == 0 and "stale" in gone_only.stdout and "fresh" not in gone_only.stdout
     assert "stale" not in CliRunner().invoke(main, [*args, "--gone", "--worker-timeout", "7200"]).stdout  # seen within 2 h
+
+
+def test_a_worker_that_leaves_is_gone_at_once_and_alive_at_its_next_call(env: Any) -> None:
+    w = register(env.client, env.worker, name="leaving", devices=1)
+    other = env.client.post(f"/v1/workers/{w.id}/leave", headers=auth(env.user))
+    assert other.status_code == 403  # a tenant's key is no worker
+    left = w.post("/leave")
+    assert left.status_code == 200 and left.json()["status"] == "gone"
+    assert listing(env.client, env.admin)[w.id]["status"] == "gone"  # at once, not after the 90 s timeout
+    assert w.lease() is None  # its next call: alive again
+    assert listing(env.client, env.admin)[w.id]["status"] == "alive"
+
+
+@pytest.mark.slow
+def test_a_worker_stopped_with_sigterm_is_listed_gone_at_once(db_url: str, keys: Any, tmp_path: Any) -> None:
+    admin = keys.new("acme", "admin")
+    server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", worker_timeout_s=3600.0,
+                                                       lease_ttl_s=30.0)))
+    worker = WorkerProcess(server.url, keys.new("ops", "worker"), tmp_path / "w1", "w1")
+    try:
+        def statuses() -> list[str]:
+            request = urllib.request.Request(server.url + "/v1/workers", headers=auth(admin))
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return [w["status"] for w in json.loads(response.read())["workers"]]
+
+        deadline = time.monotonic() + 120
+        while statuses() != ["alive"]:
+            assert worker.process.poll() is None and time.monotonic() < deadline, worker.text()[-2000:]
+            time.sleep(0.1)
+        worker.stop()  # SIGTERM: a clean stop
+        assert worker.process.returncode == 0
+        assert statuses() == ["gone"]  # with a worker timeout of an hour: it said it left
+    finally:
+        worker.stop()
+        server.stop()
