@@ -23,9 +23,8 @@ the server refuses every call, so a frozen worker's server stops serving when it
    could not be renewed for its whole TTL (the scheduler unreachable) is treated as lost too: the server stops
    before another worker's can start.
 
-A server that cannot run on this machine (:func:`~tinkergym.scheduler.worker_checks.server_fault`), or the worker's own
-fault (its disk, no free port), gives the job back (queued at the same attempt; this worker is quarantined); only the job's
-own faults fail it. States and folders are bounded by :mod:`tinkergym.scheduler.worker_folders`.
+A server that cannot run here (:mod:`~tinkergym.scheduler.worker_checks`) or the worker's own fault (disk, port) gives the
+job back at the same attempt, quarantining the worker; only the job's faults fail it. :mod:`.worker_folders` bounds disk.
 
 A heartbeat thread per job renews the lease every ``heartbeat`` seconds (default a third of the TTL) while the
 job's thread restores, starts, uploads. SIGTERM or SIGINT stops every server and the worker; their leases
@@ -195,6 +194,7 @@ class JobRunner(threading.Thread):
         self._renewed(self.renewed_at)
         self._restore_while_leased()
         self._report("starting")
+        self._event("log", {"message": f"starting its server on worker {self.options.name}: loading {self.lease['config'].get('model')}"})
         url = self._start_server()
         self._report("running", server_url=url)
         self._event("log", {"message": f"server running at {url} on worker {self.options.name}", "devices": self.devices})

@@ -78,7 +78,8 @@ def wait_running(
 ) -> dict[str, Any]:
     """Wait until job ``job_id`` runs (at a lease epoch above ``after_epoch``); its connection (``url``, ``token``, ``epoch``).
 
-    Each change of the job's state (and queue position, and why it waits) is said once. A terminal job, or one not
+    Each change of the job's state (and queue position, and why it waits) is said once, and so is each message its
+    worker logs while it prepares the job's server (restoring a checkpoint, loading the model). A terminal job, or one not
     running within ``timeout`` seconds (None: no limit), raises :class:`JobEnded`; ``still_queued`` ends the latter's
     message. A job that no worker can host (no worker alive, none offering its model, none large enough) for
     ``unplaceable_after`` seconds is said once, with how to go on; the wait goes on (None: never said).
@@ -87,9 +88,16 @@ def wait_running(
     shown = None
     unplaceable_since: float | None = None
     hinted = False
+    seen: int | None = None  # the job's newest event when the wait began: what its worker says from then on is said
     while True:
         job = client.show(job_id)
         state = job["state"]
+        seen = job.get("last_event", 0) if seen is None else seen
+        if state in ("leased", "starting") and job.get("last_event", 0) > seen:
+            for event in client.events(job_id, after=seen):  # what the worker is doing: restoring, loading the model
+                seen = max(seen, int(event["seq"]))
+                if event["type"] == "log" and isinstance(event["data"].get("message"), str):
+                    say(f"job {job_id}: {event['data']['message'][:300]}")
         if state in TERMINAL_STATES:
             raise JobEnded(f"job {job_id} is {state}{': ' + job['error'] if job.get('error') else ''}; see tinkergym jobs logs {job_id}")
         if state == "running" and (after_epoch is None or job["lease_epoch"] > after_epoch):

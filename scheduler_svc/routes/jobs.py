@@ -71,6 +71,7 @@ class Job(WireModel):
     server_url: str | None = None
     queue_position: int | None = Field(None, description="1 for the next queued job to be considered; queued jobs, in GET /v1/jobs/{id} only")
     wait_reason: WaitReason | None = Field(None, description="why a queued job waits; queued jobs, in GET /v1/jobs and /v1/jobs/{id}")
+    last_event: int = Field(0, description="the seq of the job's newest event (read the ones after it with ?after=)")
     config: dict[str, Any]
 
 
@@ -138,10 +139,11 @@ def job_view(conn: Any, job: dict[str, Any], position: bool = False, wait_reason
     The queue position counts the queued jobs ahead, a cost that grows with the queue: ``GET /v1/jobs/{id}``
     gives it; submissions and lists answer null, so their cost stays flat.
     """
-    view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position", "wait_reason")}
+    view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position", "wait_reason", "last_event")}
     view["config"] = json.loads(job["config"])
     view["queue_position"] = queue_position(conn, job) if position else None
     view["wait_reason"] = wait_reason
+    view["last_event"] = job.get("cursor", 0)
     return view
 
 
