@@ -1,7 +1,8 @@
 """RemoteBackend: the Backend protocol over HTTP, as a client of the training server (``tinkergym serve-backend``).
 
-Standard library only (``http.client`` over one kept-alive connection, ``json``, ``hashlib``), so a client
-without torch trains through it: envs, rollouts and the trainer run here, the model on the server.
+Standard library only (``http.client`` over one kept-alive connection, ``json``, ``hashlib`` by way of
+:mod:`tinkergym.downloads`), so a client without torch trains through it: envs, rollouts and the trainer run here,
+the model on the server.
 
 Every call carries its session's next sequence number. A call whose answer is lost (a dropped connection, a
 502/503/504 from a proxy or a server that is starting) is sent again with the same number, with exponential
@@ -24,7 +25,6 @@ passes local paths, which map to names:
 
 from __future__ import annotations
 
-import hashlib
 import http.client
 import json
 import os
@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from tinkergym.backends.tokenizer_files import cache_tokenizer_files, default_cache_dir
 from tinkergym.backends.types import ForwardBackwardRequest, ForwardBackwardResult, OptimParams, SampleRequest, SampleResponse
+from tinkergym.downloads import DownloadMismatchError, save_checked
 from tinkergym.errors import ConfigError, NonFiniteError, OutOfMemoryError, TinkergymError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 
@@ -51,7 +52,6 @@ REMOTE_STATE = "remote_state.json"
 #: Statuses that say "not now" rather than "no": retried with the same sequence number.
 RETRY_STATUSES = frozenset({502, 503, 504})
 MAX_BACKOFF_S = 10.0
-_CHUNK = 1 << 20
 
 
 @dataclass
@@ -318,17 +318,13 @@ class RemoteBackend:
         """Stream one exported file into ``dest``; its size and SHA-256 must match the listing."""
 
         def save(response: Any) -> None:
-            digest, written = hashlib.sha256(), 0
-            with dest.open("wb") as handle:
-                while chunk := response.read(_CHUNK):
-                    digest.update(chunk)
-                    handle.write(chunk)
-                    written += len(chunk)
-            if written != size or digest.hexdigest() != sha256:
+            try:
+                save_checked(response, dest, size, sha256)
+            except DownloadMismatchError as exc:
                 raise RemoteBackendError(
-                    f"downloading {path} from {self.url}: got {written} bytes with SHA-256 {digest.hexdigest()}, "
+                    f"downloading {path} from {self.url}: got {exc.written} bytes with SHA-256 {exc.sha256}, "
                     f"the export lists {size} bytes with {sha256}; export again"
-                )
+                ) from None
 
         self._request("GET", path, None, f"download {path}", on_ok=save)
 

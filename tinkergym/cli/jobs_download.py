@@ -3,8 +3,6 @@ store, file by file, each checked against the size and SHA-256 the store lists (
 
 from __future__ import annotations
 
-import hashlib
-import os
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -13,10 +11,8 @@ import click
 
 from tinkergym.cli.common import InputError, SafePath
 from tinkergym.cli.jobs import call, connect, jobs, scheduler_options
+from tinkergym.downloads import DownloadMismatchError, save_checked
 from tinkergym.scheduler.artifact_paths import ArtifactPathError, check_relpath
-
-_CHUNK = 1 << 20
-
 
 def _quote(part: str) -> str:
     return urllib.parse.quote(part, safe="")
@@ -39,25 +35,18 @@ def download_file(client: Any, job_id: str, name: str, entry: dict[str, Any], de
     """One listed file into ``dest`` (a ``.part`` file renamed once its size and SHA-256 match the listing)."""
     quoted = f"{_quote(job_id)}/artifacts/{_quote(name)}/" + "/".join(_quote(p) for p in entry["path"].split("/"))
     connection = client._connection(client.stream_timeout)
-    part = dest.with_name(dest.name + ".part")
     try:
         connection.request("GET", f"{client._base}/v1/jobs/{quoted}", headers={**client._headers(), "Accept": "*/*"})
         response = connection.getresponse()
         if response.status != 200:
             raise click.ClickException(f"downloading {entry['path']}: the scheduler answered {response.status}: {response.read(300)!r}")
-        digest, written = hashlib.sha256(), 0
-        with part.open("wb") as handle:
-            while chunk := response.read(_CHUNK):
-                digest.update(chunk)
-                handle.write(chunk)
-                written += len(chunk)
-        if written != entry["size"] or digest.hexdigest() != entry["sha256"]:
-            raise click.ClickException(f"downloading {entry['path']}: got {written} bytes with SHA-256 {digest.hexdigest()}, the store "
-                                       f"lists {entry['size']} bytes with {entry['sha256']}; download again")
-        os.replace(part, dest)
+        try:
+            save_checked(response, dest, entry["size"], entry["sha256"])
+        except DownloadMismatchError as exc:
+            raise click.ClickException(f"downloading {entry['path']}: got {exc.written} bytes with SHA-256 {exc.sha256}, the store "
+                                       f"lists {entry['size']} bytes with {entry['sha256']}; download again") from None
     finally:
         connection.close()
-        part.unlink(missing_ok=True)
 
 
 @jobs.command("download")
