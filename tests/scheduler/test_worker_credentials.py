@@ -140,12 +140,28 @@ def test_a_worker_that_never_heartbeats_is_quarantined_before_it_fails_a_job(env
     assert lease["job_id"] == job_id
     for state in ("starting", "running"):
         assert honest.state(job_id, lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+    # The operator reads why it is quarantined.
+    quarantined = CliRunner().invoke(main, ["scheduler", "workers", "list", "--db", db_url])
+    assert quarantined.exit_code == 0, quarantined.output
+    line = next(line for line in quarantined.output.splitlines() if rogue.id in line)
+    assert "quarantined" in line and "2 of its leases in a row expired before the job's server came up" in line
     # The operator releases the rogue: it leases again.
     cli = CliRunner().invoke(main, ["scheduler", "workers", "release", rogue.id, "--db", db_url])
     assert cli.exit_code == 0, cli.output
     assert rogue.post("/lease").status_code == 200
     listed = CliRunner().invoke(main, ["scheduler", "workers", "list", "--db", db_url])
     assert "quarantined" not in listed.output
+
+
+def test_the_quarantine_reason_is_listed_on_one_short_line() -> None:
+    from tinkergym.cli.scheduler_workers import _quarantine_reason
+
+    assert _quarantine_reason({"quarantined": False, "quarantine_reason": None, "strikes": 0}) == "-"
+    # Quarantined before migration 0005 stored reasons: its strikes say why.
+    assert _quarantine_reason({"quarantined": True, "quarantine_reason": None, "strikes": 3}).startswith("3 of its leases in a row")
+    fault = "it gave job job_1 back: Traceback (most recent call last):\n" + "  File x\n" * 50 + "ModuleNotFoundError: uvicorn"
+    shown = _quarantine_reason({"quarantined": True, "quarantine_reason": fault, "strikes": 0})
+    assert "\n" not in shown and len(shown) <= 120 and shown.startswith("it gave job job_1 back") and shown.endswith("uvicorn")
 
 
 def test_strikes_reset_when_a_server_comes_up(env: Any, keys: Any, db_url: str) -> None:

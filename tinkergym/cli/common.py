@@ -6,7 +6,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import click
 
@@ -28,6 +28,13 @@ def shorten(text: str, limit: int = 300) -> str:
         return text
     keep = (limit - 40) // 2
     return f"{text[:keep]} ... ({len(text) - 2 * keep:,} characters) ... {text[-keep:]}"
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """``header`` over ``rows`` in left-aligned columns two spaces apart, without trailing spaces."""
+    lines = [header, *rows]
+    widths = [max(len(str(r[i])) for r in lines) for i in range(len(header))]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in lines)
 
 
 def _shown(exc: Exception) -> str:

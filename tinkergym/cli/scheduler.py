@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from tinkergym.cli.common import FiniteFloat, InputError, SafePath, shorten
+from tinkergym.cli.common import FiniteFloat, InputError, SafePath, shorten, table
 from tinkergym.cli.connection_options import connection_limits, connection_options
 from tinkergym.cli.serve import _is_loopback
 
@@ -91,11 +91,6 @@ def _check_tenant(tenant: str) -> str:
 
 def _when(t: float | None) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
-
-
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [header, *rows])
 
 
 def scheduler_logger(data_dir: Path) -> logging.Logger:
@@ -310,7 +305,7 @@ def keys_list(tenant: str | None, db: str | None, data_dir: Path) -> None:
         click.echo("no keys" + (f" for tenant {tenant}" if tenant else "") + "; make one with: tinkergym scheduler keys create", err=True)
         return
     rows = [(k["id"], k["tenant_id"], k["scopes"], k["name"] or "-", _when(k["created_at"]), _when(k["revoked_at"])) for k in found]
-    click.echo(_table(("ID", "TENANT", "SCOPES", "NAME", "CREATED", "REVOKED"), rows))
+    click.echo(table(("ID", "TENANT", "SCOPES", "NAME", "CREATED", "REVOKED"), rows))
 
 
 @keys.command("revoke")
@@ -437,7 +432,7 @@ def tenants_list(db: str | None, data_dir: Path) -> None:
     rows = [(t["id"], str(t["max_gpus"]), str(t["max_queued"]), _gib(t["max_artifact_bytes"]), _gib(int(stored.get(t["id"]) or 0)),
              str(t["max_events_per_job"]), _kib(t["max_event_bytes"]), str(t["keep_ended_jobs"]), _when(t["created_at"])) for t in found]
     header = ("TENANT", "MAX_GPUS", "MAX_QUEUED", "MAX_ARTIFACT_GB", "STORED_GB", "MAX_EVENTS_PER_JOB", "MAX_EVENT_KB", "KEEP_ENDED_JOBS", "CREATED")
-    click.echo(_table(header, rows) if rows else "no tenants")
+    click.echo(table(header, rows) if rows else "no tenants")
 
 
 @scheduler.group("db")

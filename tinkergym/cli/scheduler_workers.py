@@ -14,8 +14,8 @@ from typing import Any
 
 import click
 
-from tinkergym.cli.common import FiniteFloat, InputError, shorten
-from tinkergym.cli.scheduler import _check_tenant, _table, _when, data_dir_option, db_option, open_database, scheduler
+from tinkergym.cli.common import FiniteFloat, InputError, shorten, table
+from tinkergym.cli.scheduler import _check_tenant, _when, data_dir_option, db_option, open_database, scheduler
 
 _DEVICES = click.option("--devices", type=click.IntRange(1, 4096), required=True,
                         help="How many devices the credential may register, across all its workers.")
@@ -136,7 +136,7 @@ def workers_credentials(db: str | None, data_dir: Path) -> None:
         return
     rows = [(k["id"], k["name"] or "-", k["bounds"].describe() if k["bounds"] else "(unreadable: revoke it)", _when(k["created_at"]),
              _when(k["revoked_at"])) for k in found]
-    click.echo(_table(("ID", "NAME", "BOUNDS", "CREATED", "REVOKED"), rows))
+    click.echo(table(("ID", "NAME", "BOUNDS", "CREATED", "REVOKED"), rows))
 
 
 @workers_group.command("list")
@@ -146,7 +146,7 @@ def workers_credentials(db: str | None, data_dir: Path) -> None:
 @db_option
 @data_dir_option
 def workers_list(worker_timeout: float, only_gone: bool, db: str | None, data_dir: Path) -> None:
-    """List workers: id, name, host, status (alive, gone; quarantined), devices busy of active, last seen.
+    """List workers: id, name, host, status (alive, gone; quarantined), devices busy of active, last seen, why quarantined.
 
     \b
     Example:
@@ -172,11 +172,11 @@ def workers_list(worker_timeout: float, only_gone: bool, db: str | None, data_di
         active = [d for d in w["devices"] if d["active"]]
         seen = f"{_when(w['last_seen_at'])} ({_ago(now - w['last_seen_at'])} ago)"
         status = w["status"] + (", quarantined" if w["quarantined"] else "")
-        rows.append((w["id"], w["name"], w["host"], status, f"{sum(d['busy'] for d in active)}/{len(active)}", seen))
+        rows.append((w["id"], w["name"], w["host"], status, f"{sum(d['busy'] for d in active)}/{len(active)}", seen, _quarantine_reason(w)))
     if not rows:
         click.echo("no gone workers" if only_gone and found else "no workers", err=True)
         return
-    click.echo(_table(("ID", "NAME", "HOST", "STATUS", "BUSY", "LAST SEEN"), rows))
+    click.echo(table(("ID", "NAME", "HOST", "STATUS", "BUSY", "LAST SEEN", "QUARANTINE REASON"), rows))
 
 
 @workers_group.command("release")
@@ -201,6 +201,15 @@ def workers_release(worker_id: str, db: str | None, data_dir: Path) -> None:
     if not released:
         raise InputError(f"no worker {shorten(worker_id, 80)!r}; see them with: tinkergym scheduler workers list")
     click.echo(f"released worker {worker_id}: it takes leases again")
+
+
+def _quarantine_reason(worker: dict[str, Any]) -> str:
+    """Why ``worker`` is quarantined, on one line and at most 120 characters ("-" when it is not)."""
+    if not worker["quarantined"]:
+        return "-"
+    # A worker quarantined before the reason was stored (migration 0005) was quarantined for its strikes.
+    reason = worker["quarantine_reason"] or f"{worker['strikes']} of its leases in a row expired before the job's server came up"
+    return shorten(" ".join(reason.split()), 120)
 
 
 def _ago(seconds: float) -> str:

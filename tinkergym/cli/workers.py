@@ -6,6 +6,7 @@ import time
 
 import click
 
+from tinkergym.cli.common import table
 from tinkergym.cli.jobs import age, call, connect, scheduler_options
 
 
@@ -42,12 +43,11 @@ def workers_list(only_alive: bool, scheduler_url: str | None, api_key: str | Non
         click.echo("no workers serve your tenant" + (" now" if only_alive else "") + "; jobs wait in the queue until one registers", err=True)
         return
     now = time.time()
-    rows = [("NAME", "STATUS", "MODELS", "DEVICES", "BUSY", "LAST SEEN")]
+    rows = []
     for w in found:
         active = [d for d in w["devices"] if d["active"]]
         kinds = sorted({d["kind"] for d in active})
         status = w["status"] + (", quarantined" if w.get("quarantined") else "")
         rows.append((w["name"], status, ",".join(w["models"]) or "-", f"{len(active)} {'/'.join(kinds)}".strip(),
                      str(sum(d["busy"] for d in active)), f"{age(w['last_seen_at'], now)} ago"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    click.echo("\n".join("  ".join([c.ljust(width) for c, width in zip(r, widths)] + [r[-1]]).rstrip() for r in rows))
+    click.echo(table(("NAME", "STATUS", "MODELS", "DEVICES", "BUSY", "LAST SEEN"), rows))
