@@ -94,7 +94,12 @@ class WorkerBounds:
             )
         wrong = sorted({d["kind"] for d in device_list if self.kind is not None and d["kind"] != self.kind})
         if wrong:
-            raise BoundsError(f"this worker credential registers {self.kind} devices only, not {', '.join(wrong)}")
+            offer = "--gpus LIST" if self.kind == "gpu" else "--slots N"
+            raise BoundsError(
+                f"this worker credential registers {self.kind} devices only, not {', '.join(wrong)}: start the worker "
+                f"with {offer}, or have the operator change the credential (tinkergym scheduler workers set ID --kind "
+                f"{wrong[0]}) or make one (tinkergym scheduler workers create NAME --devices N --kind {wrong[0]})"
+            )
         if self.models is not None:
             extra = sorted(set(models) - set(self.models))
             if extra:

@@ -167,7 +167,9 @@ class Placement:
         if k:
             return reason(BEHIND, f"behind {_plural(k, 'queued job')} that go first on the workers that can host it")
         if not any(h.free >= job["gpus"] for h in self.hosts if h.id in capable):
-            return reason(BUSY, f"the {_plural(len(capable), 'worker')} that can host it have their devices held by other jobs")
+            if len(capable) == 1:
+                return reason(BUSY, "the 1 worker that can host it has its devices held by other jobs")
+            return reason(BUSY, f"the {len(capable)} workers that can host it have their devices held by other jobs")
         return reason(READY, "a worker has free devices for it: it starts at that worker's next lease request")
 
 

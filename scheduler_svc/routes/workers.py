@@ -215,14 +215,16 @@ def list_workers(
     who: Principal = Depends(require("read")),
 ) -> Any:
     """The workers that serve this key's tenant (its own pool and the shared ones): the capacity and models it can use,
-    with status and devices (``busy``: held by a job now; never whose job). Any tenant key with ``read`` lists them;
+    with status and devices (``busy``: held by a job now; never whose job, nor why a worker is quarantined, which may
+    name another tenant's job). Any tenant key with ``read`` lists them;
     the operator lists them all with ``tinkergym scheduler workers list``."""
     with _store(request).read() as conn:
         rows = conn.execute(select(workers.c.id, api_keys.c.worker_bounds).join(api_keys, api_keys.c.id == workers.c.key_id)
                             .order_by(workers.c.registered_at, workers.c.id)).all()
         ids = [r.id for r in rows if (bounds := parse_bounds(r.worker_bounds)) is not None and bounds.serves(who.tenant_id)]
         found = [v for v in (_view(request, conn, i) for i in ids) if v is not None]
-    return {"workers": [v for v in found if status is None or v["status"] == status]}
+    # Why a worker is quarantined may name another tenant's job and its error: the operator's listing shows it.
+    return {"workers": [{**v, "quarantine_reason": None} for v in found if status is None or v["status"] == status]}
 
 
 @router.post("/{worker_id}/leave", response_model=Worker, responses={404: {}, 422: {}})

@@ -142,6 +142,19 @@ def test_client_errors_carry_the_status_and_the_servers_message(server, keys, mo
     assert SchedulerClient().show(job["id"])["id"] == job["id"]
 
 
+def test_a_refusal_says_how_to_go_on(server, keys) -> None:
+    reader = SchedulerClient(server.url, keys.new("acme", "read"))
+    with pytest.raises(SchedulerError) as no_scope:
+        reader.submit("train", CONFIG)
+    assert no_scope.value.status == 403 and "'write' scope" in str(no_scope.value) and "key with that scope" in str(no_scope.value)
+    gpus_only = SchedulerClient(server.url, keys.worker(2, kind="gpu"))
+    with pytest.raises(SchedulerError) as wrong_kind:
+        gpus_only._request("POST", "/v1/workers", {"name": "box", "host": "127.0.0.1", "devices": [{"index": 0, "kind": "slot"}], "models": ["tiny"]})
+    message = str(wrong_kind.value)
+    assert wrong_kind.value.status == 403 and "--gpus LIST" in message and "workers set ID --kind slot" in message
+    assert "scope" not in message, "a bound of the credential is no missing scope"
+
+
 def test_client_lists_across_pages(server, keys) -> None:
     key = keys.new()
     client = SchedulerClient(server.url, key)

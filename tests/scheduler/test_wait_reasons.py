@@ -76,7 +76,8 @@ def test_each_reason_appears_when_it_should(make_client: Any, keys: Any, db_url:
 
     assert w.lease()["job_id"] == job  # holds 1 of 2 devices
     pair = kit.submit(client, user, gpus=2)
-    assert reason(client, user, pair)["code"] == "busy"
+    busy = reason(client, user, pair)
+    assert busy["code"] == "busy" and "the 1 worker that can host it has its devices held" in busy["message"]
     clock.advance(1.0)  # the queue's order is priority, then age
     behind = kit.submit(client, user, gpus=2)
     behind_reason = reason(client, user, behind)
