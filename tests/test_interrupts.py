@@ -24,32 +24,67 @@ from tinkergym.cli import main  # noqa: E402
 TIMEOUT_S = 300  # a bound on failure only
 
 
-class _Lines:
-    """A process's stderr read line by line on a thread, so a test can wait for a line without blocking on the pipe."""
+class _Client:
+    """``tinkergym *args`` as a subprocess, its stderr read line by line on a thread, so a test can wait for a line
+    without blocking on the pipe; killed on leaving the ``with`` block if it still runs."""
 
-    def __init__(self, process: subprocess.Popen) -> None:
-        self.lines: queue.Queue[str] = queue.Queue()
+    def __init__(self, *args: str, tmp_path: Path, key: str | None = "tgk_stand_in") -> None:
+        env = {k: v for k, v in os.environ.items() if k != "TINKERGYM_API_KEY"}
+        env.update({"TINKERGYM_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1", **({"TINKERGYM_API_KEY": key} if key else {})})
+        self.process = subprocess.Popen([sys.executable, "-m", "tinkergym", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                        env=env)
+        self.lines: queue.Queue[str | None] = queue.Queue()
         self.seen: list[str] = []
-        self._thread = threading.Thread(target=self._read, args=(process,), daemon=True)
+        self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
 
-    def _read(self, process: subprocess.Popen) -> None:
-        for line in process.stderr:
+    def __enter__(self) -> _Client:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def _read(self) -> None:
+        for line in self.process.stderr:
             self.lines.put(line)
+        self.lines.put(None)  # stderr has ended
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
+
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def interrupt(self) -> None:
+        self.process.send_signal(signal.SIGINT)
 
     def wait_for(self, text: str, timeout: float = TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while not any(text in line for line in self.seen):
             try:
-                self.seen.append(self.lines.get(timeout=max(deadline - time.monotonic(), 0.01)))
+                line = self.lines.get(timeout=max(deadline - time.monotonic(), 0.01))
             except queue.Empty:
-                raise AssertionError(f"no line with {text!r} on stderr; saw:\n{''.join(self.seen)[-3000:]}") from None
+                line = None
+            if line is None:
+                raise AssertionError(f"no line with {text!r} on stderr; saw:\n{''.join(self.seen)[-3000:]}")
+            self.seen.append(line)
 
     def rest(self) -> str:
+        """All of stderr, once it has ended (the process has exited or is about to)."""
         self._thread.join(timeout=TIMEOUT_S)
         while not self.lines.empty():
-            self.seen.append(self.lines.get())
+            line = self.lines.get()
+            if line is not None:
+                self.seen.append(line)
         return "".join(self.seen)
+
+    def finish(self) -> str:
+        """Waits for the process to exit; all of its stderr."""
+        self.process.wait(timeout=TIMEOUT_S)
+        return self.rest()
 
 
 class _StandInScheduler(BaseHTTPRequestHandler):
@@ -100,33 +135,16 @@ def stand_in() -> Iterator[type[_StandInScheduler]]:
         server.server_close()
 
 
-def _client(*args: str, tmp_path: Path, key: str | None = "tgk_stand_in") -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "TINKERGYM_API_KEY"}
-    env.update({"TINKERGYM_CACHE": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1", **({"TINKERGYM_API_KEY": key} if key else {})})
-    return subprocess.Popen([sys.executable, "-m", "tinkergym", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-
-def _end(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.kill()
-    process.wait()
-
-
 @pytest.mark.parametrize("command", ["train", "eval"])
 def test_ctrl_c_cancels_a_queued_job_and_a_second_one_exits_at_once(command: str, stand_in: Any, tmp_path: Path) -> None:
     out = tmp_path / "run"
     args = (["train", "--env", "tinker/Bandit-v0", "--model", "tiny", "--steps", "5", "--out", str(out), "--quiet"] if command == "train"
             else ["eval", "--env", "tinker/Bandit-v0", "--model", "tiny", "--episodes", "2"])
     # First: the cancel is answered; the client says so and exits 130.
-    client = _client(*args, "--scheduler", stand_in.url, tmp_path=tmp_path)
-    try:
-        lines = _Lines(client)
-        lines.wait_for("position 1 in the queue")
-        client.send_signal(signal.SIGINT)
-        client.wait(timeout=TIMEOUT_S)
-        stderr = lines.rest()
-    finally:
-        _end(client)
+    with _Client(*args, "--scheduler", stand_in.url, tmp_path=tmp_path) as client:
+        client.wait_for("position 1 in the queue")
+        client.interrupt()
+        stderr = client.finish()
     assert client.returncode == 130, stderr[-3000:]
     assert "POST /v1/jobs/j1/cancel" in stand_in.requests
     assert "job j1 is cancelled" in stderr and "Aborted!" not in stderr
@@ -139,40 +157,31 @@ def test_ctrl_c_cancels_a_queued_job_and_a_second_one_exits_at_once(command: str
     stand_in.requests.clear()
     if command == "train":
         args = ["train", "--resume", str(out), "--quiet"]
-    client = _client(*args, *(["--scheduler", stand_in.url] if command == "eval" else []), tmp_path=tmp_path)
-    try:
-        lines = _Lines(client)
-        lines.wait_for("position 1 in the queue")
-        client.send_signal(signal.SIGINT)
-        lines.wait_for("Ctrl-C again to exit at once")
+    with _Client(*args, *(["--scheduler", stand_in.url] if command == "eval" else []), tmp_path=tmp_path) as client:
+        client.wait_for("position 1 in the queue")
+        client.interrupt()
+        client.wait_for("Ctrl-C again to exit at once")
         deadline = time.monotonic() + TIMEOUT_S
         while "POST /v1/jobs/j1/cancel" not in stand_in.requests:  # the cancel waits for an answer that does not come
-            assert client.poll() is None and time.monotonic() < deadline, "no cancel sent"
+            assert client.running() and time.monotonic() < deadline, "no cancel sent"
             time.sleep(0.02)
-        client.send_signal(signal.SIGINT)
-        client.wait(timeout=TIMEOUT_S)
-        stderr = lines.rest()
-    finally:
-        _end(client)
+        client.interrupt()
+        stderr = client.finish()
     assert client.returncode == 130, stderr[-3000:]
     assert "Ctrl-C again: exiting at once; job j1 may still hold its devices: tinkergym jobs cancel j1" in stderr
 
 
 def test_ctrl_c_stops_a_local_run_resumably(tiny: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    client = _client("train", "--env", "tinker/Bandit-v0", "--model", tiny, "--dtype", "float32", "--steps", "500", "--batch-size", "2",
-                     "--group-size", "4", "--max-new-tokens", "4", "--checkpoint-every", "1", "--quiet", "--out", str(out), tmp_path=tmp_path, key=None)
-    try:
-        lines = _Lines(client)
+    with _Client("train", "--env", "tinker/Bandit-v0", "--model", tiny, "--dtype", "float32", "--steps", "500", "--batch-size", "2",
+                 "--group-size", "4", "--max-new-tokens", "4", "--checkpoint-every", "1", "--quiet", "--out", str(out), tmp_path=tmp_path,
+                 key=None) as client:
         deadline = time.monotonic() + TIMEOUT_S
         while not (out / "checkpoints" / "step_000001").is_dir():
-            assert client.poll() is None and time.monotonic() < deadline, lines.rest()[-3000:]
+            assert client.running() and time.monotonic() < deadline, client.rest()[-3000:]
             time.sleep(0.05)
-        client.send_signal(signal.SIGINT)
-        client.wait(timeout=TIMEOUT_S)
-        stderr = lines.rest()
-    finally:
-        _end(client)
+        client.interrupt()
+        stderr = client.finish()
     assert client.returncode == 130, stderr[-3000:]
     assert f"the run folder {out} stays resumable" in stderr and f"go on with: tinkergym train --resume {out}" in stderr
     last = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*") if not p.name.endswith(".tmp"))

@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 
@@ -21,9 +22,9 @@ pytest.importorskip("uvicorn")
 from click.testing import CliRunner  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from workerkit import WorkerProcess, serve_scheduler  # noqa: E402 - registered by conftest.py
+
 from tinkergym.cli import main  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 from tinkergym.scheduler.db import allocations, jobs, make_engine  # noqa: E402
 from tinkergym.trainers.session import latest_checkpoint  # noqa: E402
 
@@ -34,11 +35,41 @@ RUN = ("--env", "tinker/Bandit-v0", "--model", "tiny", "--dtype", "float32", "--
        "--max-new-tokens", "4", "--checkpoint-every", "1", "--quiet")
 
 
-def _worker(url: str, key: str, work_dir: Path, cache: Path) -> subprocess.Popen:
-    env = {**os.environ, "TINKERGYM_API_KEY": key, "TINKERGYM_CACHE": str(cache)}
-    command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", url, "--slots", "1", "--models", "tiny", "--name", "w1",
-               "--work-dir", str(work_dir), "--heartbeat", "0.5", "--poll", "0.2"]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(work_dir.parent / "w1.log", "w"), env=env)
+@dataclass
+class Cluster:
+    """A scheduler on 127.0.0.1 with one worker: its URL, a client key, an engine on its database; ``client(*args)``
+    starts ``tinkergym *args`` under the key (its stderr piped), killed at the end of the test if it still runs."""
+
+    url: str
+    key: str
+    engine: Any
+    cache: Path
+    clients: list[subprocess.Popen] = field(default_factory=list)
+
+    def client(self, *args: str) -> subprocess.Popen:
+        env = {**os.environ, "TINKERGYM_API_KEY": self.key, "TINKERGYM_CACHE": str(self.cache)}
+        self.clients.append(subprocess.Popen([sys.executable, "-m", "tinkergym", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                             text=True, env=env))
+        return self.clients[-1]
+
+
+@pytest.fixture
+def cluster(db_url: str, keys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+    monkeypatch.setenv("TINKERGYM_CACHE", str(tmp_path / "cache"))
+    client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
+    scheduler = serve_scheduler(db_url, tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)
+    worker = WorkerProcess(scheduler.url, worker_key, tmp_path / "w1", "w1", heartbeat="0.5")
+    running = Cluster(scheduler.url, client_key, make_engine(db_url), tmp_path / "client-cache")
+    try:
+        yield running
+    finally:
+        for process in running.clients:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+        worker.stop()
+        scheduler.stop()
+        running.engine.dispose()
 
 
 def _interrupt_after(client: subprocess.Popen, checkpoint: Path) -> str:
@@ -59,98 +90,62 @@ def _job(engine: Any, job_id: str) -> tuple[dict[str, Any], int]:
     return job, held
 
 
-def test_ctrl_c_leaves_or_cancels_the_job_and_the_run_goes_on(db_url: str, keys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("TINKERGYM_CACHE", str(cache))
-    client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
-    (tmp_path / "w1").mkdir()
-    worker = _worker(scheduler.url, worker_key, tmp_path / "w1" / "work", cache)
-    out = tmp_path / "run"
-    env = {**os.environ, "TINKERGYM_API_KEY": client_key, "TINKERGYM_CACHE": str(tmp_path / "client-cache")}
-    engine = make_engine(db_url)
-    clients: list[subprocess.Popen] = []
-    try:
-        # --keep-on-interrupt: the client exits, the job runs on and says how to reattach.
-        clients.append(subprocess.Popen([sys.executable, "-m", "tinkergym", "train", *RUN, "--out", str(out), "--scheduler", scheduler.url,
-                                         "--keep-on-interrupt"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
-        stderr = _interrupt_after(clients[-1], out / "checkpoints" / "step_000001")
-        assert clients[-1].returncode == 130, stderr[-3000:]
-        job_id = json.loads((out / "config.json").read_text())["scheduler_job"]
-        assert f"job {job_id} keeps running" in stderr and f"reattach with: tinkergym train --resume {out}" in stderr
-        assert "Aborted!" not in stderr
+def _wait_cancelled(engine: Any, job_id: str) -> None:
+    """Until the job is cancelled and its devices freed."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
         job, held = _job(engine, job_id)
-        assert job["state"] == "running" and held == 1
+        if job["state"] == "cancelled" and held == 0:
+            return
+        assert time.monotonic() < deadline, f"the job stayed {job['state']} holding {held} device(s)"
+        time.sleep(0.1)
 
-        # A resume reattaches to it; Ctrl-C now cancels it, and its device is freed.
-        reached = latest_checkpoint(out)[0] + 2
-        clients.append(subprocess.Popen([sys.executable, "-m", "tinkergym", "train", "--resume", str(out), "--quiet"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
-        stderr = _interrupt_after(clients[-1], out / "checkpoints" / f"step_{reached:06d}")
-        assert clients[-1].returncode == 130, stderr[-3000:]
-        assert f"job {job_id} is cancelled" in stderr and f"go on with: tinkergym train --resume {out}" in stderr
-        assert json.loads((out / "config.json").read_text())["scheduler_job"] == job_id
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            job, held = _job(engine, job_id)
-            if job["state"] == "cancelled" and held == 0:
-                break
-            assert time.monotonic() < deadline, f"the job stayed {job['state']} holding {held} device(s)"
-            time.sleep(0.1)
 
-        # The run folder is whole: a resume goes on from its newest checkpoint in a new job.
-        last = latest_checkpoint(out)[0]
-        monkeypatch.setenv("TINKERGYM_API_KEY", client_key)
-        resumed = CliRunner().invoke(main, ["train", "--resume", str(out), "--steps", str(last + 2), "--quiet"], catch_exceptions=False)
-        assert resumed.exit_code == 0, resumed.output
-    finally:
-        for process in (*clients, worker):
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-        scheduler.stop()
+def test_ctrl_c_leaves_or_cancels_the_job_and_the_run_goes_on(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "run"
+    # --keep-on-interrupt: the client exits, the job runs on and says how to reattach.
+    client = cluster.client("train", *RUN, "--out", str(out), "--scheduler", cluster.url, "--keep-on-interrupt")
+    stderr = _interrupt_after(client, out / "checkpoints" / "step_000001")
+    assert client.returncode == 130, stderr[-3000:]
+    job_id = json.loads((out / "config.json").read_text())["scheduler_job"]
+    assert f"job {job_id} keeps running" in stderr and f"reattach with: tinkergym train --resume {out}" in stderr
+    assert "Aborted!" not in stderr
+    job, held = _job(cluster.engine, job_id)
+    assert job["state"] == "running" and held == 1
+
+    # A resume reattaches to it; Ctrl-C now cancels it, and its device is freed.
+    reached = latest_checkpoint(out)[0] + 2
+    client = cluster.client("train", "--resume", str(out), "--quiet")
+    stderr = _interrupt_after(client, out / "checkpoints" / f"step_{reached:06d}")
+    assert client.returncode == 130, stderr[-3000:]
+    assert f"job {job_id} is cancelled" in stderr and f"go on with: tinkergym train --resume {out}" in stderr
+    assert json.loads((out / "config.json").read_text())["scheduler_job"] == job_id
+    _wait_cancelled(cluster.engine, job_id)
+
+    # The run folder is whole: a resume goes on from its newest checkpoint in a new job.
+    last = latest_checkpoint(out)[0]
+    monkeypatch.setenv("TINKERGYM_API_KEY", cluster.key)
+    resumed = CliRunner().invoke(main, ["train", "--resume", str(out), "--steps", str(last + 2), "--quiet"], catch_exceptions=False)
+    assert resumed.exit_code == 0, resumed.output
     config = json.loads((out / "config.json").read_text())
-    second, held = _job(engine, config["scheduler_job"])
-    engine.dispose()
+    second, held = _job(cluster.engine, config["scheduler_job"])
     assert config["scheduler_job"] != job_id and json.loads(second["config"])["resume_job"] == job_id
     assert second["state"] == "succeeded" and held == 0
     assert latest_checkpoint(out)[0] == last + 1 and (out / "final" / "adapter_model.safetensors").is_file()
 
 
-def test_ctrl_c_cancels_a_running_eval_job(db_url: str, keys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    cache = tmp_path / "cache"
-    monkeypatch.setenv("TINKERGYM_CACHE", str(cache))
-    client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
-    (tmp_path / "w1").mkdir()
-    worker = _worker(scheduler.url, worker_key, tmp_path / "w1" / "work", cache)
-    env = {**os.environ, "TINKERGYM_API_KEY": client_key, "TINKERGYM_CACHE": str(tmp_path / "client-cache")}
-    engine = make_engine(db_url)
-    client = subprocess.Popen([sys.executable, "-m", "tinkergym", "eval", "--env", "tinker/Bandit-v0", "--model", "tiny", "--episodes", "100000",
-                               "--max-new-tokens", "4", "--scheduler", scheduler.url], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        seen = ""
-        while "evaluating tiny at" not in seen:  # the eval job's server answers: the evaluation runs
-            line = client.stderr.readline()
-            assert line, f"the client ended: {seen[-3000:]}"
-            seen += line
-        client.send_signal(signal.SIGINT)
-        stderr = seen + client.communicate(timeout=TIMEOUT_S)[1]
-        assert client.returncode == 130, stderr[-3000:]
-        with engine.connect() as conn:
-            job_id = conn.execute(select(jobs.c.id).where(jobs.c.kind == "eval")).scalar_one()
-        assert f"job {job_id} is cancelled" in stderr and "Aborted!" not in stderr
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            job, held = _job(engine, job_id)
-            if job["state"] == "cancelled" and held == 0:
-                break
-            assert time.monotonic() < deadline, f"the job stayed {job['state']} holding {held} device(s)"
-            time.sleep(0.1)
-    finally:
-        for process in (client, worker):
-            if process.poll() is None:
-                process.kill()
-            process.wait()
-        scheduler.stop()
-        engine.dispose()
+def test_ctrl_c_cancels_a_running_eval_job(cluster: Cluster) -> None:
+    client = cluster.client("eval", "--env", "tinker/Bandit-v0", "--model", "tiny", "--episodes", "100000", "--max-new-tokens", "4",
+                            "--scheduler", cluster.url)
+    seen = ""
+    while "evaluating tiny at" not in seen:  # the eval job's server answers: the evaluation runs
+        line = client.stderr.readline()
+        assert line, f"the client ended: {seen[-3000:]}"
+        seen += line
+    client.send_signal(signal.SIGINT)
+    stderr = seen + client.communicate(timeout=TIMEOUT_S)[1]
+    assert client.returncode == 130, stderr[-3000:]
+    with cluster.engine.connect() as conn:
+        job_id = conn.execute(select(jobs.c.id).where(jobs.c.kind == "eval")).scalar_one()
+    assert f"job {job_id} is cancelled" in stderr and "Aborted!" not in stderr
+    _wait_cancelled(cluster.engine, job_id)
