@@ -1,10 +1,12 @@
 """Slow and surplus clients against real servers on 127.0.0.1: trickled headers and bodies are cut off, a normal client
 is served meanwhile, connections past the limit are answered 503; and every server command launches uvicorn with
-those bounds (``tinkergym.backends.slow_clients``)."""
+those bounds (``tinkergym.backends.slow_clients``), and ``tinkergym scheduler serve`` passes its gateway and stream bounds
+to the app."""
 
 from __future__ import annotations
 
 import http.client
+import re
 import secrets
 import select
 import signal
@@ -324,6 +326,31 @@ def test_every_server_command_launches_uvicorn_with_the_bounds(command, tmp_path
     assert all(flag in helped.output for flag in ("--header-timeout", "--body-timeout", "--max-connections"))
     refused = CliRunner().invoke(main, args + ["--header-timeout", "0"])
     assert refused.exit_code == 2 and "--header-timeout" in refused.output
+
+
+@pytest.mark.parametrize("flags, settings, state, refused", [
+    pytest.param(["--gateway-max-per-tenant", "3", "--gateway-read-timeout", "45"], {"gateway_max_per_tenant": 3, "gateway_read_timeout_s": 45.0},
+                 {"gateway": {"max_per_tenant": 3, "read_timeout_s": 45.0}}, ["--gateway-max-per-tenant", "0"], id="gateway-bounds"),
+    pytest.param(["--max-streams-per-key", "3", "--max-streams", "40"], {"max_streams_per_key": 3, "max_streams": 40},
+                 {"streams": {"max_streams_per_key": 3, "max_streams": 40}}, ["--max-streams", "50", "--max-connections", "50"], id="stream-caps"),
+])
+def test_scheduler_serve_passes_its_options_to_the_app(flags: list[str], settings: dict[str, Any], state: dict[str, dict[str, Any]],
+                                                       refused: list[str], tmp_path: Path, built_config: None) -> None:
+    """Each option reaches the app's settings and the part of the app that applies it; left out, the settings' default."""
+    args = scheduler_args(tmp_path)
+    from tinkergym.scheduler.app import SchedulerSettings
+
+    built = CliRunner().invoke(main, args + flags)
+    assert isinstance(built.exception, Built), built.output
+    app = built.exception.args[0].app
+    assert {name: getattr(app.state.settings, name) for name in settings} == settings
+    assert {part: {name: getattr(getattr(app.state, part), name) for name in names} for part, names in state.items()} == state
+    default = CliRunner().invoke(main, args).exception.args[0].app.state.settings
+    assert {name: getattr(default, name) for name in settings} == {name: getattr(SchedulerSettings, name) for name in settings}
+    result = CliRunner().invoke(main, args + refused)
+    assert result.exit_code == 2 and refused[0] in result.output
+    helped = set(re.findall(r"--[\w-]+", CliRunner().invoke(main, ["scheduler", "serve", "--help"]).output))
+    assert set(flags[::2]) <= helped
 
 
 def test_tinkergym_scheduler_serve_cuts_off_trickling_clients_and_extra_connections(tmp_path: Path) -> None:

@@ -271,10 +271,6 @@ def test_a_job_served_by_a_real_worker_answers_an_openai_client_through_the_gate
                                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")
     openai = pytest.importorskip("openai")
-    import os
-    import subprocess
-    import sys
-
     from click.testing import CliRunner
 
     from tinkergym.cli import main
@@ -282,11 +278,8 @@ def test_a_job_served_by_a_real_worker_answers_an_openai_client_through_the_gate
     monkeypatch.setenv("TINKERGYM_CACHE", str(tmp_path / "cache"))
     owner, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
     monkeypatch.setenv("TINKERGYM_API_KEY", owner)
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=5.0, sweep_interval_s=0.2)))
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "tinkergym", "worker", "--scheduler", scheduler.url, "--slots", "1", "--models", "tiny", "--name", "w1",
-         "--work-dir", str(tmp_path / "work"), "--poll", "0.2"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "worker.log", "w"), env={**os.environ, "TINKERGYM_API_KEY": worker_key})
+    scheduler = kit.serve_scheduler(db_url, tmp_path / "data", lease_ttl_s=5.0, sweep_interval_s=0.2)
+    worker = kit.WorkerProcess(scheduler.url, worker_key, tmp_path / "w1", "w1")
     try:
         served = CliRunner().invoke(main, ["serve-model", "--scheduler", scheduler.url, "--model", "tiny", "--dtype", "float32", "--detach",
                                            "--key-file", str(tmp_path / "endpoint.key")], catch_exceptions=False)
@@ -302,31 +295,5 @@ def test_a_job_served_by_a_real_worker_answers_an_openai_client_through_the_gate
             openai.OpenAI(base_url=endpoint["base_url"], api_key=(tmp_path / "endpoint.key").read_text().strip(), max_retries=0).models.list()
         assert CliRunner().invoke(main, ["jobs", "cancel", endpoint["job"], "--scheduler", scheduler.url]).exit_code == 0
     finally:
-        worker.terminate()
-        worker.wait(timeout=60)
+        worker.stop()
         scheduler.stop()
-
-
-def test_serve_passes_the_gateway_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import uvicorn
-    from click.testing import CliRunner
-
-    from tinkergym.cli import main
-
-    class Built(Exception):
-        pass
-
-    def fake_server(config: Any) -> None:
-        raise Built(config)
-
-    monkeypatch.setattr(uvicorn, "Server", fake_server)
-    args = ["scheduler", "serve", "--data-dir", str(tmp_path / "data")]
-    built = CliRunner().invoke(main, args + ["--gateway-max-per-tenant", "3", "--gateway-read-timeout", "45"])
-    assert isinstance(built.exception, Built), built.output
-    settings = built.exception.args[0].app.state.settings
-    assert (settings.gateway_max_per_tenant, settings.gateway_read_timeout_s) == (3, 45.0)
-    assert built.exception.args[0].app.state.gateway.max_per_tenant == 3
-    default = CliRunner().invoke(main, args).exception.args[0].app.state.settings
-    assert (default.gateway_max_per_tenant, default.gateway_read_timeout_s) == (SchedulerSettings.gateway_max_per_tenant,
-                                                                                SchedulerSettings.gateway_read_timeout_s)
-    assert CliRunner().invoke(main, args + ["--gateway-max-per-tenant", "0"]).exit_code == 2

@@ -12,9 +12,8 @@ from typing import Any, Iterator
 
 import pytest
 
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("uvicorn")
 
-from click.testing import CliRunner  # noqa: E402
 from sqlalchemy import event  # noqa: E402
 from sqlalchemy.exc import OperationalError  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
@@ -23,7 +22,6 @@ from tinkergym.scheduler.db import make_engine  # noqa: E402
 from tinkergym.scheduler.repository import JobStore  # noqa: E402
 
 from tinkergym.backends.asgi import ThreadServer  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
 from tinkergym.client import SchedulerClient  # noqa: E402
 
 CONFIG = {"model": "smollm2-135m", "env": "tinker/Bandit-v0"}
@@ -208,24 +206,3 @@ def test_a_revoked_keys_streams_end_and_others_go_on(start, keys, store, db_url:
     assert Stream(live, revoked, job).status == 401
     for stream in (*doomed, survivor):
         stream.close()
-
-
-def test_serve_passes_the_stream_caps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    class Built(Exception):
-        pass
-
-    def fake_server(config: Any) -> None:
-        raise Built(config)
-
-    monkeypatch.setattr(uvicorn, "Server", fake_server)
-    args = ["scheduler", "serve", "--data-dir", str(tmp_path / "data")]
-    built = CliRunner().invoke(main, args + ["--max-streams-per-key", "3", "--max-streams", "40"])
-    assert isinstance(built.exception, Built), built.output
-    settings = built.exception.args[0].app.state.settings
-    assert (settings.max_streams_per_key, settings.max_streams) == (3, 40)
-    default = CliRunner().invoke(main, args).exception.args[0].app.state.settings
-    assert (default.max_streams_per_key, default.max_streams) == (SchedulerSettings.max_streams_per_key, SchedulerSettings.max_streams)
-    refused = CliRunner().invoke(main, args + ["--max-streams", "50", "--max-connections", "50"])
-    assert refused.exit_code == 2 and "--max-streams" in refused.output
-    helped = CliRunner().invoke(main, ["scheduler", "serve", "--help"]).output
-    assert "--max-streams-per-key" in helped and "--max-streams " in helped
