@@ -58,8 +58,8 @@ class _Client:
     def running(self) -> bool:
         return self.process.poll() is None
 
-    def interrupt(self) -> None:
-        self.process.send_signal(signal.SIGINT)
+    def interrupt(self, signum: int = signal.SIGINT) -> None:
+        self.process.send_signal(signum)
 
     def wait_for(self, text: str, timeout: float = TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
@@ -169,6 +169,17 @@ def test_ctrl_c_cancels_a_queued_job_and_a_second_one_exits_at_once(command: str
         stderr = client.finish()
     assert client.returncode == 130, stderr[-3000:]
     assert "Ctrl-C again: exiting at once; job j1 may still hold its devices: tinkergym jobs cancel j1" in stderr
+
+
+def test_sigterm_stops_a_scheduler_client_as_ctrl_c_does(stand_in: Any, tmp_path: Path) -> None:
+    """``kill``, ``timeout`` or a batch system's notice: the job is cancelled, not left queued to start unattended."""
+    args = ["eval", "--env", "tinker/Bandit-v0", "--model", "tiny", "--episodes", "2", "--scheduler", stand_in.url]
+    with _Client(*args, tmp_path=tmp_path) as client:
+        client.wait_for("position 1 in the queue")
+        client.interrupt(signal.SIGTERM)
+        stderr = client.finish()
+    assert client.returncode == 130, stderr[-3000:]
+    assert "POST /v1/jobs/j1/cancel" in stand_in.requests and "job j1 is cancelled" in stderr
 
 
 def test_ctrl_c_stops_a_local_run_resumably(tiny: str, tmp_path: Path) -> None:

@@ -12,11 +12,14 @@ import click
 
 #: The exit code of a command stopped by Ctrl-C (128 + SIGINT, as shells report it).
 EXIT_INTERRUPTED = 130
+#: The signals that stop such a command as Ctrl-C does: SIGTERM too (``kill``, ``timeout``, a batch system's
+#: notice before it kills), so a job is never left queued or running by a client that was told to stop.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextmanager
 def second_interrupt_exits(note: Callable[[], str] = lambda: "") -> Iterator[None]:
-    """Within: the first Ctrl-C raises :class:`KeyboardInterrupt` as usual; a further one exits at once with code 130.
+    """Within: the first Ctrl-C (or SIGTERM) raises :class:`KeyboardInterrupt`; a further one exits at once with code 130.
 
     The first one's handling (ending a job over the network) may wait on a server that does not answer; the
     second one never waits: it writes ``note()`` (what is left behind) to stderr and ends the process.
@@ -30,14 +33,16 @@ def second_interrupt_exits(note: Callable[[], str] = lambda: "") -> Iterator[Non
         os._exit(EXIT_INTERRUPTED)
 
     def first(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, second)
+        for each in STOP_SIGNALS:
+            signal.signal(each, second)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGINT, first)
+    previous = {each: signal.signal(each, first) for each in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for each, handler in previous.items():
+            signal.signal(each, handler)
 
 
 def stop_job(client: Any, job_id: str, keep: bool) -> str:
