@@ -42,7 +42,7 @@ def main() -> None:
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from tinkergym.backends.torch_attention import grouped_matmul_attention
+    from tinkergym.backends.torch.attention import grouped_matmul_attention
 
     class Layer(torch.nn.Module):
         num_key_value_groups, is_causal = 3, True

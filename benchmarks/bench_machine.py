@@ -79,7 +79,7 @@ def native_dtype(device: str) -> str:
     """The fastest precision ``device`` computes natively: what tinkergym's ``dtype="auto"`` decides there."""
     import torch
 
-    from tinkergym.backends.torch_setup import resolve_dtype
+    from tinkergym.backends.torch.runtime import resolve_dtype
 
     return str(resolve_dtype("auto", torch.device(device))).removeprefix("torch.")
 

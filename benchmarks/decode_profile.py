@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--calls", type=int, default=3, help="timed calls after one warm-up (default 3)")
     parser.add_argument("--top", type=int, default=25, help="rows of the profiler table (default 25)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled call")
-    parser.add_argument("--baseline", metavar="REV", help="also time backends/torch_sampling.py of git revision REV, calls alternating")
+    parser.add_argument("--baseline", metavar="REV", help="also time tinkergym/backends/torch/sampling.py of git revision REV, calls alternating")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (default: torch's choice)")
     parser.add_argument("--lora-sampling", choices=("adapter", "merged"), default="adapter", help="LoRA's sampling: through the adapter or a merged copy")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
@@ -84,7 +84,7 @@ def decode_matmul_rate(batch: int, hidden: int, intermediate: int, vocab: int, d
 
 def build(mode: str, model: str, lora_sampling: str = "adapter", dtype: str = "auto") -> Any:
     from tinkergym.backends.models import resolve_model
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
     rank = 8 if mode == "lora" else 0
     return TorchBackend(TorchBackendConfig(model=resolve_model(model), lora_rank=rank, lora_alpha=16, lora_dropout=0.0, dtype=dtype, device="cpu", seed=0,
@@ -95,7 +95,7 @@ def request(backend: Any, args: argparse.Namespace) -> Any:
     """The GRPO-shaped request: Bandit-v0's first prompts, chat-rendered, ``args.group`` samples each, no early stop."""
     from grpo_step import BenchSettings, step_prompts
 
-    from tinkergym.backends.types import SampleRequest, SamplingParams
+    from tinkergym.protocol.types import SampleRequest, SamplingParams
     from tinkergym.chat import ChatTemplateRenderer
 
     renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
@@ -150,14 +150,14 @@ class SplitTimer:
 
 
 def baseline_module(revision: str) -> Any:
-    """``backends/torch_sampling.py`` as it was at git ``revision``, loaded as a module of its own."""
+    """``tinkergym/backends/torch/sampling.py`` as it was at git ``revision``, loaded as a module of its own."""
     import importlib.util
     import pathlib
     import subprocess
     import tempfile
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    source = subprocess.run(["git", "show", f"{revision}:backends/torch_sampling.py"], cwd=root, check=True, capture_output=True, text=True).stdout
+    source = subprocess.run(["git", "show", f"{revision}:tinkergym/backends/torch/sampling.py"], cwd=root, check=True, capture_output=True, text=True).stdout
     path = pathlib.Path(tempfile.mkdtemp()) / "torch_sampling_baseline.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("torch_sampling_baseline", path)
@@ -182,7 +182,7 @@ def profile_call(backend: Any, req: Any, top: int) -> None:
 
 def timed_calls(backend: Any, req: Any, variants: dict[str, Any], calls: int, new_tokens: int) -> tuple[dict[str, list], dict[str, Any]]:
     """``calls`` timed calls per variant (a sampling module), the variants taking turns, after one warm-up call each."""
-    from tinkergym.backends import torch_backend
+    from tinkergym.backends.torch import backend as torch_backend
 
     timer = SplitTimer(backend, list(variants.values()))
     records: dict[str, list] = {name: [] for name in variants}
@@ -218,7 +218,7 @@ def compare(outputs: dict[str, Any]) -> str:
 def run_mode(mode: str, args: argparse.Namespace, rates: dict[str, float]) -> dict[str, Any]:
     import torch
 
-    from tinkergym.backends import torch_sampling
+    from tinkergym.backends.torch import sampling as torch_sampling
 
     backend = build(mode, args.model, args.lora_sampling, args.dtype)
     req = request(backend, args)

@@ -142,8 +142,8 @@ class BenchSettings:
         """The attention implementation both sides load the model with, made known to transformers in this process."""
         import torch
 
-        from tinkergym.backends.torch_attention import register
-        from tinkergym.backends.torch_setup import resolve_attn_implementation
+        from tinkergym.backends.torch.attention import register
+        from tinkergym.backends.torch.runtime import resolve_attn_implementation
 
         register()
         return resolve_attn_implementation(self.attn, torch.device(self.device), getattr(torch, self.dtype), self.model_path)
@@ -255,7 +255,7 @@ def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
     import torch
 
     from tinkergym.backends.models import resolve_model
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.trainers.base import TrainingContext
     from tinkergym.trainers.config import TrainConfig

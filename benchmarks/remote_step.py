@@ -9,7 +9,7 @@ The step is ``benchmarks/grpo_step.py``'s: 8 prompts x 8 samples of at most 32 n
 scored by the env, then one optimizer step (LoRA r=8, or every weight with ``--full``). Both sides run
 tinkergym's ``GRPOTrainer`` with the same config and seed; only the backend differs:
 
-- local: a :class:`~tinkergym.backends.torch_backend.TorchBackend` in this process;
+- local: a :class:`~tinkergym.backends.torch.backend.TorchBackend` in this process;
 - remote: ``tinkergym serve-backend`` started by this script as its own process on 127.0.0.1 (a real uvicorn
   server, a bearer token, the JSON wire protocol), built with the same settings, and a
   :class:`~tinkergym.backends.remote.RemoteBackend` in this process.
@@ -202,7 +202,7 @@ def run_model(model: str, s: BenchSettings, lora_rank: int, say: Any, via: str =
     import torch
 
     from tinkergym.backends.models import resolve_model
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.trainers.base import TrainingContext
     from tinkergym.trainers.config import TrainConfig

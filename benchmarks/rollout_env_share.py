@@ -10,7 +10,7 @@ answers. The answers are scripted: the code of each call evaluates the expressio
 baseline agent finds in the problem (or adds up the problem's numbers). The sampler costs what a model
 would, in one of two ways: ``--sample-seconds`` waits that long per ``sample`` call, as a client does on a
 remote GPU backend (the default, 2 s: about 64 x 100 new tokens of a 1B model on one GPU); ``--model`` (a
-:class:`~tinkergym.backends.torch_backend.TorchBackend`: ``tiny``, ``smollm2-135m``, a folder) generates as
+:class:`~tinkergym.backends.torch.backend.TorchBackend`: ``tiny``, ``smollm2-135m``, a folder) generates as
 many tokens as the longest scripted answer on the same prompts, on this machine, and throws them away.
 
 The same rollout runs once per ``--workers`` value (``1``: envs stepped one after another).
@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 import tinkergym
-from tinkergym.backends.types import SampledSequence, SampleRequest, SampleResponse, SamplingParams
+from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse, SamplingParams
 from tinkergym.chat import ChatTemplateRenderer
 from tinkergym.rollouts import RolloutConfig, rollout
 from tinkergym_math.agents import find_expression
@@ -179,7 +179,7 @@ def main() -> None:
         args.sample_seconds = 2.0 if args.model == "none" else 0.0
     backend = None
     if args.model != "none":
-        from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+        from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
         backend = TorchBackend(TorchBackendConfig(model=args.model, lora_rank=0))
         renderer = ChatTemplateRenderer(backend.tokenizer)

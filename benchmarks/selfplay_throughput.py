@@ -76,7 +76,7 @@ class TimedSampler:
 
 def run(backend: Any, renderer: ChatTemplateRenderer, args: argparse.Namespace, batched: bool, cache_mb: float = 1024.0) -> dict[str, float]:
     """Play the benchmark's games batched or one at a time, with a prefix cache of ``cache_mb`` MiB; return the timings."""
-    from tinkergym.backends.torch_prefix_cache import PrefixCache
+    from tinkergym.backends.torch.prefix_cache import PrefixCache
 
     backend.prefix_cache = PrefixCache(max_bytes=int(cache_mb * 2**20))
     stats = {"env": 0.0, "sample": 0.0, "calls": 0.0}
@@ -116,7 +116,7 @@ def main() -> None:
     if args.quick:
         args.games, args.max_turns, args.skip_no_cache = 2, 2, True
     from tinkergym.backends.models import resolve_model
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
     backend = TorchBackend(TorchBackendConfig(model=resolve_model(args.model), dtype=args.dtype, seed=args.seed))
     device = backend.device.type

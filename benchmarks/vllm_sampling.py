@@ -11,7 +11,7 @@ template, as in ``grpo_step.py``) ``group-size`` times each, at temperature 1, i
 logprob of every sampled token (what a rollout needs). No side stops early: each generates exactly
 ``max-new-tokens`` tokens per sample, so all sides produce the same number of tokens. The sides:
 
-- ``vllm``: :class:`~tinkergym.backends.vllm_sampler.VLLMSampler` (continuous batching, paged KV cache).
+- ``vllm``: :class:`~tinkergym.backends.vllm.sampler.VLLMSampler` (continuous batching, paged KV cache).
 - ``hf_generate``: ``model.generate(do_sample=True, output_scores=True)`` on the left-padded batch of every
   sample, logprobs from ``compute_transition_scores``: the plain transformers way to sample rollouts.
 - ``torch_backend``: :meth:`TorchBackend.sample` (our own loop: one prefill per distinct prompt, KV cache).
@@ -56,8 +56,8 @@ def prompt_ids(args: argparse.Namespace, model_path: str) -> list[list[int]]:
 
 
 def _vllm(args: argparse.Namespace, model_path: str, prompts: list[list[int]]) -> Callable[[int], int]:
-    from tinkergym.backends.types import SampleRequest, SamplingParams
-    from tinkergym.backends.vllm_sampler import VLLMSampler, VLLMSamplerConfig
+    from tinkergym.protocol.types import SampleRequest, SamplingParams
+    from tinkergym.backends.vllm.sampler import VLLMSampler, VLLMSamplerConfig
 
     sampler = VLLMSampler(VLLMSamplerConfig(model=model_path, dtype=args.dtype, max_model_len=max(map(len, prompts)) + args.max_new_tokens + 8))
     never = [10**9]  # an id outside the vocabulary: no stop, every sample is max_new_tokens long
@@ -97,8 +97,8 @@ def _hf_generate(args: argparse.Namespace, model_path: str, prompts: list[list[i
 
 
 def _torch_backend(args: argparse.Namespace, model_path: str, prompts: list[list[int]]) -> Callable[[int], int]:
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
-    from tinkergym.backends.types import SampleRequest, SamplingParams
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+    from tinkergym.protocol.types import SampleRequest, SamplingParams
 
     backend = TorchBackend(TorchBackendConfig(model=model_path, lora_rank=0, dtype=args.dtype, device=args.device, attn_implementation=args.attn))
 
@@ -115,8 +115,8 @@ def run_side(side: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from tinkergym.backends.models import resolve_model
-    from tinkergym.backends.torch_attention import register
-    from tinkergym.backends.torch_setup import resolve_attn_implementation
+    from tinkergym.backends.torch.attention import register
+    from tinkergym.backends.torch.runtime import resolve_attn_implementation
 
     model_path = resolve_model(args.model)
     register()

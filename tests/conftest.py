@@ -85,7 +85,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 def length_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Shared-prompt rows in passes by length as the backend decides, or every distinct row length in a pass of its own."""
     if request.param == "every-length":
-        from tinkergym.backends import torch_scoring
+        from tinkergym.backends.torch import scoring as torch_scoring
 
         monkeypatch.setitem(torch_scoring.CHUNK_OVERHEAD_TOKENS, "cpu", 0)
     return request.param
@@ -98,7 +98,7 @@ def serve_backend_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cal
 
     from click.testing import CliRunner
 
-    from tinkergym.backends import torch_backend
+    from tinkergym.backends.torch import backend as torch_backend
     from tinkergym.cli import main
 
     class Built(Exception):

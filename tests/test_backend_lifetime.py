@@ -18,7 +18,7 @@ pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tinkergym.backends.lifetime import IDLE_EXIT_CODE, Watchdog  # noqa: E402
+from tinkergym.serve.lifetime import IDLE_EXIT_CODE, Watchdog  # noqa: E402
 
 TOKEN = "lifetime-test-token-0123456789abcdef0123456789"
 
@@ -75,8 +75,8 @@ def test_watchdog_fires_on_idleness_but_not_while_active() -> None:
 
 
 def test_a_running_call_counts_as_activity(tmp_path: Path) -> None:
-    from tinkergym.backends.server import create_app
-    from tinkergym.backends.service_auth import token_digest
+    from tinkergym.serve.training.app import create_app
+    from tinkergym.serve.auth import token_digest
 
     app = create_app(object(), run_dir=tmp_path, token_digest=token_digest(TOKEN))
     service = app.state.service
@@ -109,7 +109,7 @@ def test_the_server_stops_when_its_worker_is_killed(tiny: str, tmp_path: Path, p
     # A stand-in worker: starts the server as its child (with PR_SET_PDEATHSIG or not), says its pid, then waits.
     worker_code = textwrap.dedent(f"""
         import subprocess, sys, time
-        from tinkergym.backends.lifetime import die_with_parent
+        from tinkergym.serve.lifetime import die_with_parent
         child = subprocess.Popen({command!r}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                  preexec_fn=die_with_parent if {pdeathsig} else None)
         print(child.pid, flush=True)

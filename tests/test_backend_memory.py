@@ -13,10 +13,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig, _sampling_copy  # noqa: E402
-from tinkergym.backends.torch_sampling import prefill  # noqa: E402
-from tinkergym.backends.torch_scoring import MicroBatch  # noqa: E402
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig, _sampling_copy  # noqa: E402
+from tinkergym.backends.torch.sampling import prefill  # noqa: E402
+from tinkergym.backends.torch.scoring import MicroBatch  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
@@ -126,7 +126,7 @@ def group_batch() -> list[Datum]:
 
 
 def test_plan_counts_the_copies_of_shared_prompts() -> None:
-    from tinkergym.backends.torch_scoring import plan_micro_batches
+    from tinkergym.backends.torch.scoring import plan_micro_batches
 
     data = group_batch()
     # Budget 4 x 14 = 56 tokens. Without the copies both groups fit: 8 + 4 + 6 + 3 + 5 and 4 + 4 + 6 + 3 + 5.
@@ -144,7 +144,7 @@ def test_plan_counts_the_copies_of_shared_prompts() -> None:
 
 @pytest.mark.parametrize("lora_rank", [4, 0])
 def test_forward_backward_is_the_same_with_the_copies_counted(tiny: str, lora_rank: int) -> None:
-    from tinkergym.backends.torch_scoring import plan_micro_batches
+    from tinkergym.backends.torch.scoring import plan_micro_batches
 
     request = ForwardBackwardRequest(group_batch(), LossSpec(name="reinforce", kl_coef=0.1))
     results = []
@@ -169,7 +169,7 @@ def test_the_backend_counts_copies_at_what_they_cost(dims: tuple[int, int, int, 
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from tinkergym.backends.torch_backend import kv_token_cost
+    from tinkergym.backends.torch.backend import kv_token_cost
 
     hidden, intermediate, heads, kv_heads = dims
     config = LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_attention_heads=heads, num_key_value_heads=kv_heads,
@@ -194,7 +194,7 @@ def test_the_backend_counts_copies_at_what_they_cost(dims: tuple[int, int, int, 
 
 def old_logprobs(backend: TorchBackend, sequences: list[list[int]], chunk: int) -> list[list[float]]:
     """``logprobs`` as it was: chunks of ``max_sample_batch`` sequences, read back per chunk."""
-    from tinkergym.backends.torch_scoring import logprobs_from
+    from tinkergym.backends.torch.scoring import logprobs_from
 
     out = []
     with torch.no_grad():

@@ -25,11 +25,11 @@ uvicorn = pytest.importorskip("uvicorn")
 from click.testing import CliRunner  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tinkergym.backends.server import create_app  # noqa: E402
-from tinkergym.backends.server_calls import CallLimits  # noqa: E402
-from tinkergym.backends.service_auth import token_digest  # noqa: E402
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.types import (  # noqa: E402
+from tinkergym.serve.training.app import create_app  # noqa: E402
+from tinkergym.serve.training.calls import CallLimits  # noqa: E402
+from tinkergym.serve.auth import token_digest  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.protocol.types import (  # noqa: E402
     Datum,
     ForwardBackwardRequest,
     LossSpec,
@@ -102,7 +102,7 @@ class FakeBackend:
 
     def forward_backward(self, request: ForwardBackwardRequest) -> Any:
         time.sleep(self.delay)
-        from tinkergym.backends.types import ForwardBackwardResult
+        from tinkergym.protocol.types import ForwardBackwardResult
 
         return self._run("forward_backward", request, ForwardBackwardResult({"loss": 0.1 + 0.2}))
 
@@ -229,7 +229,7 @@ def test_errors_are_stored_outcomes_mapped_to_400_and_500(tmp_path: Path, caplog
     assert bad.status_code == 400 and bad.json() == {"error": {"type": "invalid_request", "message": "loss_mask and tokens differ in length"}}
     assert client.post("forward_backward", fb_args(), seq=1).json() == bad.json() and len(backend.calls) == 1
     backend.fail = RuntimeError("CUDA error: secret detail")
-    with caplog.at_level(logging.ERROR, logger="tinkergym.backends.server"):
+    with caplog.at_level(logging.ERROR, logger="tinkergym.serve.training.app"):
         crash = client.post("forward_backward", fb_args())
     assert crash.status_code == 500 and "secret detail" not in crash.text and "Traceback" not in crash.text
     assert "secret detail" in caplog.text and "Traceback" in caplog.text
@@ -265,8 +265,8 @@ def test_bad_calls_are_400(tmp_path: Path, method: str, args: dict, expected: st
 def test_checked_arguments_take_ints_for_floats_and_to_dict_copies_like_asdict() -> None:
     from dataclasses import asdict
 
-    from tinkergym.backends.server_calls import parse_call
-    from tinkergym.backends.types import SampledSequence, SampleResponse
+    from tinkergym.serve.training.calls import parse_call
+    from tinkergym.protocol.types import SampledSequence, SampleResponse
 
     call = parse_call("forward_backward", {"request": {"data": [{"tokens": [1, 2], "loss_mask": [0, 1], "advantages": [0.5, 1]}]}})
     datum = call.args["request"].data[0]
@@ -461,7 +461,8 @@ def test_calls_within_the_limits_run_and_the_limits_are_listed(tmp_path: Path) -
 def test_serve_backend_passes_its_limits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import secrets
 
-    from tinkergym.backends import server, torch_backend
+    from tinkergym.serve.training import app as server
+    from tinkergym.backends.torch import backend as torch_backend
 
     class Built(Exception):
         pass

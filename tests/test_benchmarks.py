@@ -44,7 +44,7 @@ def run_benchmark(script: str, *args: str, env: dict[str, str] | None = None) ->
 
 
 def native() -> str:
-    from tinkergym.backends.torch_setup import resolve_dtype
+    from tinkergym.backends.torch.runtime import resolve_dtype
 
     return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
 

@@ -14,10 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tinkergym.backends.cache_names import cache_kwargs, cache_of  # noqa: E402
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch_sampling import _preallocated, _preallocated_layer_class, _single_query_masks, prefill, sample_batch  # noqa: E402
-from tinkergym.backends.types import SamplingParams  # noqa: E402
+from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.backends.torch.sampling import _preallocated, _preallocated_layer_class, _single_query_masks, prefill, sample_batch  # noqa: E402
+from tinkergym.protocol.types import SamplingParams  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=["sdpa", "grouped_matmul"])

@@ -33,13 +33,13 @@ from schemathesis.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from tinkergym.backends.inference_engine import TorchInferenceEngine, plan_serving  # noqa: E402
-from tinkergym.backends.inference_server import create_inference_app  # noqa: E402
-from tinkergym.backends.server import create_app  # noqa: E402
-from tinkergym.backends.server_calls import CallLimits  # noqa: E402
-from tinkergym.backends.service_auth import token_digest  # noqa: E402
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.serve.inference.engine import TorchInferenceEngine, plan_serving  # noqa: E402
+from tinkergym.serve.inference.app import create_inference_app  # noqa: E402
+from tinkergym.serve.training.app import create_app  # noqa: E402
+from tinkergym.serve.training.calls import CallLimits  # noqa: E402
+from tinkergym.serve.auth import token_digest  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
 from tinkergym.errors import NonFiniteError  # noqa: E402
 
 TOKEN = "fuzz-" + "t" * 40
@@ -327,7 +327,7 @@ def test_the_document_declares_refusals_and_event_streams(inference: Any) -> Non
 
 
 def test_a_refused_token_is_answered_in_the_documented_error_shape(training: TestClient) -> None:
-    from tinkergym.backends.server import ErrorResponse
+    from tinkergym.serve.training.app import ErrorResponse
 
     for headers in ({}, {"Authorization": "Bearer " + "x" * 40}):
         response = training.get("/v1/info", headers=headers)

@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig, flash_attn_importable  # noqa: E402
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig, flash_attn_importable  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
 
 DEVICE = os.environ.get("TINKERGYM_TEST_DEVICE", "cuda")
 ATTN = os.environ.get("TINKERGYM_TEST_ATTN", "flash_attention_2")

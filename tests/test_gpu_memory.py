@@ -4,7 +4,7 @@ Part of the GPU lane (``make test-gpu``); skipped without CUDA or without a vLLM
 Qwen2.5-1.5B's shapes (28 layers of 1536, 12 query and 2 key/value heads, an MLP of 8960, a 151,936-token
 vocabulary, tied embeddings) with random bfloat16 weights drawn from that config, so nothing is downloaded; the
 tokenizer is the tiny test model's (vLLM is asked for token ids only, so ids past its vocabulary never reach a
-detokenizer). One step as a trainer runs it through :class:`~tinkergym.backends.vllm_sampler.VLLMBackend`:
+detokenizer). One step as a trainer runs it through :class:`~tinkergym.backends.vllm.sampler.VLLMBackend`:
 sample 8 prompts x 8 completions, ``forward_backward`` on all 64 (the engine sleeps first, freeing its KV cache),
 ``optim_step``, and sample again (the engine wakes and takes the new adapter).
 
@@ -119,9 +119,9 @@ def test_lora_step_with_vllm_on_the_same_device_fits_and_sleeps_during_training(
     if not ON_CUDA:
         monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     from tinkergym.backends.models import build_tiny_model
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
-    from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
-    from tinkergym.backends.vllm_sampler import VLLMBackend
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+    from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
+    from tinkergym.backends.vllm.sampler import VLLMBackend
 
     device = torch.device(DEVICE)
     model = _model_1_5b(tmp_path) if ON_CUDA else build_tiny_model(tmp_path / "tiny", hidden=128)

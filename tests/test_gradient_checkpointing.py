@@ -12,11 +12,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tinkergym.backends import torch_backend  # noqa: E402
+from tinkergym.backends.torch import backend as torch_backend  # noqa: E402
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch_scoring import plan_micro_batches  # noqa: E402
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.backends.torch.scoring import plan_micro_batches  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec  # noqa: E402
 
 PPO_KL = LossSpec(name="ppo", clip_low=0.1, clip_high=0.3, kl_coef=0.1, aggregation="token")
 

@@ -12,9 +12,9 @@ pytest.importorskip("transformers")
 
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
-from tinkergym.backends.torch_attention import NAME, grouped_matmul_attention, register  # noqa: E402
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.torch.attention import NAME, grouped_matmul_attention, register  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
 
 
 class _Attention(torch.nn.Module):

@@ -21,11 +21,11 @@ pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
-from tinkergym.backends.inference_engine import TorchInferenceEngine, plan_serving  # noqa: E402
-from tinkergym.backends.inference_server import create_inference_app  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.inference.engine import TorchInferenceEngine, plan_serving  # noqa: E402
+from tinkergym.serve.inference.app import create_inference_app  # noqa: E402
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.backends.service_auth import token_digest  # noqa: E402
+from tinkergym.serve.auth import token_digest  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 
 KEY = "k" * 20 + "-inference-server-test-key"
@@ -129,7 +129,7 @@ def test_the_openai_client_works_against_the_server(setup) -> None:
 def test_sampled_ids_match_the_backend_and_adapters_switch_per_request(setup) -> None:
     engine = setup["engine"]
     prompt = [[5, 6, 7, 8]]
-    from tinkergym.backends.types import SamplingParams
+    from tinkergym.protocol.types import SamplingParams
 
     params = SamplingParams(max_new_tokens=5, temperature=0.0, stop_token_ids=[-1])
     first = {name: engine.generate(name, prompt, params, 1)[0][0].tokens for name in ("a", "b", setup["tiny"])}

@@ -10,9 +10,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tinkergym.backends import losses  # noqa: E402
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.torch import losses  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
 
 
@@ -280,7 +280,8 @@ def test_multi_turn_sequences_get_logits_only_where_a_turn_is_read(tiny: str, lo
     """Sampled turns between unread env replies: the vocabulary projection runs at the read positions only, same loss and gradients."""
     import torch
 
-    from tinkergym.backends import torch_backend, torch_scoring
+    from tinkergym.backends.torch import backend as torch_backend
+    from tinkergym.backends.torch import scoring as torch_scoring
 
     gen = torch.Generator().manual_seed(0)
     data = []

@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch_copies import MergedLoraCopy  # noqa: E402
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.backends.torch.copies import MergedLoraCopy  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
 
 PROMPTS = [[5, 17, 33, 8, 91], [7, 7, 120, 64, 3, 44, 19], [200, 13]]
@@ -135,7 +135,7 @@ def test_train_passes_it_to_the_backend_and_records_it(tiny: str, tmp_path: Path
 
     from click.testing import CliRunner
 
-    from tinkergym.backends import torch_backend
+    from tinkergym.backends.torch import backend as torch_backend
     from tinkergym.cli import main
 
     built: list[str] = []

@@ -51,8 +51,24 @@ def _package_dirs(project: Path) -> dict[str, Path]:
     """Each package the project declares -> its source folder (``[tool.setuptools.package-dir]`` applied)."""
     config = _setuptools_config(project)
     mapping = config.get("package-dir", {})
+    packages = config["packages"]
+    if isinstance(packages, dict):  # [tool.setuptools.packages.find]
+        from setuptools import find_packages
+
+        found = packages["find"]
+        packages = find_packages(str(project / found.get("where", ["."])[0]), include=found.get("include", ("*",)), exclude=found.get("exclude", ()))
     dirs = {}
-    for package in config["packages"]:
+    return _folders(project, mapping, packages)
+
+
+def _declared(project: Path) -> list[str]:
+    """The packages the project declares, ``[tool.setuptools.packages.find]`` resolved."""
+    return list(_package_dirs(project))
+
+
+def _folders(project: Path, mapping: dict[str, str], packages: list[str]) -> dict[str, Path]:
+    dirs = {}
+    for package in packages:
         parts = package.split(".")
         for cut in range(len(parts), -1, -1):
             prefix = ".".join(parts[:cut])
@@ -139,7 +155,7 @@ def _check_wheel(project: Path, wheel: Path) -> None:
     assert any(n.endswith("tinkergym_envs.toml") or "/templates/" in n for n in data), sorted(data)
     # (2) no tests, build junk or metadata other than the one dist-info folder
     tops = {n.split("/")[0] for n in names}
-    packages = {p.split(".")[0] for p in _setuptools_config(project)["packages"]}
+    packages = {p.split(".")[0] for p in _declared(project)}
     assert tops - packages == {n.split("/")[0] for n in dist_info} and len({n.split("/")[0] for n in dist_info}) == 1, tops
     for name in names:
         parts = PurePosixPath(name).parts

@@ -26,7 +26,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from tinkergym.backends.remote import REMOTE_STATE, RemoteBackend, server_name  # noqa: E402
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.errors import ConfigError, OutOfMemoryError  # noqa: E402
 from tinkergym.trainers.reporting import read_metrics  # noqa: E402
@@ -86,9 +86,9 @@ class Server:
     def __init__(self, tiny: str, run_dir: Path) -> None:
         import uvicorn
 
-        from tinkergym.backends.server import create_app
-        from tinkergym.backends.service_auth import token_digest
-        from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+        from tinkergym.serve.training.app import create_app
+        from tinkergym.serve.auth import token_digest
+        from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
         self.backend = TorchBackend(TorchBackendConfig(model=tiny, dtype="float32", lora_rank=8, lora_alpha=16, seed=0))
         self.run_dir = run_dir
@@ -299,10 +299,10 @@ def test_a_client_only_install_trains_through_the_server(server, token_file, tmp
 
 def test_a_connection_the_server_closed_while_idle_is_replaced_at_once(tiny, tmp_path, monkeypatch) -> None:
     from tinkergym.backends import remote as remote_module
-    from tinkergym.backends.asgi import ThreadServer
-    from tinkergym.backends.server import create_app
-    from tinkergym.backends.service_auth import token_digest
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+    from tinkergym.serve.asgi import ThreadServer
+    from tinkergym.serve.training.app import create_app
+    from tinkergym.serve.auth import token_digest
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
     backend = TorchBackend(TorchBackendConfig(model=tiny, dtype="float32", lora_rank=8, seed=0))
     server = ThreadServer(create_app(backend, run_dir=tmp_path / "server", token_digest=token_digest(TOKEN)), timeout_keep_alive=1)

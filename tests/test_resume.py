@@ -22,7 +22,7 @@ VOLATILE = ("time/", "tokens/per_s")
 
 PLUGIN_MODULE = '''
 """Trainers for the resume tests: cross-entropy on a fixed answer, one of them with state."""
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
 from tinkergym.trainers.base import StepOutput
 
 INTERRUPT_AT = None  # a test sets a step here: the run stops there as it would on Ctrl-C

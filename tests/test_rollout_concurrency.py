@@ -17,7 +17,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.backends.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
+from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
 from tinkergym.chat import ChatTemplateRenderer  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
 from tinkergym.rollouts import RolloutConfig, rollout  # noqa: E402

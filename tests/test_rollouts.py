@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.backends.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
+from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
 from tinkergym.chat import ChatTemplateRenderer  # noqa: E402
 from tinkergym.rollouts import RolloutConfig, Trajectory, rollout  # noqa: E402
 

@@ -13,8 +13,8 @@ pytest.importorskip("tinkergym_gomoku")
 
 from tinkergym_gomoku.agents import HeuristicAgent  # noqa: E402
 
-from tinkergym.backends.torch_backend import TorchBackend  # noqa: E402
-from tinkergym.backends.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend  # noqa: E402
+from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
 from tinkergym.chat import ChatTemplateRenderer  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
 from tinkergym.trainers.advantages import keyed_advantages  # noqa: E402
@@ -130,7 +130,7 @@ class ScriptedPolicy:
 
 
 def run_scripted(tmp_path: Path, tiny: str, junk_from: int | None, steps: int = 10) -> tuple[SelfPlayTrainer, list[list[str]]]:
-    from tinkergym.backends.torch_backend import TorchBackendConfig
+    from tinkergym.backends.torch.backend import TorchBackendConfig
 
     c = config(tmp_path, model=tiny, opponents="baseline,random", env_kwargs={"size": 5, "win_length": 3}, batch_size=2, group_size=4,
                max_turns=13, steps=steps).validate()

@@ -74,7 +74,7 @@ def greedy_win_rate(backend) -> float:
 
 @pytest.mark.slow
 def test_selfplay_raises_the_greedy_win_rate_against_random(warm_model, tmp_path) -> None:
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
     from tinkergym.trainers.collapse import SIGNALS
     from tinkergym.trainers.session import load_backend_for_eval
 

@@ -8,11 +8,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tinkergym.backends import torch_scoring  # noqa: E402
+from tinkergym.backends.torch import scoring as torch_scoring  # noqa: E402
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch_scoring import MicroBatch, plan_micro_batches, sequence_logprobs  # noqa: E402
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.backends.torch.scoring import MicroBatch, plan_micro_batches, sequence_logprobs  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
 
 
 def make_backend(tiny: str, share: bool, lora_rank: int = 4, micro_batch_size: int = 8, attn: str = "auto") -> TorchBackend:
@@ -218,7 +218,7 @@ def test_layout_sampling_prompts_of_different_lengths_matches_scoring_alone(layo
 
 
 def test_padded_length_limit_reads_llama4_temperature_tuning(layout_models: dict[str, str]) -> None:
-    from tinkergym.backends.torch_scoring import padded_length_limit
+    from tinkergym.backends.torch.scoring import padded_length_limit
 
     assert padded_length_limit(make_backend(layout_models["chunked-hybrid"], True).model) == 7  # through the LoRA wrapper
     assert padded_length_limit(make_backend(layout_models["chunked"], True).model) is None  # no NoPE layer

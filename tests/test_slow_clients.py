@@ -1,6 +1,6 @@
 """Slow and surplus clients against real servers on 127.0.0.1: trickled headers and bodies are cut off, a normal client
 is served meanwhile, connections past the limit are answered 503; and every server command launches uvicorn with
-those bounds (``tinkergym.backends.slow_clients``), and ``tinkergym scheduler serve`` passes its gateway and stream bounds
+those bounds (``tinkergym.serve.slow_clients``), and ``tinkergym scheduler serve`` passes its gateway and stream bounds
 to the app."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ uvicorn = pytest.importorskip("uvicorn")
 
 from click.testing import CliRunner  # noqa: E402
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
-from tinkergym.backends.slow_clients import ConnectionLimits, RequestDeadlines, uvicorn_options  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.slow_clients import ConnectionLimits, RequestDeadlines, uvicorn_options  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 
 #: A failure bound only: every trickling connection must be closed long before this.
@@ -287,7 +287,8 @@ def scheduler_args(tmp_path: Path) -> list[str]:
 
 def backend_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     pytest.importorskip("fastapi")
-    from tinkergym.backends import server, torch_backend
+    from tinkergym.serve.training import app as server
+    from tinkergym.backends.torch import backend as torch_backend
 
     monkeypatch.setattr(torch_backend, "TorchBackend", lambda config: object())
     monkeypatch.setattr(server, "create_app", lambda backend, **options: stub_app)
@@ -296,7 +297,8 @@ def backend_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def model_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     pytest.importorskip("fastapi")
-    from tinkergym.backends import inference_engine, inference_server
+    from tinkergym.serve.inference import engine as inference_engine
+    from tinkergym.serve.inference import app as inference_server
 
     class Served:
         def models(self) -> list:

@@ -14,8 +14,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from tinkergym.backends import state_files  # noqa: E402
-from tinkergym.backends.state_files import (  # noqa: E402
+from tinkergym.backends.torch import state_files  # noqa: E402
+from tinkergym.backends.torch.state_files import (  # noqa: E402
     optimizer_state_from_files,
     optimizer_state_to_files,
     read_optimizer_state,
@@ -159,8 +159,8 @@ def test_cuda_rng_round_trip_on_the_current_device() -> None:
 def backend(tiny: str):
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
-    from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
-    from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+    from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
 
     backend = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=4, dtype="float32", device="cpu"))
     datum = Datum(tokens=[5, 6, 7, 8, 9], loss_mask=[0, 0, 1, 1, 1])
@@ -176,7 +176,7 @@ def safetensors_header(path: Path) -> dict:
 
 
 def test_saved_folder_holds_only_safetensors_and_json(backend, tmp_path: Path) -> None:
-    from tinkergym.backends.torch_backend import STATE_FORMAT
+    from tinkergym.backends.torch.backend import STATE_FORMAT
 
     backend.save_state(str(tmp_path / "state"))
     files = sorted(p.name for p in (tmp_path / "state").iterdir())

@@ -12,11 +12,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from tinkergym.backends import losses  # noqa: E402
-from tinkergym.backends.base import Backend  # noqa: E402
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch_sampling import filter_logits  # noqa: E402
-from tinkergym.backends.types import (  # noqa: E402
+from tinkergym.backends.torch import losses  # noqa: E402
+from tinkergym.protocol.backend import Backend  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.backends.torch.sampling import filter_logits  # noqa: E402
+from tinkergym.protocol.types import (  # noqa: E402
     Datum,
     ForwardBackwardRequest,
     ForwardBackwardResult,
@@ -462,7 +462,8 @@ def test_flash_attention_is_chosen_only_when_flash_attn_really_imports(body: str
 
     import torch
 
-    from tinkergym.backends import torch_backend, torch_setup
+    from tinkergym.backends.torch import backend as torch_backend
+    from tinkergym.backends.torch import runtime as torch_setup
 
     (tmp_path / "flash_attn").mkdir()
     (tmp_path / "flash_attn" / "__init__.py").write_text(body + "\n")

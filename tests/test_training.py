@@ -151,7 +151,7 @@ TRAINER_PACKAGE = {
     """,
     "sgd_demo_trainer.py": '''
         """A third-party trainer: cross-entropy on the env's first prompt followed by a fixed answer."""
-        from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
+        from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
         from tinkergym.trainers.base import StepOutput
 
         class EchoTrainer:

@@ -11,10 +11,10 @@ pytest.importorskip("uvicorn")
 
 from click.testing import CliRunner  # noqa: E402
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
-from tinkergym.backends.server import create_app  # noqa: E402
-from tinkergym.backends.service_auth import token_digest  # noqa: E402
-from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.training.app import create_app  # noqa: E402
+from tinkergym.serve.auth import token_digest  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.client import SchedulerClient, SchedulerError  # noqa: E402
 

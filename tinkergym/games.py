@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
-from tinkergym.backends.types import SampleRequest, SamplingParams
+from tinkergym.protocol.types import SampleRequest, SamplingParams
 from tinkergym.chat import ChatRenderer
 from tinkergym.rollouts import (
     EpisodeState,

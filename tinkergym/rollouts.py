@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from tinkergym.backends.types import SampleRequest, SampleResponse, SamplingParams
+from tinkergym.protocol.types import SampleRequest, SampleResponse, SamplingParams
 from tinkergym.chat import ChatRenderer, Message
 from tinkergym.errors import ConfigError
 

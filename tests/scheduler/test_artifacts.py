@@ -169,7 +169,7 @@ def test_traversal_is_refused(make_client, keys, tmp_path: Path, path: str) -> N
 
 def test_literal_dot_dot_on_the_wire(tmp_path: Path, db_url: str, keys: Any) -> None:
     """A raw request line with ``..`` (no client normalises it away) is refused on a live server."""
-    from tinkergym.backends.asgi import ThreadServer
+    from tinkergym.serve.asgi import ThreadServer
     from tinkergym.scheduler.app import SchedulerSettings, create_app
 
     server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "live"), background=False))

@@ -25,7 +25,7 @@ pytest.importorskip("uvicorn")
 from click.testing import CliRunner  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 from tinkergym.scheduler.db import allocations, checkpoints, jobs, make_engine  # noqa: E402

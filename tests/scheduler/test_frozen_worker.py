@@ -1,7 +1,7 @@
 """A job's server stops serving when its lease ends, even while its worker is frozen.
 
 The worker writes the lease's deadline into the server's lease file and moves it on with every heartbeat the
-scheduler accepts (:class:`tinkergym.backends.service_auth.LeaseFile`). A frozen (SIGSTOPped) worker renews nothing:
+scheduler accepts (:class:`tinkergym.serve.auth.LeaseFile`). A frozen (SIGSTOPped) worker renews nothing:
 its server refuses its own token once the deadline passes (401 ``lease_ended``), while the scheduler expires the lease
 and queues the job again. Thawed, the worker learns the lease is gone and stops the server.
 """
@@ -25,8 +25,8 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("uvicorn")
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
-from tinkergym.backends.service_auth import LeaseFile, require_token, token_digest, write_lease_file  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.auth import LeaseFile, require_token, token_digest, write_lease_file  # noqa: E402
 from tinkergym.client import SchedulerClient  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 

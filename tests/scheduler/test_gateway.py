@@ -24,7 +24,7 @@ from starlette.requests import Request  # noqa: E402
 from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
 from starlette.routing import Route  # noqa: E402
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.scheduler import leases  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 

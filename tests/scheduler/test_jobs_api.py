@@ -17,7 +17,7 @@ import pytest
 uvicorn = pytest.importorskip("uvicorn")
 
 from sqlalchemy import func, select  # noqa: E402
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.scheduler.app import PUBLIC_PATHS, SchedulerSettings, create_app  # noqa: E402
 from tinkergym.scheduler.auth import SCOPES, ensure_tenant, revoke_key  # noqa: E402
 from tinkergym.scheduler.db import idempotency, jobs, make_engine  # noqa: E402
@@ -374,7 +374,7 @@ def test_text_that_cannot_be_answered_is_never_committed(make_client, keys, text
 
 def test_a_stored_lone_surrogate_is_still_answered() -> None:
     """What was stored before the edge check refused it can always be sent: as a JSON escape, which reads back the same."""
-    from tinkergym.backends.asgi import WireJSON
+    from tinkergym.serve.asgi import WireJSON
 
     content = {"config": {"note": "bad \ud800 text", "ok": "é"}}
     body = WireJSON(content).body

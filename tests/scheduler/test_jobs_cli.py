@@ -20,7 +20,7 @@ from tinkergym.scheduler.db import make_engine  # noqa: E402
 from tinkergym.scheduler.repository import JobStore  # noqa: E402
 
 from tinkergym.cli import main  # noqa: E402
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.client import SchedulerClient, SchedulerError  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
 

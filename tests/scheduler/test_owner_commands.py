@@ -16,7 +16,7 @@ pytest.importorskip("uvicorn")
 from click.testing import CliRunner  # noqa: E402
 from workerkit import auth, register, submit  # noqa: E402 - registered by conftest.py
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 

@@ -25,7 +25,7 @@ httpx = pytest.importorskip("httpx")
 from click.testing import CliRunner  # noqa: E402
 from sqlalchemy import func, select  # noqa: E402
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.backends.models import resolve_model  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
@@ -83,9 +83,9 @@ class PlayedWorker(threading.Thread):
             self.error = exc
 
     def _run(self) -> None:
-        from tinkergym.backends.server import create_app as create_server
-        from tinkergym.backends.service_auth import token_digest
-        from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+        from tinkergym.serve.training.app import create_app as create_server
+        from tinkergym.serve.auth import token_digest
+        from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
         while self.lease is None and not self.stopped.is_set():
             self.lease = self.post("/lease", {}).json()["lease"]

@@ -13,7 +13,7 @@ pytest.importorskip("uvicorn")
 
 from workerkit import register  # noqa: E402 - registered by conftest.py
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.client import SchedulerClient, wait_running  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 

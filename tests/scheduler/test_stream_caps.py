@@ -21,7 +21,7 @@ from tinkergym.scheduler.auth import revoke_key  # noqa: E402
 from tinkergym.scheduler.db import make_engine  # noqa: E402
 from tinkergym.scheduler.repository import JobStore  # noqa: E402
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.client import SchedulerClient  # noqa: E402
 
 CONFIG = {"model": "smollm2-135m", "env": "tinker/Bandit-v0"}

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("uvicorn")
 
 from sqlalchemy import func, insert, select, text  # noqa: E402
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.scheduler import auth as auth_module  # noqa: E402
 from tinkergym.scheduler import db as db_module  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402

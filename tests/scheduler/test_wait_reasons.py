@@ -19,7 +19,7 @@ import workerkit as kit  # noqa: E402 - registered by conftest.py
 from click.testing import CliRunner  # noqa: E402
 from sqlalchemy import update  # noqa: E402
 
-from tinkergym.backends.asgi import ThreadServer  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.client import SchedulerClient, wait_running  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402

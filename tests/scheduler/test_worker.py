@@ -31,9 +31,9 @@ pytest.importorskip("peft")
 pytest.importorskip("uvicorn")
 
 from click.testing import CliRunner
-from tinkergym.backends.asgi import ThreadServer
+from tinkergym.serve.asgi import ThreadServer
 from tinkergym.backends.remote import RemoteBackend, RemoteBackendError
-from tinkergym.backends.types import (
+from tinkergym.protocol.types import (
     Datum,
     ForwardBackwardRequest,
     SampleRequest,
@@ -312,8 +312,8 @@ def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Pa
     :data:`FAKE_SERVER`: ``(wrapped app, owner, worker, its thread)``, all stopped afterwards."""
     import threading
 
-    from tinkergym.scheduler.worker import Worker, WorkerOptions
-    from tinkergym.scheduler.worker_client import WorkerClient
+    from tinkergym.scheduler.worker.agent import Worker, WorkerOptions
+    from tinkergym.scheduler.worker.client import WorkerClient
 
     fake = tmp_path / "fake-python"
     fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")

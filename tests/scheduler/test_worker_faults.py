@@ -23,7 +23,7 @@ import pytest
 
 pytest.importorskip("uvicorn")
 
-from tinkergym.backends.asgi import ThreadServer
+from tinkergym.serve.asgi import ThreadServer
 from tinkergym.scheduler.app import SchedulerSettings, create_app
 from tinkergym.scheduler.db import make_engine
 

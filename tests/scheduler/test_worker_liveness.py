@@ -23,7 +23,7 @@ from workerkit import (  # registered by conftest.py
     submit,
 )
 
-from tinkergym.backends.asgi import ThreadServer
+from tinkergym.serve.asgi import ThreadServer
 from tinkergym.cli import main
 from tinkergym.scheduler.app import SchedulerSettings, create_app
 

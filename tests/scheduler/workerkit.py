@@ -109,7 +109,7 @@ def assert_no_double_grant(db_url: str) -> None:
 
 def serve_scheduler(db_url: str, data_dir: Path, **settings: Any) -> Any:
     """A scheduler app on ``db_url`` (its sweeper on) served by uvicorn on 127.0.0.1: a ``ThreadServer``; ``stop()`` it."""
-    from tinkergym.backends.asgi import ThreadServer
+    from tinkergym.serve.asgi import ThreadServer
     from tinkergym.scheduler.app import SchedulerSettings, create_app
 
     return ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=data_dir, **settings)))

@@ -58,7 +58,7 @@ class Kit:
 
     @staticmethod
     def backend(model: str, lora_rank: int):
-        from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+        from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
         return TorchBackend(TorchBackendConfig(model=model, lora_rank=lora_rank, dtype="float32", device="cpu", seed=0))
 
@@ -75,7 +75,7 @@ class Kit:
     @classmethod
     def train(cls, backend, answer: str, steps: int, learning_rate: float) -> float:
         """Cross-entropy steps on ``QUESTION + answer + <|im_end|>`` (answer tokens only); returns the last loss."""
-        from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
+        from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
 
         prompt, target = cls.prompt(backend), cls.encode(backend, answer + "<|im_end|>")
         datum = Datum(tokens=prompt + target, loss_mask=[0.0] * len(prompt) + [1.0] * len(target))

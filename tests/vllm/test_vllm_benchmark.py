@@ -16,7 +16,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def test_vllm_sampling_quick(tiny: str) -> None:
-    from tinkergym.backends.torch_setup import resolve_dtype
+    from tinkergym.backends.torch.runtime import resolve_dtype
 
     proc = subprocess.run([sys.executable, str(BENCHMARKS / "vllm_sampling.py"), "--quick", "--model", tiny, "--device", "cpu"],
                           capture_output=True, text=True, cwd=BENCHMARKS.parent, timeout=900)

@@ -49,9 +49,9 @@ def _wait_healthy(url: str, process: subprocess.Popen | None, seconds: float) ->
 def endpoints(tiny: str, tmp_path_factory: pytest.TempPathFactory):
     import uvicorn
 
-    from tinkergym.backends.inference_engine import TorchInferenceEngine, plan_serving
-    from tinkergym.backends.inference_server import create_inference_app
-    from tinkergym.backends.service_auth import token_digest
+    from tinkergym.serve.inference.engine import TorchInferenceEngine, plan_serving
+    from tinkergym.serve.inference.app import create_inference_app
+    from tinkergym.serve.auth import token_digest
 
     root = tmp_path_factory.mktemp("endpoints")
     run = root / "run_a"

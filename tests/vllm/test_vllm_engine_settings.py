@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tinkergym.backends.types import SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.backends.vllm_sampler import (  # noqa: E402
+from tinkergym.protocol.types import SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.vllm.sampler import (  # noqa: E402
     EnginePlatform,
     VLLMBackend,
     VLLMSampler,

@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tinkergym.backends.base import Backend  # noqa: E402
-from tinkergym.backends.types import SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.backends.vllm_sampler import VLLMBackend, VLLMSampler  # noqa: E402
+from tinkergym.protocol.backend import Backend  # noqa: E402
+from tinkergym.protocol.types import SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.vllm.sampler import VLLMBackend, VLLMSampler  # noqa: E402
 
 TOL = 1e-4
 

@@ -14,8 +14,8 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from tinkergym.backends.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.backends.vllm_sampler import VLLMBackend  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.vllm.sampler import VLLMBackend  # noqa: E402
 
 LORA_RANK = 8
 

@@ -18,9 +18,9 @@ import pytest
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 
-from tinkergym.backends.torch_sampling import filter_logits  # noqa: E402
-from tinkergym.backends.types import SampleRequest, SampleResponse, SamplingParams  # noqa: E402
-from tinkergym.backends.vllm_sampler import VLLMSampler, VLLMSamplerConfig, completion_seeds  # noqa: E402
+from tinkergym.backends.torch.sampling import filter_logits  # noqa: E402
+from tinkergym.protocol.types import SampleRequest, SampleResponse, SamplingParams  # noqa: E402
+from tinkergym.backends.vllm.sampler import VLLMSampler, VLLMSamplerConfig, completion_seeds  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
 
 TOL = 1e-4

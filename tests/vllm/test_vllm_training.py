@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tinkergym.backends.vllm_sampler import VLLMBackend
+from tinkergym.backends.vllm.sampler import VLLMBackend
 from tinkergym.trainers.config import TrainConfig
 from tinkergym.trainers.reporting import read_metrics
 from tinkergym.trainers.session import TrainingRun

@@ -1,5 +1,5 @@
 """The options every HTTP server command shares to bound slow and surplus clients (``--header-timeout``,
-``--body-timeout``, ``--max-connections``), and the :class:`~tinkergym.backends.slow_clients.ConnectionLimits` they make."""
+``--body-timeout``, ``--max-connections``), and the :class:`~tinkergym.serve.slow_clients.ConnectionLimits` they make."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import click
 
-from tinkergym.backends.slow_clients import ConnectionLimits
+from tinkergym.serve.slow_clients import ConnectionLimits
 from tinkergym.cli.common import FiniteFloat
 
 _DEFAULTS = ConnectionLimits()

@@ -207,7 +207,7 @@ def serve(
 
     import uvicorn
 
-    from tinkergym.backends.slow_clients import server_config
+    from tinkergym.serve.slow_clients import server_config
     from tinkergym.scheduler.app import SchedulerSettings, create_app
     from tinkergym.scheduler.db import database_url
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from tinkergym.backends.server_calls import CallLimits
+from tinkergym.serve.training.calls import CallLimits
 from tinkergym.cli.common import SEED, FiniteFloat, InputError, SafePath
 from tinkergym.cli.connection_options import connection_limits, connection_options
 
@@ -30,7 +30,7 @@ def _is_loopback(host: str) -> bool:
 
 def request_logger(run_dir: Path) -> logging.Logger:
     """The server's logger: one JSON line per request and call, to stderr and to ``<run-dir>/server.log``."""
-    logger = logging.getLogger("tinkergym.backends.server")
+    logger = logging.getLogger("tinkergym.serve.training.app")
     logger.setLevel(logging.INFO)
     logger.propagate = False
     for handler in (logging.StreamHandler(sys.stderr), logging.FileHandler(run_dir / "server.log", encoding="utf-8")):
@@ -93,7 +93,7 @@ def serve_backend(
       python -c "import secrets; print(secrets.token_urlsafe(32))" > token.txt && chmod 600 token.txt
       tinkergym serve-backend --model tiny --token-file token.txt --run-dir runs/server --port 8765
     """
-    from tinkergym.backends.service_auth import LeaseFile, read_token_file, token_digest
+    from tinkergym.serve.auth import LeaseFile, read_token_file, token_digest
 
     if token_file is None:
         raise InputError(f"--token-file is required: every route but /health needs the token; {TOKEN_HINT}")
@@ -103,16 +103,16 @@ def serve_backend(
     if not _is_loopback(host):
         click.echo(f"warning: listening on {host}: the token and the data travel unencrypted unless a TLS proxy is in front.", err=True)
 
-    from tinkergym.backends.lifetime import EnvironmentFault, environment_faults
+    from tinkergym.serve.lifetime import EnvironmentFault, environment_faults
     from tinkergym.errors import ConfigError
 
     with environment_faults():  # this machine's faults (a package, the model's files, a device) exit 69, not 2
         import uvicorn
 
         from tinkergym.backends.models import resolve_model
-        from tinkergym.backends.server import create_app
-        from tinkergym.backends.slow_clients import server_config
-        from tinkergym.backends.torch_backend import TorchBackend, TorchBackendConfig
+        from tinkergym.serve.training.app import create_app
+        from tinkergym.serve.slow_clients import server_config
+        from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
         run_dir.mkdir(parents=True, exist_ok=True)
         lora = {} if lora_alpha is None else {"lora_alpha": lora_alpha}
@@ -136,7 +136,7 @@ def serve_backend(
                                          access_log=False, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=75))
     watchdog = None
     if idle_timeout is not None or exit_with_parent:
-        from tinkergym.backends.lifetime import Watchdog
+        from tinkergym.serve.lifetime import Watchdog
 
         service = app.state.service
         watchdog = Watchdog(parent_pid=os.getppid() if exit_with_parent else None, idle_timeout=idle_timeout,

@@ -25,7 +25,7 @@ def _pick_engine(choice: str) -> str:
     """``torch`` or ``vllm`` for ``--engine`` (``auto``: vllm when it imports); ``vllm`` without vllm is a ConfigError."""
     if choice == "torch":
         return "torch"
-    from tinkergym.backends.vllm_sampler import INSTALL_HINT
+    from tinkergym.backends.vllm.sampler import INSTALL_HINT
     from tinkergym.errors import ConfigError
 
     try:
@@ -39,7 +39,7 @@ def _pick_engine(choice: str) -> str:
 
 def read_api_key(path: str) -> str:
     """The server's API key from its file (0600, at least 32 characters), errors naming ``--api-key-file``."""
-    from tinkergym.backends.service_auth import read_token_file
+    from tinkergym.serve.auth import read_token_file
     from tinkergym.errors import ConfigError
 
     try:
@@ -49,8 +49,8 @@ def read_api_key(path: str) -> str:
 
 
 def _check_model(model: str) -> None:
-    """Exit 69 with one line (:func:`tinkergym.backends.lifetime.environment_faults`) when ``model`` is not available here."""
-    from tinkergym.backends.lifetime import EnvironmentFault, environment_faults
+    """Exit 69 with one line (:func:`tinkergym.serve.lifetime.environment_faults`) when ``model`` is not available here."""
+    from tinkergym.serve.lifetime import EnvironmentFault, environment_faults
     from tinkergym.backends.models import resolve_model
     from tinkergym.errors import ConfigError
 
@@ -148,8 +148,8 @@ def serve_model(
         raise click.UsageError(f"{', '.join(given)} go with --scheduler URL.")
     if api_key_file is None:
         raise click.UsageError("--api-key-file is required: every route but /health needs the key (or serve through --scheduler URL).")
-    from tinkergym.backends.inference_engine import plan_serving
-    from tinkergym.backends.service_auth import LeaseFile, token_digest
+    from tinkergym.serve.inference.engine import plan_serving
+    from tinkergym.serve.auth import LeaseFile, token_digest
 
     key = read_api_key(api_key_file)
     choice, engine = engine, _pick_engine(engine)
@@ -160,16 +160,16 @@ def serve_model(
     try:
         import uvicorn
 
-        from tinkergym.backends.inference_server import create_inference_app
-        from tinkergym.backends.slow_clients import server_config
+        from tinkergym.serve.inference.app import create_inference_app
+        from tinkergym.serve.slow_clients import server_config
     except ImportError as exc:  # this machine's fault, not the request's: exit 69 (a worker gives the job back)
-        from tinkergym.backends.lifetime import ENVIRONMENT_EXIT_CODE
+        from tinkergym.serve.lifetime import ENVIRONMENT_EXIT_CODE
 
         click.echo(f"error: serve-model needs the serve extra ({exc.name} is missing): pip install 'tinkergym[serve]'", err=True)
         raise SystemExit(ENVIRONMENT_EXIT_CODE) from exc
     served = None
     if engine == "vllm":
-        from tinkergym.backends.vllm_inference_engine import VLLMInferenceEngine
+        from tinkergym.serve.inference.vllm_engine import VLLMInferenceEngine
         from tinkergym.errors import ConfigError
 
         try:
@@ -180,12 +180,12 @@ def serve_model(
             click.echo(f"vLLM cannot serve this ({exc}); serving with the torch engine", err=True)
             engine = "torch"
     if served is None:
-        from tinkergym.backends.inference_engine import TorchInferenceEngine
+        from tinkergym.serve.inference.engine import TorchInferenceEngine
 
         served = TorchInferenceEngine(plan, device=device, max_model_len=max_model_len)
     names = ", ".join(m.id for m in served.models())
     click.echo(f"serving {names} with the {engine} engine at http://{host}:{port}/v1", err=True)
-    from tinkergym.backends.lifetime import Activity, Watchdog
+    from tinkergym.serve.lifetime import Activity, Watchdog
 
     app = Activity(create_inference_app(served, token_digest(key), lease=LeaseFile(lease_file) if lease_file is not None else None))
     limits = connection_limits(header_timeout, body_timeout, max_connections)

@@ -71,7 +71,7 @@ def read_backend_token(options: dict[str, Any]) -> str | None:
     """The token in ``--backend-token-file``, if given (the file must be private to its owner, as the server's)."""
     if not options.get("backend_token_file"):
         return None
-    from tinkergym.backends.service_auth import read_token_file
+    from tinkergym.serve.auth import read_token_file
     from tinkergym.errors import ConfigError
 
     try:

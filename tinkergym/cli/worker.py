@@ -1,6 +1,6 @@
 """``tinkergym worker``: lend this machine's GPUs (or CPU slots) to a scheduler and run its jobs' servers.
 
-The worker is standard library only (:mod:`tinkergym.scheduler.worker`); the servers it starts load torch.
+The worker is standard library only (:mod:`tinkergym.scheduler.worker.agent`); the servers it starts load torch.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def worker(
     bad = [m for m in model_list if not MODEL.match(m) or ".." in m]
     if not model_list or bad:
         raise InputError(f"--models {models!r}: comma-separated model names such as tiny,smollm2-135m (not paths)")
-    from tinkergym.scheduler.worker import Worker, WorkerOptions, default_name
-    from tinkergym.scheduler.worker_client import WorkerClient
+    from tinkergym.scheduler.worker.agent import Worker, WorkerOptions, default_name
+    from tinkergym.scheduler.worker.client import WorkerClient
 
     name = name or default_name()
     if not NAME.match(name):
@@ -104,7 +104,7 @@ def worker(
         client = WorkerClient(scheduler_url, api_key)
     except ConfigError as exc:
         raise InputError(str(exc)) from exc
-    from tinkergym.scheduler.worker_checks import WorkerCheckFailed, check_worker
+    from tinkergym.scheduler.worker.checks import WorkerCheckFailed, check_worker
 
     try:
         check_worker(python, devices, model_list, check_models=not skip_model_check)

@@ -1,0 +1,1 @@
+"""The torch engine: TorchBackend (sampling, scoring, training, states) on CPU or CUDA."""

@@ -1,0 +1,595 @@
+"""The local compute backend: a transformers causal LM, LoRA (peft) or full fine-tuning, in this process.
+
+:class:`TorchBackend` implements every :class:`~tinkergym.protocol.backend.Backend` method:
+
+- ``sample``: batched generation with a KV cache over left-padded prompts (see
+  :mod:`tinkergym.backends.torch.sampling` for what the returned logprobs mean).
+- ``forward_backward``: micro-batches of at most ``micro_batch_size`` sequences; sequences that share their
+  prompt (a GRPO group) run it once (see :mod:`tinkergym.backends.torch.scoring`). Each micro-batch's loss is
+  weighted with normalizers of the whole request, so the accumulated gradients equal those of one big batch.
+  Gradients keep accumulating across calls until ``optim_step``.
+- KL to a reference (``LossSpec.kl_coef`` > 0): with LoRA the reference is the same model with the adapter
+  switched off (no second copy of the weights). With full fine-tuning a frozen copy of the starting weights
+  is loaded from disk the first time a KL term is asked for, and only then.
+- ``save_state`` / ``load_state``: trainable weights, AdamW state, step and the torch, CUDA (of the backend's
+  device), Python and NumPy RNG states, as safetensors and JSON only (see :mod:`tinkergym.backends.torch.state_files`;
+  nothing is ever unpickled); training resumed from a checkpoint continues bit for bit.
+- ``export``: the peft adapter folder, or (``merged=True`` or full fine-tuning) a plain transformers folder,
+  both with the tokenizer.
+
+Precision: ``dtype`` is the compute dtype. LoRA keeps the frozen base in it and the adapter in float32;
+full fine-tuning in bfloat16 keeps float32 weights; both compute under autocast (AdamW updates applied to
+bfloat16 weights are mostly rounded away, and peft's own float32 path for the adapter spends more time on
+casting activations than on the adapter itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from tinkergym.backends.torch import losses
+from tinkergym.backends.models import resolve_model
+from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, read_rng_state, restore_rng_state, write_optimizer_state, write_rng_state
+from tinkergym.backends.torch.copies import CastCopy, MergedLoraCopy, _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401
+from tinkergym.backends.torch.prefix_cache import PrefixCache, adapter_scope
+from tinkergym.backends.torch.sampling import sample_batch
+from tinkergym.backends.torch.runtime import (  # noqa: F401 - public here too
+    DTYPES,
+    deterministic_mode,
+    enable_gradient_checkpointing,
+    flash_attn_importable,
+    load_causal_lm,
+    quiet_peft,
+    resolve_attn_implementation,
+    resolve_device,
+    resolve_dtype,
+)
+from tinkergym.backends.torch.scoring import (
+    MicroBatch,
+    host_to_device,
+    logprobs_from,
+    read_positions,
+    plan_micro_batches,
+    sequence_logprobs,
+)
+from tinkergym.protocol.types import (
+    Datum,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
+    LossSpec,
+    OptimParams,
+    SampleRequest,
+    SampleResponse,
+    SampledSequence,
+    _Plain,
+)
+from tinkergym.errors import ConfigError, NonFiniteError, OutOfMemoryError
+from tinkergym.folders import fresh_tmp_dir, replace_dir
+
+#: Version of the save_state folder layout. 1: optimizer.pt and rng.pt pickles (refused since);
+#: 2: optimizer and RNG states as safetensors + JSON.
+STATE_FORMAT = 2
+
+
+@dataclass
+class TorchBackendConfig(_Plain):
+    """Settings of a :class:`TorchBackend`: ids, paths and numbers only, so it serializes with the run.
+
+    Attributes:
+        model: A local HF folder, a known name (``"tiny"``, ``"smollm2-135m"``) or a hub id; see
+            :func:`~tinkergym.backends.models.resolve_model`.
+        lora_rank: LoRA rank; 0 trains every parameter (full fine-tuning).
+        lora_alpha: LoRA scaling numerator (the update is scaled by ``lora_alpha / lora_rank``).
+        lora_dropout: Dropout on the LoRA input during ``forward_backward``.
+        lora_target_modules: ``"all-linear"`` or a list of module names, as peft takes them.
+        dtype: Compute dtype: ``"auto"`` (bfloat16 where the hardware supports it, else float32),
+            ``"bfloat16"`` or ``"float32"``. Full fine-tuning in bfloat16 keeps float32 master weights and
+            computes under autocast; LoRA keeps the frozen base in bfloat16 and the adapter in float32.
+        device: ``"auto"`` (cuda if available, else cpu) or a torch device string.
+        attn_implementation: ``"auto"`` (flash_attention_2 when flash-attn is installed, on cuda, in bfloat16;
+            on a CPU ``"grouped_matmul"``, see :mod:`~tinkergym.backends.torch.attention`; else sdpa) or any name
+            transformers accepts.
+        micro_batch_size: Sequences per forward/backward pass; bounds memory, not the effective batch. Groups
+            that share a prompt are packed up to the tokens of that many of the request's longest sequences.
+        max_sample_batch: Sequences generated together in one batch.
+        share_prefixes: Run a prompt shared by several sequences once, when sampling and when training
+            (exact up to floating-point summation order); False scores every sequence on its own.
+        prefix_cache_mb: Memory for automatic prefix caching when sampling: each sampled sequence's keys and values
+            are kept, and a later prompt that starts with one (the next turn of a multi-turn episode or game)
+            runs only what follows (:mod:`~tinkergym.backends.torch.prefix_cache`). Emptied whenever the weights
+            change and at every training pass; 0 turns it off.
+        seed: Seeds torch, Python and NumPy at start (LoRA initialization, unseeded sampling, dropout).
+        cache_dir: Where named models are built or converted; None uses the default cache.
+        deterministic: Deterministic kernels only (:func:`deterministic_mode`: for the whole process), so a run and
+            its resume repeat bit for bit on a GPU too, at some cost in speed; on CPU the kernels already are.
+        gradient_checkpointing: Keep only each decoder layer's input during ``forward_backward`` and recompute the
+            rest in the backward pass: activation memory of one layer instead of all, for about a third more
+            compute. Works with LoRA and full fine-tuning and keeps shared prompts shared (see
+            :mod:`tinkergym.backends.torch.scoring`); gradients equal those without it.
+        lora_sampling: How LoRA samples: ``"adapter"`` through the adapter, as the training pass computes; or
+            ``"merged"`` from a copy of the adapted weights with the adapter merged in
+            (:class:`~tinkergym.backends.torch.copies.MergedLoraCopy`: a second copy of those weights, refreshed
+            after each optimizer step), 1.25-1.4x faster sampling on a CPU. In bfloat16 the merged weights are
+            rounded: an update under half a bfloat16 step of its weight is lost to the sampler (``mismatch/*`` grows).
+    """
+
+    model: str = "tiny"
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target_modules: str | list[str] = "all-linear"
+    dtype: str = "auto"
+    device: str = "auto"
+    attn_implementation: str = "auto"
+    micro_batch_size: int = 8
+    max_sample_batch: int = 64
+    share_prefixes: bool = True
+    prefix_cache_mb: float = 1024.0
+    seed: int = 0
+    cache_dir: str | None = None
+    deterministic: bool = False
+    gradient_checkpointing: bool = False
+    lora_sampling: str = "adapter"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"dtype must be 'auto', 'bfloat16' or 'float32', not {self.dtype!r}")
+        if self.lora_rank < 0:
+            raise ConfigError(f"lora_rank must be >= 0 (0 = full fine-tuning), not {self.lora_rank}")
+        if self.micro_batch_size < 1 or self.max_sample_batch < 1:
+            raise ConfigError("micro_batch_size and max_sample_batch must be at least 1")
+        if self.lora_sampling not in ("merged", "adapter"):
+            raise ConfigError(f"lora_sampling must be 'adapter' or 'merged', not {self.lora_sampling!r}")
+        if not (self.prefix_cache_mb >= 0 and math.isfinite(self.prefix_cache_mb)):
+            raise ConfigError(f"prefix_cache_mb must be >= 0 (0 turns the prefix cache off), not {self.prefix_cache_mb}")
+
+
+@dataclass
+class _Batch:
+    """A right-padded micro-batch on the device; per-token tensors are None when the request has none."""
+
+    tokens: torch.Tensor
+    attention: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    sampling_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    lengths: list[int] = field(default_factory=list)
+    #: Every position >= 1 that any row reads, known on the host.
+    read: list[int] = field(default_factory=list)
+
+
+def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple:
+    return (args[0].contiguous(), *args[1:])
+
+
+def _pad_right(rows: list[list[float]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return host_to_device(out, device)
+
+
+def _validate(data: list[Datum], spec: LossSpec) -> None:
+    losses.validate_spec(spec)
+    for i, datum in enumerate(data):
+        n = len(datum.tokens)
+        if n == 0:
+            raise ConfigError(f"datum {i} has no tokens")
+        if len(datum.loss_mask) != n:
+            raise ConfigError(f"datum {i}: loss_mask has {len(datum.loss_mask)} entries for {n} tokens; give one per token")
+        for name in ("advantages", "sampling_logprobs", "old_logprobs"):
+            values = getattr(datum, name)
+            if values and len(values) != n:
+                raise ConfigError(f"datum {i}: {name} has {len(values)} entries for {n} tokens; give one per token (or none)")
+    for name, needed in (("advantages", losses.POLICY_LOSSES), ("sampling_logprobs", losses.RATIO_LOSSES)):
+        if spec.name in needed and not all(getattr(d, name) for d in data):
+            raise ConfigError(f"the {spec.name!r} loss needs {name} on every datum")
+
+
+class TorchBackend:
+    """A policy in this process: transformers model (+ peft LoRA), AdamW, checkpoints and export.
+
+    Args:
+        config: Model, LoRA, precision and batching settings; defaults to :class:`TorchBackendConfig`.
+    """
+
+    def __init__(self, config: TorchBackendConfig | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config or TorchBackendConfig()
+        self.model_path = resolve_model(self.config.model, self.config.cache_dir)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        attn = self.config.attn_implementation
+        if self.config.deterministic:
+            deterministic_mode()
+            if attn == "auto" and self.device.type == "cuda":
+                attn = "eager"  # flash-attn's and the efficient sdpa kernels' backward passes accumulate in a varying order
+        self.attn_implementation = resolve_attn_implementation(attn, self.device, self.dtype, self.model_path)
+        # Full fine-tuning keeps float32 master weights and computes in self.dtype under autocast: AdamW on
+        # bfloat16 weights would round most small updates away. LoRA keeps the frozen base in self.dtype
+        # (peft keeps the adapter in float32).
+        full_low_precision = self.config.lora_rank == 0 and self.dtype != torch.float32
+        self.param_dtype = torch.float32 if full_low_precision else self.dtype
+        random.seed(self.config.seed)
+        np.random.seed(self.config.seed)
+        torch.manual_seed(self.config.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.model = self._load_base(self.param_dtype)
+        if self.config.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
+        if self.config.lora_rank > 0:
+            self.model = self._add_lora(self.model)
+        else:
+            self.model.requires_grad_(True)
+        self.step = 0
+        self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        # The fused kernel updates every weight in one pass; the default per-tensor loop takes seconds per
+        # step for full fine-tuning of a 135M model on a CPU.
+        self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=0.0, fused=self.device.type in ("cpu", "cuda"))
+        self._reference: torch.nn.Module | None = None
+        self._sampling_copy: CastCopy | MergedLoraCopy | None = None  # see _sampling_model
+        self._sampling_copy_stale = False  # the trainable weights changed since the copy was made or refreshed
+        self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))
+        # Padding is only ever read behind the attention mask, so any id does when the tokenizer has none.
+        fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
+        self.pad_id = next(t for t in fallbacks if t is not None)
+
+    def _load_base(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
+        """The base model from disk in ``dtype`` on ``device`` (default: the backend's device)."""
+        model = load_causal_lm(self.model_path, dtype, attn_implementation=self.attn_implementation)
+        # torch 2.13 multiplies a non-contiguous [B, 1, H] slice (what logits_to_keep leaves) with a frozen
+        # weight by broadcasting the weight to [B, H, V] first: seconds per prefill with a frozen (LoRA) head.
+        model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
+        return model.to(self.device if device is None else device)
+
+    def _compute(self) -> contextlib.AbstractContextManager:
+        """Autocast to the compute dtype when any trainable weights (full float32 masters, a LoRA adapter) are kept in another one."""
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    def _add_lora(self, model: torch.nn.Module) -> torch.nn.Module:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=self.config.lora_rank,
+            lora_alpha=self.config.lora_alpha,
+            lora_dropout=self.config.lora_dropout,
+            target_modules=self.config.lora_target_modules,
+            task_type="CAUSAL_LM",
+        )
+        with quiet_peft():
+            model = get_peft_model(model, lora)
+        # An exported adapter names the model this backend started from as its base (an adapter folder it
+        # started from included; load_causal_lm merges that), not the base that folder was merged into.
+        for adapter_config in model.peft_config.values():
+            adapter_config.base_model_name_or_path = self.model_path
+        # peft casts each layer's input to the adapter's float32 before the adapter; under autocast (every
+        # forward here runs in _compute) the adapter computes in the compute dtype from its float32 weights.
+        for module in model.modules():
+            if hasattr(module, "lora_A"):
+                module.cast_input_dtype_enabled = False
+        return model
+
+    @property
+    def is_lora(self) -> bool:
+        """Whether the trainable weights are a LoRA adapter (else every weight trains)."""
+        return self.config.lora_rank > 0
+
+    def info(self) -> dict[str, Any]:
+        """Model, tokenizer folder, LoRA rank, dtype, device, step and parameter counts."""
+        return {
+            "model": self.config.model,
+            "model_path": self.model_path,
+            "tokenizer": self.model_path,
+            "lora": self.config.lora_rank,
+            "lora_rank": self.config.lora_rank,
+            "lora_alpha": self.config.lora_alpha,
+            "lora_dropout": self.config.lora_dropout,
+            "micro_batch_size": self.config.micro_batch_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "param_dtype": str(self.param_dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "attn_implementation": self.attn_implementation,
+            "deterministic": self.config.deterministic,
+            "gradient_checkpointing": self.config.gradient_checkpointing,
+            "step": self.step,
+            "trainable_params": sum(p.numel() for _, p in self._trainable),
+            "total_params": sum(p.numel() for p in self.model.parameters()),
+        }
+
+    # ----- sampling and scoring ---------------------------------------------------------------------
+    def sample(self, request: SampleRequest) -> SampleResponse:
+        """``num_samples`` completions per prompt, in batches of at most ``max_sample_batch`` sequences.
+
+        With ``params.seed`` set, sampling draws from its own generator and repeats exactly; without it, it
+        draws from the global torch RNG (seeded by the config and saved with the state).
+        """
+        params = request.params
+        if any(len(p) == 0 for p in request.prompts):
+            raise ConfigError("every prompt needs at least one token (e.g. the chat template's generation prompt)")
+        eos = self.tokenizer.eos_token_id
+        stop_ids = list(params.stop_token_ids) or ([eos] if eos is not None else [])
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        flat = [prompt for prompt in request.prompts for _ in range(request.num_samples)]
+        model = self._sampling_model()
+        self.prefix_cache.scope = adapter_scope(model)
+        results: list[SampledSequence] = []
+        for start in range(0, len(flat), self.config.max_sample_batch):
+            chunk = flat[start : start + self.config.max_sample_batch]
+            with self._compute(), self._out_of_memory_advice(chunk, training=False):
+                results.extend(sample_batch(model, chunk, params, stop_ids, self.pad_id, generator, self.config.share_prefixes, prefix_cache=self.prefix_cache))
+        n = request.num_samples
+        return SampleResponse(sequences=[results[i * n : (i + 1) * n] for i in range(len(request.prompts))])
+
+    def _sampling_model(self) -> torch.nn.Module:
+        """The model to sample with: the policy itself, or a copy made for sampling, refreshed when the weights changed.
+
+        Full fine-tuning with float32 master weights samples from a :class:`CastCopy` (autocast re-casts every
+        weight on every forward pass under inference mode, its cast cache being off there, which costs more than
+        a decode step itself); LoRA with ``lora_sampling`` merged from a :class:`MergedLoraCopy` while this
+        backend's own adapter is the active one (an inference engine switches to others, or turns adapters off).
+        """
+        if self.is_lora:
+            wanted = self.config.lora_sampling == "merged" and adapter_scope(self.model) == (("default",), False)
+        else:
+            wanted = self.param_dtype != self.dtype
+        if not wanted:
+            return self.model.eval()
+        if self._sampling_copy is None:  # a LoRA copy is None where it cannot merge: the live model samples
+            self._sampling_copy = MergedLoraCopy.build(self.model) if self.is_lora else CastCopy(self.model, self.dtype)
+        elif self._sampling_copy_stale:
+            self._sampling_copy.refresh()
+        self._sampling_copy_stale = False
+        return self.model.eval() if self._sampling_copy is None else self._sampling_copy.model
+
+    @contextlib.contextmanager
+    def _out_of_memory_advice(self, rows: list[Any], training: bool) -> Iterator[None]:
+        """Turn running out of device memory into :class:`OutOfMemoryError` saying what to lower; drop a partial step's gradients.
+
+        A CUDA allocation that fails raises ``torch.OutOfMemoryError``; a CPU one ``RuntimeError`` (where the
+        operating system refuses it rather than ending the process). The caches this backend holds are freed,
+        and with ``training`` the gradients accumulated since the last optimizer step (no longer a whole step's).
+        """
+        try:
+            yield
+        except RuntimeError as exc:
+            if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+                raise
+            self.prefix_cache.clear()
+            lengths = [len(getattr(row, "tokens", row)) for row in rows]
+            shape = f"{len(rows)} sequences, {sum(lengths)} tokens, the longest {max(lengths)}"
+            if training:
+                self.optimizer.zero_grad(set_to_none=True)
+                advice = (
+                    f"lower micro_batch_size (now {self.config.micro_batch_size}; --micro-batch-size), turn on gradient checkpointing "
+                    "(--gradient-checkpointing) or shorten the sequences (--max-context). The gradients accumulated since the last "
+                    "optimizer step were dropped"
+                )
+            else:
+                advice = (
+                    f"lower max_sample_batch (now {self.config.max_sample_batch}), the prefix cache (--prefix-cache-mb, now "
+                    f"{self.config.prefix_cache_mb:g}) or the prompts' length (--max-context)"
+                )
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            what = "training pass" if training else "sampling"
+            raise OutOfMemoryError(f"{what} ran out of {self.device.type} memory on {shape}: {advice}. ({exc})") from exc
+
+    def _weights_changed(self) -> None:
+        """Mark everything computed from the old weights stale: the sampling copy and the prefix cache."""
+        self._sampling_copy_stale = True
+        self.prefix_cache.clear()
+
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """Per-token logprobs of whole sequences under the current policy at ``temperature`` (entry 0 is 0.0).
+
+        Scored in the micro-batches training would score them in (see :meth:`plan`), so scoring long sequences
+        takes no more memory than training on them; read back once.
+        """
+        self.model.eval()
+        data = [Datum(tokens=s, loss_mask=[0.0] * len(s)) for s in sequences]
+        parts: list[torch.Tensor] = []
+        order: list[int] = []
+        with torch.no_grad():
+            for micro in self.plan(data, share_prefixes=False):
+                batch = self._collate([data[i] for i in micro.indices])
+                with self._compute():
+                    parts.append(logprobs_from(self.model, batch.tokens, batch.attention, temperature=temperature))
+                order.extend(micro.indices)
+        if not parts:
+            return []
+        width = max(part.shape[1] for part in parts)
+        rows = torch.cat([torch.nn.functional.pad(part, (0, width - part.shape[1])) for part in parts]).tolist()
+        out: list[list[float]] = [[] for _ in sequences]
+        for i, row in zip(order, rows):
+            out[i] = row[: len(sequences[i])]
+        return out
+
+    def plan(self, data: list[Datum], share_prefixes: bool | None = None) -> list[MicroBatch]:
+        """The micro-batches ``data`` is scored in: :func:`plan_micro_batches` with this backend's settings and
+        the cost of its KV cache copies (see :func:`kv_token_cost`)."""
+        share = self.config.share_prefixes if share_prefixes is None else share_prefixes
+        return plan_micro_batches(data, self.config.micro_batch_size, share, kv_token_cost(self.model.config))
+
+    def _collate(self, data: list[Datum]) -> _Batch:
+        width = max(len(d.tokens) for d in data)
+        # Right padding with id 0: causal attention never lets a real token see the padding after it.
+        tokens = _pad_right([d.tokens for d in data], width, torch.long, self.device)
+        attention = _pad_right([[1] * len(d.tokens) for d in data], width, torch.long, self.device)
+        # The first token is not predicted by anything.
+        mask = _pad_right([[0.0, *d.loss_mask[1:]] for d in data], width, torch.float32, self.device)
+        batch = _Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data], read=read_positions(data))
+        if all(d.advantages for d in data):
+            batch.advantages = _pad_right([d.advantages for d in data], width, torch.float32, self.device)
+        if all(d.sampling_logprobs for d in data):
+            batch.sampling_logprobs = _pad_right([d.sampling_logprobs for d in data], width, torch.float32, self.device)
+        if all(d.old_logprobs for d in data):
+            batch.old_logprobs = _pad_right([d.old_logprobs for d in data], width, torch.float32, self.device)
+        return batch
+
+    # ----- training ---------------------------------------------------------------------------------
+    def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
+        """Compute the named loss on the batch, micro-batch by micro-batch, and accumulate gradients.
+
+        Metrics: ``loss`` and ``tokens`` always; ``kl`` when ``kl_coef`` > 0; ``ratio_mean`` for ``ppo`` and
+        ``importance_sampling``; ``clip_fraction`` for ``ppo``; with sampler logprobs, the sampler/trainer
+        mismatch (``mismatch/logp_abs_mean``, ``mismatch/logp_abs_max``, ``mismatch/kl``) and with ``tis_cap``
+        the truncated importance weights (``tis/weight_mean``, ``tis/capped_fraction``). Means are over masked
+        tokens; the loss is normalized by the request's ``num_tokens``/``num_sequences`` when given.
+        """
+        spec, data = request.loss, request.data
+        _validate(data, spec)
+        self.prefix_cache.clear()  # its memory goes to the activations; sampling after an update starts afresh anyway
+        total_mask = sum(sum(d.loss_mask[1:]) for d in data) if request.num_tokens is None else request.num_tokens
+        num_sequences = request.num_sequences
+        if num_sequences is None:
+            num_sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
+        self.model.train()
+        # Metric sums stay on the device until every micro-batch ran: one read-back, not one per metric and micro-batch.
+        micro_sums: list[dict[str, torch.Tensor]] = []
+        # One autocast region for all micro-batches: autocast casts a float32 master weight once per region and keeps
+        # the cast (the weights stay as they are until optim_step), not once per micro-batch. Loss and backward: no autocast.
+        with self._compute():
+            for micro in self.plan(data):
+                rows = [data[i] for i in micro.indices]
+                with self._out_of_memory_advice(rows, training=True):
+                    batch = self._collate(rows)
+                    logprobs = self._sequence_logprobs(self.model, batch, micro, spec.temperature)
+                    with torch.autocast(self.device.type, enabled=False):  # a nested region keeps the outer one's casts
+                        reference = self._reference_logprobs(batch, micro, spec.temperature) if spec.kl_coef > 0 else None
+                        weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
+                        loss, sums = losses.compute_loss_on_device(
+                            spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference, batch.old_logprobs
+                        )
+                        loss.backward()
+                micro_sums.append(sums)
+        totals: dict[str, float] = {}
+        for sums in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were
+            totals = losses.add_sums(totals, sums)
+        return ForwardBackwardResult(metrics=losses.finalize_metrics(totals))
+
+    @staticmethod
+    def _sequence_logprobs(model: torch.nn.Module, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
+        return sequence_logprobs(
+            model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, read=batch.read
+        )
+
+    def _reference_logprobs(self, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
+        with torch.no_grad(), self._compute():
+            if self.is_lora:
+                with self.model.disable_adapter():
+                    return self._sequence_logprobs(self.model, batch, micro, temperature)
+            if self._reference is None:
+                # The starting weights, read back from disk only when a KL term first needs them.
+                # Computed like the policy, so the two agree exactly before the first update. Float32 masters
+                # are read on the host and the linear layers go to the device in the compute dtype (see
+                # _frozen_in_compute_dtype): autocast rounds them the same way on every pass.
+                if self.param_dtype == self.dtype:
+                    self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
+                else:
+                    self._reference = _frozen_in_compute_dtype(self._load_base(self.param_dtype, torch.device("cpu")), self.dtype, self.device)
+            return self._sequence_logprobs(self._reference, batch, micro, temperature)
+
+    def optim_step(self, params: OptimParams) -> dict[str, float]:
+        """One AdamW step with the accumulated gradients (clipped to ``max_grad_norm``), then clear them.
+
+        Returns ``grad_norm`` (before clipping), ``learning_rate`` and the new ``step``.
+        """
+        for group in self.optimizer.param_groups:
+            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps, weight_decay=params.weight_decay)
+        trainable = [p for _, p in self._trainable]
+        grads = [p.grad for p in trainable if p.grad is not None]
+        if params.max_grad_norm > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, params.max_grad_norm))
+        else:
+            grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+        if not math.isfinite(grad_norm):  # never write NaN into the weights; the caller sees grad_norm and stops
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "step": float(self.step)}
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self._weights_changed()
+        # Stop before such weights reach a checkpoint. NaN and inf propagate into sums: one number per tensor.
+        if not bool(torch.stack([p.detach().sum(dtype=torch.float32) for p in trainable]).isfinite().all()):
+            raise NonFiniteError(f"optimizer step {self.step} made weights NaN or infinite (learning rate {params.learning_rate:g})")
+        return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "step": float(self.step)}
+
+    # ----- checkpoints and export -------------------------------------------------------------------
+    def save_state(self, path: str) -> None:
+        """Write trainable weights, AdamW state, step and RNG states into the folder ``path`` atomically.
+
+        Files: ``state.json``, ``trainable.safetensors``, ``optimizer.safetensors`` + ``optimizer.json`` and
+        ``rng.safetensors`` + ``rng.json`` (see :mod:`tinkergym.backends.torch.state_files`); no pickles.
+        """
+        from safetensors.torch import save_file
+
+        self.prefix_cache.clear()  # a run resumed from here starts with an empty cache: so does this one
+        tmp = fresh_tmp_dir(path)
+        save_file({n: p.detach().cpu().contiguous() for n, p in self._trainable}, os.path.join(tmp, "trainable.safetensors"))
+        write_optimizer_state(tmp, self.optimizer.state_dict())
+        write_rng_state(tmp, self.device)
+        meta = {"format": STATE_FORMAT, "step": self.step, "config": self.config.to_dict(), "model_path": self.model_path}
+        Path(tmp, "state.json").write_text(json.dumps(meta, indent=2) + "\n")
+        replace_dir(tmp, os.fspath(path).rstrip("/"))
+
+    def load_state(self, path: str) -> None:
+        """Restore what :meth:`save_state` wrote; the backend must have the same model and LoRA settings.
+
+        A folder of an older state format (``optimizer.pt``/``rng.pt`` pickles) is refused with a ConfigError.
+        """
+        from safetensors.torch import load_file
+
+        meta_file = Path(path, "state.json")
+        if not meta_file.is_file():
+            raise ConfigError(f"{path} is not a backend state folder (no state.json); pass a folder written by save_state")
+        meta = json.loads(meta_file.read_text())
+        check_state_format(path, meta.get("format"), STATE_FORMAT)
+        weights = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.device))
+        names = [n for n, _ in self._trainable]
+        if sorted(weights) != sorted(names):
+            raise ConfigError(
+                f"{path} holds other trainable weights than this backend (saved with lora_rank="
+                f"{meta['config'].get('lora_rank')}, this one has {self.config.lora_rank}); build the backend with the saved config"
+            )
+        # Everything is read before anything changes, so a broken folder leaves the backend as it was.
+        optimizer_state, rng_state = read_optimizer_state(path), read_rng_state(path)
+        with torch.no_grad():
+            for name, param in self._trainable:
+                param.copy_(weights[name])
+        self._weights_changed()
+        self.optimizer.load_state_dict(optimizer_state)
+        restore_rng_state(*rng_state, self.device)
+        self.step = int(meta["step"])
+
+    def export(self, path: str, merged: bool = False) -> None:
+        """Write an HF folder with the tokenizer: the peft adapter, or with ``merged`` (or full fine-tuning) a plain model.
+
+        The adapter loads with ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)``;
+        the merged folder with ``AutoModelForCausalLM.from_pretrained(path)``. Training state is untouched.
+        """
+        tmp = fresh_tmp_dir(path)
+        if self.is_lora and not merged:
+            self.model.save_pretrained(tmp)
+        elif self.is_lora:
+            # Merging rewrites the layers in place, so it happens on a copy, in host memory.
+            _merged_on_host(self.model).save_pretrained(tmp)
+        else:
+            self.model.save_pretrained(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, os.fspath(path).rstrip("/"))

@@ -1,0 +1,153 @@
+"""How TorchBackend sets up torch: device, dtype, attention implementation, deterministic kernels, gradient checkpointing."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
+from tinkergym.backends.torch.attention import register as register_grouped_matmul
+from tinkergym.errors import ConfigError
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` -> cuda when available, else cpu; anything else as torch reads it."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``"auto"`` -> bfloat16 where ``device`` computes it natively (CUDA bf16, CPU AVX512-BF16/AMX), else float32."""
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    try:
+        native = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native = False
+    return torch.bfloat16 if native else torch.float32
+
+
+def deterministic_mode() -> None:
+    """Deterministic kernels for this process: ``torch.use_deterministic_algorithms(True)`` (an op without a deterministic
+    kernel raises instead of running), cuBLAS's fixed workspace and no cuDNN autotuning. Set before the first CUDA call."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+
+
+_FLASH_ATTN: list[bool] = []
+
+
+def flash_attn_importable() -> bool:
+    """Whether ``flash_attn`` really imports here (once per process). A wheel built for another torch or CUDA is found
+    by ``find_spec`` but fails at import (undefined symbols), which must mean "not installed", not a crash at load."""
+    if not _FLASH_ATTN:
+        if importlib.util.find_spec("flash_attn") is None:
+            _FLASH_ATTN.append(False)
+        else:
+            try:
+                import flash_attn  # noqa: F401
+
+                _FLASH_ATTN.append(True)
+            except Exception as exc:  # noqa: BLE001 - ImportError, OSError, RuntimeError: any failure means unusable
+                warnings.warn(f"flash-attn is installed but does not import ({type(exc).__name__}: {str(exc)[:200]}); using sdpa attention",
+                              stacklevel=2)
+                _FLASH_ATTN.append(False)
+    return _FLASH_ATTN[0]
+
+
+def resolve_attn_implementation(name: str, device: torch.device, dtype: torch.dtype, model_path: str | None = None) -> str:
+    """``"auto"`` -> flash_attention_2 when flash-attn is importable on cuda in bfloat16 (it needs half precision), else
+    sdpa; on a CPU :mod:`~tinkergym.backends.torch.attention`'s grouped_matmul (sdpa's masks, faster on a CPU) where the
+    model supports sdpa; eager for a model class that supports neither (Gemma 2's soft-capped attention, for one)."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and dtype == torch.bfloat16 and flash_attn_importable():
+        if _model_class_supports(model_path, "_supports_flash_attn"):
+            return "flash_attention_2"
+    if not _model_class_supports(model_path, "_supports_sdpa"):
+        return "eager"
+    return GROUPED_MATMUL if device.type == "cpu" else "sdpa"
+
+
+def _model_class_supports(model_path: str | None, flag: str) -> bool:
+    """Whether the transformers class of the model in ``model_path`` declares ``flag`` (True when it cannot be told)."""
+    if model_path is None or not os.path.isfile(os.path.join(model_path, "config.json")):
+        return True
+    import transformers
+
+    architectures = json.loads(Path(model_path, "config.json").read_text()).get("architectures") or []
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    return bool(getattr(model_class, flag, True))
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Checkpoint every decoder layer of ``model`` (a transformers model) in training mode, keeping the KV cache passed to it.
+
+    Non-reentrant checkpointing: gradients reach a LoRA adapter on a frozen base without inputs that require
+    grad. Transformers drops a layer's KV cache under checkpointing unless the layer says the cache survives a
+    recompute; the training passes give their layers caches that do (see
+    :func:`~tinkergym.backends.torch.scoring.replayable_cache`), so the layers say so.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ConfigError(f"{type(model).__name__} does not support gradient checkpointing; train without --gradient-checkpointing")
+    if not hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache"):
+        raise ConfigError("gradient checkpointing with shared prompts needs a newer transformers: pip install -U transformers")
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    for module in model.modules():
+        if isinstance(module, GradientCheckpointingLayer):
+            module._can_checkpoint_with_cache = True
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Silence the FutureWarning peft causes by reading transformers' deprecated ``is_gradient_checkpointing`` (not actionable here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        yield
+
+
+def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> torch.nn.Module:
+    """The causal LM in folder ``path`` in ``dtype``; a peft adapter folder (a LoRA run's ``final/``) merged into its base.
+
+    ``AutoModelForCausalLM.from_pretrained`` of an adapter folder attaches the adapter unmerged, under peft's
+    default name: a LoRA added on top for training would then replace it, and training would start from the
+    base model instead of the adapter's. Here the base (``base_model_name_or_path``, itself possibly an adapter
+    folder) is loaded in float32, the adapter merged into it in float32 and the result cast to ``dtype`` once
+    (``dtype="auto"``: merged in the dtype the base's config names, as transformers loads it).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from tinkergym.backends.models import is_adapter_folder, resolve_model
+
+    if kwargs.get("attn_implementation") == GROUPED_MATMUL:
+        register_grouped_matmul()
+    if not is_adapter_folder(path):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    from peft import PeftModel
+
+    adapter = Path(path, "adapter_config.json")
+    base_path = resolve_model(json.loads(adapter.read_text(encoding="utf-8"))["base_model_name_or_path"])
+    base = load_causal_lm(base_path, "auto" if dtype == "auto" else torch.float32, **kwargs)
+    with quiet_peft():
+        merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+    return merged if dtype == "auto" else merged.to(dtype)

@@ -1,0 +1,414 @@
+"""Batched token sampling with a transformers causal LM and its KV cache, over left-padded prompts.
+
+The logprob reported for a sampled token is the log-softmax of the distribution it was actually drawn from:
+logits divided by the temperature, then restricted by top-k / top-p and renormalized. With temperature 1
+and no filters that is the policy's own logprob. Greedy decoding (temperature 0) reports the untempered
+policy logprob of the chosen token, since the point mass it samples from would report 0 for every token.
+
+The decode loop never waits for the device between steps: tokens, logprobs and stop flags stay on it, and
+whether every row has stopped is read back once every :data:`STOP_CHECK_INTERVAL` steps. The steps run past
+the first one at which every row had stopped are discarded, and the random generator is put back to its state
+after that step, so the results and the random numbers drawn are those of a loop that checked every step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of
+from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
+from tinkergym.backends.torch.prefix_cache import PrefixCache
+from tinkergym.backends.torch.scoring import host_to_device, padded_length_limit
+from tinkergym.protocol.types import SampledSequence, SamplingParams
+from tinkergym.errors import NonFiniteError
+
+#: Decode steps between two reads of the stop flags (each read makes the host wait for the device).
+STOP_CHECK_INTERVAL = 8
+
+
+def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Logits with everything outside the top-k and the top-p nucleus set to -inf (0 / 1 switch a filter off).
+
+    The most likely token always survives, so the result is never all -inf.
+    """
+    if top_k > 0 and top_k < logits_BV.shape[-1]:
+        kth = torch.topk(logits_BV, top_k, dim=-1).values[:, -1:]
+        logits_BV = logits_BV.masked_fill(logits_BV < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits_BV, dim=-1, descending=True)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # A token is dropped when the tokens ranked above it already reach top_p on their own.
+        drop_sorted = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
+        drop_sorted[:, 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits_BV = logits_BV.masked_fill(drop, float("-inf"))
+    return logits_BV
+
+
+def draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row with probability ``probs_BV`` (rows need not sum to exactly 1), by inverting the CDF.
+
+    One uniform number per row instead of ``torch.multinomial``'s random number per vocabulary entry, which
+    costs more than the model's own decode step on a CPU. Entries with probability 0 are never drawn.
+    """
+    cdf_BV = probs_BV.cumsum(dim=-1)
+    u_B1 = torch.rand((probs_BV.shape[0], 1), generator=generator, device=probs_BV.device) * cdf_BV[:, -1:]
+    return torch.searchsorted(cdf_BV, u_B1, right=True).clamp_max(probs_BV.shape[-1] - 1).squeeze(-1)
+
+
+def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its logprob under the distribution it was drawn from (see the module docstring).
+
+    Probabilities are float32 whatever the logits' dtype; at temperature 1 without filters they come straight
+    from the logits in one softmax pass, the chosen token's logprob is the log of its probability.
+    """
+    if not bool(logits_finite(logits_BV)):  # a diverged model: say so instead of a torch error
+        raise NonFiniteError(DIVERGED)
+    return _draw_next(logits_BV, params, generator)
+
+
+DIVERGED = "the model's logits are NaN or infinite: the weights have diverged"
+
+
+def logits_finite(logits_BV: torch.Tensor) -> torch.Tensor:
+    """A boolean scalar on the device: whether every logit is finite."""
+    # NaN propagates through max, and a row of -inf has no finite max: one reduction checks every row.
+    return torch.isfinite(logits_BV.amax(dim=-1)).all()
+
+
+def _draw_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if params.temperature <= 0:
+        tokens_B = logits_BV.argmax(dim=-1)
+        chosen = logits_BV.gather(-1, tokens_B[:, None]).squeeze(-1).float()
+        return tokens_B, chosen - torch.logsumexp(logits_BV.float(), dim=-1)
+    scaled = logits_BV
+    if params.temperature != 1.0 or params.top_k > 0 or params.top_p < 1.0:
+        scaled = filter_logits(logits_BV.float() / params.temperature, params.top_k, params.top_p)
+    probs_BV = torch.softmax(scaled, dim=-1, dtype=torch.float32)
+    tokens_B = draw(probs_BV, generator)
+    return tokens_B, probs_BV.gather(-1, tokens_B[:, None]).squeeze(-1).log()
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask, position_ids)`` of prompts padded on the left, positions counted from each prompt's start."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention[row, width - len(prompt) :] = 1
+    positions = (attention.cumsum(dim=-1) - 1).clamp_min(0)
+    return host_to_device(input_ids, device), host_to_device(attention, device), host_to_device(positions, device)
+
+
+def prefill(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    pad_id: int,
+    device: torch.device,
+    share_prompts: bool = True,
+    prefix_cache: PrefixCache | None = None,
+) -> tuple[torch.Tensor, object, torch.Tensor, torch.Tensor]:
+    """Run the prompts through the model once: ``(last logits [B, V], KV cache, attention mask, positions)``.
+
+    Identical prompts (a GRPO group asks for many samples of one prompt) are run once, and their cache rows
+    are copied to every sample that shares them: the prefill costs the distinct prompts, not the samples.
+    ``share_prompts=False`` runs every row. With a ``prefix_cache``, what the prompts share with its entries
+    is taken from it and only the rest runs (see :func:`_cached_columns`).
+    """
+    distinct: dict[tuple[int, ...], int] = {}
+    row_of = [distinct.setdefault(tuple(p), len(distinct)) if share_prompts else i for i, p in enumerate(prompts)]
+    unique = [list(p) for p in distinct] if share_prompts else prompts
+    input_ids, attention, positions = left_pad(unique, pad_id, device)
+    mask = attention if len({len(p) for p in unique}) > 1 else None  # no padding: no mask to inspect (see _decode)
+    past, kept = _cached_columns(unique, prefix_cache) if prefix_cache is not None else (None, 0)
+    out = model(
+        input_ids=input_ids[:, kept:],
+        attention_mask=mask,
+        position_ids=positions[:, kept:],
+        **cache_kwargs(past),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    logits_BV, cache = out.logits[:, -1], cache_of(out)
+    if len(unique) < len(prompts):
+        index = host_to_device(torch.tensor(row_of, dtype=torch.long), device)
+        cache.batch_select_indices(index)
+        logits_BV, attention, positions = logits_BV[index], attention[index], positions[index]
+    return logits_BV, cache, attention, positions
+
+
+def _cached_columns(prompts: list[list[int]], prefix_cache: PrefixCache) -> tuple[object | None, int]:
+    """``(cache, kept)``: a KV cache of the left-padded prompts' first ``kept`` columns from ``prefix_cache``, or ``(None, 0)``.
+
+    Every row runs the same last ``run`` columns, ``run`` being the most any prompt has left once its cached
+    prefix is taken: a row with less left runs the end of its cached prefix again, which is exact (those
+    positions' keys are computed from the columns before them, as in a full prefill). Rows stay left-padded
+    and contiguous, so every position keeps its cache index (what sliding-window and chunked masks measure).
+    """
+    from transformers import DynamicCache
+
+    matches = [prefix_cache.match(p) for p in prompts]
+    width = max(len(p) for p in prompts)
+    run = max(len(p) - n for p, (_, n) in zip(prompts, matches))
+    kept = width - run
+    prefix_cache.stats.prompt_tokens += sum(len(p) for p in prompts)
+    if kept <= 0:
+        return None, 0
+    cache = DynamicCache()
+    template = next(entry for entry, _ in matches if entry is not None).layers
+    for layer, (keys, values) in enumerate(template):
+        keys_BHKD = keys.new_zeros((len(prompts), keys.shape[0], kept, keys.shape[-1]))
+        values_BHKD = values.new_zeros((len(prompts), values.shape[0], kept, values.shape[-1]))
+        for row, (prompt, (entry, _)) in enumerate(zip(prompts, matches)):
+            taken = len(prompt) - run
+            if taken > 0:
+                keys_BHKD[row, :, kept - taken :] = entry.layers[layer][0][:, :taken]
+                values_BHKD[row, :, kept - taken :] = entry.layers[layer][1][:, :taken]
+        cache.update(keys_BHKD, values_BHKD, layer)
+    prefix_cache.stats.reused_tokens += sum(max(0, len(p) - run) for p in prompts)
+    return cache, kept
+
+
+def store_rows(prefix_cache: PrefixCache, cache: object, prompts: list[list[int]], completions: list[list[int]]) -> None:
+    """Keep each row's keys and values for its prompt and the sampled ids the model ran, in ``prefix_cache``.
+
+    Only caches of plain full-attention layers are kept (sliding-window layers hold just their window).
+    """
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(layer, _preallocated_layer_class()) for layer in layers):
+        return
+    width = max(len(p) for p in prompts)
+    ran = layers[0].keys.shape[-2] - width  # decode steps whose ids were run through the model
+    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+        fed = min(len(completion), ran)
+        start, end = width - len(prompt), width + fed
+        kv = [(layer.keys[row, :, start:end].clone(), layer.values[row, :, start:end].clone()) for layer in layers]
+        prefix_cache.store([*prompt, *completion[:fed]], kv)
+
+
+def _preallocated(cache: object, extra: int) -> object:
+    """``cache`` with each plain dynamic layer replaced by a :class:`_PreallocatedLayer` with room for ``extra`` more positions."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    for i, layer in enumerate(layers or []):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel() > 0:
+            layers[i] = _preallocated_layer_class()(layer, extra)
+    return cache
+
+
+@functools.cache
+def _preallocated_layer_class() -> type:
+    """:class:`PreallocatedLayer`, defined on first use: transformers is imported only when a model samples."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """A dynamic KV cache layer whose keys and values are views into buffers sized for the whole decode.
+
+        transformers' dynamic layer concatenates every new position onto the whole cache (a fresh tensor, and a
+        copy of all of it, per layer and step); here a step writes its position into the buffer in place. The
+        views hold exactly the positions the dynamic layer would, so attention reads the same numbers.
+        """
+
+        def __init__(self, layer: DynamicLayer, extra: int) -> None:
+            super().__init__()
+            self.dtype, self.device, self.is_initialized = layer.keys.dtype, layer.keys.device, True
+            self._keys = _grown(layer.keys, extra)
+            self._values = _grown(layer.values, extra)
+            self._length = layer.keys.shape[-2]
+            self.keys, self.values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+            start, end = self._length, self._length + key_states.shape[-2]
+            if end > self._keys.shape[-2]:  # never in the decode loop; stay correct if called past it
+                self._keys, self._values = _grown(self.keys, end - start), _grown(self.values, end - start)
+            self._keys[:, :, start:end] = key_states  # rounded to the cache's dtype as the dynamic layer's callers do
+            self._values[:, :, start:end] = value_states
+            self._length = end
+            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+            return self.keys, self.values
+
+    return PreallocatedLayer
+
+
+def _grown(states: torch.Tensor, extra: int) -> torch.Tensor:
+    """A buffer ``[B, H, S + extra, D]`` whose first ``S`` positions are ``states``."""
+    batch, heads, length, dim = states.shape
+    buffer = states.new_empty((batch, heads, length + extra, dim))
+    buffer[:, :, :length] = states
+    return buffer
+
+
+@torch.inference_mode()
+def sample_batch(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    stop_ids: list[int],
+    pad_id: int,
+    generator: torch.Generator | None = None,
+    share_prompts: bool = True,
+    check_interval: int = STOP_CHECK_INTERVAL,
+    prefix_cache: PrefixCache | None = None,
+) -> list[SampledSequence]:
+    """Sample one completion per prompt, all prompts in one batch sharing one KV cache.
+
+    A row stops at the first token in ``stop_ids`` (kept as its last id, finish reason ``"stop"``) or after
+    ``params.max_new_tokens`` (``"length"``). Rows that stopped keep being fed a pad token, which nothing reads.
+    Identical prompts are prefilled once (see :func:`prefill`). Prompts of different lengths run apart when
+    left padding would change the model's results (see :func:`~tinkergym.backends.torch.scoring.padded_length_limit`).
+    Whether every row has stopped is read back every ``check_interval`` steps (see the module docstring).
+    With a ``prefix_cache``, prompts start from what it holds, and every row's keys and values are kept in it
+    afterwards (see :mod:`~tinkergym.backends.torch.prefix_cache`).
+    """
+    limit = padded_length_limit(model)
+    widths = sorted({len(p) for p in prompts})
+    if limit is not None and len(widths) > 1 and widths[-1] + params.max_new_tokens > limit:
+        by_row: dict[int, SampledSequence] = {}
+        for width in widths:
+            indices = [i for i, p in enumerate(prompts) if len(p) == width]
+            by_row.update(zip(indices, sample_batch(model, [prompts[i] for i in indices], params, stop_ids, pad_id, generator, share_prompts, check_interval, prefix_cache)))
+        return [by_row[i] for i in range(len(prompts))]
+    device = next(model.parameters()).device
+    logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts, prefix_cache)
+    cache = _preallocated(cache, params.max_new_tokens)
+    # Whether each id is a stop id, looked up by a gather: torch.isin of many stop ids sorts and deduplicates
+    # (a data-dependent size, read back from a GPU on every step). Sampled ids and the pad id fall inside it.
+    is_stop_V = torch.zeros(max([logits_BV.shape[-1], pad_id + 1, *(t + 1 for t in stop_ids)]), dtype=torch.bool)
+    is_stop_V[[t for t in stop_ids if t >= 0]] = True
+    is_stop_V = host_to_device(is_stop_V, device)
+    mask = attention if len(widths) > 1 else None
+    tokens_BS, logprobs_BS, steps = _decode(model, logits_BV, cache, mask, positions, params, is_stop_V, pad_id, generator, check_interval)
+    stops = set(stop_ids)
+    out = []
+    # The only reads of the results: a row's ids end at its first stop id (later ones are the pad fed to stopped rows).
+    for ids, logprobs in zip(tokens_BS[:, :steps].tolist(), logprobs_BS[:, :steps].tolist()):
+        n = next((i + 1 for i, token in enumerate(ids) if token in stops), steps)
+        out.append(SampledSequence(tokens=ids[:n], logprobs=logprobs[:n], finish_reason="stop" if ids[:n] and ids[n - 1] in stops else "length"))
+    if prefix_cache is not None and prefix_cache.max_bytes > 0:
+        store_rows(prefix_cache, cache, prompts, [seq.tokens for seq in out])
+    return out
+
+
+def _single_query_masks(model: torch.nn.Module, cache: object, attention: torch.Tensor | None, steps: int) -> torch.Tensor | None:
+    """The decode steps' attention masks as one ``[B, 1, 1, width + steps]`` boolean buffer (a step reads a prefix), or None.
+
+    transformers takes a 4D mask as it is: it neither builds one from the 2D padding mask on every step nor reads
+    that mask back to see whether it can drop it. With the padding mask this is the mask it would build (a
+    single query sees every earlier position), so the results are the same. Without padding (``attention``
+    None) transformers passes no mask and sdpa then runs its grouped-query kernel one query head at a time,
+    which on a CPU takes several times longer than a decode step's attention with the heads of a key/value head
+    packed together (what transformers does when there is a mask); the packed kernel rounds differently in the
+    last bit, so the mask is only given there in a low-precision compute dtype, where the sampler is held to the
+    training pass's numbers within a tolerance rather than to transformers' decode bit for bit. None (the
+    plain path) for other attention implementations and for caches with other than plain full-attention layers,
+    whose masks (sliding windows, chunks) a single mask cannot express. The grouped_matmul implementation takes the
+    same masks, and none without padding.
+    """
+    config = getattr(model, "config", None)
+    layers = getattr(cache, "layers", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", GROUPED_MATMUL) or not layers:
+        return None
+    if implementation == GROUPED_MATMUL and attention is None:  # its single query needs no mask and no head packing
+        return None
+    if not all(isinstance(layer, _preallocated_layer_class()) for layer in layers):
+        return None
+    keys = layers[0].keys
+    if attention is None and not (keys.device.type == "cpu" and keys.dtype in (torch.bfloat16, torch.float16)):
+        return None
+    batch, width = keys.shape[0], keys.shape[-2]
+    masks_B11S = torch.ones((batch, 1, 1, width + steps), dtype=torch.bool, device=keys.device)
+    if attention is not None:
+        masks_B11S[:, 0, 0, :width] = attention.bool()
+    return masks_B11S
+
+
+def _default_generator(device: torch.device) -> torch.Generator | None:
+    """The generator ``torch.rand`` draws from on ``device`` without one; None where it cannot be told."""
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return None
+
+
+def _first_stop(done: list[bool], diverged: list[bool], first_step: int) -> int | None:
+    """The first step of a checked window after which every row had stopped (None: none); a divergence before it raises."""
+    for i, (all_done, bad) in enumerate(zip(done, diverged)):
+        if bad:  # a loop checking every step would have raised at the start of this step
+            raise NonFiniteError(DIVERGED)
+        if all_done:
+            return first_step + i
+    return None
+
+
+def _decode(
+    model: torch.nn.Module,
+    logits_BV: torch.Tensor,
+    cache: object,
+    attention: torch.Tensor | None,
+    positions: torch.Tensor,
+    params: SamplingParams,
+    is_stop_V: torch.Tensor,
+    pad_id: int,
+    generator: torch.Generator | None,
+    check_interval: int,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(tokens [B, S], logprobs [B, S], steps)``: the decode loop from the prefill's logits, on the device.
+
+    Only the first ``steps`` columns count. ``is_stop_V`` tells for each id whether it is a stop id. Stop flags
+    are read every ``check_interval`` steps (see the module docstring). ``attention`` None means no row is
+    padded: transformers then has no padding mask to inspect, which it would read back on every forward pass.
+    """
+    batch, steps, device = logits_BV.shape[0], params.max_new_tokens, logits_BV.device
+    tokens_BS = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
+    logprobs_BS = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    done_S = torch.zeros(steps, dtype=torch.bool, device=device)  # every row had stopped after the step
+    diverged_S = torch.zeros(steps, dtype=torch.bool, device=device)  # the step's logits were NaN or infinite
+    finished_B = torch.zeros(batch, dtype=torch.bool, device=device)
+    rng = None
+    if params.temperature > 0:
+        rng = generator if generator is not None else _default_generator(device)
+    if params.temperature > 0 and rng is None:
+        check_interval = 1  # nothing to rewind: check every step, so no step runs past the stop
+    rng_states: list[torch.Tensor] = []  # the generator's state after each step since the last check
+    window = 0  # the first step not yet checked
+    next_position = positions[:, -1:] + 1
+    width = positions.shape[-1]
+    masks_B11S = _single_query_masks(model, cache, attention, steps)
+    for step in range(steps):
+        diverged_S[step] = ~logits_finite(logits_BV)
+        tokens_B, logprobs_B = _draw_next(logits_BV, params, rng)
+        tokens_B = torch.where(finished_B, torch.full_like(tokens_B, pad_id), tokens_B)
+        tokens_BS[:, step], logprobs_BS[:, step] = tokens_B, logprobs_B
+        finished_B |= is_stop_V[tokens_B]
+        done_S[step] = finished_B.all()
+        if rng is not None:
+            rng_states.append(rng.get_state())
+        if step + 1 == steps or step + 1 - window >= check_interval:
+            flags = torch.stack([done_S[window : step + 1], diverged_S[window : step + 1]]).tolist()
+            end = _first_stop(*flags, window)
+            if end is not None or step + 1 == steps:
+                end = step if end is None else end
+                if rng is not None:
+                    rng.set_state(rng_states[end - window])
+                return tokens_BS, logprobs_BS, end + 1
+            window, rng_states = step + 1, []
+        if masks_B11S is not None:
+            attention = masks_B11S[..., : width + step + 1]
+        elif attention is not None:
+            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+        out = model(
+            input_ids=tokens_B[:, None],
+            attention_mask=attention,
+            position_ids=next_position,
+            **cache_kwargs(cache),
+            use_cache=True,
+        )
+        logits_BV, cache = out.logits[:, -1], cache_of(out)
+        next_position = next_position + 1
+    return tokens_BS, logprobs_BS, 0

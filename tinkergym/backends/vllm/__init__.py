@@ -1,0 +1,1 @@
+"""The vLLM engine: a sampler beside a trainer, its weights synced from it."""

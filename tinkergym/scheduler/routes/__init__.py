@@ -1,0 +1,47 @@
+"""The scheduler's routes: thin, one module per resource; :func:`respond_once` runs a POST once per Idempotency-Key."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+T = TypeVar("T")
+
+#: How many submissions run their transaction at once, per app: on SQLite one (its writes take turns on the write
+#: lock anyway; more threads would only wait there and contend for the GIL), on PostgreSQL a few.
+WRITERS = {"sqlite": 1}
+DEFAULT_WRITERS = 4
+
+
+async def in_writer_thread(request: Any, function: Callable[[], T]) -> T:
+    """``function()`` in a worker thread, with at most :data:`WRITERS` such calls of the app running at once (the
+    others wait in the event loop, not as threads)."""
+    import asyncio
+
+    import anyio
+    import anyio.to_thread
+
+    state = request.app.state
+    loop = asyncio.get_running_loop()
+    if getattr(state, "writers_loop", None) is not loop:  # a limiter waits with the primitives of one event loop
+        state.writers = anyio.CapacityLimiter(WRITERS.get(state.engine.dialect.name, DEFAULT_WRITERS))
+        state.writers_loop = loop
+    return await anyio.to_thread.run_sync(function, limiter=state.writers)
+
+
+def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: Any, finish: Any = None) -> Any:
+    """Run ``handler(conn)`` in one transaction, once per ``Idempotency-Key`` when one is given; the JSON response.
+
+    ``finish(body)`` completes a successful answer, first or replayed, after it is stored (what must not be stored,
+    such as a token). A replayed answer carries ``Idempotent-Replayed: true``.
+    """
+    from tinkergym.serve.asgi import WireJSON, error_response
+    from tinkergym.scheduler.idempotency import IdempotencyError, run_once
+
+    try:
+        stored = run_once(request.app.state.store, tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
+                          body=body, handler=handler)
+    except IdempotencyError as exc:
+        kinds = {409: "conflict", 422: "idempotency_key_reused", 400: "invalid_request"}
+        return error_response(exc.status, kinds[exc.status], str(exc))
+    answer = finish(stored.body) if finish is not None and 200 <= stored.status < 300 else stored.body
+    return WireJSON(answer, status_code=stored.status, headers={"Idempotent-Replayed": "true"} if stored.replayed else None)

@@ -1,0 +1,600 @@
+"""The worker (``tinkergym worker``): takes leases for its devices and runs each job's server as its own process group.
+
+Standard library and :mod:`tinkergym.client` only: no torch, no FastAPI (the servers it starts load those).
+
+For each lease, in ``<work-dir>/jobs/<job>/<epoch>/`` (the server's run folder, with the lease's token in the
+0600 file ``token`` and the lease's deadline in ``lease``, moved on at every heartbeat the scheduler accepts: past it
+the server refuses every call, so a frozen worker's server stops serving when its lease ends), a :class:`JobRunner`:
+
+1. restores checkpoints from the scheduler's artifact store into ``states/<name>`` (sizes and SHA-256 checked):
+   the job's last one (the lease's ``checkpoint``) and, for a job whose config continues an ended one
+   (``resume_job``), that job's newest, which an inference or eval job serves (``serve-model --checkpoint``);
+   a scheduler that fails meanwhile (5xx, no answer) is asked again while the lease holds;
+2. reports ``starting``, starts ``python -m tinkergym serve-backend ... --exit-with-parent`` (``serve-model`` for
+   inference jobs) in a new session with ``PR_SET_PDEATHSIG`` (it dies with the worker) and
+   ``CUDA_VISIBLE_DEVICES`` set to the leased devices (empty for CPU slots), waits for its ``/health`` and
+   reports ``running`` with its URL;
+3. uploads each new complete state folder the server writes (``states/<name>``, not ``*.tmp``), file by file,
+   and only then records the checkpoint (step from ``step_NNNNNN`` or ``state.json``);
+4. ends with the job: a server that exits is reported ``failed`` with one line (exit code 75: its client went quiet;
+   how to resume is in the error; the log's tail goes to the worker's log); a heartbeat answer ``cancelling`` stops
+   the server (SIGTERM, then SIGKILL) and reports ``cancelled``; a heartbeat refused with 409 (the lease expired,
+   moved on, or the client completed the job: then it is no warning) kills the process group at once. A lease that
+   could not be renewed for its whole TTL (the scheduler unreachable) is treated as lost too: the server stops
+   before another worker's can start.
+
+A server that cannot run here (:mod:`~tinkergym.scheduler.worker.checks`) or the worker's own fault (disk, port) gives the
+job back at the same attempt, quarantining the worker; only the job's faults fail it. :mod:`.worker_folders` bounds disk.
+
+A heartbeat thread per job renews the lease every ``heartbeat`` seconds (default a third of the TTL) while the
+job's thread restores, starts, uploads. SIGTERM or SIGINT stops every server and the worker; their leases
+expire and the jobs are queued again.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tinkergym.scheduler.artifact_paths import check_relpath
+from tinkergym.scheduler.worker.job_servers import SERVING_KINDS, WorkerOptions, server_command  # noqa: F401 - public here too
+from tinkergym.scheduler.worker.checks import last_line, server_fault
+from tinkergym.scheduler.worker.client import WorkerClient
+from tinkergym.scheduler.worker.folders import finish_folder, prune_states
+from tinkergym.scheduler.worker.folders import state_files as _files
+from tinkergym.scheduler.worker.folders import state_step as _step
+
+from tinkergym.serve.auth import write_lease_file
+from tinkergym.client import SchedulerError
+from tinkergym.folders import write_private_file
+
+log = logging.getLogger("tinkergym.worker")
+
+#: Exit codes of ``serve-backend`` (``tinkergym.serve.lifetime``, not imported here to keep this light).
+IDLE_EXIT_CODE = 75
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+#: A 409's message when the job itself ended at this epoch (its client completed it, it was cancelled or failed).
+ENDED = re.compile(r"the job is (succeeded|failed|cancelled) at epoch (\d+)")
+START_TIMEOUT_S = 900.0
+STOP_GRACE_S = 10.0
+LOG_TAIL = 3000
+
+
+class LeaseLost(Exception):
+    """The lease is gone (409 from the scheduler, or not renewed for its TTL): stop at once, report nothing."""
+
+
+class Cancelled(Exception):
+    """The job is cancelling: stop the server and report ``cancelled``."""
+
+
+class Shutdown(Exception):
+    """The worker is stopping: stop the server, report nothing (the lease expires and the job is queued again)."""
+
+
+class WorkerFault(Exception):
+    """This machine cannot run the job (a package, the model, a device, its disk): give the job back, do not fail it."""
+
+
+class JobFault(Exception):
+    """The job's own fault (its config, a server that refused it): fail the job with this one-line message."""
+
+
+def _die_with_parent() -> None:
+    from tinkergym.serve.lifetime import die_with_parent
+
+    die_with_parent()
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class JobRunner(threading.Thread):
+    """One lease: restore, start the server, report, heartbeat, upload checkpoints, stop (see the module's notes)."""
+
+    def __init__(self, worker: Worker, lease: dict[str, Any]) -> None:
+        super().__init__(name=f"job-{lease['job_id']}", daemon=True)
+        self.worker, self.lease, self.options = worker, lease, worker.options
+        self.job_id, self.epoch, self.devices = lease["job_id"], int(lease["epoch"]), list(lease["devices"])
+        self.ttl = float(lease["ttl_s"])
+        self.interval = self.options.heartbeat or self.ttl / 3
+        self.client = worker.client.copy()
+        self.beats = worker.client.copy(retries=1, backoff=min(0.2, self.interval / 4), timeout=max(1.0, self.interval))
+        self.folder = self.options.work_dir / "jobs" / self.job_id / str(self.epoch)
+        self.process: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.lost, self.cancelling, self.shutdown, self.done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+        self.renewed_at = time.monotonic()
+        self.lost_why = "not renewed"
+        self._lease_lock = threading.Lock()
+        self.seen: dict[str, tuple[int, int]] = {}
+        self.recorded: set[str] = set()
+        self.outcome = "running"
+        self.served: str | None = None  # the restored checkpoint an inference job serves
+
+    # ----- the job ----------------------------------------------------------------------------------
+    def run(self) -> None:
+        beats = threading.Thread(target=self._heartbeats, name=f"heartbeat-{self.job_id}", daemon=True)
+        beats.start()
+        try:
+            self._run()
+        except LeaseLost as exc:
+            ended = self._ended_as(str(exc))
+            self.outcome = ended or "lost"
+            if ended is None:
+                log.warning("job %s epoch %s: the lease is lost (%s); its server is stopped", self.job_id, self.epoch, exc)
+        except Cancelled:
+            self._stop_server(graceful=True)
+            self.outcome = "cancelled"
+            self._try_report("cancelled")
+        except Shutdown:
+            self.outcome = "shutdown"
+        except (WorkerFault, OSError) as exc:  # this machine's fault: the job goes back to the queue, not counted
+            self._stop_server(graceful=False)
+            self._give_back(str(exc) if isinstance(exc, WorkerFault) else f"{type(exc).__name__}: {exc}")
+        except JobFault as exc:
+            self._stop_server(graceful=False)
+            self.outcome = "failed"
+            self._try_report("failed", error=str(exc))
+        except Exception as exc:
+            log.exception("job %s epoch %s failed in the worker", self.job_id, self.epoch)  # the traceback stays here
+            self._stop_server(graceful=False)
+            self.outcome = "failed"
+            first = (str(exc).strip().splitlines() or [""])[0]
+            self._try_report("failed", error=f"the worker could not run the job: {type(exc).__name__}: {first}")
+        finally:
+            self._stop_server(graceful=self.outcome in ("cancelled", "shutdown"))
+            self.done.set()
+            try:
+                finish_folder(self.folder, self.outcome)
+            except OSError as exc:
+                log.warning("job %s: could not clean its folder %s: %s", self.job_id, self.folder, exc)
+            beats.join(timeout=5)
+            self.client.close()
+            self.beats.close()
+            self.worker.finished(self)
+
+    def _ended_as(self, message: str) -> str | None:
+        """The job's end state when a 409 says the job itself ended at this epoch (no fault: its client completed it,
+        or it was cancelled), else None."""
+        match = ENDED.search(message)
+        return match.group(1) if match and int(match.group(2)) == self.epoch else None
+
+    def _give_back(self, reason: str) -> None:
+        """Release the job (queued again at the same attempt); the scheduler quarantines this worker for ``reason``."""
+        self.outcome = "released"
+        reason = " ".join(reason.split())[:1000]
+        log.error("job %s epoch %s: this worker cannot run it (%s); it is given back, this worker quarantined", self.job_id, self.epoch, reason)
+        try:
+            self.client.release(self.job_id, self.epoch, reason)
+        except SchedulerError as exc:
+            log.warning("job %s: could not give it back (%s); its lease expires instead", self.job_id, exc)
+
+    def _run(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_private_file(self.folder / "token", self.lease["token"] + "\n")
+        self._renewed(self.renewed_at)
+        self._restore_while_leased()
+        self._report("starting")
+        self._event("log", {"message": f"starting its server on worker {self.options.name}: loading {self.lease['config'].get('model')}"})
+        url = self._start_server()
+        self._report("running", server_url=url)
+        self._event("log", {"message": f"server running at {url} on worker {self.options.name}", "devices": self.devices})
+        next_scan = 0.0
+        while True:
+            self._check()
+            code = self.process.poll() if self.process is not None else None
+            if code is not None:
+                self._scan()
+                self._ended(code)
+                return
+            if time.monotonic() >= next_scan:
+                self._scan()
+                next_scan = time.monotonic() + 0.5
+            time.sleep(0.1)
+
+    def _ended(self, code: int) -> None:
+        """The server exited on its own: the job failed (an idle client says how to resume)."""
+        self.process = None
+        if code == IDLE_EXIT_CODE and self.lease["kind"] in SERVING_KINDS:
+            error = ("the job's inference server got no request for the idle timeout, so it stopped (exit code 75) and the devices are "
+                     "free; serve the model again with: tinkergym serve-model --scheduler URL (the same --run or --model)")
+        elif code == IDLE_EXIT_CODE:
+            error = ("the job's client sent no call for the idle timeout, so its server stopped (exit code 75) and the devices are free; "
+                     "continue the run with: tinkergym train --resume DIR (the run's folder), which starts from its last checkpoint")
+        else:
+            tail = self._log_tail()
+            fault = server_fault(code, tail)
+            if fault is not None:
+                raise WorkerFault(f"the job's server exited with code {code}: {fault}")
+            log.warning("job %s: its server exited with code %s; the end of its log:\n%s", self.job_id, code, tail)
+            error = f"the job's server exited with code {code}: {last_line(tail, 'no log')}"
+        self.outcome = "failed"
+        self._report("failed", error=error)
+
+    def _check(self) -> None:
+        if self.lost.is_set():
+            raise LeaseLost(self.lost_why)
+        if self.shutdown.is_set():
+            raise Shutdown()
+        if self.cancelling.is_set():
+            raise Cancelled()
+
+    # ----- scheduler calls --------------------------------------------------------------------------
+    def _conflict(self, exc: SchedulerError) -> None:
+        """After a 404/409, a heartbeat says why: the lease is lost (:class:`LeaseLost`), the job is cancelling
+        (:class:`Cancelled`), or neither, and the refusal was about the request itself (returns)."""
+        sent = time.monotonic()
+        try:
+            answer = self.beats.heartbeat(self.job_id, self.epoch)
+        except SchedulerError as beat:
+            if beat.status in (404, 409):
+                self._lose(str(beat))
+                raise LeaseLost(str(beat)) from exc
+            raise exc from beat
+        self._renewed(sent)
+        if answer.get("cancelling"):
+            self.cancelling.set()
+            raise Cancelled() from exc
+
+    def _report(self, state: str, **extra: Any) -> None:
+        try:
+            self.client.report(self.job_id, self.epoch, state, **extra)
+        except SchedulerError as exc:
+            if exc.status in (404, 409):
+                self._conflict(exc)
+            raise
+
+    def _try_report(self, state: str, **extra: Any) -> None:
+        try:
+            self.client.report(self.job_id, self.epoch, state, **extra)
+        except SchedulerError as exc:
+            log.warning("job %s: could not report %s: %s", self.job_id, state, exc)
+
+    def _event(self, type_: str, data: dict[str, Any]) -> None:
+        try:
+            self.client.event(self.job_id, self.epoch, type_, data)
+        except SchedulerError as exc:
+            log.warning("job %s: could not report an event: %s", self.job_id, exc)
+
+    def _heartbeats(self) -> None:
+        while not self.done.wait(self.interval):
+            try:
+                sent = time.monotonic()
+                answer = self.beats.heartbeat(self.job_id, self.epoch)
+                self._renewed(sent)
+                if answer.get("cancelling"):
+                    self.cancelling.set()
+            except SchedulerError as exc:
+                if exc.status in (404, 409):
+                    ended = self._ended_as(str(exc))
+                    (log.info if ended else log.warning)("job %s epoch %s: heartbeat refused (%s)", self.job_id, self.epoch,
+                                                         f"the job is {ended}" if ended else exc)
+                    self._lose(str(exc))
+                    return
+                log.warning("job %s: heartbeat failed: %s", self.job_id, exc)
+            if time.monotonic() - self.renewed_at > self.ttl:
+                log.warning("job %s epoch %s: not renewed for the lease's %gs", self.job_id, self.epoch, self.ttl)
+                self._lose()
+                return
+
+    def _renewed(self, sent: float) -> None:
+        """The scheduler renewed the lease by a call sent at ``sent`` (monotonic): it ends no sooner than ``sent + ttl``,
+        the deadline the server reads from its lease file."""
+        with self._lease_lock:
+            self.renewed_at = max(self.renewed_at, sent)
+            if not self.lost.is_set():
+                write_lease_file(self.folder / "lease", self.renewed_at + self.ttl, self.epoch)
+
+    def _lose(self, why: str = "not renewed") -> None:
+        self.lost_why = why
+        self.lost.set()
+        self._kill(signal.SIGKILL)
+
+    # ----- the server -------------------------------------------------------------------------------
+    def _start_server(self) -> str:
+        gpu = any(d["kind"] == "gpu" for d in self.options.devices if d["index"] in self.devices)
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in self.devices) if gpu else "", PYTHONUNBUFFERED="1")
+        env.pop("TINKERGYM_API_KEY", None)  # the worker's key stays with the worker: the job's server has its lease token only
+        for _attempt in range(3):
+            self.port = self.worker.take_port()
+            try:
+                command = server_command(self.options, self.lease, self.port, self.folder, gpu, self.served)
+                with open(self.folder / "server.out", "ab") as out:
+                    self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                    cwd=self.folder, start_new_session=True, preexec_fn=_die_with_parent)
+                url = self._wait_healthy()
+            finally:
+                self.worker.release_port(self.port)
+            if url is not None:
+                return url
+        raise WorkerFault(f"the job's server could not bind a port in {self.options.ports[0]}-{self.options.ports[1]}: "
+                          f"{last_line(self._log_tail(), 'no log')}")
+
+    def _wait_healthy(self) -> str | None:
+        """The server's URL once ``/health`` answers; None when it exited because its port was taken."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        host = f"[{self.options.host}]" if ":" in self.options.host else self.options.host
+        while time.monotonic() < deadline:
+            self._check()
+            code = self.process.poll()
+            if code is not None:
+                tail = self._log_tail()
+                if "address already in use" in tail.lower() and code != 0:
+                    self.process = None
+                    return None
+                self.process = None
+                fault = server_fault(code, tail)
+                if fault is not None:
+                    raise WorkerFault(f"the job's server exited with code {code} while starting: {fault}")
+                log.warning("job %s: its server exited with code %s while starting; the end of its log:\n%s", self.job_id, code, tail)
+                raise JobFault(f"the job's server exited with code {code} while starting: {last_line(tail, 'no log')}")
+            try:
+                conn = http.client.HTTPConnection(self.options.host, self.port, timeout=2)
+                conn.request("GET", "/health")
+                ok = conn.getresponse().status == 200
+                conn.close()
+                if ok:
+                    return f"http://{host}:{self.port}"
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the job's server did not answer /health within {START_TIMEOUT_S:g}s; the end of its log:\n{self._log_tail()}")
+
+    def _kill(self, sig: int) -> None:
+        process = self.process
+        if process is not None and process.poll() is None:
+            try:
+                os.killpg(process.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def _stop_server(self, graceful: bool) -> None:
+        """Stop the server's process group: SIGTERM and a grace period when ``graceful``, then SIGKILL."""
+        process = self.process
+        if process is None:
+            return
+        if graceful and process.poll() is None:
+            self._kill(signal.SIGTERM)
+            try:
+                process.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill(signal.SIGKILL)
+        try:
+            process.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            log.error("job %s: the server (pid %s) did not stop", self.job_id, process.pid)
+        try:
+            os.killpg(process.pid, signal.SIGKILL)  # anything the server started in its group
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _log_tail(self) -> str:
+        try:
+            with open(self.folder / "server.out", "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                handle.seek(max(handle.tell() - LOG_TAIL, 0))
+                return handle.read().decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+
+    # ----- checkpoints ------------------------------------------------------------------------------
+    def _restore_while_leased(self) -> None:
+        """:meth:`_restore`, tried again while the scheduler is away (its 5xx, no answer) and the lease holds."""
+        delay = 0.5
+        while True:
+            try:
+                self._restore()
+                return
+            except SchedulerError as exc:
+                if exc.status in (404, 409):
+                    self._conflict(exc)
+                    raise
+                if exc.status is not None and exc.status < 500:
+                    raise
+                log.warning("job %s: restoring its checkpoints failed (%s); trying again in %.1fs", self.job_id, exc, delay)
+            time.sleep(delay)
+            self._check()  # the heartbeats end the lease once the scheduler has been away for its TTL
+            delay = min(delay * 2, 10.0)
+
+    def _restore(self) -> None:
+        """Download the checkpoints a new server starts from into ``states/<name>``."""
+        found = self.client.restorable(self.job_id, self.epoch)
+        own = [c for c in found if c["job_id"] == self.job_id]
+        self.recorded = {c["name"] for c in own}
+        chosen: dict[str, dict[str, Any]] = {}
+        continued = [c for c in found if c["job_id"] != self.job_id]
+        if continued:
+            newest = max(continued, key=lambda c: c["step"])
+            chosen[newest["name"]] = newest
+            self.served = newest["name"]
+        named = (self.lease.get("checkpoint") or {}).get("name")
+        mine = [c for c in own if c["name"] == named] or ([max(own, key=lambda c: c["step"])] if own else [])
+        for checkpoint in mine:
+            chosen[checkpoint["name"]] = checkpoint
+        states = self.folder / "states"
+        for name, checkpoint in chosen.items():
+            self._check()
+            if not CHECKPOINT_NAME.match(name) or name.endswith(".tmp"):
+                continue
+            tmp = states / f"{name}.restore.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            for entry in self.client.listing(self.job_id, self.epoch, name, checkpoint["job_id"]):
+                parts = check_relpath(entry["path"])  # the store's own rule: whatever is listed lands inside tmp
+                self.client.download(self.job_id, self.epoch, name, entry["path"], tmp.joinpath(*parts),
+                                     int(entry["size"]), str(entry["sha256"]), checkpoint["job_id"])
+            final = states / name
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            info = final.stat()
+            self.seen[name] = (info.st_ino, info.st_mtime_ns)
+            self._event("log", {"message": f"restored checkpoint {name} (step {checkpoint['step']}) of job {checkpoint['job_id']}"})
+
+    def _scan(self) -> None:
+        """Upload every new complete state folder, then record it."""
+        states = self.folder / "states"
+        if not states.is_dir():
+            return
+        for entry in sorted(os.scandir(states), key=lambda e: e.name):
+            name = entry.name
+            if name.endswith(".tmp") or not CHECKPOINT_NAME.match(name) or entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
+                continue
+            info = entry.stat(follow_symlinks=False)
+            signature = (info.st_ino, info.st_mtime_ns)
+            if self.seen.get(name) == signature:
+                continue
+            self._check()
+            if name in self.recorded:
+                self.seen[name] = signature
+                self._event("log", {"message": f"state {name} was saved again; checkpoint {name} is already recorded and is kept as it was"})
+                continue
+            step = _step(name, Path(entry.path))
+            if step is None:
+                self.seen[name] = signature
+                continue
+            try:
+                self._upload(name, Path(entry.path), step)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # the folder was being replaced: the next scan sends the new one
+            except SchedulerError as exc:
+                log.warning("job %s: checkpoint %s not uploaded: %s", self.job_id, name, exc)
+                if exc.status is None or exc.status >= 500:
+                    continue  # the scheduler is away: the next scan tries again
+                self._event("error", {"message": f"checkpoint {name} was not stored: {exc}"[:2000]})
+            self.seen[name] = signature
+        for name in prune_states(states, self.recorded, self.options.keep_states, {self.served} if self.served else set()):
+            self.seen.pop(name, None)  # uploaded and recorded: the scheduler keeps it
+
+    def _upload(self, name: str, folder: Path, step: int) -> None:
+        try:
+            self.client.drop_partial(self.job_id, self.epoch, name)
+            for relpath in _files(folder):
+                self._check()
+                self.client.upload(self.job_id, self.epoch, name, relpath, folder.joinpath(*relpath.split("/")))
+            self.client.record_checkpoint(self.job_id, self.epoch, step, name)
+        except SchedulerError as exc:
+            if exc.status in (404, 409):
+                self._conflict(exc)  # returns when the lease holds: the refusal is about this checkpoint
+            raise
+        self.recorded.add(name)
+        log.info("job %s: checkpoint %s (step %d) uploaded and recorded", self.job_id, name, step)
+
+
+class Worker:
+    """Registers the devices, asks for leases while some are free, runs a :class:`JobRunner` per lease."""
+
+    def __init__(self, client: WorkerClient, options: WorkerOptions) -> None:
+        self.client, self.options = client, options
+        self.runners: list[JobRunner] = []
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._ports: set[int] = set()
+
+    def busy(self) -> set[int]:
+        with self._lock:
+            return {i for runner in self.runners for i in runner.devices}
+
+    def finished(self, runner: JobRunner) -> None:
+        with self._lock:
+            if runner in self.runners:
+                self.runners.remove(runner)
+        log.info("job %s epoch %s: %s; its devices %s are free", runner.job_id, runner.epoch, runner.outcome, runner.devices)
+
+    def take_port(self) -> int:
+        low, high = self.options.ports
+        candidates = list(range(low, high + 1))
+        random.shuffle(candidates)
+        with self._lock:
+            for port in candidates:
+                if port not in self._ports and _port_free(self.options.host, port):
+                    self._ports.add(port)
+                    return port
+        raise RuntimeError(f"no free port in {low}-{high} on {self.options.host}")
+
+    def release_port(self, port: int) -> None:
+        with self._lock:
+            self._ports.discard(port)
+
+    def register(self) -> None:
+        self.client.register(self.options.name, self.options.host, self.options.devices, self.options.models)
+        log.info("registered as %s (%s): devices %s, models %s", self.options.name, self.client.worker_id,
+                 [d["index"] for d in self.options.devices], self.options.models)
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (or :meth:`stop`); the exit code."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stopping.set())
+        self.register()
+        delay = self.options.poll
+        while not self.stopping.is_set():
+            granted = None
+            if len(self.busy()) < len(self.options.devices):
+                try:
+                    granted = self.client.lease()
+                    delay = self.options.poll
+                except SchedulerError as exc:
+                    if exc.status == 404:  # the scheduler does not know this worker (a new database): register again
+                        self._try(self.register)
+                    elif exc.status in (401, 403):  # the key: nothing this worker can do but stop
+                        log.error("the scheduler refused this worker: %s", exc)
+                        return 2
+                    else:  # one lease's answer (a 4xx of a job, the scheduler away) never ends the worker
+                        log.warning("no lease: %s", exc)
+                    delay = min(delay * 2, 30.0)
+            if granted is not None:
+                runner = JobRunner(self, granted)
+                with self._lock:
+                    self.runners.append(runner)
+                log.info("lease: job %s epoch %s on devices %s", runner.job_id, runner.epoch, runner.devices)
+                runner.start()
+                continue  # more devices may be free: ask again at once
+            self.stopping.wait(delay)
+        self._stop_all()
+        return 0
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _stop_all(self) -> None:
+        with self._lock:
+            runners = list(self.runners)
+        for runner in runners:
+            runner.shutdown.set()
+        for runner in runners:
+            runner.join(timeout=STOP_GRACE_S * 2 + 5)
+        self._try(self.client.copy(retries=0, timeout=5.0).leave)  # listed gone at once, not after the worker timeout
+        log.info("stopped")
+
+    @staticmethod
+    def _try(action: Any) -> None:
+        try:
+            action()
+        except SchedulerError as exc:
+            log.warning("%s", exc)
+
+
+def default_name() -> str:
+    """This machine's host name as a worker name (letters, digits, '.', '_' and '-')."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:200].lstrip("._-")
+    return name or f"worker-{secrets.token_hex(3)}"

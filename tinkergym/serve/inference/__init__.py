@@ -1,0 +1,1 @@
+"""The OpenAI-compatible inference server (tinkergym serve-model) and its engines."""

@@ -1,0 +1,556 @@
+"""The training server's calls: argument checking, the ordered worker, and the per-session sequence store.
+
+Nothing here knows HTTP. A call is ``(session, seq, method, args)`` with JSON args; :func:`parse_call` turns
+the args into the plain-data requests of :mod:`tinkergym.protocol.types` (unknown fields and wrong JSON types
+are a :class:`~tinkergym.errors.ConfigError`), :class:`CallStore` accepts a session's calls strictly in
+sequence order and keeps their results, so a retried number returns the stored result instead of running
+again, and :class:`CallWorker` runs the accepted calls one at a time in acceptance order.
+
+Only JSON reaches the backend: nothing a client sends is unpickled or executed, and the names of states and
+exports are checked by :func:`named_dir` (one path component, no symlinks, inside the run folder).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import queue
+import re
+import secrets
+import shutil
+import threading
+import time
+import traceback
+import types
+import typing
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest
+from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
+
+#: Names of states and exports: one path component of letters, digits, ``.``, ``_`` and ``-``.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+#: Where named folders live inside the run folder.
+KINDS = {"states": "states", "exports": "exports"}
+
+
+class SequenceError(TinkergymError, ValueError):
+    """A call number that is neither the next one nor a retry of a kept one, or a retry with other arguments."""
+
+
+class UnknownSessionError(TinkergymError, KeyError):
+    """A session id the server never issued (or forgot: it keeps a bounded number of sessions)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+# ----- names --------------------------------------------------------------------------------------------
+def named_dir(run_dir: Path, kind: str, name: Any) -> Path:
+    """``run_dir/<kind>/<name>`` after checking ``name``; a bad name or a symlink on the way is a :class:`ConfigError`.
+
+    ``run_dir`` must be resolved already. The ``.tmp`` siblings that atomic writes use are checked too, and
+    names ending in ``.tmp`` are refused: those are the folders of writes in progress.
+    """
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name) or name.endswith(".tmp"):
+        raise ConfigError(
+            f"name {str(name)[:80]!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', starting with a "
+            "letter or digit, one path component, not ending in '.tmp'"
+        )
+    parent = run_dir / KINDS[kind]
+    folder = parent / name
+    for path in (parent, folder, Path(f"{folder}.tmp"), Path(f"{folder}.old.tmp")):
+        if path.is_symlink():
+            raise ConfigError(f"{kind}/{name}: {path.name} is a symbolic link, which the server never follows")
+    if os.path.commonpath([os.path.realpath(folder), str(run_dir)]) != str(run_dir):
+        raise ConfigError(f"{kind}/{name} resolves outside the run folder")
+    return folder
+
+
+def file_in(folder: Path, relative: str) -> Path:
+    """The regular file ``folder/relative``: no empty, ``.`` or ``..`` component, no symlink; else :class:`FileNotFoundError`."""
+    parts = relative.split("/")
+    if not relative or relative.startswith("/") or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+        raise FileNotFoundError(relative)
+    path = folder
+    for part in parts:
+        path = path / part
+        if path.is_symlink():
+            raise FileNotFoundError(relative)
+    if not path.is_file():
+        raise FileNotFoundError(relative)
+    return path
+
+
+def file_listing(folder: Path) -> list[dict[str, Any]]:
+    """``[{"path", "size", "sha256"}]`` of every regular file under ``folder``, paths relative and sorted."""
+    listing = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.is_symlink()):
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        listing.append({"path": path.relative_to(folder).as_posix(), "size": path.stat().st_size, "sha256": digest.hexdigest()})
+    return listing
+
+
+# ----- argument checking --------------------------------------------------------------------------------
+def _json_type_error(where: str, expected: str, value: Any) -> ConfigError:
+    return ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {str(value)[:60]!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _checked(value: Any, hint: Any, where: str) -> Any:
+    """``value`` checked against the annotation ``hint`` (JSON types only); ints become floats where floats go."""
+    origin = typing.get_origin(hint)
+    if hint is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        errors: list[ConfigError] = []
+        for option in typing.get_args(hint):
+            if option is type(None):
+                if value is None:
+                    return None
+                continue
+            try:
+                return _checked(value, option, where)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise errors[0] if len(errors) == 1 else ConfigError(f"{where}: {str(value)[:60]!r} fits none of {hint}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise _json_type_error(where, "a list", value)
+        (item,) = typing.get_args(hint)
+        # Token ids and per-token floats are most of a request: one pass over them, the per-item walk only on a miss.
+        if item is int and all(type(v) is int for v in value):
+            return value
+        if item is float and all(type(v) is float for v in value):
+            return value
+        return [_checked(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _json_type_error(where, "an object", value)
+        _, item = typing.get_args(hint)
+        return {str(k): _checked(v, item, f"{where}.{k}") for k, v in value.items()}
+    if is_dataclass(hint):
+        if not isinstance(value, hint):
+            raise _json_type_error(where, f"a {hint.__name__} object", value)
+        hints = _type_hints(hint)
+        for f in fields(hint):
+            setattr(value, f.name, _checked(getattr(value, f.name), hints[f.name], f"{where}.{f.name}"))
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _json_type_error(where, "true or false", value)
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _json_type_error(where, "an integer", value)
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _json_type_error(where, "a number", value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past a float's range (JSON integers have no bound)
+            raise ConfigError(f"{where}: {str(value)[:24]}... is too large for a number (at most about 1.8e308)") from None
+    if hint is str:
+        if not isinstance(value, str):
+            raise _json_type_error(where, "a string", value)
+        return value
+    raise ConfigError(f"{where}: unsupported type {hint}")
+
+
+def from_json(cls: type, data: Any, where: str) -> Any:
+    """``cls.from_dict(data)`` with every field's JSON type checked; any problem is a :class:`ConfigError`."""
+    if not isinstance(data, dict):
+        raise _json_type_error(where, f"a {cls.__name__} object", data)
+    try:
+        value = cls.from_dict(data)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from exc
+    return _checked(value, cls, where)
+
+
+def _check_token_ids(rows: list[list[int]], vocab_size: int | None, where: str) -> None:
+    """Every row holds a token and every id is in ``[0, vocab_size)``: an empty row has nothing to run the model on,
+    an id out of range would index past the embedding (on a GPU, a device assert)."""
+    for i, row in enumerate(rows):
+        if not row:
+            raise ConfigError(f"{where}[{i}] has no tokens: every sequence needs at least one")
+        for token in row:
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                raise ConfigError(f"{where}[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class CallLimits:
+    """What one call may ask of the backend, checked from the request's numbers before anything is allocated.
+
+    ``num_samples``: completions per prompt; ``new_tokens``: a sample call's ``max_new_tokens``; ``sequences``: the
+    sequences a call holds (a sample call's prompts times ``num_samples``, a training or scoring call's rows);
+    ``tokens``: the tokens a call holds (a sample call's prompt and new tokens of every sequence it makes, a
+    training or scoring call's summed row lengths). Each is a ``serve-backend`` option, named in the refusal and
+    listed by ``GET /v1/info``.
+    """
+
+    num_samples: int = 4096
+    new_tokens: int = 1 << 20
+    sequences: int = 1 << 16
+    tokens: int = 1 << 27
+
+    #: The serve-backend option of each limit.
+    OPTIONS = {"num_samples": "--max-num-samples", "new_tokens": "--max-request-new-tokens", "sequences": "--max-request-sequences",
+               "tokens": "--max-request-tokens"}
+
+    def as_dict(self) -> dict[str, int]:
+        """The limits by name, as ``/v1/info`` lists them."""
+        return {"max_" + f.name: getattr(self, f.name) for f in fields(self)}
+
+    def check(self, name: str, value: int, where: str, what: str) -> None:
+        """Refuse ``value`` over the limit ``name`` with a :class:`ConfigError` that names the limit and its option."""
+        limit = getattr(self, name)
+        if value > limit:
+            raise ConfigError(f"{where}: {value:,} {what} is over this server's limit of {limit:,} ({self.OPTIONS[name]} on serve-backend; "
+                              f"GET /v1/info lists the limits): split the request into smaller calls")
+
+    def check_sample(self, request: SampleRequest) -> None:
+        """A sample request's samples per prompt, new tokens, sequences and held tokens."""
+        if request.num_samples < 1 or request.params.max_new_tokens < 0:
+            raise ConfigError("args.request: num_samples must be >= 1 and params.max_new_tokens >= 0")
+        self.check("num_samples", request.num_samples, "args.request.num_samples", "samples per prompt")
+        self.check("new_tokens", request.params.max_new_tokens, "args.request.params.max_new_tokens", "new tokens")
+        self.check("sequences", len(request.prompts) * request.num_samples, "args.request", "sequences (prompts x num_samples)")
+        held = request.num_samples * (sum(map(len, request.prompts)) + len(request.prompts) * request.params.max_new_tokens)
+        self.check("tokens", held, "args.request", "tokens (num_samples x (prompt tokens + max_new_tokens) over the prompts)")
+
+    def check_rows(self, rows: list[list[int]], where: str) -> None:
+        """A training or scoring call's rows and their summed length."""
+        self.check("sequences", len(rows), where, "sequences")
+        self.check("tokens", sum(map(len, rows)), where, "tokens")
+
+
+def check_optim(params: OptimParams) -> None:
+    """AdamW's own bounds on its settings (the backend sets them per step, past the optimizer's constructor checks), and
+    no NaN or infinity where one writes NaN into the weights. A :class:`ConfigError` names the setting."""
+    bounds: dict[str, tuple[Callable[[float], bool], str]] = {
+        "learning_rate": (lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+        "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+        "eps": (lambda v: 0 < v < math.inf, "a finite number > 0"),  # 0 divides 0 by 0 where a gradient is 0
+        "weight_decay": (lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        "max_grad_norm": (lambda v: v >= 0, "a number >= 0 (0: no clipping)"),
+    }
+    for name, (fits, wanted) in bounds.items():
+        value = getattr(params, name)
+        if not fits(value):  # NaN fits nothing
+            raise ConfigError(f"args.params.{name} must be {wanted}, got {value!r}")
+
+
+def _only(args: dict[str, Any], method: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    unknown = set(args) - set(required) - set(optional)
+    missing = [k for k in required if k not in args]
+    if unknown or missing:
+        raise ConfigError(
+            f"{method} takes args {list(required) + list(optional)} ({', '.join(optional) or 'none'} optional); "
+            f"unknown: {sorted(unknown)}, missing: {missing}"
+        )
+
+
+@dataclass
+class ParsedCall:
+    """A checked call: the backend method to run with its plain-data arguments."""
+
+    method: str
+    args: dict[str, Any]
+
+
+def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: CallLimits = CallLimits()) -> ParsedCall:
+    """Check a call's JSON ``args`` and build the backend's arguments; anything wrong, or over ``limits``, is a
+    :class:`ConfigError`."""
+    if not isinstance(args, dict):
+        raise _json_type_error("args", "an object", args)
+    if method == "sample":
+        _only(args, method, ("request",))
+        request = from_json(SampleRequest, args["request"], "args.request")
+        limits.check_sample(request)
+        _check_token_ids(request.prompts, vocab_size, "args.request.prompts")
+        return ParsedCall(method, {"request": request})
+    if method == "logprobs":
+        _only(args, method, ("sequences",), ("temperature",))
+        sequences = _checked(args["sequences"], list[list[int]], "args.sequences")
+        limits.check_rows(sequences, "args.sequences")
+        _check_token_ids(sequences, vocab_size, "args.sequences")
+        return ParsedCall(method, {"sequences": sequences, "temperature": _checked(args.get("temperature", 1.0), float, "args.temperature")})
+    if method == "forward_backward":
+        _only(args, method, ("request",))
+        request = from_json(ForwardBackwardRequest, args["request"], "args.request")
+        limits.check_rows([d.tokens for d in request.data], "args.request.data")
+        _check_token_ids([d.tokens for d in request.data], vocab_size, "args.request.data.tokens")
+        return ParsedCall(method, {"request": request})
+    if method == "optim_step":
+        _only(args, method, ("params",))
+        params = from_json(OptimParams, args["params"], "args.params")
+        check_optim(params)
+        return ParsedCall(method, {"params": params})
+    if method in ("save_state", "load_state"):
+        _only(args, method, ("name",))
+        return ParsedCall(method, {"name": _checked(args["name"], str, "args.name")})
+    if method == "export":
+        _only(args, method, ("name",), ("merged",))
+        return ParsedCall(method, {"name": _checked(args["name"], str, "args.name"), "merged": _checked(args.get("merged", False), bool, "args.merged")})
+    known = "sample, logprobs, forward_backward, optim_step, save_state, load_state, export"
+    raise ConfigError(f"unknown method {str(method)[:60]!r}; the methods are: {known}")
+
+
+def prune_states(run_dir: Path, keep: int, current: Path) -> list[str]:
+    """Delete all but the ``keep`` newest saved states (by modification time; ``current`` always stays); their names."""
+    states_dir = run_dir / "states"
+    saved = [p for p in states_dir.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.endswith(".tmp") and p != current]
+    saved.sort(key=lambda p: p.stat().st_mtime)
+    doomed = saved[: max(len(saved) - (keep - 1), 0)]
+    for folder in doomed:
+        shutil.rmtree(folder, ignore_errors=True)
+    return [p.name for p in doomed]
+
+
+def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0) -> dict[str, Any]:
+    """Run a checked call on ``backend`` and return its JSON result (names are checked again, now, before use).
+
+    With ``keep_states`` > 0, a ``save_state`` leaves only that many saved states (the newest) in the run folder.
+    """
+    args = call.args
+    if call.method == "sample":
+        return backend.sample(args["request"]).to_dict()
+    if call.method == "logprobs":
+        return {"logprobs": backend.logprobs(args["sequences"], args["temperature"])}
+    if call.method == "forward_backward":
+        return backend.forward_backward(args["request"]).to_dict()
+    if call.method == "optim_step":
+        return {"metrics": {str(k): float(v) for k, v in backend.optim_step(args["params"]).items()}}
+    if call.method == "save_state":
+        folder = named_dir(run_dir, "states", args["name"])
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        backend.save_state(str(folder))
+        pruned = prune_states(run_dir, keep_states, folder) if keep_states > 0 else []
+        return {"pruned": pruned} if pruned else {}
+    if call.method == "load_state":
+        folder = named_dir(run_dir, "states", args["name"])
+        if not folder.is_dir():
+            raise ConfigError(f"no saved state named {args['name']!r}; save one with save_state first")
+        if any(p.is_symlink() for p in folder.iterdir()):
+            raise ConfigError(f"states/{args['name']} holds a symbolic link, which the server never follows")
+        backend.load_state(str(folder))
+        return {}
+    if call.method == "export":
+        folder = named_dir(run_dir, "exports", args["name"])
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        backend.export(str(folder), merged=args["merged"])
+        return {"name": args["name"], "files": file_listing(folder)}
+    raise ConfigError(f"unknown method {call.method!r}")
+
+
+# ----- outcomes -----------------------------------------------------------------------------------------
+@dataclass
+class CallError:
+    """A failed call as the client sees it: HTTP status, error type and a message without traceback."""
+
+    status: int
+    type: str
+    message: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``{"error": {...}}`` body."""
+        return {"error": {"type": self.type, "message": self.message}}
+
+
+def call_error(exc: BaseException, request_id: str, logger: logging.Logger) -> CallError:
+    """Map an exception to what the client sees: bad input is 400 with its message, diverged weights 409 (the model's state,
+    not the server, is at fault: load a saved state), anything else 500 (traceback only in the log)."""
+    if isinstance(exc, (ConfigError, ValueError, TypeError)):
+        return CallError(400, "invalid_request", str(exc)[:2000])
+    trace = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    logger.error(json.dumps({"event": "call_failed", "request_id": request_id, "error": type(exc).__name__, "traceback": trace}))
+    if isinstance(exc, NonFiniteError):
+        return CallError(409, type(exc).__name__, f"{str(exc)[:2000]}; load a saved state (load_state) to go on")
+    if isinstance(exc, TinkergymError):  # deliberate errors (a diverged run) say what happened
+        return CallError(500, type(exc).__name__, str(exc)[:2000])
+    return CallError(500, "internal", f"the call failed on the server ({type(exc).__name__}); request id {request_id} in the server log")
+
+
+# ----- records, the store and the worker ---------------------------------------------------------------
+@dataclass
+class CallRecord:
+    """One accepted call and, once it ran, its result or error; waiters are woken when it finishes."""
+
+    request_id: str
+    session_id: str
+    seq: int
+    method: str
+    fingerprint: str
+    call: ParsedCall | None  # None when checking the args already failed (error is set)
+    result: dict[str, Any] | None = None
+    error: CallError | None = None
+    done: bool = False
+    _waiters: list[Callable[[], None]] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def finish(self, result: dict[str, Any] | None = None, error: CallError | None = None) -> None:
+        """Store the outcome and wake every waiter (each waiter is a thread-safe callback)."""
+        with self._lock:
+            self.result, self.error, self.done = result, error, True
+            waiters, self._waiters = self._waiters, []
+        for wake in waiters:
+            wake()
+
+    def on_done(self, wake: Callable[[], None]) -> bool:
+        """Register ``wake`` for when the call finishes; False (nothing registered) when it already has."""
+        with self._lock:
+            if self.done:
+                return False
+            self._waiters.append(wake)
+            return True
+
+    def forget(self, wake: Callable[[], None]) -> None:
+        """Unregister ``wake`` (its waiter gave up)."""
+        with self._lock:
+            if wake in self._waiters:
+                self._waiters.remove(wake)
+
+
+def fingerprint(method: Any, args: Any) -> str:
+    """A digest of a call's method and args (key order does not matter), to tell a true retry from a different call."""
+    text = json.dumps([method, args], sort_keys=True, separators=(",", ":"), allow_nan=True, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class _Session:
+    last_seq: int = 0
+    records: OrderedDict[int, CallRecord] = field(default_factory=OrderedDict)
+
+
+class CallStore:
+    """Sessions and their last ``keep`` calls; accepts ``seq == last + 1`` and returns kept records for retries.
+
+    At most ``max_sessions`` sessions are kept (the least recently used is forgotten), so memory stays bounded.
+    """
+
+    def __init__(self, keep: int = 16, max_sessions: int = 64) -> None:
+        self.keep = keep
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._by_id: dict[str, CallRecord] = {}
+        self._lock = threading.Lock()
+
+    def new_session(self) -> str:
+        """A fresh session id (32 hex characters)."""
+        session_id = secrets.token_hex(16)
+        with self._lock:
+            self._sessions[session_id] = _Session()
+            while len(self._sessions) > self.max_sessions:
+                _, old = self._sessions.popitem(last=False)
+                for record in old.records.values():
+                    self._by_id.pop(record.request_id, None)
+        return session_id
+
+    def accept(self, session_id: str, seq: int, method: Any, args: Any, parse: Callable[[], ParsedCall]) -> tuple[CallRecord, bool]:
+        """The record of call ``seq`` and whether it is new (to be run); raises :class:`UnknownSessionError` or :class:`SequenceError`.
+
+        ``parse`` checks the args of a new call; when it fails the call is still accepted (its number is used)
+        and its stored outcome is that error.
+        """
+        print_fp = fingerprint(method, args)
+        with self._lock:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise UnknownSessionError(f"unknown session {session_id[:64]!r}; create one with POST /v1/sessions")
+            self._sessions.move_to_end(session_id)
+            kept = session.records.get(seq)
+            if kept is not None:
+                if kept.fingerprint != print_fp:
+                    raise SequenceError(f"seq {seq} was already accepted with other method or args; expected seq {session.last_seq + 1} for a new call")
+                return kept, False
+            if seq != session.last_seq + 1:
+                raise SequenceError(f"seq {seq} is out of order: expected seq {session.last_seq + 1} (or a retry of one of the last {len(session.records)} calls)")
+            request_id = secrets.token_hex(16)
+            try:
+                call, error = parse(), None
+            except ConfigError as exc:
+                call, error = None, CallError(400, "invalid_request", str(exc)[:2000])
+            record = CallRecord(request_id, session_id, seq, str(method), print_fp, call)
+            if error is not None:
+                record.finish(error=error)
+            session.last_seq = seq
+            session.records[seq] = record
+            self._by_id[request_id] = record
+            while len(session.records) > self.keep:
+                _, old = session.records.popitem(last=False)
+                self._by_id.pop(old.request_id, None)
+            return record, True
+
+    def get(self, request_id: str) -> CallRecord | None:
+        """The kept record with this id, or None."""
+        with self._lock:
+            return self._by_id.get(request_id)
+
+
+class CallWorker:
+    """One thread that runs accepted calls on the backend, strictly in the order they were submitted."""
+
+    def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_states: int = 0) -> None:
+        self.backend = backend
+        self.run_dir = run_dir
+        self.logger = logger
+        self.keep_states = keep_states
+        self.pending = 0  # calls submitted and not finished
+        self.last_done = time.monotonic()
+        self._queue: queue.Queue[CallRecord | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+
+    def submit(self, record: CallRecord) -> None:
+        """Queue ``record`` to run after every call submitted before it (the thread starts on first use)."""
+        with self._start_lock:
+            self.pending += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="tinkergym-backend-worker", daemon=True)
+                self._thread.start()
+        self._queue.put(record)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Let the thread finish the call it is running and end."""
+        with self._start_lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
+
+    def _loop(self) -> None:
+        while (record := self._queue.get()) is not None:
+            start = time.perf_counter()
+            result, error = None, None
+            try:
+                result = run_call(self.backend, record.call, self.run_dir, self.keep_states)  # type: ignore[arg-type]
+            except Exception as exc:  # noqa: BLE001 - any failure becomes the call's stored outcome
+                error = call_error(exc, record.request_id, self.logger)
+            self.logger.info(json.dumps({
+                "event": "call", "request_id": record.request_id, "session": record.session_id, "seq": record.seq,
+                "method": record.method, "ok": error is None, "duration_ms": round(1000 * (time.perf_counter() - start), 1),
+            }))
+            record.finish(result=result, error=error)
+            with self._start_lock:
+                self.pending -= 1
+                self.last_done = time.monotonic()

@@ -1,0 +1,91 @@
+"""Evaluation: the same rollout loop as training, on held-out seeds (or a test split), with transcripts."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from tinkergym.protocol.backend import Backend
+from tinkergym.chat import ChatRenderer
+from tinkergym.rollouts import RolloutConfig, Trajectory, rollout
+
+
+def eval_seeds(run_seed: int, episodes: int) -> list[int]:
+    """Held-out env seeds: drawn from a stream that training never uses."""
+    rng = random.Random(f"eval:{run_seed}")
+    return [rng.randrange(2**31) for _ in range(episodes)]
+
+
+def evaluate(
+    make_env: Callable[[], Any],
+    backend: Backend,
+    renderer: ChatRenderer,
+    config: RolloutConfig,
+    seeds: list[int],
+    batch_size: int = 64,
+    progress: bool = False,
+) -> tuple[dict[str, float], list[Trajectory]]:
+    """Play one episode per seed; return (success rate, mean reward, ...) and the trajectories.
+
+    ``progress`` shows a bar on stderr: episodes done of the total and the mean reward so far.
+    """
+    envs = [make_env() for _ in range(min(batch_size, len(seeds)))]
+    trajectories: list[Trajectory] = []
+    bar = _progress_bar(len(seeds)) if progress else None
+    try:
+        for start in range(0, len(seeds), len(envs)):
+            chunk = seeds[start : start + len(envs)]
+            trajectories.extend(rollout(envs[: len(chunk)], backend, renderer, config, seeds=chunk))
+            if bar is not None:
+                done = [t for t in trajectories if not t.failed]
+                bar.set_postfix({"reward": f"{sum(t.total_reward for t in done) / max(len(done), 1):.3g}"}, refresh=False)
+                bar.update(len(chunk))
+    finally:
+        if bar is not None:
+            bar.close()
+    ok = [t for t in trajectories if not t.failed]
+    n = max(len(ok), 1)
+    metrics = {
+        "eval/reward_mean": sum(t.total_reward for t in ok) / n,
+        "eval/success_rate": sum(succeeded(t) for t in ok) / n,
+        "eval/episodes": float(len(trajectories)),
+        "eval/failed": float(len(trajectories) - len(ok)),
+        "eval/tokens_per_episode": sum(t.num_sampled_tokens for t in trajectories) / max(len(trajectories), 1),
+    }
+    return metrics, trajectories
+
+
+def _progress_bar(total: int) -> Any:
+    """The evaluation's progress bar on stderr, as the train command's: episodes done of ``total``, mean reward so far."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="eval", unit="episode")
+
+
+def succeeded(trajectory: Trajectory) -> bool:
+    """The env's own verdict (``info["is_success"]`` of the last step, the Gymnasium convention), else a positive total reward."""
+    verdict = trajectory.info.get("is_success")
+    return bool(verdict) if verdict is not None else trajectory.total_reward > 0
+
+
+def transcript_record(trajectory: Trajectory, **extra: Any) -> dict[str, Any]:
+    """One JSON line of a transcript: the conversation, rewards and how it ended."""
+    return {
+        **extra,
+        "messages": trajectory.messages,
+        "rewards": trajectory.rewards,
+        "total_reward": trajectory.total_reward,
+        "finish_reason": trajectory.finish_reason,
+        "error": trajectory.error,
+        "sampled_tokens": trajectory.num_sampled_tokens,
+    }
+
+
+def write_transcripts(path: Path, trajectories: list[Trajectory], **extra: Any) -> None:
+    """Write trajectories as JSONL transcripts."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as handle:
+        for i, trajectory in enumerate(trajectories):
+            handle.write(json.dumps(transcript_record(trajectory, episode=i, **extra), ensure_ascii=False) + "\n")

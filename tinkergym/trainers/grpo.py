@@ -1,0 +1,108 @@
+"""GRPO: group-relative policy optimization.
+
+Each step plays ``batch_size`` prompts (env seeds) ``group_size`` times, scores every episode by its total
+reward, and uses the reward minus its group's mean (divided by the group's std unless
+``trainer_args.scale_by_std`` is false) as the advantage of every sampled token. The loss is the clipped
+importance ratio (``clip_low``/``clip_high``), optionally with a KL penalty to the reference policy
+(``kl_coef``), aggregated per token or per sequence (``loss_aggregation``).
+
+The update is on-policy (one optimizer step per batch). The old policy of the ratio is the trainer's own
+logprobs of the same pass (``old_logprobs: trainer``, the default: no second forward pass, and sampler
+numerics never clip a token), or the sampler's (``old_logprobs: sampler``), optionally with the truncated
+importance weight ``tis_cap`` that corrects for a sampler whose numerics differ (vLLM, bfloat16). The loss
+scores the distribution sampled from (logits divided by the sampling temperature), and the sampler/trainer
+mismatch is logged every step (``mismatch/*``).
+
+Degenerate groups (equal rewards) get zero advantages and are not sent to the backend unless a KL term
+applies to them, but they still count in the loss normalizer (the whole step's sampled tokens, as TRL's
+``num_items_in_batch``), so the size of an update does not depend on how many groups were degenerate.
+Failed episodes, and with ``truncation: mask`` episodes a budget ended, take no part in training or in
+their group's statistics.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from tinkergym.protocol.types import ForwardBackwardRequest, LossSpec, OptimParams
+from tinkergym.rollouts import Trajectory
+from tinkergym.trainers.advantages import (
+    batch_normalizers,
+    episode_reward,
+    group_relative_advantages,
+    rollout_metrics,
+    trainable,
+    trajectories_to_data,
+)
+from tinkergym.trainers.base import StepOutput, TrainingContext
+
+
+class GRPOTrainer:
+    """Group-relative advantages + clipped policy gradient, one optimizer step per batch."""
+
+    needs_env = True
+    known_args = frozenset({"scale_by_std"})
+    advantage_name = "grpo"
+
+    def __init__(self, ctx: TrainingContext) -> None:
+        self.ctx = ctx
+        self.scale_by_std = bool(ctx.config.trainer_args.get("scale_by_std", True))
+
+    def advantages(self, rewards_B: list[float], valid_B: list[bool] | None = None) -> list[float]:
+        """Group-relative advantages of a step's rewards (invalid members stay out of the group statistics)."""
+        return group_relative_advantages(rewards_B, self.ctx.config.group_size, scale_by_std=self.scale_by_std, valid_B=valid_B)
+
+    def loss(self) -> LossSpec:
+        """The clipped-ratio loss with the run's clip range, KL, aggregation, sampling temperature and corrections."""
+        c = self.ctx.config
+        return LossSpec(
+            name="ppo", clip_low=c.clip_low, clip_high=c.clip_high, kl_coef=c.kl_coef, aggregation=c.loss_aggregation,
+            temperature=c.temperature, old_logprobs=c.old_logprobs, tis_cap=c.tis_cap,
+        )
+
+    def request(self, trajectories: list[Trajectory], advantages: Callable[[list[float], list[bool]], list[float]] | None = None) -> ForwardBackwardRequest:
+        """The step's backend request: advantages (``advantages(rewards_B, valid_B)``, by default :meth:`advantages`),
+        the data that carries a gradient, the whole step's normalizers."""
+        c = self.ctx.config
+        valid_B = [trainable(t, c.truncation) for t in trajectories]
+        rewards_B = [episode_reward(t, c.truncated_reward) for t in trajectories]
+        advantages_B = (advantages or self.advantages)(rewards_B, valid_B)
+        data = trajectories_to_data(trajectories, advantages_B, valid_B, keep_zero_advantage=c.kl_coef > 0)
+        num_tokens, num_sequences = batch_normalizers(trajectories, valid_B)
+        return ForwardBackwardRequest(data=data, loss=self.loss(), num_tokens=num_tokens, num_sequences=num_sequences)
+
+    def train_step(self, step: int) -> StepOutput:
+        """Roll out, score, compute advantages, one gradient step."""
+        c = self.ctx.config
+        seeds = [s for s in self.ctx.prompt_seeds(step) for _ in range(c.group_size)]
+        started = time.perf_counter()
+        trajectories = self.ctx.rollout(seeds, sampling_seed=c.seed * 100_003 + step)
+        rolled_out = time.perf_counter()
+        metrics = self.update(self.ctx.backend, trajectories)
+        return StepOutput({**metrics, **phase_times(started, rolled_out)}, trajectories)
+
+    def update(self, backend: Any, trajectories: list[Trajectory], advantages: Callable[[list[float], list[bool]], list[float]] | None = None) -> dict[str, float]:
+        """One gradient step of ``backend`` on ``trajectories`` (see :meth:`request`); the rollout and update metrics."""
+        c = self.ctx.config
+        request = self.request(trajectories, advantages)
+        metrics = rollout_metrics(trajectories)
+        metrics["batch/trained_sequences"] = float(len(request.data))
+        if request.data:
+            result = backend.forward_backward(request)
+            metrics.update(result.metrics)
+            params = OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
+            metrics.update(backend.optim_step(params))
+        return metrics
+
+    def state_dict(self) -> dict:
+        """``{}``: nothing carries over between steps (prompts and sampling follow from the config, the seed and the step)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore; see :meth:`state_dict`."""
+
+
+def phase_times(started: float, rolled_out: float) -> dict[str, float]:
+    """``time/rollout_s`` (``started`` to ``rolled_out``) and ``time/update_s`` (from then to now), ``perf_counter`` seconds."""
+    return {"time/rollout_s": rolled_out - started, "time/update_s": time.perf_counter() - rolled_out}
