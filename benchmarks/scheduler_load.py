@@ -31,7 +31,8 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from bench_machine import CpuShare, _load
 

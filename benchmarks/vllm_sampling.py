@@ -36,7 +36,8 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 RESULT_MARK = "VLLM_SAMPLING_RESULT "
 SIDES = ("vllm", "hf_generate", "torch_backend")

@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--reuse-sft", action="store_true", help="skip the warm-up when OUT/sft/final exists (a previous run's)")
     parser.add_argument("--eval-games", type=int, default=16, help="games against each opponent, before and after")
     args = parser.parse_args()
-    from tinkergym.trainers.config import TrainConfig
+    from tinkergym.config import TrainConfig
     from tinkergym.trainers.league import League
     from tinkergym.trainers.reporting import read_metrics
     from tinkergym.trainers.session import TrainingRun

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tinkergym.trainers.config import TrainConfig
+from tinkergym.config import TrainConfig
 from tinkergym.trainers.reporting import read_metrics
 from tinkergym.trainers.session import TrainingRun
 

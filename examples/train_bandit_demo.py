@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from tinkergym.trainers.config import TrainConfig
+from tinkergym.config import TrainConfig
 from tinkergym.trainers.reporting import read_metrics
 from tinkergym.trainers.session import TrainingRun
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import gymnasium as gym
 import pytest

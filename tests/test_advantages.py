@@ -15,7 +15,7 @@ from tinkergym.trainers.advantages import (
     trajectories_to_data,
 )
 from tinkergym.trainers.base import available_trainers, load_trainer
-from tinkergym.trainers.config import TrainConfig
+from tinkergym.config import TrainConfig
 
 
 def test_group_relative_advantages() -> None:
@@ -109,7 +109,7 @@ def _step_trajectories() -> list[Trajectory]:
     return trajectories
 
 
-def _grpo(**settings) -> "object":
+def _grpo(**settings) -> object:
     from tinkergym.trainers.base import TrainingContext
     from tinkergym.trainers.grpo import GRPOTrainer
 

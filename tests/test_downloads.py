@@ -7,7 +7,7 @@ import http.client
 import http.server
 import threading
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

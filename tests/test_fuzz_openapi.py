@@ -33,7 +33,8 @@ from schemathesis.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from tinkergym.serve.inference.engine import TorchInferenceEngine, plan_serving  # noqa: E402
+from tinkergym.backends.serving import plan_serving  # noqa: E402
+from tinkergym.backends.torch.inference import TorchInferenceEngine  # noqa: E402
 from tinkergym.serve.inference.app import create_inference_app  # noqa: E402
 from tinkergym.serve.training.app import create_app  # noqa: E402
 from tinkergym.serve.training.calls import CallLimits  # noqa: E402
@@ -130,7 +131,7 @@ def fuzz(schema: Any, examples: dict[str, int], real: Any, seen: Any = None) -> 
             if make_real:
                 real(case, data.draw)
             response = case.call_and_validate(headers=HEADERS, checks=CHECKS)
-            statuses.append((operation.path, response.status_code))
+            statuses.append((operation.path, response.status_code))  # noqa: B023 - run within this iteration
             if seen is not None:
                 seen(case, response)
 

@@ -26,7 +26,8 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import pytest
 
@@ -88,7 +89,7 @@ class PeakWatch:
             self.peak = max(self.peak, _used_bytes())
             time.sleep(self.interval)
 
-    def __enter__(self) -> "PeakWatch":
+    def __enter__(self) -> PeakWatch:
         self.peak = _used_bytes()
         self._thread = threading.Thread(target=self._poll, daemon=True)
         self._thread.start()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -158,7 +158,7 @@ def test_run_records_checkpointing_and_resume_keeps_it(tiny: str, tmp_path: Path
 
 
 def test_train_config_round_trips_the_setting(tmp_path: Path) -> None:
-    from tinkergym.trainers.config import TrainConfig
+    from tinkergym.config import TrainConfig
 
     assert TrainConfig().gradient_checkpointing is False
     config = TrainConfig.from_dict({"gradient_checkpointing": True})

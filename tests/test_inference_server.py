@@ -22,7 +22,8 @@ pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 
 from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.serve.inference.engine import TorchInferenceEngine, plan_serving  # noqa: E402
+from tinkergym.backends.serving import plan_serving  # noqa: E402
+from tinkergym.backends.torch.inference import TorchInferenceEngine  # noqa: E402
 from tinkergym.serve.inference.app import create_inference_app  # noqa: E402
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
 from tinkergym.serve.auth import token_digest  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.trainers.config import TrainConfig  # noqa: E402
+from tinkergym.config import TrainConfig  # noqa: E402
 from tinkergym.trainers.reporting import read_metrics  # noqa: E402
 from tinkergym.trainers.session import TrainingRun  # noqa: E402
 

@@ -304,7 +304,7 @@ def test_multi_turn_sequences_get_logits_only_where_a_turn_is_read(tiny: str, lo
                 if "lora_B" in name:
                     param.normal_(0.0, 0.05, generator=torch.Generator().manual_seed(1))
         widths: list[int] = []
-        backend.model.get_output_embeddings().register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))
+        backend.model.get_output_embeddings().register_forward_pre_hook(lambda module, args: widths.append(args[0].shape[1]))  # noqa: B023 - removed with this iteration's backend
         metrics = backend.forward_backward(ForwardBackwardRequest(data=data, loss=spec)).metrics
         grads = {n: p.grad.clone() for n, p in backend.model.named_parameters() if p.grad is not None}
         results[gathered] = (metrics, grads, widths)

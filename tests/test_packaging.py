@@ -8,6 +8,7 @@ the source tree and never see stale ones from it.
 from __future__ import annotations
 
 import fnmatch
+import json
 import os
 import shutil
 import subprocess
@@ -57,7 +58,6 @@ def _package_dirs(project: Path) -> dict[str, Path]:
 
         found = packages["find"]
         packages = find_packages(str(project / found.get("where", ["."])[0]), include=found.get("include", ("*",)), exclude=found.get("exclude", ()))
-    dirs = {}
     return _folders(project, mapping, packages)
 
 
@@ -196,3 +196,43 @@ def test_scaffolded_package_builds_quietly_with_its_data(tmp_path: Path) -> None
     _check_quiet("pip wheel of a scaffolded package", output)
     _check_wheel(root, wheel)
     _check_quiet("editable build of a scaffolded package", _build_editable(root, tmp_path / "editable"))
+
+
+_IMPORT_ALL = textwrap.dedent(
+    """
+    import importlib, json, pkgutil, sys
+    import tinkergym
+    names, where = [], {}
+    for info in pkgutil.walk_packages(tinkergym.__path__, "tinkergym."):
+        if info.name.endswith("__main__") or ".migrations" in info.name:
+            continue
+        module = importlib.import_module(info.name)
+        names.append(info.name)
+        where[info.name] = module.__file__
+    from importlib.metadata import entry_points
+    plugins = sorted(ep.name for ep in entry_points(group="tinkergym.backends") if str(ep.dist.locate_file("")).rstrip("/") == sys.argv[1])
+    print(json.dumps({"modules": names, "files": where, "backends": plugins}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_the_installed_wheel_imports_every_module(tmp_path: Path) -> None:
+    """``pip install .`` (a regular wheel, not an editable install) gives every module, its data and its plugins."""
+    wheel, _ = _build_wheel(_copy_project(REPO, tmp_path / "src"), tmp_path / "dist")
+    target = tmp_path / "site"
+    done = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(target), str(wheel)],
+                          capture_output=True, text=True, timeout=300, env=_clean_env())
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    env = {**_clean_env(), "PYTHONPATH": str(target)}
+    done = subprocess.run([sys.executable, "-c", _IMPORT_ALL, str(target)], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    in_tree = {".".join(p.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__") for p in (REPO / "tinkergym").rglob("*.py")
+               if "migrations" not in p.parts and p.name != "__main__.py"}
+    assert set(found["modules"]) == in_tree - {"tinkergym"}
+    assert all(Path(f).is_relative_to(target) for f in found["files"].values()), "imported from the wheel, not the source tree"
+    assert found["backends"] == ["remote", "scheduled", "torch", "vllm"]
+    shipped = {p.relative_to(target / "tinkergym").as_posix() for p in (target / "tinkergym").rglob("*") if p.is_file()}
+    assert {"registry/known_packages.json", "scheduler/migrations/env.py"} <= shipped

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import gymnasium as gym
 import pytest

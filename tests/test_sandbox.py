@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import time
 
-import pytest
 
 from tinkergym.sandbox import MAX_CODE_BYTES, run_python
 

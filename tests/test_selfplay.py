@@ -19,7 +19,7 @@ from tinkergym.chat import ChatTemplateRenderer  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
 from tinkergym.trainers.advantages import keyed_advantages  # noqa: E402
 from tinkergym.trainers.base import TrainingContext  # noqa: E402
-from tinkergym.trainers.config import TrainConfig  # noqa: E402
+from tinkergym.config import TrainConfig  # noqa: E402
 from tinkergym.trainers.selfplay import SelfPlayTrainer, parse_opponents  # noqa: E402
 from tinkergym.trainers.session import TrainingRun, env_factory  # noqa: E402
 

@@ -26,7 +26,7 @@ pytest.importorskip("openskill")
 pytest.importorskip("tinkergym_gomoku")
 
 from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.trainers.config import TrainConfig  # noqa: E402
+from tinkergym.config import TrainConfig  # noqa: E402
 from tinkergym.trainers.evaluation import eval_seeds  # noqa: E402
 from tinkergym.trainers.reporting import read_metrics  # noqa: E402
 from tinkergym.trainers.session import TrainingRun  # noqa: E402
@@ -60,7 +60,7 @@ def greedy_win_rate(backend) -> float:
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.games import ModelPlayer
     from tinkergym.trainers.matches import LEARNER, match_settings, play_matches
-    from tinkergym.trainers.selfplay import scripted_opponent
+    from tinkergym.trainers.matches import scripted_opponent
     from tinkergym.trainers.session import env_factory
 
     records, _ = play_matches(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import json
 import random
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 
@@ -13,7 +13,7 @@ from tinkergym.errors import ConfigError
 from tinkergym.tools import EXPECTED_FORM, MAX_JSON_DEPTH, ParsedToolCalls, Tool, ToolBox, ToolCall, function_schema, parse_tool_calls
 
 
-def get_weather(city: str, unit: Literal["celsius", "fahrenheit"] = "celsius", days: Optional[int] = None) -> str:
+def get_weather(city: str, unit: Literal["celsius", "fahrenheit"] = "celsius", days: int | None = None) -> str:
     """Get the weather forecast for a city.
 
     Looks the city up in a made-up table.
@@ -59,7 +59,7 @@ class Color(enum.Enum):
     BLUE = "blue"
 
 
-def paint(color: Color, sizes: tuple[int, ...] = (), mode: "int | str" = 1) -> str:
+def paint(color: Color, sizes: tuple[int, ...] = (), mode: int | str = 1) -> str:
     """Paint.
 
     Args:

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import random
 import string
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 
 class Agent(Protocol):

@@ -29,12 +29,13 @@ import time
 import urllib.parse
 import uuid
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from tinkergym.errors import ConfigError, TinkergymError
+from tinkergym.urls import SCHEDULER_ENV, check_scheduler_url  # noqa: F401 - importable from here
 
-#: The environment variables the CLI and :class:`SchedulerClient` read when no URL or key is given.
-SCHEDULER_ENV = "TINKERGYM_SCHEDULER"
+#: The environment variables the CLI and :class:`SchedulerClient` read when no URL or key is given (and SCHEDULER_ENV).
 API_KEY_ENV = "TINKERGYM_API_KEY"
 #: Statuses that mean "not now" rather than "no": sent again after a pause.
 RETRY_STATUSES = frozenset({502, 503, 504})
@@ -73,7 +74,7 @@ def print_stderr(message: str) -> None:
 
 
 def wait_running(
-    client: "SchedulerClient", job_id: str, *, after_epoch: int | None = None, timeout: float | None = None, poll: float = 1.0,
+    client: SchedulerClient, job_id: str, *, after_epoch: int | None = None, timeout: float | None = None, poll: float = 1.0,
     say: Callable[[str], None] = print_stderr, still_queued: str = "", unplaceable_after: float | None = UNPLACEABLE_HINT_S,
 ) -> dict[str, Any]:
     """Wait until job ``job_id`` runs (at a lease epoch above ``after_epoch``); its connection (``url``, ``token``, ``epoch``).
@@ -125,18 +126,6 @@ def wait_running(
         if deadline is not None and time.monotonic() > deadline:
             raise JobEnded(f"job {job_id} did not start within {timeout:g} s (it is {state}){'; ' + still_queued if still_queued else ''}")
         time.sleep(poll)
-
-
-def check_scheduler_url(url: str | None) -> str:
-    """``url`` (or ``$TINKERGYM_SCHEDULER``) without a trailing slash; :class:`ConfigError` unless it is ``http(s)://host[:port][/path]``."""
-    url = url or os.environ.get(SCHEDULER_ENV, "")
-    if not url:
-        raise ConfigError(f"no scheduler URL: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8780)")
-    from tinkergym.backends.remote import is_http_url
-
-    if not is_http_url(url):
-        raise ConfigError(f"scheduler URL {url!r} is not an http(s)://host[:port] URL; give one such as http://127.0.0.1:8780")
-    return url.rstrip("/")
 
 
 class SchedulerClient:

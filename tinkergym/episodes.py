@@ -7,7 +7,8 @@ rollout loop of training builds on the same env API; this module is the text-lev
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from tinkergym.agents import Agent
 

@@ -48,3 +48,15 @@ def replace_dir(tmp: str, path: str) -> None:
         os.replace(path, old)
     os.replace(tmp, path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def complete_checkpoints(folder: Path) -> list[Path]:
+    """The checkpoint folders of a run, oldest first, without the ``.tmp`` ones of unfinished writes."""
+    found = sorted((folder / "checkpoints").glob("step_*")) if (folder / "checkpoints").is_dir() else []
+    return [p for p in found if p.is_dir() and not p.name.endswith(".tmp")]
+
+
+def latest_checkpoint(folder: Path) -> tuple[int, Path] | None:
+    """The newest complete checkpoint of a run folder as (step, path)."""
+    found = complete_checkpoints(folder)
+    return (int(found[-1].name.split("_")[1]), found[-1]) if found else None

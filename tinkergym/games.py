@@ -28,7 +28,8 @@ Nothing here imports torch.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.protocol.types import SampleRequest, SamplingParams
 from tinkergym.chat import ChatRenderer
@@ -68,7 +69,7 @@ class ScriptedPlayer:
     make_agent: Callable[..., Callable[[str, dict], str]]
 
 
-Player = Union[ModelPlayer, ScriptedPlayer]
+Player = ModelPlayer | ScriptedPlayer
 
 
 @dataclass
@@ -244,7 +245,7 @@ def _sample_moves(waiting: list[tuple[_Live, _Seat]], renderer: ChatRenderer, co
                 live, seat = by_episode[id(episode)]
                 try:
                     moves[id(live)] = _take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)
-                except Exception as exc:  # a template failure ends this game only
+                except Exception as exc:  # noqa: BLE001 - a template failure ends this game only
                     _end(live, "error", f"{type(exc).__name__}: {exc}")
                     continue
                 seat.stopped = sequence.finish_reason == "stop"
@@ -288,7 +289,7 @@ def play_games(
         for live, reset in [(live, env_calls.submit(live.game.env.reset, seed=live.game.seed)) for live in lives]:
             try:
                 reset.result()
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - an env's reset failure ends this game only
                 _end(live, "error", f"{type(exc).__name__}: {exc}")
         round_index = 0
         while active := [live for live in lives if not live.done]:
@@ -296,7 +297,7 @@ def play_games(
             for live in active:
                 try:
                     prepared = _prepare(live, renderer, config)
-                except Exception as exc:  # an env, agent or template failure ends this game only
+                except Exception as exc:  # noqa: BLE001 - an env, agent or template failure ends this game only
                     _end(live, "error", f"{type(exc).__name__}: {exc}")
                     continue
                 if prepared is not None:
@@ -313,7 +314,7 @@ def play_games(
                 try:
                     step.result()
                     _apply(live, seat)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - an env or agent failure ends this game only
                     _end(live, "error", f"{type(exc).__name__}: {exc}")
             round_index += 1
             if on_round is not None:

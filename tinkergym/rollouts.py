@@ -28,7 +28,8 @@ from __future__ import annotations
 import enum
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 from tinkergym.protocol.types import SampleRequest, SampleResponse, SamplingParams
 from tinkergym.chat import ChatRenderer, Message
@@ -167,7 +168,7 @@ class _EnvCalls:
         future: Future = Future()
         try:
             future.set_result(fn(*args, **kwargs))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the future carries any failure to its caller
             future.set_exception(exc)
         return future
 
@@ -273,14 +274,14 @@ def _sample_round(waiting: list[_Episode], sampler: Sampler, renderer: ChatRende
         for episode, (sequence, *_) in zip(group, response.sequences):
             try:
                 text = _take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)
-            except Exception as exc:  # a template failure ends this episode only
+            except Exception as exc:  # noqa: BLE001 - a template failure ends this episode only
                 episode.fail(exc)
                 continue
             stepping.append((episode, env_calls.submit(episode.env.step, text), sequence.finish_reason == "stop"))
     for episode, step, stopped in stepping:  # in submission order, whatever order the steps finished in
         try:
             _after_step(episode, step.result(), stopped, renderer, config)
-        except Exception as exc:  # an env or template failure ends this episode only
+        except Exception as exc:  # noqa: BLE001 - an env or template failure ends this episode only
             episode.fail(exc)
 
 
@@ -317,7 +318,7 @@ def rollout(
         for episode, reset in resets:
             try:
                 _start(episode, reset.result(), renderer, config)
-            except Exception as exc:  # an env or template failure ends this episode only
+            except Exception as exc:  # noqa: BLE001 - an env or template failure ends this episode only
                 episode.fail(exc)
         round_index = 0
         while waiting := [e for e in episodes if e.state is EpisodeState.GENERATING]:

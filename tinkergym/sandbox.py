@@ -462,7 +462,7 @@ def run_python(
     max_processes: int = 32,
     python: str | None = None,
     isolation: str = "bubblewrap",
-    memory_bound: str | None = None,
+    memory_bound: str | None = None,  # noqa: F811 - the option keeps its name; the function is sandbox_memory.memory_bound
 ) -> SandboxResult:
     """Run ``code`` in a sandbox and return what it printed (see the module docstring).
 

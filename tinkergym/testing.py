@@ -20,7 +20,8 @@ import json
 import math
 import random
 import warnings
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 from unittest import mock
 
 from tinkergym.agents import AgentFactory, RandomTextAgent

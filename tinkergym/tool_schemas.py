@@ -16,7 +16,8 @@ import inspect
 import re
 import types
 import typing
-from typing import Any, Callable, Literal, Union
+from typing import Any, Literal, Union
+from collections.abc import Callable
 
 from tinkergym.errors import ConfigError
 

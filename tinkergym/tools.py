@@ -22,7 +22,8 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
+from collections.abc import Callable, Iterable
 
 from tinkergym.errors import ConfigError
 from tinkergym.tool_schemas import function_schema
@@ -80,7 +81,7 @@ class Tool:
     schema: dict[str, Any]
 
     @classmethod
-    def from_function(cls, fn: Callable[..., Any], *, name: str | None = None) -> "Tool":
+    def from_function(cls, fn: Callable[..., Any], *, name: str | None = None) -> Tool:
         """Build a tool from a typed, documented function (see :func:`function_schema`)."""
         schema = function_schema(fn, name=name)
         return cls(name=schema["function"]["name"], fn=fn, schema=schema)
@@ -254,7 +255,7 @@ class ToolBox:
             return problem
         try:
             result = self._tools[call.name].fn(**call.arguments)
-        except (Exception, SystemExit) as exc:  # a tool's failure is feedback for the model
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a tool's failure is feedback for the model
             message = str(exc).strip()
             return f"Error: {type(exc).__name__}{': ' + message if message else ''}"
         return self._format_result(result)

@@ -12,7 +12,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,7 +27,7 @@ from workerkit import WorkerProcess, serve_scheduler  # noqa: E402 - registered 
 
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.scheduler.db import allocations, jobs, make_engine  # noqa: E402
-from tinkergym.trainers.session import latest_checkpoint  # noqa: E402
+from tinkergym.folders import latest_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -25,10 +25,10 @@ from tinkergym.serve.asgi import ThreadServer  # noqa: E402
 from tinkergym.cli import main  # noqa: E402
 from tinkergym.client import SchedulerClient  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
-from tinkergym.inference_jobs import job_config, served_name  # noqa: E402
+from tinkergym.backends.inference_jobs import job_config, served_name  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 from tinkergym.scheduler.worker.agent import WorkerOptions, server_command  # noqa: E402
-from tinkergym.trainers.config import TrainConfig  # noqa: E402
+from tinkergym.config import TrainConfig  # noqa: E402
 
 EVAL = ("--env", "tinker/Bandit-v0", "--episodes", "4", "--max-new-tokens", "6", "--max-turns", "2")
 
@@ -136,7 +136,8 @@ def test_a_scheduler_trained_run_is_served_and_evaluated_by_a_worker(db_url: str
                                              out=tmp_path / "job.jsonl")
         _, base_transcripts = _eval("--endpoint", endpoint["url"], "--model", "tiny", "--api-key-file", str(key_file), out=tmp_path / "base.jsonl")
 
-        from tinkergym.serve.inference.engine import TorchInferenceEngine, plan_serving
+        from tinkergym.backends.serving import plan_serving
+        from tinkergym.backends.torch.inference import TorchInferenceEngine
         from tinkergym.serve.inference.app import create_inference_app
         from tinkergym.serve.auth import token_digest
 

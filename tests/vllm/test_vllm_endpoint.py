@@ -49,7 +49,8 @@ def _wait_healthy(url: str, process: subprocess.Popen | None, seconds: float) ->
 def endpoints(tiny: str, tmp_path_factory: pytest.TempPathFactory):
     import uvicorn
 
-    from tinkergym.serve.inference.engine import TorchInferenceEngine, plan_serving
+    from tinkergym.backends.serving import plan_serving
+    from tinkergym.backends.torch.inference import TorchInferenceEngine
     from tinkergym.serve.inference.app import create_inference_app
     from tinkergym.serve.auth import token_digest
 

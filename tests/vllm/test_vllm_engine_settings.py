@@ -155,7 +155,7 @@ SETTINGS = dict(env="tinker/Bandit-v0", batch_size=2, group_size=2, max_turns=1,
 
 
 def test_run_config_settings_reach_the_engine_and_survive_a_resume(tiny: str, tmp_path: Path) -> None:
-    from tinkergym.trainers.config import TrainConfig
+    from tinkergym.config import TrainConfig
     from tinkergym.trainers.session import TrainingRun
 
     engine = dict(sampler_gpu_memory=0.25, sampler_eager=True, sampler_device="cpu", sampler_sleep=False)

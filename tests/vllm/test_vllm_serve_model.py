@@ -53,10 +53,10 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def served(tiny: str, tmp_path_factory: pytest.TempPathFactory):
-    from tinkergym.serve.inference.engine import plan_serving
+    from tinkergym.backends.serving import plan_serving
     from tinkergym.serve.inference.app import create_inference_app
     from tinkergym.serve.auth import token_digest
-    from tinkergym.serve.inference.vllm_engine import VLLMInferenceEngine
+    from tinkergym.backends.vllm.inference import VLLMInferenceEngine
 
     root = tmp_path_factory.mktemp("vllm-serving")
     key_file = root / "key.txt"
@@ -104,7 +104,8 @@ def test_the_two_adapters_and_the_base_answer_differently(served) -> None:
 
 def test_token_ids_and_logprobs_match_the_torch_engine(served) -> None:
     """The sampled ids and their logprobs of /v1/completions are the torch engine's (float32, within 1e-4)."""
-    from tinkergym.serve.inference.engine import TorchInferenceEngine, plan_serving
+    from tinkergym.backends.serving import plan_serving
+    from tinkergym.backends.torch.inference import TorchInferenceEngine
     from tinkergym.protocol.types import SamplingParams
 
     torch_engine = TorchInferenceEngine(plan_serving(model=served["tiny"], adapters=[("a", str(served["runs"]["a"])), ("b", str(served["checkpoint_b"]))]))
@@ -143,7 +144,7 @@ def test_the_checkpoint_adapter_is_converted_to_a_peft_folder(served, tmp_path: 
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from tinkergym.serve.inference.vllm_engine import checkpoint_to_peft
+    from tinkergym.backends.vllm.inference import checkpoint_to_peft
 
     folder = checkpoint_to_peft(str(served["checkpoint_b"]), served["tiny"], str(tmp_path / "peft"))
     config = json.loads(Path(folder, "adapter_config.json").read_text())
@@ -156,9 +157,10 @@ def test_the_checkpoint_adapter_is_converted_to_a_peft_folder(served, tmp_path: 
 
 def test_a_full_finetuning_checkpoint_is_served_as_its_own_model(served, tmp_path: Path) -> None:
     """A full run's checkpoint (no final/ yet) is exported once and served; greedy ids equal the torch engine's."""
-    from tinkergym.serve.inference.engine import ServingPlan, TorchInferenceEngine
+    from tinkergym.backends.serving import ServingPlan
+    from tinkergym.backends.torch.inference import TorchInferenceEngine
     from tinkergym.protocol.types import SamplingParams
-    from tinkergym.serve.inference.vllm_engine import VLLMInferenceEngine
+    from tinkergym.backends.vllm.inference import VLLMInferenceEngine
 
     run = _train(served["tiny"], tmp_path / "full_run", "--steps", "1", "--full")
     checkpoint = sorted((run / "checkpoints").iterdir())[-1]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tinkergym.backends.vllm.sampler import VLLMBackend
-from tinkergym.trainers.config import TrainConfig
+from tinkergym.config import TrainConfig
 from tinkergym.trainers.reporting import read_metrics
 from tinkergym.trainers.session import TrainingRun
 

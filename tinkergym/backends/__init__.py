@@ -1,1 +1,82 @@
-"""Compute backends behind the Backend protocol: local torch, vLLM sampling, remote over HTTP."""
+"""Backends behind the Backend protocol, found by name as trainers are: the entry-point group ``tinkergym.backends``.
+
+Engines compute (``torch/``: TorchBackend; ``vllm/``: vLLM sampling beside it); clients reach compute elsewhere
+(``remote``: a training server; ``scheduled``: a scheduler's job). Each registered name points at a factory
+``build(request: BackendRequest) -> Backend``; a package adds a backend by declaring one in its ``pyproject.toml``::
+
+    [project.entry-points."tinkergym.backends"]
+    mybackend = "my_package.backend:build"
+
+and ``tinkergym train --backend mybackend`` trains through it. Without ``--backend`` a run's settings choose one of
+the four built in (:func:`backend_name`). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata as md
+from dataclasses import dataclass, replace
+from typing import Any
+from collections.abc import Callable
+
+from tinkergym.errors import ConfigError
+
+#: The entry-point group of backend factories.
+BACKEND_GROUP = "tinkergym.backends"
+#: The backends of this distribution, chosen by a run's settings.
+BUILT_IN = ("torch", "vllm", "remote", "scheduled")
+
+
+@dataclass(frozen=True)
+class BackendRequest:
+    """What a backend factory gets: the run's config and what is never saved with it."""
+
+    config: Any  # a tinkergym.config.TrainConfig
+    backend_token: str | None = None  # a training server's token (backend "remote")
+    api_key: str | None = None  # the scheduler's API key (backend "scheduled")
+    name: str = ""  # the run's name (the scheduler job's name)
+
+
+def backend_name(config: Any) -> str:
+    """The backend a run trains through: its ``backend`` when set, else the one its settings imply."""
+    if getattr(config, "backend", None):
+        return config.backend
+    if config.scheduler_url:
+        return "scheduled"
+    if config.backend_url:
+        return "remote"
+    return "vllm" if config.sampler == "vllm" else "torch"
+
+
+def available_backends() -> dict[str, md.EntryPoint]:
+    """Installed backend plugins by name (metadata only)."""
+    return {ep.name: ep for ep in md.entry_points(group=BACKEND_GROUP)}
+
+
+def load_backend_factory(name: str) -> Callable[[BackendRequest], Any]:
+    """The factory registered as ``name``; an unknown name lists the installed ones."""
+    found = available_backends()
+    if name not in found:
+        close = difflib.get_close_matches(name, list(found), n=3)
+        hint = f" Did you mean: {', '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown backend {name!r}.{hint} Installed backends: {', '.join(sorted(found)) or 'none'}.")
+    return found[name].load()
+
+
+def check_backend(config: Any) -> None:
+    """:class:`ConfigError` unless the run's ``backend`` (when set) is installed and, for a built-in one, what its other
+    settings say (``--backend torch`` beside ``--scheduler`` cannot work)."""
+    if not getattr(config, "backend", None):
+        return
+    implied = backend_name(replace(config, backend=None))
+    if config.backend in BUILT_IN and config.backend != implied:
+        raise ConfigError(f"backend {config.backend!r} contradicts the run's settings, which train through {implied!r}: leave "
+                          "--backend out (--scheduler, --backend-url and --sampler choose the built-in ones).")
+    if config.backend not in available_backends():
+        load_backend_factory(config.backend)  # its error lists the installed backends
+
+
+def build_backend(request: BackendRequest) -> Any:
+    """The backend of ``request.config`` (see :func:`backend_name`), built by its plugin's factory."""
+    check_backend(request.config)
+    return load_backend_factory(backend_name(request.config))(request)

@@ -26,7 +26,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.errors import ConfigError
 from tinkergym.folders import cache_root
@@ -302,7 +303,7 @@ def _from_hub(repo_id: str) -> str | None:
         return None
     try:
         HfApi().model_info(repo_id, timeout=10)
-    except Exception:  # unreachable hub, unknown repo, no permission: all mean "not from the hub"
+    except Exception:  # noqa: BLE001 - unreachable hub, unknown repo, no permission: all mean "not from the hub"
         return None
     return snapshot_download(repo_id)
 

@@ -35,11 +35,13 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.backends.tokenizer_files import cache_tokenizer_files, default_cache_dir
 from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, OptimParams, SampleRequest, SampleResponse
 from tinkergym.downloads import DownloadMismatchError, save_checked
+from tinkergym.urls import check_backend_url, is_http_url  # noqa: F401 - importable from here
 from tinkergym.errors import ConfigError, NonFiniteError, OutOfMemoryError, TinkergymError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 
@@ -72,23 +74,6 @@ class WireStats:
 
 class RemoteBackendError(TinkergymError, RuntimeError):
     """The training server failed a call, or could not be reached within the retries."""
-
-
-def check_backend_url(url: str) -> str:
-    """``url`` without a trailing slash, or a :class:`ConfigError` unless it is an ``http(s)://host[:port][/path]`` URL."""
-    if not is_http_url(url):
-        raise ConfigError(f"backend-url {url!r} is not a training server URL; give one such as http://127.0.0.1:8765")
-    return url.rstrip("/")
-
-
-def is_http_url(url: str) -> bool:
-    """Whether ``url`` is ``http(s)://host[:port][/path]`` (no query, no fragment, a valid port)."""
-    parts = urllib.parse.urlsplit(url)
-    try:
-        port = parts.port
-    except ValueError:
-        return False
-    return parts.scheme in ("http", "https") and bool(parts.hostname) and port != -1 and not parts.query and not parts.fragment
 
 
 def server_name(path: str | os.PathLike[str]) -> str:
@@ -375,3 +360,8 @@ def _relative_file(path: Any) -> str:
     if not parts or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
         raise RemoteBackendError(f"the training server listed an exported file with an unusable path {path!r}")
     return "/".join(parts)
+
+
+def build(request: Any) -> RemoteBackend:
+    """The ``remote`` backend plugin: the training server at the run's ``backend_url``, with the request's token."""
+    return RemoteBackend(request.config.backend_url, request.backend_token or "")

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.backends.remote import RemoteBackend, RemoteBackendError, server_name
 from tinkergym.client import TERMINAL_STATES as TERMINAL  # noqa: F401 - importable from here
@@ -62,7 +63,7 @@ class ScheduledBackend:
 
     @classmethod
     def submit(cls, client: Any, kind: str, config: dict[str, Any], *, gpus: int = 1, priority: int = 0, name: str = "",
-               idempotency_key: str | None = None, **options: Any) -> "ScheduledBackend":
+               idempotency_key: str | None = None, **options: Any) -> ScheduledBackend:
         """Queue a job for ``config`` and return its backend (not yet connected: the first call waits for the lease)."""
         job = client.submit(kind, config, gpus=gpus, priority=priority, name=name, idempotency_key=idempotency_key)
         return cls(client, job["id"], **options)
@@ -172,3 +173,20 @@ class ScheduledBackend:
     def close(self) -> None:
         if self._remote is not None:
             self._remote.close()
+
+
+def build(request: Any) -> ScheduledBackend:
+    """The ``scheduled`` backend plugin: the run's job at ``scheduler_url`` (reattached while it waits or runs), else a
+    new job, which starts from the ended one's checkpoints when the run had one."""
+    from tinkergym.client import SchedulerClient
+
+    c = request.config
+    client = SchedulerClient(c.scheduler_url, request.api_key)
+    job_config = c.job_config()
+    if c.scheduler_job:
+        if client.show(c.scheduler_job)["state"] not in TERMINAL:
+            return ScheduledBackend(client, c.scheduler_job)  # reattach: the job waits or runs
+        # The job ended (its client went quiet, or the run is extended): a new job starts from its checkpoints.
+        job_config["resume_job"] = c.scheduler_job
+    kind = "sft" if c.trainer == "sft" else "train"
+    return ScheduledBackend.submit(client, kind, job_config, gpus=c.gpus, name=request.name)

@@ -7,6 +7,20 @@ import os
 
 import click
 
+from tinkergym.cli.common import TinkergymGroup
+from tinkergym.cli.envs import envs
+from tinkergym.cli.jobs import jobs
+from tinkergym.cli import jobs_download  # noqa: F401 - registers `jobs download` on the jobs group
+from tinkergym.cli.play import play
+from tinkergym.cli.push import push
+from tinkergym.cli.scheduler import scheduler
+from tinkergym.cli import scheduler_workers  # noqa: F401 - registers `scheduler workers` on the scheduler group
+from tinkergym.cli.serve import serve_backend
+from tinkergym.cli.serve_model import serve_model
+from tinkergym.cli.train import eval_command, train
+from tinkergym.cli.worker import worker
+from tinkergym.cli.workers import workers
+
 
 def _torch_missing() -> bool:
     try:
@@ -19,20 +33,6 @@ if _torch_missing():
     # A client install (training through a server or a scheduler) has transformers for the chat template and no torch
     # by design: transformers' advice that "PyTorch was not found" is noise there.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-
-from tinkergym.cli.common import TinkergymGroup
-from tinkergym.cli.envs import envs
-from tinkergym.cli.jobs import jobs
-from tinkergym.cli import jobs_download  # noqa: F401,E402 - registers `jobs download` on the jobs group
-from tinkergym.cli.play import play
-from tinkergym.cli.push import push
-from tinkergym.cli.scheduler import scheduler
-from tinkergym.cli import scheduler_workers  # noqa: F401,E402 - registers `scheduler workers` on the scheduler group
-from tinkergym.cli.serve import serve_backend
-from tinkergym.cli.serve_model import serve_model
-from tinkergym.cli.train import eval_command, train
-from tinkergym.cli.worker import worker
-from tinkergym.cli.workers import workers
 
 
 @click.group(cls=TinkergymGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

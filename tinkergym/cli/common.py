@@ -6,7 +6,8 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import click
 

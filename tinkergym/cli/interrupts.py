@@ -6,7 +6,8 @@ import os
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, NoReturn
+from typing import Any, NoReturn
+from collections.abc import Callable, Iterator
 
 import click
 

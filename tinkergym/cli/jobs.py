@@ -5,7 +5,8 @@ from __future__ import annotations
 import datetime
 import json
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import click
 

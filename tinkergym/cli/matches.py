@@ -17,7 +17,7 @@ def eval_matches(
     """Play ``episodes`` games against each opponent (seats alternating); print the table, the ratings and a JSON line."""
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.games import ModelPlayer
-    from tinkergym.trainers.config import TrainConfig
+    from tinkergym.config import TrainConfig
     from tinkergym.cli.common import save_transcripts
     from tinkergym.trainers.evaluation import eval_seeds
     from tinkergym.trainers.matches import LEARNER, match_settings, opponent_player, play_matches, rated, records_table

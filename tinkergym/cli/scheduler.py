@@ -417,7 +417,7 @@ def tenants_list(db: str | None, data_dir: Path) -> None:
     """
     from sqlalchemy import func, select
 
-    from tinkergym.scheduler.credentials import CLUSTER  # the worker credentials' tenant: no jobs, not listed
+    from tinkergym.scheduler.bounds import CLUSTER  # the worker credentials' tenant: no jobs, not listed
 
     from tinkergym.scheduler.db import jobs as jobs_table
     from tinkergym.scheduler.db import tenants as tenants_table

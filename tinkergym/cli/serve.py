@@ -13,6 +13,7 @@ import click
 from tinkergym.serve.training.calls import CallLimits
 from tinkergym.cli.common import SEED, FiniteFloat, InputError, SafePath
 from tinkergym.cli.connection_options import connection_limits, connection_options
+from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 
 TOKEN_HINT = (
     'make one with: python -c "import secrets; print(secrets.token_urlsafe(32))" > token.txt && chmod 600 token.txt'
@@ -41,12 +42,12 @@ def request_logger(run_dir: Path) -> logging.Logger:
 
 @click.command("serve-backend")
 @click.option("--model", required=True, help="Model name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
-@click.option("--lora-rank", type=click.IntRange(min=1), default=None, help="LoRA rank (default 16).")
+@click.option("--lora-rank", type=click.IntRange(min=1), default=None, help=f"LoRA rank (default {DEFAULT_LORA_RANK}).")
 @click.option("--full", is_flag=True, help="Train every weight instead of a LoRA adapter.")
-@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None, help="LoRA alpha (default 32; tinkergym train's default is 16).")
+@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None, help=f"LoRA alpha (default {DEFAULT_LORA_ALPHA}).")
 @click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True)
-@click.option("--micro-batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences per forward/backward pass (bounds memory).")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True)
+@click.option("--micro-batch-size", type=click.IntRange(min=1), default=DEFAULT_MICRO_BATCH_SIZE, show_default=True, help="Sequences per forward/backward pass (bounds memory).")
+@click.option("--dtype", type=click.Choice(DTYPES), default=DEFAULT_DTYPE, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on; keep the loopback default behind an SSH tunnel or a TLS proxy.")
@@ -116,7 +117,7 @@ def serve_backend(
 
         run_dir.mkdir(parents=True, exist_ok=True)
         lora = {} if lora_alpha is None else {"lora_alpha": lora_alpha}
-        config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or 16), lora_dropout=lora_dropout, dtype=dtype,
+        config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or DEFAULT_LORA_RANK), lora_dropout=lora_dropout, dtype=dtype,
                                     device=device, seed=seed, micro_batch_size=micro_batch_size, deterministic=deterministic,
                                     gradient_checkpointing=gradient_checkpointing, prefix_cache_mb=prefix_cache_mb,
                                     lora_sampling=lora_sampling, **lora)

@@ -50,7 +50,7 @@ def serve_through_scheduler(
     from tinkergym.backends.endpoint_sampler import EndpointError
     from tinkergym.client import SchedulerClient
     from tinkergym.errors import ConfigError
-    from tinkergym.inference_jobs import InferenceJob, InferenceJobEnded, default_key_file, gateway_url, job_config, served_name
+    from tinkergym.backends.inference_jobs import InferenceJob, InferenceJobEnded, default_key_file, gateway_url, job_config, served_name
 
     config = job_config(model=model, run_dir=run_dir, dtype=dtype)
     client = SchedulerClient(scheduler, api_key)

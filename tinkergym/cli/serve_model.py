@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from tinkergym.cli.common import SafePath
+from tinkergym.config import DTYPES
 from tinkergym.cli.connection_options import connection_limits, connection_options
 
 ENGINES = ("auto", "torch", "vllm")
@@ -75,7 +76,7 @@ def _check_model(model: str) -> None:
                    "unless --scheduler.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Compute dtype (default: the run's, else auto).")
+@click.option("--dtype", type=click.Choice(DTYPES), help="Compute dtype (default: the run's, else auto).")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:1, ...")
 @click.option("--max-model-len", type=click.IntRange(2), help="Longest prompt plus completion (default: the model's position limit).")
 @click.option("--engine", type=click.Choice(ENGINES), default="auto", show_default=True,
@@ -148,7 +149,7 @@ def serve_model(
         raise click.UsageError(f"{', '.join(given)} go with --scheduler URL.")
     if api_key_file is None:
         raise click.UsageError("--api-key-file is required: every route but /health needs the key (or serve through --scheduler URL).")
-    from tinkergym.serve.inference.engine import plan_serving
+    from tinkergym.backends.serving import plan_serving
     from tinkergym.serve.auth import LeaseFile, token_digest
 
     key = read_api_key(api_key_file)
@@ -169,7 +170,7 @@ def serve_model(
         raise SystemExit(ENVIRONMENT_EXIT_CODE) from exc
     served = None
     if engine == "vllm":
-        from tinkergym.serve.inference.vllm_engine import VLLMInferenceEngine
+        from tinkergym.backends.vllm.inference import VLLMInferenceEngine
         from tinkergym.errors import ConfigError
 
         try:
@@ -180,7 +181,7 @@ def serve_model(
             click.echo(f"vLLM cannot serve this ({exc}); serving with the torch engine", err=True)
             engine = "torch"
     if served is None:
-        from tinkergym.serve.inference.engine import TorchInferenceEngine
+        from tinkergym.backends.torch.inference import TorchInferenceEngine
 
         served = TorchInferenceEngine(plan, device=device, max_model_len=max_model_len)
     names = ", ".join(m.id for m in served.models())

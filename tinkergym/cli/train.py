@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 import click
 
 from tinkergym.cli.common import SEED, FiniteFloat, InputError, SafePath, parse_kwargs, save_transcripts, writable_file
+from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DTYPES
 
 #: Most episodes one evaluation plays (each has its own seed, drawn up front).
 MAX_EPISODES = 1_000_000
@@ -21,7 +22,7 @@ _FIELDS = (
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
     "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
     "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every", "prefix_cache_mb", "wandb_project",
-    "lora_sampling",
+    "lora_sampling", "backend",
 )
 
 
@@ -34,7 +35,7 @@ _SERVER_OWNED = (
 
 def build_config(options: dict[str, Any], base: Any = None) -> Any:
     """A TrainConfig from ``base`` or ``--config`` (if given) overridden by the options given on the command line."""
-    from tinkergym.trainers.config import TrainConfig
+    from tinkergym.config import TrainConfig
 
     if base is not None:
         config = TrainConfig.from_dict(base.to_dict())
@@ -64,7 +65,10 @@ def build_config(options: dict[str, Any], base: Any = None) -> Any:
     if options.get("demos"):
         args["demos"] = options["demos"]
     config.trainer_args = args
-    return config.validate()
+    from tinkergym.backends import check_backend
+
+    check_backend(config.validate())  # an unknown or contradicting --backend fails before anything loads
+    return config
 
 
 def read_backend_token(options: dict[str, Any]) -> str | None:
@@ -132,8 +136,8 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
                    "(default baseline,random,snapshots).")
 @click.option("--snapshot-every", type=click.IntRange(0), help="Self-play: add a frozen snapshot of the learner every N steps (default 10; 0 = never).")
 @click.option("--model", help="smollm2-135m (default), tiny (a test-sized model), a local HF folder, or a hub id.")
-@click.option("--lora-rank", type=click.IntRange(1), help="LoRA rank (default 8).")
-@click.option("--lora-alpha", type=click.IntRange(1), help="LoRA alpha (default 16).")
+@click.option("--lora-rank", type=click.IntRange(1), help=f"LoRA rank (default {DEFAULT_LORA_RANK}).")
+@click.option("--lora-alpha", type=click.IntRange(1), help=f"LoRA alpha (default {DEFAULT_LORA_ALPHA}).")
 @click.option("--full", is_flag=True, help="Train every parameter instead of a LoRA adapter.")
 @click.option("--steps", type=click.IntRange(1), help="Optimizer steps (default 20).")
 @click.option("--batch-size", type=click.IntRange(1), help="Prompts (env seeds) per step (default 8).")
@@ -158,7 +162,7 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--eval-every", type=click.IntRange(0), help="Evaluate every N steps on held-out seeds (0 = off).")
 @click.option("--eval-episodes", type=click.IntRange(1, MAX_EPISODES), help="Episodes per evaluation (default 32).")
 @click.option("--checkpoint-every", type=click.IntRange(1), help="Checkpoint every N steps (default 10).")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights dtype (auto: bf16 where supported).")
+@click.option("--dtype", type=click.Choice(DTYPES), help="Weights dtype (auto: bf16 where supported).")
 @click.option("--deterministic", is_flag=True,
               help="Deterministic kernels only, so the run and its resume repeat bit for bit on a GPU too (slower; on CPU they already do).")
 @click.option("--gradient-checkpointing", is_flag=True,
@@ -179,6 +183,9 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
               help="With --sampler vllm: the engine's device, e.g. cuda:1 to keep it off the training GPU (default: vLLM's first GPU).")
 @click.option("--sampler-sleep/--no-sampler-sleep", default=None,
               help="With --sampler vllm: free vLLM's GPU memory during training passes (sleep mode; default on GPU, unavailable on CPU).")
+@click.option("--backend", metavar="NAME",
+              help="A backend plugin (entry-point group tinkergym.backends) to train through; default: the one --scheduler, "
+                   "--backend-url and --sampler imply (scheduled, remote, vllm, else torch).")
 @click.option("--backend-url", metavar="URL",
               help="Train through a training server (tinkergym serve-backend) at URL: its model computes, envs and the trainer run here.")
 @click.option("--backend-token-file", type=SafePath(dir_okay=False),
@@ -289,7 +296,7 @@ def _new_run(options: dict[str, Any], token: str | None) -> Any:
 def _stop_run(folder: Path, backend: Any, keep: bool) -> NoReturn:
     """After Ctrl-C: cancel the run's scheduler job (or leave it: ``keep``), say how to go on, and exit with code 130."""
     from tinkergym.cli.interrupts import interrupted, job_outcome, stop_job
-    from tinkergym.trainers.session import latest_checkpoint
+    from tinkergym.folders import latest_checkpoint
 
     click.echo("", err=True)
     checkpoint = latest_checkpoint(folder)
@@ -463,7 +470,7 @@ def _scheduled_endpoint(
     """An eval job's server as an :class:`EndpointSampler` (its tokenizer fetched), and the job (to end when done)."""
     from tinkergym.backends.endpoint_sampler import EndpointSampler
     from tinkergym.client import SchedulerClient
-    from tinkergym.inference_jobs import InferenceJob, job_config, served_name
+    from tinkergym.backends.inference_jobs import InferenceJob, job_config, served_name
 
     client = SchedulerClient(scheduler, api_key)
     name = served_name(run_dir) if run_dir else model

@@ -23,7 +23,7 @@ class Backend(Protocol):
     """Compute for one policy: sampling, gradients, optimizer steps, checkpoints and export."""
 
     def info(self) -> dict[str, Any]:
-        """Plain facts: ``model`` (name or path), ``tokenizer`` (a local path the client can load), ``lora``, ``step``."""
+        """Plain facts: ``model`` (name or path), ``tokenizer`` (a local path the client can load), ``lora_rank`` (0: every weight trains), ``step``."""
 
     def sample(self, request: SampleRequest) -> SampleResponse:
         """Sample completions for token prompts; the returned ids are exactly what the policy produced."""

@@ -103,7 +103,7 @@ def _manifest_for(module: str) -> tuple[dict[str, Any], str | None]:
     top = module.split(".", 1)[0]
     try:
         found = importlib.util.find_spec(top)
-    except Exception as exc:  # a half-installed package can fail here in many ways; it is one package's problem
+    except Exception as exc:  # noqa: BLE001 - a half-installed package can fail here in many ways; it is one package's problem
         return {}, f"cannot locate module {top!r}: {exc}"
     if found is None:
         return {}, f"module {top!r} is not importable (is the package installed in this environment?)"
@@ -189,7 +189,7 @@ def discover() -> Discovery:
         try:  # metadata a broken install left behind (not UTF-8, say) is that package's problem only
             entry_points = list(dist.entry_points.select(group=ENTRY_POINT_GROUP))
             name, version = dist.metadata["Name"] or "?", dist.version or "?"
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - broken metadata is one distribution's problem, reported below
             if _may_declare_envs(dist):
                 found.problems.append(f"the distribution at {getattr(dist, '_path', '?')}: cannot read its metadata ({type(exc).__name__}: {exc})")
             continue

@@ -13,7 +13,8 @@ import json
 import reprlib
 from functools import lru_cache
 from importlib import resources
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import gymnasium as gym
 

@@ -37,7 +37,7 @@ class PackagePlan:
     class_name: str
 
     @classmethod
-    def for_name(cls, name: str, env_id: str | None = None) -> "PackagePlan":
+    def for_name(cls, name: str, env_id: str | None = None) -> PackagePlan:
         """Derive the distribution, module, id and class names from a package name like ``wordle``."""
         base = name.lower().removeprefix("tinkergym-").removeprefix("tinkergym_")
         if len(base) > MAX_NAME_LENGTH:

@@ -18,15 +18,17 @@ import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import text
 
 from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictText, WireJSON, add_error_handlers, error_response
-from tinkergym.scheduler.auth import KeyLookup, Principal
-from tinkergym.scheduler.credentials import BoundsError
+from tinkergym.scheduler.auth import KeyLookup
+from tinkergym.scheduler.bounds import BoundsError
+from tinkergym.scheduler.deps import Forbidden
 from tinkergym.scheduler.db import make_engine, reader, upgrade
 from tinkergym.scheduler.leases import Quarantined
 from tinkergym.scheduler.quotas import QuotaExceeded
@@ -107,28 +109,6 @@ class SchedulerSettings:
     gateway_max_per_tenant: int = 64
     gateway_read_timeout_s: float = 600.0
     clock: Callable[[], float] = field(default=now, repr=False)
-
-
-class Forbidden(Exception):
-    """The key is valid but lacks the scope (HTTP 403)."""
-
-
-def principal(request: Request) -> Principal:
-    """The authenticated principal of a request (set by the auth middleware)."""
-    return request.state.principal
-
-
-def require(scope: str) -> Callable[[Request], Principal]:
-    """A dependency: the request's principal if its key has ``scope`` (``admin`` has every scope), else 403."""
-
-    async def dependency(request: Request) -> Principal:  # async: FastAPI would run a plain def in a thread
-        who = principal(request)
-        if not who.allows(scope):
-            raise Forbidden(f"this key lacks the {scope!r} scope (it has: {', '.join(sorted(who.scopes))})")
-        return who
-
-    dependency.__name__ = f"require_{scope}"
-    return dependency
 
 
 def _bearer(headers: dict[bytes, bytes]) -> str:
@@ -231,7 +211,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     With ``background`` False (tests that drive the sweeper by hand), leases expire only when
     :func:`tinkergym.scheduler.leases.sweep` is called. Queued jobs are granted when a worker asks for a lease.
     """
-    from tinkergym.scheduler import leases
+    from tinkergym.scheduler import sweeps
     from tinkergym.scheduler.artifacts import DirectoryStore
     from tinkergym.scheduler.routes import artifacts as artifact_routes
     from tinkergym.scheduler.routes import connect as connect_routes
@@ -249,7 +229,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        task = asyncio.create_task(leases.sweep_forever(app)) if background else None
+        task = asyncio.create_task(sweeps.sweep_forever(app)) if background else None
         try:
             yield
         finally:

@@ -8,9 +8,13 @@ in UTF-8 bytes, as file systems count them (255 bytes a component on ext4, XFS a
 
 from __future__ import annotations
 
+import re
+
 #: Bytes of a whole relative path, and of one of its components, at most.
 MAX_PATH_BYTES = 1024
 MAX_COMPONENT_BYTES = 255
+#: A checkpoint's folder name (``step_000012``): one plain path component, recorded by the scheduler, kept by the worker.
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 
 
 class ArtifactPathError(ValueError):

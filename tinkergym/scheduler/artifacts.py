@@ -5,7 +5,7 @@
 disk. Paths can never leave the job's folder:
 
 - a job id is ``job_<hex>`` and a checkpoint name one path component
-  (:data:`tinkergym.scheduler.leases.CHECKPOINT_NAME`);
+  (:data:`tinkergym.scheduler.artifact_paths.CHECKPOINT_NAME`);
 - a relative file path is ``/``-separated components, none empty, ``.`` or ``..``, none holding a backslash,
   a NUL or a control character, none starting with ``.`` (the store's own temporary and digest files do), its
   lengths counted in UTF-8 bytes (:func:`tinkergym.scheduler.artifact_paths.check_relpath`, which a worker
@@ -50,9 +50,8 @@ from typing import Any, BinaryIO
 
 from sqlalchemy import delete, func, select
 from tinkergym.scheduler import quotas, states
-from tinkergym.scheduler.artifact_paths import MAX_COMPONENT_BYTES, MAX_PATH_BYTES, ArtifactPathError, check_relpath  # noqa: F401 - the store's rules
+from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME, MAX_COMPONENT_BYTES, MAX_PATH_BYTES, ArtifactPathError, check_relpath  # noqa: F401 - the store's rules
 from tinkergym.scheduler.db import checkpoints, jobs
-from tinkergym.scheduler.leases import CHECKPOINT_NAME
 
 #: A job id as :func:`tinkergym.scheduler.repository.new_job_id` makes them.
 JOB_ID = re.compile(r"^job_[0-9a-f]{1,36}$")

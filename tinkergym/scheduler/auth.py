@@ -27,7 +27,7 @@ from typing import Any
 from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.engine import Engine
 
-from tinkergym.scheduler.credentials import WorkerBounds, parse_bounds
+from tinkergym.scheduler.bounds import TENANT_PATTERN, WorkerBounds, parse_bounds  # noqa: F401 - TENANT_PATTERN: importable from here
 from tinkergym.scheduler.db import Prepared, api_keys, autocommit_reader, reader, tenants
 
 KEY_PREFIX = "tgk_"
@@ -35,7 +35,6 @@ SCOPES = ("read", "write", "worker", "admin")
 #: The scopes a tenant's key may hold (``worker`` is a worker credential's alone).
 TENANT_SCOPES = ("read", "write", "admin")
 KEY_PATTERN = re.compile(r"^tgk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
-TENANT_PATTERN = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}$")
 #: A key's row by its id: every request's lookup (a statement prepared once, run outside any transaction).
 _KEY_ROW = Prepared(select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.digest, api_keys.c.scopes, api_keys.c.revoked_at,
                            api_keys.c.worker_bounds).where(api_keys.c.id == bindparam("id")))

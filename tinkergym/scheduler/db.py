@@ -246,9 +246,9 @@ def _ping_idle_connections(engine: Engine) -> None:
 
 
 _READ_OPTION = "tinkergym_read_only"
-_READERS: "weakref.WeakKeyDictionary[Engine, Engine]" = weakref.WeakKeyDictionary()
-_WRITE_LOCKS: "weakref.WeakKeyDictionary[Engine, threading.RLock]" = weakref.WeakKeyDictionary()
-_AUTOCOMMIT_READERS: "weakref.WeakKeyDictionary[Engine, Engine]" = weakref.WeakKeyDictionary()
+_READERS: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
+_WRITE_LOCKS: weakref.WeakKeyDictionary[Engine, threading.RLock] = weakref.WeakKeyDictionary()
+_AUTOCOMMIT_READERS: weakref.WeakKeyDictionary[Engine, Engine] = weakref.WeakKeyDictionary()
 
 
 def reader(engine: Engine) -> Engine:

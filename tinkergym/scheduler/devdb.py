@@ -21,7 +21,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 #: The role the tests connect as: trusted on 127.0.0.1 only, allowed to create databases, not a superuser.
 PG_ROLE = "tinkergym_test"

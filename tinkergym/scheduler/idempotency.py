@@ -27,7 +27,8 @@ import hashlib
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from sqlalchemy import and_, bindparam, func, literal_column, select, true, update
 from sqlalchemy.engine import Connection

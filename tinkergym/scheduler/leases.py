@@ -16,7 +16,7 @@ serves the model and has enough devices), no job after it in the order is grante
 to it and large jobs are not starved. A job whose tenant holds ``tenants.max_gpus`` devices already waits
 without blocking anyone.
 
-Expiry (:func:`sweep`) runs in the app's background task (:func:`sweep_forever`), so a lease expires with
+Expiry (:func:`sweep`) runs in the app's background task (:func:`tinkergym.scheduler.sweeps.sweep_forever`), so a lease expires with
 no other traffic: the job goes back to ``queued`` with ``attempt + 1`` (``failed`` once attempts reach
 ``max_attempts``; a ``cancelling`` job becomes ``cancelled``) and its devices are freed, in one transaction
 per job that re-reads the job under lock and compares its epoch and expiry, so a heartbeat racing the
@@ -54,23 +54,23 @@ epoch moves on. The database keeps only its SHA-256 digest; the secret is 32 ran
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import hashlib
 import hmac
 import json
 import os
-import re
 import secrets
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler import states
-from tinkergym.scheduler.credentials import WorkerBounds
+from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME
+from tinkergym.scheduler.bounds import WorkerBounds
 from tinkergym.scheduler.db import allocations, checkpoints, devices, jobs, tenants, workers
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
@@ -84,7 +84,6 @@ TOKEN_PREFIX = "tgs_"
 MAX_SCAN = 5000
 _PAGE = 200
 #: A checkpoint's name: one path component inside the job's artifact folder.
-CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 #: States a worker may report, and the events it may append.
 REPORTABLE = (states.STARTING, states.RUNNING, states.SUCCEEDED, states.FAILED, states.CANCELLED)
 WORKER_EVENTS = ("log", "metrics", "error")
@@ -129,7 +128,7 @@ def app_secret(app: Any) -> bytes:
 
 def server_token(secret: bytes, job_id: str, epoch: int) -> str:
     """The token of the job's server at lease ``epoch``: ``tgs_`` + URL-safe base64 of HMAC-SHA256(secret, "job:epoch")."""
-    mac = hmac.new(secret, f"{job_id}:{epoch}".encode("utf-8"), hashlib.sha256).digest()
+    mac = hmac.new(secret, f"{job_id}:{epoch}".encode(), hashlib.sha256).digest()
     return TOKEN_PREFIX + base64.urlsafe_b64encode(mac).decode("ascii").rstrip("=")
 
 
@@ -433,47 +432,3 @@ def wake(app: Any) -> None:
         loop.call_soon_threadsafe(event.set)
     except RuntimeError:
         pass  # the loop is closed: the app is shutting down
-
-
-async def sweep_forever(app: Any) -> None:
-    """Every ``sweep_interval_s`` seconds (sooner when woken), for the app's lifetime, never dying of an error: expire
-    leases (:func:`sweep`), report and forget silent workers (:func:`sweep_workers`), and, at most every
-    ``retention_interval_s`` of the app's clock, delete ended jobs' old artifacts
-    (:func:`tinkergym.scheduler.artifacts.sweep_artifacts`) and old ended jobs and idempotency records
-    (:func:`tinkergym.scheduler.retention.sweep_if_due`)."""
-    from tinkergym.scheduler import placement, retention
-    from tinkergym.scheduler.artifacts import retention_due, sweep_artifacts
-
-    event = asyncio.Event()
-    app.state.sweep_event = event
-    app.state.sweep_loop = asyncio.get_running_loop()
-    try:
-        while True:
-            try:
-                await asyncio.to_thread(sweep, app)
-            except Exception:  # noqa: BLE001 - log and go on: the sweeper is the only thing that frees a dead worker's devices
-                app.state.logger.exception("lease sweep failed; retrying in %ss", app.state.settings.sweep_interval_s)
-            try:
-                await asyncio.to_thread(sweep_workers, app)
-            except Exception:  # noqa: BLE001 - the lease sweep above must go on whatever happens here
-                app.state.logger.exception("worker sweep failed")
-            try:
-                if retention_due(app):
-                    await asyncio.to_thread(sweep_artifacts, app)
-            except Exception:  # noqa: BLE001 - as above
-                app.state.logger.exception("artifact retention pass failed")
-            try:
-                await asyncio.to_thread(placement.note_wait_reasons, app)  # a `waiting` event when a queued job's reason changes
-            except Exception:  # noqa: BLE001 - as above
-                app.state.logger.exception("wait reason pass failed")
-            try:
-                await asyncio.to_thread(retention.sweep_if_due, app)  # ended jobs and old idempotency records
-            except Exception:  # noqa: BLE001 - as above
-                app.state.logger.exception("job retention pass failed")
-            try:
-                await asyncio.wait_for(event.wait(), timeout=app.state.settings.sweep_interval_s)
-            except asyncio.TimeoutError:
-                pass
-            event.clear()
-    finally:
-        app.state.sweep_event = app.state.sweep_loop = None

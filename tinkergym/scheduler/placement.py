@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler import states
-from tinkergym.scheduler.credentials import WorkerBounds, parse_bounds
+from tinkergym.scheduler.bounds import WorkerBounds, parse_bounds
 from tinkergym.scheduler.db import allocations, api_keys, devices, tenants, workers
 from tinkergym.scheduler.repository import NotFound
 from tinkergym.scheduler.worker_registry import worker_timeout

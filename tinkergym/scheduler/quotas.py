@@ -30,6 +30,7 @@ from sqlalchemy import Integer, bindparam, case, func, literal, select, update
 from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler.db import jobs, tenants
+from tinkergym.scheduler.errors import NotFound
 
 GIB = 1 << 30
 KIB = 1 << 10
@@ -69,8 +70,6 @@ def next_limited_seq(conn: Connection, job_id: str, size: int) -> int:
         .join_from(jobs, tenants, tenants.c.id == jobs.c.tenant_id).where(jobs.c.id == job_id)
     ).first()
     if row is None:
-        from tinkergym.scheduler.repository import NotFound
-
         raise NotFound(job_id)
     if size > row.max_event_bytes:
         raise QuotaExceeded(413, (

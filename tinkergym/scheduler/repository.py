@@ -16,24 +16,18 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
+from collections.abc import Callable, Iterator
 
 from sqlalchemy import and_, bindparam, func, insert, select, update
 from sqlalchemy.engine import Connection, Engine
 
 from tinkergym.scheduler import quotas, states
+from tinkergym.scheduler.errors import Conflict, NotFound  # noqa: F401 - importable from here
 from tinkergym.scheduler.db import Prepared, checkpoints, events, jobs, reader, tenants, write_lock
 
 #: Event types a job's stream carries (``data`` is a JSON object).
 EVENT_TYPES = ("state", "log", "metrics", "checkpoint", "lease", "error", "waiting")
-
-
-class Conflict(Exception):
-    """A compare-and-set lost: the job is not in a state (or lease epoch) the write expects (HTTP 409)."""
-
-
-class NotFound(Exception):
-    """No such job for this tenant (HTTP 404: another tenant's job is not found either)."""
 
 
 def _first_event() -> Any:

@@ -12,7 +12,7 @@ from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler import states
-from tinkergym.scheduler.credentials import WorkerBounds
+from tinkergym.scheduler.bounds import WorkerBounds
 from tinkergym.scheduler.db import allocations, api_keys, devices, jobs, workers
 from tinkergym.scheduler.repository import JobStore
 
@@ -28,7 +28,7 @@ def register_worker(
 ) -> str:
     """Create or update the worker ``name`` of worker credential ``key_id`` and upsert its devices by index; its id.
 
-    The registration must fit the credential's ``bounds`` (:class:`~tinkergym.scheduler.credentials.BoundsError`
+    The registration must fit the credential's ``bounds`` (:class:`~tinkergym.scheduler.bounds.BoundsError`
     otherwise), counting the active devices of the credential's other workers. Devices the worker no longer lists
     are marked inactive (a job holding one keeps it until it ends; no new job gets it). Registrations of one key are
     serialised by a lock on the key's row, so two at once cannot both fit the bound.

@@ -8,7 +8,8 @@ import re
 import secrets
 import time
 import urllib.parse
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 #: The exit code of a server that stopped because its client was idle (EX_TEMPFAIL).
 IDLE_EXIT_CODE = 75
@@ -101,7 +101,7 @@ class Watchdog:
         self._logger = logger or logging.getLogger("tinkergym.serve.lifetime")
         self._thread = threading.Thread(target=self._run, name="tinkergym-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread.start()
         return self
 

@@ -25,7 +25,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 #: Accepted connections beyond ``max_connections`` are answered 503 and closed; this long is left for the client to
@@ -107,13 +107,13 @@ def protocol_class(limits: ConnectionLimits, http: str = "auto") -> type[asyncio
     return _bounded(limits, http)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _bounded(limits: ConnectionLimits, http: str) -> type[asyncio.Protocol]:
     base = _base(http)
     return type(base.__name__, (base,), {"limits": limits, "__doc__": base.__doc__})
 
 
-@lru_cache(maxsize=None)
+@cache
 def _base(http: str) -> type[asyncio.Protocol]:
     return _httptools_deadlines() if http == "httptools" else _h11_deadlines()
 
@@ -227,7 +227,7 @@ class RequestDeadlines:
     def _close(self, why: str, *, answer: bool) -> None:
         self._phase = ""
         client = getattr(self, "client", None)
-        self.logger.info("closing the connection from %s: %s", "%s:%s" % client if client else "a client", why)
+        self.logger.info("closing the connection from %s: %s", f"{client[0]}:{client[1]}" if client else "a client", why)
         if answer:
             self.transport.write(_response(408, "Request Timeout", why))
         self.transport.close()

@@ -6,7 +6,8 @@ No torch here: these run on the client, the backend receives plain :class:`~tink
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from tinkergym.protocol.types import Datum
 from tinkergym.rollouts import Trajectory

@@ -12,13 +12,14 @@ import importlib.metadata as md
 import random
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
+from collections.abc import Callable
 
 from tinkergym.protocol.backend import Backend
 from tinkergym.chat import ChatRenderer
 from tinkergym.errors import ConfigError, TinkergymError, TinkergymWarning
 from tinkergym.rollouts import RolloutConfig, Trajectory, rollout
-from tinkergym.trainers.config import TrainConfig
+from tinkergym.config import TrainConfig
 
 TRAINER_GROUP = "tinkergym.trainers"
 

@@ -7,7 +7,8 @@ the signals it returns (e.g. :meth:`tinkergym.trainers.league.League.boost_fixed
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any
+from collections.abc import Mapping
 
 from tinkergym.errors import ConfigError
 

@@ -23,7 +23,8 @@ their group's statistics.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.protocol.types import ForwardBackwardRequest, LossSpec, OptimParams
 from tinkergym.rollouts import Trajectory

@@ -10,7 +10,8 @@ import difflib
 import math
 import random
 from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from typing import Any
+from collections.abc import Iterable
 
 from tinkergym.errors import ConfigError, TinkergymError
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.chat import ChatRenderer
 from tinkergym.errors import ConfigError
-from tinkergym.games import Game, GameResult, ModelPlayer, Player, play_games
+from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlayer, play_games
 from tinkergym.rollouts import RolloutConfig, Trajectory
 
 LEARNER = "learner"
@@ -42,10 +43,24 @@ class Record:
         return {"win": self.wins / n, "draw": self.draws / n, "loss": self.losses / n}
 
 
+def scripted_opponent(env_id: str, kind: str) -> ScriptedPlayer:
+    """The env package's ``baseline`` or ``random`` agent (random text where a package declares no random agent)."""
+    import tinkergym
+    from tinkergym.agents import RandomTextAgent
+    from tinkergym.registry import load_baseline, load_random_agent
+
+    env_spec = tinkergym.spec(env_id)
+    if kind == "baseline":
+        factory = load_baseline(env_spec)
+        if factory is None:
+            raise ConfigError(f"{env_spec.distribution} declares no baseline agent for {env_id}; leave baseline out of --opponents.")
+    else:
+        factory = load_random_agent(env_spec) or RandomTextAgent
+    return ScriptedPlayer(kind, factory)
+
+
 def opponent_player(name: str, env_id: str, run_dir: str | Path | None = None, frozen: Any = None) -> Player:
     """The player ``name`` means: ``baseline``, ``random``, ``snapshot:N`` (of ``run_dir``) or ``run:DIR``."""
-    from tinkergym.trainers.selfplay import scripted_opponent
-
     if name in ("baseline", "random"):
         return scripted_opponent(env_id, name)
     snapshot = _SNAPSHOT.fullmatch(name)

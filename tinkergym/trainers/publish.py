@@ -25,11 +25,12 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.backends.models import SMOLLM2_HUB_ID, SMOLLM2_NAME
 from tinkergym.errors import ConfigError, TinkergymError, UnknownEnvError
-from tinkergym.trainers.config import TrainConfig
+from tinkergym.config import TrainConfig
 from tinkergym.trainers.reporting import read_metrics
 
 #: ORG/NAME as the Hub accepts it: ASCII letters, digits, ``_ . -``; no ``--`` or ``..``; at most 96 a part.

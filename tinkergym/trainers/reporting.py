@@ -6,7 +6,8 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 from tinkergym.errors import ConfigError
 

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tinkergym.config import OPPONENT_KINDS, parse_opponents  # noqa: F401 - importable from here
 from tinkergym.errors import ConfigError
 from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlayer, play_games
 from tinkergym.rollouts import RolloutConfig, Trajectory
@@ -51,39 +52,11 @@ from tinkergym.trainers.base import StepOutput, TrainingContext
 from tinkergym.trainers.collapse import CollapseDetector
 from tinkergym.trainers.grpo import GRPOTrainer, phase_times
 from tinkergym.trainers.league import League, LeagueMember
+from tinkergym.trainers.matches import play_matches, scripted_opponent
 
 LEARNER = "learner"
 #: Games against fixed members the win rate the collapse detector watches is taken over (the newest ones).
 FIXED_WINDOW = 64
-#: The names ``--opponents`` takes (besides ``run:DIR``).
-OPPONENT_KINDS = ("baseline", "random", "snapshots")
-
-
-def parse_opponents(text: str) -> list[str]:
-    """``"baseline,random,snapshots,run:DIR"`` as a list; unknown names are a :class:`ConfigError`."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    for name in names:
-        if name not in OPPONENT_KINDS and not (name.startswith("run:") and len(name) > 4):
-            raise ConfigError(f"opponent {name!r}: choose from {', '.join(OPPONENT_KINDS)} or run:DIR (a trained run's folder).")
-    if len(set(names)) != len(names):
-        raise ConfigError(f"opponents {text!r} names one twice.")
-    return names
-
-
-def scripted_opponent(env_id: str, kind: str) -> ScriptedPlayer:
-    """The env package's ``baseline`` or ``random`` agent (random text where a package declares no random agent)."""
-    import tinkergym
-    from tinkergym.agents import RandomTextAgent
-    from tinkergym.registry import load_baseline, load_random_agent
-
-    env_spec = tinkergym.spec(env_id)
-    if kind == "baseline":
-        factory = load_baseline(env_spec)
-        if factory is None:
-            raise ConfigError(f"{env_spec.distribution} declares no baseline agent for {env_id}; leave baseline out of --opponents.")
-    else:
-        factory = load_random_agent(env_spec) or RandomTextAgent
-    return ScriptedPlayer(kind, factory)
 
 
 class SelfPlayTrainer(GRPOTrainer):
@@ -207,7 +180,7 @@ class SelfPlayTrainer(GRPOTrainer):
             trajectories, seats = learner_seats(results, {name})
             prefix = "" if name == LEARNER else f"{name.split('@', 1)[1]}/"
             by_seat = functools.partial(keyed_advantages, keys_B=seats, scale_by_std=self.scale_by_std)
-            metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, lambda r, v: by_seat(r, valid_B=v)).items()})
+            metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, lambda r, v, by_seat=by_seat: by_seat(r, valid_B=v)).items()})
             every += trajectories
         metrics.update(phase_times(started, rolled_out))
         for result, opponent in zip(results, opponents):
@@ -259,7 +232,6 @@ class SelfPlayTrainer(GRPOTrainer):
         ``make_env`` makes the games' envs (the session passes the eval env: ``env_kwargs`` with ``eval_env_kwargs``
         over them); the training env without it.
         """
-        from tinkergym.trainers.matches import play_matches
 
         opponents = {m.name: self.player(m.name) for m in self.league.members if m.fixed}
         greedy: Any = ModelPlayer(LEARNER, self.ctx.backend, temperature=0.0)

@@ -28,13 +28,14 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.backends.scheduled import BackendLost
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
-from tinkergym.folders import replace_dir
+from tinkergym.folders import complete_checkpoints, latest_checkpoint, replace_dir
 from tinkergym.trainers.base import StepOutput, TrainerStateError, TrainingContext, check_trainer_args, load_trainer, restore_trainer_state, trainer_state
-from tinkergym.trainers.config import TrainConfig
+from tinkergym.config import TrainConfig
 from tinkergym.trainers.evaluation import eval_seeds, evaluate, write_transcripts
 from tinkergym.trainers.reporting import MetricsLog, plot_learning_curve
 
@@ -136,53 +137,16 @@ class TrainingRun:
                           run_config=self.config.to_dict())
 
     def _build_backend(self) -> Any:
-        c = self.config
-        if c.scheduler_url:  # a job of a scheduler, whose worker runs the training server: no torch here either
-            from tinkergym.backends.scheduled import TERMINAL, ScheduledBackend
-            from tinkergym.client import SchedulerClient
+        """The run's backend, built by its plugin (entry-point group ``tinkergym.backends``; see :func:`backend_name`)."""
+        from tinkergym.backends import BackendRequest, build_backend
 
-            client = SchedulerClient(c.scheduler_url, self._api_key)
-            job_config = c.job_config()
-            if c.scheduler_job:
-                if client.show(c.scheduler_job)["state"] not in TERMINAL:
-                    return ScheduledBackend(client, c.scheduler_job)  # reattach: the job waits or runs
-                # The job ended (its client went quiet, or the run is extended): a new job starts from its checkpoints.
-                job_config["resume_job"] = c.scheduler_job
-            kind = "sft" if c.trainer == "sft" else "train"
-            return ScheduledBackend.submit(client, kind, job_config, gpus=c.gpus, name=self.folder.name)
-        if c.backend_url:  # the client of a training server: no torch here
-            from tinkergym.backends.remote import RemoteBackend
-
-            return RemoteBackend(c.backend_url, self._backend_token or "")
-        from tinkergym.backends.models import resolve_model
-        from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
-
-        if c.sampler == "vllm":
-            from tinkergym.backends.vllm.sampler import require_vllm
-
-            require_vllm()  # before the model loads: a missing vLLM is a quick, clear error
-        backend = TorchBackend(
-            TorchBackendConfig(
-                model=resolve_model(c.model), lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, lora_dropout=c.lora_dropout,
-                dtype=c.dtype, micro_batch_size=c.micro_batch_size, seed=c.seed, deterministic=c.deterministic,
-                gradient_checkpointing=c.gradient_checkpointing, prefix_cache_mb=c.prefix_cache_mb, lora_sampling=c.lora_sampling,
-            )
-        )
-        if c.sampler != "vllm":
-            return backend
-        from tinkergym.backends.vllm.sampler import VLLMBackend
-
-        # Room for the whole episode: the rollout loop stops at max_context, plus one turn of new tokens.
-        engine = {"enforce_eager": c.sampler_eager, "device": c.sampler_device, "sleep": c.sampler_sleep}
-        if c.sampler_gpu_memory is not None:
-            engine["gpu_memory_utilization"] = c.sampler_gpu_memory
-        return VLLMBackend(backend, max_model_len=c.max_context + c.max_new_tokens, seed=c.seed, **engine)
+        return build_backend(BackendRequest(self.config, backend_token=self._backend_token, api_key=self._api_key, name=self.folder.name))
 
     @classmethod
     def resume(
         cls, folder: str | Path, backend: Any = None, changes: dict[str, Any] | None = None, backend_token: str | None = None,
         api_key: str | None = None,
-    ) -> "TrainingRun":
+    ) -> TrainingRun:
         """Continue the run in ``folder`` from its latest checkpoint, with ``changes`` (field -> value) to its config.
 
         Only :data:`RESUMABLE_FIELDS` may change (see :func:`plan_resume`). The config with the changes is
@@ -262,7 +226,7 @@ class TrainingRun:
 
     def _restore_newest_available(self) -> int:
         """Load the newest checkpoint whose backend state the server has (older ones in turn); the step to go on from."""
-        for checkpoint in reversed(_complete_checkpoints(self.folder)):
+        for checkpoint in reversed(complete_checkpoints(self.folder)):
             try:
                 self.restore(checkpoint)
             except ConfigError:  # the new server lacks that state: try an older one
@@ -353,7 +317,7 @@ class TrainingRun:
             _write_trainer_state(staging / TRAINER_STATE, self.config.trainer, step, state)
         replace_dir(str(staging), str(path))
         leftovers = [p for p in checkpoints.iterdir() if p.name.endswith(".tmp")]  # of interrupted writes
-        for old in leftovers + _complete_checkpoints(self.folder)[:-KEEP_CHECKPOINTS]:
+        for old in leftovers + complete_checkpoints(self.folder)[:-KEEP_CHECKPOINTS]:
             shutil.rmtree(old, ignore_errors=True)
         return path
 
@@ -364,7 +328,7 @@ def _adopt_server_settings(config: TrainConfig, info: dict[str, Any], resumed: b
     A resumed run must meet the server it was trained on: other settings there are a :class:`ConfigError`.
     """
     alpha = info.get("lora_alpha")
-    served = {"model": info.get("model"), "lora_rank": info.get("lora_rank", info.get("lora")),
+    served = {"model": info.get("model"), "lora_rank": info.get("lora_rank"),
               "lora_alpha": int(alpha) if isinstance(alpha, (int, float)) and float(alpha).is_integer() else None,
               "lora_dropout": info.get("lora_dropout"), "micro_batch_size": info.get("micro_batch_size")}
     if info.get("dtype") in ("bfloat16", "float32"):
@@ -417,18 +381,6 @@ def _write_trainer_state(path: Path, trainer: str, step: int, state: dict[str, A
             "return dicts with string keys, lists, strings, numbers, booleans and None."
         ) from exc
     path.write_text(text + "\n", encoding="utf-8")
-
-
-def _complete_checkpoints(folder: Path) -> list[Path]:
-    """The checkpoint folders of a run, oldest first, without the ``.tmp`` ones of unfinished writes."""
-    found = sorted((folder / "checkpoints").glob("step_*")) if (folder / "checkpoints").is_dir() else []
-    return [p for p in found if p.is_dir() and not p.name.endswith(".tmp")]
-
-
-def latest_checkpoint(folder: Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint of a run folder as (step, path)."""
-    found = _complete_checkpoints(folder)
-    return (int(found[-1].name.split("_")[1]), found[-1]) if found else None
 
 
 def option_name(field_name: str) -> str:

@@ -2,7 +2,7 @@
 
 A snapshot is a backend checkpoint (``save_state``) of the learner, taken every ``snapshot_every`` steps into
 ``<run>/snapshots/step_N``. It never trains: it samples through a
-:class:`~tinkergym.serve.inference.engine.TorchInferenceEngine` (no optimizer, no gradients). LoRA
+:class:`~tinkergym.backends.torch.inference.TorchInferenceEngine` (no optimizer, no gradients). LoRA
 snapshots are adapters on one shared frozen base (one engine for all of them, switched per call); a full
 fine-tuning snapshot is a model of its own (one engine each, so keep ``max_snapshots`` small).
 """
@@ -45,7 +45,8 @@ class FrozenPolicies:
         """A sampler for the backend checkpoint in ``folder`` (a LoRA adapter, or a full model)."""
         import json
 
-        from tinkergym.serve.inference.engine import ServingPlan, TorchInferenceEngine
+        from tinkergym.backends.serving import ServingPlan
+        from tinkergym.backends.torch.inference import TorchInferenceEngine
         from tinkergym.backends.models import resolve_model
 
         if name in self._engines:
@@ -67,7 +68,8 @@ class FrozenPolicies:
 
     def add_run(self, name: str, run: str | Path) -> EngineSampler:
         """A sampler for the newest weights of the training run in ``run`` (its adapter on its base, or its full model)."""
-        from tinkergym.serve.inference.engine import TorchInferenceEngine, plan_serving
+        from tinkergym.backends.serving import plan_serving
+        from tinkergym.backends.torch.inference import TorchInferenceEngine
 
         if name not in self._engines:
             plan = plan_serving(run=str(run))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import re
 import string
-from functools import lru_cache
+from functools import lru_cache, cache
 from typing import Any
 
 from tinkergym.errors import ConfigError, InvalidAction
@@ -138,9 +138,8 @@ class Geometry:
         cell = self.moves.get(text.strip())
         if cell is not None:
             return cell
-        match = None
-        for match in _MOVE_TOKEN.finditer(text):
-            pass
+        matches = list(_MOVE_TOKEN.finditer(text))
+        match = matches[-1] if matches else None  # the last move named
         if match is None:
             raise InvalidAction(f"no move found in {describe_text(text)}.")
         letter, number, row_text, col_text = match.groups()
@@ -193,7 +192,7 @@ class _WinTable(dict):
         return winner
 
 
-@lru_cache(maxsize=None)
+@cache
 def win_table(win_length: int) -> _WinTable:
     """The memoised win table of ``win_length`` (shared by every game)."""
     return _WinTable(win_length)

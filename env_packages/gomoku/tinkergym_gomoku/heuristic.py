@@ -23,7 +23,7 @@ each of the 4 lines through it; the change for one line is a memoised tuple look
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, cache
 from operator import add
 
 import numpy as np
@@ -123,13 +123,13 @@ class _DeltaTable(dict):
         return value
 
 
-@lru_cache(maxsize=None)
+@cache
 def score_table(win_length: int, me: int) -> _ScoreTable:
     """The shared memo of window scores for ``me``."""
     return _ScoreTable(win_length, me)
 
 
-@lru_cache(maxsize=None)
+@cache
 def delta_table(win_length: int, me: int) -> _DeltaTable:
     """The shared memo of score changes for ``me``."""
     return _DeltaTable(win_length, me)

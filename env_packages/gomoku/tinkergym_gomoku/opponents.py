@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.errors import ConfigError, InvalidAction
 from tinkergym_gomoku.game import EMPTY, SYMBOLS, Game

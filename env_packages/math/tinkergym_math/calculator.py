@@ -19,9 +19,10 @@ import operator
 import re
 import sys
 from fractions import Fraction
-from typing import Any, Callable, Union
+from typing import Any
+from collections.abc import Callable
 
-Number = Union[Fraction, float]
+Number = Fraction | float
 
 #: Longest expression accepted, in characters.
 MAX_EXPRESSION_LENGTH = 500

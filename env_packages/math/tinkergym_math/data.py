@@ -16,7 +16,8 @@ import reprlib
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
+from collections.abc import Iterable, Mapping
 
 from tinkergym.errors import ConfigError
 from tinkergym.spaces import is_printable_text

@@ -16,7 +16,8 @@ import argparse
 import json
 import random
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from tinkergym_math import templates as arith
 from tinkergym_math import templates_algebra as alg

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from fractions import Fraction
-from typing import Callable
+from collections.abc import Callable
 
 Template = Callable[[random.Random], tuple[str, str]]
 

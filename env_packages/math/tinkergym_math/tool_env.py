@@ -3,7 +3,8 @@ r"""``tinker/MathTool-v0``: math word problems with a ``python`` and a ``calcula
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any
+from collections.abc import Sequence
 
 from tinkergym.core import StepResult
 from tinkergym.errors import ConfigError, SandboxUnavailableError

@@ -32,7 +32,8 @@ import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -73,6 +74,7 @@ from tinkergym.protocol.types import (
     SampledSequence,
     _Plain,
 )
+from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE
 from tinkergym.errors import ConfigError, NonFiniteError, OutOfMemoryError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 
@@ -124,14 +126,14 @@ class TorchBackendConfig(_Plain):
     """
 
     model: str = "tiny"
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
+    lora_rank: int = DEFAULT_LORA_RANK
+    lora_alpha: float = float(DEFAULT_LORA_ALPHA)
     lora_dropout: float = 0.0
     lora_target_modules: str | list[str] = "all-linear"
-    dtype: str = "auto"
+    dtype: str = DEFAULT_DTYPE
     device: str = "auto"
     attn_implementation: str = "auto"
-    micro_batch_size: int = 8
+    micro_batch_size: int = DEFAULT_MICRO_BATCH_SIZE
     max_sample_batch: int = 64
     share_prefixes: bool = True
     prefix_cache_mb: float = 1024.0
@@ -294,7 +296,6 @@ class TorchBackend:
             "model": self.config.model,
             "model_path": self.model_path,
             "tokenizer": self.model_path,
-            "lora": self.config.lora_rank,
             "lora_rank": self.config.lora_rank,
             "lora_alpha": self.config.lora_alpha,
             "lora_dropout": self.config.lora_dropout,

@@ -8,7 +8,7 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

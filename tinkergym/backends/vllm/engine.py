@@ -134,7 +134,7 @@ class EnginePlatform:
     device_ids: bool
 
     @classmethod
-    def current(cls) -> "EnginePlatform":
+    def current(cls) -> EnginePlatform:
         """The platform the installed vLLM runs on."""
         from dataclasses import fields as dataclass_fields
 

@@ -282,7 +282,7 @@ class VLLMSampler:
         removed once the new weights are in place.
         """
         info = backend.info()
-        rank = int(info.get("lora") or 0)
+        rank = int(info.get("lora_rank") or 0)
         if rank > self.config.engine_lora_rank and self.lora_enabled:
             raise ConfigError(
                 f"the backend's LoRA rank {rank} is above the engine's {self.config.engine_lora_rank}; "
@@ -379,7 +379,7 @@ class VLLMSampler:
         self._shutdown_engine()
         shutil.rmtree(self._sync_root, ignore_errors=True)
 
-    def __enter__(self) -> "VLLMSampler":
+    def __enter__(self) -> VLLMSampler:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -409,7 +409,7 @@ class VLLMBackend:
         self._merged_start: str | None = None
         if sampler is None:
             info = backend.info()
-            settings.setdefault("lora_rank", int(info.get("lora") or 0))
+            settings.setdefault("lora_rank", int(info.get("lora_rank") or 0))
             model = info.get("model_path") or info["model"]
             if is_adapter_folder(model):
                 model = self._merged_start = _merged_copy(model, getattr(backend, "dtype", "auto"), settings.get("sync_dir"))

@@ -35,7 +35,7 @@ from pydantic import Field
 from sqlalchemy import select
 from tinkergym.serve.asgi import error_response
 from tinkergym.scheduler import leases, quotas
-from tinkergym.scheduler.app import require
+from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.artifacts import (
     ArtifactPathError,
     ArtifactStore,
@@ -124,8 +124,7 @@ def _source(conn: Any, store: JobStore, job: dict[str, Any], source: str | None)
 def _file_response(handle: BinaryIO, size: int) -> StreamingResponse:
     def chunks() -> Iterator[bytes]:  # a plain iterator: Starlette reads it in a thread
         with handle:
-            for chunk in iter(lambda: handle.read(_CHUNK), b""):
-                yield chunk
+            yield from iter(lambda: handle.read(_CHUNK), b"")
 
     return StreamingResponse(chunks(), media_type="application/octet-stream", headers={"Content-Length": str(size)})
 

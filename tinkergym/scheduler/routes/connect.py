@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import delete
 from tinkergym.scheduler import leases, states
-from tinkergym.scheduler.app import require
+from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.db import MAX_INT, allocations
 from tinkergym.scheduler.repository import Conflict, JobStore

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, AsyncIterator
+from typing import Any
+from collections.abc import AsyncIterator
 
 import anyio
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -35,7 +36,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from tinkergym.serve.asgi import error_response
 from tinkergym.scheduler import states
-from tinkergym.scheduler.app import require
+from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.repository import JobStore, NotFound
 from tinkergym.scheduler.routes.jobs import MAX_SEQ

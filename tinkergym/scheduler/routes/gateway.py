@@ -27,7 +27,7 @@ from fastapi.concurrency import run_in_threadpool
 from starlette.responses import StreamingResponse
 from tinkergym.serve.asgi import error_response
 from tinkergym.scheduler import leases, states
-from tinkergym.scheduler.app import require
+from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.repository import Conflict, NotFound
 from tinkergym.scheduler.worker.job_servers import SERVING_KINDS

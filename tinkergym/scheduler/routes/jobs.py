@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import and_, func, or_, select
 from tinkergym.scheduler import placement, states
-from tinkergym.scheduler.app import require
+from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.db import MAX_INT, jobs
 from tinkergym.scheduler.idempotency import Refused

@@ -23,9 +23,10 @@ from pydantic import Field, field_validator
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from tinkergym.scheduler import leases, states
-from tinkergym.scheduler.app import require
+from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME
+from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.auth import Principal
-from tinkergym.scheduler.credentials import parse_bounds
+from tinkergym.scheduler.bounds import parse_bounds
 from tinkergym.scheduler.db import MAX_INT, api_keys, workers
 from tinkergym.scheduler.repository import JobStore
 from tinkergym.scheduler.routes import respond_once
@@ -165,7 +166,7 @@ class EventAnswer(WireModel):
 
 class CheckpointReport(Fenced):
     step: int = Field(ge=0, le=MAX_INT)
-    name: str = Field(pattern=leases.CHECKPOINT_NAME.pattern, description="one folder name inside the job's artifact folder")
+    name: str = Field(pattern=CHECKPOINT_NAME.pattern, description="one folder name inside the job's artifact folder")
 
 
 class CheckpointAnswer(WireModel):

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tinkergym.config import DEFAULT_LORA_RANK, DTYPES
+
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
-DTYPES = ("auto", "bfloat16", "float32")
 #: Job kinds whose server is an inference server (``serve-model``); the others get a training server.
 SERVING_KINDS = ("inference", "eval")
 
@@ -66,7 +67,7 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
                 raise ValueError(f"job {config['resume_job']} (the run this job serves) has no checkpoint to serve")
             command += ["--checkpoint", f"{name}={folder / 'states' / served}"]
         return command
-    rank, seed = config.get("lora_rank", 16), config.get("seed", 0)
+    rank, seed = config.get("lora_rank", DEFAULT_LORA_RANK), config.get("seed", 0)
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= 4096:
         raise ValueError(f"config.lora_rank {rank!r}: 0 (every weight) or a positive rank")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:

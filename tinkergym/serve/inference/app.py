@@ -1,6 +1,6 @@
 """The OpenAI-compatible inference server: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``.
 
-:func:`create_inference_app` builds a FastAPI app around an :class:`~tinkergym.serve.inference.engine.InferenceEngine`.
+:func:`create_inference_app` builds a FastAPI app around an :class:`~tinkergym.backends.serving.InferenceEngine`.
 Every route but ``/health`` needs ``Authorization: Bearer <api key>`` (:mod:`tinkergym.serve.auth`),
 which is what OpenAI clients send. A request's ``model`` picks the base or one of its LoRA adapters; an
 unknown name is a 404 that lists the served names.
@@ -24,9 +24,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Iterator
+from typing import Any
+from collections.abc import Iterator
 
-from tinkergym.serve.inference.engine import InferenceEngine
+from tinkergym.backends.serving import InferenceEngine
 from tinkergym.serve.inference.schemas import COMPLETION_ANSWERS, MAX_PROMPTS, MAX_TOKEN_ID, ChatCompletionRequest, CompletionRequest
 from tinkergym.protocol.types import SampledSequence, SamplingParams
 from tinkergym.errors import ConfigError

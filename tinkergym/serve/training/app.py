@@ -188,7 +188,7 @@ async def wait_for(record: CallRecord, seconds: float) -> None:
     if record.on_done(wake):
         try:
             await asyncio.wait_for(event.wait(), min(seconds, MAX_WAIT))
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError:  # noqa: UP041 - Python 3.10: not the builtin TimeoutError
             record.forget(wake)
 
 

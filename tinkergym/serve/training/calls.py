@@ -30,7 +30,8 @@ import typing
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
@@ -107,7 +108,7 @@ def _json_type_error(where: str, expected: str, value: Any) -> ConfigError:
     return ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {str(value)[:60]!r}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 from tinkergym.client import TERMINAL_STATES, JobEnded, SchedulerError, print_stderr, wait_running
 from tinkergym.errors import ConfigError
@@ -58,7 +59,7 @@ def job_config(model: str | None = None, run_dir: str | Path | None = None, dtyp
         raise ConfigError("give --model or --run (exactly one).")
     if run_dir is None:
         return {"model": model, "dtype": dtype or "auto"}
-    from tinkergym.trainers.config import TrainConfig
+    from tinkergym.config import TrainConfig
 
     folder = Path(run_dir)
     if not (folder / "config.json").is_file():
@@ -94,7 +95,7 @@ class InferenceJob:
 
     @classmethod
     def submit(cls, client: Any, config: dict[str, Any], *, kind: str = "inference", gpus: int = 1, name: str = "",
-               idempotency_key: str | None = None, **options: Any) -> "InferenceJob":
+               idempotency_key: str | None = None, **options: Any) -> InferenceJob:
         """Queue an inference (or eval) job for ``config`` (see :func:`job_config`) after checking the run it serves has a checkpoint."""
         trained = config.get("resume_job")
         if trained:

@@ -29,6 +29,16 @@ MAX_VALUE_DEPTH = 64
 MAX_VALUE_NODES = 100_000
 
 
+#: One default for each setting of the model and its training pass, wherever it is set: a run's config
+#: (:class:`TrainConfig`), ``tinkergym serve-backend``'s options, ``TorchBackendConfig`` and the server a scheduler
+#: job runs on. The same names travel from the command line through the config, the job config and the server's
+#: ``info`` to the worker's command line.
+DEFAULT_LORA_RANK = 8
+DEFAULT_LORA_ALPHA = 16
+DEFAULT_MICRO_BATCH_SIZE = 8
+DEFAULT_DTYPE = "auto"
+
+
 @dataclass
 class TrainConfig:
     """Everything a run needs; the CLI only parses into this (``--config FILE.yaml`` fills the same fields)."""
@@ -36,8 +46,8 @@ class TrainConfig:
     env: str = ""
     trainer: str = "grpo"
     model: str = "smollm2-135m"
-    lora_rank: int = 8  # 0 trains every parameter (full fine-tuning)
-    lora_alpha: int = 16
+    lora_rank: int = DEFAULT_LORA_RANK  # 0 trains every parameter (full fine-tuning)
+    lora_alpha: int = DEFAULT_LORA_ALPHA
     lora_dropout: float = 0.0
     steps: int = 20
     batch_size: int = 8  # prompts (env seeds) per step
@@ -59,8 +69,8 @@ class TrainConfig:
     eval_episodes: int = 32
     checkpoint_every: int = 10
     transcripts_every: int = 5
-    dtype: str = "auto"
-    micro_batch_size: int = 8
+    dtype: str = DEFAULT_DTYPE
+    micro_batch_size: int = DEFAULT_MICRO_BATCH_SIZE
     # Deterministic kernels (torch.use_deterministic_algorithms), so a run and its resume repeat bit for bit on a GPU
     # too; on CPU they already do. Slower; eager attention on a GPU.
     deterministic: bool = False
@@ -108,8 +118,11 @@ class TrainConfig:
     snapshot_every: int = 10
     # A Weights & Biases project to log every step's numbers to as well (None: metrics.jsonl and TensorBoard only).
     wandb_project: str | None = None
+    # The backend plugin (entry-point group tinkergym.backends) the run trains through; None: the one its settings
+    # imply (scheduled with scheduler_url, remote with backend_url, vllm with sampler "vllm", else torch).
+    backend: str | None = None
 
-    def validate(self) -> "TrainConfig":
+    def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for values that cannot work; return self."""
         self.check_types()
         positive = ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "eval_episodes", "checkpoint_every", "lora_alpha")
@@ -145,14 +158,13 @@ class TrainConfig:
             raise ConfigError(f"out {self.out!r} contains a NUL byte, which no folder name may hold.")
         self._validate_rl()
         if self.trainer == "selfplay":
-            from tinkergym.trainers.selfplay import parse_opponents
 
             parse_opponents(self.opponents)
         if not self.env and self.trainer != "sft":
             raise ConfigError("--env is required: the env id to train on (see: tinkergym envs list).")
         return self
 
-    def check_types(self) -> "TrainConfig":
+    def check_types(self) -> TrainConfig:
         """Raise :class:`ConfigError` naming the first field whose value has the wrong type; return self.
 
         Numbers must be finite; a float field also takes an int and a numeric string (YAML 1.1 reads ``1e-4``
@@ -191,14 +203,14 @@ class TrainConfig:
             raise ConfigError(f"sampler-device must be cuda:N (a visible GPU's index, e.g. cuda:1), cuda or cpu (got {self.sampler_device!r}).")
 
     def _validate_remote(self) -> None:
-        from tinkergym.backends.remote import check_backend_url
+        from tinkergym.urls import check_backend_url
 
         self.backend_url = check_backend_url(self.backend_url)
         if self.sampler != "torch":
             raise ConfigError(f"sampler {self.sampler!r} cannot be combined with backend-url: the training server samples with its own model.")
 
     def _validate_scheduled(self) -> None:
-        from tinkergym.client import check_scheduler_url
+        from tinkergym.urls import check_scheduler_url
 
         if self.backend_url is not None:
             raise ConfigError("scheduler and backend-url exclude each other: the scheduler finds the training server itself.")
@@ -222,7 +234,7 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainConfig":
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from a dict (e.g. a YAML file); unknown keys and values of the wrong type are errors that name them."""
         names = [f.name for f in fields(cls)]
         odd = [k for k in data if not isinstance(k, str)]
@@ -236,7 +248,7 @@ class TrainConfig:
         return cls(**data).check_types()
 
     @classmethod
-    def load(cls, path: str | Path) -> "TrainConfig":
+    def load(cls, path: str | Path) -> TrainConfig:
         """Read a YAML (``.yaml``/``.yml``) or JSON (``.json``) config file; any problem is a :class:`ConfigError` naming the file."""
         path = Path(path)
         if path.suffix.lower() not in (".yaml", ".yml", ".json"):
@@ -331,3 +343,18 @@ def _check_plain(name: str, value: Any, budget: list[int], depth: int) -> None:
             _check_plain(name, item, budget, depth + 1)
     elif value is not None and not isinstance(value, (str, int, float, bool)):
         raise ConfigError(f"{name} holds {type(value).__name__} {reprlib.repr(value)}; use text, numbers, true/false, lists and mappings.")
+
+
+#: The names ``--opponents`` takes (besides ``run:DIR``).
+OPPONENT_KINDS = ("baseline", "random", "snapshots")
+
+
+def parse_opponents(text: str) -> list[str]:
+    """``"baseline,random,snapshots,run:DIR"`` as a list; unknown names are a :class:`ConfigError`."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        if name not in OPPONENT_KINDS and not (name.startswith("run:") and len(name) > 4):
+            raise ConfigError(f"opponent {name!r}: choose from {', '.join(OPPONENT_KINDS)} or run:DIR (a trained run's folder).")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"opponents {text!r} names one twice.")
+    return names

@@ -1,6 +1,6 @@
-"""Serving with vLLM: :class:`VLLMInferenceEngine`, the :class:`~tinkergym.serve.inference.engine.InferenceEngine` behind ``serve-model --engine vllm``.
+"""Serving with vLLM: :class:`VLLMInferenceEngine`, the :class:`~tinkergym.backends.serving.InferenceEngine` behind ``serve-model --engine vllm``.
 
-One ``vllm.LLM`` serves a :class:`~tinkergym.serve.inference.engine.ServingPlan`: the base model, and each
+One ``vllm.LLM`` serves a :class:`~tinkergym.backends.serving.ServingPlan`: the base model, and each
 LoRA adapter as a ``LoRARequest`` (the engine is built with ``enable_lora``, ``max_loras`` = the number of
 adapters and ``max_lora_rank`` = the largest adapter rank, rounded up to one vLLM builds engines for). vLLM
 loads adapters from peft folders only, so what is not one already is written once into a temporary folder
@@ -33,7 +33,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tinkergym.serve.inference.engine import AdapterSource, ServedModel, ServingPlan, _eos_token_ids
+from tinkergym.backends.serving import AdapterSource, ServedModel, ServingPlan, _eos_token_ids
 from tinkergym.protocol.types import SampledSequence, SamplingParams
 from tinkergym.backends.vllm.sampler import (
     CPU_BATCHED_TOKENS,
@@ -126,7 +126,7 @@ class VLLMInferenceEngine:
     """Serves a :class:`ServingPlan` with one ``vllm.LLM``: the base, and each adapter as a LoRA request.
 
     Args:
-        plan: What to serve (see :func:`~tinkergym.serve.inference.engine.plan_serving`).
+        plan: What to serve (see :func:`~tinkergym.backends.serving.plan_serving`).
         max_model_len: Longest prompt plus completion accepted; default the model's position limit.
         gpu_memory_utilization: Fraction of GPU memory vLLM may take; default 0.9 on GPU, 0.3 on CPU (where
             ``VLLM_CPU_KVCACHE_SPACE`` sizes the KV cache instead).
@@ -232,7 +232,7 @@ class VLLMInferenceEngine:
             cleanup_dist_env_and_memory()
         shutil.rmtree(self._work_dir, ignore_errors=True)
 
-    def __enter__(self) -> "VLLMInferenceEngine":
+    def __enter__(self) -> VLLMInferenceEngine:
         return self
 
     def __exit__(self, *exc: object) -> None:

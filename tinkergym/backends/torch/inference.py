@@ -1,0 +1,121 @@
+"""The torch engine of the inference server and of frozen self-play opponents: a :class:`ServingPlan` served by one
+:class:`~tinkergym.backends.torch.backend.TorchBackend`, built the way ``tinkergym eval`` builds it, so a served model
+gives the tokens and logprobs of evaluating it locally. Adapters are attached to one peft model (``load_adapter``)
+and switched per request under a lock."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from tinkergym.backends.serving import ServedModel, ServingPlan, _eos_token_ids
+from tinkergym.errors import ConfigError
+from tinkergym.protocol.types import SampledSequence, SampleRequest, SamplingParams
+
+
+def _load_checkpoint_adapter(peft_model: Any, internal: str, folder: str) -> None:
+    """Attach a backend checkpoint's adapter under ``internal``: its LoRA settings from state.json, its weights renamed."""
+    from peft import LoraConfig
+    from safetensors.torch import load_file
+
+    saved = json.loads(Path(folder, "state.json").read_text(encoding="utf-8"))["config"]
+    lora = LoraConfig(
+        r=saved["lora_rank"], lora_alpha=saved["lora_alpha"], lora_dropout=saved.get("lora_dropout", 0.0),
+        target_modules=saved.get("lora_target_modules", "all-linear"), task_type="CAUSAL_LM",
+    )
+    peft_model.add_adapter(internal, lora)
+    weights = load_file(os.path.join(folder, "trainable.safetensors"))
+    params = dict(peft_model.named_parameters())
+    import torch
+
+    with torch.no_grad():
+        for name, value in weights.items():
+            target = name.replace(".default.", f".{internal}.")
+            if target not in params:
+                raise ConfigError(f"{folder}: weight {name} has no place in the model; is it a checkpoint of this base model?")
+            params[target].copy_(value)
+
+
+def _compute_under_autocast(model: Any) -> None:
+    """As TorchBackend sets its own adapter: every LoRA adapter computes under autocast (no cast of its inputs)."""
+    for module in model.modules():
+        if hasattr(module, "lora_A"):
+            module.cast_input_dtype_enabled = False
+
+
+class TorchInferenceEngine:
+    """Serves a :class:`ServingPlan` with one :class:`TorchBackend`; requests take turns on it (a lock).
+
+    Args:
+        plan: What to serve (see :func:`plan_serving`).
+        device: ``"auto"`` or a torch device string.
+        max_model_len: Longest prompt plus completion accepted; default the model's position limit.
+    """
+
+    def __init__(self, plan: ServingPlan, device: str = "auto", max_model_len: int | None = None) -> None:
+        from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+
+        self.plan = plan
+        config = TorchBackendConfig(model=plan.base_path, dtype=plan.dtype, device=device)
+        if not plan.lora:
+            config.lora_rank = 0
+        self.backend = TorchBackend(config)
+        if plan.state is not None:
+            self.backend.load_state(plan.state)
+        self.tokenizer = self.backend.tokenizer
+        model = self.backend.model
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        limit = getattr(model.config, "max_position_embeddings", None) or 4096
+        self.max_model_len = int(max_model_len or limit)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, model)
+        self._served = [ServedModel(plan.base_id, plan.base_path)]
+        self._internal: dict[str, str] = {}  # served adapter name -> peft adapter name (any served name is safe)
+        for i, adapter in enumerate(plan.adapters):
+            internal = f"served_{i}"
+            if adapter.kind == "peft":
+                model.load_adapter(adapter.path, adapter_name=internal)
+            else:
+                _load_checkpoint_adapter(model, internal, adapter.path)
+            self._internal[adapter.name] = internal
+            self._served.append(ServedModel(adapter.name, adapter.path, parent=plan.base_id))
+        _compute_under_autocast(model)
+        self._lock = threading.Lock()
+
+    def add_checkpoint_adapter(self, name: str, folder: str) -> None:
+        """Serve one more LoRA adapter, a backend checkpoint's (``state.json``), as ``name`` (e.g. a self-play snapshot)."""
+        if not self.plan.lora:
+            raise ConfigError(f"{name}: a full fine-tuning model serves no adapters; serve the checkpoint as a model of its own.")
+        if name in {m.id for m in self._served}:
+            raise ConfigError(f"{name!r} is already served; give each adapter its own name.")
+        internal = f"served_{len(self._internal)}"
+        with self._lock:
+            model = self.backend.model
+            _load_checkpoint_adapter(model, internal, folder)
+            _compute_under_autocast(model)
+        self._internal[name] = internal
+        self._served.append(ServedModel(name, folder, parent=self.plan.base_id))
+
+    def models(self) -> list[ServedModel]:
+        """The base first, then each adapter in the order given."""
+        return list(self._served)
+
+    def _weights(self, name: str) -> contextlib.AbstractContextManager:
+        """Make ``name``'s weights the ones the model computes with (call under the lock)."""
+        model = self.backend.model
+        if name in self._internal:
+            model.set_adapter(self._internal[name])
+            return contextlib.nullcontext()
+        if self.plan.lora:
+            return model.disable_adapter()
+        return contextlib.nullcontext()
+
+    def generate(self, model: str, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[SampledSequence]]:
+        """``n`` completions of each prompt, all in one batched ``TorchBackend.sample`` call."""
+        if model not in {m.id for m in self._served}:
+            raise ConfigError(f"unknown model {model!r}")
+        with self._lock, self._weights(model):
+            return self.backend.sample(SampleRequest(prompts=prompts, params=params, num_samples=n)).sequences

@@ -1,0 +1,35 @@
+"""What a route depends on: the request's authenticated principal and the scope its key must hold.
+
+Routes import :func:`require` from here, and the app (which adds the auth middleware that sets the principal, and the
+handler that answers :class:`Forbidden` with 403) imports the routes: no module imports the other back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import Request
+
+from tinkergym.scheduler.auth import Principal
+
+
+class Forbidden(Exception):
+    """The key is valid but lacks the scope (HTTP 403)."""
+
+
+def principal(request: Request) -> Principal:
+    """The authenticated principal of a request (set by the auth middleware)."""
+    return request.state.principal
+
+
+def require(scope: str) -> Callable[[Request], Principal]:
+    """A dependency: the request's principal if its key has ``scope`` (``admin`` has every scope), else 403."""
+
+    async def dependency(request: Request) -> Principal:  # async: FastAPI would run a plain def in a thread
+        who = principal(request)
+        if not who.allows(scope):
+            raise Forbidden(f"this key lacks the {scope!r} scope (it has: {', '.join(sorted(who.scopes))})")
+        return who
+
+    dependency.__name__ = f"require_{scope}"
+    return dependency
