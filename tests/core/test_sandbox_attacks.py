@@ -20,7 +20,7 @@ import pytest
 from tinkergym.errors import SandboxUnavailableError
 from tinkergym.sandbox import NOBODY, check_sandbox, run_python
 
-PROJECT = Path(__file__).resolve().parents[1]
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from tinkergym.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 #: A README line running the scripted baseline with a claim that it solves the episode.
 SOLVES = re.compile(r"^(tinkergym play \S+ --agent baseline[^#]*?)\s+#.*\bsolve", re.MULTILINE)
 

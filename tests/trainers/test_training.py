@@ -194,7 +194,7 @@ def test_a_third_party_trainer_package_trains_by_name(tiny, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_compare_example_warms_up_with_sft_then_trains(tiny, tmp_path) -> None:
-    script = Path(__file__).resolve().parents[1] / "examples" / "train_and_compare.py"
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_and_compare.py"
     out = tmp_path / "example"
     command = [
         sys.executable, str(script), "--env", "tinker/Bandit-v0", "--model", tiny, "--warmup-sft-steps", "2", "--steps", "2",

@@ -26,7 +26,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV_PACKAGES = sorted(path.parent for path in (REPO / "env_packages").glob("*/pyproject.toml"))
 #: Never part of a build's input: virtual environments, build outputs, caches, the separate env package projects.
 _SKIP_DIRS = {".git", "__pycache__", "build", "dist", "runs", ".cache", ".pytest_cache", "env_packages"}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 LINT = Path(sys.executable).with_name("lint-imports")
 
 pytestmark = pytest.mark.skipif(not LINT.exists(), reason="import-linter is not installed (the dev extra has it)")

@@ -270,7 +270,7 @@ def test_the_client_side_trains_without_torch(server, token_file, tmp_path) -> N
 
 def _source_copy(dest: Path) -> Path:
     """The repository without virtual environments, build outputs and caches, so pip builds it from a clean tree."""
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     skip = {".git", "__pycache__", "build", "dist", "runs", ".cache", ".pytest_cache"}
     shutil.copytree(repo, dest, ignore=lambda _, names: {n for n in names if n in skip or n.startswith(".venv") or n.endswith(".egg-info")})
     return dest
