@@ -68,10 +68,12 @@ demo: install
 play: install
 	$(VENV)/bin/tinkergym play --all --agent baseline --seed 0
 
-# ruff (the rule set in pyproject.toml) and the import contracts ([tool.importlinter]); make test runs both first.
+# ruff (the rule set in pyproject.toml), the import contracts ([tool.importlinter]) and mypy on tinkergym ([tool.mypy]);
+# make test runs them first.
 lint: install
 	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages
 	$(VENV)/bin/lint-imports --no-cache
+	$(VENV)/bin/mypy
 
 test: install lint
 	$(PY) -m pytest

@@ -21,6 +21,7 @@ reconnects with ``Last-Event-ID`` set to the last event it yielded: no event is 
 
 from __future__ import annotations
 
+import builtins  # builtins.list: inside SchedulerClient, `list` names its method
 import http.client
 import json
 import os
@@ -155,6 +156,7 @@ class SchedulerClient:
             raise ConfigError(f"no API key: pass --api-key or set {API_KEY_ENV} (keys come from `tinkergym scheduler keys create`)")
         self._key = key.strip()
         parts = urllib.parse.urlsplit(self.url)
+        assert parts.hostname is not None  # check_scheduler_url accepts only URLs with a host
         self._https, self._host, self._port, self._base = parts.scheme == "https", parts.hostname, parts.port, parts.path.rstrip("/")
         self.timeout, self.retries, self.backoff, self.stream_timeout = timeout, retries, backoff, stream_timeout
         self.in_flight_wait = in_flight_wait
@@ -227,7 +229,7 @@ class SchedulerClient:
         """Append a ``metrics`` or ``log`` event of the client's run to the job's stream; its seq."""
         return int(self._request("POST", f"/v1/jobs/{_quote(job_id)}/client-events", {"type": type_, "data": data})["seq"])
 
-    def events(self, job_id: str, after: int = 0) -> list[dict[str, Any]]:
+    def events(self, job_id: str, after: int = 0) -> builtins.list[dict[str, Any]]:
         """Every event of the job with ``seq > after`` recorded so far, oldest first (``seq``, ``type``, ``data``, ``created_at``)."""
         found: list[dict[str, Any]] = []
         while True:
@@ -237,11 +239,11 @@ class SchedulerClient:
                 return found
             after = int(page["cursor"])
 
-    def checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+    def checkpoints(self, job_id: str) -> builtins.list[dict[str, Any]]:
         """The checkpoints the job's servers recorded (``step``, ``name``, ``epoch``, ``created_at``), by step."""
         return self._request("GET", f"/v1/jobs/{_quote(job_id)}/checkpoints")["checkpoints"]
 
-    def workers(self, status: str | None = None) -> list[dict[str, Any]]:
+    def workers(self, status: str | None = None) -> builtins.list[dict[str, Any]]:
         """The workers that serve this key's tenant: ``name``, ``status`` (alive, gone), ``models``, ``devices`` (``busy``)."""
         return self._request("GET", "/v1/workers", query={"status": status})["workers"]
 

@@ -151,7 +151,7 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}.")
         if self.backend_url is not None:
-            self._validate_remote()
+            self._validate_remote(self.backend_url)
         if self.scheduler_url is not None:
             self._validate_scheduled()
         if "\0" in self.out:
@@ -202,10 +202,10 @@ class TrainConfig:
         if self.sampler_device is not None and not re.fullmatch(r"cpu|cuda(:[0-9]{1,3})?", self.sampler_device):
             raise ConfigError(f"sampler-device must be cuda:N (a visible GPU's index, e.g. cuda:1), cuda or cpu (got {self.sampler_device!r}).")
 
-    def _validate_remote(self) -> None:
+    def _validate_remote(self, backend_url: str) -> None:
         from tinkergym.urls import check_backend_url
 
-        self.backend_url = check_backend_url(self.backend_url)
+        self.backend_url = check_backend_url(backend_url)
         if self.sampler != "torch":
             raise ConfigError(f"sampler {self.sampler!r} cannot be combined with backend-url: the training server samples with its own model.")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import gymnasium as gym
 
@@ -60,7 +60,7 @@ class TextEnv(gym.Env[str, str]):
     conformance checks that do not apply to it, with the reason in the env's docstring.
     """
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi", "human"], "render_fps": 4, "tinkergym": {}}
+    metadata: dict[str, Any] = {"render_modes": ["ansi", "human"], "render_fps": 4, "tinkergym": {}}  # a class attribute, typed as gymnasium.Env types it
 
     system_prompt: str = ""
     invalid_action_penalty: float = -0.1

@@ -145,6 +145,12 @@ class _Seat:
     moved: bool = False
 
 
+def _model_seat(seat: _Seat) -> tuple[ModelPlayer, _Episode]:
+    """A model player's seat: its player and its episode (which :func:`_new_live` gives every model seat)."""
+    assert isinstance(seat.player, ModelPlayer) and seat.episode is not None
+    return seat.player, seat.episode
+
+
 @dataclass
 class _Live:
     game: Game
@@ -211,7 +217,7 @@ def _prepare(live: _Live, renderer: ChatRenderer, config: RolloutConfig) -> tupl
     observation, info = env.observe(seat.agent), dict(env.infos.get(seat.agent, {}))
     if seat.agent_fn is not None:
         return seat, seat.agent_fn(observation, info)
-    episode = seat.episode
+    _, episode = _model_seat(seat)
     if not seat.moved and episode.state is EpisodeState.PENDING:
         _start(episode, (observation, info), renderer, config)
     else:
@@ -229,12 +235,13 @@ def _sample_moves(waiting: list[tuple[_Live, _Seat]], renderer: ChatRenderer, co
     moves: dict[int, str] = {}
     by_policy: dict[tuple[int, float], list[tuple[_Live, _Seat]]] = {}
     for live, seat in waiting:
-        temperature = config.temperature if seat.player.temperature is None else seat.player.temperature
-        by_policy.setdefault((id(seat.player.sampler), temperature), []).append((live, seat))
+        player, _ = _model_seat(seat)
+        temperature = config.temperature if player.temperature is None else player.temperature
+        by_policy.setdefault((id(player.sampler), temperature), []).append((live, seat))
     for policy_index, ((_, temperature), members) in enumerate(by_policy.items()):
-        sampler = members[0][1].player.sampler
+        sampler = _model_seat(members[0][1])[0].sampler
         by_episode = {id(seat.episode): (live, seat) for live, seat in members}
-        for budget, episodes in _group_by_budget([seat.episode for _, seat in members], config).items():
+        for budget, episodes in _group_by_budget([_model_seat(seat)[1] for _, seat in members], config).items():
             params = SamplingParams(
                 max_new_tokens=budget, temperature=temperature, top_p=config.top_p, top_k=config.top_k,
                 stop_token_ids=list(renderer.stop_token_ids),
@@ -250,8 +257,9 @@ def _sample_moves(waiting: list[tuple[_Live, _Seat]], renderer: ChatRenderer, co
                     continue
                 seat.stopped = sequence.finish_reason == "stop"
         for live, seat in members:  # a budget that left nothing to sample ends the game
-            if seat.episode.state is EpisodeState.TERMINATED and not live.done:
-                _end(live, seat.episode.trajectory.finish_reason)
+            _, episode = _model_seat(seat)
+            if episode.state is EpisodeState.TERMINATED and not live.done:
+                _end(live, episode.trajectory.finish_reason)
     return moves
 
 

@@ -29,7 +29,7 @@ import enum
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tinkergym.protocol.types import SampleRequest, SampleResponse, SamplingParams
 from tinkergym.chat import ChatRenderer, Message
@@ -297,7 +297,7 @@ def rollout(
     sampler: Sampler,
     renderer: ChatRenderer,
     config: RolloutConfig,
-    seeds: list[int | None] | None = None,
+    seeds: Sequence[int | None] | None = None,
     on_round: Callable[[int, int], None] | None = None,
 ) -> list[Trajectory]:
     """Play one episode in each env, all at once, and return their trajectories in order.

@@ -182,7 +182,7 @@ class EndpointSampler:
                 "(re-tokenized text is not what the model sampled). Serve the model with tinkergym serve-model, or vLLM "
                 "(which honours return_tokens_as_token_ids with logprobs)."
             )
-        tokens = [int(m.group(1)) for m in matches]
+        tokens = [int(m.group(1)) for m in matches if m is not None]  # all of them: checked above
         # A stop the ids do not show (a server that leaves the stop token out) reads as a turn cut short: the rollout
         # loop then closes the turn with the template's own end-of-turn token instead of assuming it was sampled.
         stopped = choice.get("finish_reason") == "stop" and bool(tokens) and tokens[-1] in stop_ids

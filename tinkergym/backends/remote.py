@@ -107,6 +107,7 @@ class RemoteBackend:
     ) -> None:
         self.url = check_backend_url(url)
         parts = urllib.parse.urlsplit(self.url)
+        assert parts.hostname is not None  # check_backend_url accepts only URLs with a host
         self._https, self._host, self._port, self._base = parts.scheme == "https", parts.hostname, parts.port, parts.path.rstrip("/")
         self._token = token
         self.timeout, self.retries, self.backoff, self.wait = timeout, retries, backoff, wait
@@ -297,7 +298,7 @@ class RemoteBackend:
             payload = {"error": {"type": "http", "message": raw[:300].decode("utf-8", "replace")}}
         wire.decode_s += time.perf_counter() - start
         retry_after = response.getheader("Retry-After")
-        return response.status, payload if isinstance(payload, dict) else {}, float(retry_after) if (retry_after or "").isdigit() else None
+        return response.status, payload if isinstance(payload, dict) else {}, float(retry_after) if retry_after is not None and retry_after.isdigit() else None
 
     def _download(self, path: str, dest: Path, size: int, sha256: str) -> None:
         """Stream one exported file into ``dest``; its size and SHA-256 must match the listing."""

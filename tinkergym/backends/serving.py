@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -147,7 +148,7 @@ def adapter_source(name: str, path: str, base_path: str) -> AdapterSource:
 
 
 def plan_serving(
-    model: str | None = None, run: str | None = None, adapters: list[tuple[str, str]] = (), dtype: str | None = None,
+    model: str | None = None, run: str | None = None, adapters: Sequence[tuple[str, str]] = (), dtype: str | None = None,
     checkpoint: tuple[str, str] | None = None,
 ) -> ServingPlan:
     """What ``serve-model`` serves: ``model`` (a base for ``adapters``) or a ``run`` (its adapter on its base, or its full model).
@@ -162,6 +163,7 @@ def plan_serving(
     if checkpoint is not None:
         if run is not None:
             raise ConfigError("--checkpoint serves a checkpoint of --model's architecture: give --model, not --run.")
+        assert model is not None  # exactly one of model and run is given
         name, path = checkpoint
         folder = Path(path)
         if not (folder / "state.json").is_file():
@@ -176,6 +178,7 @@ def plan_serving(
                                dtype=dtype or state.get("config", {}).get("dtype") or "auto")
         adapters = [(name, path), *adapters]
     if run is None:
+        assert model is not None  # exactly one of model and run is given
         plan = ServingPlan(base_id=model, base_path=resolve_model(model), dtype=dtype or "auto")
     else:
         folder = Path(run)

@@ -87,7 +87,7 @@ def play(env_id: str | None, play_all: bool, agent: str, seats: tuple[str, ...],
         raise click.UsageError("give an ENV_ID or --all (not both).")
     if play_all and agent == "human":
         raise click.UsageError("--all plays every env unattended: add --agent baseline or --agent random.")
-    specs = list_envs(refresh=True) if play_all else [spec(env_id)]
+    specs = [spec(env_id)] if env_id else list_envs(refresh=True)  # env_id is given exactly when --all is not
     env_kwargs = parse_kwargs(kwargs)
     with _open_transcripts(jsonl) as transcripts:  # opened first: a path that cannot be written fails before the game
         for s in specs:

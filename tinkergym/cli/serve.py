@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -116,7 +117,7 @@ def serve_backend(
         from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        lora = {} if lora_alpha is None else {"lora_alpha": lora_alpha}
+        lora: dict[str, Any] = {} if lora_alpha is None else {"lora_alpha": lora_alpha}
         config = TorchBackendConfig(model=model, lora_rank=0 if full else (lora_rank or DEFAULT_LORA_RANK), lora_dropout=lora_dropout, dtype=dtype,
                                     device=device, seed=seed, micro_batch_size=micro_batch_size, deterministic=deterministic,
                                     gradient_checkpointing=gradient_checkpointing, prefix_cache_mb=prefix_cache_mb,

@@ -149,7 +149,7 @@ def serve_model(
         raise click.UsageError(f"{', '.join(given)} go with --scheduler URL.")
     if api_key_file is None:
         raise click.UsageError("--api-key-file is required: every route but /health needs the key (or serve through --scheduler URL).")
-    from tinkergym.backends.serving import plan_serving
+    from tinkergym.backends.serving import InferenceEngine, plan_serving
     from tinkergym.serve.auth import LeaseFile, token_digest
 
     key = read_api_key(api_key_file)
@@ -168,7 +168,7 @@ def serve_model(
 
         click.echo(f"error: serve-model needs the serve extra ({exc.name} is missing): pip install 'tinkergym[serve]'", err=True)
         raise SystemExit(ENVIRONMENT_EXIT_CODE) from exc
-    served = None
+    served: InferenceEngine | None = None
     if engine == "vllm":
         from tinkergym.backends.vllm.inference import VLLMInferenceEngine
         from tinkergym.errors import ConfigError

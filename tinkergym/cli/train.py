@@ -431,6 +431,7 @@ def _evaluate(
             from tinkergym.backends.endpoint_sampler import EndpointSampler, read_api_key_file, resolve_tokenizer
 
             key = read_api_key_file(api_key_file) if api_key_file else None
+            assert model is not None  # eval refuses --endpoint without --model
             backend = EndpointSampler(endpoint, model, api_key=key, tokenizer=resolve_tokenizer(tokenizer) if tokenizer else None)
             if tokenizer is None:
                 backend.fetch_tokenizer()
@@ -474,6 +475,7 @@ def _scheduled_endpoint(
 
     client = SchedulerClient(scheduler, api_key)
     name = served_name(run_dir) if run_dir else model
+    assert name is not None  # eval takes exactly one of --model and --run
     job = InferenceJob.submit(client, job_config(model=model, run_dir=run_dir), kind="eval", gpus=gpus, name=f"eval {name}",
                               say=lambda line: click.echo(line, err=True))
     held["job"] = job

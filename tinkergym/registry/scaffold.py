@@ -67,7 +67,7 @@ def scaffold_package(name: str, parent: Path, env_id: str | None = None, force: 
     plan = PackagePlan.for_name(name, env_id)
     root = Path(parent) / plan.dist
     _check_target(Path(parent), root, force)
-    templates = resources.files("tinkergym.registry").joinpath("templates", "package")
+    templates = resources.files("tinkergym.registry").joinpath("templates").joinpath("package")
     for source, target in _FILES.items():
         text = templates.joinpath(*source.split("/")).read_text(encoding="utf-8")
         path = root / target.format(module=plan.module, short=plan.short)

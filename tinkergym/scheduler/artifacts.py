@@ -103,7 +103,7 @@ class ArtifactStore:
         """Store one file from a binary file object or an iterable of byte chunks; its :class:`FileInfo`."""
         upload = self.open_upload(job_id, name, relpath, max_bytes)
         try:
-            chunks = iter(lambda: stream.read(_CHUNK), b"") if hasattr(stream, "read") else stream  # type: ignore[union-attr]
+            chunks = iter(lambda: stream.read(_CHUNK), b"") if hasattr(stream, "read") else stream
             for chunk in chunks:
                 upload.write(chunk)
             return upload.commit()

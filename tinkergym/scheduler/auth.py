@@ -186,7 +186,7 @@ class KeyLookup:
             if self._sqlite_path is not None:
                 rows = self._sqlite_rows(params)
             elif self._conninfo is not None:
-                rows = await self._postgres_rows(params)
+                rows = await self._postgres_rows(self._conninfo, params)
         except Exception:  # noqa: BLE001 - busy, locked, disconnected: the worker thread's lookup waits, retries and reports
             await self.aclose()
             rows = None
@@ -205,7 +205,7 @@ class KeyLookup:
                                                isolation_level=None, check_same_thread=False)
         return self._connection.execute(self._sql, params).fetchall()
 
-    async def _postgres_rows(self, params: dict[str, str]) -> list[tuple]:
+    async def _postgres_rows(self, conninfo: str, params: dict[str, str]) -> list[tuple]:
         import asyncio
 
         loop = asyncio.get_running_loop()
@@ -216,7 +216,7 @@ class KeyLookup:
                 import psycopg
 
                 self._loop = loop
-                self._opening = loop.create_task(psycopg.AsyncConnection.connect(self._conninfo, autocommit=True))
+                self._opening = loop.create_task(psycopg.AsyncConnection.connect(conninfo, autocommit=True))
             opening = self._opening
             try:
                 connection = await asyncio.shield(opening)

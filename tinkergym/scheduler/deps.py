@@ -6,7 +6,7 @@ handler that answers :class:`Forbidden` with 403) imports the routes: no module 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import Request
 
@@ -22,7 +22,7 @@ def principal(request: Request) -> Principal:
     return request.state.principal
 
 
-def require(scope: str) -> Callable[[Request], Principal]:
+def require(scope: str) -> Callable[[Request], Awaitable[Principal]]:
     """A dependency: the request's principal if its key has ``scope`` (``admin`` has every scope), else 403."""
 
     async def dependency(request: Request) -> Principal:  # async: FastAPI would run a plain def in a thread

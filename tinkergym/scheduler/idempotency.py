@@ -56,11 +56,14 @@ def _find_key(dialect: str) -> Any:
 
 
 def _insert_key(dialect: str) -> Any:
+    values: dict[str, Any] = {c.key: bindparam(c.key) for c in idempotency.c}
     if dialect == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert(idempotency).values({c.key: bindparam(c.key) for c in idempotency.c}).on_conflict_do_nothing()
+        from sqlalchemy.dialects.postgresql import insert as insert_postgresql
+
+        return insert_postgresql(idempotency).values(values).on_conflict_do_nothing()
+    from sqlalchemy.dialects.sqlite import insert as insert_sqlite
+
+    return insert_sqlite(idempotency).values(values).on_conflict_do_nothing()
 
 
 _FIND_KEY = Prepared(_find_key)
@@ -178,7 +181,7 @@ def _in_flight(store: JobStore, scope: dict[str, str]) -> Iterator[bool]:
 
 def _find(conn: Connection, scope: dict[str, str]) -> tuple[bool, dict[str, Any] | None]:
     """(whether no other transaction holds the key, its row or None)."""
-    params = scope
+    params: dict[str, Any] = scope
     if conn.dialect.name == "postgresql":
         name = "\x00".join(scope[n] for n in _SCOPE).encode("utf-8")
         params = {**scope, "lock": int.from_bytes(hashlib.blake2b(name, digest_size=8).digest(), "big", signed=True)}

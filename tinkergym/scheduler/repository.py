@@ -98,7 +98,7 @@ class JobStore:
         #: This process's id (a fresh one per start): in-flight idempotency markers name it.
         self.owner = secrets.token_hex(8)
         #: Idempotency keys (tenant, method, path, key) whose request is running in this process (:mod:`tinkergym.scheduler.idempotency`).
-        self.keys_in_flight: set[tuple[str, str, str, str]] = set()
+        self.keys_in_flight: set[tuple[str, ...]] = set()
         self.keys_lock = threading.Lock()
 
     @contextmanager

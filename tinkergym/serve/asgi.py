@@ -83,7 +83,8 @@ class StrictText:
                     chunks.append(message.get("body", b""))
                     more = message.get("more_body", False)
             except BodyTooLarge as exc:  # raised by BodyLimit, outside the app's own handlers
-                return await self.answer(exc.status_code, "body_too_large", str(exc.detail))(scope, receive, send)
+                await self.answer(exc.status_code, "body_too_large", str(exc.detail))(scope, receive, send)
+                return
             body = b"".join(chunks)
             if b"\\u" in body:
                 try:
@@ -102,7 +103,8 @@ class StrictText:
             receive = replay
         if problem is not None:
             message = f"{problem} holds a NUL character or a lone UTF-16 surrogate, which cannot be stored: send valid Unicode text"
-            return await self.answer(400, "invalid_request", message)(scope, receive, send)
+            await self.answer(400, "invalid_request", message)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -234,7 +236,11 @@ class ThreadServer:
         self.port = self.socket.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=timeout_graceful_shutdown, **config))
+        self.server = uvicorn.Server(uvicorn.Config(
+            app, log_level=log_level,
+            timeout_graceful_shutdown=timeout_graceful_shutdown,  # type: ignore[arg-type]  # uvicorn's int: it goes to asyncio.wait_for, which takes a float
+            **config,
+        ))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + start_timeout

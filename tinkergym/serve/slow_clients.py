@@ -142,12 +142,12 @@ class RequestDeadlines:
     _refused = False
 
     def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)  # type: ignore[misc] - the uvicorn protocol this is mixed into
+        super().connection_made(transport)  # type: ignore[misc]  # the uvicorn protocol this is mixed into
         self._admit()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel()
-        super().connection_lost(exc)  # type: ignore[misc]
+        super().connection_lost(exc)  # type: ignore[misc]  # the uvicorn protocol this is mixed into
 
     def _admit(self) -> bool:
         """At ``connection_made``, after uvicorn counted the connection: False (and a 503) when it is one too many."""

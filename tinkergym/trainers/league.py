@@ -163,7 +163,7 @@ class League:
         f = [(1.0 - self.win_probability(n)) ** self.exponent for n in names]
         total = sum(f)
         q = [x / total for x in f] if total > 0 else [1.0 / len(names)] * len(names)
-        fixed = [self._members[n].fixed for n in names]
+        fixed = [bool(self._members[n].fixed) for n in names]  # set by LeagueMember.__post_init__
         mass = sum(x for x, is_fixed in zip(q, fixed) if is_fixed)
         if any(fixed) and mass < self._fixed_share:
             mix = (self._fixed_share - mass) / (1.0 - mass)

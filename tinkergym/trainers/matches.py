@@ -114,8 +114,9 @@ def play_matches(
             record.losses += 1
         else:
             record.draws += 1
-        if result.seats[seat].trajectory is not None:
-            trajectories.append(result.seats[seat].trajectory)
+        trajectory = result.seats[seat].trajectory
+        if trajectory is not None:
+            trajectories.append(trajectory)
     return records, trajectories
 
 

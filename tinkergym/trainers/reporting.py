@@ -58,7 +58,7 @@ def _tensorboard_writer(folder: Path, filename_suffix: str = "") -> Any:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         try:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter  # type: ignore[no-redef]  # the same writer's API, where torch's is missing
         except ImportError:
             return None
     return SummaryWriter(log_dir=str(folder), filename_suffix=filename_suffix)

@@ -35,17 +35,17 @@ ratings are then the first seat's policy's. Snapshots stay off in this mode (a s
 
 from __future__ import annotations
 
-import functools
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
 from tinkergym.config import OPPONENT_KINDS, parse_opponents  # noqa: F401 - importable from here
 from tinkergym.errors import ConfigError
-from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlayer, play_games
+from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlayer, SeatResult, play_games
+from tinkergym.protocol.backend import Backend
 from tinkergym.rollouts import RolloutConfig, Trajectory
 from tinkergym.trainers.advantages import keyed_advantages
 from tinkergym.trainers.base import StepOutput, TrainingContext
@@ -91,6 +91,7 @@ class SelfPlayTrainer(GRPOTrainer):
         self._envs: list[Any] = []
         self._fixed_outcomes: list[float] = []
         self.fired: list[str] = []
+        self.seat_backends: dict[str, Backend] = {}  # each seat's but the first: its trainable backend (set by _seat_learners)
         self.seat_learners = self._seat_learners(args.get("seat_policies", "shared"))
 
     # ----- players -----------------------------------------------------------------------------------
@@ -107,7 +108,8 @@ class SelfPlayTrainer(GRPOTrainer):
         seats = list(self._games(1)[0].possible_agents)
         learners = {seats[0]: self.learner}
         for seat in seats[1:]:
-            learners[seat] = ModelPlayer(f"{LEARNER}@{seat}", self.ctx.make_backend())
+            self.seat_backends[seat] = self.ctx.make_backend()
+            learners[seat] = ModelPlayer(f"{LEARNER}@{seat}", self.seat_backends[seat])
         return learners
 
     def learners(self) -> dict[str, Any]:
@@ -179,8 +181,7 @@ class SelfPlayTrainer(GRPOTrainer):
         for name, backend in self.learners().items():  # the update phase: every game has ended
             trajectories, seats = learner_seats(results, {name})
             prefix = "" if name == LEARNER else f"{name.split('@', 1)[1]}/"
-            by_seat = functools.partial(keyed_advantages, keys_B=seats, scale_by_std=self.scale_by_std)
-            metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, lambda r, v, by_seat=by_seat: by_seat(r, valid_B=v)).items()})
+            metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, _seat_advantages(seats, self.scale_by_std)).items()})
             every += trajectories
         metrics.update(phase_times(started, rolled_out))
         for result, opponent in zip(results, opponents):
@@ -206,18 +207,18 @@ class SelfPlayTrainer(GRPOTrainer):
     # The session saves, restores and exports the run's own backend; these do the same for the other seats' policies.
     def save_backends(self, folder: Path) -> None:
         """Save each other seat's policy into ``folder/seats/<seat>``."""
-        for seat, player in list(self.seat_learners.items())[1:]:
-            player.sampler.save_state(str(Path(folder) / "seats" / seat))
+        for seat, backend in self.seat_backends.items():
+            backend.save_state(str(Path(folder) / "seats" / seat))
 
     def load_backends(self, folder: Path) -> None:
         """Restore what :meth:`save_backends` wrote."""
-        for seat, player in list(self.seat_learners.items())[1:]:
-            player.sampler.load_state(str(Path(folder) / "seats" / seat))
+        for seat, backend in self.seat_backends.items():
+            backend.load_state(str(Path(folder) / "seats" / seat))
 
     def export_backends(self, folder: Path) -> None:
         """Export each other seat's policy to ``folder/seats/<seat>`` (the run's own export is the first seat's)."""
-        for seat, player in list(self.seat_learners.items())[1:]:
-            player.sampler.export(str(Path(folder) / "seats" / seat))
+        for seat, backend in self.seat_backends.items():
+            backend.export(str(Path(folder) / "seats" / seat))
 
     def take_snapshot(self, step: int) -> None:
         """Save the learner as ``snapshot:<step+1>`` (its weights after ``step + 1`` updates) and add it to the league."""
@@ -237,7 +238,10 @@ class SelfPlayTrainer(GRPOTrainer):
         greedy: Any = ModelPlayer(LEARNER, self.ctx.backend, temperature=0.0)
         if self.seat_learners:  # a policy per seat: each plays its own seat
             greedy = {seat: ModelPlayer(p.name, p.sampler, temperature=0.0) for seat, p in self.seat_learners.items()}
-        records, trajectories = play_matches(greedy, opponents, make_env or self.ctx.make_env, seeds, self.ctx.renderer, self.settings(temperature=0.0, seed=self.ctx.config.seed))
+        make_env = make_env or self.ctx.make_env
+        if make_env is None:
+            raise ConfigError("self-play needs a multi-agent env (--env, e.g. tinker/GomokuDuel-v0).")
+        records, trajectories = play_matches(greedy, opponents, make_env, seeds, self.ctx.renderer, self.settings(temperature=0.0, seed=self.ctx.config.seed))
         metrics: dict[str, float] = {}
         for name, record in records.items():
             for outcome, rate in record.rates().items():
@@ -265,22 +269,33 @@ def _share(args: dict[str, Any], key: str, default: float) -> float:
     return float(value)
 
 
-def learner_seats(results: list[GameResult], names: set[str] = frozenset({LEARNER})) -> tuple[list[Trajectory], list[str]]:
+def _seat_advantages(seats: list[str], scale_by_std: bool) -> Callable[[list[float], list[bool]], list[float]]:
+    """Advantages against the rewards of the same seat (:func:`keyed_advantages`), as ``GRPOTrainer.update`` takes them."""
+    return lambda rewards, valid: keyed_advantages(rewards, keys_B=seats, scale_by_std=scale_by_std, valid_B=valid)
+
+
+def _trajectory(seat: SeatResult) -> Trajectory:
+    """A learner's trajectory in a game: a model player's seat always has one."""
+    assert seat.trajectory is not None
+    return seat.trajectory
+
+
+def learner_seats(results: list[GameResult], names: AbstractSet[str] = frozenset({LEARNER})) -> tuple[list[Trajectory], list[str]]:
     """Every trajectory the players ``names`` played, and the seat of each."""
     trajectories, seats = [], []
     for result in results:
         for agent in [a for a, s in result.seats.items() if s.player in names]:
-            trajectories.append(result.seats[agent].trajectory)
+            trajectories.append(_trajectory(result.seats[agent]))
             seats.append(agent)
     return trajectories, seats
 
 
-def game_metrics(results: list[GameResult], opponents: list[str], league: League, learners: set[str] = frozenset({LEARNER})) -> dict[str, float]:
+def game_metrics(results: list[GameResult], opponents: list[str], league: League, learners: AbstractSet[str] = frozenset({LEARNER})) -> dict[str, float]:
     """Per-step self-play figures: draw and illegal-move rates, move lengths, per-seat returns and win rates."""
     mine = [s for r in results for s in r.seats.values() if s.player in learners]
     learner_moves = sum(s.moves for s in mine)
     illegal = sum(s.illegal_moves for s in mine)
-    tokens = sum(s.trajectory.num_sampled_tokens for s in mine)
+    tokens = sum(_trajectory(s).num_sampled_tokens for s in mine)
     finished = [r for r in results if r.error is None]
     metrics = {
         "selfplay/games": float(len(results)),
@@ -301,7 +316,8 @@ def game_metrics(results: list[GameResult], opponents: list[str], league: League
     return metrics
 
 
-def fixed_outcomes(results: list[GameResult], opponents: list[str], league: League, learners: set[str] = frozenset({LEARNER})) -> list[float]:
+def fixed_outcomes(results: list[GameResult], opponents: list[str], league: League, learners: AbstractSet[str] = frozenset({LEARNER})) -> list[float]:
     """The learners' outcomes (1, 0.5, 0) in this step's finished games against fixed members."""
     fixed = {m.name for m in league.members if m.fixed}
-    return [r.outcome(next(a for a, s in r.seats.items() if s.player in learners)) for r, o in zip(results, opponents) if o in fixed and r.error is None]
+    outcomes = [r.outcome(next(a for a, s in r.seats.items() if s.player in learners)) for r, o in zip(results, opponents) if o in fixed and r.error is None]
+    return [o for o in outcomes if o is not None]  # all of them: a game without an error has an outcome

@@ -255,7 +255,7 @@ class TrainingRun:
         self._check_finite(step, metrics)
         if c.transcripts_every and (step % c.transcripts_every == 0 or step == c.steps - 1) and output.trajectories:
             write_transcripts(self.folder / "transcripts" / f"train_step_{step:06d}.jsonl", output.trajectories[: c.group_size * 2], step=step)
-        if c.eval_every and ((step + 1) % c.eval_every == 0 or step == c.steps - 1):
+        if c.eval_every and ((step + 1) % c.eval_every == 0 or step == c.steps - 1) and self.make_eval_env is not None:
             metrics.update(self.evaluate(step))
         self.log.write(step, metrics)
         report = getattr(self.backend, "report_metrics", None)
@@ -295,6 +295,7 @@ class TrainingRun:
         if callable(own):  # e.g. self-play: games against the league's fixed members, on the eval env
             metrics, trajectories = own(step, eval_seeds(c.seed, c.eval_episodes), self.make_eval_env)
         else:
+            assert self.make_eval_env is not None  # evaluate runs only for a run with an env (an SFT run on --data alone has none)
             settings = RolloutConfig(max_turns=c.max_turns, max_new_tokens=c.max_new_tokens, max_context=c.max_context, temperature=0.0, seed=c.seed)
             metrics, trajectories = evaluate(self.make_eval_env, self.backend, self.renderer, settings, eval_seeds(c.seed, c.eval_episodes))
         write_transcripts(self.folder / "transcripts" / f"eval_step_{step:06d}.jsonl", trajectories, step=step)
@@ -434,7 +435,7 @@ def plan_resume(folder: str | Path, changes: dict[str, Any] | None = None) -> Re
     config.validate()
     checkpoint = latest_checkpoint(folder)
     start = 0 if checkpoint is None else checkpoint[0] + 1
-    if config.steps < start:
+    if checkpoint is not None and config.steps < start:  # steps is positive: never fewer than 0
         raise ConfigError(
             f"--steps {config.steps} is fewer than the {start} steps {folder} has already trained (its latest checkpoint is "
             f"{checkpoint[1].name}); a resume only goes on: pass --steps {start} or more, or start a new run to train fewer steps."

@@ -141,7 +141,7 @@ class SFTTrainer:
         else:
             raise ConfigError("the sft trainer needs data: --data FILE.jsonl (chat transcripts) or --demos baseline with --env.")
         self.data = [conversation_to_datum(ctx.renderer, c) for c in conversations]
-        self.data = [d for d in self.data if len(d.tokens) <= ctx.config.max_context and sum(d.loss_mask)]
+        self.data = [d for d in self.data if len(d.tokens) <= ctx.config.max_context and sum(d.loss_mask) != 0]
         if not self.data:
             raise ConfigError("no SFT example fits --max-context with at least one assistant token.")
 

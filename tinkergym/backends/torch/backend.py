@@ -33,7 +33,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -175,7 +175,7 @@ def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple:
     return (args[0].contiguous(), *args[1:])
 
 
-def _pad_right(rows: list[list[float]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _pad_right(rows: Sequence[Sequence[float]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     out = torch.zeros((len(rows), width), dtype=dtype)
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.tensor(row, dtype=dtype)
@@ -253,7 +253,7 @@ class TorchBackend:
         model = load_causal_lm(self.model_path, dtype, attn_implementation=self.attn_implementation)
         # torch 2.13 multiplies a non-contiguous [B, 1, H] slice (what logits_to_keep leaves) with a frozen
         # weight by broadcasting the weight to [B, H, V] first: seconds per prefill with a frozen (LoRA) head.
-        model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)
+        model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         return model.to(self.device if device is None else device)
 
     def _compute(self) -> contextlib.AbstractContextManager:
@@ -267,7 +267,7 @@ class TorchBackend:
 
         lora = LoraConfig(
             r=self.config.lora_rank,
-            lora_alpha=self.config.lora_alpha,
+            lora_alpha=self.config.lora_alpha,  # type: ignore[arg-type]  # peft's int: it divides alpha by r
             lora_dropout=self.config.lora_dropout,
             target_modules=self.config.lora_target_modules,
             task_type="CAUSAL_LM",
@@ -282,7 +282,7 @@ class TorchBackend:
         # forward here runs in _compute) the adapter computes in the compute dtype from its float32 weights.
         for module in model.modules():
             if hasattr(module, "lora_A"):
-                module.cast_input_dtype_enabled = False
+                module.cast_input_dtype_enabled = False  # type: ignore[assignment]  # peft's flag; nn.Module.__setattr__ types tensors
         return model
 
     @property
@@ -480,8 +480,8 @@ class TorchBackend:
                         loss.backward()
                 micro_sums.append(sums)
         totals: dict[str, float] = {}
-        for sums in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were
-            totals = losses.add_sums(totals, sums)
+        for floats in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were
+            totals = losses.add_sums(totals, floats)
         return ForwardBackwardResult(metrics=losses.finalize_metrics(totals))
 
     @staticmethod
@@ -493,7 +493,7 @@ class TorchBackend:
     def _reference_logprobs(self, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
         with torch.no_grad(), self._compute():
             if self.is_lora:
-                with self.model.disable_adapter():
+                with self.model.disable_adapter():  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
                     return self._sequence_logprobs(self.model, batch, micro, temperature)
             if self._reference is None:
                 # The starting weights, read back from disk only when a KL term first needs them.
@@ -586,11 +586,11 @@ class TorchBackend:
         """
         tmp = fresh_tmp_dir(path)
         if self.is_lora and not merged:
-            self.model.save_pretrained(tmp)
+            self.model.save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         elif self.is_lora:
             # Merging rewrites the layers in place, so it happens on a copy, in host memory.
-            _merged_on_host(self.model).save_pretrained(tmp)
+            _merged_on_host(self.model).save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         else:
-            self.model.save_pretrained(tmp)
+            self.model.save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         self.tokenizer.save_pretrained(tmp)
         replace_dir(tmp, os.fspath(path).rstrip("/"))

@@ -35,9 +35,9 @@ def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
         memo[id(param)] = torch.nn.Parameter(param.detach().to(device=device, dtype=target), requires_grad=False)
     sampler = copy.deepcopy(model, memo).to(device).eval().requires_grad_(False)  # .to moves the buffers only
     sampler.register_forward_pre_hook(functools.partial(_cache_in, dtype), with_kwargs=True)
-    head = sampler.get_output_embeddings()
-    if head is not None and head.weight is sampler.get_input_embeddings().weight:
-        source = model.get_output_embeddings().weight.detach()
+    head = sampler.get_output_embeddings()  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
+    if head is not None and head.weight is sampler.get_input_embeddings().weight:  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
+        source = model.get_output_embeddings().weight.detach()  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         head.weight = torch.nn.Parameter(source.to(device=device, dtype=dtype), requires_grad=False)
     return sampler
 
@@ -63,8 +63,8 @@ def _frozen_in_compute_dtype(model: torch.nn.Module, dtype: torch.dtype, device:
     host; the linear layers reach ``device`` already in ``dtype``.
     """
     model.eval().requires_grad_(False)
-    head = model.get_output_embeddings()
-    if head is not None and head.weight is model.get_input_embeddings().weight:
+    head = model.get_output_embeddings()  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
+    if head is not None and head.weight is model.get_input_embeddings().weight:  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         head.weight = torch.nn.Parameter(head.weight.detach().to(device=device, dtype=dtype), requires_grad=False)
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
@@ -85,9 +85,9 @@ def _cache_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: 
     if kwargs.get("use_cache") and not given and not torch.is_grad_enabled():
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=module.config)
+        cache = DynamicCache(config=module.config)  # type: ignore[arg-type]  # the HF config via nn.Module.__getattr__
         for layer in cache.layers:
-            layer.update = functools.partial(_update_in, dtype, layer.update)
+            layer.update = functools.partial(_update_in, dtype, layer.update)  # type: ignore[method-assign, union-attr]  # linear-attention layers lack update
         kwargs[cache_name()] = cache
     return args, kwargs
 
@@ -127,11 +127,11 @@ def _merged_on_host(model: torch.nn.Module) -> torch.nn.Module:
     for name, module in copied.named_modules():
         if hasattr(module, "get_delta_weight") and hasattr(module, "lora_A"):
             module.get_delta_weight = functools.partial(_delta_to_host, live[name])
-    return copied.merge_and_unload()
+    return copied.merge_and_unload()  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
 
 
 def _delta_to_host(module: torch.nn.Module, adapter: str) -> torch.Tensor:
-    return module.get_delta_weight(adapter).cpu()
+    return module.get_delta_weight(adapter).cpu()  # type: ignore[operator]  # a peft method via nn.Module.__getattr__
 
 
 class MergedLoraCopy:
@@ -156,7 +156,8 @@ class MergedLoraCopy:
         layers = [m for m in peft_model.modules() if isinstance(m, BaseTunerLayer)]
         if list(getattr(peft_model, "peft_config", {})) != [adapter] or not layers:
             return None
-        if any(type(m) is not LoraLinear or m.lora_variant or adapter not in m.lora_A for m in layers):
+        if any(type(m) is not LoraLinear  # type: ignore[comparison-overlap]  # mypy misses that peft's Linear is such a layer
+               or m.lora_variant or adapter not in m.lora_A for m in layers):
             return None
         weights = [m.get_base_layer().weight for m in layers]
         adapted = {id(w) for w in weights}
@@ -170,7 +171,7 @@ class MergedLoraCopy:
         copied = copy.deepcopy(peft_model, memo)
         live = dict(peft_model.named_modules())
         pairs = [(live[name], m.get_base_layer().weight) for name, m in copied.named_modules() if isinstance(m, BaseTunerLayer)]
-        return cls(copied.unload().eval(), pairs, adapter)
+        return cls(copied.unload().eval(), pairs, adapter)  # type: ignore[operator, arg-type]  # HF/peft methods, attributes via nn.Module.__getattr__
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -180,6 +181,6 @@ class MergedLoraCopy:
 
 def _merged_weight(layer: torch.nn.Module, adapter: str) -> torch.Tensor:
     """``layer``'s base weight plus its adapter's update (peft's ``get_delta_weight``), summed in float32, in the weight's dtype."""
-    weight = layer.get_base_layer().weight
+    weight = layer.get_base_layer().weight  # type: ignore[operator]  # a peft method via nn.Module.__getattr__
     with torch.no_grad():
-        return (weight.float() + layer.get_delta_weight(adapter).float()).to(weight.dtype)
+        return (weight.float() + layer.get_delta_weight(adapter).float()).to(weight.dtype)  # type: ignore[operator]  # a peft method via nn.Module.__getattr__

@@ -68,7 +68,7 @@ class TorchInferenceEngine:
             self.backend.load_state(plan.state)
         self.tokenizer = self.backend.tokenizer
         model = self.backend.model
-        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         limit = getattr(model.config, "max_position_embeddings", None) or 4096
         self.max_model_len = int(max_model_len or limit)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, model)
@@ -77,7 +77,7 @@ class TorchInferenceEngine:
         for i, adapter in enumerate(plan.adapters):
             internal = f"served_{i}"
             if adapter.kind == "peft":
-                model.load_adapter(adapter.path, adapter_name=internal)
+                model.load_adapter(adapter.path, adapter_name=internal)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
             else:
                 _load_checkpoint_adapter(model, internal, adapter.path)
             self._internal[adapter.name] = internal
@@ -107,10 +107,10 @@ class TorchInferenceEngine:
         """Make ``name``'s weights the ones the model computes with (call under the lock)."""
         model = self.backend.model
         if name in self._internal:
-            model.set_adapter(self._internal[name])
+            model.set_adapter(self._internal[name])  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
             return contextlib.nullcontext()
         if self.plan.lora:
-            return model.disable_adapter()
+            return model.disable_adapter()  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         return contextlib.nullcontext()
 
     def generate(self, model: str, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[SampledSequence]]:

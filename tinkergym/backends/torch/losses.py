@@ -291,6 +291,7 @@ def compute_loss_on_device(
     mismatch sums) plus ``loss`` and ``tokens``; :func:`finalize_metrics` turns accumulated sums into means.
     """
     trainer_old = old_logprobs if old_logprobs is not None else logprobs.detach()
+    ratio_base: torch.Tensor | None
     if spec.name in RATIO_LOSSES and (old_logprobs is not None or spec.old_logprobs == "trainer"):
         ratio_base = trainer_old
     else:

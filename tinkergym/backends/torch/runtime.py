@@ -110,9 +110,9 @@ def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
         raise ConfigError("gradient checkpointing with shared prompts needs a newer transformers: pip install -U transformers")
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
     for module in model.modules():
         if isinstance(module, GradientCheckpointingLayer):
             module._can_checkpoint_with_cache = True

@@ -165,6 +165,7 @@ def _cached_columns(prompts: list[list[int]], prefix_cache: PrefixCache) -> tupl
         for row, (prompt, (entry, _)) in enumerate(zip(prompts, matches)):
             taken = len(prompt) - run
             if taken > 0:
+                assert entry is not None  # taken is at most the matched length, 0 without an entry
                 keys_BHKD[row, :, kept - taken :] = entry.layers[layer][0][:, :taken]
                 values_BHKD[row, :, kept - taken :] = entry.layers[layer][1][:, :taken]
         cache.update(keys_BHKD, values_BHKD, layer)
@@ -193,9 +194,9 @@ def _preallocated(cache: object, extra: int) -> object:
     """``cache`` with each plain dynamic layer replaced by a :class:`_PreallocatedLayer` with room for ``extra`` more positions."""
     from transformers.cache_utils import DynamicLayer
 
-    layers = getattr(cache, "layers", None)
-    for i, layer in enumerate(layers or []):
-        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys.numel() > 0:
+    layers = getattr(cache, "layers", None) or []
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and layer.is_initialized and layer.keys is not None and layer.keys.numel() > 0:
             layers[i] = _preallocated_layer_class()(layer, extra)
     return cache
 
@@ -213,8 +214,12 @@ def _preallocated_layer_class() -> type:
         views hold exactly the positions the dynamic layer would, so attention reads the same numbers.
         """
 
+        keys: torch.Tensor  # DynamicLayer's are None until it is initialized; this one's are views from the start
+        values: torch.Tensor
+
         def __init__(self, layer: DynamicLayer, extra: int) -> None:
             super().__init__()
+            assert layer.keys is not None and layer.values is not None  # _preallocated replaces initialized layers only
             self.dtype, self.device, self.is_initialized = layer.keys.dtype, layer.keys.device, True
             self._keys = _grown(layer.keys, extra)
             self._values = _grown(layer.values, extra)
@@ -390,8 +395,8 @@ def _decode(
         if rng is not None:
             rng_states.append(rng.get_state())
         if step + 1 == steps or step + 1 - window >= check_interval:
-            flags = torch.stack([done_S[window : step + 1], diverged_S[window : step + 1]]).tolist()
-            end = _first_stop(*flags, window)
+            done, diverged = torch.stack([done_S[window : step + 1], diverged_S[window : step + 1]]).tolist()
+            end = _first_stop(done, diverged, window)
             if end is not None or step + 1 == steps:
                 end = step if end is None else end
                 if rng is not None:

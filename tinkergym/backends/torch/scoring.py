@@ -165,7 +165,7 @@ def padded_length_limit(model: torch.nn.Module) -> int | None:
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "get_text_config"):
         config = config.get_text_config()
-    if getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or []):
+    if config is not None and getattr(config, "attn_temperature_tuning", False) and 0 in (getattr(config, "no_rope_layers", None) or []):
         return int(config.floor_scale) - 1
     return None
 
@@ -213,13 +213,13 @@ def _shared_prefix_logprobs(
         parts = _own_token_logits_by_prompt_length(model, tokens_BT, lengths, group_sizes, shared)
     else:
         parts = _own_token_logits(model, tokens_BT, lengths, group_sizes, shared)
-    out: list[torch.Tensor | None] = [None] * len(lengths)
+    out: dict[int, torch.Tensor] = {}  # by row: the parts cover every row
     for rows, rows_BS, logits in parts:
         scored_BS = losses.token_logprobs(logits, rows_BS, temperature=temperature)
         for i, row in enumerate(rows):
             s, n = shared_of_row[row], own[row]
             out[row] = torch.cat([scored_BS.new_zeros(s), scored_BS[i, :n], scored_BS.new_zeros(length - s - n)])
-    return torch.stack(out)
+    return torch.stack([out[row] for row in range(len(lengths))])
 
 
 #: What one more pass over a chunk of rows costs, in padded tokens, by device type (see :func:`length_chunks`).
@@ -347,9 +347,10 @@ def _replayable_cache_class() -> type:
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
             if layer_idx in self.before_update:
                 return copy.copy(self.before_update[layer_idx]).update(key_states, value_states, *args, **kwargs)
-            if getattr(self, "layer_class_to_replicate", None) is not None:
+            layer_class = getattr(self, "layer_class_to_replicate", None)
+            if layer_class is not None:
                 while len(self.layers) <= layer_idx:
-                    self.layers.append(self.layer_class_to_replicate())
+                    self.layers.append(layer_class())
             self.before_update[layer_idx] = copy.copy(self.layers[layer_idx])
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

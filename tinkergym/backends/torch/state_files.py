@@ -24,7 +24,7 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -104,7 +104,8 @@ def read_optimizer_state(folder: str | os.PathLike) -> dict[str, Any]:
 # ----- random number generators -------------------------------------------------------------------------
 def rng_state_to_files(device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The torch, NumPy, Python and (for a CUDA ``device``) that device's CUDA generator states, as tensors and JSON."""
-    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    # The global generator is MT19937, whose legacy state is this tuple (the stubs also allow another generator's dict).
+    _, keys, pos, has_gauss, gauss = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     version, internal, python_gauss = random.getstate()
     tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.int64))}
     if device.type == "cuda":

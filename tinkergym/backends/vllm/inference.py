@@ -97,6 +97,7 @@ def full_checkpoint_to_model(plan: ServingPlan, folder: str) -> str:
     """Export a full fine-tuning checkpoint (``plan.state``) as a plain HF model folder, as ``TorchBackend.export`` writes it."""
     from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
+    assert plan.state is not None  # called for a plan that serves a full checkpoint
     backend = TorchBackend(TorchBackendConfig(model=plan.base_path, lora_rank=0, dtype=plan.dtype, device="cpu"))
     backend.load_state(plan.state)
     backend.export(folder)

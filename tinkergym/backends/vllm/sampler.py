@@ -486,7 +486,7 @@ def _merged_copy(adapter: str, dtype: Any, parent: str | None) -> str:
 
     folder = os.path.join(tempfile.mkdtemp(prefix="tinkergym-vllm-start-", dir=parent), "model")
     try:
-        load_causal_lm(adapter, dtype).save_pretrained(folder)
+        load_causal_lm(adapter, dtype).save_pretrained(folder)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         AutoTokenizer.from_pretrained(adapter).save_pretrained(folder)
     except BaseException:
         shutil.rmtree(os.path.dirname(folder), ignore_errors=True)

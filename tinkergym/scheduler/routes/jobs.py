@@ -163,6 +163,7 @@ async def submit(
             conn, tenant_id=who.tenant_id, kind=body.kind, gpus=body.gpus, config=body.config, priority=body.priority,
             name=body.name, max_attempts=body.max_attempts or settings.max_attempts,
         )
+        assert quotas is not None  # count_queue (the default) counts them
         if body.gpus > quotas.max_gpus:
             raise Refused(400, "invalid_request", f"the job asks for {body.gpus} GPUs; tenant {who.tenant_id!r} may hold at most {quotas.max_gpus}")
         if getattr(settings, "refuse_unplaceable", False):

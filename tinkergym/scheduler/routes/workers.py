@@ -197,13 +197,17 @@ def register(
 ) -> Any:
     """Register (or update) this worker and the devices it holds; devices are matched by index."""
     store = _store(request)
+    bounds = who.bounds
+    assert bounds is not None  # require("worker") admits worker credentials alone, and each has bounds
 
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         worker_id = leases.register_worker(
-            conn, key_id=who.key_id, bounds=who.bounds, name=body.name, host=body.host, device_list=[d.model_dump() for d in body.devices],
+            conn, key_id=who.key_id, bounds=bounds, name=body.name, host=body.host, device_list=[d.model_dump() for d in body.devices],
             models=body.models, now=store.clock(),
         )
-        return 200, _view(request, conn, worker_id)
+        view = _view(request, conn, worker_id)
+        assert view is not None  # registered above, in this transaction
+        return 200, view
 
     response = respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
     leases.wake(request.app)

@@ -257,7 +257,7 @@ class JobRunner(threading.Thread):
 
     def _report(self, state: str, **extra: Any) -> None:
         try:
-            self.client.report(self.job_id, self.epoch, state, **extra)
+            self.client.report_state(self.job_id, self.epoch, state, **extra)
         except SchedulerError as exc:
             if exc.status in (404, 409):
                 self._conflict(exc)
@@ -265,7 +265,7 @@ class JobRunner(threading.Thread):
 
     def _try_report(self, state: str, **extra: Any) -> None:
         try:
-            self.client.report(self.job_id, self.epoch, state, **extra)
+            self.client.report_state(self.job_id, self.epoch, state, **extra)
         except SchedulerError as exc:
             log.warning("job %s: could not report %s: %s", self.job_id, state, exc)
 
@@ -321,7 +321,7 @@ class JobRunner(threading.Thread):
                 with open(self.folder / "server.out", "ab") as out:
                     self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                                     cwd=self.folder, start_new_session=True, preexec_fn=_die_with_parent)
-                url = self._wait_healthy()
+                url = self._wait_healthy(self.process)
             finally:
                 self.worker.release_port(self.port)
             if url is not None:
@@ -329,13 +329,13 @@ class JobRunner(threading.Thread):
         raise WorkerFault(f"the job's server could not bind a port in {self.options.ports[0]}-{self.options.ports[1]}: "
                           f"{last_line(self._log_tail(), 'no log')}")
 
-    def _wait_healthy(self) -> str | None:
+    def _wait_healthy(self, process: subprocess.Popen) -> str | None:
         """The server's URL once ``/health`` answers; None when it exited because its port was taken."""
         deadline = time.monotonic() + START_TIMEOUT_S
         host = f"[{self.options.host}]" if ":" in self.options.host else self.options.host
         while time.monotonic() < deadline:
             self._check()
-            code = self.process.poll()
+            code = process.poll()
             if code is not None:
                 tail = self._log_tail()
                 if "address already in use" in tail.lower() and code != 0:

@@ -72,7 +72,7 @@ class WorkerClient(SchedulerClient):
         """Renew the lease: ``{state, cancelling, expires_at}``; a 409 means it is lost."""
         return self._request("POST", f"{self._job(job_id)}/heartbeat", {"epoch": epoch})
 
-    def report(self, job_id: str, epoch: int, state: str, *, error: str | None = None, server_url: str | None = None) -> dict[str, Any]:
+    def report_state(self, job_id: str, epoch: int, state: str, *, error: str | None = None, server_url: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"epoch": epoch, "state": state}
         if error is not None:
             body["error"] = error[-4000:]

@@ -99,7 +99,7 @@ def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_
     def list_models() -> dict[str, Any]:
         """The base and each adapter (``parent`` = the base id), as vLLM lists ``--lora-modules``."""
         created = int(time.time())
-        data = [
+        data: list[dict[str, Any]] = [
             {"id": m.id, "object": "model", "created": created, "owned_by": "tinkergym", "root": m.root, "parent": m.parent,
              "max_model_len": engine.max_model_len, "permission": []}
             for m in engine.models()

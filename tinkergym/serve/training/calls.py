@@ -30,7 +30,7 @@ import typing
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from collections.abc import Callable
 
 from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest
@@ -145,7 +145,7 @@ def _checked(value: Any, hint: Any, where: str) -> Any:
             raise _json_type_error(where, "an object", value)
         _, item = typing.get_args(hint)
         return {str(k): _checked(v, item, f"{where}.{k}") for k, v in value.items()}
-    if is_dataclass(hint):
+    if isinstance(hint, type) and is_dataclass(hint):  # hints are classes, never dataclass instances
         if not isinstance(value, hint):
             raise _json_type_error(where, f"a {hint.__name__} object", value)
         hints = _type_hints(hint)
@@ -174,7 +174,14 @@ def _checked(value: Any, hint: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported type {hint}")
 
 
-def from_json(cls: type, data: Any, where: str) -> Any:
+class _FromDict(Protocol):
+    """A protocol dataclass: rebuilt from its JSON object by ``from_dict``."""
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any: ...
+
+
+def from_json(cls: type[_FromDict], data: Any, where: str) -> Any:
     """``cls.from_dict(data)`` with every field's JSON type checked; any problem is a :class:`ConfigError`."""
     if not isinstance(data, dict):
         raise _json_type_error(where, f"a {cls.__name__} object", data)
