@@ -1,7 +1,15 @@
-"""Shared fixtures: installable fake env distributions on a temporary ``sys.path`` entry."""
+"""Shared fixtures: installable fake env distributions on a temporary ``sys.path`` entry, the tiny model, and more.
+
+The helpers in ``testkit.py`` (waiting for a server, a training row, folder skips) are loaded here once, by path,
+and registered as the module ``testkit``: with ``--import-mode=importlib`` no test folder is on ``sys.path``, and
+pytest imports this file before every other conftest and test module, which ``import testkit``. The test folders
+follow the packages: core, registry, trainers, backends, serve, scheduler, and the lanes gpu and vllm (their
+conftests mark each of their tests), and packaging for what holds for the whole distribution.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import textwrap
 from pathlib import Path
@@ -11,6 +19,18 @@ import gymnasium as gym
 import pytest
 
 from tinkergym.registry import hub
+
+
+def load_testkit() -> None:
+    """``testkit.py`` beside this file, loaded by path once and registered as the module ``testkit``."""
+    if "testkit" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("testkit", Path(__file__).with_name("testkit.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["testkit"] = module
+        spec.loader.exec_module(module)
+
+
+load_testkit()
 
 ENV_MODULE = '''
 from tinkergym import TextEnv

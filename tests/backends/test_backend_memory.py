@@ -8,16 +8,13 @@ import copy
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig, _sampling_copy  # noqa: E402
-from tinkergym.backends.torch.sampling import prefill  # noqa: E402
-from tinkergym.backends.torch.scoring import MicroBatch  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig, _sampling_copy
+from tinkergym.backends.torch.sampling import prefill
+from tinkergym.backends.torch.scoring import MicroBatch
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def make(tiny: str, lora_rank: int = 0, dtype: str = "bfloat16", **kwargs: object) -> TorchBackend:

@@ -10,14 +10,12 @@ the grouped_matmul implementation a CPU defaults to.
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch.sampling import _preallocated, _preallocated_layer_class, _single_query_masks, prefill, sample_batch  # noqa: E402
-from tinkergym.protocol.types import SamplingParams  # noqa: E402
+from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.backends.torch.sampling import _preallocated, _preallocated_layer_class, _single_query_masks, prefill, sample_batch
+from tinkergym.protocol.types import SamplingParams
 
 
 @pytest.fixture(scope="module", params=["sdpa", "grouped_matmul"])

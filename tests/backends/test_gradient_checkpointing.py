@@ -7,28 +7,17 @@ from pathlib import Path
 from collections.abc import Callable
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+from testkit import datum  # registered by tests/conftest.py
 
-from tinkergym.backends.torch import backend as torch_backend  # noqa: E402
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch.scoring import plan_micro_batches  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec  # noqa: E402
+from tinkergym.backends.torch import backend as torch_backend
+from tinkergym.backends.models import build_tiny_model
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.backends.torch.scoring import plan_micro_batches
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec
 
 PPO_KL = LossSpec(name="ppo", clip_low=0.1, clip_high=0.3, kl_coef=0.1, aggregation="token")
-
-
-def datum(prompt: list[int], completion: list[int], advantage: float, shift: float) -> Datum:
-    tokens = prompt + completion
-    return Datum(
-        tokens=tokens,
-        loss_mask=[0.0] * len(prompt) + [1.0] * len(completion),
-        advantages=[advantage] * len(tokens),
-        sampling_logprobs=[-2.0 + shift * ((-1) ** t) for t in range(len(tokens))],
-    )
 
 
 def grouped_batch() -> list[Datum]:

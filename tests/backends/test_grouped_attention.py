@@ -6,15 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
-
-from tinkergym.backends.torch.attention import NAME, grouped_matmul_attention, register  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.torch.attention import NAME, grouped_matmul_attention, register
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams
 
 
 class _Attention(torch.nn.Module):

@@ -5,15 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
-from tinkergym.backends.torch import losses  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.backends.torch import losses
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams
+from tinkergym.errors import ConfigError
 
 
 # ----- token logprobs (the fused log-softmax) ------------------------------------------------------

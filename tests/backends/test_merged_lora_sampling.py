@@ -6,14 +6,12 @@ from pathlib import Path
 from collections.abc import Callable
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("peft")
-
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch.copies import MergedLoraCopy  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.backends.torch.copies import MergedLoraCopy
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
+from tinkergym.errors import ConfigError
 
 PROMPTS = [[5, 17, 33, 8, 91], [7, 7, 120, 64, 3, 44, 19], [200, 13]]
 

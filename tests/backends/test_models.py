@@ -8,12 +8,9 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from tinkergym.backends import models  # noqa: E402
-from tinkergym.backends.models import build_tiny_model, resolve_model  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.backends import models
+from tinkergym.backends.models import build_tiny_model, resolve_model
+from tinkergym.errors import ConfigError
 
 TOOLS = [
     {

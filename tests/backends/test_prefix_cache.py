@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch.prefix_cache import PrefixCache  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.backends.models import build_tiny_model
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.backends.torch.prefix_cache import PrefixCache
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
+from tinkergym.errors import ConfigError
 
 FIRST_PROMPTS = [[1, 5, 9, 12, 7, 30, 31], [1, 5, 9, 3], [1, 5, 2, 2, 2, 2, 8, 40, 41, 42]]
 

@@ -20,16 +20,16 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-pytest.importorskip("torch")
-pytest.importorskip("peft")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tinkergym.backends.remote import REMOTE_STATE, RemoteBackend, server_name  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.errors import ConfigError, OutOfMemoryError  # noqa: E402
-from tinkergym.trainers.reporting import read_metrics  # noqa: E402
+from testkit import wait_until  # registered by tests/conftest.py
+
+from tinkergym.backends.remote import REMOTE_STATE, RemoteBackend, server_name
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
+from tinkergym.cli import main
+from tinkergym.errors import ConfigError, OutOfMemoryError
+from tinkergym.trainers.reporting import read_metrics
 
 VOLATILE = ("time/", "tokens/per_s")
 TOKEN = "remote-backend-test-token-0123456789abcdef"
@@ -100,9 +100,7 @@ class Server:
         self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="critical"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started and time.time() < deadline:
-            time.sleep(0.01)
+        wait_until("the server to start", lambda: self.server.started, timeout=30, every=0.01)
 
     def stop(self) -> None:
         self.server.should_exit = True

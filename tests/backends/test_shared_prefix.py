@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
+from testkit import datum  # registered by tests/conftest.py
 
-from tinkergym.backends.torch import scoring as torch_scoring  # noqa: E402
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch.scoring import MicroBatch, plan_micro_batches, sequence_logprobs  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.torch import scoring as torch_scoring
+from tinkergym.backends.models import build_tiny_model
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.backends.torch.scoring import MicroBatch, plan_micro_batches, sequence_logprobs
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams
 
 
 def make_backend(tiny: str, share: bool, lora_rank: int = 4, micro_batch_size: int = 8, attn: str = "auto") -> TorchBackend:
@@ -20,16 +19,6 @@ def make_backend(tiny: str, share: bool, lora_rank: int = 4, micro_batch_size: i
         model=tiny, lora_rank=lora_rank, dtype="float32", seed=0, share_prefixes=share, micro_batch_size=micro_batch_size, attn_implementation=attn
     )
     return TorchBackend(config)
-
-
-def datum(prompt: list[int], completion: list[int], advantage: float, shift: float) -> Datum:
-    tokens = prompt + completion
-    return Datum(
-        tokens=tokens,
-        loss_mask=[0.0] * len(prompt) + [1.0] * len(completion),
-        advantages=[advantage] * len(tokens),
-        sampling_logprobs=[-2.0 + shift * ((-1) ** t) for t in range(len(tokens))],
-    )
 
 
 def grpo_like_batch() -> list[Datum]:

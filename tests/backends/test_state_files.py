@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from tinkergym.backends.torch import state_files  # noqa: E402
-from tinkergym.backends.torch.state_files import (  # noqa: E402
+from tinkergym.backends.torch import state_files
+from tinkergym.backends.torch.state_files import (
     optimizer_state_from_files,
     optimizer_state_to_files,
     read_optimizer_state,
@@ -25,7 +25,7 @@ from tinkergym.backends.torch.state_files import (  # noqa: E402
     write_optimizer_state,
     write_rng_state,
 )
-from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.errors import ConfigError
 
 CPU = torch.device("cpu")
 

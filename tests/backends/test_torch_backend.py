@@ -7,16 +7,13 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
-from tinkergym.backends.torch import losses  # noqa: E402
-from tinkergym.protocol.backend import Backend  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch.sampling import filter_logits  # noqa: E402
-from tinkergym.protocol.types import (  # noqa: E402
+from tinkergym.backends.torch import losses
+from tinkergym.protocol.backend import Backend
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.backends.torch.sampling import filter_logits
+from tinkergym.protocol.types import (
     Datum,
     ForwardBackwardRequest,
     ForwardBackwardResult,
@@ -27,7 +24,7 @@ from tinkergym.protocol.types import (  # noqa: E402
     SampledSequence,
     SamplingParams,
 )
-from tinkergym.errors import ConfigError, OutOfMemoryError  # noqa: E402
+from tinkergym.errors import ConfigError, OutOfMemoryError
 
 OPTIM = OptimParams(learning_rate=1e-2, max_grad_norm=1.0)
 

@@ -7,14 +7,14 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("tinkergym_gomoku")
 
-from tinkergym_gomoku.agents import HeuristicAgent  # noqa: E402
-from tinkergym_gomoku.duel import GomokuDuelEnv  # noqa: E402
+from tinkergym_gomoku.agents import HeuristicAgent
+from tinkergym_gomoku.duel import GomokuDuelEnv
 
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
-from tinkergym.chat import ChatTemplateRenderer  # noqa: E402
-from tinkergym.games import Game, ModelPlayer, ScriptedPlayer, play_games  # noqa: E402
-from tinkergym.rollouts import RolloutConfig  # noqa: E402
+from tinkergym.backends.models import build_tiny_model
+from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse
+from tinkergym.chat import ChatTemplateRenderer
+from tinkergym.games import Game, ModelPlayer, ScriptedPlayer, play_games
+from tinkergym.rollouts import RolloutConfig
 
 
 @pytest.fixture(scope="module")

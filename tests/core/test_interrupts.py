@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("torch")
 
-from tinkergym.cli import main  # noqa: E402
+from tinkergym.cli import main
 
 TIMEOUT_S = 300  # a bound on failure only
 

@@ -16,13 +16,13 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
-from tinkergym.chat import ChatTemplateRenderer  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
-from tinkergym.rollouts import RolloutConfig, rollout  # noqa: E402
+from tinkergym.backends.models import build_tiny_model
+from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse
+from tinkergym.chat import ChatTemplateRenderer
+from tinkergym.errors import ConfigError
+from tinkergym.rollouts import RolloutConfig, rollout
 
-import tinkergym  # noqa: E402
+import tinkergym
 
 PYTHON_CALL = '<tool_call>{"name": "python", "arguments": {"code": "x = 6 * 7\\nx"}}</tool_call>'
 CALCULATOR_CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "3 * (4 + 5)"}}</tool_call>'

@@ -15,12 +15,12 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
-from tinkergym.chat import ChatTemplateRenderer  # noqa: E402
-from tinkergym.rollouts import RolloutConfig, Trajectory, rollout  # noqa: E402
+from tinkergym.backends.models import build_tiny_model
+from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse
+from tinkergym.chat import ChatTemplateRenderer
+from tinkergym.rollouts import RolloutConfig, Trajectory, rollout
 
-import tinkergym  # noqa: E402
+import tinkergym
 
 # SmolLM2-135M-Instruct's chat template (ChatML with a default system prompt; it ignores tools).
 SMOLLM2_TEMPLATE = (

@@ -9,14 +9,14 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("uvicorn")
 
-from click.testing import CliRunner  # noqa: E402
+from click.testing import CliRunner
 
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.serve.training.app import create_app  # noqa: E402
-from tinkergym.serve.auth import token_digest  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.client import SchedulerClient, SchedulerError  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.serve.training.app import create_app
+from tinkergym.serve.auth import token_digest
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.cli import main
+from tinkergym.client import SchedulerClient, SchedulerError
 
 KEY = "tgk_0123456789ab_" + "A" * 43
 

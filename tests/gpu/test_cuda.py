@@ -12,17 +12,14 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
-from tinkergym.backends.torch import backend as torch_backend  # noqa: E402
-from tinkergym.backends.torch import runtime as torch_setup  # noqa: E402
-from tinkergym.backends.torch.state_files import read_optimizer_state  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch.scoring import MicroBatch, plan_micro_batches, sequence_logprobs  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.torch import backend as torch_backend
+from tinkergym.backends.torch import runtime as torch_setup
+from tinkergym.backends.torch.state_files import read_optimizer_state
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.backends.torch.scoring import MicroBatch, plan_micro_batches, sequence_logprobs
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
 
 DEVICE = os.environ.get("TINKERGYM_TEST_DEVICE", "cuda")
 DEVICE_TYPE = torch.device(DEVICE).type

@@ -11,12 +11,10 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("peft")
-
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig, flash_attn_importable  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig, flash_attn_importable
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams
 
 DEVICE = os.environ.get("TINKERGYM_TEST_DEVICE", "cuda")
 ATTN = os.environ.get("TINKERGYM_TEST_ATTN", "flash_attention_2")

@@ -30,9 +30,7 @@ from typing import Any
 from collections.abc import Callable
 
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("peft")
+import torch
 
 DEVICE = os.environ.get("TINKERGYM_TEST_DEVICE", "cuda")
 ON_CUDA = torch.device(DEVICE).type == "cuda"

@@ -19,19 +19,16 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-pytest.importorskip("peft")
-
-from tinkergym.backends.torch import losses  # noqa: E402
-from tinkergym.backends.torch import sampling as torch_sampling  # noqa: E402
-from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.backends.torch.sampling import STOP_CHECK_INTERVAL, prefill, sample_batch, sample_next  # noqa: E402
-from tinkergym.backends.torch.scoring import sequence_logprobs  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampledSequence, SamplingParams  # noqa: E402
-from tinkergym.errors import NonFiniteError  # noqa: E402
+from tinkergym.backends.torch import losses
+from tinkergym.backends.torch import sampling as torch_sampling
+from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.backends.torch.sampling import STOP_CHECK_INTERVAL, prefill, sample_batch, sample_next
+from tinkergym.backends.torch.scoring import sequence_logprobs
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampledSequence, SamplingParams
+from tinkergym.errors import NonFiniteError
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -20,11 +20,13 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
+
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
-import bench_machine  # noqa: E402
+import bench_machine  # noqa: E402 - from benchmarks/, on sys.path from the line above
 
 #: An AVX2-only CPU, as far as torch's kernels can tell (see the module docstring).
 AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}

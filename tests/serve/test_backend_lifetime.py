@@ -9,16 +9,15 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
 
-from tinkergym.serve.lifetime import IDLE_EXIT_CODE, Watchdog  # noqa: E402
+from testkit import wait_until_answers  # registered by tests/conftest.py
+
+from tinkergym.serve.lifetime import IDLE_EXIT_CODE, Watchdog
 
 TOKEN = "lifetime-test-token-0123456789abcdef0123456789"
 
@@ -37,16 +36,6 @@ def _serve_command(tiny: str, tmp_path: Path, port: int, *extra: str) -> list[st
         sys.executable, "-m", "tinkergym", "serve-backend", "--model", tiny, "--device", "cpu", "--lora-rank", "4",
         "--port", str(port), "--token-file", str(token), "--run-dir", str(tmp_path / "server"), *extra,
     ]
-
-
-def _healthy(port: int, deadline: float) -> None:
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("the server did not come up")
 
 
 def _alive(pid: int) -> bool:
@@ -94,7 +83,7 @@ def test_an_idle_server_exits_with_its_code(tiny: str, tmp_path: Path) -> None:
     port = _port()
     server = subprocess.Popen(_serve_command(tiny, tmp_path, port, "--idle-timeout", "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _healthy(port, time.monotonic() + 120)
+        wait_until_answers(f"http://127.0.0.1:{port}/health", timeout=120)
         assert server.wait(timeout=30) == IDLE_EXIT_CODE
         assert "no client call for 2 s" in server.stderr.read()
     finally:
@@ -118,7 +107,7 @@ def test_the_server_stops_when_its_worker_is_killed(tiny: str, tmp_path: Path, p
     worker = subprocess.Popen([sys.executable, "-c", worker_code], stdout=subprocess.PIPE, text=True)
     server_pid = int(worker.stdout.readline())
     try:
-        _healthy(port, time.monotonic() + 120)
+        wait_until_answers(f"http://127.0.0.1:{port}/health", timeout=120)
         worker.send_signal(signal.SIGKILL)
         worker.wait()
         deadline = time.monotonic() + 15

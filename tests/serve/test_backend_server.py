@@ -14,22 +14,25 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import uvicorn
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
-pytest.importorskip("fastapi")
-httpx = pytest.importorskip("httpx")
-uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("httpx")
 
-from click.testing import CliRunner  # noqa: E402
-from fastapi.testclient import TestClient  # noqa: E402
+import httpx
+import torch
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
 
-from tinkergym.serve.training.app import create_app  # noqa: E402
-from tinkergym.serve.training.calls import CallLimits  # noqa: E402
-from tinkergym.serve.auth import token_digest  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.protocol.types import (  # noqa: E402
+from testkit import wait_until  # registered by tests/conftest.py
+
+from tinkergym.serve.training.app import create_app
+from tinkergym.serve.training.calls import CallLimits
+from tinkergym.serve.auth import token_digest
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.protocol.types import (
     Datum,
     ForwardBackwardRequest,
     LossSpec,
@@ -37,7 +40,7 @@ from tinkergym.protocol.types import (  # noqa: E402
     SampleRequest,
     SamplingParams,
 )
-from tinkergym.cli import main  # noqa: E402
+from tinkergym.cli import main
 
 TOKEN = "t" * 40
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -303,9 +306,7 @@ def live_server(tmp_path: Path):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until("the server to start", lambda: server.started, timeout=10, every=0.01)
     with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=10) as http:
         yield http, backend
     server.should_exit = True

@@ -19,29 +19,29 @@ from typing import Any
 
 import pytest
 
-schemathesis = pytest.importorskip("schemathesis")
+pytest.importorskip("schemathesis")
 pytest.importorskip("torch")
-pytest.importorskip("fastapi")
 
-from fastapi.testclient import TestClient  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-from schemathesis.checks import (  # noqa: E402
+import schemathesis
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
     response_schema_conformance,
     status_code_conformance,
 )
 
-from tinkergym.backends.serving import plan_serving  # noqa: E402
-from tinkergym.backends.torch.inference import TorchInferenceEngine  # noqa: E402
-from tinkergym.serve.inference.app import create_inference_app  # noqa: E402
-from tinkergym.serve.training.app import create_app  # noqa: E402
-from tinkergym.serve.training.calls import CallLimits  # noqa: E402
-from tinkergym.serve.auth import token_digest  # noqa: E402
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.errors import NonFiniteError  # noqa: E402
+from tinkergym.backends.serving import plan_serving
+from tinkergym.backends.torch.inference import TorchInferenceEngine
+from tinkergym.serve.inference.app import create_inference_app
+from tinkergym.serve.training.app import create_app
+from tinkergym.serve.training.calls import CallLimits
+from tinkergym.serve.auth import token_digest
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
+from tinkergym.errors import NonFiniteError
 
 TOKEN = "fuzz-" + "t" * 40
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}

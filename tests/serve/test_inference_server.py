@@ -18,16 +18,16 @@ import pytest
 from click.testing import CliRunner
 
 pytest.importorskip("torch")
-pytest.importorskip("fastapi")
-uvicorn = pytest.importorskip("uvicorn")
 
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.backends.serving import plan_serving  # noqa: E402
-from tinkergym.backends.torch.inference import TorchInferenceEngine  # noqa: E402
-from tinkergym.serve.inference.app import create_inference_app  # noqa: E402
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.serve.auth import token_digest  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
+from testkit import exited_output, wait_until_answers  # registered by tests/conftest.py
+
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.backends.serving import plan_serving
+from tinkergym.backends.torch.inference import TorchInferenceEngine
+from tinkergym.serve.inference.app import create_inference_app
+from tinkergym.backends.models import build_tiny_model
+from tinkergym.serve.auth import token_digest
+from tinkergym.cli import main
 
 KEY = "k" * 20 + "-inference-server-test-key"
 EVAL = ("--env", "tinker/Bandit-v0", "--episodes", "4", "--max-new-tokens", "6", "--max-turns", "2")
@@ -370,14 +370,7 @@ def test_the_serve_model_command_serves_a_run(setup) -> None:
                "--port", str(port), "--idle-timeout", "3"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, process.stdout.read() if process.poll() is not None else "no answer"
-                time.sleep(0.2)
+        wait_until_answers(f"http://127.0.0.1:{port}/health", timeout=60, process=process, output=exited_output(process))
         request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
         with urllib.request.urlopen(request, timeout=5) as response:
             listed = json.loads(response.read())

@@ -19,14 +19,15 @@ from typing import Any
 from collections.abc import Callable, Iterator
 
 import pytest
+import uvicorn
 
-uvicorn = pytest.importorskip("uvicorn")
+from click.testing import CliRunner
 
-from click.testing import CliRunner  # noqa: E402
+from testkit import log_text, wait_until_answers  # registered by tests/conftest.py
 
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.serve.slow_clients import ConnectionLimits, RequestDeadlines, uvicorn_options  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.serve.slow_clients import ConnectionLimits, RequestDeadlines, uvicorn_options
+from tinkergym.cli import main
 
 #: A failure bound only: every trickling connection must be closed long before this.
 GIVE_UP_S = 20.0
@@ -298,15 +299,16 @@ def backend_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def model_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     pytest.importorskip("fastapi")
-    from tinkergym.serve.inference import engine as inference_engine
+    from tinkergym.backends import serving
+    from tinkergym.backends.torch import inference as torch_inference
     from tinkergym.serve.inference import app as inference_server
 
     class Served:
         def models(self) -> list:
             return []
 
-    monkeypatch.setattr(inference_engine, "plan_serving", lambda **options: None)
-    monkeypatch.setattr(inference_engine, "TorchInferenceEngine", lambda plan, **options: Served())
+    monkeypatch.setattr(serving, "plan_serving", lambda **options: None)
+    monkeypatch.setattr(torch_inference, "TorchInferenceEngine", lambda plan, **options: Served())
     monkeypatch.setattr(inference_server, "create_inference_app", lambda served, digest, **options: stub_app)
     return ["serve-model", "--model", "tiny", "--engine", "torch", "--api-key-file", str(private_file(tmp_path / "key"))]
 
@@ -367,14 +369,7 @@ def test_tinkergym_scheduler_serve_cuts_off_trickling_clients_and_extra_connecti
         [sys.executable, "-m", "tinkergym", "scheduler", "serve", "--data-dir", str(tmp_path / "data"), "--port", str(port),
          "--header-timeout", "1", "--max-connections", "3", "--max-streams", "2"], stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text(errors="replace")
-            try:
-                NormalClient(port, "/healthz", body=None)()
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_until_answers(f"http://127.0.0.1:{port}/healthz", timeout=60, every=0.1, process=process, output=log_text(tmp_path / "serve.log"))
         slow = Trickle(port, [b"GET /healthz HTTP/1.1\r\nHost: x\r\n"] * 2)
         slow.run()
         assert len(slow.closed) == 2 and all(a.startswith(b"HTTP/1.1 408 ") for a in slow.answers.values())

@@ -11,10 +11,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.config import TrainConfig  # noqa: E402
-from tinkergym.trainers.reporting import read_metrics  # noqa: E402
-from tinkergym.trainers.session import TrainingRun  # noqa: E402
+from tinkergym.backends.models import build_tiny_model
+from tinkergym.config import TrainConfig
+from tinkergym.trainers.reporting import read_metrics
+from tinkergym.trainers.session import TrainingRun
 
 COMMON = dict(
     env="tinker/Bandit-v0", dtype="float32", env_kwargs={"arms": 3, "reward_mode": "expected"},

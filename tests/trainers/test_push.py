@@ -30,10 +30,12 @@ from click.testing import CliRunner
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
-huggingface_hub = pytest.importorskip("huggingface_hub")
+pytest.importorskip("huggingface_hub")
 
-import tinkergym  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
+import huggingface_hub
+
+import tinkergym
+from tinkergym.cli import main
 
 TOKEN = "hf_fake_write_token"
 ENV_ID = "tinker/Bandit-v0"

@@ -13,10 +13,10 @@ from click.testing import CliRunner
 
 pytest.importorskip("torch")
 
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.config import TrainConfig  # noqa: E402
-from tinkergym.trainers.reporting import read_metrics  # noqa: E402
-from tinkergym.trainers.session import RESUMABLE_FIELDS, TrainingRun, latest_checkpoint, option_name  # noqa: E402
+from tinkergym.cli import main
+from tinkergym.config import TrainConfig
+from tinkergym.trainers.reporting import read_metrics
+from tinkergym.trainers.session import RESUMABLE_FIELDS, TrainingRun, latest_checkpoint, option_name
 
 VOLATILE = ("time/", "tokens/per_s")
 

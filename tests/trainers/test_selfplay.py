@@ -11,17 +11,17 @@ pytest.importorskip("transformers")
 pytest.importorskip("openskill")
 pytest.importorskip("tinkergym_gomoku")
 
-from tinkergym_gomoku.agents import HeuristicAgent  # noqa: E402
+from tinkergym_gomoku.agents import HeuristicAgent
 
-from tinkergym.backends.torch.backend import TorchBackend  # noqa: E402
-from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse  # noqa: E402
-from tinkergym.chat import ChatTemplateRenderer  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
-from tinkergym.trainers.advantages import keyed_advantages  # noqa: E402
-from tinkergym.trainers.base import TrainingContext  # noqa: E402
-from tinkergym.config import TrainConfig  # noqa: E402
-from tinkergym.trainers.selfplay import SelfPlayTrainer, parse_opponents  # noqa: E402
-from tinkergym.trainers.session import TrainingRun, env_factory  # noqa: E402
+from tinkergym.backends.torch.backend import TorchBackend
+from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse
+from tinkergym.chat import ChatTemplateRenderer
+from tinkergym.errors import ConfigError
+from tinkergym.trainers.advantages import keyed_advantages
+from tinkergym.trainers.base import TrainingContext
+from tinkergym.config import TrainConfig
+from tinkergym.trainers.selfplay import SelfPlayTrainer, parse_opponents
+from tinkergym.trainers.session import TrainingRun, env_factory
 
 ENV = "tinker/GomokuDuel-v0"
 

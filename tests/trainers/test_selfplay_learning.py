@@ -25,11 +25,11 @@ pytest.importorskip("torch")
 pytest.importorskip("openskill")
 pytest.importorskip("tinkergym_gomoku")
 
-from tinkergym.backends.models import build_tiny_model  # noqa: E402
-from tinkergym.config import TrainConfig  # noqa: E402
-from tinkergym.trainers.evaluation import eval_seeds  # noqa: E402
-from tinkergym.trainers.reporting import read_metrics  # noqa: E402
-from tinkergym.trainers.session import TrainingRun  # noqa: E402
+from tinkergym.backends.models import build_tiny_model
+from tinkergym.config import TrainConfig
+from tinkergym.trainers.evaluation import eval_seeds
+from tinkergym.trainers.reporting import read_metrics
+from tinkergym.trainers.session import TrainingRun
 
 ENV = "tinker/GomokuDuel-v0"
 BOARD = {"size": 5, "win_length": 3, "max_invalid_actions": 1}

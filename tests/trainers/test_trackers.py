@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("wandb")
 
-from tinkergym.trainers.reporting import read_metrics  # noqa: E402
+from tinkergym.trainers.reporting import read_metrics
 
 RUN = ["--env", "tinker/Bandit-v0", "--model", "tiny", "--dtype", "float32", "--batch-size", "2", "--group-size", "2",
        "--max-new-tokens", "4", "--checkpoint-every", "1", "--quiet"]

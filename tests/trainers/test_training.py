@@ -16,8 +16,8 @@ from click.testing import CliRunner
 
 pytest.importorskip("torch")
 
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.trainers.reporting import read_metrics  # noqa: E402
+from tinkergym.cli import main
+from tinkergym.trainers.reporting import read_metrics
 
 VOLATILE = ("time/", "tokens/per_s")
 

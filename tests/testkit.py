@@ -1,0 +1,126 @@
+"""Helpers shared by test modules in several folders: waiting for a condition or a server, training data, folder skips.
+
+``tests/conftest.py`` loads this file by path and registers it as the module ``testkit`` (with
+``--import-mode=importlib`` no test folder is on ``sys.path``), before any test module, which ``import testkit``.
+It imports nothing beyond pytest and the protocol's types, so any test folder can use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+from collections.abc import Callable
+
+import pytest
+
+from tinkergym.protocol.types import Datum
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 60.0, every: float = 0.1,
+               process: subprocess.Popen | None = None, output: Callable[[], str] | None = None) -> Any:
+    """Call ``check`` every ``every`` seconds until it returns something true, and return that.
+
+    Fails (AssertionError, naming ``what``) once ``timeout`` seconds have passed, or at once when ``process``
+    has exited; ``output()`` (the process's log, say) ends the message where given."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if process is not None and process.poll() is not None:
+            problem = f"the process exited with {process.returncode} while waiting for {what}"
+        elif time.monotonic() >= deadline:
+            problem = f"timed out after {timeout} s waiting for {what}"
+        else:
+            time.sleep(every)
+            continue
+        raise AssertionError(problem + (f"\n{output()}" if output is not None else ""))
+
+
+def answers(url: str) -> bool:
+    """True when a GET of ``url`` answers with a success status; False when the connection fails or it answers an error."""
+    try:
+        with urllib.request.urlopen(url, timeout=1):
+            return True
+    except OSError:  # refused, reset, timed out, or an HTTP error status (HTTPError is an OSError)
+        return False
+
+
+def wait_until_answers(url: str, timeout: float = 60.0, every: float = 0.2, process: subprocess.Popen | None = None,
+                       output: Callable[[], str] | None = None) -> None:
+    """Wait until a GET of ``url`` (a server's health route) answers with a success status (:func:`wait_until`)."""
+    wait_until(f"{url} to answer", lambda: answers(url), timeout, every, process, output)
+
+
+def exited_output(process: subprocess.Popen) -> Callable[[], str]:
+    """``output`` for :func:`wait_until` of a process whose stdout is a pipe: its output once it has exited (a read
+    of a running process's pipe would block), else a note that it is still running."""
+    return lambda: process.stdout.read() if process.poll() is not None else "(still running, no answer)"
+
+
+def log_text(path: Path) -> Callable[[], str]:
+    """``output`` for :func:`wait_until`: the last 3000 characters of the log file ``path``."""
+    return lambda: path.read_text(errors="replace")[-3000:] if path.exists() else f"(no {path})"
+
+
+def datum(prompt: list[int], completion: list[int], advantage: float, shift: float) -> Datum:
+    """A training row: ``prompt + completion``, loss on the completion, one advantage, sampling logprobs that
+    alternate around -2 by ``shift``."""
+    tokens = prompt + completion
+    return Datum(
+        tokens=tokens,
+        loss_mask=[0.0] * len(prompt) + [1.0] * len(completion),
+        advantages=[advantage] * len(tokens),
+        sampling_logprobs=[-2.0 + shift * ((-1) ** t) for t in range(len(tokens))],
+    )
+
+
+class _SkippedModule(pytest.Module):
+    """A test module of a folder whose requirement is missing: collecting it reports a skip, without importing it."""
+
+    reason = ""
+
+    def _getobj(self) -> Any:
+        pytest.skip(self.reason, allow_module_level=True)
+
+
+def import_problem(*modules: str) -> str:
+    """Why one of ``modules`` cannot be imported (the reason ``pytest.importorskip`` gives), or "" when all import."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            return f"could not import {name!r}: {exc}"
+    return ""
+
+
+def folder_requires(*modules: str) -> Callable[..., pytest.Module | None]:
+    """A ``pytest_pycollect_makemodule`` hook for a folder's conftest.py: where one of ``modules`` cannot be
+    imported, every test module of the folder is reported skipped, with the reason, instead of being imported; so
+    the modules import them at the top, with no ``pytest.importorskip`` of their own.
+
+    A ``pytest.importorskip`` at the top of the conftest itself would skip the folder when pytest collects it from
+    ``tests``, but stop pytest with a traceback when the folder or one of its files is named on the command line
+    (pytest imports that conftest before collecting, outside any collector)."""
+    reason = import_problem(*modules)
+
+    def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module | None:
+        if not reason:
+            return None
+        module = _SkippedModule.from_parent(parent, path=module_path)
+        module.reason = f"{parent.path.name}/{module_path.name}: {reason}"
+        return module
+
+    return pytest_pycollect_makemodule
+
+
+def mark_folder(items: list[pytest.Item], folder: Path, marker: pytest.MarkDecorator) -> None:
+    """Add ``marker`` to each of ``items`` under ``folder`` (for a folder conftest's ``pytest_collection_modifyitems``,
+    which pytest calls with every collected item, not only the folder's)."""
+    for item in items:
+        if item.path.is_relative_to(folder):
+            item.add_marker(marker)
