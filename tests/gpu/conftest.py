@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import testkit
+import testkit  # registered by tests/conftest.py
 
 pytest_pycollect_makemodule = testkit.folder_requires("torch", "transformers", "peft")
 

@@ -3,7 +3,9 @@
 ``db_url`` is parametrized over ``sqlite`` (a fresh file per test) and ``postgresql`` (a fresh database per
 test on a private cluster that :func:`postgres_server` starts once per session on 127.0.0.1). Where the
 PostgreSQL binaries are missing the ``postgresql`` parameter is skipped, except in CI (``CI`` set), where it
-fails: ``make install`` installs them.
+fails: ``make install`` installs them. Each test on PostgreSQL is marked ``postgres`` (``-m "not postgres"``
+leaves them out). Every module here needs the ``scheduler`` extra (sqlalchemy, alembic, fastapi, uvicorn, httpx);
+without it each is reported skipped, with the reason, and none is imported.
 
 The helpers in ``workerkit.py`` (a fake clock, a worker on a TestClient, direct database reads) are loaded here
 once, by path, and registered as the module ``workerkit``: with ``--import-mode=importlib`` no test folder is
@@ -22,18 +24,21 @@ from typing import Any
 from collections.abc import Callable, Iterator
 
 import pytest
+import testkit  # registered by tests/conftest.py
 
-pytest.importorskip("sqlalchemy")
-pytest.importorskip("alembic")
-pytest.importorskip("fastapi")
+# The scheduler extra: without it every test module here is reported skipped, with the reason, and none is imported.
+REQUIRES = ("sqlalchemy", "alembic", "fastapi", "uvicorn", "httpx")
+MISSING = testkit.import_problem(*REQUIRES)
+pytest_pycollect_makemodule = testkit.folder_requires(*REQUIRES)
 
-from fastapi.testclient import TestClient  # noqa: E402
+if not MISSING:
+    from fastapi.testclient import TestClient
 
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.auth import create_key  # noqa: E402
-from tinkergym.scheduler.credentials import WorkerBounds, create_worker_key  # noqa: E402
-from tinkergym.scheduler.db import make_engine, upgrade  # noqa: E402
-from tinkergym.scheduler.devdb import PostgresServer, find_pg_bin, private_postgres  # noqa: E402
+    from tinkergym.scheduler.app import SchedulerSettings, create_app
+    from tinkergym.scheduler.auth import create_key
+    from tinkergym.scheduler.credentials import WorkerBounds, create_worker_key
+    from tinkergym.scheduler.db import make_engine, upgrade
+    from tinkergym.scheduler.devdb import PostgresServer, find_pg_bin, private_postgres
 
 
 def load_workerkit() -> ModuleType:
@@ -46,7 +51,18 @@ def load_workerkit() -> ModuleType:
     return sys.modules["workerkit"]
 
 
-load_workerkit()
+if not MISSING:
+    load_workerkit()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``postgres`` each test here on PostgreSQL: the ``postgresql`` parameter of ``db_url``, or the cluster itself."""
+    folder = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(folder):
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            if params.get("db_url") == "postgresql" or "postgres_server" in getattr(item, "fixturenames", ()):
+                item.add_marker(pytest.mark.postgres)
 
 
 def in_ci() -> bool:

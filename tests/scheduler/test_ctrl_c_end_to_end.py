@@ -18,16 +18,15 @@ from collections.abc import Iterator
 import pytest
 
 pytest.importorskip("torch")
-pytest.importorskip("uvicorn")
 
-from click.testing import CliRunner  # noqa: E402
-from sqlalchemy import func, select  # noqa: E402
+from click.testing import CliRunner
+from sqlalchemy import func, select
 
-from workerkit import WorkerProcess, serve_scheduler  # noqa: E402 - registered by conftest.py
+from workerkit import WorkerProcess, serve_scheduler  # registered by conftest.py
 
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.scheduler.db import allocations, jobs, make_engine  # noqa: E402
-from tinkergym.folders import latest_checkpoint  # noqa: E402
+from tinkergym.cli import main
+from tinkergym.scheduler.db import allocations, jobs, make_engine
+from tinkergym.folders import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

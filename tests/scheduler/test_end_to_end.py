@@ -20,16 +20,15 @@ from typing import Any
 import pytest
 
 pytest.importorskip("torch")
-pytest.importorskip("uvicorn")
 
-from click.testing import CliRunner  # noqa: E402
-from sqlalchemy import func, select  # noqa: E402
+from click.testing import CliRunner
+from sqlalchemy import func, select
 
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.db import allocations, checkpoints, jobs, make_engine  # noqa: E402
-from tinkergym.trainers.reporting import read_metrics  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.cli import main
+from tinkergym.scheduler.app import SchedulerSettings, create_app
+from tinkergym.scheduler.db import allocations, checkpoints, jobs, make_engine
+from tinkergym.trainers.reporting import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -13,17 +13,15 @@ from collections.abc import Iterator
 
 import pytest
 
-uvicorn = pytest.importorskip("uvicorn")
+from sqlalchemy import delete, func, insert, select, update
+from tinkergym.scheduler import states
+from tinkergym.scheduler.app import SchedulerSettings, create_app
+from tinkergym.scheduler.db import idempotency, jobs, make_engine
+from tinkergym.scheduler.idempotency import IN_FLIGHT, fingerprint
+from tinkergym.scheduler.repository import JobStore
 
-from sqlalchemy import delete, func, insert, select, update  # noqa: E402
-from tinkergym.scheduler import states  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.db import idempotency, jobs, make_engine  # noqa: E402
-from tinkergym.scheduler.idempotency import IN_FLIGHT, fingerprint  # noqa: E402
-from tinkergym.scheduler.repository import JobStore  # noqa: E402
-
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.client import SchedulerClient, SchedulerError  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.client import SchedulerClient, SchedulerError
 
 CONFIG = {"model": "smollm2-135m", "env": "tinker/Bandit-v0"}
 

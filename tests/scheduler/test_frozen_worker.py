@@ -23,12 +23,13 @@ from typing import Any
 import pytest
 
 pytest.importorskip("torch")
-pytest.importorskip("uvicorn")
 
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.serve.auth import LeaseFile, require_token, token_digest, write_lease_file  # noqa: E402
-from tinkergym.client import SchedulerClient  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
+from testkit import wait_until  # registered by tests/conftest.py
+
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.serve.auth import LeaseFile, require_token, token_digest, write_lease_file
+from tinkergym.client import SchedulerClient
+from tinkergym.scheduler.app import SchedulerSettings, create_app
 
 TOKEN = "t" * 40
 
@@ -40,16 +41,6 @@ def _get(url: str, token: str) -> tuple[int, dict[str, Any]]:
             return response.status, json.loads(response.read() or b"{}")
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
-
-
-def _wait(what: str, check: Any, timeout: float) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        found = check()
-        if found:
-            return found
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_a_server_refuses_every_call_once_its_lease_file_says_the_lease_ended(tmp_path: Path) -> None:
@@ -98,16 +89,16 @@ def test_a_frozen_workers_server_refuses_its_old_token_after_the_lease_ends(db_u
     owner = SchedulerClient(scheduler.url, owner_key)
     try:
         job_id = owner.submit("train", {"model": "tiny", "dtype": "float32", "lora_rank": 4})["id"]
-        _wait("the job's server", lambda: owner.show(job_id)["state"] == "running", 300)
+        wait_until("the job's server", lambda: owner.show(job_id)["state"] == "running", 300)
         connection = owner.connection(job_id)
         url, token = connection["url"].rstrip("/"), connection["token"]
         assert _get(url + "/v1/info", token)[0] == 200
 
         worker.send_signal(signal.SIGSTOP)  # frozen: no heartbeat, no kill of its server
-        refused = _wait("the server to refuse", lambda: (answer := _get(url + "/v1/info", token))[0] == 401 and answer, 30)
+        refused = wait_until("the server to refuse", lambda: (answer := _get(url + "/v1/info", token))[0] == 401 and answer, 30)
         assert refused[1]["error"]["type"] == "lease_ended"
         assert _get(url + "/health", "")[0] == 200  # the process still runs: only its lease ended
-        _wait("the lease to expire", lambda: owner.show(job_id)["state"] == "queued", 30)
+        wait_until("the lease to expire", lambda: owner.show(job_id)["state"] == "queued", 30)
 
         worker.send_signal(signal.SIGCONT)  # thawed: its next heartbeat is refused and it stops the server
 
@@ -118,7 +109,7 @@ def test_a_frozen_workers_server_refuses_its_old_token_after_the_lease_ends(db_u
                 return True
             return False
 
-        _wait("the old server to stop", gone, 60)
+        wait_until("the old server to stop", gone, 60)
     finally:
         worker.send_signal(signal.SIGCONT)
         worker.terminate()

@@ -13,15 +13,16 @@ from typing import Any
 
 import pytest
 
-schemathesis = pytest.importorskip("schemathesis")
+pytest.importorskip("schemathesis")
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from schemathesis.checks import not_a_server_error  # noqa: E402
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
 
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.auth import create_key  # noqa: E402
-from tinkergym.scheduler.credentials import WorkerBounds, create_worker_key  # noqa: E402
-from tinkergym.scheduler.db import make_engine, upgrade  # noqa: E402
+from tinkergym.scheduler.app import SchedulerSettings, create_app
+from tinkergym.scheduler.auth import create_key
+from tinkergym.scheduler.credentials import WorkerBounds, create_worker_key
+from tinkergym.scheduler.db import make_engine, upgrade
 
 HEADERS: dict[str, str] = {}
 WORKER_HEADERS: dict[str, str] = {}

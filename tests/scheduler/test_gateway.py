@@ -14,20 +14,18 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
-pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
+import workerkit as kit
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
-import workerkit as kit  # noqa: E402
-from starlette.applications import Starlette  # noqa: E402
-from starlette.requests import Request  # noqa: E402
-from starlette.responses import JSONResponse, StreamingResponse  # noqa: E402
-from starlette.routing import Route  # noqa: E402
-
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.scheduler import leases  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.scheduler import leases
+from tinkergym.scheduler.app import SchedulerSettings, create_app
 
 TTL = 30.0
 

@@ -17,18 +17,17 @@ from typing import Any
 import pytest
 
 pytest.importorskip("torch")
-pytest.importorskip("uvicorn")
 
-from click.testing import CliRunner  # noqa: E402
+from click.testing import CliRunner
 
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.client import SchedulerClient  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
-from tinkergym.backends.inference_jobs import job_config, served_name  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.worker.agent import WorkerOptions, server_command  # noqa: E402
-from tinkergym.config import TrainConfig  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.cli import main
+from tinkergym.client import SchedulerClient
+from tinkergym.errors import ConfigError
+from tinkergym.backends.inference_jobs import job_config, served_name
+from tinkergym.scheduler.app import SchedulerSettings, create_app
+from tinkergym.scheduler.worker.agent import WorkerOptions, server_command
+from tinkergym.config import TrainConfig
 
 EVAL = ("--env", "tinker/Bandit-v0", "--episodes", "4", "--max-new-tokens", "6", "--max-turns", "2")
 

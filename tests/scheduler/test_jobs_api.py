@@ -14,13 +14,11 @@ from typing import Any
 
 import pytest
 
-uvicorn = pytest.importorskip("uvicorn")
-
-from sqlalchemy import func, select  # noqa: E402
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.scheduler.app import PUBLIC_PATHS, SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.auth import SCOPES, ensure_tenant, revoke_key  # noqa: E402
-from tinkergym.scheduler.db import idempotency, jobs, make_engine  # noqa: E402
+from sqlalchemy import func, select
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.scheduler.app import PUBLIC_PATHS, SchedulerSettings, create_app
+from tinkergym.scheduler.auth import SCOPES, ensure_tenant, revoke_key
+from tinkergym.scheduler.db import idempotency, jobs, make_engine
 
 CONFIG = {"model": "smollm2-135m", "env": "tinker/Bandit-v0", "steps": 3}
 #: Routes any valid key may call, whatever its scopes. Everything else must refuse at least one scope, so a route

@@ -12,18 +12,16 @@ from collections.abc import Iterator
 
 import pytest
 
-uvicorn = pytest.importorskip("uvicorn")
+from click.testing import CliRunner
+from tinkergym.scheduler import states
+from tinkergym.scheduler.app import SchedulerSettings, create_app
+from tinkergym.scheduler.db import make_engine
+from tinkergym.scheduler.repository import JobStore
 
-from click.testing import CliRunner  # noqa: E402
-from tinkergym.scheduler import states  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.db import make_engine  # noqa: E402
-from tinkergym.scheduler.repository import JobStore  # noqa: E402
-
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.client import SchedulerClient, SchedulerError  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.cli import main
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.client import SchedulerClient, SchedulerError
+from tinkergym.errors import ConfigError
 
 CONFIG = {"model": "smollm2-135m", "env": "tinker/Bandit-v0"}
 

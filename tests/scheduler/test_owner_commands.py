@@ -9,16 +9,13 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-import pytest
 
-pytest.importorskip("uvicorn")
+from click.testing import CliRunner
+from workerkit import auth, register, submit  # registered by conftest.py
 
-from click.testing import CliRunner  # noqa: E402
-from workerkit import auth, register, submit  # noqa: E402 - registered by conftest.py
-
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.cli import main
+from tinkergym.scheduler.app import SchedulerSettings, create_app
 
 FILES = {"state.json": b'{"step": 1}', "adapter/adapter_model.safetensors": b"\x00\x01weights" * 50}
 

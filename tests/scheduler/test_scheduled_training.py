@@ -15,22 +15,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
-uvicorn = pytest.importorskip("uvicorn")
-httpx = pytest.importorskip("httpx")
 
-from click.testing import CliRunner  # noqa: E402
-from sqlalchemy import func, select  # noqa: E402
+from click.testing import CliRunner
+from sqlalchemy import func, select
 
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.backends.models import resolve_model  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.db import allocations, jobs, make_engine  # noqa: E402
-from tinkergym.trainers.reporting import read_metrics  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.backends.models import resolve_model
+from tinkergym.cli import main
+from tinkergym.scheduler.app import SchedulerSettings, create_app
+from tinkergym.scheduler.db import allocations, jobs, make_engine
+from tinkergym.trainers.reporting import read_metrics
 
 VOLATILE = ("time/", "tokens/per_s")
 COMMON = ("--env", "tinker/Bandit-v0", "--model", "tiny", "--dtype", "float32", "--steps", "4", "--batch-size", "2", "--group-size", "4",

@@ -10,7 +10,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,6 +20,8 @@ import pytest
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
 from click.testing import CliRunner, Result
+
+from testkit import log_text, wait_until_answers  # registered by tests/conftest.py
 
 from tinkergym.cli import main
 from tinkergym.scheduler.auth import KEY_PATTERN, key_digest
@@ -169,20 +170,6 @@ def _get(url: str, key: str | None = None) -> tuple[int, Any]:
         return exc.code, json.loads(exc.read() or b"null")
 
 
-def _wait_healthy(base: str, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"the scheduler exited with {process.returncode}: {log.read_text(errors='replace')[-3000:]}")
-        try:
-            if _get(f"{base}/healthz")[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    pytest.fail(f"the scheduler did not answer /healthz within 60 s: {log.read_text(errors='replace')[-3000:]}")
-
-
 def _text_values(db_url: str) -> list[str]:
     """Every text value of every column of every table."""
     engine = make_engine(db_url)
@@ -212,7 +199,7 @@ def test_a_served_scheduler_takes_made_keys_and_refuses_revoked_ones(db_url: str
             stdout=subprocess.DEVNULL, stderr=stderr, env=env,
         )
     try:
-        _wait_healthy(base, process, log)
+        wait_until_answers(f"{base}/healthz", timeout=60, every=0.1, process=process, output=log_text(log))
         assert _get(f"{base}/readyz") == (200, {"status": "ready"})
         status, body = _get(f"{base}/v1/jobs")
         assert status == 401 and body["error"]["type"] == "unauthorized"

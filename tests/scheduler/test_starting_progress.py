@@ -7,15 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
 
-pytest.importorskip("uvicorn")
+from workerkit import register  # registered by conftest.py
 
-from workerkit import register  # noqa: E402 - registered by conftest.py
-
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.client import SchedulerClient, wait_running  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.client import SchedulerClient, wait_running
+from tinkergym.scheduler.app import SchedulerSettings, create_app
 
 
 def test_the_wait_says_what_the_worker_is_doing(make_client: Any, keys: Any, db_url: str, tmp_path: Path) -> None:

@@ -6,24 +6,24 @@ from __future__ import annotations
 import http.client
 import json
 import threading
-import time
 from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
 
 import pytest
 
-pytest.importorskip("uvicorn")
+from sqlalchemy import event
+from sqlalchemy.exc import OperationalError
 
-from sqlalchemy import event  # noqa: E402
-from sqlalchemy.exc import OperationalError  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.auth import revoke_key  # noqa: E402
-from tinkergym.scheduler.db import make_engine  # noqa: E402
-from tinkergym.scheduler.repository import JobStore  # noqa: E402
+from testkit import wait_until  # registered by tests/conftest.py
 
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.client import SchedulerClient  # noqa: E402
+from tinkergym.scheduler.app import SchedulerSettings, create_app
+from tinkergym.scheduler.auth import revoke_key
+from tinkergym.scheduler.db import make_engine
+from tinkergym.scheduler.repository import JobStore
+
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.client import SchedulerClient
 
 CONFIG = {"model": "smollm2-135m", "env": "tinker/Bandit-v0"}
 #: A failure bound only (a stream that never answers fails the test instead of hanging it).
@@ -91,13 +91,6 @@ def log(store: JobStore, job_id: str) -> int:
         return store.append_event(conn, job_id, "log", {"line": "hello"})
 
 
-def wait_for(predicate: Any, what: str) -> None:
-    deadline = time.monotonic() + GIVE_UP_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.01)
-
-
 def test_streams_past_a_keys_cap_or_the_apps_are_refused_429_and_a_closed_one_frees_its_slot(start, keys) -> None:
     live = start(max_streams_per_key=2, max_streams=3)
     key_a, key_b, key_c = keys.new("acme"), keys.new("acme"), keys.new("other")
@@ -115,12 +108,12 @@ def test_streams_past_a_keys_cap_or_the_apps_are_refused_429_and_a_closed_one_fr
     assert overall.status == 429 and overall.response.getheader("Retry-After", "").isdigit()
     assert "3 event streams open" in overall.body["error"]["message"] and "--max-streams N" in overall.body["error"]["message"]
     first.close()  # the server notices the client left and frees the slot
-    wait_for(lambda: live.app.state.streams.per_key.get(key_a.split("_")[1]) == 1, "the closed stream's slot")
+    wait_until("the closed stream's slot", lambda: live.app.state.streams.per_key.get(key_a.split("_")[1]) == 1, GIVE_UP_S, 0.01)
     again = Stream(live, key_a, job)
     assert again.status == 200 and again.next_event()["seq"] == 1
     for stream in (second, another_key, again):
         stream.close()
-    wait_for(lambda: not live.app.state.streams.subscriptions, "every slot freed")
+    wait_until("every slot freed", lambda: not live.app.state.streams.subscriptions, GIVE_UP_S, 0.01)
     assert Stream(live, key_c, other_job).status == 200
 
 
@@ -144,13 +137,13 @@ def test_idle_streams_cost_one_query_per_watcher_pass_not_one_per_stream(start, 
     hub = live.app.state.streams
     # A pass that ran while a stream was still sending its backlog woke it for one more (empty) read: let those pass.
     settled = hub.passes + 3
-    wait_for(lambda: hub.passes >= settled, "three watcher passes")
+    wait_until("three watcher passes", lambda: hub.passes >= settled, GIVE_UP_S, 0.01)
     statements: list[str] = []
     listener = lambda conn, cursor, statement, *args: statements.append(statement)  # noqa: E731
     event.listen(live.app.state.engine, "before_cursor_execute", listener)
     try:
         passes, counted = hub.passes, len(statements)
-        wait_for(lambda: hub.passes >= passes + 10, "ten watcher passes")
+        wait_until("ten watcher passes", lambda: hub.passes >= passes + 10, GIVE_UP_S, 0.01)
         passes, counted = hub.passes - passes, len(statements) - counted
     finally:
         event.remove(live.app.state.engine, "before_cursor_execute", listener)
@@ -181,7 +174,7 @@ def test_the_watcher_survives_database_errors(start, keys, store, monkeypatch: p
         return read(*args)
 
     monkeypatch.setattr(hub, "_read", flaky)
-    wait_for(lambda: hub.failures >= 3, "three failed passes")
+    wait_until("three failed passes", lambda: hub.failures >= 3, GIVE_UP_S, 0.01)
     seq = log(store, job)  # written while the watcher cannot read
     failing.clear()
     assert stream.next_event()["seq"] == seq
@@ -201,7 +194,7 @@ def test_a_revoked_keys_streams_end_and_others_go_on(start, keys, store, db_url:
     finally:
         engine.dispose()
     assert all(s.next_event() is None for s in doomed)  # ended cleanly (a broken chunked stream would raise)
-    wait_for(lambda: revoked.split("_")[1] not in live.app.state.streams.per_key, "the revoked key's slots freed")
+    wait_until("the revoked key's slots freed", lambda: revoked.split("_")[1] not in live.app.state.streams.per_key, GIVE_UP_S, 0.01)
     seq = log(store, job)
     assert survivor.next_event()["seq"] == seq
     assert Stream(live, revoked, job).status == 401

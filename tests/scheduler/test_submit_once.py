@@ -15,17 +15,15 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("uvicorn")
-
-from sqlalchemy import func, insert, select, text  # noqa: E402
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.scheduler import auth as auth_module  # noqa: E402
-from tinkergym.scheduler import db as db_module  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.auth import KeyLookup, ensure_tenant, revoke_key  # noqa: E402
-from tinkergym.scheduler.db import idempotency, jobs, make_engine, upgrade  # noqa: E402
-from tinkergym.scheduler.idempotency import IdempotencyError, Refused, fingerprint, run_once  # noqa: E402
-from tinkergym.scheduler.repository import JobStore  # noqa: E402
+from sqlalchemy import func, insert, select, text
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.scheduler import auth as auth_module
+from tinkergym.scheduler import db as db_module
+from tinkergym.scheduler.app import SchedulerSettings, create_app
+from tinkergym.scheduler.auth import KeyLookup, ensure_tenant, revoke_key
+from tinkergym.scheduler.db import idempotency, jobs, make_engine, upgrade
+from tinkergym.scheduler.idempotency import IdempotencyError, Refused, fingerprint, run_once
+from tinkergym.scheduler.repository import JobStore
 
 CONFIG = {"model": "smollm2-135m", "env": "tinker/Bandit-v0", "steps": 3}
 

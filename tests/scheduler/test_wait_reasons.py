@@ -14,17 +14,15 @@ from collections.abc import Iterator
 
 import pytest
 
-pytest.importorskip("uvicorn")
+import workerkit as kit  # registered by conftest.py
+from click.testing import CliRunner
+from sqlalchemy import update
 
-import workerkit as kit  # noqa: E402 - registered by conftest.py
-from click.testing import CliRunner  # noqa: E402
-from sqlalchemy import update  # noqa: E402
-
-from tinkergym.serve.asgi import ThreadServer  # noqa: E402
-from tinkergym.cli import main  # noqa: E402
-from tinkergym.client import SchedulerClient, wait_running  # noqa: E402
-from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
-from tinkergym.scheduler.db import make_engine, tenants  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer
+from tinkergym.cli import main
+from tinkergym.client import SchedulerClient, wait_running
+from tinkergym.scheduler.app import SchedulerSettings, create_app
+from tinkergym.scheduler.db import make_engine, tenants
 
 REPO = Path(__file__).resolve().parents[2]
 

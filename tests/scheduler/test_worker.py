@@ -28,9 +28,11 @@ import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("peft")
-pytest.importorskip("uvicorn")
 
 from click.testing import CliRunner
+
+from testkit import wait_until  # registered by tests/conftest.py
+
 from tinkergym.serve.asgi import ThreadServer
 from tinkergym.backends.remote import RemoteBackend, RemoteBackendError
 from tinkergym.protocol.types import (
@@ -44,20 +46,10 @@ from tinkergym.scheduler.db import make_engine
 
 from tinkergym.cli import main
 from tinkergym.client import SchedulerClient
-from workerkit import WorkerProcess  # noqa: E402 - registered by conftest.py
+from workerkit import WorkerProcess  # registered by conftest.py
 
 TTL, SWEEP = 2.0, 0.2
 CONFIG = {"model": "tiny", "dtype": "float32", "lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.0, "micro_batch_size": 4, "seed": 0}
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 120.0, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def in_state(client: SchedulerClient, job_id: str, state: str) -> dict[str, Any] | None:
@@ -147,14 +139,14 @@ def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
         first = WorkerProcess(server.url, worker_key, tmp_path / "w1", "w1")
         workers.append(first)
         job = owner.submit("train", CONFIG)["id"]
-        wait_for("the job to run", lambda: owner.show(job)["state"] == "running", 180)
+        wait_until("the job to run", lambda: owner.show(job)["state"] == "running", 180)
         conn = owner.connection(job)
         assert conn["epoch"] == 1
         backend = RemoteBackend(conn["url"], conn["token"], retries=1, backoff=0.1)
         use(backend)
         local = tmp_path / "client" / "step_000001"
         backend.save_state(str(local))
-        found = wait_for("the checkpoint", lambda: owner.checkpoints(job), 60)
+        found = wait_until("the checkpoint", lambda: owner.checkpoints(job), 60)
         assert [(c["step"], c["name"], c["epoch"]) for c in found] == [(1, "step_000001", 1)]
         listing = owner._request("GET", f"/v1/jobs/{job}/artifacts/step_000001")["files"]
         saved = first.run_dir(job, 1) / "states" / "step_000001"
@@ -166,16 +158,16 @@ def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
         first.process.kill()
         killed = time.monotonic()
         first.process.wait(10)
-        wait_for("the orphaned server to stop", lambda: not server_pids(first.run_dir(job, 1)), 15)
+        wait_until("the orphaned server to stop", lambda: not server_pids(first.run_dir(job, 1)), 15)
         assert refused(conn["url"])
-        shown = wait_for("the lease to expire", lambda: in_state(owner, job, "queued"), TTL + SWEEP + 5, 0.05)
+        shown = wait_until("the lease to expire", lambda: in_state(owner, job, "queued"), TTL + SWEEP + 5, 0.05)
         assert time.monotonic() - killed <= TTL + SWEEP + 1.5
         assert shown["attempt"] == 1 and allocations(db_url) == 0
 
         # 3. Worker 2 takes it at epoch 2 with the checkpoint restored; the old token and the old epoch are refused.
         second = WorkerProcess(server.url, worker_key, tmp_path / "w2", "w2")
         workers.append(second)
-        wait_for("the job to run again", lambda: owner.show(job)["state"] == "running", 180)
+        wait_until("the job to run again", lambda: owner.show(job)["state"] == "running", 180)
         conn2 = owner.connection(job)
         assert conn2["epoch"] == 2 and conn2["token"] != conn["token"]
         restored = second.run_dir(job, 2) / "states" / "step_000001"
@@ -193,7 +185,7 @@ def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
 
         # 4. The client completes the job: the worker stops the server and the device is free.
         assert owner.complete(job, 2)["state"] == "succeeded"
-        wait_for("the completed job's server to stop", lambda: not server_pids(second.run_dir(job, 2)), 15)
+        wait_until("the completed job's server to stop", lambda: not server_pids(second.run_dir(job, 2)), 15)
         assert allocations(db_url) == 0
         with pytest.raises(RemoteBackendError):
             RemoteBackend(conn2["url"], conn2["token"], retries=0, timeout=2).info()
@@ -201,14 +193,14 @@ def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
         # 5. A job the worker cannot start (a config it refuses, poison for its server) fails with the reason; the
         # worker lives on and runs the next one. Then a running job is cancelled: its server stops, the job ends cancelled.
         poison = owner.submit("train", {**CONFIG, "lora_rank": "\u00e9" * 3, "dtype": "float32"})["id"]
-        failed = wait_for("the poison job to fail", lambda: in_state(owner, poison, "failed"), 60)
+        failed = wait_until("the poison job to fail", lambda: in_state(owner, poison, "failed"), 60)
         assert "lora_rank" in failed["error"] and second.process.poll() is None
         other = owner.submit("train", CONFIG)["id"]
-        wait_for("the second job to run", lambda: owner.show(other)["state"] == "running", 180)
+        wait_until("the second job to run", lambda: owner.show(other)["state"] == "running", 180)
         run_dir = second.run_dir(other, 1)
         assert server_pids(run_dir)
         owner.cancel(other)
-        wait_for("the job to be cancelled", lambda: owner.show(other)["state"] == "cancelled", 30)
+        wait_until("the job to be cancelled", lambda: owner.show(other)["state"] == "cancelled", 30)
         assert not server_pids(run_dir) and allocations(db_url) == 0
         events = [e["data"].get("state") for e in owner.events(other) if e["type"] == "state"]
         assert events[-2:] == ["cancelling", "cancelled"]
@@ -341,19 +333,19 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
     continues an ended one starts with that job's newest checkpoint restored."""
     with fake_worker(fail_artifact_reads, db_url, keys, tmp_path) as (flaky, owner, worker, _):
         idle = owner.submit("train", {**CONFIG, "seed": 75})["id"]
-        ended = wait_for("the idle job to fail", lambda: in_state(owner, idle, "failed"), 60)
+        ended = wait_until("the idle job to fail", lambda: in_state(owner, idle, "failed"), 60)
         assert "tinkergym train --resume" in ended["error"] and "exit code 75" in ended["error"]
         assert [(c["step"], c["name"]) for c in owner.checkpoints(idle)] == [(2, "step_000002")]
         files = owner._request("GET", f"/v1/jobs/{idle}/artifacts/step_000002")["files"]
         assert sorted(f["path"] for f in files) == ["state.json", "sub/weights.bin"]
 
         broken = owner.submit("train", {**CONFIG, "seed": 3})["id"]
-        ended = wait_for("the broken job to fail", lambda: in_state(owner, broken, "failed"), 60)
+        ended = wait_until("the broken job to fail", lambda: in_state(owner, broken, "failed"), 60)
         assert "exited with code 3" in ended["error"] and "boom: the fake server fails" in ended["error"]
 
         flaky.count = 3  # the restore meets a failing scheduler: the worker tries again while its lease holds
         continued = owner.submit("train", {**CONFIG, "resume_job": idle})["id"]
-        wait_for("the continuing job to run", lambda: owner.show(continued)["state"] == "running", 60)
+        wait_until("the continuing job to run", lambda: owner.show(continued)["state"] == "running", 60)
         assert flaky.answered == 3 and owner.show(continued)["lease_epoch"] == 1  # the same lease, not a new one
         restored = tmp_path / "work" / "jobs" / continued / "1" / "states" / "step_000002"
         stored = {f["path"]: f["sha256"] for f in files}  # the ended job's own folder is gone: compare with what was uploaded
@@ -361,7 +353,7 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
         time.sleep(1.0)  # the restored state is not uploaded again as the new job's
         assert owner.checkpoints(continued) == []
         owner.complete(continued, owner.show(continued)["lease_epoch"])
-        wait_for("the device to be free", lambda: not worker.busy(), 15)
+        wait_until("the device to be free", lambda: not worker.busy(), 15)
         assert allocations(db_url) == 0
 
 
@@ -409,18 +401,18 @@ def test_a_hostile_listing_cannot_place_files_outside_the_jobs_folder(db_url: st
     fails that job with the reason, before any download, and the worker goes on to the next job."""
     with fake_worker(HostileListings, db_url, keys, tmp_path) as (hostile, owner, _, thread):
         ended = owner.submit("train", {**CONFIG, "seed": 75})["id"]  # exits 75 after saving step_000002
-        wait_for("the first job to fail", lambda: in_state(owner, ended, "failed"), 60)
+        wait_until("the first job to fail", lambda: in_state(owner, ended, "failed"), 60)
         assert [c["name"] for c in owner.checkpoints(ended)] == ["step_000002"]
         hostile.on = True
         continued = owner.submit("train", {**CONFIG, "resume_job": ended})["id"]
-        failed = wait_for("the continuing job to fail", lambda: in_state(owner, continued, "failed"), 60)
+        failed = wait_until("the continuing job to fail", lambda: in_state(owner, continued, "failed"), 60)
         assert "ArtifactPathError" in failed["error"] and "../../../" in failed["error"]
         jobs = tmp_path / "work" / "jobs"  # the worker writes only into jobs/<job>/<epoch>/; ../../../ from a restore lands in jobs/<job>/
         stray = [p for p in jobs.glob("*/*") if not p.is_dir()] + [p for p in (tmp_path / "work").rglob("state.json") if "states" not in p.parts]
         assert stray == [], stray
         hostile.on = False
         after = owner.submit("train", {**CONFIG, "seed": 75})["id"]  # the worker is still there and takes the next job
-        wait_for("the next job to end", lambda: in_state(owner, after, "failed"), 60)
+        wait_until("the next job to end", lambda: in_state(owner, after, "failed"), 60)
         assert thread.is_alive()
 
 
@@ -429,5 +421,5 @@ def test_a_4xx_answer_to_a_lease_request_never_ends_the_worker(db_url: str, keys
     with fake_worker(refuse_leases, db_url, keys, tmp_path) as (refusing, owner, _, thread):
         refusing.count = 3
         job = owner.submit("train", {**CONFIG, "seed": 75})["id"]
-        wait_for("the job to run and end", lambda: in_state(owner, job, "failed"), 60)  # the stand-in server exits 75
+        wait_until("the job to run and end", lambda: in_state(owner, job, "failed"), 60)  # the stand-in server exits 75
         assert refusing.answered == 3 and thread.is_alive()

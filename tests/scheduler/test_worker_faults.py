@@ -14,21 +14,20 @@ import os
 import secrets
 import subprocess
 import sys
-import time
-from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("uvicorn")
+from testkit import wait_until  # registered by tests/conftest.py
 
 from tinkergym.serve.asgi import ThreadServer
 from tinkergym.scheduler.app import SchedulerSettings, create_app
 from tinkergym.scheduler.db import make_engine
 
 from tinkergym.client import SchedulerClient
-from workerkit import WorkerProcess  # noqa: E402 - registered by conftest.py
+from workerkit import WorkerProcess  # registered by conftest.py
 
 CONFIG = {"model": "tiny", "dtype": "float32", "lora_rank": 4, "seed": 0}
 
@@ -70,14 +69,7 @@ time.sleep(3600)
 '''
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 90.0, every: float = 0.1) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(every)
-    raise AssertionError(f"timed out waiting for {what}")
+wait_for = partial(wait_until, timeout=90.0)
 
 
 def fake_python(folder: Path, name: str = "fake-python") -> Path:

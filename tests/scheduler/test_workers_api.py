@@ -6,9 +6,10 @@ from typing import Any
 
 import pytest
 import workerkit as kit  # registered by conftest.py
-auth, register, submit, job_row, allocated, query = kit.auth, kit.register, kit.submit, kit.job_row, kit.allocated, kit.query
 
-from tinkergym.scheduler import leases  # noqa: E402
+from tinkergym.scheduler import leases
+
+auth, register, submit, job_row, allocated, query = kit.auth, kit.register, kit.submit, kit.job_row, kit.allocated, kit.query
 
 
 @pytest.fixture

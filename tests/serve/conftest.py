@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-import testkit
+import testkit  # registered by tests/conftest.py
 
 pytest_pycollect_makemodule = testkit.folder_requires("fastapi", "uvicorn")

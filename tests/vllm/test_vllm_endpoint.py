@@ -13,12 +13,13 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
+from testkit import exited_output, wait_until_answers  # registered by tests/conftest.py
 
 from tinkergym.cli import main
 
@@ -30,19 +31,6 @@ def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
-
-
-def _wait_healthy(url: str, process: subprocess.Popen | None, seconds: float) -> None:
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2):
-                return
-        except OSError:
-            if process is not None and process.poll() is not None:
-                raise AssertionError(process.stdout.read()[-4000:]) from None
-            assert time.monotonic() < deadline, f"{url} did not come up in {seconds} s"
-            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +66,9 @@ def endpoints(tiny: str, tmp_path_factory: pytest.TempPathFactory):
     thread.start()
     try:
         vllm_url = f"http://127.0.0.1:{port}"
-        _wait_healthy(vllm_url, vllm_server, 300)
+        wait_until_answers(vllm_url + "/health", timeout=300, every=0.5, process=vllm_server, output=exited_output(vllm_server))
         ours_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        _wait_healthy(ours_url, None, 60)
+        wait_until_answers(ours_url + "/health", timeout=60, every=0.5)
         yield {"tiny": tiny, "key_file": key_file, "vllm": vllm_url, "ours": ours_url}
     finally:
         ours.should_exit = True

@@ -13,17 +13,15 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm")
-
-from tinkergym.protocol.types import SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.backends.vllm.sampler import (  # noqa: E402
+from tinkergym.protocol.types import SampleRequest, SamplingParams
+from tinkergym.backends.vllm.sampler import (
     EnginePlatform,
     VLLMBackend,
     VLLMSampler,
     VLLMSamplerConfig,
     engine_kwargs,
 )
-from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.errors import ConfigError
 
 GPU = EnginePlatform(on_cpu=False, sleep_mode=True, device_ids=True)
 CPU = EnginePlatform(on_cpu=True, sleep_mode=False, device_ids=True)

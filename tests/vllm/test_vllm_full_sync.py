@@ -10,11 +10,9 @@ import os
 
 import pytest
 
-pytest.importorskip("vllm")
-
-from tinkergym.protocol.backend import Backend  # noqa: E402
-from tinkergym.protocol.types import SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.backends.vllm.sampler import VLLMBackend, VLLMSampler  # noqa: E402
+from tinkergym.protocol.backend import Backend
+from tinkergym.protocol.types import SampleRequest, SamplingParams
+from tinkergym.backends.vllm.sampler import VLLMBackend, VLLMSampler
 
 TOL = 1e-4
 

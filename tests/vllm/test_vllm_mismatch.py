@@ -11,11 +11,8 @@ import math
 
 import pytest
 
-pytest.importorskip("vllm")
-torch = pytest.importorskip("torch")
-
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.backends.vllm.sampler import VLLMBackend  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams
+from tinkergym.backends.vllm.sampler import VLLMBackend
 
 LORA_RANK = 8
 

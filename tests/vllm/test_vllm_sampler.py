@@ -14,14 +14,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
-pytest.importorskip("vllm")
-torch = pytest.importorskip("torch")
-
-from tinkergym.backends.torch.sampling import filter_logits  # noqa: E402
-from tinkergym.protocol.types import SampleRequest, SampleResponse, SamplingParams  # noqa: E402
-from tinkergym.backends.vllm.sampler import VLLMSampler, VLLMSamplerConfig, completion_seeds  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.backends.torch.sampling import filter_logits
+from tinkergym.protocol.types import SampleRequest, SampleResponse, SamplingParams
+from tinkergym.backends.vllm.sampler import VLLMSampler, VLLMSamplerConfig, completion_seeds
+from tinkergym.errors import ConfigError
 
 TOL = 1e-4
 LORA_RANK = 8

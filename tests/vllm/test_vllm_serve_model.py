@@ -12,13 +12,14 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
+from testkit import exited_output, wait_until_answers  # registered by tests/conftest.py
 
 from tinkergym.serve.asgi import ThreadServer
 from tinkergym.cli import main
@@ -183,14 +184,7 @@ def test_serve_model_engine_vllm_serves_a_run(served) -> None:
                "--api-key-file", str(served["key_file"]), "--port", str(port), "--max-model-len", "512"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                    break
-            except OSError:
-                assert process.poll() is None and time.monotonic() < deadline, process.stdout.read() if process.poll() is not None else "no answer"
-                time.sleep(0.5)
+        wait_until_answers(f"http://127.0.0.1:{port}/health", timeout=180, every=0.5, process=process, output=exited_output(process))
         status, listed = _get(f"http://127.0.0.1:{port}/v1/models")
         assert [(m["id"], m["parent"]) for m in listed["data"]] == [(served["tiny"], None), ("run_a", served["tiny"])]
     finally:
