@@ -24,9 +24,10 @@ pytest.importorskip("torch")
 
 import torch
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-import bench_machine  # noqa: E402 - from benchmarks/, on sys.path from the line above
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_machine  # from benchmarks/, on sys.path from the line above
+
+BENCHMARKS = Path(bench_machine.__file__).parent
 
 #: An AVX2-only CPU, as far as torch's kernels can tell (see the module docstring).
 AVX2 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
