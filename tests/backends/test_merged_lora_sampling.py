@@ -17,7 +17,7 @@ PROMPTS = [[5, 17, 33, 8, 91], [7, 7, 120, 64, 3, 44, 19], [200, 13]]
 
 
 def make(tiny: str, lora_sampling: str, dtype: str = "float32", **kwargs: object) -> TorchBackend:
-    config = TorchBackendConfig(model=tiny, lora_rank=4, dtype=dtype, device="cpu", seed=0, lora_sampling=lora_sampling, **kwargs)
+    config = TorchBackendConfig(model=tiny, lora_rank=4, lora_alpha=32.0, dtype=dtype, device="cpu", seed=0, lora_sampling=lora_sampling, **kwargs)
     return TorchBackend(config)
 
 

@@ -208,3 +208,16 @@ def test_compare_example_warms_up_with_sft_then_trains(tiny, tmp_path) -> None:
     assert sft_steps and all(r["tokens/per_s"] > 0 for r in sft_steps)  # SFT reports trained tokens per second
     assert "eval before:" in result.stdout and "eval after:" in result.stdout
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [-1, 0, 1]
+
+
+def test_sft_on_data_alone_evaluates_nothing_and_runs_through(tiny, tmp_path) -> None:
+    """An SFT run on --data with no env has nothing to evaluate: --eval-every is no error at any step."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"say {w}"}, {"role": "assistant", "content": w}]}) + "\n"
+                            for w in ("red", "green", "blue", "red")))
+    out = tmp_path / "sft"
+    result = CliRunner().invoke(main, ["train", "--trainer", "sft", "--data", str(data), "--model", tiny, "--steps", "2", "--batch-size", "2",
+                                       "--eval-every", "1", "--dtype", "float32", "--quiet", "--out", str(out)], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    steps = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] >= 0]
+    assert [r["step"] for r in steps] == [0, 1] and not any(k.startswith("eval/") for r in steps for k in r)

@@ -13,12 +13,12 @@ the four built in (:func:`backend_name`). Nothing here imports torch.
 
 from __future__ import annotations
 
-import difflib
 import importlib.metadata as md
 from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import Callable
 
+from tinkergym import plugins
 from tinkergym.errors import ConfigError
 
 #: The entry-point group of backend factories.
@@ -50,17 +50,12 @@ def backend_name(config: Any) -> str:
 
 def available_backends() -> dict[str, md.EntryPoint]:
     """Installed backend plugins by name (metadata only)."""
-    return {ep.name: ep for ep in md.entry_points(group=BACKEND_GROUP)}
+    return plugins.available(BACKEND_GROUP)
 
 
 def load_backend_factory(name: str) -> Callable[[BackendRequest], Any]:
     """The factory registered as ``name``; an unknown name lists the installed ones."""
-    found = available_backends()
-    if name not in found:
-        close = difflib.get_close_matches(name, list(found), n=3)
-        hint = f" Did you mean: {', '.join(close)}?" if close else ""
-        raise ConfigError(f"unknown backend {name!r}.{hint} Installed backends: {', '.join(sorted(found)) or 'none'}.")
-    return found[name].load()
+    return plugins.load(BACKEND_GROUP, name, "backend")
 
 
 def check_backend(config: Any) -> None:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 from tinkergym.protocol.backend import Backend
 from tinkergym.chat import ChatRenderer
+from tinkergym import plugins
 from tinkergym.errors import ConfigError, TinkergymError, TinkergymWarning
 from tinkergym.rollouts import RolloutConfig, Trajectory, rollout
 from tinkergym.config import TrainConfig
@@ -134,7 +135,7 @@ def restore_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
 
 def available_trainers() -> dict[str, md.EntryPoint]:
     """Installed trainer plugins by name (metadata only)."""
-    return {ep.name: ep for ep in md.entry_points(group=TRAINER_GROUP)}
+    return plugins.available(TRAINER_GROUP)
 
 
 def check_trainer_args(trainer_class: type, args: dict[str, Any], name: str) -> None:
@@ -152,9 +153,4 @@ def check_trainer_args(trainer_class: type, args: dict[str, Any], name: str) -> 
 
 def load_trainer(name: str) -> type:
     """The trainer class registered as ``name``; an unknown name lists the installed ones."""
-    found = available_trainers()
-    if name not in found:
-        close = difflib.get_close_matches(name, list(found), n=3)
-        hint = f" Did you mean: {', '.join(close)}?" if close else ""
-        raise ConfigError(f"unknown trainer {name!r}.{hint} Installed trainers: {', '.join(sorted(found)) or 'none'}.")
-    return found[name].load()
+    return plugins.load(TRAINER_GROUP, name, "trainer")

@@ -103,7 +103,7 @@ def kv_token_cost(config: Any) -> float:
     gradient as many again. A token run through the model keeps, per layer, its norms' inputs and outputs,
     queries, keys, values, the attention output and the MLP's gate, up and activated intermediates for the
     backward pass; counted here as just ``2 * hidden + 2 * intermediate`` numbers, about a sixth of what a
-    Llama-style layer keeps (``tests/test_backend_memory.py`` measures it), so the copies are never undercounted.
+    Llama-style layer keeps (``tests/backends/test_backend_memory.py`` measures it), so the copies are never undercounted.
     """
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
