@@ -40,7 +40,7 @@ def test_gpu_defaults_compile_and_sleep_and_place_the_engine() -> None:
     kwargs = engine_kwargs(VLLMSamplerConfig(model="m", device="cuda:1"), "/m", GPU)
     assert kwargs["enforce_eager"] is False and kwargs["enable_sleep_mode"] is True and kwargs["device_ids"] == [1]
     assert kwargs["gpu_memory_utilization"] == 0.3 and "enable_chunked_prefill" not in kwargs
-    assert kwargs["worker_extension_cls"].endswith("vllm_engine.SamplerWorkerExtension")
+    assert kwargs["worker_extension_cls"] == "tinkergym.backends.vllm.engine.SamplerWorkerExtension"
     overridden = engine_kwargs(VLLMSamplerConfig(model="m", enforce_eager=True, sleep=False, gpu_memory_utilization=0.5), "/m", GPU)
     assert overridden["enforce_eager"] is True and "enable_sleep_mode" not in overridden and "device_ids" not in overridden
     assert overridden["gpu_memory_utilization"] == 0.5
