@@ -8,6 +8,7 @@ It imports nothing beyond pytest and the protocol's types, so any test folder ca
 from __future__ import annotations
 
 import importlib
+import signal
 import subprocess
 import time
 import urllib.request
@@ -39,6 +40,18 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float = 60.0, every
             time.sleep(every)
             continue
         raise AssertionError(problem + (f"\n{output()}" if output is not None else ""))
+
+
+def stop(process: subprocess.Popen, timeout: float = 20.0) -> int:
+    """SIGTERM ``process`` and wait ``timeout`` seconds for it (then kill it); its return code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+    return process.returncode
 
 
 def answers(url: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 
 import click
 import pytest
+import testkit
 import sqlalchemy as sa
 from alembic.script import ScriptDirectory
 from click.testing import CliRunner, Result
@@ -228,12 +229,7 @@ def test_a_served_scheduler_takes_made_keys_and_refuses_revoked_ones(db_url: str
         status, body = _get(f"{base}/v1/jobs", key)  # at once: no cache between the key and the database
         assert status == 401
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        testkit.stop(process)
     # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught.
     assert process.returncode in (0, -signal.SIGTERM), log.read_text(errors="replace")[-3000:]
     assert "Traceback" not in log.read_text(errors="replace")

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import testkit
 from sqlalchemy import text
 
 from tinkergym.scheduler.db import make_engine
@@ -136,11 +136,5 @@ class WorkerProcess:
         return (self.folder / "worker.log").read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
+        testkit.stop(self.process, timeout=30)
         self.log.close()

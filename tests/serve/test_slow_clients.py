@@ -9,7 +9,6 @@ import http.client
 import re
 import secrets
 import select
-import signal
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 from collections.abc import Callable, Iterator
 
 import pytest
+import testkit
 import uvicorn
 
 from click.testing import CliRunner
@@ -380,10 +380,5 @@ def test_tinkergym_scheduler_serve_cuts_off_trickling_clients_and_extra_connecti
         for s in idle:
             s.close()
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=10)
+        testkit.stop(process)
         log.close()
