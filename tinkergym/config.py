@@ -22,6 +22,10 @@ SAMPLERS = ("torch", "vllm")
 TRUNCATION_MODES = ("keep", "mask")
 #: Weight dtypes a backend loads a model in ("auto": bfloat16 where the device computes it natively).
 DTYPES = ("auto", "bfloat16", "float32")
+#: A model a scheduler job may name: a served name or a hub id (``org/name``), never a path (and never ``..``).
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+#: The name an inference job serves a trained run under (an OpenAI ``model``).
+SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 #: Seeds a run accepts: what NumPy's legacy seeding takes.
 MAX_SEED = 2**32 - 1
 #: Bounds on the kwargs and trainer args a config holds (plain JSON values), so a hostile file cannot make saving it explode.

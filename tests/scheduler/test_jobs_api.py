@@ -332,6 +332,30 @@ def test_a_config_naming_a_path_is_400(make_client, keys, config: dict[str, Any]
     assert client.get("/v1/jobs", headers=auth(key)).json()["jobs"] == []
 
 
+@pytest.mark.parametrize(("setting", "value"), [
+    ("dtype", "float16"), ("lora_rank", -1), ("lora_rank", 5000), ("lora_rank", "eight"), ("lora_alpha", 0), ("lora_dropout", 1.0),
+    ("micro_batch_size", 0), ("seed", -1), ("seed", 2**32), ("deterministic", "maybe"), ("resume_job", "../job_1"), ("served_name", "a b"),
+])
+def test_a_server_setting_that_cannot_work_is_refused_at_submission(make_client, keys, setting: str, value: Any) -> None:
+    """Typed and checked when the job is submitted, not when a worker starts its server (which would fail the job)."""
+    client = make_client()
+    key = keys.new()
+    response = submit(client, key, config={"model": "tiny", setting: value})
+    assert response.status_code == 400 and setting in response.text, response.text
+    assert client.get("/v1/jobs", headers=auth(key)).json()["jobs"] == []
+
+
+def test_a_job_keeps_its_config_as_sent(make_client, keys) -> None:
+    client = make_client()
+    key = keys.new()
+    config = {"model": "tiny", "lora_rank": 4, "lora_alpha": 8, "seed": 3, "env": "tinker/Bandit-v0", "steps": 2}
+    job = submit(client, key, config=config).json()
+    assert job["config"] == config, "no default is added and the run's other settings stay"
+    document = client.get("/openapi.json", headers=auth(key)).json()
+    typed = document["components"]["schemas"]["JobConfig"]["properties"]
+    assert {"model", "dtype", "lora_rank", "lora_alpha", "seed", "resume_job", "served_name"} <= set(typed)
+
+
 def test_hostile_ids_names_and_cursors_are_4xx_not_500(make_client, keys) -> None:
     client = make_client()
     key = keys.new()

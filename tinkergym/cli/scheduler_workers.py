@@ -36,7 +36,7 @@ def _bound_options(command: Any) -> Any:
 
 def _bounds(devices: int, kind: str | None, models: tuple[str, ...], tenant_list: tuple[str, ...]) -> Any:
     from tinkergym.scheduler.credentials import WorkerBounds
-    from tinkergym.scheduler.routes.jobs import MODEL_NAME
+    from tinkergym.config import MODEL_NAME
 
     bad = [m for m in models if not MODEL_NAME.match(m) or ".." in m]
     if bad:

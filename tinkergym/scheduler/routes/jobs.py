@@ -11,6 +11,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import and_, func, or_, select
+from tinkergym.config import DTYPES, MODEL_NAME, SERVED_NAME
 from tinkergym.scheduler import placement, states
 from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.auth import Principal
@@ -21,8 +22,6 @@ from tinkergym.scheduler.routes import in_writer_thread, respond_once
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
-#: A model a job may name: a served name or a hub id (``org/name``), never a path.
-MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 MAX_CONFIG_BYTES = 64 * 1024
 #: Config keys that name folders on the submitting machine: the worker chooses its own.
 CLIENT_PATH_KEYS = ("out", "resume", "data", "config")
@@ -36,11 +35,31 @@ class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class JobConfig(BaseModel):
+    """A job's config: what its worker starts the job's server with, typed and checked here at submission, so a value
+    that cannot work is refused now (422) instead of failing the job on a worker. The run's other settings (env,
+    trainer, steps, ...) are kept as given, for people reading the job; folders of the client's machine are refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(max_length=200, description="a model the workers offer (tiny, smollm2-135m, org/name), never a path")
+    dtype: str = Field("auto", pattern="^(" + "|".join(DTYPES) + ")$", description="the weights' dtype on the server")
+    lora_rank: int | None = Field(None, ge=0, le=4096, description="the adapter's rank; 0 trains every weight (default 8)")
+    lora_alpha: float | None = Field(None, gt=0, le=1e6, description="the adapter's scale numerator (default 16)")
+    lora_dropout: float | None = Field(None, ge=0, lt=1)
+    micro_batch_size: int | None = Field(None, ge=1, le=65536, description="sequences per forward/backward pass")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    deterministic: bool | None = None
+    gradient_checkpointing: bool | None = None
+    resume_job: str | None = Field(None, pattern=r"^job_[0-9a-f]{1,36}$", description="the job whose newest checkpoint this one starts from")
+    served_name: str | None = Field(None, pattern=SERVED_NAME.pattern, description="an inference job: the name the run is served under")
+
+
 class JobCreate(WireModel):
-    """A job to queue. ``config`` is the ``TrainConfig`` the CLI builds (as a JSON object)."""
+    """A job to queue. ``config`` is the job part of the ``TrainConfig`` the CLI builds (``TrainConfig.job_config``)."""
 
     kind: Literal["train", "sft", "eval", "inference"]
-    config: dict[str, Any]
+    config: JobConfig
     gpus: int = Field(1, ge=1, le=64, description="devices the job needs, all on one worker")
     priority: int = Field(0, ge=-100, le=100, description="higher runs first; ties by age")
     name: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$", description="a label; no control characters")
@@ -153,21 +172,21 @@ async def submit(
     idempotency_key: str | None = Header(None, alias="Idempotency-Key", max_length=255),
 ) -> Any:
     """Queue a job; it is in the database before this answers 201. Retries with the same ``Idempotency-Key`` get the same job."""
-    check_config(body.config)
+    config = check_config(body.config.model_dump(mode="json", exclude_unset=True))  # what was sent, checked and typed
     settings = request.app.state.settings
 
     def create(conn: Any) -> tuple[int, dict[str, Any]]:
         # The job first, then the tenant's quotas with its queue counted (this job included) and held to the commit:
         # over a quota, raising rolls the job back.
         job, quotas = _store(request).create_queued_job(
-            conn, tenant_id=who.tenant_id, kind=body.kind, gpus=body.gpus, config=body.config, priority=body.priority,
+            conn, tenant_id=who.tenant_id, kind=body.kind, gpus=body.gpus, config=config, priority=body.priority,
             name=body.name, max_attempts=body.max_attempts or settings.max_attempts,
         )
         assert quotas is not None  # count_queue (the default) counts them
         if body.gpus > quotas.max_gpus:
             raise Refused(400, "invalid_request", f"the job asks for {body.gpus} GPUs; tenant {who.tenant_id!r} may hold at most {quotas.max_gpus}")
         if getattr(settings, "refuse_unplaceable", False):
-            unplaceable = placement.refusal(conn, who.tenant_id, body.config.get("model"), body.gpus)
+            unplaceable = placement.refusal(conn, who.tenant_id, body.config.model, body.gpus)
             if unplaceable is not None:
                 raise Refused(400, "unplaceable", f"no worker could ever run this job: {unplaceable}")
         if quotas.queued > quotas.max_queued:

@@ -30,7 +30,8 @@ from tinkergym.scheduler.bounds import parse_bounds
 from tinkergym.scheduler.db import MAX_INT, api_keys, workers
 from tinkergym.scheduler.repository import JobStore
 from tinkergym.scheduler.routes import respond_once
-from tinkergym.scheduler.routes.jobs import MODEL_NAME, WireModel
+from tinkergym.config import MODEL_NAME
+from tinkergym.scheduler.routes.jobs import WireModel
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
 

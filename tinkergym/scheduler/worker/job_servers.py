@@ -8,16 +8,13 @@ Standard library only.
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tinkergym.config import DEFAULT_LORA_RANK, DTYPES
+from tinkergym.config import DEFAULT_LORA_RANK, DTYPES, MODEL_NAME, SERVED_NAME
 
-MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
-SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 #: Job kinds whose server is an inference server (``serve-model``); the others get a training server.
 SERVING_KINDS = ("inference", "eval")
 
