@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import re
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -13,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import and_, func, or_, select
 from tinkergym.config import DTYPES, MODEL_NAME, SERVED_NAME
 from tinkergym.scheduler import placement, states
+from tinkergym.scheduler.artifacts import JOB_ID
 from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.db import MAX_INT, jobs
@@ -25,8 +25,6 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 MAX_CONFIG_BYTES = 64 * 1024
 #: Config keys that name folders on the submitting machine: the worker chooses its own.
 CLIENT_PATH_KEYS = ("out", "resume", "data", "config")
-#: What a job id looks like (``repository.new_job_id``); a cursor naming anything else was not made here.
-JOB_ID = re.compile(r"^job_[0-9a-f]{1,36}$")
 #: The largest event seq (``events.seq`` is a 32-bit integer on PostgreSQL): a larger cursor is a 400, not a 500.
 MAX_SEQ = MAX_INT
 
@@ -51,7 +49,7 @@ class JobConfig(BaseModel):
     seed: int | None = Field(None, ge=0, le=2**32 - 1)
     deterministic: bool | None = None
     gradient_checkpointing: bool | None = None
-    resume_job: str | None = Field(None, pattern=r"^job_[0-9a-f]{1,36}$", description="the job whose newest checkpoint this one starts from")
+    resume_job: str | None = Field(None, pattern=JOB_ID.pattern, description="the job whose newest checkpoint this one starts from")
     served_name: str | None = Field(None, pattern=SERVED_NAME.pattern, description="an inference job: the name the run is served under")
 
 
