@@ -46,7 +46,7 @@ from tinkergym.scheduler.db import make_engine
 
 from tinkergym.cli import main
 from tinkergym.client import SchedulerClient
-from workerkit import WorkerProcess  # registered by conftest.py
+from workerkit import WorkerProcess, stored_job  # registered by conftest.py
 
 TTL, SWEEP = 2.0, 0.2
 CONFIG = {"model": "tiny", "dtype": "float32", "lora_rank": 4, "lora_alpha": 8.0, "lora_dropout": 0.0, "micro_batch_size": 4, "seed": 0}
@@ -192,7 +192,7 @@ def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
 
         # 5. A job the worker cannot start (a config it refuses, poison for its server) fails with the reason; the
         # worker lives on and runs the next one. Then a running job is cancelled: its server stops, the job ends cancelled.
-        poison = owner.submit("train", {**CONFIG, "lora_rank": "\u00e9" * 3, "dtype": "float32"})["id"]
+        poison = stored_job(db_url, {**CONFIG, "lora_rank": "\u00e9" * 3, "dtype": "float32"})  # past the submission's checks
         failed = wait_until("the poison job to fail", lambda: in_state(owner, poison, "failed"), 60)
         assert "lora_rank" in failed["error"] and second.process.poll() is None
         other = owner.submit("train", CONFIG)["id"]

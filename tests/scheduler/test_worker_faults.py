@@ -26,8 +26,8 @@ from tinkergym.serve.asgi import ThreadServer
 from tinkergym.scheduler.app import SchedulerSettings, create_app
 from tinkergym.scheduler.db import make_engine
 
-from tinkergym.client import SchedulerClient
-from workerkit import WorkerProcess  # registered by conftest.py
+from tinkergym.client import SchedulerClient, SchedulerError
+from workerkit import WorkerProcess, stored_job  # registered by conftest.py
 
 CONFIG = {"model": "tiny", "dtype": "float32", "lora_rank": 4, "seed": 0}
 
@@ -219,7 +219,9 @@ def test_a_config_the_job_cannot_start_with_fails_it_with_one_line(cluster: Clus
     failed = wait_for("the refused job to fail", lambda: cluster.state(refused, "failed"))
     assert "\n" not in failed["error"] and "--lora-alpha 0.0: must be positive" in failed["error"], failed["error"]
     assert "ValueError: fake trace" in worker.text()  # the log's tail is the operator's, in the worker's log
-    bad = cluster.owner.submit("train", {**CONFIG, "lora_rank": "x"})["id"]  # refused before any server starts
+    with pytest.raises(SchedulerError, match="lora_rank"):  # refused at submission now
+        cluster.owner.submit("train", {**CONFIG, "lora_rank": "x"})
+    bad = stored_job(cluster.db_url, {**CONFIG, "lora_rank": "x"})  # stored before that check: refused before any server starts
     failed = wait_for("the bad job to fail", lambda: cluster.state(bad, "failed"))
     assert "\n" not in failed["error"] and "lora_rank" in failed["error"], failed["error"]
     assert failed["attempt"] == 0 and worker.process.poll() is None

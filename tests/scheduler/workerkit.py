@@ -13,6 +13,7 @@ import testkit
 from sqlalchemy import text
 
 from tinkergym.scheduler.db import make_engine
+from tinkergym.scheduler.repository import JobStore
 
 
 class Clock:
@@ -138,3 +139,16 @@ class WorkerProcess:
     def stop(self) -> None:
         testkit.stop(self.process, timeout=30)
         self.log.close()
+
+
+def stored_job(db_url: str, config: dict[str, Any], tenant: str = "acme") -> str:
+    """A queued train job stored as is, past the submission's checks (what a scheduler before typed job configs kept):
+    its worker must still refuse a config it cannot start with."""
+    engine = make_engine(db_url)
+    try:
+        store = JobStore(engine)
+        with store.transaction() as conn:
+            job, _ = store.create_queued_job(conn, tenant_id=tenant, kind="train", gpus=1, config=config, count_queue=False)
+        return job["id"]
+    finally:
+        engine.dispose()

@@ -191,7 +191,7 @@ async def submit(
             raise Refused(429, "quota", f"tenant {who.tenant_id!r} has {quotas.max_queued} queued jobs, its quota; wait for some to start or cancel some")
         return 201, job_view(conn, job)
 
-    fields = body.model_dump(mode="json")
+    fields = {**body.model_dump(mode="json"), "config": config}  # the config as sent: defaults filled in are not the request
     return await in_writer_thread(request, lambda: respond_once(request, who, idempotency_key, fields, create))
 
 
