@@ -24,6 +24,13 @@ TRUNCATION_MODES = ("keep", "mask")
 DTYPES = ("auto", "bfloat16", "float32")
 #: A model a scheduler job may name: a served name or a hub id (``org/name``), never a path (and never ``..``).
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
+
+
+def is_model_name(name: object) -> bool:
+    """Whether ``name`` is a model a scheduler job may name (:data:`MODEL_NAME`, and no ``..`` anywhere)."""
+    return isinstance(name, str) and MODEL_NAME.match(name) is not None and ".." not in name
+
+
 #: The name an inference job serves a trained run under (an OpenAI ``model``).
 SERVED_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 #: Seeds a run accepts: what NumPy's legacy seeding takes.

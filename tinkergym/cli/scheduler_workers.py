@@ -36,9 +36,9 @@ def _bound_options(command: Any) -> Any:
 
 def _bounds(devices: int, kind: str | None, models: tuple[str, ...], tenant_list: tuple[str, ...]) -> Any:
     from tinkergym.scheduler.credentials import WorkerBounds
-    from tinkergym.config import MODEL_NAME
+    from tinkergym.config import is_model_name
 
-    bad = [m for m in models if not MODEL_NAME.match(m) or ".." in m]
+    bad = [m for m in models if not is_model_name(m)]
     if bad:
         raise click.BadParameter(f"not a model name: {shorten(bad[0], 100)!r}", param_hint="--model")
     for tenant in tenant_list:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import and_, func, or_, select
-from tinkergym.config import DTYPES, MODEL_NAME, SERVED_NAME
+from tinkergym.config import DTYPES, SERVED_NAME, is_model_name
 from tinkergym.scheduler import placement, states
 from tinkergym.scheduler.artifacts import JOB_ID
 from tinkergym.scheduler.deps import require
@@ -129,7 +129,7 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
     if len(json.dumps(config)) > MAX_CONFIG_BYTES:
         raise ValueError(f"config is larger than {MAX_CONFIG_BYTES} bytes")
     model = config.get("model")
-    if not isinstance(model, str) or not MODEL_NAME.match(model) or ".." in model:
+    if not is_model_name(model):
         raise ValueError(
             f"config.model {str(model)[:100]!r} is not a model name: name one the workers serve (e.g. smollm2-135m), not a path"
         )

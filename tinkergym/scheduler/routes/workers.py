@@ -30,7 +30,7 @@ from tinkergym.scheduler.bounds import parse_bounds
 from tinkergym.scheduler.db import MAX_INT, api_keys, workers
 from tinkergym.scheduler.repository import JobStore
 from tinkergym.scheduler.routes import respond_once
-from tinkergym.config import MODEL_NAME
+from tinkergym.config import is_model_name
 from tinkergym.scheduler.routes.jobs import WireModel
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
@@ -66,7 +66,7 @@ class WorkerRegister(WireModel):
     @field_validator("models")
     @classmethod
     def _model_names(cls, value: list[str]) -> list[str]:
-        bad = [m for m in value if not MODEL_NAME.match(m) or ".." in m]
+        bad = [m for m in value if not is_model_name(m)]
         if bad:
             raise ValueError(f"not model names: {bad[:3]}")
         return value

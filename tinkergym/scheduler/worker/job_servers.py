@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tinkergym.config import DEFAULT_LORA_RANK, DTYPES, MODEL_NAME, SERVED_NAME
+from tinkergym.config import DEFAULT_LORA_RANK, DTYPES, SERVED_NAME, is_model_name
 
 #: Job kinds whose server is an inference server (``serve-model``); the others get a training server.
 SERVING_KINDS = ("inference", "eval")
@@ -43,7 +43,7 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
     """
     config = lease["config"]
     model = config.get("model")
-    if not isinstance(model, str) or not MODEL_NAME.match(model) or ".." in model:
+    if not is_model_name(model):
         raise ValueError(f"config.model {str(model)[:100]!r} is not a model name")
     dtype = config.get("dtype", "auto")
     if dtype not in DTYPES:
