@@ -15,11 +15,16 @@ def available(group: str) -> dict[str, md.EntryPoint]:
     return {ep.name: ep for ep in md.entry_points(group=group)}
 
 
-def load(group: str, name: str, what: str) -> Any:
-    """The object plugin ``name`` of ``group`` points at; :class:`ConfigError` naming the installed ``what``s otherwise."""
+def entry_point(group: str, name: str, what: str) -> md.EntryPoint:
+    """Plugin ``name`` of ``group``, not loaded; :class:`ConfigError` naming the installed ``what``s when there is none."""
     found = available(group)
     if name not in found:
         close = difflib.get_close_matches(name, list(found), n=3)
         hint = f" Did you mean: {', '.join(close)}?" if close else ""
         raise ConfigError(f"unknown {what} {name!r}.{hint} Installed {what}s: {', '.join(sorted(found)) or 'none'}.")
-    return found[name].load()
+    return found[name]
+
+
+def load(group: str, name: str, what: str) -> Any:
+    """The object plugin ``name`` of ``group`` points at (see :func:`entry_point`)."""
+    return entry_point(group, name, what).load()

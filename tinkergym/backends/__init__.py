@@ -67,8 +67,7 @@ def check_backend(config: Any) -> None:
     if config.backend in BUILT_IN and config.backend != implied:
         raise ConfigError(f"backend {config.backend!r} contradicts the run's settings, which train through {implied!r}: leave "
                           "--backend out (--scheduler, --backend-url and --sampler choose the built-in ones).")
-    if config.backend not in available_backends():
-        load_backend_factory(config.backend)  # its error lists the installed backends
+    plugins.entry_point(BACKEND_GROUP, config.backend, "backend")  # installed? (not loaded: nothing is imported yet)
 
 
 def build_backend(request: BackendRequest) -> Any:
