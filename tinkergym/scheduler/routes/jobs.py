@@ -8,9 +8,9 @@ import json
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sqlalchemy import and_, func, or_, select
-from tinkergym.config import DTYPES, SERVED_NAME, is_model_name
+from tinkergym.config import is_model_name
 from tinkergym.scheduler import placement, states
 from tinkergym.scheduler.artifacts import JOB_ID
 from tinkergym.scheduler.deps import require
@@ -19,6 +19,7 @@ from tinkergym.scheduler.db import MAX_INT, jobs
 from tinkergym.scheduler.idempotency import Refused
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.routes import in_writer_thread, respond_once
+from tinkergym.scheduler.schemas import JobCreate, WireModel
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -27,41 +28,6 @@ MAX_CONFIG_BYTES = 64 * 1024
 CLIENT_PATH_KEYS = ("out", "resume", "data", "config")
 #: The largest event seq (``events.seq`` is a 32-bit integer on PostgreSQL): a larger cursor is a 400, not a 500.
 MAX_SEQ = MAX_INT
-
-
-class WireModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class JobConfig(BaseModel):
-    """A job's config: what its worker starts the job's server with, typed and checked here at submission, so a value
-    that cannot work is refused now (422) instead of failing the job on a worker. The run's other settings (env,
-    trainer, steps, ...) are kept as given, for people reading the job; folders of the client's machine are refused."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str = Field(max_length=200, description="a model the workers offer (tiny, smollm2-135m, org/name), never a path")
-    dtype: str = Field("auto", pattern="^(" + "|".join(DTYPES) + ")$", description="the weights' dtype on the server")
-    lora_rank: int | None = Field(None, ge=0, le=4096, description="the adapter's rank; 0 trains every weight (default 8)")
-    lora_alpha: float | None = Field(None, gt=0, le=1e6, description="the adapter's scale numerator (default 16)")
-    lora_dropout: float | None = Field(None, ge=0, lt=1)
-    micro_batch_size: int | None = Field(None, ge=1, le=65536, description="sequences per forward/backward pass")
-    seed: int | None = Field(None, ge=0, le=2**32 - 1)
-    deterministic: bool | None = None
-    gradient_checkpointing: bool | None = None
-    resume_job: str | None = Field(None, pattern=JOB_ID.pattern, description="the job whose newest checkpoint this one starts from")
-    served_name: str | None = Field(None, pattern=SERVED_NAME.pattern, description="an inference job: the name the run is served under")
-
-
-class JobCreate(WireModel):
-    """A job to queue. ``config`` is the job part of the ``TrainConfig`` the CLI builds (``TrainConfig.job_config``)."""
-
-    kind: Literal["train", "sft", "eval", "inference"]
-    config: JobConfig
-    gpus: int = Field(1, ge=1, le=64, description="devices the job needs, all on one worker")
-    priority: int = Field(0, ge=-100, le=100, description="higher runs first; ties by age")
-    name: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$", description="a label; no control characters")
-    max_attempts: int | None = Field(None, ge=1, le=20, description="lost leases before the job fails (default: the scheduler's)")
 
 
 class WaitReason(WireModel):

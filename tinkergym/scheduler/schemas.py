@@ -1,0 +1,45 @@
+"""The scheduler's typed wire models that more than one route (or the worker) speaks: the base of every request and
+answer (unknown fields refused), and a job's submission with its typed config. Models used by one route live beside it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from tinkergym.config import DTYPES, SERVED_NAME
+from tinkergym.scheduler.artifacts import JOB_ID
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class JobConfig(BaseModel):
+    """A job's config: what its worker starts the job's server with, typed and checked here at submission, so a value
+    that cannot work is refused now (422) instead of failing the job on a worker. The run's other settings (env,
+    trainer, steps, ...) are kept as given, for people reading the job; folders of the client's machine are refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = Field(max_length=200, description="a model the workers offer (tiny, smollm2-135m, org/name), never a path")
+    dtype: str = Field("auto", pattern="^(" + "|".join(DTYPES) + ")$", description="the weights' dtype on the server")
+    lora_rank: int | None = Field(None, ge=0, le=4096, description="the adapter's rank; 0 trains every weight (default 8)")
+    lora_alpha: float | None = Field(None, gt=0, le=1e6, description="the adapter's scale numerator (default 16)")
+    lora_dropout: float | None = Field(None, ge=0, lt=1)
+    micro_batch_size: int | None = Field(None, ge=1, le=65536, description="sequences per forward/backward pass")
+    seed: int | None = Field(None, ge=0, le=2**32 - 1)
+    deterministic: bool | None = None
+    gradient_checkpointing: bool | None = None
+    resume_job: str | None = Field(None, pattern=JOB_ID.pattern, description="the job whose newest checkpoint this one starts from")
+    served_name: str | None = Field(None, pattern=SERVED_NAME.pattern, description="an inference job: the name the run is served under")
+
+
+class JobCreate(WireModel):
+    """A job to queue. ``config`` is the job part of the ``TrainConfig`` the CLI builds (``TrainConfig.job_config``)."""
+
+    kind: Literal["train", "sft", "eval", "inference"]
+    config: JobConfig
+    gpus: int = Field(1, ge=1, le=64, description="devices the job needs, all on one worker")
+    priority: int = Field(0, ge=-100, le=100, description="higher runs first; ties by age")
+    name: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$", description="a label; no control characters")
+    max_attempts: int | None = Field(None, ge=1, le=20, description="lost leases before the job fails (default: the scheduler's)")
