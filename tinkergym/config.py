@@ -58,7 +58,7 @@ class TrainConfig:
     trainer: str = "grpo"
     model: str = "smollm2-135m"
     lora_rank: int = DEFAULT_LORA_RANK  # 0 trains every parameter (full fine-tuning)
-    lora_alpha: int = DEFAULT_LORA_ALPHA
+    lora_alpha: float = DEFAULT_LORA_ALPHA
     lora_dropout: float = 0.0
     steps: int = 20
     batch_size: int = 8  # prompts (env seeds) per step
@@ -136,7 +136,7 @@ class TrainConfig:
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for values that cannot work; return self."""
         self.check_types()
-        positive = ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "eval_episodes", "checkpoint_every", "lora_alpha")
+        positive = ("steps", "batch_size", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "eval_episodes", "checkpoint_every")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name.replace('_', '-')} must be at least 1 (got {getattr(self, name)}).")
@@ -146,6 +146,8 @@ class TrainConfig:
                 raise ConfigError(f"{name.replace('_', '-')} must be 0 or more (got {getattr(self, name)}).")
         if self.lora_rank < 0:
             raise ConfigError("lora-rank must be 0 (full fine-tuning) or positive.")
+        if not self.lora_alpha > 0:
+            raise ConfigError(f"lora-alpha must be above 0 (got {self.lora_alpha}): the adapter's update is scaled by alpha / rank.")
         if self.lora_sampling not in ("adapter", "merged"):
             raise ConfigError(f"lora-sampling must be 'adapter' or 'merged' (got {self.lora_sampling!r}).")
         if not self.lr > 0:

@@ -137,7 +137,7 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--snapshot-every", type=click.IntRange(0), help="Self-play: add a frozen snapshot of the learner every N steps (default 10; 0 = never).")
 @click.option("--model", help="smollm2-135m (default), tiny (a test-sized model), a local HF folder, or a hub id.")
 @click.option("--lora-rank", type=click.IntRange(1), help=f"LoRA rank (default {DEFAULT_LORA_RANK}).")
-@click.option("--lora-alpha", type=click.IntRange(1), help=f"LoRA alpha (default {DEFAULT_LORA_ALPHA}).")
+@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), help=f"LoRA alpha (default {DEFAULT_LORA_ALPHA}).")
 @click.option("--full", is_flag=True, help="Train every parameter instead of a LoRA adapter.")
 @click.option("--steps", type=click.IntRange(1), help="Optimizer steps (default 20).")
 @click.option("--batch-size", type=click.IntRange(1), help="Prompts (env seeds) per step (default 8).")

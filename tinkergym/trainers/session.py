@@ -330,7 +330,7 @@ def _adopt_server_settings(config: TrainConfig, info: dict[str, Any], resumed: b
     """
     alpha = info.get("lora_alpha")
     served = {"model": info.get("model"), "lora_rank": info.get("lora_rank"),
-              "lora_alpha": int(alpha) if isinstance(alpha, (int, float)) and float(alpha).is_integer() else None,
+              "lora_alpha": alpha if isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0 else None,
               "lora_dropout": info.get("lora_dropout"), "micro_batch_size": info.get("micro_batch_size")}
     if info.get("dtype") in ("bfloat16", "float32"):
         served["dtype"] = info["dtype"]
