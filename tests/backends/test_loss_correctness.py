@@ -277,7 +277,7 @@ def test_multi_turn_sequences_get_logits_only_where_a_turn_is_read(tiny: str, lo
     """Sampled turns between unread env replies: the vocabulary projection runs at the read positions only, same loss and gradients."""
     import torch
 
-    from tinkergym.backends.torch import backend as torch_backend
+    from tinkergym.backends.torch import batches as torch_batches
     from tinkergym.backends.torch import scoring as torch_scoring
 
     gen = torch.Generator().manual_seed(0)
@@ -294,7 +294,7 @@ def test_multi_turn_sequences_get_logits_only_where_a_turn_is_read(tiny: str, lo
     results = {}
     for gathered in (True, False):
         if not gathered:  # every position from the first read one on, as before
-            monkeypatch.setattr(torch_backend, "read_positions", lambda rows: list(range(read[0], read[-1] + 1)))
+            monkeypatch.setattr(torch_batches, "read_positions", lambda rows: list(range(read[0], read[-1] + 1)))
         backend = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=lora_rank, dtype="float32", share_prefixes=False, micro_batch_size=8))
         with torch.no_grad():
             for name, param in backend.model.named_parameters():

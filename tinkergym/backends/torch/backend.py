@@ -30,15 +30,16 @@ import json
 import math
 import os
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from tinkergym.backends.torch import losses
+from tinkergym.backends.torch.batches import Batch, adamw_step, check_weights_finite, collate, validate_data
 from tinkergym.backends.models import resolve_model
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, read_rng_state, restore_rng_state, write_optimizer_state, write_rng_state
 from tinkergym.backends.torch.copies import CastCopy, MergedLoraCopy, _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401
@@ -57,9 +58,7 @@ from tinkergym.backends.torch.runtime import (  # noqa: F401 - public here too
 )
 from tinkergym.backends.torch.scoring import (
     MicroBatch,
-    host_to_device,
     logprobs_from,
-    read_positions,
     plan_micro_batches,
     sequence_logprobs,
 )
@@ -67,7 +66,6 @@ from tinkergym.protocol.types import (
     Datum,
     ForwardBackwardRequest,
     ForwardBackwardResult,
-    LossSpec,
     OptimParams,
     SampleRequest,
     SampleResponse,
@@ -75,7 +73,7 @@ from tinkergym.protocol.types import (
     _Plain,
 )
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE
-from tinkergym.errors import ConfigError, NonFiniteError, OutOfMemoryError
+from tinkergym.errors import ConfigError, OutOfMemoryError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 
 #: Version of the save_state folder layout. 1: optimizer.pt and rng.pt pickles (refused since);
@@ -156,47 +154,8 @@ class TorchBackendConfig(_Plain):
             raise ConfigError(f"prefix_cache_mb must be >= 0 (0 turns the prefix cache off), not {self.prefix_cache_mb}")
 
 
-@dataclass
-class _Batch:
-    """A right-padded micro-batch on the device; per-token tensors are None when the request has none."""
-
-    tokens: torch.Tensor
-    attention: torch.Tensor
-    mask: torch.Tensor
-    advantages: torch.Tensor | None = None
-    sampling_logprobs: torch.Tensor | None = None
-    old_logprobs: torch.Tensor | None = None
-    lengths: list[int] = field(default_factory=list)
-    #: Every position >= 1 that any row reads, known on the host.
-    read: list[int] = field(default_factory=list)
-
-
 def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple:
     return (args[0].contiguous(), *args[1:])
-
-
-def _pad_right(rows: Sequence[Sequence[float]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=dtype)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-    return host_to_device(out, device)
-
-
-def _validate(data: list[Datum], spec: LossSpec) -> None:
-    losses.validate_spec(spec)
-    for i, datum in enumerate(data):
-        n = len(datum.tokens)
-        if n == 0:
-            raise ConfigError(f"datum {i} has no tokens")
-        if len(datum.loss_mask) != n:
-            raise ConfigError(f"datum {i}: loss_mask has {len(datum.loss_mask)} entries for {n} tokens; give one per token")
-        for name in ("advantages", "sampling_logprobs", "old_logprobs"):
-            values = getattr(datum, name)
-            if values and len(values) != n:
-                raise ConfigError(f"datum {i}: {name} has {len(values)} entries for {n} tokens; give one per token (or none)")
-    for name, needed in (("advantages", losses.POLICY_LOSSES), ("sampling_logprobs", losses.RATIO_LOSSES)):
-        if spec.name in needed and not all(getattr(d, name) for d in data):
-            raise ConfigError(f"the {spec.name!r} loss needs {name} on every datum")
 
 
 class TorchBackend:
@@ -427,21 +386,8 @@ class TorchBackend:
         share = self.config.share_prefixes if share_prefixes is None else share_prefixes
         return plan_micro_batches(data, self.config.micro_batch_size, share, kv_token_cost(self.model.config))
 
-    def _collate(self, data: list[Datum]) -> _Batch:
-        width = max(len(d.tokens) for d in data)
-        # Right padding with id 0: causal attention never lets a real token see the padding after it.
-        tokens = _pad_right([d.tokens for d in data], width, torch.long, self.device)
-        attention = _pad_right([[1] * len(d.tokens) for d in data], width, torch.long, self.device)
-        # The first token is not predicted by anything.
-        mask = _pad_right([[0.0, *d.loss_mask[1:]] for d in data], width, torch.float32, self.device)
-        batch = _Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data], read=read_positions(data))
-        if all(d.advantages for d in data):
-            batch.advantages = _pad_right([d.advantages for d in data], width, torch.float32, self.device)
-        if all(d.sampling_logprobs for d in data):
-            batch.sampling_logprobs = _pad_right([d.sampling_logprobs for d in data], width, torch.float32, self.device)
-        if all(d.old_logprobs for d in data):
-            batch.old_logprobs = _pad_right([d.old_logprobs for d in data], width, torch.float32, self.device)
-        return batch
+    def _collate(self, data: list[Datum]) -> Batch:
+        return collate(data, self.device)
 
     # ----- training ---------------------------------------------------------------------------------
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
@@ -454,7 +400,7 @@ class TorchBackend:
         tokens; the loss is normalized by the request's ``num_tokens``/``num_sequences`` when given.
         """
         spec, data = request.loss, request.data
-        _validate(data, spec)
+        validate_data(data, spec)
         self.prefix_cache.clear()  # its memory goes to the activations; sampling after an update starts afresh anyway
         total_mask = sum(sum(d.loss_mask[1:]) for d in data) if request.num_tokens is None else request.num_tokens
         num_sequences = request.num_sequences
@@ -485,12 +431,12 @@ class TorchBackend:
         return ForwardBackwardResult(metrics=losses.finalize_metrics(totals))
 
     @staticmethod
-    def _sequence_logprobs(model: torch.nn.Module, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
+    def _sequence_logprobs(model: torch.nn.Module, batch: Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
         return sequence_logprobs(
             model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, read=batch.read
         )
 
-    def _reference_logprobs(self, batch: _Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
+    def _reference_logprobs(self, batch: Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
         with torch.no_grad(), self._compute():
             if self.is_lora:
                 with self.model.disable_adapter():  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
@@ -511,25 +457,13 @@ class TorchBackend:
 
         Returns ``grad_norm`` (before clipping), ``learning_rate`` and the new ``step``.
         """
-        for group in self.optimizer.param_groups:
-            group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps, weight_decay=params.weight_decay)
         trainable = [p for _, p in self._trainable]
-        grads = [p.grad for p in trainable if p.grad is not None]
-        if params.max_grad_norm > 0:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, params.max_grad_norm))
-        else:
-            grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
-        if not math.isfinite(grad_norm):  # never write NaN into the weights; the caller sees grad_norm and stops
-            self.optimizer.zero_grad(set_to_none=True)
-            return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "step": float(self.step)}
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        self._weights_changed()
-        # Stop before such weights reach a checkpoint. NaN and inf propagate into sums: one number per tensor.
-        if not bool(torch.stack([p.detach().sum(dtype=torch.float32) for p in trainable]).isfinite().all()):
-            raise NonFiniteError(f"optimizer step {self.step} made weights NaN or infinite (learning rate {params.learning_rate:g})")
-        return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "step": float(self.step)}
+        metrics, stepped = adamw_step(self.optimizer, trainable, params, self.step)
+        if stepped:
+            self.step += 1
+            self._weights_changed()
+            check_weights_finite(trainable, self.step, params.learning_rate)
+        return metrics
 
     # ----- checkpoints and export -------------------------------------------------------------------
     def save_state(self, path: str) -> None:

@@ -14,12 +14,14 @@ after that step, so the results and the random numbers drawn are those of a loop
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
 from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of
 from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
 from tinkergym.backends.torch.prefix_cache import PrefixCache
+from tinkergym.backends.torch.row_adapters import rows_through
 from tinkergym.backends.torch.scoring import host_to_device, padded_length_limit
 from tinkergym.protocol.types import SampledSequence, SamplingParams
 from tinkergym.errors import NonFiniteError
@@ -47,18 +49,55 @@ def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -
     return logits_BV
 
 
-def draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+class RowGenerators:
+    """Random streams by rows: the rows of each segment draw from that segment's generator, in row order.
+
+    Rows of several requests sampled in one batch (on a shared base) then draw the numbers each request would
+    draw alone. ``get_state``/``set_state`` cover every generator, as the decode loop's rewind needs; ``history``
+    keeps every generator's state after each step, so each request's generator can be put back to its state after
+    the step where its own rows had all stopped (:meth:`settle`), as a batch of its own would leave it.
+    """
+
+    def __init__(self, segments: list[tuple[range, torch.Generator]]) -> None:
+        self.segments = segments
+        self.history: list[list[torch.Tensor]] = []
+
+    def rand(self, rows: int, device: torch.device) -> torch.Tensor:
+        parts = [torch.rand((len(span), 1), generator=generator, device=device) for span, generator in self.segments]
+        if sum(len(span) for span, _ in self.segments) != rows:
+            raise ValueError("the generators' segments must cover every row of the batch")
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def get_state(self) -> list[torch.Tensor]:
+        state = [generator.get_state() for _, generator in self.segments]
+        self.history.append(state)
+        return state
+
+    def set_state(self, state: list[torch.Tensor]) -> None:
+        for (_, generator), saved in zip(self.segments, state):
+            generator.set_state(saved)
+
+    def settle(self, start_state: list[torch.Tensor], last_steps: list[int]) -> None:
+        """Put segment ``i``'s generator to its state after step ``last_steps[i]`` (-1: before the first step)."""
+        for i, ((_, generator), step) in enumerate(zip(self.segments, last_steps)):
+            generator.set_state(start_state[i] if step < 0 else self.history[step][i])
+
+
+def draw(probs_BV: torch.Tensor, generator: torch.Generator | RowGenerators | None) -> torch.Tensor:
     """One index per row with probability ``probs_BV`` (rows need not sum to exactly 1), by inverting the CDF.
 
     One uniform number per row instead of ``torch.multinomial``'s random number per vocabulary entry, which
     costs more than the model's own decode step on a CPU. Entries with probability 0 are never drawn.
     """
     cdf_BV = probs_BV.cumsum(dim=-1)
-    u_B1 = torch.rand((probs_BV.shape[0], 1), generator=generator, device=probs_BV.device) * cdf_BV[:, -1:]
+    if isinstance(generator, RowGenerators):
+        u_B1 = generator.rand(probs_BV.shape[0], probs_BV.device) * cdf_BV[:, -1:]
+    else:
+        u_B1 = torch.rand((probs_BV.shape[0], 1), generator=generator, device=probs_BV.device) * cdf_BV[:, -1:]
     return torch.searchsorted(cdf_BV, u_B1, right=True).clamp_max(probs_BV.shape[-1] - 1).squeeze(-1)
 
 
-def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | RowGenerators | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its logprob under the distribution it was drawn from (see the module docstring).
 
     Probabilities are float32 whatever the logits' dtype; at temperature 1 without filters they come straight
@@ -78,7 +117,7 @@ def logits_finite(logits_BV: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits_BV.amax(dim=-1)).all()
 
 
-def _draw_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | RowGenerators | None) -> tuple[torch.Tensor, torch.Tensor]:
     if params.temperature <= 0:
         tokens_B = logits_BV.argmax(dim=-1)
         chosen = logits_BV.gather(-1, tokens_B[:, None]).squeeze(-1).float()
@@ -110,28 +149,33 @@ def prefill(
     device: torch.device,
     share_prompts: bool = True,
     prefix_cache: PrefixCache | None = None,
+    adapters: list[int] | None = None,
 ) -> tuple[torch.Tensor, object, torch.Tensor, torch.Tensor]:
     """Run the prompts through the model once: ``(last logits [B, V], KV cache, attention mask, positions)``.
 
     Identical prompts (a GRPO group asks for many samples of one prompt) are run once, and their cache rows
     are copied to every sample that shares them: the prefill costs the distinct prompts, not the samples.
     ``share_prompts=False`` runs every row. With a ``prefix_cache``, what the prompts share with its entries
-    is taken from it and only the rest runs (see :func:`_cached_columns`).
+    is taken from it and only the rest runs (see :func:`_cached_columns`). ``adapters``: each prompt's adapter on a
+    shared base (:mod:`~tinkergym.backends.torch.row_adapters`); prompts are shared within an adapter only.
     """
-    distinct: dict[tuple[int, ...], int] = {}
-    row_of = [distinct.setdefault(tuple(p), len(distinct)) if share_prompts else i for i, p in enumerate(prompts)]
-    unique = [list(p) for p in distinct] if share_prompts else prompts
+    keys = [(-1 if adapters is None else adapters[i], tuple(p)) for i, p in enumerate(prompts)]
+    distinct: dict[tuple[int, tuple[int, ...]], int] = {}
+    row_of = [distinct.setdefault(key, len(distinct)) if share_prompts else i for i, key in enumerate(keys)]
+    unique = [list(p) for _, p in distinct] if share_prompts else prompts
+    unique_adapters = None if adapters is None else ([a for a, _ in distinct] if share_prompts else adapters)
     input_ids, attention, positions = left_pad(unique, pad_id, device)
     mask = attention if len({len(p) for p in unique}) > 1 else None  # no padding: no mask to inspect (see _decode)
     past, kept = _cached_columns(unique, prefix_cache) if prefix_cache is not None else (None, 0)
-    out = model(
-        input_ids=input_ids[:, kept:],
-        attention_mask=mask,
-        position_ids=positions[:, kept:],
-        **cache_kwargs(past),
-        use_cache=True,
-        logits_to_keep=1,
-    )
+    with rows_through(unique_adapters):
+        out = model(
+            input_ids=input_ids[:, kept:],
+            attention_mask=mask,
+            position_ids=positions[:, kept:],
+            **cache_kwargs(past),
+            use_cache=True,
+            logits_to_keep=1,
+        )
     logits_BV, cache = out.logits[:, -1], cache_of(out)
     if len(unique) < len(prompts):
         index = host_to_device(torch.tensor(row_of, dtype=torch.long), device)
@@ -254,10 +298,11 @@ def sample_batch(
     params: SamplingParams,
     stop_ids: list[int],
     pad_id: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | RowGenerators | None = None,
     share_prompts: bool = True,
     check_interval: int = STOP_CHECK_INTERVAL,
     prefix_cache: PrefixCache | None = None,
+    adapters: list[int] | None = None,
 ) -> list[SampledSequence]:
     """Sample one completion per prompt, all prompts in one batch sharing one KV cache.
 
@@ -267,18 +312,23 @@ def sample_batch(
     left padding would change the model's results (see :func:`~tinkergym.backends.torch.scoring.padded_length_limit`).
     Whether every row has stopped is read back every ``check_interval`` steps (see the module docstring).
     With a ``prefix_cache``, prompts start from what it holds, and every row's keys and values are kept in it
-    afterwards (see :mod:`~tinkergym.backends.torch.prefix_cache`).
+    afterwards (see :mod:`~tinkergym.backends.torch.prefix_cache`). ``adapters``: each prompt's adapter on a shared
+    base (see :mod:`~tinkergym.backends.torch.row_adapters`); a shared base passes no prefix cache.
     """
+    if adapters is not None and prefix_cache is not None:
+        raise ValueError("the prefix cache is scoped by one adapter: rows of several adapters sample without it")
     limit = padded_length_limit(model)
     widths = sorted({len(p) for p in prompts})
     if limit is not None and len(widths) > 1 and widths[-1] + params.max_new_tokens > limit:
+        if adapters is not None:
+            raise ValueError("prompts of different lengths run apart on this model: sample each length in a batch of its own")
         by_row: dict[int, SampledSequence] = {}
         for width in widths:
             indices = [i for i, p in enumerate(prompts) if len(p) == width]
             by_row.update(zip(indices, sample_batch(model, [prompts[i] for i in indices], params, stop_ids, pad_id, generator, share_prompts, check_interval, prefix_cache)))
         return [by_row[i] for i in range(len(prompts))]
     device = next(model.parameters()).device
-    logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts, prefix_cache)
+    logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts, prefix_cache, adapters)
     cache = _preallocated(cache, params.max_new_tokens)
     # Whether each id is a stop id, looked up by a gather: torch.isin of many stop ids sorts and deduplicates
     # (a data-dependent size, read back from a GPU on every step). Sampled ids and the pad id fall inside it.
@@ -286,7 +336,8 @@ def sample_batch(
     is_stop_V[[t for t in stop_ids if t >= 0]] = True
     is_stop_V = host_to_device(is_stop_V, device)
     mask = attention if len(widths) > 1 else None
-    tokens_BS, logprobs_BS, steps = _decode(model, logits_BV, cache, mask, positions, params, is_stop_V, pad_id, generator, check_interval)
+    with rows_through(adapters):
+        tokens_BS, logprobs_BS, steps = _decode(model, logits_BV, cache, mask, positions, params, is_stop_V, pad_id, generator, check_interval)
     stops = set(stop_ids)
     out = []
     # The only reads of the results: a row's ids end at its first stop id (later ones are the pad fed to stopped rows).
@@ -360,7 +411,7 @@ def _decode(
     params: SamplingParams,
     is_stop_V: torch.Tensor,
     pad_id: int,
-    generator: torch.Generator | None,
+    generator: torch.Generator | RowGenerators | None,
     check_interval: int,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(tokens [B, S], logprobs [B, S], steps)``: the decode loop from the prefill's logits, on the device.
@@ -380,7 +431,7 @@ def _decode(
         rng = generator if generator is not None else _default_generator(device)
     if params.temperature > 0 and rng is None:
         check_interval = 1  # nothing to rewind: check every step, so no step runs past the stop
-    rng_states: list[torch.Tensor] = []  # the generator's state after each step since the last check
+    rng_states: list[Any] = []  # the generator's state after each step since the last check
     window = 0  # the first step not yet checked
     next_position = positions[:, -1:] + 1
     width = positions.shape[-1]

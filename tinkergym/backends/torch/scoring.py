@@ -38,6 +38,7 @@ import torch
 from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of
 from tinkergym.backends.torch.copies import _update_in
+from tinkergym.backends.torch.row_adapters import pick, rows_through
 from tinkergym.protocol.types import Datum
 
 
@@ -122,19 +123,25 @@ def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes:
 
 
 def logprobs_from(
-    model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, start: int = 1, temperature: float = 1.0
+    model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, start: int = 1, temperature: float = 1.0,
+    adapters: list[int] | None = None,
 ) -> torch.Tensor:
-    """``[B, T]`` logprobs of right-padded rows at ``temperature``, with logits only for positions ``start - 1`` onward (earlier entries are 0)."""
+    """``[B, T]`` logprobs of right-padded rows at ``temperature``, with logits only for positions ``start - 1`` onward (earlier entries are 0).
+
+    ``adapters``: each row's adapter on a shared base (see :mod:`~tinkergym.backends.torch.row_adapters`).
+    """
     batch, length = tokens_BT.shape
     keep_from = max(start - 1, 0)
-    logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=length - keep_from).logits
+    with rows_through(adapters):
+        logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=length - keep_from).logits
     scored = losses.token_logprobs(logits, tokens_BT[:, keep_from:], temperature=temperature)
     zeros = torch.zeros(batch, keep_from, dtype=scored.dtype, device=scored.device)
     return torch.cat([zeros, scored], dim=1)
 
 
 def logprobs_at(
-    model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, read: list[int], temperature: float = 1.0
+    model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, read: list[int], temperature: float = 1.0,
+    adapters: list[int] | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` logprobs of right-padded rows at ``temperature``, with logits only where some row reads (``read``: positions >= 1).
 
@@ -144,7 +151,8 @@ def logprobs_at(
     """
     batch, length = tokens_BT.shape
     index = host_to_device(torch.tensor(read, dtype=torch.long), tokens_BT.device)
-    logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=index - 1).logits
+    with rows_through(adapters):
+        logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=index - 1).logits
     scored = losses.target_logprobs(logits, tokens_BT.index_select(1, index), temperature=temperature)
     return scored.new_zeros(batch, length).index_copy(1, index, scored)
 
@@ -194,8 +202,9 @@ def _shared_prefix_logprobs(
     group_sizes: list[int],
     prefix_lens: list[int],
     temperature: float = 1.0,
+    adapters: list[int] | None = None,
 ) -> torch.Tensor:
-    """``[B, T]`` logprobs of rows in groups that share a prompt, each group's prompt run once.
+    """``[B, T]`` logprobs of rows in groups that share a prompt, each group's prompt run once (a group's rows share an adapter).
 
     One pass runs the groups' prompts but their last token (left-padded, see :func:`_left_padded_prefixes`;
     no logits: an empty ``logits_to_keep``); its KV cache is repeated for each group's rows. A second pass
@@ -210,9 +219,9 @@ def _shared_prefix_logprobs(
     own = [n - s for n, s in zip(lengths, shared_of_row)]
     limit = padded_length_limit(model)
     if limit is not None and len(set(shared)) > 1 and max(shared) + max(own) > limit:
-        parts = _own_token_logits_by_prompt_length(model, tokens_BT, lengths, group_sizes, shared)
+        parts = _own_token_logits_by_prompt_length(model, tokens_BT, lengths, group_sizes, shared, adapters)
     else:
-        parts = _own_token_logits(model, tokens_BT, lengths, group_sizes, shared)
+        parts = _own_token_logits(model, tokens_BT, lengths, group_sizes, shared, adapters)
     out: dict[int, torch.Tensor] = {}  # by row: the parts cover every row
     for rows, rows_BS, logits in parts:
         scored_BS = losses.token_logprobs(logits, rows_BS, temperature=temperature)
@@ -251,7 +260,7 @@ def length_chunks(own: list[int], overhead: int) -> list[list[int]]:
 
 
 def _own_token_logits(
-    model: torch.nn.Module, tokens_BT: torch.Tensor, lengths: list[int], group_sizes: list[int], shared: list[int]
+    model: torch.nn.Module, tokens_BT: torch.Tensor, lengths: list[int], group_sizes: list[int], shared: list[int], adapters: list[int] | None = None
 ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """``[(rows, rows_BS, logits_BSV)]``: rows from their prompt's last token on (right-padded) and their logits, pass by pass.
 
@@ -270,14 +279,15 @@ def _own_token_logits(
     no_logits = torch.empty(0, dtype=torch.long, device=device)
     prefix = {"input_ids": prefix_ids, "attention_mask": prefix_mask, "position_ids": prefix_positions, "logits_to_keep": no_logits}
     use_cache = not _checkpoints_layers(model)
-    if use_cache:
-        prefix_cache = cache_of(model(**prefix, use_cache=True))
-        _store_in_compute_dtype(prefix_cache)
-    else:
-        # Transformers turns `use_cache` off under checkpointing (with a warning) and makes no cache, but layers
-        # that may keep one still get a cache given explicitly; each pass gets one its recomputes can replay.
-        prefix_cache = replayable_cache(model)
-        model(**prefix, **cache_kwargs(prefix_cache), use_cache=False)
+    with rows_through(pick(adapters, starts_host)):
+        if use_cache:
+            prefix_cache = cache_of(model(**prefix, use_cache=True))
+            _store_in_compute_dtype(prefix_cache)
+        else:
+            # Transformers turns `use_cache` off under checkpointing (with a warning) and makes no cache, but layers
+            # that may keep one still get a cache given explicitly; each pass gets one its recomputes can replay.
+            prefix_cache = replayable_cache(model)
+            model(**prefix, **cache_kwargs(prefix_cache), use_cache=False)
     parts = []
     for rows in length_chunks(own, CHUNK_OVERHEAD_TOKENS.get(device.type, CHUNK_OVERHEAD_TOKENS["cuda"])):
         span = max(own[r] for r in rows)
@@ -291,13 +301,14 @@ def _own_token_logits(
         columns = (offsets[:, None] + steps).clamp_max(length - 1)
         rows_BS = torch.where(rows_mask, tokens_BT[index].gather(1, columns), torch.zeros_like(columns))
         attention = torch.cat([prefix_mask[group_of], rows_mask.long()], dim=1)
-        logits = model(
-            input_ids=rows_BS,
-            attention_mask=attention,
-            position_ids=offsets[:, None] + steps,
-            **cache_kwargs(cache_rows(prefix_cache, group_of)),
-            use_cache=use_cache,
-        ).logits
+        with rows_through(pick(adapters, rows)):
+            logits = model(
+                input_ids=rows_BS,
+                attention_mask=attention,
+                position_ids=offsets[:, None] + steps,
+                **cache_kwargs(cache_rows(prefix_cache, group_of)),
+                use_cache=use_cache,
+            ).logits
         parts.append((rows, rows_BS, logits))
     return parts
 
@@ -380,7 +391,7 @@ def replayable_cache(model: torch.nn.Module) -> Any:
 
 
 def _own_token_logits_by_prompt_length(
-    model: torch.nn.Module, tokens_BT: torch.Tensor, lengths: list[int], group_sizes: list[int], shared: list[int]
+    model: torch.nn.Module, tokens_BT: torch.Tensor, lengths: list[int], group_sizes: list[int], shared: list[int], adapters: list[int] | None = None
 ) -> list[tuple[list[int], torch.Tensor, torch.Tensor]]:
     """:func:`_own_token_logits` run once per distinct prompt length, so that no prompt is padded (see :func:`padded_length_limit`)."""
     starts = list(itertools.accumulate(group_sizes, initial=0))
@@ -390,7 +401,7 @@ def _own_token_logits_by_prompt_length(
         rows = [r for g in groups for r in range(starts[g], starts[g + 1])]
         sizes = [group_sizes[g] for g in groups]
         picked = tokens_BT.index_select(0, host_to_device(torch.tensor(rows, dtype=torch.long), tokens_BT.device))
-        for chunk, rows_BS, logits in _own_token_logits(model, picked, [lengths[r] for r in rows], sizes, [width] * len(groups)):
+        for chunk, rows_BS, logits in _own_token_logits(model, picked, [lengths[r] for r in rows], sizes, [width] * len(groups), pick(adapters, rows)):
             parts.append(([rows[i] for i in chunk], rows_BS, logits))
     return parts
 
@@ -404,6 +415,7 @@ def sequence_logprobs(
     temperature: float = 1.0,
     lengths: list[int] | None = None,
     read: list[int] | None = None,
+    adapters: list[int] | None = None,
 ) -> torch.Tensor:
     """Float32 ``[B, T]`` logprobs of right-padded sequences at ``temperature`` (entry ``t`` scores ``tokens[t]``; unread entries are 0).
 
@@ -411,18 +423,19 @@ def sequence_logprobs(
     read, so rows scored on their own skip the logits before the first one. Callers that hold the data on the
     host pass the rows' ``lengths`` and ``read`` (every position >= 1 any row reads, see :func:`read_positions`);
     without them both are read back from the device, which makes the host wait for a GPU. Rows scored on their
-    own whose reads have gaps get logits at the read positions only (see :func:`logprobs_at`).
+    own whose reads have gaps get logits at the read positions only (see :func:`logprobs_at`). ``adapters``: each
+    row's adapter on a shared base (see :mod:`~tinkergym.backends.torch.row_adapters`).
     """
     if micro is not None and micro.group_sizes:
         if lengths is None:
             lengths = attention_BT.sum(dim=1).tolist()
-        return _shared_prefix_logprobs(model, tokens_BT, lengths, micro.group_sizes, micro.prefix_lens, temperature)
+        return _shared_prefix_logprobs(model, tokens_BT, lengths, micro.group_sizes, micro.prefix_lens, temperature, adapters)
     if read and read[-1] - read[0] + 1 > len(read):  # reads with gaps (turns between env replies): logits there only
-        return logprobs_at(model, tokens_BT, attention_BT, read, temperature)
+        return logprobs_at(model, tokens_BT, attention_BT, read, temperature, adapters)
     if read is None:
         reads_T = mask_BT.any(dim=0).nonzero()
         first_read = int(reads_T[0]) if len(reads_T) else None
     else:
         first_read = read[0] if read else None
     start = tokens_BT.shape[1] - 1 if first_read is None else first_read
-    return logprobs_from(model, tokens_BT, attention_BT, max(start, 1), temperature)
+    return logprobs_from(model, tokens_BT, attention_BT, max(start, 1), temperature, adapters)

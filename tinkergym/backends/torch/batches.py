@@ -1,0 +1,101 @@
+"""Plain pieces of a training pass shared by every torch engine: a request's checks, its rows collated on the
+device, and one AdamW step over a list of trainable tensors."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tinkergym.backends.torch import losses
+from tinkergym.backends.torch.scoring import host_to_device, read_positions
+from tinkergym.errors import ConfigError, NonFiniteError
+from tinkergym.protocol.types import Datum, LossSpec, OptimParams
+
+
+@dataclass
+class Batch:
+    """A right-padded micro-batch on the device; per-token tensors are None when the request has none."""
+
+    tokens: torch.Tensor
+    attention: torch.Tensor
+    mask: torch.Tensor
+    advantages: torch.Tensor | None = None
+    sampling_logprobs: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    lengths: list[int] = field(default_factory=list)
+    #: Every position >= 1 that any row reads, known on the host.
+    read: list[int] = field(default_factory=list)
+
+
+def _pad_right(rows: Sequence[Sequence[float]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    out = torch.zeros((len(rows), width), dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return host_to_device(out, device)
+
+
+def validate_data(data: list[Datum], spec: LossSpec) -> None:
+    losses.validate_spec(spec)
+    for i, datum in enumerate(data):
+        n = len(datum.tokens)
+        if n == 0:
+            raise ConfigError(f"datum {i} has no tokens")
+        if len(datum.loss_mask) != n:
+            raise ConfigError(f"datum {i}: loss_mask has {len(datum.loss_mask)} entries for {n} tokens; give one per token")
+        for name in ("advantages", "sampling_logprobs", "old_logprobs"):
+            values = getattr(datum, name)
+            if values and len(values) != n:
+                raise ConfigError(f"datum {i}: {name} has {len(values)} entries for {n} tokens; give one per token (or none)")
+    for name, needed in (("advantages", losses.POLICY_LOSSES), ("sampling_logprobs", losses.RATIO_LOSSES)):
+        if spec.name in needed and not all(getattr(d, name) for d in data):
+            raise ConfigError(f"the {spec.name!r} loss needs {name} on every datum")
+
+
+def collate(data: list[Datum], device: torch.device, width: int | None = None) -> Batch:
+    """``data`` right-padded to ``width`` (default: its longest row) on ``device``."""
+    width = max(len(d.tokens) for d in data) if width is None else width
+    # Right padding with id 0: causal attention never lets a real token see the padding after it.
+    tokens = _pad_right([d.tokens for d in data], width, torch.long, device)
+    attention = _pad_right([[1] * len(d.tokens) for d in data], width, torch.long, device)
+    # The first token is not predicted by anything.
+    mask = _pad_right([[0.0, *d.loss_mask[1:]] for d in data], width, torch.float32, device)
+    batch = Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data], read=read_positions(data))
+    if all(d.advantages for d in data):
+        batch.advantages = _pad_right([d.advantages for d in data], width, torch.float32, device)
+    if all(d.sampling_logprobs for d in data):
+        batch.sampling_logprobs = _pad_right([d.sampling_logprobs for d in data], width, torch.float32, device)
+    if all(d.old_logprobs for d in data):
+        batch.old_logprobs = _pad_right([d.old_logprobs for d in data], width, torch.float32, device)
+    return batch
+
+
+def adamw_step(optimizer: torch.optim.Optimizer, trainable: Sequence[torch.Tensor], params: OptimParams, step: int) -> tuple[dict[str, float], bool]:
+    """One AdamW step of ``optimizer`` with the gradients of ``trainable`` (clipped to ``max_grad_norm``), then clear them.
+
+    Returns the metrics (``grad_norm`` before clipping, ``learning_rate``, the new ``step``) and whether it
+    stepped: a non-finite gradient norm steps nothing (the gradients are dropped; the caller sees ``grad_norm``),
+    and weights made NaN or infinite by the step raise :class:`NonFiniteError` before they reach a checkpoint.
+    """
+    for group in optimizer.param_groups:
+        group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps, weight_decay=params.weight_decay)
+    grads = [p.grad for p in trainable if p.grad is not None]
+    if params.max_grad_norm > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, params.max_grad_norm))
+    else:
+        grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    if not math.isfinite(grad_norm):  # never write NaN into the weights
+        optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "step": float(step)}, False
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "step": float(step + 1)}, True
+
+
+def check_weights_finite(trainable: Sequence[torch.Tensor], step: int, learning_rate: float) -> None:
+    """Raise :class:`NonFiniteError` when an optimizer step made any of ``trainable`` NaN or infinite."""
+    # NaN and inf propagate into sums: one number per tensor.
+    if not bool(torch.stack([p.detach().sum(dtype=torch.float32) for p in trainable]).isfinite().all()):
+        raise NonFiniteError(f"optimizer step {step} made weights NaN or infinite (learning rate {learning_rate:g})")
