@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -145,7 +146,7 @@ def target_names(layers: dict[str, MultiLoraLinear]) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name in layers})
 
 
-def save_adapter(folder: str | os.PathLike, params: dict[str, torch.Tensor], rank: int, alpha: float, base_model: str, targets: list[str]) -> None:
+def save_adapter(folder: str | os.PathLike, params: Mapping[str, torch.Tensor], rank: int, alpha: float, base_model: str, targets: list[str]) -> None:
     """Write the peft adapter folder of ``params`` (as :func:`add_adapter` names them) into ``folder``."""
     from peft import LoraConfig
     from safetensors.torch import save_file

@@ -1,0 +1,528 @@
+"""One base model, many LoRA sessions: each session trains its own adapter, and calls of several sessions share passes.
+
+:class:`SharedBase` loads a transformers model once (dtype, attention and device as
+:class:`~tinkergym.backends.torch.backend.TorchBackend` chooses them) and wraps its linear layers in
+:class:`~tinkergym.backends.torch.multi_lora.MultiLoraLinear`. :meth:`SharedBase.open_session` adds a
+:class:`LoraSession`: an adapter of its own rank and alpha (up to ``max_lora_rank``), its own AdamW state, random
+generator, step counter, saved states and export. A session implements the
+:class:`~tinkergym.protocol.backend.Backend` protocol on its own; the ``*_many`` methods of the base run the
+calls of several sessions together:
+
+- ``forward_backward_many``: each request is planned into micro-batches as it would be alone (shared prompts
+  within a session only), and micro-batches of different sessions are packed into passes of at most
+  ``micro_batch_size`` rows. Each row goes through its own session's adapter; each session's loss is weighted
+  with its own request's normalizers, and one backward pass fills every session's gradients. A session's
+  gradient equals that of its request alone (up to floating-point summation order), and no gradient reaches
+  an adapter whose session has no row in the pass. A pass that fails is undone (every session's gradients are
+  put back as they were) and its requests run one by one, so only the failing request fails.
+- ``sample_many``: requests with the same sampling settings decode in one batch; each request's rows draw from
+  its own generator (its seed, or the session's), so it gets the tokens it would get alone.
+- ``logprobs_many``: rows of every request at one temperature in shared passes.
+
+Memory: the base once, plus per session its adapter, gradients and AdamW's two moments (four times the adapter
+in float32), plus the activations of a pass. :meth:`SharedBase.memory` reports it; a session that would take
+the sessions past ``memory_budget_mb`` is refused with the figures. The prefix cache, gradient checkpointing
+and LoRA dropout are not offered on a shared base (each would need the per-row adapters where they are not
+known: across calls, or in a recomputation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from tinkergym.backends.models import resolve_model
+from tinkergym.backends.torch import losses, multi_lora
+from tinkergym.backends.torch.batches import Batch, adamw_step, check_weights_finite, collate, validate_data
+from tinkergym.backends.torch.copies import kv_token_cost
+from tinkergym.backends.torch.runtime import DTYPES, load_causal_lm, resolve_attn_implementation, resolve_device, resolve_dtype
+from tinkergym.backends.torch.sampling import RowGenerators, sample_batch
+from tinkergym.backends.torch.scoring import MicroBatch, logprobs_from, padded_length_limit, plan_micro_batches, sequence_logprobs
+from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, write_optimizer_state
+from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE
+from tinkergym.errors import ConfigError
+from tinkergym.folders import fresh_tmp_dir, replace_dir
+from tinkergym.protocol.types import (
+    Datum,
+    ForwardBackwardRequest,
+    ForwardBackwardResult,
+    OptimParams,
+    SampleRequest,
+    SampleResponse,
+    SampledSequence,
+    _Plain,
+)
+
+#: Version of a session's save_state folder.
+SESSION_STATE_FORMAT = 1
+
+T = TypeVar("T")
+Outcome = Any  # a result, or the exception its request raised
+
+
+@dataclass
+class SharedBaseConfig(_Plain):
+    """Settings of a :class:`SharedBase`; the model, precision and attention settings mean what they mean for
+    :class:`~tinkergym.backends.torch.backend.TorchBackendConfig`.
+
+    Attributes:
+        micro_batch_size: Rows per training or scoring pass, across sessions.
+        max_sample_batch: Rows decoded together, across sessions.
+        max_lora_rank: The largest rank a session may ask for.
+        max_sessions: Sessions open at once.
+        memory_budget_mb: Memory for the sessions' adapters, gradients and optimizer states (0: no bound).
+    """
+
+    model: str = "tiny"
+    dtype: str = DEFAULT_DTYPE
+    device: str = "auto"
+    attn_implementation: str = "auto"
+    lora_target_modules: str | list[str] = "all-linear"
+    micro_batch_size: int = DEFAULT_MICRO_BATCH_SIZE
+    max_sample_batch: int = 256
+    share_prefixes: bool = True
+    max_lora_rank: int = 64
+    max_sessions: int = 64
+    memory_budget_mb: float = 0.0
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *DTYPES):
+            raise ConfigError(f"dtype must be 'auto', 'bfloat16' or 'float32', not {self.dtype!r}")
+        for name in ("micro_batch_size", "max_sample_batch", "max_lora_rank", "max_sessions"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if not self.memory_budget_mb >= 0:
+            raise ConfigError(f"memory_budget_mb must be 0 (no bound) or more, not {self.memory_budget_mb}")
+
+
+@dataclass
+class LoraSessionConfig(_Plain):
+    """A session's adapter: its rank and alpha, and the seed of its initialization and sampling."""
+
+    lora_rank: int = DEFAULT_LORA_RANK
+    lora_alpha: float = float(DEFAULT_LORA_ALPHA)
+    seed: int = 0
+
+
+def _mb(n: int) -> float:
+    return round(n / 2**20, 2)
+
+
+class SharedBase:
+    """A frozen base model in this process with any number of :class:`LoraSession` adapters (see the module docstring)."""
+
+    def __init__(self, config: SharedBaseConfig | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.config = config or SharedBaseConfig()
+        self.model_path = resolve_model(self.config.model, self.config.cache_dir)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.attn_implementation = resolve_attn_implementation(self.config.attn_implementation, self.device, self.dtype, self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        model = load_causal_lm(self.model_path, self.dtype, attn_implementation=self.attn_implementation)
+        self.model = model.to(self.device).requires_grad_(False)
+        self.layers = multi_lora.inject(self.model, self.config.lora_target_modules)
+        self.sessions: dict[int, LoraSession] = {}
+        self._next_id = 1
+        self._lock = threading.RLock()  # one pass at a time over the shared model
+        fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
+        self.pad_id = next(t for t in fallbacks if t is not None)
+        self.base_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+
+    # ----- sessions ---------------------------------------------------------------------------------
+    def session_bytes(self, rank: int) -> int:
+        """Memory of one session of ``rank``: its adapter, gradients and AdamW's two moments, all float32."""
+        return 4 * multi_lora.adapter_bytes(self.layers, rank)
+
+    def memory(self) -> dict[str, Any]:
+        """The base, each session and the total, in bytes (activations of a pass come on top)."""
+        sessions = {str(s.id): self.session_bytes(s.config.lora_rank) for s in self.sessions.values()}
+        return {"base_bytes": self.base_bytes, "sessions_bytes": sum(sessions.values()), "by_session": sessions,
+                "budget_bytes": int(self.config.memory_budget_mb * 2**20), "total_bytes": self.base_bytes + sum(sessions.values())}
+
+    def open_session(self, config: LoraSessionConfig | None = None) -> LoraSession:
+        """A new session with a fresh adapter; refused (:class:`ConfigError`) past the rank, session or memory bounds."""
+        config = config or LoraSessionConfig()
+        if not 1 <= config.lora_rank <= self.config.max_lora_rank:
+            raise ConfigError(f"lora_rank must be between 1 and this server's max_lora_rank {self.config.max_lora_rank}, not {config.lora_rank}; "
+                              "full fine-tuning needs a server of its own")
+        if not config.lora_alpha > 0:
+            raise ConfigError(f"lora_alpha must be above 0, not {config.lora_alpha}")
+        with self._lock:
+            if len(self.sessions) >= self.config.max_sessions:
+                raise ConfigError(f"this server holds its most sessions ({self.config.max_sessions}); close one or use another server")
+            budget = int(self.config.memory_budget_mb * 2**20)
+            need, held = self.session_bytes(config.lora_rank), self.memory()["sessions_bytes"]
+            if budget and held + need > budget:
+                raise ConfigError(f"a rank-{config.lora_rank} session needs {_mb(need)} MB (adapter, gradients and optimizer state); "
+                                  f"the sessions hold {_mb(held)} MB of this server's {_mb(budget)} MB: ask for a lower rank or another server")
+            session = LoraSession(self, self._next_id, config)
+            self.sessions[session.id] = session
+            self._next_id += 1
+            return session
+
+    def close_session(self, session: LoraSession) -> None:
+        """Drop the session's adapter and optimizer state; its memory is freed."""
+        with self._lock:
+            if self.sessions.pop(session.id, None) is not None:
+                multi_lora.remove_adapter(self.layers, session.id)
+                session._close()
+
+    def _compute(self) -> contextlib.AbstractContextManager:
+        if self.dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+
+    # ----- training ---------------------------------------------------------------------------------
+    def forward_backward_many(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]]) -> list[Outcome]:
+        """Each call's :class:`ForwardBackwardResult`, or the exception it raised; see the module docstring."""
+        return self._isolated(calls, self._forward_backward_together, self._check_forward_backward, restore_grads=True)
+
+    def _check_forward_backward(self, session: LoraSession, request: ForwardBackwardRequest) -> None:
+        session._check_open()
+        validate_data(request.data, request.loss)
+
+    def _forward_backward_together(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]]) -> list[ForwardBackwardResult]:
+        kv_cost = kv_token_cost(self.model.config)
+        # (call, micro-batch) pieces, each as it would be alone; packed into passes by kind, temperature and rows.
+        pieces = [(k, micro) for k, (_, request) in enumerate(calls)
+                  for micro in plan_micro_batches(request.data, self.config.micro_batch_size, self.config.share_prefixes, kv_cost)]
+        normalizers = []
+        for _, request in calls:
+            data = request.data
+            total = sum(sum(d.loss_mask[1:]) for d in data) if request.num_tokens is None else request.num_tokens
+            sequences = request.num_sequences
+            if sequences is None:
+                sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
+            normalizers.append((total, sequences))
+        sums: list[list[dict[str, torch.Tensor]]] = [[] for _ in calls]
+        self.model.train()
+        with self._compute():
+            for passed in _pack(pieces, lambda k: (calls[k][1].loss.temperature,), self.config.micro_batch_size):
+                self._one_pass(calls, passed, normalizers, sums)
+        results = []
+        for micro_sums in sums:
+            totals: dict[str, float] = {}
+            for floats in losses.sums_to_floats(micro_sums):
+                totals = losses.add_sums(totals, floats)
+            results.append(ForwardBackwardResult(metrics=losses.finalize_metrics(totals)))
+        return results
+
+    def _one_pass(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]], passed: list[tuple[int, MicroBatch]],
+                  normalizers: list[tuple[float, int]], sums: list[list[dict[str, torch.Tensor]]]) -> None:
+        rows: list[Datum] = []
+        adapters: list[int] = []
+        spans: list[tuple[int, int, int]] = []  # (call, first row, end row)
+        for k, micro in passed:
+            start = len(rows)
+            rows.extend(calls[k][1].data[i] for i in micro.indices)
+            adapters.extend([calls[k][0].id] * len(micro.indices))
+            spans.append((k, start, len(rows)))
+        micro = MicroBatch(list(range(len(rows))), [s for _, m in passed for s in m.group_sizes], [p for _, m in passed for p in m.prefix_lens])
+        batch = collate(rows, self.device)
+        width = batch.tokens.shape[1]
+        temperature = calls[passed[0][0]][1].loss.temperature
+        logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro, temperature,
+                                     lengths=batch.lengths, read=batch.read, adapters=adapters)
+        reference = None
+        if any(calls[k][1].loss.kl_coef > 0 for k, _ in passed):
+            with torch.no_grad():  # the base alone: no adapter
+                reference = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, read=batch.read)
+        total_loss = None
+        with torch.autocast(self.device.type, enabled=False):
+            for k, start, end in spans:
+                spec = calls[k][1].loss
+                part: Batch = collate(rows[start:end], self.device, width)
+                weights = losses.aggregation_weights(part.mask, spec.aggregation, *normalizers[k])
+                loss, part_sums = losses.compute_loss_on_device(
+                    spec, logprobs[start:end], part.mask, weights, part.advantages, part.sampling_logprobs,
+                    None if reference is None or spec.kl_coef <= 0 else reference[start:end], part.old_logprobs,
+                )
+                total_loss = loss if total_loss is None else total_loss + loss
+                sums[k].append(part_sums)
+            if total_loss is not None:
+                total_loss.backward()
+
+    # ----- sampling and scoring ---------------------------------------------------------------------
+    def sample_many(self, calls: Sequence[tuple[LoraSession, SampleRequest]]) -> list[Outcome]:
+        """Each call's :class:`SampleResponse`, or the exception it raised; see the module docstring."""
+        return self._isolated(calls, self._sample_together, self._check_sample, restore_grads=False)
+
+    def _check_sample(self, session: LoraSession, request: SampleRequest) -> None:
+        session._check_open()
+        if any(len(p) == 0 for p in request.prompts):
+            raise ConfigError("every prompt needs at least one token (e.g. the chat template's generation prompt)")
+
+    def _sample_together(self, calls: Sequence[tuple[LoraSession, SampleRequest]]) -> list[SampleResponse]:
+        eos = self.tokenizer.eos_token_id
+        out: list[list[SampledSequence]] = [[] for _ in calls]
+        settings: dict[Any, list[int]] = {}
+        for k, (_, request) in enumerate(calls):
+            p = request.params
+            stops = tuple(p.stop_token_ids) or ((eos,) if eos is not None else ())
+            settings.setdefault((p.max_new_tokens, p.temperature, p.top_p, p.top_k, stops), []).append(k)
+        one_length = padded_length_limit(self.model) is None
+        # A seeded request draws from its own generator across its batches, as TorchBackend's sample does.
+        generators = {k: s.generator if r.params.seed is None else torch.Generator(device=self.device).manual_seed(r.params.seed)
+                      for k, (s, r) in enumerate(calls)}
+        self.model.eval()
+        for key, members in settings.items():
+            # Whole requests per batch, so each request's rows are batched as they would be alone.
+            batches: list[list[tuple[int, int, int]]] = [[]]  # [(call, first prompt, end prompt)]
+            for k in members:
+                request = calls[k][1]
+                step = max(1, self.config.max_sample_batch // request.num_samples)
+                for first in range(0, len(request.prompts), step):
+                    piece = (k, first, min(first + step, len(request.prompts)))
+                    size = (piece[2] - piece[1]) * request.num_samples
+                    used = sum((e - f) * calls[c][1].num_samples for c, f, e in batches[-1])
+                    if batches[-1] and (used + size > self.config.max_sample_batch or not one_length):
+                        batches.append([])
+                    batches[-1].append(piece)
+            params = calls[members[0]][1].params
+            for pieces in batches:
+                self._sample_batch(calls, pieces, params, list(key[-1]), generators, out)
+        return [SampleResponse(sequences=[seqs[i * r.num_samples : (i + 1) * r.num_samples] for i in range(len(r.prompts))])
+                for seqs, (_, r) in zip(out, calls)]
+
+    def _sample_batch(self, calls: Sequence[tuple[LoraSession, SampleRequest]], pieces: list[tuple[int, int, int]], params: Any,
+                      stop_ids: list[int], generators: dict[int, torch.Generator], out: list[list[SampledSequence]]) -> None:
+        prompts: list[list[int]] = []
+        adapters: list[int] = []
+        segments: list[tuple[range, torch.Generator]] = []
+        for k, first, end in pieces:
+            session, request = calls[k]
+            start = len(prompts)
+            prompts.extend(p for p in request.prompts[first:end] for _ in range(request.num_samples))
+            adapters.extend([session.id] * (len(prompts) - start))
+            segments.append((range(start, len(prompts)), generators[k]))
+        rng = RowGenerators(segments) if params.temperature > 0 else None
+        start_state = [g.get_state() for _, g in segments]
+        with self._compute():
+            sequences = sample_batch(self.model, prompts, params, stop_ids, self.pad_id, rng, self.config.share_prefixes, adapters=adapters)
+        if rng is not None:  # each generator as its own batch would leave it: after the step its last row stopped
+            rng.settle(start_state, [max(len(sequences[i].tokens) for i in span) - 1 for span, _ in segments])
+        for (k, _, _), (span, _) in zip(pieces, segments):
+            out[k].extend(sequences[i] for i in span)
+
+    def logprobs_many(self, calls: Sequence[tuple[LoraSession, tuple[list[list[int]], float]]]) -> list[Outcome]:
+        """Each call's per-token logprobs of ``(sequences, temperature)``, or the exception it raised."""
+        return self._isolated(calls, self._logprobs_together, lambda session, _: session._check_open(), restore_grads=False)
+
+    def _logprobs_together(self, calls: Sequence[tuple[LoraSession, tuple[list[list[int]], float]]]) -> list[list[list[float]]]:
+        out: list[list[list[float]]] = [[[] for _ in seqs] for _, (seqs, _) in calls]
+        rows = [(k, i) for k, (_, (seqs, _)) in enumerate(calls) for i in range(len(seqs))]
+        self.model.eval()
+        for temperature in sorted({t for _, (_, t) in calls}):
+            mine = [(k, i) for k, i in rows if calls[k][1][1] == temperature]
+            data = [Datum(tokens=calls[k][1][0][i], loss_mask=[0.0] * len(calls[k][1][0][i])) for k, i in mine]
+            for micro in plan_micro_batches(data, self.config.micro_batch_size, False):
+                batch = collate([data[j] for j in micro.indices], self.device)
+                adapters = [calls[mine[j][0]][0].id for j in micro.indices]
+                with torch.no_grad(), self._compute():
+                    scored = logprobs_from(self.model, batch.tokens, batch.attention, temperature=temperature, adapters=adapters)
+                for j, row in zip(micro.indices, scored.tolist()):
+                    k, i = mine[j]
+                    out[k][i] = row[: len(data[j].tokens)]
+        return out
+
+    # ----- isolation --------------------------------------------------------------------------------
+    def _isolated(self, calls: Sequence[tuple[LoraSession, Any]], together: Callable[[Sequence[tuple[LoraSession, Any]]], list[T]],
+                  check: Callable[[LoraSession, Any], None], restore_grads: bool) -> list[Outcome]:
+        """Run ``calls`` together; a call that fails its ``check`` fails alone, and a failed joint run is undone and run call by call."""
+        outcomes: list[Outcome] = [None] * len(calls)
+        ready: list[int] = []
+        for k, (session, request) in enumerate(calls):
+            try:
+                check(session, request)
+            except Exception as exc:  # noqa: BLE001 - the request's own error is its outcome
+                outcomes[k] = exc
+            else:
+                ready.append(k)
+        if len({id(calls[k][0]) for k in ready}) < len(ready):
+            raise ValueError("one call per session at a time: a session's calls run in order")
+        with self._lock:
+            groups = [ready] if ready else []
+            while groups:
+                group = groups.pop(0)
+                saved = {k: calls[k][0]._saved(restore_grads) for k in group}
+                try:
+                    results = together([calls[k] for k in group])
+                except Exception as exc:  # noqa: BLE001 - undone below; each call then meets its own error alone
+                    for k in group:
+                        calls[k][0]._restore(*saved[k])
+                    if len(group) == 1:
+                        outcomes[group[0]] = exc
+                    else:
+                        groups = [[k] for k in group] + groups
+                    continue
+                for k, result in zip(group, results):
+                    outcomes[k] = result
+        return outcomes
+
+
+def _pack(pieces: list[tuple[int, MicroBatch]], key: Callable[[int], tuple], rows: int) -> list[list[tuple[int, MicroBatch]]]:
+    """Micro-batches of several calls packed into passes of at most ``rows`` rows: same ``key`` and kind (shared
+    prompts or not) only, first fit in the order given (each call's own micro-batches keep their order)."""
+    passes: list[list[tuple[int, MicroBatch]]] = []
+    open_pass: dict[tuple, int] = {}
+    for k, micro in pieces:
+        kind = (key(k), bool(micro.group_sizes))
+        at = open_pass.get(kind)
+        if at is not None and sum(len(m.indices) for _, m in passes[at]) + len(micro.indices) <= rows:
+            passes[at].append((k, micro))
+            continue
+        open_pass[kind] = len(passes)
+        passes.append([(k, micro)])
+    return passes
+
+
+class LoraSession:
+    """One adapter on a :class:`SharedBase`, with its own optimizer, generator, step, states and export.
+
+    Implements the :class:`~tinkergym.protocol.backend.Backend` protocol; each call runs alone (the base's
+    ``*_many`` methods run several sessions' calls together).
+    """
+
+    def __init__(self, base: SharedBase, session_id: int, config: LoraSessionConfig) -> None:
+        self.base, self.id, self.config = base, session_id, config
+        init = torch.Generator().manual_seed(config.seed)
+        self.params = multi_lora.add_adapter(base.layers, session_id, config.lora_rank, config.lora_alpha, base.device, init)
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(list(self.params.values()), lr=0.0, fused=base.device.type in ("cpu", "cuda"))
+        self.generator = torch.Generator(device=base.device).manual_seed(config.seed)
+        self.step = 0
+        self.closed = False
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ConfigError(f"session {self.id} is closed; open a new one")
+
+    def _close(self) -> None:
+        self.closed = True
+        self.params = {}
+        self.optimizer = torch.optim.AdamW([torch.zeros(1)], lr=0.0)
+
+    def _saved(self, grads: bool) -> tuple[torch.Tensor, list[torch.Tensor | None] | None]:
+        """What a failed joint call must put back: the generator's state, and with ``grads`` the accumulated gradients."""
+        kept = [None if p.grad is None else p.grad.clone() for p in self.params.values()] if grads else None
+        return self.generator.get_state(), kept
+
+    def _restore(self, generator_state: torch.Tensor, grads: list[torch.Tensor | None] | None) -> None:
+        self.generator.set_state(generator_state)
+        if grads is not None:
+            for p, g in zip(self.params.values(), grads):
+                p.grad = g
+
+    @staticmethod
+    def _one(outcome: Outcome) -> Any:
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def info(self) -> dict[str, Any]:
+        """The base's model, tokenizer and precision, and this session's adapter, step and memory."""
+        base = self.base
+        return {
+            "model": base.config.model, "model_path": base.model_path, "tokenizer": base.model_path,
+            "lora_rank": self.config.lora_rank, "lora_alpha": self.config.lora_alpha, "lora_dropout": 0.0,
+            "micro_batch_size": base.config.micro_batch_size, "dtype": str(base.dtype).removeprefix("torch."),
+            "param_dtype": str(base.dtype).removeprefix("torch."), "device": str(base.device),
+            "attn_implementation": base.attn_implementation, "deterministic": False, "gradient_checkpointing": False,
+            "step": self.step, "trainable_params": sum(p.numel() for p in self.params.values()),
+            "total_params": sum(p.numel() for p in base.model.parameters()), "session": self.id,
+            "session_bytes": base.session_bytes(self.config.lora_rank),
+        }
+
+    def sample(self, request: SampleRequest) -> SampleResponse:
+        return self._one(self.base.sample_many([(self, request)])[0])
+
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        return self._one(self.base.logprobs_many([(self, (sequences, temperature))])[0])
+
+    def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
+        return self._one(self.base.forward_backward_many([(self, request)])[0])
+
+    def optim_step(self, params: OptimParams) -> dict[str, float]:
+        """One AdamW step of this session's adapter (see :func:`~tinkergym.backends.torch.batches.adamw_step`)."""
+        self._check_open()
+        trainable = list(self.params.values())
+        with self.base._lock:
+            metrics, stepped = adamw_step(self.optimizer, trainable, params, self.step)
+            if stepped:
+                self.step += 1
+                check_weights_finite(trainable, self.step, params.learning_rate)
+        return metrics
+
+    def save_state(self, path: str) -> None:
+        """The adapter, AdamW state, step and generator into the folder ``path``, atomically (safetensors and JSON)."""
+        from safetensors.torch import save_file
+
+        self._check_open()
+        tmp = fresh_tmp_dir(path)
+        save_file({n: p.detach().cpu().contiguous() for n, p in self.params.items()}, os.path.join(tmp, "trainable.safetensors"))
+        write_optimizer_state(tmp, self.optimizer.state_dict())
+        save_file({"generator": self.generator.get_state()}, os.path.join(tmp, "rng.safetensors"))
+        meta = {"format": SESSION_STATE_FORMAT, "kind": "lora_session", "step": self.step, "config": self.config.to_dict(), "model_path": self.base.model_path}
+        Path(tmp, "state.json").write_text(json.dumps(meta, indent=2) + "\n")
+        replace_dir(tmp, os.fspath(path).rstrip("/"))
+
+    def load_state(self, path: str) -> None:
+        """Restore what :meth:`save_state` wrote (same rank); everything is read before anything changes."""
+        from safetensors.torch import load_file
+
+        self._check_open()
+        meta_file = Path(path, "state.json")
+        if not meta_file.is_file():
+            raise ConfigError(f"{path} is not a session state folder (no state.json); pass a folder written by save_state")
+        meta = json.loads(meta_file.read_text())
+        check_state_format(path, meta.get("format"), SESSION_STATE_FORMAT)
+        if meta.get("kind") != "lora_session":
+            raise ConfigError(f"{path} holds the state of another kind of backend; a session loads a session's state or an adapter (load_adapter)")
+        weights = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.base.device))
+        self._check_weights(weights, path)
+        optimizer_state = read_optimizer_state(path)
+        generator_state = load_file(os.path.join(path, "rng.safetensors"))["generator"]
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(weights[name])
+        self.optimizer.load_state_dict(optimizer_state)
+        self.generator.set_state(generator_state)
+        self.step = int(meta["step"])
+
+    def load_adapter(self, path: str) -> None:
+        """Start from the weights of a peft LoRA folder of this session's rank (an export, a published adapter)."""
+        self._check_open()
+        weights, rank, alpha = multi_lora.read_adapter(path)
+        if rank != self.config.lora_rank or alpha != self.config.lora_alpha:
+            raise ConfigError(f"{path} is a rank-{rank} adapter with alpha {alpha:g}; this session has rank {self.config.lora_rank}, "
+                              f"alpha {self.config.lora_alpha:g}: open a session with the adapter's settings")
+        self._check_weights(weights, path)
+        with torch.no_grad():
+            for name, param in self.params.items():
+                param.copy_(weights[name])
+
+    def _check_weights(self, weights: dict[str, torch.Tensor], path: str) -> None:
+        mismatched = [n for n, p in self.params.items() if n not in weights or weights[n].shape != p.shape]
+        if mismatched or len(weights) != len(self.params):
+            raise ConfigError(f"{path} holds other adapter weights than this session (rank {self.config.lora_rank} on "
+                              f"{len(self.params) // 2} layers of {self.base.config.model}); open a session with the settings it was saved with")
+
+    def export(self, path: str, merged: bool = False) -> None:
+        """The session's peft adapter folder with the tokenizer; a merged model needs a server of its own (refused)."""
+        self._check_open()
+        if merged:
+            raise ConfigError("a session on a shared base exports its adapter; merge it where the base is loaded alone (tinkergym export --merged)")
+        tmp = fresh_tmp_dir(path)
+        multi_lora.save_adapter(tmp, self.params, self.config.lora_rank, self.config.lora_alpha, self.base.model_path, multi_lora.target_names(self.base.layers))
+        self.base.tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, os.fspath(path).rstrip("/"))
