@@ -82,7 +82,7 @@ test: install lint
 # The GPU lane (each test skips where torch sees no CUDA device, saying why): TorchBackend on CUDA, host syncs per
 # decode step and training pass counted with torch.cuda.set_sync_debug_mode, flash-attn against sdpa in bfloat16.
 # With vLLM installed: tests/gpu/test_gpu_memory.py, a 1.5B-class LoRA step with vLLM on the same GPU (figures printed).
-GPU_TESTS := tests/gpu/test_cuda.py tests/gpu/test_host_syncs.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_memory.py
+GPU_TESTS := tests/gpu/test_cuda.py tests/gpu/test_host_syncs.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_memory.py tests/gpu/test_gpu_shared_lora.py
 test-gpu: install
 	$(PY) -m pytest $(GPU_TESTS) -q -rsP
 
