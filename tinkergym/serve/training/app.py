@@ -124,13 +124,14 @@ class TrainingService:
     """One backend, its run folder, the call store and the worker: what the routes of one app share."""
 
     def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_results: int, max_sessions: int, keep_states: int = 0,
-                 limits: CallLimits = CallLimits()) -> None:
+                 limits: CallLimits = CallLimits(), worker: Any = None) -> None:
         self.backend = backend
         self.limits = limits
         self.run_dir = run_dir
         self.logger = logger
         self.store = CallStore(keep=keep_results, max_sessions=max_sessions)
-        self.worker = CallWorker(backend, run_dir, logger, keep_states)
+        # Its own thread, or a port of a worker shared by several backends (tinkergym.serve.training.shared).
+        self.worker = worker if worker is not None else CallWorker(backend, run_dir, logger, keep_states)
         self.vocab_size = _vocab_size(backend)
         self._tokenizer_files: dict[str, str] | None = None
         self._touched = time.monotonic()
@@ -208,7 +209,9 @@ WAIT = Query(30.0, ge=0, le=MAX_WAIT, description="seconds to wait for the resul
 
 
 def _service(request: Request) -> TrainingService:
-    return request.app.state.service
+    """The app's service, or the one the request's token picked (an adapter of a shared server)."""
+    picked = getattr(request.state, "service", None)
+    return picked if picked is not None else request.app.state.service
 
 
 @router.get("/health", response_model=HealthResponse)

@@ -1,0 +1,206 @@
+"""The shared training server (tinkergym.serve.training.shared): adapters opened with the server's token, each
+reached with its own token only, calls of several adapters run together and fairly, RemoteBackend unchanged."""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+pytest.importorskip("httpx")
+
+import torch  # noqa: E402
+import uvicorn  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
+
+from testkit import wait_until  # noqa: E402  # registered by tests/conftest.py
+from tinkergym.backends.remote import RemoteBackend  # noqa: E402
+from tinkergym.backends.torch.shared import LoraSessionConfig, SharedBase, SharedBaseConfig  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.serve.auth import token_digest  # noqa: E402
+from tinkergym.serve.training.shared import create_shared_app  # noqa: E402
+
+TOKEN = "s" * 40
+ADMIN = {"Authorization": f"Bearer {TOKEN}"}
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+def shared_app(tiny: str, run_dir: Path, **options: Any) -> tuple[TestClient, SharedBase]:
+    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", micro_batch_size=16, max_sessions=options.pop("max_adapters", 8)))
+    app = create_shared_app(base, run_dir=run_dir, token_digest=token_digest(TOKEN), **options)
+    return TestClient(app, raise_server_exceptions=False), base
+
+
+def fb(tokens: list[int], loss: str = "cross_entropy") -> dict[str, Any]:
+    return {"request": ForwardBackwardRequest([Datum(tokens, [0.0] + [1.0] * (len(tokens) - 1))], LossSpec(loss)).to_dict()}
+
+
+class Caller:
+    """One adapter's client over raw HTTP: a session and numbered calls."""
+
+    def __init__(self, http: TestClient, token: str) -> None:
+        self.http, self.headers = http, bearer(token)
+        self.session = http.post("/v1/sessions", headers=self.headers).json()["session_id"]
+        self.seq = 0
+
+    def post(self, method: str, args: dict[str, Any], wait: float = 30.0) -> Any:
+        self.seq += 1
+        body = {"session_id": self.session, "seq": self.seq, "method": method, "args": args}
+        return self.http.post(f"/v1/call?wait={wait}", headers=self.headers, json=body)
+
+
+def test_adapters_are_managed_with_the_servers_token_and_reached_with_their_own(tiny, tmp_path) -> None:
+    http, base = shared_app(tiny, tmp_path)
+    a = http.post("/v1/adapters", headers=ADMIN, json={"lora_rank": 4, "seed": 1}).json()
+    b = http.post("/v1/adapters", headers=ADMIN, json={"lora_rank": 8, "seed": 2}).json()
+    assert a["info"]["lora_rank"] == 4 and "model_path" not in a["info"] and "tokenizer" not in a["info"]
+    ta, tb = bearer(a["token"]), bearer(b["token"])
+    paths = {re.sub(r"\{[^}]+\}", "x", p) for p in http.get("/openapi.json", headers=ta).json()["paths"]}
+    assert {"/v1/adapters", "/v1/adapters/x", "/v1/call", "/v1/info", "/v1/sessions", "/v1/requests/x"} <= paths
+    for path in paths - {"/health"}:  # no token, a wrong one: 401 everywhere but /health
+        for method in ("GET", "POST", "DELETE"):
+            for headers in ({}, bearer("w" * 40)):
+                assert http.request(method, path, headers=headers, json={}).status_code in (401, 405), (method, path)
+    assert http.post("/v1/adapters", headers=ta, json={}).status_code == 403  # an adapter cannot open or close adapters
+    assert http.delete(f"/v1/adapters/{b['adapter_id']}", headers=ta).status_code == 403
+    assert http.get("/v1/adapters", headers=ta).status_code == 403
+    assert http.post("/v1/sessions", headers=ADMIN).status_code == 403  # the server's token trains no adapter
+    # Each token reaches its own adapter's calls, sessions, states and exports only.
+    caller_a = Caller(http, a["token"])
+    saved = caller_a.post("export", {"name": "mine", "merged": False})
+    assert saved.status_code == 200, saved.text
+    request_id = saved.json()["request_id"]
+    assert http.get(f"/v1/requests/{request_id}", headers=tb).status_code == 404
+    assert http.get("/v1/files/exports/mine/adapter_config.json", headers=tb).status_code == 404
+    assert http.get("/v1/files/exports/mine/adapter_config.json", headers=ta).status_code == 200
+    foreign = http.post("/v1/call", headers=tb, json={"session_id": caller_a.session, "seq": 2, "method": "optim_step",
+                                                       "args": {"params": OptimParams(learning_rate=1.0).to_dict()}})
+    assert foreign.status_code == 404 and base.sessions[1].step == 0
+    assert http.get("/v1/info", headers=tb).json()["lora_rank"] == 8
+    listing = http.get("/v1/adapters", headers=ADMIN).json()
+    assert {x["adapter_id"] for x in listing["adapters"]} == {a["adapter_id"], b["adapter_id"]}
+    held = listing["memory"]["sessions_bytes"]
+    # Closing frees the adapter's memory and ends its token.
+    assert http.delete(f"/v1/adapters/{a['adapter_id']}?purge=true", headers=ADMIN).json() == {"closed": True}
+    assert http.get("/v1/info", headers=ta).status_code == 401
+    assert http.get("/v1/adapters", headers=ADMIN).json()["memory"]["sessions_bytes"] == held - base.session_bytes(4)
+    assert not (tmp_path / "adapters" / a["adapter_id"]).exists()
+    assert http.delete(f"/v1/adapters/{a['adapter_id']}", headers=ADMIN).status_code == 404
+
+
+def test_opening_past_the_servers_bounds_is_refused_with_the_reason(tiny, tmp_path) -> None:
+    http, _ = shared_app(tiny, tmp_path, max_adapters=1)
+    too_big = http.post("/v1/adapters", headers=ADMIN, json={"lora_rank": 128})
+    assert too_big.status_code == 400 and "max_lora_rank 64" in too_big.text
+    assert http.post("/v1/adapters", headers=ADMIN, json={"lora_rank": 0}).status_code in (400, 422)
+    assert http.post("/v1/adapters", headers=ADMIN, json={}).status_code == 201
+    full = http.post("/v1/adapters", headers=ADMIN, json={})
+    assert full.status_code == 400 and "most sessions" in full.text
+
+
+def _submit(caller: Caller, method: str, args: dict[str, Any]) -> str:
+    response = caller.post(method, args, wait=0)
+    assert response.status_code in (200, 202), response.text
+    return response.json()["request_id"]
+
+
+@pytest.mark.parametrize("huge", [False, True])
+def test_rounds_take_adapters_in_turn_so_none_waits_behind_anothers_queue(tiny, tmp_path, huge) -> None:
+    http, base = shared_app(tiny, tmp_path, pass_tokens=40)
+    tokens = [http.post("/v1/adapters", headers=ADMIN, json={"seed": s}).json()["token"] for s in (1, 2)]
+    a, b = Caller(http, tokens[0]), Caller(http, tokens[1])
+    worker = http.app.state.shared.worker
+    row = list(range(5, 5 + (60 if huge else 6)))  # over the round's token budget, or well within it
+    with base._lock:  # the first call waits on the base while the queues fill
+        first = _submit(a, "forward_backward", fb(row))
+        wait_until("the first round to start", lambda: len(worker._running) == 1, timeout=10, every=0.01)
+        later = [_submit(a, "forward_backward", fb(row)) for _ in range(4)]
+        mine = _submit(b, "forward_backward", fb([7, 8, 9, 10]))
+    for request_id, headers in [(first, a.headers), *((r, a.headers) for r in later), (mine, b.headers)]:
+        assert http.get(f"/v1/requests/{request_id}?wait=60", headers=headers).status_code == 200
+    rounds = worker.rounds
+    assert sum(len(r) for r in rounds) == 6
+    assert [x[0] for x in rounds[0]] == [worker_id(http, 0)]
+    b_id = worker_id(http, 1)
+    assert any(adapter == b_id for adapter, _ in rounds[1]), f"b's call waited behind a's queue: {rounds}"
+    if huge:  # a call over the budget runs in a round of its own
+        assert all(len(r) == 1 for r in rounds)
+    else:
+        assert len(rounds[1]) == 2
+
+
+def worker_id(http: TestClient, index: int) -> str:
+    return list(http.app.state.shared.adapters)[index]
+
+
+@pytest.fixture
+def live_shared(tiny, tmp_path):
+    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", micro_batch_size=16))
+    app = create_shared_app(base, run_dir=tmp_path, token_digest=token_digest(TOKEN), gather_ms=100)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until("the server to start", lambda: server.started, timeout=10, every=0.01)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_remote_backends_train_adapters_together_as_each_would_alone(tiny, live_shared) -> None:
+    import httpx
+
+    url, app = live_shared
+    tokens = [httpx.post(f"{url}/v1/adapters", headers=ADMIN, json={"lora_rank": r, "lora_alpha": 2.0 * r, "seed": r}).json()["token"] for r in (4, 8)]
+    alone = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", micro_batch_size=16))
+    references = [alone.open_session(LoraSessionConfig(lora_rank=r, lora_alpha=2.0 * r, seed=r)) for r in (4, 8)]
+    sample = SampleRequest([[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=6, seed=3), num_samples=2)
+    results: dict[int, list[Any]] = {}
+    barrier = threading.Barrier(2)
+
+    def train(k: int) -> None:
+        remote = RemoteBackend(url, tokens[k])
+        out = []
+        for step in range(3):
+            barrier.wait(30)  # both adapters' calls arrive together, so rounds can share them
+            response = remote.sample(sample)
+            data = [Datum([5, 6, 7, *s.tokens], [0.0, 0.0, 0.0] + [1.0] * len(s.tokens), [0.5 - 0.25 * i] * (3 + len(s.tokens)),
+                          [0.0, 0.0, 0.0, *s.logprobs]) for i, s in enumerate(response.sequences[0])]
+            out.append((response, remote.forward_backward(ForwardBackwardRequest(data, LossSpec("ppo"))).metrics,
+                        remote.optim_step(OptimParams(learning_rate=5e-2))))
+        results[k] = out
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert set(results) == {0, 1}
+    for k, reference in enumerate(references):  # the same calls on a session alone
+        for response, metrics, optim in results[k]:
+            solo = reference.sample(sample)
+            assert [[s.tokens for s in row] for row in solo.sequences] == [[s.tokens for s in row] for row in response.sequences]
+            for row, solo_row in zip(response.sequences, solo.sequences):
+                for seq, solo_seq in zip(row, solo_row):
+                    assert seq.logprobs == pytest.approx(solo_seq.logprobs, abs=1e-5)
+            data = [Datum([5, 6, 7, *s.tokens], [0.0, 0.0, 0.0] + [1.0] * len(s.tokens), [0.5 - 0.25 * i] * (3 + len(s.tokens)),
+                          [0.0, 0.0, 0.0, *s.logprobs]) for i, s in enumerate(response.sequences[0])]
+            assert reference.forward_backward(ForwardBackwardRequest(data, LossSpec("ppo"))).metrics["loss"] == pytest.approx(metrics["loss"], abs=1e-5)
+            assert reference.optim_step(OptimParams(learning_rate=5e-2))["grad_norm"] == pytest.approx(optim["grad_norm"], rel=1e-4)
+    shared_rounds = [r for r in app.state.shared.worker.rounds if len({a for a, _ in r}) == 2]
+    assert shared_rounds, "no round ran both adapters' calls"
+    served = [s for s in app.state.shared.base.sessions.values()]
+    for mine, reference in zip(served, references):
+        for name, param in reference.params.items():
+            # Adam divides each gradient by its own scale: float-order differences of near-zero gradients grow to ~1e-5.
+            torch.testing.assert_close(mine.params[name], param, rtol=1e-3, atol=1e-4)

@@ -1,0 +1,432 @@
+"""The shared training server: one base model, many LoRA adapters, each with a token of its own (``tinkergym serve-shared``).
+
+The server's own token (the operator's, or a scheduler worker's) manages adapters: ``POST /v1/adapters`` opens one
+(its rank, alpha and seed; refused past ``--max-lora-rank``, ``--max-adapters`` or the memory budget, with the
+figures) and answers its id and a new random token, shown once (the server keeps its SHA-256 digest only);
+``GET /v1/adapters`` lists them with the memory they hold; ``DELETE /v1/adapters/{id}`` closes one and frees its
+memory. An adapter's token reaches that adapter alone, through the routes of the single training server
+(:mod:`tinkergym.serve.training.app`): ``/v1/info``, ``/v1/tokenizer``, ``/v1/sessions``, ``/v1/call``,
+``/v1/requests/{id}``, ``/v1/files/exports/...``, with its own call store (sequence numbers, exactly-once) and
+its own run folder (``<run-dir>/adapters/<id>/``). So :class:`~tinkergym.backends.remote.RemoteBackend` trains
+through an adapter unchanged, given the server's URL and the adapter's token.
+
+One thread runs every adapter's calls (:class:`SharedWorker`). Each adapter's calls run in the order they were
+numbered; across adapters, rounds take the next call of each adapter with one waiting, round-robin from a
+rotating start, up to ``pass_tokens`` tokens a round (a call larger than that runs in a round of its own), so one
+adapter's large or many calls never hold another's back for more than a round. A round starts ``gather_s`` after
+its first call arrived at the latest, sooner when every adapter has a call waiting. The ``forward_backward``, ``sample``
+and ``logprobs`` calls of a round run together on the base (:class:`~tinkergym.backends.torch.shared.SharedBase`),
+each failing alone; the others (``optim_step``, states, export) one by one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections import deque
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from pydantic import Field
+from starlette.responses import JSONResponse
+
+from tinkergym.errors import ConfigError
+from tinkergym.serve.asgi import BodyLimit, RequestLog, WireJSON, error_response
+from tinkergym.serve.auth import LeaseFile, bearer_matches, token_digest
+from tinkergym.serve.training.app import ERRORS, LOCAL_PATH_KEYS, PROTOCOL_VERSION, TrainingService, WireModel, _add_error_handlers, router
+from tinkergym.serve.training.calls import CallLimits, CallRecord, call_error, run_call
+
+#: Routes of the server's own token; every other route but /health serves one adapter.
+ADMIN_PREFIX = "/v1/adapters"
+CLOSED = "this adapter was closed (DELETE /v1/adapters/{id}) before the call ran"
+
+
+class AdapterCreate(WireModel):
+    lora_rank: int = Field(8, ge=1, le=4096, description="the adapter's rank (up to the server's --max-lora-rank)")
+    lora_alpha: float = Field(16.0, gt=0, le=1e6, description="the update is scaled by lora_alpha / lora_rank")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds the adapter's initialization and its sampling generator")
+
+
+class AdapterCreated(WireModel):
+    adapter_id: str
+    token: str = Field(description="the adapter's bearer token, shown once: every adapter route needs it")
+    info: dict[str, Any]
+
+
+def call_tokens(record: CallRecord) -> int:
+    """The tokens a call puts through the model, for the round's budget (0 for calls that run none)."""
+    call = record.call
+    if call is None:
+        return 0
+    if call.method == "sample":
+        request = call.args["request"]
+        return request.num_samples * (sum(map(len, request.prompts)) + len(request.prompts) * request.params.max_new_tokens)
+    if call.method == "forward_backward":
+        return sum(len(d.tokens) for d in call.args["request"].data)
+    if call.method == "logprobs":
+        return sum(map(len, call.args["sequences"]))
+    return 0
+
+
+@dataclass
+class _Queue:
+    records: deque[CallRecord] = field(default_factory=deque)
+    last_done: float = field(default_factory=time.monotonic)
+
+
+class WorkerPort:
+    """What one adapter's :class:`TrainingService` sees of the shared worker: its own queue."""
+
+    def __init__(self, worker: SharedWorker, adapter_id: str) -> None:
+        self.worker, self.adapter_id = worker, adapter_id
+
+    def submit(self, record: CallRecord) -> None:
+        self.worker.submit(self.adapter_id, record)
+
+    @property
+    def pending(self) -> int:
+        return self.worker.pending(self.adapter_id)
+
+    @property
+    def last_done(self) -> float:
+        return self.worker.last_done(self.adapter_id)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Nothing of its own to stop: the server stops the shared worker."""
+
+
+class SharedWorker:
+    """One thread that runs every adapter's calls in rounds (see the module docstring)."""
+
+    def __init__(self, base: Any, logger: logging.Logger, keep_states: int = 0, pass_tokens: int = 65536, gather_s: float = 0.005) -> None:
+        self.base, self.logger, self.keep_states, self.pass_tokens, self.gather_s = base, logger, keep_states, pass_tokens, gather_s
+        self.adapters: dict[str, tuple[Any, Path]] = {}  # id -> (session, run folder)
+        self._queues: dict[str, _Queue] = {}
+        self._running: set[str] = set()
+        self._cond = threading.Condition()
+        self._start = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.rounds: list[list[tuple[str, str]]] = []  # the last rounds' (adapter, method), newest last
+        self.last_activity = time.monotonic()
+
+    def add(self, adapter_id: str, session: Any, run_dir: Path) -> WorkerPort:
+        with self._cond:
+            self.adapters[adapter_id] = (session, run_dir)
+            self._queues[adapter_id] = _Queue()
+        return WorkerPort(self, adapter_id)
+
+    def remove(self, adapter_id: str) -> None:
+        """Forget an adapter; calls of it still waiting fail (409), one running finishes first."""
+        with self._cond:
+            queue = self._queues.pop(adapter_id, None)
+            while adapter_id in self._running:
+                self._cond.wait(1.0)
+            self.adapters.pop(adapter_id, None)
+        for record in (queue.records if queue else ()):
+            record.finish(error=call_error(ConfigError(CLOSED), record.request_id, self.logger))
+
+    def submit(self, adapter_id: str, record: CallRecord) -> None:
+        with self._cond:
+            queue = self._queues.get(adapter_id)
+            if queue is None:
+                record.finish(error=call_error(ConfigError(CLOSED), record.request_id, self.logger))
+                return
+            queue.records.append(record)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="tinkergym-shared-worker", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    def pending(self, adapter_id: str) -> int:
+        with self._cond:
+            queue = self._queues.get(adapter_id)
+            return (len(queue.records) if queue else 0) + (adapter_id in self._running)
+
+    def last_done(self, adapter_id: str) -> float:
+        queue = self._queues.get(adapter_id)
+        return queue.last_done if queue else self.last_activity
+
+    def busy(self) -> bool:
+        with self._cond:
+            return bool(self._running) or any(q.records for q in self._queues.values())
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def _take_round(self) -> list[tuple[str, CallRecord]]:
+        """The next call of each adapter with one waiting, round-robin from a rotating start, within the token budget."""
+        ids = [a for a, q in self._queues.items() if q.records]
+        if not ids:
+            return []
+        start = self._start % len(ids)
+        self._start += 1
+        taken: list[tuple[str, CallRecord]] = []
+        used = 0
+        for adapter_id in ids[start:] + ids[:start]:
+            record = self._queues[adapter_id].records[0]
+            cost = call_tokens(record)
+            if taken and used + cost > self.pass_tokens:
+                continue
+            taken.append((adapter_id, self._queues[adapter_id].records.popleft()))
+            used += cost
+        self._running = {a for a, _ in taken}
+        return taken
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopping and not any(q.records for q in self._queues.values()):
+                    self._cond.wait()
+                # Other adapters' calls often follow within moments (their clients step in lock-step): wait that long for them.
+                deadline = time.monotonic() + self.gather_s
+                while not self._stopping and not all(q.records for q in self._queues.values()) and time.monotonic() < deadline:
+                    self._cond.wait(deadline - time.monotonic())
+                if self._stopping:
+                    return
+                taken = self._take_round()
+            try:
+                self._run_round(taken)
+            finally:
+                with self._cond:
+                    now = time.monotonic()
+                    for adapter_id, _ in taken:
+                        if adapter_id in self._queues:
+                            self._queues[adapter_id].last_done = now
+                    self._running = set()
+                    self.last_activity = now
+                    self.rounds = [*self.rounds[-63:], [(a, r.method) for a, r in taken]]
+                    self._cond.notify_all()
+
+    def _run_round(self, taken: list[tuple[str, CallRecord]]) -> None:
+        start = time.perf_counter()
+        outcomes: dict[str, Any] = {}
+        ready = [(a, r) for a, r in taken if r.call is not None and a in self.adapters]
+        together = {"forward_backward": self.base.forward_backward_many, "sample": self.base.sample_many, "logprobs": self.base.logprobs_many}
+        for method, run in together.items():
+            mine = [(a, r) for a, r in ready if r.call is not None and r.call.method == method]
+            if not mine:
+                continue
+            args = [(self.adapters[a][0], _joint_args(r)) for a, r in mine]
+            try:
+                results = run(args)
+            except Exception as exc:  # noqa: BLE001 - a fault of the joint call itself fails its calls
+                results = [exc] * len(mine)
+            for (_, record), result in zip(mine, results):
+                outcomes[record.request_id] = result
+        for adapter_id, record in ready:
+            if record.request_id not in outcomes:
+                session, run_dir = self.adapters[adapter_id]
+                try:
+                    outcomes[record.request_id] = run_call(session, record.call, run_dir, self.keep_states)  # type: ignore[arg-type]
+                except Exception as exc:  # noqa: BLE001 - the call's stored outcome
+                    outcomes[record.request_id] = exc
+        for adapter_id, record in taken:
+            outcome = outcomes.get(record.request_id, ConfigError(CLOSED))
+            error = call_error(outcome, record.request_id, self.logger) if isinstance(outcome, BaseException) else None
+            result = None if error is not None else _result_json(record, outcome)
+            self.logger.info(json.dumps({
+                "event": "call", "request_id": record.request_id, "adapter": adapter_id, "session": record.session_id, "seq": record.seq,
+                "method": record.method, "ok": error is None, "round": len(taken), "duration_ms": round(1000 * (time.perf_counter() - start), 1),
+            }))
+            record.finish(result=result, error=error)
+
+
+def _joint_args(record: CallRecord) -> Any:
+    args = record.call.args  # type: ignore[union-attr]
+    return (args["sequences"], args["temperature"]) if record.method == "logprobs" else args["request"]
+
+
+def _result_json(record: CallRecord, outcome: Any) -> dict[str, Any]:
+    if record.method == "logprobs":
+        return {"logprobs": outcome}
+    if record.method in ("forward_backward", "sample"):
+        return outcome.to_dict()
+    return outcome
+
+
+@dataclass
+class Adapter:
+    adapter_id: str
+    session: Any
+    service: TrainingService
+    digest: bytes
+    run_dir: Path
+
+
+class SharedService:
+    """The base, its adapters and the shared worker: what the routes of one shared app share."""
+
+    def __init__(self, base: Any, run_dir: Path, logger: logging.Logger, keep_results: int, max_sessions: int, keep_states: int,
+                 limits: CallLimits, pass_tokens: int, gather_s: float) -> None:
+        self.base, self.run_dir, self.logger = base, run_dir, logger
+        self.keep_results, self.max_sessions, self.keep_states, self.limits = keep_results, max_sessions, keep_states, limits
+        self.worker = SharedWorker(base, logger, keep_states, pass_tokens, gather_s)
+        self.adapters: dict[str, Adapter] = {}
+        self._by_digest: dict[bytes, Adapter] = {}
+        self._lock = threading.Lock()
+
+    def open(self, body: AdapterCreate) -> dict[str, Any]:
+        from tinkergym.backends.torch.shared import LoraSessionConfig
+
+        session = self.base.open_session(LoraSessionConfig(lora_rank=body.lora_rank, lora_alpha=body.lora_alpha, seed=body.seed))
+        adapter_id, token = secrets.token_hex(8), secrets.token_urlsafe(32)
+        folder = self.run_dir / "adapters" / adapter_id
+        folder.mkdir(parents=True, exist_ok=True)
+        service = TrainingService(session, folder, self.logger, self.keep_results, self.max_sessions, self.keep_states, self.limits,
+                                  worker=self.worker.add(adapter_id, session, folder))
+        adapter = Adapter(adapter_id, session, service, token_digest(token), folder)
+        with self._lock:
+            self.adapters[adapter_id] = adapter
+            self._by_digest[adapter.digest] = adapter
+        self.logger.info(json.dumps({"event": "adapter_opened", "adapter": adapter_id, "lora_rank": body.lora_rank}))
+        return {"adapter_id": adapter_id, "token": token, "info": service.info()}
+
+    def close(self, adapter_id: str, purge: bool) -> bool:
+        with self._lock:
+            adapter = self.adapters.pop(adapter_id, None)
+            if adapter is None:
+                return False
+            self._by_digest.pop(adapter.digest, None)
+        self.worker.remove(adapter_id)
+        self.base.close_session(adapter.session)
+        if purge:
+            shutil.rmtree(adapter.run_dir, ignore_errors=True)
+        self.logger.info(json.dumps({"event": "adapter_closed", "adapter": adapter_id, "purged": purge}))
+        return True
+
+    def by_token(self, authorization: str | None) -> Adapter | None:
+        if not authorization:
+            return None
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None
+        # A dict keyed by the SHA-256 digest: the digest of a guess tells nothing about the tokens held.
+        return self._by_digest.get(hashlib.sha256(token.strip().encode("utf-8")).digest())
+
+    def listing(self) -> dict[str, Any]:
+        info = {k: v for k, v in self.base.info().items() if k not in LOCAL_PATH_KEYS} if hasattr(self.base, "info") else {}
+        model = info.get("model")
+        if isinstance(model, str) and (os.path.isabs(model) or os.path.exists(model)):
+            info["model"] = Path(model).name
+        adapters = [{"adapter_id": a.adapter_id, "lora_rank": a.session.config.lora_rank, "lora_alpha": a.session.config.lora_alpha,
+                     "step": a.session.step, "pending": self.worker.pending(a.adapter_id)} for a in self.adapters.values()]
+        return {"base": info, "memory": self.base.memory(), "adapters": adapters, "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()}
+
+    def last_activity(self) -> float:
+        if self.worker.busy():
+            return time.monotonic()
+        return max([self.worker.last_activity, *(a.service.last_activity() for a in self.adapters.values())])
+
+
+admin = APIRouter(prefix=ADMIN_PREFIX, tags=["adapters"])
+
+
+def _shared(request: Request) -> SharedService:
+    return request.app.state.shared
+
+
+@admin.post("", status_code=201, response_model=AdapterCreated, responses=ERRORS)
+async def open_adapter(body: AdapterCreate, request: Request) -> dict[str, Any]:
+    """Open an adapter on the base; its token is in the answer only."""
+    return await run_in_threadpool(_shared(request).open, body)
+
+
+@admin.get("", responses=ERRORS)
+async def list_adapters(request: Request) -> dict[str, Any]:
+    """The base, the memory it and each adapter hold, and the adapters."""
+    return await run_in_threadpool(_shared(request).listing)
+
+
+@admin.delete("/{adapter_id}", responses=ERRORS)
+async def close_adapter(adapter_id: str, request: Request, purge: bool = Query(False, description="also delete its states and exports")) -> Any:
+    """Close an adapter: its waiting calls fail, its token stops working, its memory is freed."""
+    if not await run_in_threadpool(_shared(request).close, adapter_id[:64], purge):
+        return error_response(404, "not_found", f"no open adapter {adapter_id[:64]!r}")
+    return {"closed": True}
+
+
+def _refusal(status: int, kind: str, message: str) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else {}
+    return JSONResponse({"error": {"type": kind, "message": message, "code": status}}, status_code=status, headers=headers)
+
+
+def _authenticate(app: FastAPI, shared: SharedService, admin_digest: bytes, lease: LeaseFile | None) -> None:
+    @app.middleware("http")
+    async def authenticate(request, call_next):
+        path = request.url.path
+        if path == "/health":
+            return await call_next(request)
+        authorization = request.headers.get("authorization")
+        is_admin = bearer_matches(authorization, admin_digest)
+        adapter = None if is_admin else shared.by_token(authorization)
+        if not is_admin and adapter is None:
+            return _refusal(401, "unauthorized", "missing or wrong bearer token (Authorization: Bearer <token>)")
+        if lease is not None and lease.ended():
+            return _refusal(401, "lease_ended", "this server's lease has ended, so it takes no more calls; connect through the scheduler")
+        on_admin_route = path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
+        if on_admin_route and not is_admin:
+            return _refusal(403, "forbidden", "adapters are opened and closed with the server's token, not an adapter's")
+        if not on_admin_route:
+            if adapter is None:
+                return _refusal(403, "forbidden", "this route serves one adapter: call it with that adapter's token (POST /v1/adapters answers it)")
+            request.state.service = adapter.service
+        return await call_next(request)
+
+
+def create_shared_app(
+    base: Any,
+    *,
+    run_dir: str | os.PathLike[str],
+    token_digest: bytes,
+    max_body_mb: float = 64,
+    logger: logging.Logger | None = None,
+    keep_results: int = 16,
+    keep_states: int = 0,
+    max_sessions: int = 64,
+    limits: CallLimits = CallLimits(),
+    lease: LeaseFile | None = None,
+    pass_tokens: int = 65536,
+    gather_ms: float = 5.0,
+) -> FastAPI:
+    """A FastAPI app serving the adapters of ``base`` (a :class:`~tinkergym.backends.torch.shared.SharedBase`).
+
+    ``token_digest`` is the server's own token's (it manages adapters); ``pass_tokens`` bounds the tokens of one
+    round of calls across adapters; a round waits up to ``gather_ms`` for other adapters' calls; the other arguments mean what they mean for
+    :func:`~tinkergym.serve.training.app.create_app`, per adapter.
+    """
+    folder = Path(run_dir).resolve()
+    folder.mkdir(parents=True, exist_ok=True)
+    log = logger or logging.getLogger("tinkergym.serve.training.app")
+    shared = SharedService(base, folder, log, keep_results, max_sessions, keep_states, limits, pass_tokens, gather_ms / 1000)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await run_in_threadpool(shared.worker.stop)
+
+    app = FastAPI(title="tinkergym shared training server", version=str(PROTOCOL_VERSION), lifespan=lifespan,
+                  docs_url=None, redoc_url=None, default_response_class=WireJSON)
+    app.state.shared = shared
+    app.include_router(admin)
+    app.include_router(router)
+    _add_error_handlers(app, log)
+    app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 1024 * 1024), hint="send the batch in several forward_backward calls (--max-body-mb)")
+    _authenticate(app, shared, token_digest, lease)
+    app.add_middleware(RequestLog, logger=log)
+    return app
