@@ -179,6 +179,18 @@ def test_remote_step_quick() -> None:
     assert result["median"]["requests"] >= 3 and result["ratio"] > 0 and len(result["steps"]) == 2
 
 
+@pytest.mark.slow
+def test_shared_lora_quick() -> None:
+    report, _ = run_benchmark("shared_lora.py", "--quick", "--json")
+    check_machine(report["machine"])
+    results = {(r["layout"], r["k"]): r for r in report["results"]}
+    assert set(results) == {(layout, k) for layout in ("shared", "separate", "time_sliced") for k in (1, 2)}
+    for (_, k), r in results.items():
+        assert r["median"]["tokens_per_s"] > 0 and r["peak_rss_bytes"] >= r["loaded_rss_bytes"] > 0
+        assert len(r["median"]["job_s"]) == k and all(s > 0 for s in r["median"]["job_s"])
+    assert set(report["ratios"]) == {"1", "2"} and all(v > 0 for row in report["ratios"].values() for v in row.values())
+
+
 def test_env_throughput_quick() -> None:
     import tinkergym
 

@@ -171,7 +171,7 @@ def test_remote_backends_train_adapters_together_as_each_would_alone(tiny, live_
     def train(k: int) -> None:
         remote = RemoteBackend(url, tokens[k])
         out = []
-        for step in range(3):
+        for _ in range(3):
             barrier.wait(30)  # both adapters' calls arrive together, so rounds can share them
             response = remote.sample(sample)
             data = [Datum([5, 6, 7, *s.tokens], [0.0, 0.0, 0.0] + [1.0] * len(s.tokens), [0.5 - 0.25 * i] * (3 + len(s.tokens)),
