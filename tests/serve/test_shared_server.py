@@ -204,3 +204,51 @@ def test_remote_backends_train_adapters_together_as_each_would_alone(tiny, live_
         for name, param in reference.params.items():
             # Adam divides each gradient by its own scale: float-order differences of near-zero gradients grow to ~1e-5.
             torch.testing.assert_close(mine.params[name], param, rtol=1e-3, atol=1e-4)
+
+
+def test_serve_shared_trains_two_runs_of_tinkergym_train_through_their_adapters(tiny, tmp_path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import httpx
+
+    from testkit import exited_output, wait_until_answers  # noqa: E402
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "TINKERGYM_CACHE": str(tmp_path / "cache")}
+    server = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve-shared", "--model", tiny, "--dtype", "float32", "--port", str(port),
+                               "--token-file", str(token_file), "--run-dir", str(tmp_path / "server"), "--gather-ms", "50"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_until_answers(f"{url}/health", timeout=120, process=server, output=exited_output(server))
+        runs = []
+        for k in range(2):
+            opened = httpx.post(f"{url}/v1/adapters", headers=ADMIN, json={"lora_rank": 4 * (k + 1), "seed": k}).json()
+            adapter_token = tmp_path / f"adapter{k}"
+            adapter_token.write_text(opened["token"] + "\n")
+            adapter_token.chmod(0o600)
+            out = tmp_path / f"run{k}"
+            runs.append((out, subprocess.Popen(
+                [sys.executable, "-m", "tinkergym", "train", "--env", "tinker/Bandit-v0", "--steps", "2", "--batch-size", "2", "--group-size", "4",
+                 "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--out", str(out), "--backend-url", url, "--backend-token-file", str(adapter_token)],
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)))
+        for out, process in runs:
+            output, _ = process.communicate(timeout=300)
+            assert process.returncode == 0, output[-3000:]
+            assert (out / "final" / "adapter_config.json").is_file()
+            assert json.loads((out / "config.json").read_text())["lora_rank"] in (4, 8)
+        listing = httpx.get(f"{url}/v1/adapters", headers=ADMIN).json()
+        assert len(listing["adapters"]) == 2 and all(a["step"] >= 1 for a in listing["adapters"])  # a step with no advantage applies nothing
+        rounds = [json.loads(line) for line in (tmp_path / "server" / "server.log").read_text().splitlines() if '"event": "call"' in line]
+        assert any(r.get("round", 1) == 2 for r in rounds), "no round ran both runs' calls"
+    finally:
+        server.terminate()
+        server.wait(30)

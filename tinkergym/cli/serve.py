@@ -41,6 +41,48 @@ def request_logger(run_dir: Path) -> logging.Logger:
     return logger
 
 
+def call_limit_options(command: Any) -> Any:
+    """The --max-* options that bound one call (see :class:`~tinkergym.serve.training.calls.CallLimits`)."""
+    options = [
+        click.option("--max-num-samples", type=click.IntRange(min=1), default=CallLimits.num_samples, show_default=True, help="Most completions per prompt in one sample call."),
+        click.option("--max-request-new-tokens", type=click.IntRange(min=1), default=CallLimits.new_tokens, show_default=True, help="Most max_new_tokens of one sample call."),
+        click.option("--max-request-sequences", type=click.IntRange(min=1), default=CallLimits.sequences, show_default=True,
+                     help="Most sequences one call holds: a sample call's prompts x num_samples, a training or scoring call's rows."),
+        click.option("--max-request-tokens", type=click.IntRange(min=1), default=CallLimits.tokens, show_default=True,
+                     help="Most tokens one call holds: prompt plus new tokens of every sequence a sample call makes, a training call's row lengths."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def call_limits(max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int) -> CallLimits:
+    return CallLimits(num_samples=max_num_samples, new_tokens=max_request_new_tokens, sequences=max_request_sequences, tokens=max_request_tokens)
+
+
+def run_server(app: Any, host: str, port: int, limits: Any, idle_timeout: float | None, exit_with_parent: bool,
+               last_activity: Any, logger: logging.Logger) -> None:
+    """Serve ``app`` under uvicorn until stopped; with ``idle_timeout`` or ``exit_with_parent``, a watchdog stops it (exit 75, 76)."""
+    import uvicorn
+
+    from tinkergym.serve.slow_clients import server_config
+
+    # Long polls hold requests open for up to 300 s: on Ctrl-C, do not wait for them.
+    # Keep-alive well past the client's pauses between calls (rollouts, env steps), so its connection is reused.
+    server = uvicorn.Server(server_config(app, limits, host=host, port=port,
+                                         access_log=False, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=75))
+    watchdog = None
+    if idle_timeout is not None or exit_with_parent:
+        from tinkergym.serve.lifetime import Watchdog
+
+        watchdog = Watchdog(parent_pid=os.getppid() if exit_with_parent else None, idle_timeout=idle_timeout,
+                            last_activity=last_activity, logger=logger,
+                            stop=lambda _code: setattr(server, "should_exit", True)).start()
+    server.run()
+    if watchdog is not None and watchdog.exit_code is not None:
+        sys.exit(watchdog.exit_code)
+
+
 @click.command("serve-backend")
 @click.option("--model", required=True, help="Model name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
 @click.option("--lora-rank", type=click.IntRange(min=1), default=None, help=f"LoRA rank (default {DEFAULT_LORA_RANK}).")
@@ -70,12 +112,7 @@ def request_logger(run_dir: Path) -> logging.Logger:
 @click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
 @click.option("--lease-file", type=SafePath(dir_okay=False, path_type=Path), default=None,
               help="A scheduler's worker renews the lease's deadline in this file; past it every call is refused (401 lease_ended).")
-@click.option("--max-num-samples", type=click.IntRange(min=1), default=CallLimits.num_samples, show_default=True, help="Most completions per prompt in one sample call.")
-@click.option("--max-request-new-tokens", type=click.IntRange(min=1), default=CallLimits.new_tokens, show_default=True, help="Most max_new_tokens of one sample call.")
-@click.option("--max-request-sequences", type=click.IntRange(min=1), default=CallLimits.sequences, show_default=True,
-              help="Most sequences one call holds: a sample call's prompts x num_samples, a training or scoring call's rows.")
-@click.option("--max-request-tokens", type=click.IntRange(min=1), default=CallLimits.tokens, show_default=True,
-              help="Most tokens one call holds: prompt plus new tokens of every sequence a sample call makes, a training call's row lengths.")
+@call_limit_options
 @connection_options
 def serve_backend(
     model: str, lora_rank: int | None, full: bool, lora_alpha: float | None, lora_dropout: float, micro_batch_size: int,
@@ -109,11 +146,10 @@ def serve_backend(
     from tinkergym.errors import ConfigError
 
     with environment_faults():  # this machine's faults (a package, the model's files, a device) exit 69, not 2
-        import uvicorn
+        import uvicorn  # noqa: F401 - a missing package is this machine's fault, found before the model loads
 
         from tinkergym.backends.models import resolve_model
         from tinkergym.serve.training.app import create_app
-        from tinkergym.serve.slow_clients import server_config
         from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -128,22 +164,9 @@ def serve_backend(
             raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
         backend = TorchBackend(config)
     app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()),
-                     keep_states=keep_states, limits=CallLimits(num_samples=max_num_samples, new_tokens=max_request_new_tokens,
-                                                                sequences=max_request_sequences, tokens=max_request_tokens),
+                     keep_states=keep_states, limits=call_limits(max_num_samples, max_request_new_tokens, max_request_sequences, max_request_tokens),
                      lease=LeaseFile(lease_file) if lease_file is not None else None)
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
-    # Long polls hold requests open for up to 300 s: on Ctrl-C, do not wait for them.
-    # Keep-alive well past the client's pauses between calls (rollouts, env steps), so its connection is reused.
-    server = uvicorn.Server(server_config(app, connection_limits(header_timeout, body_timeout, max_connections), host=host, port=port,
-                                         access_log=False, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=75))
-    watchdog = None
-    if idle_timeout is not None or exit_with_parent:
-        from tinkergym.serve.lifetime import Watchdog
-
-        service = app.state.service
-        watchdog = Watchdog(parent_pid=os.getppid() if exit_with_parent else None, idle_timeout=idle_timeout,
-                            last_activity=service.last_activity, logger=service.logger,
-                            stop=lambda _code: setattr(server, "should_exit", True)).start()
-    server.run()
-    if watchdog is not None and watchdog.exit_code is not None:
-        sys.exit(watchdog.exit_code)
+    service = app.state.service
+    run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
+               service.last_activity, service.logger)
