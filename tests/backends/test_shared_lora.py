@@ -229,3 +229,27 @@ def test_a_session_resumes_from_its_saved_state_bit_for_bit(tiny, tmp_path) -> N
     wrong = base.open_session(LoraSessionConfig(lora_rank=8))
     with pytest.raises(ConfigError, match="other adapter weights"):
         wrong.load_state(str(tmp_path / "state"))
+
+
+def test_the_prefix_cache_serves_each_sessions_next_turn_from_its_own_keys(tiny, adapters) -> None:
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, seed=4)
+    mixed_base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32"))
+    mixed = _sessions(mixed_base, adapters)
+    first = [[11, 12, 13, 14], [20, 21, 22]]
+    turn1 = mixed_base.sample_many([(s, SampleRequest(prompts=first, params=params)) for s in mixed])
+    # The next turn of each conversation: its prompt, what the session sampled, and a reply.
+    second = [[[*p, *row[0].tokens, 30, 31] for p, row in zip(first, r.sequences)] for r in turn1]
+    reused = mixed_base.prefix_cache.stats.reused_tokens
+    turn2 = mixed_base.sample_many([(s, SampleRequest(prompts=second[k], params=params)) for k, s in enumerate(mixed)])
+    assert mixed_base.prefix_cache.stats.reused_tokens - reused >= sum(len(p) for p in first) * len(mixed)
+    fresh = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", prefix_cache_mb=0))
+    uncached = _sessions(fresh, adapters)
+    for k, session in enumerate(uncached):  # keys from the cache give the tokens a full prefill gives
+        solo = session.sample(SampleRequest(prompts=second[k], params=params))
+        assert [[s.tokens for s in row] for row in solo.sequences] == [[s.tokens for s in row] for row in turn2[k].sequences]
+    # A session that steps drops its own entries, and no other's.
+    scopes = {e.scope for e in mixed_base.prefix_cache.entries.values()}
+    assert scopes == {s.id for s in mixed}
+    mixed[0].forward_backward(_requests(3)[1])
+    mixed[0].optim_step(OptimParams(learning_rate=1e-2))
+    assert {e.scope for e in mixed_base.prefix_cache.entries.values()} == scopes - {mixed[0].id}

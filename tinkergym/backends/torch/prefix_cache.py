@@ -75,13 +75,20 @@ class PrefixCache:
         """Drop every entry (the weights changed: their keys and values are stale)."""
         self.entries.clear()
 
-    def match(self, prompt: Sequence[int]) -> tuple[CachedPrefix | None, int]:
-        """The longest entry whose tokens ``prompt`` continues, and its length (``(None, 0)``: none).
+    def drop_scope(self, scope: Any) -> None:
+        """Drop the entries of one scope (its weights changed: a shared base's session stepped or loaded a state)."""
+        for key in [k for k, e in self.entries.items() if e.scope == scope]:
+            del self.entries[key]
+
+    def match(self, prompt: Sequence[int], scope: Any = ...) -> tuple[CachedPrefix | None, int]:
+        """The longest entry whose tokens ``prompt`` continues, and its length (``(None, 0)``: none), under ``scope``
+        (default: :attr:`scope`; a shared base passes each row's own).
 
         Only an entry the prompt strictly extends matches (a later turn of its conversation): the prompt's
         last token always runs, its logits start the decode, and a prompt asked for again finds no entry of
         its own, so a seeded request repeats bit for bit.
         """
+        scope = self.scope if scope is ... else scope
         limit = len(prompt) - 1
         if limit <= 0 or not self.entries:
             return None, 0
@@ -89,29 +96,31 @@ class PrefixCache:
         best_key, best = None, 0
         for key, entry in self.entries.items():
             n = len(entry.tokens)
-            if best < n <= limit and entry.scope == self.scope and np.array_equal(entry.tokens, ids[:n]):
+            if best < n <= limit and entry.scope == scope and np.array_equal(entry.tokens, ids[:n]):
                 best_key, best = key, n
         if best_key is None:
             return None, 0
         self.entries.move_to_end(best_key)
         return self.entries[best_key], best
 
-    def store(self, tokens: Sequence[int], layers: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Keep ``layers`` (each ``[H, len(tokens), D]``, owned by the cache from now on) as the entry for ``tokens``.
+    def store(self, tokens: Sequence[int], layers: list[tuple[torch.Tensor, torch.Tensor]], scope: Any = ...) -> None:
+        """Keep ``layers`` (each ``[H, len(tokens), D]``, owned by the cache from now on) as the entry for ``tokens``
+        under ``scope`` (default: :attr:`scope`).
 
         Entries the new one extends are evicted first from now on (the new one holds all they hold); they
         stay while there is room, so a request asked for again starts from the same entry as before.
         """
         if self.max_bytes <= 0 or len(tokens) == 0:
             return
-        entry = CachedPrefix(np.asarray(tokens, dtype=np.int64), layers, self.scope)
+        scope = self.scope if scope is ... else scope
+        entry = CachedPrefix(np.asarray(tokens, dtype=np.int64), layers, scope)
         size = entry.nbytes
         if size > self.max_bytes:
             return
         n = len(entry.tokens)
         for key, old in list(self.entries.items()):
             m = len(old.tokens)
-            if old.scope != self.scope:
+            if old.scope != scope:
                 continue
             if m >= n and np.array_equal(old.tokens[:n], entry.tokens):
                 self.entries.move_to_end(key)  # already held

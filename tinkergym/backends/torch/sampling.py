@@ -166,7 +166,7 @@ def prefill(
     unique_adapters = None if adapters is None else ([a for a, _ in distinct] if share_prompts else adapters)
     input_ids, attention, positions = left_pad(unique, pad_id, device)
     mask = attention if len({len(p) for p in unique}) > 1 else None  # no padding: no mask to inspect (see _decode)
-    past, kept = _cached_columns(unique, prefix_cache) if prefix_cache is not None else (None, 0)
+    past, kept = _cached_columns(unique, prefix_cache, unique_adapters) if prefix_cache is not None else (None, 0)
     with rows_through(unique_adapters):
         out = model(
             input_ids=input_ids[:, kept:],
@@ -184,17 +184,18 @@ def prefill(
     return logits_BV, cache, attention, positions
 
 
-def _cached_columns(prompts: list[list[int]], prefix_cache: PrefixCache) -> tuple[object | None, int]:
+def _cached_columns(prompts: list[list[int]], prefix_cache: PrefixCache, scopes: list[int] | None = None) -> tuple[object | None, int]:
     """``(cache, kept)``: a KV cache of the left-padded prompts' first ``kept`` columns from ``prefix_cache``, or ``(None, 0)``.
 
     Every row runs the same last ``run`` columns, ``run`` being the most any prompt has left once its cached
     prefix is taken: a row with less left runs the end of its cached prefix again, which is exact (those
     positions' keys are computed from the columns before them, as in a full prefill). Rows stay left-padded
     and contiguous, so every position keeps its cache index (what sliding-window and chunked masks measure).
+    ``scopes``: each row's own scope (its adapter on a shared base); default the cache's.
     """
     from transformers import DynamicCache
 
-    matches = [prefix_cache.match(p) for p in prompts]
+    matches = [prefix_cache.match(p) if scopes is None else prefix_cache.match(p, scopes[i]) for i, p in enumerate(prompts)]
     width = max(len(p) for p in prompts)
     run = max(len(p) - n for p, (_, n) in zip(prompts, matches))
     kept = width - run
@@ -217,8 +218,9 @@ def _cached_columns(prompts: list[list[int]], prefix_cache: PrefixCache) -> tupl
     return cache, kept
 
 
-def store_rows(prefix_cache: PrefixCache, cache: object, prompts: list[list[int]], completions: list[list[int]]) -> None:
-    """Keep each row's keys and values for its prompt and the sampled ids the model ran, in ``prefix_cache``.
+def store_rows(prefix_cache: PrefixCache, cache: object, prompts: list[list[int]], completions: list[list[int]], scopes: list[int] | None = None) -> None:
+    """Keep each row's keys and values for its prompt and the sampled ids the model ran, in ``prefix_cache`` (under each
+    row's scope in ``scopes``, default the cache's).
 
     Only caches of plain full-attention layers are kept (sliding-window layers hold just their window).
     """
@@ -231,7 +233,10 @@ def store_rows(prefix_cache: PrefixCache, cache: object, prompts: list[list[int]
         fed = min(len(completion), ran)
         start, end = width - len(prompt), width + fed
         kv = [(layer.keys[row, :, start:end].clone(), layer.values[row, :, start:end].clone()) for layer in layers]
-        prefix_cache.store([*prompt, *completion[:fed]], kv)
+        if scopes is None:
+            prefix_cache.store([*prompt, *completion[:fed]], kv)
+        else:
+            prefix_cache.store([*prompt, *completion[:fed]], kv, scopes[row])
 
 
 def _preallocated(cache: object, extra: int) -> object:
@@ -313,10 +318,8 @@ def sample_batch(
     Whether every row has stopped is read back every ``check_interval`` steps (see the module docstring).
     With a ``prefix_cache``, prompts start from what it holds, and every row's keys and values are kept in it
     afterwards (see :mod:`~tinkergym.backends.torch.prefix_cache`). ``adapters``: each prompt's adapter on a shared
-    base (see :mod:`~tinkergym.backends.torch.row_adapters`); a shared base passes no prefix cache.
+    base (see :mod:`~tinkergym.backends.torch.row_adapters`), which is also its scope in the prefix cache.
     """
-    if adapters is not None and prefix_cache is not None:
-        raise ValueError("the prefix cache is scoped by one adapter: rows of several adapters sample without it")
     limit = padded_length_limit(model)
     widths = sorted({len(p) for p in prompts})
     if limit is not None and len(widths) > 1 and widths[-1] + params.max_new_tokens > limit:
@@ -345,7 +348,7 @@ def sample_batch(
         n = next((i + 1 for i, token in enumerate(ids) if token in stops), steps)
         out.append(SampledSequence(tokens=ids[:n], logprobs=logprobs[:n], finish_reason="stop" if ids[:n] and ids[n - 1] in stops else "length"))
     if prefix_cache is not None and prefix_cache.max_bytes > 0:
-        store_rows(prefix_cache, cache, prompts, [seq.tokens for seq in out])
+        store_rows(prefix_cache, cache, prompts, [seq.tokens for seq in out], adapters)
     return out
 
 

@@ -21,9 +21,9 @@ calls of several sessions together:
 
 Memory: the base once, plus per session its adapter, gradients and AdamW's two moments (four times the adapter
 in float32), plus the activations of a pass. :meth:`SharedBase.memory` reports it; a session that would take
-the sessions past ``memory_budget_mb`` is refused with the figures. The prefix cache, gradient checkpointing
-and LoRA dropout are not offered on a shared base (each would need the per-row adapters where they are not
-known: across calls, or in a recomputation).
+the sessions past ``memory_budget_mb`` is refused with the figures. The prefix cache is shared, each entry scoped
+by its session. Gradient checkpointing and LoRA dropout are not offered on a shared base (a recomputation runs
+where the rows' adapters are no longer known).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from tinkergym.backends.models import resolve_model
 from tinkergym.backends.torch import losses, multi_lora
 from tinkergym.backends.torch.batches import Batch, adamw_step, check_weights_finite, collate, validate_data
 from tinkergym.backends.torch.copies import kv_token_cost
+from tinkergym.backends.torch.prefix_cache import PrefixCache
 from tinkergym.backends.torch.runtime import DTYPES, load_causal_lm, resolve_attn_implementation, resolve_device, resolve_dtype
 from tinkergym.backends.torch.sampling import RowGenerators, sample_batch
 from tinkergym.backends.torch.scoring import MicroBatch, logprobs_from, padded_length_limit, plan_micro_batches, sequence_logprobs
@@ -79,6 +80,8 @@ class SharedBaseConfig(_Plain):
         max_lora_rank: The largest rank a session may ask for.
         max_sessions: Sessions open at once.
         memory_budget_mb: Memory for the sessions' adapters, gradients and optimizer states (0: no bound).
+        prefix_cache_mb: Memory for the prefix cache, shared by the sessions; each entry is scoped by its session's
+            adapter and dropped when that adapter changes (:mod:`~tinkergym.backends.torch.prefix_cache`); 0 turns it off.
     """
 
     model: str = "tiny"
@@ -92,6 +95,7 @@ class SharedBaseConfig(_Plain):
     max_lora_rank: int = 64
     max_sessions: int = 64
     memory_budget_mb: float = 0.0
+    prefix_cache_mb: float = 1024.0
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -100,8 +104,9 @@ class SharedBaseConfig(_Plain):
         for name in ("micro_batch_size", "max_sample_batch", "max_lora_rank", "max_sessions"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, not {getattr(self, name)}")
-        if not self.memory_budget_mb >= 0:
-            raise ConfigError(f"memory_budget_mb must be 0 (no bound) or more, not {self.memory_budget_mb}")
+        for name in ("memory_budget_mb", "prefix_cache_mb"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ConfigError(f"{name} must be 0 (none) or more, not {getattr(self, name)}")
 
 
 @dataclass
@@ -133,6 +138,7 @@ class SharedBase:
         self.model = model.to(self.device).requires_grad_(False)
         self.layers = multi_lora.inject(self.model, self.config.lora_target_modules)
         self.sessions: dict[int, LoraSession] = {}
+        self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))
         self._next_id = 1
         self._lock = threading.RLock()  # one pass at a time over the shared model
         fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
@@ -176,6 +182,7 @@ class SharedBase:
         with self._lock:
             if self.sessions.pop(session.id, None) is not None:
                 multi_lora.remove_adapter(self.layers, session.id)
+                self.prefix_cache.drop_scope(session.id)
                 session._close()
 
     def _compute(self) -> contextlib.AbstractContextManager:
@@ -309,7 +316,8 @@ class SharedBase:
         rng = RowGenerators(segments) if params.temperature > 0 else None
         start_state = [g.get_state() for _, g in segments]
         with self._compute():
-            sequences = sample_batch(self.model, prompts, params, stop_ids, self.pad_id, rng, self.config.share_prefixes, adapters=adapters)
+            sequences = sample_batch(self.model, prompts, params, stop_ids, self.pad_id, rng, self.config.share_prefixes,
+                                     prefix_cache=self.prefix_cache, adapters=adapters)
         if rng is not None:  # each generator as its own batch would leave it: after the step its last row stopped
             rng.settle(start_state, [max(len(sequences[i].tokens) for i in span) - 1 for span, _ in segments])
         for (k, _, _), (span, _) in zip(pieces, segments):
@@ -412,6 +420,10 @@ class LoraSession:
         self.params = {}
         self.optimizer = torch.optim.AdamW([torch.zeros(1)], lr=0.0)
 
+    def _weights_changed(self) -> None:
+        """The adapter changed (or a state was saved, which a resumed run starts from with no cache): its cached prefixes go."""
+        self.base.prefix_cache.drop_scope(self.id)
+
     def _saved(self, grads: bool) -> tuple[torch.Tensor, list[torch.Tensor | None] | None]:
         """What a failed joint call must put back: the generator's state, and with ``grads`` the accumulated gradients."""
         kept = [None if p.grad is None else p.grad.clone() for p in self.params.values()] if grads else None
@@ -460,6 +472,7 @@ class LoraSession:
             metrics, stepped = adamw_step(self.optimizer, trainable, params, self.step)
             if stepped:
                 self.step += 1
+                self._weights_changed()
                 check_weights_finite(trainable, self.step, params.learning_rate)
         return metrics
 
@@ -468,6 +481,7 @@ class LoraSession:
         from safetensors.torch import save_file
 
         self._check_open()
+        self._weights_changed()  # a run resumed from here starts with no cached prefixes: so does this one
         tmp = fresh_tmp_dir(path)
         save_file({n: p.detach().cpu().contiguous() for n, p in self.params.items()}, os.path.join(tmp, "trainable.safetensors"))
         write_optimizer_state(tmp, self.optimizer.state_dict())
@@ -498,6 +512,7 @@ class LoraSession:
         self.optimizer.load_state_dict(optimizer_state)
         self.generator.set_state(generator_state)
         self.step = int(meta["step"])
+        self._weights_changed()
 
     def load_adapter(self, path: str) -> None:
         """Start from the weights of a peft LoRA folder of this session's rank (an export, a published adapter)."""
@@ -510,6 +525,7 @@ class LoraSession:
         with torch.no_grad():
             for name, param in self.params.items():
                 param.copy_(weights[name])
+        self._weights_changed()
 
     def _check_weights(self, weights: dict[str, torch.Tensor], path: str) -> None:
         mismatched = [n for n, p in self.params.items() if n not in weights or weights[n].shape != p.shape]
