@@ -138,6 +138,25 @@ def test_rounds_take_adapters_in_turn_so_none_waits_behind_anothers_queue(tiny, 
         assert len(rounds[1]) == 2
 
 
+def test_an_adapters_waiting_calls_and_disk_are_bounded(tiny, tmp_path) -> None:
+    http, base = shared_app(tiny, tmp_path, max_waiting_calls=2, max_adapter_disk_mb=0.01)
+    token = http.post("/v1/adapters", headers=ADMIN, json={}).json()["token"]
+    caller = Caller(http, token)
+    worker = http.app.state.shared.worker
+    with base._lock:  # the first call runs (and waits on the base); two may wait behind it, the next is refused
+        running = _submit(caller, "forward_backward", fb([5, 6, 7]))
+        wait_until("the first call to run", lambda: len(worker._running) == 1, timeout=10, every=0.01)
+        waiting = [_submit(caller, "forward_backward", fb([5, 6, 7])) for _ in range(2)]
+        refused = caller.post("forward_backward", fb([5, 6, 7]), wait=0)
+    assert refused.status_code == 429 and "--max-waiting-calls 2" in refused.text
+    for request_id in [running, *waiting]:
+        assert http.get(f"/v1/requests/{request_id}?wait=60", headers=caller.headers).status_code == 200
+    assert caller.post("export", {"name": "one", "merged": False}).status_code == 200  # the folder was empty
+    second = caller.post("export", {"name": "two", "merged": False})
+    assert second.status_code == 400 and "--max-adapter-disk-mb" in second.text
+    assert not (tmp_path / "adapters" / list(http.app.state.shared.adapters)[0] / "exports" / "two").exists()
+
+
 def worker_id(http: TestClient, index: int) -> str:
     return list(http.app.state.shared.adapters)[index]
 

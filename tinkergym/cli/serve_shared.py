@@ -33,7 +33,12 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
               help="File with the server's own token (mode 600; required): it opens and closes adapters.")
 @click.option("--run-dir", type=SafePath(file_okay=False, path_type=Path), required=True, help="Folder for adapters/<id>/{states,exports} and server.log.")
 @click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True, help="Larger request bodies are refused (413).")
-@click.option("--keep-states", type=click.IntRange(min=0), default=0, show_default=True, help="Keep only this many newest saved states per adapter (0: all).")
+@click.option("--keep-states", type=click.IntRange(min=0), default=3, show_default=True,
+              help="Keep only this many newest saved states per adapter (0: all); keep more than the client's checkpoints (2).")
+@click.option("--max-adapter-disk-mb", type=click.FloatRange(min=0), default=10240.0, show_default=True,
+              help="Most bytes of one adapter's states and exports (0: no bound); a new state or export past it is refused.")
+@click.option("--max-waiting-calls", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Most calls of one adapter waiting to run; more are refused (429).")
 @click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop (exit code 75) when no call came for this many seconds; a running call counts as activity.")
 @click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
@@ -44,7 +49,7 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 def serve_shared(
     model: str, dtype: str, device: str, micro_batch_size: int, max_sample_batch: int, max_lora_rank: int, max_adapters: int,
     memory_budget_mb: float, pass_tokens: int, gather_ms: float, host: str, port: int, token_file: Path | None, run_dir: Path,
-    max_body_mb: float, keep_states: int, idle_timeout: float | None, exit_with_parent: bool, lease_file: Path | None,
+    max_body_mb: float, keep_states: int, max_adapter_disk_mb: float, max_waiting_calls: int, idle_timeout: float | None, exit_with_parent: bool, lease_file: Path | None,
     max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
     header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
@@ -92,7 +97,8 @@ def serve_shared(
     logger = request_logger(run_dir.resolve())
     app = create_shared_app(base, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=logger, keep_states=keep_states,
                             limits=call_limits(max_num_samples, max_request_new_tokens, max_request_sequences, max_request_tokens),
-                            lease=LeaseFile(lease_file) if lease_file is not None else None, pass_tokens=pass_tokens, gather_ms=gather_ms)
+                            lease=LeaseFile(lease_file) if lease_file is not None else None, pass_tokens=pass_tokens, gather_ms=gather_ms,
+                            max_waiting_calls=max_waiting_calls, max_adapter_disk_mb=max_adapter_disk_mb)
     click.echo(f"tinkergym shared training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
                app.state.shared.last_activity, logger)

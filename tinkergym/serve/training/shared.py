@@ -44,7 +44,7 @@ from tinkergym.errors import ConfigError
 from tinkergym.serve.asgi import BodyLimit, RequestLog, WireJSON, error_response
 from tinkergym.serve.auth import LeaseFile, bearer_matches, token_digest
 from tinkergym.serve.training.app import ERRORS, LOCAL_PATH_KEYS, PROTOCOL_VERSION, TrainingService, WireModel, _add_error_handlers, router
-from tinkergym.serve.training.calls import CallLimits, CallRecord, call_error, run_call
+from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, call_error, run_call
 
 #: Routes of the server's own token; every other route but /health serves one adapter.
 ADMIN_PREFIX = "/v1/adapters"
@@ -108,8 +108,10 @@ class WorkerPort:
 class SharedWorker:
     """One thread that runs every adapter's calls in rounds (see the module docstring)."""
 
-    def __init__(self, base: Any, logger: logging.Logger, keep_states: int = 0, pass_tokens: int = 65536, gather_s: float = 0.005) -> None:
+    def __init__(self, base: Any, logger: logging.Logger, keep_states: int = 0, pass_tokens: int = 65536, gather_s: float = 0.005,
+                 max_waiting: int = 16, max_disk_bytes: int = 0) -> None:
         self.base, self.logger, self.keep_states, self.pass_tokens, self.gather_s = base, logger, keep_states, pass_tokens, gather_s
+        self.max_waiting, self.max_disk_bytes = max_waiting, max_disk_bytes
         self.adapters: dict[str, tuple[Any, Path]] = {}  # id -> (session, run folder)
         self._queues: dict[str, _Queue] = {}
         self._running: set[str] = set()
@@ -141,6 +143,10 @@ class SharedWorker:
             queue = self._queues.get(adapter_id)
             if queue is None:
                 record.finish(error=call_error(ConfigError(CLOSED), record.request_id, self.logger))
+                return
+            if len(queue.records) >= self.max_waiting:  # each waiting call holds its body: a tenant's queue is bounded
+                record.finish(error=CallError(429, "too_many_calls", f"{len(queue.records)} calls of this adapter are waiting, its most "
+                                              f"(--max-waiting-calls {self.max_waiting}); wait for their results before sending more"))
                 return
             queue.records.append(record)
             if self._thread is None or not self._thread.is_alive():
@@ -233,6 +239,8 @@ class SharedWorker:
             if record.request_id not in outcomes:
                 session, run_dir = self.adapters[adapter_id]
                 try:
+                    if record.method in ("save_state", "export"):
+                        self._check_disk(run_dir)
                     outcomes[record.request_id] = run_call(session, record.call, run_dir, self.keep_states)  # type: ignore[arg-type]
                 except Exception as exc:  # noqa: BLE001 - the call's stored outcome
                     outcomes[record.request_id] = exc
@@ -245,6 +253,17 @@ class SharedWorker:
                 "method": record.method, "ok": error is None, "round": len(taken), "duration_ms": round(1000 * (time.perf_counter() - start), 1),
             }))
             record.finish(result=result, error=error)
+
+
+    def _check_disk(self, run_dir: Path) -> None:
+        """Refuse a new state or export while the adapter's folder holds its most bytes (``max_disk_bytes``; 0: no bound)."""
+        if not self.max_disk_bytes:
+            return
+        held = sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file() and not p.is_symlink())
+        if held >= self.max_disk_bytes:
+            raise ConfigError(f"this adapter's states and exports hold {held / 2**20:.1f} MB, its most ({self.max_disk_bytes / 2**20:.0f} MB, "
+                              "--max-adapter-disk-mb): save states under names already used (the client reuses its last two) or ask the "
+                              "operator for room")
 
 
 def _joint_args(record: CallRecord) -> Any:
@@ -273,10 +292,10 @@ class SharedService:
     """The base, its adapters and the shared worker: what the routes of one shared app share."""
 
     def __init__(self, base: Any, run_dir: Path, logger: logging.Logger, keep_results: int, max_sessions: int, keep_states: int,
-                 limits: CallLimits, pass_tokens: int, gather_s: float) -> None:
+                 limits: CallLimits, pass_tokens: int, gather_s: float, max_waiting: int, max_disk_bytes: int) -> None:
         self.base, self.run_dir, self.logger = base, run_dir, logger
         self.keep_results, self.max_sessions, self.keep_states, self.limits = keep_results, max_sessions, keep_states, limits
-        self.worker = SharedWorker(base, logger, keep_states, pass_tokens, gather_s)
+        self.worker = SharedWorker(base, logger, keep_states, pass_tokens, gather_s, max_waiting, max_disk_bytes)
         self.adapters: dict[str, Adapter] = {}
         self._by_digest: dict[bytes, Adapter] = {}
         self._lock = threading.Lock()
@@ -403,17 +422,22 @@ def create_shared_app(
     lease: LeaseFile | None = None,
     pass_tokens: int = 65536,
     gather_ms: float = 5.0,
+    max_waiting_calls: int = 16,
+    max_adapter_disk_mb: float = 0.0,
 ) -> FastAPI:
     """A FastAPI app serving the adapters of ``base`` (a :class:`~tinkergym.backends.torch.shared.SharedBase`).
 
     ``token_digest`` is the server's own token's (it manages adapters); ``pass_tokens`` bounds the tokens of one
-    round of calls across adapters; a round waits up to ``gather_ms`` for other adapters' calls; the other arguments mean what they mean for
+    round of calls across adapters; a round waits up to ``gather_ms`` for other adapters' calls; an adapter may have
+    ``max_waiting_calls`` calls waiting (more are refused, 429) and ``max_adapter_disk_mb`` of states and exports
+    (0: no bound; a new one past it is refused, 400); the other arguments mean what they mean for
     :func:`~tinkergym.serve.training.app.create_app`, per adapter.
     """
     folder = Path(run_dir).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     log = logger or logging.getLogger("tinkergym.serve.training.app")
-    shared = SharedService(base, folder, log, keep_results, max_sessions, keep_states, limits, pass_tokens, gather_ms / 1000)
+    shared = SharedService(base, folder, log, keep_results, max_sessions, keep_states, limits, pass_tokens, gather_ms / 1000,
+                           max_waiting_calls, int(max_adapter_disk_mb * 2**20))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
