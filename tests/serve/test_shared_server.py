@@ -271,3 +271,33 @@ def test_serve_shared_trains_two_runs_of_tinkergym_train_through_their_adapters(
     finally:
         server.terminate()
         server.wait(30)
+
+
+def test_a_caller_chosen_token_and_a_lease_bind_an_adapter_to_a_job(tiny, tmp_path) -> None:
+    import hashlib
+    import time
+
+    http, _ = shared_app(tiny, tmp_path)
+    lease_token = "L" * 43
+    digest = hashlib.sha256(lease_token.encode()).hexdigest()
+    opened = http.post("/v1/adapters", headers=ADMIN, json={"adapter_id": "job-7.e2", "token_sha256": digest})
+    assert opened.status_code == 201 and opened.json()["token"] is None and opened.json()["adapter_id"] == "job-7.e2"
+    assert (tmp_path / "adapters" / "job-7.e2").is_dir()
+    assert http.post("/v1/adapters", headers=ADMIN, json={"adapter_id": "job-7.e2"}).status_code == 409
+    assert http.post("/v1/adapters", headers=ADMIN, json={"token_sha256": digest}).status_code == 409
+    for bad in ("../x", ".hidden", "a/b", "x" * 65):
+        assert http.post("/v1/adapters", headers=ADMIN, json={"adapter_id": bad}).status_code == 400, bad
+    other = http.post("/v1/adapters", headers=ADMIN, json={}).json()
+    mine = bearer(lease_token)
+    assert http.get("/v1/info", headers=mine).status_code == 200
+    assert http.put("/v1/adapters/job-7.e2/lease", headers=ADMIN, json={"seconds": 0.3, "epoch": 2}).status_code == 200
+    assert http.get("/v1/info", headers=mine).status_code == 200
+    time.sleep(0.4)
+    ended = http.get("/v1/info", headers=mine)
+    assert ended.status_code == 401 and ended.json()["error"]["type"] == "lease_ended"
+    assert http.get("/v1/info", headers=bearer(other["token"])).status_code == 200  # another adapter's lease is its own
+    assert http.put("/v1/adapters/job-7.e2/lease", headers=ADMIN, json={"seconds": 30, "epoch": 1}).status_code == 409
+    assert http.put("/v1/adapters/job-7.e2/lease", headers=ADMIN, json={"seconds": 30, "epoch": 3}).status_code == 200
+    assert http.get("/v1/info", headers=mine).status_code == 200
+    assert http.put("/v1/adapters/nope/lease", headers=ADMIN, json={"seconds": 30, "epoch": 3}).status_code == 404
+    assert http.put("/v1/adapters/job-7.e2/lease", headers=mine, json={"seconds": 30, "epoch": 9}).status_code == 403

@@ -55,12 +55,24 @@ class AdapterCreate(WireModel):
     lora_rank: int = Field(8, ge=1, le=4096, description="the adapter's rank (up to the server's --max-lora-rank)")
     lora_alpha: float = Field(16.0, gt=0, le=1e6, description="the update is scaled by lora_alpha / lora_rank")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="seeds the adapter's initialization and its sampling generator")
+    adapter_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="its id and folder name (default: random)")
+    token_sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$",
+                                     description="the SHA-256 (hex) of a token the caller made (a job's lease token), instead of a new one")
 
 
 class AdapterCreated(WireModel):
     adapter_id: str
-    token: str = Field(description="the adapter's bearer token, shown once: every adapter route needs it")
+    token: str | None = Field(description="the adapter's bearer token, shown once (null when the caller sent its digest)")
     info: dict[str, Any]
+
+
+class AdapterLease(WireModel):
+    seconds: float = Field(gt=0, le=10**6, description="the adapter takes calls for this long from now on, then 401 lease_ended")
+    epoch: int = Field(ge=0, le=2**62, description="the lease's epoch: a renewal of an older epoch than the last is refused (409)")
+
+
+class Conflict(ConfigError):
+    """An adapter id or token in use, or a stale lease: 409."""
 
 
 def call_tokens(record: CallRecord) -> int:
@@ -286,6 +298,12 @@ class Adapter:
     service: TrainingService
     digest: bytes
     run_dir: Path
+    #: ``time.monotonic()`` past which the adapter takes no calls, and the epoch of the lease that set it (None: no lease).
+    lease_until: float | None = None
+    lease_epoch: int = -1
+
+    def lease_ended(self) -> bool:
+        return self.lease_until is not None and time.monotonic() >= self.lease_until
 
 
 class SharedService:
@@ -303,14 +321,20 @@ class SharedService:
     def open(self, body: AdapterCreate) -> dict[str, Any]:
         from tinkergym.backends.torch.shared import LoraSessionConfig
 
-        session = self.base.open_session(LoraSessionConfig(lora_rank=body.lora_rank, lora_alpha=body.lora_alpha, seed=body.seed))
-        adapter_id, token = secrets.token_hex(8), secrets.token_urlsafe(32)
-        folder = self.run_dir / "adapters" / adapter_id
-        folder.mkdir(parents=True, exist_ok=True)
-        service = TrainingService(session, folder, self.logger, self.keep_results, self.max_sessions, self.keep_states, self.limits,
-                                  worker=self.worker.add(adapter_id, session, folder))
-        adapter = Adapter(adapter_id, session, service, token_digest(token), folder)
-        with self._lock:
+        with self._lock:  # the id and token are checked and taken at once
+            adapter_id = body.adapter_id or secrets.token_hex(8)
+            if adapter_id in self.adapters:
+                raise Conflict(f"adapter {adapter_id!r} is open already; close it first or choose another id")
+            token = None if body.token_sha256 else secrets.token_urlsafe(32)
+            digest = bytes.fromhex(body.token_sha256) if body.token_sha256 else token_digest(token)  # type: ignore[arg-type]
+            if digest in self._by_digest:
+                raise Conflict("another adapter has this token; make a new one")
+            session = self.base.open_session(LoraSessionConfig(lora_rank=body.lora_rank, lora_alpha=body.lora_alpha, seed=body.seed))
+            folder = self.run_dir / "adapters" / adapter_id
+            folder.mkdir(parents=True, exist_ok=True)
+            service = TrainingService(session, folder, self.logger, self.keep_results, self.max_sessions, self.keep_states, self.limits,
+                                      worker=self.worker.add(adapter_id, session, folder))
+            adapter = Adapter(adapter_id, session, service, digest, folder)
             self.adapters[adapter_id] = adapter
             self._by_digest[adapter.digest] = adapter
         self.logger.info(json.dumps({"event": "adapter_opened", "adapter": adapter_id, "lora_rank": body.lora_rank}))
@@ -328,6 +352,16 @@ class SharedService:
             shutil.rmtree(adapter.run_dir, ignore_errors=True)
         self.logger.info(json.dumps({"event": "adapter_closed", "adapter": adapter_id, "purged": purge}))
         return True
+
+    def lease(self, adapter_id: str, body: AdapterLease) -> dict[str, Any]:
+        """Move the adapter's lease deadline to ``seconds`` from now; a renewal of an older epoch is a :class:`Conflict`."""
+        adapter = self.adapters.get(adapter_id)
+        if adapter is None:
+            raise KeyError(adapter_id)
+        if body.epoch < adapter.lease_epoch:
+            raise Conflict(f"lease epoch {body.epoch} is older than the adapter's {adapter.lease_epoch}: a newer lease holds it")
+        adapter.lease_until, adapter.lease_epoch = time.monotonic() + body.seconds, body.epoch
+        return {"adapter_id": adapter_id, "epoch": body.epoch, "seconds": body.seconds}
 
     def by_token(self, authorization: str | None) -> Adapter | None:
         if not authorization:
@@ -372,6 +406,15 @@ async def list_adapters(request: Request) -> dict[str, Any]:
     return await run_in_threadpool(_shared(request).listing)
 
 
+@admin.put("/{adapter_id}/lease", responses=ERRORS)
+async def lease_adapter(adapter_id: str, body: AdapterLease, request: Request) -> Any:
+    """Bind the adapter to a lease: past ``seconds`` from now it refuses every call (401 lease_ended) until renewed."""
+    try:
+        return _shared(request).lease(adapter_id[:64], body)
+    except KeyError:
+        return error_response(404, "not_found", f"no open adapter {adapter_id[:64]!r}")
+
+
 @admin.delete("/{adapter_id}", responses=ERRORS)
 async def close_adapter(adapter_id: str, request: Request, purge: bool = Query(False, description="also delete its states and exports")) -> Any:
     """Close an adapter: its waiting calls fail, its token stops working, its memory is freed."""
@@ -404,6 +447,9 @@ def _authenticate(app: FastAPI, shared: SharedService, admin_digest: bytes, leas
         if not on_admin_route:
             if adapter is None:
                 return _refusal(403, "forbidden", "this route serves one adapter: call it with that adapter's token (POST /v1/adapters answers it)")
+            if adapter.lease_ended():
+                return _refusal(401, "lease_ended", "this adapter's lease has ended, so it takes no more calls; connect to the job's new "
+                                                    "server through the scheduler")
             request.state.service = adapter.service
         return await call_next(request)
 
@@ -450,6 +496,11 @@ def create_shared_app(
     app.include_router(admin)
     app.include_router(router)
     _add_error_handlers(app, log)
+
+    @app.exception_handler(Conflict)
+    async def conflict(request: Request, exc: Conflict) -> WireJSON:
+        return error_response(409, "conflict", str(exc)[:2000])
+
     app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 1024 * 1024), hint="send the batch in several forward_backward calls (--max-body-mb)")
     _authenticate(app, shared, token_digest, lease)
     app.add_middleware(RequestLog, logger=log)
