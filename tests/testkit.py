@@ -7,6 +7,7 @@ It imports nothing beyond pytest and the protocol's types, so any test folder ca
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -137,3 +138,25 @@ def mark_folder(items: list[pytest.Item], folder: Path, marker: pytest.MarkDecor
     for item in items:
         if item.path.is_relative_to(folder):
             item.add_marker(marker)
+
+
+@contextlib.contextmanager
+def serving(app: Any, log_level: str = "warning") -> Iterator[str]:
+    """Serve an ASGI ``app`` under uvicorn on 127.0.0.1 (a free port) in a thread; yields its base URL, stops it after."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_until("the server to start", lambda: server.started, timeout=30, every=0.01)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

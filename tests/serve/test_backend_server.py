@@ -7,14 +7,11 @@ import logging
 import math
 import os
 import re
-import socket
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -26,7 +23,7 @@ import torch
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
-from testkit import wait_until  # registered by tests/conftest.py
+from testkit import serving  # registered by tests/conftest.py
 
 from tinkergym.serve.training.app import create_app
 from tinkergym.serve.training.calls import CallLimits
@@ -300,17 +297,8 @@ def live_server(tmp_path: Path):
     """A real uvicorn server on 127.0.0.1 serving a FakeBackend whose forward_backward takes 1 s."""
     backend = FakeBackend(delay=1.0)
     app = create_app(backend, run_dir=tmp_path, token_digest=token_digest(TOKEN))
-    # proto IPPROTO_TCP, as uvicorn's own sockets: asyncio turns Nagle off only for those (else 40 ms per keep-alive request)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_until("the server to start", lambda: server.started, timeout=10, every=0.01)
-    with httpx.Client(base_url=f"http://127.0.0.1:{sock.getsockname()[1]}", timeout=10) as http:
+    with serving(app) as url, httpx.Client(base_url=url, timeout=10) as http:
         yield http, backend
-    server.should_exit = True
-    thread.join(10)
 
 
 def test_a_call_longer_than_wait_is_202_then_long_polled(live_server) -> None:

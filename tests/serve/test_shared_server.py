@@ -16,10 +16,9 @@ pytest.importorskip("peft")
 pytest.importorskip("httpx")
 
 import torch  # noqa: E402
-import uvicorn  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from testkit import wait_until  # noqa: E402  # registered by tests/conftest.py
+from testkit import serving, wait_until  # noqa: E402  # registered by tests/conftest.py
 from tinkergym.backends.remote import RemoteBackend  # noqa: E402
 from tinkergym.backends.torch.shared import LoraSessionConfig, SharedBase, SharedBaseConfig  # noqa: E402
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
@@ -165,15 +164,8 @@ def worker_id(http: TestClient, index: int) -> str:
 def live_shared(tiny, tmp_path):
     base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", micro_batch_size=16))
     app = create_shared_app(base, run_dir=tmp_path, token_digest=token_digest(TOKEN), gather_ms=100)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    wait_until("the server to start", lambda: server.started, timeout=10, every=0.01)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app
-    server.should_exit = True
-    thread.join(10)
+    with serving(app) as url:
+        yield url, app
 
 
 def test_remote_backends_train_adapters_together_as_each_would_alone(tiny, live_shared) -> None:
