@@ -293,3 +293,24 @@ def test_a_caller_chosen_token_and_a_lease_bind_an_adapter_to_a_job(tiny, tmp_pa
     assert http.get("/v1/info", headers=mine).status_code == 200
     assert http.put("/v1/adapters/nope/lease", headers=ADMIN, json={"seconds": 30, "epoch": 3}).status_code == 404
     assert http.put("/v1/adapters/job-7.e2/lease", headers=mine, json={"seconds": 30, "epoch": 9}).status_code == 403
+
+
+def test_a_saved_adapter_is_sampled_by_name_from_the_same_base(tiny, tmp_path) -> None:
+    http, base = shared_app(tiny, tmp_path)
+    a = http.post("/v1/adapters", headers=ADMIN, json={"lora_rank": 4, "lora_alpha": 8, "seed": 1}).json()
+    caller = Caller(http, a["token"])
+    data = ForwardBackwardRequest([Datum([5, 6, 7, 8, 9], [0.0, 0.0, 1.0, 1.0, 1.0])], LossSpec("cross_entropy")).to_dict()
+    assert caller.post("forward_backward", {"request": data}).status_code == 200
+    assert caller.post("optim_step", {"params": OptimParams(learning_rate=5e-2).to_dict()}).status_code == 200
+    assert caller.post("export", {"name": "v1", "merged": False}).status_code == 200
+    expected = caller.post("logprobs", {"sequences": [[5, 6, 7, 8, 9]]}).json()["result"]["logprobs"]
+    held = base.memory()["base_bytes"]
+    opened = http.post("/v1/adapters", headers=ADMIN, json={"source": {"adapter_id": a["adapter_id"], "export": "v1"}})
+    assert opened.status_code == 201 and opened.json()["info"]["lora_rank"] == 4 and opened.json()["info"]["lora_alpha"] == 8
+    served = Caller(http, opened.json()["token"]).post("logprobs", {"sequences": [[5, 6, 7, 8, 9]]}).json()["result"]["logprobs"]
+    assert served[0] == pytest.approx(expected[0], abs=1e-6) and base.memory()["base_bytes"] == held
+    for source, words in (({"adapter_id": a["adapter_id"], "export": "nope"}, "no export named"), ({"adapter_id": "x", "export": "v1"}, "no open adapter"),
+                          ({"adapter_id": a["adapter_id"], "export": "../v1"}, "not allowed")):
+        refused = http.post("/v1/adapters", headers=ADMIN, json={"source": source})
+        assert refused.status_code == 400 and words in refused.text, refused.text
+    assert len(base.sessions) == 2  # a refused source opened nothing

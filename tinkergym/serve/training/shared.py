@@ -58,6 +58,12 @@ class AdapterCreate(WireModel):
     adapter_id: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$", description="its id and folder name (default: random)")
     token_sha256: str | None = Field(None, pattern="^[0-9a-f]{64}$",
                                      description="the SHA-256 (hex) of a token the caller made (a job's lease token), instead of a new one")
+    source: AdapterSource | None = Field(None, description="start from another adapter's export (sample a saved adapter without a copy of the base)")
+
+
+class AdapterSource(WireModel):
+    adapter_id: str = Field(max_length=64, description="an open adapter of this server")
+    export: str = Field(max_length=128, description="the name of one of its exports: the new adapter starts from it, with its rank and alpha")
 
 
 class AdapterCreated(WireModel):
@@ -329,7 +335,17 @@ class SharedService:
             digest = bytes.fromhex(body.token_sha256) if body.token_sha256 else token_digest(token)  # type: ignore[arg-type]
             if digest in self._by_digest:
                 raise Conflict("another adapter has this token; make a new one")
-            session = self.base.open_session(LoraSessionConfig(lora_rank=body.lora_rank, lora_alpha=body.lora_alpha, seed=body.seed))
+            rank, alpha, start = body.lora_rank, body.lora_alpha, None
+            if body.source is not None:
+                start = self._export(body.source)
+                rank, alpha = start[1], start[2]
+            session = self.base.open_session(LoraSessionConfig(lora_rank=rank, lora_alpha=alpha, seed=body.seed))
+            if start is not None:
+                try:
+                    session.load_adapter(start[0])
+                except Exception:
+                    self.base.close_session(session)
+                    raise
             folder = self.run_dir / "adapters" / adapter_id
             folder.mkdir(parents=True, exist_ok=True)
             service = TrainingService(session, folder, self.logger, self.keep_results, self.max_sessions, self.keep_states, self.limits,
@@ -352,6 +368,20 @@ class SharedService:
             shutil.rmtree(adapter.run_dir, ignore_errors=True)
         self.logger.info(json.dumps({"event": "adapter_closed", "adapter": adapter_id, "purged": purge}))
         return True
+
+    def _export(self, source: AdapterSource) -> tuple[str, int, float]:
+        """``(folder, rank, alpha)`` of an open adapter's export, checked as the export routes check names."""
+        from tinkergym.serve.training.calls import named_dir
+
+        adapter = self.adapters.get(source.adapter_id)
+        if adapter is None:
+            raise ConfigError(f"source: no open adapter {source.adapter_id[:64]!r}")
+        folder = named_dir(adapter.run_dir.resolve(), "exports", source.export)
+        config = folder / "adapter_config.json"
+        if not config.is_file():
+            raise ConfigError(f"source: adapter {source.adapter_id!r} has no export named {source.export!r}; export it first")
+        saved = json.loads(config.read_text())
+        return str(folder), int(saved["r"]), float(saved["lora_alpha"])
 
     def lease(self, adapter_id: str, body: AdapterLease) -> dict[str, Any]:
         """Move the adapter's lease deadline to ``seconds`` from now; a renewal of an older epoch is a :class:`Conflict`."""
