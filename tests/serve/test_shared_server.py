@@ -314,3 +314,13 @@ def test_a_saved_adapter_is_sampled_by_name_from_the_same_base(tiny, tmp_path) -
         refused = http.post("/v1/adapters", headers=ADMIN, json={"source": source})
         assert refused.status_code == 400 and words in refused.text, refused.text
     assert len(base.sessions) == 2  # a refused source opened nothing
+
+
+def test_token_ids_past_the_vocabulary_are_refused_before_any_shared_pass(tiny, tmp_path) -> None:
+    http, base = shared_app(tiny, tmp_path)
+    caller = Caller(http, http.post("/v1/adapters", headers=ADMIN, json={}).json()["token"])
+    vocab = base.model.get_input_embeddings().num_embeddings
+    refused = caller.post("forward_backward", fb([5, vocab + 3, 6]))
+    assert refused.status_code == 400 and "outside the vocabulary" in refused.text
+    assert http.app.state.shared.worker.rounds == []  # refused at the door: no round ran, nobody's pass was redone
+    assert http.get("/openapi.json", headers=ADMIN).status_code == 200

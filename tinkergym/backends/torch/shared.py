@@ -411,6 +411,11 @@ class LoraSession:
         self.step = 0
         self.closed = False
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The shared base's model (a server reads its vocabulary size to refuse token ids past it before any pass)."""
+        return self.base.model
+
     def _check_open(self) -> None:
         if self.closed:
             raise ConfigError(f"session {self.id} is closed; open a new one")

@@ -474,7 +474,7 @@ def _authenticate(app: FastAPI, shared: SharedService, admin_digest: bytes, leas
         on_admin_route = path == ADMIN_PREFIX or path.startswith(ADMIN_PREFIX + "/")
         if on_admin_route and not is_admin:
             return _refusal(403, "forbidden", "adapters are opened and closed with the server's token, not an adapter's")
-        if not on_admin_route:
+        if not on_admin_route and path != "/openapi.json":
             if adapter is None:
                 return _refusal(403, "forbidden", "this route serves one adapter: call it with that adapter's token (POST /v1/adapters answers it)")
             if adapter.lease_ended():
