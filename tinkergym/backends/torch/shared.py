@@ -395,6 +395,18 @@ def _pack(pieces: list[tuple[int, MicroBatch]], key: Callable[[int], tuple], row
     return passes
 
 
+def _holding_base(method: Callable[..., T]) -> Callable[..., T]:
+    """Run a session method while holding its base's lock (no pass runs while it reads or writes the adapter)."""
+    import functools
+
+    @functools.wraps(method)
+    def locked(self: LoraSession, *args: Any, **kwargs: Any) -> T:
+        with self.base._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class LoraSession:
     """One adapter on a :class:`SharedBase`, with its own optimizer, generator, step, states and export.
 
@@ -481,6 +493,7 @@ class LoraSession:
                 check_weights_finite(trainable, self.step, params.learning_rate)
         return metrics
 
+    @_holding_base
     def save_state(self, path: str) -> None:
         """The adapter, AdamW state, step and generator into the folder ``path``, atomically (safetensors and JSON)."""
         from safetensors.torch import save_file
@@ -495,6 +508,7 @@ class LoraSession:
         Path(tmp, "state.json").write_text(json.dumps(meta, indent=2) + "\n")
         replace_dir(tmp, os.fspath(path).rstrip("/"))
 
+    @_holding_base
     def load_state(self, path: str) -> None:
         """Restore what :meth:`save_state` wrote (same rank); everything is read before anything changes."""
         from safetensors.torch import load_file
@@ -519,6 +533,7 @@ class LoraSession:
         self.step = int(meta["step"])
         self._weights_changed()
 
+    @_holding_base
     def load_adapter(self, path: str) -> None:
         """Start from the weights of a peft LoRA folder of this session's rank (an export, a published adapter)."""
         self._check_open()
@@ -538,6 +553,7 @@ class LoraSession:
             raise ConfigError(f"{path} holds other adapter weights than this session (rank {self.config.lora_rank} on "
                               f"{len(self.params) // 2} layers of {self.base.config.model}); open a session with the settings it was saved with")
 
+    @_holding_base
     def export(self, path: str, merged: bool = False) -> None:
         """The session's peft adapter folder with the tokenizer; a merged model needs a server of its own (refused)."""
         self._check_open()
