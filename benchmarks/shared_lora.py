@@ -13,9 +13,11 @@ the sampler's logprobs as ``sampling_logprobs``), then one AdamW ``optim_step``.
 rank 8, alpha 16 on every linear layer, and its own seed (``--seed`` + job). The layouts differ in this only:
 
 - ``shared``: one :class:`~tinkergym.backends.torch.shared.SharedBase` with K sessions. A step is ONE
-  ``sample_many`` call over the K jobs' requests (decoded together, up to the base's ``max_sample_batch`` of
-  256 rows), then ONE ``forward_backward_many`` (every job's micro-batches packed into passes of at most
-  ``micro_batch_size`` = 8 rows across jobs, one backward per pass), then each session's ``optim_step``.
+  ``sample_many`` call over the K jobs' requests (whole requests decoded together up to the base's
+  ``max_sample_batch`` of 64 rows: each job's 64 rows fill a batch, as a job alone), then ONE
+  ``forward_backward_many`` (every job's rows planned as one request, what ``micro_batch_size`` = 8 sequences cost
+  per pass, prompts shared within a job: passes hold several jobs' rows, one backward each), then each
+  session's ``optim_step``.
   Memory: the base once, plus each session's adapter, gradients and optimizer state.
 - ``separate``: K :class:`~tinkergym.backends.torch.backend.TorchBackend` instances (peft LoRA, the same rank,
   alpha, dtype and micro-batch size; its own ``max_sample_batch`` of 64 and prefix cache as it comes), each

@@ -18,7 +18,8 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")
 @click.option("--micro-batch-size", type=click.IntRange(min=1), default=DEFAULT_MICRO_BATCH_SIZE, show_default=True,
               help="Rows per training or scoring pass, across adapters (bounds the activations' memory).")
-@click.option("--max-sample-batch", type=click.IntRange(min=1), default=256, show_default=True, help="Rows decoded together, across adapters.")
+@click.option("--max-sample-batch", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Rows decoded together, across adapters (bounds the KV cache's memory; requests are never split across batches but by their own size).")
 @click.option("--max-lora-rank", type=click.IntRange(min=1), default=64, show_default=True, help="The largest rank an adapter may ask for.")
 @click.option("--max-adapters", type=click.IntRange(min=1), default=64, show_default=True, help="Adapters open at once.")
 @click.option("--memory-budget-mb", type=click.FloatRange(min=0), default=0.0, show_default=True,

@@ -72,7 +72,9 @@ def first_loss_position(datum: Datum) -> int | None:
     return next((t for t in range(1, len(datum.tokens)) if datum.loss_mask[t] != 0), None)
 
 
-def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes: bool = True, kv_cost: float = 0.0) -> list[MicroBatch]:
+def plan_micro_batches(
+    data: list[Datum], micro_batch_size: int, share_prefixes: bool = True, kv_cost: float = 0.0, scopes: list[int] | None = None,
+) -> list[MicroBatch]:
     """Split the request into micro-batches that each cost at most what ``micro_batch_size`` sequences would.
 
     With ``share_prefixes``, sequences whose tokens before the first masked-in position are identical (two
@@ -83,20 +85,21 @@ def plan_micro_batches(data: list[Datum], micro_batch_size: int, share_prefixes:
 
     Each shared row also holds its own copy of the prompts' KV cache, as wide as the micro-batch's longest
     prompt (shorter ones are padded to it): ``kv_cost`` is what one cache entry costs, in tokens run through
-    the model (0 leaves the copies out; see ``TorchBackend`` for the estimate it passes).
+    the model (0 leaves the copies out; see ``TorchBackend`` for the estimate it passes). ``scopes``: each datum's
+    adapter on a shared base; only sequences of one scope share a prompt (a prompt's keys depend on the adapter).
     """
-    groups: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     rest: list[int] = []
     for i, datum in enumerate(data):
         first = first_loss_position(datum) if share_prefixes else None
         if first is None or first < 2:
             rest.append(i)
         else:
-            groups.setdefault(tuple(datum.tokens[:first]), []).append(i)
+            groups.setdefault((-1 if scopes is None else scopes[i], tuple(datum.tokens[:first])), []).append(i)
     budget = micro_batch_size * max((len(d.tokens) for d in data), default=1)
     batches: list[MicroBatch] = []
     current, cost, width = MicroBatch([]), 0, 0  # width: the longest shared prompt in `current`, which every row's cache copy spans
-    for prompt, members in groups.items():
+    for (_, prompt), members in groups.items():
         if len(members) < 2:
             rest.extend(members)
             continue

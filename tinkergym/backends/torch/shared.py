@@ -8,9 +8,9 @@ generator, step counter, saved states and export. A session implements the
 :class:`~tinkergym.protocol.backend.Backend` protocol on its own; the ``*_many`` methods of the base run the
 calls of several sessions together:
 
-- ``forward_backward_many``: each request is planned into micro-batches as it would be alone (shared prompts
-  within a session only), and micro-batches of different sessions are packed into passes of at most
-  ``micro_batch_size`` rows. Each row goes through its own session's adapter; each session's loss is weighted
+- ``forward_backward_many``: the requests' rows are planned into micro-batches as one request would be (what
+  ``micro_batch_size`` sequences cost; a prompt is shared within a session only), so a pass holds rows of several
+  sessions. Each row goes through its own session's adapter; each session's loss is weighted
   with its own request's normalizers, and one backward pass fills every session's gradients. A session's
   gradient equals that of its request alone (up to floating-point summation order), and no gradient reaches
   an adapter whose session has no row in the pass. A pass that fails is undone (every session's gradients are
@@ -90,7 +90,7 @@ class SharedBaseConfig(_Plain):
     attn_implementation: str = "auto"
     lora_target_modules: str | list[str] = "all-linear"
     micro_batch_size: int = DEFAULT_MICRO_BATCH_SIZE
-    max_sample_batch: int = 256
+    max_sample_batch: int = 64
     share_prefixes: bool = True
     max_lora_rank: int = 64
     max_sessions: int = 64
@@ -201,9 +201,6 @@ class SharedBase:
 
     def _forward_backward_together(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]]) -> list[ForwardBackwardResult]:
         kv_cost = kv_token_cost(self.model.config)
-        # (call, micro-batch) pieces, each as it would be alone; packed into passes by kind, temperature and rows.
-        pieces = [(k, micro) for k, (_, request) in enumerate(calls)
-                  for micro in plan_micro_batches(request.data, self.config.micro_batch_size, self.config.share_prefixes, kv_cost)]
         normalizers = []
         for _, request in calls:
             data = request.data
@@ -213,10 +210,17 @@ class SharedBase:
                 sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
             normalizers.append((total, sequences))
         sums: list[list[dict[str, torch.Tensor]]] = [[] for _ in calls]
+        by_temperature: dict[float, list[int]] = {}
+        for k, (_, request) in enumerate(calls):
+            by_temperature.setdefault(request.loss.temperature, []).append(k)
         self.model.train()
         with self._compute():
-            for passed in _pack(pieces, lambda k: (calls[k][1].loss.temperature,), self.config.micro_batch_size):
-                self._one_pass(calls, passed, normalizers, sums)
+            for temperature, members in by_temperature.items():
+                # Every call's rows planned as one request, prompts shared within a session only: passes hold several sessions' rows.
+                rows = [(k, i) for k in members for i in range(len(calls[k][1].data))]
+                data = [calls[k][1].data[i] for k, i in rows]
+                for micro in plan_micro_batches(data, self.config.micro_batch_size, self.config.share_prefixes, kv_cost, scopes=[k for k, _ in rows]):
+                    self._one_pass(calls, [rows[j] for j in micro.indices], micro, temperature, normalizers, sums)
         results = []
         for micro_sums in sums:
             totals: dict[str, float] = {}
@@ -225,35 +229,32 @@ class SharedBase:
             results.append(ForwardBackwardResult(metrics=losses.finalize_metrics(totals)))
         return results
 
-    def _one_pass(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]], passed: list[tuple[int, MicroBatch]],
-                  normalizers: list[tuple[float, int]], sums: list[list[dict[str, torch.Tensor]]]) -> None:
-        rows: list[Datum] = []
-        adapters: list[int] = []
-        spans: list[tuple[int, int, int]] = []  # (call, first row, end row)
-        for k, micro in passed:
-            start = len(rows)
-            rows.extend(calls[k][1].data[i] for i in micro.indices)
-            adapters.extend([calls[k][0].id] * len(micro.indices))
-            spans.append((k, start, len(rows)))
-        micro = MicroBatch(list(range(len(rows))), [s for _, m in passed for s in m.group_sizes], [p for _, m in passed for p in m.prefix_lens])
+    def _one_pass(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]], picked: list[tuple[int, int]], micro: MicroBatch,
+                  temperature: float, normalizers: list[tuple[float, int]], sums: list[list[dict[str, torch.Tensor]]]) -> None:
+        """One pass over ``picked`` (``(call, row)`` in ``micro``'s order), each call's loss on its own rows, one backward."""
+        rows = [calls[k][1].data[i] for k, i in picked]
+        adapters = [calls[k][0].id for k, _ in picked]
+        local = MicroBatch(list(range(len(rows))), micro.group_sizes, micro.prefix_lens)
         batch = collate(rows, self.device)
         width = batch.tokens.shape[1]
-        temperature = calls[passed[0][0]][1].loss.temperature
-        logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro, temperature,
+        logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, local, temperature,
                                      lengths=batch.lengths, read=batch.read, adapters=adapters)
         reference = None
-        if any(calls[k][1].loss.kl_coef > 0 for k, _ in passed):
+        if any(calls[k][1].loss.kl_coef > 0 for k, _ in picked):
             with torch.no_grad():  # the base alone: no adapter
-                reference = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, read=batch.read)
+                reference = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, local, temperature,
+                                              lengths=batch.lengths, read=batch.read)
         total_loss = None
         with torch.autocast(self.device.type, enabled=False):
-            for k, start, end in spans:
+            for k in dict.fromkeys(k for k, _ in picked):
                 spec = calls[k][1].loss
-                part: Batch = collate(rows[start:end], self.device, width)
+                positions = [p for p, (owner, _) in enumerate(picked) if owner == k]
+                index = torch.tensor(positions, dtype=torch.long).to(self.device)
+                part: Batch = collate([rows[p] for p in positions], self.device, width)
                 weights = losses.aggregation_weights(part.mask, spec.aggregation, *normalizers[k])
+                kl_reference = None if reference is None or spec.kl_coef <= 0 else reference.index_select(0, index)
                 loss, part_sums = losses.compute_loss_on_device(
-                    spec, logprobs[start:end], part.mask, weights, part.advantages, part.sampling_logprobs,
-                    None if reference is None or spec.kl_coef <= 0 else reference[start:end], part.old_logprobs,
+                    spec, logprobs.index_select(0, index), part.mask, weights, part.advantages, part.sampling_logprobs, kl_reference, part.old_logprobs,
                 )
                 total_loss = loss if total_loss is None else total_loss + loss
                 sums[k].append(part_sums)
@@ -377,22 +378,6 @@ class SharedBase:
                 for k, result in zip(group, results):
                     outcomes[k] = result
         return outcomes
-
-
-def _pack(pieces: list[tuple[int, MicroBatch]], key: Callable[[int], tuple], rows: int) -> list[list[tuple[int, MicroBatch]]]:
-    """Micro-batches of several calls packed into passes of at most ``rows`` rows: same ``key`` and kind (shared
-    prompts or not) only, first fit in the order given (each call's own micro-batches keep their order)."""
-    passes: list[list[tuple[int, MicroBatch]]] = []
-    open_pass: dict[tuple, int] = {}
-    for k, micro in pieces:
-        kind = (key(k), bool(micro.group_sizes))
-        at = open_pass.get(kind)
-        if at is not None and sum(len(m.indices) for _, m in passes[at]) + len(micro.indices) <= rows:
-            passes[at].append((k, micro))
-            continue
-        open_pass[kind] = len(passes)
-        passes.append([(k, micro)])
-    return passes
 
 
 def _holding_base(method: Callable[..., T]) -> Callable[..., T]:
