@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from tinkergym.cli.common import InputError, SafePath
+from tinkergym.cli.common import FiniteFloat, InputError, SafePath
 from tinkergym.cli.connection_options import connection_limits, connection_options
 from tinkergym.cli.serve import TOKEN_HINT, _is_loopback, call_limit_options, call_limits, request_logger, run_server
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
@@ -24,6 +24,8 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @click.option("--max-adapters", type=click.IntRange(min=1), default=64, show_default=True, help="Adapters open at once.")
 @click.option("--memory-budget-mb", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Memory for the adapters, their gradients and optimizer states (0: no bound); an adapter past it is refused with the figures.")
+@click.option("--prefix-cache-mb", type=FiniteFloat(min=0), default=256.0, show_default=True, metavar="MIB",
+              help="Memory for the prefix cache, shared by the adapters (a multi-turn episode's next turn runs its new tokens only; 0 = off).")
 @click.option("--pass-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
               help="Tokens of one round of calls across adapters; a larger call runs in a round of its own.")
 @click.option("--gather-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
@@ -49,7 +51,7 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @connection_options
 def serve_shared(
     model: str, dtype: str, device: str, micro_batch_size: int, max_sample_batch: int, max_lora_rank: int, max_adapters: int,
-    memory_budget_mb: float, pass_tokens: int, gather_ms: float, host: str, port: int, token_file: Path | None, run_dir: Path,
+    memory_budget_mb: float, prefix_cache_mb: float, pass_tokens: int, gather_ms: float, host: str, port: int, token_file: Path | None, run_dir: Path,
     max_body_mb: float, keep_states: int, max_adapter_disk_mb: float, max_waiting_calls: int, idle_timeout: float | None, exit_with_parent: bool, lease_file: Path | None,
     max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
     header_timeout: float, body_timeout: float, max_connections: int,
@@ -89,7 +91,8 @@ def serve_shared(
 
         run_dir.mkdir(parents=True, exist_ok=True)
         config = SharedBaseConfig(model=model, dtype=dtype, device=device, micro_batch_size=micro_batch_size, max_sample_batch=max_sample_batch,
-                                  max_lora_rank=max_lora_rank, max_sessions=max_adapters, memory_budget_mb=memory_budget_mb)
+                                  max_lora_rank=max_lora_rank, max_sessions=max_adapters, memory_budget_mb=memory_budget_mb,
+                                  prefix_cache_mb=prefix_cache_mb)
         try:
             resolve_model(model)
         except ConfigError as exc:

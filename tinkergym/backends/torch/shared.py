@@ -81,7 +81,9 @@ class SharedBaseConfig(_Plain):
         max_sessions: Sessions open at once.
         memory_budget_mb: Memory for the sessions' adapters, gradients and optimizer states (0: no bound).
         prefix_cache_mb: Memory for the prefix cache, shared by the sessions; each entry is scoped by its session's
-            adapter and dropped when that adapter changes (:mod:`~tinkergym.backends.torch.prefix_cache`); 0 turns it off.
+            adapter and dropped when that adapter changes or the session trains (its memory goes to the activations, as
+            in ``TorchBackend``) (:mod:`~tinkergym.backends.torch.prefix_cache`); 0 turns it off. Rows of K sessions
+            sampled together fill it K times as fast as one job's: raise it for multi-turn envs with many sessions.
     """
 
     model: str = "tiny"
@@ -95,7 +97,7 @@ class SharedBaseConfig(_Plain):
     max_lora_rank: int = 64
     max_sessions: int = 64
     memory_budget_mb: float = 0.0
-    prefix_cache_mb: float = 1024.0
+    prefix_cache_mb: float = 256.0
     cache_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -200,6 +202,8 @@ class SharedBase:
         validate_data(request.data, request.loss)
 
     def _forward_backward_together(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]]) -> list[ForwardBackwardResult]:
+        for session, _ in calls:  # their prefixes' memory goes to the activations; sampling after the update starts afresh anyway
+            self.prefix_cache.drop_scope(session.id)
         kv_cost = kv_token_cost(self.model.config)
         normalizers = []
         for _, request in calls:
