@@ -297,6 +297,16 @@ def backend_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return ["serve-backend", "--model", "tiny", "--token-file", str(private_file(tmp_path / "token")), "--run-dir", str(tmp_path / "run")]
 
 
+def shared_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    pytest.importorskip("fastapi")
+    from tinkergym.backends.torch import shared as shared_engine
+    from tinkergym.serve.training import shared as shared_server
+
+    monkeypatch.setattr(shared_engine, "SharedBase", lambda config: object())
+    monkeypatch.setattr(shared_server, "create_shared_app", lambda base, **options: stub_app)
+    return ["serve-shared", "--model", "tiny", "--token-file", str(private_file(tmp_path / "token")), "--run-dir", str(tmp_path / "run")]
+
+
 def model_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     pytest.importorskip("fastapi")
     from tinkergym.backends import serving
@@ -313,7 +323,7 @@ def model_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return ["serve-model", "--model", "tiny", "--engine", "torch", "--api-key-file", str(private_file(tmp_path / "key"))]
 
 
-@pytest.mark.parametrize("command", [scheduler_args, backend_args, model_args], ids=["scheduler", "serve-backend", "serve-model"])
+@pytest.mark.parametrize("command", [scheduler_args, backend_args, shared_args, model_args], ids=["scheduler", "serve-backend", "serve-shared", "serve-model"])
 def test_every_server_command_launches_uvicorn_with_the_bounds(command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                built_config: None) -> None:
     args = command(tmp_path, monkeypatch) if command is not scheduler_args else command(tmp_path)

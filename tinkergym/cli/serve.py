@@ -163,10 +163,10 @@ def serve_backend(
         except ConfigError as exc:
             raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
         backend = TorchBackend(config)
-    app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=request_logger(run_dir.resolve()),
+    logger = request_logger(run_dir.resolve())
+    app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=logger,
                      keep_states=keep_states, limits=call_limits(max_num_samples, max_request_new_tokens, max_request_sequences, max_request_tokens),
                      lease=LeaseFile(lease_file) if lease_file is not None else None)
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
-    service = app.state.service
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
-               service.last_activity, service.logger)
+               lambda: app.state.service.last_activity(), logger)

@@ -105,4 +105,4 @@ def serve_shared(
                             max_waiting_calls=max_waiting_calls, max_adapter_disk_mb=max_adapter_disk_mb)
     click.echo(f"tinkergym shared training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
-               app.state.shared.last_activity, logger)
+               lambda: app.state.shared.last_activity(), logger)
