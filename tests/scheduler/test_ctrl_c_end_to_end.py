@@ -31,7 +31,9 @@ from tinkergym.folders import latest_checkpoint
 pytestmark = pytest.mark.slow
 
 TIMEOUT_S = 300  # a bound on failure only
-RUN = ("--env", "tinker/Bandit-v0", "--model", "tiny", "--dtype", "float32", "--steps", "200", "--batch-size", "2", "--group-size", "4",
+# Far more steps than any phase runs: a checkpoint reaches the run folder once the worker stored it, which can lag
+# the steps on a busy machine, and no phase may finish the run before its Ctrl-C.
+RUN = ("--env", "tinker/Bandit-v0", "--model", "tiny", "--dtype", "float32", "--steps", "5000", "--batch-size", "2", "--group-size", "4",
        "--max-new-tokens", "4", "--checkpoint-every", "1", "--quiet")
 
 
