@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from tinkergym.backends.torch import losses
-from tinkergym.backends.torch.batches import Batch, adamw_step, check_weights_finite, collate, validate_data
+from tinkergym.backends.torch.batches import Batch, adamw_step, check_prompts, check_weights_finite, collate, request_normalizers, validate_data
 from tinkergym.backends.models import resolve_model
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, read_rng_state, restore_rng_state, write_optimizer_state, write_rng_state
 from tinkergym.backends.torch.copies import CastCopy, MergedLoraCopy, _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401
@@ -47,6 +47,7 @@ from tinkergym.backends.torch.prefix_cache import PrefixCache, adapter_scope
 from tinkergym.backends.torch.sampling import sample_batch
 from tinkergym.backends.torch.runtime import (  # noqa: F401 - public here too
     DTYPES,
+    compute_in,
     deterministic_mode,
     enable_gradient_checkpointing,
     flash_attn_importable,
@@ -217,9 +218,7 @@ class TorchBackend:
 
     def _compute(self) -> contextlib.AbstractContextManager:
         """Autocast to the compute dtype when any trainable weights (full float32 masters, a LoRA adapter) are kept in another one."""
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        return compute_in(self.device, self.dtype)
 
     def _add_lora(self, model: torch.nn.Module) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
@@ -278,8 +277,7 @@ class TorchBackend:
         draws from the global torch RNG (seeded by the config and saved with the state).
         """
         params = request.params
-        if any(len(p) == 0 for p in request.prompts):
-            raise ConfigError("every prompt needs at least one token (e.g. the chat template's generation prompt)")
+        check_prompts(request.prompts)
         eos = self.tokenizer.eos_token_id
         stop_ids = list(params.stop_token_ids) or ([eos] if eos is not None else [])
         generator = None
@@ -402,10 +400,7 @@ class TorchBackend:
         spec, data = request.loss, request.data
         validate_data(data, spec)
         self.prefix_cache.clear()  # its memory goes to the activations; sampling after an update starts afresh anyway
-        total_mask = sum(sum(d.loss_mask[1:]) for d in data) if request.num_tokens is None else request.num_tokens
-        num_sequences = request.num_sequences
-        if num_sequences is None:
-            num_sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
+        total_mask, num_sequences = request_normalizers(request)
         self.model.train()
         # Metric sums stay on the device until every micro-batch ran: one read-back, not one per metric and micro-batch.
         micro_sums: list[dict[str, torch.Tensor]] = []

@@ -12,7 +12,7 @@ import torch
 from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.scoring import host_to_device, read_positions
 from tinkergym.errors import ConfigError, NonFiniteError
-from tinkergym.protocol.types import Datum, LossSpec, OptimParams
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
 
 
 @dataclass
@@ -54,8 +54,26 @@ def validate_data(data: list[Datum], spec: LossSpec) -> None:
             raise ConfigError(f"the {spec.name!r} loss needs {name} on every datum")
 
 
-def collate(data: list[Datum], device: torch.device, width: int | None = None) -> Batch:
-    """``data`` right-padded to ``width`` (default: its longest row) on ``device``."""
+def request_normalizers(request: ForwardBackwardRequest) -> tuple[float, int]:
+    """``(tokens, sequences)`` a request's loss is normalized by: its ``num_tokens``/``num_sequences``, else its masked-in
+    tokens and the sequences that have any."""
+    data = request.data
+    total = sum(sum(d.loss_mask[1:]) for d in data) if request.num_tokens is None else request.num_tokens
+    sequences = request.num_sequences
+    if sequences is None:
+        sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
+    return total, sequences
+
+
+def check_prompts(prompts: list[list[int]]) -> None:
+    """A sample request's prompts each need a token: refuse an empty one with a :class:`ConfigError`."""
+    if any(len(p) == 0 for p in prompts):
+        raise ConfigError("every prompt needs at least one token (e.g. the chat template's generation prompt)")
+
+
+def collate(data: list[Datum], device: torch.device, width: int | None = None, per_token: bool = True) -> Batch:
+    """``data`` right-padded to ``width`` (default: its longest row) on ``device``; with ``per_token`` False, without the
+    advantages and logprobs (a pass whose losses read them from other batches)."""
     width = max(len(d.tokens) for d in data) if width is None else width
     # Right padding with id 0: causal attention never lets a real token see the padding after it.
     tokens = _pad_right([d.tokens for d in data], width, torch.long, device)
@@ -63,6 +81,8 @@ def collate(data: list[Datum], device: torch.device, width: int | None = None) -
     # The first token is not predicted by anything.
     mask = _pad_right([[0.0, *d.loss_mask[1:]] for d in data], width, torch.float32, device)
     batch = Batch(tokens=tokens, attention=attention, mask=mask, lengths=[len(d.tokens) for d in data], read=read_positions(data))
+    if not per_token:
+        return batch
     if all(d.advantages for d in data):
         batch.advantages = _pad_right([d.advantages for d in data], width, torch.float32, device)
     if all(d.sampling_logprobs for d in data):

@@ -151,3 +151,11 @@ def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> tor
     with quiet_peft():
         merged = PeftModel.from_pretrained(base, path).merge_and_unload()
     return merged if dtype == "auto" else merged.to(dtype)
+
+
+def compute_in(device: torch.device, dtype: torch.dtype) -> contextlib.AbstractContextManager:
+    """Autocast to ``dtype`` on ``device`` where trainable weights (float32 masters, a LoRA adapter) are kept in another
+    dtype than the computation's; nothing to do in float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)

@@ -29,6 +29,7 @@ where the rows' adapters are no longer known).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -41,10 +42,10 @@ import torch
 
 from tinkergym.backends.models import resolve_model
 from tinkergym.backends.torch import losses, multi_lora
-from tinkergym.backends.torch.batches import Batch, adamw_step, check_weights_finite, collate, validate_data
+from tinkergym.backends.torch.batches import Batch, adamw_step, check_prompts, check_weights_finite, collate, request_normalizers, validate_data
 from tinkergym.backends.torch.copies import kv_token_cost
 from tinkergym.backends.torch.prefix_cache import PrefixCache
-from tinkergym.backends.torch.runtime import DTYPES, load_causal_lm, resolve_attn_implementation, resolve_device, resolve_dtype
+from tinkergym.backends.torch.runtime import DTYPES, compute_in, load_causal_lm, resolve_attn_implementation, resolve_device, resolve_dtype
 from tinkergym.backends.torch.sampling import RowGenerators, sample_batch
 from tinkergym.backends.torch.scoring import MicroBatch, logprobs_from, padded_length_limit, plan_micro_batches, sequence_logprobs
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, write_optimizer_state
@@ -147,6 +148,17 @@ class SharedBase:
         self.pad_id = next(t for t in fallbacks if t is not None)
         self.base_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
 
+    def info(self) -> dict[str, Any]:
+        """The model, tokenizer folder, precision, device, batching and bounds every session shares."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        return {
+            "model": self.config.model, "model_path": self.model_path, "tokenizer": self.model_path,
+            "micro_batch_size": self.config.micro_batch_size, "dtype": dtype, "param_dtype": dtype, "device": str(self.device),
+            "attn_implementation": self.attn_implementation, "deterministic": False, "gradient_checkpointing": False,
+            "total_params": sum(p.numel() for p in self.model.parameters()), "max_lora_rank": self.config.max_lora_rank,
+            "max_sessions": self.config.max_sessions,
+        }
+
     # ----- sessions ---------------------------------------------------------------------------------
     def session_bytes(self, rank: int) -> int:
         """Memory of one session of ``rank``: its adapter, gradients and AdamW's two moments, all float32."""
@@ -188,9 +200,7 @@ class SharedBase:
                 session._close()
 
     def _compute(self) -> contextlib.AbstractContextManager:
-        if self.dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device.type, dtype=self.dtype)
+        return compute_in(self.device, self.dtype)
 
     # ----- training ---------------------------------------------------------------------------------
     def forward_backward_many(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]]) -> list[Outcome]:
@@ -205,14 +215,7 @@ class SharedBase:
         for session, _ in calls:  # their prefixes' memory goes to the activations; sampling after the update starts afresh anyway
             self.prefix_cache.drop_scope(session.id)
         kv_cost = kv_token_cost(self.model.config)
-        normalizers = []
-        for _, request in calls:
-            data = request.data
-            total = sum(sum(d.loss_mask[1:]) for d in data) if request.num_tokens is None else request.num_tokens
-            sequences = request.num_sequences
-            if sequences is None:
-                sequences = sum(1 for d in data if any(m != 0 for m in d.loss_mask[1:]))
-            normalizers.append((total, sequences))
+        normalizers = [request_normalizers(request) for _, request in calls]
         sums: list[list[dict[str, torch.Tensor]]] = [[] for _ in calls]
         by_temperature: dict[float, list[int]] = {}
         for k, (_, request) in enumerate(calls):
@@ -239,7 +242,7 @@ class SharedBase:
         rows = [calls[k][1].data[i] for k, i in picked]
         adapters = [calls[k][0].id for k, _ in picked]
         local = MicroBatch(list(range(len(rows))), micro.group_sizes, micro.prefix_lens)
-        batch = collate(rows, self.device)
+        batch = collate(rows, self.device, per_token=False)  # each session's losses read its own rows' (below)
         width = batch.tokens.shape[1]
         logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, local, temperature,
                                      lengths=batch.lengths, read=batch.read, adapters=adapters)
@@ -272,8 +275,7 @@ class SharedBase:
 
     def _check_sample(self, session: LoraSession, request: SampleRequest) -> None:
         session._check_open()
-        if any(len(p) == 0 for p in request.prompts):
-            raise ConfigError("every prompt needs at least one token (e.g. the chat template's generation prompt)")
+        check_prompts(request.prompts)
 
     def _sample_together(self, calls: Sequence[tuple[LoraSession, SampleRequest]]) -> list[SampleResponse]:
         eos = self.tokenizer.eos_token_id
@@ -340,7 +342,7 @@ class SharedBase:
             mine = [(k, i) for k, i in rows if calls[k][1][1] == temperature]
             data = [Datum(tokens=calls[k][1][0][i], loss_mask=[0.0] * len(calls[k][1][0][i])) for k, i in mine]
             for micro in plan_micro_batches(data, self.config.micro_batch_size, False):
-                batch = collate([data[j] for j in micro.indices], self.device)
+                batch = collate([data[j] for j in micro.indices], self.device, per_token=False)
                 adapters = [calls[mine[j][0]][0].id for j in micro.indices]
                 with torch.no_grad(), self._compute():
                     scored = logprobs_from(self.model, batch.tokens, batch.attention, temperature=temperature, adapters=adapters)
@@ -386,7 +388,6 @@ class SharedBase:
 
 def _holding_base(method: Callable[..., T]) -> Callable[..., T]:
     """Run a session method while holding its base's lock (no pass runs while it reads or writes the adapter)."""
-    import functools
 
     @functools.wraps(method)
     def locked(self: LoraSession, *args: Any, **kwargs: Any) -> T:
@@ -448,17 +449,11 @@ class LoraSession:
         return outcome
 
     def info(self) -> dict[str, Any]:
-        """The base's model, tokenizer and precision, and this session's adapter, step and memory."""
-        base = self.base
+        """The base's :meth:`~SharedBase.info`, and this session's adapter, step and memory."""
         return {
-            "model": base.config.model, "model_path": base.model_path, "tokenizer": base.model_path,
-            "lora_rank": self.config.lora_rank, "lora_alpha": self.config.lora_alpha, "lora_dropout": 0.0,
-            "micro_batch_size": base.config.micro_batch_size, "dtype": str(base.dtype).removeprefix("torch."),
-            "param_dtype": str(base.dtype).removeprefix("torch."), "device": str(base.device),
-            "attn_implementation": base.attn_implementation, "deterministic": False, "gradient_checkpointing": False,
-            "step": self.step, "trainable_params": sum(p.numel() for p in self.params.values()),
-            "total_params": sum(p.numel() for p in base.model.parameters()), "session": self.id,
-            "session_bytes": base.session_bytes(self.config.lora_rank),
+            **self.base.info(), "lora_rank": self.config.lora_rank, "lora_alpha": self.config.lora_alpha, "lora_dropout": 0.0,
+            "step": self.step, "trainable_params": sum(p.numel() for p in self.params.values()), "session": self.id,
+            "session_bytes": self.base.session_bytes(self.config.lora_rank),
         }
 
     def sample(self, request: SampleRequest) -> SampleResponse:
