@@ -53,14 +53,18 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     return token
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, or None."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
 def bearer_matches(authorization: str | None, digest: bytes) -> bool:
     """Whether an ``Authorization`` header carries the token whose digest is ``digest`` (constant time)."""
-    if not authorization:
-        return False
-    scheme, _, token = authorization.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return False
-    return hmac.compare_digest(token_digest(token.strip()), digest)
+    token = bearer_token(authorization)
+    return token is not None and hmac.compare_digest(token_digest(token), digest)
 
 
 class LeaseFile:

@@ -120,6 +120,15 @@ def _vocab_size(backend: Any) -> int | None:
         return None
 
 
+def public_info(info: dict[str, Any]) -> dict[str, Any]:
+    """A backend's ``info()`` as clients see it: no local paths of the server's machine, a model folder by its name."""
+    public = {k: v for k, v in info.items() if k not in LOCAL_PATH_KEYS}
+    model = public.get("model")
+    if isinstance(model, str) and (os.path.isabs(model) or os.path.exists(model)):
+        public["model"] = Path(model).name
+    return public
+
+
 class TrainingService:
     """One backend, its run folder, the call store and the worker: what the routes of one app share."""
 
@@ -156,11 +165,7 @@ class TrainingService:
 
     def info(self) -> dict[str, Any]:
         """``backend.info()`` without local paths, plus the protocol version and the limits of one call."""
-        info = {k: v for k, v in self.backend.info().items() if k not in LOCAL_PATH_KEYS}
-        model = info.get("model")
-        if isinstance(model, str) and (os.path.isabs(model) or os.path.exists(model)):
-            info["model"] = Path(model).name
-        return {**info, "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()}
+        return {**public_info(self.backend.info()), "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()}
 
     def tokenizer_files(self) -> dict[str, str]:
         """The allowlisted tokenizer files of the model folder (read once)."""

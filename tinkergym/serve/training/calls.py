@@ -203,6 +203,11 @@ def _check_token_ids(rows: list[list[int]], vocab_size: int | None, where: str) 
                 raise ConfigError(f"{where}[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})")
 
 
+def sample_tokens(request: SampleRequest) -> int:
+    """The tokens a sample call holds at most: every sequence's prompt and ``max_new_tokens``."""
+    return request.num_samples * (sum(map(len, request.prompts)) + len(request.prompts) * request.params.max_new_tokens)
+
+
 @dataclass(frozen=True)
 class CallLimits:
     """What one call may ask of the backend, checked from the request's numbers before anything is allocated.
@@ -241,8 +246,7 @@ class CallLimits:
         self.check("num_samples", request.num_samples, "args.request.num_samples", "samples per prompt")
         self.check("new_tokens", request.params.max_new_tokens, "args.request.params.max_new_tokens", "new tokens")
         self.check("sequences", len(request.prompts) * request.num_samples, "args.request", "sequences (prompts x num_samples)")
-        held = request.num_samples * (sum(map(len, request.prompts)) + len(request.prompts) * request.params.max_new_tokens)
-        self.check("tokens", held, "args.request", "tokens (num_samples x (prompt tokens + max_new_tokens) over the prompts)")
+        self.check("tokens", sample_tokens(request), "args.request", "tokens (num_samples x (prompt tokens + max_new_tokens) over the prompts)")
 
     def check_rows(self, rows: list[list[int]], where: str) -> None:
         """A training or scoring call's rows and their summed length."""
@@ -334,6 +338,11 @@ def prune_states(run_dir: Path, keep: int, current: Path) -> list[str]:
     return [p.name for p in doomed]
 
 
+def wire_result(method: str, value: Any) -> dict[str, Any]:
+    """The JSON result of a ``sample``, ``logprobs`` or ``forward_backward`` call from what the backend returned."""
+    return {"logprobs": value} if method == "logprobs" else value.to_dict()
+
+
 def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0) -> dict[str, Any]:
     """Run a checked call on ``backend`` and return its JSON result (names are checked again, now, before use).
 
@@ -341,11 +350,11 @@ def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0
     """
     args = call.args
     if call.method == "sample":
-        return backend.sample(args["request"]).to_dict()
+        return wire_result(call.method, backend.sample(args["request"]))
     if call.method == "logprobs":
-        return {"logprobs": backend.logprobs(args["sequences"], args["temperature"])}
+        return wire_result(call.method, backend.logprobs(args["sequences"], args["temperature"]))
     if call.method == "forward_backward":
-        return backend.forward_backward(args["request"]).to_dict()
+        return wire_result(call.method, backend.forward_backward(args["request"]))
     if call.method == "optim_step":
         return {"metrics": {str(k): float(v) for k, v in backend.optim_step(args["params"]).items()}}
     if call.method == "save_state":

@@ -21,7 +21,6 @@ each failing alone; the others (``optim_step``, states, export) one by one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -42,9 +41,9 @@ from starlette.responses import JSONResponse
 
 from tinkergym.errors import ConfigError
 from tinkergym.serve.asgi import BodyLimit, RequestLog, WireJSON, error_response
-from tinkergym.serve.auth import LeaseFile, bearer_matches, token_digest
-from tinkergym.serve.training.app import ERRORS, LOCAL_PATH_KEYS, PROTOCOL_VERSION, TrainingService, WireModel, _add_error_handlers, router
-from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, call_error, run_call
+from tinkergym.serve.auth import LeaseFile, bearer_matches, bearer_token, token_digest
+from tinkergym.serve.training.app import ERRORS, PROTOCOL_VERSION, TrainingService, WireModel, _add_error_handlers, public_info, router
+from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, call_error, run_call, sample_tokens, wire_result
 
 #: Routes of the server's own token; every other route but /health serves one adapter.
 ADMIN_PREFIX = "/v1/adapters"
@@ -87,8 +86,7 @@ def call_tokens(record: CallRecord) -> int:
     if call is None:
         return 0
     if call.method == "sample":
-        request = call.args["request"]
-        return request.num_samples * (sum(map(len, request.prompts)) + len(request.prompts) * request.params.max_new_tokens)
+        return sample_tokens(call.args["request"])
     if call.method == "forward_backward":
         return sum(len(d.tokens) for d in call.args["request"].data)
     if call.method == "logprobs":
@@ -265,7 +263,7 @@ class SharedWorker:
         for adapter_id, record in taken:
             outcome = outcomes.get(record.request_id, ConfigError(CLOSED))
             error = call_error(outcome, record.request_id, self.logger) if isinstance(outcome, BaseException) else None
-            result = None if error is not None else _result_json(record, outcome)
+            result = None if error is not None else (wire_result(record.method, outcome) if record.method in together else outcome)
             self.logger.info(json.dumps({
                 "event": "call", "request_id": record.request_id, "adapter": adapter_id, "session": record.session_id, "seq": record.seq,
                 "method": record.method, "ok": error is None, "round": len(taken), "duration_ms": round(1000 * (time.perf_counter() - start), 1),
@@ -287,14 +285,6 @@ class SharedWorker:
 def _joint_args(record: CallRecord) -> Any:
     args = record.call.args  # type: ignore[union-attr]
     return (args["sequences"], args["temperature"]) if record.method == "logprobs" else args["request"]
-
-
-def _result_json(record: CallRecord, outcome: Any) -> dict[str, Any]:
-    if record.method == "logprobs":
-        return {"logprobs": outcome}
-    if record.method in ("forward_backward", "sample"):
-        return outcome.to_dict()
-    return outcome
 
 
 @dataclass
@@ -394,22 +384,14 @@ class SharedService:
         return {"adapter_id": adapter_id, "epoch": body.epoch, "seconds": body.seconds}
 
     def by_token(self, authorization: str | None) -> Adapter | None:
-        if not authorization:
-            return None
-        scheme, _, token = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            return None
+        token = bearer_token(authorization)
         # A dict keyed by the SHA-256 digest: the digest of a guess tells nothing about the tokens held.
-        return self._by_digest.get(hashlib.sha256(token.strip().encode("utf-8")).digest())
+        return None if token is None else self._by_digest.get(token_digest(token))
 
     def listing(self) -> dict[str, Any]:
-        info = {k: v for k, v in self.base.info().items() if k not in LOCAL_PATH_KEYS} if hasattr(self.base, "info") else {}
-        model = info.get("model")
-        if isinstance(model, str) and (os.path.isabs(model) or os.path.exists(model)):
-            info["model"] = Path(model).name
         adapters = [{"adapter_id": a.adapter_id, "lora_rank": a.session.config.lora_rank, "lora_alpha": a.session.config.lora_alpha,
                      "step": a.session.step, "pending": self.worker.pending(a.adapter_id)} for a in self.adapters.values()]
-        return {"base": info, "memory": self.base.memory(), "adapters": adapters, "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()}
+        return {"base": public_info(self.base.info()), "memory": self.base.memory(), "adapters": adapters, "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()}
 
     def last_activity(self) -> float:
         if self.worker.busy():
