@@ -41,6 +41,14 @@ def request_logger(run_dir: Path) -> logging.Logger:
     return logger
 
 
+# Options of every training server command (serve-backend, serve-shared), alike in each.
+HOST_OPTION = click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on; keep the loopback default behind an SSH tunnel or a TLS proxy.")
+MAX_BODY_OPTION = click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True, help="Larger request bodies are refused (413).")
+EXIT_WITH_PARENT_OPTION = click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
+LEASE_FILE_OPTION = click.option("--lease-file", type=SafePath(dir_okay=False, path_type=Path), default=None,
+              help="A scheduler's worker renews the lease's deadline in this file; past it every call is refused (401 lease_ended).")
+
+
 def call_limit_options(command: Any) -> Any:
     """The --max-* options that bound one call (see :class:`~tinkergym.serve.training.calls.CallLimits`)."""
     options = [
@@ -93,11 +101,11 @@ def run_server(app: Any, host: str, port: int, limits: Any, idle_timeout: float 
 @click.option("--dtype", type=click.Choice(DTYPES), default=DEFAULT_DTYPE, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")
 @click.option("--seed", type=SEED, default=0, show_default=True)
-@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on; keep the loopback default behind an SSH tunnel or a TLS proxy.")
+@HOST_OPTION
 @click.option("--port", type=click.IntRange(1, 65535), default=8765, show_default=True)
 @click.option("--token-file", type=SafePath(dir_okay=False, path_type=Path), default=None, help="File with the bearer token (mode 600; required).")
 @click.option("--run-dir", type=SafePath(file_okay=False, path_type=Path), required=True, help="Folder for states/, exports/ and server.log.")
-@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True, help="Larger request bodies are refused (413).")
+@MAX_BODY_OPTION
 @click.option("--keep-states", type=click.IntRange(min=0), default=0, show_default=True,
               help="Keep only this many newest saved states in --run-dir/states (0: keep all). Keep more than the client's checkpoints (2).")
 @click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -109,9 +117,8 @@ def run_server(app: Any, host: str, port: int, limits: Any, idle_timeout: float 
               help="Memory for the prefix cache: a multi-turn episode's next turn samples from its new tokens only (0 = off).")
 @click.option("--lora-sampling", type=click.Choice(["adapter", "merged"]), default="adapter", show_default=True,
               help="How LoRA samples: through the adapter, or from a merged copy of the weights (faster on a CPU; see train --help).")
-@click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
-@click.option("--lease-file", type=SafePath(dir_okay=False, path_type=Path), default=None,
-              help="A scheduler's worker renews the lease's deadline in this file; past it every call is refused (401 lease_ended).")
+@EXIT_WITH_PARENT_OPTION
+@LEASE_FILE_OPTION
 @call_limit_options
 @connection_options
 def serve_backend(

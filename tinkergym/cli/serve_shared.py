@@ -8,7 +8,18 @@ import click
 
 from tinkergym.cli.common import FiniteFloat, InputError, SafePath
 from tinkergym.cli.connection_options import connection_limits, connection_options
-from tinkergym.cli.serve import TOKEN_HINT, _is_loopback, call_limit_options, call_limits, request_logger, run_server
+from tinkergym.cli.serve import (
+    EXIT_WITH_PARENT_OPTION,
+    HOST_OPTION,
+    LEASE_FILE_OPTION,
+    MAX_BODY_OPTION,
+    TOKEN_HINT,
+    _is_loopback,
+    call_limit_options,
+    call_limits,
+    request_logger,
+    run_server,
+)
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 
 
@@ -30,12 +41,12 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
               help="Tokens of one round of calls across adapters; a larger call runs in a round of its own.")
 @click.option("--gather-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="How long a round waits for other adapters' calls to join it (0: never).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on; keep the loopback default behind an SSH tunnel or a TLS proxy.")
+@HOST_OPTION
 @click.option("--port", type=click.IntRange(1, 65535), default=8766, show_default=True)
 @click.option("--token-file", type=SafePath(dir_okay=False, path_type=Path), default=None,
               help="File with the server's own token (mode 600; required): it opens and closes adapters.")
 @click.option("--run-dir", type=SafePath(file_okay=False, path_type=Path), required=True, help="Folder for adapters/<id>/{states,exports} and server.log.")
-@click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True, help="Larger request bodies are refused (413).")
+@MAX_BODY_OPTION
 @click.option("--keep-states", type=click.IntRange(min=0), default=3, show_default=True,
               help="Keep only this many newest saved states per adapter (0: all); keep more than the client's checkpoints (2).")
 @click.option("--max-adapter-disk-mb", type=click.FloatRange(min=0), default=10240.0, show_default=True,
@@ -44,9 +55,8 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
               help="Most calls of one adapter waiting to run; more are refused (429).")
 @click.option("--idle-timeout", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Stop (exit code 75) when no call came for this many seconds; a running call counts as activity.")
-@click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
-@click.option("--lease-file", type=SafePath(dir_okay=False, path_type=Path), default=None,
-              help="A scheduler's worker renews the lease's deadline in this file; past it every call is refused (401 lease_ended).")
+@EXIT_WITH_PARENT_OPTION
+@LEASE_FILE_OPTION
 @call_limit_options
 @connection_options
 def serve_shared(
