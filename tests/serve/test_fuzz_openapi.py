@@ -117,7 +117,7 @@ def near(draw: Any, valid: Any) -> Any:
     return value
 
 
-def fuzz(schema: Any, examples: dict[str, int], real: Any, seen: Any = None) -> tuple[list[str], list[tuple[str, int]]]:
+def fuzz(schema: Any, examples: dict[str, int], real: Any, seen: Any = None, headers: dict[str, str] = HEADERS) -> tuple[list[str], list[tuple[str, int]]]:
     """One Hypothesis run per operation (schemathesis' pytest plugin does the same through parametrize); ``real(case, draw)``
     turns half of the cases into near-valid ones, ``seen(case, response)`` sees every answer. Failures are gathered, so
     every operation is fuzzed before the test fails."""
@@ -130,7 +130,7 @@ def fuzz(schema: Any, examples: dict[str, int], real: Any, seen: Any = None) -> 
         def run(case: Any, make_real: bool, data: Any) -> None:
             if make_real:
                 real(case, data.draw)
-            response = case.call_and_validate(headers=HEADERS, checks=CHECKS)
+            response = case.call_and_validate(headers=headers, checks=CHECKS)
             statuses.append((operation.path, response.status_code))  # noqa: B023 - run within this iteration
             if seen is not None:
                 seen(case, response)
@@ -188,6 +188,37 @@ def test_no_request_makes_the_training_server_fail(training: TestClient) -> None
     assert call(training, "load_state", {"name": "s0"}).status_code == 200  # the tests below start from s0's weights
     assert not failures, "\n\n".join(failures)
     assert len(statuses) >= 200 and {("/v1/call", 200), ("/v1/call", 400), ("/v1/call", 404)} <= set(statuses), sorted(set(statuses))
+
+
+def test_no_request_makes_the_shared_server_fail(tiny: str, tmp_path: Path) -> None:
+    """The shared server's document fuzzed with the server's token (its adapter routes) and with an adapter's (the rest)."""
+    from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig
+    from tinkergym.serve.training.shared import create_shared_app
+
+    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", max_sessions=8))
+    app = create_shared_app(base, run_dir=tmp_path, token_digest=token_digest(TOKEN), limits=LIMITS)
+    with TestClient(app) as http:
+        adapter = http.post("/v1/adapters", headers=HEADERS, json={"adapter_id": "a0", "lora_rank": 4}).json()
+        mine = {"Authorization": f"Bearer {adapter['token']}"}  # the adapter the near-valid calls go to
+        schema = schemathesis.openapi.from_asgi("/openapi.json", app, headers=HEADERS)
+
+        def real(case: Any, draw: Any) -> None:
+            if case.operation.path == "/v1/adapters" and case.method.upper() == "POST":
+                case.body = draw(near({"lora_rank": 4, "lora_alpha": 8.0, "seed": 1, "source": {"adapter_id": "a0", "export": "e0"}}))
+            elif case.operation.path.startswith("/v1/adapters/{"):
+                case.path_parameters = {"adapter_id": draw(st.sampled_from(["a0", "nope", "..", "a0\x00"]))}
+            elif case.operation.path == "/v1/call":
+                method = draw(st.sampled_from(sorted(CALLS)))
+                session = http.post("/v1/sessions", headers=mine).json().get("session_id", "closed")  # the fuzzer may have closed it
+                case.body = {"session_id": session, "seq": 1, "method": method, "args": draw(near(CALLS[method]))}
+
+        admin_failures, admin_statuses = fuzz(schema, {}, real)
+        # The fuzzer may have closed a0: the adapter's half runs with a fresh adapter.
+        mine = {"Authorization": f"Bearer {http.post('/v1/adapters', headers=HEADERS, json={}).json()['token']}"}
+        adapter_failures, adapter_statuses = fuzz(schema, {"/v1/call": 60}, real, headers=mine)
+    assert not admin_failures + adapter_failures, "\n\n".join(admin_failures + adapter_failures)
+    assert {("/v1/adapters", 201), ("/v1/adapters", 400)} <= set(admin_statuses), sorted(set(admin_statuses))
+    assert {("/v1/call", 200), ("/v1/call", 400), ("/v1/adapters", 403)} <= set(adapter_statuses), sorted(set(adapter_statuses))
 
 
 @pytest.mark.parametrize(("method", "args"), [

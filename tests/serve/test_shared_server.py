@@ -3,6 +3,7 @@ reached with its own token only, calls of several adapters run together and fair
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import threading
@@ -88,6 +89,7 @@ def test_adapters_are_managed_with_the_servers_token_and_reached_with_their_own(
     listing = http.get("/v1/adapters", headers=ADMIN).json()
     assert {x["adapter_id"] for x in listing["adapters"]} == {a["adapter_id"], b["adapter_id"]}
     held = listing["memory"]["sessions_bytes"]
+    assert listing["base"]["model"] == Path(tiny).name and "model_path" not in listing["base"] and listing["base"]["max_lora_rank"] == 64
     # Closing frees the adapter's memory and ends its token.
     assert http.delete(f"/v1/adapters/{a['adapter_id']}?purge=true", headers=ADMIN).json() == {"closed": True}
     assert http.get("/v1/info", headers=ta).status_code == 401
@@ -277,8 +279,9 @@ def test_a_caller_chosen_token_and_a_lease_bind_an_adapter_to_a_job(tiny, tmp_pa
     assert (tmp_path / "adapters" / "job-7.e2").is_dir()
     assert http.post("/v1/adapters", headers=ADMIN, json={"adapter_id": "job-7.e2"}).status_code == 409
     assert http.post("/v1/adapters", headers=ADMIN, json={"token_sha256": digest}).status_code == 409
-    for bad in ("../x", ".hidden", "a/b", "x" * 65):
-        assert http.post("/v1/adapters", headers=ADMIN, json={"adapter_id": bad}).status_code == 400, bad
+    for bad in ("../x", ".hidden", "a/b", "x" * 65, "a\x00b", "\ud800x"):
+        body = json.dumps({"adapter_id": bad})  # escaped JSON: a lone surrogate travels as \\ud800
+        assert http.post("/v1/adapters", headers={**ADMIN, "Content-Type": "application/json"}, content=body).status_code == 400, bad
     other = http.post("/v1/adapters", headers=ADMIN, json={}).json()
     mine = bearer(lease_token)
     assert http.get("/v1/info", headers=mine).status_code == 200

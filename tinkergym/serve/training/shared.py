@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse
 from tinkergym.errors import ConfigError
 from tinkergym.serve.asgi import BodyLimit, RequestLog, WireJSON, error_response
 from tinkergym.serve.auth import LeaseFile, bearer_matches, bearer_token, token_digest
-from tinkergym.serve.training.app import ERRORS, PROTOCOL_VERSION, TrainingService, WireModel, _add_error_handlers, public_info, router
+from tinkergym.serve.training.app import ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, WireModel, _add_error_handlers, public_info, router
 from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, call_error, run_call, sample_tokens, wire_result
 
 #: Routes of the server's own token; every other route but /health serves one adapter.
@@ -505,8 +505,9 @@ def create_shared_app(
     app = FastAPI(title="tinkergym shared training server", version=str(PROTOCOL_VERSION), lifespan=lifespan,
                   docs_url=None, redoc_url=None, default_response_class=WireJSON)
     app.state.shared = shared
-    app.include_router(admin)
-    app.include_router(router)
+    # Every route answers 403 to the other kind of token; a call past an adapter's waiting calls is 429.
+    app.include_router(admin, responses={403: {"model": ErrorResponse}})
+    app.include_router(router, responses={403: {"model": ErrorResponse}, 429: {"model": ErrorResponse}})
     _add_error_handlers(app, log)
 
     @app.exception_handler(Conflict)
