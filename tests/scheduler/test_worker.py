@@ -304,7 +304,7 @@ def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Pa
     :data:`FAKE_SERVER`: ``(wrapped app, owner, worker, its thread)``, all stopped afterwards."""
     import threading
 
-    from tinkergym.scheduler.worker.agent import Worker, WorkerOptions
+    from tinkergym.scheduler.worker.pool import Worker, WorkerOptions
     from tinkergym.scheduler.worker.client import WorkerClient
 
     fake = tmp_path / "fake-python"

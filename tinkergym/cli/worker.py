@@ -38,6 +38,19 @@ def parse_ports(text: str) -> tuple[int, int]:
     return int(match.group(1)), int(match.group(2))
 
 
+def _share(devices: list[dict], text: str, spec: dict, models: list[str]) -> None:
+    """Mark the devices named by ``--shared-devices`` as shared servers of ``spec`` (an :class:`InputError` for a bad list)."""
+    indexes = parse_gpus(text) if text.strip() else []
+    known = {d["index"] for d in devices}
+    if not indexes or set(indexes) - known:
+        raise InputError(f"--shared-devices {text!r}: name some of this worker's devices ({', '.join(map(str, sorted(known)))})")
+    if spec["model"] not in models:
+        raise InputError(f"--shared-model {spec['model']!r} must be one of --models ({', '.join(models)})")
+    for device in devices:
+        if device["index"] in indexes:
+            device["shared"] = dict(spec)
+
+
 @click.command("worker")
 @click.option("--scheduler", "scheduler_url", envvar=SCHEDULER_ENV, show_envvar=True, metavar="URL", help="The scheduler, e.g. http://10.0.0.2:8780.")
 @click.option("--key", "api_key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
@@ -58,11 +71,21 @@ def parse_ports(text: str) -> tuple[int, int]:
               help="The Python the job servers run under (it needs the train and serve extras).")
 @click.option("--keep-states", type=click.IntRange(0, 10000), default=2, show_default=True,
               help="A job's saved states kept in its folder once uploaded, the newest (0: all); the scheduler keeps every one.")
+@click.option("--shared-devices", default=None, metavar="0,1",
+              help="Of this worker's GPUs (or slots), those that run a shared training server: its seats take LoRA jobs of one "
+                   "base model together, one seat a job, instead of one job a device.")
+@click.option("--seats", type=click.IntRange(1, 64), default=4, show_default=True, help="LoRA jobs one shared server holds at once.")
+@click.option("--shared-model", default=None, metavar="MODEL", help="The shared servers' base model (default: the first of --models).")
+@click.option("--shared-dtype", type=click.Choice(["auto", "bfloat16", "float32"]), default="auto", show_default=True,
+              help="The shared servers' dtype: a job takes a seat when its dtype is this one or auto.")
+@click.option("--max-lora-rank", type=click.IntRange(1, 4096), default=64, show_default=True,
+              help="The largest rank of a job on a seat (a larger one takes a whole device): size --seats so that this many "
+                   "adapters of this rank, with their optimizer state, fit the device beside the base.")
 @click.option("--skip-model-check", is_flag=True, help="Start even when a model of --models is not available here yet (it is fetched when a job starts).")
 def worker(
     scheduler_url: str | None, api_key: str | None, gpus: str | None, slots: int | None, name: str | None, host: str, models: str,
     work_dir: Path, port_range: str, heartbeat: float | None, idle_timeout: float | None, poll: float, python: str, keep_states: int,
-    skip_model_check: bool,
+    shared_devices: str | None, seats: int, shared_model: str | None, shared_dtype: str, max_lora_rank: int, skip_model_check: bool,
 ) -> None:
     """Take the scheduler's leases for this machine's devices and run each job's server on them.
 
@@ -70,6 +93,8 @@ def worker(
     Examples:
       TINKERGYM_API_KEY=tgk_... tinkergym worker --scheduler http://10.0.0.2:8780 --gpus 0,1
       tinkergym worker --scheduler http://127.0.0.1:8780 --slots 1 --models tiny     # no GPU: CPU servers
+      tinkergym worker --scheduler URL --gpus 0,1 --shared-devices 1 --seats 8 --models smollm2-135m
+                       # GPU 0 takes one job at a time; GPU 1 holds smollm2-135m once for 8 LoRA jobs
 
     At start it checks that it can run what it offers (the servers' packages under --python, each model of --models,
     each GPU of --gpus) and refuses to start otherwise (exit 2). Stop it with Ctrl-C or SIGTERM: it stops its servers,
@@ -90,7 +115,7 @@ def worker(
     bad = [m for m in model_list if not MODEL.match(m) or ".." in m]
     if not model_list or bad:
         raise InputError(f"--models {models!r}: comma-separated model names such as tiny,smollm2-135m (not paths)")
-    from tinkergym.scheduler.worker.agent import Worker, WorkerOptions, default_name
+    from tinkergym.scheduler.worker.pool import Worker, WorkerOptions, default_name
     from tinkergym.scheduler.worker.client import WorkerClient
 
     name = name or default_name()
@@ -100,6 +125,9 @@ def worker(
         devices = [{"index": i, "kind": "gpu", "name": f"cuda:{i}"} for i in parse_gpus(gpus)]
     else:
         devices = [{"index": i, "kind": "slot", "name": f"slot {i}"} for i in range(slots or 0)]
+    if shared_devices is not None:
+        _share(devices, shared_devices, {"seats": seats, "model": shared_model or model_list[0], "dtype": shared_dtype,
+                                         "max_lora_rank": max_lora_rank}, model_list)
     try:
         client = WorkerClient(scheduler_url, api_key)
     except ConfigError as exc:

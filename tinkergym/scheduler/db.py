@@ -7,7 +7,7 @@ database. The invariants the code relies on are constraints, so a bug or a race 
   the code does (a second grant fails with an integrity error and its transaction rolls back, all or none);
 - ``events (job_id, seq)`` is unique: an event is recorded once and a stream resumes without duplicates;
 - ``idempotency (tenant_id, method, path, key)`` is the primary key: one first request per key;
-- ``devices (worker_id, index)`` is unique: a worker registers each device once.
+- ``devices (worker_id, index)`` is unique: a worker registers each device (and each seat of a shared server) once.
 
 The schema is created and upgraded by Alembic (``migrations/``; :func:`upgrade`), never by ``create_all``
 outside tests of the migrations themselves.
@@ -92,10 +92,14 @@ devices = Table(
     "devices", metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
     Column("worker_id", String(64), ForeignKey("workers.id"), nullable=False),
-    Column("index", Integer, nullable=False),  # CUDA_VISIBLE_DEVICES index on the worker (or a CPU slot number)
-    Column("kind", String(16), nullable=False),  # "gpu" or "slot"
+    Column("index", Integer, nullable=False),  # CUDA_VISIBLE_DEVICES index on the worker (or a CPU slot number); a seat's: seats.seat_index
+    Column("kind", String(16), nullable=False),  # "gpu" or "slot" (a seat's: the device's it sits on)
     Column("name", String(200), nullable=False, default=""),
     Column("active", Boolean, nullable=False, default=True),
+    # A seat on a shared training server (tinkergym.scheduler.seats): the index of the device it sits on, and the
+    # server's base as JSON (model, dtype, max_lora_rank). Both None for a whole device.
+    Column("seat_of", Integer, nullable=True),
+    Column("shared", Text, nullable=True),
     UniqueConstraint("worker_id", "index", name="uq_devices_worker_index"),
 )
 
@@ -132,7 +136,7 @@ Index("ix_jobs_state_finished", jobs.c.state, jobs.c.finished_at)  # the retenti
 
 allocations = Table(
     "allocations", metadata,
-    Column("device_id", Integer, ForeignKey("devices.id"), primary_key=True),  # never a device twice
+    Column("device_id", Integer, ForeignKey("devices.id"), primary_key=True),  # never a device (or a seat) twice
     Column("job_id", String(40), ForeignKey("jobs.id"), nullable=False),
     Column("epoch", Integer, nullable=False),
     Column("granted_at", Float, nullable=False),

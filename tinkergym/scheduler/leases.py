@@ -14,7 +14,9 @@ then age (older first). A job that cannot start here does not block smaller jobs
 except a job that has waited longer than ``backfill_age_s``: on every worker that could ever host it (it
 serves the model and has enough devices), no job after it in the order is granted, so the devices drain
 to it and large jobs are not starved. A job whose tenant holds ``tenants.max_gpus`` devices already waits
-without blocking anyone.
+without blocking anyone. A LoRA job that fits a free seat of a shared training server takes that seat before a whole
+device (:mod:`tinkergym.scheduler.seats`: the placement rule); a seat is a row of ``devices`` like any device, so
+the same constraint holds it, and it counts as one device toward the tenant's quota.
 
 Expiry (:func:`sweep`) runs in the app's background task (:func:`tinkergym.scheduler.sweeps.sweep_forever`), so a lease expires with
 no other traffic: the job goes back to ``queued`` with ``attempt + 1`` (``failed`` once attempts reach
@@ -73,6 +75,7 @@ from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME
 from tinkergym.scheduler.bounds import WorkerBounds
 from tinkergym.scheduler.db import allocations, checkpoints, devices, jobs, tenants, workers
 from tinkergym.scheduler.repository import Conflict, JobStore
+from tinkergym.scheduler.seats import fits, parse_shared
 from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
     ALIVE, FORGET_BATCH, GONE, _locked, _strike, forget_worker, mark_gone, owned_worker, quarantine_worker, register_worker,
     release_worker, sweep_workers, worker_status, worker_timeout, worker_view,
@@ -193,7 +196,7 @@ def grant(
 
     Only jobs within the worker credential's ``bounds`` are considered: its tenants' queues alone are read, and its
     models only. A quarantined worker gets :class:`Quarantined`. The lease: ``job_id, kind, config, epoch, attempt,
-    devices`` (indexes on the worker), ``expires_at``, ``ttl_s``, ``token`` and ``checkpoint`` (the job's last one,
+    devices`` (indexes on the worker), ``seat`` (the seat's index, or None for whole devices), ``expires_at``, ``ttl_s``, ``token`` and ``checkpoint`` (the job's last one,
     to resume from; or None). Two grants of one device raise :class:`sqlalchemy.exc.IntegrityError`: the caller rolls
     back and answers no lease.
     """
@@ -209,28 +212,34 @@ def grant(
     if bounds is not None and bounds.models is not None:
         models &= set(bounds.models)
     active = conn.execute(
-        select(devices.c.id, devices.c.index).where(devices.c.worker_id == worker_id, devices.c.active.is_(True)).order_by(devices.c.index)
+        select(devices.c.id, devices.c.index, devices.c.seat_of, devices.c.shared)
+        .where(devices.c.worker_id == worker_id, devices.c.active.is_(True)).order_by(devices.c.index)
     ).all()
     taken = set(conn.execute(select(allocations.c.device_id).where(allocations.c.device_id.in_([d.id for d in active]))).scalars())
-    free = [d for d in active if d.id not in taken]
-    if not free:
+    whole = [d for d in active if d.seat_of is None]
+    free = [d for d in whole if d.id not in taken]
+    seats = [(d, parse_shared(d.shared) or {}) for d in active if d.seat_of is not None]
+    free_seats = [(d, shared) for d, shared in seats if d.id not in taken]
+    if not free and not free_seats:
         return None
     held: dict[str, int] = {}
     quota: dict[str, int] = {}
     for job in _queue(conn, bounds.tenants if bounds is not None else None):
-        if _model(job) not in models or job["gpus"] > len(active):
+        kind, gpus, config = job["kind"], job["gpus"], job["config"]
+        if _model(job) not in models or (gpus > len(whole) and not any(fits(shared, kind, gpus, config) for _, shared in seats)):
             continue  # never fits here: it neither starts nor holds this worker's devices
         tenant = job["tenant_id"]
         if tenant not in quota:
             quota[tenant] = conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == tenant)).scalar_one()
             held[tenant] = _held_by_tenant(conn, tenant)
-        if held[tenant] + job["gpus"] > quota[tenant]:
+        if held[tenant] + gpus > quota[tenant]:
             continue  # over its tenant's quota: waits, blocks nobody
-        if job["gpus"] > len(free):
+        seat = next((d for d, shared in free_seats if fits(shared, kind, gpus, config)), None)
+        if seat is None and gpus > len(free):
             if now - job["created_at"] > settings.backfill_age_s:
                 return None  # waited too long: the devices here drain to it, nobody behind jumps ahead
             continue  # backfill: smaller jobs behind may start
-        lease = _take(conn, store, settings, worker_id, job, free[:job["gpus"]], secret, now)
+        lease = _take(conn, store, settings, worker_id, job, [seat] if seat is not None else free[:gpus], secret, now)
         if lease is not None:
             return lease
     return None
@@ -256,15 +265,17 @@ def _take(
         return None  # another worker's grant won this job
     for device in chosen:  # the primary key refuses a device held by another job: IntegrityError, all rolled back
         conn.execute(insert(allocations).values(device_id=device.id, job_id=job["id"], epoch=epoch, granted_at=now))
-    indexes = [device.index for device in chosen]
-    store.append_event(conn, job["id"], "lease", {"epoch": epoch, "devices": len(indexes), "expires_at": expires, "attempt": job["attempt"]})
+    seat = chosen[0].index if chosen[0].seat_of is not None else None
+    indexes = [device.index if device.seat_of is None else device.seat_of for device in chosen]
+    store.append_event(conn, job["id"], "lease", {"epoch": epoch, "devices": len(indexes), "expires_at": expires, "attempt": job["attempt"],
+                                                  **({"seat": seat} if seat is not None else {})})
     last = conn.execute(
         select(checkpoints.c.step, checkpoints.c.name).where(checkpoints.c.job_id == job["id"])
         .order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc()).limit(1)
     ).mappings().first()
     return {
         "job_id": job["id"], "kind": job["kind"], "config": json.loads(job["config"]), "epoch": epoch, "attempt": job["attempt"],
-        "devices": indexes, "expires_at": expires, "ttl_s": settings.lease_ttl_s, "idle_timeout_s": settings.idle_timeout_s, "token": token,
+        "devices": indexes, "seat": seat, "expires_at": expires, "ttl_s": settings.lease_ttl_s, "idle_timeout_s": settings.idle_timeout_s, "token": token,
         "checkpoint": dict(last) if last is not None else None,
     }
 

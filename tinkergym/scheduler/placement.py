@@ -5,11 +5,12 @@ A queued job's reason is one of, first match wins:
 - ``no_worker``: no worker that may run the tenant's jobs is alive (registered, seen within the worker timeout,
   not quarantined, its credential serving the tenant);
 - ``no_model``: none of those workers offers the job's model;
-- ``too_few_devices``: none of the workers offering the model has as many devices as the job asks for;
+- ``too_few_devices``: none of the workers offering the model has as many devices as the job asks for, nor a seat
+  of a shared server that the job fits (:mod:`tinkergym.scheduler.seats`);
 - ``quota``: the tenant's jobs hold its ``max_gpus`` devices (this job would go past it);
 - ``behind``: K queued jobs before it (by priority, then age) can run on the workers that can host it;
-- ``busy``: a worker could host it, but its devices are held by other jobs;
-- ``ready``: a worker has the free devices for it: it starts at that worker's next lease request.
+- ``busy``: a worker could host it, but its devices (and the seats it fits) are held by other jobs;
+- ``ready``: a worker has the free devices (or a free seat) for it: it starts at that worker's next lease request.
 
 The first three are *unplaceable*: the job never starts until a worker that can host it registers. Nothing is
 stored: the reason follows the tables (workers, devices, allocations, the queue) and the clock, as
@@ -35,6 +36,7 @@ from tinkergym.scheduler import states
 from tinkergym.scheduler.bounds import WorkerBounds, parse_bounds
 from tinkergym.scheduler.db import allocations, api_keys, devices, tenants, workers
 from tinkergym.scheduler.repository import NotFound
+from tinkergym.scheduler.seats import fits, parse_shared
 from tinkergym.scheduler.worker_registry import worker_timeout
 
 NO_WORKER, NO_MODEL, TOO_FEW_DEVICES = "no_worker", "no_model", "too_few_devices"
@@ -45,7 +47,8 @@ UNPLACEABLE = (NO_WORKER, NO_MODEL, TOO_FEW_DEVICES)
 
 @dataclass(frozen=True)
 class Host:
-    """A registered worker as placement sees it: the models it may offer (within its credential) and its active devices."""
+    """A registered worker as placement sees it: the models it may offer (within its credential), its active whole
+    devices (how many, how many free) and its active seats (each seat's base and whether it is free)."""
 
     id: str
     models: frozenset[str]
@@ -54,9 +57,24 @@ class Host:
     kind: str
     bounds: WorkerBounds
     alive: bool
+    seats: tuple[tuple[dict[str, Any], bool], ...] = ()
+    shared_devices: int = 0
 
-    def hosts(self, model: Any, gpus: int) -> bool:
-        return model in self.models and gpus <= self.devices
+    def hosts(self, job: dict[str, Any]) -> bool:
+        """Whether it could ever run ``job`` (a row with kind, gpus, config): on whole devices or on a seat."""
+        return _model(job["config"]) in self.models and (job["gpus"] <= self.devices or self._seat(job, free_only=False))
+
+    def has_room(self, job: dict[str, Any]) -> bool:
+        """Whether it could run ``job`` now: enough free whole devices, or a free seat the job fits."""
+        return job["gpus"] <= self.free or self._seat(job, free_only=True)
+
+    def _seat(self, job: dict[str, Any], free_only: bool) -> bool:
+        return any((free or not free_only) and fits(shared, job["kind"], job["gpus"], job["config"]) for shared, free in self.seats)
+
+    @property
+    def physical(self) -> int:
+        """Its devices, whole or shared (a shared one counted once, whatever its seats)."""
+        return self.devices + self.shared_devices
 
 
 def _model(config: Any) -> Any:
@@ -74,12 +92,17 @@ def load_hosts(conn: Connection, now: float, timeout: float) -> list[Host]:
         .select_from(workers.join(api_keys, api_keys.c.id == workers.c.key_id)).where(api_keys.c.revoked_at.is_(None))
     ).all()
     counts: dict[str, dict[str, Any]] = {}
-    for worker_id, kind, held in conn.execute(
-        select(devices.c.worker_id, devices.c.kind, devices.c.id.in_(select(allocations.c.device_id))).where(devices.c.active.is_(True))
+    for worker_id, kind, seat_of, shared, held in conn.execute(
+        select(devices.c.worker_id, devices.c.kind, devices.c.seat_of, devices.c.shared, devices.c.id.in_(select(allocations.c.device_id)))
+        .where(devices.c.active.is_(True))
     ):
-        entry = counts.setdefault(worker_id, {"devices": 0, "free": 0, "kind": kind})
-        entry["devices"] += 1
-        entry["free"] += 0 if held else 1
+        entry = counts.setdefault(worker_id, {"devices": 0, "free": 0, "kind": kind, "seats": [], "shared": set()})
+        if seat_of is None:
+            entry["devices"] += 1
+            entry["free"] += 0 if held else 1
+        else:
+            entry["seats"].append((parse_shared(shared) or {}, not held))
+            entry["shared"].add(seat_of)
     found = []
     for row in rows:
         bounds = parse_bounds(row.worker_bounds)
@@ -88,9 +111,10 @@ def load_hosts(conn: Connection, now: float, timeout: float) -> list[Host]:
         models = set(json.loads(row.models))
         if bounds.models is not None:
             models &= set(bounds.models)
-        entry = counts.get(row.id, {"devices": 0, "free": 0, "kind": bounds.kind or "device"})
+        entry = counts.get(row.id, {"devices": 0, "free": 0, "kind": bounds.kind or "device", "seats": [], "shared": set()})
         alive = now - row.last_seen_at <= timeout and row.quarantined_at is None
-        found.append(Host(row.id, frozenset(models), entry["devices"], entry["free"], str(entry["kind"]), bounds, alive))
+        found.append(Host(row.id, frozenset(models), entry["devices"], entry["free"], str(entry["kind"]), bounds, alive,
+                          tuple(entry["seats"]), len(entry["shared"])))
     return found
 
 
@@ -124,8 +148,7 @@ class Placement:
         return held + job["gpus"] > limit
 
     def _capable(self, job: dict[str, Any]) -> frozenset[str]:
-        model = _model(job["config"])
-        return frozenset(h.id for h in self.hosts if h.bounds.serves(job["tenant_id"]) and h.hosts(model, job["gpus"]))
+        return frozenset(h.id for h in self.hosts if h.bounds.serves(job["tenant_id"]) and h.hosts(job))
 
     def placed(self, job: dict[str, Any]) -> dict[str, str] | None:
         """The reason of ``job`` that does not depend on the jobs ahead of it (all but ``behind``); None when those are clear."""
@@ -138,10 +161,12 @@ class Placement:
             models = sorted({m for h in served for m in h.models})
             return reason(NO_MODEL, f"no worker offers model {model} (alive workers offer: {', '.join(models[:10]) or 'nothing'}); "
                                     f"start one: tinkergym worker --models {model}")
-        if not any(h.devices >= gpus for h in offering):
+        if not any(h.hosts(job) for h in offering):
             largest = max(offering, key=lambda h: h.devices)
+            seats = "; seats of shared servers take only LoRA train or sft jobs of one device with the server's model, dtype and " \
+                    "at most its max_lora_rank" if any(h.seats for h in offering) else ""
             return reason(TOO_FEW_DEVICES, f"no worker offering {model} has {_devices(gpus, largest.kind)} "
-                                           f"(the largest has {_devices(largest.devices, largest.kind)})")
+                                           f"(the largest has {_devices(largest.devices, largest.kind)}){seats}")
         if self._over_quota(job):
             held, limit = self.quota(tenant)
             return reason(QUOTA, f"tenant {tenant}'s jobs hold {held} of its {limit} devices (max_gpus); this job needs {gpus}")
@@ -167,7 +192,7 @@ class Placement:
         k = sum(n for hosts, n in ahead.items() if hosts & capable)
         if k:
             return reason(BEHIND, f"behind {_plural(k, 'queued job')} that go first on the workers that can host it")
-        if not any(h.free >= job["gpus"] for h in self.hosts if h.id in capable):
+        if not any(h.has_room(job) for h in self.hosts if h.id in capable):
             if len(capable) == 1:
                 return reason(BUSY, "the 1 worker that can host it has its devices held by other jobs")
             return reason(BUSY, f"the {len(capable)} workers that can host it have their devices held by other jobs")
@@ -195,7 +220,7 @@ def offered(conn: Connection, tenant: str) -> dict[str, int]:
     for host in load_hosts(conn, 0.0, float("inf")):
         if host.bounds.serves(tenant):
             for model in host.models:
-                most[model] = max(most.get(model, 0), host.devices)
+                most[model] = max(most.get(model, 0), host.physical)
     return most
 
 

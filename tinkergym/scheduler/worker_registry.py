@@ -15,6 +15,7 @@ from tinkergym.scheduler import states
 from tinkergym.scheduler.bounds import WorkerBounds
 from tinkergym.scheduler.db import allocations, api_keys, devices, jobs, workers
 from tinkergym.scheduler.repository import JobStore
+from tinkergym.scheduler.seats import parse_shared, seat_index, shared_json
 
 
 def _locked(conn: Connection, query: Any) -> Any:
@@ -26,18 +27,21 @@ def register_worker(
     conn: Connection, *, key_id: str, bounds: WorkerBounds, name: str, host: str, device_list: list[dict[str, Any]], models: list[str],
     now: float,
 ) -> str:
-    """Create or update the worker ``name`` of worker credential ``key_id`` and upsert its devices by index; its id.
+    """Create or update the worker ``name`` of worker credential ``key_id`` and upsert its places by index; its id.
 
-    The registration must fit the credential's ``bounds`` (:class:`~tinkergym.scheduler.bounds.BoundsError`
-    otherwise), counting the active devices of the credential's other workers. Devices the worker no longer lists
-    are marked inactive (a job holding one keeps it until it ends; no new job gets it). Registrations of one key are
-    serialised by a lock on the key's row, so two at once cannot both fit the bound.
+    A device with ``shared`` (``seats``, ``model``, ``dtype``, ``max_lora_rank``) runs a shared training server: it is
+    registered as its seats (:mod:`tinkergym.scheduler.seats`), not as a whole device. The registration must fit the
+    credential's ``bounds`` (:class:`~tinkergym.scheduler.bounds.BoundsError` otherwise), counting the active devices
+    of the credential's other workers (a device with seats counts once). Places the worker no longer lists are marked
+    inactive (a job holding one keeps it until it ends; no new job gets it). Registrations of one key are serialised
+    by a lock on the key's row, so two at once cannot both fit the bound.
     """
     conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == key_id))).first()
     row = conn.execute(select(workers.c.id).where(workers.c.key_id == key_id, workers.c.name == name)).first()
     others = select(workers.c.id).where(workers.c.key_id == key_id, workers.c.name != name)
-    elsewhere = conn.execute(select(func.count()).select_from(devices).where(devices.c.worker_id.in_(others), devices.c.active.is_(True))).scalar_one()
-    bounds.check_registration(device_list, models, int(elsewhere))
+    elsewhere = conn.execute(select(devices.c.worker_id, devices.c.index, devices.c.seat_of).where(
+        devices.c.worker_id.in_(others), devices.c.active.is_(True))).all()
+    bounds.check_registration(device_list, models, physical_devices(elsewhere))
     values = {"host": host, "models": json.dumps(sorted(set(models))), "last_seen_at": now}
     if row is None:
         worker_id = "wkr_" + secrets.token_hex(8)
@@ -47,17 +51,37 @@ def register_worker(
         conn.execute(update(workers).where(workers.c.id == worker_id).values(**values))
     known = {r.index: r.id for r in conn.execute(select(devices.c.id, devices.c.index).where(devices.c.worker_id == worker_id))}
     listed = set()
-    for device in device_list:
-        listed.add(device["index"])
-        fields = {"kind": device["kind"], "name": device.get("name", ""), "active": True}
-        if device["index"] in known:
-            conn.execute(update(devices).where(devices.c.id == known[device["index"]]).values(**fields))
+    for index, fields in places(device_list):
+        listed.add(index)
+        if index in known:
+            conn.execute(update(devices).where(devices.c.id == known[index]).values(**fields))
         else:
-            conn.execute(insert(devices).values(worker_id=worker_id, index=device["index"], **fields))
+            conn.execute(insert(devices).values(worker_id=worker_id, index=index, **fields))
     gone = [known[i] for i in known if i not in listed]
     if gone:
         conn.execute(update(devices).where(devices.c.id.in_(gone)).values(active=False))
     return worker_id
+
+
+def places(device_list: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
+    """The rows a registration's devices make, ``(index, fields)``: a whole device, or the seats of a shared one."""
+    found: list[tuple[int, dict[str, Any]]] = []
+    for device in device_list:
+        fields = {"kind": device["kind"], "name": device.get("name", ""), "active": True, "seat_of": None, "shared": None}
+        shared = device.get("shared")
+        if not shared:
+            found.append((device["index"], fields))
+            continue
+        base = shared_json(shared["model"], shared.get("dtype") or "auto", int(shared["max_lora_rank"]))
+        for k in range(int(shared["seats"])):
+            found.append((seat_index(device["index"], k), {**fields, "name": f"{fields['name'] or device['index']} seat {k}",
+                                                           "seat_of": device["index"], "shared": base}))
+    return found
+
+
+def physical_devices(rows: Any) -> int:
+    """The devices that rows of ``devices`` (``worker_id``, ``index``, ``seat_of``) stand for: each seat counts as its device."""
+    return len({(r.worker_id, r.index if r.seat_of is None else r.seat_of) for r in rows})
 
 
 ALIVE, GONE = "alive", "gone"
@@ -82,19 +106,19 @@ def worker_status(last_seen_at: float, now: float, timeout: float) -> str:
 
 
 def worker_view(conn: Connection, worker_id: str, *, now: float, timeout: float) -> dict[str, Any] | None:
-    """The worker's public view (id, name, host, models, ``status``, devices with ``busy``, times); None if there is none."""
+    """The worker's public view (id, name, host, models, ``status``, devices and seats with ``busy``, times); None if there is none."""
     row = conn.execute(select(workers).where(workers.c.id == worker_id)).mappings().first()
     if row is None:
         return None
     busy = select(allocations.c.device_id)
     found = conn.execute(
-        select(devices.c.index, devices.c.kind, devices.c.name, devices.c.active, devices.c.id.in_(busy).label("busy"))
-        .where(devices.c.worker_id == worker_id).order_by(devices.c.index)
+        select(devices.c.index, devices.c.kind, devices.c.name, devices.c.active, devices.c.id.in_(busy).label("busy"), devices.c.seat_of,
+               devices.c.shared).where(devices.c.worker_id == worker_id).order_by(devices.c.index)
     ).mappings()
     return {
         "id": row["id"], "name": row["name"], "host": row["host"], "models": json.loads(row["models"]),
         "status": worker_status(row["last_seen_at"], now, timeout),
-        "devices": [{k: (bool(d[k]) if k in ("active", "busy") else d[k]) for k in d} for d in found],
+        "devices": [{**{k: (bool(d[k]) if k in ("active", "busy") else d[k]) for k in d}, "shared": parse_shared(d["shared"])} for d in found],
         "registered_at": row["registered_at"], "last_seen_at": row["last_seen_at"],
         "strikes": row["strikes"], "quarantined": row["quarantined_at"] is not None, "quarantine_reason": row["quarantine_reason"],
     }

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from fastapi.exceptions import HTTPException
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from tinkergym.scheduler import leases, states
@@ -30,8 +30,9 @@ from tinkergym.scheduler.bounds import parse_bounds
 from tinkergym.scheduler.db import MAX_INT, api_keys, workers
 from tinkergym.scheduler.repository import JobStore
 from tinkergym.scheduler.routes import respond_once
-from tinkergym.config import is_model_name
+from tinkergym.config import DTYPES, is_model_name
 from tinkergym.scheduler.schemas import WireModel
+from tinkergym.scheduler.seats import MAX_SEATS
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])
 
@@ -41,10 +42,20 @@ SERVER_URL = re.compile(r"^https?://[A-Za-z0-9.:\[\]-]{1,255}(/[!-~]*)?$")
 IdempotencyKey = Header(None, alias="Idempotency-Key", max_length=255)
 
 
+class SharedIn(WireModel):
+    """A device run as a shared training server: its seats are leased one LoRA job each (tinkergym.scheduler.seats)."""
+
+    seats: int = Field(ge=1, le=MAX_SEATS, description="LoRA jobs the server holds at once")
+    model: str = Field(max_length=200, description="the server's base model: one of the worker's models")
+    dtype: str = Field("auto", pattern="^(" + "|".join(DTYPES) + ")$", description="the base's dtype (a job's dtype must be this, or auto)")
+    max_lora_rank: int = Field(64, ge=1, le=4096, description="the largest rank a job on a seat may have")
+
+
 class DeviceIn(WireModel):
     index: int = Field(ge=0, le=1023, description="CUDA_VISIBLE_DEVICES index (or CPU slot number)")
     kind: Literal["gpu", "slot"]
     name: str = Field("", max_length=200)
+    shared: SharedIn | None = Field(None, description="run it as a shared training server of seats, not as a whole device")
 
 
 class WorkerRegister(WireModel):
@@ -71,13 +82,28 @@ class WorkerRegister(WireModel):
             raise ValueError(f"not model names: {bad[:3]}")
         return value
 
+    @model_validator(mode="after")
+    def _shared_models_offered(self) -> WorkerRegister:
+        wrong = sorted({d.shared.model for d in self.devices if d.shared is not None and d.shared.model not in self.models})
+        if wrong:
+            raise ValueError(f"a shared device's model must be one of the worker's models, not {', '.join(wrong[:3])}")
+        return self
+
+
+class SharedOut(WireModel):
+    model: str
+    dtype: str
+    max_lora_rank: int
+
 
 class DeviceOut(WireModel):
-    index: int
+    index: int = Field(description="a device's CUDA_VISIBLE_DEVICES index or slot number; a seat's own number (from 1024)")
     kind: str
     name: str
     active: bool
     busy: bool
+    seat_of: int | None = Field(None, description="a seat: the device it sits on (its shared server's)")
+    shared: SharedOut | None = Field(None, description="a seat: its server's base")
 
 
 class Worker(WireModel):
@@ -109,7 +135,8 @@ class Lease(WireModel):
     config: dict[str, Any]
     epoch: int
     attempt: int
-    devices: list[int] = Field(description="device indexes on this worker (CUDA_VISIBLE_DEVICES)")
+    devices: list[int] = Field(description="device indexes on this worker (CUDA_VISIBLE_DEVICES); a seat's: the device it sits on")
+    seat: int | None = Field(None, description="the seat this job sits on (its index), on the shared server of devices[0]; null: whole devices")
     expires_at: float
     ttl_s: float = Field(description="heartbeat well within this")
     idle_timeout_s: float | None = Field(None, description="stop the job's server when its client has made no call for this long")

@@ -29,6 +29,12 @@ job back at the same attempt, quarantining the worker; only the job's faults fai
 A heartbeat thread per job renews the lease every ``heartbeat`` seconds (default a third of the TTL) while the
 job's thread restores, starts, uploads. SIGTERM or SIGINT stops every server and the worker; their leases
 expire and the jobs are queued again.
+
+A seat lease (a LoRA job packed onto a shared training server: :mod:`~tinkergym.scheduler.worker.seats`) runs the
+same steps with the job's adapter on the device's shared server in place of a server of its own: its states are
+restored into and uploaded from the adapter's folder, each renewal moves the adapter's lease too, an idle client
+ends it as an idle server would, and its end closes the adapter. The loop that asks for leases is
+:class:`~tinkergym.scheduler.worker.pool.Worker`.
 """
 
 from __future__ import annotations
@@ -36,12 +42,9 @@ from __future__ import annotations
 import http.client
 import logging
 import os
-import random
 import re
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -49,10 +52,11 @@ from pathlib import Path
 from typing import Any
 
 from tinkergym.scheduler.artifact_paths import check_relpath
-from tinkergym.scheduler.worker.job_servers import SERVING_KINDS, WorkerOptions, server_command  # noqa: F401 - public here too
+from tinkergym.scheduler.worker.job_servers import SERVING_KINDS, WorkerOptions, die_with_parent, server_command  # noqa: F401 - public here too
 from tinkergym.scheduler.worker.checks import last_line, server_fault
-from tinkergym.scheduler.worker.client import WorkerClient
+from tinkergym.scheduler.worker.faults import Cancelled, JobFault, LeaseLost, Shutdown, WorkerFault  # noqa: F401 - public here too
 from tinkergym.scheduler.worker.folders import finish_folder, prune_states
+from tinkergym.scheduler.worker.seats import Seat
 from tinkergym.scheduler.worker.folders import state_files as _files
 from tinkergym.scheduler.worker.folders import state_step as _step
 
@@ -72,45 +76,10 @@ STOP_GRACE_S = 10.0
 LOG_TAIL = 3000
 
 
-class LeaseLost(Exception):
-    """The lease is gone (409 from the scheduler, or not renewed for its TTL): stop at once, report nothing."""
-
-
-class Cancelled(Exception):
-    """The job is cancelling: stop the server and report ``cancelled``."""
-
-
-class Shutdown(Exception):
-    """The worker is stopping: stop the server, report nothing (the lease expires and the job is queued again)."""
-
-
-class WorkerFault(Exception):
-    """This machine cannot run the job (a package, the model, a device, its disk): give the job back, do not fail it."""
-
-
-class JobFault(Exception):
-    """The job's own fault (its config, a server that refused it): fail the job with this one-line message."""
-
-
-def _die_with_parent() -> None:
-    from tinkergym.serve.lifetime import die_with_parent
-
-    die_with_parent()
-
-
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 class JobRunner(threading.Thread):
     """One lease: restore, start the server, report, heartbeat, upload checkpoints, stop (see the module's notes)."""
 
-    def __init__(self, worker: Worker, lease: dict[str, Any]) -> None:
+    def __init__(self, worker: Any, lease: dict[str, Any]) -> None:
         super().__init__(name=f"job-{lease['job_id']}", daemon=True)
         self.worker, self.lease, self.options = worker, lease, worker.options
         self.job_id, self.epoch, self.devices = lease["job_id"], int(lease["epoch"]), list(lease["devices"])
@@ -129,6 +98,11 @@ class JobRunner(threading.Thread):
         self.recorded: set[str] = set()
         self.outcome = "running"
         self.served: str | None = None  # the restored checkpoint an inference job serves
+        # A seat lease runs as an adapter of the device's shared server (worker.seats), not as a server of its own.
+        shared = worker.shared.servers.get(self.devices[0]) if lease.get("seat") is not None and self.devices else None
+        self.seat = Seat(shared, lease) if shared is not None else None
+        self.states = self.seat.states if self.seat is not None else self.folder / "states"
+        self.places = {("seat", lease["seat"])} if lease.get("seat") is not None else {("device", i) for i in self.devices}
 
     # ----- the job ----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -189,13 +163,16 @@ class JobRunner(threading.Thread):
             log.warning("job %s: could not give it back (%s); its lease expires instead", self.job_id, exc)
 
     def _run(self) -> None:
+        if self.lease.get("seat") is not None and self.seat is None:
+            raise WorkerFault(f"the scheduler leased seat {self.lease['seat']} of device {self.devices}, which this worker does not run as "
+                              "a shared server; register the worker again")
         self.folder.mkdir(parents=True, exist_ok=True)
         write_private_file(self.folder / "token", self.lease["token"] + "\n")
         self._renewed(self.renewed_at)
         self._restore_while_leased()
         self._report("starting")
         self._event("log", {"message": f"starting its server on worker {self.options.name}: loading {self.lease['config'].get('model')}"})
-        url = self._start_server()
+        url = self.seat.open(self._check, self._lease_left()) if self.seat is not None else self._start_server()
         self._report("running", server_url=url)
         self._event("log", {"message": f"server running at {url} on worker {self.options.name}", "devices": self.devices})
         next_scan = 0.0
@@ -209,7 +186,24 @@ class JobRunner(threading.Thread):
             if time.monotonic() >= next_scan:
                 self._scan()
                 next_scan = time.monotonic() + 0.5
+                if self.seat is not None and self._seat_ended():
+                    return
             time.sleep(0.1)
+
+    def _seat_ended(self) -> bool:
+        """Whether the seat's job ended: its client idle past the idle timeout (failed as a whole server's would be).
+        The shared server's exit is this machine's fault (:class:`WorkerFault`)."""
+        assert self.seat is not None
+        code = self.seat.server.exit_code()
+        if code is not None:
+            raise WorkerFault(f"the shared server of device {self.devices[0]} exited with code {code}: "
+                              f"{last_line(self.seat.server.log_tail(), 'no log')}")
+        idle = self.options.idle_timeout or self.lease.get("idle_timeout_s")
+        if not idle or (self.seat.idle_s() or 0.0) < idle:
+            return False
+        self._scan()
+        self._ended(IDLE_EXIT_CODE)
+        return True
 
     def _ended(self, code: int) -> None:
         """The server exited on its own: the job failed (an idle client says how to resume)."""
@@ -303,11 +297,22 @@ class JobRunner(threading.Thread):
             self.renewed_at = max(self.renewed_at, sent)
             if not self.lost.is_set():
                 write_lease_file(self.folder / "lease", self.renewed_at + self.ttl, self.epoch)
+        if self.seat is not None and not self.lost.is_set():
+            try:
+                self.seat.renew(self._lease_left())
+            except (WorkerFault, JobFault) as exc:
+                log.warning("job %s: could not renew its adapter's lease on the shared server: %s", self.job_id, exc)
+
+    def _lease_left(self) -> float:
+        """Seconds until the lease's end as this worker knows it (the last renewal's send time plus the TTL)."""
+        return self.renewed_at + self.ttl - time.monotonic()
 
     def _lose(self, why: str = "not renewed") -> None:
         self.lost_why = why
         self.lost.set()
         self._kill(signal.SIGKILL)
+        if self.seat is not None:
+            self.seat.close()
 
     # ----- the server -------------------------------------------------------------------------------
     def _start_server(self) -> str:
@@ -320,7 +325,7 @@ class JobRunner(threading.Thread):
                 command = server_command(self.options, self.lease, self.port, self.folder, gpu, self.served)
                 with open(self.folder / "server.out", "ab") as out:
                     self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                                    cwd=self.folder, start_new_session=True, preexec_fn=_die_with_parent)
+                                                    cwd=self.folder, start_new_session=True, preexec_fn=die_with_parent)
                 url = self._wait_healthy(self.process)
             finally:
                 self.worker.release_port(self.port)
@@ -368,7 +373,9 @@ class JobRunner(threading.Thread):
                 pass
 
     def _stop_server(self, graceful: bool) -> None:
-        """Stop the server's process group: SIGTERM and a grace period when ``graceful``, then SIGKILL."""
+        """Stop the server's process group: SIGTERM and a grace period when ``graceful``, then SIGKILL (a seat: close its adapter)."""
+        if self.seat is not None:
+            self.seat.close()
         process = self.process
         if process is None:
             return
@@ -431,7 +438,7 @@ class JobRunner(threading.Thread):
         mine = [c for c in own if c["name"] == named] or ([max(own, key=lambda c: c["step"])] if own else [])
         for checkpoint in mine:
             chosen[checkpoint["name"]] = checkpoint
-        states = self.folder / "states"
+        states = self.states
         for name, checkpoint in chosen.items():
             self._check()
             if not CHECKPOINT_NAME.match(name) or name.endswith(".tmp"):
@@ -452,7 +459,7 @@ class JobRunner(threading.Thread):
 
     def _scan(self) -> None:
         """Upload every new complete state folder, then record it."""
-        states = self.folder / "states"
+        states = self.states
         if not states.is_dir():
             return
         for entry in sorted(os.scandir(states), key=lambda e: e.name):
@@ -498,103 +505,3 @@ class JobRunner(threading.Thread):
             raise
         self.recorded.add(name)
         log.info("job %s: checkpoint %s (step %d) uploaded and recorded", self.job_id, name, step)
-
-
-class Worker:
-    """Registers the devices, asks for leases while some are free, runs a :class:`JobRunner` per lease."""
-
-    def __init__(self, client: WorkerClient, options: WorkerOptions) -> None:
-        self.client, self.options = client, options
-        self.runners: list[JobRunner] = []
-        self.stopping = threading.Event()
-        self._lock = threading.Lock()
-        self._ports: set[int] = set()
-
-    def busy(self) -> set[int]:
-        with self._lock:
-            return {i for runner in self.runners for i in runner.devices}
-
-    def finished(self, runner: JobRunner) -> None:
-        with self._lock:
-            if runner in self.runners:
-                self.runners.remove(runner)
-        log.info("job %s epoch %s: %s; its devices %s are free", runner.job_id, runner.epoch, runner.outcome, runner.devices)
-
-    def take_port(self) -> int:
-        low, high = self.options.ports
-        candidates = list(range(low, high + 1))
-        random.shuffle(candidates)
-        with self._lock:
-            for port in candidates:
-                if port not in self._ports and _port_free(self.options.host, port):
-                    self._ports.add(port)
-                    return port
-        raise RuntimeError(f"no free port in {low}-{high} on {self.options.host}")
-
-    def release_port(self, port: int) -> None:
-        with self._lock:
-            self._ports.discard(port)
-
-    def register(self) -> None:
-        self.client.register(self.options.name, self.options.host, self.options.devices, self.options.models)
-        log.info("registered as %s (%s): devices %s, models %s", self.options.name, self.client.worker_id,
-                 [d["index"] for d in self.options.devices], self.options.models)
-
-    def run(self) -> int:
-        """Serve until SIGTERM/SIGINT (or :meth:`stop`); the exit code."""
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.stopping.set())
-        self.register()
-        delay = self.options.poll
-        while not self.stopping.is_set():
-            granted = None
-            if len(self.busy()) < len(self.options.devices):
-                try:
-                    granted = self.client.lease()
-                    delay = self.options.poll
-                except SchedulerError as exc:
-                    if exc.status == 404:  # the scheduler does not know this worker (a new database): register again
-                        self._try(self.register)
-                    elif exc.status in (401, 403):  # the key: nothing this worker can do but stop
-                        log.error("the scheduler refused this worker: %s", exc)
-                        return 2
-                    else:  # one lease's answer (a 4xx of a job, the scheduler away) never ends the worker
-                        log.warning("no lease: %s", exc)
-                    delay = min(delay * 2, 30.0)
-            if granted is not None:
-                runner = JobRunner(self, granted)
-                with self._lock:
-                    self.runners.append(runner)
-                log.info("lease: job %s epoch %s on devices %s", runner.job_id, runner.epoch, runner.devices)
-                runner.start()
-                continue  # more devices may be free: ask again at once
-            self.stopping.wait(delay)
-        self._stop_all()
-        return 0
-
-    def stop(self) -> None:
-        self.stopping.set()
-
-    def _stop_all(self) -> None:
-        with self._lock:
-            runners = list(self.runners)
-        for runner in runners:
-            runner.shutdown.set()
-        for runner in runners:
-            runner.join(timeout=STOP_GRACE_S * 2 + 5)
-        self._try(self.client.copy(retries=0, timeout=5.0).leave)  # listed gone at once, not after the worker timeout
-        log.info("stopped")
-
-    @staticmethod
-    def _try(action: Any) -> None:
-        try:
-            action()
-        except SchedulerError as exc:
-            log.warning("%s", exc)
-
-
-def default_name() -> str:
-    """This machine's host name as a worker name (letters, digits, '.', '_' and '-')."""
-    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:200].lstrip("._-")
-    return name or f"worker-{secrets.token_hex(3)}"

@@ -25,7 +25,7 @@ class WorkerOptions:
 
     name: str
     host: str
-    devices: list[dict[str, Any]]  # {"index", "kind": "gpu"|"slot", "name"}
+    devices: list[dict[str, Any]]  # {"index", "kind": "gpu"|"slot", "name"}, and "shared" (seats, model, dtype, max_lora_rank) for a shared one
     models: list[str]
     work_dir: Path
     ports: tuple[int, int] = (20000, 20999)
@@ -34,6 +34,17 @@ class WorkerOptions:
     poll: float = 1.0
     python: str = field(default_factory=lambda: sys.executable)
     keep_states: int = 2  # a job's uploaded states kept in its folder, the newest (0: all)
+
+    def places(self) -> int:
+        """The places it lends: whole devices, and the seats of its shared ones."""
+        return sum(int(d["shared"]["seats"]) if d.get("shared") else 1 for d in self.devices)
+
+
+def die_with_parent() -> None:
+    """A server's ``preexec_fn``: it gets SIGKILL when the worker dies (``PR_SET_PDEATHSIG``)."""
+    from tinkergym.serve.lifetime import die_with_parent as _pdeathsig
+
+    _pdeathsig()
 
 
 def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, folder: Path, gpu: bool, served: str | None = None) -> list[str]:

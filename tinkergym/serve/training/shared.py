@@ -3,7 +3,8 @@
 The server's own token (the operator's, or a scheduler worker's) manages adapters: ``POST /v1/adapters`` opens one
 (its rank, alpha and seed; refused past ``--max-lora-rank``, ``--max-adapters`` or the memory budget, with the
 figures) and answers its id and a new random token, shown once (the server keeps its SHA-256 digest only);
-``GET /v1/adapters`` lists them with the memory they hold; ``DELETE /v1/adapters/{id}`` closes one and frees its
+``GET /v1/adapters`` lists them with the memory they hold and how long each has been idle (``idle_s``: since its
+client's last call; 0 while one runs); ``DELETE /v1/adapters/{id}`` closes one and frees its
 memory. An adapter's token reaches that adapter alone, through the routes of the single training server
 (:mod:`tinkergym.serve.training.app`): ``/v1/info``, ``/v1/tokenizer``, ``/v1/sessions``, ``/v1/call``,
 ``/v1/requests/{id}``, ``/v1/files/exports/...``, with its own call store (sequence numbers, exactly-once) and
@@ -389,8 +390,10 @@ class SharedService:
         return None if token is None else self._by_digest.get(token_digest(token))
 
     def listing(self) -> dict[str, Any]:
+        now = time.monotonic()
         adapters = [{"adapter_id": a.adapter_id, "lora_rank": a.session.config.lora_rank, "lora_alpha": a.session.config.lora_alpha,
-                     "step": a.session.step, "pending": self.worker.pending(a.adapter_id)} for a in self.adapters.values()]
+                     "step": a.session.step, "pending": self.worker.pending(a.adapter_id),
+                     "idle_s": round(max(0.0, now - a.service.last_activity()), 3)} for a in list(self.adapters.values())]
         return {"base": public_info(self.base.info()), "memory": self.base.memory(), "adapters": adapters, "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()}
 
     def last_activity(self) -> float:

@@ -1,0 +1,134 @@
+"""The worker's loop (:class:`Worker`): registers its devices and seats, asks for leases while some are free, and runs
+a :class:`~tinkergym.scheduler.worker.agent.JobRunner` per lease (see that module for what one lease does).
+Standard library and :mod:`tinkergym.client` only."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import secrets
+import signal
+import socket
+import threading
+from typing import Any
+
+from tinkergym.client import SchedulerError
+from tinkergym.scheduler.worker.agent import STOP_GRACE_S, JobRunner
+from tinkergym.scheduler.worker.client import WorkerClient
+from tinkergym.scheduler.worker.job_servers import WorkerOptions
+from tinkergym.scheduler.worker.seats import SharedServers
+
+log = logging.getLogger("tinkergym.worker")
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class Worker:
+    """Registers the devices, asks for leases while some are free, runs a :class:`JobRunner` per lease."""
+
+    def __init__(self, client: WorkerClient, options: WorkerOptions) -> None:
+        self.client, self.options = client, options
+        self.runners: list[JobRunner] = []
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._ports: set[int] = set()
+        self.shared = SharedServers(options, self.take_port, self.release_port)
+
+    def busy(self) -> set[tuple[str, Any]]:
+        """The places its jobs hold: whole devices and seats."""
+        with self._lock:
+            return {place for runner in self.runners for place in runner.places}
+
+    def finished(self, runner: JobRunner) -> None:
+        with self._lock:
+            if runner in self.runners:
+                self.runners.remove(runner)
+        log.info("job %s epoch %s: %s; its devices %s are free", runner.job_id, runner.epoch, runner.outcome, runner.devices)
+
+    def take_port(self) -> int:
+        low, high = self.options.ports
+        candidates = list(range(low, high + 1))
+        random.shuffle(candidates)
+        with self._lock:
+            for port in candidates:
+                if port not in self._ports and _port_free(self.options.host, port):
+                    self._ports.add(port)
+                    return port
+        raise RuntimeError(f"no free port in {low}-{high} on {self.options.host}")
+
+    def release_port(self, port: int) -> None:
+        with self._lock:
+            self._ports.discard(port)
+
+    def register(self) -> None:
+        self.client.register(self.options.name, self.options.host, self.options.devices, self.options.models)
+        log.info("registered as %s (%s): devices %s, models %s", self.options.name, self.client.worker_id,
+                 [d["index"] for d in self.options.devices], self.options.models)
+
+    def run(self) -> int:
+        """Serve until SIGTERM/SIGINT (or :meth:`stop`); the exit code."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stopping.set())
+        self.register()
+        delay = self.options.poll
+        while not self.stopping.is_set():
+            granted = None
+            if len(self.busy()) < self.options.places():
+                try:
+                    granted = self.client.lease()
+                    delay = self.options.poll
+                except SchedulerError as exc:
+                    if exc.status == 404:  # the scheduler does not know this worker (a new database): register again
+                        self._try(self.register)
+                    elif exc.status in (401, 403):  # the key: nothing this worker can do but stop
+                        log.error("the scheduler refused this worker: %s", exc)
+                        return 2
+                    else:  # one lease's answer (a 4xx of a job, the scheduler away) never ends the worker
+                        log.warning("no lease: %s", exc)
+                    delay = min(delay * 2, 30.0)
+            if granted is not None:
+                runner = JobRunner(self, granted)
+                with self._lock:
+                    self.runners.append(runner)
+                log.info("lease: job %s epoch %s on devices %s", runner.job_id, runner.epoch, runner.devices)
+                runner.start()
+                continue  # more devices may be free: ask again at once
+            self.stopping.wait(delay)
+        self._stop_all()
+        return 0
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def _stop_all(self) -> None:
+        with self._lock:
+            runners = list(self.runners)
+        for runner in runners:
+            runner.shutdown.set()
+        for runner in runners:
+            runner.join(timeout=STOP_GRACE_S * 2 + 5)
+        self.shared.stop()
+        self._try(self.client.copy(retries=0, timeout=5.0).leave)  # listed gone at once, not after the worker timeout
+        log.info("stopped")
+
+    @staticmethod
+    def _try(action: Any) -> None:
+        try:
+            action()
+        except SchedulerError as exc:
+            log.warning("%s", exc)
+
+
+def default_name() -> str:
+    """This machine's host name as a worker name (letters, digits, '.', '_' and '-')."""
+    name = re.sub(r"[^A-Za-z0-9._-]", "-", socket.gethostname())[:200].lstrip("._-")
+    return name or f"worker-{secrets.token_hex(3)}"

@@ -1,0 +1,252 @@
+"""The worker's shared training servers and the seats its LoRA jobs take on them (:mod:`tinkergym.scheduler.seats`).
+
+A device given with ``tinkergym worker --shared-devices`` runs one ``tinkergym serve-shared`` (:class:`SharedServer`):
+started at the first seat lease of that device, in ``<work-dir>/shared/<device>/`` (its own random token in the 0600
+file ``token``, its run folder), with ``CUDA_VISIBLE_DEVICES`` set to the device, ``PR_SET_PDEATHSIG`` (it dies with
+the worker) and ``--exit-with-parent``; it holds the base model once and stays up while the worker runs.
+
+A seat lease is a :class:`Seat`: its job's session is the adapter ``<job>.<epoch>`` of the device's server, opened with
+the SHA-256 of the lease's token (the job's owner reaches it with that token, through the scheduler's connection, as
+a whole server), the job's rank, alpha and seed, and bound to the lease (``PUT /v1/adapters/<id>/lease`` with the
+epoch at every renewal: past the lease's end the adapter refuses every call, so a frozen worker's seat stops serving
+when its lease ends, and an older epoch cannot renew it). Its states live in ``adapters/<id>/states/``, restored there
+before the adapter opens and uploaded from there as a whole server's are. The seat ends by closing the adapter and
+deleting its folder (its memory is freed; what the scheduler stored stays). A server that exits takes its seats'
+jobs back to the queue as a worker fault (:class:`~tinkergym.scheduler.worker.faults.WorkerFault`); the next seat
+lease starts it again. Standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import json
+import logging
+import os
+import secrets
+import shutil
+import subprocess
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+from collections.abc import Callable
+
+from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
+from tinkergym.folders import write_private_file
+from tinkergym.scheduler.worker.checks import last_line, server_fault
+from tinkergym.scheduler.worker.faults import JobFault, WorkerFault
+from tinkergym.scheduler.worker.job_servers import die_with_parent
+
+log = logging.getLogger("tinkergym.worker")
+
+START_TIMEOUT_S = 900.0
+LOG_TAIL = 3000
+
+
+class SharedServer:
+    """One ``serve-shared`` process on one device of the worker (see the module's notes)."""
+
+    def __init__(self, device: dict[str, Any], options: Any, take_port: Callable[[], int], release_port: Callable[[int], None]) -> None:
+        self.device, self.options = device, options
+        self.spec: dict[str, Any] = device["shared"]
+        self.take_port, self.release_port = take_port, release_port
+        self.folder = options.work_dir / "shared" / str(device["index"])
+        self.process: subprocess.Popen | None = None
+        self.port: int | None = None
+        self.token = ""
+        self._lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.options.host}]" if ":" in self.options.host else self.options.host
+        return f"http://{host}:{self.port}"
+
+    def exit_code(self) -> int | None:
+        """The server's exit code once it has exited; None while it runs (or before it started)."""
+        process = self.process
+        return process.poll() if process is not None else None
+
+    def ensure(self, check: Callable[[], None]) -> None:
+        """Start the server unless it runs; ``check`` is called while waiting (it raises to give up)."""
+        with self._lock:
+            if self.process is not None and self.process.poll() is None:
+                return
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.token = secrets.token_urlsafe(32)
+            write_private_file(self.folder / "token", self.token + "\n")
+            for _attempt in range(3):
+                self.port = self.take_port()
+                try:
+                    self.process = self._popen()
+                    if self._wait_healthy(check):
+                        log.info("shared server of device %s: %s at %s", self.device["index"], self.spec["model"], self.url)
+                        return
+                finally:
+                    self.release_port(self.port)
+            raise WorkerFault(f"the shared server of device {self.device['index']} could not bind a port in "
+                              f"{self.options.ports[0]}-{self.options.ports[1]}: {last_line(self.log_tail(), 'no log')}")
+
+    def _popen(self) -> subprocess.Popen:
+        gpu = self.device["kind"] == "gpu"
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(self.device["index"]) if gpu else "", PYTHONUNBUFFERED="1")
+        env.pop("TINKERGYM_API_KEY", None)  # the worker's key stays with the worker
+        command = [self.options.python, "-m", "tinkergym", "serve-shared", "--model", self.spec["model"], "--dtype", self.spec["dtype"],
+                   "--device", "auto" if gpu else "cpu", "--max-lora-rank", str(self.spec["max_lora_rank"]),
+                   "--max-adapters", str(self.spec["seats"]), "--host", self.options.host, "--port", str(self.port),
+                   "--token-file", str(self.folder / "token"), "--run-dir", str(self.folder / "run"), "--keep-states", "0",
+                   "--exit-with-parent"]
+        with open(self.folder / "server.out", "ab") as out:
+            return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.folder,
+                                    start_new_session=True, preexec_fn=die_with_parent)
+
+    def _wait_healthy(self, check: Callable[[], None]) -> bool:
+        """Whether ``/health`` answered; False when the server exited because its port was taken."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            check()
+            code = self.exit_code()
+            if code is not None:
+                tail = self.log_tail()
+                self.process = None
+                if "address already in use" in tail.lower() and code != 0:
+                    return False
+                raise WorkerFault(f"the shared server of device {self.device['index']} exited with code {code} while starting: "
+                                  f"{server_fault(code, tail) or last_line(tail, 'no log')}")
+            try:
+                status, _ = self._http("GET", "/health", timeout=2)
+                if status == 200:
+                    return True
+            except (OSError, http.client.HTTPException):
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise WorkerFault(f"the shared server of device {self.device['index']} did not answer /health within {START_TIMEOUT_S:g}s")
+
+    def _http(self, method: str, path: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection(self.options.host, self.port, timeout=timeout)
+        try:
+            headers = {"Authorization": f"Bearer {self.token}"}
+            data = None
+            if body is not None:
+                data = json.dumps(body).encode()
+                headers["Content-Type"] = "application/json"
+            conn.request(method, path, body=data, headers=headers)
+            response = conn.getresponse()
+            text = response.read()
+        finally:
+            conn.close()
+        try:
+            return response.status, json.loads(text) if text else None
+        except ValueError:
+            return response.status, None
+
+    def call(self, method: str, path: str, body: Any = None) -> Any:
+        """An admin call; its JSON answer. A 4xx is :class:`JobFault` (the job's request), no answer or a 5xx :class:`WorkerFault`."""
+        try:
+            status, answer = self._http(method, path, body)
+        except (OSError, http.client.HTTPException) as exc:
+            raise WorkerFault(f"the shared server of device {self.device['index']} did not answer: {type(exc).__name__}: {exc}") from exc
+        if status >= 400:
+            message = ((answer or {}).get("error") or {}).get("message") if isinstance(answer, dict) else None
+            fault = JobFault if 400 <= status < 500 else WorkerFault
+            raise fault(f"the shared server refused {method} {path.split('?')[0]} ({status}): {message or answer}")
+        return answer
+
+    def log_tail(self) -> str:
+        try:
+            with open(self.folder / "server.out", "rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                handle.seek(max(handle.tell() - LOG_TAIL, 0))
+                return handle.read().decode("utf-8", "replace")
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        process = self.process
+        if process is None:
+            return
+        try:
+            os.killpg(process.pid, 15)
+            process.wait(10)
+        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(process.pid, 9)
+            except (ProcessLookupError, PermissionError):
+                pass
+        self.process = None
+
+
+class SharedServers:
+    """The worker's shared servers, one per shared device, started on first use."""
+
+    def __init__(self, options: Any, take_port: Callable[[], int], release_port: Callable[[int], None]) -> None:
+        self.servers = {d["index"]: SharedServer(d, options, take_port, release_port) for d in options.devices if d.get("shared")}
+
+    def __getitem__(self, device: int) -> SharedServer:
+        return self.servers[device]
+
+    def stop(self) -> None:
+        for server in self.servers.values():
+            server.stop()
+
+
+def _q(part: str) -> str:
+    return urllib.parse.quote(part, safe="")
+
+
+class Seat:
+    """One seat lease: its job's adapter on the device's shared server (see the module's notes)."""
+
+    def __init__(self, server: SharedServer, lease: dict[str, Any]) -> None:
+        self.server, self.lease = server, lease
+        self.adapter_id = f"{lease['job_id']}.{lease['epoch']}"
+        self.folder = server.folder / "run" / "adapters" / self.adapter_id
+        self.opened = False
+        self._lock = threading.Lock()
+
+    @property
+    def states(self) -> Path:
+        return self.folder / "states"
+
+    def open(self, check: Callable[[], None], seconds: float) -> str:
+        """Start the server if needed and open the job's adapter (from its restored states' folder); the server's URL."""
+        config = self.lease["config"]
+        if config.get("model") != self.server.spec["model"]:
+            raise WorkerFault(f"seat {self.lease.get('seat')} serves {self.server.spec['model']}, not the job's {config.get('model')!r}")
+        self.server.ensure(check)
+        body = {"adapter_id": self.adapter_id, "token_sha256": hashlib.sha256(self.lease["token"].encode()).hexdigest(),
+                "lora_rank": config.get("lora_rank") or DEFAULT_LORA_RANK, "lora_alpha": float(config.get("lora_alpha") or DEFAULT_LORA_ALPHA),
+                "seed": config.get("seed") or 0}
+        with self._lock:
+            self.server.call("POST", "/v1/adapters", body)
+            self.opened = True
+        self.renew(seconds)
+        return self.server.url
+
+    def renew(self, seconds: float) -> None:
+        """Bind the adapter to the lease for ``seconds`` from now (at the lease's epoch); nothing before it opened."""
+        with self._lock:
+            if not self.opened:
+                return
+            self.server.call("PUT", f"/v1/adapters/{_q(self.adapter_id)}/lease", {"seconds": max(seconds, 1e-3), "epoch": self.lease["epoch"]})
+
+    def idle_s(self) -> float | None:
+        """Seconds since the job's client last called its adapter (None while a call runs or the adapter is not listed)."""
+        listing = self.server.call("GET", "/v1/adapters")
+        for adapter in listing.get("adapters", []):
+            if adapter.get("adapter_id") == self.adapter_id:
+                return adapter.get("idle_s")
+        return None
+
+    def close(self) -> None:
+        """Close the adapter (its waiting calls fail, its memory is freed) and delete its folder; safe to call again."""
+        with self._lock:
+            was_open, self.opened = self.opened, False
+        if was_open and self.server.exit_code() is None and self.server.process is not None:
+            try:
+                self.server.call("DELETE", f"/v1/adapters/{_q(self.adapter_id)}?purge=true")
+            except (WorkerFault, JobFault) as exc:
+                log.warning("job %s: could not close its adapter %s: %s", self.lease["job_id"], self.adapter_id, exc)
+        shutil.rmtree(self.folder, ignore_errors=True)
