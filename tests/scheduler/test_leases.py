@@ -32,7 +32,12 @@ def setup(make_client: Any, keys: Any, clock: Any) -> Any:
         worker = keys.new("ops", "worker")
 
         def job(self, gpus: int = 1, priority: int = 0, model: str = "tiny", key: str | None = None, **extra: Any) -> str:
-            job_id = submit(self.client, key or self.user, gpus=gpus, priority=priority, model=model, **extra)
+            """A queued job: submitted through the API, or on more than one device stored past it (the API refuses those today)."""
+            if gpus > 1:
+                assert key is None, "multi-device jobs here are acme's"
+                job_id = kit.multi_device_job(self.client.app, gpus, priority=priority, model=model, **extra)
+            else:
+                job_id = submit(self.client, key or self.user, gpus=gpus, priority=priority, model=model, **extra)
             clock.advance(1.0)  # distinct ages
             return job_id
 

@@ -28,7 +28,7 @@ def env(make_client: Any, keys: Any) -> Any:
 def leased(env: Any, gpus: int = 1) -> tuple[Any, str, dict[str, Any]]:
     """A worker holding a freshly granted job: (worker, job id, lease)."""
     w = register(env.client, env.worker, devices=max(gpus, 1))
-    job_id = submit(env.client, env.user, gpus=gpus)
+    job_id = submit(env.client, env.user) if gpus == 1 else kit.multi_device_job(env.client.app, gpus)
     lease = w.lease()
     assert lease is not None and lease["job_id"] == job_id
     return w, job_id, lease
@@ -75,7 +75,7 @@ def test_inactive_devices_are_not_granted(env: Any) -> None:
     w = register(env.client, env.worker, devices=2)
     body = {**w.body, "devices": w.body["devices"][:1]}
     assert env.client.post("/v1/workers", json=body, headers=auth(env.worker)).status_code == 200
-    submit(env.client, env.user, gpus=2)
+    kit.multi_device_job(env.client.app, gpus=2)
     assert w.lease() is None
 
 

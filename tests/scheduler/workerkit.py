@@ -152,3 +152,17 @@ def stored_job(db_url: str, config: dict[str, Any], tenant: str = "acme") -> str
         return job["id"]
     finally:
         engine.dispose()
+
+
+def multi_device_job(app: Any, gpus: int, tenant: str = "acme", priority: int = 0, model: str = "tiny", max_attempts: int | None = None) -> str:
+    """A queued train job on ``gpus`` devices, stored through the app's own store (its clock) past the submission's checks.
+
+    It stands for the multi-device jobs the API refuses today (``tinkergym.scheduler.schemas.USABLE_DEVICES``): the
+    leases grant them all their devices or none, backfill around them and count them against quotas, and their
+    tests make them here.
+    """
+    store = app.state.store
+    with store.transaction() as conn:
+        job, _ = store.create_queued_job(conn, tenant_id=tenant, kind="train", gpus=gpus, config={"model": model}, priority=priority,
+                                         max_attempts=max_attempts or app.state.settings.max_attempts, count_queue=False)
+    return job["id"]

@@ -194,7 +194,8 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
               help="Train as a job of a scheduler (tinkergym scheduler serve): it leases a worker's devices, whose training server computes; envs and the trainer run here.")
 @click.option("--api-key", envvar="TINKERGYM_API_KEY", show_envvar=True,
               help="The scheduler key (tgk_...) for --scheduler and to --resume such a run; never saved.")
-@click.option("--gpus", type=click.IntRange(1, 64), help="Devices the scheduler job needs, all on one worker (default 1).")
+@click.option("--gpus", type=click.IntRange(1, 64),
+              help="Devices the scheduler job needs, all on one worker (default 1; a training job uses one today and the scheduler refuses more).")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable), e.g. size=7.")
 @click.option("--trainer-arg", "trainer_args", multiple=True, metavar="KEY=VALUE", help="Trainer-specific setting (repeatable).")
 @click.option("--data", multiple=True, type=SafePath(exists=True, dir_okay=False), help="sft: JSONL chat transcripts (repeatable).")
@@ -352,7 +353,8 @@ def _holds_run(out: str) -> bool:
               help="Evaluate on a scheduler's worker: an eval job serves --model (a model the workers offer) or --run (a run trained "
                    "with --scheduler); the envs run here. The job ends with the evaluation.")
 @click.option("--api-key", envvar="TINKERGYM_API_KEY", show_envvar=True, help="With --scheduler: the scheduler key (tgk_...); never saved.")
-@click.option("--gpus", type=click.IntRange(1, 64), help="With --scheduler: devices the eval job needs (default 1).")
+@click.option("--gpus", type=click.IntRange(1, 64),
+              help="With --scheduler: devices the eval job needs (default 1; an eval job uses one today and the scheduler refuses more).")
 @click.option("--opponent", "opponents", multiple=True, metavar="NAME",
               help="Multi-agent envs: play --run/--model against this opponent, seats alternating (repeatable): baseline, random, "
                    "snapshot:N (a self-play run's snapshot) or run:DIR. Prints win/draw/loss and a rating table.")

@@ -10,6 +10,24 @@ from tinkergym.config import DTYPES, SERVED_NAME
 from tinkergym.scheduler.artifacts import JOB_ID
 
 
+#: Devices a job of each kind can use today: its server runs on the first device of its lease. A job asking for more is
+#: refused at submission (:func:`device_refusal`); sharded training across devices will raise these. The leases already
+#: grant a job its devices all at once or not at all, and count them against the tenant's quota.
+USABLE_DEVICES: dict[str, int] = {"train": 1, "sft": 1, "eval": 1, "inference": 1}
+
+
+def device_refusal(kind: str, gpus: int) -> str | None:
+    """Why a ``kind`` job cannot use ``gpus`` devices today, and what to submit instead; None when it can."""
+    usable = USABLE_DEVICES[kind]
+    if gpus <= usable:
+        return None
+    if usable == 1:
+        return (f"this job asks for {gpus} devices, but {kind} jobs run on one device today (its server would use only the first): "
+                "submit it with gpus 1 (the default; --gpus 1 on the command line)")
+    return (f"this job asks for {gpus} devices, but {kind} jobs run on at most {usable} today (its server would use only the first {usable}): "
+            f"submit it with gpus {usable} or fewer (--gpus {usable} on the command line)")
+
+
 class WireModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -39,7 +57,7 @@ class JobCreate(WireModel):
 
     kind: Literal["train", "sft", "eval", "inference"]
     config: JobConfig
-    gpus: int = Field(1, ge=1, le=64, description="devices the job needs, all on one worker")
+    gpus: int = Field(1, ge=1, le=64, description="devices the job needs, all on one worker; at most its kind's USABLE_DEVICES today")
     priority: int = Field(0, ge=-100, le=100, description="higher runs first; ties by age")
     name: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$", description="a label; no control characters")
     max_attempts: int | None = Field(None, ge=1, le=20, description="lost leases before the job fails (default: the scheduler's)")

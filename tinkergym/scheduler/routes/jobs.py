@@ -19,7 +19,7 @@ from tinkergym.scheduler.db import MAX_INT, jobs
 from tinkergym.scheduler.idempotency import Refused
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.routes import in_writer_thread, respond_once
-from tinkergym.scheduler.schemas import JobCreate, WireModel
+from tinkergym.scheduler.schemas import JobCreate, WireModel, device_refusal
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -140,6 +140,9 @@ async def submit(
     settings = request.app.state.settings
 
     def create(conn: Any) -> tuple[int, dict[str, Any]]:
+        unusable = device_refusal(body.kind, body.gpus)  # here, not before: a retry of a request stored earlier is replayed
+        if unusable is not None:
+            raise Refused(400, "invalid_request", unusable)
         # The job first, then the tenant's quotas with its queue counted (this job included) and held to the commit:
         # over a quota, raising rolls the job back.
         job, quotas = _store(request).create_queued_job(
