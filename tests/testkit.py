@@ -64,6 +64,15 @@ def answers(url: str) -> bool:
         return False
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server started as a process)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def wait_until_answers(url: str, timeout: float = 60.0, every: float = 0.2, process: subprocess.Popen | None = None,
                        output: Callable[[], str] | None = None) -> None:
     """Wait until a GET of ``url`` (a server's health route) answers with a success status (:func:`wait_until`)."""

@@ -162,3 +162,29 @@ def test_wait_reasons_know_seats(setup: Any) -> None:
     assert worker.lease()["job_id"] == lora
     later = submit(setup.client, setup.user)
     assert reason(later)["code"] == "busy"
+
+
+def test_a_job_resumes_on_the_kind_of_place_that_wrote_its_checkpoints(setup: Any, db_url: str) -> None:
+    worker = register(setup.client, setup.worker_key, whole=1, shared={**SHARED, "seats": 1})
+    seated, whole = submit(setup.client, setup.user), submit(setup.client, setup.other)
+    first = {g["job_id"]: g for g in (worker.lease(), worker.lease())}
+    assert first[seated]["seat"] is not None and first[whole]["seat"] is None
+    for job, lease in first.items():
+        assert worker.state(job, lease["epoch"], "starting").status_code == 200
+        assert worker.state(job, lease["epoch"], "running", server_url="http://127.0.0.1:1").status_code == 200
+        answer = worker.post(f"/jobs/{job}/checkpoints", {"epoch": lease["epoch"], "step": 1, "name": "step_000001"})
+        assert answer.status_code == 200, answer.text
+    placed = dict(kit.query(db_url, "SELECT id, placed FROM jobs"))
+    assert placed == {seated: "seat", whole: "devices"}
+    # both lose their leases; a new LoRA job of a higher priority takes the seat, and the whole device is free
+    setup.clock.advance(31)
+    assert leases.sweep(setup.client.app) == 2
+    response = setup.client.post("/v1/jobs", json={"kind": "train", "config": {"model": "tiny"}, "priority": 1}, headers=kit.auth(setup.user))
+    newcomer = response.json()["id"]
+    taken = {}
+    while (granted := worker.lease()) is not None:
+        taken[granted["job_id"]] = granted
+    assert set(taken) == {newcomer, whole}, "a job whose checkpoints a seat wrote never resumes on a whole device"
+    assert taken[newcomer]["seat"] is not None and taken[whole]["seat"] is None
+    reason = setup.client.get(f"/v1/jobs/{seated}", headers=kit.auth(setup.user)).json()["wait_reason"]
+    assert reason["code"] == "busy", reason

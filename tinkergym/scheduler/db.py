@@ -127,6 +127,9 @@ jobs = Table(
     Column("server_token_digest", String(64), nullable=True),
     Column("cursor", Integer, nullable=False, default=0),  # last event seq, so appends number without a scan
     Column("artifact_bytes", BigInteger, nullable=False, default=0),  # bytes its stored artifacts hold (the tenant's quota)
+    # Where its checkpoints were written: "seat" (a shared server's session state) or "devices" (a whole server's); set
+    # with its first checkpoint, after which it is granted only that kind of place (the two states differ in format).
+    Column("placed", String(8), nullable=True),
 )
 Index("ix_jobs_queue", jobs.c.state, jobs.c.priority, jobs.c.created_at)
 Index("ix_jobs_tenant", jobs.c.tenant_id, jobs.c.created_at)

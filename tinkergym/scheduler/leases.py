@@ -16,7 +16,9 @@ serves the model and has enough devices), no job after it in the order is grante
 to it and large jobs are not starved. A job whose tenant holds ``tenants.max_gpus`` devices already waits
 without blocking anyone. A LoRA job that fits a free seat of a shared training server takes that seat before a whole
 device (:mod:`tinkergym.scheduler.seats`: the placement rule); a seat is a row of ``devices`` like any device, so
-the same constraint holds it, and it counts as one device toward the tenant's quota.
+the same constraint holds it, and it counts as one device toward the tenant's quota. A job's first checkpoint fixes
+the kind of place it runs on from then on (``jobs.placed``): a session's state and a whole server's differ in format,
+so a job that resumes does so on the kind of place that wrote its checkpoints.
 
 Expiry (:func:`sweep`) runs in the app's background task (:func:`tinkergym.scheduler.sweeps.sweep_forever`), so a lease expires with
 no other traffic: the job goes back to ``queued`` with ``attempt + 1`` (``failed`` once attempts reach
@@ -153,7 +155,7 @@ def _touch(conn: Connection, worker_id: str, now: float) -> None:
 def _queue(conn: Connection, tenant_ids: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
     """Queued jobs (of ``tenant_ids`` only, when given) in grant order (priority desc, created_at asc, id asc), a page at a time."""
     cols = (jobs.c.id, jobs.c.tenant_id, jobs.c.kind, jobs.c.priority, jobs.c.created_at, jobs.c.gpus, jobs.c.config,
-            jobs.c.lease_epoch, jobs.c.attempt)
+            jobs.c.lease_epoch, jobs.c.attempt, jobs.c.placed)
     last: dict[str, Any] | None = None
     for _ in range(0, MAX_SCAN, _PAGE):
         query = select(*cols).where(jobs.c.state == states.QUEUED)
@@ -226,7 +228,9 @@ def grant(
     quota: dict[str, int] = {}
     for job in _queue(conn, bounds.tenants if bounds is not None else None):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
-        if _model(job) not in models or (gpus > len(whole) and not any(fits(shared, kind, gpus, config) for _, shared in seats)):
+        on_seats, on_devices = job["placed"] != "devices", job["placed"] != "seat"  # a job with checkpoints stays on their kind
+        if _model(job) not in models or ((gpus > len(whole) or not on_devices)
+                                         and not (on_seats and any(fits(shared, kind, gpus, config) for _, shared in seats))):
             continue  # never fits here: it neither starts nor holds this worker's devices
         tenant = job["tenant_id"]
         if tenant not in quota:
@@ -234,8 +238,8 @@ def grant(
             held[tenant] = _held_by_tenant(conn, tenant)
         if held[tenant] + gpus > quota[tenant]:
             continue  # over its tenant's quota: waits, blocks nobody
-        seat = next((d for d, shared in free_seats if fits(shared, kind, gpus, config)), None)
-        if seat is None and gpus > len(free):
+        seat = next((d for d, shared in free_seats if on_seats and fits(shared, kind, gpus, config)), None)
+        if seat is None and (gpus > len(free) or not on_devices):
             if now - job["created_at"] > settings.backfill_age_s:
                 return None  # waited too long: the devices here drain to it, nobody behind jumps ahead
             continue  # backfill: smaller jobs behind may start
@@ -359,6 +363,9 @@ def report_checkpoint(conn: Connection, store: JobStore, worker_id: str, job_id:
             raise Conflict(f"job {job_id} already has checkpoint {name!r} at step {existing['step']}")
         return {"job_id": job_id, "step": step, "name": name, "epoch": existing["epoch"]}
     store.add_checkpoint(conn, job_id, epoch, step, name)
+    seated = conn.execute(select(devices.c.seat_of).join(allocations, allocations.c.device_id == devices.c.id)
+                          .where(allocations.c.job_id == job_id).limit(1)).scalar()
+    conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.placed.is_(None)).values(placed="devices" if seated is None else "seat"))
     return {"job_id": job_id, "step": step, "name": name, "epoch": epoch}
 
 

@@ -62,14 +62,19 @@ class Host:
 
     def hosts(self, job: dict[str, Any]) -> bool:
         """Whether it could ever run ``job`` (a row with kind, gpus, config): on whole devices or on a seat."""
-        return _model(job["config"]) in self.models and (job["gpus"] <= self.devices or self._seat(job, free_only=False))
+        return _model(job["config"]) in self.models and (self._whole(job, self.devices) or self._seat(job, free_only=False))
 
     def has_room(self, job: dict[str, Any]) -> bool:
         """Whether it could run ``job`` now: enough free whole devices, or a free seat the job fits."""
-        return job["gpus"] <= self.free or self._seat(job, free_only=True)
+        return self._whole(job, self.free) or self._seat(job, free_only=True)
+
+    @staticmethod
+    def _whole(job: dict[str, Any], devices: int) -> bool:
+        return job.get("placed") != "seat" and job["gpus"] <= devices  # a job whose checkpoints a seat wrote stays on seats
 
     def _seat(self, job: dict[str, Any], free_only: bool) -> bool:
-        return any((free or not free_only) and fits(shared, job["kind"], job["gpus"], job["config"]) for shared, free in self.seats)
+        return job.get("placed") != "devices" and any(
+            (free or not free_only) and fits(shared, job["kind"], job["gpus"], job["config"]) for shared, free in self.seats)
 
     @property
     def physical(self) -> int:

@@ -49,7 +49,7 @@ def register_worker(
     else:
         worker_id = row[0]
         conn.execute(update(workers).where(workers.c.id == worker_id).values(**values))
-    known = {r.index: r.id for r in conn.execute(select(devices.c.id, devices.c.index).where(devices.c.worker_id == worker_id))}
+    known: dict[int, int] = {index: id_ for id_, index in conn.execute(select(devices.c.id, devices.c.index).where(devices.c.worker_id == worker_id))}
     listed = set()
     for index, fields in places(device_list):
         listed.add(index)
