@@ -53,7 +53,7 @@ from typing import Any
 
 from tinkergym.scheduler.artifact_paths import check_relpath
 from tinkergym.scheduler.worker.job_servers import SERVING_KINDS, WorkerOptions, die_with_parent, server_command  # noqa: F401 - public here too
-from tinkergym.scheduler.worker.checks import last_line, server_fault
+from tinkergym.scheduler.worker.checks import last_line, log_tail, server_fault
 from tinkergym.scheduler.worker.faults import Cancelled, JobFault, LeaseLost, Shutdown, WorkerFault  # noqa: F401 - public here too
 from tinkergym.scheduler.worker.folders import finish_folder, prune_states
 from tinkergym.scheduler.worker.seats import Seat
@@ -396,13 +396,7 @@ class JobRunner(threading.Thread):
             pass
 
     def _log_tail(self) -> str:
-        try:
-            with open(self.folder / "server.out", "rb") as handle:
-                handle.seek(0, os.SEEK_END)
-                handle.seek(max(handle.tell() - LOG_TAIL, 0))
-                return handle.read().decode("utf-8", "replace")
-        except OSError:
-            return "(no log)"
+        return log_tail(self.folder / "server.out", LOG_TAIL)
 
     # ----- checkpoints ------------------------------------------------------------------------------
     def _restore_while_leased(self) -> None:

@@ -19,6 +19,7 @@ import re
 import shutil
 import subprocess
 from typing import Any
+from pathlib import Path
 
 #: Exit code of ``serve-backend``/``serve-model`` when this machine cannot run them (``tinkergym.serve.lifetime``).
 ENVIRONMENT_EXIT_CODE = 69
@@ -122,6 +123,17 @@ def server_fault(code: int, log_tail: str) -> str | None:
     if code != 0 and lines and _IMPORT_ERROR.match(lines[-1]):
         return last
     return None
+
+
+def log_tail(path: Path, size: int = 3000) -> str:
+    """The last ``size`` bytes of a server's log file as text ("(no log)" when it cannot be read)."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(0, os.SEEK_END)
+            handle.seek(max(handle.tell() - size, 0))
+            return handle.read().decode("utf-8", "replace")
+    except OSError:
+        return "(no log)"
 
 
 def last_line(log_tail: str, default: str) -> str:

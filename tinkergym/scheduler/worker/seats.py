@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
 from tinkergym.folders import write_private_file
-from tinkergym.scheduler.worker.checks import last_line, server_fault
+from tinkergym.scheduler.worker.checks import last_line, log_tail, server_fault
 from tinkergym.scheduler.worker.faults import JobFault, WorkerFault
 from tinkergym.scheduler.worker.job_servers import die_with_parent
 
@@ -155,13 +155,7 @@ class SharedServer:
         return answer
 
     def log_tail(self) -> str:
-        try:
-            with open(self.folder / "server.out", "rb") as handle:
-                handle.seek(0, os.SEEK_END)
-                handle.seek(max(handle.tell() - LOG_TAIL, 0))
-                return handle.read().decode("utf-8", "replace")
-        except OSError:
-            return "(no log)"
+        return log_tail(self.folder / "server.out", LOG_TAIL)
 
     def stop(self) -> None:
         process = self.process
