@@ -227,7 +227,7 @@ class Seat:
             self.server.call("PUT", f"/v1/adapters/{_q(self.adapter_id)}/lease", {"seconds": max(seconds, 1e-3), "epoch": self.lease["epoch"]})
 
     def idle_s(self) -> float | None:
-        """Seconds since the job's client last called its adapter (None while a call runs or the adapter is not listed)."""
+        """Seconds since the job's client last called its adapter (0 while a call runs; None when it is not listed)."""
         listing = self.server.call("GET", "/v1/adapters")
         for adapter in listing.get("adapters", []):
             if adapter.get("adapter_id") == self.adapter_id:
