@@ -97,9 +97,28 @@ class SharedServer:
                    "--max-adapters", str(self.spec["seats"]), "--host", self.options.host, "--port", str(self.port),
                    "--token-file", str(self.folder / "token"), "--run-dir", str(self.folder / "run"), "--keep-states", "0",
                    "--exit-with-parent"]
-        with open(self.folder / "server.out", "ab") as out:
-            return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=self.folder,
-                                    start_new_session=True, preexec_fn=die_with_parent)
+        # PR_SET_PDEATHSIG fires when the *thread* that started the process ends: a job's runner thread ends with its job,
+        # so the server is started from a thread of its own that lives as long as the server does.
+        found: dict[str, Any] = {}
+        started = threading.Event()
+
+        def spawn() -> None:
+            try:
+                with open(self.folder / "server.out", "ab") as out:
+                    found["process"] = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                                        cwd=self.folder, start_new_session=True, preexec_fn=die_with_parent)
+            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
+                found["error"] = exc
+            finally:
+                started.set()
+            if "process" in found:
+                found["process"].wait()
+
+        threading.Thread(target=spawn, name=f"shared-server-{self.device['index']}", daemon=True).start()
+        started.wait()
+        if "error" in found:
+            raise found["error"]
+        return found["process"]
 
     def _wait_healthy(self, check: Callable[[], None]) -> bool:
         """Whether ``/health`` answered; False when the server exited because its port was taken."""
