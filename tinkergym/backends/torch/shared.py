@@ -66,6 +66,9 @@ from tinkergym.protocol.types import (
 #: Version of a session's save_state folder.
 SESSION_STATE_FORMAT = 1
 
+#: ``row_loss(logprobs_BT, rows) -> (loss, sums)`` of a :class:`RowLossRequest` (see there).
+RowLoss = Callable[[torch.Tensor, list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
 T = TypeVar("T")
 Outcome = Any  # a result, or the exception its request raised
 
@@ -119,6 +122,21 @@ class LoraSessionConfig(_Plain):
     lora_rank: int = DEFAULT_LORA_RANK
     lora_alpha: float = float(DEFAULT_LORA_ALPHA)
     seed: int = 0
+
+
+@dataclass
+class RowLossRequest(ForwardBackwardRequest):
+    """A forward-backward request whose loss is a function of its rows' logprobs, computed in the same pass.
+
+    ``row_loss(logprobs_BT, rows)`` gets the float32 ``[B, T]`` logprobs (entry ``t`` scores ``tokens[t]``, with
+    gradient) of the rows ``rows`` of ``data`` (indices into ``data``, in that order) and answers the scalar loss
+    to back-propagate and sums (detached scalar tensors) that add up across the request's passes into the result's
+    metrics, as they are. Losses defined on other terms than ours (the Tinker API's summed per-token losses,
+    :mod:`tinkergym.tinker_api.losses`) run through it in one pass, alongside other sessions' rows. Only positions
+    whose ``loss_mask`` is non-zero are scored; the normalizers and ``loss`` of the request are not used.
+    """
+
+    row_loss: RowLoss | None = None
 
 
 def _mb(n: int) -> float:
@@ -233,7 +251,7 @@ class SharedBase:
             totals: dict[str, float] = {}
             for floats in losses.sums_to_floats(micro_sums):
                 totals = losses.add_sums(totals, floats)
-            results.append(ForwardBackwardResult(metrics=losses.finalize_metrics(totals)))
+            results.append(ForwardBackwardResult(metrics=totals if isinstance(calls[len(results)][1], RowLossRequest) else losses.finalize_metrics(totals)))
         return results
 
     def _one_pass(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]], picked: list[tuple[int, int]], micro: MicroBatch,
@@ -257,6 +275,12 @@ class SharedBase:
                 spec = calls[k][1].loss
                 positions = [p for p, (owner, _) in enumerate(picked) if owner == k]
                 index = torch.tensor(positions, dtype=torch.long).to(self.device)
+                row_loss = getattr(calls[k][1], "row_loss", None)
+                if row_loss is not None:
+                    loss, part_sums = row_loss(logprobs.index_select(0, index), [picked[p][1] for p in positions])
+                    total_loss = loss if total_loss is None else total_loss + loss
+                    sums[k].append({key: value.detach() for key, value in part_sums.items()})
+                    continue
                 part: Batch = collate([rows[p] for p in positions], self.device, width)
                 weights = losses.aggregation_weights(part.mask, spec.aggregation, *normalizers[k])
                 kl_reference = None if reference is None or spec.kl_coef <= 0 else reference.index_select(0, index)

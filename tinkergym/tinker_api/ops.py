@@ -1,0 +1,242 @@
+"""Tinker requests as engine calls: each function here checks a request and returns the operation its future runs.
+
+The conversions:
+
+- A Tinker ``Datum`` (``model_input`` of text chunks, ``loss_fn_inputs`` aligned with it: position ``i`` predicts
+  ``target_tokens[i]``) is our :class:`~tinkergym.protocol.types.Datum` of ``model_input + [target_tokens[-1]]``,
+  which needs ``target_tokens`` to be ``model_input`` shifted by one (as every Tinker client builds them);
+  other targets are refused with that reason. Image chunks are refused (this server runs text models).
+- ``forward_backward`` runs as one :class:`~tinkergym.backends.torch.shared.RowLossRequest`: the Tinker loss
+  (:mod:`tinkergym.tinker_api.losses`) of every datum, summed, in the same pass as other tenants' rows.
+- ``forward`` scores the rows (``logprobs``) and computes the same loss without a gradient.
+- ``optim_step``: AdamW with the request's ``AdamParams`` (``grad_clip_norm`` 0: no clipping).
+- ``sample``: our sampler; ``prompt_logprobs`` (``compute_logprobs``) scores the prompt in a ``logprobs`` call.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tinkergym.protocol.types import Datum, LossSpec, OptimParams, SampleRequest, SamplingParams
+from tinkergym.tinker_api import losses as tinker_losses
+from tinkergym.tinker_api.service import Run, Sampler, TinkerError, TinkerService, as_array, loss_settings
+
+#: Per-datum ``loss_fn_outputs`` are records of arrays.
+OUTPUT_TYPE = "ArrayRecord"
+
+
+def model_tokens(model_input: Any, where: str) -> list[int]:
+    """The token ids of a ``ModelInput`` of text chunks; any other chunk is refused."""
+    tokens: list[int] = []
+    for chunk in model_input.chunks:
+        if getattr(chunk, "type", None) != "encoded_text":
+            raise TinkerError(400, f"{where}: {getattr(chunk, 'type', type(chunk).__name__)} chunks are not supported: this server trains text models")
+        tokens.extend(int(t) for t in chunk.tokens)
+    return tokens
+
+
+class PreparedRows:
+    """A request's data as our rows, with each datum's Tinker inputs as numpy arrays."""
+
+    def __init__(self, service: TinkerService, data: list[Any], loss_name: str) -> None:
+        if not data:
+            raise TinkerError(400, "the request has no data")
+        if len(data) > service.limits.max_datums:
+            raise TinkerError(400, f"{len(data)} datums is over this server's limit of {service.limits.max_datums} per request")
+        self.rows: list[Datum] = []
+        self.inputs: list[dict[str, np.ndarray]] = []
+        for i, datum in enumerate(data):
+            where = f"data[{i}]"
+            tokens = model_tokens(datum.model_input, where)
+            if not tokens:
+                raise TinkerError(400, f"{where}: model_input has no tokens")
+            arrays = {str(k): as_array(v) for k, v in datum.loss_fn_inputs.items()}
+            if "target_tokens" not in arrays:
+                raise TinkerError(400, f"{where}: loss_fn_inputs needs target_tokens")
+            try:
+                tinker_losses.check_inputs(loss_name, arrays, len(tokens), where)
+            except tinker_losses.LossInputError as exc:
+                raise TinkerError(400, str(exc)) from exc
+            targets = [int(t) for t in arrays["target_tokens"]]
+            if targets[:-1] != tokens[1:]:
+                raise TinkerError(400, f"{where}: target_tokens must be model_input shifted by one (position i predicts token i + 1 of the "
+                                       "sequence, as the SDK's docs build them); other targets are not supported")
+            self.rows.append(Datum(tokens=tokens + [targets[-1]], loss_mask=[0.0] + [1.0] * len(tokens)))
+            self.inputs.append(arrays)
+        service.check_tokens([d.tokens for d in self.rows], "data")
+
+    def tensors(self, i: int, device: Any) -> dict[str, Any]:
+        import torch
+
+        return {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in self.inputs[i].items() if k != "target_tokens"}
+
+
+def _output(rows: PreparedRows, logprobs: list[np.ndarray], elementwise: list[np.ndarray], metrics: dict[str, float]) -> Any:
+    from tinker import types
+
+    outputs = [{"logprobs": types.TensorData.from_numpy(lp.astype(np.float32)),
+                "elementwise_loss": types.TensorData.from_numpy(el.astype(np.float32))} for lp, el in zip(logprobs, elementwise)]
+    return types.ForwardBackwardOutput(loss_fn_output_type=OUTPUT_TYPE, loss_fn_outputs=outputs, metrics=metrics)
+
+
+def forward_backward(service: TinkerService, run: Run, request: Any, forward_only: bool) -> Callable[[], Any]:
+    """The operation of a ``forward_backward`` (or, ``forward_only``, a ``forward``) request."""
+    spec = request.forward_backward_input
+    name = str(spec.loss_fn)
+    settings = loss_settings(name, spec.loss_fn_config)
+    rows = PreparedRows(service, list(spec.data), name)
+    if forward_only:
+        return lambda: _forward(service, run, rows, name, settings)
+    return lambda: _forward_backward(service, run, rows, name, settings)
+
+
+def _forward(service: TinkerService, run: Run, rows: PreparedRows, name: str, settings: dict[str, float]) -> Any:
+    import torch
+
+    result = service.call(run.model_id, "logprobs", {"sequences": [d.tokens for d in rows.rows], "temperature": 1.0})
+    logprobs, elementwise, total = [], [], 0.0
+    for i, row in enumerate(result["logprobs"]):
+        lp = torch.tensor(row[1:], dtype=torch.float32)
+        loss = tinker_losses.elementwise_loss(name, settings, lp, rows.tensors(i, "cpu"))
+        logprobs.append(lp.numpy())
+        elementwise.append(loss.numpy())
+        total += float(loss.sum())
+    return _output(rows, logprobs, elementwise, {"loss:sum": total})
+
+
+def _forward_backward(service: TinkerService, run: Run, rows: PreparedRows, name: str, settings: dict[str, float]) -> Any:
+    import torch
+
+    from tinkergym.backends.torch.shared import RowLossRequest
+
+    n = len(rows.rows)
+    logprobs: list[np.ndarray | None] = [None] * n
+    elementwise: list[np.ndarray | None] = [None] * n
+
+    def row_loss(logprobs_BT: torch.Tensor, picked: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        total = logprobs_BT.new_zeros(())
+        for b, i in enumerate(picked):
+            length = len(rows.rows[i].tokens)
+            lp = logprobs_BT[b, 1:length]
+            loss = tinker_losses.elementwise_loss(name, settings, lp, rows.tensors(i, lp.device))
+            logprobs[i] = lp.detach().float().cpu().numpy()
+            elementwise[i] = loss.detach().float().cpu().numpy()
+            total = total + loss.sum()
+        return total, {"loss:sum": total.detach()}
+
+    request = RowLossRequest(data=rows.rows, loss=LossSpec(name="cross_entropy"), row_loss=row_loss)
+    result = service.call(run.model_id, "forward_backward", {"request": request})
+    return _output(rows, logprobs, elementwise, {"loss:sum": float(result["metrics"].get("loss:sum", 0.0))})  # type: ignore[arg-type]
+
+
+def optim_step(service: TinkerService, run: Run, request: Any) -> Callable[[], Any]:
+    params = request.optim_params
+    if getattr(params, "type", "adamw") not in ("adamw", None) and not hasattr(params, "beta2"):
+        raise TinkerError(400, f"optimizer {getattr(params, 'type', '?')!r} is not offered: this server steps AdamW (AdamParams)")
+    ours = OptimParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2, eps=params.eps,
+                       weight_decay=params.weight_decay, max_grad_norm=params.grad_clip_norm)
+
+    def run_it() -> Any:
+        from tinker import types
+
+        result = service.call(run.model_id, "optim_step", {"params": ours})
+        return types.OptimStepResponse(metrics={f"{k}:mean" if ":" not in k else k: float(v) for k, v in result.get("metrics", {}).items()})
+
+    return run_it
+
+
+def save_state(service: TinkerService, run: Run, name: str | None, kind: str, user_metadata: Any) -> Callable[[], Any]:
+    """``save_weights`` (``kind`` training: the whole state) or ``save_weights_for_sampler`` (sampler: the adapter) under ``name``."""
+    name = name or f"{kind}-{secrets.token_hex(4)}"
+    checkpoint = service.new_checkpoint(run, kind, name, user_metadata)
+
+    def run_it() -> str:
+        if kind == "training":
+            service.call(run.model_id, "save_state", {"name": name})
+        else:
+            service.call(run.model_id, "export", {"name": name, "merged": False})
+        run.checkpoints[checkpoint.checkpoint_id] = checkpoint
+        return checkpoint.tinker_path(run.model_id)
+
+    return run_it
+
+
+def load_state(service: TinkerService, run: Run, path: str, optimizer: bool) -> Callable[[], Any]:
+    """Load a training checkpoint into ``run``: the weights, and with ``optimizer`` the Adam moments and step too."""
+    source_run, checkpoint = service.checkpoint(run.tenant, path)
+    if checkpoint.kind != "training":
+        raise TinkerError(400, f"{path[:200]!r} is a sampler checkpoint (weights only, for sampling); load a training checkpoint "
+                               "(tinker://<run>/weights/<name>, from save_state)")
+    if source_run.rank != run.rank:
+        raise TinkerError(400, f"{path[:200]!r} holds a rank-{source_run.rank} adapter; this training run has rank {run.rank}")
+
+    def run_it() -> Any:
+        session = run.session
+        with service.base._lock:
+            kept = (session.optimizer.state_dict(), session.step, session.generator.get_state()) if not optimizer else None
+        session.load_state(str(checkpoint.path))
+        if kept is not None:  # weights only: the optimizer, step and generator stay this run's
+            with service.base._lock:
+                session.optimizer.load_state_dict(kept[0])
+                session.step = kept[1]
+                session.generator.set_state(kept[2])
+        return path
+
+    return run_it
+
+
+def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Callable[[], Any], list[str]]:
+    """The operation of an ``asample`` request, and the ``sequence_id`` of each sample it will answer."""
+    prompt = model_tokens(request.prompt, "prompt")
+    if not prompt:
+        raise TinkerError(400, "prompt: give at least one token")
+    params = request.sampling_params
+    if not 1 <= request.num_samples <= service.limits.max_num_samples:
+        raise TinkerError(400, f"num_samples must be 1 to {service.limits.max_num_samples}")
+    max_tokens = service.limits.max_new_tokens if params.max_tokens is None else int(params.max_tokens)
+    if not 0 <= max_tokens <= service.limits.max_new_tokens:
+        raise TinkerError(400, f"max_tokens must be 0 to {service.limits.max_new_tokens}")
+    stop = params.stop
+    if isinstance(stop, str) or (stop and any(isinstance(s, str) for s in stop)):
+        raise TinkerError(400, "stop strings are not supported here; pass stop token ids (renderer.get_stop_sequences() gives ids for most renderers)")
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if getattr(request, name, 0):
+            raise TinkerError(400, f"{name} is not supported by this server")
+    if getattr(request, "target_prompt_logprobs", None) is not None or getattr(request, "record_stability_info", None):
+        raise TinkerError(400, "target_prompt_logprobs and record_stability_info are not supported by this server")
+    service.check_tokens([prompt], "prompt")
+    ours = SampleRequest(prompts=[prompt], num_samples=int(request.num_samples), params=SamplingParams(
+        max_new_tokens=max_tokens, temperature=float(params.temperature), top_p=float(params.top_p), top_k=max(0, int(params.top_k)),
+        stop_token_ids=[int(s) for s in (stop or [])], seed=params.seed))
+    ids = [f"seq-{secrets.token_hex(8)}" for _ in range(ours.num_samples)]
+    want_prompt = bool(request.prompt_logprobs)
+    last_n = getattr(request, "prompt_logprobs_last_n", None)
+
+    def run_it() -> Any:
+        from tinker import types
+
+        sequences: list[Any] = []
+        if max_tokens > 0:
+            result = service.call(sampler.sampler_id, "sample", {"request": ours})
+            for sequence_id, seq in zip(ids, result["sequences"][0]):
+                sequences.append(types.SampledSequence(stop_reason="stop" if seq["finish_reason"] == "stop" else "length", sequence_id=sequence_id,
+                                                       tokens_np=np.asarray(seq["tokens"], dtype=np.int32),
+                                                       logprobs_np=np.asarray(seq["logprobs"], dtype=np.float32)))
+        else:
+            sequences = [types.SampledSequence(stop_reason="length", sequence_id=s, tokens_np=np.zeros(0, np.int32),
+                                               logprobs_np=np.zeros(0, np.float32)) for s in ids]
+        prompt_logprobs = None
+        if want_prompt:
+            scored = service.call(sampler.sampler_id, "logprobs", {"sequences": [prompt], "temperature": 1.0})["logprobs"][0]
+            values = np.asarray(scored, dtype=np.float32)
+            values[0] = np.nan
+            if last_n is not None:
+                values[: max(1, len(prompt) - int(last_n))] = np.nan
+            prompt_logprobs = values
+        return types.SampleResponse(sequences=sequences, prompt_logprobs_np=prompt_logprobs)
+
+    return run_it, ids

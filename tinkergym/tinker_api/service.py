@@ -1,0 +1,425 @@
+"""What the Tinker API's routes share: tenants' sessions, training runs, samplers, futures and checkpoints on one shared base.
+
+A Tinker training run (``create_model``) is a :class:`~tinkergym.backends.torch.shared.LoraSession` on the
+server's :class:`~tinkergym.backends.torch.shared.SharedBase`; a sampler is a session of its own holding a
+snapshot of some weights (a saved checkpoint, a run's current weights, or the base: a new adapter is the base,
+its B matrices being zero). Every engine call goes through the :class:`~tinkergym.serve.training.shared.SharedWorker`
+of ``serve-shared``, so calls of several tenants share passes and each adapter's calls run in order.
+
+Each request the SDK sends becomes a future (``request_id``): a Python operation on the executor of its training
+run (one thread per run, so a run's requests run in the order they arrived, which the SDK makes their ``seq_id``
+order) or on the samplers' pool. ``retrieve_future`` waits for it a while and answers ``try_again`` until it is
+done. A tenant reaches only its own sessions, runs, samplers, futures and checkpoints: anything else answers as if
+it did not exist (404).
+
+Checkpoints live under ``<root>/runs/<model_id>/``: ``states/<name>`` (``save_state``: adapter, Adam moments, step
+and generator; ``tinker://<model_id>/weights/<name>``) and ``exports/<name>`` (``save_weights_for_sampler``: a peft
+adapter folder; ``tinker://<model_id>/sampler_weights/<name>``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tinkergym.errors import ConfigError
+from tinkergym.serve.training.calls import CallRecord, ParsedCall, named_dir
+from tinkergym.serve.training.shared import SharedWorker
+from tinkergym.tinker_api import losses as tinker_losses
+
+#: Checkpoint kinds and their ``tinker://`` segment and folder.
+KINDS = {"training": ("weights", "states"), "sampler": ("sampler_weights", "exports")}
+SEGMENTS = {segment: kind for kind, (segment, _) in KINDS.items()}
+
+
+class TinkerError(Exception):
+    """A request refused with an HTTP status; ``category`` is the SDK's ``RequestErrorCategory`` (user or server)."""
+
+    def __init__(self, status: int, message: str, category: str = "user") -> None:
+        super().__init__(message)
+        self.status, self.message, self.category = status, message, category
+
+
+def not_found(what: str) -> TinkerError:
+    return TinkerError(404, f"{what} not found (it does not exist, or it belongs to another key's tenant)")
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@dataclass
+class Limits:
+    """What one tenant may hold at once, and the sizes of one request."""
+
+    max_runs_per_tenant: int = 8
+    max_samplers_per_tenant: int = 32
+    max_sessions_per_tenant: int = 16
+    max_pending_per_tenant: int = 1024
+    max_checkpoints_per_run: int = 64
+    max_datums: int = 4096
+    max_tokens: int = 1 << 22
+    max_new_tokens: int = 1 << 14
+    max_num_samples: int = 256
+    keep_done_futures: int = 4096
+    session_timeout_s: float = 600.0
+
+
+@dataclass
+class Checkpoint:
+    checkpoint_id: str  # "weights/<name>" or "sampler_weights/<name>"
+    kind: str
+    path: Path
+    time: datetime
+    user_metadata: dict[str, str] | None = None
+
+    def tinker_path(self, model_id: str) -> str:
+        return f"tinker://{model_id}/{self.checkpoint_id}"
+
+    def describe(self, model_id: str) -> dict[str, Any]:
+        size = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file()) if self.path.exists() else None
+        return {"checkpoint_id": self.checkpoint_id, "checkpoint_type": self.kind, "time": self.time.isoformat(),
+                "tinker_path": self.tinker_path(model_id), "size_bytes": size, "public": False, "user_metadata": self.user_metadata}
+
+
+@dataclass
+class Run:
+    """A training run: a LoRA session, its folder, checkpoints and the executor that runs its requests in order."""
+
+    model_id: str
+    tenant: str
+    session_id: str
+    base_model: str
+    rank: int
+    session: Any
+    folder: Path
+    executor: concurrent.futures.ThreadPoolExecutor
+    user_metadata: dict[str, Any] | None = None
+    checkpoints: dict[str, Checkpoint] = field(default_factory=dict)
+    last_request: datetime = field(default_factory=_now)
+    closed: bool = False
+
+    def describe(self) -> dict[str, Any]:
+        def last(kind: str) -> dict[str, Any] | None:
+            mine = [c for c in self.checkpoints.values() if c.kind == kind]
+            return max(mine, key=lambda c: c.time).describe(self.model_id) if mine else None
+
+        return {"training_run_id": self.model_id, "base_model": self.base_model, "model_owner": self.tenant, "is_lora": True,
+                "corrupted": False, "lora_rank": self.rank, "last_request_time": self.last_request.isoformat(),
+                "last_checkpoint": last("training"), "last_sampler_checkpoint": last("sampler"),
+                "user_metadata": {str(k): str(v) for k, v in (self.user_metadata or {}).items()} or None}
+
+
+@dataclass
+class Sampler:
+    sampler_id: str
+    tenant: str
+    session_id: str
+    base_model: str
+    model_path: str | None
+    session: Any
+
+
+@dataclass
+class Session:
+    session_id: str
+    tenant: str
+    created: float
+    last_heartbeat: float
+    runs: set[str] = field(default_factory=set)
+    samplers: set[str] = field(default_factory=set)
+
+
+@dataclass
+class Pending:
+    """A request's future: its tenant, the operation's concurrent future, and what it answers with (JSON or protobuf)."""
+
+    request_id: str
+    tenant: str
+    future: concurrent.futures.Future
+    created: float = field(default_factory=time.monotonic)
+
+
+class TinkerService:
+    """The Tinker API's state on one shared base (see the module docstring)."""
+
+    def __init__(self, base: Any, worker: SharedWorker, root: Path, model_name: str, tokenizer_id: str, logger: logging.Logger,
+                 limits: Limits | None = None, max_lora_rank: int = 64) -> None:
+        self.base, self.worker, self.root, self.logger = base, worker, root, logger
+        self.model_name, self.tokenizer_id = model_name, tokenizer_id
+        self.limits = limits or Limits()
+        self.max_lora_rank = max_lora_rank
+        self.sessions: dict[str, Session] = {}
+        self.runs: dict[str, Run] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.futures: dict[str, Pending] = {}
+        self._lock = threading.RLock()
+        self._sampling = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
+        self.vocab_size = int(getattr(base.model.config, "vocab_size", 0)) or None
+        self.max_context = int(getattr(base.model.config, "max_position_embeddings", 0)) or None
+
+    # ----- sessions -----------------------------------------------------------------------------------
+    def create_session(self, tenant: str) -> str:
+        with self._lock:
+            self._expire_sessions()
+            mine = [s for s in self.sessions.values() if s.tenant == tenant]
+            if len(mine) >= self.limits.max_sessions_per_tenant:
+                raise TinkerError(429, f"this tenant has {len(mine)} sessions open, its most; let idle ones lapse "
+                                       f"({self.limits.session_timeout_s:.0f} s without a heartbeat) or end them")
+            session_id = "session-" + secrets.token_hex(8)
+            now = time.monotonic()
+            self.sessions[session_id] = Session(session_id, tenant, now, now)
+        return session_id
+
+    def session(self, tenant: str, session_id: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.tenant != tenant:
+            raise not_found(f"session {session_id[:80]!r}")
+        return session
+
+    def heartbeat(self, tenant: str, session_id: str) -> None:
+        with self._lock:
+            self.session(tenant, session_id).last_heartbeat = time.monotonic()
+
+    def _expire_sessions(self) -> None:
+        """Close the runs and samplers of sessions whose client stopped sending heartbeats (their memory is freed)."""
+        deadline = time.monotonic() - self.limits.session_timeout_s
+        for session in [s for s in self.sessions.values() if s.last_heartbeat < deadline]:
+            self.end_session(session)
+
+    def end_session(self, session: Session) -> None:
+        with self._lock:
+            self.sessions.pop(session.session_id, None)
+            for model_id in list(session.runs):
+                run = self.runs.get(model_id)
+                if run is not None:
+                    self._close_run(run)
+            for sampler_id in list(session.samplers):
+                sampler = self.samplers.pop(sampler_id, None)
+                if sampler is not None:
+                    self._close_adapter(sampler_id, sampler.session)
+        self.logger.info(json.dumps({"event": "tinker_session_ended", "session": session.session_id}))
+
+    def _close_run(self, run: Run) -> None:
+        run.closed = True
+        run.executor.shutdown(wait=False, cancel_futures=True)
+        self._close_adapter(run.model_id, run.session)
+
+    def _close_adapter(self, adapter_id: str, session: Any) -> None:
+        self.worker.remove(adapter_id)
+        self.base.close_session(session)
+
+    # ----- futures --------------------------------------------------------------------------------------
+    def submit(self, tenant: str, operation: Callable[[], Any], run: Run | None = None) -> str:
+        """Queue ``operation`` (on ``run``'s executor, else the samplers' pool) and answer its request id."""
+        with self._lock:
+            pending = sum(1 for p in self.futures.values() if p.tenant == tenant and not p.future.done())
+            if pending >= self.limits.max_pending_per_tenant:
+                raise TinkerError(429, f"this tenant has {pending} requests waiting, its most; retrieve their results before sending more")
+            self._forget_done()
+            request_id = "req-" + secrets.token_hex(12)
+            if run is not None:
+                if run.closed:
+                    raise not_found(f"training run {run.model_id!r}")
+                run.last_request = _now()
+                future = run.executor.submit(operation)
+            else:
+                future = self._sampling.submit(operation)
+            self.futures[request_id] = Pending(request_id, tenant, future)
+        return request_id
+
+    def _forget_done(self) -> None:
+        done = [k for k, p in self.futures.items() if p.future.done()]
+        for key in done[: max(0, len(done) - self.limits.keep_done_futures)]:
+            del self.futures[key]
+
+    def pending(self, tenant: str, request_id: str) -> Pending:
+        found = self.futures.get(request_id)
+        if found is None or found.tenant != tenant:
+            raise not_found(f"request {request_id[:80]!r}")
+        return found
+
+    def cancel(self, tenant: str, request_id: str) -> bool:
+        return self.pending(tenant, request_id).future.cancel()
+
+    # ----- engine calls ----------------------------------------------------------------------------------
+    def call(self, adapter_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
+        """Run one engine call on the shared worker for ``adapter_id`` and wait for it; a failure raises :class:`TinkerError`."""
+        record = CallRecord(request_id="call-" + secrets.token_hex(8), session_id=adapter_id, seq=0, method=method, fingerprint="",
+                            call=ParsedCall(method, args))
+        done = threading.Event()
+        record.on_done(done.set)
+        self.worker.submit(adapter_id, record)
+        done.wait()
+        if record.error is not None:
+            category = "user" if record.error.status < 500 else "server"
+            raise TinkerError(record.error.status, record.error.message, category)
+        return record.result or {}
+
+    # ----- runs and samplers -------------------------------------------------------------------------------
+    def check_model(self, base_model: str | None) -> None:
+        if base_model is not None and base_model != self.model_name:
+            raise TinkerError(400, f"base model {base_model[:200]!r} is not offered by this server; it serves {self.model_name!r} "
+                                   "(get_server_capabilities lists it)")
+
+    def open_session(self, rank: int, seed: int | None) -> Any:
+        from tinkergym.backends.torch.shared import LoraSessionConfig
+
+        if not 1 <= rank <= self.max_lora_rank:
+            raise TinkerError(400, f"LoRA rank {rank} is not offered: this server takes ranks 1 to {self.max_lora_rank}")
+        try:
+            # alpha = 32 as Tinker's LoRA: the update is scaled by 32 / rank.
+            return self.base.open_session(LoraSessionConfig(lora_rank=rank, lora_alpha=32.0, seed=0 if seed is None else int(seed) % 2**32))
+        except ConfigError as exc:
+            raise TinkerError(429, str(exc)) from exc
+
+    def create_run(self, tenant: str, session_id: str, base_model: str, rank: int, seed: int | None,
+                   user_metadata: dict[str, Any] | None) -> Run:
+        with self._lock:
+            session = self.session(tenant, session_id)
+            self.check_model(base_model)
+            mine = [r for r in self.runs.values() if r.tenant == tenant and not r.closed]
+            if len(mine) >= self.limits.max_runs_per_tenant:
+                raise TinkerError(429, f"this tenant has {len(mine)} training runs open, its most; end a session to close its runs")
+            lora = self.open_session(rank, seed)
+            model_id = "run-" + secrets.token_hex(8)
+            folder = (self.root / "runs" / model_id).resolve()
+            folder.mkdir(parents=True, exist_ok=True)
+            executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tinker-{model_id}")
+            run = Run(model_id, tenant, session_id, base_model, rank, lora, folder, executor, user_metadata)
+            self.worker.add(model_id, lora, folder)
+            self.runs[model_id] = run
+            session.runs.add(model_id)
+        self.logger.info(json.dumps({"event": "tinker_run_created", "model_id": model_id, "tenant": tenant, "rank": rank}))
+        return run
+
+    def run(self, tenant: str, model_id: str) -> Run:
+        run = self.runs.get(model_id)
+        if run is None or run.tenant != tenant:
+            raise not_found(f"training run {str(model_id)[:80]!r}")
+        return run
+
+    def checkpoint(self, tenant: str, tinker_path: str) -> tuple[Run, Checkpoint]:
+        """The run and checkpoint a ``tinker://<run>/<weights|sampler_weights>/<name>`` path names, if the tenant owns them."""
+        if not isinstance(tinker_path, str) or not tinker_path.startswith("tinker://"):
+            raise TinkerError(400, f"{str(tinker_path)[:200]!r} is not a tinker:// path (tinker://<run>/weights/<name> or .../sampler_weights/<name>)")
+        parts = tinker_path[len("tinker://"):].split("/")
+        if len(parts) != 3 or parts[1] not in SEGMENTS:
+            raise TinkerError(400, f"{tinker_path[:200]!r} is not a checkpoint path: tinker://<run>/weights/<name> or .../sampler_weights/<name>")
+        run = self.run(tenant, parts[0])
+        found = run.checkpoints.get(f"{parts[1]}/{parts[2]}")
+        if found is None:
+            raise not_found(f"checkpoint {tinker_path[:200]!r}")
+        return run, found
+
+    def new_checkpoint(self, run: Run, kind: str, name: str, user_metadata: dict[str, str] | None) -> Checkpoint:
+        segment, folder_kind = KINDS[kind]
+        try:
+            folder = named_dir(run.folder, folder_kind, name)
+        except ConfigError as exc:
+            raise TinkerError(400, str(exc)) from exc
+        checkpoint_id = f"{segment}/{name}"
+        if checkpoint_id not in run.checkpoints and len(run.checkpoints) >= self.limits.max_checkpoints_per_run:
+            raise TinkerError(429, f"training run {run.model_id} holds {len(run.checkpoints)} checkpoints, its most; delete some "
+                                   "(RestClient.delete_checkpoint) first")
+        return Checkpoint(checkpoint_id, kind, folder, _now(), user_metadata)
+
+    def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
+        run = self.run(tenant, model_id)
+        with self._lock:
+            found = run.checkpoints.pop(checkpoint_id, None)
+        if found is None:
+            raise not_found(f"checkpoint {checkpoint_id[:200]!r}")
+        shutil.rmtree(found.path, ignore_errors=True)
+
+    def create_sampler(self, tenant: str, session_id: str, base_model: str | None, model_path: str | None) -> Sampler:
+        """A sampler holding the weights of ``model_path`` (a sampler or training checkpoint), or the base model's."""
+        with self._lock:
+            session = self.session(tenant, session_id)
+            mine = [s for s in self.samplers.values() if s.tenant == tenant]
+            if len(mine) >= self.limits.max_samplers_per_tenant:
+                raise TinkerError(429, f"this tenant has {len(mine)} samplers, its most; end a session to free its samplers")
+            source: Path | None = None
+            rank = 1
+            if model_path is not None:
+                run, checkpoint = self.checkpoint(tenant, model_path)
+                source, rank = checkpoint.path, run.rank
+            else:
+                self.check_model(base_model)
+            lora = self.open_session(rank, 0)
+        try:
+            if source is not None:
+                if (source / "state.json").is_file():
+                    lora.load_state(str(source))
+                else:
+                    lora.load_adapter(str(source))
+        except Exception:
+            self.base.close_session(lora)
+            raise
+        sampler_id = "sampler-" + secrets.token_hex(8)
+        with self._lock:
+            sampler = Sampler(sampler_id, tenant, session_id, self.model_name, model_path, lora)
+            self.worker.add(sampler_id, lora, self.root / "samplers")
+            self.samplers[sampler_id] = sampler
+            session.samplers.add(sampler_id)
+        return sampler
+
+    def sampler(self, tenant: str, sampler_id: str) -> Sampler:
+        found = self.samplers.get(sampler_id)
+        if found is None or found.tenant != tenant:
+            raise not_found(f"sampler {str(sampler_id)[:80]!r}")
+        return found
+
+    def sampler_from_run(self, run: Run) -> Sampler:
+        """A sampler with a snapshot of ``run``'s current weights (``save_weights_for_sampler`` without a name)."""
+        name = "ephemeral-" + secrets.token_hex(6)
+        folder = named_dir(run.folder, "exports", name)
+        self.call(run.model_id, "export", {"name": name, "merged": False})
+        try:
+            checkpoint = Checkpoint(f"sampler_weights/{name}", "sampler", folder, _now())
+            run.checkpoints[checkpoint.checkpoint_id] = checkpoint
+            try:
+                return self.create_sampler(run.tenant, run.session_id, None, checkpoint.tinker_path(run.model_id))
+            finally:
+                run.checkpoints.pop(checkpoint.checkpoint_id, None)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    # ----- capabilities ------------------------------------------------------------------------------
+    def capabilities(self) -> dict[str, Any]:
+        return {"supported_models": [{"model_name": self.model_name, "max_context_length": self.max_context, "trainable": True, "sampleable": True}]}
+
+    def check_tokens(self, rows: list[list[int]], where: str) -> None:
+        total = sum(map(len, rows))
+        if total > self.limits.max_tokens:
+            raise TinkerError(400, f"{where}: {total:,} tokens is over this server's limit of {self.limits.max_tokens:,} per request; send smaller requests")
+        if self.vocab_size is not None:
+            for row in rows:
+                bad = [t for t in row if not 0 <= t < self.vocab_size]
+                if bad:
+                    raise TinkerError(400, f"{where}: token id {bad[0]} is outside the model's vocabulary (0 to {self.vocab_size - 1})")
+
+
+def as_array(tensor: Any) -> np.ndarray:
+    """A Tinker ``TensorData`` (dense or sparse CSR) as a dense numpy array of its shape."""
+    array = tensor.to_numpy() if hasattr(tensor, "to_numpy") else np.asarray(tensor.data)
+    return np.asarray(array)
+
+
+def loss_settings(name: str, config: Any) -> dict[str, float]:
+    try:
+        return tinker_losses.check_loss(name, config)
+    except tinker_losses.LossInputError as exc:
+        raise TinkerError(400, str(exc)) from exc
