@@ -17,6 +17,7 @@ from tinkergym.cli.scheduler import scheduler
 from tinkergym.cli import scheduler_workers  # noqa: F401 - registers `scheduler workers` on the scheduler group
 from tinkergym.cli.serve import serve_backend
 from tinkergym.cli.serve_shared import serve_shared
+from tinkergym.cli.serve_tinker import serve_tinker
 from tinkergym.cli.serve_model import serve_model
 from tinkergym.cli.train import eval_command, train
 from tinkergym.cli.worker import worker
@@ -61,6 +62,7 @@ main.add_command(push)
 main.add_command(jobs)
 main.add_command(serve_backend)
 main.add_command(serve_shared)
+main.add_command(serve_tinker)
 main.add_command(serve_model)
 main.add_command(scheduler)
 main.add_command(worker)

@@ -149,8 +149,8 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
             raise TinkerError(400, f"optimizer {parsed.optimizer_config.type!r} is not offered: this server trains with AdamW")
         if not (lora.train_attn and lora.train_mlp):
             raise TinkerError(400, "LoRA on attention or MLP layers alone is not offered: this server adapts every linear layer")
-        run = await run_in_threadpool(service.create_run, tenant(request), parsed.session_id, parsed.base_model, lora.rank, lora.seed,
-                                      parsed.user_metadata)
+        run = await run_in_threadpool(service.create_run, tenant(request), parsed.session_id, parsed.model_seq_id, parsed.base_model, lora.rank,
+                                      lora.seed, parsed.user_metadata)
         request_id = service.submit(tenant(request), lambda: {"model_id": run.model_id, "type": "create_model"}, run)
         return future(request_id, run.model_id)
 
@@ -207,11 +207,11 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
         if parsed.model_id is not None:
             run = service.run(who, parsed.model_id)
         else:  # create-via-load: a new run with the checkpoint's rank
-            if parsed.session_id is None:
+            if parsed.session_id is None or parsed.model_seq_id is None:
                 raise TinkerError(400, "load_weights needs model_id, or session_id and model_seq_id")
             source, _ = service.checkpoint(who, parsed.path)
-            run = await run_in_threadpool(service.create_run, who, parsed.session_id, parsed.base_model or source.base_model, source.rank,
-                                          None, parsed.user_metadata)
+            run = await run_in_threadpool(service.create_run, who, parsed.session_id, parsed.model_seq_id, parsed.base_model or source.base_model,
+                                          source.rank, None, parsed.user_metadata)
         load = ops.load_state(service, run, parsed.path, bool(parsed.optimizer))
         return future(service.submit(who, lambda: {"path": load(), "model_id": run.model_id, "type": "load_weights"}, run), run.model_id)
 

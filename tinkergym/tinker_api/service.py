@@ -65,6 +65,7 @@ class Limits:
     """What one tenant may hold at once, and the sizes of one request."""
 
     max_runs_per_tenant: int = 8
+    max_kept_runs_per_tenant: int = 256
     max_samplers_per_tenant: int = 32
     max_sessions_per_tenant: int = 16
     max_pending_per_tenant: int = 1024
@@ -213,9 +214,13 @@ class TinkerService:
         self.logger.info(json.dumps({"event": "tinker_session_ended", "session": session.session_id}))
 
     def _close_run(self, run: Run) -> None:
+        """Free the run's adapter; a run with checkpoints stays listed (its tinker:// paths still load), one without is forgotten."""
         run.closed = True
         run.executor.shutdown(wait=False, cancel_futures=True)
         self._close_adapter(run.model_id, run.session)
+        if not run.checkpoints:
+            self.runs.pop(run.model_id, None)
+            shutil.rmtree(run.folder, ignore_errors=True)
 
     def _close_adapter(self, adapter_id: str, session: Any) -> None:
         self.worker.remove(adapter_id)
@@ -285,16 +290,23 @@ class TinkerService:
         except ConfigError as exc:
             raise TinkerError(429, str(exc)) from exc
 
-    def create_run(self, tenant: str, session_id: str, base_model: str, rank: int, seed: int | None,
+    def create_run(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None,
                    user_metadata: dict[str, Any] | None) -> Run:
+        """The run ``<session_id>:train:<model_seq_id>`` (the id the SDK derives too); a retried creation answers the run made first."""
         with self._lock:
             session = self.session(tenant, session_id)
+            model_id = f"{session_id}:train:{int(model_seq_id)}"
+            if model_id in self.runs:
+                return self.runs[model_id]
             self.check_model(base_model)
-            mine = [r for r in self.runs.values() if r.tenant == tenant and not r.closed]
-            if len(mine) >= self.limits.max_runs_per_tenant:
-                raise TinkerError(429, f"this tenant has {len(mine)} training runs open, its most; end a session to close its runs")
+            mine = [r for r in self.runs.values() if r.tenant == tenant]
+            if sum(not r.closed for r in mine) >= self.limits.max_runs_per_tenant:
+                raise TinkerError(429, f"this tenant has {sum(not r.closed for r in mine)} training runs open, its most; end a session "
+                                       "(ServiceClient.close) to close its runs")
+            if len(mine) >= self.limits.max_kept_runs_per_tenant:
+                raise TinkerError(429, f"this tenant keeps {len(mine)} training runs with checkpoints, its most; delete the checkpoints "
+                                       "of old runs (RestClient.delete_checkpoint): a closed run without checkpoints is forgotten")
             lora = self.open_session(rank, seed)
-            model_id = "run-" + secrets.token_hex(8)
             folder = (self.root / "runs" / model_id).resolve()
             folder.mkdir(parents=True, exist_ok=True)
             executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tinker-{model_id}")
@@ -343,6 +355,10 @@ class TinkerService:
         if found is None:
             raise not_found(f"checkpoint {checkpoint_id[:200]!r}")
         shutil.rmtree(found.path, ignore_errors=True)
+        with self._lock:
+            if run.closed and not run.checkpoints:
+                self.runs.pop(run.model_id, None)
+                shutil.rmtree(run.folder, ignore_errors=True)
 
     def create_sampler(self, tenant: str, session_id: str, base_model: str | None, model_path: str | None) -> Sampler:
         """A sampler holding the weights of ``model_path`` (a sampler or training checkpoint), or the base model's."""

@@ -246,7 +246,7 @@ class SharedBase:
                 data = [calls[k][1].data[i] for k, i in rows]
                 for micro in plan_micro_batches(data, self.config.micro_batch_size, self.config.share_prefixes, kv_cost, scopes=[k for k, _ in rows]):
                     self._one_pass(calls, [rows[j] for j in micro.indices], micro, temperature, normalizers, sums)
-        results = []
+        results: list[ForwardBackwardResult] = []
         for micro_sums in sums:
             totals: dict[str, float] = {}
             for floats in losses.sums_to_floats(micro_sums):

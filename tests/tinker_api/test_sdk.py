@@ -1,0 +1,316 @@
+"""The official ``tinker`` SDK (0.38) against tinkergym's Tinker API on the tiny model: training, sampling, resume,
+every built-in loss against its documented definition, custom losses, and tenants kept apart."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+tinker = pytest.importorskip("tinker")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("sqlalchemy")
+
+import torch  # noqa: E402
+from tinker import types  # noqa: E402
+
+from testkit import serving  # noqa: E402  # registered by tests/conftest.py
+
+
+@dataclass
+class Cluster:
+    url: str
+    model: str
+    keys: dict[str, str]  # tenant -> "tml-..." key
+    base: Any
+
+    def client(self, who: str = "alice") -> Any:
+        return tinker.ServiceClient(base_url=self.url, api_key=self.keys[who])
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig
+    from tinkergym.scheduler.auth import create_key
+    from tinkergym.scheduler.db import make_engine, upgrade
+    from tinkergym.tinker_api.server import create_server
+
+    root = tmp_path_factory.mktemp("tinker")
+    engine = make_engine(f"sqlite:///{root / 'keys.db'}")
+    upgrade(engine)
+    keys = {name: "tml-" + create_key(engine, name, scopes)[1] for name, scopes in
+            (("alice", ["read", "write"]), ("bob", ["read", "write"]), ("carol", ["read"]))}
+    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", micro_batch_size=16, max_sessions=48))
+    app = create_server(base, root / "runs", engine, logging.getLogger("tinker-test"), model_name="tiny-test", tokenizer_id=tiny,
+                        max_runs_per_tenant=64)
+    with serving(app) as url:
+        yield Cluster(url, "tiny-test", keys, base)
+    engine.dispose()
+
+
+@pytest.fixture
+def connect(cluster: Cluster) -> Iterator[Any]:
+    """``connect(who)``: a ServiceClient of ``who``'s key; each is closed (its session finished, its runs freed) after the test."""
+    made: list[Any] = []
+
+    def make(who: str = "alice") -> Any:
+        made.append(cluster.client(who))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close("success").result()
+
+
+def datum(tokens: list[int], **inputs: Any) -> Any:
+    """A Tinker datum of ``tokens`` as the SDK's docs build them: input all but the last, targets all but the first."""
+    n = len(tokens) - 1
+    fields = {"target_tokens": tokens[1:], **{k: (v if len(v) == n else v[1:]) for k, v in inputs.items()}}
+    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs=fields)
+
+
+SEQUENCES = [list(range(5, 21)), [7, 3, 9, 11, 40, 41, 42, 43, 44], list(range(100, 112))]
+
+
+def sft_batch() -> list[Any]:
+    return [datum(s, weights=[0.0] * 4 + [1.0] * (len(s) - 4)) for s in SEQUENCES]
+
+
+def logprobs_of(training: Any, data: list[Any]) -> list[np.ndarray]:
+    out = training.forward(data, "cross_entropy").result()
+    return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
+
+
+def test_capabilities_and_a_lora_run_whose_loss_falls(cluster: Cluster, connect: Any) -> None:
+    service = connect()
+    models = service.get_server_capabilities().supported_models
+    assert [m.model_name for m in models] == [cluster.model] and models[0].trainable and models[0].sampleable
+    training = service.create_lora_training_client(base_model=cluster.model, rank=8).result()
+    info = training.get_info()
+    assert info.lora_rank == 8 and info.model_data.model_name == cluster.model
+    assert training.get_tokenizer().encode("hello")  # the tokenizer the server names loads
+    batch = sft_batch()
+    losses = []
+    for _ in range(8):
+        fb = training.forward_backward(batch, "cross_entropy")
+        step = training.optim_step(types.AdamParams(learning_rate=2e-2))  # submitted before the first result is read
+        losses.append(fb.result().metrics["loss:sum"])
+        assert step.result().metrics["grad_norm:mean"] > 0
+    assert losses[-1] < 0.5 * losses[0], losses
+    # loss:sum is the weighted NLL summed over tokens (no mean): the forward's own logprobs give it back
+    out = training.forward(batch, "cross_entropy").result()
+    summed = sum(float(-(o["logprobs"].to_numpy() * np.asarray(d.loss_fn_inputs["weights"].to_numpy())).sum())
+                 for o, d in zip(out.loss_fn_outputs, batch))
+    assert out.metrics["loss:sum"] == pytest.approx(summed, rel=1e-5)
+
+
+def test_sampler_logprobs_equal_compute_logprobs_and_the_trainers(cluster: Cluster, connect: Any) -> None:
+    service = connect()
+    training = service.create_lora_training_client(base_model=cluster.model, rank=4, seed=3).result()
+    for _ in range(2):
+        training.forward_backward(sft_batch(), "cross_entropy")
+        training.optim_step(types.AdamParams(learning_rate=2e-2))
+    path = training.save_weights_for_sampler("after-two").result().path
+    assert path.startswith("tinker://") and path.endswith("/sampler_weights/after-two")
+    sampler = service.create_sampling_client(model_path=path)
+    prompt = [5, 6, 7, 8, 9]
+    response = sampler.sample(types.ModelInput.from_ints(prompt), 3, types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)).result()
+    assert len(response.sequences) == 3 and len({s.sequence_id for s in response.sequences}) == 3
+    for seq in response.sequences:
+        full = prompt + seq.tokens
+        scored = sampler.compute_logprobs(types.ModelInput.from_ints(full)).result()
+        assert scored[0] is None
+        np.testing.assert_allclose(scored[len(prompt):], seq.logprobs, atol=1e-4)
+        trainer = logprobs_of(training, [datum(full, weights=[1.0] * len(full))])[0]
+        np.testing.assert_allclose(trainer[len(prompt) - 1:], seq.logprobs, atol=1e-4)
+    # the same seed samples the same tokens; a snapshot does not follow later training
+    again = sampler.sample(types.ModelInput.from_ints(prompt), 3, types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)).result()
+    assert [s.tokens for s in again.sequences] == [s.tokens for s in response.sequences]
+
+
+def test_async_interface(cluster: Cluster, connect: Any) -> None:
+    async def main() -> tuple[float, float, list[float | None]]:
+        service = connect()
+        training = await service.create_lora_training_client(base_model=cluster.model, rank=8)
+        first = await training.forward_backward(sft_batch(), "cross_entropy")
+        await training.optim_step(types.AdamParams(learning_rate=2e-2))
+        second = await training.forward_backward(sft_batch(), "cross_entropy")
+        sampler = await training.save_weights_and_get_sampling_client()
+        scored = await sampler.compute_logprobs(types.ModelInput.from_ints(SEQUENCES[0]))
+        return first.metrics["loss:sum"], second.metrics["loss:sum"], scored
+
+    first, second, scored = asyncio.run(main())
+    assert second < first and scored[0] is None and all(isinstance(v, float) for v in scored[1:])
+
+
+def test_resume_with_optimizer_state_continues_as_if_never_stopped(cluster: Cluster, connect: Any) -> None:
+    service = connect()
+    adam = types.AdamParams(learning_rate=2e-2)
+    first = service.create_lora_training_client(base_model=cluster.model, rank=8, seed=5).result()
+    for _ in range(2):
+        first.forward_backward(sft_batch(), "cross_entropy")
+        first.optim_step(adam)
+    state = first.save_state("mid").result().path
+    assert "/weights/mid" in state
+    for _ in range(2):
+        first.forward_backward(sft_batch(), "cross_entropy")
+        first.optim_step(adam).result()
+    straight = logprobs_of(first, sft_batch())
+
+    resumed = service.create_training_client_from_state_with_optimizer(state).result()
+    weights_only = service.create_training_client_from_state(state).result()
+    for client in (resumed, weights_only):
+        for _ in range(2):
+            client.forward_backward(sft_batch(), "cross_entropy")
+            client.optim_step(adam).result()
+    for a, b in zip(straight, logprobs_of(resumed, sft_batch())):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    # without the Adam moments the run goes elsewhere: the test can tell the two apart
+    assert max(float(np.abs(a - b).max()) for a, b in zip(straight, logprobs_of(weights_only, sft_batch()))) > 1e-3
+    runs = service.create_rest_client().list_checkpoints(first.model_id).result().checkpoints
+    assert {c.checkpoint_id for c in runs} >= {"weights/mid"}
+
+
+def test_a_finished_session_frees_its_runs_and_samplers(cluster: Cluster) -> None:
+    before = len(cluster.base.sessions)
+    with cluster.client() as service:
+        training = service.create_lora_training_client(base_model=cluster.model, rank=4).result()
+        training.save_weights_and_get_sampling_client().result()
+        assert len(cluster.base.sessions) == before + 2  # the run's adapter and the sampler's snapshot
+    assert len(cluster.base.sessions) == before
+    gone = httpx.get(f"{cluster.url}/api/v1/training_runs/{training.model_id}", headers={"X-API-Key": cluster.keys["alice"]})
+    assert gone.status_code == 404
+
+
+# ----- losses ------------------------------------------------------------------------------------------------------
+def reference_loss(name: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
+    """Each loss as the Tinker docs define it (elementwise), written here apart from the server's."""
+    if name == "cross_entropy":
+        return -lp * inputs["weights"]
+    q, adv = inputs["logprobs"], inputs["advantages"]
+    ratio = torch.exp(lp - q)
+    low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+    if name == "importance_sampling":
+        return -ratio * adv
+    if name == "ppo":
+        return -torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)
+    if name == "cispo":
+        return -torch.clamp(ratio, low, high).detach() * lp * adv
+    if name == "dro":
+        return -(lp * adv - 0.5 * config.get("beta", 0.05) * (lp - q) ** 2)
+    if name == "gspo":
+        mask = inputs["sequence_ratio_mask"] != 0
+        seq_ratio = torch.exp((lp.detach() - q)[mask].mean())
+        token_ratio = seq_ratio * torch.exp(lp - lp.detach())
+        return -torch.minimum(token_ratio * adv, torch.clamp(token_ratio, low, high) * adv)
+    raise AssertionError(name)
+
+
+LOSS_CASES = [("cross_entropy", {}), ("importance_sampling", {}), ("ppo", {}), ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
+              ("cispo", {}), ("dro", {"beta": 0.3}), ("gspo", {})]
+
+
+def rl_batch(name: str, current: list[np.ndarray], rng: np.random.Generator) -> list[Any]:
+    """RL data whose sampler logprobs differ from the learner's by up to +-0.5 (so clipping bites) and mixed-sign advantages."""
+    batch = []
+    for tokens, lp in zip(SEQUENCES, current):
+        n = len(tokens) - 1
+        if name == "cross_entropy":
+            batch.append(datum(tokens, weights=list(rng.uniform(0, 1, n))))
+            continue
+        inputs = {"logprobs": list(lp + rng.uniform(-0.5, 0.5, n)), "advantages": list(rng.normal(0, 1, n) * (np.arange(n) >= 3))}
+        if name == "gspo":
+            inputs["sequence_ratio_mask"] = list((np.arange(n) >= 3).astype(float))
+        batch.append(datum(tokens, **inputs))
+    return batch
+
+
+# Adam with a huge eps is plain gradient descent (step = lr * g / eps): weights after one step show the gradient itself.
+LINEAR_ADAM = types.AdamParams(learning_rate=50.0, eps=1e4, beta1=0.9, beta2=0.999)
+
+
+@pytest.mark.parametrize("name,config", LOSS_CASES, ids=[f"{n}{'-config' if c else ''}" for n, c in LOSS_CASES])
+def test_each_loss_equals_its_definition_in_value_and_gradient(cluster: Cluster, connect: Any, name: str, config: dict[str, float]) -> None:
+    service = connect()
+    builtin = service.create_lora_training_client(base_model=cluster.model, rank=4, seed=9).result()
+    custom = service.create_lora_training_client(base_model=cluster.model, rank=4, seed=9).result()
+    batch = rl_batch(name, logprobs_of(builtin, sft_batch()), np.random.default_rng(1))
+    out = builtin.forward_backward(batch, name, loss_fn_config=config or None).result()
+    total = 0.0
+    for d, o in zip(batch, out.loss_fn_outputs):
+        inputs = {k: torch.tensor(v.to_numpy(), dtype=torch.float32) for k, v in d.loss_fn_inputs.items() if k != "target_tokens"}
+        expected = reference_loss(name, torch.tensor(o["logprobs"].to_numpy()), inputs, config)
+        np.testing.assert_allclose(o["elementwise_loss"].to_numpy(), expected.numpy(), rtol=1e-5, atol=1e-6)
+        total += float(expected.sum())
+    assert out.metrics["loss:sum"] == pytest.approx(total, rel=1e-5, abs=1e-6)
+
+    def the_reference(data: list[Any], logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        parts = [reference_loss(name, lp, {k: torch.tensor(v.to_numpy(), dtype=torch.float32) for k, v in d.loss_fn_inputs.items()
+                                           if k != "target_tokens"}, config).sum() for d, lp in zip(data, logprobs)]
+        return torch.stack(parts).sum(), {}
+
+    assert custom.forward_backward_custom(batch, the_reference).result().metrics["loss:sum"] == pytest.approx(total, rel=1e-5, abs=1e-6)
+    builtin.optim_step(LINEAR_ADAM).result()
+    custom.optim_step(LINEAR_ADAM).result()
+    moved = [a - b for a, b in zip(logprobs_of(builtin, sft_batch()), logprobs_of(custom, sft_batch()))]
+    before = logprobs_of(service.create_lora_training_client(base_model=cluster.model, rank=4, seed=9).result(), sft_batch())
+    assert max(float(np.abs(a - b).max()) for a, b in zip(logprobs_of(custom, sft_batch()), before)) > 1e-3  # the step moved the policy
+    assert max(float(np.abs(m).max()) for m in moved) < 1e-4  # ... the same way for both: same gradient
+
+
+# ----- refusals and tenants -------------------------------------------------------------------------------------------
+def test_what_the_server_lacks_is_a_clear_error(cluster: Cluster, connect: Any) -> None:
+    service = connect()
+    with pytest.raises(Exception, match="not offered by this server"):
+        service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
+    training = service.create_lora_training_client(base_model=cluster.model, rank=4).result()
+    with pytest.raises(tinker.BadRequestError, match="stable_reinforce needs"):
+        training.forward_backward(rl_batch("ppo", logprobs_of(training, sft_batch()), np.random.default_rng(0)), "stable_reinforce").result()
+    shifted_wrong = types.Datum(model_input=types.ModelInput.from_ints([5, 6, 7]), loss_fn_inputs={"target_tokens": [9, 9, 9], "weights": [1.0] * 3})
+    with pytest.raises(Exception, match="shifted by one"):
+        training.forward_backward([shifted_wrong], "cross_entropy").result()
+    with pytest.raises(Exception, match="ppo loss needs loss_fn_inputs logprobs, advantages"):
+        training.forward_backward(sft_batch(), "ppo").result()
+    # a refused request leaves the run usable
+    assert training.forward_backward(sft_batch(), "cross_entropy").result().metrics["loss:sum"] > 0
+
+
+def test_a_tenant_reaches_only_its_own_runs_samplers_and_checkpoints(cluster: Cluster, connect: Any) -> None:
+    alice = connect("alice")
+    training = alice.create_lora_training_client(base_model=cluster.model, rank=4).result()
+    path = training.save_weights_for_sampler("mine").result().path
+    state = training.save_state("mine").result().path
+
+    def raw(who: str | None, method: str, route: str, **kwargs: Any) -> httpx.Response:
+        headers = {"X-API-Key": cluster.keys[who]} if who else {}
+        return httpx.request(method, cluster.url + route, headers=headers, timeout=30, **kwargs)
+
+    assert raw(None, "GET", "/api/v1/training_runs").status_code == 401
+    assert raw("carol", "GET", "/api/v1/training_runs").status_code == 401  # a read-only key trains nothing
+    bad = dict(cluster.keys, mallory="tml-tgk_000000000000_" + "x" * 43)
+    assert httpx.get(cluster.url + "/api/v1/training_runs", headers={"X-API-Key": bad["mallory"]}).status_code == 401
+    assert raw("bob", "GET", f"/api/v1/training_runs/{training.model_id}").status_code == 404
+    assert raw("bob", "GET", f"/api/v1/training_runs/{training.model_id}/checkpoints").status_code == 404
+    assert training.model_id not in {r["training_run_id"] for r in raw("bob", "GET", "/api/v1/training_runs").json()["training_runs"]}
+    assert training.model_id in {r["training_run_id"] for r in raw("alice", "GET", "/api/v1/training_runs").json()["training_runs"]}
+    assert raw("bob", "DELETE", f"/api/v1/training_runs/{training.model_id}/checkpoints/weights/mine").status_code == 404
+    bob = connect("bob")
+    with pytest.raises(Exception, match="not found"):
+        bob.create_sampling_client(model_path=path).sample(types.ModelInput.from_ints([1, 2]), 1, types.SamplingParams(max_tokens=2)).result()
+    with pytest.raises(Exception, match="not found"):
+        bob.create_training_client_from_state(state).result()
+    # bob cannot drive alice's run, or read her futures
+    session = raw("bob", "POST", "/api/v1/create_session", json={"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
+    body = {"model_id": training.model_id, "adam_params": {"learning_rate": 1.0}}
+    assert raw("bob", "POST", "/api/v1/optim_step", json=body).status_code == 404
+    pending = raw("alice", "POST", "/api/v1/optim_step", json=body | {"adam_params": {"learning_rate": 0.0}}).json()["request_id"]
+    assert raw("bob", "POST", "/api/v1/retrieve_future", json={"request_id": pending}).status_code == 404
+    assert raw("alice", "POST", "/api/v1/retrieve_future", json={"request_id": pending}).status_code == 200
+    assert raw("bob", "POST", "/api/v1/session_heartbeat", json={"session_id": session}).status_code == 200
+    assert raw("alice", "POST", "/api/v1/session_heartbeat", json={"session_id": session}).status_code == 410

@@ -1,0 +1,31 @@
+"""The Tinker API app on a shared base, authenticated with the scheduler's tenant keys (``tinkergym serve-tinker``)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from tinkergym.serve.training.shared import SharedWorker
+from tinkergym.tinker_api.app import create_tinker_app
+from tinkergym.tinker_api.service import Limits, TinkerService
+
+
+def tenant_of(engine: Any) -> Any:
+    """``authenticate(key) -> tenant`` on the scheduler's key table: a valid, unrevoked key with the ``write`` scope."""
+    from tinkergym.scheduler.auth import authenticate
+
+    def tenant(key: str) -> str | None:
+        principal = authenticate(engine, key)
+        return principal.tenant_id if principal is not None and principal.allows("write") else None
+
+    return tenant
+
+
+def create_server(base: Any, root: Path, engine: Any, logger: logging.Logger, *, model_name: str, tokenizer_id: str | None = None,
+                  max_lora_rank: int = 64, gather_ms: float = 2.0, **limits: Any) -> Any:
+    """The app of ``serve-tinker``: ``base`` (a :class:`~tinkergym.backends.torch.shared.SharedBase`) serves every tenant's runs."""
+    worker = SharedWorker(base, logger, keep_states=0, gather_s=gather_ms / 1000.0, max_waiting=64)
+    service = TinkerService(base, worker, root, model_name=model_name, tokenizer_id=tokenizer_id or str(base.model_path), logger=logger,
+                            limits=Limits(**limits), max_lora_rank=max_lora_rank)
+    return create_tinker_app(service, tenant_of(engine), logger)
