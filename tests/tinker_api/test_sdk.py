@@ -4,9 +4,7 @@ every built-in loss against its documented definition, custom losses, and tenant
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,42 +18,10 @@ pytest.importorskip("sqlalchemy")
 import torch  # noqa: E402
 from tinker import types  # noqa: E402
 
-from testkit import serving  # noqa: E402  # registered by tests/conftest.py
-
-
-@dataclass
-class Cluster:
-    url: str
-    model: str
-    keys: dict[str, str]  # tenant -> "tml-..." key
-    base: Any
-
-    def client(self, who: str = "alice") -> Any:
-        return tinker.ServiceClient(base_url=self.url, api_key=self.keys[who])
-
-
-@pytest.fixture(scope="module")
-def cluster(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig
-    from tinkergym.scheduler.auth import create_key
-    from tinkergym.scheduler.db import make_engine, upgrade
-    from tinkergym.tinker_api.server import create_server
-
-    root = tmp_path_factory.mktemp("tinker")
-    engine = make_engine(f"sqlite:///{root / 'keys.db'}")
-    upgrade(engine)
-    keys = {name: "tml-" + create_key(engine, name, scopes)[1] for name, scopes in
-            (("alice", ["read", "write"]), ("bob", ["read", "write"]), ("carol", ["read"]))}
-    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", micro_batch_size=16, max_sessions=48))
-    app = create_server(base, root / "runs", engine, logging.getLogger("tinker-test"), model_name="tiny-test", tokenizer_id=tiny,
-                        max_runs_per_tenant=64)
-    with serving(app) as url:
-        yield Cluster(url, "tiny-test", keys, base)
-    engine.dispose()
 
 
 @pytest.fixture
-def connect(cluster: Cluster) -> Iterator[Any]:
+def connect(cluster: Any) -> Iterator[Any]:
     """``connect(who)``: a ServiceClient of ``who``'s key; each is closed (its session finished, its runs freed) after the test."""
     made: list[Any] = []
 
@@ -87,7 +53,7 @@ def logprobs_of(training: Any, data: list[Any]) -> list[np.ndarray]:
     return [o["logprobs"].to_numpy() for o in out.loss_fn_outputs]
 
 
-def test_capabilities_and_a_lora_run_whose_loss_falls(cluster: Cluster, connect: Any) -> None:
+def test_capabilities_and_a_lora_run_whose_loss_falls(cluster: Any, connect: Any) -> None:
     service = connect()
     models = service.get_server_capabilities().supported_models
     assert [m.model_name for m in models] == [cluster.model] and models[0].trainable and models[0].sampleable
@@ -110,7 +76,7 @@ def test_capabilities_and_a_lora_run_whose_loss_falls(cluster: Cluster, connect:
     assert out.metrics["loss:sum"] == pytest.approx(summed, rel=1e-5)
 
 
-def test_sampler_logprobs_equal_compute_logprobs_and_the_trainers(cluster: Cluster, connect: Any) -> None:
+def test_sampler_logprobs_equal_compute_logprobs_and_the_trainers(cluster: Any, connect: Any) -> None:
     service = connect()
     training = service.create_lora_training_client(base_model=cluster.model, rank=4, seed=3).result()
     for _ in range(2):
@@ -134,7 +100,7 @@ def test_sampler_logprobs_equal_compute_logprobs_and_the_trainers(cluster: Clust
     assert [s.tokens for s in again.sequences] == [s.tokens for s in response.sequences]
 
 
-def test_async_interface(cluster: Cluster, connect: Any) -> None:
+def test_async_interface(cluster: Any, connect: Any) -> None:
     async def main() -> tuple[float, float, list[float | None]]:
         service = connect()
         training = await service.create_lora_training_client(base_model=cluster.model, rank=8)
@@ -149,7 +115,7 @@ def test_async_interface(cluster: Cluster, connect: Any) -> None:
     assert second < first and scored[0] is None and all(isinstance(v, float) for v in scored[1:])
 
 
-def test_resume_with_optimizer_state_continues_as_if_never_stopped(cluster: Cluster, connect: Any) -> None:
+def test_resume_with_optimizer_state_continues_as_if_never_stopped(cluster: Any, connect: Any) -> None:
     service = connect()
     adam = types.AdamParams(learning_rate=2e-2)
     first = service.create_lora_training_client(base_model=cluster.model, rank=8, seed=5).result()
@@ -177,7 +143,7 @@ def test_resume_with_optimizer_state_continues_as_if_never_stopped(cluster: Clus
     assert {c.checkpoint_id for c in runs} >= {"weights/mid"}
 
 
-def test_a_finished_session_frees_its_runs_and_samplers(cluster: Cluster) -> None:
+def test_a_finished_session_frees_its_runs_and_samplers(cluster: Any) -> None:
     before = len(cluster.base.sessions)
     with cluster.client() as service:
         training = service.create_lora_training_client(base_model=cluster.model, rank=4).result()
@@ -236,7 +202,7 @@ LINEAR_ADAM = types.AdamParams(learning_rate=50.0, eps=1e4, beta1=0.9, beta2=0.9
 
 
 @pytest.mark.parametrize("name,config", LOSS_CASES, ids=[f"{n}{'-config' if c else ''}" for n, c in LOSS_CASES])
-def test_each_loss_equals_its_definition_in_value_and_gradient(cluster: Cluster, connect: Any, name: str, config: dict[str, float]) -> None:
+def test_each_loss_equals_its_definition_in_value_and_gradient(cluster: Any, connect: Any, name: str, config: dict[str, float]) -> None:
     service = connect()
     builtin = service.create_lora_training_client(base_model=cluster.model, rank=4, seed=9).result()
     custom = service.create_lora_training_client(base_model=cluster.model, rank=4, seed=9).result()
@@ -265,7 +231,7 @@ def test_each_loss_equals_its_definition_in_value_and_gradient(cluster: Cluster,
 
 
 # ----- refusals and tenants -------------------------------------------------------------------------------------------
-def test_what_the_server_lacks_is_a_clear_error(cluster: Cluster, connect: Any) -> None:
+def test_what_the_server_lacks_is_a_clear_error(cluster: Any, connect: Any) -> None:
     service = connect()
     with pytest.raises(Exception, match="not offered by this server"):
         service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=8).result()
@@ -281,7 +247,7 @@ def test_what_the_server_lacks_is_a_clear_error(cluster: Cluster, connect: Any) 
     assert training.forward_backward(sft_batch(), "cross_entropy").result().metrics["loss:sum"] > 0
 
 
-def test_a_tenant_reaches_only_its_own_runs_samplers_and_checkpoints(cluster: Cluster, connect: Any) -> None:
+def test_a_tenant_reaches_only_its_own_runs_samplers_and_checkpoints(cluster: Any, connect: Any) -> None:
     alice = connect("alice")
     training = alice.create_lora_training_client(base_model=cluster.model, rank=4).result()
     path = training.save_weights_for_sampler("mine").result().path

@@ -89,9 +89,15 @@ def _check_token_use(token: str | None, backend_url: str | None) -> None:
         raise click.UsageError("--backend-token-file is the token of a training server: give the server with --backend-url URL.")
 
 
+#: Options a Tinker endpoint takes from its client (``--backend tinker``): the base model and the LoRA rank.
+_TINKER_CLIENT_OWNED = ("model", "lora_rank")
+
+
 def _check_server_owned(options: dict[str, Any], backend_url: str | None) -> None:
-    """Refuse model options beside --backend-url: the training server loaded its model with its own."""
-    given = [f"--{k.replace('_', '-')}" for k in _SERVER_OWNED if options.get(k) is not None and options.get(k) is not False]  # 0 is given
+    """Refuse model options beside --backend-url: the training server loaded its model with its own (a Tinker endpoint
+    takes the base model and LoRA rank from its client)."""
+    owned = [k for k in _SERVER_OWNED if not (options.get("backend") == "tinker" and k in _TINKER_CLIENT_OWNED)]
+    given = [f"--{k.replace('_', '-')}" for k in owned if options.get(k) is not None and options.get(k) is not False]  # 0 is given
     if backend_url and given:
         raise click.UsageError(
             f"{', '.join(given)}: a training server's model is set where the server starts (tinkergym serve-backend); "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ class TrainingRun:
         self, config: TrainConfig, backend: Any = None, start_step: int = 0, backend_token: str | None = None, api_key: str | None = None,
     ) -> None:
         self.config = config.validate()
-        if config.backend_url and backend is None and not backend_token:
+        if config.backend_url and backend is None and not backend_token and not (config.backend == "tinker" and os.environ.get("TINKER_API_KEY")):
             raise ConfigError(f"training through the server at {config.backend_url} needs its token: pass --backend-token-file FILE.")
         self._backend_token = backend_token
         self._api_key = api_key
