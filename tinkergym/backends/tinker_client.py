@@ -223,7 +223,7 @@ class TinkerBackend:
         name = {"reinforce": "cross_entropy"}.get(spec.name, spec.name)
         config = {"clip_low_threshold": 1.0 - spec.clip_low, "clip_high_threshold": 1.0 + spec.clip_high} if name == "ppo" else None
         try:
-            out = self.training.forward_backward(tinker_data, name, loss_fn_config=config)  # type: ignore[arg-type].result()
+            out = self.training.forward_backward(tinker_data, name, loss_fn_config=config).result()  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001
             raise self._fail(exc, f"a forward_backward ({name})") from exc
         logprobs = [np.asarray(o["logprobs"].to_numpy(), dtype=np.float64) for o in out.loss_fn_outputs]
