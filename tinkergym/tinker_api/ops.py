@@ -189,6 +189,25 @@ def load_state(service: TinkerService, run: Run, path: str, optimizer: bool) -> 
     return run_it
 
 
+def stop_string_end(tokenizer: Any, tokens: list[int], stops: list[str]) -> int | None:
+    """The number of leading ``tokens`` whose text first holds one of ``stops`` (the tokens through the one that completes
+    it), or None. Sampling stops there: the tokens after it were drawn past the stop and are dropped, which leaves the
+    kept tokens distributed as a sampler that stopped at the string would have drawn them."""
+    text = tokenizer.decode(tokens)
+    found = [text.find(s) + len(s) for s in stops if s in text]
+    if not found:
+        return None
+    end = min(found)
+    low, high = 1, len(tokens)
+    while low < high:  # the shortest prefix whose text reaches past the stop string
+        mid = (low + high) // 2
+        if len(tokenizer.decode(tokens[:mid])) >= end:
+            high = mid
+        else:
+            low = mid + 1
+    return low
+
+
 def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Callable[[], Any], list[str]]:
     """The operation of an ``asample`` request, and the ``sequence_id`` of each sample it will answer."""
     prompt = model_tokens(request.prompt, "prompt")
@@ -200,9 +219,9 @@ def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Call
     max_tokens = service.limits.max_new_tokens if params.max_tokens is None else int(params.max_tokens)
     if not 0 <= max_tokens <= service.limits.max_new_tokens:
         raise TinkerError(400, f"max_tokens must be 0 to {service.limits.max_new_tokens}")
-    stop = params.stop
-    if isinstance(stop, str) or (stop and any(isinstance(s, str) for s in stop)):
-        raise TinkerError(400, "stop strings are not supported here; pass stop token ids (renderer.get_stop_sequences() gives ids for most renderers)")
+    stop = [params.stop] if isinstance(params.stop, str) else list(params.stop or [])
+    stop_ids = [int(s) for s in stop if not isinstance(s, str)]
+    stop_strings = [s for s in stop if isinstance(s, str) and s]
     for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
         if getattr(request, name, 0):
             raise TinkerError(400, f"{name} is not supported by this server")
@@ -211,7 +230,7 @@ def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Call
     service.check_tokens([prompt], "prompt")
     ours = SampleRequest(prompts=[prompt], num_samples=int(request.num_samples), params=SamplingParams(
         max_new_tokens=max_tokens, temperature=float(params.temperature), top_p=float(params.top_p), top_k=max(0, int(params.top_k)),
-        stop_token_ids=[int(s) for s in (stop or [])], seed=params.seed))
+        stop_token_ids=stop_ids, seed=params.seed))
     ids = [f"seq-{secrets.token_hex(8)}" for _ in range(ours.num_samples)]
     want_prompt = bool(request.prompt_logprobs)
     last_n = getattr(request, "prompt_logprobs_last_n", None)
@@ -223,9 +242,12 @@ def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Call
         if max_tokens > 0:
             result = service.call(sampler.sampler_id, "sample", {"request": ours})
             for sequence_id, seq in zip(ids, result["sequences"][0]):
-                sequences.append(types.SampledSequence(stop_reason="stop" if seq["finish_reason"] == "stop" else "length", sequence_id=sequence_id,
-                                                       tokens_np=np.asarray(seq["tokens"], dtype=np.int32),
-                                                       logprobs_np=np.asarray(seq["logprobs"], dtype=np.float32)))
+                tokens, logprobs, reason = seq["tokens"], seq["logprobs"], seq["finish_reason"]
+                cut = stop_string_end(service.base.tokenizer, tokens, stop_strings) if stop_strings else None
+                if cut is not None:
+                    tokens, logprobs, reason = tokens[:cut], logprobs[:cut], "stop"
+                sequences.append(types.SampledSequence(stop_reason="stop" if reason == "stop" else "length", sequence_id=sequence_id,
+                                                       tokens_np=np.asarray(tokens, dtype=np.int32), logprobs_np=np.asarray(logprobs, dtype=np.float32)))
         else:
             sequences = [types.SampledSequence(stop_reason="length", sequence_id=s, tokens_np=np.zeros(0, np.int32),
                                                logprobs_np=np.zeros(0, np.float32)) for s in ids]
