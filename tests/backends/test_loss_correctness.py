@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -311,3 +313,43 @@ def test_multi_turn_sequences_get_logits_only_where_a_turn_is_read(tiny: str, lo
     assert grads.keys() == plain_grads.keys() and grads
     for name in grads:
         assert torch.allclose(grads[name], plain_grads[name], atol=1e-6, rtol=1e-4), name
+
+
+# ----- the Tinker API's losses: summed, each as its definition, in value and gradient ----------------------------
+def tinker_reference(name: str, lp: torch.Tensor, datum: Datum, mask: torch.Tensor) -> torch.Tensor:
+    """Each loss of the Tinker API's docs over one sequence's read tokens (``mask``), written apart from tinkergym's."""
+    q = torch.tensor(datum.sampling_logprobs, dtype=torch.float32)
+    adv = torch.tensor(datum.advantages, dtype=torch.float32)
+    ratio = torch.exp(lp - q)
+    if name == "cispo":
+        return -(torch.clamp(ratio, 0.8, 1.25).detach() * lp * adv * mask).sum()
+    if name == "dro":
+        return -((lp * adv - 0.5 * 0.3 * (lp - q) ** 2) * mask).sum()
+    seq = torch.exp(((lp.detach() - q) * mask).sum() / mask.sum())
+    token = seq * torch.exp(lp - lp.detach())
+    return -(torch.minimum(token * adv, torch.clamp(token, 0.8, 1.25) * adv) * mask).sum()
+
+
+@pytest.mark.parametrize("name", ["cispo", "dro", "gspo"])
+def test_tinker_api_losses_equal_their_definitions_in_value_and_gradient(tiny: str, name: str) -> None:
+    backend = make_backend(tiny)
+    data = sampled_batch(backend, 1.0)
+    for d in data:  # a sampler whose numerics differ, so ratios leave the clip range
+        d.sampling_logprobs = [v + (0.3 if t % 2 else -0.3) * (v != 0) for t, v in enumerate(d.sampling_logprobs)]
+    spec = LossSpec(name=name, aggregation="sum", clip_low=0.2, clip_high=0.25, beta=0.3)
+    result = backend.forward_backward(ForwardBackwardRequest(data=data, loss=spec, return_logprobs=True))
+    ours = grads(backend)
+    assert result.logprobs is not None and len(result.logprobs) == len(data)
+    total, weights = 0.0, []
+    for datum, row in zip(data, result.logprobs):
+        read = np.asarray(datum.loss_mask) != 0  # the pass scores the read tokens (others are 0.0)
+        np.testing.assert_allclose(np.asarray(row)[read], np.asarray(backend.logprobs([datum.tokens])[0])[read], atol=1e-5)
+        lp = torch.tensor(row, dtype=torch.float32, requires_grad=True)
+        loss = tinker_reference(name, lp, datum, torch.tensor(datum.loss_mask, dtype=torch.float32))
+        loss.backward()
+        total += float(loss)
+        weights.append((-lp.grad).tolist())  # a summed cross-entropy with weights -dL/dlogprob has the same gradient
+    assert result.metrics["loss"] == pytest.approx(total, rel=1e-5, abs=1e-6)
+    surrogate = [Datum(tokens=d.tokens, loss_mask=w) for d, w in zip(data, weights)]
+    backend.forward_backward(ForwardBackwardRequest(data=surrogate, loss=LossSpec(name="cross_entropy", aggregation="sum")))
+    assert_same_grads(ours, grads(backend))

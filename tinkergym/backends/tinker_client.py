@@ -19,6 +19,11 @@ How our calls map onto Tinker's:
 - ``sample``: a sampling client of the current weights (``save_weights_and_get_sampling_client`` after each
   optimizer step), one Tinker request per prompt, all in flight at once. A seed makes each prompt's draws
   reproducible, but the draws are not those of a local batch (which shares one generator across prompts).
+- ``sampling_snapshot`` (the optional :class:`~tinkergym.protocol.backend.SnapshotBackend` capability that
+  ``async_steps`` needs): that same sampling client as a :class:`TinkerSnapshot` of the current weights and their
+  version. A Tinker sampling client of kind ``snapshot`` holds the weights saved when it was asked for (the SDK orders
+  the save before any later optimizer step of the training client), and the SDK is thread-safe, so it samples on
+  another thread while this backend trains on.
 - ``logprobs``: a ``forward`` of the training client (the current weights), at temperature 1 only.
 - ``save_state``/``load_state``: Tinker's ``save_state``/``load_state_with_optimizer``; the local checkpoint folder
   holds ``tinker_state.json`` with the ``tinker://`` path. ``export``: ``save_weights_for_sampler``; the folder
@@ -61,7 +66,9 @@ def aggregation_weights(data: list[Any], aggregation: str, total: float, sequenc
     out = []
     for d in data:
         mask = np.asarray(d.loss_mask[1:], dtype=np.float64)
-        if aggregation == "token":
+        if aggregation == "sum":
+            out.append(mask)
+        elif aggregation == "token":
             out.append(mask / max(total, 1e-12))
         else:
             row = mask.sum()
@@ -117,7 +124,7 @@ class TinkerBackend:
             raise ConfigError(f"{url} does not offer the model {base_model!r}; it offers: {', '.join(str(m) for m in models) or 'none'}")
         self.training = self.service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed).result()
         self.step = 0
-        self._sampler: Any = None
+        self._sampler_future: Any = None  # a future of the sampling client of the current weights (None: none asked for yet)
         self._cache_dir = Path(cache_dir) if cache_dir else Path(os.environ.get("TINKERGYM_CACHE", Path.home() / ".cache" / "tinkergym")) / "tinker"
         self._tokenizer_dir: str | None = None
 
@@ -134,17 +141,36 @@ class TinkerBackend:
         return TinkerBackendError(f"the Tinker endpoint {self.url} failed {what}: {str(exc)[:1000]}")
 
     # ----- sampling and scoring ---------------------------------------------------------------------------
+    def _sampler_of_current_weights(self) -> Any:
+        """The future of a sampling client of the current weights, asked for once per version of them."""
+        if self._sampler_future is None:
+            self._sampler_future = self.training.save_weights_and_get_sampling_client()
+        return self._sampler_future
+
     def _current_sampler(self) -> Any:
-        if self._sampler is None:
-            self._sampler = self.training.save_weights_and_get_sampling_client().result()
-        return self._sampler
+        try:
+            return self._sampler_of_current_weights().result()
+        except BaseException:
+            self._sampler_future = None  # a failed save is asked for again by the next call
+            raise
+
+    def sampling_snapshot(self) -> TinkerSnapshot:
+        """A sampler of the current weights that keeps them while this backend trains on, tagged with their version (``step``).
+
+        Costs nothing new where a sampling client of these weights exists (the one :meth:`sample` uses); otherwise the
+        save is asked for now and waited for on the snapshot's first ``sample``, so the caller can go on training.
+        """
+        return TinkerSnapshot(self, self._sampler_of_current_weights(), self.step)
 
     def sample(self, request: SampleRequest) -> SampleResponse:
+        return self.sample_with(self._current_sampler(), request)
+
+    def sample_with(self, sampler: Any, request: SampleRequest) -> SampleResponse:
+        """``request`` through the Tinker sampling client ``sampler``: one request per prompt, all in flight at once."""
         types = self._tinker.types
         p = request.params
         params = types.SamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
                                       stop=list(p.stop_token_ids) or None, seed=p.seed)
-        sampler = self._current_sampler()
         try:
             futures = [sampler.sample(types.ModelInput.from_ints(list(prompt)), request.num_samples, params) for prompt in request.prompts]
             responses = [f.result() for f in futures]
@@ -177,6 +203,9 @@ class TinkerBackend:
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
         types = self._tinker.types
         spec, data = request.loss, request.data
+        if spec.name not in ("cross_entropy", "reinforce", "importance_sampling", "ppo"):
+            raise ConfigError(f"loss {spec.name!r} goes to a Tinker endpoint as itself: use TinkerBackend with cross_entropy, reinforce, "
+                              "importance_sampling or ppo (our trainers' losses), or the tinker SDK directly")
         if spec.kl_coef > 0:
             raise ConfigError("kl_coef > 0: Tinker's losses have no reference-policy term; put the KL penalty into the reward, or train locally")
         if spec.temperature != 1.0:
@@ -228,7 +257,8 @@ class TinkerBackend:
             raise self._fail(exc, f"a forward_backward ({name})") from exc
         logprobs = [np.asarray(o["logprobs"].to_numpy(), dtype=np.float64) for o in out.loss_fn_outputs]
         loss = float(out.metrics.get("loss:sum", 0.0))
-        return ForwardBackwardResult(metrics=request_metrics(spec.name, data, logprobs, base, loss, spec.clip_low, spec.clip_high, spec.tis_cap, trainer_old))
+        metrics = request_metrics(spec.name, data, logprobs, base, loss, spec.clip_low, spec.clip_high, spec.tis_cap, trainer_old)
+        return ForwardBackwardResult(metrics=metrics, logprobs=[[0.0, *lp.tolist()] for lp in logprobs] if request.return_logprobs else None)
 
     def optim_step(self, params: OptimParams) -> dict[str, float]:
         adam = self._tinker.types.AdamParams(learning_rate=params.learning_rate, beta1=params.beta1, beta2=params.beta2, eps=params.eps,
@@ -238,7 +268,7 @@ class TinkerBackend:
         except Exception as exc:  # noqa: BLE001
             raise self._fail(exc, "an optimizer step") from exc
         self.step += 1
-        self._sampler = None  # the next sample needs the new weights
+        self._sampler_future = None  # the next sample needs the new weights (snapshots taken before keep theirs)
         return {key.split(":")[0]: float(value) for key, value in (out.metrics or {}).items()}
 
     # ----- states and export ------------------------------------------------------------------------------------
@@ -262,7 +292,7 @@ class TinkerBackend:
         except Exception as exc:  # noqa: BLE001
             raise self._fail(exc, f"load_state of {saved['path']}") from exc
         self.step = int(saved.get("step", 0))
-        self._sampler = None
+        self._sampler_future = None
 
     def export(self, path: str, merged: bool = False) -> None:
         if merged:
@@ -277,6 +307,25 @@ class TinkerBackend:
 
     def close(self) -> None:
         self.service.close("success").result()
+
+
+class TinkerSnapshot:
+    """A Tinker sampling client of the weights as they were when :meth:`TinkerBackend.sampling_snapshot` was called.
+
+    ``version`` is the backend's ``step`` then. The client is waited for on the first :meth:`sample` (from any thread:
+    the tinker SDK is thread-safe), so the save of the weights runs while the trainer goes on.
+    """
+
+    def __init__(self, backend: TinkerBackend, client_future: Any, version: int) -> None:
+        self._backend, self._client_future, self.version = backend, client_future, version
+
+    def sample(self, request: SampleRequest) -> SampleResponse:
+        """Sample ``request`` with the snapshot's weights."""
+        try:
+            client = self._client_future.result()
+        except Exception as exc:  # noqa: BLE001 - the endpoint's error, said as ours
+            raise self._backend._fail(exc, f"saving the weights of step {self.version} for sampling") from exc
+        return self._backend.sample_with(client, request)
 
 
 def build(request: Any) -> TinkerBackend:

@@ -110,9 +110,14 @@ class LossSpec(_Plain):
 
     Names: ``"cross_entropy"`` (SFT: mean negative log-likelihood of masked tokens), ``"ppo"`` (clipped
     importance ratio against ``sampling_logprobs``), ``"importance_sampling"`` (unclipped ratio) and
-    ``"reinforce"`` (plain policy gradient, logprob times advantage). ``aggregation`` ``"token"`` averages over
-    all masked tokens of the batch; ``"sequence"`` averages each sequence first. ``kl_coef`` > 0 adds the k3
-    KL estimate to the reference policy (with LoRA: the base model with the adapter disabled).
+    ``"reinforce"`` (plain policy gradient, logprob times advantage); and three more of the Tinker API's:
+    ``"cispo"`` (the clipped ratio, without its gradient, times logprob and advantage), ``"dro"`` (logprob times
+    advantage less ``beta / 2`` times the squared log ratio) and ``"gspo"`` (``ppo`` with every token's ratio the
+    sequence's: the geometric mean of its masked tokens' ratios, with the token's own gradient).
+    ``aggregation`` ``"token"`` averages over all masked tokens of the batch; ``"sequence"`` averages each
+    sequence first; ``"sum"`` sums, each token weighed by its ``loss_mask`` entry (any weight: the Tinker API's
+    summed losses). ``kl_coef`` > 0 adds the k3 KL estimate to the reference policy (with LoRA: the base model
+    with the adapter disabled).
 
     ``temperature`` is the temperature the data was sampled at: policy and reference logprobs are those of
     ``softmax(logits / temperature)``, the distribution the sampler drew from, so an unchanged policy has an
@@ -137,6 +142,7 @@ class LossSpec(_Plain):
     top_p: float = 1.0
     old_logprobs: str = "sampler"
     tis_cap: float = 0.0
+    beta: float = 0.05
 
 
 @dataclass
@@ -148,19 +154,24 @@ class ForwardBackwardRequest(_Plain):
     in several requests, or when sequences without a gradient were left out of it; ``None`` uses this
     request's own. Several requests with the batch's totals before one ``optim_step`` give the gradient of one
     request with everything.
+
+    ``return_logprobs``: answer each datum's per-token logprobs of this pass (as :meth:`Backend.logprobs` gives them,
+    at the loss temperature; entry 0 and unmasked entries are 0.0) in the result.
     """
 
     data: list[Datum]
     loss: LossSpec = field(default_factory=LossSpec)
     num_tokens: float | None = None
     num_sequences: int | None = None
+    return_logprobs: bool = False
 
 
 @dataclass
 class ForwardBackwardResult(_Plain):
-    """Aggregated numbers of the pass (loss, KL, clip fraction, tokens)."""
+    """Aggregated numbers of the pass (loss, KL, clip fraction, tokens); with ``return_logprobs``, each datum's logprobs."""
 
     metrics: dict[str, float]
+    logprobs: list[list[float]] | None = None
 
 
 @dataclass

@@ -6,8 +6,12 @@ The conversions:
   ``target_tokens[i]``) is our :class:`~tinkergym.protocol.types.Datum` of ``model_input + [target_tokens[-1]]``,
   which needs ``target_tokens`` to be ``model_input`` shifted by one (as every Tinker client builds them);
   other targets are refused with that reason. Image chunks are refused (this server runs text models).
-- ``forward_backward`` runs as one :class:`~tinkergym.backends.torch.shared.RowLossRequest`: the Tinker loss
-  (:mod:`tinkergym.tinker_api.losses`) of every datum, summed, in the same pass as other tenants' rows.
+- ``forward_backward`` is one of our requests with the same loss (the Backend protocol has every Tinker loss but
+  ``stable_reinforce``, with ``aggregation="sum"``: each token weighs its loss-mask entry): ``cross_entropy``'s
+  weights are the loss mask; the RL losses' advantages and sampler logprobs are the datum's, over every position;
+  ``ppo``/``cispo``/``gspo``'s thresholds are ``1 - clip_low`` and ``1 + clip_high``. It runs in the same pass as
+  other tenants' rows, and answers each datum's logprobs (``return_logprobs``), from which the elementwise loss
+  of :mod:`tinkergym.tinker_api.losses` is computed.
 - ``forward`` scores the rows (``logprobs``) and computes the same loss without a gradient.
 - ``optim_step``: AdamW with the request's ``AdamParams`` (``grad_clip_norm`` 0: no clipping).
 - ``sample``: our sampler; ``prompt_logprobs`` (``compute_logprobs``) scores the prompt in a ``logprobs`` call.
@@ -21,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tinkergym.protocol.types import Datum, LossSpec, OptimParams, SampleRequest, SamplingParams
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
 from tinkergym.tinker_api import losses as tinker_losses
 from tinkergym.tinker_api.service import Run, Sampler, TinkerError, TinkerService, as_array, loss_settings
 
@@ -108,29 +112,40 @@ def _forward(service: TinkerService, run: Run, rows: PreparedRows, name: str, se
     return _output(rows, logprobs, elementwise, {"loss:sum": total})
 
 
+def our_request(rows: PreparedRows, name: str, settings: dict[str, float]) -> ForwardBackwardRequest:
+    """The Backend protocol's request of a Tinker ``forward_backward`` (see the module docstring)."""
+    data = []
+    for i, datum in enumerate(rows.rows):
+        inputs = rows.inputs[i]
+        n = len(datum.tokens) - 1
+        if name == "cross_entropy":
+            data.append(Datum(tokens=datum.tokens, loss_mask=[0.0, *inputs["weights"].astype(float).tolist()]))
+            continue
+        advantages = inputs["advantages"].astype(float)
+        mask = np.ones(n)
+        if name == "gspo":
+            mask = (inputs["sequence_ratio_mask"] != 0).astype(float) if "sequence_ratio_mask" in inputs else (advantages != 0).astype(float)
+            if np.any((mask == 0) & (advantages != 0)):
+                raise TinkerError(400, f"data[{i}]: gspo with advantages outside sequence_ratio_mask is not supported here: "
+                                       "give those tokens a zero advantage or put them in the mask")
+        data.append(Datum(tokens=datum.tokens, loss_mask=[0.0, *mask.tolist()], advantages=[0.0, *advantages.tolist()],
+                          sampling_logprobs=[0.0, *inputs["logprobs"].astype(float).tolist()]))
+    low, high = settings.get("clip_low_threshold", 0.8), settings.get("clip_high_threshold", 1.2)
+    spec = LossSpec(name=name, aggregation="sum", clip_low=1.0 - low, clip_high=high - 1.0, beta=settings.get("beta", 0.05))
+    return ForwardBackwardRequest(data=data, loss=spec, return_logprobs=True)
+
+
 def _forward_backward(service: TinkerService, run: Run, rows: PreparedRows, name: str, settings: dict[str, float]) -> Any:
     import torch
 
-    from tinkergym.backends.torch.shared import RowLossRequest
-
-    n = len(rows.rows)
-    logprobs: list[np.ndarray | None] = [None] * n
-    elementwise: list[np.ndarray | None] = [None] * n
-
-    def row_loss(logprobs_BT: torch.Tensor, picked: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        total = logprobs_BT.new_zeros(())
-        for b, i in enumerate(picked):
-            length = len(rows.rows[i].tokens)
-            lp = logprobs_BT[b, 1:length]
-            loss = tinker_losses.elementwise_loss(name, settings, lp, rows.tensors(i, lp.device))
-            logprobs[i] = lp.detach().float().cpu().numpy()
-            elementwise[i] = loss.detach().float().cpu().numpy()
-            total = total + loss.sum()
-        return total, {"loss:sum": total.detach()}
-
-    request = RowLossRequest(data=rows.rows, loss=LossSpec(name="cross_entropy"), row_loss=row_loss)
-    result = service.call(run.model_id, "forward_backward", {"request": request})
-    return _output(rows, logprobs, elementwise, {"loss:sum": float(result["metrics"].get("loss:sum", 0.0))})  # type: ignore[arg-type]
+    result = service.call(run.model_id, "forward_backward", {"request": our_request(rows, name, settings)})
+    logprobs, elementwise = [], []
+    for i, row in enumerate(result["logprobs"]):
+        lp = torch.tensor(row[1:], dtype=torch.float32)
+        with torch.no_grad():
+            elementwise.append(tinker_losses.elementwise_loss(name, settings, lp, rows.tensors(i, "cpu")).numpy())
+        logprobs.append(lp.numpy())
+    return _output(rows, logprobs, elementwise, {"loss:sum": float(result["metrics"]["loss"])})
 
 
 def optim_step(service: TinkerService, run: Run, request: Any) -> Callable[[], Any]:

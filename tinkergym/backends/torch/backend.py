@@ -404,6 +404,7 @@ class TorchBackend:
         self.model.train()
         # Metric sums stay on the device until every micro-batch ran: one read-back, not one per metric and micro-batch.
         micro_sums: list[dict[str, torch.Tensor]] = []
+        scored: list[list[float] | None] = [None] * len(data) if request.return_logprobs else []
         # One autocast region for all micro-batches: autocast casts a float32 master weight once per region and keeps
         # the cast (the weights stay as they are until optim_step), not once per micro-batch. Loss and backward: no autocast.
         with self._compute():
@@ -419,11 +420,14 @@ class TorchBackend:
                             spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference, batch.old_logprobs
                         )
                         loss.backward()
+                    if request.return_logprobs:
+                        for i, row in zip(micro.indices, logprobs.detach().float().cpu().tolist()):
+                            scored[i] = row[: len(data[i].tokens)]
                 micro_sums.append(sums)
         totals: dict[str, float] = {}
         for floats in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were
             totals = losses.add_sums(totals, floats)
-        return ForwardBackwardResult(metrics=losses.finalize_metrics(totals))
+        return ForwardBackwardResult(metrics=losses.finalize_metrics(totals), logprobs=scored if request.return_logprobs else None)  # type: ignore[arg-type]
 
     @staticmethod
     def _sequence_logprobs(model: torch.nn.Module, batch: Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:

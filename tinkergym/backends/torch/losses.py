@@ -17,11 +17,11 @@ import torch
 from tinkergym.protocol.types import OLD_LOGPROBS
 from tinkergym.errors import ConfigError
 
-LOSS_NAMES = ("cross_entropy", "ppo", "importance_sampling", "reinforce")
-AGGREGATIONS = ("token", "sequence")
+LOSS_NAMES = ("cross_entropy", "ppo", "importance_sampling", "reinforce", "cispo", "dro", "gspo")
+AGGREGATIONS = ("token", "sequence", "sum")
 # Losses that compare against the sampler's logprobs (an importance ratio).
-RATIO_LOSSES = ("ppo", "importance_sampling")
-POLICY_LOSSES = ("ppo", "importance_sampling", "reinforce")
+RATIO_LOSSES = ("ppo", "importance_sampling", "cispo", "dro", "gspo")
+POLICY_LOSSES = ("ppo", "importance_sampling", "reinforce", "cispo", "dro", "gspo")
 
 
 #: Bound on a log importance ratio before it is exponentiated: exp(20) is finite in float32 with room to spare.
@@ -150,6 +150,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     mask: torch.Tensor | None = None,
+    beta: float = 0.05,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Per-token loss of ``name``, with the importance ratio and the clipped-token indicator where they exist.
 
@@ -158,6 +159,10 @@ def policy_loss(
     - ``importance_sampling``: ``-ratio * advantage`` with ``ratio = exp(logprob - old_logprob)``.
     - ``ppo``: ``-min(ratio * A, clip(ratio, 1 - clip_low, 1 + clip_high) * A)``; a token counts as
       clipped where the clipped term is the smaller one (its gradient is zero there).
+    - ``cispo``: ``-sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * logprob * A``.
+    - ``dro``: ``-(logprob * A - beta / 2 * (logprob - old_logprob) ** 2)``.
+    - ``gspo``: ``ppo``'s with each token's ratio ``sg(s) * exp(logprob - sg(logprob))``, where ``s`` is the exponential
+      of the row's mean masked log ratio (GSPO-token: the sequence's value, the token's own gradient).
 
     The ratio is 1 outside ``mask`` (see :func:`masked_log_ratio`).
     """
@@ -171,9 +176,20 @@ def policy_loss(
         return -logprobs * advantages, None, None
     if old_logprobs is None:
         raise ConfigError(f"the {name!r} loss needs sampling_logprobs for every datum (the logprobs sample() returned)")
+    if name == "dro":
+        gap = masked_log_ratio(logprobs, old_logprobs, mask)
+        return -(logprobs * advantages - 0.5 * beta * gap**2), torch.exp(gap.detach()), None
     ratio = torch.exp(masked_log_ratio(logprobs, old_logprobs, mask))
     if name == "importance_sampling":
         return -ratio * advantages, ratio, None
+    if name == "cispo":
+        clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high).detach()
+        return -clipped_ratio * logprobs * advantages, ratio, (clipped_ratio != ratio.detach()).float()
+    if name == "gspo":
+        gap = masked_log_ratio(logprobs.detach(), old_logprobs, mask)
+        weight = (mask > 0).float() if mask is not None else torch.ones_like(gap)
+        row = (gap * weight).sum(dim=-1, keepdim=True) / weight.sum(dim=-1, keepdim=True).clamp_min(1.0)
+        ratio = torch.exp(row + logprobs - logprobs.detach())
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     return -torch.minimum(unclipped, clipped), ratio, (clipped < unclipped).float()
@@ -198,12 +214,14 @@ def validate_spec(spec: Any) -> None:
             "temperature, so truncated sampling would bias the importance ratio; sample training rollouts with top_k=0 and "
             "top_p=1 (top-k/top-p are fine in evaluation)"
         )
-    settings = {name: getattr(spec, name) for name in ("clip_low", "clip_high", "kl_coef", "loss_scale", "temperature", "tis_cap")}
+    settings = {name: getattr(spec, name) for name in ("clip_low", "clip_high", "kl_coef", "loss_scale", "temperature", "tis_cap", "beta")}
     unfit = [f"{name}={value!r}" for name, value in settings.items() if math.isnan(value) or FLOAT32_MAX < abs(value) < math.inf]
     if unfit:
         raise ConfigError(f"{', '.join(unfit)}: the loss settings must be numbers that float32 holds (not NaN; at most {FLOAT32_MAX:.4g} in size, or infinite)")
     if spec.tis_cap < 0 or spec.kl_coef < 0:
         raise ConfigError(f"tis_cap and kl_coef must be >= 0 (0 = off), not {spec.tis_cap} and {spec.kl_coef}")
+    if not 0 <= spec.beta < math.inf:
+        raise ConfigError(f"beta (dro's penalty) must be >= 0 and finite, not {spec.beta}")
     if spec.tis_cap > 0 and spec.name in RATIO_LOSSES and spec.old_logprobs != "trainer":
         raise ConfigError(
             "tis_cap weighs each token by min(trainer/sampler ratio, cap), so the PPO ratio must start from the "
@@ -221,6 +239,8 @@ def aggregation_weights(mask_BT: torch.Tensor, aggregation: str, total_mask: flo
     """
     if aggregation not in AGGREGATIONS:
         raise ConfigError(f"unknown aggregation {aggregation!r}; use one of {', '.join(AGGREGATIONS)}")
+    if aggregation == "sum":
+        return mask_BT
     if aggregation == "token":
         return mask_BT / max(total_mask, 1e-12)
     per_row = mask_BT.sum(dim=1, keepdim=True)
@@ -296,7 +316,7 @@ def compute_loss_on_device(
         ratio_base = trainer_old
     else:
         ratio_base = sampling_logprobs
-    per_token, ratio, clipped = policy_loss(spec.name, logprobs, advantages, ratio_base, spec.clip_low, spec.clip_high, mask)
+    per_token, ratio, clipped = policy_loss(spec.name, logprobs, advantages, ratio_base, spec.clip_low, spec.clip_high, mask, getattr(spec, "beta", 0.05))
     sums: dict[str, torch.Tensor] = {"mask_sum": mask.sum(), "tokens": (mask > 0).sum()}
     if sampling_logprobs is not None:
         sampler_gap = masked_log_ratio(trainer_old.detach(), sampling_logprobs, mask)

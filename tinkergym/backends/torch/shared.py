@@ -66,8 +66,6 @@ from tinkergym.protocol.types import (
 #: Version of a session's save_state folder.
 SESSION_STATE_FORMAT = 1
 
-#: ``row_loss(logprobs_BT, rows) -> (loss, sums)`` of a :class:`RowLossRequest` (see there).
-RowLoss = Callable[[torch.Tensor, list[int]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 T = TypeVar("T")
 Outcome = Any  # a result, or the exception its request raised
@@ -122,21 +120,6 @@ class LoraSessionConfig(_Plain):
     lora_rank: int = DEFAULT_LORA_RANK
     lora_alpha: float = float(DEFAULT_LORA_ALPHA)
     seed: int = 0
-
-
-@dataclass
-class RowLossRequest(ForwardBackwardRequest):
-    """A forward-backward request whose loss is a function of its rows' logprobs, computed in the same pass.
-
-    ``row_loss(logprobs_BT, rows)`` gets the float32 ``[B, T]`` logprobs (entry ``t`` scores ``tokens[t]``, with
-    gradient) of the rows ``rows`` of ``data`` (indices into ``data``, in that order) and answers the scalar loss
-    to back-propagate and sums (detached scalar tensors) that add up across the request's passes into the result's
-    metrics, as they are. Losses defined on other terms than ours (the Tinker API's summed per-token losses,
-    :mod:`tinkergym.tinker_api.losses`) run through it in one pass, alongside other sessions' rows. Only positions
-    whose ``loss_mask`` is non-zero are scored; the normalizers and ``loss`` of the request are not used.
-    """
-
-    row_loss: RowLoss | None = None
 
 
 def _mb(n: int) -> float:
@@ -235,6 +218,7 @@ class SharedBase:
         kv_cost = kv_token_cost(self.model.config)
         normalizers = [request_normalizers(request) for _, request in calls]
         sums: list[list[dict[str, torch.Tensor]]] = [[] for _ in calls]
+        scored: list[list[list[float]]] = [[[] for _ in request.data] if request.return_logprobs else [] for _, request in calls]
         by_temperature: dict[float, list[int]] = {}
         for k, (_, request) in enumerate(calls):
             by_temperature.setdefault(request.loss.temperature, []).append(k)
@@ -245,17 +229,18 @@ class SharedBase:
                 rows = [(k, i) for k in members for i in range(len(calls[k][1].data))]
                 data = [calls[k][1].data[i] for k, i in rows]
                 for micro in plan_micro_batches(data, self.config.micro_batch_size, self.config.share_prefixes, kv_cost, scopes=[k for k, _ in rows]):
-                    self._one_pass(calls, [rows[j] for j in micro.indices], micro, temperature, normalizers, sums)
+                    self._one_pass(calls, [rows[j] for j in micro.indices], micro, temperature, normalizers, sums, scored)
         results: list[ForwardBackwardResult] = []
-        for micro_sums in sums:
+        for (_, request), micro_sums, logprobs in zip(calls, sums, scored):
             totals: dict[str, float] = {}
             for floats in losses.sums_to_floats(micro_sums):
                 totals = losses.add_sums(totals, floats)
-            results.append(ForwardBackwardResult(metrics=totals if isinstance(calls[len(results)][1], RowLossRequest) else losses.finalize_metrics(totals)))
+            results.append(ForwardBackwardResult(metrics=losses.finalize_metrics(totals), logprobs=logprobs if request.return_logprobs else None))
         return results
 
     def _one_pass(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]], picked: list[tuple[int, int]], micro: MicroBatch,
-                  temperature: float, normalizers: list[tuple[float, int]], sums: list[list[dict[str, torch.Tensor]]]) -> None:
+                  temperature: float, normalizers: list[tuple[float, int]], sums: list[list[dict[str, torch.Tensor]]],
+                  scored: list[list[list[float]]]) -> None:
         """One pass over ``picked`` (``(call, row)`` in ``micro``'s order), each call's loss on its own rows, one backward."""
         rows = [calls[k][1].data[i] for k, i in picked]
         adapters = [calls[k][0].id for k, _ in picked]
@@ -275,12 +260,6 @@ class SharedBase:
                 spec = calls[k][1].loss
                 positions = [p for p, (owner, _) in enumerate(picked) if owner == k]
                 index = torch.tensor(positions, dtype=torch.long).to(self.device)
-                row_loss = getattr(calls[k][1], "row_loss", None)
-                if row_loss is not None:
-                    loss, part_sums = row_loss(logprobs.index_select(0, index), [picked[p][1] for p in positions])
-                    total_loss = loss if total_loss is None else total_loss + loss
-                    sums[k].append({key: value.detach() for key, value in part_sums.items()})
-                    continue
                 part: Batch = collate([rows[p] for p in positions], self.device, width)
                 weights = losses.aggregation_weights(part.mask, spec.aggregation, *normalizers[k])
                 kl_reference = None if reference is None or spec.kl_coef <= 0 else reference.index_select(0, index)
@@ -291,6 +270,10 @@ class SharedBase:
                 sums[k].append(part_sums)
             if total_loss is not None:
                 total_loss.backward()
+        if any(calls[k][1].return_logprobs for k, _ in picked):
+            for (k, i), row in zip(picked, logprobs.detach().float().cpu().tolist()):
+                if calls[k][1].return_logprobs:
+                    scored[k][i] = row[: len(calls[k][1].data[i].tokens)]
 
     # ----- sampling and scoring ---------------------------------------------------------------------
     def sample_many(self, calls: Sequence[tuple[LoraSession, SampleRequest]]) -> list[Outcome]:
