@@ -72,6 +72,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
         if tenant is None:
             return _error(401, "this API key is not valid (unknown, revoked or mistyped)")
         request.state.tenant = tenant
+        request.state.credential = key[len(KEY_PREFIX):]  # a cluster engine submits the run's jobs with it, as its tenant
         try:
             return await call_next(request)
         except TinkerError as exc:
@@ -150,7 +151,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
         if not (lora.train_attn and lora.train_mlp):
             raise TinkerError(400, "LoRA on attention or MLP layers alone is not offered: this server adapts every linear layer")
         run = await run_in_threadpool(service.create_run, tenant(request), parsed.session_id, parsed.model_seq_id, parsed.base_model, lora.rank,
-                                      lora.seed, parsed.user_metadata)
+                                      lora.seed, parsed.user_metadata, request.state.credential)
         request_id = service.submit(tenant(request), lambda: {"model_id": run.model_id, "type": "create_model"}, run)
         return future(request_id, run.model_id)
 
@@ -158,9 +159,9 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
     async def get_info(request: Request) -> JSONResponse:
         parsed = await body(request, types.GetInfoRequest)
         run = service.run(tenant(request), parsed.model_id)
+        facts = service.engine.model_info(run.base_model)
         return JSONResponse({"type": "get_info", "model_id": run.model_id, "is_lora": True, "lora_rank": run.rank, "model_name": run.base_model,
-                             "model_data": {"arch": service.base.model.config.model_type, "model_name": run.base_model,
-                                            "tokenizer_id": service.tokenizer_id}})
+                             "model_data": {"arch": facts["arch"], "model_name": run.base_model, "tokenizer_id": facts["tokenizer_id"]}})
 
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request) -> JSONResponse:
@@ -193,8 +194,11 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
         parsed = await body(request, types.SaveWeightsForSamplerRequest)
         run = service.run(tenant(request), parsed.model_id)
         if parsed.path is None:
+            credential = request.state.credential
+
             def snapshot() -> dict[str, Any]:
-                return {"path": None, "sampling_session_id": service.sampler_from_run(run).sampler_id, "type": "save_weights_for_sampler"}
+                sampler = service.sampler_from_run(run, credential)
+                return {"path": None, "sampling_session_id": sampler.sampler_id, "type": "save_weights_for_sampler"}
 
             return future(service.submit(tenant(request), snapshot, run), run.model_id)
         save = ops.save_state(service, run, parsed.path, "sampler", parsed.user_metadata)
@@ -211,7 +215,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
                 raise TinkerError(400, "load_weights needs model_id, or session_id and model_seq_id")
             source, _ = service.checkpoint(who, parsed.path)
             run = await run_in_threadpool(service.create_run, who, parsed.session_id, parsed.model_seq_id, parsed.base_model or source.base_model,
-                                          source.rank, None, parsed.user_metadata)
+                                          source.rank, None, parsed.user_metadata, request.state.credential)
         load = ops.load_state(service, run, parsed.path, bool(parsed.optimizer))
         return future(service.submit(who, lambda: {"path": load(), "model_id": run.model_id, "type": "load_weights"}, run), run.model_id)
 
@@ -219,7 +223,8 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
     @app.post("/api/v1/create_sampling_session")
     async def create_sampling_session(request: Request) -> JSONResponse:
         parsed = await body(request, types.CreateSamplingSessionRequest)
-        sampler = await run_in_threadpool(service.create_sampler, tenant(request), parsed.session_id, parsed.base_model, parsed.model_path)
+        sampler = await run_in_threadpool(service.create_sampler, tenant(request), parsed.session_id, parsed.base_model, parsed.model_path,
+                                          request.state.credential)
         return JSONResponse({"type": "create_sampling_session", "sampling_session_id": sampler.sampler_id})
 
     @app.get("/api/v1/samplers/{sampler_id}")

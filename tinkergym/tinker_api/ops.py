@@ -46,7 +46,7 @@ def model_tokens(model_input: Any, where: str) -> list[int]:
 class PreparedRows:
     """A request's data as our rows, with each datum's Tinker inputs as numpy arrays."""
 
-    def __init__(self, service: TinkerService, data: list[Any], loss_name: str) -> None:
+    def __init__(self, service: TinkerService, data: list[Any], loss_name: str, model: str | None = None) -> None:
         if not data:
             raise TinkerError(400, "the request has no data")
         if len(data) > service.limits.max_datums:
@@ -71,7 +71,7 @@ class PreparedRows:
                                        "sequence, as the SDK's docs build them); other targets are not supported")
             self.rows.append(Datum(tokens=tokens + [targets[-1]], loss_mask=[0.0] + [1.0] * len(tokens)))
             self.inputs.append(arrays)
-        service.check_tokens([d.tokens for d in self.rows], "data")
+        service.check_tokens([d.tokens for d in self.rows], "data", model)
 
     def tensors(self, i: int, device: Any) -> dict[str, Any]:
         import torch
@@ -92,7 +92,7 @@ def forward_backward(service: TinkerService, run: Run, request: Any, forward_onl
     spec = request.forward_backward_input
     name = str(spec.loss_fn)
     settings = loss_settings(name, spec.loss_fn_config)
-    rows = PreparedRows(service, list(spec.data), name)
+    rows = PreparedRows(service, list(spec.data), name, run.base_model)
     if forward_only:
         return lambda: _forward(service, run, rows, name, settings)
     return lambda: _forward_backward(service, run, rows, name, settings)
@@ -101,7 +101,7 @@ def forward_backward(service: TinkerService, run: Run, request: Any, forward_onl
 def _forward(service: TinkerService, run: Run, rows: PreparedRows, name: str, settings: dict[str, float]) -> Any:
     import torch
 
-    result = service.call(run.model_id, "logprobs", {"sequences": [d.tokens for d in rows.rows], "temperature": 1.0})
+    result = service.call(run.handle, "logprobs", {"sequences": [d.tokens for d in rows.rows], "temperature": 1.0})
     logprobs, elementwise, total = [], [], 0.0
     for i, row in enumerate(result["logprobs"]):
         lp = torch.tensor(row[1:], dtype=torch.float32)
@@ -138,7 +138,7 @@ def our_request(rows: PreparedRows, name: str, settings: dict[str, float]) -> Fo
 def _forward_backward(service: TinkerService, run: Run, rows: PreparedRows, name: str, settings: dict[str, float]) -> Any:
     import torch
 
-    result = service.call(run.model_id, "forward_backward", {"request": our_request(rows, name, settings)})
+    result = service.call(run.handle, "forward_backward", {"request": our_request(rows, name, settings)})
     logprobs, elementwise = [], []
     for i, row in enumerate(result["logprobs"]):
         lp = torch.tensor(row[1:], dtype=torch.float32)
@@ -158,7 +158,7 @@ def optim_step(service: TinkerService, run: Run, request: Any) -> Callable[[], A
     def run_it() -> Any:
         from tinker import types
 
-        result = service.call(run.model_id, "optim_step", {"params": ours})
+        result = service.call(run.handle, "optim_step", {"params": ours})
         return types.OptimStepResponse(metrics={f"{k}:mean" if ":" not in k else k: float(v) for k, v in result.get("metrics", {}).items()})
 
     return run_it
@@ -167,15 +167,10 @@ def optim_step(service: TinkerService, run: Run, request: Any) -> Callable[[], A
 def save_state(service: TinkerService, run: Run, name: str | None, kind: str, user_metadata: Any) -> Callable[[], Any]:
     """``save_weights`` (``kind`` training: the whole state) or ``save_weights_for_sampler`` (sampler: the adapter) under ``name``."""
     name = name or f"{kind}-{secrets.token_hex(4)}"
-    checkpoint = service.new_checkpoint(run, kind, name, user_metadata)
+    service.new_checkpoint(run, kind, name)  # a bad name or a full run is refused when the request comes
 
     def run_it() -> str:
-        if kind == "training":
-            service.call(run.model_id, "save_state", {"name": name})
-        else:
-            service.call(run.model_id, "export", {"name": name, "merged": False})
-        run.checkpoints[checkpoint.checkpoint_id] = checkpoint
-        return checkpoint.tinker_path(run.model_id)
+        return service.save(run, kind, name, user_metadata).tinker_path(run.model_id)
 
     return run_it
 
@@ -190,15 +185,7 @@ def load_state(service: TinkerService, run: Run, path: str, optimizer: bool) -> 
         raise TinkerError(400, f"{path[:200]!r} holds a rank-{source_run.rank} adapter; this training run has rank {run.rank}")
 
     def run_it() -> Any:
-        session = run.session
-        with service.base._lock:
-            kept = (session.optimizer.state_dict(), session.step, session.generator.get_state()) if not optimizer else None
-        session.load_state(str(checkpoint.path))
-        if kept is not None:  # weights only: the optimizer, step and generator stay this run's
-            with service.base._lock:
-                session.optimizer.load_state_dict(kept[0])
-                session.step = kept[1]
-                session.generator.set_state(kept[2])
+        service.engine.load(run.handle, checkpoint.saved, optimizer)
         return path
 
     return run_it
@@ -242,7 +229,7 @@ def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Call
             raise TinkerError(400, f"{name} is not supported by this server")
     if getattr(request, "target_prompt_logprobs", None) is not None or getattr(request, "record_stability_info", None):
         raise TinkerError(400, "target_prompt_logprobs and record_stability_info are not supported by this server")
-    service.check_tokens([prompt], "prompt")
+    service.check_tokens([prompt], "prompt", sampler.base_model)
     ours = SampleRequest(prompts=[prompt], num_samples=int(request.num_samples), params=SamplingParams(
         max_new_tokens=max_tokens, temperature=float(params.temperature), top_p=float(params.top_p), top_k=max(0, int(params.top_k)),
         stop_token_ids=stop_ids, seed=params.seed))
@@ -255,10 +242,10 @@ def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Call
 
         sequences: list[Any] = []
         if max_tokens > 0:
-            result = service.call(sampler.sampler_id, "sample", {"request": ours})
+            result = service.call(sampler.handle, "sample", {"request": ours})
             for sequence_id, seq in zip(ids, result["sequences"][0]):
                 tokens, logprobs, reason = seq["tokens"], seq["logprobs"], seq["finish_reason"]
-                cut = stop_string_end(service.base.tokenizer, tokens, stop_strings) if stop_strings else None
+                cut = stop_string_end(service.engine.tokenizer(sampler.base_model), tokens, stop_strings) if stop_strings else None
                 if cut is not None:
                     tokens, logprobs, reason = tokens[:cut], logprobs[:cut], "stop"
                 sequences.append(types.SampledSequence(stop_reason="stop" if reason == "stop" else "length", sequence_id=sequence_id,
@@ -268,7 +255,7 @@ def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Call
                                                logprobs_np=np.zeros(0, np.float32)) for s in ids]
         prompt_logprobs = None
         if want_prompt:
-            scored = service.call(sampler.sampler_id, "logprobs", {"sequences": [prompt], "temperature": 1.0})["logprobs"][0]
+            scored = service.call(sampler.handle, "logprobs", {"sequences": [prompt], "temperature": 1.0})["logprobs"][0]
             values = np.asarray(scored, dtype=np.float32)
             values[0] = np.nan
             if last_n is not None:

@@ -8,6 +8,7 @@ from typing import Any
 
 from tinkergym.serve.training.shared import SharedWorker
 from tinkergym.tinker_api.app import create_tinker_app
+from tinkergym.tinker_api.engines import LocalEngine
 from tinkergym.tinker_api.service import Limits, TinkerService
 
 
@@ -26,6 +27,6 @@ def create_server(base: Any, root: Path, engine: Any, logger: logging.Logger, *,
                   max_lora_rank: int = 64, gather_ms: float = 2.0, **limits: Any) -> Any:
     """The app of ``serve-tinker``: ``base`` (a :class:`~tinkergym.backends.torch.shared.SharedBase`) serves every tenant's runs."""
     worker = SharedWorker(base, logger, keep_states=0, gather_s=gather_ms / 1000.0, max_waiting=64)
-    service = TinkerService(base, worker, root, model_name=model_name, tokenizer_id=tokenizer_id or str(base.model_path), logger=logger,
-                            limits=Limits(**limits), max_lora_rank=max_lora_rank)
+    local = LocalEngine(base, worker, root, model_name, tokenizer_id or str(base.model_path), max_lora_rank)
+    service = TinkerService(local, logger, limits=Limits(**limits))
     return create_tinker_app(service, tenant_of(engine), logger)

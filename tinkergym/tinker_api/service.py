@@ -1,10 +1,9 @@
-"""What the Tinker API's routes share: tenants' sessions, training runs, samplers, futures and checkpoints on one shared base.
+"""What the Tinker API's routes share: tenants' sessions, training runs, samplers, futures and checkpoints.
 
-A Tinker training run (``create_model``) is a :class:`~tinkergym.backends.torch.shared.LoraSession` on the
-server's :class:`~tinkergym.backends.torch.shared.SharedBase`; a sampler is a session of its own holding a
-snapshot of some weights (a saved checkpoint, a run's current weights, or the base: a new adapter is the base,
-its B matrices being zero). Every engine call goes through the :class:`~tinkergym.serve.training.shared.SharedWorker`
-of ``serve-shared``, so calls of several tenants share passes and each adapter's calls run in order.
+A Tinker training run (``create_model``) is a LoRA adapter that an engine (:mod:`tinkergym.tinker_api.engines`)
+opens: a session of a shared base in this process, or a scheduler job. A sampler is an adapter of its own holding
+a snapshot of some weights (a saved checkpoint, a run's current weights, or the base: a new adapter is the base,
+its B matrices being zero).
 
 Each request the SDK sends becomes a future (``request_id``): a Python operation on the executor of its training
 run (one thread per run, so a run's requests run in the order they arrived, which the SDK makes their ``seq_id``
@@ -12,9 +11,8 @@ order) or on the samplers' pool. ``retrieve_future`` waits for it a while and an
 done. A tenant reaches only its own sessions, runs, samplers, futures and checkpoints: anything else answers as if
 it did not exist (404).
 
-Checkpoints live under ``<root>/runs/<model_id>/``: ``states/<name>`` (``save_state``: adapter, Adam moments, step
-and generator; ``tinker://<model_id>/weights/<name>``) and ``exports/<name>`` (``save_weights_for_sampler``: a peft
-adapter folder; ``tinker://<model_id>/sampler_weights/<name>``).
+A checkpoint is ``tinker://<model_id>/weights/<name>`` (``save_state``: adapter, Adam moments, step and generator)
+or ``tinker://<model_id>/sampler_weights/<name>`` (``save_weights_for_sampler``); the engine keeps it.
 """
 
 from __future__ import annotations
@@ -23,33 +21,25 @@ import concurrent.futures
 import json
 import logging
 import secrets
-import shutil
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tinkergym.errors import ConfigError
-from tinkergym.serve.training.calls import CallRecord, ParsedCall, named_dir
-from tinkergym.serve.training.shared import SharedWorker
 from tinkergym.tinker_api import losses as tinker_losses
+from tinkergym.tinker_api.engines import EngineError, Saved
 
 #: Checkpoint kinds and their ``tinker://`` segment and folder.
 KINDS = {"training": ("weights", "states"), "sampler": ("sampler_weights", "exports")}
 SEGMENTS = {segment: kind for kind, (segment, _) in KINDS.items()}
 
 
-class TinkerError(Exception):
-    """A request refused with an HTTP status; ``category`` is the SDK's ``RequestErrorCategory`` (user or server)."""
-
-    def __init__(self, status: int, message: str, category: str = "user") -> None:
-        super().__init__(message)
-        self.status, self.message, self.category = status, message, category
+#: A request refused with an HTTP status; ``category`` is the SDK's ``RequestErrorCategory`` (user or server).
+TinkerError = EngineError
 
 
 def not_found(what: str) -> TinkerError:
@@ -82,30 +72,32 @@ class Limits:
 class Checkpoint:
     checkpoint_id: str  # "weights/<name>" or "sampler_weights/<name>"
     kind: str
-    path: Path
+    saved: Saved
     time: datetime
     user_metadata: dict[str, str] | None = None
 
     def tinker_path(self, model_id: str) -> str:
         return f"tinker://{model_id}/{self.checkpoint_id}"
 
+    @property
+    def name(self) -> str:
+        return self.checkpoint_id.split("/", 1)[1]
+
     def describe(self, model_id: str) -> dict[str, Any]:
-        size = sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file()) if self.path.exists() else None
         return {"checkpoint_id": self.checkpoint_id, "checkpoint_type": self.kind, "time": self.time.isoformat(),
-                "tinker_path": self.tinker_path(model_id), "size_bytes": size, "public": False, "user_metadata": self.user_metadata}
+                "tinker_path": self.tinker_path(model_id), "size_bytes": self.saved.size, "public": False, "user_metadata": self.user_metadata}
 
 
 @dataclass
 class Run:
-    """A training run: a LoRA session, its folder, checkpoints and the executor that runs its requests in order."""
+    """A training run: its engine handle, checkpoints and the executor that runs its requests in order."""
 
     model_id: str
     tenant: str
     session_id: str
     base_model: str
     rank: int
-    session: Any
-    folder: Path
+    handle: Any
     executor: concurrent.futures.ThreadPoolExecutor
     user_metadata: dict[str, Any] | None = None
     checkpoints: dict[str, Checkpoint] = field(default_factory=dict)
@@ -130,7 +122,7 @@ class Sampler:
     session_id: str
     base_model: str
     model_path: str | None
-    session: Any
+    handle: Any
 
 
 @dataclass
@@ -156,20 +148,15 @@ class Pending:
 class TinkerService:
     """The Tinker API's state on one shared base (see the module docstring)."""
 
-    def __init__(self, base: Any, worker: SharedWorker, root: Path, model_name: str, tokenizer_id: str, logger: logging.Logger,
-                 limits: Limits | None = None, max_lora_rank: int = 64) -> None:
-        self.base, self.worker, self.root, self.logger = base, worker, root, logger
-        self.model_name, self.tokenizer_id = model_name, tokenizer_id
+    def __init__(self, engine: Any, logger: logging.Logger, limits: Limits | None = None) -> None:
+        self.engine, self.logger = engine, logger
         self.limits = limits or Limits()
-        self.max_lora_rank = max_lora_rank
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self.futures: dict[str, Pending] = {}
         self._lock = threading.RLock()
         self._sampling = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
-        self.vocab_size = int(getattr(base.model.config, "vocab_size", 0)) or None
-        self.max_context = int(getattr(base.model.config, "max_position_embeddings", 0)) or None
 
     # ----- sessions -----------------------------------------------------------------------------------
     def create_session(self, tenant: str) -> str:
@@ -210,21 +197,16 @@ class TinkerService:
             for sampler_id in list(session.samplers):
                 sampler = self.samplers.pop(sampler_id, None)
                 if sampler is not None:
-                    self._close_adapter(sampler_id, sampler.session)
+                    self.engine.close(sampler.handle)
         self.logger.info(json.dumps({"event": "tinker_session_ended", "session": session.session_id}))
 
     def _close_run(self, run: Run) -> None:
         """Free the run's adapter; a run with checkpoints stays listed (its tinker:// paths still load), one without is forgotten."""
         run.closed = True
         run.executor.shutdown(wait=False, cancel_futures=True)
-        self._close_adapter(run.model_id, run.session)
+        self.engine.close(run.handle, forget=not run.checkpoints)
         if not run.checkpoints:
             self.runs.pop(run.model_id, None)
-            shutil.rmtree(run.folder, ignore_errors=True)
-
-    def _close_adapter(self, adapter_id: str, session: Any) -> None:
-        self.worker.remove(adapter_id)
-        self.base.close_session(session)
 
     # ----- futures --------------------------------------------------------------------------------------
     def submit(self, tenant: str, operation: Callable[[], Any], run: Run | None = None) -> str:
@@ -260,45 +242,20 @@ class TinkerService:
         return self.pending(tenant, request_id).future.cancel()
 
     # ----- engine calls ----------------------------------------------------------------------------------
-    def call(self, adapter_id: str, method: str, args: dict[str, Any]) -> dict[str, Any]:
-        """Run one engine call on the shared worker for ``adapter_id`` and wait for it; a failure raises :class:`TinkerError`."""
-        record = CallRecord(request_id="call-" + secrets.token_hex(8), session_id=adapter_id, seq=0, method=method, fingerprint="",
-                            call=ParsedCall(method, args))
-        done = threading.Event()
-        record.on_done(done.set)
-        self.worker.submit(adapter_id, record)
-        done.wait()
-        if record.error is not None:
-            category = "user" if record.error.status < 500 else "server"
-            raise TinkerError(record.error.status, record.error.message, category)
-        return record.result or {}
+    def call(self, handle: Any, method: str, args: dict[str, Any]) -> dict[str, Any]:
+        """One Backend-protocol call of a run or sampler, waited for; a failure raises :class:`TinkerError`."""
+        return self.engine.call(handle, method, args)
 
     # ----- runs and samplers -------------------------------------------------------------------------------
-    def check_model(self, base_model: str | None) -> None:
-        if base_model is not None and base_model != self.model_name:
-            raise TinkerError(400, f"base model {base_model[:200]!r} is not offered by this server; it serves {self.model_name!r} "
-                                   "(get_server_capabilities lists it)")
-
-    def open_session(self, rank: int, seed: int | None) -> Any:
-        from tinkergym.backends.torch.shared import LoraSessionConfig
-
-        if not 1 <= rank <= self.max_lora_rank:
-            raise TinkerError(400, f"LoRA rank {rank} is not offered: this server takes ranks 1 to {self.max_lora_rank}")
-        try:
-            # alpha = 32 as Tinker's LoRA: the update is scaled by 32 / rank.
-            return self.base.open_session(LoraSessionConfig(lora_rank=rank, lora_alpha=32.0, seed=0 if seed is None else int(seed) % 2**32))
-        except ConfigError as exc:
-            raise TinkerError(429, str(exc)) from exc
-
     def create_run(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None,
-                   user_metadata: dict[str, Any] | None) -> Run:
+                   user_metadata: dict[str, Any] | None, credential: str = "") -> Run:
         """The run ``<session_id>:train:<model_seq_id>`` (the id the SDK derives too); a retried creation answers the run made first."""
         with self._lock:
             session = self.session(tenant, session_id)
             model_id = f"{session_id}:train:{int(model_seq_id)}"
             if model_id in self.runs:
                 return self.runs[model_id]
-            self.check_model(base_model)
+            self.engine.check_model(base_model)
             mine = [r for r in self.runs.values() if r.tenant == tenant]
             if sum(not r.closed for r in mine) >= self.limits.max_runs_per_tenant:
                 raise TinkerError(429, f"this tenant has {sum(not r.closed for r in mine)} training runs open, its most; end a session "
@@ -306,12 +263,9 @@ class TinkerService:
             if len(mine) >= self.limits.max_kept_runs_per_tenant:
                 raise TinkerError(429, f"this tenant keeps {len(mine)} training runs with checkpoints, its most; delete the checkpoints "
                                        "of old runs (RestClient.delete_checkpoint): a closed run without checkpoints is forgotten")
-            lora = self.open_session(rank, seed)
-            folder = (self.root / "runs" / model_id).resolve()
-            folder.mkdir(parents=True, exist_ok=True)
+            handle = self.engine.open_run(model_id, base_model, rank, seed, credential)
             executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tinker-{model_id}")
-            run = Run(model_id, tenant, session_id, base_model, rank, lora, folder, executor, user_metadata)
-            self.worker.add(model_id, lora, folder)
+            run = Run(model_id, tenant, session_id, base_model, rank, handle, executor, user_metadata)
             self.runs[model_id] = run
             session.runs.add(model_id)
         self.logger.info(json.dumps({"event": "tinker_run_created", "model_id": model_id, "tenant": tenant, "rank": rank}))
@@ -336,17 +290,22 @@ class TinkerService:
             raise not_found(f"checkpoint {tinker_path[:200]!r}")
         return run, found
 
-    def new_checkpoint(self, run: Run, kind: str, name: str, user_metadata: dict[str, str] | None) -> Checkpoint:
-        segment, folder_kind = KINDS[kind]
-        try:
-            folder = named_dir(run.folder, folder_kind, name)
-        except ConfigError as exc:
-            raise TinkerError(400, str(exc)) from exc
-        checkpoint_id = f"{segment}/{name}"
+    def new_checkpoint(self, run: Run, kind: str, name: str) -> str:
+        """The id ``<weights|sampler_weights>/<name>`` of a checkpoint about to be saved; refused past the run's bound."""
+        self.engine.check_name(run.handle, kind, name)
+        checkpoint_id = f"{KINDS[kind][0]}/{name}"
         if checkpoint_id not in run.checkpoints and len(run.checkpoints) >= self.limits.max_checkpoints_per_run:
             raise TinkerError(429, f"training run {run.model_id} holds {len(run.checkpoints)} checkpoints, its most; delete some "
                                    "(RestClient.delete_checkpoint) first")
-        return Checkpoint(checkpoint_id, kind, folder, _now(), user_metadata)
+        return checkpoint_id
+
+    def save(self, run: Run, kind: str, name: str, user_metadata: dict[str, str] | None = None) -> Checkpoint:
+        """Save the run's weights (``training``: with the optimizer) as a checkpoint the run lists."""
+        checkpoint_id = self.new_checkpoint(run, kind, name)
+        checkpoint = Checkpoint(checkpoint_id, kind, self.engine.save(run.handle, kind, name), _now(), user_metadata)
+        with self._lock:
+            run.checkpoints[checkpoint_id] = checkpoint
+        return checkpoint
 
     def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
         run = self.run(tenant, model_id)
@@ -354,40 +313,30 @@ class TinkerService:
             found = run.checkpoints.pop(checkpoint_id, None)
         if found is None:
             raise not_found(f"checkpoint {checkpoint_id[:200]!r}")
-        shutil.rmtree(found.path, ignore_errors=True)
+        self.engine.delete(found.saved)
         with self._lock:
             if run.closed and not run.checkpoints:
                 self.runs.pop(run.model_id, None)
-                shutil.rmtree(run.folder, ignore_errors=True)
+                self.engine.close(run.handle, forget=True)
 
-    def create_sampler(self, tenant: str, session_id: str, base_model: str | None, model_path: str | None) -> Sampler:
+    def create_sampler(self, tenant: str, session_id: str, base_model: str | None, model_path: str | None, credential: str = "") -> Sampler:
         """A sampler holding the weights of ``model_path`` (a sampler or training checkpoint), or the base model's."""
         with self._lock:
             session = self.session(tenant, session_id)
             mine = [s for s in self.samplers.values() if s.tenant == tenant]
             if len(mine) >= self.limits.max_samplers_per_tenant:
                 raise TinkerError(429, f"this tenant has {len(mine)} samplers, its most; end a session to free its samplers")
-            source: Path | None = None
-            rank = 1
+            source: Saved | None = None
+            rank, model = 1, base_model
             if model_path is not None:
                 run, checkpoint = self.checkpoint(tenant, model_path)
-                source, rank = checkpoint.path, run.rank
+                source, rank, model = checkpoint.saved, run.rank, run.base_model
             else:
-                self.check_model(base_model)
-            lora = self.open_session(rank, 0)
-        try:
-            if source is not None:
-                if (source / "state.json").is_file():
-                    lora.load_state(str(source))
-                else:
-                    lora.load_adapter(str(source))
-        except Exception:
-            self.base.close_session(lora)
-            raise
+                self.engine.check_model(base_model)
         sampler_id = "sampler-" + secrets.token_hex(8)
+        handle = self.engine.open_sampler(sampler_id, model, rank, source, credential)
         with self._lock:
-            sampler = Sampler(sampler_id, tenant, session_id, self.model_name, model_path, lora)
-            self.worker.add(sampler_id, lora, self.root / "samplers")
+            sampler = Sampler(sampler_id, tenant, session_id, str(model), model_path, handle)
             self.samplers[sampler_id] = sampler
             session.samplers.add(sampler_id)
         return sampler
@@ -398,34 +347,31 @@ class TinkerService:
             raise not_found(f"sampler {str(sampler_id)[:80]!r}")
         return found
 
-    def sampler_from_run(self, run: Run) -> Sampler:
+    def sampler_from_run(self, run: Run, credential: str = "") -> Sampler:
         """A sampler with a snapshot of ``run``'s current weights (``save_weights_for_sampler`` without a name)."""
         name = "ephemeral-" + secrets.token_hex(6)
-        folder = named_dir(run.folder, "exports", name)
-        self.call(run.model_id, "export", {"name": name, "merged": False})
+        checkpoint = self.save(run, "sampler", name)
         try:
-            checkpoint = Checkpoint(f"sampler_weights/{name}", "sampler", folder, _now())
-            run.checkpoints[checkpoint.checkpoint_id] = checkpoint
-            try:
-                return self.create_sampler(run.tenant, run.session_id, None, checkpoint.tinker_path(run.model_id))
-            finally:
-                run.checkpoints.pop(checkpoint.checkpoint_id, None)
+            return self.create_sampler(run.tenant, run.session_id, None, checkpoint.tinker_path(run.model_id), credential)
         finally:
-            shutil.rmtree(folder, ignore_errors=True)
+            with self._lock:
+                run.checkpoints.pop(checkpoint.checkpoint_id, None)
+            self.engine.delete(checkpoint.saved)
 
     # ----- capabilities ------------------------------------------------------------------------------
     def capabilities(self) -> dict[str, Any]:
-        return {"supported_models": [{"model_name": self.model_name, "max_context_length": self.max_context, "trainable": True, "sampleable": True}]}
+        return {"supported_models": self.engine.models()}
 
-    def check_tokens(self, rows: list[list[int]], where: str) -> None:
+    def check_tokens(self, rows: list[list[int]], where: str, model: str | None = None) -> None:
         total = sum(map(len, rows))
         if total > self.limits.max_tokens:
             raise TinkerError(400, f"{where}: {total:,} tokens is over this server's limit of {self.limits.max_tokens:,} per request; send smaller requests")
-        if self.vocab_size is not None:
+        vocab = self.engine.model_info(model)["vocab_size"] if model else None
+        if vocab is not None:
             for row in rows:
-                bad = [t for t in row if not 0 <= t < self.vocab_size]
+                bad = [t for t in row if not 0 <= t < vocab]
                 if bad:
-                    raise TinkerError(400, f"{where}: token id {bad[0]} is outside the model's vocabulary (0 to {self.vocab_size - 1})")
+                    raise TinkerError(400, f"{where}: token id {bad[0]} is outside the model's vocabulary (0 to {vocab - 1})")
 
 
 def as_array(tensor: Any) -> np.ndarray:
