@@ -52,3 +52,18 @@ def test_serve_tinker_process_with_a_scheduler_key(tiny: str, tmp_path: Path) ->
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+@pytest.mark.parametrize("args,message", [
+    ([], "one of them"),
+    (["--model", "tiny", "--scheduler", "http://127.0.0.1:9"], "not both"),
+    (["--scheduler", "http://127.0.0.1:9"], "--offer MODEL"),
+    (["--model", "tiny", "--offer", "tiny"], "--offer names the models of a cluster"),
+])
+def test_serve_tinker_refuses_a_muddled_command_line(args: list[str], message: str, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from tinkergym.cli import main
+
+    done = CliRunner().invoke(main, ["serve-tinker", "--run-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data"), *args])
+    assert done.exit_code == 2 and message in done.output, done.output

@@ -1,4 +1,4 @@
-"""``tinkergym serve-tinker``: the Tinker API (the ``tinker`` SDK's REST API) on one machine, for a user without a cluster."""
+"""``tinkergym serve-tinker``: the Tinker API (the ``tinker`` SDK's REST API) on one machine, or in front of a scheduler's cluster."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 
 
 @click.command("serve-tinker")
-@click.option("--model", required=True, help="The base model: a name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
+@click.option("--model", default=None, help="The base model served here: a name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
+@click.option("--scheduler", "scheduler_url", default=None, metavar="URL",
+              help="Instead of --model: the front door of this scheduler's cluster; every run and sampler is a job on its workers.")
+@click.option("--offer", "offers", multiple=True, metavar="MODEL[=TOKENIZER]",
+              help="With --scheduler: a model the workers serve (a name jobs ask for), and the tokenizer clients load for it "
+                   "(a hub id or a folder; default: the model's name). Repeat for several.")
+@click.option("--checkpoint-every", type=click.IntRange(min=1), default=8, show_default=True,
+              help="With --scheduler: optimizer steps between the states a run saves, from which a run moved to another worker replays.")
 @click.option("--model-name", default=None,
               help="The name clients ask for (create_lora_training_client(base_model=...)); default: --model.")
 @click.option("--tokenizer-id", default=None,
@@ -41,7 +48,7 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @data_dir_option
 @connection_options
 def serve_tinker(
-    model: str, model_name: str | None, tokenizer_id: str | None, dtype: str, device: str, micro_batch_size: int, max_lora_rank: int,
+    model: str | None, scheduler_url: str | None, offers: tuple[str, ...], checkpoint_every: int, model_name: str | None, tokenizer_id: str | None, dtype: str, device: str, micro_batch_size: int, max_lora_rank: int,
     max_sessions: int, memory_budget_mb: float, max_runs_per_tenant: int, max_samplers_per_tenant: int, session_timeout: float,
     host: str, port: int, run_dir: Path, db: str | None, data_dir: Path, header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
@@ -51,6 +58,10 @@ def serve_tinker(
     <key> is a tinkergym key made on this machine by `tinkergym scheduler keys create` on the same database (--db
     or --data-dir): each key's tenant reaches only its own training runs, samplers and checkpoints. Every training
     run is a LoRA adapter on the one base model loaded here, and the calls of several runs share passes.
+
+    With --scheduler URL (and --offer for each model), it is the cluster's front door instead: it loads no model;
+    each training run and sampler is a job submitted in the name of the client's key, on a worker's shared server,
+    and a run whose worker dies goes on on another from its last stored state, its calls since replayed.
 
     \b
     Example:
@@ -65,9 +76,30 @@ def serve_tinker(
         import tinker  # noqa: F401 - the SDK's types and protobuf schema are the wire
     except ImportError as exc:
         raise InputError("serve-tinker speaks the tinker SDK's own types: pip install 'tinkergym[tinker]' (tinker==0.38.0)") from exc
+    if (model is None) == (scheduler_url is None):
+        both = "not both" if model is not None else "one of them"
+        raise InputError(f"give --model MODEL (serve it here) or --scheduler URL with --offer MODEL (the cluster's front door): {both}")
+    if scheduler_url is None and offers:
+        raise InputError("--offer names the models of a cluster: give --scheduler URL too, or serve one model here with --model")
+    if scheduler_url is not None and not offers:
+        raise InputError("--scheduler needs the models its workers serve: --offer MODEL[=TOKENIZER] (repeat for several)")
     if not _is_loopback(host):
         click.echo(f"warning: listening on {host}: keys and data travel unencrypted unless a TLS proxy is in front.", err=True)
     engine = open_database(db, data_dir)
+    if scheduler_url is not None:
+        from tinkergym.tinker_api.server import create_front_door
+        from tinkergym.urls import check_scheduler_url
+
+        offered = dict((o.split("=", 1) + [o.split("=", 1)[0]])[:2] for o in offers)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        logger = request_logger(run_dir.resolve())
+        app = create_front_door(check_scheduler_url(scheduler_url), offered, run_dir.resolve(), engine, logger, max_lora_rank=max_lora_rank,
+                                checkpoint_every=checkpoint_every, dtype=dtype, max_runs_per_tenant=max_runs_per_tenant,
+                                max_samplers_per_tenant=max_samplers_per_tenant, session_timeout_s=session_timeout)
+        click.echo(f"tinkergym Tinker API: the front door of {scheduler_url} ({', '.join(offered)}) on http://{host}:{port}", err=True)
+        run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), None, False, lambda: 0.0, logger)
+        return
+    assert model is not None
 
     with environment_faults():
         from tinkergym.backends.models import resolve_model

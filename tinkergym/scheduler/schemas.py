@@ -49,6 +49,8 @@ class JobConfig(BaseModel):
     deterministic: bool | None = None
     gradient_checkpointing: bool | None = None
     resume_job: str | None = Field(None, pattern=JOB_ID.pattern, description="the job whose newest checkpoint this one starts from")
+    resume_checkpoint: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+                                          description="the checkpoint of resume_job to start from, by name (default: its newest)")
     served_name: str | None = Field(None, pattern=SERVED_NAME.pattern, description="an inference job: the name the run is served under")
 
 

@@ -213,9 +213,9 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
         else:  # create-via-load: a new run with the checkpoint's rank
             if parsed.session_id is None or parsed.model_seq_id is None:
                 raise TinkerError(400, "load_weights needs model_id, or session_id and model_seq_id")
-            source, _ = service.checkpoint(who, parsed.path)
+            source, checkpoint = service.checkpoint(who, parsed.path)
             run = await run_in_threadpool(service.create_run, who, parsed.session_id, parsed.model_seq_id, parsed.base_model or source.base_model,
-                                          source.rank, None, parsed.user_metadata, request.state.credential)
+                                          source.rank, None, parsed.user_metadata, request.state.credential, checkpoint.saved)
         load = ops.load_state(service, run, parsed.path, bool(parsed.optimizer))
         return future(service.submit(who, lambda: {"path": load(), "model_id": run.model_id, "type": "load_weights"}, run), run.model_id)
 

@@ -88,7 +88,8 @@ class LocalEngine:
         except ConfigError as exc:
             raise EngineError(429, str(exc)) from exc
 
-    def open_run(self, run_id: str, model: str, rank: int, seed: int | None, credential: str) -> LocalHandle:
+    def open_run(self, run_id: str, model: str, rank: int, seed: int | None, credential: str, source: Saved | None = None) -> LocalHandle:
+        """A new run's adapter (``source``, a state it is about to load, is the load's to read)."""
         session = self._session(rank, seed)
         folder = (self.root / "runs" / run_id).resolve()
         folder.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""The Tinker API app on a shared base, authenticated with the scheduler's tenant keys (``tinkergym serve-tinker``)."""
+"""The Tinker API apps of ``tinkergym serve-tinker``: on a shared base here, or in front of a scheduler; both authenticated with the
+scheduler's tenant keys."""
 
 from __future__ import annotations
 
@@ -29,4 +30,19 @@ def create_server(base: Any, root: Path, engine: Any, logger: logging.Logger, *,
     worker = SharedWorker(base, logger, keep_states=0, gather_s=gather_ms / 1000.0, max_waiting=64)
     local = LocalEngine(base, worker, root, model_name, tokenizer_id or str(base.model_path), max_lora_rank)
     service = TinkerService(local, logger, limits=Limits(**limits))
+    return create_tinker_app(service, tenant_of(engine), logger)
+
+
+def create_front_door(scheduler_url: str, offers: dict[str, str], root: Path, engine: Any, logger: logging.Logger, *, max_lora_rank: int = 64,
+                      checkpoint_every: int = 8, dtype: str = "auto", **limits: Any) -> Any:
+    """The app of ``serve-tinker --scheduler``: every run and sampler a job of the scheduler at ``scheduler_url`` (its key table: ``engine``)."""
+    import json
+
+    from tinkergym.tinker_api.cluster import ClusterEngine
+
+    def say(line: str) -> None:
+        logger.info(json.dumps({"event": "tinker_cluster", "message": line}))
+
+    cluster = ClusterEngine(scheduler_url, offers, root, max_lora_rank=max_lora_rank, checkpoint_every=checkpoint_every, dtype=dtype, say=say)
+    service = TinkerService(cluster, logger, limits=Limits(**limits))
     return create_tinker_app(service, tenant_of(engine), logger)

@@ -248,7 +248,7 @@ class TinkerService:
 
     # ----- runs and samplers -------------------------------------------------------------------------------
     def create_run(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None,
-                   user_metadata: dict[str, Any] | None, credential: str = "") -> Run:
+                   user_metadata: dict[str, Any] | None, credential: str = "", source: Saved | None = None) -> Run:
         """The run ``<session_id>:train:<model_seq_id>`` (the id the SDK derives too); a retried creation answers the run made first."""
         with self._lock:
             session = self.session(tenant, session_id)
@@ -263,7 +263,7 @@ class TinkerService:
             if len(mine) >= self.limits.max_kept_runs_per_tenant:
                 raise TinkerError(429, f"this tenant keeps {len(mine)} training runs with checkpoints, its most; delete the checkpoints "
                                        "of old runs (RestClient.delete_checkpoint): a closed run without checkpoints is forgotten")
-            handle = self.engine.open_run(model_id, base_model, rank, seed, credential)
+            handle = self.engine.open_run(model_id, base_model, rank, seed, credential, source)
             executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tinker-{model_id}")
             run = Run(model_id, tenant, session_id, base_model, rank, handle, executor, user_metadata)
             self.runs[model_id] = run

@@ -424,6 +424,12 @@ class JobRunner(threading.Thread):
         self.recorded = {c["name"] for c in own}
         chosen: dict[str, dict[str, Any]] = {}
         continued = [c for c in found if c["job_id"] != self.job_id]
+        config = self.lease.get("config") or {}
+        wanted = config.get("resume_checkpoint")
+        if wanted:  # a named checkpoint of the continued job (a Tinker sampler's snapshot, a run created from a state)
+            continued = [c for c in continued if c["name"] == wanted]
+            if not continued:
+                raise ValueError(f"job {config.get('resume_job')} has no checkpoint named {wanted!r} to start from")
         if continued:
             newest = max(continued, key=lambda c: c["step"])
             chosen[newest["name"]] = newest

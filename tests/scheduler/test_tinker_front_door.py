@@ -1,0 +1,125 @@
+"""The Tinker API in front of a scheduler (`serve-tinker --scheduler`): the official SDK trains and samples through one base
+URL while each run and sampler is a job on a real worker's shared server; the worker is killed mid-run, a second one takes
+the job, and every step's loss, the final weights and the sampler's logprobs equal the same run on a local serve-tinker."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+tinker = pytest.importorskip("tinker")
+
+from sqlalchemy import select  # noqa: E402
+
+from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
+from tinkergym.scheduler.db import jobs, make_engine  # noqa: E402
+from tinkergym.serve.asgi import ThreadServer  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ROWS = [list(range(5, 21)), [7, 3, 9, 11, 40, 41, 42, 43, 44], list(range(100, 112))]
+STEPS = 6
+KILL_AFTER = 3
+
+
+def _worker(url: str, key: str, folder: Path, cache: Path) -> subprocess.Popen:
+    folder.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", url, "--slots", "1", "--models", "tiny", "--name", folder.name,
+               "--shared-devices", "0", "--seats", "3", "--shared-dtype", "float32", "--max-lora-rank", "16",
+               "--work-dir", str(folder / "work"), "--heartbeat", "0.5", "--poll", "0.2"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(folder / "worker.log", "w"),
+                            env={**os.environ, "TINKERGYM_API_KEY": key, "TINKERGYM_CACHE": str(cache)})
+
+
+def _datums() -> list[Any]:
+    from tinker import types
+
+    return [types.Datum(model_input=types.ModelInput.from_ints(r[:-1]), loss_fn_inputs={"target_tokens": r[1:], "weights": [1.0] * (len(r) - 1)})
+            for r in ROWS]
+
+
+def _train(url: str, key: str, model: str, on_step: Any = None) -> tuple[list[float], list[np.ndarray], list[list[float]], list[float]]:
+    """The client's session: STEPS steps (a state saved after the second), a sampler of the end weights, its samples' logprobs."""
+    from tinker import types
+
+    with tinker.ServiceClient(base_url=url, api_key=key) as service:
+        training = service.create_lora_training_client(base_model=model, rank=4, seed=3).result()
+        losses = []
+        for step in range(STEPS):
+            fwd = training.forward_backward(_datums(), "cross_entropy")
+            optim = training.optim_step(types.AdamParams(learning_rate=3e-2))
+            losses.append(fwd.result().metrics["loss:sum"])
+            optim.result()
+            if step == 1:
+                training.save_state("after-two").result()
+            if on_step is not None:
+                on_step(step)
+        final = [o["logprobs"].to_numpy() for o in training.forward(_datums(), "cross_entropy").result().loss_fn_outputs]
+        sampler = training.save_weights_and_get_sampling_client().result()
+        sampled = sampler.sample(types.ModelInput.from_ints(ROWS[0][:4]), 2, types.SamplingParams(max_tokens=5, seed=7)).result()
+        scored = [sampler.compute_logprobs(types.ModelInput.from_ints(ROWS[0][:4] + s.tokens)).result()[4:] for s in sampled.sequences]
+        return losses, final, [s.logprobs for s in sampled.sequences], [v for row in scored for v in row]
+
+
+def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: Any, tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinkergym.backends.models import resolve_model
+    from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig
+    from tinkergym.tinker_api.server import create_front_door, create_server
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TINKERGYM_CACHE", str(cache))
+    tokenizer = resolve_model("tiny")
+    alice, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
+    engine = make_engine(db_url)
+    logger = logging.getLogger("tinker-front-door-test")
+
+    # the same session on a local serve-tinker: what the cluster must answer
+    base = SharedBase(SharedBaseConfig(model="tiny", dtype="float32", micro_batch_size=16, max_sessions=8))
+    local = ThreadServer(create_server(base, tmp_path / "local", engine, logger, model_name="tiny", tokenizer_id=tokenizer))
+    try:
+        expected = _train(local.url, "tml-" + alice, "tiny")
+    finally:
+        local.stop()
+
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
+    door = ThreadServer(create_front_door(scheduler.url, {"tiny": tokenizer}, tmp_path / "door", engine, logger, dtype="float32",
+                                          checkpoint_every=2))
+    first = _worker(scheduler.url, worker_key, tmp_path / "w1", cache)
+    workers = [first]
+
+    def kill_first(step: int) -> None:
+        if step == KILL_AFTER - 1:
+            first.send_signal(signal.SIGKILL)
+            first.wait()
+            workers.append(_worker(scheduler.url, worker_key, tmp_path / "w2", cache))
+
+    try:
+        got = _train(door.url, "tml-" + alice, "tiny", on_step=kill_first)
+    finally:
+        for process in workers:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        door.stop()
+        scheduler.stop()
+    losses, final, sampled, scored = got
+    np.testing.assert_allclose(losses, expected[0], rtol=1e-4)
+    for a, b in zip(final, expected[1]):
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    np.testing.assert_allclose(np.concatenate(sampled), np.concatenate(expected[2]), atol=1e-4)  # seeded: the same draws
+    np.testing.assert_allclose(scored, np.concatenate(sampled), atol=1e-4)
+    with engine.connect() as conn:
+        rows = conn.execute(select(jobs.c.tenant_id, jobs.c.lease_epoch, jobs.c.state, jobs.c.config)).all()
+    engine.dispose()
+    assert {r.tenant_id for r in rows} == {"acme"}  # the jobs are the key's tenant's
+    assert max(r.lease_epoch for r in rows) >= 2, "no job moved to the second worker"
+    assert len(rows) >= 2  # the run, and the sampler's job
