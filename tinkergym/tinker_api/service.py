@@ -46,6 +46,13 @@ def not_found(what: str) -> TinkerError:
     return TinkerError(404, f"{what} not found (it does not exist, or it belongs to another key's tenant)")
 
 
+def owned(found: Any, tenant: str, what: str) -> Any:
+    """``found`` when it exists and is ``tenant``'s; anything else answers as if it did not exist."""
+    if found is None or found.tenant != tenant:
+        raise not_found(what)
+    return found
+
+
 def _now() -> datetime:
     return datetime.now(timezone.utc)
 
@@ -172,10 +179,7 @@ class TinkerService:
         return session_id
 
     def session(self, tenant: str, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None or session.tenant != tenant:
-            raise not_found(f"session {session_id[:80]!r}")
-        return session
+        return owned(self.sessions.get(session_id), tenant, f"session {session_id[:80]!r}")
 
     def heartbeat(self, tenant: str, session_id: str) -> None:
         with self._lock:
@@ -233,10 +237,7 @@ class TinkerService:
             del self.futures[key]
 
     def pending(self, tenant: str, request_id: str) -> Pending:
-        found = self.futures.get(request_id)
-        if found is None or found.tenant != tenant:
-            raise not_found(f"request {request_id[:80]!r}")
-        return found
+        return owned(self.futures.get(request_id), tenant, f"request {request_id[:80]!r}")
 
     def cancel(self, tenant: str, request_id: str) -> bool:
         return self.pending(tenant, request_id).future.cancel()
@@ -272,10 +273,7 @@ class TinkerService:
         return run
 
     def run(self, tenant: str, model_id: str) -> Run:
-        run = self.runs.get(model_id)
-        if run is None or run.tenant != tenant:
-            raise not_found(f"training run {str(model_id)[:80]!r}")
-        return run
+        return owned(self.runs.get(model_id), tenant, f"training run {str(model_id)[:80]!r}")
 
     def checkpoint(self, tenant: str, tinker_path: str) -> tuple[Run, Checkpoint]:
         """The run and checkpoint a ``tinker://<run>/<weights|sampler_weights>/<name>`` path names, if the tenant owns them."""
@@ -342,10 +340,7 @@ class TinkerService:
         return sampler
 
     def sampler(self, tenant: str, sampler_id: str) -> Sampler:
-        found = self.samplers.get(sampler_id)
-        if found is None or found.tenant != tenant:
-            raise not_found(f"sampler {str(sampler_id)[:80]!r}")
-        return found
+        return owned(self.samplers.get(sampler_id), tenant, f"sampler {str(sampler_id)[:80]!r}")
 
     def sampler_from_run(self, run: Run, credential: str = "") -> Sampler:
         """A sampler with a snapshot of ``run``'s current weights (``save_weights_for_sampler`` without a name)."""
