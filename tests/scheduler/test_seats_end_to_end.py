@@ -29,6 +29,7 @@ from tinkergym.cli import main
 from tinkergym.scheduler.app import SchedulerSettings, create_app
 from tinkergym.scheduler.db import allocations, checkpoints, devices, jobs, make_engine
 from tinkergym.serve.asgi import ThreadServer
+from workerkit import shared_worker  # noqa: E402  # registered by tests/scheduler/conftest.py
 from tinkergym.trainers.reporting import read_metrics
 from testkit import free_port
 
@@ -38,15 +39,6 @@ VOLATILE = ("time/", "tokens/per_s")
 TRAINING = ("--env", "tinker/Bandit-v0", "--steps", "10", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "3e-2",
             "--checkpoint-every", "1", "--quiet")
 RANKS = (4, 8, 16)
-
-
-def _worker(url: str, key: str, folder: Path, cache: Path) -> subprocess.Popen:
-    folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", url, "--slots", "1", "--models", "tiny", "--name", folder.name,
-               "--shared-devices", "0", "--seats", "3", "--shared-dtype", "float32", "--max-lora-rank", "16",
-               "--work-dir", str(folder / "work"), "--heartbeat", "0.5", "--poll", "0.2"]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(folder / "worker.log", "w"),
-                            env={**os.environ, "TINKERGYM_API_KEY": key, "TINKERGYM_CACHE": str(cache)})
 
 
 def _stable(records: list[dict]) -> list[dict]:
@@ -95,7 +87,7 @@ def test_a_killed_worker_with_three_packed_jobs_of_two_tenants(db_url: str, keys
     tenant_keys = [keys.new("acme", "read,write"), keys.new("acme", "read,write"), keys.new("beta", "read,write")]
     worker_key = keys.new("ops", "worker")
     scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
-    first = _worker(scheduler.url, worker_key, tmp_path / "w1", cache)
+    first = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache)
     second = None
     clients = []
     engine = make_engine(db_url)
@@ -141,7 +133,7 @@ def test_a_killed_worker_with_three_packed_jobs_of_two_tenants(db_url: str, keys
 
         first.send_signal(signal.SIGKILL)
         first.wait()
-        second = _worker(scheduler.url, worker_key, tmp_path / "w2", cache)
+        second = shared_worker(scheduler.url, worker_key, tmp_path / "w2", cache)
         errors = []
         for client in clients:
             _, stderr = client.communicate(timeout=600)

@@ -5,10 +5,7 @@ the job, and every step's loss, the final weights and the sampler's logprobs equ
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,21 +20,13 @@ from sqlalchemy import select  # noqa: E402
 from tinkergym.scheduler.app import SchedulerSettings, create_app  # noqa: E402
 from tinkergym.scheduler.db import jobs, make_engine  # noqa: E402
 from tinkergym.serve.asgi import ThreadServer  # noqa: E402
+from workerkit import shared_worker  # noqa: E402  # registered by tests/scheduler/conftest.py
 
 pytestmark = pytest.mark.slow
 
 ROWS = [list(range(5, 21)), [7, 3, 9, 11, 40, 41, 42, 43, 44], list(range(100, 112))]
 STEPS = 6
 KILL_AFTER = 3
-
-
-def _worker(url: str, key: str, folder: Path, cache: Path) -> subprocess.Popen:
-    folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", url, "--slots", "1", "--models", "tiny", "--name", folder.name,
-               "--shared-devices", "0", "--seats", "3", "--shared-dtype", "float32", "--max-lora-rank", "16",
-               "--work-dir", str(folder / "work"), "--heartbeat", "0.5", "--poll", "0.2"]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(folder / "worker.log", "w"),
-                            env={**os.environ, "TINKERGYM_API_KEY": key, "TINKERGYM_CACHE": str(cache)})
 
 
 def _datums() -> list[Any]:
@@ -93,14 +82,14 @@ def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: 
     scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
     door = ThreadServer(create_front_door(scheduler.url, {"tiny": tokenizer}, tmp_path / "door", engine, logger, dtype="float32",
                                           checkpoint_every=2))
-    first = _worker(scheduler.url, worker_key, tmp_path / "w1", cache)
+    first = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache)
     workers = [first]
 
     def kill_first(step: int) -> None:
         if step == KILL_AFTER - 1:
             first.send_signal(signal.SIGKILL)
             first.wait()
-            workers.append(_worker(scheduler.url, worker_key, tmp_path / "w2", cache))
+            workers.append(shared_worker(scheduler.url, worker_key, tmp_path / "w2", cache))
 
     try:
         got = _train(door.url, "tml-" + alice, "tiny", on_step=kill_first)
