@@ -86,7 +86,7 @@ def test_a_killed_worker_with_three_packed_jobs_of_two_tenants(db_url: str, keys
 
     tenant_keys = [keys.new("acme", "read,write"), keys.new("acme", "read,write"), keys.new("beta", "read,write")]
     worker_key = keys.new("ops", "worker")
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=6.0, sweep_interval_s=0.2)))
     first = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache)
     second = None
     clients = []

@@ -79,7 +79,7 @@ def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: 
     finally:
         local.stop()
 
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=6.0, sweep_interval_s=0.2)))
     door = ThreadServer(create_front_door(scheduler.url, {"tiny": tokenizer}, tmp_path / "door", engine, logger, dtype="float32",
                                           checkpoint_every=2))
     first = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache)
