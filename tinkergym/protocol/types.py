@@ -173,6 +173,13 @@ class ForwardBackwardResult(_Plain):
     metrics: dict[str, float]
     logprobs: list[list[float]] | None = None
 
+    def to_dict(self) -> dict[str, Any]:
+        """As the other types; ``logprobs`` only when the request asked for them (the wire of a pass that did not is unchanged)."""
+        data = super().to_dict()
+        if data["logprobs"] is None:
+            del data["logprobs"]
+        return data
+
 
 @dataclass
 class OptimParams(_Plain):
