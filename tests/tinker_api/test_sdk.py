@@ -4,6 +4,7 @@ every built-in loss against its documented definition, custom losses, and tenant
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -280,3 +281,27 @@ def test_a_tenant_reaches_only_its_own_runs_samplers_and_checkpoints(cluster: An
     assert raw("alice", "POST", "/api/v1/retrieve_future", json={"request_id": pending}).status_code == 200
     assert raw("bob", "POST", "/api/v1/session_heartbeat", json={"session_id": session}).status_code == 200
     assert raw("alice", "POST", "/api/v1/session_heartbeat", json={"session_id": session}).status_code == 410
+
+
+def test_samplers_past_the_bound_close_the_oldest(tiny: str, tmp_path: Any) -> None:
+    """An RL loop makes a sampler every step: past the tenant's bound the oldest goes, and the loop goes on."""
+    from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig
+    from tinkergym.scheduler.auth import create_key
+    from tinkergym.scheduler.db import make_engine, upgrade
+    from tinkergym.tinker_api.server import create_server
+    from testkit import serving
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'keys.db'}")
+    upgrade(engine)
+    key = "tml-" + create_key(engine, "alice", ["read", "write"])[1]
+    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", max_sessions=8))
+    app = create_server(base, tmp_path / "runs", engine, logging.getLogger("bound"), model_name="tiny-bound", tokenizer_id=tiny, max_samplers_per_tenant=2)
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    with serving(app) as url, tinker.ServiceClient(base_url=url, api_key=key) as service:
+        training = service.create_lora_training_client(base_model="tiny-bound", rank=4).result()
+        samplers = [training.save_weights_and_get_sampling_client().result() for _ in range(4)]
+        assert len(app.state.tinker.samplers) == 2 and len(base.sessions) == 3  # the run's adapter and the two newest samplers
+        assert samplers[-1].sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences
+        with pytest.raises(Exception, match="not found"):
+            samplers[0].sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+    engine.dispose()

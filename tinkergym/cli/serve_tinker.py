@@ -37,7 +37,8 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @click.option("--memory-budget-mb", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Memory for the adapters, their gradients and optimizer states (0: no bound); past it a new run is refused with the figures.")
 @click.option("--max-runs-per-tenant", type=click.IntRange(min=1), default=8, show_default=True, help="Training runs one tenant holds at once.")
-@click.option("--max-samplers-per-tenant", type=click.IntRange(min=1), default=32, show_default=True, help="Samplers one tenant holds at once.")
+@click.option("--max-samplers-per-tenant", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Samplers one tenant holds at once; a new one past it closes the tenant's oldest (an RL loop's spent snapshots).")
 @click.option("--session-timeout", type=click.FloatRange(min=10), default=600.0, show_default=True,
               help="Seconds without a heartbeat after which a client's session ends and its runs and samplers are freed.")
 @HOST_OPTION

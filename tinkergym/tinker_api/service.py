@@ -322,8 +322,11 @@ class TinkerService:
         with self._lock:
             session = self.session(tenant, session_id)
             mine = [s for s in self.samplers.values() if s.tenant == tenant]
-            if len(mine) >= self.limits.max_samplers_per_tenant:
-                raise TinkerError(429, f"this tenant has {len(mine)} samplers, its most; end a session to free its samplers")
+            evicted = mine[: max(0, len(mine) - self.limits.max_samplers_per_tenant + 1)]  # the oldest first: an RL loop's spent samplers
+            for old in evicted:
+                self.samplers.pop(old.sampler_id, None)
+                for other in self.sessions.values():
+                    other.samplers.discard(old.sampler_id)
             source: Saved | None = None
             rank, model = 1, base_model
             if model_path is not None:
@@ -331,6 +334,9 @@ class TinkerService:
                 source, rank, model = checkpoint.saved, run.rank, run.base_model
             else:
                 self.engine.check_model(base_model)
+        for old in evicted:
+            self.engine.close(old.handle)
+            self.logger.info(json.dumps({"event": "tinker_sampler_evicted", "sampler": old.sampler_id, "tenant": tenant}))
         sampler_id = "sampler-" + secrets.token_hex(8)
         handle = self.engine.open_sampler(sampler_id, model, rank, source, credential)
         with self._lock:
