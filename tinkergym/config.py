@@ -116,6 +116,12 @@ class TrainConfig:
     # token is weighted by min(trainer/sampler ratio, tis_cap): truncated importance sampling, as verl/TRL.
     old_logprobs: str = "trainer"
     tis_cap: float = 0.0
+    # Rollouts sampled ahead (prime-rl's max_async_level, tinker-cookbook's max_steps_off_policy): the rollouts of the
+    # next K steps are sampled from a snapshot of the weights while the current step trains, so a step trains on samples
+    # of a policy up to K updates old, corrected by the ratio to the sampler's logprobs (old_logprobs "sampler") or by
+    # tis_cap. 0: each step samples with the current weights, then trains. Needs a backend that samples from snapshots
+    # (tinker) and an RL trainer that plays envs (grpo, rloo, selfplay).
+    async_steps: int = 0
     # Episodes a budget ended (finish reasons max_turns, max_episode_tokens, context; not the env's own
     # truncation): "keep" trains on them with their reward, "mask" leaves them out of the loss and of their
     # group's statistics. truncated_reward, when set, replaces their total reward (e.g. -1 as a penalty).
@@ -204,6 +210,36 @@ class TrainConfig:
             )
         if self.truncation not in TRUNCATION_MODES:
             raise ConfigError(f"truncation must be one of {', '.join(TRUNCATION_MODES)}, not {self.truncation!r}.")
+        self._validate_async_steps()
+
+    def _validate_async_steps(self) -> None:
+        """``async_steps`` trains samples of an older policy: refuse settings that would train them uncorrected, or cannot sample ahead."""
+        k = self.async_steps
+        if k < 0:
+            raise ConfigError(f"async-steps must be 0 (each step samples, then trains) or more (steps sampled ahead), not {k}.")
+        if k == 0 or self.trainer == "sft":  # the trainer's own check says sft does not sample (see trainers.base)
+            return
+        if self.trainer == "rloo" and self.tis_cap == 0:
+            raise ConfigError(
+                f"async-steps {k}: the rloo trainer's REINFORCE loss has no importance ratio, so samples up to {k} updates old "
+                "would train as if the current policy drew them; add --old-logprobs trainer --tis-cap C (e.g. 2) to weight "
+                "each token by min(current/sampler ratio, C), or use --async-steps 0."
+            )
+        if self.old_logprobs == "trainer" and self.tis_cap == 0:
+            raise ConfigError(
+                f"async-steps {k} trains samples of a policy up to {k} updates old, and --old-logprobs trainer starts the "
+                "importance ratio at 1 (the trainer's own logprobs), so they would train uncorrected. Use --old-logprobs "
+                "sampler (the ratio against the sampler's logprobs: PPO's off-policy correction), or keep trainer and add "
+                "--tis-cap C (e.g. 2) to weight each token by min(current/sampler ratio, C)."
+            )
+        if self.backend is None:
+            implied = "scheduled" if self.scheduler_url else "remote" if self.backend_url else "vllm" if self.sampler == "vllm" else "torch"
+            raise ConfigError(
+                f"async-steps {k} samples the next steps while one trains, which needs a backend that samples from a fixed "
+                f"snapshot of the weights: the tinker backend (--backend tinker --backend-url URL). The {implied} backend "
+                "these settings train through samples and trains one after the other (so do torch, vllm, remote and "
+                "scheduled): leave out --async-steps, or train through a Tinker endpoint."
+            )
 
     def _validate_sampler_engine(self) -> None:
         given = [f.name for f in fields(self) if f.name.startswith("sampler_") and getattr(self, f.name) is not None]

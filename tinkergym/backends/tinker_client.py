@@ -17,8 +17,9 @@ How our calls map onto Tinker's:
   ``kl_coef > 0`` (Tinker's losses have no reference term: put the KL penalty in the reward) and a loss
   temperature other than 1 (Tinker scores at temperature 1).
 - ``sample``: a sampling client of the current weights (``save_weights_and_get_sampling_client`` after each
-  optimizer step), one Tinker request per prompt, all in flight at once. A seed makes each prompt's draws
-  reproducible, but the draws are not those of a local batch (which shares one generator across prompts).
+  optimizer step), one Tinker request per distinct prompt for all its copies' samples (a group's), all in flight at
+  once. A seed makes each prompt's draws reproducible, but the draws are not those of a local batch (which shares
+  one generator across prompts).
 - ``sampling_snapshot`` (the optional :class:`~tinkergym.protocol.backend.SnapshotBackend` capability that
   ``async_steps`` needs): that same sampling client as a :class:`TinkerSnapshot` of the current weights and their
   version. A Tinker sampling client of kind ``snapshot`` holds the weights saved when it was asked for (the SDK orders
@@ -166,19 +167,31 @@ class TinkerBackend:
         return self.sample_with(self._current_sampler(), request)
 
     def sample_with(self, sampler: Any, request: SampleRequest) -> SampleResponse:
-        """``request`` through the Tinker sampling client ``sampler``: one request per prompt, all in flight at once."""
+        """``request`` through the Tinker sampling client ``sampler``: one request per distinct prompt, all in flight at once.
+
+        The copies of a prompt (a GRPO group) are one request for all their samples: a request's seed seeds one stream of
+        draws, so copies sent apart with the rollout's seed would all draw the same completion.
+        """
         types = self._tinker.types
         p = request.params
         params = types.SamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
                                       stop=list(p.stop_token_ids) or None, seed=p.seed)
+        rows_of: dict[tuple[int, ...], list[int]] = {}
+        for i, prompt in enumerate(request.prompts):
+            rows_of.setdefault(tuple(prompt), []).append(i)
+        n = request.num_samples
         try:
-            futures = [sampler.sample(types.ModelInput.from_ints(list(prompt)), request.num_samples, params) for prompt in request.prompts]
-            responses = [f.result() for f in futures]
+            futures = [(rows, sampler.sample(types.ModelInput.from_ints(list(prompt)), n * len(rows), params)) for prompt, rows in rows_of.items()]
+            answered = [(rows, f.result()) for rows, f in futures]
         except Exception as exc:  # noqa: BLE001 - the endpoint's error, said as ours
             raise self._fail(exc, "a sample request") from exc
-        return SampleResponse(sequences=[[SampledSequence(tokens=list(s.tokens), logprobs=list(s.logprobs or []),
-                                                          finish_reason="stop" if s.stop_reason == "stop" else "length")
-                                          for s in r.sequences] for r in responses])
+        sequences: list[list[SampledSequence]] = [[] for _ in request.prompts]
+        for rows, response in answered:
+            drawn = [SampledSequence(tokens=list(s.tokens), logprobs=list(s.logprobs or []), finish_reason="stop" if s.stop_reason == "stop" else "length")
+                     for s in response.sequences]
+            for j, row in enumerate(rows):
+                sequences[row] = drawn[j * n : (j + 1) * n]
+        return SampleResponse(sequences=sequences)
 
     def _forward_logprobs(self, sequences: list[list[int]]) -> list[np.ndarray]:
         types = self._tinker.types

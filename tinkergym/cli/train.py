@@ -22,7 +22,7 @@ _FIELDS = (
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
     "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
     "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every", "prefix_cache_mb", "wandb_project",
-    "lora_sampling", "backend",
+    "lora_sampling", "backend", "async_steps",
 )
 
 
@@ -162,6 +162,10 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
               help="Old policy of the PPO ratio: the trainer's own logprobs before the update (default) or the sampler's.")
 @click.option("--tis-cap", type=FiniteFloat(0),
               help="Truncated importance weight min(trainer/sampler ratio, CAP) on every token (0 = off; needs --old-logprobs trainer). 2 is usual with --sampler vllm.")
+@click.option("--async-steps", type=click.IntRange(0), metavar="K",
+              help="Sample the rollouts of the next K steps from a snapshot of the weights while a step trains (default 0: sample, "
+                   "then train). A step then trains on samples up to K updates old, corrected by --old-logprobs sampler or "
+                   "--tis-cap; needs a backend that samples from snapshots (--backend tinker) and grpo, rloo or selfplay.")
 @click.option("--truncation", type=click.Choice(["keep", "mask"]),
               help="Episodes a budget ended (max turns, max context): keep them (default) or mask them out of the loss.")
 @click.option("--truncated-reward", type=FiniteFloat(), help="Reward given to episodes a budget ended instead of what they collected.")
@@ -229,6 +233,7 @@ def train(**options: Any) -> None:
       tinkergym train --resume runs/bandit
       tinkergym train --resume runs/bandit --steps 60       # extend a finished run to 60 steps
       tinkergym train --env tinker/Bandit-v0 --backend-url http://gpu-host:8765 --backend-token-file ~/.tinkergym/token
+      TINKER_API_KEY=tml-... tinkergym train --env tinker/MathTool-v0 --backend tinker --backend-url URL --model NAME --async-steps 1 --old-logprobs sampler
       TINKERGYM_API_KEY=tgk_... tinkergym train --env tinker/Bandit-v0 --scheduler http://scheduler:8780 --out runs/bandit
 
     A resume continues with the run's own settings. It may change only how far the run goes (--steps: never
@@ -238,6 +243,10 @@ def train(**options: Any) -> None:
 
     With --backend-url the model is the server's: its model, LoRA rank, dtype and micro-batch size are set
     where it starts (tinkergym serve-backend) and recorded in the run's config.json; the token is never saved.
+
+    With --async-steps K the rollouts of the next K steps are sampled from snapshots of the weights while a
+    step trains (a backend that samples from snapshots: --backend tinker); metrics async/* report the trained
+    samples' version gap and dropped groups, time/rollout_wait_s the time a step waited for its rollout.
 
     With --scheduler the run is a job: it waits in the queue (its position is shown), then trains through
     the server a worker starts for it. If that worker dies, the run waits for the job's next lease and goes

@@ -2,7 +2,8 @@
 
 A trainer talks to compute only through these methods, with the plain-data types of
 :mod:`tinkergym.protocol.types`; a local backend and a remote one (the same protocol over HTTP) are
-interchangeable.
+interchangeable. :class:`SnapshotBackend` is an optional capability beside them: sampling from a fixed snapshot of
+the weights concurrently with training, which sampling the next steps ahead (``async_steps``) needs.
 """
 
 from __future__ import annotations
@@ -45,3 +46,35 @@ class Backend(Protocol):
 
     def export(self, path: str, merged: bool = False) -> None:
         """Write an HF folder that plain transformers / peft / vLLM load: the adapter, or the merged model."""
+
+
+@runtime_checkable
+class SnapshotSampler(Protocol):
+    """A sampler bound to one fixed version of a policy's weights: it samples from them however the policy trains on.
+
+    ``version`` is the number of optimizer steps those weights had taken (on the scale of the backend's
+    ``info()["step"]``). ``sample`` may be called from any thread, concurrently with the backend's training calls.
+    """
+
+    version: int
+
+    def sample(self, request: SampleRequest) -> SampleResponse:
+        """Sample completions with the snapshot's weights (the returned logprobs are theirs)."""
+
+
+@runtime_checkable
+class SnapshotBackend(Backend, Protocol):
+    """A Backend that can sample concurrently with training: the optional capability ``async_steps`` needs.
+
+    A backend that samples and trains on the same weights in one engine, one call after another (a local model,
+    a training server), does not implement it; one whose samplers hold saved copies of the weights (a Tinker
+    sampling client) does.
+    """
+
+    def sampling_snapshot(self) -> SnapshotSampler:
+        """A sampler of the current weights that keeps them while this backend trains on (cheap to call once per step).
+
+        Taken between training calls (never in the middle of a forward_backward/optim_step pair); sampling from it
+        may overlap any later call of this backend. A backend whose samplers lag behind its weights (a fleet that
+        loads new weights late) may hand out older ones: ``version`` says which, and a trainer drops what is too old.
+        """

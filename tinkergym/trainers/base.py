@@ -19,7 +19,7 @@ from tinkergym.protocol.backend import Backend
 from tinkergym.chat import ChatRenderer
 from tinkergym import plugins
 from tinkergym.errors import ConfigError, TinkergymError, TinkergymWarning
-from tinkergym.rollouts import RolloutConfig, Trajectory, rollout
+from tinkergym.rollouts import RolloutConfig, Sampler, Trajectory, rollout
 from tinkergym.config import TrainConfig
 
 TRAINER_GROUP = "tinkergym.trainers"
@@ -50,8 +50,13 @@ class TrainingContext:
         rng = random.Random(f"{salt}:{self.config.seed}:{step}")
         return [rng.randrange(2**31) for _ in range(count or self.config.batch_size)]
 
-    def rollout(self, seeds: list[int], sampling_seed: int, temperature: float | None = None, env_kwargs: dict | None = None) -> list[Trajectory]:
-        """Play one episode per seed with the current policy (envs are made once and reused)."""
+    def rollout(
+        self, seeds: list[int], sampling_seed: int, temperature: float | None = None, env_kwargs: dict | None = None, sampler: Sampler | None = None,
+    ) -> list[Trajectory]:
+        """Play one episode per seed with the current policy, or with ``sampler`` (e.g. a snapshot of it); envs are made once and reused.
+
+        One rollout at a time: the envs are shared between calls.
+        """
         if self.make_env is None:
             raise ConfigError(f"the {self.config.trainer!r} trainer needs an env (--env).")
         while len(self._envs) < len(seeds):
@@ -64,7 +69,7 @@ class TrainingContext:
             temperature=c.temperature if temperature is None else temperature,
             seed=sampling_seed,
         )
-        return rollout(self._envs[: len(seeds)], self.backend, self.renderer, settings, seeds=seeds)
+        return rollout(self._envs[: len(seeds)], self.backend if sampler is None else sampler, self.renderer, settings, seeds=seeds)
 
 
 class Trainer(Protocol):
@@ -75,6 +80,10 @@ class Trainer(Protocol):
     state in every checkpoint and hands it back on resume, so a resumed run continues exactly. A trainer
     without them is treated as stateless: everything it does at a step must then follow from the config,
     the seed and the step (e.g. :meth:`TrainingContext.prompt_seeds`).
+
+    A trainer that samples the rollouts of the next ``async_steps`` steps while one trains sets the class attribute
+    ``supports_async_steps = True`` (see :mod:`tinkergym.trainers.async_rollouts`); a run with ``async_steps`` > 0
+    refuses a trainer without it, and calls its ``close()`` (when it has one) when the run ends or stops.
     """
 
     #: Whether the trainer plays envs (RL) or reads a dataset (SFT).
@@ -149,6 +158,16 @@ def check_trainer_args(trainer_class: type, args: dict[str, Any], name: str) -> 
             hint = f" Did you mean {close[0]!r}?" if close else ""
             choices = ", ".join(sorted(known)) or "none"
             raise ConfigError(f"trainer arg {key!r} is not one the {name} trainer reads.{hint} It reads: {choices}.")
+
+
+def check_async_steps(trainer_class: type, config: TrainConfig) -> None:
+    """Refuse ``async_steps`` > 0 for a trainer that does not sample rollouts ahead (``supports_async_steps``)."""
+    if config.async_steps and not getattr(trainer_class, "supports_async_steps", False):
+        what = "reads a dataset and samples nothing" if not getattr(trainer_class, "needs_env", True) else "samples each step's rollouts when it trains"
+        raise ConfigError(
+            f"async-steps {config.async_steps}: the {config.trainer} trainer {what}, so there are no rollouts to sample ahead; "
+            "leave out --async-steps (async_steps: 0), or use a trainer that has it (grpo, rloo, selfplay)."
+        )
 
 
 def load_trainer(name: str) -> type:

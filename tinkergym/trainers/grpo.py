@@ -18,6 +18,10 @@ applies to them, but they still count in the loss normalizer (the whole step's s
 ``num_items_in_batch``), so the size of an update does not depend on how many groups were degenerate.
 Failed episodes, and with ``truncation: mask`` episodes a budget ended, take no part in training or in
 their group's statistics.
+
+With ``async_steps`` K > 0 the rollouts of the next K steps are sampled from snapshots of the weights while a step
+trains (:mod:`tinkergym.trainers.async_rollouts`): a step then trains on samples of a policy up to K updates old,
+corrected by the ratio to the sampler's logprobs or ``tis_cap``, and groups older than K versions are dropped.
 """
 
 from __future__ import annotations
@@ -36,6 +40,16 @@ from tinkergym.trainers.advantages import (
     trainable,
     trajectories_to_data,
 )
+from tinkergym.trainers.async_rollouts import (
+    POLICY,
+    RolloutPipeline,
+    check_correction,
+    check_snapshots,
+    dropped_groups,
+    fresh_groups,
+    policy_version,
+    staleness_metrics,
+)
 from tinkergym.trainers.base import StepOutput, TrainingContext
 
 
@@ -43,12 +57,16 @@ class GRPOTrainer:
     """Group-relative advantages + clipped policy gradient, one optimizer step per batch."""
 
     needs_env = True
+    supports_async_steps = True
     known_args = frozenset({"scale_by_std"})
     advantage_name = "grpo"
 
     def __init__(self, ctx: TrainingContext) -> None:
         self.ctx = ctx
         self.scale_by_std = bool(ctx.config.trainer_args.get("scale_by_std", True))
+        check_correction(self.loss(), ctx.config.async_steps, ctx.config.trainer)
+        check_snapshots({POLICY: ctx.backend}, ctx.config.async_steps)
+        self.pipeline: RolloutPipeline | None = None  # the rollouts sampled ahead (async_steps > 0), made at the first step
 
     def advantages(self, rewards_B: list[float], valid_B: list[bool] | None = None) -> list[float]:
         """Group-relative advantages of a step's rewards (invalid members stay out of the group statistics)."""
@@ -76,12 +94,40 @@ class GRPOTrainer:
     def train_step(self, step: int) -> StepOutput:
         """Roll out, score, compute advantages, one gradient step."""
         c = self.ctx.config
+        if c.async_steps:
+            return self.train_step_ahead(step)
         seeds = [s for s in self.ctx.prompt_seeds(step) for _ in range(c.group_size)]
         started = time.perf_counter()
         trajectories = self.ctx.rollout(seeds, sampling_seed=c.seed * 100_003 + step)
         rolled_out = time.perf_counter()
         metrics = self.update(self.ctx.backend, trajectories)
         return StepOutput({**metrics, **phase_times(started, rolled_out)}, trajectories)
+
+    def train_step_ahead(self, step: int) -> StepOutput:
+        """Take the step's rollout, sampled ahead; drop groups more than ``async_steps`` versions old; one gradient step on the rest."""
+        c = self.ctx.config
+        if self.pipeline is None:
+            self.pipeline = RolloutPipeline({POLICY: self.ctx.backend}, c.async_steps, self.plan_rollout)
+        rollout, waited = self.pipeline.take(step, c.steps - 1)
+        trained = time.perf_counter()
+        trajectories: list[Trajectory] = rollout.output
+        gaps_B = [policy_version(self.ctx.backend) - rollout.versions[POLICY]] * len(trajectories)
+        keep_B = fresh_groups(gaps_B, c.group_size, c.async_steps)
+        metrics = self.update(self.ctx.backend, [t for t, keep in zip(trajectories, keep_B) if keep])
+        metrics.update(staleness_metrics(gaps_B, keep_B, dropped_groups(keep_B, c.group_size)))
+        metrics.update({"time/rollout_wait_s": waited, "time/update_s": time.perf_counter() - trained, "async/rollout_s": rollout.seconds})
+        return StepOutput(metrics, trajectories)
+
+    def plan_rollout(self, step: int, samplers: dict[str, Any]) -> Callable[[], list[Trajectory]]:
+        """Step ``step``'s rollout (its own prompts and sampling seed) with the snapshot ``samplers[POLICY]``, to play later."""
+        c = self.ctx.config
+        seeds = [s for s in self.ctx.prompt_seeds(step) for _ in range(c.group_size)]
+        return lambda: self.ctx.rollout(seeds, sampling_seed=c.seed * 100_003 + step, sampler=samplers[POLICY])
+
+    def close(self) -> None:
+        """Stop sampling ahead (rollouts in flight are dropped)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     def update(self, backend: Any, trajectories: list[Trajectory], advantages: Callable[[list[float], list[bool]], list[float]] | None = None) -> dict[str, float]:
         """One gradient step of ``backend`` on ``trajectories`` (see :meth:`request`); the rollout and update metrics."""
@@ -101,7 +147,9 @@ class GRPOTrainer:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        """Nothing to restore; see :meth:`state_dict`."""
+        """Nothing to restore (see :meth:`state_dict`); rollouts sampled ahead from the weights before the restore are dropped."""
+        if self.pipeline is not None:
+            self.pipeline.reset()
 
 
 def phase_times(started: float, rolled_out: float) -> dict[str, float]:

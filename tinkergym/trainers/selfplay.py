@@ -29,6 +29,12 @@ exported to ``final/seats/<seat>``): self-play games put each seat's policy in i
 one of them in its seat against the member, and each policy updates on its own seat's games. The league's
 ratings are then the first seat's policy's. Snapshots stay off in this mode (a snapshot would leave its seat).
 
+With ``async_steps`` K > 0 (:mod:`tinkergym.trainers.async_rollouts`) the games of the next K steps are played
+from snapshots of the learners' weights while a step updates: snapshots never change, so still no policy acts with
+weights from the middle of an update. A step's games and opponents are drawn when the step is handed over (at the
+start of step ``step - K``, from the league as it stood then), and a learner whose games were sampled more than K
+versions before its update skips that update (its batch counts as one dropped group).
+
 ``trainer_args``: ``self_play_share`` (0.5), ``fixed_share`` (0.2), ``pfsp_exponent`` (2), ``max_snapshots``
 (8), ``collapse_fixed_share`` (0.5), ``scale_by_std`` (true), ``seat_policies`` (shared).
 """
@@ -48,6 +54,7 @@ from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlaye
 from tinkergym.protocol.backend import Backend
 from tinkergym.rollouts import RolloutConfig, Trajectory
 from tinkergym.trainers.advantages import keyed_advantages
+from tinkergym.trainers.async_rollouts import RolloutPipeline, policy_version, staleness_metrics
 from tinkergym.trainers.base import StepOutput, TrainingContext
 from tinkergym.trainers.collapse import CollapseDetector
 from tinkergym.trainers.grpo import GRPOTrainer, phase_times
@@ -150,20 +157,27 @@ class SelfPlayTrainer(GRPOTrainer):
                              temperature=c.temperature if temperature is None else temperature, seed=seed)
 
     # ----- one step ----------------------------------------------------------------------------------
-    def schedule(self, step: int) -> tuple[list[Game], list[str]]:
-        """The step's games and the opponent of each (``learner`` for pure self-play): a pure function of the seed, the step and the league."""
+    def schedule(self, step: int, samplers: dict[str, Any] | None = None) -> tuple[list[Game], list[str]]:
+        """The step's games and the opponent of each (``learner`` for pure self-play): a pure function of the seed, the step and the league.
+
+        ``samplers`` (by learner name) puts the learners' snapshots in their seats instead of their backends.
+        """
         c = self.ctx.config
         count = c.batch_size * c.group_size
         envs = self._games(count)
         seats = list(envs[0].possible_agents)
         rng = random.Random(f"selfplay:{c.seed}:{step}")
+        learner, seat_learners = self.learner, self.seat_learners
+        if samplers is not None:
+            bound = {name: ModelPlayer(name, sampler) for name, sampler in samplers.items()}
+            learner, seat_learners = bound[LEARNER], {seat: bound[p.name] for seat, p in self.seat_learners.items()}
         games, opponents = [], []
         for i, (env, seed) in enumerate(zip(envs, self.ctx.prompt_seeds(step, count))):
             mine = seats[i % len(seats)]
             opponent = LEARNER
             if len(self.league) and rng.random() >= self.self_play_share:
                 opponent = self.league.sample_opponents(1, rng)[0]
-            own = {a: self.seat_learners.get(a, self.learner) for a in seats}  # who plays each seat in self-play
+            own = {a: seat_learners.get(a, learner) for a in seats}  # who plays each seat in self-play
             other = self.player(opponent) if opponent != LEARNER else None
             games.append(Game(env, {a: (own[a] if other is None or a == mine else other) for a in seats}, seed=seed))
             opponents.append(opponent)
@@ -172,18 +186,16 @@ class SelfPlayTrainer(GRPOTrainer):
     def train_step(self, step: int) -> StepOutput:
         """Rollout phase (every game to its end), then the update phase, then ratings, collapse checks and snapshots."""
         c = self.ctx.config
-        games, opponents = self.schedule(step)
-        started = time.perf_counter()
-        results = play_games(games, self.ctx.renderer, self.settings(seed=c.seed * 100_003 + step))
-        rolled_out = time.perf_counter()
-        metrics: dict[str, float] = {}
-        every: list[Trajectory] = []
-        for name, backend in self.learners().items():  # the update phase: every game has ended
-            trajectories, seats = learner_seats(results, {name})
-            prefix = "" if name == LEARNER else f"{name.split('@', 1)[1]}/"
-            metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, _seat_advantages(seats, self.scale_by_std)).items()})
-            every += trajectories
-        metrics.update(phase_times(started, rolled_out))
+        if c.async_steps:
+            results, opponents, metrics = self.update_ahead(step)
+        else:
+            games, opponents = self.schedule(step)
+            started = time.perf_counter()
+            results = play_games(games, self.ctx.renderer, self.settings(seed=c.seed * 100_003 + step))
+            rolled_out = time.perf_counter()
+            metrics = self.update_learners(results)  # the update phase: every game has ended
+            metrics.update(phase_times(started, rolled_out))
+        every = [t for name in self.learners() for t in learner_seats(results, {name})[0]]
         for result, opponent in zip(results, opponents):
             seat = result.seat_of(LEARNER)
             if opponent != LEARNER and seat:  # with a policy per seat, the first seat's learner carries the rating
@@ -203,6 +215,46 @@ class SelfPlayTrainer(GRPOTrainer):
         if self.snapshots_on and c.snapshot_every and (step + 1) % c.snapshot_every == 0:
             self.take_snapshot(step)
         return StepOutput(metrics, every)
+
+    def update_learners(self, results: list[GameResult], skip: AbstractSet[str] = frozenset()) -> dict[str, float]:
+        """One update of each learner (but those in ``skip``) on its seats of ``results``; their metrics, other seats' prefixed."""
+        metrics: dict[str, float] = {}
+        for name, backend in self.learners().items():
+            trajectories, seats = learner_seats(results, {name})
+            if name in skip:
+                trajectories, seats = [], []
+            prefix = "" if name == LEARNER else f"{name.split('@', 1)[1]}/"
+            metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, _seat_advantages(seats, self.scale_by_std)).items()})
+        return metrics
+
+    def update_ahead(self, step: int) -> tuple[list[GameResult], list[str], dict[str, float]]:
+        """The step's games, played ahead from snapshots; each learner updates on them unless they are more than ``async_steps`` versions old."""
+        c = self.ctx.config
+        if self.pipeline is None:
+            self.pipeline = RolloutPipeline(self.learners(), c.async_steps, self.plan_games)
+        rollout, waited = self.pipeline.take(step, c.steps - 1)
+        trained = time.perf_counter()
+        results, opponents = rollout.output
+        gaps = {name: policy_version(backend) - rollout.versions[name] for name, backend in self.learners().items()}
+        stale = {name for name, gap in gaps.items() if gap > c.async_steps}
+        metrics = self.update_learners(results, skip=stale)
+        sizes = {name: len(learner_seats(results, {name})[0]) for name in gaps}
+        gaps_B = [gaps[name] for name in gaps for _ in range(sizes[name])]
+        keep_B = [name not in stale for name in gaps for _ in range(sizes[name])]
+        metrics.update(staleness_metrics(gaps_B, keep_B, dropped_groups=len(stale)))  # a learner's batch is one group
+        metrics.update({"time/rollout_wait_s": waited, "time/update_s": time.perf_counter() - trained, "async/rollout_s": rollout.seconds})
+        return results, opponents, metrics
+
+    def plan_games(self, step: int, samplers: dict[str, Any]) -> Callable[[], tuple[list[GameResult], list[str]]]:
+        """Step ``step``'s games (drawn now, from the league as it stands) with the learners' snapshots ``samplers``, to play later."""
+        games, opponents = self.schedule(step, samplers)
+        settings = self.settings(seed=self.ctx.config.seed * 100_003 + step)
+        return lambda: (play_games(games, self.ctx.renderer, settings), opponents)
+
+    def close(self) -> None:
+        """Stop playing ahead (games in flight are dropped)."""
+        if self.pipeline is not None:
+            self.pipeline.close()
 
     # The session saves, restores and exports the run's own backend; these do the same for the other seats' policies.
     def save_backends(self, folder: Path) -> None:
@@ -260,6 +312,8 @@ class SelfPlayTrainer(GRPOTrainer):
             self.detector.load_state_dict(state["collapse"])
         self._fixed_outcomes = [float(o) for o in state.get("fixed_outcomes", [])]
         self._players = {k: v for k, v in self._players.items() if isinstance(v, ScriptedPlayer)}
+        if self.pipeline is not None:  # games played ahead from the weights before the restore
+            self.pipeline.reset()
 
 
 def _share(args: dict[str, Any], key: str, default: float) -> float:

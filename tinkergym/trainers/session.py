@@ -14,7 +14,10 @@ Run folder layout::
     final/                the exported model (adapter or full) that plain transformers / peft load
 
 Every random choice of a step is a function of (seed, step) or restored from the checkpoint, so
-``resume`` continues exactly: a resumed run logs the same metrics as an uninterrupted one. A resume may
+``resume`` continues exactly: a resumed run logs the same metrics as an uninterrupted one. With
+``async_steps`` K > 0 the rollouts sampled ahead and still in flight when a run stops are dropped, not saved: a
+resume samples its next K steps again, from the checkpoint's weights where the uninterrupted run used the weights
+of K steps before, so it continues from a consistent checkpoint but not bit for bit. A resume may
 also extend a run: it may change the settings in :data:`RESUMABLE_FIELDS` (``steps`` above all), none of
 which changes what a finished step meant; a finished run given more steps goes on from its last
 checkpoint and exports ``final/`` again.
@@ -35,7 +38,16 @@ from collections.abc import Callable
 from tinkergym.backends.scheduled import BackendLost
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
 from tinkergym.folders import complete_checkpoints, latest_checkpoint, replace_dir
-from tinkergym.trainers.base import StepOutput, TrainerStateError, TrainingContext, check_trainer_args, load_trainer, restore_trainer_state, trainer_state
+from tinkergym.trainers.base import (
+    StepOutput,
+    TrainerStateError,
+    TrainingContext,
+    check_async_steps,
+    check_trainer_args,
+    load_trainer,
+    restore_trainer_state,
+    trainer_state,
+)
 from tinkergym.config import TrainConfig
 from tinkergym.trainers.evaluation import eval_seeds, evaluate, write_transcripts
 from tinkergym.trainers.reporting import MetricsLog, plot_learning_curve
@@ -98,6 +110,7 @@ class TrainingRun:
         # Unknown trainers, bad env kwargs and an --out that cannot be written all fail before any model is loaded.
         trainer_class = load_trainer(config.trainer)
         check_trainer_args(trainer_class, config.trainer_args, config.trainer)
+        check_async_steps(trainer_class, config)
         multi = getattr(trainer_class, "multi_agent", False)
         if multi is None and config.env:  # a trainer for either kind: the env's own
             import tinkergym
@@ -204,6 +217,7 @@ class TrainingRun:
                     bar.n = step
                     bar.refresh()
         finally:  # an interrupted run still leaves every logged step readable in TensorBoard
+            _close_trainer(self.trainer)  # rollouts sampled ahead and still in flight are dropped (a resume samples them again)
             bar.close()
             self.log.close()
         plot_learning_curve(self.folder)
@@ -235,6 +249,7 @@ class TrainingRun:
             step = int(checkpoint.name.split("_")[1]) + 1
             break
         else:
+            _close_trainer(self.trainer)
             self.trainer = type(self.trainer)(self.ctx)  # the new server's weights are the base model's
             step = 0
         self.log.close()
@@ -358,6 +373,13 @@ def _trainer_hook(trainer: Any, name: str, folder: Path) -> None:
     hook = getattr(trainer, name, None)
     if callable(hook):
         hook(folder)
+
+
+def _close_trainer(trainer: Any) -> None:
+    """Call a trainer's ``close()`` (one that samples ahead stops doing so), if it has one."""
+    close = getattr(trainer, "close", None)
+    if callable(close):
+        close()
 
 
 def _make_run_folder(folder: Path) -> bool:

@@ -1,0 +1,251 @@
+"""GRPO steps per hour with rollouts sampled ahead (``--async-steps K``, K = 0, 1, 2) through a Tinker endpoint, and the reward curves.
+
+    python benchmarks/async_steps.py                          # smollm2-135m, K = 0 1 2, seeds 0 1 2, 6 steps each
+    python benchmarks/async_steps.py --model tiny --steps 4 --json
+    python benchmarks/async_steps.py --quick                  # the tiny model, K = 0 1, seed 0, 2 steps (a smoke test)
+
+The server is ``tinkergym serve-tinker`` started here as its own process on 127.0.0.1 (a key database made in a
+temporary ``--data-dir``, the SDK's key ``tml-<key>``); every run is a ``TrainingRun`` of tinkergym's GRPO trainer in
+this process through a :class:`~tinkergym.backends.tinker_client.TinkerBackend` (its own training client), on
+``tinker/MathTool-v0``: multi-turn word problems with a sandboxed ``python`` tool and a calculator, paid 1 for a
+correct ``\\boxed{}`` answer plus ``--format-reward`` for a well-formed one. The runs of one seed differ only in K; all
+use ``--old-logprobs sampler`` (the PPO ratio against the sampler's logprobs, what an async run needs; at K = 0 it
+is the on-policy ratio), so only the overlap differs. Runs alternate K within a seed (K = 0, 1, 2 for seed 0, then
+seed 1, ...), so a change in what else the machine runs touches every K alike.
+
+What overlaps at K > 0: while the server computes a step's training pass, this process plays the next steps' episodes
+(env steps, tool calls in the sandbox, chat rendering) and its sampling requests wait in the server's queue beside the
+training calls (the server's shared worker serves both). Reported per K (medians over seeds): steps per hour over
+the training loop (the summed ``time/step_s``; the final checkpoint and export are left out, the same for every K),
+the speed-up over K = 0 (after an untimed warm-up run), where a step's time went (waiting for its rollout, ``time/rollout_wait_s`` or at K = 0
+``time/rollout_s``, and training, ``time/update_s``), how long a rollout ran in the background (``async/rollout_s``)
+and the mean version gap of the trained samples. The reward curves are ``reward/mean`` of each step against the
+samples drawn so far (batch size x group size per step, the same for every K), per seed and averaged over seeds.
+
+``--env`` measures another single-agent env instead (``tinker/Bandit-v0``: one short turn, no tools, but a small
+model names arms well enough that nearly every step trains, so there is a training pass to overlap).
+``--plot FILE`` draws the curves (needs matplotlib). Nothing here asserts a time; on a 2-core CPU the server and the
+client share the cores, so the overlap is bounded by them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from bench_machine import describe, machine_facts
+
+#: The env measured by default; ``--env`` takes any single-agent hub env (its default kwargs, MathTool's given here).
+ENV = "tinker/MathTool-v0"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_tinker(model: str, name: str, folder: Path, threads: int, dtype: str) -> tuple[subprocess.Popen, str, str]:
+    """``tinkergym serve-tinker`` serving ``model`` as ``name`` on a free loopback port with a fresh key database: (process, url, the SDK's key)."""
+    from tinkergym.scheduler.auth import create_key
+    from tinkergym.scheduler.db import database_url, make_engine, upgrade
+
+    data_dir = folder / "tinker-data"
+    engine = make_engine(database_url(None, data_dir))
+    upgrade(engine)
+    key = create_key(engine, "bench", ["read", "write"])[1]
+    engine.dispose()
+    port = free_port()
+    command = [sys.executable, "-m", "tinkergym", "serve-tinker", "--model", model, "--model-name", name, "--dtype", dtype, "--device", "cpu",
+               "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), "--run-dir", str(folder / "tinker"),
+               "--max-runs-per-tenant", "64", "--max-samplers-per-tenant", "256"]
+    env = {k: v for k, v in os.environ.items() if k != "TINKERGYM_SCHEDULER_DB"}
+    env["OMP_NUM_THREADS"] = str(threads)
+    err = folder / "serve-tinker.err"
+    with open(err, "wb") as sink:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"serve-tinker exited with {process.returncode}: {' '.join(command)}\n{err.read_text(errors='replace')[-3000:]}")
+        try:
+            with urllib.request.urlopen(url + "/api/v1/healthz", timeout=2) as response:
+                if response.status == 200:
+                    return process, url, "tml-" + key
+        except OSError:
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError("serve-tinker did not answer within 600 s")
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def train(args: argparse.Namespace, url: str, key: str, k: int, seed: int, folder: Path) -> dict[str, Any]:
+    """One run of ``args.steps`` GRPO steps at ``async_steps`` k; its loop time, steps per hour and per-step numbers."""
+    from tinkergym.config import TrainConfig
+    from tinkergym.trainers.reporting import read_metrics
+    from tinkergym.trainers.session import TrainingRun
+
+    out = folder / f"k{k}-seed{seed}"
+    config = TrainConfig(
+        env=args.env, trainer="grpo", backend="tinker", backend_url=url, model=args.served_name, lora_rank=args.lora_rank, steps=args.steps,
+        batch_size=args.batch_size, group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
+        max_context=args.max_context, lr=args.lr, seed=seed, old_logprobs="sampler", async_steps=k, checkpoint_every=args.steps,
+        transcripts_every=0, env_kwargs={"format_reward": args.format_reward, "max_turns": args.max_turns} if args.env == ENV else {}, out=str(out),
+    )
+    run = TrainingRun(config, backend_token=key)
+    started = time.perf_counter()
+    run.run(progress=False)
+    wall = time.perf_counter() - started
+    records = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] >= 0]
+    loop = sum(r["time/step_s"] for r in records)
+
+    def column(name: str, fallback: str | None = None) -> list[float]:
+        return [float(r.get(name, r.get(fallback or name, 0.0))) for r in records]
+
+    return {
+        "k": k, "seed": seed, "loop_s": loop, "wall_s": wall, "steps_per_hour": len(records) * 3600.0 / loop,
+        "reward": column("reward/mean"), "step_s": column("time/step_s"), "rollout_wait_s": column("time/rollout_wait_s", "time/rollout_s"),
+        "update_s": column("time/update_s"), "rollout_s": column("async/rollout_s", "time/rollout_s"),
+        "version_gap": column("async/version_gap_mean"), "dropped_groups": column("async/dropped_groups"),
+        "trained_sequences": column("batch/trained_sequences"), "turns": column("turns/mean"),
+    }
+
+
+def summarize(runs: list[dict[str, Any]], ks: list[int], samples_per_step: int) -> dict[str, Any]:
+    """Per K: medians over seeds of steps per hour and the per-step means; the mean reward curve over seeds."""
+    out: dict[str, Any] = {}
+    base = statistics.median(r["steps_per_hour"] for r in runs if r["k"] == ks[0])
+    for k in ks:
+        mine = [r for r in runs if r["k"] == k]
+        per_hour = statistics.median(r["steps_per_hour"] for r in mine)
+        steps = len(mine[0]["reward"])
+        out[str(k)] = {
+            "steps_per_hour": per_hour, "speedup": per_hour / base,
+            **{name: statistics.median(statistics.fmean(r[name]) for r in mine) for name in ("step_s", "rollout_wait_s", "update_s", "rollout_s", "version_gap")},
+            "dropped_groups": sum(sum(r["dropped_groups"]) for r in mine),
+            "samples": [samples_per_step * (i + 1) for i in range(steps)],
+            "reward_mean": [statistics.fmean(r["reward"][i] for r in mine) for i in range(steps)],
+            "reward_by_seed": {str(r["seed"]): r["reward"] for r in mine},
+        }
+    return out
+
+
+def print_report(summary: dict[str, Any], ks: list[int], facts: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"{args.model} through serve-tinker, {args.env}: {args.batch_size} prompts x {args.group_size} samples per step, {args.steps} steps, "
+          f"seeds {args.seeds}; {describe(facts)}")
+    print(f"{'K':>2} {'steps/h':>9} {'speed-up':>9} {'step s':>8} {'wait s':>8} {'train s':>8} {'rollout s':>10} {'gap':>5} {'dropped':>8}")
+    for k in ks:
+        s = summary[str(k)]
+        print(f"{k:>2} {s['steps_per_hour']:>9.1f} {s['speedup']:>8.2f}x {s['step_s']:>8.2f} {s['rollout_wait_s']:>8.2f} {s['update_s']:>8.2f} "
+              f"{s['rollout_s']:>10.2f} {s['version_gap']:>5.2f} {s['dropped_groups']:>8}")
+    print("\nreward/mean (mean over seeds) against samples drawn:")
+    print(f"{'samples':>8} " + " ".join(f"{'K=' + str(k):>8}" for k in ks))
+    for i, samples in enumerate(summary[str(ks[0])]["samples"]):
+        print(f"{samples:>8} " + " ".join(f"{summary[str(k)]['reward_mean'][i]:>8.3f}" for k in ks))
+
+
+def plot(summary: dict[str, Any], ks: list[int], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4))
+    for k in ks:
+        s = summary[str(k)]
+        line = axes.plot(s["samples"], s["reward_mean"], label=f"K={k} (mean)", linewidth=2)[0]
+        for rewards in s["reward_by_seed"].values():
+            axes.plot(s["samples"], rewards, color=line.get_color(), alpha=0.25, linewidth=1)
+    axes.set_xlabel("samples drawn")
+    axes.set_ylabel("reward/mean")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="the model serve-tinker serves (tiny, smollm2-135m, a folder)")
+    parser.add_argument("--env", default=ENV, help=f"the env (default {ENV}; e.g. tinker/Bandit-v0, where every step trains)")
+    parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2], help="the --async-steps values (the first is the speed-up's base)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--max-turns", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--lora-rank", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--format-reward", type=float, default=0.1)
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    parser.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="OMP threads of the server (default: all cores but one, which the client's envs and tools use; "
+                             "more threads than free cores makes every decode step wait at OpenMP barriers)")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="steps of an untimed run first (the server's first passes are slow)")
+    parser.add_argument("--plot", metavar="FILE", help="draw the reward curves to this PNG (needs matplotlib)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, K = 0 1, seed 0, 2 steps of 2 x 2 (a smoke test)")
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    args = parser.parse_args()
+    if args.quick:
+        args.model, args.ks, args.seeds, args.steps, args.batch_size, args.group_size, args.max_new_tokens = "tiny", [0, 1], [0], 2, 2, 2, 8
+    args.served_name = "bench-" + Path(args.model).name
+
+    def say(message: str) -> None:
+        if not args.json:
+            print(message, file=sys.stderr, flush=True)
+
+    from tinkergym.backends.models import resolve_model
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated benchmark still stops its server (the finally below)
+    model_path = resolve_model(args.model)
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="async-steps-") as tmp:
+        folder = Path(tmp)
+        say(f"starting serve-tinker on {args.model} ...")
+        process, url, key = start_tinker(model_path, args.served_name, folder, args.server_threads, args.dtype)
+        try:
+            if args.warmup_steps:
+                say(f"warm-up: {args.warmup_steps} step(s), not counted ...")
+                train(argparse.Namespace(**{**vars(args), "steps": args.warmup_steps}), url, key, args.ks[0], args.seeds[0], folder / "warmup")
+            for seed in args.seeds:
+                for k in args.ks:
+                    run = train(args, url, key, k, seed, folder)
+                    runs.append(run)
+                    say(f"seed {seed} K={k}: {run['steps_per_hour']:.1f} steps/h (loop {run['loop_s']:.1f} s, run {run['wall_s']:.1f} s), "
+                        f"rewards {[round(r, 3) for r in run['reward']]}")
+        finally:
+            stop(process)
+    summary = summarize(runs, args.ks, args.batch_size * args.group_size)
+    facts = machine_facts("cpu")
+    result = {"model": args.model, "env": args.env, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+              "by_k": summary, "runs": runs, "machine": facts}
+    if not args.json:
+        print_report(summary, args.ks, facts, args)
+    if args.plot:
+        plot(summary, args.ks, args.plot)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

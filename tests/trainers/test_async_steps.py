@@ -1,0 +1,119 @@
+"""``async_steps``: what is refused and why, the pure rules of staleness, and K = 0 as the synchronous step it always was.
+
+Runs that sample ahead through a backend that can (TinkerBackend against a real Tinker endpoint) are tested in
+``tests/tinker_api/test_async_steps_tinker.py``, where the endpoint fixture lives.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tinkergym.config import TrainConfig
+from tinkergym.errors import ConfigError
+from tinkergym.protocol.types import LossSpec
+from tinkergym.trainers.async_rollouts import corrects_staleness, dropped_groups, fresh_groups, staleness_metrics
+
+ENV = "tinker/Bandit-v0"
+TINKER = {"backend": "tinker", "backend_url": "http://127.0.0.1:9"}
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"async_steps": -1}, "async-steps must be 0"),
+        ({"async_steps": 1, **TINKER}, "--old-logprobs sampler"),  # the default old_logprobs is the trainer's: ratio 1, uncorrected
+        ({"async_steps": 1, "trainer": "rloo", "old_logprobs": "sampler", **TINKER}, "REINFORCE loss has no importance ratio"),
+        ({"async_steps": 2, "old_logprobs": "sampler"}, "the tinker backend (--backend tinker"),
+        ({"async_steps": 1, "old_logprobs": "sampler", "backend_url": "http://127.0.0.1:9"}, "The remote backend"),
+        ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm"}, "The vllm backend"),
+    ],
+)
+def test_config_refuses_async_steps_that_would_train_uncorrected_or_cannot_sample_ahead(settings: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match="async-steps") as refused:
+        TrainConfig(env=ENV, **settings).validate()
+    assert message in str(refused.value)
+
+
+def test_config_takes_async_steps_with_a_correction_from_options_and_files(tmp_path: Path) -> None:
+    assert TrainConfig(env=ENV, async_steps=2, old_logprobs="sampler", **TINKER).validate().async_steps == 2
+    assert TrainConfig(env=ENV, async_steps=1, old_logprobs="trainer", tis_cap=2.0, **TINKER).validate().async_steps == 1
+    assert TrainConfig(env=ENV, async_steps=1, trainer="rloo", old_logprobs="trainer", tis_cap=2.0, **TINKER).validate().async_steps == 1
+    assert TrainConfig(env=ENV).validate().async_steps == 0
+    (tmp_path / "c.yaml").write_text("env: tinker/Bandit-v0\nasync-steps: 3\nold-logprobs: sampler\nbackend: tinker\nbackend-url: http://127.0.0.1:9\n")
+    assert TrainConfig.load(tmp_path / "c.yaml").validate().async_steps == 3
+    (tmp_path / "bad.yaml").write_text("env: tinker/Bandit-v0\nasync_steps: two\n")
+    with pytest.raises(ConfigError, match="async_steps must be a whole number"):
+        TrainConfig.load(tmp_path / "bad.yaml")
+
+
+def test_staleness_rules() -> None:
+    gaps_B = [0, 0, 1, 1, 3, 3, 2, 1]
+    keep_B = fresh_groups(gaps_B, group_size=2, max_gap=2)
+    assert keep_B == [True, True, True, True, False, False, True, True]  # a group trains whole or not at all
+    assert fresh_groups([1, 3, 1, 1], group_size=2, max_gap=2) == [False, False, True, True], "one stale member drops its group"
+    assert dropped_groups(keep_B, 2) == 1
+    assert staleness_metrics(gaps_B, keep_B, 1) == {"async/version_gap_mean": 5 / 6, "async/version_gap_max": 2.0, "async/dropped_groups": 1.0}
+    assert staleness_metrics([4, 4], [False, False], 1)["async/version_gap_max"] == 0.0, "nothing trained: no gap to report"
+    assert corrects_staleness(LossSpec(name="ppo", old_logprobs="sampler"))
+    assert corrects_staleness(LossSpec(name="importance_sampling", old_logprobs="sampler"))
+    assert corrects_staleness(LossSpec(name="ppo", old_logprobs="trainer", tis_cap=2.0))
+    assert corrects_staleness(LossSpec(name="reinforce", tis_cap=2.0))
+    assert not corrects_staleness(LossSpec(name="ppo", old_logprobs="trainer")), "the trainer's own ratio starts at 1"
+    assert not corrects_staleness(LossSpec(name="reinforce")), "REINFORCE has no ratio"
+
+
+def _train(out: Path, *extra: str, model: str = "tiny") -> list[str]:
+    return ["train", "--env", ENV, "--model", model, "--dtype", "float32", "--steps", "2", "--batch-size", "2", "--group-size", "2",
+            "--max-new-tokens", "4", "--quiet", "--out", str(out), *extra]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--async-steps", "-1"), "-1 is not in the range x>=0"),
+        (("--async-steps", "1"), "--old-logprobs sampler"),
+        (("--async-steps", "1", "--old-logprobs", "sampler"), "the tinker backend (--backend tinker --backend-url URL)"),
+    ],
+)
+def test_cli_refuses_async_steps_before_loading_a_model(tmp_path: Path, extra: tuple[str, ...], message: str) -> None:
+    result = CliRunner().invoke(_main(), _train(tmp_path / "run", *extra, model="gpt-17"))
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert not (tmp_path / "run").exists()
+
+
+def test_sft_and_a_backend_without_snapshots_are_refused_with_what_to_do(tiny: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    sft = CliRunner().invoke(_main(), ["train", "--trainer", "sft", "--data", str(data), "--model", tiny, "--async-steps", "1", "--quiet",
+                                       "--out", str(tmp_path / "sft")])
+    assert sft.exit_code == 2 and "the sft trainer reads a dataset and samples nothing" in " ".join(sft.output.split()), sft.output
+    assert not (tmp_path / "sft").exists(), "refused before a model was loaded or a folder made"
+    local = CliRunner().invoke(_main(), _train(tmp_path / "local", "--async-steps", "1", "--old-logprobs", "sampler", "--backend", "torch", model=tiny))
+    assert local.exit_code == 2, local.output
+    assert "TorchBackend samples and trains one after the other" in " ".join(local.output.split())
+    assert not (tmp_path / "local").exists()
+
+
+def test_async_steps_0_is_the_synchronous_step(tiny: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from tinkergym.trainers.reporting import read_metrics
+
+    default, explicit = tmp_path / "default", tmp_path / "explicit"
+    for out, extra in ((default, ()), (explicit, ("--async-steps", "0"))):
+        result = CliRunner().invoke(_main(), _train(out, "--lr", "1e-2", "--kl-coef", "0.1", *extra, model=tiny), catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+    a, b = read_metrics(default / "metrics.jsonl"), read_metrics(explicit / "metrics.jsonl")
+    stable = [[{k: v for k, v in r.items() if not k.startswith(("time/", "tokens/per_s"))} for r in records] for records in (a, b)]
+    assert stable[0] == stable[1] and all(r["batch/trained_sequences"] > 0 for r in a)
+    assert all("time/rollout_s" in r and not any(k.startswith("async/") or k == "time/rollout_wait_s" for k in r) for r in a + b)
+
+
+def _main():
+    from tinkergym.cli import main
+
+    return main

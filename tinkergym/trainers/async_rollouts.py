@@ -1,0 +1,210 @@
+"""Rollouts sampled ahead of training (``async_steps`` K > 0): the next K steps sample while the current one trains.
+
+What prime-rl's ``max_async_level``, tinker-cookbook's ``max_steps_off_policy`` and AReaL's bounded staleness do.
+A synchronous step samples with the current weights and then trains, so the sampler waits for every update and the
+update for every rollout. With K > 0, at the start of step ``j`` the trainer takes a snapshot of each learner's
+weights (:meth:`~tinkergym.protocol.backend.SnapshotBackend.sampling_snapshot`, tagged with their version: the
+optimizer steps they have taken) and hands step ``j + K``'s rollout, bound to that snapshot, to one background
+thread. The thread plays the rollouts handed to it in step order while the trainer waits for step ``j``'s (handed
+over K steps before) and trains on it. So step ``s`` samples with the weights the run had at the start of step
+``s - K`` (the first K + 1 steps of a run, or of a resume, with the weights it starts from), and a sample trains at
+most K versions after the one that drew it: exactly K once the pipeline is full and every step updates. Which
+weights sample which step follows from the step alone, so an async run repeats exactly.
+
+Invariants:
+
+- Prompts and sampling seeds are the step's own (``prompt_seeds(step)``), as in a synchronous run.
+- A snapshot's weights never change, so no policy acts with weights from the middle of an update.
+- Every trajectory carries the version of the snapshot that sampled it (:attr:`StepRollout.versions`). When its step
+  trains, a group more than K versions old is dropped and counted (``async/dropped_groups``). The pipeline never
+  hands one over by itself, but a backend whose snapshots lag behind the weights they were asked for (a sampler
+  fleet that loads new weights late) produces them, and they must not train.
+- Stale samples train only with an off-policy correction (:func:`corrects_staleness`): the importance ratio against
+  the sampler's logprobs, or the truncated importance weight ``tis_cap``. The config refuses settings without one.
+- Rollouts in flight when a run stops or restores a checkpoint are dropped (the thread stops at its next ``sample``);
+  a resume samples them again from the checkpoint's weights.
+
+The metrics of an async step: ``async/version_gap_mean`` and ``async/version_gap_max`` over the trained samples,
+``async/dropped_groups``, ``time/rollout_wait_s`` (the trainer waiting for the step's rollout), ``time/update_s``
+(training) and ``async/rollout_s`` (how long the rollout ran in the background, overlapping earlier steps' training).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from tinkergym.errors import ConfigError, TinkergymError
+from tinkergym.protocol.types import LossSpec, SampleRequest, SampleResponse
+
+T = TypeVar("T")
+
+#: The name of a single-policy trainer's learner in :attr:`StepRollout.versions`.
+POLICY = "policy"
+#: Losses with an importance ratio (against the sampler's logprobs with ``old_logprobs="sampler"``), as the torch backend's.
+RATIO_LOSSES = ("ppo", "importance_sampling", "cispo", "dro", "gspo")
+
+
+class RolloutCancelled(TinkergymError, RuntimeError):
+    """A rollout sampled ahead was still in flight when the run stopped or restored a checkpoint; it is dropped."""
+
+
+def corrects_staleness(loss: LossSpec) -> bool:
+    """Whether ``loss`` corrects for samples drawn by an older policy than the one it trains.
+
+    The ratio of a ratio loss (:data:`RATIO_LOSSES`) against the sampler's logprobs (``old_logprobs="sampler"``) does;
+    so does the truncated importance weight ``min(exp(current - sampler), tis_cap)`` of any policy loss. A ratio against
+    the trainer's own logprobs starts at 1 and ``reinforce`` has none: alone they train stale samples as if the current
+    policy had drawn them.
+    """
+    return (loss.name in RATIO_LOSSES and loss.old_logprobs == "sampler") or loss.tis_cap > 0
+
+
+def check_correction(loss: LossSpec, async_steps: int, trainer: str) -> None:
+    """Refuse a run that would train samples up to ``async_steps`` updates old with ``loss`` uncorrected."""
+    if async_steps and not corrects_staleness(loss):
+        raise ConfigError(
+            f"async-steps {async_steps}: the {trainer} trainer's {loss.name!r} loss (old_logprobs {loss.old_logprobs!r}, tis_cap "
+            f"{loss.tis_cap:g}) would train samples of a policy up to {async_steps} updates old uncorrected; use --old-logprobs "
+            "sampler with a ratio loss, or --old-logprobs trainer --tis-cap C, or --async-steps 0."
+        )
+
+
+def check_snapshots(backends: dict[str, Any], async_steps: int) -> None:
+    """Refuse ``async_steps`` > 0 unless every backend in ``backends`` samples from snapshots (``sampling_snapshot``)."""
+    if not async_steps:
+        return
+    for backend in backends.values():
+        if not callable(getattr(backend, "sampling_snapshot", None)):
+            raise ConfigError(
+                f"async-steps {async_steps} samples the next steps while one trains, which needs a backend that samples from a "
+                f"fixed snapshot of the weights (a sampling_snapshot() method): the tinker backend (--backend tinker --backend-url "
+                f"URL). {type(backend).__name__} samples and trains one after the other (so do the torch, vllm, remote and "
+                "scheduled backends): leave out --async-steps, or train through a Tinker endpoint."
+            )
+
+
+def policy_version(backend: Any) -> int:
+    """The version of ``backend``'s current weights: the optimizer steps they have taken (its ``info()["step"]``)."""
+    return int(backend.info()["step"])
+
+
+def fresh_groups(gaps_B: Sequence[int], group_size: int, max_gap: int) -> list[bool]:
+    """Per trajectory: whether its group trains, i.e. no member was sampled more than ``max_gap`` versions ago.
+
+    ``gaps_B[i]`` is how many versions the trained policy is ahead of the one that sampled trajectory ``i``; groups
+    are ``group_size`` consecutive trajectories (a group's advantages are relative to each other, so it trains whole
+    or not at all).
+    """
+    keep: list[bool] = []
+    for start in range(0, len(gaps_B), group_size):
+        group = gaps_B[start : start + group_size]
+        keep += [max(group) <= max_gap] * len(group)
+    return keep
+
+
+def dropped_groups(keep_B: Sequence[bool], group_size: int) -> int:
+    """How many groups of ``group_size`` consecutive trajectories :func:`fresh_groups` dropped."""
+    return sum(1 for start in range(0, len(keep_B), group_size) if not keep_B[start])
+
+
+def staleness_metrics(gaps_B: Sequence[int], keep_B: Sequence[bool], dropped_groups: int) -> dict[str, float]:
+    """``async/version_gap_mean`` / ``_max`` over the trained trajectories (``keep_B``) and ``async/dropped_groups``."""
+    trained = [g for g, k in zip(gaps_B, keep_B, strict=True) if k]
+    return {
+        "async/version_gap_mean": sum(trained) / len(trained) if trained else 0.0,
+        "async/version_gap_max": float(max(trained, default=0)),
+        "async/dropped_groups": float(dropped_groups),
+    }
+
+
+class StoppableSampler:
+    """A snapshot's ``sample`` that refuses once ``stopped`` is set, so a rollout in flight ends at its next call."""
+
+    def __init__(self, snapshot: Any, stopped: threading.Event) -> None:
+        self.snapshot, self._stopped = snapshot, stopped
+        self.version = int(snapshot.version)
+
+    def sample(self, request: SampleRequest) -> SampleResponse:
+        """Sample with the snapshot, unless the pipeline it belongs to was closed."""
+        if self._stopped.is_set():
+            raise RolloutCancelled("the run stopped while this rollout was sampled ahead; it is dropped")
+        return self.snapshot.sample(request)
+
+
+@dataclass
+class StepRollout(Generic[T]):
+    """One step's rollout as the background thread played it."""
+
+    step: int
+    output: T
+    #: The version of the snapshot each learner sampled with (by learner name).
+    versions: dict[str, int]
+    #: How long it ran on the background thread (sampling and env steps).
+    seconds: float
+
+
+class RolloutPipeline(Generic[T]):
+    """The rollouts of the next ``ahead`` steps, played on one background thread from snapshots of ``learners``' weights.
+
+    ``plan(step, samplers)`` runs on the trainer's thread when a step is handed over: it fixes everything of the step's
+    rollout that depends on the trainer's state (prompts, opponents) and returns the function that plays it with
+    ``samplers`` (a snapshot sampler per learner name) on the background thread. :meth:`take` is called once per step
+    in order; a step out of order (a checkpoint restored) or :meth:`reset` drops what is in flight.
+    """
+
+    def __init__(self, learners: dict[str, Any], ahead: int, plan: Callable[[int, dict[str, Any]], Callable[[], T]]) -> None:
+        if ahead < 1:
+            raise ValueError(f"a rollout pipeline samples at least one step ahead, not {ahead}")
+        check_snapshots(learners, ahead)
+        self.learners, self.ahead, self.plan = learners, ahead, plan
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopped = threading.Event()
+        self._futures: dict[int, Future] = {}
+        self._next = -1  # the step take() expects next
+        self._handed = -1  # the first step not yet handed over
+
+    def take(self, step: int, last_step: int) -> tuple[StepRollout[T], float]:
+        """Hand over the steps up to ``step + ahead`` (at most ``last_step``) not yet handed over, bound to snapshots of
+        the current weights, then wait for ``step``'s rollout; returns it and the seconds waited."""
+        if step != self._next:
+            self.reset()
+            self._handed = step
+        upto = min(step + self.ahead, max(last_step, step))
+        if self._handed <= upto:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts-ahead")
+            samplers = {name: StoppableSampler(backend.sampling_snapshot(), self._stopped) for name, backend in self.learners.items()}
+            versions = {name: sampler.version for name, sampler in samplers.items()}
+            for ahead_step in range(self._handed, upto + 1):
+                self._futures[ahead_step] = self._executor.submit(_played, ahead_step, self.plan(ahead_step, samplers), versions)
+            self._handed = upto + 1
+        started = time.perf_counter()
+        rollout = self._futures.pop(step).result()
+        self._next = step + 1
+        return rollout, time.perf_counter() - started
+
+    def reset(self) -> None:
+        """Drop every rollout handed over (in flight ones stop at their next ``sample``); the next :meth:`take` starts afresh."""
+        self._stopped.set()
+        for future in self._futures.values():
+            future.cancel()
+        self._futures.clear()
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor, self._stopped = None, threading.Event()
+        self._next = self._handed = -1
+
+    def close(self) -> None:
+        """:meth:`reset`: nothing keeps running after the run."""
+        self.reset()
+
+
+def _played(step: int, play: Callable[[], T], versions: dict[str, int]) -> StepRollout[T]:
+    started = time.perf_counter()
+    output = play()
+    return StepRollout(step, output, dict(versions), time.perf_counter() - started)
