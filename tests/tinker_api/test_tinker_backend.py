@@ -46,6 +46,8 @@ SPECS = {
     "reinforce-tis": LossSpec(name="reinforce", tis_cap=1.2),
     "importance_sampling": LossSpec(name="importance_sampling"),
     "ppo": LossSpec(name="ppo", clip_low=0.2, clip_high=0.28),
+    "ppo-trainer": LossSpec(name="ppo", old_logprobs="trainer"),  # on policy: one cross-entropy pass, no forward first
+    "importance_sampling-trainer-sequence": LossSpec(name="importance_sampling", old_logprobs="trainer", aggregation="sequence"),
     "ppo-trainer-tis-scaled": LossSpec(name="ppo", old_logprobs="trainer", tis_cap=1.5, loss_scale=0.5),
 }
 

@@ -236,7 +236,10 @@ class TinkerBackend:
             trainer_old = [np.asarray(d.old_logprobs[1:], dtype=np.float64) for d in data]
         if spec.name == "reinforce" and spec.tis_cap > 0:  # the truncated weights read the trainer's logprobs before the pass
             base = trainer_old = trainer_old or self._forward_logprobs([d.tokens for d in data])
-        if spec.name in ("importance_sampling", "ppo"):
+        # On policy (the trainer's own logprobs of this pass as the old policy, no truncated weights): the ratio is 1 with the
+        # gradient of the logprob, so the loss's gradient is a cross-entropy's with weights w * A, and no forward is needed first.
+        on_policy = spec.name in ("importance_sampling", "ppo") and spec.old_logprobs == "trainer" and trainer_old is None and spec.tis_cap == 0
+        if spec.name in ("importance_sampling", "ppo") and not on_policy:
             if spec.old_logprobs == "trainer" or trainer_old is not None:
                 base = trainer_old = trainer_old or self._forward_logprobs([d.tokens for d in data])
             else:
@@ -244,6 +247,7 @@ class TinkerBackend:
                     raise ConfigError(f"the {spec.name!r} loss needs sampling_logprobs for every datum")
                 base = [np.asarray(d.sampling_logprobs[1:], dtype=np.float64) for d in data]
         tinker_data = []
+        summed = 0.0  # an on-policy loss's value: -sum(w * A), its ratio being 1
         for i, d in enumerate(data):
             inputs: dict[str, Any] = {"target_tokens": list(d.tokens[1:])}
             if spec.name == "cross_entropy":
@@ -256,20 +260,23 @@ class TinkerBackend:
                     mask = np.asarray(d.loss_mask[1:]) > 0
                     gap = np.clip(np.where(mask, base[i] - np.asarray(d.sampling_logprobs[1:], dtype=np.float64), 0.0), -MAX_LOG_RATIO, MAX_LOG_RATIO)
                     scaled = scaled * np.minimum(np.exp(gap), spec.tis_cap)
-                if spec.name == "reinforce":
+                summed -= float((scaled * (np.asarray(d.loss_mask[1:]) > 0)).sum())
+                if spec.name == "reinforce" or on_policy:
                     inputs["weights"] = scaled.astype(np.float32)
                 else:
                     inputs["advantages"] = scaled.astype(np.float32)
                     inputs["logprobs"] = base[i].astype(np.float32)  # type: ignore[index]
             tinker_data.append(types.Datum(model_input=types.ModelInput.from_ints(list(d.tokens[:-1])), loss_fn_inputs=inputs))
-        name = {"reinforce": "cross_entropy"}.get(spec.name, spec.name)
+        name = "cross_entropy" if spec.name == "reinforce" or on_policy else spec.name
         config = {"clip_low_threshold": 1.0 - spec.clip_low, "clip_high_threshold": 1.0 + spec.clip_high} if name == "ppo" else None
         try:
             out = self.training.forward_backward(tinker_data, name, loss_fn_config=config).result()  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001
             raise self._fail(exc, f"a forward_backward ({name})") from exc
         logprobs = [np.asarray(o["logprobs"].to_numpy(), dtype=np.float64) for o in out.loss_fn_outputs]
-        loss = float(out.metrics.get("loss:sum", 0.0))
+        loss = summed if on_policy else float(out.metrics.get("loss:sum", 0.0))
+        if on_policy:
+            base = logprobs  # the ratio's base is this pass's own logprobs: 1 everywhere
         metrics = request_metrics(spec.name, data, logprobs, base, loss, spec.clip_low, spec.clip_high, spec.tis_cap, trainer_old)
         return ForwardBackwardResult(metrics=metrics, logprobs=[[0.0, *lp.tolist()] for lp in logprobs] if request.return_logprobs else None)
 
