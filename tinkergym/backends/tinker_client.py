@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from tinkergym.backends.remote import server_name
 from tinkergym.errors import ConfigError, TinkergymError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, OptimParams, SampleRequest, SampleResponse, SampledSequence
@@ -52,14 +53,6 @@ MAX_LOG_RATIO = 20.0
 
 class TinkerBackendError(TinkergymError, RuntimeError):
     """The Tinker endpoint refused or failed a call."""
-
-
-def _name(path: str | os.PathLike[str]) -> str:
-    name = Path(path).name
-    for suffix in (".staging.tmp", ".tmp"):
-        if name.endswith(suffix):
-            name = name[: -len(suffix)]
-    return name
 
 
 def aggregation_weights(data: list[Any], aggregation: str, total: float, sequences: int) -> list[np.ndarray]:
@@ -293,7 +286,7 @@ class TinkerBackend:
 
     # ----- states and export ------------------------------------------------------------------------------------
     def save_state(self, path: str) -> None:
-        name = _name(path)
+        name = server_name(path)
         try:
             saved = self.training.save_state(name).result().path
         except Exception as exc:  # noqa: BLE001
@@ -318,7 +311,7 @@ class TinkerBackend:
         if merged:
             raise ConfigError("a Tinker endpoint keeps the base model: export the adapter (leave out --merged) and merge it where the base is loaded")
         try:
-            saved = self.training.save_weights_for_sampler(_name(path)).result().path
+            saved = self.training.save_weights_for_sampler(server_name(path)).result().path
         except Exception as exc:  # noqa: BLE001
             raise self._fail(exc, "an export") from exc
         tmp = fresh_tmp_dir(path)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,6 +244,3 @@ class ClusterEngine:
     def delete(self, saved: Saved) -> None:
         """Forget the name; the scheduler keeps the job's checkpoints until its retention removes them."""
 
-
-def new_name(prefix: str) -> str:
-    return f"{prefix}-{secrets.token_hex(6)}"
