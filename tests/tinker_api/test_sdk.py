@@ -305,3 +305,35 @@ def test_samplers_past_the_bound_close_the_oldest(tiny: str, tmp_path: Any) -> N
         with pytest.raises(Exception, match="not found"):
             samplers[0].sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
     engine.dispose()
+
+
+def test_hostile_inputs_are_refused_with_4xx_and_write_nothing_outside(cluster: Any, connect: Any, tmp_path: Any) -> None:
+    """Names with '..', a NUL or a lone surrogate, huge counts, ids past the vocabulary, odd tinker:// paths: each a 4xx."""
+    training = connect().create_lora_training_client(base_model=cluster.model, rank=4).result()
+    headers = {"X-API-Key": cluster.keys["alice"], "Content-Type": "application/json"}
+
+    def post(route: str, raw: str) -> httpx.Response:
+        return httpx.post(cluster.url + route, content=raw.encode(), headers=headers, timeout=30)
+
+    model = training.model_id
+    for name in ('"../evil"', '"a\\u0000b"', '"\\ud800"', '"a/b"', '"' + "x" * 300 + '"', '"x.tmp"'):
+        answer = post("/api/v1/save_weights", f'{{"model_id": "{model}", "path": {name}}}')
+        assert 400 <= answer.status_code < 500, (name, answer.status_code, answer.text)
+    for path in ("tinker://../weights/x", f"tinker://{model}/weights/../../x", f"tinker://{model}/other/x", "file:///etc/passwd", "tinker://\u0000"):
+        answer = httpx.post(cluster.url + "/api/v1/weights_info", json={"tinker_path": path}, headers=headers, timeout=30)
+        assert 400 <= answer.status_code < 500, (path, answer.status_code)
+    assert not list(tmp_path.parent.rglob("evil"))
+    sampler = training.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    with pytest.raises(tinker.BadRequestError, match="num_samples must be"):
+        sampler.sample(prompt, 10**6, types.SamplingParams(max_tokens=2)).result()
+    with pytest.raises(tinker.BadRequestError, match="max_tokens must be"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=10**9)).result()
+    with pytest.raises(tinker.BadRequestError, match="outside the model's vocabulary"):
+        sampler.sample(types.ModelInput.from_ints([10**8]), 1, types.SamplingParams(max_tokens=2)).result()
+    with pytest.raises(Exception, match="outside the model's vocabulary"):
+        training.forward([datum([5, 6, 10**8], weights=[1.0, 1.0])], "cross_entropy").result()
+    garbage = httpx.post(cluster.url + "/api/v1/forward_backward", content=b"\x00" * 64,
+                         headers={"X-API-Key": cluster.keys["alice"], "Content-Type": "application/x-protobuf"}, timeout=30)
+    assert garbage.status_code == 400
+    assert post("/api/v1/retrieve_future", '{"request_id": "' + "r" * 10000 + '"}').status_code == 404
