@@ -139,6 +139,40 @@ def test_rounds_take_adapters_in_turn_so_none_waits_behind_anothers_queue(tiny, 
         assert len(rounds[1]) == 2
 
 
+def test_an_adapters_waiting_reads_share_one_pass_and_draw_what_each_would_alone(tiny, tmp_path) -> None:
+    from tinkergym.backends.torch.sampling import RowGenerators
+
+    http, base = shared_app(tiny, tmp_path)
+    caller = Caller(http, http.post("/v1/adapters", headers=ADMIN, json={"seed": 5}).json()["token"])
+    worker = http.app.state.shared.worker
+    seeded = [SampleRequest([[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=6, seed=s), num_samples=2) for s in (1, 2, 3)]
+    unseeded = SampleRequest([[5, 6, 7]], SamplingParams(max_new_tokens=6), num_samples=2)
+    with base._lock:  # the first call waits on the base while the reads queue up behind it
+        first = _submit(caller, "forward_backward", fb([5, 6, 7, 8]))
+        wait_until("the first round to start", lambda: len(worker._running) == 1, timeout=10, every=0.01)
+        reads = [_submit(caller, "sample", {"request": r.to_dict()}) for r in [*seeded, unseeded, unseeded]]
+        scoring = _submit(caller, "logprobs", {"sequences": [[5, 6, 7]], "temperature": 1.0})
+    results = [http.get(f"/v1/requests/{r}?wait=60", headers=caller.headers).json()["result"] for r in [first, *reads, scoring]]
+    adapter = worker_id(http, 0)
+    assert worker.rounds[-3:] == [[(adapter, "forward_backward")], [(adapter, "sample")] * 5, [(adapter, "logprobs")]]
+    for request, joint in zip(seeded, results[1:4]):  # a seeded read draws what it draws alone
+        assert caller.post("sample", {"request": request.to_dict()}).json()["result"] == joint
+    twins = [[s["tokens"] for s in r["sequences"][0]] for r in results[4:6]]
+    assert twins[0] != twins[1]  # unseeded reads share the adapter's generator, one after the other, never the same numbers
+
+    # A generator shared by segments is left after the latest of their last steps (the numbers it gave are never drawn again).
+    generator = torch.Generator().manual_seed(0)
+    rows = RowGenerators([(range(0, 2), generator), (range(2, 3), torch.Generator().manual_seed(1)), (range(3, 4), generator)])
+    start = rows.get_state()
+    rows.history.clear()
+    for _ in range(3):
+        rows.get_state()
+        rows.rand(4, torch.device("cpu"))
+    after = [rows.history[2][0], generator.get_state()]
+    rows.settle(start, [2, 0, 1])
+    assert torch.equal(generator.get_state(), after[0]) and not torch.equal(after[0], after[1])
+
+
 def test_an_adapters_waiting_calls_and_disk_are_bounded(tiny, tmp_path) -> None:
     http, base = shared_app(tiny, tmp_path, max_waiting_calls=2, max_adapter_disk_mb=0.01)
     token = http.post("/v1/adapters", headers=ADMIN, json={}).json()["token"]

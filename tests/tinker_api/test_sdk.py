@@ -231,6 +231,44 @@ def test_each_loss_equals_its_definition_in_value_and_gradient(cluster: Any, con
     assert max(float(np.abs(m).max()) for m in moved) < 1e-4  # ... the same way for both: same gradient
 
 
+def test_forward_backward_trains_only_where_the_loss_lives_and_still_answers_every_logprob(cluster: Any, connect: Any,
+                                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GRPO group: the engine trains the completions' non-zero advantages only, sharing the prompt, and the prompt's logprobs
+    (and those of rows with nothing to train) come from one scoring call over the distinct prefixes; every logprob equals
+    ``forward``'s."""
+    seen: dict[str, list[Any]] = {"forward_backward": [], "logprobs": []}
+    for method, name in (("forward_backward_many", "forward_backward"), ("logprobs_many", "logprobs")):
+        real = getattr(cluster.base, method)
+        monkeypatch.setattr(cluster.base, method, lambda calls, real=real, name=name: (seen[name].extend(r for _, r in calls), real(calls))[1])
+    training = connect().create_lora_training_client(base_model=cluster.model, rank=4, seed=3).result()
+    prompt = [7, 3, 9, 11, 40, 41]
+    completions = [[50, 51, 52], [60, 61], [70, 71, 72, 73], [80, 81, 82]]
+    for zero_rows in ([], [1, 3]):
+        seen["forward_backward"].clear(), seen["logprobs"].clear()
+        rng = np.random.default_rng(len(zero_rows))
+        batch = []
+        for k, completion in enumerate(completions):
+            n = len(prompt) + len(completion) - 1
+            advantage = 0.0 if k in zero_rows else float(rng.normal())
+            adv = [0.0] * (len(prompt) - 1) + [advantage] * len(completion)
+            batch.append(datum(prompt + completion, logprobs=list(rng.uniform(-3, -1, n + 1)), advantages=[0.0, *adv]))
+        out = training.forward_backward(batch, "importance_sampling").result()
+        (request,) = seen["forward_backward"]
+        trained = [k for k in range(len(completions)) if k not in zero_rows]
+        assert [d.tokens for d in request.data] == [prompt + completions[k] for k in trained]  # rows with nothing to train are left out
+        for d, k in zip(request.data, trained):  # ... and the prompt is no position of the loss, so the group shares it
+            assert d.loss_mask == [0.0] * len(prompt) + [1.0] * len(completions[k])
+        (scoring,) = seen["logprobs"]
+        if zero_rows:  # the rows without a gradient are scored whole; the prompt's prefix rides on them
+            assert sorted(scoring[0]) == sorted(prompt + completions[k] for k in zero_rows)
+        else:
+            assert scoring[0] == [prompt]
+        expected = [o["logprobs"].to_numpy() for o in training.forward(batch, "importance_sampling").result().loss_fn_outputs]
+        for o, e in zip(out.loss_fn_outputs, expected):
+            np.testing.assert_allclose(o["logprobs"].to_numpy(), e, rtol=1e-5, atol=1e-5)
+        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+
+
 # ----- refusals and tenants -------------------------------------------------------------------------------------------
 def test_what_the_server_lacks_is_a_clear_error(cluster: Any, connect: Any) -> None:
     service = connect()

@@ -4,7 +4,8 @@ Every loss reads the learner's logprobs of ``target_tokens`` (``target_logprobs`
 and the datum's ``loss_fn_inputs`` (``weights``; the sampler's ``logprobs``, ``advantages``), and answers the
 elementwise loss; the datum's loss is its sum, and a request's loss the sum over its data (no mean: a client that
 wants one scales its weights or advantages). ``ratio = exp(target_logprobs - logprobs)`` is the importance ratio
-against the sampler.
+against the sampler. The engine computes each of them (:func:`~tinkergym.backends.torch.losses.policy_loss`, whose log
+ratios are bounded at ``±MAX_LOG_RATIO``); this module holds their names, settings and inputs.
 
 ============================  ===========================================================================  ==========================
 loss                          elementwise loss                                                             ``loss_fn_config``
@@ -32,7 +33,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import torch
 
 #: The losses served, each with its ``loss_fn_config`` keys and their defaults, and the inputs it needs.
 LOSSES: dict[str, tuple[dict[str, float], tuple[str, ...]]] = {
@@ -94,30 +94,3 @@ def check_inputs(name: str, inputs: Mapping[str, np.ndarray], length: int, where
             raise LossInputError(f"{where}: loss_fn_inputs[{key!r}] has shape {list(value.shape)}; it needs ({length},), one per input token")
         if value.dtype.kind == "f" and not np.isfinite(value).all():
             raise LossInputError(f"{where}: loss_fn_inputs[{key!r}] holds NaN or infinite values")
-
-
-def elementwise_loss(name: str, settings: Mapping[str, float], target_logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The ``(N,)`` per-token loss of one datum (its sum is the datum's loss); gradients flow through ``target_logprobs``."""
-    if name == "cross_entropy":
-        return -target_logprobs * inputs["weights"]
-    sampler = inputs["logprobs"]
-    advantages = inputs["advantages"]
-    if name == "importance_sampling":
-        return -torch.exp(target_logprobs - sampler) * advantages
-    if name == "dro":
-        return -(target_logprobs * advantages - 0.5 * settings["beta"] * (target_logprobs - sampler) ** 2)
-    low, high = settings.get("clip_low_threshold", 0.8), settings.get("clip_high_threshold", 1.2)
-    if name == "cispo":
-        clipped = torch.clamp(torch.exp(target_logprobs - sampler), low, high).detach()
-        return -clipped * target_logprobs * advantages
-    if name == "ppo":
-        ratio = torch.exp(target_logprobs - sampler)
-    elif name == "gspo":
-        mask = inputs.get("sequence_ratio_mask")
-        in_ratio = (mask != 0) if mask is not None else (advantages != 0)
-        gap = (target_logprobs.detach() - sampler)[in_ratio]
-        log_ratio = gap.mean() if gap.numel() else gap.new_zeros(())
-        ratio = torch.exp(log_ratio + target_logprobs - target_logprobs.detach())
-    else:
-        raise LossInputError(f"unknown loss {name!r}")
-    return -torch.min(ratio * advantages, torch.clamp(ratio, low, high) * advantages)

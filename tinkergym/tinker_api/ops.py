@@ -8,10 +8,13 @@ The conversions:
   other targets are refused with that reason. Image chunks are refused (this server runs text models).
 - ``forward_backward`` is one of our requests with the same loss (the Backend protocol has every Tinker loss but
   ``stable_reinforce``, with ``aggregation="sum"``: each token weighs its loss-mask entry): ``cross_entropy``'s
-  weights are the loss mask; the RL losses' advantages and sampler logprobs are the datum's, over every position;
-  ``ppo``/``cispo``/``gspo``'s thresholds are ``1 - clip_low`` and ``1 + clip_high``. It runs in the same pass as
-  other tenants' rows, and answers each datum's logprobs (``return_logprobs``), from which the elementwise loss
-  of :mod:`tinkergym.tinker_api.losses` is computed.
+  weights are the loss mask; the RL losses' advantages and sampler logprobs are the datum's, masked to the positions
+  where the loss's term can be non-zero (see :func:`_policy_inputs`), so the engine shares a group's prompt and
+  computes no logits for it; ``ppo``/``cispo``/``gspo``'s thresholds are ``1 - clip_low`` and ``1 + clip_high``.
+  It runs in the same pass as other tenants' rows and answers the logprobs of the masked positions
+  (``return_logprobs``); the others (a prompt, an observation) come from one ``logprobs`` call over the distinct
+  prefixes that hold them, so every position's logprob is answered as the SDK's contract says. The elementwise
+  loss is the engine's (:func:`~tinkergym.backends.torch.losses.policy_loss`) at those logprobs.
 - ``forward`` scores the rows (``logprobs``) and computes the same loss without a gradient.
 - ``optim_step``: AdamW with the request's ``AdamParams`` (``grad_clip_norm`` 0: no clipping).
 - ``sample``: our sampler; ``prompt_logprobs`` (``compute_logprobs``) scores the prompt in a ``logprobs`` call.
@@ -73,18 +76,110 @@ class PreparedRows:
             self.inputs.append(arrays)
         service.check_tokens([d.tokens for d in self.rows], "data", model)
 
-    def tensors(self, i: int, device: Any) -> dict[str, Any]:
-        import torch
 
-        return {k: torch.as_tensor(v, dtype=torch.float32, device=device) for k, v in self.inputs[i].items() if k != "target_tokens"}
+def _policy_inputs(rows: PreparedRows, i: int, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """Datum ``i``'s per-position ``(mask, weights)`` for the engine (aligned with ``target_tokens``).
+
+    ``mask``: the positions where the loss's term can be non-zero, the only ones the engine scores and trains:
+    ``cross_entropy``'s non-zero weights, ``gspo``'s ratio mask, ``dro``'s every position (its penalty needs no
+    advantage), the other losses' non-zero advantages (a term is ``-f(ratio) * A``). ``weights``: the engine's loss mask
+    there (aggregation ``sum``: each token weighs its entry): the weights, or 1.
+    """
+    inputs = rows.inputs[i]
+    if name == "cross_entropy":
+        weights = inputs["weights"].astype(np.float64)
+        return weights != 0, weights
+    advantages = inputs["advantages"]
+    if name == "gspo":
+        mask = inputs["sequence_ratio_mask"] != 0 if "sequence_ratio_mask" in inputs else advantages != 0
+        if np.any(~mask & (advantages != 0)):
+            raise TinkerError(400, f"data[{i}]: gspo with advantages outside sequence_ratio_mask is not supported here: "
+                                   "give those tokens a zero advantage or put them in the mask")
+    elif name == "dro":
+        mask = np.ones(len(advantages), dtype=bool)
+    else:
+        mask = advantages != 0
+    return mask, mask.astype(np.float64)
 
 
-def _output(rows: PreparedRows, logprobs: list[np.ndarray], elementwise: list[np.ndarray], metrics: dict[str, float]) -> Any:
+def our_request(rows: PreparedRows, name: str, settings: dict[str, float]) -> tuple[ForwardBackwardRequest, list[int], list[np.ndarray]]:
+    """The Backend protocol's request of a Tinker ``forward_backward`` (see the module docstring), the datums it holds (those
+    with a position to train) and every datum's mask (see :func:`_policy_inputs`)."""
+    data, kept, masks = [], [], []
+    for i, datum in enumerate(rows.rows):
+        mask, weights = _policy_inputs(rows, i, name)
+        masks.append(mask)
+        if not mask.any():
+            continue
+        kept.append(i)
+        if name == "cross_entropy":
+            data.append(Datum(tokens=datum.tokens, loss_mask=[0.0, *weights.tolist()]))
+            continue
+        inputs = rows.inputs[i]
+        data.append(Datum(tokens=datum.tokens, loss_mask=[0.0, *weights.tolist()], advantages=[0.0, *inputs["advantages"].astype(float).tolist()],
+                          sampling_logprobs=[0.0, *inputs["logprobs"].astype(float).tolist()]))
+    low, high = settings.get("clip_low_threshold", 0.8), settings.get("clip_high_threshold", 1.2)
+    spec = LossSpec(name=name, aggregation="sum", clip_low=1.0 - low, clip_high=high - 1.0, beta=settings.get("beta", 0.05))
+    return ForwardBackwardRequest(data=data, loss=spec, return_logprobs=True), kept, masks
+
+
+def elementwise_loss(rows: PreparedRows, i: int, name: str, settings: dict[str, float], logprobs: np.ndarray) -> np.ndarray:
+    """Datum ``i``'s per-token loss at ``logprobs`` (of its ``target_tokens``), by the engine's own definitions
+    (:func:`~tinkergym.backends.torch.losses.policy_loss`), over every position as Tinker defines them."""
+    import torch
+
+    from tinkergym.backends.torch.losses import policy_loss
+
+    inputs = {k: torch.as_tensor(v, dtype=torch.float64) for k, v in rows.inputs[i].items() if k != "target_tokens"}
+    lp = torch.as_tensor(logprobs, dtype=torch.float64)
+    if name == "cross_entropy":
+        return (-lp * inputs["weights"]).numpy()
+    low, high = settings.get("clip_low_threshold", 0.8), settings.get("clip_high_threshold", 1.2)
+    mask = torch.as_tensor(_policy_inputs(rows, i, name)[0], dtype=torch.float64) if name == "gspo" else None
+    with torch.no_grad():
+        loss, _, _ = policy_loss(name, lp, inputs["advantages"], inputs["logprobs"], 1.0 - low, high - 1.0, mask=mask, beta=settings.get("beta", 0.05))
+    return loss.numpy()
+
+
+def _scored(service: TinkerService, run: Run, rows: PreparedRows, known: dict[int, tuple[np.ndarray, list[float]]]) -> list[np.ndarray]:
+    """Every datum's logprobs of its ``target_tokens``: the engine's where ``known`` has them (``i: (mask, logprobs)``, valid at the
+    mask's positions), the rest from one ``logprobs`` call over the shortest prefixes that hold them, each scored once
+    (a group's copies of a prompt share one)."""
+    out = [np.zeros(len(d.tokens) - 1) for d in rows.rows]
+    needs: list[tuple[int, np.ndarray, int]] = []  # (datum, positions still needed, tokens to score)
+    for i, datum in enumerate(rows.rows):
+        mask = np.zeros(len(out[i]), dtype=bool)
+        if i in known:
+            mask, engine = known[i]
+            out[i][mask] = np.asarray(engine[1:], dtype=np.float64)[mask]
+        missing = np.flatnonzero(~mask)
+        if len(missing):
+            needs.append((i, missing, int(missing[-1]) + 2))
+    sequences: list[list[int]] = []
+    where: list[tuple[int, np.ndarray, int]] = []  # (datum, positions, sequence)
+    for i, missing, length in sorted(needs, key=lambda n: -n[2]):
+        prefix = rows.rows[i].tokens[:length]
+        found = next((k for k, s in enumerate(sequences) if len(s) >= length and s[:length] == prefix), None)
+        if found is None:
+            sequences.append(prefix)
+            found = len(sequences) - 1
+        where.append((i, missing, found))
+    if sequences:
+        scored = service.call(run.handle, "logprobs", {"sequences": sequences, "temperature": 1.0})["logprobs"]
+        for i, missing, k in where:
+            out[i][missing] = np.asarray(scored[k][1:], dtype=np.float64)[missing]
+    return out
+
+
+def _output(rows: PreparedRows, name: str, settings: dict[str, float], logprobs: list[np.ndarray], loss: float | None) -> Any:
+    """The ``ForwardBackwardOutput``: each datum's logprobs and elementwise loss, and ``loss:sum`` (``loss``, else the elementwise sum)."""
     from tinker import types
 
+    elementwise = [elementwise_loss(rows, i, name, settings, lp) for i, lp in enumerate(logprobs)]
     outputs = [{"logprobs": types.TensorData.from_numpy(lp.astype(np.float32)),
                 "elementwise_loss": types.TensorData.from_numpy(el.astype(np.float32))} for lp, el in zip(logprobs, elementwise)]
-    return types.ForwardBackwardOutput(loss_fn_output_type=OUTPUT_TYPE, loss_fn_outputs=outputs, metrics=metrics)
+    total = float(sum(el.sum() for el in elementwise)) if loss is None else loss
+    return types.ForwardBackwardOutput(loss_fn_output_type=OUTPUT_TYPE, loss_fn_outputs=outputs, metrics={"loss:sum": total})
 
 
 def forward_backward(service: TinkerService, run: Run, request: Any, forward_only: bool) -> Callable[[], Any]:
@@ -93,59 +188,19 @@ def forward_backward(service: TinkerService, run: Run, request: Any, forward_onl
     name = str(spec.loss_fn)
     settings = loss_settings(name, spec.loss_fn_config)
     rows = PreparedRows(service, list(spec.data), name, run.base_model)
-    if forward_only:
-        return lambda: _forward(service, run, rows, name, settings)
-    return lambda: _forward_backward(service, run, rows, name, settings)
+    ours, kept, masks = our_request(rows, name, settings)  # its refusals come with the request, not its result
 
+    def run_it() -> Any:
+        if forward_only:
+            return _output(rows, name, settings, _scored(service, run, rows, {}), None)
+        loss, known = 0.0, {}
+        if ours.data:  # datums with nothing to train add no gradient: they are only scored
+            result = service.call(run.handle, "forward_backward", {"request": ours})
+            loss = float(result["metrics"]["loss"])
+            known = {i: (masks[i], lp) for i, lp in zip(kept, result["logprobs"])}
+        return _output(rows, name, settings, _scored(service, run, rows, known), loss)
 
-def _forward(service: TinkerService, run: Run, rows: PreparedRows, name: str, settings: dict[str, float]) -> Any:
-    import torch
-
-    result = service.call(run.handle, "logprobs", {"sequences": [d.tokens for d in rows.rows], "temperature": 1.0})
-    logprobs, elementwise, total = [], [], 0.0
-    for i, row in enumerate(result["logprobs"]):
-        lp = torch.tensor(row[1:], dtype=torch.float32)
-        loss = tinker_losses.elementwise_loss(name, settings, lp, rows.tensors(i, "cpu"))
-        logprobs.append(lp.numpy())
-        elementwise.append(loss.numpy())
-        total += float(loss.sum())
-    return _output(rows, logprobs, elementwise, {"loss:sum": total})
-
-
-def our_request(rows: PreparedRows, name: str, settings: dict[str, float]) -> ForwardBackwardRequest:
-    """The Backend protocol's request of a Tinker ``forward_backward`` (see the module docstring)."""
-    data = []
-    for i, datum in enumerate(rows.rows):
-        inputs = rows.inputs[i]
-        n = len(datum.tokens) - 1
-        if name == "cross_entropy":
-            data.append(Datum(tokens=datum.tokens, loss_mask=[0.0, *inputs["weights"].astype(float).tolist()]))
-            continue
-        advantages = inputs["advantages"].astype(float)
-        mask = np.ones(n)
-        if name == "gspo":
-            mask = (inputs["sequence_ratio_mask"] != 0).astype(float) if "sequence_ratio_mask" in inputs else (advantages != 0).astype(float)
-            if np.any((mask == 0) & (advantages != 0)):
-                raise TinkerError(400, f"data[{i}]: gspo with advantages outside sequence_ratio_mask is not supported here: "
-                                       "give those tokens a zero advantage or put them in the mask")
-        data.append(Datum(tokens=datum.tokens, loss_mask=[0.0, *mask.tolist()], advantages=[0.0, *advantages.tolist()],
-                          sampling_logprobs=[0.0, *inputs["logprobs"].astype(float).tolist()]))
-    low, high = settings.get("clip_low_threshold", 0.8), settings.get("clip_high_threshold", 1.2)
-    spec = LossSpec(name=name, aggregation="sum", clip_low=1.0 - low, clip_high=high - 1.0, beta=settings.get("beta", 0.05))
-    return ForwardBackwardRequest(data=data, loss=spec, return_logprobs=True)
-
-
-def _forward_backward(service: TinkerService, run: Run, rows: PreparedRows, name: str, settings: dict[str, float]) -> Any:
-    import torch
-
-    result = service.call(run.handle, "forward_backward", {"request": our_request(rows, name, settings)})
-    logprobs, elementwise = [], []
-    for i, row in enumerate(result["logprobs"]):
-        lp = torch.tensor(row[1:], dtype=torch.float32)
-        with torch.no_grad():
-            elementwise.append(tinker_losses.elementwise_loss(name, settings, lp, rows.tensors(i, "cpu")).numpy())
-        logprobs.append(lp.numpy())
-    return _output(rows, logprobs, elementwise, {"loss:sum": float(result["metrics"]["loss"])})
+    return run_it
 
 
 def optim_step(service: TinkerService, run: Run, request: Any) -> Callable[[], Any]:

@@ -78,8 +78,17 @@ class RowGenerators:
             generator.set_state(saved)
 
     def settle(self, start_state: list[torch.Tensor], last_steps: list[int]) -> None:
-        """Put segment ``i``'s generator to its state after step ``last_steps[i]`` (-1: before the first step)."""
+        """Put segment ``i``'s generator to its state after step ``last_steps[i]`` (-1: before the first step).
+
+        A generator that several segments share (unseeded requests of one session in one batch) is put to its state after
+        the latest of their last steps, so no number it gave one of them is drawn again later.
+        """
+        last: dict[int, int] = {}  # id(generator) -> the segment whose last step is the latest
         for i, ((_, generator), step) in enumerate(zip(self.segments, last_steps)):
+            if id(generator) not in last or step > last_steps[last[id(generator)]]:
+                last[id(generator)] = i
+        for i in last.values():
+            generator, step = self.segments[i][1], last_steps[i]
             generator.set_state(start_state[i] if step < 0 else self.history[step][i])
 
 

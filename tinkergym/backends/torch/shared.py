@@ -361,7 +361,11 @@ class SharedBase:
     # ----- isolation --------------------------------------------------------------------------------
     def _isolated(self, calls: Sequence[tuple[LoraSession, Any]], together: Callable[[Sequence[tuple[LoraSession, Any]]], list[T]],
                   check: Callable[[LoraSession, Any], None], restore_grads: bool) -> list[Outcome]:
-        """Run ``calls`` together; a call that fails its ``check`` fails alone, and a failed joint run is undone and run call by call."""
+        """Run ``calls`` together; a call that fails its ``check`` fails alone, and a failed joint run is undone and run call by call.
+
+        Reads (``restore_grads`` False: sampling, scoring) may hold several calls of one session: they change no weights, and
+        unseeded ones draw from the session's generator one after another (see :meth:`RowGenerators.settle`).
+        """
         outcomes: list[Outcome] = [None] * len(calls)
         ready: list[int] = []
         for k, (session, request) in enumerate(calls):
@@ -371,8 +375,8 @@ class SharedBase:
                 outcomes[k] = exc
             else:
                 ready.append(k)
-        if len({id(calls[k][0]) for k in ready}) < len(ready):
-            raise ValueError("one call per session at a time: a session's calls run in order")
+        if restore_grads and len({id(calls[k][0]) for k in ready}) < len(ready):
+            raise ValueError("one training call per session at a time: a session's calls run in order")
         with self._lock:
             groups = [ready] if ready else []
             while groups:

@@ -14,10 +14,13 @@ through an adapter unchanged, given the server's URL and the adapter's token.
 One thread runs every adapter's calls (:class:`SharedWorker`). Each adapter's calls run in the order they were
 numbered; across adapters, rounds take the next call of each adapter with one waiting, round-robin from a
 rotating start, up to ``pass_tokens`` tokens a round (a call larger than that runs in a round of its own), so one
-adapter's large or many calls never hold another's back for more than a round. A round starts ``gather_s`` after
-its first call arrived at the latest, sooner when every adapter has a call waiting. The ``forward_backward``, ``sample``
-and ``logprobs`` calls of a round run together on the base (:class:`~tinkergym.backends.torch.shared.SharedBase`),
-each failing alone; the others (``optim_step``, states, export) one by one.
+adapter's large or many calls never hold another's back for more than a round. An adapter's waiting reads of one
+kind (``sample``, ``logprobs``: they change no weights) join its first call in the round, within the budget, so a
+client's concurrent sampling requests share one pass. A round starts when ``gather_s`` passed without a new call
+(and, unless every adapter has a call waiting, ``gather_s`` after the first), at most ten times ``gather_s`` after
+it. The ``forward_backward``, ``sample`` and ``logprobs`` calls of a round run together on the base
+(:class:`~tinkergym.backends.torch.shared.SharedBase`), each failing alone; the others (``optim_step``, states,
+export) one by one.
 """
 
 from __future__ import annotations
@@ -48,6 +51,10 @@ from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, ca
 
 #: Routes of the server's own token; every other route but /health serves one adapter.
 ADMIN_PREFIX = "/v1/adapters"
+#: Calls that read an adapter without changing it: several of one adapter run in one pass (see :meth:`SharedWorker._take_round`).
+JOINED_READS = ("sample", "logprobs")
+#: A round waits for more calls at most this many times its gather time (see :meth:`SharedWorker._loop`).
+GATHER_ROUNDS = 10
 CLOSED = "this adapter was closed (DELETE /v1/adapters/{id}) before the call ran"
 
 
@@ -134,6 +141,7 @@ class SharedWorker:
         self._running: set[str] = set()
         self._cond = threading.Condition()
         self._start = 0
+        self._last_submit = 0.0
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.rounds: list[list[tuple[str, str]]] = []  # the last rounds' (adapter, method), newest last
@@ -166,6 +174,7 @@ class SharedWorker:
                                               f"(--max-waiting-calls {self.max_waiting}); wait for their results before sending more"))
                 return
             queue.records.append(record)
+            self._last_submit = time.monotonic()
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="tinkergym-shared-worker", daemon=True)
                 self._thread.start()
@@ -202,12 +211,17 @@ class SharedWorker:
         taken: list[tuple[str, CallRecord]] = []
         used = 0
         for adapter_id in ids[start:] + ids[:start]:
-            record = self._queues[adapter_id].records[0]
-            cost = call_tokens(record)
+            records = self._queues[adapter_id].records
+            cost = call_tokens(records[0])
             if taken and used + cost > self.pass_tokens:
                 continue
-            taken.append((adapter_id, self._queues[adapter_id].records.popleft()))
+            first = records.popleft()
+            taken.append((adapter_id, first))
             used += cost
+            # Reads (sample, logprobs) change no weights: an adapter's waiting reads of one kind join its first in the same pass.
+            while first.method in JOINED_READS and records and records[0].method == first.method and used + call_tokens(records[0]) <= self.pass_tokens:
+                used += call_tokens(records[0])
+                taken.append((adapter_id, records.popleft()))
         self._running = {a for a, _ in taken}
         return taken
 
@@ -216,10 +230,18 @@ class SharedWorker:
             with self._cond:
                 while not self._stopping and not any(q.records for q in self._queues.values()):
                     self._cond.wait()
-                # Other adapters' calls often follow within moments (their clients step in lock-step): wait that long for them.
-                deadline = time.monotonic() + self.gather_s
-                while not self._stopping and not all(q.records for q in self._queues.values()) and time.monotonic() < deadline:
-                    self._cond.wait(deadline - time.monotonic())
+                # Other adapters' calls often follow within moments (their clients step in lock-step), and a client's concurrent
+                # reads arrive one by one: wait for them until gather_s passes without a new call (at most GATHER_ROUNDS times
+                # that); with every adapter's call here, only while calls keep coming.
+                start = time.monotonic()
+                while not self._stopping:
+                    quiet = self._last_submit + self.gather_s
+                    ready = all(q.records for q in self._queues.values())
+                    until = min(quiet if ready else max(quiet, start + self.gather_s), start + GATHER_ROUNDS * self.gather_s)
+                    now = time.monotonic()
+                    if now >= until:
+                        break
+                    self._cond.wait(until - now)
                 if self._stopping:
                     return
                 taken = self._take_round()
