@@ -147,7 +147,7 @@ def _scored(service: TinkerService, run: Run, rows: PreparedRows, known: dict[in
     (a group's copies of a prompt share one)."""
     out = [np.zeros(len(d.tokens) - 1) for d in rows.rows]
     needs: list[tuple[int, np.ndarray, int]] = []  # (datum, positions still needed, tokens to score)
-    for i, datum in enumerate(rows.rows):
+    for i in range(len(rows.rows)):
         mask = np.zeros(len(out[i]), dtype=bool)
         if i in known:
             mask, engine = known[i]
