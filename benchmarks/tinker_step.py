@@ -35,8 +35,9 @@ How the paths differ (all of it is part of what is measured):
   each). Local and wire run it as one batch of 64 rows (a shared prompt is prefilled once). TinkerBackend sends one
   Tinker ``asample`` request per distinct prompt, 8 requests of 8 samples, all in flight, each with the rollout's
   seed (so every group draws from the same stream; the 8 samples of a request differ). serve-tinker queues them on
-  the sampler's adapter, and its shared worker takes one call per adapter per round, so they run one after another
-  as 8 batches of 8 rows. Each is an ``asample`` plus at least one ``retrieve_future``. The completions, rewards and so
+  the sampler's adapter, and its shared worker runs an adapter's waiting samples in one pass (those that arrived
+  while another ran, or within its gather time), so they run as one to a few batches. Each is an ``asample`` plus at
+  least one ``retrieve_future``. The completions, rewards and so
   the trained sequences differ from the other sides' (the ``completion`` and ``trained`` columns; a note says when
   the Tinker side trained on nothing); local and wire must give the same metrics (``same``: float32 exactly,
   bfloat16 up to the last bits between processes).
@@ -45,19 +46,21 @@ How the paths differ (all of it is part of what is measured):
   loads the export into it (``sampler_s``, part of the sample time). Local and wire sample from the training
   session. The samplers of a Tinker session stay open until the session ends, one per step: with serve-tinker's
   default ``--max-samplers-per-tenant 32``, a longer run's 33rd sample is refused (429).
-- Loss: GRPOTrainer's default ``old_logprobs: trainer`` (the ratio's base is the same pass's logprobs) is computed in
-  the forward-backward pass locally and on the wire; Tinker's ``ppo`` loss takes the base as an input, so
-  TinkerBackend first scores the batch with a ``forward`` request (a second forward pass over the 64 rows, the
-  ``forward_s`` column, part of the training time), then sends ``forward_backward`` with the ``ppo`` loss; the
-  metrics (ratio, clip fraction, mismatch) are computed on the client from the returned logprobs.
+- Loss: GRPOTrainer's default ``old_logprobs: trainer`` (the ratio's base is the same pass's logprobs, so the ratio is
+  1) is computed in the forward-backward pass locally and on the wire. TinkerBackend sends it as one
+  ``cross_entropy`` request with weights ``w * A`` (the same gradient), and computes the loss value and metrics on the
+  client from the returned logprobs. serve-tinker trains only the positions with a non-zero weight (a group's prompt
+  is shared and gets no logits; rows whose advantage is 0 are left out of the pass) and scores the other positions
+  in one ``logprobs`` call over the distinct prefixes that hold them, since the Tinker
+  contract answers every position's logprob; the local and wire passes score the completions only. (``forward_s``,
+  the separate ``forward`` TinkerBackend sends for off-policy settings, is 0 here.)
 - Encoding: the wire sends JSON; the Tinker SDK sends ``forward``/``forward_backward`` as zstd-compressed protobuf
   and gets protobuf results and samples back, the rest as JSON. Every Tinker operation is a request that answers a
   future and a ``retrieve_future`` long poll for its result; the wire answers a call within its request when it
   finishes within the wait.
-- Server settings: both servers keep their defaults (prefix cache 256 MiB, 64 rows decoded together); before each
-  round the shared worker waits for other adapters' calls (serve-shared's ``--gather-ms`` 5 ms, serve-tinker's
-  fixed 2 ms) unless every adapter has a call waiting: at once on serve-shared's one adapter, never on serve-tinker,
-  whose sampler adapters accumulate.
+- Server settings: both servers keep their defaults (prefix cache 256 MiB, 64 rows decoded together); a round of the
+  shared worker starts once its gather time (serve-shared's ``--gather-ms`` 5 ms, serve-tinker's fixed 2 ms) passed
+  without a new call, at most ten gather times after its first.
 - Authentication: serve-tinker looks every request's key up in the scheduler's key table (SQLite here); serve-shared
   compares a token digest.
 

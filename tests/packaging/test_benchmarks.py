@@ -218,3 +218,23 @@ def test_scheduler_load_quick() -> None:
     (result,) = report["results"]
     assert result["database"] == "sqlite" and result["failures"] == 0 and result["submissions"] == 40
     assert result["jobs_in_db"] == result["expected_in_db"] == 50
+
+
+@pytest.mark.slow
+def test_tinker_step_quick() -> None:
+    report, _ = run_benchmark("tinker_step.py", "--quick", "--json")
+    check_machine(report["machine"])
+    (result,) = report["results"]
+    assert result["model"] == "tiny" and result["dtype"] == native() == report["dtype"] and len(result["steps"]) == 2
+    median = result["median"]
+    assert median["tinker_requests"] >= 3 and median["wire_requests"] >= 3  # every step went over both wires
+    assert result["tinker_over_wire"] > 0 and result["tinker_over_local"] > 0 and median["tinker_server_call_s"] > 0
+
+
+@pytest.mark.slow
+def test_async_steps_quick() -> None:
+    report, _ = run_benchmark("async_steps.py", "--quick", "--json")
+    assert report["model"] == "tiny" and set(report["by_k"]) == {"0", "1"}
+    assert [(r["k"], len(r["reward"])) for r in report["runs"]] == [(0, 2), (1, 2)]
+    assert report["by_k"]["0"]["version_gap"] == 0 and report["by_k"]["1"]["version_gap"] <= 1
+    assert all(r["steps_per_hour"] > 0 for r in report["runs"])

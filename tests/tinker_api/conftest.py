@@ -18,6 +18,7 @@ class Cluster:
     model: str
     keys: dict[str, str]  # tenant -> "tml-..." key
     base: Any
+    service: Any  # the TinkerService (its engine's shared worker: service.engine.worker)
 
     def client(self, who: str = "alice") -> Any:
         import tinker
@@ -44,7 +45,7 @@ def cluster(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clu
     app = create_server(base, root / "runs", engine, logging.getLogger("tinker-test"), model_name="tiny-test", tokenizer_id=tiny,
                         max_runs_per_tenant=64)
     with serving(app) as url:
-        yield Cluster(url, "tiny-test", keys, base)
+        yield Cluster(url, "tiny-test", keys, base, app.state.tinker)
     engine.dispose()
 
 

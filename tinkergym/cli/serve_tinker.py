@@ -41,6 +41,11 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
               help="Samplers one tenant holds at once; a new one past it closes the tenant's oldest (an RL loop's spent snapshots).")
 @click.option("--session-timeout", type=click.FloatRange(min=10), default=600.0, show_default=True,
               help="Seconds without a heartbeat after which a client's session ends and its runs and samplers are freed.")
+@click.option("--gather-ms", type=click.FloatRange(min=0, max=1000), default=2.0, show_default=True,
+              help="Before a pass, wait until no call came for this long (at most ten times it), so several runs' calls share it.")
+@click.option("--sample-gather-ms", type=click.FloatRange(min=0, max=1000), default=50.0, show_default=True,
+              help="The same for a pass of sampling and scoring requests only: a client's concurrent requests (a rollout's "
+                   "prompts) arrive tens of ms apart and then decode as one batch. 0 starts at once (lowest latency of one request).")
 @HOST_OPTION
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
 @click.option("--run-dir", type=SafePath(file_okay=False, path_type=Path), required=True,
@@ -51,7 +56,7 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 def serve_tinker(
     model: str | None, scheduler_url: str | None, offers: tuple[str, ...], checkpoint_every: int, model_name: str | None, tokenizer_id: str | None, dtype: str, device: str, micro_batch_size: int, max_lora_rank: int,
     max_sessions: int, memory_budget_mb: float, max_runs_per_tenant: int, max_samplers_per_tenant: int, session_timeout: float,
-    host: str, port: int, run_dir: Path, db: str | None, data_dir: Path, header_timeout: float, body_timeout: float, max_connections: int,
+    gather_ms: float, sample_gather_ms: float, host: str, port: int, run_dir: Path, db: str | None, data_dir: Path, header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
     """Serve the Tinker API, so the tinker SDK and tinker-cookbook train and sample LoRA adapters of one base model here.
 
@@ -117,8 +122,8 @@ def serve_tinker(
 
     logger = request_logger(run_dir.resolve())
     app = create_server(base, run_dir.resolve(), engine, logger, model_name=model_name or model, tokenizer_id=tokenizer_id,
-                        max_lora_rank=max_lora_rank, max_runs_per_tenant=max_runs_per_tenant, max_samplers_per_tenant=max_samplers_per_tenant,
-                        session_timeout_s=session_timeout)
+                        max_lora_rank=max_lora_rank, gather_ms=gather_ms, sample_gather_ms=sample_gather_ms, max_runs_per_tenant=max_runs_per_tenant,
+                        max_samplers_per_tenant=max_samplers_per_tenant, session_timeout_s=session_timeout)
     click.echo(f"tinkergym Tinker API: {model_name or model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), None, False,
                lambda: 0.0, logger)

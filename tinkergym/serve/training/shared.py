@@ -18,7 +18,7 @@ adapter's large or many calls never hold another's back for more than a round. A
 kind (``sample``, ``logprobs``: they change no weights) join its first call in the round, within the budget, so a
 client's concurrent sampling requests share one pass. A round starts when ``gather_s`` passed without a new call
 (and, unless every adapter has a call waiting, ``gather_s`` after the first), at most ten times ``gather_s`` after
-it. The ``forward_backward``, ``sample`` and ``logprobs`` calls of a round run together on the base
+it; a round of reads only waits ``read_gather_s`` instead. The ``forward_backward``, ``sample`` and ``logprobs`` calls of a round run together on the base
 (:class:`~tinkergym.backends.torch.shared.SharedBase`), each failing alone; the others (``optim_step``, states,
 export) one by one.
 """
@@ -133,8 +133,10 @@ class SharedWorker:
     """One thread that runs every adapter's calls in rounds (see the module docstring)."""
 
     def __init__(self, base: Any, logger: logging.Logger, keep_states: int = 0, pass_tokens: int = 65536, gather_s: float = 0.005,
-                 max_waiting: int = 16, max_disk_bytes: int = 0) -> None:
+                 max_waiting: int = 16, max_disk_bytes: int = 0, read_gather_s: float | None = None) -> None:
         self.base, self.logger, self.keep_states, self.pass_tokens, self.gather_s = base, logger, keep_states, pass_tokens, gather_s
+        #: The gather time of a round whose first calls are all reads (a client's concurrent samples come apart by tens of ms).
+        self.read_gather_s = gather_s if read_gather_s is None else read_gather_s
         self.max_waiting, self.max_disk_bytes = max_waiting, max_disk_bytes
         self.adapters: dict[str, tuple[Any, Path]] = {}  # id -> (session, run folder)
         self._queues: dict[str, _Queue] = {}
@@ -235,9 +237,11 @@ class SharedWorker:
                 # that); with every adapter's call here, only while calls keep coming.
                 start = time.monotonic()
                 while not self._stopping:
-                    quiet = self._last_submit + self.gather_s
+                    heads = [q.records[0].method for q in self._queues.values() if q.records]
+                    gather = self.read_gather_s if all(m in JOINED_READS for m in heads) else self.gather_s
+                    quiet = self._last_submit + gather
                     ready = all(q.records for q in self._queues.values())
-                    until = min(quiet if ready else max(quiet, start + self.gather_s), start + GATHER_ROUNDS * self.gather_s)
+                    until = min(quiet if ready else max(quiet, start + gather), start + GATHER_ROUNDS * gather)
                     now = time.monotonic()
                     if now >= until:
                         break
