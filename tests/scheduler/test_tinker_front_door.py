@@ -1,9 +1,10 @@
-"""The Tinker API in front of a scheduler (`serve-tinker --scheduler`): the official SDK trains and samples through one base
-URL while each run and sampler is a job on a real worker's shared server; the worker is killed mid-run, a second one takes
+"""The Tinker API in front of a scheduler (`serve-tinker --scheduler`): the official SDK (its sync and async interfaces) trains
+and samples through one base URL while each run and sampler is a job on a real worker's shared server; the worker is killed mid-run, a second one takes
 the job, and every step's loss, the final weights and the sampler's logprobs equal the same run on a local serve-tinker."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 from pathlib import Path
@@ -40,21 +41,34 @@ def _train(url: str, key: str, model: str, on_step: Any = None) -> tuple[list[fl
     """The client's session: STEPS steps (a state saved after the second), a sampler of the end weights, its samples' logprobs."""
     from tinker import types
 
+    async def async_step(training: Any) -> float:  # the SDK's async interface (its futures awaited): odd steps and the sampler
+        fwd = training.forward_backward(_datums(), "cross_entropy")
+        optim = training.optim_step(types.AdamParams(learning_rate=3e-2))
+        loss = (await fwd).metrics["loss:sum"]
+        await optim
+        return loss
+
+    async def async_sample(sampler: Any) -> Any:
+        return await sampler.sample(types.ModelInput.from_ints(ROWS[0][:4]), 2, types.SamplingParams(max_tokens=5, seed=7))
+
     with tinker.ServiceClient(base_url=url, api_key=key) as service:
         training = service.create_lora_training_client(base_model=model, rank=4, seed=3).result()
         losses = []
         for step in range(STEPS):
-            fwd = training.forward_backward(_datums(), "cross_entropy")
-            optim = training.optim_step(types.AdamParams(learning_rate=3e-2))
-            losses.append(fwd.result().metrics["loss:sum"])
-            optim.result()
+            if step % 2:
+                losses.append(asyncio.run(async_step(training)))
+            else:
+                fwd = training.forward_backward(_datums(), "cross_entropy")
+                optim = training.optim_step(types.AdamParams(learning_rate=3e-2))
+                losses.append(fwd.result().metrics["loss:sum"])
+                optim.result()
             if step == 1:
                 training.save_state("after-two").result()
             if on_step is not None:
                 on_step(step)
         final = [o["logprobs"].to_numpy() for o in training.forward(_datums(), "cross_entropy").result().loss_fn_outputs]
         sampler = training.save_weights_and_get_sampling_client().result()
-        sampled = sampler.sample(types.ModelInput.from_ints(ROWS[0][:4]), 2, types.SamplingParams(max_tokens=5, seed=7)).result()
+        sampled = asyncio.run(async_sample(sampler))
         scored = [sampler.compute_logprobs(types.ModelInput.from_ints(ROWS[0][:4] + s.tokens)).result()[4:] for s in sampled.sequences]
         return losses, final, [s.logprobs for s in sampled.sequences], [v for row in scored for v in row]
 

@@ -73,3 +73,20 @@ def test_cookbook_rl_train_on_hub_envs(cookbook: Any, tmp_path: Path, env_id: st
     # single-agent: a group is group_size rollouts of one seed; AEC: a group is the two seats of one game
     episodes = 2 * (2 if "Duel" in env_id else 3)
     assert [r["env/all/total_episodes"] for r in steps] == [episodes, episodes]
+
+
+def test_cookbook_rl_train_async_mode(cookbook: Any, tmp_path: Path) -> None:
+    """The cookbook's async mode (sampling runs ahead of training, at most one step off policy) with the ppo loss."""
+    from tinker_cookbook.rl import train
+
+    from tinkergym.cookbook import HubRLDatasetBuilder
+
+    builder = HubRLDatasetBuilder(env_id="tinker/Bandit-v0", renderer_name=RENDERER, model_name=cookbook.model, batch_size=2, group_size=3,
+                                  num_batches=3)
+    config = train.Config(learning_rate=1e-2, dataset_builder=builder, model_name=cookbook.model, recipe_name="tinkergym-test",
+                          renderer_name=RENDERER, max_tokens=6, log_path=str(tmp_path / "rl"), eval_every=0, save_every=0, lora_rank=4,
+                          base_url=cookbook.url, async_config=train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2, loss_fn="ppo"))
+    asyncio.run(train.main(config))
+    steps = [r for r in read_metrics(tmp_path / "rl") if "env/all/reward/total" in r]
+    assert len(steps) == 3, steps
+    assert all(r["env/all/total_episodes"] == 6 for r in steps)

@@ -113,7 +113,7 @@ class TinkerBackend:
         self.url, self.base_model, self.lora_rank = url, base_model, lora_rank
         self._tinker = tinker
         self.service = tinker.ServiceClient(base_url=url, api_key=key)
-        models = [m.model_name for m in self.service.get_server_capabilities().supported_models]
+        models = [m.model_name for m in tinker.RestClient(base_url=url, api_key=key).get_server_capabilities().result().supported_models]
         if base_model not in models:
             raise ConfigError(f"{url} does not offer the model {base_model!r}; it offers: {', '.join(str(m) for m in models) or 'none'}")
         self.training = self.service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed).result()
