@@ -1,12 +1,14 @@
 """The Tinker API in front of a scheduler (`serve-tinker --scheduler`): the official SDK (its sync and async interfaces) trains
 and samples through one base URL while each run and sampler is a job on a real worker's shared server; the worker is killed mid-run, a second one takes
-the job, and every step's loss, the final weights and the sampler's logprobs equal the same run on a local serve-tinker."""
+the job, and every step's loss, the final weights and the sampler's logprobs equal the same run on a local serve-tinker. A
+client that only sends heartbeats for longer than the scheduler's idle timeout keeps its job (the front door's keep-alive)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,8 @@ pytestmark = pytest.mark.slow
 ROWS = [list(range(5, 21)), [7, 3, 9, 11, 40, 41, 42, 43, 44], list(range(100, 112))]
 STEPS = 6
 KILL_AFTER = 3
+#: The scheduler's idle timeout here: the client then only sends heartbeats for 1.5 times as long (the front door keeps the job alive).
+IDLE_TIMEOUT = 20.0
 
 
 def _datums() -> list[Any]:
@@ -37,7 +41,7 @@ def _datums() -> list[Any]:
             for r in ROWS]
 
 
-def _train(url: str, key: str, model: str, on_step: Any = None) -> tuple[list[float], list[np.ndarray], list[list[float]], list[float]]:
+def _train(url: str, key: str, model: str, on_step: Any = None, idle: float = 0.0) -> tuple[list[float], list[np.ndarray], list[list[float]], list[float]]:
     """The client's session: STEPS steps (a state saved after the second), a sampler of the end weights, its samples' logprobs."""
     from tinker import types
 
@@ -66,6 +70,8 @@ def _train(url: str, key: str, model: str, on_step: Any = None) -> tuple[list[fl
                 training.save_state("after-two").result()
             if on_step is not None:
                 on_step(step)
+            if step == 0 and idle:  # only the SDK's heartbeats for longer than the scheduler's idle timeout: the job must stay
+                time.sleep(idle)
         final = [o["logprobs"].to_numpy() for o in training.forward(_datums(), "cross_entropy").result().loss_fn_outputs]
         sampler = training.save_weights_and_get_sampling_client().result()
         sampled = asyncio.run(async_sample(sampler))
@@ -93,9 +99,10 @@ def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: 
     finally:
         local.stop()
 
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=6.0, sweep_interval_s=0.2)))
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=6.0, sweep_interval_s=0.2,
+                                                          idle_timeout_s=IDLE_TIMEOUT)))
     door = ThreadServer(create_front_door(scheduler.url, {"tiny": tokenizer}, tmp_path / "door", engine, logger, dtype="float32",
-                                          checkpoint_every=2))
+                                          checkpoint_every=2, maintenance_s=1.0))
     first = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache)
     workers = [first]
 
@@ -106,7 +113,7 @@ def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: 
             workers.append(shared_worker(scheduler.url, worker_key, tmp_path / "w2", cache))
 
     try:
-        got = _train(door.url, "tml-" + alice, "tiny", on_step=kill_first)
+        got = _train(door.url, "tml-" + alice, "tiny", on_step=kill_first, idle=1.5 * IDLE_TIMEOUT)
     finally:
         for process in workers:
             if process.poll() is None:

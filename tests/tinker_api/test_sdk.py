@@ -275,7 +275,7 @@ def test_a_clients_concurrent_samples_share_one_pass(cluster: Any, connect: Any,
     worker = cluster.service.engine.worker
     assert worker.read_gather_s == 0.05  # serve-tinker's default; a loaded test machine gets more room below
     monkeypatch.setattr(worker, "read_gather_s", 0.2)
-    for attempt in range(3):  # the first round may start before the last request arrives: then the rest make the next
+    for _ in range(3):  # the first round may start before the last request arrives: then the rest make the next
         before = len(worker.rounds)
         futures = [sampler.sample(types.ModelInput.from_ints([5, 6, 7 + k]), 2, types.SamplingParams(max_tokens=4)) for k in range(8)]
         assert all(len(f.result().sequences) == 2 for f in futures)
@@ -283,6 +283,19 @@ def test_a_clients_concurrent_samples_share_one_pass(cluster: Any, connect: Any,
         if sizes == [8]:
             break
     assert sizes == [8], f"eight concurrent samples ran in rounds of {sizes}"
+
+
+def test_a_session_without_heartbeats_ends_and_frees_its_adapter_with_no_other_client_around(cluster: Any) -> None:
+    service = cluster.service
+    session_id = service.create_session("alice")
+    run = service.create_run("alice", session_id, 0, cluster.model, 4, None, None)
+    held = len(cluster.base.sessions)
+    service.maintain()
+    assert session_id in service.sessions and run.model_id in service.runs  # heartbeats are on time: nothing ends
+    service.sessions[session_id].last_heartbeat -= service.limits.session_timeout_s + 1
+    service.maintain()  # what the service's own thread runs every maintenance_s
+    assert session_id not in service.sessions and run.model_id not in service.runs
+    assert len(cluster.base.sessions) == held - 1
 
 
 # ----- refusals and tenants -------------------------------------------------------------------------------------------

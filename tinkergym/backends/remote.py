@@ -124,6 +124,22 @@ class RemoteBackend:
         return f"RemoteBackend({self.url!r})"
 
     # ----- the Backend protocol ---------------------------------------------------------------------
+    def ping(self) -> bool:
+        """Tell the server its client is alive (``GET /v1/info``, which resets its idle timeout as a call does): one try, no
+        retries. False, without a request, while a call holds the connection (that call is a sign of life itself)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            status, _, _ = self._send("GET", "/v1/info", None, None)
+        except (OSError, http.client.HTTPException) as exc:
+            self._drop_connection()
+            raise RemoteBackendError(f"the training server at {self.url} did not answer: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._lock.release()
+        if status != 200:
+            raise RemoteBackendError(f"the training server at {self.url} answered {status} to GET /v1/info")
+        return True
+
     def info(self) -> dict[str, Any]:
         """The server's info (model, lora, dtype, device, step...) with ``tokenizer`` a local folder and ``url``."""
         info = self._get_json("/v1/info", "info")

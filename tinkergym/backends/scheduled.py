@@ -148,6 +148,17 @@ class ScheduledBackend:
     def info(self) -> dict[str, Any]:
         return {**self._call("info"), "job_id": self.job_id, "scheduler": self.client.url}
 
+    def ping(self) -> None:
+        """Tell the job's server its client is alive (see :meth:`RemoteBackend.ping`); never connects (nothing to keep alive
+        before a connection, and a reconnection is the calls' to make)."""
+        remote = self._remote
+        if remote is None:
+            return
+        try:
+            remote.ping()
+        except RemoteBackendError as exc:
+            raise BackendLost(f"job {self.job_id}: {exc}") from exc
+
     def sample(self, request: Any) -> Any:
         return self._call("sample", request)
 

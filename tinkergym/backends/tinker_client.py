@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -301,7 +302,15 @@ class TinkerBackend:
             raise ConfigError(f"{path} holds no {TINKER_STATE}: it is not a checkpoint of a run through a Tinker endpoint")
         saved = json.loads(file.read_text())
         try:
-            self.training.load_state_with_optimizer(saved["path"]).result()
+            # Into this client's run: a new client from the state would hold a second adapter for the session (the SDK has no
+            # call that frees a run). SDKs without the (deprecated) method get a new client.
+            load = getattr(self.training, "load_state_with_optimizer", None)
+            if load is None:
+                self.training = self.service.create_training_client_from_state_with_optimizer(saved["path"]).result()
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    load(saved["path"]).result()
         except Exception as exc:  # noqa: BLE001
             raise self._fail(exc, f"load_state of {saved['path']}") from exc
         self.step = int(saved.get("step", 0))

@@ -17,6 +17,10 @@ A worker that dies moves the run to another worker, and the client never sees a 
   lease, loads the newest stored state (the worker restored it), replays the log (the same calls, in order, on the
   same data: the same gradients and steps) and runs the call again; the SDK sees a slow answer, or its own retry.
 
+A client whose SDK still sends session heartbeats keeps its jobs: every ``keepalive_s`` the service pings the server of
+each run and sampler of a live session (:meth:`ClusterEngine.keepalive`), which resets the scheduler's idle timeout as
+a call does; a session that stops its heartbeats lets its jobs end when they go idle.
+
 Differences from ``serve-tinker --model`` (refused with the reason): a weights-only load
 (``create_training_client_from_state``: a job loads a state whole, Adam moments included) and loading another run's
 state into a running run (create a training client from it). Checkpoints are the jobs' (the scheduler's artifact
@@ -116,7 +120,10 @@ class ClusterEngine:
 
         try:
             handle.backend.connect() if handle.backend.epoch is None else handle.backend.reconnect()
-        except (JobEnded, TimeoutError) as exc:
+        except JobEnded as exc:  # for good: a retry cannot help, so the SDK must not retry (4xx)
+            raise EngineError(410, f"job {handle.job_id} of this run ended: {exc}; start a new training client from the run's last "
+                                   "checkpoint (create_training_client_from_state_with_optimizer)") from exc
+        except TimeoutError as exc:
             raise EngineError(503, f"job {handle.job_id} did not run: {exc}", "server") from exc
 
     def _note(self, handle: ClusterHandle, name: str) -> str:
@@ -146,6 +153,17 @@ class ClusterEngine:
             except Exception as exc:  # noqa: BLE001 - a job that cannot be ended ends when its client goes quiet
                 self.say(f"job {handle.job_id}: could not end it ({exc}); it ends when it goes idle")
             handle.backend.close()
+
+    def keepalive(self, handle: ClusterHandle) -> None:
+        """Tell the job's server that its client is alive, so a client that only sends heartbeats keeps its job past the
+        scheduler's idle timeout. Not under the handle's lock (a long call holds it, and is itself activity); a lost server
+        is the next call's to find."""
+        if handle.closed:
+            return
+        try:
+            handle.backend.ping()
+        except Exception as exc:  # noqa: BLE001 - see above
+            self.say(f"job {handle.job_id}: keep-alive found no server ({exc})")
 
     # ----- calls, with recovery -------------------------------------------------------------------------------------
     def call(self, handle: ClusterHandle, method: str, args: dict[str, Any]) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import logging
 import secrets
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -73,6 +74,8 @@ class Limits:
     max_num_samples: int = 256
     keep_done_futures: int = 4096
     session_timeout_s: float = 600.0
+    #: Seconds between passes that end sessions without heartbeats and keep live sessions' jobs alive (see :meth:`TinkerService.maintain`).
+    maintenance_s: float = 30.0
 
 
 @dataclass
@@ -164,6 +167,32 @@ class TinkerService:
         self.futures: dict[str, Pending] = {}
         self._lock = threading.RLock()
         self._sampling = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
+        self._keepalive_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tinker-keepalive")
+        self._keeping_alive: set[int] = set()
+        threading.Thread(target=_maintain_while_alive, args=(weakref.ref(self), self.limits.maintenance_s), name="tinker-maintenance",
+                         daemon=True).start()
+
+    def maintain(self) -> None:
+        """End the sessions whose client stopped sending heartbeats (their adapters freed even on a server nobody calls), and
+        keep the jobs of live sessions from their idle timeout where the engine's runs are jobs (``engine.keepalive``)."""
+        with self._lock:
+            self._expire_sessions()
+            handles = [r.handle for r in self.runs.values() if not r.closed and r.session_id in self.sessions]
+            handles += [s.handle for s in self.samplers.values() if s.session_id in self.sessions]
+        keepalive = getattr(self.engine, "keepalive", None)
+        if keepalive is None:
+            return
+        for handle in handles:  # each a request to a job's server, on a pool: a server that hangs holds back no other
+            if id(handle) in self._keeping_alive:
+                continue
+            self._keeping_alive.add(id(handle))
+            self._keepalive_pool.submit(self._keep_alive, keepalive, handle)
+
+    def _keep_alive(self, keepalive: Callable[[Any], None], handle: Any) -> None:
+        try:
+            keepalive(handle)
+        finally:
+            self._keeping_alive.discard(id(handle))
 
     # ----- sessions -----------------------------------------------------------------------------------
     def create_session(self, tenant: str) -> str:
@@ -386,3 +415,17 @@ def loss_settings(name: str, config: Any) -> dict[str, float]:
         return tinker_losses.check_loss(name, config)
     except tinker_losses.LossInputError as exc:
         raise TinkerError(400, str(exc)) from exc
+
+
+def _maintain_while_alive(service: weakref.ref, interval: float) -> None:
+    """:meth:`TinkerService.maintain` every ``interval`` seconds until the service is gone."""
+    while True:
+        time.sleep(interval)
+        alive = service()
+        if alive is None:
+            return
+        try:
+            alive.maintain()
+        except Exception as exc:  # noqa: BLE001 - the next pass tries again
+            alive.logger.warning(json.dumps({"event": "tinker_maintenance_failed", "error": str(exc)[:500]}))
+        del alive

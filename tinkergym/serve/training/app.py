@@ -227,7 +227,8 @@ async def health() -> dict[str, str]:
 
 @router.get("/v1/info", responses=ERRORS)
 async def info(request: Request) -> dict[str, Any]:
-    """The backend's ``info()`` without local paths, plus ``protocol``."""
+    """The backend's ``info()`` without local paths, plus ``protocol``; like a call, a sign of the client's life (the idle timeout)."""
+    _service(request).touch()
     return await run_in_threadpool(_service(request).info)
 
 
