@@ -34,69 +34,19 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from bench_machine import describe, machine_facts
+from remote_step import _stop
+from tinker_step import start_tinker
 
 #: The env measured by default; ``--env`` takes any single-agent hub env (its default kwargs, MathTool's given here).
 ENV = "tinker/MathTool-v0"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_tinker(model: str, name: str, folder: Path, threads: int, dtype: str) -> tuple[subprocess.Popen, str, str]:
-    """``tinkergym serve-tinker`` serving ``model`` as ``name`` on a free loopback port with a fresh key database: (process, url, the SDK's key)."""
-    from tinkergym.scheduler.auth import create_key
-    from tinkergym.scheduler.db import database_url, make_engine, upgrade
-
-    data_dir = folder / "tinker-data"
-    engine = make_engine(database_url(None, data_dir))
-    upgrade(engine)
-    key = create_key(engine, "bench", ["read", "write"])[1]
-    engine.dispose()
-    port = free_port()
-    command = [sys.executable, "-m", "tinkergym", "serve-tinker", "--model", model, "--model-name", name, "--dtype", dtype, "--device", "cpu",
-               "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), "--run-dir", str(folder / "tinker"),
-               "--max-runs-per-tenant", "64", "--max-samplers-per-tenant", "256"]
-    env = {k: v for k, v in os.environ.items() if k != "TINKERGYM_SCHEDULER_DB"}
-    env["OMP_NUM_THREADS"] = str(threads)
-    err = folder / "serve-tinker.err"
-    with open(err, "wb") as sink:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"serve-tinker exited with {process.returncode}: {' '.join(command)}\n{err.read_text(errors='replace')[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/api/v1/healthz", timeout=2) as response:
-                if response.status == 200:
-                    return process, url, "tml-" + key
-        except OSError:
-            time.sleep(0.3)
-    process.kill()
-    raise RuntimeError("serve-tinker did not answer within 600 s")
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
 
 
 def train(args: argparse.Namespace, url: str, key: str, k: int, seed: int, folder: Path) -> dict[str, Any]:
@@ -223,7 +173,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="async-steps-") as tmp:
         folder = Path(tmp)
         say(f"starting serve-tinker on {args.model} ...")
-        process, url, key = start_tinker(model_path, args.served_name, folder, args.server_threads, args.dtype)
+        process, url, key, _ = start_tinker(model_path, args.served_name, folder, args.server_threads, args.dtype,
+                                            extra=("--max-runs-per-tenant", "64", "--max-samplers-per-tenant", "256"))
         try:
             if args.warmup_steps:
                 say(f"warm-up: {args.warmup_steps} step(s), not counted ...")
@@ -235,7 +186,7 @@ def main() -> None:
                     say(f"seed {seed} K={k}: {run['steps_per_hour']:.1f} steps/h (loop {run['loop_s']:.1f} s, run {run['wall_s']:.1f} s), "
                         f"rewards {[round(r, 3) for r in run['reward']]}")
         finally:
-            stop(process)
+            _stop(process)
     summary = summarize(runs, args.ks, args.batch_size * args.group_size)
     facts = machine_facts("cpu")
     result = {"model": args.model, "env": args.env, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},

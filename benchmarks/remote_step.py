@@ -82,21 +82,31 @@ def start_server(model_path: str, lora_rank: int, folder: Path, threads: int, lo
         sys.executable, "-m", "tinkergym", "serve-backend", "--model", model_path, *model_args, "--device", "cpu", "--seed", "0",
         "--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file), "--run-dir", str(run_dir),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
+    return start_process(command, url + "/health", folder, threads, "serve-backend"), url, token, run_dir / "server.log"
+
+
+def start_process(command: list[str], health: str, folder: Path, threads: int, what: str, timeout: float = 300.0) -> subprocess.Popen:
+    """Start a server ``command`` (``OMP_NUM_THREADS`` = ``threads``, its stderr to ``folder/<what>.err``) and wait until
+    ``health`` answers 200; a server that exits or stays silent for ``timeout`` seconds raises with its stderr's tail."""
+    env = {k: v for k, v in os.environ.items() if k != "TINKERGYM_SCHEDULER_DB"}
+    env["OMP_NUM_THREADS"] = str(threads)
+    err = folder / f"{what}.err"
+    with open(err, "wb") as sink:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, env=env)
+    deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the training server exited with {process.returncode}; run the command by hand: {' '.join(command)}")
+            tail = err.read_text(errors="replace")[-3000:]
+            raise RuntimeError(f"{what} exited with {process.returncode}: {' '.join(command)}\n{tail}")
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as response:
+            with urllib.request.urlopen(health, timeout=2) as response:
                 if response.status == 200:
-                    return process, url, token, run_dir / "server.log"
+                    return process
         except OSError:
             time.sleep(0.2)
     process.kill()
-    raise RuntimeError("the training server did not answer /health within 300 s")
+    raise RuntimeError(f"{what} did not answer {health} within {timeout:.0f} s")
 
 
 def server_times(log: Path | None, start_line: int) -> tuple[int, float, float]:

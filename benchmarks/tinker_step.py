@@ -94,7 +94,7 @@ from typing import Any
 
 from bench_machine import CpuShare, _load, describe, emulation_warning, machine_facts, resolve_precision
 from grpo_step import BenchSettings, _timed, make_env, versions
-from remote_step import _stable, _stop, free_port
+from remote_step import _stable, _stop, free_port, start_process
 
 SIDES = ("local", "wire", "tinker")
 PARTS = ("sample", "forward_backward", "optim_step")
@@ -103,28 +103,6 @@ PARTS = ("sample", "forward_backward", "optim_step")
 EXTRA_TINKER = ("_forward_logprobs", "_current_sampler")
 #: serve-tinker's LoRA alpha (fixed); the other sides are opened with it too.
 TINKER_ALPHA = 32.0
-
-
-def _server(command: list[str], health: str, folder: Path, threads: int, what: str) -> subprocess.Popen:
-    """Start ``command`` (its stderr to ``folder/<what>.err``) and wait until ``health`` answers."""
-    env = {k: v for k, v in os.environ.items() if k != "TINKERGYM_SCHEDULER_DB"}
-    env["OMP_NUM_THREADS"] = str(threads)
-    err = folder / f"{what}.err"
-    with open(err, "wb") as sink:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=sink, env=env)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if process.poll() is not None:
-            tail = err.read_text(errors="replace")[-3000:]
-            raise RuntimeError(f"{what} exited with {process.returncode}: {' '.join(command)}\n{tail}")
-        try:
-            with urllib.request.urlopen(health, timeout=2) as response:
-                if response.status == 200:
-                    return process
-        except OSError:
-            time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"{what} did not answer {health} within 300 s")
 
 
 def start_shared(model_path: str, folder: Path, threads: int, dtype: str, micro_batch_size: int) -> tuple[subprocess.Popen, str, str, Path]:
@@ -138,7 +116,7 @@ def start_shared(model_path: str, folder: Path, threads: int, dtype: str, micro_
                "--micro-batch-size", str(micro_batch_size), "--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file),
                "--run-dir", str(run_dir)]
     url = f"http://127.0.0.1:{port}"
-    return _server(command, url + "/health", folder, threads, "serve-shared"), url, token, run_dir / "server.log"
+    return start_process(command, url + "/health", folder, threads, "serve-shared"), url, token, run_dir / "server.log"
 
 
 def open_adapter(url: str, admin_token: str, rank: int, alpha: float, seed: int) -> str:
@@ -150,8 +128,10 @@ def open_adapter(url: str, admin_token: str, rank: int, alpha: float, seed: int)
         return json.loads(response.read())["token"]
 
 
-def start_tinker(model_path: str, model_name: str, folder: Path, threads: int, dtype: str, micro_batch_size: int) -> tuple[subprocess.Popen, str, str, Path]:
-    """``tinkergym serve-tinker`` on a free loopback port with a fresh key database: (process, url, the SDK's key, its JSON log)."""
+def start_tinker(model_path: str, model_name: str, folder: Path, threads: int, dtype: str, micro_batch_size: int | None = None,
+                 extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str, Path]:
+    """``tinkergym serve-tinker`` (with ``extra`` options) on a free loopback port with a fresh key database: (process, url, the
+    SDK's key, its JSON log)."""
     from tinkergym.scheduler.auth import create_key
     from tinkergym.scheduler.db import database_url, make_engine, upgrade
 
@@ -162,10 +142,11 @@ def start_tinker(model_path: str, model_name: str, folder: Path, threads: int, d
     engine.dispose()
     port, run_dir = free_port(), folder / "tinker"
     command = [sys.executable, "-m", "tinkergym", "serve-tinker", "--model", model_path, "--model-name", model_name, "--dtype", dtype,
-               "--device", "cpu", "--micro-batch-size", str(micro_batch_size), "--host", "127.0.0.1", "--port", str(port),
-               "--data-dir", str(data_dir), "--run-dir", str(run_dir)]
+               "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), "--run-dir", str(run_dir), *extra]
+    if micro_batch_size is not None:
+        command += ["--micro-batch-size", str(micro_batch_size)]
     url = f"http://127.0.0.1:{port}"
-    return _server(command, url + "/api/v1/healthz", folder, threads, "serve-tinker"), url, "tml-" + key, run_dir / "server.log"
+    return start_process(command, url + "/api/v1/healthz", folder, threads, "serve-tinker", 600.0), url, "tml-" + key, run_dir / "server.log"
 
 
 class HttpCount:

@@ -229,12 +229,3 @@ def test_tinker_step_quick() -> None:
     median = result["median"]
     assert median["tinker_requests"] >= 3 and median["wire_requests"] >= 3  # every step went over both wires
     assert result["tinker_over_wire"] > 0 and result["tinker_over_local"] > 0 and median["tinker_server_call_s"] > 0
-
-
-@pytest.mark.slow
-def test_async_steps_quick() -> None:
-    report, _ = run_benchmark("async_steps.py", "--quick", "--json")
-    assert report["model"] == "tiny" and set(report["by_k"]) == {"0", "1"}
-    assert [(r["k"], len(r["reward"])) for r in report["runs"]] == [(0, 2), (1, 2)]
-    assert report["by_k"]["0"]["version_gap"] == 0 and report["by_k"]["1"]["version_gap"] <= 1
-    assert all(r["steps_per_hour"] > 0 for r in report["runs"])

@@ -297,3 +297,4 @@ def test_the_async_steps_benchmark_runs_quick() -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(result["by_k"]) == {"0", "1"} and all(result["by_k"][k]["steps_per_hour"] > 0 for k in ("0", "1"))
     assert [r["k"] for r in result["runs"]] == [0, 1] and all(len(r["reward"]) == 2 for r in result["runs"])
+    assert result["by_k"]["0"]["version_gap"] == 0 and result["by_k"]["1"]["version_gap"] <= 1

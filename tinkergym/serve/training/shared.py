@@ -146,7 +146,8 @@ class SharedWorker:
         self._last_submit = 0.0
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.rounds: list[list[tuple[str, str]]] = []  # the last rounds' (adapter, method), newest last
+        self.rounds: list[list[tuple[str, str]]] = []  # the last 64 rounds' (adapter, method), newest last
+        self.rounds_run = 0  # rounds since the start
         self.last_activity = time.monotonic()
 
     def add(self, adapter_id: str, session: Any, run_dir: Path) -> WorkerPort:
@@ -260,6 +261,7 @@ class SharedWorker:
                     self._running = set()
                     self.last_activity = now
                     self.rounds = [*self.rounds[-63:], [(a, r.method) for a, r in taken]]
+                    self.rounds_run += 1
                     self._cond.notify_all()
 
     def _run_round(self, taken: list[tuple[str, CallRecord]]) -> None:
