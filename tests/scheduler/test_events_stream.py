@@ -7,6 +7,7 @@ import json
 import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
@@ -382,3 +383,28 @@ def test_a_post_waits_while_its_first_attempt_is_in_flight(server, store, keys) 
     with pytest.raises(SchedulerError) as refused:
         impatient.submit("train", CONFIG, idempotency_key="stuck")
     assert refused.value.status == 409 and "in flight" in str(refused.value)
+
+
+def test_open_streams_are_counted_in_the_metrics(server, store, keys) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    scraper = keys.new("ops", "metrics")
+
+    def open_streams() -> float:
+        request = urllib.request.Request(server.url + "/metrics", headers={"Authorization": f"Bearer {scraper}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            text = response.read().decode()
+        (family,) = [f for f in text_string_to_metric_families(text) if f.name == "tinkergym_scheduler_event_streams_open"]
+        return family.samples[0].value
+
+    key = keys.new()
+    job_id = submit(server.url, key)
+    assert open_streams() == 0
+    stream = RawStream(server.url, key, job_id)
+    assert stream.next_event()["event"] == "state"
+    assert open_streams() == 1
+    stream.close()
+    deadline = time.monotonic() + 10
+    while open_streams() != 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open_streams() == 0

@@ -243,8 +243,8 @@ def keys() -> None:
 
 @keys.command("create")
 @click.option("--tenant", required=True, help="The key's owner; created with default quotas if new.")
-@click.option("--scopes", required=True, help="Comma-separated: read, write, admin (admin implies both). Workers get a "
-              "worker credential instead: tinkergym scheduler workers create.")
+@click.option("--scopes", required=True, help="Comma-separated: read, write, metrics (GET /metrics, for a Prometheus scraper), admin "
+              "(admin implies the others). Workers get a worker credential instead: tinkergym scheduler workers create.")
 @click.option("--name", default="", help="A label for `keys list` (who or what holds the key).")
 @db_option
 @data_dir_option

@@ -7,7 +7,7 @@ lease epoch, 413 a body over the limit (or a tenant's quota on one event or its 
 Idempotency-Key reused with another body, 429 a tenant's quota reached (queued jobs, events per job: raised with
 ``tinkergym scheduler tenants set``), 503 with ``Retry-After`` an inference job that has no server yet (the gateway,
 ``routes/gateway.py``). ``/healthz`` and ``/readyz`` are public; every other route needs a key
-(``Authorization: Bearer tgk_...``).
+(``Authorization: Bearer tgk_...``); ``/metrics`` (Prometheus) a key with the ``metrics`` scope.
 """
 
 from __future__ import annotations
@@ -21,16 +21,20 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import text
+from starlette.responses import PlainTextResponse, Response
 
 from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictText, WireJSON, add_error_handlers, error_response
+from tinkergym.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tinkergym.serve.metrics import MetricsMiddleware
 from tinkergym.scheduler.auth import KeyLookup
 from tinkergym.scheduler.bounds import BoundsError
-from tinkergym.scheduler.deps import Forbidden
+from tinkergym.scheduler.deps import Forbidden, require
 from tinkergym.scheduler.db import make_engine, reader, upgrade
 from tinkergym.scheduler.leases import Quarantined
+from tinkergym.scheduler.metrics import SchedulerMetrics
 from tinkergym.scheduler.quotas import QuotaExceeded
 from tinkergym.scheduler.repository import Conflict, JobStore, NotFound, now
 
@@ -203,6 +207,14 @@ def _add_health(app: FastAPI) -> None:
         return {"status": "ready"}
 
 
+def _add_metrics(app: FastAPI) -> None:
+    @app.get("/metrics", tags=["metrics"], dependencies=[Depends(require("metrics"))], response_class=PlainTextResponse)
+    async def metrics() -> Response:
+        """The scheduler's Prometheus metrics (text format); the key needs the ``metrics`` scope (see :mod:`tinkergym.scheduler.metrics`)."""
+        body = await run_in_threadpool(app.state.metrics.render)
+        return Response(body, media_type=METRICS_CONTENT_TYPE)
+
+
 def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = None, background: bool = True) -> FastAPI:
     """The scheduler app: upgrades the database, then serves the routes; ``background`` runs the lease sweeper.
 
@@ -250,7 +262,9 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
                                   max_streams_per_key=settings.max_streams_per_key, logger=log)
     app.state.gateway = gateway_routes.Forwarding(settings.gateway_max_per_tenant, settings.gateway_read_timeout_s)
     app.state.logger = log
+    app.state.metrics = SchedulerMetrics(app)
     _add_health(app)
+    _add_metrics(app)
     app.include_router(job_routes.router)
     app.include_router(event_routes.router)
     app.include_router(connect_routes.router)
@@ -265,4 +279,5 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, hint="send a smaller request", exempt=artifact_routes.is_upload)
     app.add_middleware(ApiKeyAuth, engine=engine)
     app.add_middleware(RequestLog, logger=log)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app

@@ -31,9 +31,10 @@ from tinkergym.scheduler.bounds import TENANT_PATTERN, WorkerBounds, parse_bound
 from tinkergym.scheduler.db import Prepared, api_keys, autocommit_reader, reader, tenants
 
 KEY_PREFIX = "tgk_"
-SCOPES = ("read", "write", "worker", "admin")
-#: The scopes a tenant's key may hold (``worker`` is a worker credential's alone).
-TENANT_SCOPES = ("read", "write", "admin")
+SCOPES = ("read", "write", "metrics", "worker", "admin")
+#: The scopes a tenant's key may hold (``worker`` is a worker credential's alone). ``metrics`` reads the cluster's
+#: aggregate Prometheus metrics (``GET /metrics``: counts, no ids), for the operator's scraper.
+TENANT_SCOPES = ("read", "write", "metrics", "admin")
 KEY_PATTERN = re.compile(r"^tgk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
 #: A key's row by its id: every request's lookup (a statement prepared once, run outside any transaction).
 _KEY_ROW = Prepared(select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.digest, api_keys.c.scopes, api_keys.c.revoked_at,

@@ -437,6 +437,9 @@ def sweep(app: Any) -> int:
             app.state.logger.exception("could not expire the lease of job %s at epoch %s", job_id, epoch)
     if expired:
         app.state.logger.info("expired %d lease(s)", expired)
+        metrics = getattr(app.state, "metrics", None)
+        if metrics is not None:
+            metrics.leases_expired.inc(expired)
     return expired
 
 

@@ -283,6 +283,9 @@ def lease(worker_id: str, request: Request, who: Principal = Depends(require("wo
         granted = leases.grant(conn, store, settings, worker_id, secret, who.bounds)
         if granted is not None:
             granted.pop("token")  # never stored (the idempotency record keeps the answer): derived again below
+            # counted once, when made (a retried poll answers the kept record); a grant whose transaction then fails to
+            # commit (two grants of one device: rare) is counted too
+            request.app.state.metrics.leases_granted.inc()
         return 200, {"lease": granted}
 
     def with_token(answer: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,74 @@
+"""Prometheus metrics of tinkergym's servers: one registry per app, the HTTP families every server has, ``/metrics``.
+
+Every app that serves metrics holds a :class:`ServerMetrics` (its own ``CollectorRegistry``, so several apps in one
+process never share or clash) and runs :class:`MetricsMiddleware`, which counts each request and times it by route
+*template* (``/v1/jobs/{job_id}``, never the path itself; a path no route matches counts as ``unmatched``), method and
+status code. Labels stay low-cardinality by design: no job, session, key or tenant id is ever a label. Families a
+server owns (the scheduler's queue and devices) are read when scraped, by a collector over its database
+(:class:`~tinkergym.scheduler.metrics.SchedulerCollector`), so they are right after a restart and never drift.
+
+The body is Prometheus's text format, written by the official ``prometheus_client`` (its ``CONTENT_TYPE_LATEST``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+
+#: Request latency buckets in seconds: from a key lookup to a long poll or a model's pass.
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
+#: The route label of a request no route matched (random paths must not grow the label set).
+UNMATCHED = "unmatched"
+#: The text format's content type.
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+#: Methods counted by name; any other is ``other`` (a client picks the method).
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+
+
+class ServerMetrics:
+    """A server's registry and its HTTP families; ``server`` names the server kind (``scheduler``, ``training``, ...)."""
+
+    def __init__(self, server: str) -> None:
+        self.server = server
+        self.registry = CollectorRegistry()
+        self.requests = Counter("tinkergym_http_requests", "HTTP requests answered, by route template, method and status code",
+                                ["server", "route", "method", "code"], registry=self.registry)
+        self.latency = Histogram("tinkergym_http_request_duration_seconds", "Time from a request's arrival to the end of its answer",
+                                 ["server", "route", "method"], buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def observe(self, route: str, method: str, code: int, seconds: float) -> None:
+        self.requests.labels(self.server, route, method, str(code)).inc()
+        self.latency.labels(self.server, route, method).observe(seconds)
+
+    def render(self) -> bytes:
+        """Every family of the registry in the text format."""
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """ASGI middleware: each HTTP request counted and timed in ``metrics`` (see the module docstring)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start = time.perf_counter()
+        status = 500
+
+        async def send_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or UNMATCHED
+            method = str(scope.get("method"))
+            method = method if method in METHODS else "other"
+            self.metrics.observe(route[:200], method, status, time.perf_counter() - start)
