@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import testkit  # registered by tests/conftest.py
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -183,7 +184,8 @@ def test_info_has_no_local_paths(tmp_path: Path) -> None:
 # ----- exact round trip, retries, sequence numbers --------------------------------------------------------
 def test_round_trip_equals_the_local_backend_bit_for_bit(tiny: str, tmp_path: Path) -> None:
     local, served = make_backend(tiny), make_backend(tiny)
-    client = Client(serve(served, tmp_path))
+    http = serve(served, tmp_path)
+    client = Client(http)
     sample = SampleRequest([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=5, seed=11), num_samples=2)
     assert client.call("sample", {"request": sample.to_dict()}) == local.sample(sample).to_dict()
     data = batch(local)
@@ -194,6 +196,9 @@ def test_round_trip_equals_the_local_backend_bit_for_bit(tiny: str, tmp_path: Pa
     for (name, a), (_, b) in zip(local.model.named_parameters(), served.model.named_parameters()):
         assert torch.equal(a, b), name
     assert client.call("sample", {"request": sample.to_dict()}) == local.sample(sample).to_dict()
+    client.call("forward_backward", {"request": request.to_dict()})
+    client.call("optim_step", {"params": OPTIM.to_dict()})
+    testkit.check_training_metrics(http.app.state.metrics.render().decode(), "training")
 
 
 def test_a_retried_seq_returns_the_stored_result_and_runs_once(tiny: str, tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("torch")
 
-from testkit import exited_output, wait_until_answers  # registered by tests/conftest.py
+from testkit import free_port, exited_output, wait_until_answers  # registered by tests/conftest.py
 
 from tinkergym.serve.asgi import ThreadServer
 from tinkergym.backends.serving import plan_serving
@@ -363,11 +362,11 @@ def test_a_lora_checkpoint_given_with_checkpoint_is_an_adapter(setup) -> None:
 
 
 def test_the_serve_model_command_serves_a_run(setup) -> None:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    from prometheus_client.parser import text_string_to_metric_families
+
+    port, metrics_port = free_port(), free_port()
     command = [sys.executable, "-m", "tinkergym", "serve-model", "--run", str(setup["runs"]["a"]), "--api-key-file", str(setup["key_file"]),
-               "--port", str(port), "--idle-timeout", "3"]
+               "--port", str(port), "--idle-timeout", "3", "--metrics-port", str(metrics_port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
         wait_until_answers(f"http://127.0.0.1:{port}/health", timeout=60, process=process, output=exited_output(process))
@@ -381,6 +380,12 @@ def test_the_serve_model_command_serves_a_run(setup) -> None:
             with urllib.request.urlopen(request, timeout=5):
                 pass
         assert process.poll() is None
+        # its metrics on their own loopback listener (a scrape is no request of a client: it keeps nothing alive)
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+            samples = {(x.name, tuple(sorted(x.labels.items()))): x.value
+                       for f in text_string_to_metric_families(response.read().decode()) for x in f.samples}
+        labels = (("code", "200"), ("method", "GET"), ("route", "/v1/models"), ("server", "inference"))
+        assert samples[("tinkergym_http_requests_total", labels)] == 5
         last = time.monotonic()
         bad = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models", headers={"Authorization": "Bearer " + "x" * 40})
         while process.poll() is None and time.monotonic() - last < 30:

@@ -19,7 +19,8 @@ pytest.importorskip("httpx")
 import torch  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from testkit import serving, wait_until  # noqa: E402  # registered by tests/conftest.py
+import testkit  # noqa: E402  # registered by tests/conftest.py
+from testkit import serving, wait_until  # noqa: E402
 from tinkergym.backends.remote import RemoteBackend  # noqa: E402
 from tinkergym.backends.torch.shared import LoraSessionConfig, SharedBase, SharedBaseConfig  # noqa: E402
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
@@ -266,13 +267,17 @@ def test_serve_shared_trains_two_runs_of_tinkergym_train_through_their_adapters(
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     token_file.chmod(0o600)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    ports = []
+    for _ in range(2):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            ports.append(probe.getsockname()[1])
+    port, metrics_port = ports
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "TINKERGYM_CACHE": str(tmp_path / "cache")}
     server = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve-shared", "--model", tiny, "--dtype", "float32", "--port", str(port),
-                               "--token-file", str(token_file), "--run-dir", str(tmp_path / "server"), "--gather-ms", "50"],
+                               "--token-file", str(token_file), "--run-dir", str(tmp_path / "server"), "--gather-ms", "50",
+                               "--metrics-port", str(metrics_port)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         wait_until_answers(f"{url}/health", timeout=120, process=server, output=exited_output(server))
@@ -296,6 +301,7 @@ def test_serve_shared_trains_two_runs_of_tinkergym_train_through_their_adapters(
         assert len(listing["adapters"]) == 2 and all(a["step"] >= 1 for a in listing["adapters"])  # a step with no advantage applies nothing
         rounds = [json.loads(line) for line in (tmp_path / "server" / "server.log").read_text().splitlines() if '"event": "call"' in line]
         assert any(r.get("round", 1) == 2 for r in rounds), "no round ran both runs' calls"
+        testkit.check_training_metrics(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text, "shared", adapters=2)
     finally:
         server.terminate()
         server.wait(30)

@@ -45,6 +45,9 @@ def request_logger(run_dir: Path) -> logging.Logger:
 HOST_OPTION = click.option("--host", default="127.0.0.1", show_default=True, help="Interface to listen on; keep the loopback default behind an SSH tunnel or a TLS proxy.")
 MAX_BODY_OPTION = click.option("--max-body-mb", type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True, help="Larger request bodies are refused (413).")
 EXIT_WITH_PARENT_OPTION = click.option("--exit-with-parent", is_flag=True, help="Stop (exit code 76) when the process that started this server dies (a worker).")
+METRICS_PORT_OPTION = click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+                                   help="Serve Prometheus metrics at http://127.0.0.1:PORT/metrics: a listener of its own, on loopback, with "
+                                        "no key (counts and latencies, never ids); 0: off.")
 LEASE_FILE_OPTION = click.option("--lease-file", type=SafePath(dir_okay=False, path_type=Path), default=None,
               help="A scheduler's worker renews the lease's deadline in this file; past it every call is refused (401 lease_ended).")
 
@@ -68,12 +71,26 @@ def call_limits(max_num_samples: int, max_request_new_tokens: int, max_request_s
     return CallLimits(num_samples=max_num_samples, new_tokens=max_request_new_tokens, sequences=max_request_sequences, tokens=max_request_tokens)
 
 
+def start_metrics(metrics: Any, port: int) -> None:
+    """``--metrics-port``: ``metrics`` (a :class:`~tinkergym.serve.metrics.ServerMetrics`) on 127.0.0.1:``port``, or a clear error."""
+    from tinkergym.serve.metrics import serve_metrics
+
+    try:
+        serve_metrics(metrics, port)
+    except OSError as exc:
+        raise click.ClickException(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} ({exc}); pick a free port") from exc
+
+
 def run_server(app: Any, host: str, port: int, limits: Any, idle_timeout: float | None, exit_with_parent: bool,
-               last_activity: Any, logger: logging.Logger) -> None:
-    """Serve ``app`` under uvicorn until stopped; with ``idle_timeout`` or ``exit_with_parent``, a watchdog stops it (exit 75, 76)."""
+               last_activity: Any, logger: logging.Logger, metrics_port: int = 0) -> None:
+    """Serve ``app`` under uvicorn until stopped; with ``idle_timeout`` or ``exit_with_parent``, a watchdog stops it (exit 75, 76);
+    with ``metrics_port``, ``app.state.metrics`` on its own loopback listener (:func:`~tinkergym.serve.metrics.serve_metrics`)."""
     import uvicorn
 
     from tinkergym.serve.slow_clients import server_config
+
+    if metrics_port:
+        start_metrics(app.state.metrics, metrics_port)
 
     # Long polls hold requests open for up to 300 s: on Ctrl-C, do not wait for them.
     # Keep-alive well past the client's pauses between calls (rollouts, env steps), so its connection is reused.
@@ -119,13 +136,14 @@ def run_server(app: Any, host: str, port: int, limits: Any, idle_timeout: float 
               help="How LoRA samples: through the adapter, or from a merged copy of the weights (faster on a CPU; see train --help).")
 @EXIT_WITH_PARENT_OPTION
 @LEASE_FILE_OPTION
+@METRICS_PORT_OPTION
 @call_limit_options
 @connection_options
 def serve_backend(
     model: str, lora_rank: int | None, full: bool, lora_alpha: float | None, lora_dropout: float, micro_batch_size: int,
     dtype: str, device: str, seed: int, host: str, port: int,
     token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int, idle_timeout: float | None, deterministic: bool,
-    gradient_checkpointing: bool, prefix_cache_mb: float, lora_sampling: str, exit_with_parent: bool, lease_file: Path | None,
+    gradient_checkpointing: bool, prefix_cache_mb: float, lora_sampling: str, exit_with_parent: bool, lease_file: Path | None, metrics_port: int,
     max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
     header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
@@ -176,4 +194,4 @@ def serve_backend(
                      lease=LeaseFile(lease_file) if lease_file is not None else None)
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
-               lambda: app.state.service.last_activity(), logger)
+               lambda: app.state.service.last_activity(), logger, metrics_port)

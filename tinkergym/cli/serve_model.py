@@ -11,6 +11,7 @@ import click
 from tinkergym.cli.common import SafePath
 from tinkergym.config import DTYPES
 from tinkergym.cli.connection_options import connection_limits, connection_options
+from tinkergym.cli.serve import METRICS_PORT_OPTION, start_metrics
 
 ENGINES = ("auto", "torch", "vllm")
 
@@ -101,13 +102,14 @@ def _check_model(model: str) -> None:
               help="With --scheduler: print the job's id and exit once it is queued, leaving it to run (until its idle timeout, "
                    "or tinkergym jobs cancel JOB); follow it with tinkergym jobs show JOB. With --key-file too: exit once the "
                    "endpoint answers and its key is written.")
+@METRICS_PORT_OPTION
 @connection_options
 @click.pass_context
 def serve_model(
     ctx: click.Context, model: str | None, run_dir: str | None, adapters: tuple[str, ...], checkpoint: str | None, api_key_file: str | None,
     host: str, port: int, dtype: str | None, device: str, max_model_len: int | None, engine: str, gpu_memory_utilization: float | None,
     idle_timeout: float | None, exit_with_parent: bool, lease_file: Path | None, scheduler: str | None, api_key: str | None, gpus: int, key_file: Path | None,
-    detach: bool, header_timeout: float, body_timeout: float, max_connections: int,
+    detach: bool, metrics_port: int, header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
     """Serve a model and its LoRA adapters through an OpenAI-compatible API.
 
@@ -188,7 +190,10 @@ def serve_model(
     click.echo(f"serving {names} with the {engine} engine at http://{host}:{port}/v1", err=True)
     from tinkergym.serve.lifetime import Activity, Watchdog
 
-    app = Activity(create_inference_app(served, token_digest(key), lease=LeaseFile(lease_file) if lease_file is not None else None))
+    inner = create_inference_app(served, token_digest(key), lease=LeaseFile(lease_file) if lease_file is not None else None)
+    if metrics_port:
+        start_metrics(inner.state.metrics, metrics_port)
+    app = Activity(inner)
     limits = connection_limits(header_timeout, body_timeout, max_connections)
     server = uvicorn.Server(server_config(app, limits, host=host, port=port, log_level="info", timeout_keep_alive=75))
     watchdog = None

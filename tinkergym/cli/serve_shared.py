@@ -11,6 +11,7 @@ from tinkergym.cli.connection_options import connection_limits, connection_optio
 from tinkergym.cli.serve import (
     EXIT_WITH_PARENT_OPTION,
     HOST_OPTION,
+    METRICS_PORT_OPTION,
     LEASE_FILE_OPTION,
     MAX_BODY_OPTION,
     TOKEN_HINT,
@@ -57,13 +58,14 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
               help="Stop (exit code 75) when no call came for this many seconds; a running call counts as activity.")
 @EXIT_WITH_PARENT_OPTION
 @LEASE_FILE_OPTION
+@METRICS_PORT_OPTION
 @call_limit_options
 @connection_options
 def serve_shared(
     model: str, dtype: str, device: str, micro_batch_size: int, max_sample_batch: int, max_lora_rank: int, max_adapters: int,
     memory_budget_mb: float, prefix_cache_mb: float, pass_tokens: int, gather_ms: float, host: str, port: int, token_file: Path | None, run_dir: Path,
     max_body_mb: float, keep_states: int, max_adapter_disk_mb: float, max_waiting_calls: int, idle_timeout: float | None, exit_with_parent: bool, lease_file: Path | None,
-    max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
+    metrics_port: int, max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
     header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
     """Serve one base model to many LoRA adapters: each adapter trains as through serve-backend, with a token of its own,
@@ -115,4 +117,4 @@ def serve_shared(
                             max_waiting_calls=max_waiting_calls, max_adapter_disk_mb=max_adapter_disk_mb)
     click.echo(f"tinkergym shared training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
-               lambda: app.state.shared.last_activity(), logger)
+               lambda: app.state.shared.last_activity(), logger, metrics_port)

@@ -72,3 +72,43 @@ class MetricsMiddleware:
             method = str(scope.get("method"))
             method = method if method in METHODS else "other"
             self.metrics.observe(route[:200], method, status, time.perf_counter() - start)
+
+
+#: Call duration buckets in seconds: an optimizer step on a small adapter to a long sampling call.
+CALL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
+
+
+class CallMetrics:
+    """A training server's calls (:mod:`tinkergym.serve.training`): counted and timed by method and outcome, and the
+    tokens they put through the model (``kind`` ``sampled``: new tokens drawn; ``trained``: the tokens of the rows of a
+    ``forward_backward``), whose rate is the server's throughput (``rate(tinkergym_tokens_total[1m])``). The step time
+    is ``tinkergym_call_duration_seconds`` of ``forward_backward`` plus ``optim_step``."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.server = metrics.server
+        self.calls = Counter("tinkergym_calls", "Backend calls run, by method and outcome", ["server", "method", "ok"], registry=metrics.registry)
+        self.duration = Histogram("tinkergym_call_duration_seconds", "Time a backend call ran (queueing not included)", ["server", "method"],
+                                  buckets=CALL_BUCKETS, registry=metrics.registry)
+        self.tokens = Counter("tinkergym_tokens", "Tokens sampled and trained", ["server", "kind"], registry=metrics.registry)
+
+    def observe(self, method: str, call: Any, result: Any, ok: bool, seconds: float) -> None:
+        """One finished call: ``call`` its parsed arguments (``ParsedCall``), ``result`` its wire result (a dict) or None."""
+        self.calls.labels(self.server, method, "true" if ok else "false").inc()
+        self.duration.labels(self.server, method).observe(seconds)
+        if not ok:
+            return
+        if method == "sample" and isinstance(result, dict):
+            drawn = sum(len(seq.get("tokens", ())) for row in result.get("sequences", ()) for seq in row)
+            self.tokens.labels(self.server, "sampled").inc(drawn)
+        elif method == "forward_backward" and call is not None:
+            self.tokens.labels(self.server, "trained").inc(sum(len(d.tokens) for d in call.args["request"].data))
+
+
+def serve_metrics(metrics: ServerMetrics, port: int, host: str = "127.0.0.1") -> Any:
+    """Serve ``metrics`` at ``http://host:port/metrics`` from a thread of this process (the training and inference servers'
+    and the worker's ``--metrics-port``: a listener of its own, on loopback by default, with no key: whoever reaches it
+    reads counts, never ids). Answers the HTTP server, whose ``shutdown()`` stops it."""
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, addr=host, registry=metrics.registry)
+    return server

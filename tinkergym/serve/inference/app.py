@@ -122,7 +122,11 @@ def create_inference_app(engine: InferenceEngine, token_digest: bytes, max_body_
             return StreamingResponse(chunks_or_body, media_type="text/event-stream")
         return chunks_or_body
 
-    require_token(app, token_digest, lease=lease)  # added last: the outermost middleware, so every other answer needs the key
+    require_token(app, token_digest, lease=lease)  # added last but one: every other answer needs the key
+    from tinkergym.serve.metrics import MetricsMiddleware, ServerMetrics
+
+    app.state.metrics = ServerMetrics("inference")  # served by --metrics-port on a listener of its own
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app
 
 

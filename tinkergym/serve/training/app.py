@@ -343,4 +343,15 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 1024 * 1024), hint="send the batch in several forward_backward calls (--max-body-mb)")
     require_token(app, token_digest, lease=lease)
     app.add_middleware(RequestLog, logger=log)
+    app.state.metrics = training_metrics(app, "training", service.worker)
     return app
+
+
+def training_metrics(app: FastAPI, server: str, worker: Any) -> Any:
+    """The app's Prometheus registry (served by ``--metrics-port``): its requests, and ``worker``'s calls and tokens."""
+    from tinkergym.serve.metrics import CallMetrics, MetricsMiddleware, ServerMetrics
+
+    metrics = ServerMetrics(server)
+    worker.observer = CallMetrics(metrics).observe
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return metrics

@@ -534,6 +534,8 @@ class CallWorker:
         self.keep_states = keep_states
         self.pending = 0  # calls submitted and not finished
         self.last_done = time.monotonic()
+        #: ``observer(method, call, result, ok, seconds)`` after each call (the server's metrics), or None.
+        self.observer: Callable[[str, Any, Any, bool, float], None] | None = None
         self._queue: queue.Queue[CallRecord | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -563,10 +565,13 @@ class CallWorker:
                 result = run_call(self.backend, record.call, self.run_dir, self.keep_states)  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - any failure becomes the call's stored outcome
                 error = call_error(exc, record.request_id, self.logger)
+            seconds = time.perf_counter() - start
             self.logger.info(json.dumps({
                 "event": "call", "request_id": record.request_id, "session": record.session_id, "seq": record.seq,
-                "method": record.method, "ok": error is None, "duration_ms": round(1000 * (time.perf_counter() - start), 1),
+                "method": record.method, "ok": error is None, "duration_ms": round(1000 * seconds, 1),
             }))
+            if self.observer is not None:
+                self.observer(record.method, record.call, result, error is None, seconds)
             record.finish(result=result, error=error)
             with self._start_lock:
                 self.pending -= 1

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Query, Request
+from prometheus_client import Gauge
 from fastapi.concurrency import run_in_threadpool
 from pydantic import Field
 from starlette.responses import JSONResponse
@@ -46,7 +47,8 @@ from starlette.responses import JSONResponse
 from tinkergym.errors import ConfigError
 from tinkergym.serve.asgi import BodyLimit, RequestLog, WireJSON, error_response
 from tinkergym.serve.auth import LeaseFile, bearer_matches, bearer_token, token_digest
-from tinkergym.serve.training.app import ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, WireModel, _add_error_handlers, public_info, router
+from tinkergym.serve.training.app import (ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, WireModel, _add_error_handlers, public_info,
+                                          router, training_metrics)
 from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, call_error, run_call, sample_tokens, wire_result
 
 #: Routes of the server's own token; every other route but /health serves one adapter.
@@ -148,6 +150,8 @@ class SharedWorker:
         self._thread: threading.Thread | None = None
         self.rounds: list[list[tuple[str, str]]] = []  # the last 64 rounds' (adapter, method), newest last
         self.rounds_run = 0  # rounds since the start
+        #: ``observer(method, call, result, ok, seconds)`` after each call (the server's metrics), or None.
+        self.observer: Any = None
         self.last_activity = time.monotonic()
 
     def add(self, adapter_id: str, session: Any, run_dir: Path) -> WorkerPort:
@@ -293,10 +297,13 @@ class SharedWorker:
             outcome = outcomes.get(record.request_id, ConfigError(CLOSED))
             error = call_error(outcome, record.request_id, self.logger) if isinstance(outcome, BaseException) else None
             result = None if error is not None else (wire_result(record.method, outcome) if record.method in together else outcome)
+            seconds = time.perf_counter() - start
             self.logger.info(json.dumps({
                 "event": "call", "request_id": record.request_id, "adapter": adapter_id, "session": record.session_id, "seq": record.seq,
-                "method": record.method, "ok": error is None, "round": len(taken), "duration_ms": round(1000 * (time.perf_counter() - start), 1),
+                "method": record.method, "ok": error is None, "round": len(taken), "duration_ms": round(1000 * seconds, 1),
             }))
+            if self.observer is not None:  # a call of a shared pass is timed as the pass
+                self.observer(record.method, record.call, result, error is None, seconds)
             record.finish(result=result, error=error)
 
 
@@ -548,4 +555,7 @@ def create_shared_app(
     app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 1024 * 1024), hint="send the batch in several forward_backward calls (--max-body-mb)")
     _authenticate(app, shared, token_digest, lease)
     app.add_middleware(RequestLog, logger=log)
+    app.state.metrics = training_metrics(app, "shared", shared.worker)
+    Gauge("tinkergym_shared_adapters", "LoRA adapters open on the shared base", registry=app.state.metrics.registry).set_function(
+        lambda: len(shared.adapters))
     return app
