@@ -31,7 +31,7 @@ pytest.importorskip("peft")
 
 from click.testing import CliRunner
 
-from testkit import wait_until  # registered by tests/conftest.py
+from testkit import free_port, wait_until  # registered by tests/conftest.py
 
 from tinkergym.serve.asgi import ThreadServer
 from tinkergym.backends.remote import RemoteBackend, RemoteBackendError
@@ -165,9 +165,14 @@ def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
         assert shown["attempt"] == 1 and allocations(db_url) == 0
 
         # 3. Worker 2 takes it at epoch 2 with the checkpoint restored; the old token and the old epoch are refused.
-        second = WorkerProcess(server.url, worker_key, tmp_path / "w2", "w2")
+        metrics_port = free_port()
+        second = WorkerProcess(server.url, worker_key, tmp_path / "w2", "w2", "--metrics-port", str(metrics_port))
         workers.append(second)
         wait_until("the job to run again", lambda: owner.show(job)["state"] == "running", 180)
+        held = worker_metrics(metrics_port)
+        assert held[("tinkergym_worker_places", (("kind", "device"), ("state", "held")))] == 1
+        assert held[("tinkergym_worker_places", (("kind", "device"), ("state", "free")))] == 0
+        assert held[("tinkergym_worker_lease_polls_total", (("result", "granted"),))] == 1
         conn2 = owner.connection(job)
         assert conn2["epoch"] == 2 and conn2["token"] != conn["token"]
         restored = second.run_dir(job, 2) / "states" / "step_000001"
@@ -204,6 +209,12 @@ def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
         assert not server_pids(run_dir) and allocations(db_url) == 0
         events = [e["data"].get("state") for e in owner.events(other) if e["type"] == "state"]
         assert events[-2:] == ["cancelling", "cancelled"]
+        ended = wait_until("the worker's metrics of the three ends", lambda: (m := worker_metrics(metrics_port)).get(
+            ("tinkergym_worker_jobs_ended_total", (("outcome", "cancelled"),))) and m, 10)
+        for outcome in ("succeeded", "failed", "cancelled"):
+            assert ended[("tinkergym_worker_jobs_ended_total", (("outcome", outcome),))] == 1, outcome
+        assert ended[("tinkergym_worker_places", (("kind", "device"), ("state", "free")))] == 1
+        assert ended[("tinkergym_worker_lease_polls_total", (("result", "granted"),))] == 3
 
         # 6. SIGTERM stops the worker cleanly.
         second.process.send_signal(signal.SIGTERM)
@@ -217,6 +228,17 @@ def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
             worker.stop()
         owner.close()
         server.stop()
+
+
+def worker_metrics(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The worker's ``--metrics-port`` listener, parsed with prometheus_client's own parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(x.name, tuple(sorted(x.labels.items()))): x.value for f in text_string_to_metric_families(text) for x in f.samples}
 
 
 def owner_worker_id(db_url: str, job_id: str) -> str:

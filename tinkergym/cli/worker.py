@@ -82,10 +82,14 @@ def _share(devices: list[dict], text: str, spec: dict, models: list[str]) -> Non
               help="The largest rank of a job on a seat (a larger one takes a whole device): size --seats so that this many "
                    "adapters of this rank, with their optimizer state, fit the device beside the base.")
 @click.option("--skip-model-check", is_flag=True, help="Start even when a model of --models is not available here yet (it is fetched when a job starts).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Serve the worker's Prometheus metrics at http://127.0.0.1:PORT/metrics (its devices and seats free and held, lease "
+                   "polls, jobs ended): a listener of its own, on loopback, no key; 0: off.")
 def worker(
     scheduler_url: str | None, api_key: str | None, gpus: str | None, slots: int | None, name: str | None, host: str, models: str,
     work_dir: Path, port_range: str, heartbeat: float | None, idle_timeout: float | None, poll: float, python: str, keep_states: int,
     shared_devices: str | None, seats: int, shared_model: str | None, shared_dtype: str, max_lora_rank: int, skip_model_check: bool,
+    metrics_port: int,
 ) -> None:
     """Take the scheduler's leases for this machine's devices and run each job's server on them.
 
@@ -142,6 +146,12 @@ def worker(
     options = WorkerOptions(name=name, host=host, devices=devices, models=model_list, work_dir=work_dir.resolve(), ports=ports,
                             heartbeat=heartbeat, idle_timeout=idle_timeout, poll=poll, python=python, keep_states=keep_states)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
-    code = Worker(client, options).run()
+    pool = Worker(client, options)
+    if metrics_port:
+        try:
+            pool.serve_metrics(metrics_port)
+        except OSError as exc:
+            raise InputError(f"--metrics-port {metrics_port}: cannot listen on 127.0.0.1:{metrics_port} ({exc}); pick a free port") from exc
+    code = pool.run()
     if code:
         raise SystemExit(code)

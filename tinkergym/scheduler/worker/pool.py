@@ -1,6 +1,6 @@
 """The worker's loop (:class:`Worker`): registers its devices and seats, asks for leases while some are free, and runs
 a :class:`~tinkergym.scheduler.worker.agent.JobRunner` per lease (see that module for what one lease does).
-Standard library and :mod:`tinkergym.client` only."""
+Standard library and :mod:`tinkergym.client` only (``prometheus_client`` with ``--metrics-port``)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,17 @@ class Worker:
         self._lock = threading.Lock()
         self._ports: set[int] = set()
         self.shared = SharedServers(options, self.take_port, self.release_port)
+        self.metrics: Any = None  # a WorkerMetrics once serve_metrics() ran (--metrics-port)
+
+    def serve_metrics(self, port: int) -> None:
+        """The worker's Prometheus metrics on 127.0.0.1:``port`` (see :mod:`tinkergym.scheduler.worker.metrics`)."""
+        from tinkergym.scheduler.worker.metrics import WorkerMetrics
+        from tinkergym.serve.metrics import serve_metrics
+
+        seats = sum(int(d["shared"]["seats"]) for d in self.options.devices if d.get("shared"))
+        whole = sum(1 for d in self.options.devices if not d.get("shared"))
+        self.metrics = WorkerMetrics(lambda: (whole, seats, self.busy()))
+        serve_metrics(self.metrics, port)
 
     def busy(self) -> set[tuple[str, Any]]:
         """The places its jobs hold: whole devices and seats."""
@@ -52,6 +63,8 @@ class Worker:
             if runner in self.runners:
                 self.runners.remove(runner)
         log.info("job %s epoch %s: %s; its devices %s are free", runner.job_id, runner.epoch, runner.outcome, runner.devices)
+        if self.metrics is not None:
+            self.metrics.job_ended(runner.outcome)
 
     def take_port(self) -> int:
         low, high = self.options.ports
@@ -86,7 +99,11 @@ class Worker:
                 try:
                     granted = self.client.lease()
                     delay = self.options.poll
+                    if self.metrics is not None:
+                        self.metrics.polls.labels("granted" if granted is not None else "empty").inc()
                 except SchedulerError as exc:
+                    if self.metrics is not None:
+                        self.metrics.polls.labels("error").inc()
                     if exc.status == 404:  # the scheduler does not know this worker (a new database): register again
                         self._try(self.register)
                     elif exc.status in (401, 403):  # the key: nothing this worker can do but stop
