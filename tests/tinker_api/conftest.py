@@ -19,6 +19,7 @@ class Cluster:
     keys: dict[str, str]  # tenant -> "tml-..." key
     base: Any
     service: Any  # the TinkerService (its engine's shared worker: service.engine.worker)
+    metrics: Any  # the app's ServerMetrics (serve-tinker --metrics-port serves them)
 
     def client(self, who: str = "alice") -> Any:
         import tinker
@@ -45,7 +46,7 @@ def cluster(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clu
     app = create_server(base, root / "runs", engine, logging.getLogger("tinker-test"), model_name="tiny-test", tokenizer_id=tiny,
                         max_runs_per_tenant=64)
     with serving(app) as url:
-        yield Cluster(url, "tiny-test", keys, base, app.state.tinker)
+        yield Cluster(url, "tiny-test", keys, base, app.state.tinker, app.state.metrics)
     engine.dispose()
 
 

@@ -101,6 +101,17 @@ def test_sampler_logprobs_equal_compute_logprobs_and_the_trainers(cluster: Any, 
     assert [s.tokens for s in again.sequences] == [s.tokens for s in response.sequences]
 
 
+def test_the_servers_metrics_count_its_calls_tokens_and_routes(cluster: Any, connect: Any) -> None:
+    import testkit
+
+    training = connect().create_lora_training_client(base_model=cluster.model, rank=4).result()
+    training.forward_backward(sft_batch(), "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 2, types.SamplingParams(max_tokens=3)).result()
+    testkit.check_training_metrics(cluster.metrics.render().decode(), "tinker", route="/api/v1/forward_backward", calls=1)
+
+
 def test_async_interface(cluster: Any, connect: Any) -> None:
     async def main() -> tuple[float, float, list[float | None]]:
         service = connect()

@@ -9,7 +9,7 @@ import click
 from tinkergym.cli.common import InputError, SafePath
 from tinkergym.cli.connection_options import connection_limits, connection_options
 from tinkergym.cli.scheduler import data_dir_option, db_option, open_database
-from tinkergym.cli.serve import HOST_OPTION, _is_loopback, request_logger, run_server
+from tinkergym.cli.serve import HOST_OPTION, METRICS_PORT_OPTION, _is_loopback, request_logger, run_server
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 
 
@@ -48,6 +48,7 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
                    "prompts) arrive tens of ms apart and then decode as one batch. 0 starts at once (lowest latency of one request).")
 @HOST_OPTION
 @click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True)
+@METRICS_PORT_OPTION
 @click.option("--run-dir", type=SafePath(file_okay=False, path_type=Path), required=True,
               help="Folder for runs/<id>/{states,exports} (the tinker:// checkpoints) and server.log.")
 @db_option
@@ -56,7 +57,7 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 def serve_tinker(
     model: str | None, scheduler_url: str | None, offers: tuple[str, ...], checkpoint_every: int, model_name: str | None, tokenizer_id: str | None, dtype: str, device: str, micro_batch_size: int, max_lora_rank: int,
     max_sessions: int, memory_budget_mb: float, max_runs_per_tenant: int, max_samplers_per_tenant: int, session_timeout: float,
-    gather_ms: float, sample_gather_ms: float, host: str, port: int, run_dir: Path, db: str | None, data_dir: Path, header_timeout: float, body_timeout: float, max_connections: int,
+    gather_ms: float, sample_gather_ms: float, host: str, port: int, metrics_port: int, run_dir: Path, db: str | None, data_dir: Path, header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
     """Serve the Tinker API, so the tinker SDK and tinker-cookbook train and sample LoRA adapters of one base model here.
 
@@ -103,7 +104,8 @@ def serve_tinker(
                                 checkpoint_every=checkpoint_every, dtype=dtype, max_runs_per_tenant=max_runs_per_tenant,
                                 max_samplers_per_tenant=max_samplers_per_tenant, session_timeout_s=session_timeout)
         click.echo(f"tinkergym Tinker API: the front door of {scheduler_url} ({', '.join(offered)}) on http://{host}:{port}", err=True)
-        run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), None, False, lambda: 0.0, logger)
+        run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), None, False, lambda: 0.0, logger,
+                   metrics_port)
         return
     assert model is not None
 
@@ -126,4 +128,4 @@ def serve_tinker(
                         max_samplers_per_tenant=max_samplers_per_tenant, session_timeout_s=session_timeout)
     click.echo(f"tinkergym Tinker API: {model_name or model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), None, False,
-               lambda: 0.0, logger)
+               lambda: 0.0, logger, metrics_port)

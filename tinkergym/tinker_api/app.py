@@ -306,4 +306,11 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
         return JSONResponse({"base_model": run.base_model, "is_lora": True, "lora_rank": run.rank, "train_unembed": False,
                              "train_mlp": True, "train_attn": True})
 
+    from tinkergym.serve.metrics import CallMetrics, MetricsMiddleware, ServerMetrics
+
+    app.state.metrics = ServerMetrics("tinker")  # served by serve-tinker --metrics-port
+    worker = getattr(service.engine, "worker", None)  # the local engine's shared worker: its calls and tokens
+    if worker is not None:
+        worker.observer = CallMetrics(app.state.metrics).observe
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     return app
