@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 
 from tinkergym.protocol.types import SampleRequest, SampleResponse, SamplingParams
 from tinkergym.chat import ChatRenderer, Message
+from tinkergym import timeline
 from tinkergym.errors import ConfigError
 
 #: Finish reasons of an episode cut by one of the rollout's budgets rather than ended by its env.
@@ -270,19 +271,30 @@ def _sample_round(waiting: list[_Episode], sampler: Sampler, renderer: ChatRende
             stop_token_ids=list(renderer.stop_token_ids),
             seed=None if config.seed is None else config.seed * 1_000_003 + round_index * 1009 + budget,
         )
-        response = sampler.sample(SampleRequest(prompts=[e.trajectory.tokens for e in group], params=params))
+        with timeline.span("sample", "sampling", prompts=len(group), max_new_tokens=budget):
+            response = sampler.sample(SampleRequest(prompts=[e.trajectory.tokens for e in group], params=params))
         for episode, (sequence, *_) in zip(group, response.sequences):
             try:
                 text = _take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)
             except Exception as exc:  # noqa: BLE001 - a template failure ends this episode only
                 episode.fail(exc)
                 continue
-            stepping.append((episode, env_calls.submit(episode.env.step, text), sequence.finish_reason == "stop"))
+            stepping.append((episode, env_calls.submit(_env_step, episode.env, text), sequence.finish_reason == "stop"))
     for episode, step, stopped in stepping:  # in submission order, whatever order the steps finished in
         try:
             _after_step(episode, step.result(), stopped, renderer, config)
         except Exception as exc:  # noqa: BLE001 - an env or template failure ends this episode only
             episode.fail(exc)
+
+
+def _env_step(env: Any, action: str) -> tuple:
+    with timeline.span("env.step", "env"):
+        return env.step(action)
+
+
+def _env_reset(env: Any, seed: int | None) -> tuple:
+    with timeline.span("env.reset", "env"):
+        return env.reset(seed=seed)
 
 
 def _env_workers(envs: list[Any], config: RolloutConfig) -> int:
@@ -314,7 +326,7 @@ def rollout(
     episodes = [_Episode(env, seed) for env, seed in zip(envs, seeds, strict=True)]
     env_calls = _EnvCalls(_env_workers(envs, config))
     try:
-        resets = [(e, env_calls.submit(e.env.reset, seed=e.seed)) for e in episodes]
+        resets = [(e, env_calls.submit(_env_reset, e.env, e.seed)) for e in episodes]
         for episode, reset in resets:
             try:
                 _start(episode, reset.result(), renderer, config)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Iterable
 
+from tinkergym import timeline
 from tinkergym.errors import ConfigError
 from tinkergym.tool_schemas import function_schema
 
@@ -254,7 +255,8 @@ class ToolBox:
         if problem is not None:
             return problem
         try:
-            result = self._tools[call.name].fn(**call.arguments)
+            with timeline.span("tool", "tool", tool=call.name):
+                result = self._tools[call.name].fn(**call.arguments)
         except (Exception, SystemExit) as exc:  # noqa: BLE001 - a tool's failure is feedback for the model
             message = str(exc).strip()
             return f"Error: {type(exc).__name__}{': ' + message if message else ''}"

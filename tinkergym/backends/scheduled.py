@@ -19,6 +19,7 @@ import time
 from typing import Any
 from collections.abc import Callable
 
+from tinkergym import timeline
 from tinkergym.backends.remote import RemoteBackend, RemoteBackendError, server_name
 from tinkergym.client import TERMINAL_STATES as TERMINAL  # noqa: F401 - importable from here
 from tinkergym.client import JobEnded, print_stderr  # noqa: F401 - JobEnded: raised by wait_running; importable from here
@@ -77,8 +78,9 @@ class ScheduledBackend:
                             still_queued="it stays queued: reattach later with tinkergym train --resume")
 
     def connect(self, after_epoch: int | None = None) -> None:
-        """Wait for the job to run and connect to its server."""
-        connection = self.wait_running(after_epoch)
+        """Wait for the job to run and connect to its server (the wait is the run's ``queue`` span)."""
+        with timeline.span("queue", "setup", epoch=after_epoch):
+            connection = self.wait_running(after_epoch)
         if self._remote is not None:
             self._remote.close()
         self._remote = RemoteBackend(connection["url"], connection["token"], **self.remote_options)

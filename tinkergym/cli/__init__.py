@@ -19,6 +19,7 @@ from tinkergym.cli.serve import serve_backend
 from tinkergym.cli.serve_shared import serve_shared
 from tinkergym.cli.serve_tinker import serve_tinker
 from tinkergym.cli.serve_model import serve_model
+from tinkergym.cli.trace import trace
 from tinkergym.cli.train import eval_command, train
 from tinkergym.cli.worker import worker
 from tinkergym.cli.workers import workers
@@ -58,6 +59,7 @@ main.add_command(envs)
 main.add_command(play)
 main.add_command(train)
 main.add_command(eval_command)
+main.add_command(trace)
 main.add_command(push)
 main.add_command(jobs)
 main.add_command(serve_backend)

@@ -30,6 +30,7 @@ import time
 from typing import Any
 from collections.abc import Callable
 
+from tinkergym import timeline
 from tinkergym.protocol.types import ForwardBackwardRequest, LossSpec, OptimParams
 from tinkergym.rollouts import Trajectory
 from tinkergym.trainers.advantages import (
@@ -98,9 +99,11 @@ class GRPOTrainer:
             return self.train_step_ahead(step)
         seeds = [s for s in self.ctx.prompt_seeds(step) for _ in range(c.group_size)]
         started = time.perf_counter()
-        trajectories = self.ctx.rollout(seeds, sampling_seed=c.seed * 100_003 + step)
+        with timeline.span("rollout"):
+            trajectories = self.ctx.rollout(seeds, sampling_seed=c.seed * 100_003 + step)
         rolled_out = time.perf_counter()
-        metrics = self.update(self.ctx.backend, trajectories)
+        with timeline.span("update"):
+            metrics = self.update(self.ctx.backend, trajectories)
         return StepOutput({**metrics, **phase_times(started, rolled_out)}, trajectories)
 
     def train_step_ahead(self, step: int) -> StepOutput:
@@ -108,12 +111,14 @@ class GRPOTrainer:
         c = self.ctx.config
         if self.pipeline is None:
             self.pipeline = RolloutPipeline({POLICY: self.ctx.backend}, c.async_steps, self.plan_rollout)
-        rollout, waited = self.pipeline.take(step, c.steps - 1)
+        with timeline.span("rollout_wait"):
+            rollout, waited = self.pipeline.take(step, c.steps - 1)
         trained = time.perf_counter()
         trajectories: list[Trajectory] = rollout.output
         gaps_B = [policy_version(self.ctx.backend) - rollout.versions[POLICY]] * len(trajectories)
         keep_B = fresh_groups(gaps_B, c.group_size, c.async_steps)
-        metrics = self.update(self.ctx.backend, [t for t, keep in zip(trajectories, keep_B) if keep])
+        with timeline.span("update"):
+            metrics = self.update(self.ctx.backend, [t for t, keep in zip(trajectories, keep_B) if keep])
         metrics.update(staleness_metrics(gaps_B, keep_B, dropped_groups(keep_B, c.group_size)))
         metrics.update({"time/rollout_wait_s": waited, "time/update_s": time.perf_counter() - trained, "async/rollout_s": rollout.seconds})
         return StepOutput(metrics, trajectories)
@@ -136,10 +141,12 @@ class GRPOTrainer:
         metrics = rollout_metrics(trajectories)
         metrics["batch/trained_sequences"] = float(len(request.data))
         if request.data:
-            result = backend.forward_backward(request)
+            with timeline.span("forward_backward", "backend", sequences=len(request.data)):
+                result = backend.forward_backward(request)
             metrics.update(result.metrics)
             params = OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
-            metrics.update(backend.optim_step(params))
+            with timeline.span("optim_step", "backend"):
+                metrics.update(backend.optim_step(params))
         return metrics
 
     def state_dict(self) -> dict:

@@ -48,6 +48,7 @@ from collections.abc import Callable, Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
+from tinkergym import timeline
 from tinkergym.config import OPPONENT_KINDS, parse_opponents  # noqa: F401 - importable from here
 from tinkergym.errors import ConfigError
 from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlayer, SeatResult, play_games
@@ -191,9 +192,11 @@ class SelfPlayTrainer(GRPOTrainer):
         else:
             games, opponents = self.schedule(step)
             started = time.perf_counter()
-            results = play_games(games, self.ctx.renderer, self.settings(seed=c.seed * 100_003 + step))
+            with timeline.span("rollout", games=len(games)):
+                results = play_games(games, self.ctx.renderer, self.settings(seed=c.seed * 100_003 + step))
             rolled_out = time.perf_counter()
-            metrics = self.update_learners(results)  # the update phase: every game has ended
+            with timeline.span("update"):
+                metrics = self.update_learners(results)  # the update phase: every game has ended
             metrics.update(phase_times(started, rolled_out))
         every = [t for name in self.learners() for t in learner_seats(results, {name})[0]]
         for result, opponent in zip(results, opponents):
@@ -232,12 +235,14 @@ class SelfPlayTrainer(GRPOTrainer):
         c = self.ctx.config
         if self.pipeline is None:
             self.pipeline = RolloutPipeline(self.learners(), c.async_steps, self.plan_games)
-        rollout, waited = self.pipeline.take(step, c.steps - 1)
+        with timeline.span("rollout_wait"):
+            rollout, waited = self.pipeline.take(step, c.steps - 1)
         trained = time.perf_counter()
         results, opponents = rollout.output
         gaps = {name: policy_version(backend) - rollout.versions[name] for name, backend in self.learners().items()}
         stale = {name for name, gap in gaps.items() if gap > c.async_steps}
-        metrics = self.update_learners(results, skip=stale)
+        with timeline.span("update"):
+            metrics = self.update_learners(results, skip=stale)
         sizes = {name: len(learner_seats(results, {name})[0]) for name in gaps}
         gaps_B = [gaps[name] for name in gaps for _ in range(sizes[name])]
         keep_B = [name not in stale for name in gaps for _ in range(sizes[name])]

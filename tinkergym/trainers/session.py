@@ -36,6 +36,7 @@ from typing import Any
 from collections.abc import Callable
 
 from tinkergym.backends.scheduled import BackendLost
+from tinkergym import timeline
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
 from tinkergym.folders import complete_checkpoints, latest_checkpoint, replace_dir
 from tinkergym.trainers.base import (
@@ -119,8 +120,11 @@ class TrainingRun:
         self.make_env = env_factory(config.env, config.env_kwargs, multi) if config.env else None
         self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}, multi) if config.env else None
         created = _make_run_folder(self.folder)
+        self.timeline = timeline.Timeline()  # the run's spans (see tinkergym.timeline), written to the run folder per step
         try:
-            self._build(config, trainer_class, backend, start_step)
+            with timeline.recording(self.timeline):  # a scheduler job's wait in the queue is a span
+                self._build(config, trainer_class, backend, start_step)
+            timeline.append_spans(self.folder, self.timeline.take())
         except BaseException as exc:
             if created and not any(self.folder.iterdir()):
                 self.folder.rmdir()  # leave no empty run folder behind a run that never started
@@ -201,25 +205,27 @@ class TrainingRun:
             self.log.write(-1, self.evaluate(-1))  # step -1: the policy before any update, the baseline to beat
         bar = tqdm(total=c.steps, initial=self.start_step, disable=not progress, desc="train", unit="step")
         step = self.start_step
-        try:
-            while True:
-                try:
-                    while step < c.steps:
-                        last = self._train_step(step)
-                        step += 1
-                        bar.update(1)
-                        bar.set_postfix({k: f"{last[m]:.3g}" for k, m in (("reward", "reward/mean"), ("loss", "loss"), ("tok/s", "tokens/per_s")) if m in last})
-                    self.backend.export(str(self.folder / "final"))
-                    _trainer_hook(self.trainer, "export_backends", self.folder / "final")
-                    break
-                except BackendLost:  # a scheduler job whose server went away: the next lease's server takes over
-                    step = self._recover()
-                    bar.n = step
-                    bar.refresh()
-        finally:  # an interrupted run still leaves every logged step readable in TensorBoard
-            _close_trainer(self.trainer)  # rollouts sampled ahead and still in flight are dropped (a resume samples them again)
-            bar.close()
-            self.log.close()
+        with timeline.recording(self.timeline):  # every thread's spans (env steps, sampling ahead) go to the run's timeline
+            try:
+                while True:
+                    try:
+                        while step < c.steps:
+                            last = self._train_step(step)
+                            step += 1
+                            bar.update(1)
+                            bar.set_postfix({k: f"{last[m]:.3g}" for k, m in (("reward", "reward/mean"), ("loss", "loss"), ("tok/s", "tokens/per_s")) if m in last})
+                        self.backend.export(str(self.folder / "final"))
+                        _trainer_hook(self.trainer, "export_backends", self.folder / "final")
+                        break
+                    except BackendLost:  # a scheduler job whose server went away: the next lease's server takes over
+                        step = self._recover()
+                        bar.n = step
+                        bar.refresh()
+            finally:  # an interrupted run still leaves every logged step readable in TensorBoard
+                _close_trainer(self.trainer)  # rollouts sampled ahead and still in flight are dropped (a resume samples them again)
+                bar.close()
+                self.log.close()
+                timeline.append_spans(self.folder, self.timeline.take())
         plot_learning_curve(self.folder)
         complete = getattr(self.backend, "complete", None)
         if callable(complete):  # a scheduler job: the run is done, its devices are freed now rather than at an idle timeout
@@ -261,7 +267,8 @@ class TrainingRun:
         c = self.config
         started = time.perf_counter()
         try:
-            output: StepOutput = self.trainer.train_step(step)
+            with timeline.span("step", "step", step=step):
+                output: StepOutput = self.trainer.train_step(step)
         except NonFiniteError as exc:
             self._diverged(step, str(exc))
         metrics = dict(output.metrics)
@@ -272,13 +279,16 @@ class TrainingRun:
         if c.transcripts_every and (step % c.transcripts_every == 0 or step == c.steps - 1) and output.trajectories:
             write_transcripts(self.folder / "transcripts" / f"train_step_{step:06d}.jsonl", output.trajectories[: c.group_size * 2], step=step)
         if c.eval_every and ((step + 1) % c.eval_every == 0 or step == c.steps - 1) and self.make_eval_env is not None:
-            metrics.update(self.evaluate(step))
+            with timeline.span("eval", step=step):
+                metrics.update(self.evaluate(step))
         self.log.write(step, metrics)
         report = getattr(self.backend, "report_metrics", None)
         if callable(report):  # a scheduler job: its event stream shows the run's progress (tinkergym jobs logs --follow)
             report(step, metrics)
         if (step + 1) % c.checkpoint_every == 0 or step == c.steps - 1:
-            self.checkpoint(step)
+            with timeline.span("checkpoint", step=step):
+                self.checkpoint(step)
+        timeline.append_spans(self.folder, self.timeline.take())
         return metrics
 
     def close(self) -> None:

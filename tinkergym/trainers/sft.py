@@ -20,6 +20,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+from tinkergym import timeline
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
 from tinkergym.errors import ConfigError
 from tinkergym.trainers.base import StepOutput, TrainingContext
@@ -150,9 +151,12 @@ class SFTTrainer:
         c = self.ctx.config
         rng = random.Random(f"sft:{c.seed}:{step}")
         batch = [self.data[rng.randrange(len(self.data))] for _ in range(c.batch_size)]
-        result = self.ctx.backend.forward_backward(ForwardBackwardRequest(data=batch, loss=LossSpec(name="cross_entropy")))
-        metrics = dict(result.metrics)
-        metrics.update(self.ctx.backend.optim_step(OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)))
+        with timeline.span("update"):
+            with timeline.span("forward_backward", "backend", sequences=len(batch)):
+                result = self.ctx.backend.forward_backward(ForwardBackwardRequest(data=batch, loss=LossSpec(name="cross_entropy")))
+            metrics = dict(result.metrics)
+            with timeline.span("optim_step", "backend"):
+                metrics.update(self.ctx.backend.optim_step(OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)))
         metrics["examples"] = float(len(self.data))
         return StepOutput(metrics)
 

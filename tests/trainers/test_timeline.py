@@ -1,0 +1,102 @@
+"""A run's timeline: the spans of every step nest, its phases add up to the step's time, env steps and tool calls are
+on their own threads, and ``tinkergym trace`` writes a Trace Event Format file that Perfetto and chrome://tracing open."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tinkergym import timeline
+from tinkergym.cli import main
+from tinkergym.tools import ToolBox, ToolCall
+
+pytest.importorskip("torch")
+
+from tinkergym.config import TrainConfig  # noqa: E402
+from tinkergym.trainers.session import TrainingRun  # noqa: E402
+
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def run(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("timeline") / "run"
+    config = TrainConfig(env="tinker/Bandit-v0", trainer="grpo", model=tiny, dtype="float32", steps=STEPS, checkpoint_every=2, lr=1e-2,
+                         batch_size=2, group_size=3, max_new_tokens=4, out=str(out))
+    TrainingRun(config).run(progress=False)
+    return out
+
+
+def inside(child: timeline.Span, parent: timeline.Span) -> bool:
+    return parent.start_us <= child.start_us and child.end_us <= parent.end_us
+
+
+def test_each_steps_spans_nest_and_its_phases_add_up_to_the_step(run: Path) -> None:
+    spans = timeline.read_spans(run)
+    steps = sorted((s for s in spans if s.name == "step"), key=lambda s: s.args["step"])
+    assert [s.args["step"] for s in steps] == list(range(STEPS))
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    step_s = {m["step"]: m["time/step_s"] for m in metrics if "time/step_s" in m}
+    for step in steps:
+        assert step.seconds == pytest.approx(step_s[step.args["step"]], rel=0.05, abs=0.005)  # the span is the step's time/step_s
+        (rollout,) = [s for s in spans if s.name == "rollout" and inside(s, step)]
+        (update,) = [s for s in spans if s.name == "update" and inside(s, step)]
+        assert rollout.end_us <= update.start_us  # one after the other, on the run's thread
+        assert rollout.seconds + update.seconds == pytest.approx(step.seconds, rel=0.05)
+        samples = [s for s in spans if s.name == "sample" and inside(s, rollout)]
+        env_steps = [s for s in spans if s.name == "env.step" and inside(s, rollout)]
+        assert samples and len(env_steps) >= 6  # every episode stepped at least once within the rollout
+        assert {s.thread for s in env_steps} - {step.thread}  # on the env thread pool
+        backend = [s.name for s in spans if s.cat == "backend" and inside(s, update)]
+        assert backend in ([], ["forward_backward", "optim_step"])  # a step whose groups all tie trains nothing
+    # the spans of one thread never cross: each pair is nested or apart
+    for thread in {s.thread for s in spans}:
+        mine = [s for s in spans if s.thread == thread]
+        for a in mine:
+            for b in mine:
+                assert not (a.start_us < b.start_us < a.end_us < b.end_us), (a, b)
+    checkpoints = [s.args["step"] for s in spans if s.name == "checkpoint"]
+    assert checkpoints == [1, 2]
+
+
+def test_tinkergym_trace_writes_a_trace_event_file(run: Path, tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["trace", str(run)])
+    assert result.exit_code == 0, result.output
+    trace = json.loads((run / "trace.json").read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {"step", "rollout", "update", "sample", "env.step", "checkpoint"} <= {e["name"] for e in events}
+    for event in events:
+        assert set(event) >= {"name", "cat", "ph", "ts", "dur", "pid", "tid", "args"} and event["dur"] >= 0
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names[1] == "run" and len(names) >= 2  # the run's thread and the env threads, each a lane
+    one = CliRunner().invoke(main, ["trace", str(run), "--steps", "1:1", "--out", str(tmp_path / "one.json")])
+    assert one.exit_code == 0, one.output
+    picked = json.loads((tmp_path / "one.json").read_text())["traceEvents"]
+    assert [e["args"]["step"] for e in picked if e["name"] == "step"] == [1]
+    assert [e["args"]["step"] for e in picked if e["name"] == "checkpoint"] == [1]  # what ran after it, before the next step
+    bad = CliRunner().invoke(main, ["trace", str(run), "--steps", "7:9"])
+    assert bad.exit_code == 2 and "it has steps 0 to 2" in bad.output
+    empty = CliRunner().invoke(main, ["trace", str(tmp_path)])
+    assert empty.exit_code == 2 and "no timeline" in empty.output
+
+
+def double(x: int) -> int:
+    """Twice ``x``."""
+    return 2 * x
+
+
+def test_a_tool_call_is_a_span_of_the_thread_that_ran_it() -> None:
+    box = ToolBox([double])
+    name = box.names[0]
+    recorded = timeline.Timeline()
+    with timeline.recording(recorded):
+        worker = threading.Thread(target=lambda: box.call(ToolCall(name, {"x": 4})))
+        worker.start()
+        worker.join()
+    box.call(ToolCall(name, {"x": 5}))  # nothing records it: no timeline is recording
+    (tool,) = recorded.take()
+    assert tool.name == "tool" and tool.cat == "tool" and tool.args == {"tool": name} and tool.thread == worker.ident
