@@ -28,7 +28,7 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,6 +56,7 @@ class Timeline:
 
     def __init__(self) -> None:
         self._spans: list[Span] = []
+        self._listeners: list[Callable[[Span], None]] = []
         self._lock = threading.Lock()
         # wall-clock microseconds of a perf_counter reading: durations from the monotonic clock, times an epoch's
         self._offset_us = time.time_ns() / 1000 - time.perf_counter_ns() / 1000
@@ -72,6 +73,14 @@ class Timeline:
             done = Span(name, cat, start, self.now_us(), threading.get_ident(), {k: v for k, v in args.items() if v is not None})
             with self._lock:
                 self._spans.append(done)
+                listeners = list(self._listeners)
+            for listener in listeners:
+                listener(done)
+
+    def add_listener(self, listener: Callable[[Span], None]) -> None:
+        """Call ``listener(span)`` as each span ends, from the thread that ran it (the run's metrics, ``train --metrics-port``)."""
+        with self._lock:
+            self._listeners.append(listener)
 
     def take(self) -> list[Span]:
         """The spans noted since the last take."""

@@ -100,3 +100,37 @@ def test_a_tool_call_is_a_span_of_the_thread_that_ran_it() -> None:
     box.call(ToolCall(name, {"x": 5}))  # nothing records it: no timeline is recording
     (tool,) = recorded.take()
     assert tool.name == "tool" and tool.cat == "tool" and tool.args == {"tool": name} and tool.thread == worker.ident
+
+
+def test_train_serves_its_phases_as_prometheus_metrics(tiny: str, tmp_path: Path) -> None:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from testkit import free_port
+
+    port = free_port()
+    result = CliRunner().invoke(main, ["train", "--env", "tinker/Bandit-v0", "--model", tiny, "--dtype", "float32", "--steps", "2",
+                                       "--batch-size", "1", "--group-size", "2", "--max-new-tokens", "3", "--out", str(tmp_path / "run"),
+                                       "--quiet", "--metrics-port", str(port)])
+    assert result.exit_code == 0, result.output
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:  # it serves while the process lives
+        text = response.read().decode()
+    counts = {s.labels["name"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "tinkergym_phase_duration_seconds_count"}
+    assert counts["step"] == 2 and counts["rollout"] == 2 and counts["update"] == 2
+    assert counts["sample"] >= 2 and counts["env.step"] >= 4 and counts["checkpoint"] >= 1
+
+
+def test_tool_calls_are_counted_by_tool_name() -> None:
+    from tinkergym.serve.metrics import PhaseMetrics, ServerMetrics
+
+    metrics = ServerMetrics("trainer")
+    recorded = timeline.Timeline()
+    recorded.add_listener(PhaseMetrics(metrics).observe)
+    box = ToolBox([double])
+    with timeline.recording(recorded):
+        for x in range(3):
+            box.call(ToolCall(box.names[0], {"x": x}))
+    text = metrics.render().decode()
+    assert f'tinkergym_phase_duration_seconds_count{{name="tool",tool="{box.names[0]}"}} 3.0' in text

@@ -221,6 +221,9 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--keep-on-interrupt", is_flag=True,
               help="With --scheduler: Ctrl-C leaves the job running (reattach with --resume) instead of cancelling it.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, show_default=True,
+              help="Serve the run's Prometheus metrics at http://127.0.0.1:PORT/metrics while it trains: the time of each phase "
+                   "(steps, sampling requests, env steps, tool calls and the sandbox's, forward_backward, optim_step); 0: off.")
 def train(**options: Any) -> None:
     """Train a model on an env with a trainer plugin (LoRA by default, --full for every parameter).
 
@@ -281,6 +284,8 @@ def _train(options: dict[str, Any], holder: dict[str, Any]) -> None:
         folder, last = Path(options["resume"]), {}
     else:
         click.echo(f"run folder: {run.folder}", err=True)
+        if options.get("metrics_port"):
+            _serve_run_metrics(run, options["metrics_port"])
         try:
             folder, last = run.folder, run.run(progress=not options["quiet"])
         except KeyboardInterrupt:
@@ -290,6 +295,19 @@ def _train(options: dict[str, Any], holder: dict[str, Any]) -> None:
         last = records[-1] if records else {}
     shown = {k: round(v, 4) for k, v in last.items() if k.startswith(("reward", "loss", "eval/"))}
     click.echo(json.dumps({"run": str(folder), **shown}))
+
+
+def _serve_run_metrics(run: Any, port: int) -> None:
+    """``--metrics-port``: the run's phases (its timeline's spans) as Prometheus metrics on 127.0.0.1:``port``."""
+    try:
+        from tinkergym.serve.metrics import PhaseMetrics, ServerMetrics
+    except ImportError as exc:
+        raise InputError(f"--metrics-port needs prometheus_client: pip install prometheus_client ({exc})") from exc
+    from tinkergym.cli.serve import start_metrics
+
+    metrics = ServerMetrics("trainer")
+    run.timeline.add_listener(PhaseMetrics(metrics).observe)
+    start_metrics(metrics, port)
 
 
 def _new_run(options: dict[str, Any], token: str | None) -> Any:

@@ -12,6 +12,7 @@ The body is Prometheus's text format, written by the official ``prometheus_clien
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -112,3 +113,25 @@ def serve_metrics(metrics: ServerMetrics, port: int, host: str = "127.0.0.1") ->
 
     server, _ = start_http_server(port, addr=host, registry=metrics.registry)
     return server
+
+
+#: Phase duration buckets in seconds: an env step or a tool call to a long step.
+PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0)
+#: A tool name kept as a label; any other is ``other`` (names come from env code, bounded anyway).
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+
+
+class PhaseMetrics:
+    """A training run's phases (the spans of its :mod:`~tinkergym.timeline`) as one histogram,
+    ``tinkergym_phase_duration_seconds{name, tool}``: steps, rollouts, sampling requests, env steps, tool calls (``tool``: the
+    tool's name; the ``python`` tool's are the sandbox's calls), ``forward_backward``, ``optim_step``, evaluations,
+    checkpoints. Its ``_count`` counts them: ``rate(tinkergym_phase_duration_seconds_count{name="tool"}[1m])`` is tool calls
+    per second. Served by ``tinkergym train --metrics-port``."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.duration = Histogram("tinkergym_phase_duration_seconds", "Time of each phase of the run (its timeline's spans)",
+                                  ["name", "tool"], buckets=PHASE_BUCKETS, registry=metrics.registry)
+
+    def observe(self, span: Any) -> None:
+        tool = str(span.args.get("tool", ""))
+        self.duration.labels(span.name, tool if not tool or TOOL_NAME.match(tool) else "other").observe(span.seconds)
