@@ -155,15 +155,21 @@ def _scored(service: TinkerService, run: Run, rows: PreparedRows, known: dict[in
         missing = np.flatnonzero(~mask)
         if len(missing):
             needs.append((i, missing, int(missing[-1]) + 2))
+    # In lexicographic order every prefix comes just before the sequences that extend it: each prefix needed rides on the
+    # sequence chosen for the next one when it begins that one, else is scored itself (sorting keeps this n log n).
+    prefixes = [tuple(rows.rows[i].tokens[:length]) for i, _, length in needs]
+    order = sorted(range(len(needs)), key=lambda j: prefixes[j])
     sequences: list[list[int]] = []
-    where: list[tuple[int, np.ndarray, int]] = []  # (datum, positions, sequence)
-    for i, missing, length in sorted(needs, key=lambda n: -n[2]):
-        prefix = rows.rows[i].tokens[:length]
-        found = next((k for k, s in enumerate(sequences) if len(s) >= length and s[:length] == prefix), None)
-        if found is None:
-            sequences.append(prefix)
-            found = len(sequences) - 1
-        where.append((i, missing, found))
+    chosen: dict[int, int] = {}
+    for at in reversed(range(len(order))):
+        j = order[at]
+        after = order[at + 1] if at + 1 < len(order) else None
+        if after is not None and prefixes[after][: len(prefixes[j])] == prefixes[j]:
+            chosen[j] = chosen[after]
+        else:
+            sequences.append(list(prefixes[j]))
+            chosen[j] = len(sequences) - 1
+    where = [(i, missing, chosen[j]) for j, (i, missing, _) in enumerate(needs)]
     if sequences:
         scored = service.call(run.handle, "logprobs", {"sequences": sequences, "temperature": 1.0})["logprobs"]
         for i, missing, k in where:
