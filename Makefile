@@ -18,7 +18,7 @@ TINKER_COOKBOOK_VERSION ?= 0.6.1
 # installs below filter out that one message; any other warning still shows.
 EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 
-.PHONY: install demo play lint test test-vllm test-gpu bench clean sandbox-tool postgres-server
+.PHONY: install demo play lint test test-vllm test-gpu bench clean sandbox-tool postgres-server browser
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,7 +62,22 @@ postgres-server:
 				"skipped (and fail in CI). Install it: sudo apt-get install postgresql (Fedora: sudo dnf install postgresql-server)." >&2; \
 		fi; }
 
-install: $(STAMP) sandbox-tool postgres-server
+# The scheduler's dashboard (/ui/) is tested in headless Chromium (tests/scheduler/test_dashboard.py), Debian's chromium driven
+# by the playwright package of the dev extra (never a browser playwright downloads). apt installs it where it is missing (as
+# root, or through passwordless sudo); without it the browser tests are skipped, and fail in CI (CI set).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
+		if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing chromium (apt) for the dashboard's browser tests"; \
+			$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+			{ $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
+		else \
+			echo "warning: chromium is missing and could not be installed here; the dashboard's browser tests are skipped" \
+				"(and fail in CI). Install it: sudo apt-get install chromium (Fedora: sudo dnf install chromium)." >&2; \
+		fi; }
+
+install: $(STAMP) sandbox-tool postgres-server browser
 
 # Trains SmolLM2-135M-Instruct with LoRA on tinker/Bandit-v0 (a few minutes on a CPU) and evaluates it.
 demo: install

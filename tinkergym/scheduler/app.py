@@ -6,8 +6,9 @@ key, 403 a key without the scope, 404 unknown (or another tenant's), 409 a lost 
 lease epoch, 413 a body over the limit (or a tenant's quota on one event or its stored artifact bytes), 422 an
 Idempotency-Key reused with another body, 429 a tenant's quota reached (queued jobs, events per job: raised with
 ``tinkergym scheduler tenants set``), 503 with ``Retry-After`` an inference job that has no server yet (the gateway,
-``routes/gateway.py``). ``/healthz`` and ``/readyz`` are public; every other route needs a key
-(``Authorization: Bearer tgk_...``); ``/metrics`` (Prometheus) a key with the ``metrics`` scope.
+``routes/gateway.py``). ``/healthz`` and ``/readyz`` are public, and so are the dashboard's static files (``/ui/``,
+:mod:`tinkergym.scheduler.ui`); every other route needs a key (``Authorization: Bearer tgk_...``); ``/metrics``
+(Prometheus) a key with the ``metrics`` scope.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tinkergym.scheduler.leases import Quarantined
 from tinkergym.scheduler.metrics import SchedulerMetrics
 from tinkergym.scheduler.quotas import QuotaExceeded
 from tinkergym.scheduler.repository import Conflict, JobStore, NotFound, now
+from tinkergym.scheduler.ui import is_ui_path, mount_ui
 
 PUBLIC_PATHS = frozenset({"/healthz", "/readyz"})
 
@@ -138,7 +140,7 @@ class ApiKeyAuth:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
             return await self.app(scope, receive, self._closing_at_shutdown(send))
-        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
+        if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS or is_ui_path(scope["path"]):  # the dashboard's files
             return await self.app(scope, receive, send)
         key = _bearer(dict(scope["headers"]))
         who = await self.lookup.principal(key) if key else None
@@ -274,7 +276,8 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.include_router(artifact_routes.owner_router)
     _add_error_handlers(app, log)
     # Added innermost first: the log sees every request, the key is checked before the body is read, the body's size
-    # before its text.
+    # before its text. The dashboard's files (/ui/) are answered innermost, by the files alone.
+    mount_ui(app)
     app.add_middleware(StrictText, exempt=artifact_routes.is_upload)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, hint="send a smaller request", exempt=artifact_routes.is_upload)
     app.add_middleware(ApiKeyAuth, engine=engine)
