@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -189,10 +190,17 @@ def test_dashboard_in_a_browser(browser: Any, server: ThreadServer, keys: Any, s
         expect(page.locator('figure[data-metric="loss"]')).to_have_attribute("data-points", "3")
         expect(reward.locator("canvas")).to_have_count(1)
         expect(page.locator('#metrics-table tr[data-metric="reward/mean"]')).to_contain_text("0.6")
-        # The client's own report, the other way metrics reach the stream.
+        # The client's own report, the other way metrics reach the stream; with a step's phase times, the stacked bars of
+        # where its time went.
+        step_time = page.locator('figure[data-metric="step-time"]')
+        expect(step_time).to_have_count(0)  # no step reported its time yet
         with SchedulerClient(server.url, owner) as client:
-            client.report(running["id"], "metrics", {"step": 4, "reward/mean": 0.9})
+            client.report(running["id"], "metrics", {"step": 4, "reward/mean": 0.9, "time/step_s": 2.0, "time/rollout_s": 1.25,
+                                                     "time/update_s": 0.5})
         expect(reward).to_have_attribute("data-points", "4")
+        expect(step_time).to_have_attribute("data-points", "1")
+        expect(step_time).to_have_attribute("aria-label", re.compile(r"step 4: rollout 1\.25 s, update 0\.5 s, other 0\.25 s of 2 s"))
+        step_time.screenshot(path=str(shots / "step-time.png"))
 
         # A checkpoint the worker uploads and records appears, and its file downloads with the key.
         content = b'{"step": 4}'
