@@ -161,6 +161,18 @@ class BodyLimit:
         return f"request body too large: the server takes bodies of at most {self.max_bytes:,} bytes; {self.hint}"
 
 
+def status_of(send: Any) -> tuple[Any, list[int]]:
+    """``(send, status)``: ``send`` wrapped to note the answer's status in ``status[0]`` (500 until one is sent)."""
+    status = [500]
+
+    async def send_status(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            status[0] = message["status"]
+        await send(message)
+
+    return send_status, status
+
+
 class RequestLog:
     """One JSON line per request: request id, method, route, status, duration in ms, session and seq."""
 
@@ -172,22 +184,15 @@ class RequestLog:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         start = time.perf_counter()
-        status = 500
         state = scope.setdefault("state", {})
-
-        async def send_status(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        send_status, status = status_of(send)
         try:
             await self.app(scope, receive, send_status)
         finally:
             route = getattr(scope.get("route"), "path", None) or scope.get("path", "")
             self.logger.info(json.dumps({
                 "event": "request", "request_id": state.get("request_id") or secrets.token_hex(8),
-                "method": scope.get("method"), "route": route[:200], "status": status,
+                "method": scope.get("method"), "route": route[:200], "status": status[0],
                 "duration_ms": round(1000 * (time.perf_counter() - start), 1),
                 "session": state.get("session"), "seq": state.get("seq"),
             }))

@@ -57,22 +57,17 @@ class MetricsMiddleware:
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        from tinkergym.serve.asgi import status_of
+
         start = time.perf_counter()
-        status = 500
-
-        async def send_status(message: dict) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
+        send_status, status = status_of(send)
         try:
             await self.app(scope, receive, send_status)
         finally:
             route = getattr(scope.get("route"), "path", None) or UNMATCHED
             method = str(scope.get("method"))
             method = method if method in METHODS else "other"
-            self.metrics.observe(route[:200], method, status, time.perf_counter() - start)
+            self.metrics.observe(route[:200], method, status[0], time.perf_counter() - start)
 
 
 #: Call duration buckets in seconds: an optimizer step on a small adapter to a long sampling call.
