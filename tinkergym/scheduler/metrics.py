@@ -23,7 +23,7 @@ from typing import Any
 
 from prometheus_client import Counter
 from prometheus_client.core import GaugeMetricFamily
-from sqlalchemy import func, select
+from sqlalchemy import and_, case, func, select
 
 from tinkergym.scheduler import states
 from tinkergym.scheduler.db import allocations, devices, jobs, reader, workers
@@ -63,8 +63,10 @@ class SchedulerCollector:
                 select(devices.c.seat_of.is_(None), devices.c.active, devices.c.id.in_(held), func.count())
                 .group_by(devices.c.seat_of.is_(None), devices.c.active, devices.c.id.in_(held))
             ).all()
-            by_worker = conn.execute(select(workers.c.quarantined_at.is_not(None), workers.c.last_seen_at < now - gone_after, func.count())
-                                     .group_by(workers.c.quarantined_at.is_not(None), workers.c.last_seen_at < now - gone_after)).all()
+            quarantined = workers.c.quarantined_at.is_not(None)
+            gone = and_(~quarantined, workers.c.last_seen_at < now - gone_after)
+            alive = and_(~quarantined, workers.c.last_seen_at >= now - gone_after)
+            by_worker = conn.execute(select(*(func.coalesce(func.sum(case((c, 1), else_=0)), 0) for c in (alive, gone, quarantined)))).one()
         job_family = GaugeMetricFamily("tinkergym_scheduler_jobs", "Jobs by state and kind (the queue depth: state queued)", labels=["state", "kind"])
         for s in states.STATES:
             for k in states.KINDS:
@@ -80,11 +82,8 @@ class SchedulerCollector:
             device_family.add_metric([kind, st], n)
         yield device_family
         worker_family = GaugeMetricFamily("tinkergym_scheduler_workers", "Registered workers by state", labels=["state"])
-        by_state = {"alive": 0, "gone": 0, "quarantined": 0}
-        for quarantined, gone, n in by_worker:
-            by_state["quarantined" if quarantined else "gone" if gone else "alive"] += n
-        for st, n in by_state.items():
-            worker_family.add_metric([st], n)
+        for st, n in zip(("alive", "gone", "quarantined"), by_worker):
+            worker_family.add_metric([st], int(n))
         yield worker_family
         streams = GaugeMetricFamily("tinkergym_scheduler_event_streams_open", "Server-sent event streams open now")
         streams.add_metric([], len(state.streams.subscriptions))
