@@ -300,18 +300,18 @@ def print_table(results: list[dict[str, Any]], facts: dict[str, Any]) -> None:
             print(f"  {r['model']} through the scheduler: {r['submit_to_connected_s']:.2f} s from submission to the job's server answering")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_step_options(parser: argparse.ArgumentParser, sides: str) -> None:
+    """The options of the step benchmarks (this one and tinker_step.py): models, timed steps, precision, --quick, --json."""
     parser.add_argument("--models", default="tiny,smollm2-135m", help="comma-separated names resolve_model takes")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step (median reported)")
-    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r=8")
-    parser.add_argument("--via", choices=("direct", "scheduler", "both"), default="direct",
-                        help="the remote side: a server started here, or a job of a scheduler whose worker starts it (both: one after the other)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                        help="precision of both sides (auto: the fastest one the CPU computes natively)")
+                        help=f"precision of {sides} (auto: the fastest one the CPU computes natively)")
     parser.add_argument("--quick", action="store_true", help="the tiny model only, 1 timed step (a smoke test)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
-    args = parser.parse_args()
+
+
+def step_options(args: argparse.Namespace) -> Callable[[str], None]:
+    """Apply --quick and check --steps (exits on a bad one); the ``say`` that prints progress to stderr unless --json."""
     if args.quick:
         args.models, args.steps = "tiny", 1
     if args.steps < 1:
@@ -321,10 +321,27 @@ def main() -> None:
         if not args.json:
             print(message, file=sys.stderr, flush=True)
 
+    return say
+
+
+def step_precision(args: argparse.Namespace, sides: str, say: Callable[[str], None]) -> tuple[str, dict[str, Any], str | None]:
+    """``(dtype, machine facts, warning)``: the precision --dtype names on this CPU, said when it is emulated."""
     dtype, facts = resolve_precision(args.dtype, "cpu"), machine_facts("cpu")
-    warning = emulation_warning("both sides", dtype, "cpu")
+    warning = emulation_warning(sides, dtype, "cpu")
     if warning:
         say(warning)
+    return dtype, facts, warning
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_step_options(parser, "both sides")
+    parser.add_argument("--full", action="store_true", help="full fine-tuning instead of LoRA r=8")
+    parser.add_argument("--via", choices=("direct", "scheduler", "both"), default="direct",
+                        help="the remote side: a server started here, or a job of a scheduler whose worker starts it (both: one after the other)")
+    args = parser.parse_args()
+    say = step_options(args)
+    dtype, facts, warning = step_precision(args, "both sides", say)
     results = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         settings = BenchSettings(steps=args.steps, model=model, dtype=dtype)

@@ -92,9 +92,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from bench_machine import CpuShare, _load, describe, emulation_warning, machine_facts, resolve_precision
+from bench_machine import CpuShare, _load, describe
 from grpo_step import BenchSettings, _timed, make_env, versions
-from remote_step import _stable, _stop, free_port, start_process
+from remote_step import _stable, _stop, add_step_options, free_port, start_process, step_options, step_precision
 
 SIDES = ("local", "wire", "tinker")
 PARTS = ("sample", "forward_backward", "optim_step")
@@ -395,35 +395,19 @@ def print_table(results: list[dict[str, Any]], facts: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", default="tiny,smollm2-135m", help="comma-separated names resolve_model takes")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step (median reported)")
-    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
-                        help="precision of every side (auto: the fastest one the CPU computes natively)")
+    add_step_options(parser, "every side")
     parser.add_argument("--threads", type=int, default=0,
                         help="torch threads of this process and of both servers (0: torch's default here); on a machine others "
                              "share, 1 keeps each side clear of stalled thread barriers")
-    parser.add_argument("--quick", action="store_true", help="the tiny model only, 1 timed step (a smoke test)")
-    parser.add_argument("--json", action="store_true", help="print only the JSON result")
     args = parser.parse_args()
-    if args.quick:
-        args.models, args.steps = "tiny", 1
-    if args.steps < 1:
-        sys.exit("--steps must be at least 1")
-
-    def say(message: str) -> None:
-        if not args.json:
-            print(message, file=sys.stderr, flush=True)
-
+    say = step_options(args)
     # the SDK warns at every try_again answer of a long poll (an operation past serve-tinker's 20 s wait): counted, not printed
     logging.getLogger("tinker.lib.api_future_impl").setLevel(logging.ERROR)
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    dtype, facts = resolve_precision(args.dtype, "cpu"), machine_facts("cpu")
-    warning = emulation_warning("every side", dtype, "cpu")
-    if warning:
-        say(warning)
+    dtype, facts, warning = step_precision(args, "every side", say)
     results = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
         settings = BenchSettings(steps=args.steps, model=model, dtype=dtype)
