@@ -128,6 +128,20 @@ def test_worker_input_errors_exit_2(tmp_path: Path) -> None:
     assert not (tmp_path / "w").exists()
 
 
+def test_a_metrics_port_in_use_exits_2_before_any_registration(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(main, ["worker", "--work-dir", str(tmp_path / "w"), "--scheduler", "http://127.0.0.1:1", "--key", "k",
+                                           "--slots", "1", "--models", "tiny", "--skip-model-check", "--metrics-port", str(port)],
+                                    env={"TINKERGYM_API_KEY": "", "TINKERGYM_SCHEDULER": ""})
+    assert result.exit_code == 2, result.output
+    assert f"--metrics-port {port}: cannot listen" in result.output and "pick a free port" in result.output
+
+
 def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
     settings = SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)
     server = ThreadServer(create_app(settings))

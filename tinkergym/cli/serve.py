@@ -78,7 +78,7 @@ def start_metrics(metrics: Any, port: int) -> None:
     try:
         serve_metrics(metrics, port)
     except OSError as exc:
-        raise click.ClickException(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} ({exc}); pick a free port") from exc
+        raise InputError(f"--metrics-port {port}: cannot listen on 127.0.0.1:{port} ({exc}); pick a free port") from exc
 
 
 def run_server(app: Any, host: str, port: int, limits: Any, idle_timeout: float | None, exit_with_parent: bool,

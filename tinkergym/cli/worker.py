@@ -148,10 +148,9 @@ def worker(
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
     pool = Worker(client, options)
     if metrics_port:
-        try:
-            pool.serve_metrics(metrics_port)
-        except OSError as exc:
-            raise InputError(f"--metrics-port {metrics_port}: cannot listen on 127.0.0.1:{metrics_port} ({exc}); pick a free port") from exc
+        from tinkergym.cli.serve import start_metrics
+
+        start_metrics(pool.count_metrics(), metrics_port)
     code = pool.run()
     if code:
         raise SystemExit(code)

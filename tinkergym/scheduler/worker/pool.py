@@ -41,17 +41,16 @@ class Worker:
         self._lock = threading.Lock()
         self._ports: set[int] = set()
         self.shared = SharedServers(options, self.take_port, self.release_port)
-        self.metrics: Any = None  # a WorkerMetrics once serve_metrics() ran (--metrics-port)
+        self.metrics: Any = None  # a WorkerMetrics once count_metrics() ran (--metrics-port)
 
-    def serve_metrics(self, port: int) -> None:
-        """The worker's Prometheus metrics on 127.0.0.1:``port`` (see :mod:`tinkergym.scheduler.worker.metrics`)."""
+    def count_metrics(self) -> Any:
+        """Start counting the worker's Prometheus metrics (see :mod:`tinkergym.scheduler.worker.metrics`); their registry."""
         from tinkergym.scheduler.worker.metrics import WorkerMetrics
-        from tinkergym.serve.metrics import serve_metrics
 
         seats = sum(int(d["shared"]["seats"]) for d in self.options.devices if d.get("shared"))
         whole = sum(1 for d in self.options.devices if not d.get("shared"))
         self.metrics = WorkerMetrics(lambda: (whole, seats, self.busy()))
-        serve_metrics(self.metrics, port)
+        return self.metrics
 
     def busy(self) -> set[tuple[str, Any]]:
         """The places its jobs hold: whole devices and seats."""
