@@ -30,21 +30,32 @@ $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps "tinker-cookbook==$(TINKER_COOKBOOK_VERSION)"
 	@touch $(STAMP)
 
+# $(call apt_install,PACKAGES,PURPOSE,WARNING): a shell step that installs Debian PACKAGES with apt (as root, or through
+# passwordless sudo; once more after an apt-get update if the first try fails), or prints WARNING where it cannot.
+define apt_install
+if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
+		if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
+			echo "installing $(1) (apt) for $(2)"; \
+			$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(1) >/dev/null 2>&1 || \
+			{ $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q $(1) >/dev/null; }; \
+		else \
+			echo "warning: $(3)" >&2; \
+		fi
+endef
+SANDBOX_MISSING := bubblewrap or libseccomp's Python bindings are missing and could not be installed here; the python tool refuses \
+	to run code without them. Install them: sudo apt-get install bubblewrap python3-seccomp (Fedora: sudo dnf install bubblewrap \
+	python3-libseccomp).
+POSTGRES_MISSING := PostgreSQL is missing and could not be installed here; the scheduler tests on PostgreSQL are skipped (and \
+	fail in CI). Install it: sudo apt-get install postgresql (Fedora: sudo dnf install postgresql-server).
+CHROMIUM_MISSING := chromium is missing and could not be installed here; the dashboard's browser tests are skipped (and fail in \
+	CI). Install it: sudo apt-get install chromium (Fedora: sudo dnf install chromium).
+
 # The python tool of tinker/MathTool-v0 runs model-written code under bubblewrap with a seccomp filter built by
 # libseccomp's Python bindings (tinkergym.sandbox) and refuses without them: apt installs both where they are
 # missing (as root, or through passwordless sudo).
 sandbox-tool:
 	@{ command -v bwrap >/dev/null 2>&1 && /usr/bin/python3 -c "import seccomp" >/dev/null 2>&1; } || { \
-		if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
-		if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
-			echo "installing bubblewrap and python3-seccomp (apt) for the tool sandbox"; \
-			$$SUDO apt-get install -y -q bubblewrap python3-seccomp >/dev/null 2>&1 || \
-			{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q bubblewrap python3-seccomp >/dev/null; }; \
-		else \
-			echo "warning: bubblewrap or libseccomp's Python bindings are missing and could not be installed here; the python" \
-				"tool refuses to run code without them. Install them: sudo apt-get install bubblewrap python3-seccomp" \
-				"(Fedora: sudo dnf install bubblewrap python3-libseccomp)." >&2; \
-		fi; }
+		$(call apt_install,bubblewrap python3-seccomp,the tool sandbox,$(SANDBOX_MISSING)); }
 
 # The scheduler's tests run on PostgreSQL as well as SQLite: each session starts a private server on 127.0.0.1 with
 # initdb and pg_ctl (tests/scheduler/conftest.py), so only the binaries are needed. Debian keeps them in
@@ -52,30 +63,14 @@ sandbox-tool:
 # passwordless sudo); without them the PostgreSQL tests are skipped, and fail in CI (CI set).
 postgres-server:
 	@command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
-		if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
-		if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
-			echo "installing postgresql (apt) for the scheduler tests"; \
-			$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null 2>&1 || \
-			{ $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql >/dev/null; }; \
-		else \
-			echo "warning: PostgreSQL is missing and could not be installed here; the scheduler tests on PostgreSQL are" \
-				"skipped (and fail in CI). Install it: sudo apt-get install postgresql (Fedora: sudo dnf install postgresql-server)." >&2; \
-		fi; }
+		$(call apt_install,postgresql,the scheduler tests,$(POSTGRES_MISSING)); }
 
 # The scheduler's dashboard (/ui/) is tested in headless Chromium (tests/scheduler/test_dashboard.py), Debian's chromium driven
 # by the playwright package of the dev extra (never a browser playwright downloads). apt installs it where it is missing (as
 # root, or through passwordless sudo); without it the browser tests are skipped, and fail in CI (CI set).
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
-		if [ "$$(id -u)" = 0 ]; then SUDO=; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO=none; fi; \
-		if [ "$$SUDO" != none ] && command -v apt-get >/dev/null 2>&1; then \
-			echo "installing chromium (apt) for the dashboard's browser tests"; \
-			$$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
-			{ $$SUDO apt-get update -q >/dev/null && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; \
-		else \
-			echo "warning: chromium is missing and could not be installed here; the dashboard's browser tests are skipped" \
-				"(and fail in CI). Install it: sudo apt-get install chromium (Fedora: sudo dnf install chromium)." >&2; \
-		fi; }
+		$(call apt_install,chromium,the dashboard's browser tests,$(CHROMIUM_MISSING)); }
 
 install: $(STAMP) sandbox-tool postgres-server browser
 
