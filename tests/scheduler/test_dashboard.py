@@ -273,6 +273,8 @@ def test_only_the_dashboard_files_are_public(server: ThreadServer) -> None:
         assert http.head("/ui/app.js").status_code == 200
         assert http.get("/ui/nothing.js").status_code == 404
         assert http.get("/ui/%2e%2e/v1/jobs").status_code == 404  # answered by the files alone, never routed on
+        for hostile in ("/ui/%2e%2e/metrics", "/ui/app.js%00", "/ui/%ED%A0%80", "/ui/" + "a" * 5000, "/ui/vendor/../app.js%2f.."):
+            assert http.get(hostile).status_code in (400, 404, 414), hostile  # a NUL, a lone surrogate, a huge name: no file, no route
         assert http.post("/ui/", json={}).status_code == 405
         for path in ("/v1/jobs", "/uix", "/metrics", "/v1/workers"):
             assert http.get(path).status_code == 401, path

@@ -80,6 +80,9 @@ def test_tinkergym_trace_writes_a_trace_event_file(run: Path, tmp_path: Path) ->
     assert [e["args"]["step"] for e in picked if e["name"] == "checkpoint"] == [1]  # what ran after it, before the next step
     bad = CliRunner().invoke(main, ["trace", str(run), "--steps", "7:9"])
     assert bad.exit_code == 2 and "it has steps 0 to 2" in bad.output
+    for steps in ("x", "1:2:3", "1:\x00", ":", "9" * 5000):
+        malformed = CliRunner().invoke(main, ["trace", str(run), "--steps", steps])
+        assert malformed.exit_code == 2 and "give A:B" in malformed.output, steps
     empty = CliRunner().invoke(main, ["trace", str(tmp_path)])
     assert empty.exit_code == 2 and "no timeline" in empty.output
 
