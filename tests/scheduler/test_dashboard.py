@@ -151,10 +151,10 @@ def test_dashboard_in_a_browser(browser: Any, server: ThreadServer, keys: Any, s
         expect(rows).to_have_count(2)
         expect(page.locator("#who")).to_contain_text(f"Key {owner.split('_')[1]}")
 
-        # Pages, by the API's cursors: 11 jobs at 10 a page.
+        # Pages, by the API's cursors: 11 jobs at 10 a page. The list reads itself again when its stream says so.
+        expect(page.locator("#jobs-live")).to_have_text("Live")
         with SchedulerClient(server.url, owner) as client:
             extra = [client.submit("eval", {"model": "tiny"}, name=f"batch-{i}")["id"] for i in range(9)]
-        page.get_by_role("button", name="Refresh").click()
         expect(rows).to_have_count(11)
         page.get_by_label("Per page", exact=True).select_option("10")
         expect(rows).to_have_count(10)
@@ -168,7 +168,7 @@ def test_dashboard_in_a_browser(browser: Any, server: ThreadServer, keys: Any, s
         with SchedulerClient(server.url, owner) as client:
             for job_id in extra:
                 client.cancel(job_id)
-        expect(page.locator(f'tr[data-job="{extra[0]}"] .state-cancelled')).to_be_visible()  # the list's next read (POLL_MS)
+        expect(page.locator(f'tr[data-job="{extra[0]}"] .state-cancelled')).to_be_visible()  # told by the list's stream
         page.get_by_label("State", exact=True).select_option("cancelled")
         expect(rows).to_have_count(9)
         page.get_by_label("State", exact=True).select_option("")
@@ -346,3 +346,102 @@ def test_the_event_stream_resumes_after_a_drop(browser: Any, server: ThreadServe
         page.close()
     assert got["seqs"] == expected
     assert len(got["sent"]) == 2 and got["sent"][0] == "0" and 2 <= int(got["sent"][1]) <= expected[-1], got
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_the_jobs_list_is_live_and_right_after_its_stream_drops(browser: Any, db_url: str, keys: Any, tmp_path: Path) -> None:
+    """No timer reads the list: a job submitted while the list's stream is down does not show until the stream is back,
+    and then it does (each connection starts by telling the page to read its list afresh)."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    served = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", sse_poll_s=0.05, changes_max_s=2.0)))
+    owner = keys.new("acme")
+    page = browser.new_page()
+    connections: list[str] = []
+    page.on("request", lambda r: connections.append(r.url) if r.url.endswith("/v1/jobs/changes") else None)
+    try:
+        with SchedulerClient(served.url, owner) as client:
+            first = client.submit("train", {"model": "tiny"}, name="first")["id"]
+            sign_in(page, served.url, owner)
+            rows = page.locator("#jobs-table tbody tr")
+            expect(rows).to_have_count(1)
+            expect(page.locator("#jobs-live")).to_have_text("Live")
+            client.cancel(first)
+            expect(page.locator(f'tr[data-job="{first}"]')).to_have_attribute("data-state", "cancelled")
+
+            page.route("**/v1/jobs/changes", lambda route: route.abort())  # the next connection fails, and the ones after
+            expect(page.locator("#jobs-live")).to_contain_text("Reconnecting", timeout=10_000)  # the stream ended (changes_max_s)
+            hidden = client.submit("train", {"model": "tiny"}, name="while-down")["id"]
+            page.wait_for_timeout(1500)
+            expect(rows).to_have_count(1)  # nothing polls: the page does not know yet
+            before = len(connections)
+            page.unroute("**/v1/jobs/changes")
+            expect(page.locator(f'tr[data-job="{hidden}"]')).to_contain_text("while-down", timeout=40_000)
+            expect(page.locator("#jobs-live")).to_have_text("Live")
+            assert len(connections) > before
+    finally:
+        page.close()
+        served.stop()
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_an_operator_sees_the_cluster_and_a_tenant_does_not(browser: Any, server: ThreadServer, keys: Any, shots: Path) -> None:
+    """An operator key lists every tenant's jobs with their owner and opens the cluster view: the worker, what its device
+    holds and until when, and each tenant's usage beside its quotas. A tenant's key has no cluster view."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    acme, globex, operator = keys.new("acme"), keys.new("globex"), keys.new("ops", "read,operator")
+    with SchedulerClient(server.url, acme) as client:
+        held = client.submit("train", {"model": "tiny"}, name="acme-run")["id"]
+    with SchedulerClient(server.url, globex) as client:
+        waiting = client.submit("train", {"model": "tiny"}, name="globex-run")["id"]
+    http = httpx.Client(base_url=server.url, timeout=30)
+    worker = register(http, keys.worker(4), devices=1)
+    lease = worker.lease()
+    assert lease is not None and lease["job_id"] == held
+    assert worker.heartbeat(held, lease["epoch"]).status_code == 200
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    problems: list[str] = []
+    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    page.on("response", lambda r: problems.append(f"{r.status} {r.request.method} {r.url}") if r.status >= 400 else None)
+    try:
+        sign_in(page, server.url, operator)
+        expect(page.locator("#who")).to_contain_text("tenant ops, operator")
+        rows = page.locator("#jobs-table tbody tr")
+        expect(rows).to_have_count(2)
+        expect(page.locator(f'tr[data-job="{held}"] td[data-owner]')).to_have_text("acme")
+        expect(page.locator(f'tr[data-job="{waiting}"] td[data-position]')).to_have_text("1")
+        page.get_by_label("Tenant", exact=True).fill("globex")
+        page.get_by_label("Tenant", exact=True).dispatch_event("change")
+        expect(rows).to_have_count(1)
+        assert page.url.endswith("#/jobs?tenant=globex")
+        check_accessible(page, "operator's jobs view")
+
+        page.get_by_role("link", name="Cluster").click()
+        expect(page.locator("#cluster-title")).to_be_visible()
+        device = page.locator('#workers-table tr[data-worker="w1"]')
+        expect(device).to_contain_text(held)
+        expect(device).to_contain_text("acme")
+        expect(device).to_contain_text(re.compile(r"\d+ s"))  # when its lease ends
+        expect(page.locator(f'#ending-table tr[data-job="{held}"]')).to_be_visible()
+        expect(page.locator('#usage-table tr[data-tenant="acme"]')).to_contain_text("1 / 8")  # devices held / quota
+        expect(page.locator('#usage-table tr[data-tenant="globex"]')).to_contain_text("1 / 100")  # queued / quota
+        expect(page.locator("#queue-figure")).to_have_attribute("data-points", re.compile(r"[1-9]\d*"))
+        expect(page.locator("#cluster-summary")).to_contain_text("1 jobs queued, 1 holding devices")
+        page.screenshot(path=str(shots / "cluster.png"), full_page=True)
+        check_accessible(page, "cluster view")
+        assert problems == [], "\n".join(problems)
+
+        # A tenant's key: its own usage above its jobs, no cluster link, and the view refuses it.
+        page.get_by_role("button", name="Forget key").click()
+        sign_in(page, server.url, acme)
+        expect(page.locator("#usage-line")).to_contain_text("Tenant acme: 0 of 100 queued jobs, 1 of 8 devices held")
+        expect(page.locator("#cluster-link")).to_be_hidden()
+        page.goto(f"{server.url}/ui/#/cluster")
+        expect(page.locator("#status")).to_contain_text("not an operator's")
+        expect(page.locator("#workers-table tbody tr")).to_have_count(0)
+    finally:
+        page.close()
+        http.close()

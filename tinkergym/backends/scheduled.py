@@ -10,10 +10,15 @@ with :class:`BackendLost`. :meth:`ScheduledBackend.reconnect` waits for the job'
 the new server; :class:`~tinkergym.trainers.session.TrainingRun` then loads its newest checkpoint that the
 new server has (the worker restores checkpoints from the scheduler's artifact store) and goes on from there.
 At the end of the run, :meth:`complete` ends the job, which frees its devices at once.
+
+While it trains, the run's progress goes to the job's event stream: each step's numbers (a ``metrics`` event) and,
+when the run writes transcripts, a few of the step's episodes (a ``transcript`` event, :func:`transcript_event`), which
+the job's page on the dashboard shows. Either report failing never stops the run.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any
@@ -27,6 +32,18 @@ from tinkergym.errors import ConfigError
 
 #: Seconds :meth:`ScheduledBackend.complete` waits for the worker to store the run's last checkpoint.
 STORE_TIMEOUT_S = 600.0
+
+#: A ``transcript`` event's data as JSON (as the scheduler measures it) at most: under a tenant's default
+#: ``max_event_bytes`` (64 KiB) with room to spare. A scheduler that refuses it (413: a smaller quota) gets a quarter.
+TRANSCRIPT_EVENT_BYTES = 48 * 1024
+#: Characters of a message's text kept at first (its head and tail, a marker between); halved until the event fits.
+TRANSCRIPT_MESSAGE_CHARS = 2000
+#: ... but never below this many; then messages, then episodes are left out instead.
+TRANSCRIPT_MIN_CHARS = 100
+#: Messages of an episode kept at most (the first and the last ones; a ``{"left_out": n}`` marker between).
+TRANSCRIPT_MESSAGES = 24
+#: Per-turn rewards of an episode kept at most.
+TRANSCRIPT_REWARDS = 64
 
 
 class BackendLost(RemoteBackendError):
@@ -101,6 +118,26 @@ class ScheduledBackend:
             self.client.report(self.job_id, "metrics", {**numbers, "step": step})  # the run's step wins over the backend's counter
         except (SchedulerError, OSError) as exc:
             self.say(f"job {self.job_id}: could not report step {step}'s metrics to the scheduler ({exc})")
+
+    def report_transcripts(self, step: int, records: list[dict[str, Any]]) -> None:
+        """Send a few of a step's episodes (``records``: :func:`~tinkergym.trainers.evaluation.transcript_record` dicts) to
+        the job's event stream as a ``transcript`` event, cut to fit (:func:`transcript_event`); a failure never stops the run."""
+        from tinkergym.client import SchedulerError
+
+        budget = TRANSCRIPT_EVENT_BYTES
+        while True:
+            try:
+                self.client.report(self.job_id, "transcript", transcript_event(step, records, budget))
+                return
+            except SchedulerError as exc:
+                if exc.status == 413 and budget > 4 * 1024:  # the tenant's max_event_bytes is smaller than ours: cut more
+                    budget //= 4
+                    continue
+                problem: Exception = exc
+            except (OSError, TypeError, ValueError) as exc:  # TypeError, ValueError: a record that does not make JSON
+                problem = exc
+            self.say(f"job {self.job_id}: could not report step {step}'s transcripts to the scheduler ({problem})")
+            return
 
     def complete(self, store_timeout: float = STORE_TIMEOUT_S) -> None:
         """End the job (it succeeds; its devices are freed at once), once the worker has stored its last saved state.
@@ -186,6 +223,102 @@ class ScheduledBackend:
     def close(self) -> None:
         if self._remote is not None:
             self._remote.close()
+
+
+# ----- the transcript event ----------------------------------------------------------------------------
+def transcript_event(step: int, records: list[dict[str, Any]], max_bytes: int = TRANSCRIPT_EVENT_BYTES) -> dict[str, Any]:
+    """The data of a step's ``transcript`` event: its first, best and worst episodes by ``total_reward`` (one entry per
+    episode, ``picked`` saying why), each message's text cut to a bound with a marker, the whole at most ``max_bytes`` as
+    JSON.
+
+    To fit, the messages' texts are cut shorter (down to :data:`TRANSCRIPT_MIN_CHARS`), then the middle messages of each
+    episode are left out, then the last picked episodes, then the messages of the one left; only a ``max_bytes`` below
+    what an episode's summary needs (a few KiB) gives a larger event.
+    """
+    picks = pick_episodes(records)
+    chars, messages = TRANSCRIPT_MESSAGE_CHARS, TRANSCRIPT_MESSAGES
+    while True:
+        data = {"step": step, "episodes": [_episode(records[i], why, chars, messages) for i, why in picks], "of": len(records)}
+        if len(json.dumps(data).encode("utf-8")) <= max_bytes:  # as the scheduler measures it (ASCII, non-ASCII escaped)
+            return data
+        if chars > TRANSCRIPT_MIN_CHARS:
+            chars = max(TRANSCRIPT_MIN_CHARS, chars // 2)
+        elif messages > 2:
+            messages //= 2
+        elif len(picks) > 1:
+            picks = picks[:-1]
+        elif messages:
+            messages = 0
+        else:
+            return data
+
+
+def pick_episodes(records: list[dict[str, Any]]) -> list[tuple[int, list[str]]]:
+    """``[(index, why)]``: the first record, the best and the worst by ``total_reward`` (``why`` names each role an
+    episode plays, so one episode is sent once)."""
+    if not records:
+        return []
+    rewards = [_number(r.get("total_reward")) for r in records]
+    scored = [i for i, reward in enumerate(rewards) if reward is not None]
+    picked: dict[int, list[str]] = {0: ["first"]}
+    if scored:
+        picked.setdefault(max(scored, key=lambda i: (rewards[i], -i)), []).append("best")
+        picked.setdefault(min(scored, key=lambda i: (rewards[i], i)), []).append("worst")
+    return list(picked.items())
+
+
+def cut_text(text: str, limit: int) -> str:
+    """``text`` if it has at most ``limit`` characters, else its head and tail with ``[... N characters cut ...]`` between."""
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    tail = limit - head
+    return f"{text[:head]}\n[... {len(text) - head - tail:,} characters cut ...]\n{text[len(text) - tail:]}"
+
+
+def _episode(record: dict[str, Any], why: list[str], chars: int, max_messages: int) -> dict[str, Any]:
+    given = list(record.get("messages") or [])
+    messages = [_message(m, chars) for m in given[:max_messages]]
+    if len(given) > max_messages:  # the first and the last ones, a marker of how many were left out between
+        head = (max_messages + 1) // 2
+        tail = [_message(m, chars) for m in given[len(given) - (max_messages - head):]]
+        messages = [*messages[:head], {"left_out": len(given) - max_messages}, *tail]
+    error = record.get("error")
+    return {
+        "episode": record.get("episode"), "picked": why, "total_reward": _number(record.get("total_reward")),
+        "finish_reason": cut_text(str(record.get("finish_reason") or ""), 64), "error": None if error is None else cut_text(str(error), chars),
+        "sampled_tokens": _number(record.get("sampled_tokens")),
+        "rewards": [_number(r) for r in list(record.get("rewards") or [])[:TRANSCRIPT_REWARDS]],
+        "messages": messages,
+    }
+
+
+def _message(message: Any, chars: int) -> dict[str, Any]:
+    """A chat message as the event carries it: its role, its text cut to ``chars``, and its OpenAI-style tool fields as text."""
+    if not isinstance(message, dict):
+        return {"role": "", "content": cut_text(_text(message), chars)}
+    out = {"role": cut_text(str(message.get("role") or ""), 32), "content": cut_text(_text(message.get("content")), chars)}
+    if message.get("tool_calls"):
+        out["tool_calls"] = cut_text(_text(message["tool_calls"]), chars)
+    if message.get("name"):
+        out["name"] = cut_text(str(message["name"]), 64)
+    return out
+
+
+def _text(content: Any) -> str:
+    """A message's content as text: a string as is, a list of parts' ``text`` joined, anything else as JSON."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and isinstance(p.get("text"), str) for p in content):
+        return "\n".join(p["text"] for p in content)
+    return json.dumps(content, ensure_ascii=False, default=str)
+
+
+def _number(value: Any) -> float | None:
+    """A finite number, else None (JSON has no NaN)."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
 
 
 def build(request: Any) -> ScheduledBackend:

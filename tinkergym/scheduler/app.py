@@ -62,6 +62,8 @@ class SchedulerSettings:
         sse_keepalive_s: An event stream with nothing to send sends a keep-alive comment this often.
         max_streams_per_key: Event streams one key may hold open at once; past it, 429 with ``Retry-After``.
         max_streams: Event streams the app serves at once, all keys together; past it, 429 with ``Retry-After``.
+        changes_max_s: A job-list stream (``GET /v1/jobs/changes``) ends after this long; its client connects again
+            and is told to read the list afresh, so no connection outlives a proxy's limit by much.
         worker_timeout_s: A worker with no call (registration, lease poll, heartbeat, state report) for this long
             is listed ``gone`` until its next call; None: three lease TTLs (never less than one TTL).
         worker_forget_s: A worker gone this long that holds nothing is deleted (it registers again when it
@@ -103,6 +105,7 @@ class SchedulerSettings:
     sse_keepalive_s: float = 15.0
     max_streams_per_key: int = 16
     max_streams: int = 1000
+    changes_max_s: float = 600.0
     worker_timeout_s: float | None = None
     worker_forget_s: float | None = 86400.0
     checkpoint_keep_s: float | None = 3600.0
@@ -230,6 +233,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     from tinkergym.scheduler.routes import artifacts as artifact_routes
     from tinkergym.scheduler.routes import connect as connect_routes
     from tinkergym.scheduler.routes import events as event_routes
+    from tinkergym.scheduler.routes import cluster as cluster_routes
     from tinkergym.scheduler.routes import gateway as gateway_routes
     from tinkergym.scheduler.routes import jobs as job_routes
     from tinkergym.scheduler.routes import workers as worker_routes
@@ -267,6 +271,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.state.metrics = SchedulerMetrics(app)
     _add_health(app)
     _add_metrics(app)
+    app.include_router(event_routes.changes_router)  # before /v1/jobs/{job_id}
     app.include_router(job_routes.router)
     app.include_router(event_routes.router)
     app.include_router(connect_routes.router)
@@ -274,6 +279,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.include_router(worker_routes.router)
     app.include_router(artifact_routes.worker_router)
     app.include_router(artifact_routes.owner_router)
+    app.include_router(cluster_routes.router)
     _add_error_handlers(app, log)
     # Added innermost first: the log sees every request, the key is checked before the body is read, the body's size
     # before its text. The dashboard's files (/ui/) are answered innermost, by the files alone.

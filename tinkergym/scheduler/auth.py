@@ -7,7 +7,9 @@ and SHA-256 keeps a lookup in microseconds at hundreds of requests per second.
 
 Scopes of a tenant's key: ``read`` (list and show jobs, events, checkpoints, artifacts), ``write`` (submit and
 cancel jobs) and ``admin`` (every scope of its tenant, and the workers that serve it). A key belongs to one tenant
-and never sees another's jobs. The ``worker`` scope (register devices, take and renew leases, report events and
+and never sees another's jobs, except an ``operator`` key: it reads the whole cluster (every tenant's jobs, events and
+checkpoints, the workers with what they hold, every tenant's usage; ``GET /v1/cluster``) and changes nothing it does
+not own, since its other scopes still act within its own tenant. ``admin`` does not imply ``operator``. The ``worker`` scope (register devices, take and renew leases, report events and
 checkpoints) belongs to worker credentials only, the cluster's keys with bounds
 (:mod:`tinkergym.scheduler.credentials`): ``admin`` does not imply it. Keys are made only by ``tinkergym scheduler
 keys create`` (tenants) and ``tinkergym scheduler workers create`` (workers) on the scheduler's machine: there is
@@ -31,10 +33,11 @@ from tinkergym.scheduler.bounds import TENANT_PATTERN, WorkerBounds, parse_bound
 from tinkergym.scheduler.db import Prepared, api_keys, autocommit_reader, reader, tenants
 
 KEY_PREFIX = "tgk_"
-SCOPES = ("read", "write", "metrics", "worker", "admin")
+SCOPES = ("read", "write", "metrics", "operator", "worker", "admin")
 #: The scopes a tenant's key may hold (``worker`` is a worker credential's alone). ``metrics`` reads the cluster's
-#: aggregate Prometheus metrics (``GET /metrics``: counts, no ids), for the operator's scraper.
-TENANT_SCOPES = ("read", "write", "metrics", "admin")
+#: aggregate Prometheus metrics (``GET /metrics``: counts, no ids), for the operator's scraper. ``operator`` reads
+#: every tenant's jobs and the cluster (never implied by ``admin``).
+TENANT_SCOPES = ("read", "write", "metrics", "operator", "admin")
 KEY_PATTERN = re.compile(r"^tgk_([0-9a-f]{12})_([A-Za-z0-9_-]{43})$")
 #: A key's row by its id: every request's lookup (a statement prepared once, run outside any transaction).
 _KEY_ROW = Prepared(select(api_keys.c.id, api_keys.c.tenant_id, api_keys.c.digest, api_keys.c.scopes, api_keys.c.revoked_at,
@@ -53,7 +56,18 @@ class Principal:
     def allows(self, scope: str) -> bool:
         if scope == "worker":  # a worker credential's alone: admin does not imply it
             return self.bounds is not None and "worker" in self.scopes
+        if scope == "operator":  # the whole cluster: admin (its own tenant's everything) does not imply it
+            return self.bounds is None and "operator" in self.scopes
         return scope in self.scopes or "admin" in self.scopes
+
+    @property
+    def operator(self) -> bool:
+        """Whether this key reads the whole cluster (``operator`` scope)."""
+        return self.allows("operator")
+
+    def tenant_filter(self) -> str | None:
+        """The tenant a read is limited to: this key's, or None (every tenant) for an operator key."""
+        return None if self.operator else self.tenant_id
 
 
 def key_digest(key: str) -> str:

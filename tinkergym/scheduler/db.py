@@ -58,6 +58,8 @@ tenants = Table(
     Column("max_event_bytes", Integer, nullable=False, default=65536),  # one event's data, as JSON
     Column("keep_ended_jobs", Integer, nullable=False, default=1000),  # ended jobs kept; older ones are deleted
     Column("created_at", Float, nullable=False),
+    # Device-seconds of its jobs that retention deleted (tinkergym.scheduler.usage): its usage outlives them.
+    Column("retired_device_seconds", Float, nullable=False, default=0.0, server_default="0"),
 )
 
 api_keys = Table(
@@ -130,6 +132,8 @@ jobs = Table(
     # Where its checkpoints were written: "seat" (a shared server's session state) or "devices" (a whole server's); set
     # with its first checkpoint, after which it is granted only that kind of place (the two states differ in format).
     Column("placed", String(8), nullable=True),
+    # Devices held times seconds (a seat counts its share of its device), added at each renewal (tinkergym.scheduler.usage).
+    Column("device_seconds", Float, nullable=False, default=0.0, server_default="0"),
 )
 Index("ix_jobs_queue", jobs.c.state, jobs.c.priority, jobs.c.created_at)
 Index("ix_jobs_tenant", jobs.c.tenant_id, jobs.c.created_at)

@@ -78,6 +78,7 @@ from tinkergym.scheduler.bounds import WorkerBounds
 from tinkergym.scheduler.db import allocations, checkpoints, devices, jobs, tenants, workers
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.seats import fits, parse_shared
+from tinkergym.scheduler.usage import charge_renewal
 from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
     ALIVE, FORGET_BATCH, GONE, _locked, _strike, forget_worker, mark_gone, owned_worker, quarantine_worker, register_worker,
     release_worker, sweep_workers, worker_status, worker_timeout, worker_view,
@@ -300,8 +301,9 @@ def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, 
     job's server. ``cancelling`` True tells it to stop the server and report ``cancelled``.
     """
     now = store.clock()
-    held_job(conn, store, worker_id, job_id, epoch)
+    before = held_job(conn, store, worker_id, job_id, epoch)
     job = store.renew_lease(conn, job_id, epoch, worker_id, now + settings.lease_ttl_s)
+    charge_renewal(conn, before, now, settings.lease_ttl_s)  # the device-seconds since the last renewal
     _touch(conn, worker_id, now)
     return {"job_id": job_id, "epoch": epoch, "state": job["state"], "cancelling": job["state"] == states.CANCELLING,
             "expires_at": job["lease_expires_at"]}

@@ -28,6 +28,7 @@ from tinkergym.scheduler import states
 from tinkergym.scheduler.artifacts import ArtifactStore, continued_jobs
 from tinkergym.scheduler.db import allocations, checkpoints, events, idempotency, jobs, tenants
 from tinkergym.scheduler.repository import NotFound
+from tinkergym.scheduler.usage import retire_usage
 
 #: Jobs one pass deletes at most.
 JOB_BATCH = 50
@@ -122,6 +123,7 @@ def delete_job(store: Any, artifacts: ArtifactStore, job_id: str) -> bool:
                 return False
             for table in (events, checkpoints, allocations):
                 conn.execute(delete(table).where(table.c.job_id == job_id))
+            retire_usage(conn, job)
             conn.execute(delete(jobs).where(jobs.c.id == job_id))
             handle = artifacts.trash(job_id)  # last: a failed commit puts the files back
     except BaseException:

@@ -9,6 +9,12 @@ has an open stream and which of the streams' keys are still valid. A stream whos
 sent is woken and reads its new events; one whose key was revoked (or deleted) is woken to end. An idle stream
 reads nothing: the database sees one query per interval, however many streams are open. A failed query is logged
 and tried again at the next interval; the streams wait meanwhile (sending their keep-alives).
+
+A stream of a key's whole job list (``GET /v1/jobs/changes``: ``job_id`` None, ``tenant`` its tenant or :data:`EVERY`
+for an operator key) watches a fingerprint instead (:func:`read_versions`): per tenant, its jobs' count, the sum of their
+event cursors and their latest update (an event appended to any of its jobs, a job made or deleted, changes it), and
+the queue's count and creation times (a job ahead leaving the queue moves a queued job's position). The same query
+reads them, grouped per watched tenant.
 """
 
 from __future__ import annotations
@@ -19,12 +25,21 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Integer, String, literal, select, union_all
+from sqlalchemy import Float, Integer, String, func, literal, select, union_all
 
+from tinkergym.scheduler import states
 from tinkergym.scheduler.db import api_keys, autocommit_reader, jobs
 
 #: Seconds a refused client is told to wait (``Retry-After``): streams end with their jobs, or when clients leave.
 RETRY_AFTER_S = 5
+
+
+#: The ``tenant`` of a job-list stream that watches every tenant's jobs (an operator key's).
+EVERY = "*"
+#: The queue's row in :meth:`StreamHub.read_versions` (no tenant can be named so: ``TENANT_PATTERN``).
+QUEUE_ROW = " queue"
+#: A fingerprint of a tenant's jobs (or of the queue): (count, sum of cursors, latest update).
+Version = tuple[int, float, float]
 
 
 class StreamRefused(Exception):
@@ -33,13 +48,16 @@ class StreamRefused(Exception):
 
 @dataclass(eq=False)
 class Subscription:
-    """One open stream: its job, its key, the last seq it sent, and the event the watcher sets to wake it."""
+    """One open stream: its job (None for a job-list stream of ``tenant``), its key, the last seq it sent (a job-list
+    stream: the fingerprint it last reported), and the event the watcher sets to wake it."""
 
-    job_id: str
+    job_id: str | None
     key_id: str
     cursor: int
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     revoked: bool = False  # the key was revoked: the stream ends when woken
+    tenant: str | None = None
+    version: tuple[Version, Version] | None = None
 
 
 class StreamHub:
@@ -62,8 +80,9 @@ class StreamHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opened: asyncio.Event | None = None
 
-    def open(self, job_id: str, key_id: str, cursor: int) -> Subscription:
-        """Count a new stream of ``key_id`` on ``job_id`` (resuming after ``cursor``); :class:`StreamRefused` over a limit."""
+    def open(self, job_id: str | None, key_id: str, cursor: int, tenant: str | None = None) -> Subscription:
+        """Count a new stream of ``key_id`` on ``job_id`` (resuming after ``cursor``), or on the job list of ``tenant``
+        (``job_id`` None); :class:`StreamRefused` over a limit."""
         if self.per_key[key_id] >= self.max_streams_per_key:
             raise StreamRefused(
                 f"this key has {self.per_key[key_id]} event streams open, the most one key may hold: close one first "
@@ -73,7 +92,7 @@ class StreamHub:
                 f"the scheduler has {len(self.subscriptions)} event streams open, the most it serves at once: retry later "
                 f"(the operator raises the limit with: tinkergym scheduler serve --max-streams N)")
         self._ensure_watcher()
-        subscription = Subscription(job_id, key_id, cursor)
+        subscription = Subscription(job_id, key_id, cursor, tenant=tenant)
         self.subscriptions.add(subscription)
         self.per_key[key_id] += 1
         assert self._opened is not None
@@ -122,7 +141,9 @@ class StreamHub:
         watched = list(self.subscriptions)
         try:
             cursors, live_keys = await anyio.to_thread.run_sync(
-                self._read, sorted({s.job_id for s in watched}), sorted({s.key_id for s in watched}))
+                self._read, sorted({s.job_id for s in watched if s.job_id is not None}), sorted({s.key_id for s in watched}))
+            tenants = sorted({s.tenant for s in watched if s.job_id is None and s.tenant is not None})
+            versions = await anyio.to_thread.run_sync(self.read_versions, tenants) if tenants else {}
         except Exception as exc:  # noqa: BLE001 - the database is down or busy: the streams wait, the next pass retries
             self.failures += 1
             self._failing += 1
@@ -138,8 +159,28 @@ class StreamHub:
             if subscription.key_id not in live_keys:
                 subscription.revoked = True
                 subscription.wake.set()
+            elif subscription.job_id is None:
+                now = versions.get(subscription.tenant or "")
+                if now is not None and now != subscription.version:
+                    subscription.version = now
+                    subscription.wake.set()
             elif cursors.get(subscription.job_id, subscription.cursor + 1) > subscription.cursor:  # a deleted job wakes too
                 subscription.wake.set()
+
+    def read_versions(self, tenants: list[str]) -> dict[str, tuple[Version, Version]]:
+        """Each tenant's fingerprint (:data:`EVERY`: every tenant's jobs together) with the queue's, in one query."""
+        aggregates = (func.count(), func.coalesce(func.sum(jobs.c.cursor), 0), func.coalesce(func.max(jobs.c.updated_at), 0.0))
+        named = [t for t in tenants if t != EVERY]
+        parts = [select(literal(QUEUE_ROW, String), *(func.count(), func.coalesce(func.sum(jobs.c.created_at), 0.0), literal(0.0, Float)))
+                 .where(jobs.c.state == states.QUEUED)]
+        if EVERY in tenants:
+            parts.append(select(literal(EVERY, String), *aggregates))
+        if named:
+            parts.append(select(jobs.c.tenant_id, *aggregates).where(jobs.c.tenant_id.in_(named)).group_by(jobs.c.tenant_id))
+        with autocommit_reader(self.engine).connect() as conn:
+            rows = {str(name): (int(n), float(total), float(latest)) for name, n, total, latest in conn.execute(union_all(*parts))}
+        queue = rows.pop(QUEUE_ROW, (0, 0.0, 0.0))
+        return {t: (rows.get(t, (0, 0.0, 0.0)), queue) for t in tenants}
 
     def _read(self, job_ids: list[str], key_ids: list[str]) -> tuple[dict[str, int], set[str]]:
         query = union_all(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from tinkergym.scheduler import leases, placement, retention
+from tinkergym.scheduler import leases, placement, retention, usage
 from tinkergym.scheduler.artifacts import retention_due, sweep_artifacts
 
 
@@ -15,7 +15,7 @@ async def sweep_forever(app: Any) -> None:
     leases (:func:`tinkergym.scheduler.leases.sweep`), report and forget silent workers (:func:`tinkergym.scheduler.leases.sweep_workers`), and, at most every
     ``retention_interval_s`` of the app's clock, delete ended jobs' old artifacts
     (:func:`tinkergym.scheduler.artifacts.sweep_artifacts`) and old ended jobs and idempotency records
-    (:func:`tinkergym.scheduler.retention.sweep_if_due`)."""
+    (:func:`tinkergym.scheduler.retention.sweep_if_due`), and sample the queue (:func:`tinkergym.scheduler.usage.sample_queue`)."""
     event = asyncio.Event()
     app.state.sweep_event = event
     app.state.sweep_loop = asyncio.get_running_loop()
@@ -38,6 +38,10 @@ async def sweep_forever(app: Any) -> None:
                 await asyncio.to_thread(placement.note_wait_reasons, app)  # a `waiting` event when a queued job's reason changes
             except Exception:  # noqa: BLE001 - as above
                 app.state.logger.exception("wait reason pass failed")
+            try:
+                await asyncio.to_thread(usage.sample_queue, app)  # the queue's history the dashboard's cluster view draws
+            except Exception:  # noqa: BLE001 - as above
+                app.state.logger.exception("queue sample failed")
             try:
                 await asyncio.to_thread(retention.sweep_if_due, app)  # ended jobs and old idempotency records
             except Exception:  # noqa: BLE001 - as above

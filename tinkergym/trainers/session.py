@@ -50,7 +50,7 @@ from tinkergym.trainers.base import (
     trainer_state,
 )
 from tinkergym.config import TrainConfig
-from tinkergym.trainers.evaluation import eval_seeds, evaluate, write_transcripts
+from tinkergym.trainers.evaluation import eval_seeds, evaluate, transcript_record, write_transcripts
 from tinkergym.trainers.reporting import MetricsLog, plot_learning_curve
 
 KEEP_CHECKPOINTS = 2
@@ -276,8 +276,10 @@ class TrainingRun:
         # Sampled tokens per second where the step samples; trained (loss) tokens per second where it only trains (SFT).
         metrics["tokens/per_s"] = metrics.get("tokens/sampled", metrics.get("tokens", 0.0)) / max(metrics["time/step_s"], 1e-9)
         self._check_finite(step, metrics)
+        transcripts = None
         if c.transcripts_every and (step % c.transcripts_every == 0 or step == c.steps - 1) and output.trajectories:
-            write_transcripts(self.folder / "transcripts" / f"train_step_{step:06d}.jsonl", output.trajectories[: c.group_size * 2], step=step)
+            transcripts = output.trajectories[: c.group_size * 2]
+            write_transcripts(self.folder / "transcripts" / f"train_step_{step:06d}.jsonl", transcripts, step=step)
         if c.eval_every and ((step + 1) % c.eval_every == 0 or step == c.steps - 1) and self.make_eval_env is not None:
             with timeline.span("eval", step=step):
                 metrics.update(self.evaluate(step))
@@ -285,6 +287,9 @@ class TrainingRun:
         report = getattr(self.backend, "report_metrics", None)
         if callable(report):  # a scheduler job: its event stream shows the run's progress (tinkergym jobs logs --follow)
             report(step, metrics)
+        report_transcripts = getattr(self.backend, "report_transcripts", None)
+        if transcripts and callable(report_transcripts):  # ... and the job's page a few of the step's episodes
+            report_transcripts(step, [transcript_record(t, episode=i) for i, t in enumerate(transcripts)])
         if (step + 1) % c.checkpoint_every == 0 or step == c.steps - 1:
             with timeline.span("checkpoint", step=step):
                 self.checkpoint(step)

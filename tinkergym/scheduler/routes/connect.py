@@ -47,11 +47,12 @@ class Completed(BaseModel):
 
 
 class ClientEvent(BaseModel):
-    """What the client reports of the run it drives: ``metrics`` of a step (numbers), or a ``log`` line."""
+    """What the client reports of the run it drives: ``metrics`` of a step (numbers), a ``log`` line, or a ``transcript``
+    (a few of a step's episodes, their messages cut short; the job's page on the dashboard shows them)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    type: Literal["metrics", "log"]
+    type: Literal["metrics", "log", "transcript"]
     data: dict[str, Any] = Field(description="a JSON object of at most the tenant's max_event_bytes (64 KiB unless raised)")
 
 

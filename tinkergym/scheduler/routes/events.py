@@ -19,6 +19,12 @@ terminal state (succeeded, failed, cancelled); a client that resumes after that 
 A stream whose key is revoked ends at the watcher's next pass. Events are numbered per job (``seq``, unique in the
 database) and sent in order, so resuming from the last ``id`` seen loses nothing and repeats nothing.
 
+``GET /v1/jobs/changes`` streams the key's job list instead: a ``changed`` message when the stream opens and each
+time the jobs the key sees change (an event appended to one, a job submitted or deleted, the queue moved), so a page
+reads the list again when told to rather than on a timer. It carries no job data: what the list shows comes from
+``GET /v1/jobs``, with its filters and paging, and a client that reconnects is told at once to read it again, so a
+list kept this way is never stale after a dropped stream. An operator key's stream watches every tenant's jobs.
+
 A key holds at most ``max_streams_per_key`` open streams and the app ``max_streams``; past either, 429 with
 ``Retry-After``.
 """
@@ -40,9 +46,11 @@ from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.repository import JobStore, NotFound
 from tinkergym.scheduler.routes.jobs import MAX_SEQ
-from tinkergym.scheduler.streams import RETRY_AFTER_S, StreamHub, StreamRefused, Subscription
+from tinkergym.scheduler.streams import EVERY, RETRY_AFTER_S, StreamHub, StreamRefused, Subscription
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+#: ``/v1/jobs/changes``: included before the jobs' router, whose ``/v1/jobs/{job_id}`` would take the path.
+changes_router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
 #: The default when the app's settings do not say (``SchedulerSettings.sse_keepalive_s``).
 KEEPALIVE_S = 15.0
@@ -86,11 +94,12 @@ def _poll(store: JobStore, job_id: str, after: int) -> tuple[list[dict[str, Any]
 
 
 async def _stream(store: JobStore, subscription: Subscription, keepalive_s: float) -> AsyncIterator[bytes]:
+    assert subscription.job_id is not None  # one job's stream
     yield f"retry: {RETRY_MS}\n\n".encode()
     last_sent = time.monotonic()
     while True:
         try:
-            found, ended = await run_in_threadpool(_poll, store, subscription.job_id, subscription.cursor)
+            found, ended = await run_in_threadpool(_poll, store, str(subscription.job_id), subscription.cursor)
         except NotFound:
             return  # the job was deleted (retention): nothing more will come
         for event in found:
@@ -148,7 +157,7 @@ async def stream_events(
 
     def check() -> None:
         with store.read() as conn:
-            store.get(conn, job_id, who.tenant_id)  # NotFound (404) for another tenant's job
+            store.get(conn, job_id, who.tenant_filter())  # NotFound (404) for another tenant's job (an operator sees all)
 
     try:
         await run_in_threadpool(check)
@@ -161,3 +170,46 @@ async def stream_events(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
     )
+
+
+async def _changes(subscription: Subscription, keepalive_s: float, max_s: float) -> AsyncIterator[bytes]:
+    yield f"retry: {RETRY_MS}\n\n".encode()
+    ends = time.monotonic() + max_s
+    while True:
+        yield b"event: changed\ndata: {}\n\n"
+        last_sent = time.monotonic()
+        while not subscription.wake.is_set():
+            if time.monotonic() >= ends:
+                return  # the client connects again (and reads the list afresh)
+            with anyio.move_on_after(max(0.0, min(keepalive_s - (time.monotonic() - last_sent), ends - time.monotonic()))):
+                await subscription.wake.wait()
+            if not subscription.wake.is_set() and time.monotonic() - last_sent >= keepalive_s:
+                yield b": keep-alive\n\n"
+                last_sent = time.monotonic()
+        subscription.wake.clear()
+        if subscription.revoked:
+            return
+
+
+@changes_router.get(
+    "/changes",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "server-sent events: `changed`"}, 429: {}},
+)
+async def stream_changes(request: Request, who: Principal = Depends(require("read"))) -> Response:
+    """A ``changed`` message now and whenever the jobs this key sees change: read ``GET /v1/jobs`` again then."""
+    hub: StreamHub = request.app.state.streams
+    tenant = who.tenant_filter() or EVERY
+    try:
+        subscription = hub.open(None, who.key_id, 0, tenant=tenant)
+    except StreamRefused as exc:
+        return error_response(429, "too_many_streams", str(exc), headers={"Retry-After": str(RETRY_AFTER_S)})
+    try:  # the fingerprint the client's next read will see at least: a change after it wakes the stream
+        subscription.version = (await run_in_threadpool(hub.read_versions, [tenant]))[tenant]
+    except BaseException:
+        hub.close(subscription)
+        raise
+    settings = request.app.state.settings
+    keepalive_s, max_s = float(getattr(settings, "sse_keepalive_s", KEEPALIVE_S)), float(getattr(settings, "changes_max_s", 600.0))
+    return _CountedStream(_changes(subscription, keepalive_s, max_s), hub, subscription, media_type="text/event-stream",
+                          headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"})

@@ -13,7 +13,7 @@ from sqlalchemy import and_, func, or_, select
 from tinkergym.config import is_model_name
 from tinkergym.scheduler import placement, states
 from tinkergym.scheduler.artifacts import JOB_ID
-from tinkergym.scheduler.deps import require
+from tinkergym.scheduler.deps import Forbidden, require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.db import MAX_INT, jobs
 from tinkergym.scheduler.idempotency import Refused
@@ -39,6 +39,7 @@ class WaitReason(WireModel):
 
 class Job(WireModel):
     id: str
+    tenant: str | None = Field(None, description="the tenant that owns the job (an operator key lists every tenant's)")
     kind: str
     state: str
     name: str
@@ -52,7 +53,7 @@ class Job(WireModel):
     error: str | None = None
     lease_epoch: int
     server_url: str | None = None
-    queue_position: int | None = Field(None, description="1 for the next queued job to be considered; queued jobs, in GET /v1/jobs/{id} only")
+    queue_position: int | None = Field(None, description="1 for the next queued job to be considered; queued jobs")
     wait_reason: WaitReason | None = Field(None, description="why a queued job waits; queued jobs, in GET /v1/jobs and /v1/jobs/{id}")
     last_event: int = Field(0, description="the seq of the job's newest event (read the ones after it with ?after=)")
     config: dict[str, Any]
@@ -116,15 +117,23 @@ def queue_position(conn: Any, job: dict[str, Any]) -> int | None:
     return int(ahead) + 1
 
 
-def job_view(conn: Any, job: dict[str, Any], position: bool = False, wait_reason: dict[str, str] | None = None) -> dict[str, Any]:
-    """The public view of a job row (no token digests, no worker ids); ``position``: count its place in the queue.
+def queue_positions(conn: Any, rows: list[dict[str, Any]]) -> dict[str, int]:
+    """The queue positions of the queued jobs among ``rows`` (as :func:`queue_position` counts them), in one query."""
+    wanted = {r["id"] for r in rows if r["state"] == states.QUEUED}
+    if not wanted:
+        return {}
+    ranked = select(jobs.c.id, func.rank().over(order_by=(jobs.c.priority.desc(), jobs.c.created_at)).label("position")) \
+        .where(jobs.c.state == states.QUEUED).subquery()
+    return {i: int(p) for i, p in conn.execute(select(ranked.c.id, ranked.c.position).where(ranked.c.id.in_(sorted(wanted))))}
 
-    The queue position counts the queued jobs ahead, a cost that grows with the queue: ``GET /v1/jobs/{id}``
-    gives it; submissions and lists answer null, so their cost stays flat.
-    """
+
+def job_view(conn: Any, job: dict[str, Any], position: bool | int | None = False, wait_reason: dict[str, str] | None = None) -> dict[str, Any]:
+    """The public view of a job row (no token digests, no worker ids); ``position``: True counts its place in the
+    queue, a number is that place (:func:`queue_positions` counts a page's in one query)."""
     view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position", "wait_reason", "last_event")}
+    view["tenant"] = job["tenant_id"]
     view["config"] = json.loads(job["config"])
-    view["queue_position"] = queue_position(conn, job) if position else None
+    view["queue_position"] = queue_position(conn, job) if position is True else (position or None)
     view["wait_reason"] = wait_reason
     view["last_event"] = job.get("cursor", 0)
     return view
@@ -184,9 +193,16 @@ def list_jobs(
     request: Request, who: Principal = Depends(require("read")),
     state: str | None = Query(None, description="comma-separated states"), kind: str | None = Query(None),
     limit: int = Query(50, ge=1, le=500), cursor: str | None = Query(None, max_length=200),
+    tenant: str | None = Query(None, max_length=64, description="an operator key: only this tenant's jobs"),
 ) -> Any:
-    """The tenant's jobs, newest first, a page at a time."""
-    query = select(jobs).where(jobs.c.tenant_id == who.tenant_id)
+    """The tenant's jobs (an operator key: every tenant's), newest first, a page at a time; ``GET /v1/jobs/changes``
+    says when to read the list again."""
+    query = select(jobs)
+    only = who.tenant_filter()
+    if tenant and only is not None and tenant != only:
+        raise Forbidden(f"this key lists only tenant {only!r}'s jobs; listing another tenant's needs the 'operator' scope")
+    if only is not None or tenant:
+        query = query.where(jobs.c.tenant_id == (only or tenant))
     if state:
         wanted = [s.strip() for s in state.split(",") if s.strip()]
         unknown = [s for s in wanted if s not in states.STATES]
@@ -205,16 +221,17 @@ def list_jobs(
     with store.read() as conn:
         rows = [dict(r) for r in conn.execute(query).mappings()]
         reasons = placement.wait_reasons(conn, request.app.state.settings, store.clock(), rows[:limit])
-        page = [job_view(conn, r, wait_reason=reasons.get(r["id"])) for r in rows[:limit]]
+        positions = queue_positions(conn, rows[:limit])
+        page = [job_view(conn, r, position=positions.get(r["id"]), wait_reason=reasons.get(r["id"])) for r in rows[:limit]]
     return {"jobs": page, "next_cursor": _encode_cursor(rows[limit - 1]) if len(rows) > limit else None}
 
 
 @router.get("/{job_id}", response_model=Job, responses={404: {}})
 def show(job_id: str, request: Request, who: Principal = Depends(require("read"))) -> Any:
-    """One job (404 for another tenant's)."""
+    """One job (404 for another tenant's, unless the key is an operator's)."""
     store = _store(request)
     with store.read() as conn:
-        job = store.get(conn, job_id, who.tenant_id)
+        job = store.get(conn, job_id, who.tenant_filter())
         reasons = placement.wait_reasons(conn, request.app.state.settings, store.clock(), [job])
         return job_view(conn, job, position=True, wait_reason=reasons.get(job_id))
 
@@ -250,7 +267,7 @@ def list_events(
     """The job's events after a cursor, oldest first."""
     store = _store(request)
     with store.read() as conn:
-        store.get(conn, job_id, who.tenant_id)
+        store.get(conn, job_id, who.tenant_filter())
         found = store.events_after(conn, job_id, after, limit)
     return {"events": [{k: e[k] for k in ("seq", "type", "data", "created_at")} for e in found], "cursor": found[-1]["seq"] if found else after}
 
@@ -260,6 +277,6 @@ def list_checkpoints(job_id: str, request: Request, who: Principal = Depends(req
     """The checkpoints the job's servers recorded, by step."""
     store = _store(request)
     with store.read() as conn:
-        store.get(conn, job_id, who.tenant_id)
+        store.get(conn, job_id, who.tenant_filter())
         rows = store.checkpoints(conn, job_id)
     return {"checkpoints": [{k: r[k] for k in ("step", "name", "epoch", "created_at")} for r in rows]}

@@ -1,11 +1,12 @@
-// A job's page: its facts, live metrics charts, checkpoints (downloaded with the key) and event log, and Cancel.
-// Events arrive on the job's event stream (GET /v1/jobs/{id}/events/stream) from the first one, so the page
+// A job's page: its facts, live metrics charts, recent transcripts, checkpoints (downloaded with the key) and event log,
+// and Cancel. Events arrive on the job's event stream (GET /v1/jobs/{id}/events/stream) from the first one, so the page
 // needs no polling: a state event reads the job again, a checkpoint event its checkpoints.
 
 import { ApiError, apiUrl, getJson, postJson, request, seg } from "./api.js";
 import { MetricCharts } from "./charts.js";
 import { age, el, say, stateBadge, timeCell, when } from "./dom.js";
 import { EventFollower } from "./sse.js";
+import { TranscriptList, transcriptSummary } from "./transcripts.js";
 
 const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 const CANCELLABLE = new Set(["queued", "leased", "starting", "running"]);
@@ -17,6 +18,7 @@ export class JobView {
     this.onUnauthorized = onUnauthorized;
     this.root = document.getElementById("job-view");
     this.charts = new MetricCharts();
+    this.transcripts = new TranscriptList();
     this.follower = null;
     this.events = [];
     this.lease = null;
@@ -37,6 +39,7 @@ export class JobView {
     this.events = [];
     this.lease = null;
     this.charts.reset();
+    this.transcripts.reset();
     this.renderLog();
     document.getElementById("job-title").textContent = `Job ${jobId}`;
     document.getElementById("job-facts").replaceChildren();
@@ -108,6 +111,10 @@ export class JobView {
   }
 
   onEvent(event) {
+    if (event.type === "transcript" && event.data) {
+      this.transcripts.add(event.data);
+      event = { ...event, data: transcriptSummary(event.data) }; // the log keeps its one line, not the episodes
+    }
     this.events.push(event);
     if (event.type === "metrics" && event.data) this.charts.add(event.data, event.seq);
     if (event.type === "lease" && event.data) { this.lease = event.data; if (this.job) this.renderJob(); }
@@ -126,7 +133,7 @@ export class JobView {
     const shown = this.showMetrics.checked ? this.events : this.events.filter((e) => e.type !== "metrics");
     const rows = shown.slice(-MAX_LOG_ROWS).reverse().map((e) => el("tr", { "data-seq": e.seq },
       el("td", {}, e.seq), el("td", {}, timeCell(e.created_at, new Date(e.created_at * 1000).toLocaleTimeString())),
-      el("td", {}, e.type), el("td", { class: "data" }, JSON.stringify(e.data))));
+      el("td", {}, e.type), el("td", { class: "data" }, typeof e.data === "string" ? e.data : JSON.stringify(e.data))));
     document.querySelector("#events-table tbody").replaceChildren(...rows);
   }
 
