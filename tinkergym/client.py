@@ -226,7 +226,7 @@ class SchedulerClient:
         return self._request("POST", f"/v1/jobs/{_quote(job_id)}/complete", {"epoch": epoch})
 
     def report(self, job_id: str, type_: str, data: dict[str, Any]) -> int:
-        """Append a ``metrics`` or ``log`` event of the client's run to the job's stream; its seq."""
+        """Append a ``metrics``, ``log`` or ``transcript`` event of the client's run to the job's stream; its seq."""
         return int(self._request("POST", f"/v1/jobs/{_quote(job_id)}/client-events", {"type": type_, "data": data})["seq"])
 
     def events(self, job_id: str, after: int = 0) -> builtins.list[dict[str, Any]]:
@@ -242,6 +242,15 @@ class SchedulerClient:
     def checkpoints(self, job_id: str) -> builtins.list[dict[str, Any]]:
         """The checkpoints the job's servers recorded (``step``, ``name``, ``epoch``, ``created_at``), by step."""
         return self._request("GET", f"/v1/jobs/{_quote(job_id)}/checkpoints")["checkpoints"]
+
+    def usage(self) -> builtins.list[dict[str, Any]]:
+        """This key's tenant's usage beside its quotas (an operator key: every tenant's): devices held, device-seconds,
+        tokens trained and sampled, stored bytes, events."""
+        return self._request("GET", "/v1/usage")["tenants"]
+
+    def cluster(self) -> dict[str, Any]:
+        """The cluster as an operator key sees it: workers and what each device holds, leases ending, the queue, usage."""
+        return self._request("GET", "/v1/cluster")
 
     def workers(self, status: str | None = None) -> builtins.list[dict[str, Any]]:
         """The workers that serve this key's tenant: ``name``, ``status`` (alive, gone), ``models``, ``devices`` (``busy``)."""

@@ -157,6 +157,45 @@ def test_renewals_add_device_seconds_and_the_cluster_shows_what_each_device_hold
     assert client.get("/v1/usage", headers=auth(acme)).json()["tenants"][0]["device_seconds"] == pytest.approx(spent)
 
 
+def test_heartbeats_carry_the_servers_token_counts_into_the_usage(make_client: Any, keys: Any, clock: Clock) -> None:
+    """A server's totals at a lease: only growth counts (a repeated or smaller report adds nothing), a new lease's server
+    counts from 0, and a malformed report is refused."""
+    client = make_client(clock=clock, lease_ttl_s=30.0)
+    acme = keys.new("acme")
+    worker = kit.register(client, keys.worker(2), devices=1)
+    job = submit(client, acme)
+    first = worker.lease()
+    assert first is not None
+
+    def beat(epoch: int, trained: int, sampled: int) -> Any:
+        return worker.post(f"/jobs/{job}/heartbeat", {"epoch": epoch, "usage": {"tokens_trained": trained, "tokens_sampled": sampled}})
+
+    def tokens() -> tuple[int, int]:
+        row = client.get("/v1/usage", headers=auth(acme)).json()["tenants"][0]
+        return row["tokens_trained"], row["tokens_sampled"]
+
+    assert beat(first["epoch"], 100, 40).status_code == 200
+    assert tokens() == (100, 40)
+    assert beat(first["epoch"], 100, 40).status_code == 200  # the same totals again: nothing more
+    assert beat(first["epoch"], 90, 55).status_code == 200  # trained read lower (a stale read): only sampled grew
+    assert tokens() == (100, 55)
+    for bad in ({"tokens_trained": -1, "tokens_sampled": 0}, {"tokens_trained": 2**60, "tokens_sampled": 0}, {"tokens_trained": 1}):
+        refused = worker.post(f"/jobs/{job}/heartbeat", {"epoch": first["epoch"], "usage": bad})
+        assert refused.status_code in (400, 422), (bad, refused.text)
+    assert tokens() == (100, 55)
+
+    clock.now += 60  # the lease expires; the job's next lease starts a new server, which counts from 0
+    app = client.app
+    from tinkergym.scheduler.leases import sweep
+    assert sweep(app) == 1
+    second = worker.lease()
+    assert second is not None and second["job_id"] == job and second["epoch"] > first["epoch"]
+    assert beat(second["epoch"], 7, 3).status_code == 200
+    assert tokens() == (107, 58)
+    assert beat(first["epoch"], 500, 500).status_code == 409  # the old lease's report is fenced off
+    assert tokens() == (107, 58)
+
+
 class Changes:
     """A job-list stream read in a thread: the number of ``changed`` messages so far."""
 

@@ -144,6 +144,12 @@ def test_a_live_training_run_in_a_browser(browser: Any, server: ThreadServer, ke
                                timeout=START_S * 1000)  # 20 more steps: older closed transcripts leave the list, the open one stays
         expect(opened).to_have_attribute("open", "")
         assert transcripts.count() <= 3 * 20 + 1
+        # The tenant's usage counts what the worker's server trained and sampled, and the device it holds.
+        deadline = time.monotonic() + 30
+        while not ((used := client.usage()[0])["tokens_trained"] > 0 and used["tokens_sampled"] > 0 and used["device_seconds"] > 0):
+            assert time.monotonic() < deadline, used
+            time.sleep(0.2)
+        assert used["tenant"] == "acme" and used["devices_held"] == 1
         expect(page.locator('#events-table tr:has(td:text-is("transcript"))').first).to_contain_text("(shown under Transcripts)")  # one line
         opened.scroll_into_view_if_needed()
         page.screenshot(path=str(shots / "live-transcript.png"), full_page=True)

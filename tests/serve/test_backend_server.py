@@ -187,7 +187,8 @@ def test_round_trip_equals_the_local_backend_bit_for_bit(tiny: str, tmp_path: Pa
     http = serve(served, tmp_path)
     client = Client(http)
     sample = SampleRequest([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=5, seed=11), num_samples=2)
-    assert client.call("sample", {"request": sample.to_dict()}) == local.sample(sample).to_dict()
+    sampled = [client.call("sample", {"request": sample.to_dict()})]
+    assert sampled[0] == local.sample(sample).to_dict()
     data = batch(local)
     assert client.call("logprobs", {"sequences": [d.tokens for d in data], "temperature": 0.7}) == {"logprobs": local.logprobs([d.tokens for d in data], 0.7)}
     request = ForwardBackwardRequest(data, LossSpec("ppo", kl_coef=0.05))
@@ -195,10 +196,19 @@ def test_round_trip_equals_the_local_backend_bit_for_bit(tiny: str, tmp_path: Pa
     assert client.call("optim_step", {"params": OPTIM.to_dict()}) == {"metrics": local.optim_step(OPTIM)}
     for (name, a), (_, b) in zip(local.model.named_parameters(), served.model.named_parameters()):
         assert torch.equal(a, b), name
-    assert client.call("sample", {"request": sample.to_dict()}) == local.sample(sample).to_dict()
+    sampled.append(client.call("sample", {"request": sample.to_dict()}))
+    assert sampled[1] == local.sample(sample).to_dict()
     client.call("forward_backward", {"request": request.to_dict()})
     client.call("optim_step", {"params": OPTIM.to_dict()})
     testkit.check_training_metrics(http.app.state.metrics.render().decode(), "training")
+    # What its worker reports for the tenant's usage: the rows of the two forward_backward calls, the new tokens of the
+    # two samples; reading it is no client activity.
+    drawn = sum(len(seq["tokens"]) for answer in sampled for row in answer["sequences"] for seq in row)
+    touched = http.app.state.service.last_activity()
+    assert http.get("/v1/usage", headers=AUTH).json() == {"tokens_trained": 2 * sum(len(d.tokens) for d in data),
+                                                          "tokens_sampled": drawn}
+    assert http.app.state.service.last_activity() == touched
+    assert http.get("/v1/usage").status_code == 401
 
 
 def test_a_retried_seq_returns_the_stored_result_and_runs_once(tiny: str, tmp_path: Path) -> None:

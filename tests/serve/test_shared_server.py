@@ -299,6 +299,8 @@ def test_serve_shared_trains_two_runs_of_tinkergym_train_through_their_adapters(
             assert json.loads((out / "config.json").read_text())["lora_rank"] in (4, 8)
         listing = httpx.get(f"{url}/v1/adapters", headers=ADMIN).json()
         assert len(listing["adapters"]) == 2 and all(a["step"] >= 1 for a in listing["adapters"])  # a step with no advantage applies nothing
+        # Each adapter's own token counts (what a worker reports for its seat's job): both runs sampled and trained.
+        assert all(a["tokens_trained"] > 0 and a["tokens_sampled"] > 0 for a in listing["adapters"]), listing["adapters"]
         rounds = [json.loads(line) for line in (tmp_path / "server" / "server.log").read_text().splitlines() if '"event": "call"' in line]
         assert any(r.get("round", 1) == 2 for r in rounds), "no round ran both runs' calls"
         testkit.check_training_metrics(httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text, "shared", adapters=2)

@@ -80,9 +80,30 @@ def job_table(found: list[dict[str, Any]]) -> str:
 
 
 def event_line(event: dict[str, Any]) -> str:
-    """``2025-01-02 03:04:05  state  {"state":"queued"}``: an event's local time, type and data."""
+    """``2025-01-02 03:04:05  state  {"state":"queued"}``: an event's local time, type and data (a ``transcript``
+    event's data, up to tens of KiB of messages, as a one-line summary: :func:`transcript_summary`)."""
     stamp = datetime.datetime.fromtimestamp(float(event["created_at"])).strftime("%Y-%m-%d %H:%M:%S")
-    return f"{stamp}  {event['type']:<10}  {json.dumps(event['data'], separators=(',', ':'), sort_keys=True)}"
+    summary = transcript_summary(event["data"]) if event["type"] == "transcript" else None
+    shown = summary if summary is not None else json.dumps(event["data"], separators=(",", ":"), sort_keys=True)
+    return f"{stamp}  {event['type']:<10}  {shown}"
+
+
+def transcript_summary(data: Any) -> str | None:
+    """``step 6: 3 of 64 episodes: first 0.1, best 0.9, worst -0.5 (--json for the messages)``: a ``transcript``
+    event's data (:func:`tinkergym.backends.scheduled.transcript_event`) in one line; None for data not of that shape."""
+    if not isinstance(data, dict) or not isinstance(data.get("episodes"), list):
+        return None
+    episodes = [e for e in data["episodes"] if isinstance(e, dict)]
+    parts = []
+    for e in episodes:
+        picked = e.get("picked")
+        why = "+".join(str(p) for p in picked) if isinstance(picked, list) and picked else f"episode {e.get('episode')}"
+        reward = e.get("total_reward")
+        shown = f"{reward:.4g}" if isinstance(reward, (int, float)) and not isinstance(reward, bool) else "-"
+        parts.append(f"{why} {shown}" + (" (error)" if e.get("error") else ""))
+    of = data.get("of")
+    count = f"{len(episodes)} of {of}" if isinstance(of, int) and not isinstance(of, bool) else str(len(episodes))
+    return f"step {data.get('step')}: {count} episodes: {', '.join(parts) or 'none'} (--json for the messages)"
 
 
 @click.group()
@@ -156,7 +177,10 @@ def cancel_command(scheduler_url: str | None, api_key: str | None, job_id: str) 
 @click.option("--after", type=click.IntRange(0), default=0, show_default=True, help="Only events after this sequence number.")
 @click.option("--json", "as_json", is_flag=True, help="Print each event as a JSON line.")
 def logs_command(scheduler_url: str | None, api_key: str | None, job_id: str, follow: bool, after: int, as_json: bool) -> None:
-    """The job's events (state changes, logs, metrics, checkpoints) as lines: time, type, data."""
+    """The job's events (state changes, logs, metrics, checkpoints, transcripts) as lines: time, type, data.
+
+    A transcript event is summed up in one line (its step, and each episode it carries with why and its total reward);
+    --json prints its messages."""
     client = connect(scheduler_url, api_key)
     show = (lambda e: json.dumps(e, separators=(",", ":"))) if as_json else event_line
 

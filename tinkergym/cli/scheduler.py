@@ -244,7 +244,9 @@ def keys() -> None:
 @keys.command("create")
 @click.option("--tenant", required=True, help="The key's owner; created with default quotas if new.")
 @click.option("--scopes", required=True, help="Comma-separated: read, write, metrics (GET /metrics, for a Prometheus scraper), admin "
-              "(admin implies the others). Workers get a worker credential instead: tinkergym scheduler workers create.")
+              "(admin implies those), operator (reads every tenant's jobs and GET /v1/cluster: the operator's dashboard; give it "
+              "with read, e.g. read,operator; admin does not imply it). Workers get a worker credential instead: "
+              "tinkergym scheduler workers create.")
 @click.option("--name", default="", help="A label for `keys list` (who or what holds the key).")
 @db_option
 @data_dir_option

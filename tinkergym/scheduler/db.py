@@ -60,6 +60,8 @@ tenants = Table(
     Column("created_at", Float, nullable=False),
     # Device-seconds of its jobs that retention deleted (tinkergym.scheduler.usage): its usage outlives them.
     Column("retired_device_seconds", Float, nullable=False, default=0.0, server_default="0"),
+    Column("retired_tokens_trained", BigInteger, nullable=False, default=0, server_default="0"),
+    Column("retired_tokens_sampled", BigInteger, nullable=False, default=0, server_default="0"),
 )
 
 api_keys = Table(
@@ -134,6 +136,10 @@ jobs = Table(
     Column("placed", String(8), nullable=True),
     # Devices held times seconds (a seat counts its share of its device), added at each renewal (tinkergym.scheduler.usage).
     Column("device_seconds", Float, nullable=False, default=0.0, server_default="0"),
+    # Tokens its servers trained and sampled, and the last totals a server reported ({"epoch", "tokens_trained", ...}).
+    Column("tokens_trained", BigInteger, nullable=False, default=0, server_default="0"),
+    Column("tokens_sampled", BigInteger, nullable=False, default=0, server_default="0"),
+    Column("usage_reported", Text, nullable=True),
 )
 Index("ix_jobs_queue", jobs.c.state, jobs.c.priority, jobs.c.created_at)
 Index("ix_jobs_tenant", jobs.c.tenant_id, jobs.c.created_at)

@@ -294,8 +294,10 @@ def held_job(conn: Connection, store: JobStore, worker_id: str, job_id: str, epo
     return job
 
 
-def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, job_id: str, epoch: int) -> dict[str, Any]:
-    """Renew the lease for another ``lease_ttl_s``; ``{job_id, epoch, state, cancelling, expires_at}``.
+def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, job_id: str, epoch: int,
+              usage: dict[str, int] | None = None) -> dict[str, Any]:
+    """Renew the lease for another ``lease_ttl_s``; ``{job_id, epoch, state, cancelling, expires_at}``. The job is charged
+    the device-seconds since the last renewal and the tokens its server reports in ``usage`` (:mod:`.usage`).
 
     A lease already past its end is lost even before the sweeper sees it (409): the worker must stop the
     job's server. ``cancelling`` True tells it to stop the server and report ``cancelled``.
@@ -303,7 +305,7 @@ def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, 
     now = store.clock()
     before = held_job(conn, store, worker_id, job_id, epoch)
     job = store.renew_lease(conn, job_id, epoch, worker_id, now + settings.lease_ttl_s)
-    charge_renewal(conn, before, now, settings.lease_ttl_s)  # the device-seconds since the last renewal
+    charge_renewal(conn, before, now, settings.lease_ttl_s, epoch, usage)  # the device-seconds and tokens since the last renewal
     _touch(conn, worker_id, now)
     return {"job_id": job_id, "epoch": epoch, "state": job["state"], "cancelling": job["state"] == states.CANCELLING,
             "expires_at": job["lease_expires_at"]}

@@ -5,8 +5,12 @@
   (:func:`charge_renewal`, called by :func:`tinkergym.scheduler.leases.heartbeat`). The last stretch of a lease, from
   its last renewal to its end, is not counted: at most one heartbeat interval. Retention folds a deleted job's into its
   tenant's ``retired_device_seconds`` (:func:`retire_usage`), so a tenant's total outlives its old jobs.
+- **Tokens trained and sampled** (``jobs.tokens_trained``, ``jobs.tokens_sampled``): the job's worker reads its server's
+  totals (``GET /v1/usage`` of a whole server, the adapter listing of a shared one) before each heartbeat and sends them
+  (:func:`token_increments`: only what grew since the last report at that lease counts, so a retried or late report
+  adds nothing, and a new lease's server counts from 0). The tokens of calls after the last heartbeat are not counted.
 - **Usage** (:func:`usage_rows`, ``GET /v1/usage``): per tenant, its jobs queued and holding devices, the devices held,
-  device-seconds, stored artifact bytes and events, each beside its quota (``tinkergym scheduler tenants set``).
+  device-seconds, tokens trained and sampled, stored artifact bytes and events, each beside its quota (``tinkergym scheduler tenants set``).
 - **The queue's history** (:func:`sample_queue`, run by the sweeper): jobs queued and holding devices, and devices
   held and free, every ``QUEUE_SAMPLE_S`` seconds of the app's clock, the last ``QUEUE_SAMPLES`` samples kept in the
   process (a restarted scheduler starts a new history; Prometheus's ``tinkergym_scheduler_jobs`` keeps the long one).
@@ -14,6 +18,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from typing import Any
 
@@ -44,23 +49,50 @@ def held_weight(conn: Connection, job_id: str) -> float:
     return weight
 
 
-def charge_renewal(conn: Connection, job: dict[str, Any], now: float, ttl: float) -> None:
-    """Add the device-seconds of ``job`` since its lease's last renewal (its row before this renewal)."""
+def charge_renewal(conn: Connection, job: dict[str, Any], now: float, ttl: float, epoch: int = 0,
+                   usage: dict[str, int] | None = None) -> None:
+    """Add the device-seconds of ``job`` since its lease's last renewal (its row before this renewal) and the tokens its
+    server counted since the last report (``usage``: the server's totals at lease ``epoch``)."""
+    values: dict[str, Any] = {}
     expires = job.get("lease_expires_at")
-    if expires is None or ttl <= 0:
-        return
-    elapsed = min(max(0.0, now - (float(expires) - ttl)), ttl)
-    weight = held_weight(conn, job["id"]) if elapsed > 0 else 0.0
-    if weight > 0:
-        conn.execute(update(jobs).where(jobs.c.id == job["id"]).values(device_seconds=jobs.c.device_seconds + elapsed * weight))
+    if expires is not None and ttl > 0:
+        elapsed = min(max(0.0, now - (float(expires) - ttl)), ttl)
+        weight = held_weight(conn, job["id"]) if elapsed > 0 else 0.0
+        if weight > 0:
+            values["device_seconds"] = jobs.c.device_seconds + elapsed * weight
+    if usage:
+        values.update(token_increments(job, epoch, usage))
+    if values:
+        conn.execute(update(jobs).where(jobs.c.id == job["id"]).values(**values))
+
+
+def token_increments(job: dict[str, Any], epoch: int, usage: dict[str, int]) -> dict[str, Any]:
+    """The column updates for a server's token totals at lease ``epoch``: each counter grows by what it gained since the
+    last report at that epoch (a new epoch's server counts from 0; a repeated or older report adds nothing)."""
+    try:
+        last = json.loads(job.get("usage_reported") or "{}")
+    except ValueError:
+        last = {}
+    if last.get("epoch") != epoch:
+        last = {"epoch": epoch, "tokens_trained": 0, "tokens_sampled": 0}
+    values: dict[str, Any] = {}
+    reported = dict(last)
+    for key in ("tokens_trained", "tokens_sampled"):
+        now, before = int(usage.get(key, 0)), int(last.get(key, 0))
+        if now > before:
+            values[key] = getattr(jobs.c, key) + (now - before)
+            reported[key] = now
+    if values:
+        values["usage_reported"] = json.dumps(reported, sort_keys=True)
+    return values
 
 
 def retire_usage(conn: Connection, job: dict[str, Any]) -> None:
-    """Fold a job that is being deleted into its tenant's ``retired_device_seconds``."""
-    spent = float(job.get("device_seconds") or 0.0)
-    if spent > 0:
-        conn.execute(update(tenants).where(tenants.c.id == job["tenant_id"])
-                     .values(retired_device_seconds=tenants.c.retired_device_seconds + spent))
+    """Fold a job that is being deleted into its tenant's ``retired_*`` totals."""
+    spent = {f"retired_{k}": getattr(tenants.c, f"retired_{k}") + job[k] for k in ("device_seconds", "tokens_trained", "tokens_sampled")
+             if job.get(k)}
+    if spent:
+        conn.execute(update(tenants).where(tenants.c.id == job["tenant_id"]).values(**spent))
 
 
 def usage_rows(conn: Connection, tenant_id: str | None) -> list[dict[str, Any]]:
@@ -72,6 +104,8 @@ def usage_rows(conn: Connection, tenant_id: str | None) -> list[dict[str, Any]]:
         func.coalesce(func.sum(case((jobs.c.state.in_(holding), 1), else_=0)), 0).label("holding"),
         func.count().label("jobs"),
         func.coalesce(func.sum(jobs.c.device_seconds), 0.0).label("device_seconds"),
+        func.coalesce(func.sum(jobs.c.tokens_trained), 0).label("tokens_trained"),
+        func.coalesce(func.sum(jobs.c.tokens_sampled), 0).label("tokens_sampled"),
         func.coalesce(func.sum(jobs.c.artifact_bytes), 0).label("artifact_bytes"),
         func.coalesce(func.sum(jobs.c.cursor), 0).label("events"),
     ).group_by(jobs.c.tenant_id)
@@ -96,6 +130,8 @@ def usage_rows(conn: Connection, tenant_id: str | None) -> list[dict[str, Any]]:
             "holding": int(j.holding) if j else 0,
             "devices_held": by_held.get(t["id"], 0), "seats_held": by_seats.get(t["id"], 0), "max_gpus": t["max_gpus"],
             "device_seconds": float(j.device_seconds if j else 0.0) + float(t["retired_device_seconds"] or 0.0),
+            "tokens_trained": int(j.tokens_trained if j else 0) + int(t["retired_tokens_trained"] or 0),
+            "tokens_sampled": int(j.tokens_sampled if j else 0) + int(t["retired_tokens_sampled"] or 0),
             "artifact_bytes": int(j.artifact_bytes) if j else 0, "max_artifact_bytes": t["max_artifact_bytes"],
             "events": int(j.events) if j else 0, "max_events_per_job": t["max_events_per_job"], "max_event_bytes": t["max_event_bytes"],
             "keep_ended_jobs": t["keep_ended_jobs"],

@@ -13,6 +13,7 @@ The body is Prometheus's text format, written by the official ``prometheus_clien
 from __future__ import annotations
 
 import re
+import threading
 import time
 from typing import Any
 
@@ -74,6 +75,36 @@ class MetricsMiddleware:
 CALL_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 900.0)
 
 
+def call_tokens(method: str, call: Any, result: Any) -> tuple[int, int]:
+    """``(trained, sampled)`` tokens of one finished call: a ``forward_backward``'s rows, a ``sample``'s new tokens."""
+    if method == "sample" and isinstance(result, dict):
+        return 0, sum(len(seq.get("tokens", ())) for row in result.get("sequences", ()) for seq in row)
+    if method == "forward_backward" and call is not None:
+        return sum(len(d.tokens) for d in call.args["request"].data), 0
+    return 0, 0
+
+
+class TokenTally:
+    """Tokens trained and sampled by a server's (or one adapter's) calls since it started: what its worker reports in the
+    lease's heartbeats for the tenant's usage (``GET /v1/usage`` on the server, or the shared server's adapter listing)."""
+
+    def __init__(self) -> None:
+        self.trained = 0
+        self.sampled = 0
+        self._lock = threading.Lock()
+
+    def add(self, method: str, call: Any, result: Any) -> None:
+        trained, sampled = call_tokens(method, call, result)
+        if trained or sampled:
+            with self._lock:
+                self.trained += trained
+                self.sampled += sampled
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {"tokens_trained": self.trained, "tokens_sampled": self.sampled}
+
+
 class CallMetrics:
     """A training server's calls (:mod:`tinkergym.serve.training`): counted and timed by method and outcome, and the
     tokens they put through the model (``kind`` ``sampled``: new tokens drawn; ``trained``: the tokens of the rows of a
@@ -93,11 +124,11 @@ class CallMetrics:
         self.duration.labels(self.server, method).observe(seconds)
         if not ok:
             return
-        if method == "sample" and isinstance(result, dict):
-            drawn = sum(len(seq.get("tokens", ())) for row in result.get("sequences", ()) for seq in row)
-            self.tokens.labels(self.server, "sampled").inc(drawn)
-        elif method == "forward_backward" and call is not None:
-            self.tokens.labels(self.server, "trained").inc(sum(len(d.tokens) for d in call.args["request"].data))
+        trained, sampled = call_tokens(method, call, result)
+        if method == "sample":
+            self.tokens.labels(self.server, "sampled").inc(sampled)
+        elif method == "forward_backward":
+            self.tokens.labels(self.server, "trained").inc(trained)
 
 
 def serve_metrics(metrics: ServerMetrics, port: int, host: str = "127.0.0.1") -> Any:

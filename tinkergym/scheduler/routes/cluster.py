@@ -45,6 +45,8 @@ class Usage(WireModel):
     seats_held: int
     max_gpus: int
     device_seconds: float = Field(description="devices held times seconds, a seat counting its share of its device")
+    tokens_trained: int = Field(description="tokens its jobs' servers trained (forward_backward rows)")
+    tokens_sampled: int = Field(description="new tokens its jobs' servers sampled")
     artifact_bytes: int
     max_artifact_bytes: int
     events: int = Field(description="events its kept jobs hold")

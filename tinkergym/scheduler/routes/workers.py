@@ -152,6 +152,15 @@ class Fenced(WireModel):
     epoch: int = Field(ge=1, le=MAX_INT, description="the lease epoch this worker holds")
 
 
+class TokenUsage(WireModel):
+    tokens_trained: int = Field(ge=0, le=2**53, description="tokens the job's server trained at this lease so far")
+    tokens_sampled: int = Field(ge=0, le=2**53, description="tokens the job's server sampled at this lease so far")
+
+
+class Heartbeat(Fenced):
+    usage: TokenUsage | None = Field(None, description="the server's token counts at this lease (totals, not increments)")
+
+
 class HeartbeatAnswer(WireModel):
     job_id: str
     epoch: int
@@ -302,15 +311,17 @@ def lease(worker_id: str, request: Request, who: Principal = Depends(require("wo
 
 @router.post("/{worker_id}/jobs/{job_id}/heartbeat", response_model=HeartbeatAnswer, responses={404: {}, 409: {}, 422: {}})
 def heartbeat(
-    worker_id: str, job_id: str, body: Fenced, request: Request, who: Principal = Depends(require("worker")),
+    worker_id: str, job_id: str, body: Heartbeat, request: Request, who: Principal = Depends(require("worker")),
     idempotency_key: str | None = IdempotencyKey,
 ) -> Any:
-    """Renew the job's lease (409 when it is lost: stop the job's server). ``cancelling``: stop it and report ``cancelled``."""
+    """Renew the job's lease (409 when it is lost: stop the job's server). ``cancelling``: stop it and report ``cancelled``.
+    ``usage``: the tokens the job's server trained and sampled so far at this lease (the tenant's usage)."""
     store, settings = _store(request), request.app.state.settings
+    usage = body.usage.model_dump() if body.usage is not None else None
 
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         _own(conn, worker_id, who)
-        return 200, leases.heartbeat(conn, store, settings, worker_id, job_id, body.epoch)
+        return 200, leases.heartbeat(conn, store, settings, worker_id, job_id, body.epoch, usage)
 
     return respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
 

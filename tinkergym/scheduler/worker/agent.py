@@ -40,6 +40,7 @@ ends it as an idle server would, and its end closes the adapter. The loop that a
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import os
 import re
@@ -72,6 +73,8 @@ CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 #: A 409's message when the job itself ended at this epoch (its client completed it, it was cancelled or failed).
 ENDED = re.compile(r"the job is (succeeded|failed|cancelled) at epoch (\d+)")
 START_TIMEOUT_S = 900.0
+#: Seconds a heartbeat waits for the server's token counts (it goes without them past this).
+USAGE_TIMEOUT_S = 1.0
 STOP_GRACE_S = 10.0
 LOG_TAIL = 3000
 
@@ -269,11 +272,34 @@ class JobRunner(threading.Thread):
         except SchedulerError as exc:
             log.warning("job %s: could not report an event: %s", self.job_id, exc)
 
+    def _usage(self) -> dict[str, int] | None:
+        """What the job's server (or adapter) trained and sampled so far at this lease, for the tenant's usage; None when it
+        cannot say now (starting, or busy past the short wait): the next heartbeat reports the totals."""
+        try:
+            if self.seat is not None:
+                return self.seat.usage() if self.seat.opened else None
+            if self.process is None or self.port is None or self.process.poll() is not None:
+                return None
+            conn = http.client.HTTPConnection(self.options.host, self.port, timeout=USAGE_TIMEOUT_S)
+            try:
+                conn.request("GET", "/v1/usage", headers={"Authorization": f"Bearer {self.lease['token']}"})
+                response = conn.getresponse()
+                body = response.read()
+            finally:
+                conn.close()
+            if response.status != 200:
+                return None
+            answer = json.loads(body)
+            return {k: int(answer[k]) for k in ("tokens_trained", "tokens_sampled")}
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, WorkerFault, JobFault):
+            return None
+
     def _heartbeats(self) -> None:
         while not self.done.wait(self.interval):
             try:
+                usage = self._usage()
                 sent = time.monotonic()
-                answer = self.beats.heartbeat(self.job_id, self.epoch)
+                answer = self.beats.heartbeat(self.job_id, self.epoch, usage)
                 self._renewed(sent)
                 if answer.get("cancelling"):
                     self.cancelling.set()

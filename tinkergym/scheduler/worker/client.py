@@ -68,9 +68,10 @@ class WorkerClient(SchedulerClient):
         """At most one queued job that fits the free devices (None when there is none)."""
         return self._request("POST", f"/v1/workers/{_q(self.worker_id)}/lease", {})["lease"]
 
-    def heartbeat(self, job_id: str, epoch: int) -> dict[str, Any]:
-        """Renew the lease: ``{state, cancelling, expires_at}``; a 409 means it is lost."""
-        return self._request("POST", f"{self._job(job_id)}/heartbeat", {"epoch": epoch})
+    def heartbeat(self, job_id: str, epoch: int, usage: dict[str, int] | None = None) -> dict[str, Any]:
+        """Renew the lease: ``{state, cancelling, expires_at}``; a 409 means it is lost. ``usage``: the tokens the job's
+        server trained and sampled so far at this lease (``tokens_trained``, ``tokens_sampled``)."""
+        return self._request("POST", f"{self._job(job_id)}/heartbeat", {"epoch": epoch, **({"usage": usage} if usage else {})})
 
     def report_state(self, job_id: str, epoch: int, state: str, *, error: str | None = None, server_url: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"epoch": epoch, "state": state}

@@ -245,6 +245,14 @@ class Seat:
                 return
             self.server.call("PUT", f"/v1/adapters/{_q(self.adapter_id)}/lease", {"seconds": max(seconds, 1e-3), "epoch": self.lease["epoch"]})
 
+    def usage(self) -> dict[str, int] | None:
+        """The tokens the job's adapter trained and sampled (the shared server's listing); None when it is not listed."""
+        listing = self.server.call("GET", "/v1/adapters")
+        for adapter in listing.get("adapters", []):
+            if adapter.get("adapter_id") == self.adapter_id:
+                return {k: int(adapter.get(k) or 0) for k in ("tokens_trained", "tokens_sampled")}
+        return None
+
     def idle_s(self) -> float | None:
         """Seconds since the job's client last called its adapter (0 while a call runs; None when it is not listed)."""
         listing = self.server.call("GET", "/v1/adapters")

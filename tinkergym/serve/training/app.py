@@ -232,6 +232,13 @@ async def info(request: Request) -> dict[str, Any]:
     return await run_in_threadpool(_service(request).info)
 
 
+@router.get("/v1/usage", responses=ERRORS)
+async def usage(request: Request) -> dict[str, int]:
+    """Tokens this server's (or this adapter's) calls trained and sampled since it started: what its worker reports for the
+    tenant's usage. Not a sign of the client's life (the idle timeout)."""
+    return _service(request).worker.tokens.as_dict()
+
+
 @router.get("/v1/tokenizer", response_model=TokenizerResponse, responses=ERRORS)
 async def tokenizer(request: Request) -> dict[str, Any]:
     """The tokenizer and chat template files of the model folder."""

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
+from tinkergym.serve.metrics import TokenTally
 
 #: Names of states and exports: one path component of letters, digits, ``.``, ``_`` and ``-``.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -536,6 +537,7 @@ class CallWorker:
         self.last_done = time.monotonic()
         #: ``observer(method, call, result, ok, seconds)`` after each call (the server's metrics), or None.
         self.observer: Callable[[str, Any, Any, bool, float], None] | None = None
+        self.tokens = TokenTally()  # what the server's calls trained and sampled (GET /v1/usage)
         self._queue: queue.Queue[CallRecord | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -572,6 +574,8 @@ class CallWorker:
             }))
             if self.observer is not None:
                 self.observer(record.method, record.call, result, error is None, seconds)
+            if error is None:
+                self.tokens.add(record.method, record.call, result)
             record.finish(result=result, error=error)
             with self._start_lock:
                 self.pending -= 1

@@ -47,6 +47,7 @@ from starlette.responses import JSONResponse
 from tinkergym.errors import ConfigError
 from tinkergym.serve.asgi import BodyLimit, RequestLog, WireJSON, error_response
 from tinkergym.serve.auth import LeaseFile, bearer_matches, bearer_token, token_digest
+from tinkergym.serve.metrics import TokenTally
 from tinkergym.serve.training.app import (ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, WireModel, _add_error_handlers, public_info,
                                           router, training_metrics)
 from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, call_error, run_call, sample_tokens, wire_result
@@ -127,6 +128,10 @@ class WorkerPort:
     def last_done(self) -> float:
         return self.worker.last_done(self.adapter_id)
 
+    @property
+    def tokens(self) -> TokenTally:
+        return self.worker.tally(self.adapter_id)
+
     def stop(self, timeout: float = 5.0) -> None:
         """Nothing of its own to stop: the server stops the shared worker."""
 
@@ -141,6 +146,7 @@ class SharedWorker:
         self.read_gather_s = gather_s if read_gather_s is None else read_gather_s
         self.max_waiting, self.max_disk_bytes = max_waiting, max_disk_bytes
         self.adapters: dict[str, tuple[Any, Path]] = {}  # id -> (session, run folder)
+        self._tallies: dict[str, TokenTally] = {}  # id -> what its calls trained and sampled
         self._queues: dict[str, _Queue] = {}
         self._running: set[str] = set()
         self._cond = threading.Condition()
@@ -158,7 +164,12 @@ class SharedWorker:
         with self._cond:
             self.adapters[adapter_id] = (session, run_dir)
             self._queues[adapter_id] = _Queue()
+            self._tallies[adapter_id] = TokenTally()
         return WorkerPort(self, adapter_id)
+
+    def tally(self, adapter_id: str) -> TokenTally:
+        """What the adapter's calls trained and sampled (an empty tally once it is removed)."""
+        return self._tallies.get(adapter_id) or TokenTally()
 
     def remove(self, adapter_id: str) -> None:
         """Forget an adapter; calls of it still waiting fail (409), one running finishes first."""
@@ -167,6 +178,7 @@ class SharedWorker:
             while adapter_id in self._running:
                 self._cond.wait(1.0)
             self.adapters.pop(adapter_id, None)
+            self._tallies.pop(adapter_id, None)
         for record in (queue.records if queue else ()):
             record.finish(error=call_error(ConfigError(CLOSED), record.request_id, self.logger))
 
@@ -304,6 +316,8 @@ class SharedWorker:
             }))
             if self.observer is not None:  # a call of a shared pass is timed as the pass
                 self.observer(record.method, record.call, result, error is None, seconds)
+            if error is None:
+                self.tally(adapter_id).add(record.method, record.call, result)
             record.finish(result=result, error=error)
 
 
@@ -428,7 +442,8 @@ class SharedService:
         now = time.monotonic()
         adapters = [{"adapter_id": a.adapter_id, "lora_rank": a.session.config.lora_rank, "lora_alpha": a.session.config.lora_alpha,
                      "step": a.session.step, "pending": self.worker.pending(a.adapter_id),
-                     "idle_s": round(max(0.0, now - a.service.last_activity()), 3)} for a in list(self.adapters.values())]
+                     "idle_s": round(max(0.0, now - a.service.last_activity()), 3), **self.worker.tally(a.adapter_id).as_dict()}
+                    for a in list(self.adapters.values())]
         return {"base": public_info(self.base.info()), "memory": self.base.memory(), "adapters": adapters, "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()}
 
     def last_activity(self) -> float:

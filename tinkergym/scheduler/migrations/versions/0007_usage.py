@@ -1,5 +1,6 @@
 """Usage: ``jobs.device_seconds`` (devices held times seconds, a seat counting its share of its device, added at each
-lease renewal) and ``tenants.retired_device_seconds`` (those of its jobs that retention deleted).
+lease renewal), ``jobs.tokens_trained``/``tokens_sampled`` and ``usage_reported`` (the last totals its server reported),
+and the ``tenants.retired_*`` totals of the jobs retention deleted.
 
 Revision ID: 0007
 Revises: 0006
@@ -20,12 +21,19 @@ depends_on = None
 def upgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.add_column(sa.Column("device_seconds", sa.Float, nullable=False, server_default="0"))
+        batch.add_column(sa.Column("tokens_trained", sa.BigInteger, nullable=False, server_default="0"))
+        batch.add_column(sa.Column("tokens_sampled", sa.BigInteger, nullable=False, server_default="0"))
+        batch.add_column(sa.Column("usage_reported", sa.Text, nullable=True))
     with op.batch_alter_table("tenants") as batch:
         batch.add_column(sa.Column("retired_device_seconds", sa.Float, nullable=False, server_default="0"))
+        batch.add_column(sa.Column("retired_tokens_trained", sa.BigInteger, nullable=False, server_default="0"))
+        batch.add_column(sa.Column("retired_tokens_sampled", sa.BigInteger, nullable=False, server_default="0"))
 
 
 def downgrade() -> None:
     with op.batch_alter_table("tenants") as batch:
-        batch.drop_column("retired_device_seconds")
+        for name in ("retired_tokens_sampled", "retired_tokens_trained", "retired_device_seconds"):
+            batch.drop_column(name)
     with op.batch_alter_table("jobs") as batch:
-        batch.drop_column("device_seconds")
+        for name in ("usage_reported", "tokens_sampled", "tokens_trained", "device_seconds"):
+            batch.drop_column(name)

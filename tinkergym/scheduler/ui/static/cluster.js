@@ -81,6 +81,7 @@ export class ClusterView {
       el("td", {}, `${t.devices_held} / ${t.max_gpus}`),
       el("td", {}, t.seats_held),
       el("td", { "data-device-seconds": t.device_seconds }, hours(t.device_seconds)),
+      el("td", { "data-tokens": `${t.tokens_trained}/${t.tokens_sampled}` }, `${count(t.tokens_trained)} / ${count(t.tokens_sampled)}`),
       el("td", {}, `${bytes(t.artifact_bytes)} / ${bytes(t.max_artifact_bytes)}`),
       el("td", {}, t.events))));
     this.chart([...cluster.history, q]);
@@ -121,4 +122,9 @@ function describe(device) {
 
 function seconds(s) {
   return s <= 0 ? "ended" : `${Math.round(s)} s`;
+}
+
+/** "1.2 M" tokens. */
+export function count(n) {
+  return n >= 1e9 ? `${+(n / 1e9).toFixed(1)} G` : n >= 1e6 ? `${+(n / 1e6).toFixed(1)} M` : n >= 1e4 ? `${+(n / 1e3).toFixed(1)} k` : String(n);
 }

@@ -127,7 +127,8 @@ export class JobsView {
     if (!mine) return;
     this.usage.textContent = `Tenant ${mine.tenant}: ${mine.queued} of ${mine.max_queued} queued jobs, ` +
       `${mine.devices_held} of ${mine.max_gpus} devices held` + (mine.seats_held ? ` and ${mine.seats_held} seats` : "") +
-      `, ${hours(mine.device_seconds)} device-hours used, ${bytes(mine.artifact_bytes)} of ${bytes(mine.max_artifact_bytes)} stored.`;
+      `, ${hours(mine.device_seconds)} device-hours used, ${mine.tokens_trained} tokens trained and ${mine.tokens_sampled} sampled, ` +
+      `${bytes(mine.artifact_bytes)} of ${bytes(mine.max_artifact_bytes)} stored.`;
   }
 
   render(page) {
