@@ -126,6 +126,9 @@ def test_renewals_add_device_seconds_and_the_cluster_shows_what_each_device_hold
     assert seated_worker.heartbeat(seated, seat_lease["epoch"]).status_code == 200
     assert client.get("/v1/usage", headers=auth(acme)).json()["tenants"][0]["device_seconds"] == pytest.approx(17.0)
 
+    # The list says which jobs hold a seat now (the expired lease still holds its device until the sweeper's pass).
+    listed = {j["id"]: j["seat"] for j in client.get("/v1/jobs", headers=auth(acme)).json()["jobs"]}
+    assert listed == {seated: True, job: False}
     # The cluster: each device with its holder and lease end, the leases by end, the queue, every tenant's usage.
     view = client.get("/v1/cluster", headers=auth(operator)).json()
     by_name = {w["name"]: w for w in view["workers"]}

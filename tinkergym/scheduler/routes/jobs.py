@@ -15,7 +15,7 @@ from tinkergym.scheduler import placement, states
 from tinkergym.scheduler.artifacts import JOB_ID
 from tinkergym.scheduler.deps import Forbidden, require
 from tinkergym.scheduler.auth import Principal
-from tinkergym.scheduler.db import MAX_INT, jobs
+from tinkergym.scheduler.db import MAX_INT, allocations, devices, jobs
 from tinkergym.scheduler.idempotency import Refused
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.routes import in_writer_thread, respond_once
@@ -54,6 +54,8 @@ class Job(WireModel):
     lease_epoch: int
     server_url: str | None = None
     queue_position: int | None = Field(None, description="1 for the next queued job to be considered; queued jobs")
+    seat: bool | None = Field(None, description="in GET /v1/jobs: whether the job holds a seat of a shared server (true) or "
+                                                "whole devices (false) now; null while it holds nothing")
     wait_reason: WaitReason | None = Field(None, description="why a queued job waits; queued jobs, in GET /v1/jobs and /v1/jobs/{id}")
     last_event: int = Field(0, description="the seq of the job's newest event (read the ones after it with ?after=)")
     config: dict[str, Any]
@@ -127,10 +129,20 @@ def queue_positions(conn: Any, rows: list[dict[str, Any]]) -> dict[str, int]:
     return {i: int(p) for i, p in conn.execute(select(ranked.c.id, ranked.c.position).where(ranked.c.id.in_(sorted(wanted))))}
 
 
+def seats_held(conn: Any, rows: list[dict[str, Any]]) -> dict[str, bool]:
+    """For each job among ``rows`` that holds something now: whether it is a seat of a shared server (one query)."""
+    holding = [r["id"] for r in rows if r["state"] in states.HOLDING]
+    if not holding:
+        return {}
+    found = conn.execute(select(allocations.c.job_id, devices.c.seat_of).join(devices, devices.c.id == allocations.c.device_id)
+                         .where(allocations.c.job_id.in_(holding))).all()
+    return {job_id: seat_of is not None for job_id, seat_of in found}
+
+
 def job_view(conn: Any, job: dict[str, Any], position: bool | int | None = False, wait_reason: dict[str, str] | None = None) -> dict[str, Any]:
     """The public view of a job row (no token digests, no worker ids); ``position``: True counts its place in the
     queue, a number is that place (:func:`queue_positions` counts a page's in one query)."""
-    view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position", "wait_reason", "last_event")}
+    view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position", "wait_reason", "last_event", "seat")}
     view["tenant"] = job["tenant_id"]
     view["config"] = json.loads(job["config"])
     view["queue_position"] = queue_position(conn, job) if position is True else (position or None)
@@ -221,8 +233,9 @@ def list_jobs(
     with store.read() as conn:
         rows = [dict(r) for r in conn.execute(query).mappings()]
         reasons = placement.wait_reasons(conn, request.app.state.settings, store.clock(), rows[:limit])
-        positions = queue_positions(conn, rows[:limit])
-        page = [job_view(conn, r, position=positions.get(r["id"]), wait_reason=reasons.get(r["id"])) for r in rows[:limit]]
+        positions, seats = queue_positions(conn, rows[:limit]), seats_held(conn, rows[:limit])
+        page = [{**job_view(conn, r, position=positions.get(r["id"]), wait_reason=reasons.get(r["id"])), "seat": seats.get(r["id"])}
+                for r in rows[:limit]]
     return {"jobs": page, "next_cursor": _encode_cursor(rows[limit - 1]) if len(rows) > limit else None}
 
 

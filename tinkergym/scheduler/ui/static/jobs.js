@@ -142,7 +142,7 @@ export class JobsView {
       el("td", {}, job.kind),
       el("td", {}, (job.config && job.config.model) || ""),
       el("td", {}, job.attempt),
-      el("td", {}, job.gpus),
+      el("td", { "data-seat": job.seat ?? "" }, job.seat ? "a shared server's seat" : job.gpus),
       el("td", {}, timeCell(job.created_at, age(job.created_at))),
       el("td", {}, job.wait_reason ? job.wait_reason.message : ""),
     ));
