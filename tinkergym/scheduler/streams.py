@@ -13,14 +13,16 @@ and tried again at the next interval; the streams wait meanwhile (sending their 
 A stream of a key's whole job list (``GET /v1/jobs/changes``: ``job_id`` None, ``tenant`` its tenant or :data:`EVERY`
 for an operator key) watches a fingerprint instead (:func:`read_versions`): per tenant, its jobs' count, the sum of their
 event cursors and their latest update (an event appended to any of its jobs, a job made or deleted, changes it), and
-the queue's count and creation times (a job ahead leaving the queue moves a queued job's position). The same query
-reads them, grouped per watched tenant.
+the queue's count and creation times (a job ahead leaving the queue moves a queued job's position). One query reads
+them, grouped per watched tenant, at most every ``CHANGES_POLL_S`` (an operator's reads every job's row: a list told
+of a change within a second is live enough, and the database is spared five such scans a second).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,8 @@ from tinkergym.scheduler.db import api_keys, autocommit_reader, jobs
 RETRY_AFTER_S = 5
 
 
+#: The least seconds between two reads of the job lists' fingerprints.
+CHANGES_POLL_S = 1.0
 #: The ``tenant`` of a job-list stream that watches every tenant's jobs (an operator key's).
 EVERY = "*"
 #: The queue's row in :meth:`StreamHub.read_versions` (no tenant can be named so: ``TENANT_PATTERN``).
@@ -76,6 +80,7 @@ class StreamHub:
         self.passes = 0
         self.failures = 0
         self._failing = 0  # failed passes in a row
+        self._versions_read = 0.0  # when the job lists' fingerprints were last read (monotonic)
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opened: asyncio.Event | None = None
@@ -143,7 +148,10 @@ class StreamHub:
             cursors, live_keys = await anyio.to_thread.run_sync(
                 self._read, sorted({s.job_id for s in watched if s.job_id is not None}), sorted({s.key_id for s in watched}))
             tenants = sorted({s.tenant for s in watched if s.job_id is None and s.tenant is not None})
-            versions = await anyio.to_thread.run_sync(self.read_versions, tenants) if tenants else {}
+            versions: dict[str, tuple[Version, Version]] = {}
+            if tenants and time.monotonic() - self._versions_read >= CHANGES_POLL_S:
+                self._versions_read = time.monotonic()
+                versions = await anyio.to_thread.run_sync(self.read_versions, tenants)
         except Exception as exc:  # noqa: BLE001 - the database is down or busy: the streams wait, the next pass retries
             self.failures += 1
             self._failing += 1
