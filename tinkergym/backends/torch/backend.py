@@ -409,25 +409,32 @@ class TorchBackend:
         # the cast (the weights stay as they are until optim_step), not once per micro-batch. Loss and backward: no autocast.
         with self._compute():
             for micro in self.plan(data):
-                rows = [data[i] for i in micro.indices]
-                with self._out_of_memory_advice(rows, training=True):
-                    batch = self._collate(rows)
-                    logprobs = self._sequence_logprobs(self.model, batch, micro, spec.temperature)
-                    with torch.autocast(self.device.type, enabled=False):  # a nested region keeps the outer one's casts
-                        reference = self._reference_logprobs(batch, micro, spec.temperature) if spec.kl_coef > 0 else None
-                        weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
-                        loss, sums = losses.compute_loss_on_device(
-                            spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference, batch.old_logprobs
-                        )
-                        loss.backward()
-                    if request.return_logprobs:
-                        for i, row in zip(micro.indices, logprobs.detach().float().cpu().tolist()):
-                            scored[i] = row[: len(data[i].tokens)]
+                sums, logprobs = self._train_micro(data, micro, spec, total_mask, num_sequences)
+                if request.return_logprobs:
+                    for i, row in zip(micro.indices, logprobs.detach().float().cpu().tolist()):
+                        scored[i] = row[: len(data[i].tokens)]
                 micro_sums.append(sums)
         totals: dict[str, float] = {}
         for floats in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were
             totals = losses.add_sums(totals, floats)
         return ForwardBackwardResult(metrics=losses.finalize_metrics(totals), logprobs=scored if request.return_logprobs else None)  # type: ignore[arg-type]
+
+    def _train_micro(self, data: list[Datum], micro: MicroBatch, spec: Any, total_mask: float, num_sequences: int,
+                     scale: float = 1.0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """One micro-batch's loss and backward (gradients accumulate); its metric sums and logprobs. ``scale`` multiplies
+        the loss (0: a pass that only takes part in a sharded model's collectives, adding nothing)."""
+        rows = [data[i] for i in micro.indices]
+        with self._out_of_memory_advice(rows, training=True):
+            batch = self._collate(rows)
+            logprobs = self._sequence_logprobs(self.model, batch, micro, spec.temperature)
+            with torch.autocast(self.device.type, enabled=False):  # a nested region keeps the outer one's casts
+                reference = self._reference_logprobs(batch, micro, spec.temperature) if spec.kl_coef > 0 else None
+                weights = losses.aggregation_weights(batch.mask, spec.aggregation, total_mask, num_sequences)
+                loss, sums = losses.compute_loss_on_device(
+                    spec, logprobs, batch.mask, weights, batch.advantages, batch.sampling_logprobs, reference, batch.old_logprobs
+                )
+                (loss if scale == 1.0 else loss * scale).backward()
+        return sums, logprobs
 
     @staticmethod
     def _sequence_logprobs(model: torch.nn.Module, batch: Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
@@ -517,13 +524,17 @@ class TorchBackend:
         The adapter loads with ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)``;
         the merged folder with ``AutoModelForCausalLM.from_pretrained(path)``. Training state is untouched.
         """
+        self._write_export(self.model, path, merged)
+
+    def _write_export(self, model: torch.nn.Module, path: str, merged: bool) -> None:
+        """:meth:`export` of ``model`` (this backend's, or a whole copy of a sharded one's)."""
         tmp = fresh_tmp_dir(path)
         if self.is_lora and not merged:
-            self.model.save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
+            model.save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         elif self.is_lora:
             # Merging rewrites the layers in place, so it happens on a copy, in host memory.
-            _merged_on_host(self.model).save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
+            _merged_on_host(model).save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         else:
-            self.model.save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
+            model.save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         self.tokenizer.save_pretrained(tmp)
         replace_dir(tmp, os.fspath(path).rstrip("/"))

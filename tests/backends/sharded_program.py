@@ -1,0 +1,78 @@
+"""The rank program of test_sharded.py, started by ``torchrun`` (``python -m torch.distributed.run``): every rank builds a
+ShardedTorchBackend and runs the same calls; rank 0 writes what the test compares.
+
+``python -m torch.distributed.run --nproc-per-node N sharded_program.py SPEC.json`` where the spec names the model, the
+LoRA rank, a state folder to load first (``load``) and one to save after the first step (``save``), the steps and the
+seed of the first one's batch (``start``), and the
+file rank 0 writes (``out``): the first step's loss and gradients, and the weights after every step, gathered whole.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from tinkergym.backends.torch.backend import TorchBackendConfig
+from tinkergym.backends.torch.sharded import ShardedTorchBackend, init_process_group
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
+
+
+def batch(seed: int) -> ForwardBackwardRequest:
+    """Three groups of three rows that share a prompt: importance sampling with advantages -1, 0, 1."""
+    g = torch.Generator().manual_seed(seed)
+    data = []
+    for group in range(3):
+        prompt = torch.randint(5, 60, (4 + group,), generator=g).tolist()
+        for k in range(3):
+            completion = torch.randint(5, 60, (2 + k,), generator=g).tolist()
+            tokens = prompt + completion
+            data.append(Datum(tokens=tokens, loss_mask=[0.0] * len(prompt) + [1.0] * len(completion),
+                              advantages=[0.0] * len(prompt) + [float(k - 1)] * len(completion), sampling_logprobs=[-1.0] * len(tokens)))
+    return ForwardBackwardRequest(data, LossSpec("importance_sampling"))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+def config(spec: dict) -> TorchBackendConfig:
+    return TorchBackendConfig(model=spec["model"], dtype="float32", lora_rank=spec["lora"], seed=3, micro_batch_size=2)
+
+
+OPTIM = OptimParams(learning_rate=1e-3)
+#: Sampled after the steps, with a seed and without (every rank samples the same: SPMD).
+SAMPLES = [SampleRequest([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, seed=11), num_samples=2),
+           SampleRequest([[5, 6, 7]], SamplingParams(max_new_tokens=6), num_samples=3)]
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    init_process_group("cpu", timeout_s=120)
+    backend = ShardedTorchBackend(config(spec))
+    if spec.get("load"):
+        backend.load_state(spec["load"])
+    found: dict = {"steps": []}
+    for step in range(spec["steps"]):
+        result = backend.forward_backward(batch(spec.get("start", 0) + step))
+        if step == 0:
+            found["loss"] = result.metrics["loss"]
+            found["grads"] = {n: whole(p.grad) for n, p in backend._trainable}
+        metrics = backend.optim_step(OPTIM)
+        found["steps"].append({"grad_norm": metrics["grad_norm"], "weights": {n: whole(p) for n, p in backend._trainable}})
+        if step == 0 and spec.get("save"):
+            backend.save_state(spec["save"])
+    found["samples"] = [backend.sample(request).to_dict() for request in SAMPLES]
+    if spec.get("export"):
+        backend.export(spec["export"])
+    found["logprobs"] = backend.logprobs([[5, 6, 7, 8, 9], [1, 2, 3]], 1.0)
+    if dist.get_rank() == 0:
+        torch.save(found, spec["out"])
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""FSDP2 on CPU ranks (gloo), started by torchrun: the sharded backend trains as one process does, and its sharded states
+load at any number of ranks (tinkergym.backends.torch.sharded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+PROGRAM = Path(__file__).with_name("sharded_program.py")
+sys.path.insert(0, str(PROGRAM.parent))
+import sharded_program as program  # noqa: E402 - the rank program's batch and settings, one definition
+
+from tinkergym.backends.torch.backend import TorchBackend  # noqa: E402
+from tinkergym.backends.torch.sharded import load_sharded_state, split_rows  # noqa: E402
+from tinkergym.protocol.types import Datum  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(ranks: int, spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
+    """Run the program on ``ranks`` processes with torchrun; what rank 0 wrote."""
+    spec = {**spec, "out": str(tmp_path / f"out-{ranks}-{len(list(tmp_path.iterdir()))}.pt")}
+    spec_file = tmp_path / f"spec-{ranks}-{len(list(tmp_path.iterdir()))}.json"
+    spec_file.write_text(json.dumps(spec))
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), str(PROGRAM), str(spec_file)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(spec["out"])
+
+
+def single(model: str, lora: int, steps: int, load: str | None = None, start: int = 0, export: str | None = None) -> dict[str, Any]:
+    """The same calls on one process, without a process group; with ``load``, a sharded state loaded first."""
+    backend = TorchBackend(program.config({"model": model, "lora": lora}))
+    if load:
+        load_sharded_state(backend, load)
+    found: dict[str, Any] = {"steps": []}
+    for step in range(steps):
+        result = backend.forward_backward(program.batch(start + step))
+        if step == 0:
+            found["loss"] = result.metrics["loss"]
+            found["grads"] = {n: p.grad.detach().clone() for n, p in backend._trainable}
+        metrics = backend.optim_step(program.OPTIM)
+        found["steps"].append({"grad_norm": metrics["grad_norm"], "weights": {n: p.detach().clone() for n, p in backend._trainable}})
+    found["samples"] = [backend.sample(request).to_dict() for request in program.SAMPLES]
+    found["logprobs"] = backend.logprobs([[5, 6, 7, 8, 9], [1, 2, 3]], 1.0)
+    if export:
+        backend.export(export)
+    return found
+
+
+def assert_close(a: dict[str, Any], b: dict[str, Any], what: str, atol: float = 1e-5) -> None:
+    assert sorted(a) == sorted(b), what
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
+def test_two_ranks_train_as_one_process(tiny: str, tmp_path: Path, lora: int) -> None:
+    """Loss and gradients of one batch split over 2 ranks equal the single process's (float32, 1e-5), and so do the
+    weights after two steps."""
+    exported = tmp_path / "export"
+    sharded = torchrun(2, {"model": tiny, "lora": lora, "steps": 2, "export": str(exported)}, tmp_path)
+    alone = single(tiny, lora, 2, export=str(tmp_path / "alone"))
+    assert sharded["loss"] == pytest.approx(alone["loss"], abs=1e-6)
+    assert_close(sharded["grads"], alone["grads"], "gradient")
+    assert any(g.abs().max() > 1e-6 for g in alone["grads"].values())  # the comparison compares something
+    for step in range(2):
+        assert sharded["steps"][step]["grad_norm"] == pytest.approx(alone["steps"][step]["grad_norm"], rel=1e-4)
+        assert_close(sharded["steps"][step]["weights"], alone["steps"][step]["weights"], f"weights after step {step}")
+    # Sampling and scoring on the sharded model (every rank the same request, in step): the single process's tokens.
+    assert [[[s["tokens"] for s in row] for row in r["sequences"]] for r in sharded["samples"]] == \
+        [[[s["tokens"] for s in row] for row in r["sequences"]] for r in alone["samples"]]
+    for mine, theirs in zip(sharded["logprobs"], alone["logprobs"]):
+        assert mine == pytest.approx(theirs, abs=1e-5)
+    # The export is one ordinary folder (peft's adapter, or a transformers model) with the single process's weights.
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    from safetensors.torch import load_file
+
+    assert_close(load_file(str(exported / weights)), load_file(str(tmp_path / "alone" / weights)), "exported")
+    assert (exported / "tokenizer_config.json").is_file() and not list(exported.glob("*distcp*"))
+
+
+@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
+def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(tiny: str, tmp_path: Path, lora: int) -> None:
+    """Saved after one step at 2 ranks; loaded at 1 (a plain backend) and at 3 ranks, the next step gives the weights that
+    2 ranks going on without a save give."""
+    state = tmp_path / "state"
+    on = torchrun(2, {"model": tiny, "lora": lora, "steps": 2, "save": str(state)}, tmp_path)
+    assert (state / "state.json").is_file() and json.loads((state / "state.json").read_text())["ranks"] == 2
+    at_one = single(tiny, lora, 1, load=str(state), start=1)
+    at_three = torchrun(3, {"model": tiny, "lora": lora, "steps": 1, "load": str(state), "start": 1}, tmp_path)
+    expected = on["steps"][1]["weights"]  # the second step of the run that went on (its batch 1)
+    assert_close(at_one["steps"][0]["weights"], expected, "loaded at 1 rank")
+    assert_close(at_three["steps"][0]["weights"], expected, "loaded at 3 ranks")
+    assert not all(torch.equal(expected[n], on["steps"][0]["weights"][n]) for n in expected)  # the step changed the weights
+    # A fresh backend that loads nothing gives other weights: the load carried the adapter and Adam's moments.
+    fresh = single(tiny, lora, 1, start=1)
+    assert any((fresh["steps"][0]["weights"][n] - expected[n]).abs().max() > 1e-4 for n in expected)
+
+
+def test_rows_are_split_by_tokens_and_groups_stay_on_one_rank() -> None:
+    def rows(prompt: list[int], n: int, length: int) -> list[Datum]:
+        return [Datum(tokens=prompt + [9] * length, loss_mask=[0.0] * len(prompt) + [1.0] * length) for _ in range(n)]
+
+    data = rows([1, 2], 3, 4) + rows([3, 4], 3, 4) + rows([5], 2, 10)
+    parts = split_rows(data, 2)
+    assert [list(p) for p in parts] == [[0, 1, 2, 3, 4, 5], [6, 7]]
+    assert [list(p) for p in split_rows(data, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert [list(p) for p in split_rows(data[:3], 2)] == [[0, 1, 2], []]  # one group: one rank; the other runs empty passes
+    assert sum(len(p) for p in split_rows(data, 5)) == len(data)

@@ -1,0 +1,291 @@
+"""TorchBackend on every rank of a process group: the model sharded with FSDP2, the batch split across ranks.
+
+Each rank runs the same calls with the same arguments (SPMD, as under ``torchrun``): ``forward_backward`` with the
+whole request, ``optim_step``, ``save_state``, and so on. What each rank does:
+
+- **Sharding.** Each decoder layer (the model's ``_no_split_modules`` classes) and then the whole model are wrapped with
+  :func:`torch.distributed.fsdp.fully_shard`, so each rank holds ``1/world`` of every weight the layers hold. In full
+  fine-tuning every weight trains and its gradient is reduce-scattered summed (``set_gradient_divide_factor(1)``: the
+  loss of each rank is its share of one sum, not a mean of ranks). With LoRA the frozen base is sharded and the adapter
+  is left out of FSDP (``ignored_params``): each rank keeps all of it, small as it is, and its gradients are all-reduced
+  summed before the optimizer step, which is the same on every rank. With float32 masters under a lower compute dtype
+  (full fine-tuning in bfloat16), FSDP2 casts the weights it gathers to that dtype and reduces gradients in float32
+  (``MixedPrecisionPolicy``).
+- **The batch.** :func:`split_rows` gives each rank a contiguous run of rows of about equal tokens, cut only where a new
+  prompt starts, so a group that shares a prompt stays on one rank. (Its prompt is computed with each row for now: see
+  :meth:`ShardedTorchBackend.plan`.) The loss is normalized
+  by the whole request's tokens or sequences on every rank, so the summed gradients are the single process's. Every
+  rank runs as many micro-batches as the busiest one: a rank short of rows runs a pass of zero weight, because every
+  forward and backward of a sharded model gathers weights from all ranks. Gradients are synchronised after the last
+  micro-batch only. Metric sums are added over ranks; logprobs come back to every rank.
+- **Sampling and scoring** run on the sharded model with every rank given the same request (SPMD): the ranks draw the
+  same tokens from the same generator state, so their passes, and the weight gathers they need, line up. Each rank does
+  the whole work (no speed-up; the vLLM sampler is the fast path).
+- **Export** gathers the weights whole on rank 0's host and writes one ordinary peft or transformers folder.
+- **States** are saved with :mod:`torch.distributed.checkpoint` (``get_state_dict``: the weights and the optimizer's
+  state, sharded, each rank writing its shards) plus ``state.json``, and load at any number of ranks, one included
+  (:func:`load_sharded_state` on a plain :class:`TorchBackend`).
+
+gloo on CPUs, NCCL on GPUs (``init_process_group`` picks by device). A collective that waits past ``timeout`` (the
+process group's) raises instead of hanging, so a rank that dies ends its peers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tinkergym.backends.torch import losses
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.backends.torch.batches import adamw_step, check_weights_finite, request_normalizers, validate_data
+from tinkergym.errors import ConfigError
+from tinkergym.folders import fresh_tmp_dir, replace_dir
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, ForwardBackwardResult, OptimParams
+
+#: The format of a sharded state folder (``state.json``'s ``format``).
+SHARDED_FORMAT = "tinkergym-sharded-1"
+#: Seconds a collective waits for its peers before it raises (a dead rank ends the others).
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def init_process_group(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the process group the environment describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as
+    torchrun sets them): NCCL for CUDA devices, gloo otherwise."""
+    if not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+def prompt_length(datum: Datum) -> int:
+    """Tokens before the first masked-in position (the row's prompt)."""
+    for i, weight in enumerate(datum.loss_mask):
+        if weight:
+            return i
+    return len(datum.tokens)
+
+
+def split_rows(data: list[Datum], world: int) -> list[range]:
+    """Contiguous runs of rows, one per rank, of about equal tokens; a cut falls only where a row's prompt differs from
+    the row before it (rows that share a prompt stay together). A rank may get no rows."""
+    starts = [0] + [i for i in range(1, len(data))
+                    if data[i].tokens[:prompt_length(data[i])] != data[i - 1].tokens[:prompt_length(data[i - 1])]]
+    sizes = [sum(len(d.tokens) for d in data[a:b]) for a, b in zip(starts, [*starts[1:], len(data)])]
+    before = [sum(sizes[:j]) for j in range(len(starts))]  # tokens ahead of each group
+    total = sum(sizes)
+    bounds, last = [0], 0
+    for cut in range(1, world):  # each cut at the group start nearest its share of the tokens, after the cut before
+        options = range(last + 1, len(starts))
+        if not options:
+            break
+        last = min(options, key=lambda j: abs(before[j] - total * cut / world))
+        bounds.append(starts[last])
+    bounds += [len(data)] * (world + 1 - len(bounds))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules of its ``_no_split_modules`` classes (transformers names them)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ConfigError(f"{type(model).__name__} names no repeated blocks (_no_split_modules): it cannot be sharded layer by layer")
+    return layers
+
+
+class ShardedTorchBackend(TorchBackend):
+    """:class:`TorchBackend` on one rank of the process group (see the module's notes)."""
+
+    def __init__(self, config: TorchBackendConfig | None = None) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not dist.is_initialized():
+            raise ConfigError("ShardedTorchBackend needs a process group: call init_process_group() first (torchrun sets its environment)")
+        super().__init__(config)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        lora = [p for _, p in self._trainable] if self.is_lora else []
+        cast = self.param_dtype != self.dtype  # float32 masters, a lower compute dtype
+        policy = MixedPrecisionPolicy(param_dtype=self.dtype if cast else None, reduce_dtype=torch.float32 if cast else None)
+        ignored = set(lora) or None
+        self.fsdp_modules = [fully_shard(layer, mp_policy=policy, ignored_params=ignored) for layer in decoder_layers(self.model)]
+        self.fsdp_modules.append(fully_shard(self.model, mp_policy=policy, ignored_params=ignored))
+        for module in self.fsdp_modules:
+            module.set_gradient_divide_factor(1.0)  # each rank's loss is its share of one sum
+            module.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
+        self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        # DTensor parameters: the plain per-parameter AdamW (the fused kernel takes plain tensors).
+        self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=0.0, foreach=False)
+        self._full: torch.nn.Module | None = None
+
+    def info(self) -> dict[str, Any]:
+        return {**super().info(), "ranks": self.world, "rank": self.rank}
+
+    def plan(self, data: list[Datum], share_prefixes: bool | None = None) -> list[Any]:
+        """Micro-batches without shared-prompt passes: a prompt computed once and reused by its completions runs each
+        layer twice in one graph, and FSDP2 reshards a layer's weights after its first backward (the second then finds
+        them freed). A group still stays on one rank (:func:`split_rows`), ready for that sharing."""
+        return super().plan(data, share_prefixes=False)
+
+    # ----- training ---------------------------------------------------------------------------------
+    def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
+        spec, data = request.loss, request.data
+        validate_data(data, spec)
+        self.prefix_cache.clear()
+        self._full = None
+        total_mask, num_sequences = request_normalizers(request)  # the whole request's, on every rank
+        mine = list(split_rows(data, self.world)[self.rank])
+        rows = [data[i] for i in mine]
+        plan = self.plan(rows) if rows else []
+        passes = torch.tensor([len(plan)], dtype=torch.int64)
+        dist.all_reduce(passes, op=dist.ReduceOp.MAX)
+        filler = self.plan([data[0]])[0]  # a pass of zero weight for a rank with fewer micro-batches
+        self.model.train()
+        micro_sums: list[dict[str, torch.Tensor]] = []
+        scored: dict[int, list[float]] = {}
+        with self._compute():
+            for k in range(int(passes.item())):
+                last = k == int(passes.item()) - 1
+                for module in self.fsdp_modules:
+                    module.set_requires_gradient_sync(last, recurse=False)
+                if k < len(plan):
+                    sums, logprobs = self._train_micro(rows, plan[k], spec, total_mask, num_sequences)
+                    micro_sums.append(sums)
+                    if request.return_logprobs:
+                        for i, row in zip(plan[k].indices, logprobs.detach().float().cpu().tolist()):
+                            scored[mine[i]] = row[: len(rows[i].tokens)]
+                else:
+                    self._train_micro(data, filler, spec, total_mask, num_sequences, scale=0.0)
+        if self.is_lora:
+            self._all_reduce_grads()
+        totals: dict[str, float] = {}
+        for floats in losses.sums_to_floats(micro_sums):
+            totals = losses.add_sums(totals, floats)
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, (totals, scored))
+        summed: dict[str, float] = {}
+        merged: dict[int, list[float]] = {}
+        for rank_totals, rank_scored in everyone:  # added in rank order, in float64
+            summed = losses.add_sums(summed, rank_totals)
+            merged.update(rank_scored)
+        scored_rows = [merged[i] for i in range(len(data))] if request.return_logprobs else None
+        return ForwardBackwardResult(metrics=losses.finalize_metrics(summed), logprobs=scored_rows)
+
+    def _all_reduce_grads(self) -> None:
+        """Sum the replicated adapter's gradients over ranks (a rank that trained nothing adds zeros)."""
+        for _, param in self._trainable:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+    def optim_step(self, params: OptimParams) -> dict[str, float]:
+        trainable = [p for _, p in self._trainable]
+        metrics, stepped = adamw_step(self.optimizer, trainable, params, self.step)
+        if stepped:
+            self.step += 1
+            self._weights_changed()
+            self._full = None
+            check_weights_finite([p.full_tensor() if hasattr(p, "full_tensor") else p for p in trainable], self.step, params.learning_rate)
+        return metrics
+
+    # ----- sampling, scoring and export -------------------------------------------------------------
+    def _sampling_model(self) -> torch.nn.Module:
+        """The sharded model itself: FSDP2 gathers each layer in the compute dtype as it runs (no cast copy needed, and a
+        merged copy cannot be made of shards). Every rank samples the same request in step (SPMD), so their passes, and
+        the gathers they need, line up."""
+        return self.model.eval()
+
+    def full_state(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """Every weight of the model gathered whole, on the host (a collective: every rank calls it); with ``rank0_only``
+        the other ranks get an empty dict."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return dict(get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)))  # type: ignore[arg-type]
+
+    def export(self, path: str, merged: bool = False) -> None:
+        """One ordinary peft or transformers folder (as :meth:`TorchBackend.export`), written by rank 0 from the weights
+        gathered whole on the host; every rank calls it."""
+        state = self.full_state()
+        if self.rank == 0:
+            model = self._load_base(self.param_dtype, torch.device("cpu"))
+            if self.is_lora:
+                model = self._add_lora(model)
+            model.load_state_dict(state)
+            self._write_export(model, path, merged)
+        dist.barrier()
+
+    # ----- states -----------------------------------------------------------------------------------
+    def save_state(self, path: str) -> None:
+        """Write the sharded weights and optimizer state (every rank its shards) and ``state.json`` (rank 0)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        self.prefix_cache.clear()
+        target = os.fspath(path).rstrip("/")
+        tmp = fresh_tmp_dir(target) if self.rank == 0 else None
+        shared: list[Any] = [tmp]
+        dist.broadcast_object_list(shared, src=0)
+        tmp = shared[0]
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": _trainable_only(model_state, self._trainable), "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
+        dist.barrier()
+        if self.rank == 0:
+            meta = {"format": SHARDED_FORMAT, "step": self.step, "ranks": self.world, "config": self.config.to_dict(), "model_path": self.model_path}
+            Path(tmp, "state.json").write_text(json.dumps(meta, indent=2) + "\n")
+            replace_dir(tmp, target)
+        dist.barrier()
+
+    def load_state(self, path: str) -> None:
+        """Load a sharded state saved at any number of ranks."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        meta = _sharded_meta(path)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        state = {"model": _trainable_only(model_state, self._trainable), "optim": optim_state}
+        dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=StateDictOptions(strict=False))
+        self._weights_changed()
+        self._full = None
+        self.step = int(meta["step"])
+
+
+def _trainable_only(state: dict[str, Any], trainable: list[tuple[str, torch.nn.Parameter]]) -> dict[str, Any]:
+    """The entries of a model state dict that train (a LoRA state holds the adapter, not the frozen base)."""
+    names = {n for n, _ in trainable}
+    kept = {k: v for k, v in state.items() if k in names}
+    return kept if len(kept) == len(names) else state
+
+
+def _sharded_meta(path: str) -> dict[str, Any]:
+    meta_file = Path(path, "state.json")
+    if not meta_file.is_file():
+        raise ConfigError(f"{path} is not a backend state folder (no state.json); pass a folder written by save_state")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != SHARDED_FORMAT:
+        raise ConfigError(f"{path} is a state of format {meta.get('format')!r}, not a sharded one ({SHARDED_FORMAT})")
+    return meta
+
+
+def load_sharded_state(backend: TorchBackend, path: str) -> None:
+    """Load a sharded state (saved at any number of ranks) into a plain single-process backend, optimizer included."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    meta = _sharded_meta(path)
+    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
+    state = {"model": _trainable_only(model_state, backend._trainable), "optim": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))  # no process group: read whole
+    set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))
+    backend._weights_changed()
+    backend.step = int(meta["step"])
