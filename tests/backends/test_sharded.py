@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import testkit
 
 torch = pytest.importorskip("torch")
 
@@ -122,3 +124,61 @@ def test_rows_are_split_by_tokens_and_groups_stay_on_one_rank() -> None:
     assert [list(p) for p in split_rows(data, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
     assert [list(p) for p in split_rows(data[:3], 2)] == [[0, 1, 2], []]  # one group: one rank; the other runs empty passes
     assert sum(len(p) for p in split_rows(data, 5)) == len(data)
+
+
+def serve_sharded(tiny: str, tmp_path: Path, ranks: int = 2) -> tuple[subprocess.Popen, str, str]:
+    """``tinkergym serve-backend`` started by torchrun on ``ranks`` gloo ranks; (process, url, token)."""
+    import secrets
+
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe(32))
+    token.chmod(0o600)
+    port = free_port()
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), "-m", "tinkergym", "serve-backend", "--model", tiny, "--dtype", "float32",
+               "--device", "cpu", "--seed", "3", "--micro-batch-size", "2", "--lora-rank", "8", "--token-file", str(token),
+               "--run-dir", str(tmp_path / "server"), "--port", str(port)]
+    process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                               stderr=open(tmp_path / "server.err", "w"), start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    testkit.wait_until_answers(url + "/health", timeout=120, process=process)
+    return process, url, token.read_text().strip()
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_serve_backend_sharded_over_two_ranks_by_torchrun(tiny: str, tmp_path: Path) -> None:
+    """Rank 0 serves and sends each call to rank 1: a remote run equals a local one, its state is sharded; a killed rank
+    brings the whole server down (torchrun ends the others), no rank left waiting in a collective."""
+    from tinkergym.backends.remote import RemoteBackend
+
+    process, url, token = serve_sharded(tiny, tmp_path)
+    try:
+        remote = RemoteBackend(url, token)
+        local = TorchBackend(program.config({"model": tiny, "lora": 8}))
+        assert remote.info()["ranks"] == 2
+        for step in range(2):
+            served, alone = remote.forward_backward(program.batch(step)), local.forward_backward(program.batch(step))
+            assert served.metrics["loss"] == pytest.approx(alone.metrics["loss"], abs=1e-6)
+            assert remote.optim_step(program.OPTIM)["grad_norm"] == pytest.approx(local.optim_step(program.OPTIM)["grad_norm"], rel=1e-4)
+        tokens = [[[s["tokens"] for s in row] for row in b.sample(program.SAMPLES[0]).to_dict()["sequences"]] for b in (remote, local)]
+        assert tokens[0] == tokens[1]
+        remote.save_state("states/step_000002")
+        assert sorted(p.name for p in (tmp_path / "server" / "states" / "step_000002").iterdir()) == ["dcp", "state.json"]
+
+        ranks = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()]
+        assert len(ranks) == 2, ranks
+        os.kill(ranks[-1], signal.SIGKILL)
+        process.wait(timeout=90)  # torchrun sees a rank die and ends the other: the server is down, nothing hangs
+        assert process.returncode != 0
+        assert all(subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0 for pid in ranks)
+    finally:
+        stop(process)

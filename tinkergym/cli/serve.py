@@ -187,6 +187,11 @@ def serve_backend(
             resolve_model(model)
         except ConfigError as exc:
             raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
+        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        if ranks > 1:  # started by torchrun: the model sharded over its ranks; rank 0 serves, the others follow
+            return _serve_sharded(config, ranks, run_dir, digest, max_body_mb, keep_states, host, port, idle_timeout, exit_with_parent,
+                                  lease_file, metrics_port, (max_num_samples, max_request_new_tokens, max_request_sequences, max_request_tokens),
+                                  (header_timeout, body_timeout, max_connections))
         backend = TorchBackend(config)
     logger = request_logger(run_dir.resolve())
     app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=logger,
@@ -195,3 +200,38 @@ def serve_backend(
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
                lambda: app.state.service.last_activity(), logger, metrics_port)
+
+
+def _serve_sharded(config: Any, ranks: int, run_dir: Path, digest: bytes, max_body_mb: float, keep_states: int, host: str, port: int,
+                   idle_timeout: float | None, exit_with_parent: bool, lease_file: Path | None, metrics_port: int,
+                   limits: tuple[int, int, int, int], connections: tuple[float, float, int]) -> None:
+    """serve-backend on each rank torchrun started (``WORLD_SIZE`` > 1): every rank holds a shard of the model
+    (:class:`~tinkergym.backends.torch.sharded.ShardedTorchBackend`, one device each: ``cuda:LOCAL_RANK`` on GPUs);
+    rank 0 serves HTTP and sends each call to the others (:class:`~tinkergym.backends.torch.sharded.Lockstep`)."""
+    import dataclasses
+
+    from tinkergym.backends.torch.sharded import Lockstep, ShardedTorchBackend, follow, init_process_group
+    from tinkergym.serve.auth import LeaseFile
+    from tinkergym.serve.training.app import create_app
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    device = config.device
+    if device in ("auto", "cuda"):
+        import torch
+
+        device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
+    init_process_group(device)
+    backend = ShardedTorchBackend(dataclasses.replace(config, device=device))
+    if backend.rank != 0:
+        follow(backend)
+        return
+    front = Lockstep(backend)
+    try:
+        logger = request_logger(run_dir.resolve())
+        app = create_app(front, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=logger, keep_states=keep_states,
+                         limits=call_limits(*limits), lease=LeaseFile(lease_file) if lease_file is not None else None)
+        click.echo(f"tinkergym training server: {config.model} sharded over {ranks} ranks on http://{host}:{port} (run folder {run_dir})", err=True)
+        run_server(app, host, port, connection_limits(*connections), idle_timeout, exit_with_parent,
+                   lambda: app.state.service.last_activity(), logger, metrics_port)
+    finally:
+        front.close()

@@ -289,3 +289,83 @@ def load_sharded_state(backend: TorchBackend, path: str) -> None:
                    options=StateDictOptions(strict=False))
     backend._weights_changed()
     backend.step = int(meta["step"])
+
+
+# ----- one server, many ranks ---------------------------------------------------------------------------
+#: Seconds an idle server's rank 0 lets pass before it tells the other ranks it is alive (their wait for the next call
+#: is a collective, which times out).
+PING_S = 30.0
+#: Calls run on rank 0 alone: they read nothing the ranks share.
+LOCAL_CALLS = frozenset({"info", "tokenizer_files"})
+
+
+class Lockstep:
+    """Rank 0's backend when other ranks follow it (:func:`follow`): every method call is sent to every rank first
+    (``broadcast_object_list``) and then run here, so all ranks run it with the same arguments, in the same order.
+
+    A server's calls come one at a time (its call worker's thread); a ping every ``PING_S`` seconds of quiet keeps the
+    followers' wait under the process group's timeout. :meth:`close` ends the followers. An error a call raises here is
+    raised on every rank from the same arguments; the followers drop theirs (the client gets rank 0's).
+    """
+
+    def __init__(self, backend: ShardedTorchBackend, ping_s: float = PING_S) -> None:
+        import threading
+
+        self.backend, self.ping_s = backend, ping_s
+        self._lock = threading.Lock()
+        self._last = __import__("time").monotonic()
+        self._closed = threading.Event()
+        self._pinger = threading.Thread(target=self._ping, name="tinkergym-rank-ping", daemon=True)
+        self._pinger.start()
+
+    def _send(self, message: list[Any]) -> None:
+        import time
+
+        dist.broadcast_object_list([message], src=0)
+        self._last = time.monotonic()
+
+    def _ping(self) -> None:
+        import time
+
+        while not self._closed.wait(max(0.1, self.ping_s - (time.monotonic() - self._last))):
+            with self._lock:
+                if not self._closed.is_set() and time.monotonic() - self._last >= self.ping_s:
+                    self._send(["ping", (), {}])
+
+    def __getattr__(self, name: str) -> Any:
+        attribute = getattr(self.backend, name)
+        if not callable(attribute) or name in LOCAL_CALLS or name.startswith("_"):
+            return attribute
+
+        def everywhere(*args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                self._send([name, args, kwargs])
+                return attribute(*args, **kwargs)
+
+        return everywhere
+
+    def close(self) -> None:
+        """End the followers (once; the server is stopping)."""
+        with self._lock:
+            if not self._closed.is_set():
+                self._closed.set()
+                self._send(["stop", (), {}])
+
+
+def follow(backend: ShardedTorchBackend) -> None:
+    """Run on a rank other than 0: each call rank 0's :class:`Lockstep` sends, until it says stop."""
+    import logging
+
+    log = logging.getLogger("tinkergym.sharded")
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        name, args, kwargs = message[0]
+        if name == "stop":
+            return
+        if name == "ping":
+            continue
+        try:
+            getattr(backend, name)(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - rank 0 raised the same from the same arguments: its client hears of it
+            log.info("rank %s: %s failed as on rank 0: %s", backend.rank, name, exc)
