@@ -54,7 +54,7 @@ def main() -> None:
     backend = ShardedTorchBackend(config(spec))
     if spec.get("load"):
         backend.load_state(spec["load"])
-    found: dict = {"steps": []}
+    found: dict = {"steps": [], "first_sample": backend.sample(SAMPLES[0]).to_dict()}  # sampling before training, too
     for step in range(spec["steps"]):
         result = backend.forward_backward(batch(spec.get("start", 0) + step))
         if step == 0:

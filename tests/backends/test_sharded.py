@@ -49,7 +49,7 @@ def single(model: str, lora: int, steps: int, load: str | None = None, start: in
     backend = TorchBackend(program.config({"model": model, "lora": lora}))
     if load:
         load_sharded_state(backend, load)
-    found: dict[str, Any] = {"steps": []}
+    found: dict[str, Any] = {"steps": [], "first_sample": backend.sample(program.SAMPLES[0]).to_dict()}
     for step in range(steps):
         result = backend.forward_backward(program.batch(start + step))
         if step == 0:
@@ -83,7 +83,10 @@ def test_two_ranks_train_as_one_process(tiny: str, tmp_path: Path, lora: int) ->
     for step in range(2):
         assert sharded["steps"][step]["grad_norm"] == pytest.approx(alone["steps"][step]["grad_norm"], rel=1e-4)
         assert_close(sharded["steps"][step]["weights"], alone["steps"][step]["weights"], f"weights after step {step}")
-    # Sampling and scoring on the sharded model (every rank the same request, in step): the single process's tokens.
+    # Sampling and scoring on the sharded model (every rank the same request, in step), before training and after: the
+    # single process's tokens.
+    assert [[s["tokens"] for s in row] for row in sharded["first_sample"]["sequences"]] == \
+        [[s["tokens"] for s in row] for row in alone["first_sample"]["sequences"]]
     assert [[[s["tokens"] for s in row] for row in r["sequences"]] for r in sharded["samples"]] == \
         [[[s["tokens"] for s in row] for row in r["sequences"]] for r in alone["samples"]]
     for mine, theirs in zip(sharded["logprobs"], alone["logprobs"]):

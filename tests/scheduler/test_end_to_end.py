@@ -163,3 +163,43 @@ def test_a_dead_client_frees_its_job_and_resume_goes_on_from_its_checkpoints(db_
     engine.dispose()
     assert second_job != first_job and second["state"] == "succeeded" and json.loads(second["config"])["resume_job"] == first_job
     assert _stable(read_metrics(out / "metrics.jsonl")) == _stable(read_metrics(local / "metrics.jsonl"))
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the scheduler's part is the same on both: the leases' tests cover PostgreSQL
+def test_a_two_device_job_runs_its_server_on_two_ranks_and_trains_as_one_device(db_url: str, keys: Any, tmp_path: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`train --gpus 2` on a worker with 2 slots: its server runs under torchrun, one rank per slot (the model sharded),
+    and the run's metrics and final adapter are the local one-device run's (float32: equal within 1e-5)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TINKERGYM_CACHE", str(cache))
+    run = (*RUN[: RUN.index("--steps") + 1], "3", *RUN[RUN.index("--steps") + 2:])
+    local = tmp_path / "local"
+    assert CliRunner().invoke(main, ["train", *run, "--out", str(local)], catch_exceptions=False).exit_code == 0
+    client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=10.0, sweep_interval_s=0.2)))
+    (tmp_path / "w1").mkdir()
+    worker = _worker(scheduler.url, worker_key, "w1", tmp_path / "w1" / "work", cache, "--slots", "2")
+    out = tmp_path / "scheduled"
+    try:
+        done = subprocess.run([sys.executable, "-m", "tinkergym", "train", *run, "--out", str(out), "--scheduler", scheduler.url, "--gpus", "2"],
+                              capture_output=True, text=True, timeout=600, check=False,
+                              env={**os.environ, "TINKERGYM_API_KEY": client_key, "TINKERGYM_CACHE": str(tmp_path / "client-cache")})
+    finally:
+        worker.kill()
+        worker.wait()
+        scheduler.stop()
+    assert done.returncode == 0, done.stderr[-4000:]
+    log = next((tmp_path / "w1" / "work").rglob("server.out")).read_text()
+    assert "sharded over 2 ranks" in log, log[-3000:]
+    mine, theirs = read_metrics(out / "metrics.jsonl"), read_metrics(local / "metrics.jsonl")
+    assert [r["step"] for r in mine] == [0, 1, 2]
+    for a, b in zip(_stable(mine), _stable(theirs)):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    from safetensors.torch import load_file
+
+    final, alone = (load_file(str(folder / "final" / "adapter_model.safetensors")) for folder in (out, local))
+    assert final.keys() == alone.keys()
+    for name in final:
+        assert (final[name] - alone[name]).abs().max() < 1e-5, name

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import os
 import sys
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -170,7 +172,9 @@ def serve_backend(
     from tinkergym.serve.lifetime import EnvironmentFault, environment_faults
     from tinkergym.errors import ConfigError
 
-    with environment_faults():  # this machine's faults (a package, the model's files, a device) exit 69, not 2
+    sharded_rank0 = int(os.environ.get("WORLD_SIZE", "1")) > 1 and os.environ.get("RANK") == "0"
+    with (record_exit_code(run_dir / "exit-code") if sharded_rank0 else contextlib.nullcontext()), \
+            environment_faults():  # this machine's faults (a package, the model's files, a device) exit 69, not 2
         import uvicorn  # noqa: F401 - a missing package is this machine's fault, found before the model loads
 
         from tinkergym.backends.models import resolve_model
@@ -200,6 +204,24 @@ def serve_backend(
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
                lambda: app.state.service.last_activity(), logger, metrics_port)
+
+
+@contextlib.contextmanager
+def record_exit_code(path: Path) -> Iterator[None]:
+    """Write the exit code the block ends with to ``path``: torchrun, which starts a sharded server's ranks, exits 1 for any
+    failure, and the worker reads a server's code (75 idle, 69 this machine's fault) from here."""
+    code = 0
+    try:
+        yield
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        raise
+    except BaseException:
+        code = 1
+        raise
+    finally:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"{code}\n")
 
 
 def _serve_sharded(config: Any, ranks: int, run_dir: Path, digest: bytes, max_body_mb: float, keep_states: int, host: str, port: int,

@@ -13,7 +13,8 @@ from tinkergym.scheduler.artifacts import JOB_ID
 #: Devices a job of each kind can use today: its server runs on the first device of its lease. A job asking for more is
 #: refused at submission (:func:`device_refusal`); sharded training across devices will raise these. The leases already
 #: grant a job its devices all at once or not at all, and count them against the tenant's quota.
-USABLE_DEVICES: dict[str, int] = {"train": 1, "sft": 1, "eval": 1, "inference": 1}
+#: A train or sft job's server runs one rank per device (FSDP2 under torchrun: tinkergym.backends.torch.sharded).
+USABLE_DEVICES: dict[str, int] = {"train": 64, "sft": 64, "eval": 1, "inference": 1}
 
 
 def device_refusal(kind: str, gpus: int) -> str | None:

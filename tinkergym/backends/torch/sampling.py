@@ -14,7 +14,8 @@ after that step, so the results and the random numbers drawn are those of a loop
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 
@@ -305,7 +306,28 @@ def _grown(states: torch.Tensor, extra: int) -> torch.Tensor:
     return buffer
 
 
-@torch.inference_mode()
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _autograd_off(function: Callable[P, R]) -> Callable[P, R]:
+    """Run ``function`` (whose first argument is the model) under inference mode, or under ``no_grad`` for a model sharded
+    with FSDP2: tensors made in inference mode cannot be updated in place outside it, and FSDP2 reuses the buffers it
+    gathers weights into for the next training pass."""
+
+    @functools.wraps(function)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        from torch.distributed.fsdp import FSDPModule
+
+        model = args[0] if args else kwargs.get("model")
+        sharded = isinstance(model, FSDPModule)
+        with torch.no_grad() if sharded else torch.inference_mode():
+            return function(*args, **kwargs)
+
+    return wrapper
+
+
+@_autograd_off
 def sample_batch(
     model: torch.nn.Module,
     prompts: list[list[int]],

@@ -208,9 +208,17 @@ class JobRunner(threading.Thread):
         self._ended(IDLE_EXIT_CODE)
         return True
 
+    def _exit_code(self, code: int) -> int:
+        """The server's own exit code: a sharded server's rank 0 writes it to ``exit-code`` (torchrun exits 1 for any failure)."""
+        try:
+            return int((self.folder / "exit-code").read_text().strip())
+        except (OSError, ValueError):
+            return code
+
     def _ended(self, code: int) -> None:
         """The server exited on its own: the job failed (an idle client says how to resume)."""
         self.process = None
+        code = self._exit_code(code)
         if code == IDLE_EXIT_CODE and self.lease["kind"] in SERVING_KINDS:
             error = ("the job's inference server got no request for the idle timeout, so it stopped (exit code 75) and the devices are "
                      "free; serve the model again with: tinkergym serve-model --scheduler URL (the same --run or --model)")
@@ -347,14 +355,17 @@ class JobRunner(threading.Thread):
         env.pop("TINKERGYM_API_KEY", None)  # the worker's key stays with the worker: the job's server has its lease token only
         for _attempt in range(3):
             self.port = self.worker.take_port()
+            master = self.worker.take_port() if len(self.devices) > 1 else None  # where a sharded server's ranks meet
             try:
-                command = server_command(self.options, self.lease, self.port, self.folder, gpu, self.served)
+                command = server_command(self.options, self.lease, self.port, self.folder, gpu, self.served, master_port=master)
                 with open(self.folder / "server.out", "ab") as out:
                     self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
                                                     cwd=self.folder, start_new_session=True, preexec_fn=die_with_parent)
                 url = self._wait_healthy(self.process)
             finally:
                 self.worker.release_port(self.port)
+                if master is not None:
+                    self.worker.release_port(master)
             if url is not None:
                 return url
         raise WorkerFault(f"the job's server could not bind a port in {self.options.ports[0]}-{self.options.ports[1]}: "
@@ -368,6 +379,7 @@ class JobRunner(threading.Thread):
             self._check()
             code = process.poll()
             if code is not None:
+                code = self._exit_code(code)
                 tail = self._log_tail()
                 if "address already in use" in tail.lower() and code != 0:
                     self.process = None

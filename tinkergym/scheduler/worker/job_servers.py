@@ -47,10 +47,13 @@ def die_with_parent() -> None:
     _pdeathsig()
 
 
-def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, folder: Path, gpu: bool, served: str | None = None) -> list[str]:
+def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, folder: Path, gpu: bool, served: str | None = None,
+                   master_port: int | None = None) -> list[str]:
     """The command line of the job's server (a :class:`ValueError` for a config it cannot start).
 
     ``served``: for an inference or eval job serving a trained run, the name of the restored checkpoint in ``states/``.
+    A training job on several devices runs ``serve-backend`` under torchrun, one rank per device, its ranks meeting on
+    ``master_port`` of 127.0.0.1 (the model sharded over them: :mod:`tinkergym.backends.torch.sharded`).
     """
     config = lease["config"]
     model = config.get("model")
@@ -80,6 +83,12 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
         raise ValueError(f"config.lora_rank {rank!r}: 0 (every weight) or a positive rank")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
         raise ValueError(f"config.seed {seed!r}: an integer from 0 to 2**32 - 1")
+    ranks = len(lease.get("devices") or ()) if lease.get("seat") is None else 1
+    if ranks > 1:
+        if master_port is None:
+            raise ValueError(f"a job on {ranks} devices needs a port for its ranks to meet on")
+        base = [options.python, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
+                "--master-port", str(master_port), "-m", "tinkergym"]
     command = [*base, "serve-backend", "--model", model, *(["--full"] if rank == 0 else ["--lora-rank", str(rank)]), "--dtype", dtype,
                "--seed", str(seed), "--device", device, "--host", options.host, "--port", str(port), "--token-file", str(folder / "token"),
                "--run-dir", str(folder)]
