@@ -22,7 +22,8 @@ sys.path.insert(0, str(PROGRAM.parent))
 import sharded_program as program  # noqa: E402 - the rank program's batch and settings, one definition
 
 from tinkergym.backends.torch.backend import TorchBackend  # noqa: E402
-from tinkergym.backends.torch.sharded import load_sharded_state, split_rows  # noqa: E402
+from tinkergym.backends.torch.sharded import split_rows  # noqa: E402
+from tinkergym.backends.torch.sharded_states import trainable_weights  # noqa: E402
 from tinkergym.protocol.types import Datum  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def single(model: str, lora: int, steps: int, load: str | None = None, start: in
     """The same calls on one process, without a process group; with ``load``, a sharded state loaded first."""
     backend = TorchBackend(program.config({"model": model, "lora": lora}))
     if load:
-        load_sharded_state(backend, load)
+        backend.load_state(load)  # a plain backend loads a sharded state too
     found: dict[str, Any] = {"steps": [], "first_sample": backend.sample(program.SAMPLES[0]).to_dict()}
     for step in range(steps):
         result = backend.forward_backward(program.batch(start + step))
@@ -106,6 +107,8 @@ def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(tiny: str, tmp_pat
     state = tmp_path / "state"
     on = torchrun(2, {"model": tiny, "lora": lora, "steps": 2, "save": str(state)}, tmp_path)
     assert (state / "state.json").is_file() and json.loads((state / "state.json").read_text())["ranks"] == 2
+    # What serving the checkpoint reads: its trainable weights whole, without a process group.
+    assert_close(trainable_weights(str(state)), on["steps"][0]["weights"], "the saved weights read back")
     at_one = single(tiny, lora, 1, load=str(state), start=1)
     at_three = torchrun(3, {"model": tiny, "lora": lora, "steps": 1, "load": str(state), "start": 1}, tmp_path)
     expected = on["steps"][1]["weights"]  # the second step of the run that went on (its batch 1)

@@ -157,9 +157,9 @@ def stored_job(db_url: str, config: dict[str, Any], tenant: str = "acme") -> str
 def multi_device_job(app: Any, gpus: int, tenant: str = "acme", priority: int = 0, model: str = "tiny", max_attempts: int | None = None) -> str:
     """A queued train job on ``gpus`` devices, stored through the app's own store (its clock) past the submission's checks.
 
-    It stands for the multi-device jobs the API refuses today (``tinkergym.scheduler.schemas.USABLE_DEVICES``): the
-    leases grant them all their devices or none, backfill around them and count them against quotas, and their
-    tests make them here.
+    Stored past the submission's checks (a kind's device count, ``tinkergym.scheduler.schemas.USABLE_DEVICES``, and
+    the tenant's quota): the leases grant such jobs all their devices or none, backfill around them and count them
+    against quotas, and their tests make them here.
     """
     store = app.state.store
     with store.transaction() as conn:

@@ -220,8 +220,11 @@ def record_exit_code(path: Path) -> Iterator[None]:
         code = 1
         raise
     finally:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(f"{code}\n")
+        if path.parent.is_dir():  # a folder its worker already removed stays removed
+            try:
+                path.write_text(f"{code}\n")
+            except OSError:
+                pass
 
 
 def _serve_sharded(config: Any, ranks: int, run_dir: Path, digest: bytes, max_body_mb: float, keep_states: int, host: str, port: int,

@@ -41,6 +41,7 @@ import torch
 from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.batches import Batch, adamw_step, check_prompts, check_weights_finite, collate, request_normalizers, validate_data
 from tinkergym.backends.models import resolve_model
+from tinkergym.backends.torch.sharded_states import SHARDED_FORMAT, load_sharded_state
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, read_rng_state, restore_rng_state, write_optimizer_state, write_rng_state
 from tinkergym.backends.torch.copies import CastCopy, MergedLoraCopy, _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401
 from tinkergym.backends.torch.prefix_cache import PrefixCache, adapter_scope
@@ -500,6 +501,8 @@ class TorchBackend:
         if not meta_file.is_file():
             raise ConfigError(f"{path} is not a backend state folder (no state.json); pass a folder written by save_state")
         meta = json.loads(meta_file.read_text())
+        if meta.get("format") == SHARDED_FORMAT:  # written by a server sharded over several ranks: loads here whole
+            return load_sharded_state(self, path)
         check_state_format(path, meta.get("format"), STATE_FORMAT)
         weights = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.device))
         names = [n for n, _ in self._trainable]

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ from tinkergym.protocol.types import SampledSequence, SampleRequest, SamplingPar
 def _load_checkpoint_adapter(peft_model: Any, internal: str, folder: str) -> None:
     """Attach a backend checkpoint's adapter under ``internal``: its LoRA settings from state.json, its weights renamed."""
     from peft import LoraConfig
-    from safetensors.torch import load_file
+
+    from tinkergym.backends.torch.sharded_states import trainable_weights
 
     saved = json.loads(Path(folder, "state.json").read_text(encoding="utf-8"))["config"]
     lora = LoraConfig(
@@ -28,7 +28,7 @@ def _load_checkpoint_adapter(peft_model: Any, internal: str, folder: str) -> Non
         target_modules=saved.get("lora_target_modules", "all-linear"), task_type="CAUSAL_LM",
     )
     peft_model.add_adapter(internal, lora)
-    weights = load_file(os.path.join(folder, "trainable.safetensors"))
+    weights = trainable_weights(folder)  # a plain state's file, or a sharded state's shards read together
     params = dict(peft_model.named_parameters())
     import torch
 

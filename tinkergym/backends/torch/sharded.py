@@ -45,11 +45,10 @@ from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 from tinkergym.backends.torch.batches import adamw_step, check_weights_finite, request_normalizers, validate_data
 from tinkergym.errors import ConfigError
+from tinkergym.backends.torch.sharded_states import SHARDED_FORMAT, _sharded_meta, _trainable_only, load_sharded_state, trainable_weights  # noqa: F401 - public here too
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, ForwardBackwardResult, OptimParams
 
-#: The format of a sharded state folder (``state.json``'s ``format``).
-SHARDED_FORMAT = "tinkergym-sharded-1"
 #: Seconds a collective waits for its peers before it raises (a dead rank ends the others).
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -257,38 +256,6 @@ class ShardedTorchBackend(TorchBackend):
         self._weights_changed()
         self._full = None
         self.step = int(meta["step"])
-
-
-def _trainable_only(state: dict[str, Any], trainable: list[tuple[str, torch.nn.Parameter]]) -> dict[str, Any]:
-    """The entries of a model state dict that train (a LoRA state holds the adapter, not the frozen base)."""
-    names = {n for n, _ in trainable}
-    kept = {k: v for k, v in state.items() if k in names}
-    return kept if len(kept) == len(names) else state
-
-
-def _sharded_meta(path: str) -> dict[str, Any]:
-    meta_file = Path(path, "state.json")
-    if not meta_file.is_file():
-        raise ConfigError(f"{path} is not a backend state folder (no state.json); pass a folder written by save_state")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("format") != SHARDED_FORMAT:
-        raise ConfigError(f"{path} is a state of format {meta.get('format')!r}, not a sharded one ({SHARDED_FORMAT})")
-    return meta
-
-
-def load_sharded_state(backend: TorchBackend, path: str) -> None:
-    """Load a sharded state (saved at any number of ranks) into a plain single-process backend, optimizer included."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    meta = _sharded_meta(path)
-    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
-    state = {"model": _trainable_only(model_state, backend._trainable), "optim": optim_state}
-    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))  # no process group: read whole
-    set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=StateDictOptions(strict=False))
-    backend._weights_changed()
-    backend.step = int(meta["step"])
 
 
 # ----- one server, many ranks ---------------------------------------------------------------------------

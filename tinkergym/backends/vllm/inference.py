@@ -72,10 +72,12 @@ def checkpoint_to_peft(checkpoint: str, base_path: str, folder: str) -> str:
     the modules that have weights, as peft writes them once ``"all-linear"`` is resolved.
     """
     from peft import LoraConfig
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
     saved = json.loads(Path(checkpoint, "state.json").read_text(encoding="utf-8"))["config"]
-    weights = load_file(os.path.join(checkpoint, "trainable.safetensors"))
+    from tinkergym.backends.torch.sharded_states import trainable_weights
+
+    weights = trainable_weights(checkpoint)  # a plain state's file, or a sharded state's shards read together
     renamed, targets = {}, set()
     for name, value in weights.items():
         if ".lora_A.default." not in name and ".lora_B.default." not in name:

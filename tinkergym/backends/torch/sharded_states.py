@@ -1,0 +1,79 @@
+"""States of a sharded backend (:mod:`tinkergym.backends.torch.sharded`), read without a process group: whether a folder
+is one, its trainable weights whole (what serving a checkpoint needs), and loading it into a single-process backend.
+
+A sharded state folder holds ``state.json`` (``format`` :data:`SHARDED_FORMAT`, the step, the ranks it was saved at,
+the backend's config) and ``dcp/``, a :mod:`torch.distributed.checkpoint` of ``{"model": trainable weights, "optim":
+the optimizer's state}``, each rank's shards in files of their own; it loads at any number of ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tinkergym.errors import ConfigError
+
+#: The format of a sharded state folder (``state.json``'s ``format``).
+SHARDED_FORMAT = "tinkergym-sharded-1"
+
+
+def is_sharded_state(path: str) -> bool:
+    """Whether the state folder ``path`` was written by a sharded backend."""
+    try:
+        return json.loads(Path(path, "state.json").read_text()).get("format") == SHARDED_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _trainable_only(state: dict[str, Any], trainable: list[tuple[str, torch.nn.Parameter]]) -> dict[str, Any]:
+    """The entries of a model state dict that train (a LoRA state holds the adapter, not the frozen base)."""
+    names = {n for n, _ in trainable}
+    kept = {k: v for k, v in state.items() if k in names}
+    return kept if len(kept) == len(names) else state
+
+
+def _sharded_meta(path: str) -> dict[str, Any]:
+    meta_file = Path(path, "state.json")
+    if not meta_file.is_file():
+        raise ConfigError(f"{path} is not a backend state folder (no state.json); pass a folder written by save_state")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("format") != SHARDED_FORMAT:
+        raise ConfigError(f"{path} is a state of format {meta.get('format')!r}, not a sharded one ({SHARDED_FORMAT})")
+    return meta
+
+
+def trainable_weights(path: str) -> dict[str, torch.Tensor]:
+    """The trainable weights of a state folder, whole, on the host: a plain one's ``trainable.safetensors``, or a sharded
+    one's shards read back together without a process group (what serving a checkpoint needs)."""
+    if not is_sharded_state(path):
+        from safetensors.torch import load_file
+
+        return load_file(os.path.join(path, "trainable.safetensors"))
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(os.path.join(path, "dcp"))
+    metadata = reader.read_metadata().state_dict_metadata
+    model = {key.removeprefix("model."): torch.empty(item.size, dtype=item.properties.dtype)
+             for key, item in metadata.items() if key.startswith("model.") and isinstance(item, TensorStorageMetadata)}
+    dcp.load({"model": model}, storage_reader=reader, no_dist=True)
+    return model
+
+
+def load_sharded_state(backend: Any, path: str) -> None:
+    """Load a sharded state (saved at any number of ranks) into a plain single-process backend, optimizer included."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    meta = _sharded_meta(path)
+    model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
+    state = {"model": _trainable_only(model_state, backend._trainable), "optim": optim_state}
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))  # no process group: read whole
+    set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=StateDictOptions(strict=False))
+    backend._weights_changed()
+    backend.step = int(meta["step"])
