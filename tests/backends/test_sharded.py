@@ -177,7 +177,7 @@ def test_serve_backend_sharded_over_two_ranks_by_torchrun(tiny: str, tmp_path: P
             assert remote.optim_step(program.OPTIM)["grad_norm"] == pytest.approx(local.optim_step(program.OPTIM)["grad_norm"], rel=1e-4)
         tokens = [[[s["tokens"] for s in row] for row in b.sample(program.SAMPLES[0]).to_dict()["sequences"]] for b in (remote, local)]
         assert tokens[0] == tokens[1]
-        remote.save_state("states/step_000002")
+        remote.save_state(str(tmp_path / "client" / "step_000002"))  # the server keeps it as states/step_000002
         assert sorted(p.name for p in (tmp_path / "server" / "states" / "step_000002").iterdir()) == ["dcp", "state.json"]
 
         ranks = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()]
