@@ -136,6 +136,9 @@ def run_server(app: Any, host: str, port: int, limits: Any, idle_timeout: float 
               help="Memory for the prefix cache: a multi-turn episode's next turn samples from its new tokens only (0 = off).")
 @click.option("--lora-sampling", type=click.Choice(["adapter", "merged"]), default="adapter", show_default=True,
               help="How LoRA samples: through the adapter, or from a merged copy of the weights (faster on a CPU; see train --help).")
+@click.option("--device-memory-gb", type=FiniteFloat(min=0), default=None, metavar="GB",
+              help="Memory of each device, for the check that the model's weights, gradients and Adam state fit before it "
+                   "loads (default: a GPU's own; no check on a CPU).")
 @EXIT_WITH_PARENT_OPTION
 @LEASE_FILE_OPTION
 @METRICS_PORT_OPTION
@@ -145,8 +148,8 @@ def serve_backend(
     model: str, lora_rank: int | None, full: bool, lora_alpha: float | None, lora_dropout: float, micro_batch_size: int,
     dtype: str, device: str, seed: int, host: str, port: int,
     token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int, idle_timeout: float | None, deterministic: bool,
-    gradient_checkpointing: bool, prefix_cache_mb: float, lora_sampling: str, exit_with_parent: bool, lease_file: Path | None, metrics_port: int,
-    max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
+    gradient_checkpointing: bool, prefix_cache_mb: float, lora_sampling: str, device_memory_gb: float | None, exit_with_parent: bool,
+    lease_file: Path | None, metrics_port: int, max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
     header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
     """Serve the Backend protocol over HTTP: sampling, gradients and optimizer steps for a remote trainer.
@@ -192,6 +195,7 @@ def serve_backend(
         except ConfigError as exc:
             raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
         ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        check_memory(config, ranks, device_memory_gb)  # before any weight loads: a model that cannot fit says so (exit 2)
         if ranks > 1:  # started by torchrun: the model sharded over its ranks; rank 0 serves, the others follow
             return _serve_sharded(config, ranks, run_dir, digest, max_body_mb, keep_states, host, port, idle_timeout, exit_with_parent,
                                   lease_file, metrics_port, (max_num_samples, max_request_new_tokens, max_request_sequences, max_request_tokens),
@@ -204,6 +208,33 @@ def serve_backend(
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
                lambda: app.state.service.last_activity(), logger, metrics_port)
+
+
+def check_memory(config: Any, ranks: int, device_memory_gb: float | None) -> None:
+    """Refuse (:class:`~tinkergym.errors.ConfigError`, exit 2) a model whose weights, gradients and optimizer state alone
+    exceed a device's memory (``device_memory_gb``, else a GPU's own; nothing to check on a CPU without it), with the
+    figures and what to change (:mod:`tinkergym.backends.torch.sizing`). Activations depend on the batches the client
+    sends, so they are not counted here: this refuses only what can never run."""
+    import torch
+    from transformers import AutoConfig
+
+    from tinkergym.backends.models import resolve_model
+    from tinkergym.backends.torch.runtime import resolve_device, resolve_dtype
+    from tinkergym.backends.torch.sizing import check_fits, estimate_training_memory
+
+    device = resolve_device(config.device)  # each rank has one such device (cuda:LOCAL_RANK under torchrun)
+    if device_memory_gb is not None:
+        total = int(device_memory_gb * 2**30)
+    elif device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        return
+    estimate = estimate_training_memory(
+        AutoConfig.from_pretrained(resolve_model(config.model)), lora_rank=config.lora_rank, dtype=resolve_dtype(config.dtype, device),
+        micro_batch_size=1, max_seq_len=1, ranks=ranks, device="cuda" if device.type == "cuda" else "cpu",
+        gradient_checkpointing=config.gradient_checkpointing,
+    )
+    check_fits(estimate, total)
 
 
 @contextlib.contextmanager
