@@ -39,7 +39,7 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def config(spec: dict) -> TorchBackendConfig:
-    return TorchBackendConfig(model=spec["model"], dtype="float32", lora_rank=spec["lora"], seed=3, micro_batch_size=2)
+    return TorchBackendConfig(model=spec["model"], dtype=spec.get("dtype", "float32"), lora_rank=spec["lora"], seed=3, micro_batch_size=2)
 
 
 OPTIM = OptimParams(learning_rate=1e-3)
