@@ -166,6 +166,27 @@ def serve_sharded(tiny: str, tmp_path: Path, ranks: int = 2) -> tuple[subprocess
     return process, url, token.read_text().strip()
 
 
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc: no procps needed)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return sorted(found)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        return "(zombie)" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
 def stop(process: subprocess.Popen) -> None:
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGTERM)
@@ -195,11 +216,11 @@ def test_serve_backend_sharded_over_two_ranks_by_torchrun(tiny: str, tmp_path: P
         remote.save_state(str(tmp_path / "client" / "step_000002"))  # the server keeps it as states/step_000002
         assert sorted(p.name for p in (tmp_path / "server" / "states" / "step_000002").iterdir()) == ["dcp", "state.json"]
 
-        ranks = [int(pid) for pid in subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()]
+        ranks = children(process.pid)
         assert len(ranks) == 2, ranks
         os.kill(ranks[-1], signal.SIGKILL)
         process.wait(timeout=90)  # torchrun sees a rank die and ends the other: the server is down, nothing hangs
         assert process.returncode != 0
-        assert all(subprocess.run(["kill", "-0", str(pid)], capture_output=True).returncode != 0 for pid in ranks)
+        assert not any(alive(pid) for pid in ranks)
     finally:
         stop(process)
