@@ -49,6 +49,9 @@ def test_an_operator_key_reads_every_tenant_and_a_tenant_key_its_own(make_client
     refused = client.get("/v1/jobs", params={"tenant": "globex"}, headers=auth(acme))
     assert refused.status_code == 403 and "operator" in refused.json()["error"]["message"]
     assert client.get("/v1/jobs", params={"tenant": "acme"}, headers=auth(acme)).status_code == 200
+    for hostile, says in (("glo%00bex", "NUL"), ("%ED%A0%80", "not a tenant name"), ("..%2Facme", "not a tenant name"), ("ACME", "not a tenant name")):
+        answer = client.get(f"/v1/jobs?tenant={hostile}", headers=auth(operator))  # refused before any query
+        assert answer.status_code == 400 and says in answer.json()["error"]["message"], (hostile, answer.text)
 
     # Queue positions in the list equal each job's own (priority first, then age).
     positions = {j["id"]: j["queue_position"] for j in listed}

@@ -33,7 +33,10 @@ process group's) raises instead of hanging, so a rank that dies ends its peers.
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -276,24 +279,18 @@ class Lockstep:
     """
 
     def __init__(self, backend: ShardedTorchBackend, ping_s: float = PING_S) -> None:
-        import threading
-
         self.backend, self.ping_s = backend, ping_s
         self._lock = threading.Lock()
-        self._last = __import__("time").monotonic()
+        self._last = time.monotonic()
         self._closed = threading.Event()
         self._pinger = threading.Thread(target=self._ping, name="tinkergym-rank-ping", daemon=True)
         self._pinger.start()
 
     def _send(self, message: list[Any]) -> None:
-        import time
-
         dist.broadcast_object_list([message], src=0)
         self._last = time.monotonic()
 
     def _ping(self) -> None:
-        import time
-
         while not self._closed.wait(max(0.1, self.ping_s - (time.monotonic() - self._last))):
             with self._lock:
                 if not self._closed.is_set() and time.monotonic() - self._last >= self.ping_s:
@@ -321,8 +318,6 @@ class Lockstep:
 
 def follow(backend: ShardedTorchBackend) -> None:
     """Run on a rank other than 0: each call rank 0's :class:`Lockstep` sends, until it says stop."""
-    import logging
-
     log = logging.getLogger("tinkergym.sharded")
     while True:
         message: list[Any] = [None]

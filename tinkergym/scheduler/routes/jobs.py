@@ -14,7 +14,7 @@ from tinkergym.config import is_model_name
 from tinkergym.scheduler import placement, states
 from tinkergym.scheduler.artifacts import JOB_ID
 from tinkergym.scheduler.deps import Forbidden, require
-from tinkergym.scheduler.auth import Principal
+from tinkergym.scheduler.auth import TENANT_PATTERN, Principal
 from tinkergym.scheduler.db import MAX_INT, allocations, devices, jobs
 from tinkergym.scheduler.idempotency import Refused
 from tinkergym.scheduler.repository import Conflict, JobStore
@@ -211,6 +211,8 @@ def list_jobs(
     says when to read the list again."""
     query = select(jobs)
     only = who.tenant_filter()
+    if tenant and not TENANT_PATTERN.match(tenant):
+        raise ValueError(f"tenant {tenant[:64]!r} is not a tenant name (lowercase letters, digits, '.', '_' and '-')")
     if tenant and only is not None and tenant != only:
         raise Forbidden(f"this key lists only tenant {only!r}'s jobs; listing another tenant's needs the 'operator' scope")
     if only is not None or tenant:
