@@ -110,7 +110,7 @@ $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(EDITABLE_QUIET) $(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e . -e ./env_packages/bandit
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" "transformers<5.20" \
-		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8" \
+		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8" "pytest-timeout>=2.3" \
 		"tqdm>=4.66" "pyyaml>=6" "matplotlib>=3.8" "tensorboardX>=2.6"
 	@touch $(VLLM_STAMP)
 
