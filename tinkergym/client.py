@@ -48,7 +48,7 @@ MAX_BACKOFF_S = 10.0
 #: Seconds a queued job waits with no worker able to host it before :func:`wait_running` says how to go on.
 UNPLACEABLE_HINT_S = 600.0
 #: Wait reasons (``wait_reason.code``) that hold until a worker that can host the job registers.
-UNPLACEABLE = frozenset({"no_worker", "no_model", "too_few_devices"})
+UNPLACEABLE = frozenset({"no_worker", "no_model", "too_few_devices", "too_little_memory"})
 PAGE_SIZE = 500
 
 

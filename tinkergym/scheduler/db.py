@@ -90,6 +90,7 @@ workers = Table(
     Column("strikes", Integer, nullable=False, default=0),  # leases in a row that expired before the job's server came up
     Column("quarantined_at", Float, nullable=True),  # set at quarantine_after strikes: no more leases until released
     Column("quarantine_reason", Text, nullable=True),  # why: its strikes, or the fault it reported giving a job back
+    Column("model_shapes", Text, nullable=True),  # JSON: model name -> its shape (tinkergym.scheduler.memory), for the models it counted
 )
 
 devices = Table(
@@ -104,6 +105,7 @@ devices = Table(
     # server's base as JSON (model, dtype, max_lora_rank). Both None for a whole device.
     Column("seat_of", Integer, nullable=True),
     Column("shared", Text, nullable=True),
+    Column("memory_bytes", BigInteger, nullable=True),  # what the worker said the device holds (None: not said, not checked)
     UniqueConstraint("worker_id", "index", name="uq_devices_worker_index"),
 )
 

@@ -72,7 +72,7 @@ from collections.abc import Iterator
 from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
-from tinkergym.scheduler import states
+from tinkergym.scheduler import memory, states
 from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME
 from tinkergym.scheduler.bounds import WorkerBounds
 from tinkergym.scheduler.db import allocations, checkpoints, devices, jobs, tenants, workers
@@ -215,7 +215,7 @@ def grant(
     if bounds is not None and bounds.models is not None:
         models &= set(bounds.models)
     active = conn.execute(
-        select(devices.c.id, devices.c.index, devices.c.seat_of, devices.c.shared)
+        select(devices.c.id, devices.c.index, devices.c.seat_of, devices.c.shared, devices.c.memory_bytes, devices.c.kind)
         .where(devices.c.worker_id == worker_id, devices.c.active.is_(True)).order_by(devices.c.index)
     ).all()
     taken = set(conn.execute(select(allocations.c.device_id).where(allocations.c.device_id.in_([d.id for d in active]))).scalars())
@@ -225,11 +225,14 @@ def grant(
     free_seats = [(d, shared) for d, shared in seats if d.id not in taken]
     if not free and not free_seats:
         return None
+    shapes = memory.parse_shapes(worker["model_shapes"]) or {}
+    device_memory, device_kind = memory.smallest([d.memory_bytes for d in whole]), (whole[0].kind if whole else "slot")
     held: dict[str, int] = {}
     quota: dict[str, int] = {}
     for job in _queue(conn, bounds.tenants if bounds is not None else None):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
         on_seats, on_devices = job["placed"] != "devices", job["placed"] != "seat"  # a job with checkpoints stays on their kind
+        on_devices = on_devices and memory.refusal(kind, gpus, config, shapes.get(_model(job)), device_memory, device_kind) is None
         if _model(job) not in models or ((gpus > len(whole) or not on_devices)
                                          and not (on_seats and any(fits(shared, kind, gpus, config) for _, shared in seats))):
             continue  # never fits here: it neither starts nor holds this worker's devices

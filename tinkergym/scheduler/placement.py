@@ -7,19 +7,21 @@ A queued job's reason is one of, first match wins:
 - ``no_model``: none of those workers offers the job's model;
 - ``too_few_devices``: none of the workers offering the model has as many devices as the job asks for, nor a seat
   of a shared server that the job fits (:mod:`tinkergym.scheduler.seats`);
+- ``too_little_memory``: the workers with enough devices have too little memory on each for what the training job
+  keeps there (:mod:`tinkergym.scheduler.memory`: the figures, and what to change);
 - ``quota``: the tenant's jobs hold its ``max_gpus`` devices (this job would go past it);
 - ``behind``: K queued jobs before it (by priority, then age) can run on the workers that can host it;
 - ``busy``: a worker could host it, but its devices (and the seats it fits) are held by other jobs;
 - ``ready``: a worker has the free devices (or a free seat) for it: it starts at that worker's next lease request.
 
-The first three are *unplaceable*: the job never starts until a worker that can host it registers. Nothing is
+The first four are *unplaceable*: the job never starts until a worker that can host it registers. Nothing is
 stored: the reason follows the tables (workers, devices, allocations, the queue) and the clock, as
 :func:`tinkergym.scheduler.leases.grant` reads them. The app's sweeper appends a ``waiting`` event when a queued
 job's reason changes (:func:`note_wait_reasons`), keeping the last reason of each job in memory only: after a
 restart each queued job gets one ``waiting`` event again.
 
-:func:`offered` is what workers have ever offered (registered workers, alive or gone): ``tinkergym scheduler serve
---refuse-unplaceable`` refuses a job that none of them could host (:func:`refusal`).
+:func:`refusal` reads what workers have ever offered (registered workers, alive or gone): ``tinkergym scheduler serve
+--refuse-unplaceable`` refuses a job that none of them could host.
 """
 
 from __future__ import annotations
@@ -32,17 +34,17 @@ from collections.abc import Iterable
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
-from tinkergym.scheduler import states
+from tinkergym.scheduler import memory, states
 from tinkergym.scheduler.bounds import WorkerBounds, parse_bounds
 from tinkergym.scheduler.db import allocations, api_keys, devices, tenants, workers
 from tinkergym.scheduler.repository import NotFound
 from tinkergym.scheduler.seats import fits, parse_shared
 from tinkergym.scheduler.worker_registry import worker_timeout
 
-NO_WORKER, NO_MODEL, TOO_FEW_DEVICES = "no_worker", "no_model", "too_few_devices"
+NO_WORKER, NO_MODEL, TOO_FEW_DEVICES, TOO_LITTLE_MEMORY = "no_worker", "no_model", "too_few_devices", "too_little_memory"
 QUOTA, BEHIND, BUSY, READY = "quota", "behind", "busy", "ready"
 #: Reasons that hold until a worker that can host the job registers: nothing the queue does starts the job.
-UNPLACEABLE = (NO_WORKER, NO_MODEL, TOO_FEW_DEVICES)
+UNPLACEABLE = (NO_WORKER, NO_MODEL, TOO_FEW_DEVICES, TOO_LITTLE_MEMORY)
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,8 @@ class Host:
     alive: bool
     seats: tuple[tuple[dict[str, Any], bool], ...] = ()
     shared_devices: int = 0
+    memory: int | None = None  # bytes of its smallest whole device (None: not said)
+    shapes: dict[str, Any] | None = None  # model -> its shape, for the models it counted
 
     def hosts(self, job: dict[str, Any]) -> bool:
         """Whether it could ever run ``job`` (a row with kind, gpus, config): on whole devices or on a seat."""
@@ -68,9 +72,14 @@ class Host:
         """Whether it could run ``job`` now: enough free whole devices, or a free seat the job fits."""
         return self._whole(job, self.free) or self._seat(job, free_only=True)
 
-    @staticmethod
-    def _whole(job: dict[str, Any], devices: int) -> bool:
-        return job.get("placed") != "seat" and job["gpus"] <= devices  # a job whose checkpoints a seat wrote stays on seats
+    def memory_refusal(self, job: dict[str, Any]) -> str | None:
+        """Why ``job`` on its devices here would not fit their memory (:func:`tinkergym.scheduler.memory.refusal`)."""
+        shape = (self.shapes or {}).get(_model(job["config"]))
+        return memory.refusal(job["kind"], job["gpus"], job["config"], shape, self.memory, self.kind)
+
+    def _whole(self, job: dict[str, Any], devices: int) -> bool:
+        # A job whose checkpoints a seat wrote stays on seats.
+        return job.get("placed") != "seat" and job["gpus"] <= devices and self.memory_refusal(job) is None
 
     def _seat(self, job: dict[str, Any], free_only: bool) -> bool:
         return job.get("placed") != "devices" and any(
@@ -93,18 +102,20 @@ def load_hosts(conn: Connection, now: float, timeout: float) -> list[Host]:
     """Every registered worker whose credential stands (not revoked, bounds readable); ``alive`` when seen within
     ``timeout`` and not quarantined."""
     rows = conn.execute(
-        select(workers.c.id, workers.c.models, workers.c.last_seen_at, workers.c.quarantined_at, api_keys.c.worker_bounds)
+        select(workers.c.id, workers.c.models, workers.c.model_shapes, workers.c.last_seen_at, workers.c.quarantined_at, api_keys.c.worker_bounds)
         .select_from(workers.join(api_keys, api_keys.c.id == workers.c.key_id)).where(api_keys.c.revoked_at.is_(None))
     ).all()
     counts: dict[str, dict[str, Any]] = {}
-    for worker_id, kind, seat_of, shared, held in conn.execute(
-        select(devices.c.worker_id, devices.c.kind, devices.c.seat_of, devices.c.shared, devices.c.id.in_(select(allocations.c.device_id)))
+    for worker_id, kind, seat_of, shared, size, held in conn.execute(
+        select(devices.c.worker_id, devices.c.kind, devices.c.seat_of, devices.c.shared, devices.c.memory_bytes,
+               devices.c.id.in_(select(allocations.c.device_id)))
         .where(devices.c.active.is_(True))
     ):
-        entry = counts.setdefault(worker_id, {"devices": 0, "free": 0, "kind": kind, "seats": [], "shared": set()})
+        entry = counts.setdefault(worker_id, {"devices": 0, "free": 0, "kind": kind, "seats": [], "shared": set(), "memory": []})
         if seat_of is None:
             entry["devices"] += 1
             entry["free"] += 0 if held else 1
+            entry["memory"].append(size)
         else:
             entry["seats"].append((parse_shared(shared) or {}, not held))
             entry["shared"].add(seat_of)
@@ -116,10 +127,10 @@ def load_hosts(conn: Connection, now: float, timeout: float) -> list[Host]:
         models = set(json.loads(row.models))
         if bounds.models is not None:
             models &= set(bounds.models)
-        entry = counts.get(row.id, {"devices": 0, "free": 0, "kind": bounds.kind or "device", "seats": [], "shared": set()})
+        entry = counts.get(row.id, {"devices": 0, "free": 0, "kind": bounds.kind or "device", "seats": [], "shared": set(), "memory": []})
         alive = now - row.last_seen_at <= timeout and row.quarantined_at is None
         found.append(Host(row.id, frozenset(models), entry["devices"], entry["free"], str(entry["kind"]), bounds, alive,
-                          tuple(entry["seats"]), len(entry["shared"])))
+                          tuple(entry["seats"]), len(entry["shared"]), memory.smallest(entry["memory"]), memory.parse_shapes(row.model_shapes)))
     return found
 
 
@@ -167,6 +178,12 @@ class Placement:
             return reason(NO_MODEL, f"no worker offers model {model} (alive workers offer: {', '.join(models[:10]) or 'nothing'}); "
                                     f"start one: tinkergym worker --models {model}")
         if not any(h.hosts(job) for h in offering):
+            big_enough = [h for h in offering if job.get("placed") != "seat" and gpus <= h.devices]
+            refusals = [h.memory_refusal(job) for h in big_enough]
+            if big_enough and all(refusals):
+                largest = max(big_enough, key=lambda h: h.memory or 0)
+                return reason(TOO_LITTLE_MEMORY, f"no worker offering {model} has devices with the memory this job needs: on the "
+                                                 f"largest, {refusals[big_enough.index(largest)]}")
             largest = max(offering, key=lambda h: h.devices)
             seats = "; seats of shared servers take only LoRA train or sft jobs of one device with the server's model, dtype and " \
                     "at most its max_lora_rank" if any(h.seats for h in offering) else ""
@@ -219,24 +236,24 @@ def wait_reasons(conn: Connection, settings: Any, now: float, queued: list[dict[
 
 
 # ----- what workers have ever offered ----------------------------------------------------------------
-def offered(conn: Connection, tenant: str) -> dict[str, int]:
-    """Each model that a registered worker serving ``tenant`` offers (alive or gone), with the most devices one such worker has."""
+def refusal(conn: Connection, tenant: str, model: Any, gpus: int, kind: str = "train", config: Any = None) -> str | None:
+    """Why no registered worker could ever host a ``kind`` job of ``tenant`` for ``model`` on ``gpus`` devices (its
+    ``config``: the memory check); None when one could."""
+    hosts = [h for h in load_hosts(conn, 0.0, float("inf")) if h.bounds.serves(tenant)]
     most: dict[str, int] = {}
-    for host in load_hosts(conn, 0.0, float("inf")):
-        if host.bounds.serves(tenant):
-            for model in host.models:
-                most[model] = max(most.get(model, 0), host.physical)
-    return most
-
-
-def refusal(conn: Connection, tenant: str, model: Any, gpus: int) -> str | None:
-    """Why no registered worker could ever host a job of ``tenant`` for ``model`` on ``gpus`` devices; None when one could."""
-    most = offered(conn, tenant)
+    for host in hosts:
+        for name in host.models:
+            most[name] = max(most.get(name, 0), host.physical)
     cluster = "; ".join(f"{m}: up to {n} device(s)" for m, n in sorted(most.items())[:20]) or "no worker has registered"
     if model not in most:
         return f"no worker offers model {model} (the workers offer {cluster}); start one: tinkergym worker --models {model}"
     if gpus > most[model]:
         return f"no worker offering {model} has {gpus} devices (the workers offer {cluster})"
+    job = {"kind": kind, "gpus": gpus, "config": {**(config or {}), "model": model}}
+    if not any(h.hosts(job) for h in hosts):
+        refusals = [r for h in hosts if model in h.models and gpus <= h.devices and (r := h.memory_refusal(job))]
+        if refusals:
+            return f"no worker offering {model} has devices with the memory it needs: {refusals[0]}"
     return None
 
 

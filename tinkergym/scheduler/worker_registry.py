@@ -25,7 +25,7 @@ def _locked(conn: Connection, query: Any) -> Any:
 
 def register_worker(
     conn: Connection, *, key_id: str, bounds: WorkerBounds, name: str, host: str, device_list: list[dict[str, Any]], models: list[str],
-    now: float,
+    now: float, model_shapes: dict[str, dict[str, Any]] | None = None,
 ) -> str:
     """Create or update the worker ``name`` of worker credential ``key_id`` and upsert its places by index; its id.
 
@@ -42,7 +42,8 @@ def register_worker(
     elsewhere = conn.execute(select(devices.c.worker_id, devices.c.index, devices.c.seat_of).where(
         devices.c.worker_id.in_(others), devices.c.active.is_(True))).all()
     bounds.check_registration(device_list, models, physical_devices(elsewhere))
-    values = {"host": host, "models": json.dumps(sorted(set(models))), "last_seen_at": now}
+    values = {"host": host, "models": json.dumps(sorted(set(models))), "last_seen_at": now,
+              "model_shapes": json.dumps(model_shapes, sort_keys=True) if model_shapes else None}
     if row is None:
         worker_id = "wkr_" + secrets.token_hex(8)
         conn.execute(insert(workers).values(id=worker_id, name=name, key_id=key_id, registered_at=now, **values))
@@ -67,7 +68,9 @@ def places(device_list: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]
     """The rows a registration's devices make, ``(index, fields)``: a whole device, or the seats of a shared one."""
     found: list[tuple[int, dict[str, Any]]] = []
     for device in device_list:
-        fields = {"kind": device["kind"], "name": device.get("name", ""), "active": True, "seat_of": None, "shared": None}
+        memory = device.get("memory_gb")
+        fields = {"kind": device["kind"], "name": device.get("name", ""), "active": True, "seat_of": None, "shared": None,
+                  "memory_bytes": int(memory * 2**30) if memory else None}
         shared = device.get("shared")
         if not shared:
             found.append((device["index"], fields))

@@ -434,3 +434,52 @@ __all__ = [
     "MemoryEstimate", "ModelShape", "activation_bytes", "saved_bytes", "backend_param_dtype", "check_fits", "estimate_from_shape",
     "estimate_training_memory", "layer_token_bytes", "lora_counts", "model_shape", "replace_settings",
 ]
+
+
+# ----- a worker's models, as the scheduler sees them -----------------------------------------------------
+#: The fields of a :class:`ModelShape`, in order: what a worker sends for each model it offers.
+SHAPE_FIELDS = tuple(ModelShape.__dataclass_fields__)
+
+
+def shape_dict(shape: ModelShape) -> dict[str, Any]:
+    """``shape`` as JSON-ready fields (``gated_mlp`` a bool, the rest integers)."""
+    return {name: getattr(shape, name) for name in SHAPE_FIELDS}
+
+
+def static_estimate(shape: dict[str, Any], *, lora_rank: int, dtype: str, ranks: int, device: str,
+                    gradient_checkpointing: bool = False) -> MemoryEstimate:
+    """What a training job keeps on each device whatever its batches: weights, gradients and optimizer state (and the
+    gathered layer of a sharded job, and its whole-model load), from a model's :func:`shape_dict`, with LoRA on every
+    linear layer (``"all-linear"``, TorchBackend's default) and one token of activations. What ``serve-backend`` checks
+    at its start (``--device-memory-gb``) and the scheduler before a lease. Torch-free."""
+    model = ModelShape(**shape)
+    compute = _dtype_name(dtype, device)
+    settings = {"lora_rank": lora_rank, "lora_target_modules": "all-linear", "dtype": compute, "param_dtype": backend_param_dtype(lora_rank, compute),
+                "micro_batch_size": 1, "max_seq_len": 1, "ranks": ranks, "gradient_checkpointing": gradient_checkpointing,
+                "device": device, "attn_implementation": "auto"}
+    adapter = (lora_rank * model.lora_io, model.lora_linears) if lora_rank else (0, 0)
+    return estimate_from_shape(model, adapter, settings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m tinkergym.backends.torch.sizing MODEL...``: each model's :func:`shape_dict` as one JSON object
+    (model name -> fields; a model that cannot be counted is left out and said on standard error). A worker runs it
+    once at its start, so that its own process imports no torch."""
+    import sys
+
+    from transformers import AutoConfig
+
+    from tinkergym.backends.models import resolve_model
+
+    shapes = {}
+    for name in (sys.argv[1:] if argv is None else argv):
+        try:
+            shapes[name] = shape_dict(model_shape(AutoConfig.from_pretrained(resolve_model(name))))
+        except Exception as exc:  # noqa: BLE001 - one model that cannot be read leaves the others counted
+            print(f"tinkergym: cannot count the weights of {name}: {exc}", file=sys.stderr)
+    print(json.dumps(shapes))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -33,7 +33,7 @@ MAX_SEQ = MAX_INT
 class WaitReason(WireModel):
     """Why a queued job waits (:mod:`tinkergym.scheduler.placement`)."""
 
-    code: Literal["no_worker", "no_model", "too_few_devices", "quota", "behind", "busy", "ready"]
+    code: Literal["no_worker", "no_model", "too_few_devices", "too_little_memory", "quota", "behind", "busy", "ready"]
     message: str
 
 
@@ -174,7 +174,7 @@ async def submit(
         if body.gpus > quotas.max_gpus:
             raise Refused(400, "invalid_request", f"the job asks for {body.gpus} GPUs; tenant {who.tenant_id!r} may hold at most {quotas.max_gpus}")
         if getattr(settings, "refuse_unplaceable", False):
-            unplaceable = placement.refusal(conn, who.tenant_id, body.config.model, body.gpus)
+            unplaceable = placement.refusal(conn, who.tenant_id, body.config.model, body.gpus, body.kind, config)
             if unplaceable is not None:
                 raise Refused(400, "unplaceable", f"no worker could ever run this job: {unplaceable}")
         if quotas.queued > quotas.max_queued:

@@ -56,6 +56,28 @@ class DeviceIn(WireModel):
     kind: Literal["gpu", "slot"]
     name: str = Field("", max_length=200)
     shared: SharedIn | None = Field(None, description="run it as a shared training server of seats, not as a whole device")
+    memory_gb: float | None = Field(None, gt=0, le=65536, description="its memory in GiB: training jobs that cannot fit it are not sent "
+                                                                      "here (with model_shapes; none: not checked)")
+
+
+class ModelShapeIn(WireModel):
+    """A model's size as the memory estimate reads it (tinkergym.backends.torch.sizing.ModelShape; the worker counts it)."""
+
+    hidden: int = Field(ge=1, le=2**20)
+    intermediate: int = Field(ge=1, le=2**24)
+    layers: int = Field(ge=1, le=4096)
+    heads: int = Field(ge=1, le=4096)
+    kv_heads: int = Field(ge=1, le=4096)
+    head_dim: int = Field(ge=1, le=2**16)
+    vocab: int = Field(ge=1, le=2**24)
+    gated_mlp: bool
+    params: int = Field(ge=1, le=10**14)
+    linear_params: int = Field(ge=0, le=10**14)
+    layer_params: int = Field(ge=0, le=10**14)
+    root_params: int = Field(ge=0, le=10**14)
+    largest_param: int = Field(ge=0, le=10**14)
+    lora_io: int = Field(ge=0, le=10**12)
+    lora_linears: int = Field(ge=0, le=10**7)
 
 
 class WorkerRegister(WireModel):
@@ -65,6 +87,8 @@ class WorkerRegister(WireModel):
     host: str = Field(pattern=HOST, description="where the servers it starts listen (clients connect there directly)")
     devices: list[DeviceIn] = Field(min_length=1, max_length=256)
     models: list[str] = Field(default_factory=list, max_length=100, description="model names its servers serve")
+    model_shapes: dict[str, ModelShapeIn] = Field(default_factory=dict, max_length=100,
+                                                  description="the size of each model it offers (for the memory check before a lease)")
 
     @field_validator("devices")
     @classmethod
@@ -81,6 +105,13 @@ class WorkerRegister(WireModel):
         if bad:
             raise ValueError(f"not model names: {bad[:3]}")
         return value
+
+    @model_validator(mode="after")
+    def _shapes_of_offered_models(self) -> WorkerRegister:
+        unknown = sorted(set(self.model_shapes) - set(self.models))
+        if unknown:
+            raise ValueError(f"model_shapes names models the worker does not offer: {', '.join(unknown[:3])}")
+        return self
 
     @model_validator(mode="after")
     def _shared_models_offered(self) -> WorkerRegister:
@@ -240,7 +271,7 @@ def register(
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         worker_id = leases.register_worker(
             conn, key_id=who.key_id, bounds=bounds, name=body.name, host=body.host, device_list=[d.model_dump() for d in body.devices],
-            models=body.models, now=store.clock(),
+            models=body.models, now=store.clock(), model_shapes={m: s.model_dump() for m, s in body.model_shapes.items()},
         )
         view = _view(request, conn, worker_id)
         assert view is not None  # registered above, in this transaction

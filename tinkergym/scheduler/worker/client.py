@@ -54,9 +54,12 @@ class WorkerClient(SchedulerClient):
         return f"/v1/workers/{_q(self.worker_id)}/jobs/{_q(job_id)}"
 
     # ----- registration and leases ------------------------------------------------------------------
-    def register(self, name: str, host: str, devices: list[dict[str, Any]], models: list[str]) -> dict[str, Any]:
-        """Register (or update) this worker and its devices; remembers its id."""
-        answer = self._request("POST", "/v1/workers", {"name": name, "host": host, "devices": devices, "models": models})
+    def register(self, name: str, host: str, devices: list[dict[str, Any]], models: list[str],
+                 model_shapes: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Register (or update) this worker and its devices (each may say its ``memory_gb``), with the shapes of the models
+        it counted (:mod:`tinkergym.scheduler.memory`); remembers its id."""
+        body = {"name": name, "host": host, "devices": devices, "models": models, **({"model_shapes": model_shapes} if model_shapes else {})}
+        answer = self._request("POST", "/v1/workers", body)
         self.worker_id = answer["id"]
         return answer
 
