@@ -117,7 +117,9 @@ def test_two_ranks_halve_what_fsdp_shards_and_replicate_the_adapter() -> None:
     assert one.weight_copies > 0 and two.weight_copies == 0 and one.gathered == 0 < two.gathered
     shape = two.shape
     assert two.gathered == (shape.layer_params + shape.root_params) * 2 + shape.layer_params * 4
-    assert two.loading == one.weights  # each rank loads the whole model before sharding it
+    assert two.loading == 0, "on a GPU each rank loads the model on the host and fully_shard moves it a layer at a time"
+    on_cpu = [estimate_training_memory(config, lora_rank=0, ranks=r, device="cpu", **kwargs) for r in (1, 2)]
+    assert on_cpu[1].loading == on_cpu[0].weights  # on a CPU the host is the device: the whole model first
     assert two.total == 2 * two.per_rank
     lora_one, lora_two = (estimate_training_memory(config, lora_rank=8, ranks=r, **kwargs) for r in (1, 2))
     adapter = lora_one.trainable_params

@@ -60,8 +60,13 @@ def init_process_group(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S
     """Join the process group the environment describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as
     torchrun sets them): NCCL for CUDA devices, gloo otherwise."""
     if not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        if device.startswith("cuda"):
+            # This rank's GPU is the current device before NCCL starts: NCCL, and the mesh fully_shard makes, use the
+            # current device (cuda:0 on every rank otherwise, which NCCL refuses as a duplicate GPU).
+            torch.cuda.set_device(torch.device(device))
+            dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s), device_id=torch.device(device))
+        else:
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def prompt_length(datum: Datum) -> int:
@@ -116,8 +121,13 @@ class ShardedTorchBackend(TorchBackend):
         cast = self.param_dtype != self.dtype  # float32 masters, a lower compute dtype
         policy = MixedPrecisionPolicy(param_dtype=self.dtype if cast else None, reduce_dtype=torch.float32 if cast else None)
         ignored = set(lora) or None
+        # The model was loaded on the host (_load_base): each fully_shard moves the weights it wraps to this rank's device
+        # and keeps its shard there, so a device holds one whole layer at most while loading, never the whole model.
         self.fsdp_modules = [fully_shard(layer, mp_policy=policy, ignored_params=ignored) for layer in decoder_layers(self.model)]
         self.fsdp_modules.append(fully_shard(self.model, mp_policy=policy, ignored_params=ignored))
+        with torch.no_grad():
+            for param in lora:  # left out of FSDP, so not moved by it: the whole adapter on every rank's device
+                param.data = param.data.to(self.device)
         for module in self.fsdp_modules:
             module.set_gradient_divide_factor(1.0)  # each rank's loss is its share of one sum
             module.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
@@ -125,6 +135,10 @@ class ShardedTorchBackend(TorchBackend):
         # DTensor parameters: the plain per-parameter AdamW (the fused kernel takes plain tensors).
         self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=0.0, foreach=False)
         self._full: torch.nn.Module | None = None
+
+    def _load_base(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
+        """The whole model on the host (unless ``device`` says otherwise): fully_shard moves it to the device shard by shard."""
+        return super()._load_base(dtype, torch.device("cpu") if device is None else device)
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "ranks": self.world, "rank": self.rank}

@@ -21,7 +21,8 @@ step that accumulates micro-batches (the second micro-batch of a step, the optim
   state of the modules it wraps over the ranks; a LoRA adapter is left out of FSDP and replicated on every rank. One
   decoder layer and the root module's weights (embeddings, final norm, head) are gathered whole at a time, in the
   compute dtype, and in full fine-tuning the layer's gradient before its reduce-scatter (**gathered**). Every rank
-  first loads the whole model before it shards it (**loading**), which can be the peak.
+  first loads the whole model on the host and ``fully_shard`` moves it to the device a layer at a time; on a CPU the
+  host is the device, so there the whole model is held at once (**loading**), which can be the peak.
 
 The formula is checked against autograd's saved tensors and against measured peaks of real steps on a CPU
 (``tests/backends/test_sizing.py``); on a GPU the caching allocator's reserve and the CUDA context (several hundred
@@ -368,7 +369,9 @@ def estimate_from_shape(shape: ModelShape, adapter: tuple[int, int], settings: d
         activations=activations,
         weight_copies=copies,
         gathered=gathered,
-        loading=shape.params * param + adapter_params * 4 if ranks > 1 else 0,
+        # A sharded job loads the whole model on the host first; fully_shard then moves it to the device layer by layer.
+        # On a CPU the host is the device, so the whole model is there at once.
+        loading=shape.params * param + adapter_params * 4 if ranks > 1 and settings["device"] == "cpu" else 0,
         ranks=ranks,
         params=shape.params + adapter_params,
         trainable_params=trainable,
