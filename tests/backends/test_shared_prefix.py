@@ -75,6 +75,19 @@ def test_shared_prefix_gradients_equal_per_sequence_gradients(tiny: str, lora_ra
     assert lora_rank == 0 or shared_metrics["kl"] > 0
 
 
+def test_full_fine_tuning_in_bfloat16_scores_its_kl_reference_with_shared_prompts(tiny: str) -> None:
+    """The KL reference of full fine-tuning in a lower dtype is a frozen copy whose passes store their KV cache through a
+    hook (copies._cache_in); each group's rows get a copy of their prompt's cache, which must take their keys, not hand
+    them to the prompt's cache (a shape error before)."""
+    spec = LossSpec(name="ppo", clip_low=0.1, clip_high=0.3, kl_coef=0.1)
+    results = {}
+    for share in (True, False):
+        backend = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=0, dtype="bfloat16", seed=0, share_prefixes=share, micro_batch_size=8))
+        results[share] = backend.forward_backward(ForwardBackwardRequest(data=grpo_like_batch(), loss=spec)).metrics
+    assert results[True]["kl"] == pytest.approx(results[False]["kl"], abs=1e-3)
+    assert results[True]["loss"] == pytest.approx(results[False]["loss"], rel=2e-2, abs=1e-3)
+
+
 def assert_sharing_changes_nothing(model: str, batch, spec: LossSpec, lora_rank: int, micro_batch_size: int) -> dict[str, float]:
     """Metrics and gradients of ``forward_backward`` on ``batch()`` are the same with and without shared prompts."""
     results = {}

@@ -380,12 +380,25 @@ def cache_rows(cache: Any, indices: torch.Tensor) -> Any:
     """
     rows = copy.copy(cache)
     rows.__dict__.pop("update", None)  # a wrapper of the original's update (see _store_in_compute_dtype)
-    rows.layers = [copy.copy(layer) for layer in cache.layers]
+    rows.layers = [_copy_layer(layer) for layer in cache.layers]
     if hasattr(rows, "before_update"):
         rows.before_update = {}
     _store_in_compute_dtype(rows)
     rows.batch_select_indices(indices)
     return rows
+
+
+def _copy_layer(layer: Any) -> Any:
+    """A shallow copy of a cache layer whose ``update`` writes into the copy: a layer of a cache that a frozen copy's
+    hook made (:func:`~tinkergym.backends.torch.copies._cache_in`) carries an ``update`` wrapper bound to that layer,
+    which a plain copy would keep (every row pass would then append to the prompt's own cache)."""
+    new = copy.copy(layer)
+    wrapper = new.__dict__.pop("update", None)
+    if isinstance(wrapper, functools.partial) and wrapper.func is _update_in:
+        new.update = functools.partial(_update_in, wrapper.args[0], new.update)
+    elif wrapper is not None:
+        raise TypeError(f"cannot copy a KV cache layer whose update was replaced by {wrapper!r}")
+    return new
 
 
 def replayable_cache(model: torch.nn.Module) -> Any:
