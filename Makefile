@@ -18,7 +18,7 @@ TINKER_COOKBOOK_VERSION ?= 0.6.1
 # installs below filter out that one message; any other warning still shows.
 EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 
-.PHONY: install demo play lint test test-vllm test-gpu bench clean sandbox-tool postgres-server browser
+.PHONY: install demo play lint test test-gpu-on-cpu test-vllm test-gpu bench clean sandbox-tool postgres-server browser
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -91,7 +91,14 @@ lint: install
 
 test: install lint
 	$(PY) -m pytest
+	$(MAKE) test-gpu-on-cpu
 	$(MAKE) test-vllm
+
+# The GPU lane's tests on the CPU (TINKERGYM_TEST_DEVICE=cpu; eager attention stands in for flash-attn): the code of the
+# GPU path runs on every change, though no GPU is here. What only a GPU can show (kernels, host syncs, memory) is not checked.
+GPU_TESTS_ON_CPU := tests/gpu/test_cuda.py tests/gpu/test_gpu_attention.py tests/gpu/test_host_syncs.py tests/gpu/test_gpu_shared_lora.py
+test-gpu-on-cpu: install
+	TINKERGYM_TEST_DEVICE=cpu $(PY) -m pytest $(GPU_TESTS_ON_CPU) -q
 
 # The GPU lane (each test skips where torch sees no CUDA device, saying why): TorchBackend on CUDA, host syncs per
 # decode step and training pass counted with torch.cuda.set_sync_debug_mode, flash-attn against sdpa in bfloat16.

@@ -17,7 +17,7 @@ from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig, f
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams
 
 DEVICE = os.environ.get("TINKERGYM_TEST_DEVICE", "cuda")
-ATTN = os.environ.get("TINKERGYM_TEST_ATTN", "flash_attention_2")
+ATTN = os.environ.get("TINKERGYM_TEST_ATTN", "flash_attention_2" if torch.device(DEVICE).type == "cuda" else "eager")  # a CPU has no flash-attn
 pytestmark = pytest.mark.skipif(
     torch.device(DEVICE).type == "cuda" and not (torch.cuda.is_available() and (ATTN != "flash_attention_2" or flash_attn_importable())),
     reason="needs a CUDA GPU and a flash-attn that imports (TINKERGYM_TEST_DEVICE=cpu TINKERGYM_TEST_ATTN=eager checks the test on a CPU)",

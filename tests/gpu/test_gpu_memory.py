@@ -172,8 +172,9 @@ def test_lora_step_with_vllm_on_the_same_device_fits_and_sleeps_during_training(
     assert len(second.sequences) == len(prompts) and all(len(row) == 8 for row in second.sequences)
     assert all(len(seq.tokens) == params.max_new_tokens for row in second.sequences for seq in row)
     assert result.metrics["tokens"] == sum(len(seq.tokens) for row in first.sequences for seq in row)  # every completion token trained
-    if not ON_CUDA:
-        return
+    if not ON_CUDA:  # the plumbing above was checked; the memory claims below are about a GPU
+        pytest.skip("ran the step on the CPU and checked its results, but NOT its memory claims (sleep mode frees "
+                    f"{SLEEP_FREES_GIB} GiB, the peak stays under {MAX_USED_FRACTION:.0%} of the device): those hold on CUDA only")
     assert backend.sampler.sleeps, "sleep mode should be on by default on CUDA"
     assert awake - asleep >= SLEEP_FREES_GIB * GIB, figures
     assert max(sample_peak, train_peak, resample_peak) <= MAX_USED_FRACTION * total, figures
