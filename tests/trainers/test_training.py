@@ -17,6 +17,7 @@ from click.testing import CliRunner
 pytest.importorskip("torch")
 
 from tinkergym.cli import main
+from tinkergym.errors import InvalidAction
 from tinkergym.trainers.reporting import read_metrics
 
 VOLATILE = ("time/", "tokens/per_s")
@@ -79,6 +80,8 @@ def test_nan_loss_stops_with_a_clear_error_and_keeps_the_last_checkpoint(tiny, t
 
 
 def test_eval_of_a_model_and_of_a_run(tiny, tmp_path) -> None:
+    from tinkergym_bandit.env import BanditEnv
+
     out = tmp_path / "run"
     assert CliRunner().invoke(main, _train_args(tiny, out, "--steps", "1"), catch_exceptions=False).exit_code == 0
     for source in (["--model", tiny], ["--run", str(out)]):
@@ -86,8 +89,22 @@ def test_eval_of_a_model_and_of_a_run(tiny, tmp_path) -> None:
         result = CliRunner().invoke(main, ["eval", "--env", "tinker/Bandit-v0", *source, "--episodes", "3", "--max-new-tokens", "4", "--out", str(transcripts)], catch_exceptions=False)
         assert result.exit_code == 0, result.output
         summary = json.loads(result.stdout.strip().splitlines()[-1])
-        assert summary["episodes"] == 3.0 and 0.0 <= summary["success_rate"] <= 1.0
-        assert len(transcripts.read_text().splitlines()) == 3
+        records = [json.loads(line) for line in transcripts.read_text().splitlines()]
+        assert summary["episodes"] == 3.0 and len(records) == 3
+        # Graded again here from the answers alone: an answer that names no single arm gets Bandit's penalty and fails;
+        # one that does is paid 0 or 1 and succeeds when paid.
+        env = BanditEnv()
+        env.reset(seed=0)
+        for record in records:
+            answer = record["messages"][-1]["content"]
+            try:
+                env._parse(answer)
+            except InvalidAction:
+                assert record["total_reward"] == BanditEnv.invalid_action_penalty, record
+            else:
+                assert record["total_reward"] in (0.0, 1.0), record
+        assert summary["reward_mean"] == pytest.approx(sum(r["total_reward"] for r in records) / 3)
+        assert summary["success_rate"] == pytest.approx(sum(r["total_reward"] > 0 for r in records) / 3)
 
 
 def test_loss_corrections_from_the_command_line(tiny, tmp_path) -> None:
