@@ -81,3 +81,6 @@ def test_grpo_lora_steps_do_not_collapse(warm_model, tmp_path, seed) -> None:
     rewards = [r["reward/mean"] for r in _run(config)]
     drops = [_mean(rewards[i - 5 : i]) - rewards[i] for i in range(5, len(rewards))]
     assert max(drops) <= 0.25, f"a step fell {max(drops):.3f} below the 5 before it: {[round(r, 3) for r in rewards]}"
+    # Stable is not enough: a run that does not learn (a learning rate of 1e-12) never drops either.
+    start, end = _mean(rewards[:2]), _mean(rewards[-5:])
+    assert end > start + 0.15, f"the reward did not rise: {[round(r, 3) for r in rewards]}"
