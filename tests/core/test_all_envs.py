@@ -17,7 +17,7 @@ import tinkergym
 from tinkergym.registry import load_baseline
 from tinkergym.testing import check_text_aec_env, check_text_env
 
-SHIPPED = {"tinker/Gomoku-v0", "tinker/GomokuDuel-v0", "tinker/Math-v0", "tinker/MathTool-v0", "tinker/Bandit-v0"}
+SHIPPED = {"tinker/Gomoku-v0", "tinker/GomokuDuel-v0", "tinker/Math-v0", "tinker/MathTool-v0", "tinker/Bandit-v0", "tinker/Household-v0"}
 
 
 def test_every_shipped_env_is_discovered() -> None:
