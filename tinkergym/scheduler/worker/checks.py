@@ -85,6 +85,45 @@ def gpu_count(python: str) -> tuple[int, str]:
         return 0, "torch.cuda.device_count()"
 
 
+def gpu_memory_gb(indexes: list[int]) -> dict[int, float]:
+    """Each GPU's memory in GiB, by index, as ``nvidia-smi --query-gpu=index,memory.total`` says (MiB); empty without it."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None or not indexes:
+        return {}
+    try:
+        done = subprocess.run([smi, "--query-gpu=index,memory.total", "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                              timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    found: dict[int, float] = {}
+    for line in done.stdout.splitlines() if done.returncode == 0 else ():
+        try:
+            index, mib = (part.strip() for part in line.split(","))
+            found[int(index)] = round(float(mib) / 1024, 3)
+        except ValueError:
+            continue
+    return {i: found[i] for i in indexes if i in found}
+
+
+def model_shapes(python: str, models: list[str]) -> tuple[dict[str, Any], str]:
+    """The shape of each of ``models`` (:func:`tinkergym.backends.torch.sizing.shape_dict`, counted on the meta device
+    under ``python``, so this process imports no torch), and what went wrong for those it could not count ("" if none)."""
+    if not models:
+        return {}, ""
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    try:
+        done = subprocess.run([python, "-m", "tinkergym.backends.torch.sizing", *models], capture_output=True, text=True,
+                              timeout=PROBE_TIMEOUT_S * 2, env=env, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {}, f"{type(exc).__name__}: {exc}"
+    try:
+        shapes = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        shapes = {}
+    problems = " ".join(done.stderr.strip().splitlines()[-len(models):]) if len(shapes) < len(models) else ""
+    return (shapes if isinstance(shapes, dict) else {}), problems
+
+
 def check_worker(python: str, devices: list[dict[str, Any]], models: list[str], check_models: bool = True) -> None:
     """:class:`WorkerCheckFailed` (one line) unless ``python`` has the servers' packages, each of ``models`` is available
     (unless ``check_models`` is False) and each GPU of ``devices`` exists."""
