@@ -54,6 +54,12 @@ class SandboxUnavailableError(TinkergymError, RuntimeError):
     """Untrusted code cannot run here under real isolation (bubblewrap missing, user namespaces refused)."""
 
 
+class EnvUnavailableError(TinkergymError, RuntimeError):
+    """An installed env that cannot be made on this machine: data it needs is not installed, and an env never
+    downloads while it is made. The message says how to install what is missing. Hub-wide commands (``play --all``,
+    ``envs check --all``) report such an env as skipped, not failed."""
+
+
 class InvalidAction(TinkergymError, ValueError):
     """Raised by an env's own step logic for a bad action.
 

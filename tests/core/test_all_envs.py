@@ -14,6 +14,7 @@ import random
 import pytest
 
 import tinkergym
+from testkit import own_envs  # registered by tests/conftest.py
 from tinkergym.registry import load_baseline
 from tinkergym.testing import check_text_aec_env, check_text_env
 
@@ -24,7 +25,7 @@ def test_every_shipped_env_is_discovered() -> None:
     assert SHIPPED <= {s.id for s in tinkergym.list_envs()}
 
 
-@pytest.mark.parametrize("env_spec", tinkergym.list_envs(), ids=lambda s: s.id)
+@pytest.mark.parametrize("env_spec", own_envs(), ids=lambda s: s.id)
 def test_env_conforms(env_spec) -> None:
     baseline = load_baseline(env_spec)
     if env_spec.kind == "aec":
@@ -65,7 +66,7 @@ def _hostile_message(rng: random.Random, tools: list[dict]) -> str:
     return noise + "".join(parts) + rng.choice(["", "\\boxed{1}", "\x00", "[" * 2_000])
 
 
-@pytest.mark.parametrize("env_spec", [s for s in tinkergym.list_envs() if s.kind == "env"], ids=lambda s: s.id)
+@pytest.mark.parametrize("env_spec", [s for s in own_envs() if s.kind == "env"], ids=lambda s: s.id)
 def test_tool_envs_survive_hostile_tool_calls(env_spec) -> None:
     env = tinkergym.make(env_spec.id)
     observation, info = env.reset(seed=0)

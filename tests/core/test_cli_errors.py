@@ -15,6 +15,7 @@ from click.testing import CliRunner
 
 import tinkergym
 from tinkergym.backends import models
+from testkit import own_envs  # registered by tests/conftest.py
 from tinkergym.cli import main
 from tinkergym.errors import ConfigError
 
@@ -225,7 +226,7 @@ def test_bad_input_exits_2_with_a_message_that_names_it(paths, args, keyword, tm
 
 
 # ----- the Python API -----------------------------------------------------------------------------------
-@pytest.mark.parametrize("env_id", [s.id for s in tinkergym.list_envs()])
+@pytest.mark.parametrize("env_id", [s.id for s in own_envs()])
 @pytest.mark.parametrize("options", ["moves", ["index", 0], 5])
 def test_reset_options_that_are_not_a_mapping_are_a_config_error(env_id, options) -> None:
     s = tinkergym.spec(env_id)

@@ -13,14 +13,18 @@ import tinkergym
 after_import = sorted(m for m in sys.modules if m.startswith("tinkergym_"))
 specs = tinkergym.list_envs()
 after_list = sorted(m for m in sys.modules if m.startswith("tinkergym_"))
-made = []
+made, unavailable = [], []
 for s in specs:
-    env = tinkergym.make_aec(s.id) if s.kind == "aec" else tinkergym.make(s.id)
+    try:
+        env = tinkergym.make_aec(s.id) if s.kind == "aec" else tinkergym.make(s.id)
+    except tinkergym.errors.EnvUnavailableError:
+        unavailable.append(s.id)  # data it needs is not installed here: it says so at once, never downloads
+        continue
     env.reset(seed=0)
     made.append(s.id)
 import tinkergym.rollouts, tinkergym.chat, tinkergym.cli, tinkergym.trainers.grpo, tinkergym.trainers.session  # noqa
 heavy = sorted(m for m in ("torch", "transformers", "peft", "vllm", "ray", "fastapi", "huggingface_hub") if m in sys.modules)
-print(json.dumps({"after_import": after_import, "after_list": after_list, "made": made, "heavy": heavy}))
+print(json.dumps({"after_import": after_import, "after_list": after_list, "made": made, "unavailable": unavailable, "heavy": heavy}))
 """
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from tinkergym.cli.common import SafePath, construct_env, parse_kwargs
-from tinkergym.errors import CheckFailed, ConfigError, TinkergymError
+from tinkergym.errors import CheckFailed, ConfigError, EnvUnavailableError, TinkergymError
 from tinkergym.registry import EnvSpec, list_envs, load_baseline, load_entry_point, spec
 
 
@@ -87,16 +87,21 @@ def check_command(env_ids: tuple[str, ...], check_all: bool, kwargs: tuple[str, 
         raise click.UsageError("give one or more ENV_IDs, or --all (not both).")
     specs = list_envs(refresh=True) if check_all else [spec(i) for i in env_ids]
     env_kwargs = parse_kwargs(kwargs)
-    failures = 0
+    failures = skipped = 0
     for s in specs:
         try:
             _check_one(s, env_kwargs, fuzz_count)
+        except EnvUnavailableError as exc:
+            if not check_all:
+                raise
+            skipped += 1
+            click.secho(f"skip  {s.id}  ({s.distribution})\n      {exc}", fg="yellow")
         except (CheckFailed, TinkergymError) as exc:
             failures += 1
             click.secho(f"FAIL  {s.id}  ({s.distribution})\n      {exc}", fg="red")
         else:
             click.secho(f"ok    {s.id}", fg="green")
-    click.echo(f"{len(specs) - failures} passed, {failures} failed")
+    click.echo(f"{len(specs) - failures - skipped} passed, {failures} failed" + (f", {skipped} skipped (not installable offline)" if skipped else ""))
     if failures:
         sys.exit(1)
 

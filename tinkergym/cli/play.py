@@ -12,6 +12,7 @@ import click
 from tinkergym.agents import RandomTextAgent
 from tinkergym.cli.common import SEED, SafePath, construct_env, parse_kwargs, shorten
 from tinkergym.episodes import Transcript, run_aec_episode, run_episode
+from tinkergym.errors import EnvUnavailableError
 from tinkergym.registry import EnvSpec, list_envs, load_baseline, make, make_aec, spec
 
 
@@ -91,7 +92,13 @@ def play(env_id: str | None, play_all: bool, agent: str, seats: tuple[str, ...],
     env_kwargs = parse_kwargs(kwargs)
     with _open_transcripts(jsonl) as transcripts:  # opened first: a path that cannot be written fails before the game
         for s in specs:
-            transcript = play_one(s, agent, opponent, seats, seed, {} if play_all else env_kwargs, max_steps)
+            try:
+                transcript = play_one(s, agent, opponent, seats, seed, {} if play_all else env_kwargs, max_steps)
+            except EnvUnavailableError as exc:
+                if not play_all:
+                    raise
+                click.secho(f"===== {s.id} ({s.distribution} {s.version}): skipped: {exc}", fg="yellow")
+                continue
             if agent != "human":
                 click.secho(f"===== {s.id} ({s.distribution} {s.version}) =====", bold=True)
                 click.echo(transcript.format())
