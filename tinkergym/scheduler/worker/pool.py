@@ -1,6 +1,8 @@
 """The worker's loop (:class:`Worker`): registers its devices and seats, asks for leases while some are free, and runs
-a :class:`~tinkergym.scheduler.worker.agent.JobRunner` per lease (see that module for what one lease does).
-Standard library and :mod:`tinkergym.client` only (``prometheus_client`` with ``--metrics-port``)."""
+a :class:`~tinkergym.scheduler.worker.agent.JobRunner` per lease (see that module for what one lease does), its server
+started by the worker's launcher (:mod:`~tinkergym.scheduler.worker.launchers`: processes of this machine, or Ray actors
+with ``--ray``). Standard library and :mod:`tinkergym.client` only (``prometheus_client`` with ``--metrics-port``,
+``ray`` with ``--ray``)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from tinkergym.client import SchedulerError
 from tinkergym.scheduler.worker.agent import STOP_GRACE_S, JobRunner
 from tinkergym.scheduler.worker.client import WorkerClient
 from tinkergym.scheduler.worker.job_servers import WorkerOptions
+from tinkergym.scheduler.worker.launchers import Launcher, ProcessLauncher
 from tinkergym.scheduler.worker.seats import SharedServers
 
 log = logging.getLogger("tinkergym.worker")
@@ -34,13 +37,14 @@ def _port_free(host: str, port: int) -> bool:
 class Worker:
     """Registers the devices, asks for leases while some are free, runs a :class:`JobRunner` per lease."""
 
-    def __init__(self, client: WorkerClient, options: WorkerOptions) -> None:
+    def __init__(self, client: WorkerClient, options: WorkerOptions, launcher: Launcher | None = None) -> None:
         self.client, self.options = client, options
+        self.launcher: Launcher = launcher if launcher is not None else ProcessLauncher()
         self.runners: list[JobRunner] = []
         self.stopping = threading.Event()
         self._lock = threading.Lock()
         self._ports: set[int] = set()
-        self.shared = SharedServers(options, self.take_port, self.release_port)
+        self.shared = SharedServers(options, self.take_port, self.release_port, self.launcher)
         self.metrics: Any = None  # a WorkerMetrics once count_metrics() ran (--metrics-port)
 
     def count_metrics(self) -> Any:
@@ -91,8 +95,13 @@ class Worker:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stopping.set())
         self.register()
+        try:  # what an earlier process of this worker left running is stopped before any new lease
+            self.launcher.reconcile(self)
+        except Exception:  # noqa: BLE001 - what is left is fenced by its lease (and stops itself past it): the worker serves on
+            log.exception("could not stop what an earlier process of this worker left running")
         delay = self.options.poll
         while not self.stopping.is_set():
+            self.shared.keepalive()
             granted = None
             if len(self.busy()) < self.options.places():
                 try:
@@ -133,6 +142,7 @@ class Worker:
         for runner in runners:
             runner.join(timeout=STOP_GRACE_S * 2 + 5)
         self.shared.stop()
+        self.launcher.close()
         self._try(self.client.copy(retries=0, timeout=5.0).leave)  # listed gone at once, not after the worker timeout
         log.info("stopped")
 

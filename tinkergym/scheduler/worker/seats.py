@@ -2,14 +2,17 @@
 
 A device given with ``tinkergym worker --shared-devices`` runs one ``tinkergym serve-shared`` (:class:`SharedServer`):
 started at the first seat lease of that device, in ``<work-dir>/shared/<device>/`` (its own random token in the 0600
-file ``token``, its run folder), with ``CUDA_VISIBLE_DEVICES`` set to the device, ``PR_SET_PDEATHSIG`` (it dies with
-the worker) and ``--exit-with-parent``; it holds the base model once and stays up while the worker runs.
+file ``token``, its run folder), by the worker's launcher (:mod:`~tinkergym.scheduler.worker.launchers`: a process with
+``CUDA_VISIBLE_DEVICES`` set to the device and ``PR_SET_PDEATHSIG``, so it dies with the worker; with ``--ray``, a Ray
+actor on one GPU, or CPU, of the cluster: :mod:`~tinkergym.scheduler.worker.ray_pool`) and ``--exit-with-parent``; it
+holds the base model once and stays up while the worker runs.
 
 A seat lease is a :class:`Seat`: its job's session is the adapter ``<job>.<epoch>`` of the device's server, opened with
 the SHA-256 of the lease's token (the job's owner reaches it with that token, through the scheduler's connection, as
 a whole server), the job's rank, alpha and seed, and bound to the lease (``PUT /v1/adapters/<id>/lease`` with the
 epoch at every renewal: past the lease's end the adapter refuses every call, so a frozen worker's seat stops serving
-when its lease ends, and an older epoch cannot renew it). Its states live in ``adapters/<id>/states/``, restored there
+when its lease ends, and an older epoch cannot renew it; the lease's seconds left, not a deadline, so the server may run
+on another machine). Its states live in ``adapters/<id>/states/``, restored there
 before the adapter opens and uploaded from there as a whole server's are. The seat ends by closing the adapter and
 deleting its folder (its memory is freed; what the scheduler stored stays). A server that exits takes its seats'
 jobs back to the queue as a worker fault (:class:`~tinkergym.scheduler.worker.faults.WorkerFault`); the next seat
@@ -22,10 +25,8 @@ import hashlib
 import http.client
 import json
 import logging
-import os
 import secrets
 import shutil
-import subprocess
 import threading
 import time
 import urllib.parse
@@ -37,7 +38,7 @@ from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
 from tinkergym.folders import write_private_file
 from tinkergym.scheduler.worker.checks import last_line, log_tail, server_fault
 from tinkergym.scheduler.worker.faults import JobFault, WorkerFault
-from tinkergym.scheduler.worker.job_servers import die_with_parent
+from tinkergym.scheduler.worker.launchers import SHARED_LEASE_S, SHARED_RENEW_S, JobServer, Launcher, ServerLost
 
 log = logging.getLogger("tinkergym.worker")
 
@@ -46,79 +47,75 @@ LOG_TAIL = 3000
 
 
 class SharedServer:
-    """One ``serve-shared`` process on one device of the worker (see the module's notes)."""
+    """One ``serve-shared`` server on one device of the worker, started by the worker's launcher (see the module's notes)."""
 
-    def __init__(self, device: dict[str, Any], options: Any, take_port: Callable[[], int], release_port: Callable[[int], None]) -> None:
-        self.device, self.options = device, options
+    def __init__(self, device: dict[str, Any], options: Any, take_port: Callable[[], int], release_port: Callable[[int], None],
+                 launcher: Launcher) -> None:
+        self.device, self.options, self.launcher = device, options, launcher
         self.spec: dict[str, Any] = device["shared"]
         self.take_port, self.release_port = take_port, release_port
         self.folder = options.work_dir / "shared" / str(device["index"])
-        self.process: subprocess.Popen | None = None
-        self.port: int | None = None
+        self.handle: JobServer | None = None
         self.token = ""
         self._lock = threading.Lock()
 
     @property
+    def host(self) -> str:
+        handle = self.handle
+        return handle.host if handle is not None else self.options.host
+
+    @property
+    def port(self) -> int | None:
+        handle = self.handle
+        return handle.port if handle is not None else None
+
+    @property
     def url(self) -> str:
-        host = f"[{self.options.host}]" if ":" in self.options.host else self.options.host
+        host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
 
     def exit_code(self) -> int | None:
-        """The server's exit code once it has exited; None while it runs (or before it started)."""
-        process = self.process
-        return process.poll() if process is not None else None
+        """The server's exit code once it has exited; None while it runs (or before it started); :class:`ServerLost` when it
+        is gone without one (its Ray actor or node died)."""
+        handle = self.handle
+        return handle.exit_code() if handle is not None else None
+
+    def running(self) -> bool:
+        """Whether it was started and has not exited (nor been lost)."""
+        try:
+            return self.handle is not None and self.exit_code() is None
+        except ServerLost:
+            return False
 
     def ensure(self, check: Callable[[], None]) -> None:
         """Start the server unless it runs; ``check`` is called while waiting (it raises to give up)."""
         with self._lock:
-            if self.process is not None and self.process.poll() is None:
+            if self.running():
                 return
+            self._drop(graceful=False)  # one that exited or was lost: what it held goes back
             self.folder.mkdir(parents=True, exist_ok=True)
             self.token = secrets.token_urlsafe(32)
             write_private_file(self.folder / "token", self.token + "\n")
             for _attempt in range(3):
-                self.port = self.take_port()
+                self.handle = self.launcher.start_shared(self, check)
                 try:
-                    self.process = self._popen()
                     if self._wait_healthy(check):
                         log.info("shared server of device %s: %s at %s", self.device["index"], self.spec["model"], self.url)
                         return
                 finally:
-                    self.release_port(self.port)
+                    if self.handle is not None:
+                        self.handle.started()
             raise WorkerFault(f"the shared server of device {self.device['index']} could not bind a port in "
                               f"{self.options.ports[0]}-{self.options.ports[1]}: {last_line(self.log_tail(), 'no log')}")
 
-    def _popen(self) -> subprocess.Popen:
+    def command(self, host: str, port: int) -> list[str]:
+        """The server's command line, listening on ``host``:``port``."""
         gpu = self.device["kind"] == "gpu"
-        env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(self.device["index"]) if gpu else "", PYTHONUNBUFFERED="1")
-        env.pop("TINKERGYM_API_KEY", None)  # the worker's key stays with the worker
-        command = [self.options.python, "-m", "tinkergym", "serve-shared", "--model", self.spec["model"], "--dtype", self.spec["dtype"],
-                   "--device", "auto" if gpu else "cpu", "--max-lora-rank", str(self.spec["max_lora_rank"]),
-                   "--max-adapters", str(self.spec["seats"]), "--host", self.options.host, "--port", str(self.port),
-                   "--token-file", str(self.folder / "token"), "--run-dir", str(self.folder / "run"), "--keep-states", "0",
-                   "--exit-with-parent"]
-        # PR_SET_PDEATHSIG fires when the *thread* that started the process ends: a job's runner thread ends with its job,
-        # so the server is started from a thread of its own that lives as long as the server does.
-        found: dict[str, Any] = {}
-        started = threading.Event()
-
-        def spawn() -> None:
-            try:
-                with open(self.folder / "server.out", "ab") as out:
-                    found["process"] = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                                        cwd=self.folder, start_new_session=True, preexec_fn=die_with_parent)
-            except BaseException as exc:  # noqa: BLE001 - raised again in the caller's thread
-                found["error"] = exc
-            finally:
-                started.set()
-            if "process" in found:
-                found["process"].wait()
-
-        threading.Thread(target=spawn, name=f"shared-server-{self.device['index']}", daemon=True).start()
-        started.wait()
-        if "error" in found:
-            raise found["error"]
-        return found["process"]
+        return [self.options.python, "-m", "tinkergym", "serve-shared", "--model", self.spec["model"], "--dtype", self.spec["dtype"],
+                "--device", "auto" if gpu else "cpu", "--max-lora-rank", str(self.spec["max_lora_rank"]),
+                "--max-adapters", str(self.spec["seats"]), "--host", host, "--port", str(port),
+                "--token-file", str(self.folder / "token"), "--run-dir", str(self.folder / "run"), "--keep-states", "0",
+                "--exit-with-parent"]
 
     def _wait_healthy(self, check: Callable[[], None]) -> bool:
         """Whether ``/health`` answered; False when the server exited because its port was taken."""
@@ -128,7 +125,7 @@ class SharedServer:
             code = self.exit_code()
             if code is not None:
                 tail = self.log_tail()
-                self.process = None
+                self._drop(graceful=False)
                 if "address already in use" in tail.lower() and code != 0:
                     return False
                 raise WorkerFault(f"the shared server of device {self.device['index']} exited with code {code} while starting: "
@@ -144,7 +141,10 @@ class SharedServer:
         raise WorkerFault(f"the shared server of device {self.device['index']} did not answer /health within {START_TIMEOUT_S:g}s")
 
     def _http(self, method: str, path: str, body: Any = None, timeout: float = 60.0) -> tuple[int, Any]:
-        conn = http.client.HTTPConnection(self.options.host, self.port, timeout=timeout)
+        port = self.port
+        if port is None:
+            raise ConnectionError(f"the shared server of device {self.device['index']} is not running")
+        conn = http.client.HTTPConnection(self.host, port, timeout=timeout)
         try:
             headers = {"Authorization": f"Bearer {self.token}"}
             data = None
@@ -177,25 +177,34 @@ class SharedServer:
         return log_tail(self.folder / "server.out", LOG_TAIL)
 
     def stop(self) -> None:
-        process = self.process
-        if process is None:
-            return
-        try:
-            os.killpg(process.pid, 15)
-            process.wait(10)
-        except (ProcessLookupError, PermissionError, subprocess.TimeoutExpired):
-            try:
-                os.killpg(process.pid, 9)
-            except (ProcessLookupError, PermissionError):
-                pass
-        self.process = None
+        """Stop it (SIGTERM, then SIGKILL) and free what it held."""
+        self._drop(graceful=True)
+
+    def _drop(self, graceful: bool) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.stop(graceful)
 
 
 class SharedServers:
     """The worker's shared servers, one per shared device, started on first use."""
 
-    def __init__(self, options: Any, take_port: Callable[[], int], release_port: Callable[[int], None]) -> None:
-        self.servers = {d["index"]: SharedServer(d, options, take_port, release_port) for d in options.devices if d.get("shared")}
+    def __init__(self, options: Any, take_port: Callable[[], int], release_port: Callable[[int], None], launcher: Launcher) -> None:
+        self.servers = {d["index"]: SharedServer(d, options, take_port, release_port, launcher) for d in options.devices if d.get("shared")}
+        self._renewed_at = 0.0
+
+    def keepalive(self) -> None:
+        """Renew the running servers' own lease (:data:`SHARED_LEASE_S`), every :data:`SHARED_RENEW_S` at most (the worker's loop calls it)."""
+        if not self.servers or time.monotonic() - self._renewed_at < SHARED_RENEW_S:
+            return
+        self._renewed_at = time.monotonic()
+        for server in self.servers.values():
+            handle = server.handle
+            if handle is not None:
+                try:
+                    handle.renew(SHARED_LEASE_S)
+                except Exception as exc:  # noqa: BLE001 - a server that cannot be told is seen gone at its next seat's look
+                    log.warning("could not renew the shared server of device %s: %s", server.device["index"], exc)
 
     def __getitem__(self, device: int) -> SharedServer:
         return self.servers[device]
@@ -265,7 +274,7 @@ class Seat:
         """Close the adapter (its waiting calls fail, its memory is freed) and delete its folder; safe to call again."""
         with self._lock:
             was_open, self.opened = self.opened, False
-        if was_open and self.server.exit_code() is None and self.server.process is not None:
+        if was_open and self.server.running():
             try:
                 self.server.call("DELETE", f"/v1/adapters/{_q(self.adapter_id)}?purge=true")
             except (WorkerFault, JobFault) as exc:
