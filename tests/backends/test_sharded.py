@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,8 @@ from tinkergym.backends.torch.backend import TorchBackend  # noqa: E402
 from tinkergym.backends.torch.sharded import split_rows  # noqa: E402
 from tinkergym.backends.torch.sharded_states import trainable_weights  # noqa: E402
 from tinkergym.protocol.types import Datum  # noqa: E402
+from tinkergym.scheduler.artifact_paths import check_relpath  # noqa: E402
+from tinkergym.scheduler.worker.folders import state_files  # noqa: E402
 
 
 def free_port() -> int:
@@ -110,8 +113,17 @@ def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(tiny: str, tmp_pat
     assert (state / "state.json").is_file() and json.loads((state / "state.json").read_text())["ranks"] == 2
     # What serving the checkpoint reads: its trainable weights whole, without a process group.
     assert_close(trainable_weights(str(state)), on["steps"][0]["weights"], "the saved weights read back")
-    at_one = single(tiny, lora, 1, load=str(state), start=1)
-    at_three = torchrun(3, {"model": tiny, "lora": lora, "steps": 1, "load": str(state), "start": 1}, tmp_path)
+    # A state moves between workers as the files a worker uploads (folders.state_files: no hidden names, so no DCP
+    # .metadata) and the scheduler's store accepts (artifact_paths.check_relpath): it loads from those alone.
+    moved = tmp_path / "moved"
+    files = state_files(state)
+    assert "dcp/metadata.dcp" in files and not any(name.split("/")[-1].startswith(".") for name in files)
+    for name in files:
+        check_relpath(name)
+        (moved / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(state / name, moved / name)
+    at_one = single(tiny, lora, 1, load=str(moved), start=1)
+    at_three = torchrun(3, {"model": tiny, "lora": lora, "steps": 1, "load": str(moved), "start": 1}, tmp_path)
     expected = on["steps"][1]["weights"]  # the second step of the run that went on (its batch 1)
     assert_close(at_one["steps"][0]["weights"], expected, "loaded at 1 rank")
     assert_close(at_three["steps"][0]["weights"], expected, "loaded at 3 ranks")

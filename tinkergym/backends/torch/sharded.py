@@ -48,7 +48,9 @@ from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 from tinkergym.backends.torch.batches import adamw_step, check_weights_finite, request_normalizers, validate_data
 from tinkergym.errors import ConfigError
-from tinkergym.backends.torch.sharded_states import SHARDED_FORMAT, _sharded_meta, _trainable_only, load_sharded_state, trainable_weights  # noqa: F401 - public here too
+from tinkergym.backends.torch.sharded_states import (  # noqa: F401 - load_sharded_state, trainable_weights: public here too
+    SHARDED_FORMAT, _sharded_meta, _trainable_only, dcp_folder, keep_index, load_sharded_state, trainable_weights,
+)
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, ForwardBackwardResult, OptimParams
 
@@ -252,6 +254,7 @@ class ShardedTorchBackend(TorchBackend):
         dcp.save({"model": _trainable_only(model_state, self._trainable), "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
         dist.barrier()
         if self.rank == 0:
+            keep_index(os.path.join(tmp, "dcp"))
             meta = {"format": SHARDED_FORMAT, "step": self.step, "ranks": self.world, "config": self.config.to_dict(), "model_path": self.model_path}
             Path(tmp, "state.json").write_text(json.dumps(meta, indent=2) + "\n")
             replace_dir(tmp, target)
@@ -265,6 +268,9 @@ class ShardedTorchBackend(TorchBackend):
         meta = _sharded_meta(path)
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": _trainable_only(model_state, self._trainable), "optim": optim_state}
+        if self.rank == 0:
+            dcp_folder(path)  # the index back in place, once, before any rank reads it
+        dist.barrier()
         dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
         from torch.distributed.checkpoint.state_dict import StateDictOptions
 
