@@ -119,3 +119,26 @@ def test_registration_refuses_shapes_of_models_it_does_not_offer_and_nonsense_me
                  {**base, "devices": [{"index": 0, "kind": "slot", "memory_gb": 1e9}]}):
         response = client.post("/v1/workers", json=body, headers=kit.auth(key))
         assert response.status_code == 400 and "malformed request" in response.text, (body, response.text)
+
+
+def test_a_worker_with_device_memory_registers_it_and_its_models_shapes(db_url: str, keys: Any, tmp_path: Any) -> None:
+    """A real ``tinkergym worker --device-memory-gb``: it counts the tiny model's shape (full fine-tuning keeps about
+    2.4 MiB of it, LoRA 0.8 MiB) and registers 2 MiB a slot; the full job waits for memory, the LoRA job is leased."""
+    from testkit import wait_until  # registered by tests/conftest.py
+    from tinkergym.client import SchedulerClient
+
+    server = kit.serve_scheduler(db_url, tmp_path / "data")
+    owner = SchedulerClient(server.url, keys.new("acme", "read,write"))
+    worker = kit.WorkerProcess(server.url, keys.new("acme", "worker"), tmp_path / "w", "w", "--device-memory-gb", "0.002")
+    try:
+        full = owner.submit("train", {"model": "tiny", "lora_rank": 0, "dtype": "float32"})["id"]
+        why = wait_until("the worker's memory to be known", lambda: (r := owner.show(full).get("wait_reason") or {}).get("code") == "too_little_memory" and r,
+                         120)
+        assert "needs about 2.4 MiB per device" in why["message"] and "a device has 2.05 MiB" in why["message"], why
+        lora = owner.submit("train", {"model": "tiny", "lora_rank": 8, "dtype": "float32"})["id"]
+        wait_until("the LoRA job to be leased", lambda: owner.show(lora)["state"] != "queued", 120)
+        assert owner.show(full)["state"] == "queued"
+        owner.cancel(lora)
+    finally:
+        worker.stop()
+        server.stop()

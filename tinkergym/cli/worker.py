@@ -79,6 +79,25 @@ def _join_ray(address: str, slots: int | None) -> tuple[list[dict], type]:
                          f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}") from None
 
 
+def _memory(devices: list[dict], memory_gb: float | None, python: str, models: list[str]) -> dict:
+    """Say each whole device's memory (``--device-memory-gb``, else a GPU's own) in ``devices``, and count the models'
+    shapes where any memory is known: what the scheduler checks a training job against before a lease
+    (:mod:`tinkergym.scheduler.memory`). A model that cannot be counted is said once and not checked."""
+    from tinkergym.scheduler.worker.checks import gpu_memory_gb, model_shapes
+
+    found = gpu_memory_gb([d["index"] for d in devices if d["kind"] == "gpu"]) if memory_gb is None else {}
+    for device in devices:
+        size = memory_gb if memory_gb is not None else found.get(device["index"])
+        if size and not device.get("shared"):
+            device["memory_gb"] = size
+    if not any("memory_gb" in d for d in devices):
+        return {}
+    shapes, problem = model_shapes(python, models)
+    if problem:
+        click.echo(f"tinkergym worker: training jobs of some models are not checked against device memory: {problem}", err=True)
+    return shapes
+
+
 @click.command("worker")
 @click.option("--scheduler", "scheduler_url", envvar=SCHEDULER_ENV, show_envvar=True, metavar="URL", help="The scheduler, e.g. http://10.0.0.2:8780.")
 @click.option("--key", "api_key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
@@ -109,6 +128,9 @@ def _join_ray(address: str, slots: int | None) -> tuple[list[dict], type]:
 @click.option("--max-lora-rank", type=click.IntRange(1, 4096), default=64, show_default=True,
               help="The largest rank of a job on a seat (a larger one takes a whole device): size --seats so that this many "
                    "adapters of this rank, with their optimizer state, fit the device beside the base.")
+@click.option("--device-memory-gb", type=FiniteFloat(min=0.001, max=65536), default=None, metavar="GB",
+              help="Each device's memory, for the scheduler's check before a lease: a training job whose weights, gradients and Adam "
+                   "state cannot fit is not sent here (default: each GPU's own, from nvidia-smi; CPU slots: not checked).")
 @click.option("--skip-model-check", is_flag=True, help="Start even when a model of --models is not available here yet (it is fetched when a job starts).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, show_default=True,
               help="Serve the worker's Prometheus metrics at http://127.0.0.1:PORT/metrics (its devices and seats free and held, lease "
@@ -121,7 +143,7 @@ def worker(
     scheduler_url: str | None, api_key: str | None, gpus: str | None, slots: int | None, name: str | None, host: str, models: str,
     work_dir: Path, port_range: str, heartbeat: float | None, idle_timeout: float | None, poll: float, python: str, keep_states: int,
     shared_devices: str | None, seats: int, shared_model: str | None, shared_dtype: str, max_lora_rank: int, skip_model_check: bool,
-    metrics_port: int, ray_address: str | None,
+    metrics_port: int, ray_address: str | None, device_memory_gb: float | None,
 ) -> None:
     """Take the scheduler's leases for this machine's devices and run each job's server on them.
 
@@ -180,9 +202,11 @@ def worker(
         check_worker(python, devices if ray_launcher is None else [], model_list, check_models=not skip_model_check)  # Ray's GPUs: its nodes'
     except WorkerCheckFailed as exc:  # one line, before any registration: a worker never takes jobs it cannot run
         raise InputError(f"this worker cannot run what it offers: {exc}") from None
+    shapes = _memory(devices, device_memory_gb, python, model_list)
     work_dir.mkdir(parents=True, exist_ok=True)
     options = WorkerOptions(name=name, host=host, devices=devices, models=model_list, work_dir=work_dir.resolve(), ports=ports,
-                            heartbeat=heartbeat, idle_timeout=idle_timeout, poll=poll, python=python, keep_states=keep_states)
+                            heartbeat=heartbeat, idle_timeout=idle_timeout, poll=poll, python=python, keep_states=keep_states,
+                            model_shapes=shapes)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
     pool = Worker(client, options, ray_launcher(options) if ray_launcher is not None else None)
     if metrics_port:

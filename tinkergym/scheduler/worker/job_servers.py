@@ -39,6 +39,7 @@ class WorkerOptions:
     poll: float = 1.0
     python: str = field(default_factory=lambda: sys.executable)
     keep_states: int = 2  # a job's uploaded states kept in its folder, the newest (0: all)
+    model_shapes: dict[str, Any] = field(default_factory=dict)  # each model's shape, for the scheduler's memory check
 
     def places(self) -> int:
         """The places it lends: whole devices, and the seats of its shared ones."""

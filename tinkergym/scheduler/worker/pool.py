@@ -85,7 +85,7 @@ class Worker:
             self._ports.discard(port)
 
     def register(self) -> None:
-        self.client.register(self.options.name, self.options.host, self.options.devices, self.options.models)
+        self.client.register(self.options.name, self.options.host, self.options.devices, self.options.models, self.options.model_shapes)
         log.info("registered as %s (%s): devices %s, models %s", self.options.name, self.client.worker_id,
                  [d["index"] for d in self.options.devices], self.options.models)
 
