@@ -17,6 +17,10 @@ and when a turn stops at the token budget without a stop token, the bridge start
 end-of-turn token (mask 0), so the turn is closed exactly as the template would close it.
 
 Templates that ignore ``tools`` (SmolLM2's, for one) get the tool schemas described in the system message.
+
+Observations with images (:class:`~tinkergym.spaces.TextWithImages`) become messages with content lists
+through :func:`observation_message`, their images kept beside the messages; :class:`ChatTemplateRenderer`
+(a text tokenizer's template) renders such messages with each image part as :data:`IMAGE_PLACEHOLDER`.
 """
 
 from __future__ import annotations
@@ -77,7 +81,7 @@ class ChatTemplateRenderer:
 
     def render_text(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         """The template's text for ``messages`` (tools folded into the system message if the template ignores them)."""
-        messages, tools = self._with_tools(messages, tools)
+        messages, tools = self._with_tools(text_only_messages(messages), tools)
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def render(self, messages: list[Message], tools: list[dict] | None = None, add_generation_prompt: bool = False) -> list[int]:
@@ -127,3 +131,63 @@ class ChatTemplateRenderer:
         if messages and messages[0]["role"] == "system":
             return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]], None
         return [{"role": "system", "content": text}, *messages], None
+
+
+# ----- observations with images -------------------------------------------------------------------
+#: What a text-only template shows in place of an image part.
+IMAGE_PLACEHOLDER = "<image>"
+
+
+def observation_message(observation: Any, role: str = "user") -> tuple[Message, list[Any]]:
+    """The chat message of an env observation, and the images it shows (kept beside the messages).
+
+    A ``str`` observation (a text env) is ``{"role": role, "content": text}`` with no images, exactly as
+    before. A :class:`~tinkergym.spaces.TextWithImages` observation with images becomes an
+    OpenAI/transformers-style content list, one ``{"type": "image"}`` part per image, in order, then the
+    text: ``[{"type": "image"}, {"type": "text", "text": ...}]``. The parts hold no pixels: the images
+    come back as the second value, and a conversation's images are the concatenation of its messages'
+    images in message order (what a processor's ``images=`` takes beside the rendered template).
+    """
+    if not isinstance(observation, dict):
+        return {"role": role, "content": observation if isinstance(observation, str) else str(observation)}, []
+    text = str(observation.get("text", ""))
+    images = list(observation.get("images", ()))
+    if not images:
+        return {"role": role, "content": text}, []
+    parts: list[dict[str, Any]] = [{"type": "image"} for _ in images]
+    parts.append({"type": "text", "text": text})
+    return {"role": role, "content": parts}, images
+
+
+def count_image_parts(messages: list[Message]) -> int:
+    """How many ``{"type": "image"}`` parts ``messages`` hold (the number of images kept beside them)."""
+    return sum(1 for m in messages if isinstance(m.get("content"), list) for part in m["content"] if isinstance(part, dict) and part.get("type") == "image")
+
+
+def text_only_messages(messages: list[Message], placeholder: str = IMAGE_PLACEHOLDER) -> list[Message]:
+    """``messages`` with every content list flattened to a string (image parts become ``placeholder``).
+
+    For chat templates that only render string contents (text models): the text keeps its place and
+    each image is marked where it was.
+    """
+    flat = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            pieces = [placeholder if isinstance(p, dict) and p.get("type") == "image" else str(p.get("text", "")) if isinstance(p, dict) else str(p) for p in content]
+            message = {**message, "content": "\n".join(pieces)}
+        flat.append(message)
+    return flat
+
+
+def to_pil_images(images: list[Any]) -> list[Any]:
+    """The images as ``PIL.Image.Image`` objects in RGB mode (Pillow is imported here, lazily)."""
+    try:
+        from PIL import Image
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        from tinkergym.errors import ConfigError
+
+        raise ConfigError("images need Pillow; install it with: pip install Pillow") from exc
+    import numpy as np
+
+    return [image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image, dtype=np.uint8)) for image in images]

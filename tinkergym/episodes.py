@@ -38,18 +38,31 @@ class Transcript:
     tools: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-serializable copy."""
-        return asdict(self)
+        """A JSON-serializable copy (an observation with images: its text and an ``[image HxW]`` mark per image)."""
+        data = asdict(self)
+        data["first_observation"] = shown(self.first_observation)
+        for turn in data["turns"]:
+            turn["observation"] = shown(turn["observation"])
+        return data
 
     def format(self) -> str:
         """The episode as text, the way a person reads it."""
-        parts = [f"[system]\n{self.system_prompt}", f"[observation]\n{self.first_observation}"]
+        parts = [f"[system]\n{self.system_prompt}", f"[observation]\n{shown(self.first_observation)}"]
         for turn in self.turns:
             flags = " (terminated)" if turn.terminated else " (truncated)" if turn.truncated else ""
             parts.append(f"[{turn.actor}] {turn.action}")
-            parts.append(f"[observation] reward {turn.reward:+g}{flags}\n{turn.observation}")
+            parts.append(f"[observation] reward {turn.reward:+g}{flags}\n{shown(turn.observation)}")
         parts.append("[returns] " + ", ".join(f"{k}: {v:+g}" for k, v in self.returns.items()))
         return "\n\n".join(parts)
+
+
+def shown(observation: Any) -> Any:
+    """An observation as a person reads it: text as it is; text with images (:class:`tinkergym.spaces.TextWithImages`) as
+    its text and an ``[image HxW]`` mark per image, never the pixels."""
+    if not isinstance(observation, Mapping) or "images" not in observation:
+        return observation
+    marks = " ".join(f"[image {getattr(image, 'shape', ('?', '?'))[0]}x{getattr(image, 'shape', ('?', '?'))[1]}]" for image in observation["images"])
+    return f"{marks}\n{observation.get('text', '')}" if marks else str(observation.get("text", ""))
 
 
 def run_episode(env: Any, agent: Agent, *, seed: int | None = None, options: dict | None = None, max_steps: int = 10_000) -> Transcript:

@@ -18,7 +18,8 @@ from testkit import own_envs  # registered by tests/conftest.py
 from tinkergym.registry import load_baseline
 from tinkergym.testing import check_text_aec_env, check_text_env
 
-SHIPPED = {"tinker/Gomoku-v0", "tinker/GomokuDuel-v0", "tinker/Math-v0", "tinker/MathTool-v0", "tinker/Bandit-v0", "tinker/Household-v0"}
+SHIPPED = {"tinker/Gomoku-v0", "tinker/GomokuDuel-v0", "tinker/Math-v0", "tinker/MathTool-v0", "tinker/Bandit-v0", "tinker/Household-v0",
+           "tinker/Geometry-v0", "tinker/GeometryTool-v0", "tinker/ColourSquare-v0"}
 
 
 def test_every_shipped_env_is_discovered() -> None:
