@@ -2,16 +2,14 @@ r"""``tinker/GeometryTool-v0``: the drawn geometry questions with a ``python`` a
 
 from __future__ import annotations
 
-import json
 from typing import Any
 from collections.abc import Sequence
 
 from tinkergym.errors import ConfigError, SandboxUnavailableError
 from tinkergym.sandbox import ISOLATIONS, check_sandbox, run_python
-from tinkergym.spaces import is_printable_text
 from tinkergym.tools import ParsedToolCalls, Tool, ToolBox, function_schema, parse_tool_calls
 
-from tinkergym_math.tool_env import calculator, python
+from tinkergym_math.tool_env import calculator, python, tool_turn
 
 from tinkergym_geometry.env import KINDS, GeometryEnv
 from tinkergym_geometry.visual import VisualStepResult
@@ -24,10 +22,6 @@ def _check_int(name: str, value: Any, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ConfigError(f"{name}={value!r}: choose an integer from {low} to {high}.")
     return value
-
-
-def _printable(text: str) -> str:
-    return text if is_printable_text(text) else "".join(c if is_printable_text(c) else "\ufffd" for c in text)
 
 
 class GeometryToolEnv(GeometryEnv):
@@ -143,31 +137,10 @@ class GeometryToolEnv(GeometryEnv):
         return observation, reward, terminated, truncated, info
 
     def _tool_turn(self, parsed: ParsedToolCalls) -> VisualStepResult:
-        blocks, results, calls = [], [], []
-        for call in parsed.calls:
-            calls.append({"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False, default=str)})
-            if self.tool_calls_used >= self.max_tool_calls:
-                content = f"Error: tool call limit ({self.max_tool_calls}) reached; this call was not run."
-            else:
-                self.tool_calls_used += 1
-                content = _printable(self.toolbox.call(call))
-            results.append({"name": call.name, "content": content})
-            blocks.append(f"<tool_response>\n{content}\n</tool_response>")
-        errors = [_printable(error) for error in parsed.errors]
-        blocks.extend(f"<tool_response>\nError: {error}\n</tool_response>" for error in errors)
-        left = self.max_tool_calls - self.tool_calls_used
-        if left <= 0 or self.turn + 1 >= self.max_turns:
-            blocks.append("Your next message is graded as the final answer; end it with \\boxed{...}.")
-        else:
-            blocks.append(f"Tool calls left: {left}. Reply without tool calls to give your final answer as \\boxed{{...}}.")
-        text = "\n".join(blocks)
-        if len(text) > self.max_observation_length:
-            note = "\n... [tool output cut to fit the observation]"
-            text = text[: self.max_observation_length - len(note)] + note
-        info = {
-            "tool_calls": calls, "tool_results": results, "tool_errors": errors,
-            "tool_calls_used": self.tool_calls_used, "tool_calls_left": left, "turn": self.turn,
-        }
+        text, info, self.tool_calls_used = tool_turn(
+            self.toolbox, parsed, used=self.tool_calls_used, max_calls=self.max_tool_calls, turn=self.turn, max_turns=self.max_turns,
+            limit=self.max_observation_length,
+        )
         return {"text": text, "images": ()}, 0.0, False, False, info
 
     def invalid_action_hint(self) -> str:

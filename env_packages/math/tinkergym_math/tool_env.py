@@ -187,48 +187,47 @@ class MathToolEnv(MathEnv):
         return observation, self.score(result), True, False, info
 
     def _tool_turn(self, parsed: ParsedToolCalls) -> StepResult:
-        blocks, results, calls = [], [], []
-        for call in parsed.calls:
-            calls.append({"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False, default=str)})
-            if self.tool_calls_used >= self.max_tool_calls:
-                content = f"Error: tool call limit ({self.max_tool_calls}) reached; this call was not run."
-            else:
-                self.tool_calls_used += 1
-                content = printable(self.toolbox.call(call))
-            results.append({"name": call.name, "content": content})
-            blocks.append(f"<tool_response>\n{content}\n</tool_response>")
-        errors = [printable(error) for error in parsed.errors]
-        blocks.extend(f"<tool_response>\nError: {error}\n</tool_response>" for error in errors)
-        blocks.append(self._status_line())
-        observation = self._fit("\n".join(blocks))
-        info = {
-            "tool_calls": calls,
-            "tool_results": results,
-            "tool_errors": errors,
-            "tool_calls_used": self.tool_calls_used,
-            "tool_calls_left": self.max_tool_calls - self.tool_calls_used,
-            "turn": self.turn,
-        }
+        observation, info, self.tool_calls_used = tool_turn(
+            self.toolbox, parsed, used=self.tool_calls_used, max_calls=self.max_tool_calls, turn=self.turn, max_turns=self.max_turns,
+            limit=self.max_observation_length,
+        )
         return observation, 0.0, False, False, info
-
-    def _status_line(self) -> str:
-        left = self.max_tool_calls - self.tool_calls_used
-        if left <= 0:
-            return "No tool calls are left: your next message is graded as the final answer; end it with \\boxed{...}."
-        if self.turn + 1 >= self.max_turns:
-            return "This is your last turn: your next message is graded as the final answer; end it with \\boxed{...}."
-        return f"Tool calls left: {left}. Reply without tool calls to give your final answer as \\boxed{{...}}."
-
-    def _fit(self, text: str) -> str:
-        limit = self.max_observation_length
-        if len(text) <= limit:
-            return text
-        note = "\n... [tool output cut to fit the observation]"
-        return text[: limit - len(note)] + note
 
     def invalid_action_hint(self) -> str:
         """What a valid message looks like."""
         return f"Call a tool with {_CALL_EXAMPLE}, or reply with your final answer as \\boxed{{...}}."
+
+
+def tool_turn(toolbox: ToolBox, parsed: ParsedToolCalls, *, used: int, max_calls: int, turn: int, max_turns: int,
+              limit: int) -> tuple[str, dict[str, Any], int]:
+    """A turn of tool calls (the tool envs of this package and of others, e.g. ``tinker/GeometryTool-v0``): each call run
+    while the budget of ``max_calls`` lasts (``used`` so far), its result and each parse error in a ``<tool_response>``
+    block, then what is left; the text cut to ``limit`` characters. ``(observation text, info, calls used now)``."""
+    blocks, results, calls = [], [], []
+    for call in parsed.calls:
+        calls.append({"name": call.name, "arguments": json.dumps(call.arguments, ensure_ascii=False, default=str)})
+        if used >= max_calls:
+            content = f"Error: tool call limit ({max_calls}) reached; this call was not run."
+        else:
+            used += 1
+            content = printable(toolbox.call(call))
+        results.append({"name": call.name, "content": content})
+        blocks.append(f"<tool_response>\n{content}\n</tool_response>")
+    errors = [printable(error) for error in parsed.errors]
+    blocks.extend(f"<tool_response>\nError: {error}\n</tool_response>" for error in errors)
+    left = max_calls - used
+    if left <= 0:
+        blocks.append("No tool calls are left: your next message is graded as the final answer; end it with \\boxed{...}.")
+    elif turn + 1 >= max_turns:
+        blocks.append("This is your last turn: your next message is graded as the final answer; end it with \\boxed{...}.")
+    else:
+        blocks.append(f"Tool calls left: {left}. Reply without tool calls to give your final answer as \\boxed{{...}}.")
+    text = "\n".join(blocks)
+    if len(text) > limit:
+        note = "\n... [tool output cut to fit the observation]"
+        text = text[: limit - len(note)] + note
+    info = {"tool_calls": calls, "tool_results": results, "tool_errors": errors, "tool_calls_used": used, "tool_calls_left": left, "turn": turn}
+    return text, info, used
 
 
 def calculator(expression: str) -> str:
