@@ -31,12 +31,19 @@ keyword argument of TextArena's game class (they override the variant's).
 """
 
 
-def _checked_rules(penalty: float, max_invalid: int, forfeit: float) -> None:
+def _start(env: Any, variant: str | None, penalty: float, max_invalid: int, forfeit: float, kwargs: dict[str, Any], kind: str) -> None:
+    """The rules (checked) and the match of a TextArena env of either kind; its system prompt says ``kind`` of game."""
     for name, value in (("invalid_action_penalty", penalty), ("forfeit_reward", forfeit)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"{name}={value!r}: choose a finite number.")
     if isinstance(max_invalid, bool) or not isinstance(max_invalid, int) or max_invalid < 1:
         raise ConfigError(f"max_invalid_actions={max_invalid!r}: choose a whole number of at least 1.")
+    env.invalid_action_penalty, env.forfeit_reward, env.max_invalid_actions = float(penalty), float(forfeit), max_invalid
+    env.match = Match(f"tinker/ta.{env.game}-v{env.version}", env.game, env.version, variant, kwargs, env.needs_nltk)
+    env.system_prompt = (
+        f"You are playing {env.game}, {kind}. The game's messages give its rules, the state and the form of a move (most moves "
+        "go in square brackets, e.g. [3]). Reply with your move."
+    )
 
 
 class TextArenaEnv(TextEnv):
@@ -51,6 +58,7 @@ class TextArenaEnv(TextEnv):
     game: ClassVar[str] = ""
     version: ClassVar[str] = "0"
     needs_nltk: ClassVar[tuple[str, ...]] = ()
+    match: Match  # the game in play (set by _start)
     metadata = {**TextEnv.metadata, "tinkergym": {"data": "free", "turns": "multi", "agents": 1}}
     max_action_length = 4_096
 
@@ -64,14 +72,7 @@ class TextArenaEnv(TextEnv):
         **kwargs: Any,
     ) -> None:
         super().__init__(render_mode=render_mode)
-        _checked_rules(invalid_action_penalty, max_invalid_actions, forfeit_reward)
-        self.invalid_action_penalty, self.forfeit_reward = float(invalid_action_penalty), float(forfeit_reward)
-        self.max_invalid_actions = max_invalid_actions
-        self.match = Match(f"tinker/ta.{self.game}-v{self.version}", self.game, self.version, variant, kwargs, self.needs_nltk)
-        self.system_prompt = (
-            f"You are playing {self.game}, a single-player TextArena game. The game's messages give its rules, the state and "
-            "the form of a move (most moves go in square brackets, e.g. [3]). Reply with your move."
-        )
+        _start(self, variant, invalid_action_penalty, max_invalid_actions, forfeit_reward, kwargs, "a single-player TextArena game")
 
     def _reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         self.match.reset(1, int(self.np_random.integers(2**31 - 1)))
@@ -104,6 +105,7 @@ class TextArenaDuelEnv(TextAECEnv):
     game: ClassVar[str] = ""
     version: ClassVar[str] = "0"
     needs_nltk: ClassVar[tuple[str, ...]] = ()
+    match: Match  # the game in play (set by _start)
     metadata = {**TextAECEnv.metadata, "name": "textarena_duel_v0", "tinkergym": {"data": "free", "turns": "multi", "agents": 2}}
     possible_agents = ["player_0", "player_1"]
     max_action_length = 4_096
@@ -118,14 +120,7 @@ class TextArenaDuelEnv(TextAECEnv):
         **kwargs: Any,
     ) -> None:
         super().__init__(render_mode=render_mode)
-        _checked_rules(invalid_action_penalty, max_invalid_actions, forfeit_reward)
-        self.invalid_action_penalty, self.forfeit_reward = float(invalid_action_penalty), float(forfeit_reward)
-        self.max_invalid_actions = max_invalid_actions
-        self.match = Match(f"tinker/ta.{self.game}-v{self.version}", self.game, self.version, variant, kwargs, self.needs_nltk)
-        self.system_prompt = (
-            f"You are playing {self.game}, a two-player TextArena game, against another player. The game's messages give its "
-            "rules, the state and the form of a move (most moves go in square brackets, e.g. [3]). Reply with your move."
-        )
+        _start(self, variant, invalid_action_penalty, max_invalid_actions, forfeit_reward, kwargs, "a two-player TextArena game, against another player")
         self._final: dict[str, float] = {}
         self._forfeit = ""
 
