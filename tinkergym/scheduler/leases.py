@@ -232,9 +232,11 @@ def grant(
     for job in _queue(conn, bounds.tenants if bounds is not None else None):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
         on_seats, on_devices = job["placed"] != "devices", job["placed"] != "seat"  # a job with checkpoints stays on their kind
-        on_devices = on_devices and memory.refusal(kind, gpus, config, shapes.get(_model(job)), device_memory, device_kind) is None
-        if _model(job) not in models or ((gpus > len(whole) or not on_devices)
-                                         and not (on_seats and any(fits(shared, kind, gpus, config) for _, shared in seats))):
+        if _model(job) not in models:
+            continue
+        # Whole devices only if there are enough and they have the memory (priced only then; memory.refusal is cached).
+        on_devices = on_devices and gpus <= len(whole) and memory.refusal(kind, gpus, config, shapes.get(_model(job)), device_memory, device_kind) is None
+        if not on_devices and not (on_seats and any(fits(shared, kind, gpus, config) for _, shared in seats)):
             continue  # never fits here: it neither starts nor holds this worker's devices
         tenant = job["tenant_id"]
         if tenant not in quota:

@@ -59,10 +59,12 @@ class WorkerCheckFailed(Exception):
     """This machine cannot run what the worker offers; the message says what is missing and what to do."""
 
 
-def _probe(python: str, code: str, *args: str) -> tuple[int, str, str]:
+def _probe(python: str, code: str, *args: str, module: bool = False, timeout: float = PROBE_TIMEOUT_S) -> tuple[int, str, str]:
+    """Run ``code`` (with ``module``: the module of that name) under ``python``; its exit code, stdout and stderr."""
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}  # the worker's indexes are the machine's
     try:
-        done = subprocess.run([python, "-c", code, *args], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, env=env, check=False)
+        done = subprocess.run([python, "-m" if module else "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env,
+                              check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return -1, "", f"{type(exc).__name__}: {exc}"
     return done.returncode, done.stdout, done.stderr
@@ -110,17 +112,12 @@ def model_shapes(python: str, models: list[str]) -> tuple[dict[str, Any], str]:
     under ``python``, so this process imports no torch), and what went wrong for those it could not count ("" if none)."""
     if not models:
         return {}, ""
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    _, out, err = _probe(python, "tinkergym.backends.torch.sizing", *models, module=True, timeout=PROBE_TIMEOUT_S * 2)
     try:
-        done = subprocess.run([python, "-m", "tinkergym.backends.torch.sizing", *models], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S * 2, env=env, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {}, f"{type(exc).__name__}: {exc}"
-    try:
-        shapes = json.loads(done.stdout.strip().splitlines()[-1])
+        shapes = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
         shapes = {}
-    problems = " ".join(done.stderr.strip().splitlines()[-len(models):]) if len(shapes) < len(models) else ""
+    problems = " ".join(err.strip().splitlines()[-len(models):]) if len(shapes) < len(models) else ""
     return (shapes if isinstance(shapes, dict) else {}), problems
 
 
