@@ -220,7 +220,7 @@ def check_memory(config: Any, ranks: int, device_memory_gb: float | None) -> Non
 
     from tinkergym.backends.models import resolve_model
     from tinkergym.backends.torch.runtime import resolve_device, resolve_dtype
-    from tinkergym.backends.torch.sizing import check_fits, estimate_training_memory
+    from tinkergym.backends.torch.sizing import check_fits, model_shape, shape_dict, static_estimate
 
     device = resolve_device(config.device)  # each rank has one such device (cuda:LOCAL_RANK under torchrun)
     if device_memory_gb is not None:
@@ -229,12 +229,10 @@ def check_memory(config: Any, ranks: int, device_memory_gb: float | None) -> Non
         total = torch.cuda.get_device_properties(device).total_memory
     else:
         return
-    estimate = estimate_training_memory(
-        AutoConfig.from_pretrained(resolve_model(config.model)), lora_rank=config.lora_rank, dtype=resolve_dtype(config.dtype, device),
-        micro_batch_size=1, max_seq_len=1, ranks=ranks, device="cuda" if device.type == "cuda" else "cpu",
-        gradient_checkpointing=config.gradient_checkpointing,
-    )
-    check_fits(estimate, total)
+    shape = shape_dict(model_shape(AutoConfig.from_pretrained(resolve_model(config.model))))
+    estimate = static_estimate(shape, lora_rank=config.lora_rank, dtype=str(resolve_dtype(config.dtype, device)), ranks=ranks,
+                               device="cuda" if device.type == "cuda" else "cpu", gradient_checkpointing=config.gradient_checkpointing)
+    check_fits(estimate, total)  # the figure the scheduler checks before a lease (tinkergym.scheduler.memory)
 
 
 @contextlib.contextmanager
