@@ -77,8 +77,14 @@ def print_stderr(message: str) -> None:
 def wait_running(
     client: SchedulerClient, job_id: str, *, after_epoch: int | None = None, timeout: float | None = None, poll: float = 1.0,
     say: Callable[[str], None] = print_stderr, still_queued: str = "", unplaceable_after: float | None = UNPLACEABLE_HINT_S,
+    same_epoch_after: float | None = None,
 ) -> dict[str, Any]:
     """Wait until job ``job_id`` runs (at a lease epoch above ``after_epoch``); its connection (``url``, ``token``, ``epoch``).
+
+    With ``same_epoch_after``, a job still running at ``after_epoch`` that many seconds into the wait gives that epoch's
+    connection back: the scheduler, not one failed call, says whether a server is gone, and a lease it still holds is
+    the server to go on with (a call that failed while the server was briefly unreachable, or while the worker's renewal
+    of the server's lease ran late, would otherwise wait for a new epoch that never comes).
 
     Each change of the job's state (and queue position, and why it waits) is said once, and so is each message its
     worker logs while it prepares the job's server (restoring a checkpoint, loading the model). A terminal job, or one not
@@ -86,7 +92,8 @@ def wait_running(
     message. A job that no worker can host (no worker alive, none offering its model, none large enough) for
     ``unplaceable_after`` seconds is said once, with how to go on; the wait goes on (None: never said).
     """
-    deadline = None if timeout is None else time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = None if timeout is None else started + timeout
     shown = None
     unplaceable_since: float | None = None
     hinted = False
@@ -102,7 +109,9 @@ def wait_running(
                     say(f"job {job_id}: {event['data']['message'][:300]}")
         if state in TERMINAL_STATES:
             raise JobEnded(f"job {job_id} is {state}{': ' + job['error'] if job.get('error') else ''}; see tinkergym jobs logs {job_id}")
-        if state == "running" and (after_epoch is None or job["lease_epoch"] > after_epoch):
+        same_epoch_again = (same_epoch_after is not None and after_epoch is not None and job.get("lease_epoch") == after_epoch
+                            and time.monotonic() - started >= same_epoch_after)
+        if state == "running" and (after_epoch is None or job["lease_epoch"] > after_epoch or same_epoch_again):
             try:
                 return client.connection(job_id)
             except SchedulerError as exc:

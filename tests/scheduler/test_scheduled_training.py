@@ -51,16 +51,53 @@ class DieAfter:
         await self.app(scope, receive, send)
 
 
+class LapseOnce:
+    """Around a training server's app: once ``marker`` exists, the next ``optim_step`` call is refused with 401 lease_ended (what
+    a shared server answers while its worker's renewal of the adapter's lease runs late) after the step's forward_backward
+    ran; every other request, and every later one, is served. The scheduler's lease lives on (the heartbeats go on)."""
+
+    def __init__(self, app: Any, marker: Path) -> None:
+        self.app, self.marker, self.lapsed = app, marker, threading.Event()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or self.lapsed.is_set() or scope["path"] != "/v1/call" or not self.marker.is_dir():
+            return await self.app(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        if b'"method":"optim_step"' in body:
+            self.lapsed.set()
+            answer = json.dumps({"error": {"type": "lease_ended", "message": "this adapter's lease has ended", "code": 401}}).encode()
+            await send({"type": "http.response.start", "status": 401,
+                        "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]})
+            await send({"type": "http.response.body", "body": answer})
+            return None
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        return await self.app(scope, replay, send)
+
+
 class PlayedWorker(threading.Thread):
     """A worker: registers one slot, takes a lease, runs the job's training server, reports running, heartbeats.
 
     ``restore_from``: a run folder whose saved states are copied into this server's before it starts (what the
     artifact store does for a job moved to another worker). ``die_after``: once its run folder holds that saved
-    state, the next request finds the worker dead (503, then the server and the heartbeats stop).
+    state, the next request finds the worker dead (503, then the server and the heartbeats stop). ``lapse_after``: once its
+    run folder holds that saved state, the next ``optim_step`` is refused as past the lease (:class:`LapseOnce`).
     """
 
-    def __init__(self, scheduler: str, key: str, name: str, run_dir: Path, restore_from: Path | None = None, die_after: str | None = None) -> None:
+    def __init__(self, scheduler: str, key: str, name: str, run_dir: Path, restore_from: Path | None = None, die_after: str | None = None,
+                 lapse_after: str | None = None) -> None:
         super().__init__(daemon=True)
+        self.lapse_after = lapse_after
         self.http = httpx.Client(base_url=scheduler, headers={"Authorization": f"Bearer {key}"}, timeout=30)
         self.name, self.run_dir, self.restore_from, self.die_after = name, run_dir, restore_from, die_after
         self.lease: dict[str, Any] | None = None
@@ -100,7 +137,10 @@ class PlayedWorker(threading.Thread):
             micro_batch_size=config["micro_batch_size"], seed=config["seed"],
         ))
         marker = self.run_dir / "states" / self.die_after if self.die_after else None
-        app = DieAfter(create_server(backend, run_dir=self.run_dir, token_digest=token_digest(self.lease["token"])), marker)
+        served: Any = create_server(backend, run_dir=self.run_dir, token_digest=token_digest(self.lease["token"]))
+        if self.lapse_after:
+            served = self.lapse = LapseOnce(served, self.run_dir / "states" / self.lapse_after)
+        app = DieAfter(served, marker)
         self.served = ThreadServer(app)
         answer = self.post(f"/jobs/{job}/state", {"epoch": epoch, "state": "running", "server_url": self.served.url})
         assert answer.status_code == 200, answer.text
@@ -194,6 +234,32 @@ def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: A
     # once (the steps run again after the lost server appear twice).
     steps = [e["data"]["step"] for e in _events(scheduler.url, scheduler.client_key, job["id"]) if e["type"] == "metrics"]
     assert set(steps) == {0, 1, 2, 3} and steps[-1] == 3
+
+
+def test_a_call_refused_while_the_lease_lives_goes_on_with_the_same_server(scheduler: Any, db_url: str, tmp_path: Path) -> None:
+    """A server that refuses one call as past its lease while the scheduler still holds the lease (a worker's late renewal)
+    is the job's server all the same: the client connects to it again (no new epoch comes), loads its newest checkpoint,
+    which drops the gradients of the refused step's forward_backward, and the run equals the local one."""
+    local, scheduled = tmp_path / "local", tmp_path / "scheduled"
+    _train(*COMMON, "--out", str(local))
+    worker = PlayedWorker(scheduler.url, scheduler.worker_key, "w1", tmp_path / "w1", lapse_after="step_000001")
+    worker.start()
+    done: list[Any] = []
+    client = threading.Thread(daemon=True, target=lambda: done.append(CliRunner().invoke(
+        main, ["train", *COMMON, "--out", str(scheduled), "--scheduler", scheduler.url, "--api-key", scheduler.client_key])))
+    client.start()
+    try:
+        client.join(timeout=180)
+        assert done, "the run waited for a new lease although the job's lease and server lived on"
+    finally:
+        worker.stopped.set()
+        worker.join(timeout=30)
+    assert done[0].exit_code == 0, done[0].output
+    assert worker.error is None and worker.lapse.lapsed.is_set()
+    assert "did not answer" in done[0].output and "epoch 1" in done[0].output
+    assert _stable(read_metrics(scheduled / "metrics.jsonl")) == _stable(read_metrics(local / "metrics.jsonl"))
+    job, held = _job(db_url)
+    assert job["state"] == "succeeded" and job["lease_epoch"] == 1 and held == 0
 
 
 def _events(url: str, key: str, job_id: str) -> list[dict[str, Any]]:

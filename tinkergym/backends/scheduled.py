@@ -30,6 +30,10 @@ from tinkergym.client import TERMINAL_STATES as TERMINAL  # noqa: F401 - importa
 from tinkergym.client import JobEnded, print_stderr  # noqa: F401 - JobEnded: raised by wait_running; importable from here
 from tinkergym.errors import ConfigError
 
+#: Seconds :meth:`ScheduledBackend.reconnect` waits for a new lease before it tries again the server of a lease the job still
+#: holds (the scheduler says the lease lives: the failed call met a passing fault, not a dead server).
+SAME_SERVER_RETRY_S = 5.0
+
 #: Seconds :meth:`ScheduledBackend.complete` waits for the worker to store the run's last checkpoint.
 STORE_TIMEOUT_S = 600.0
 
@@ -87,17 +91,18 @@ class ScheduledBackend:
         return cls(client, job["id"], **options)
 
     # ----- the job's lifecycle ------------------------------------------------------------------------
-    def wait_running(self, after_epoch: int | None = None) -> dict[str, Any]:
-        """Wait until the job runs (at an epoch above ``after_epoch``); its connection (url, token, epoch)."""
+    def wait_running(self, after_epoch: int | None = None, same_epoch_after: float | None = None) -> dict[str, Any]:
+        """Wait until the job runs (at an epoch above ``after_epoch``, or at it after ``same_epoch_after`` seconds); its
+        connection (url, token, epoch)."""
         from tinkergym.client import wait_running
 
         return wait_running(self.client, self.job_id, after_epoch=after_epoch, timeout=self.wait_timeout, poll=self.poll, say=self.say,
-                            still_queued="it stays queued: reattach later with tinkergym train --resume")
+                            still_queued="it stays queued: reattach later with tinkergym train --resume", same_epoch_after=same_epoch_after)
 
-    def connect(self, after_epoch: int | None = None) -> None:
+    def connect(self, after_epoch: int | None = None, same_epoch_after: float | None = None) -> None:
         """Wait for the job to run and connect to its server (the wait is the run's ``queue`` span)."""
         with timeline.span("queue", "setup", epoch=after_epoch):
-            connection = self.wait_running(after_epoch)
+            connection = self.wait_running(after_epoch, same_epoch_after)
         if self._remote is not None:
             self._remote.close()
         self._remote = RemoteBackend(connection["url"], connection["token"], **self.remote_options)
@@ -105,9 +110,11 @@ class ScheduledBackend:
         self.say(f"job {self.job_id}: connected to its server at {connection['url']} (lease epoch {self.epoch})")
 
     def reconnect(self) -> None:
-        """After :class:`BackendLost`: wait for the job's next lease (a new epoch) and connect to that server."""
-        self.say(f"job {self.job_id}: its server at epoch {self.epoch} is gone; waiting for the job's next lease")
-        self.connect(after_epoch=self.epoch)
+        """After :class:`BackendLost`: wait for the job's next lease (a new epoch) and connect to that server; while the job
+        still holds the lease of the lost server after :data:`SAME_SERVER_RETRY_S` seconds, connect to that server again (the
+        lease says it lives; if it is gone after all, the next call fails again and the wait goes on)."""
+        self.say(f"job {self.job_id}: its server at epoch {self.epoch} did not answer; waiting for the job's next lease")
+        self.connect(after_epoch=self.epoch, same_epoch_after=SAME_SERVER_RETRY_S)
 
     def report_metrics(self, step: int, metrics: dict[str, Any]) -> None:
         """Send a step's numbers to the job's event stream; a failure to do so never stops the run."""

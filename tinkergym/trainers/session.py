@@ -239,8 +239,13 @@ class TrainingRun:
         The worker restores the checkpoints the scheduler's artifact store holds; one written just before the
         loss may not have reached it, so older checkpoints are tried in turn. With none, the run starts over.
         """
-        self.backend.reconnect()
-        step = self._restore_newest_available()
+        while True:
+            self.backend.reconnect()
+            try:
+                step = self._restore_newest_available()
+                break
+            except BackendLost:  # lost again while loading: wait for the server (or the next one) once more
+                continue
         loaded = f"from checkpoint step_{step - 1:06d}" if step else "from the start (the new server has none of its checkpoints)"
         self.backend.say(f"job {self.backend.job_id}: reconnected to its new server (epoch {self.backend.epoch}); redoing step {step} {loaded}")
         return step

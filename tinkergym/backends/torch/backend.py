@@ -493,6 +493,8 @@ class TorchBackend:
     def load_state(self, path: str) -> None:
         """Restore what :meth:`save_state` wrote; the backend must have the same model and LoRA settings.
 
+        Gradients accumulated since the last :meth:`optim_step` are dropped: a state holds none, and a client that loads
+        one after a lost call (its server unreachable for a moment) must not step with that call's gradients.
         A folder of an older state format (``optimizer.pt``/``rng.pt`` pickles) is refused with a ConfigError.
         """
         from safetensors.torch import load_file
@@ -502,7 +504,9 @@ class TorchBackend:
             raise ConfigError(f"{path} is not a backend state folder (no state.json); pass a folder written by save_state")
         meta = json.loads(meta_file.read_text())
         if meta.get("format") == SHARDED_FORMAT:  # written by a server sharded over several ranks: loads here whole
-            return load_sharded_state(self, path)
+            load_sharded_state(self, path)
+            self.optimizer.zero_grad(set_to_none=True)
+            return
         check_state_format(path, meta.get("format"), STATE_FORMAT)
         weights = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.device))
         names = [n for n, _ in self._trainable]
@@ -518,6 +522,7 @@ class TorchBackend:
                 param.copy_(weights[name])
         self._weights_changed()
         self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.zero_grad(set_to_none=True)
         restore_rng_state(*rng_state, self.device)
         self.step = int(meta["step"])
 

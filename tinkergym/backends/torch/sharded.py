@@ -261,7 +261,7 @@ class ShardedTorchBackend(TorchBackend):
         dist.barrier()
 
     def load_state(self, path: str) -> None:
-        """Load a sharded state saved at any number of ranks."""
+        """Load a sharded state saved at any number of ranks; gradients accumulated since the last step are dropped."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -277,6 +277,7 @@ class ShardedTorchBackend(TorchBackend):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=StateDictOptions(strict=False))
         self._weights_changed()
+        self.optimizer.zero_grad(set_to_none=True)  # a state holds no pending gradients (see TorchBackend.load_state)
         self._full = None
         self.step = int(meta["step"])
 

@@ -505,7 +505,8 @@ class LoraSession:
 
     @_holding_base
     def load_state(self, path: str) -> None:
-        """Restore what :meth:`save_state` wrote (same rank); everything is read before anything changes."""
+        """Restore what :meth:`save_state` wrote (same rank); everything is read before anything changes. Gradients
+        accumulated since the last step are dropped (a state holds none)."""
         from safetensors.torch import load_file
 
         self._check_open()
@@ -523,6 +524,7 @@ class LoraSession:
         with torch.no_grad():
             for name, param in self.params.items():
                 param.copy_(weights[name])
+                param.grad = None
         self.optimizer.load_state_dict(optimizer_state)
         self.generator.set_state(generator_state)
         self.step = int(meta["step"])
