@@ -290,7 +290,10 @@ def test_checked_arguments_take_ints_for_floats_and_to_dict_copies_like_asdict()
     request = ForwardBackwardRequest([Datum([1, 2, 3], [0.0, 1.0, 1.0])], LossSpec(kl_coef=0.1), num_tokens=2.0)
     for value in (response, request, SamplingParams(stop_token_ids=[5])):
         plain = value.to_dict()
-        assert plain == asdict(value) and type(value).from_dict(plain) == value
+        expected = asdict(value)
+        for row in expected.get("data", []):  # a datum without images has no images key on the wire
+            assert row.pop("images") == []
+        assert plain == expected and type(value).from_dict(plain) == value
     plain = request.to_dict()
     plain["data"][0]["tokens"].append(9)
     assert request.data[0].tokens == [1, 2, 3]

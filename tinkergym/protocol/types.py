@@ -5,10 +5,16 @@ request serializes to JSON (``to_dict`` / ``from_dict``) and the same protocol r
 
 Per-token arrays in a :class:`Datum` are aligned with ``tokens``: entry ``t`` describes the prediction of
 ``tokens[t]`` from ``tokens[:t]``, so entry 0 never counts (its mask is 0).
+
+Images (for vision-language models) travel as :class:`ImageData`: height, width and the RGB uint8 pixels in base64,
+at most :data:`MAX_IMAGES` per prompt or datum and :data:`MAX_IMAGE_PIXELS` pixels each. A request without images
+has no ``images`` key at all, so text-only requests are what they were before images existed.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, TypeVar
 
@@ -20,6 +26,17 @@ OLD_LOGPROBS = ("sampler", "trainer")
 
 
 _ATOMS = frozenset({int, float, str, bool, type(None)})
+
+#: Most images one prompt (of a :class:`SampleRequest`) or one :class:`Datum` may carry.
+MAX_IMAGES = 16
+#: Most pixels (height times width) of one image.
+MAX_IMAGE_PIXELS = 1024 * 1024
+
+
+def _fields_of(value: Any) -> list[Any]:
+    """The dataclass fields of ``value`` that go on the wire: those named in ``_OMIT_WHEN_EMPTY`` only when non-empty."""
+    omit = getattr(value, "_OMIT_WHEN_EMPTY", ())
+    return [f for f in fields(value) if not (f.name in omit and not getattr(value, f.name))]
 
 
 def _plain(value: Any) -> Any:
@@ -34,7 +51,7 @@ def _plain(value: Any) -> Any:
     if kind is dict:
         return {k: _plain(v) for k, v in value.items()}
     if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+        return {f.name: _plain(getattr(value, f.name)) for f in _fields_of(value)}
     return value
 
 
@@ -43,7 +60,7 @@ class _Plain:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable copy (lists are copied, as :func:`dataclasses.asdict` does, without its per-item deepcopy)."""
-        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}  # type: ignore[arg-type]
+        return {f.name: _plain(getattr(self, f.name)) for f in _fields_of(self)}
 
     @classmethod
     def from_dict(cls: type[T], data: dict[str, Any]) -> T:
@@ -53,6 +70,59 @@ class _Plain:
         if unknown:
             raise ValueError(f"{cls.__name__} has no fields {sorted(unknown)}; known: {sorted(names)}")
         return cls(**{k: _NESTED.get((cls.__name__, k), lambda v: v)(v) for k, v in data.items()})
+
+
+@dataclass
+class ImageData(_Plain):
+    """One RGB image: ``height`` x ``width`` pixels, ``data`` their uint8 values row by row (R, G, B each) in base64.
+
+    Checked when made (also by :meth:`from_dict`): positive sizes, at most :data:`MAX_IMAGE_PIXELS` pixels, and
+    ``data`` exactly as long as the base64 of ``height * width * 3`` bytes; anything else is a ``ValueError``.
+    """
+
+    height: int
+    width: int
+    data: str
+
+    def __post_init__(self) -> None:
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (self.height, self.width)):
+            raise ValueError(f"an image needs a positive whole height and width, not {self.height!r} x {self.width!r}")
+        if self.height * self.width > MAX_IMAGE_PIXELS:
+            raise ValueError(
+                f"an image of {self.height} x {self.width} pixels is larger than the {MAX_IMAGE_PIXELS} pixels allowed; resize it first"
+            )
+        expected = 4 * ((self.height * self.width * 3 + 2) // 3)
+        if not isinstance(self.data, str) or len(self.data) != expected:
+            raise ValueError(
+                f"an image of {self.height} x {self.width} pixels holds {expected} base64 characters (its RGB bytes), "
+                f"not {len(self.data) if isinstance(self.data, str) else type(self.data).__name__}"
+            )
+
+    @classmethod
+    def from_array(cls, array: Any) -> ImageData:
+        """The image of an ``(H, W, 3)`` uint8 array (a NumPy array, or anything with ``shape``, ``dtype`` and ``tobytes``)."""
+        shape = tuple(getattr(array, "shape", ()))
+        if len(shape) != 3 or shape[2] != 3 or str(getattr(array, "dtype", "")) != "uint8":
+            raise ValueError(f"an image must be an (H, W, 3) uint8 array, not shape {shape} of {getattr(array, 'dtype', type(array).__name__)}")
+        return cls(height=int(shape[0]), width=int(shape[1]), data=base64.b64encode(array.tobytes()).decode("ascii"))
+
+    def pixels(self) -> bytes:
+        """The RGB bytes, ``height * width * 3`` of them (row by row)."""
+        try:
+            raw = base64.b64decode(self.data, validate=True)
+        except binascii.Error as exc:
+            raise ValueError(f"an image's data is not base64: {exc}") from exc
+        if len(raw) != self.height * self.width * 3:
+            raise ValueError(f"an image of {self.height} x {self.width} pixels needs {self.height * self.width * 3} bytes, not {len(raw)}")
+        return raw
+
+
+def _check_images(images: list[ImageData], where: str) -> None:
+    if len(images) > MAX_IMAGES:
+        raise ValueError(f"{where} carries {len(images)} images; at most {MAX_IMAGES} are allowed")
+    for image in images:
+        if not isinstance(image, ImageData):
+            raise ValueError(f"{where}: an image must be an ImageData (height, width, data), not {type(image).__name__}")
 
 
 @dataclass
@@ -78,11 +148,24 @@ class SampledSequence(_Plain):
 
 @dataclass
 class SampleRequest(_Plain):
-    """``num_samples`` completions for each token prompt."""
+    """``num_samples`` completions for each token prompt.
+
+    ``images``: empty (text only), or one list per prompt of the images its image tokens show, in order.
+    """
+
+    _OMIT_WHEN_EMPTY = ("images",)
 
     prompts: list[list[int]]
     params: SamplingParams = field(default_factory=SamplingParams)
     num_samples: int = 1
+    images: list[list[ImageData]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.images:
+            if not isinstance(self.images, list) or len(self.images) != len(self.prompts):
+                raise ValueError(f"images must hold one list per prompt ({len(self.prompts)}), not {len(self.images)}")
+            for i, row in enumerate(self.images):
+                _check_images(row, f"prompt {i}")
 
 
 @dataclass
@@ -94,7 +177,12 @@ class SampleResponse(_Plain):
 
 @dataclass
 class Datum(_Plain):
-    """One training sequence with per-token loss mask, advantages and (for RL) the sampler's logprobs."""
+    """One training sequence with per-token loss mask, advantages and (for RL) the sampler's logprobs.
+
+    ``images``: the images its image tokens show, in order (empty for text).
+    """
+
+    _OMIT_WHEN_EMPTY = ("images",)
 
     tokens: list[int]
     loss_mask: list[float]
@@ -102,6 +190,11 @@ class Datum(_Plain):
     sampling_logprobs: list[float] = field(default_factory=list)
     #: The old policy's logprobs as the trainer computes them (optional; see ``LossSpec.old_logprobs``).
     old_logprobs: list[float] = field(default_factory=list)
+    images: list[ImageData] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.images:
+            _check_images(self.images, "a datum")
 
 
 @dataclass
@@ -193,7 +286,13 @@ class OptimParams(_Plain):
     max_grad_norm: float = 1.0
 
 
+def _image(value: Any) -> Any:
+    return ImageData.from_dict(value) if isinstance(value, dict) else value
+
+
 _NESTED: dict[tuple[str, str], Any] = {
+    ("SampleRequest", "images"): lambda v: [[_image(i) for i in row] if isinstance(row, list) else row for row in v] if isinstance(v, list) else v,
+    ("Datum", "images"): lambda v: [_image(i) for i in v] if isinstance(v, list) else v,
     ("SampleRequest", "params"): lambda v: SamplingParams.from_dict(v) if isinstance(v, dict) else v,
     ("SampleResponse", "sequences"): lambda v: [[SampledSequence.from_dict(s) if isinstance(s, dict) else s for s in row] for row in v],
     ("ForwardBackwardRequest", "data"): lambda v: [Datum.from_dict(d) if isinstance(d, dict) else d for d in v],
