@@ -101,6 +101,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture(scope="module")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny Qwen2-VL with an image chat template and Qwen2-VL's image processor, built from a config (needs ``train``)."""
+    from tinkergym.backends.models import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model")
+
+
 @pytest.fixture(params=["default", "every-length"])
 def length_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Shared-prompt rows in passes by length as the backend decides, or every distinct row length in a pass of its own."""

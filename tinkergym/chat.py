@@ -21,11 +21,21 @@ Templates that ignore ``tools`` (SmolLM2's, for one) get the tool schemas descri
 Observations with images (:class:`~tinkergym.spaces.TextWithImages`) become messages with content lists
 through :func:`observation_message`, their images kept beside the messages; :class:`ChatTemplateRenderer`
 (a text tokenizer's template) renders such messages with each image part as :data:`IMAGE_PLACEHOLDER`.
+
+:class:`ImageChatRenderer` renders them for a vision-language model with an image processor (Qwen2-VL's family and
+models built like it): the template writes each image part as the model's image markers around one image token
+(Qwen2-VL: ``<|vision_start|><|image_pad|><|vision_end|>``), and the renderer repeats that token as many times as the
+image processor makes image features of the image (Qwen2-VL: ``grid_t * grid_h * grid_w / merge_size**2``), as the
+model's processor does, then tokenizes. The tokens of a conversation with images are fixed by its text and its
+images' sizes, and the invariants above hold: sampled ids are never re-tokenized, and the bridge is the template's
+own rendering. Its methods take ``images``: the images of the messages in message order (as
+:func:`observation_message` keeps them); each rendering uses as many as its messages hold image parts.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 Message = dict[str, Any]
@@ -96,21 +106,7 @@ class ChatTemplateRenderer:
         """Ids between the sampled ids of the last assistant turn in ``messages`` and the next generation prompt's end."""
         closed = self.render(messages, tools)
         following = self.render([*messages, observation], tools, add_generation_prompt=True)
-        common = 0
-        for a, b in zip(closed, following):
-            if a != b:
-                break
-            common += 1
-        end = max((i for i, t in enumerate(closed) if t in self.stop_token_ids), default=len(closed) - 1)
-        if common <= end:
-            from tinkergym.errors import TinkergymError
-
-            raise TinkergymError(
-                "the chat template renders earlier turns differently once a new message follows (it is not prefix-stable); "
-                "multi-turn rollouts need a template whose rendering of a conversation starts with its rendering of any prefix."
-            )
-        closing = closed[end + (1 if stopped else 0) : common]
-        return closing + following[common:]
+        return bridge_between(closed, following, self.stop_token_ids, stopped)
 
     def decode(self, tokens: list[int]) -> str:
         """Text of sampled ids, without a final stop token."""
@@ -131,6 +127,26 @@ class ChatTemplateRenderer:
         if messages and messages[0]["role"] == "system":
             return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]], None
         return [{"role": "system", "content": text}, *messages], None
+
+
+def bridge_between(closed: list[int], following: list[int], stop_token_ids: list[int], stopped: bool) -> list[int]:
+    """The bridge of :meth:`ChatTemplateRenderer.bridge_tokens` from its two renderings: ``closed`` (the conversation)
+    and ``following`` (the conversation, the next message and the generation prompt)."""
+    common = 0
+    for a, b in zip(closed, following):
+        if a != b:
+            break
+        common += 1
+    end = max((i for i, t in enumerate(closed) if t in stop_token_ids), default=len(closed) - 1)
+    if common <= end:
+        from tinkergym.errors import TinkergymError
+
+        raise TinkergymError(
+            "the chat template renders earlier turns differently once a new message follows (it is not prefix-stable); "
+            "multi-turn rollouts need a template whose rendering of a conversation starts with its rendering of any prefix."
+        )
+    closing = closed[end + (1 if stopped else 0) : common]
+    return closing + following[common:]
 
 
 # ----- observations with images -------------------------------------------------------------------
@@ -191,3 +207,81 @@ def to_pil_images(images: list[Any]) -> list[Any]:
     import numpy as np
 
     return [image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image, dtype=np.uint8)) for image in images]
+
+
+# ----- vision-language models ---------------------------------------------------------------------
+#: Qwen2-VL's image token: the one the template writes per image, and the processor repeats.
+QWEN2_VL_IMAGE_TOKEN = "<|image_pad|>"
+
+
+class ImageChatRenderer(ChatTemplateRenderer):
+    """Renders conversations with images with the tokenizer's chat template and the model's image processor.
+
+    Args:
+        tokenizer: the model's tokenizer (its chat template renders content lists with image parts).
+        image_processor: the model's image processor (``image_grid_thw`` and ``merge_size``, as Qwen2-VL's).
+        image_token: the token the template writes once per image and the model reads once per image feature.
+    """
+
+    #: The rollout loop hands this renderer the conversation's images.
+    renders_images = True
+
+    def __init__(self, tokenizer: Any, image_processor: Any, image_token: str = QWEN2_VL_IMAGE_TOKEN) -> None:
+        super().__init__(tokenizer)
+        from tinkergym.errors import ConfigError
+
+        token_id = tokenizer.convert_tokens_to_ids(image_token)
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+            raise ConfigError(f"the tokenizer has no image token {image_token!r}; pass the model's own (image_token=...)")
+        self.image_processor = image_processor
+        self.image_token = image_token
+        self.image_token_id = token_id
+        self.merge_length = int(getattr(image_processor, "merge_size", 1)) ** 2
+
+    @classmethod
+    def from_folder(cls, path: str) -> ImageChatRenderer:
+        """The renderer of the model folder ``path``: its tokenizer and its image processor."""
+        from transformers import AutoImageProcessor, AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path))
+
+    def image_token_counts(self, images: list[Any]) -> list[int]:
+        """How many image tokens each image takes (what the image processor makes of it)."""
+        if not images:
+            return []
+        grid = self.image_processor(images=to_pil_images(images), return_tensors="np")["image_grid_thw"]
+        return [int(row.prod()) // self.merge_length for row in grid]
+
+    def render_text(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        """The template's text for ``messages``, one image token per image part (content lists are kept)."""
+        messages, tools = self._with_tools(messages, tools)
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def render(self, messages: list[Message], tools: list[dict] | None = None, add_generation_prompt: bool = False, images: Sequence[Any] = ()) -> list[int]:
+        """The token ids of ``messages``, each image token repeated as many times as its image has features."""
+        from tinkergym.errors import ConfigError, TinkergymError
+
+        wanted = count_image_parts(messages)
+        if len(images) < wanted:
+            raise ConfigError(f"the messages hold {wanted} image parts but {len(images)} images were given; pass each image part's image")
+        text = self.render_text(messages, tools, add_generation_prompt)
+        pieces = text.split(self.image_token)
+        if len(pieces) - 1 != wanted:
+            raise TinkergymError(
+                f"the chat template wrote {len(pieces) - 1} image tokens {self.image_token!r} for {wanted} image parts; "
+                "it must write one per image part (use the model's own template)"
+            )
+        counts = self.image_token_counts(list(images)[:wanted])
+        expanded = pieces[0] + "".join(self.image_token * n + piece for n, piece in zip(counts, pieces[1:]))
+        return self.tokenizer.encode(expanded, add_special_tokens=False)
+
+    def prompt_tokens(self, messages: list[Message], tools: list[dict] | None, images: Sequence[Any] = ()) -> list[int]:
+        """The first prompt: the conversation so far plus the generation prompt."""
+        return self.render(messages, tools, add_generation_prompt=True, images=images)
+
+    def bridge_tokens(self, messages: list[Message], observation: Message, tools: list[dict] | None, stopped: bool,
+                      images: Sequence[Any] = ()) -> list[int]:
+        """Ids between the last sampled ids and the next generation prompt's end (``images``: those of ``messages``, then the observation's)."""
+        closed = self.render(messages, tools, images=images)
+        following = self.render([*messages, observation], tools, add_generation_prompt=True, images=images)
+        return bridge_between(closed, following, self.stop_token_ids, stopped)

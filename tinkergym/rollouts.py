@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from collections.abc import Callable, Sequence
 
-from tinkergym.protocol.types import SampleRequest, SampleResponse, SamplingParams
-from tinkergym.chat import ChatRenderer, Message
+from tinkergym.protocol.types import ImageData, SampleRequest, SampleResponse, SamplingParams
+from tinkergym.chat import ChatRenderer, Message, observation_message
 from tinkergym import timeline
 from tinkergym.errors import ConfigError
 
@@ -94,6 +94,9 @@ class Trajectory:
 
     The three budget reasons are :attr:`budget_truncated`. A trajectory never holds more than
     ``max_context`` ids, and one cut by a budget after a turn ends with that turn's sampled ids.
+
+    ``images``: with a renderer that renders images (``renders_images``, e.g.
+    :class:`~tinkergym.chat.ImageChatRenderer`), the images its image tokens show, in order; else empty.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -105,6 +108,7 @@ class Trajectory:
     finish_reason: str = ""
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    images: list[ImageData] = field(default_factory=list)
 
     @property
     def total_reward(self) -> float:
@@ -141,6 +145,8 @@ class _Episode:
     trajectory: Trajectory = field(default_factory=Trajectory)
     tools: list[dict] | None = None
     turns: int = 0
+    #: The conversation's images as the env gave them (what the renderer measures), with a renderer that renders images.
+    images: list[Any] = field(default_factory=list)
 
     def finish(self, reason: str, error: str | None = None) -> None:
         self.state = EpisodeState.TERMINATED
@@ -185,11 +191,16 @@ def _start(episode: _Episode, reset: tuple[str, dict], renderer: ChatRenderer, c
     messages: list[Message] = []
     if info.get("system_prompt"):
         messages.append({"role": "system", "content": info["system_prompt"]})
-    messages.append({"role": "user", "content": observation})
+    message, images = _user_message(observation, renderer)
+    messages.append(message)
     episode.tools = info.get("tools") or None
     trajectory = episode.trajectory
     trajectory.messages = messages
-    prompt = renderer.prompt_tokens(messages, episode.tools)
+    if images:
+        prompt = renderer.prompt_tokens(messages, episode.tools, images=images)  # type: ignore[call-arg]  # renders_images
+        _keep_images(episode, images)
+    else:
+        prompt = renderer.prompt_tokens(messages, episode.tools)
     if len(prompt) <= config.max_context:
         trajectory.append(prompt, 0.0)
         trajectory.prompt_length = len(prompt)
@@ -197,6 +208,30 @@ def _start(episode: _Episode, reset: tuple[str, dict], renderer: ChatRenderer, c
         episode.finish("context")
         return
     episode.state = EpisodeState.GENERATING
+
+
+def _user_message(observation: Any, renderer: ChatRenderer) -> tuple[Message, list[Any]]:
+    """The user message of an observation and the images the renderer renders (none for a text renderer).
+
+    A text observation is the message's content as it is; an observation with images
+    (:class:`~tinkergym.spaces.TextWithImages`) becomes a content list with image parts
+    (:func:`~tinkergym.chat.observation_message`), which a text renderer shows as placeholders.
+    """
+    if isinstance(observation, str):
+        return {"role": "user", "content": observation}, []
+    message, images = observation_message(observation)
+    return message, images if getattr(renderer, "renders_images", False) else []
+
+
+def _keep_images(episode: _Episode, images: list[Any]) -> None:
+    episode.images.extend(images)
+    episode.trajectory.images.extend(ImageData.from_array(_as_uint8(image)) for image in images)
+
+
+def _as_uint8(image: Any) -> Any:
+    import numpy as np
+
+    return np.ascontiguousarray(np.asarray(image, dtype=np.uint8))
 
 
 def _turn_budget(episode: _Episode, config: RolloutConfig) -> int:
@@ -236,13 +271,18 @@ def _after_step(episode: _Episode, result: tuple, stopped: bool, renderer: ChatR
     if config.max_episode_tokens is not None and trajectory.num_sampled_tokens >= config.max_episode_tokens:
         episode.finish("max_episode_tokens")
         return
-    message = {"role": "user", "content": observation}
-    bridge = renderer.bridge_tokens(trajectory.messages, message, episode.tools, stopped)
+    message, images = _user_message(observation, renderer)
+    if images or episode.images:
+        bridge = renderer.bridge_tokens(trajectory.messages, message, episode.tools, stopped, images=[*episode.images, *images])  # type: ignore[call-arg]
+    else:
+        bridge = renderer.bridge_tokens(trajectory.messages, message, episode.tools, stopped)
     if len(trajectory.tokens) + len(bridge) >= config.max_context:  # no room left to sample after it
         episode.finish("context")
         return
     trajectory.append(bridge, 0.0)
     trajectory.messages.append(message)
+    if images:
+        _keep_images(episode, images)
     episode.state = EpisodeState.GENERATING
 
 
@@ -272,7 +312,8 @@ def _sample_round(waiting: list[_Episode], sampler: Sampler, renderer: ChatRende
             seed=None if config.seed is None else config.seed * 1_000_003 + round_index * 1009 + budget,
         )
         with timeline.span("sample", "sampling", prompts=len(group), max_new_tokens=budget):
-            response = sampler.sample(SampleRequest(prompts=[e.trajectory.tokens for e in group], params=params))
+            images = [list(e.trajectory.images) for e in group] if any(e.trajectory.images for e in group) else []
+            response = sampler.sample(SampleRequest(prompts=[e.trajectory.tokens for e in group], params=params, images=images))
         for episode, (sequence, *_) in zip(group, response.sequences):
             try:
                 text = _take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)

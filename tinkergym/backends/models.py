@@ -1,4 +1,4 @@
-"""Local models: a tiny Qwen2 built on the fly for tests, and SmolLM2-135M-Instruct converted from GGUF.
+"""Local models: a tiny Qwen2 (and a tiny Qwen2-VL) built on the fly for tests, and SmolLM2-135M-Instruct converted from GGUF.
 
 :func:`resolve_model` turns a model name or path into a local Hugging Face folder:
 
@@ -224,6 +224,71 @@ def build_tiny_model(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+# Qwen2-VL's chat template kept to its structure (no tools): a content list writes each image part as the vision
+# markers around one image token, which the renderer repeats once per image feature (tinkergym.image_chat).
+VLM_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if loop.first and message['role'] != 'system' %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+
+
+def build_tiny_vlm(path: str | os.PathLike[str], seed: int = 0, vocab_size: int = 1024, hidden: int = 64, layers: int = 2) -> str:
+    """Build a tiny Qwen2-VL (a 2-layer language model, a 2-block vision tower of width 32) into ``path``, offline.
+
+    The folder holds the model, the tiny byte-level BPE tokenizer with Qwen2-VL's vision tokens and an image chat
+    template (:data:`VLM_CHAT_TEMPLATE`), and Qwen2-VL's image processor with its defaults (14-pixel patches merged
+    2 x 2: a 64 x 64 image is resized to 56 x 56 and takes 4 image tokens). The same arguments give the same files.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    tokenizer = _train_tokenizer(vocab_size)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
+    tokenizer.chat_template = VLM_CHAT_TEMPLATE
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|im_end|>", *VISION_TOKENS)}
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1,
+        rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3, initializer_range=0.1)
+    config = Qwen2VLConfig(
+        text_config=text, vision_config=vision, tie_word_embeddings=True, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=tokenizer.pad_token_id)
+    path = str(path)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Qwen2VLImageProcessorPil().save_pretrained(path)  # the PIL one: the default needs torchvision
+    return path
+
+
+def is_vision_folder(path: str | os.PathLike[str]) -> bool:
+    """Whether the model folder ``path`` holds a vision-language model: a config with a ``vision_config`` and an image processor."""
+    folder = Path(path)
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and "vision_config" in config and (folder / "preprocessor_config.json").is_file()
 
 
 def default_cache_dir() -> Path:

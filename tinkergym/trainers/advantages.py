@@ -142,6 +142,7 @@ def trajectories_to_data(
                 loss_mask=list(trajectory.loss_mask),
                 advantages=[advantage * m for m in trajectory.loss_mask],
                 sampling_logprobs=list(trajectory.logprobs),
+                images=list(trajectory.images),
             )
         )
     return data
