@@ -114,7 +114,9 @@ def test_train_cli_runs_grpo_and_resumes_through_a_tinker_endpoint(cluster: Any,
     assert [r["step"] for r in metrics(out) if "reward/mean" in r] == [0, 1]
     state = json.loads(next(out.glob("checkpoints/*/tinker_state.json")).read_text())
     assert state["path"].startswith("tinker://") and "/weights/" in state["path"]
-    assert json.loads((out / "final" / "tinker_export.json").read_text())["path"].startswith("tinker://")
+    assert "/external_weights/" in json.loads((out / "final" / "tinker_export.json").read_text())["path"]
+    exported = json.loads((out / "final" / "adapter_config.json").read_text())  # the adapter itself, downloaded
+    assert exported["r"] == 4 and (out / "final" / "adapter_model.safetensors").stat().st_size > 0
     more = CliRunner().invoke(main, ["train", "--resume", str(out), "--steps", "3", "--backend-token-file", str(key)], catch_exceptions=False)
     assert more.exit_code == 0, more.output
     assert [r["step"] for r in metrics(out) if "reward/mean" in r] == [0, 1, 2]

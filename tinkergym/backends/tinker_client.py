@@ -27,14 +27,17 @@ How our calls map onto Tinker's:
   another thread while this backend trains on.
 - ``logprobs``: a ``forward`` of the training client (the current weights), at temperature 1 only.
 - ``save_state``/``load_state``: Tinker's ``save_state``/``load_state_with_optimizer``; the local checkpoint folder
-  holds ``tinker_state.json`` with the ``tinker://`` path. ``export``: ``save_weights_for_sampler``; the folder
-  holds ``tinker_export.json`` with the path (download it with the endpoint's own tools); a merged export is refused.
+  holds ``tinker_state.json`` with the ``tinker://`` path. ``export``: ``save_weights_external`` (the adapter in the
+  endpoint's external format, a peft folder), whose files are downloaded through ``get_external_weights_urls``'s
+  signed URLs: the folder is the adapter, as a local run's export, plus ``tinker_export.json`` with the
+  ``tinker://`` path; a merged export is refused.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -114,7 +117,8 @@ class TinkerBackend:
         self.url, self.base_model, self.lora_rank = url, base_model, lora_rank
         self._tinker = tinker
         self.service = tinker.ServiceClient(base_url=url, api_key=key)
-        models = [m.model_name for m in tinker.RestClient(base_url=url, api_key=key).get_server_capabilities().result().supported_models]
+        self._rest = tinker.RestClient(base_url=url, api_key=key)
+        models = [m.model_name for m in self._rest.get_server_capabilities().result().supported_models]
         if base_model not in models:
             raise ConfigError(f"{url} does not offer the model {base_model!r}; it offers: {', '.join(str(m) for m in models) or 'none'}")
         self.training = self.service.create_lora_training_client(base_model=base_model, rank=lora_rank, seed=seed).result()
@@ -320,15 +324,39 @@ class TinkerBackend:
         if merged:
             raise ConfigError("a Tinker endpoint keeps the base model: export the adapter (leave out --merged) and merge it where the base is loaded")
         try:
-            saved = self.training.save_weights_for_sampler(server_name(path)).result().path
+            saved = self.training.save_weights_external(server_name(path)).result().path
+            urls = self._rest.get_external_weights_urls(saved).result().urls
         except Exception as exc:  # noqa: BLE001
             raise self._fail(exc, "an export") from exc
         tmp = fresh_tmp_dir(path)
-        Path(tmp, TINKER_EXPORT).write_text(json.dumps({"url": self.url, "path": saved, "model": self.base_model, "lora_rank": self.lora_rank}) + "\n")
+        try:
+            for relative, url in sorted(urls.items()):
+                parts = relative.split("/")
+                if not parts or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+                    raise TinkerBackendError(f"the Tinker endpoint {self.url} listed an exported file with an unusable path {relative!r}")
+                dest = Path(tmp, *parts)
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                _download(url, dest)
+            Path(tmp, TINKER_EXPORT).write_text(json.dumps({"url": self.url, "path": saved, "model": self.base_model, "lora_rank": self.lora_rank}) + "\n")
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         replace_dir(tmp, os.fspath(path).rstrip("/"))
 
     def close(self) -> None:
         self.service.close("success").result()
+
+
+def _download(url: str, dest: Path, timeout: float = 300.0) -> None:
+    """Stream the file at a signed ``url`` into ``dest`` (a refusal or a dropped connection is a :class:`TinkerBackendError`)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(dest, "wb") as out:  # noqa: S310 - the endpoint's own https/http URL
+            shutil.copyfileobj(response, out, 1 << 20)
+    except (OSError, urllib.error.URLError) as exc:
+        raise TinkerBackendError(f"downloading an exported file from {url.split('?')[0][:200]} failed: {exc}") from exc
 
 
 class TinkerSnapshot:

@@ -19,10 +19,10 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 
 from tinkergym.tinker_api import ops
-from tinkergym.tinker_api.service import TinkerError, TinkerService
+from tinkergym.tinker_api.service import EXTERNAL_FILES_ROUTE, TinkerError, TinkerService
 
 #: The prefix the SDK requires of an API key; behind it, a tinkergym key.
 KEY_PREFIX = "tml-"
@@ -63,7 +63,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
     @app.middleware("http")
     async def authenticated(request: Request, call_next: Any) -> Response:
         path = request.url.path
-        if path == "/api/v1/healthz":
+        if path == "/api/v1/healthz" or path.startswith(EXTERNAL_FILES_ROUTE + "/"):  # a signed URL is its own credential
             return await call_next(request)
         key = request.headers.get("x-api-key") or ""
         if not key.startswith(KEY_PREFIX):
@@ -203,6 +203,30 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
             return future(service.submit(tenant(request), snapshot, run), run.model_id)
         save = ops.save_state(service, run, parsed.path, "sampler", parsed.user_metadata)
         return future(service.submit(tenant(request), lambda: {"path": save(), "type": "save_weights_for_sampler"}, run), run.model_id)
+
+    @app.post("/api/v1/save_weights_external")
+    async def save_weights_external(request: Request) -> JSONResponse:
+        parsed = await body(request, types.SaveWeightsExternalRequest)
+        if parsed.age_encryption_recipients:
+            raise TinkerError(400, "age encryption of exported weights is not offered by this server: save without "
+                                   "age_encryption_recipients (the files are served only to signed URLs of your key's runs)")
+        run = service.run(tenant(request), parsed.model_id)
+        save = ops.save_state(service, run, parsed.path, "external", None)
+        return future(service.submit(tenant(request), lambda: {"path": save(), "type": "save_weights_external"}, run), run.model_id)
+
+    @app.get("/api/v1/training_runs/{model_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+    async def external_weights_urls(model_id: str, checkpoint_id: str, request: Request) -> JSONResponse:
+        return JSONResponse(service.external_urls(tenant(request), model_id, checkpoint_id, str(request.base_url)))
+
+    @app.get(EXTERNAL_FILES_ROUTE + "/{token}")
+    async def external_weights_file(token: str) -> Response:
+        try:
+            file = service.signed_file(token)
+        except TinkerError as exc:
+            return _error(exc.status, exc.message)
+        except ValueError:  # a token that is not ours (undecodable): the signature check passed only for ours
+            return _error(403, "this download URL is not valid here")
+        return FileResponse(file, media_type="application/octet-stream")
 
     @app.post("/api/v1/load_weights")
     async def load_weights(request: Request) -> JSONResponse:

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tinkergym.tinker_api.engines import EngineError, Saved
+from tinkergym.tinker_api.engines import EngineError, Saved, folder_size
 
 #: A job's checkpoint names (a state folder on its server).
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -240,10 +241,26 @@ class ClusterEngine:
                                    "a letter or digit, not ending in .tmp, not starting with auto- (the engine's own)")
 
     def save(self, handle: ClusterHandle, kind: str, name: str) -> Saved:
-        """Both kinds are the job's whole state (a sampler loads its weights), stored by the scheduler before this returns."""
+        """``training`` and ``sampler``: the job's whole state (a sampler loads its weights), stored by the scheduler before this
+        returns; ``external``: the job's adapter exported by its server and downloaded here (a peft folder under this front
+        door's ``external/<job>/<name>``)."""
+        from tinkergym.backends.scheduled import BackendLost
+
         with handle.lock:
-            self._store(handle, name)
-        return Saved((handle.job_id, name), None)
+            if kind != "external":
+                self._store(handle, name)
+                return Saved((handle.job_id, name), None)
+            folder = self.root / "external" / handle.job_id / name
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            for _ in range(MAX_RECOVERIES + 1):
+                try:
+                    handle.backend.export(str(folder))
+                    break
+                except BackendLost:
+                    self._recover(handle)
+            else:
+                raise EngineError(503, f"job {handle.job_id} lost its server {MAX_RECOVERIES + 1} times while exporting its weights", "server")
+        return Saved(folder, folder_size(folder))
 
     def load(self, handle: ClusterHandle, saved: Saved, optimizer: bool) -> None:
         job_id, name = saved.location
@@ -260,5 +277,8 @@ class ClusterEngine:
             handle.log.append(("load", name))
 
     def delete(self, saved: Saved) -> None:
-        """Forget the name; the scheduler keeps the job's checkpoints until its retention removes them."""
+        """Forget the name; the scheduler keeps the job's checkpoints until its retention removes them. An external
+        checkpoint's folder here is removed."""
+        if isinstance(saved.location, Path):
+            shutil.rmtree(saved.location, ignore_errors=True)
 

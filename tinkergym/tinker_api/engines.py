@@ -6,7 +6,9 @@ every run and sampler is a LoRA session on it, and every call goes through the
 :class:`~tinkergym.tinker_api.cluster.ClusterEngine` (the scheduler's front door) runs each one as a scheduler job.
 
 Calls are the Backend protocol's, by name, with their wire results (``sample``, ``logprobs``,
-``forward_backward``, ``optim_step``), plus :meth:`save` (a checkpoint under a name) and :meth:`load`.
+``forward_backward``, ``optim_step``), plus :meth:`save` (a checkpoint under a name) and :meth:`load`. A checkpoint of
+kind ``external`` (``save_weights_external``) is a peft adapter folder on this process's disk, whichever engine
+computes, so the service can hand out its files.
 """
 
 from __future__ import annotations
@@ -19,11 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from tinkergym.errors import ConfigError
+from tinkergym.folders import replace_dir
 from tinkergym.serve.training.calls import CallRecord, ParsedCall, named_dir
 from tinkergym.serve.training.shared import SharedWorker
 
 #: A checkpoint's kind and the folder its local engine keeps it in.
-FOLDERS = {"training": "states", "sampler": "exports"}
+FOLDERS = {"training": "states", "sampler": "exports", "external": "external"}
+
+
+def folder_size(folder: Path) -> int:
+    """The bytes of the files under ``folder``."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 class EngineError(Exception):
@@ -135,14 +143,21 @@ class LocalEngine:
             raise EngineError(400, str(exc)) from exc
 
     def save(self, handle: LocalHandle, kind: str, name: str) -> Saved:
-        """``training``: the whole state (``save_state``); ``sampler``: the adapter alone (a peft folder)."""
+        """``training``: the whole state (``save_state``); ``sampler``: the adapter alone (a peft folder); ``external``: the
+        adapter alone, kept apart from the sampler checkpoints (a sampler checkpoint of the same name stays as it was)."""
         self.check_name(handle, kind, name)
         if kind == "training":
             self.call(handle, "save_state", {"name": name})
-        else:
+        elif kind == "sampler":
             self.call(handle, "export", {"name": name, "merged": False})
+        else:
+            staging = "external-" + secrets.token_hex(8)
+            self.call(handle, "export", {"name": staging, "merged": False})
+            folder = named_dir(handle.folder, FOLDERS[kind], name)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            replace_dir(str(named_dir(handle.folder, FOLDERS["sampler"], staging)), str(folder))
         folder = named_dir(handle.folder, FOLDERS[kind], name)
-        return Saved(folder, sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()))
+        return Saved(folder, folder_size(folder))
 
     def load(self, handle: LocalHandle, saved: Saved, optimizer: bool) -> None:
         """Load a training checkpoint: the weights, and with ``optimizer`` the Adam moments, step and generator too."""

@@ -226,7 +226,8 @@ def optim_step(service: TinkerService, run: Run, request: Any) -> Callable[[], A
 
 
 def save_state(service: TinkerService, run: Run, name: str | None, kind: str, user_metadata: Any) -> Callable[[], Any]:
-    """``save_weights`` (``kind`` training: the whole state) or ``save_weights_for_sampler`` (sampler: the adapter) under ``name``."""
+    """``save_weights`` (``kind`` training: the whole state), ``save_weights_for_sampler`` (sampler: the adapter) or
+    ``save_weights_external`` (external: the adapter as a peft folder to download) under ``name``."""
     name = name or f"{kind}-{secrets.token_hex(4)}"
     service.new_checkpoint(run, kind, name)  # a bad name or a full run is refused when the request comes
 
@@ -240,8 +241,8 @@ def load_state(service: TinkerService, run: Run, path: str, optimizer: bool) -> 
     """Load a training checkpoint into ``run``: the weights, and with ``optimizer`` the Adam moments and step too."""
     source_run, checkpoint = service.checkpoint(run.tenant, path)
     if checkpoint.kind != "training":
-        raise TinkerError(400, f"{path[:200]!r} is a sampler checkpoint (weights only, for sampling); load a training checkpoint "
-                               "(tinker://<run>/weights/<name>, from save_state)")
+        raise TinkerError(400, f"{path[:200]!r} is a {checkpoint.kind} checkpoint (weights only, for sampling or download); load a training "
+                               "checkpoint (tinker://<run>/weights/<name>, from save_state)")
     if source_run.rank != run.rank:
         raise TinkerError(400, f"{path[:200]!r} holds a rank-{source_run.rank} adapter; this training run has rank {run.rank}")
 

@@ -11,13 +11,22 @@ order) or on the samplers' pool. ``retrieve_future`` waits for it a while and an
 done. A tenant reaches only its own sessions, runs, samplers, futures and checkpoints: anything else answers as if
 it did not exist (404).
 
-A checkpoint is ``tinker://<model_id>/weights/<name>`` (``save_state``: adapter, Adam moments, step and generator)
-or ``tinker://<model_id>/sampler_weights/<name>`` (``save_weights_for_sampler``); the engine keeps it.
+A checkpoint is ``tinker://<model_id>/weights/<name>`` (``save_state``: adapter, Adam moments, step and generator),
+``tinker://<model_id>/sampler_weights/<name>`` (``save_weights_for_sampler``) or
+``tinker://<model_id>/external_weights/<name>`` (``save_weights_external``: a peft adapter folder, which
+``get_external_weights_urls`` hands out as one signed download URL per file); the engine keeps it.
+
+A signed URL names a file of an external checkpoint and when it expires, with an HMAC-SHA256 of both under a key
+that lives only in this process: it needs no API key (as a storage bucket's signed URL), answers nothing once it has
+expired or its checkpoint was deleted, and reaches no other file.
 """
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
+import hashlib
+import hmac
 import json
 import logging
 import secrets
@@ -27,6 +36,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,8 +45,14 @@ from tinkergym.tinker_api import losses as tinker_losses
 from tinkergym.tinker_api.engines import EngineError, Saved
 
 #: Checkpoint kinds and their ``tinker://`` segment and folder.
-KINDS = {"training": ("weights", "states"), "sampler": ("sampler_weights", "exports")}
+KINDS = {"training": ("weights", "states"), "sampler": ("sampler_weights", "exports"), "external": ("external_weights", "external")}
 SEGMENTS = {segment: kind for kind, (segment, _) in KINDS.items()}
+#: Seconds a signed download URL of an external checkpoint's file stays valid.
+EXTERNAL_URL_TTL_S = 3600
+#: The route that serves those files (no API key: the URL's signature is the credential).
+EXTERNAL_FILES_ROUTE = "/api/v1/external_weights_files"
+#: The longest signed token a download may carry (a longer one is refused before it is decoded).
+MAX_SIGNED_TOKEN = 2048
 
 
 #: A request refused with an HTTP status; ``category`` is the SDK's ``RequestErrorCategory`` (user or server).
@@ -80,7 +96,7 @@ class Limits:
 
 @dataclass
 class Checkpoint:
-    checkpoint_id: str  # "weights/<name>" or "sampler_weights/<name>"
+    checkpoint_id: str  # "weights/<name>", "sampler_weights/<name>" or "external_weights/<name>"
     kind: str
     saved: Saved
     time: datetime
@@ -166,6 +182,7 @@ class TinkerService:
         self.samplers: dict[str, Sampler] = {}
         self.futures: dict[str, Pending] = {}
         self._lock = threading.RLock()
+        self._url_key = secrets.token_bytes(32)  # signs download URLs; a restarted server's URLs are void, as its checkpoints are
         self._sampling = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
         self._keepalive_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tinker-keepalive")
         self._keeping_alive: set[int] = set()
@@ -305,12 +322,14 @@ class TinkerService:
         return owned(self.runs.get(model_id), tenant, f"training run {str(model_id)[:80]!r}")
 
     def checkpoint(self, tenant: str, tinker_path: str) -> tuple[Run, Checkpoint]:
-        """The run and checkpoint a ``tinker://<run>/<weights|sampler_weights>/<name>`` path names, if the tenant owns them."""
+        """The run and checkpoint a ``tinker://<run>/<weights|sampler_weights|external_weights>/<name>`` path names, if the tenant
+        owns them."""
         if not isinstance(tinker_path, str) or not tinker_path.startswith("tinker://"):
             raise TinkerError(400, f"{str(tinker_path)[:200]!r} is not a tinker:// path (tinker://<run>/weights/<name> or .../sampler_weights/<name>)")
         parts = tinker_path[len("tinker://"):].split("/")
         if len(parts) != 3 or parts[1] not in SEGMENTS:
-            raise TinkerError(400, f"{tinker_path[:200]!r} is not a checkpoint path: tinker://<run>/weights/<name> or .../sampler_weights/<name>")
+            raise TinkerError(400, f"{tinker_path[:200]!r} is not a checkpoint path: tinker://<run>/weights/<name>, .../sampler_weights/<name> "
+                                   "or .../external_weights/<name>")
         run = self.run(tenant, parts[0])
         found = run.checkpoints.get(f"{parts[1]}/{parts[2]}")
         if found is None:
@@ -333,6 +352,48 @@ class TinkerService:
         with self._lock:
             run.checkpoints[checkpoint_id] = checkpoint
         return checkpoint
+
+    # ----- external weights: signed download URLs ----------------------------------------------------
+    def external_urls(self, tenant: str, model_id: str, checkpoint_id: str, base_url: str) -> dict[str, Any]:
+        """``get_external_weights_urls``: a signed URL for each file of the tenant's external checkpoint, and their expiry."""
+        run = self.run(tenant, model_id)
+        checkpoint = run.checkpoints.get(checkpoint_id)
+        if checkpoint is None:
+            raise not_found(f"checkpoint {checkpoint_id[:200]!r}")
+        if checkpoint.kind != "external":
+            raise TinkerError(400, f"{checkpoint.tinker_path(model_id)[:200]!r} is a {checkpoint.kind} checkpoint; download URLs are given for "
+                                   "external weights (save_weights_external)")
+        folder = Path(checkpoint.saved.location)
+        expires = int(time.time()) + EXTERNAL_URL_TTL_S
+        base = base_url.rstrip("/") + EXTERNAL_FILES_ROUTE
+        urls = {}
+        for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+            relative = file.relative_to(folder).as_posix()
+            urls[relative] = f"{base}/{self._sign([model_id, checkpoint_id, relative, expires])}"
+        return {"urls": urls, "expires": datetime.fromtimestamp(expires, timezone.utc).isoformat()}
+
+    def _sign(self, fields: list[Any]) -> str:
+        payload = base64.urlsafe_b64encode(json.dumps(fields, separators=(",", ":")).encode()).decode().rstrip("=")
+        return f"{payload}.{hmac.new(self._url_key, payload.encode(), hashlib.sha256).hexdigest()}"
+
+    def signed_file(self, token: str) -> Path:
+        """The file a signed URL's ``token`` names, while it has not expired and its checkpoint exists; else a refusal."""
+        payload, _, mac = str(token)[:MAX_SIGNED_TOKEN + 1].rpartition(".")
+        expected = hmac.new(self._url_key, payload.encode(), hashlib.sha256).hexdigest()
+        if len(token) > MAX_SIGNED_TOKEN or not payload or not hmac.compare_digest(mac.encode(), expected.encode()):
+            raise TinkerError(403, "this download URL is not valid here: ask for new ones (RestClient.get_external_weights_urls)")
+        model_id, checkpoint_id, relative, expires = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
+        if time.time() > expires:
+            raise TinkerError(403, "this download URL has expired: ask for new ones (RestClient.get_external_weights_urls)")
+        run = self.runs.get(model_id)
+        checkpoint = run.checkpoints.get(checkpoint_id) if run is not None else None
+        if checkpoint is None or checkpoint.kind != "external":
+            raise not_found("the checkpoint of this download URL")
+        folder = Path(checkpoint.saved.location).resolve()
+        file = (folder / relative).resolve()
+        if not file.is_relative_to(folder) or not file.is_file():
+            raise not_found("the file of this download URL")
+        return file
 
     def delete_checkpoint(self, tenant: str, model_id: str, checkpoint_id: str) -> None:
         run = self.run(tenant, model_id)
@@ -360,6 +421,9 @@ class TinkerService:
             rank, model = 1, base_model
             if model_path is not None:
                 run, checkpoint = self.checkpoint(tenant, model_path)
+                if checkpoint.kind == "external":
+                    raise TinkerError(400, f"{model_path[:200]!r} holds external weights, for download (get_external_weights_urls); "
+                                           "sample from a sampler checkpoint (save_weights_for_sampler) or a training checkpoint")
                 source, rank, model = checkpoint.saved, run.rank, run.base_model
             else:
                 self.engine.check_model(base_model)

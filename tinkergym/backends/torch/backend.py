@@ -40,7 +40,9 @@ import torch
 
 from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.batches import Batch, adamw_step, check_prompts, check_weights_finite, collate, request_normalizers, validate_data
-from tinkergym.backends.models import resolve_model
+from tinkergym.backends.models import is_vision_folder, resolve_model
+from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
+from tinkergym.backends.torch.vision import VISION_TOKEN_NAMES, VisionInputs, forbid_tokens, sample_with_images
 from tinkergym.backends.torch.sharded_states import SHARDED_FORMAT, load_sharded_state
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, read_rng_state, restore_rng_state, write_optimizer_state, write_rng_state
 from tinkergym.backends.torch.copies import CastCopy, MergedLoraCopy, _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401
@@ -180,6 +182,9 @@ class TorchBackend:
             if attn == "auto" and self.device.type == "cuda":
                 attn = "eager"  # flash-attn's and the efficient sdpa kernels' backward passes accumulate in a varying order
         self.attn_implementation = resolve_attn_implementation(attn, self.device, self.dtype, self.model_path)
+        self.reads_images = is_vision_folder(self.model_path)
+        if self.reads_images and self.attn_implementation == GROUPED_MATMUL:
+            self.attn_implementation = "sdpa"  # the vision tower's attention runs on packed patches, which only the built-in kernels take
         # Full fine-tuning keeps float32 master weights and computes in self.dtype under autocast: AdamW on
         # bfloat16 weights would round most small updates away. LoRA keeps the frozen base in self.dtype
         # (peft keeps the adapter in float32).
@@ -190,6 +195,8 @@ class TorchBackend:
         torch.manual_seed(self.config.seed)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = self._load_base(self.param_dtype)
+        #: A vision-language model's inputs beside the ids (None for a text model): see tinkergym.backends.torch.vision.
+        self.vision = VisionInputs.of(self.model, self.model_path, self.tokenizer) if self.reads_images else None
         if self.config.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         if self.config.lora_rank > 0:
@@ -215,7 +222,14 @@ class TorchBackend:
         # torch 2.13 multiplies a non-contiguous [B, 1, H] slice (what logits_to_keep leaves) with a frozen
         # weight by broadcasting the weight to [B, H, V] first: seconds per prefill with a frozen (LoRA) head.
         model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
+        if self.reads_images:
+            forbid_tokens(model, self._vision_token_ids())
         return model.to(self.device if device is None else device)
+
+    def _vision_token_ids(self) -> list[int]:
+        """The ids of the tokenizer's vision markers (a vision-language policy never writes them)."""
+        ids = [self.tokenizer.convert_tokens_to_ids(name) for name in VISION_TOKEN_NAMES]
+        return [i for i in ids if isinstance(i, int) and i != self.tokenizer.unk_token_id]
 
     def _compute(self) -> contextlib.AbstractContextManager:
         """Autocast to the compute dtype when any trainable weights (full float32 masters, a LoRA adapter) are kept in another one."""
@@ -224,11 +238,15 @@ class TorchBackend:
     def _add_lora(self, model: torch.nn.Module) -> torch.nn.Module:
         from peft import LoraConfig, get_peft_model
 
+        targets = self.config.lora_target_modules
+        if self.reads_images and targets == "all-linear":
+            # The language model's linear layers: the vision tower stays frozen (peft's all-linear would adapt it too).
+            targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".language_model." in f".{n}."]
         lora = LoraConfig(
             r=self.config.lora_rank,
             lora_alpha=self.config.lora_alpha,  # type: ignore[arg-type]  # peft's int: it divides alpha by r
             lora_dropout=self.config.lora_dropout,
-            target_modules=self.config.lora_target_modules,
+            target_modules=targets,
             task_type="CAUSAL_LM",
         )
         with quiet_peft():
@@ -278,13 +296,18 @@ class TorchBackend:
         draws from the global torch RNG (seeded by the config and saved with the state).
         """
         params = request.params
-        check_prompts(request.prompts)
+        check_prompts(request.prompts, request.images, self.reads_images)
+        if self.vision is not None and any(request.images):
+            self.vision.check_rows(request.prompts, request.images, "prompt")
         eos = self.tokenizer.eos_token_id
         stop_ids = list(params.stop_token_ids) or ([eos] if eos is not None else [])
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
-        flat = [prompt for prompt in request.prompts for _ in range(request.num_samples)]
+        n = request.num_samples
+        with_images = [i for i, images in enumerate(request.images) if images]
+        text_rows = [i for i in range(len(request.prompts)) if i not in set(with_images)]
+        flat = [request.prompts[i] for i in text_rows for _ in range(n)]
         model = self._sampling_model()
         self.prefix_cache.scope = adapter_scope(model)
         results: list[SampledSequence] = []
@@ -292,8 +315,15 @@ class TorchBackend:
             chunk = flat[start : start + self.config.max_sample_batch]
             with self._compute(), self._out_of_memory_advice(chunk, training=False):
                 results.extend(sample_batch(model, chunk, params, stop_ids, self.pad_id, generator, self.config.share_prefixes, prefix_cache=self.prefix_cache))
-        n = request.num_samples
-        return SampleResponse(sequences=[results[i * n : (i + 1) * n] for i in range(len(request.prompts))])
+        sequences: dict[int, list[SampledSequence]] = {i: results[k * n : (k + 1) * n] for k, i in enumerate(text_rows)}
+        for i in with_images:  # each prompt with images on its own, past the prefix cache (see tinkergym.backends.torch.vision)
+            assert self.vision is not None  # check_prompts refused images otherwise
+            sequences[i] = []
+            for start in range(0, n, self.config.max_sample_batch):
+                count = min(self.config.max_sample_batch, n - start)
+                with self._compute(), self._out_of_memory_advice([request.prompts[i]] * count, training=False):
+                    sequences[i].extend(sample_with_images(model, request.prompts[i], request.images[i], self.vision, count, params, stop_ids, self.pad_id, generator))
+        return SampleResponse(sequences=[sequences[i] for i in range(len(request.prompts))])
 
     def _sampling_model(self) -> torch.nn.Module:
         """The model to sample with: the policy itself, or a copy made for sampling, refreshed when the weights changed.
@@ -383,10 +413,14 @@ class TorchBackend:
         """The micro-batches ``data`` is scored in: :func:`plan_micro_batches` with this backend's settings and
         the cost of its KV cache copies (see :func:`kv_token_cost`)."""
         share = self.config.share_prefixes if share_prefixes is None else share_prefixes
+        share = share and not any(d.images for d in data)  # rows with images are scored on their own (tinkergym.backends.torch.vision)
         return plan_micro_batches(data, self.config.micro_batch_size, share, kv_token_cost(self.model.config))
 
     def _collate(self, data: list[Datum]) -> Batch:
-        return collate(data, self.device)
+        batch = collate(data, self.device)
+        if self.vision is not None and any(d.images for d in data):
+            batch.model_inputs = self.vision.model_inputs(batch.tokens, batch.attention, [d.images for d in data])
+        return batch
 
     # ----- training ---------------------------------------------------------------------------------
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
@@ -399,7 +433,9 @@ class TorchBackend:
         tokens; the loss is normalized by the request's ``num_tokens``/``num_sequences`` when given.
         """
         spec, data = request.loss, request.data
-        validate_data(data, spec)
+        validate_data(data, spec, self.reads_images)
+        if self.vision is not None and any(d.images for d in data):
+            self.vision.check_rows([d.tokens for d in data], [d.images for d in data], "datum")
         self.prefix_cache.clear()  # its memory goes to the activations; sampling after an update starts afresh anyway
         total_mask, num_sequences = request_normalizers(request)
         self.model.train()
@@ -440,7 +476,8 @@ class TorchBackend:
     @staticmethod
     def _sequence_logprobs(model: torch.nn.Module, batch: Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
         return sequence_logprobs(
-            model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, read=batch.read
+            model, batch.tokens, batch.attention, batch.mask, micro, temperature, lengths=batch.lengths, read=batch.read,
+            model_inputs=batch.model_inputs or None,
         )
 
     def _reference_logprobs(self, batch: Batch, micro: MicroBatch, temperature: float) -> torch.Tensor:
@@ -545,4 +582,6 @@ class TorchBackend:
         else:
             model.save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         self.tokenizer.save_pretrained(tmp)
+        if self.vision is not None:
+            self.vision.image_processor.save_pretrained(tmp)
         replace_dir(tmp, os.fspath(path).rstrip("/"))

@@ -28,6 +28,8 @@ class Batch:
     lengths: list[int] = field(default_factory=list)
     #: Every position >= 1 that any row reads, known on the host.
     read: list[int] = field(default_factory=list)
+    #: More arguments of the forward pass: a vision-language model's pixels and positions (empty for text).
+    model_inputs: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _pad_right(rows: Sequence[Sequence[float]], width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -37,12 +39,21 @@ def _pad_right(rows: Sequence[Sequence[float]], width: int, dtype: torch.dtype, 
     return host_to_device(out, device)
 
 
-def validate_data(data: list[Datum], spec: LossSpec) -> None:
+#: Why an engine without a vision-language model refuses a request with images.
+NO_IMAGES = ("this backend's model reads no images: send images only to a TorchBackend of a vision-language model "
+             "(a model folder with a vision_config and an image processor, e.g. Qwen2-VL)")
+
+
+def validate_data(data: list[Datum], spec: LossSpec, reads_images: bool = False) -> None:
+    """A training request's checks: every datum's arrays as long as its tokens, what the loss needs, and images only
+    where the model reads them (``reads_images``)."""
     losses.validate_spec(spec)
     for i, datum in enumerate(data):
         n = len(datum.tokens)
         if n == 0:
             raise ConfigError(f"datum {i} has no tokens")
+        if datum.images and not reads_images:
+            raise ConfigError(f"datum {i} carries images, but {NO_IMAGES}")
         if len(datum.loss_mask) != n:
             raise ConfigError(f"datum {i}: loss_mask has {len(datum.loss_mask)} entries for {n} tokens; give one per token")
         for name in ("advantages", "sampling_logprobs", "old_logprobs"):
@@ -65,8 +76,11 @@ def request_normalizers(request: ForwardBackwardRequest) -> tuple[float, int]:
     return total, sequences
 
 
-def check_prompts(prompts: list[list[int]]) -> None:
-    """A sample request's prompts each need a token: refuse an empty one with a :class:`ConfigError`."""
+def check_prompts(prompts: list[list[int]], images: Sequence[Sequence[object]] | None = None, reads_images: bool = False) -> None:
+    """A sample request's prompts each need a token, and carry ``images`` only where the model reads them (``reads_images``):
+    refuse anything else with a :class:`ConfigError`."""
+    if images and any(images) and not reads_images:
+        raise ConfigError(f"the prompts carry images, but {NO_IMAGES}")
     if any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token (e.g. the chat template's generation prompt)")
 

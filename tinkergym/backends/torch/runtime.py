@@ -129,20 +129,24 @@ def quiet_peft() -> Iterator[None]:
 def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> torch.nn.Module:
     """The causal LM in folder ``path`` in ``dtype``; a peft adapter folder (a LoRA run's ``final/``) merged into its base.
 
+    A vision-language model folder (:func:`~tinkergym.backends.models.is_vision_folder`) loads as
+    ``AutoModelForImageTextToText`` (its vision tower and language model together).
+
     ``AutoModelForCausalLM.from_pretrained`` of an adapter folder attaches the adapter unmerged, under peft's
     default name: a LoRA added on top for training would then replace it, and training would start from the
     base model instead of the adapter's. Here the base (``base_model_name_or_path``, itself possibly an adapter
     folder) is loaded in float32, the adapter merged into it in float32 and the result cast to ``dtype`` once
     (``dtype="auto"``: merged in the dtype the base's config names, as transformers loads it).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from tinkergym.backends.models import is_adapter_folder, resolve_model
+    from tinkergym.backends.models import is_adapter_folder, is_vision_folder, resolve_model
 
     if kwargs.get("attn_implementation") == GROUPED_MATMUL:
         register_grouped_matmul()
     if not is_adapter_folder(path):
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        auto = AutoModelForImageTextToText if is_vision_folder(path) else AutoModelForCausalLM
+        return auto.from_pretrained(path, dtype=dtype, **kwargs)
     from peft import PeftModel
 
     adapter = Path(path, "adapter_config.json")

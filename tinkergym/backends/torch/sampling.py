@@ -364,22 +364,35 @@ def sample_batch(
     device = next(model.parameters()).device
     logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts, prefix_cache, adapters)
     cache = _preallocated(cache, params.max_new_tokens)
-    # Whether each id is a stop id, looked up by a gather: torch.isin of many stop ids sorts and deduplicates
-    # (a data-dependent size, read back from a GPU on every step). Sampled ids and the pad id fall inside it.
-    is_stop_V = torch.zeros(max([logits_BV.shape[-1], pad_id + 1, *(t + 1 for t in stop_ids)]), dtype=torch.bool)
-    is_stop_V[[t for t in stop_ids if t >= 0]] = True
-    is_stop_V = host_to_device(is_stop_V, device)
+    is_stop_V = stop_table(logits_BV.shape[-1], pad_id, stop_ids, device)
     mask = attention if len(widths) > 1 else None
     with rows_through(adapters):
         tokens_BS, logprobs_BS, steps = _decode(model, logits_BV, cache, mask, positions, params, is_stop_V, pad_id, generator, check_interval)
+    out = finished_sequences(tokens_BS, logprobs_BS, steps, stop_ids)
+    if prefix_cache is not None and prefix_cache.max_bytes > 0:
+        store_rows(prefix_cache, cache, prompts, [seq.tokens for seq in out], adapters)
+    return out
+
+
+def stop_table(vocab: int, pad_id: int, stop_ids: list[int], device: torch.device) -> torch.Tensor:
+    """Whether each id is a stop id, as a boolean table on ``device`` that the decode loop looks ids up in.
+
+    A gather: torch.isin of many stop ids sorts and deduplicates (a data-dependent size, read back from a GPU on
+    every step). Sampled ids and the pad id fall inside it.
+    """
+    is_stop_V = torch.zeros(max([vocab, pad_id + 1, *(t + 1 for t in stop_ids)]), dtype=torch.bool)
+    is_stop_V[[t for t in stop_ids if t >= 0]] = True
+    return host_to_device(is_stop_V, device)
+
+
+def finished_sequences(tokens_BS: torch.Tensor, logprobs_BS: torch.Tensor, steps: int, stop_ids: list[int]) -> list[SampledSequence]:
+    """The decode loop's results as sequences: the only reads of them; a row's ids end at its first stop id (later
+    ones are the pad fed to stopped rows)."""
     stops = set(stop_ids)
     out = []
-    # The only reads of the results: a row's ids end at its first stop id (later ones are the pad fed to stopped rows).
     for ids, logprobs in zip(tokens_BS[:, :steps].tolist(), logprobs_BS[:, :steps].tolist()):
         n = next((i + 1 for i, token in enumerate(ids) if token in stops), steps)
         out.append(SampledSequence(tokens=ids[:n], logprobs=logprobs[:n], finish_reason="stop" if ids[:n] and ids[n - 1] in stops else "length"))
-    if prefix_cache is not None and prefix_cache.max_bytes > 0:
-        store_rows(prefix_cache, cache, prompts, [seq.tokens for seq in out], adapters)
     return out
 
 

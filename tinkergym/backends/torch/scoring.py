@@ -127,16 +127,17 @@ def plan_micro_batches(
 
 def logprobs_from(
     model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, start: int = 1, temperature: float = 1.0,
-    adapters: list[int] | None = None,
+    adapters: list[int] | None = None, model_inputs: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` logprobs of right-padded rows at ``temperature``, with logits only for positions ``start - 1`` onward (earlier entries are 0).
 
-    ``adapters``: each row's adapter on a shared base (see :mod:`~tinkergym.backends.torch.row_adapters`).
+    ``adapters``: each row's adapter on a shared base (see :mod:`~tinkergym.backends.torch.row_adapters`). ``model_inputs``:
+    more arguments of the forward pass (a vision-language model's pixels and positions, see :mod:`~tinkergym.backends.torch.vision`).
     """
     batch, length = tokens_BT.shape
     keep_from = max(start - 1, 0)
     with rows_through(adapters):
-        logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=length - keep_from).logits
+        logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=length - keep_from, **(model_inputs or {})).logits
     scored = losses.token_logprobs(logits, tokens_BT[:, keep_from:], temperature=temperature)
     zeros = torch.zeros(batch, keep_from, dtype=scored.dtype, device=scored.device)
     return torch.cat([zeros, scored], dim=1)
@@ -144,7 +145,7 @@ def logprobs_from(
 
 def logprobs_at(
     model: torch.nn.Module, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, read: list[int], temperature: float = 1.0,
-    adapters: list[int] | None = None,
+    adapters: list[int] | None = None, model_inputs: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``[B, T]`` logprobs of right-padded rows at ``temperature``, with logits only where some row reads (``read``: positions >= 1).
 
@@ -155,7 +156,7 @@ def logprobs_at(
     batch, length = tokens_BT.shape
     index = host_to_device(torch.tensor(read, dtype=torch.long), tokens_BT.device)
     with rows_through(adapters):
-        logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=index - 1).logits
+        logits = model(input_ids=tokens_BT, attention_mask=attention_BT, use_cache=False, logits_to_keep=index - 1, **(model_inputs or {})).logits
     scored = losses.target_logprobs(logits, tokens_BT.index_select(1, index), temperature=temperature)
     return scored.new_zeros(batch, length).index_copy(1, index, scored)
 
@@ -432,6 +433,7 @@ def sequence_logprobs(
     lengths: list[int] | None = None,
     read: list[int] | None = None,
     adapters: list[int] | None = None,
+    model_inputs: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Float32 ``[B, T]`` logprobs of right-padded sequences at ``temperature`` (entry ``t`` scores ``tokens[t]``; unread entries are 0).
 
@@ -440,18 +442,21 @@ def sequence_logprobs(
     host pass the rows' ``lengths`` and ``read`` (every position >= 1 any row reads, see :func:`read_positions`);
     without them both are read back from the device, which makes the host wait for a GPU. Rows scored on their
     own whose reads have gaps get logits at the read positions only (see :func:`logprobs_at`). ``adapters``: each
-    row's adapter on a shared base (see :mod:`~tinkergym.backends.torch.row_adapters`).
+    row's adapter on a shared base (see :mod:`~tinkergym.backends.torch.row_adapters`). ``model_inputs``: more arguments
+    of the forward pass (a vision-language model's, whose rows with images never share prompts).
     """
     if micro is not None and micro.group_sizes:
+        if model_inputs:
+            raise ValueError("rows with images are scored on their own: plan them with share_prefixes=False")
         if lengths is None:
             lengths = attention_BT.sum(dim=1).tolist()
         return _shared_prefix_logprobs(model, tokens_BT, lengths, micro.group_sizes, micro.prefix_lens, temperature, adapters)
     if read and read[-1] - read[0] + 1 > len(read):  # reads with gaps (turns between env replies): logits there only
-        return logprobs_at(model, tokens_BT, attention_BT, read, temperature, adapters)
+        return logprobs_at(model, tokens_BT, attention_BT, read, temperature, adapters, model_inputs)
     if read is None:
         reads_T = mask_BT.any(dim=0).nonzero()
         first_read = int(reads_T[0]) if len(reads_T) else None
     else:
         first_read = read[0] if read else None
     start = tokens_BT.shape[1] - 1 if first_read is None else first_read
-    return logprobs_from(model, tokens_BT, attention_BT, max(start, 1), temperature, adapters)
+    return logprobs_from(model, tokens_BT, attention_BT, max(start, 1), temperature, adapters, model_inputs)

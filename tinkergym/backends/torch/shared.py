@@ -282,7 +282,7 @@ class SharedBase:
 
     def _check_sample(self, session: LoraSession, request: SampleRequest) -> None:
         session._check_open()
-        check_prompts(request.prompts)
+        check_prompts(request.prompts, request.images)
 
     def _sample_together(self, calls: Sequence[tuple[LoraSession, SampleRequest]]) -> list[SampleResponse]:
         eos = self.tokenizer.eos_token_id

@@ -251,6 +251,8 @@ class VLLMSampler:
         """
         from vllm.inputs import TokensPrompt
 
+        if any(request.images):
+            raise ConfigError("the vLLM sampler does not sample from images yet: sample a vision-language model with TorchBackend")
         self._check_prompts(request.prompts)
         self.wake_up()
         params, n = request.params, request.num_samples

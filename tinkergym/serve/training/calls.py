@@ -40,8 +40,8 @@ from tinkergym.serve.metrics import TokenTally
 #: Names of states and exports: one path component of letters, digits, ``.``, ``_`` and ``-``.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
-#: Where named folders live inside the run folder.
-KINDS = {"states": "states", "exports": "exports"}
+#: Where named folders live inside the run folder (``external``: the Tinker API's downloadable adapters, kept apart from exports).
+KINDS = {"states": "states", "exports": "exports", "external": "external"}
 
 
 class SequenceError(TinkergymError, ValueError):
