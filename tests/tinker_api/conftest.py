@@ -50,3 +50,17 @@ def cluster(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clu
     engine.dispose()
 
 
+
+
+@pytest.fixture
+def connect(cluster: Cluster) -> Iterator[Any]:
+    """``connect(who)``: a ServiceClient of ``who``'s key; each is closed (its session finished, its runs freed) after the test."""
+    made: list[Any] = []
+
+    def make(who: str = "alice") -> Any:
+        made.append(cluster.client(who))
+        return made[-1]
+
+    yield make
+    for client in made:
+        client.close("success").result()

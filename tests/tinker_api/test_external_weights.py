@@ -20,7 +20,7 @@ import tinker  # noqa: E402
 import torch  # noqa: E402
 from tinker import types  # noqa: E402
 
-from tests.tinker_api.test_sdk import SEQUENCES, connect, datum, logprobs_of, sft_batch  # noqa: E402, F401 - connect: a fixture
+from tests.tinker_api.test_sdk import SEQUENCES, datum, logprobs_of, sft_batch  # noqa: E402
 
 
 def _download(urls: dict[str, str], folder: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -19,20 +18,6 @@ pytest.importorskip("sqlalchemy")
 import torch  # noqa: E402
 from tinker import types  # noqa: E402
 
-
-
-@pytest.fixture
-def connect(cluster: Any) -> Iterator[Any]:
-    """``connect(who)``: a ServiceClient of ``who``'s key; each is closed (its session finished, its runs freed) after the test."""
-    made: list[Any] = []
-
-    def make(who: str = "alice") -> Any:
-        made.append(cluster.client(who))
-        return made[-1]
-
-    yield make
-    for client in made:
-        client.close("success").result()
 
 
 def datum(tokens: list[int], **inputs: Any) -> Any:
