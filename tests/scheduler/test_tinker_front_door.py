@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
+import safetensors.numpy
 
 pytest.importorskip("torch")
 tinker = pytest.importorskip("tinker")
@@ -44,8 +46,9 @@ def _datums() -> list[Any]:
             for r in ROWS]
 
 
-def _train(url: str, key: str, model: str, on_step: Any = None, idle: float = 0.0) -> tuple[list[float], list[np.ndarray], list[list[float]], list[float]]:
-    """The client's session: STEPS steps (a state saved after the second), a sampler of the end weights, its samples' logprobs."""
+def _train(url: str, key: str, model: str, on_step: Any = None, idle: float = 0.0) -> tuple[list[float], list[np.ndarray], list[list[float]], list[float], dict]:
+    """The client's session: STEPS steps (a state saved after the second), a sampler of the end weights, its samples' logprobs,
+    and the end weights as downloaded through save_weights_external's signed URLs."""
     from tinker import types
 
     async def async_step(training: Any) -> float:  # the SDK's async interface (its futures awaited): odd steps and the sampler
@@ -79,7 +82,10 @@ def _train(url: str, key: str, model: str, on_step: Any = None, idle: float = 0.
         sampler = training.save_weights_and_get_sampling_client().result()
         sampled = asyncio.run(async_sample(sampler))
         scored = [sampler.compute_logprobs(types.ModelInput.from_ints(ROWS[0][:4] + s.tokens)).result()[4:] for s in sampled.sequences]
-        return losses, final, [s.logprobs for s in sampled.sequences], [v for row in scored for v in row]
+        exported = training.save_weights_external("end").result().path
+        urls = tinker.RestClient(base_url=url, api_key=key).get_external_weights_urls(exported).result().urls
+        weights = safetensors.numpy.load(httpx.get(urls["adapter_model.safetensors"]).content)
+        return losses, final, [s.logprobs for s in sampled.sequences], [v for row in scored for v in row], weights
 
 
 def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: Any, tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,7 +130,10 @@ def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: 
                 process.wait()
         door.stop()
         scheduler.stop()
-    losses, final, sampled, scored = got
+    losses, final, sampled, scored, weights = got
+    assert sorted(weights) == sorted(expected[4]) and weights
+    for name, value in weights.items():  # the adapter the front door's job exported is the local run's
+        np.testing.assert_allclose(value, expected[4][name], atol=1e-4)
     np.testing.assert_allclose(losses, expected[0], rtol=1e-4)
     for a, b in zip(final, expected[1]):
         np.testing.assert_allclose(a, b, atol=1e-4)
