@@ -6,10 +6,11 @@ from typing import Any
 
 import gymnasium as gym
 import numpy as np
+import pytest
 
 import tinkergym  # noqa: F401 - registers the hub's env ids
 from tinkergym.chat import ImageChatRenderer
-from tinkergym.protocol.types import SampledSequence, SampleRequest, SampleResponse
+from tinkergym.protocol.types import Datum, SampledSequence, SampleRequest, SampleResponse
 from tinkergym.rollouts import RolloutConfig, rollout
 
 
@@ -87,3 +88,49 @@ def test_colour_square_rollout_sends_its_image_and_text_renderers_send_none(tiny
     (text_trajectory,) = rollout([gym.make("tinker/ColourSquare-v0")], text_sampler, text, RolloutConfig(max_new_tokens=4), seeds=[3])
     assert text_trajectory.images == [] and "images" not in text_sampler.requests[0].to_dict()
     assert "<image>" in text.tokenizer.decode(text_trajectory.tokens)
+
+
+# ----- TorchBackend with a vision-language model ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def vlm_backend(tiny_vlm: str) -> Any:
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+
+    return TorchBackend(TorchBackendConfig(model=tiny_vlm, dtype="float32", lora_rank=4, seed=0))
+
+
+def _trainer_logprobs(backend: Any, data: list) -> list[list[float]]:
+    from tinkergym.protocol.types import ForwardBackwardRequest, LossSpec
+
+    result = backend.forward_backward(ForwardBackwardRequest(data=data, loss=LossSpec(name="cross_entropy", loss_scale=0.0), return_logprobs=True))
+    backend.optimizer.zero_grad(set_to_none=True)
+    return result.logprobs
+
+
+def test_vlm_loads_with_lora_on_the_language_model_only(vlm_backend: Any) -> None:
+    names = [n for n, _ in vlm_backend._trainable]
+    assert names and all(".language_model." in n and "lora_" in n for n in names)
+    assert not any("visual" in n for n in names)
+    assert vlm_backend.vision is not None and vlm_backend.attn_implementation == "sdpa"
+
+
+def test_sampler_logprobs_equal_trainer_logprobs_in_rollouts_with_images(vlm_backend: Any, tiny_vlm: str) -> None:
+    from tinkergym.trainers.advantages import trajectories_to_data
+
+    renderer = ImageChatRenderer.from_folder(tiny_vlm)
+    config = RolloutConfig(max_turns=3, max_new_tokens=6, seed=5, env_workers=1)
+    squares = rollout([gym.make("tinker/ColourSquare-v0") for _ in range(4)], vlm_backend, renderer, config, seeds=[0, 0, 1, 2])
+    patches = rollout([PatchEnv(), PatchEnv()], vlm_backend, renderer, config, seeds=[7, 8])  # several images, text between
+    trajectories = squares + patches
+    for trajectory in trajectories:
+        assert trajectory.error is None and trajectory.num_sampled_tokens > 0
+        assert trajectory.tokens.count(renderer.image_token_id) == sum(vlm_backend.vision.token_count(i) for i in trajectory.images)
+        assert renderer.image_token_id not in [t for t, m in zip(trajectory.tokens, trajectory.loss_mask) if m]  # never sampled
+    assert all(len(t.images) == 3 for t in patches)
+    data = trajectories_to_data(trajectories, [1.0] * len(trajectories))
+    trainer = _trainer_logprobs(vlm_backend, data)
+    worst = max(abs(a - b) for d, row in zip(data, trainer) for a, b, m in zip(row, d.sampling_logprobs, d.loss_mask) if m)
+    assert worst < 1e-5, worst
+    # The logprobs belong to each row's own image: scored with another square's (same size, same tokens) they differ.
+    swapped = [Datum(tokens=data[i].tokens, loss_mask=data[i].loss_mask, images=data[5 - i].images) for i in (2, 3)]
+    moved = max(abs(a - b) for i, row in zip((2, 3), _trainer_logprobs(vlm_backend, swapped)) for a, b, m in zip(row, trainer[i], data[i].loss_mask) if m)
+    assert moved > 1e-4
