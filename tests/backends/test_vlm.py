@@ -247,3 +247,31 @@ def test_lora_gradient_reaches_the_image_conditioned_path(warm_vlm: str) -> None
     after, after_swapped = colour_nll(right), colour_nll(swapped)
     assert after < 0.5 * before, (before, after)
     assert after_swapped > before_swapped + 0.5 and after_swapped > after + 1.0, (before_swapped, after_swapped, after)
+
+
+def test_images_travel_to_a_training_server_and_back(vlm_backend: Any, tiny_vlm: str, tmp_path: Any) -> None:
+    """Rollouts through RemoteBackend send their images over HTTP: the server samples from them and scores them as in-process."""
+    pytest.importorskip("fastapi")
+    from tinkergym.backends.remote import RemoteBackend
+    from tinkergym.protocol.types import ForwardBackwardRequest, LossSpec
+    from tinkergym.serve.asgi import ThreadServer
+    from tinkergym.serve.auth import token_digest
+    from tinkergym.serve.training.app import create_app
+    from tinkergym.trainers.advantages import trajectories_to_data
+
+    token = "vlm-remote-test-token-0123456789abcdef"
+    server = ThreadServer(create_app(vlm_backend, run_dir=tmp_path / "server", token_digest=token_digest(token)))
+    try:
+        client = RemoteBackend(server.url, token)
+        renderer = ImageChatRenderer.from_folder(tiny_vlm)
+        config = RolloutConfig(max_new_tokens=5, seed=11, env_workers=1)
+        trajectories = rollout([gym.make("tinker/ColourSquare-v0") for _ in range(3)], client, renderer, config, seeds=[4, 5, 6])
+        local = rollout([gym.make("tinker/ColourSquare-v0") for _ in range(3)], vlm_backend, renderer, config, seeds=[4, 5, 6])
+        assert [t.tokens for t in trajectories] == [t.tokens for t in local]  # same seed, same images: the same samples
+        data = trajectories_to_data(trajectories, [1.0] * 3)
+        result = client.forward_backward(ForwardBackwardRequest(data=data, loss=LossSpec(name="cross_entropy", loss_scale=0.0), return_logprobs=True))
+        worst = max(abs(a - b) for d, row in zip(data, result.logprobs) for a, b, m in zip(row, d.sampling_logprobs, d.loss_mask) if m)
+        assert worst < 1e-5, worst
+    finally:
+        server.stop()
+        vlm_backend.optimizer.zero_grad(set_to_none=True)
