@@ -285,3 +285,20 @@ class ImageChatRenderer(ChatTemplateRenderer):
         closed = self.render(messages, tools, images=images)
         following = self.render([*messages, observation], tools, add_generation_prompt=True, images=images)
         return bridge_between(closed, following, self.stop_token_ids, stopped)
+
+
+def renderer_for(tokenizer: Any) -> ChatTemplateRenderer:
+    """The renderer of a model: an :class:`ImageChatRenderer` for a vision-language model folder (a config with a
+    ``vision_config`` and an image processor beside it), else a :class:`ChatTemplateRenderer` of ``tokenizer``
+    (a loaded tokenizer, or a folder to load it from)."""
+    import os
+
+    if isinstance(tokenizer, str) and os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json")):
+        try:
+            with open(os.path.join(tokenizer, "config.json"), encoding="utf-8") as handle:
+                config = json.load(handle)
+        except (OSError, ValueError):
+            config = None
+        if isinstance(config, dict) and "vision_config" in config:
+            return ImageChatRenderer.from_folder(tokenizer)
+    return ChatTemplateRenderer(tokenizer)

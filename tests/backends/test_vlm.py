@@ -275,3 +275,25 @@ def test_images_travel_to_a_training_server_and_back(vlm_backend: Any, tiny_vlm:
     finally:
         server.stop()
         vlm_backend.optimizer.zero_grad(set_to_none=True)
+
+
+def test_eval_of_a_vlm_folder_renders_and_sends_its_images(tiny_vlm: str, tiny: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from tinkergym.backends.torch.backend import TorchBackend
+    from tinkergym.chat import ChatTemplateRenderer, renderer_for
+    from tinkergym.cli import main
+
+    assert isinstance(renderer_for(tiny_vlm), ImageChatRenderer)
+    assert type(renderer_for(tiny)) is ChatTemplateRenderer
+    sent: list[int] = []
+    sample = TorchBackend.sample
+    monkeypatch.setattr(TorchBackend, "sample", lambda self, request: (sent.append(sum(map(len, request.images))), sample(self, request))[1])
+    args = ["eval", "--env", "tinker/ColourSquare-v0", "--episodes", "2", "--max-new-tokens", "3", "--model", tiny_vlm, "--out", str(tmp_path / "eval.jsonl")]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output[result.output.index('{"env"'):].splitlines()[0])  # after the progress bar's carriage returns
+    assert summary["failed"] == 0.0 and summary["episodes"] == 2.0
+    assert sent == [2]  # one sampling round, one image per episode

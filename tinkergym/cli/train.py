@@ -454,7 +454,7 @@ def _evaluate(
     tokenizer: str | None, api_key_file: str | None, scheduler: str | None, api_key: str | None, gpus: int | None, held: dict[str, Any],
 ) -> tuple[dict[str, float], list[Any]]:
     """The evaluation of ``eval`` through its backend (a local model, an endpoint, or a scheduler job held in ``held["job"]``)."""
-    from tinkergym.chat import ChatTemplateRenderer
+    from tinkergym.chat import renderer_for
     from tinkergym.trainers.evaluation import eval_seeds, evaluate
     from tinkergym.trainers.session import load_backend_for_eval
 
@@ -473,7 +473,7 @@ def _evaluate(
             backend.check()
         else:
             backend = load_backend_for_eval(model=model, run_dir=run_dir)
-        renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
+        renderer = renderer_for(backend.info()["tokenizer"])
         result = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes), progress=not quiet)
     except KeyboardInterrupt:
         raise  # the job is the caller's to cancel or leave
