@@ -388,8 +388,12 @@ class TorchBackend:
         """Per-token logprobs of whole sequences under the current policy at ``temperature`` (entry 0 is 0.0).
 
         Scored in the micro-batches training would score them in (see :meth:`plan`), so scoring long sequences
-        takes no more memory than training on them; read back once.
+        takes no more memory than training on them; read back once. Sequences carry no images: a vision-language
+        model's sequence with image tokens is refused (score it with ``forward_backward(..., return_logprobs=True)``).
         """
+        if self.vision is not None and any(self.vision.image_token_id in s for s in sequences):
+            raise ConfigError("logprobs takes no images, and these sequences hold image tokens: score them with forward_backward "
+                              "(a Datum with its images, loss_scale 0, return_logprobs=True)")
         self.model.eval()
         data = [Datum(tokens=s, loss_mask=[0.0] * len(s)) for s in sequences]
         parts: list[torch.Tensor] = []
