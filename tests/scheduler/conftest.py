@@ -1,7 +1,10 @@
 """Scheduler fixtures: a database URL (SQLite and PostgreSQL), an app on it, and keys.
 
 ``db_url`` is parametrized over ``sqlite`` (a fresh file per test) and ``postgresql`` (a fresh database per
-test on a private cluster that :func:`postgres_server` starts once per session on 127.0.0.1). Where the
+test on a private cluster that :func:`postgres_server` starts once per session on 127.0.0.1). The end-to-end tests
+that run real processes (a scheduler, workers, training clients) pick one of the two with
+``@pytest.mark.parametrize("db_url", [...], indirect=True)``: their database work is the calls the API-level tests
+make on both, and they are spread over the two so that each database is driven end to end. Where the
 PostgreSQL binaries are missing the ``postgresql`` parameter is skipped, except in CI (``CI`` set), where it
 fails: ``make install`` installs them. Each test on PostgreSQL is marked ``postgres`` (``-m "not postgres"``
 leaves them out). Every module here needs the ``scheduler`` extra (sqlalchemy, alembic, fastapi, uvicorn, httpx);

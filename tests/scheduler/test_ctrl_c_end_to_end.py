@@ -103,6 +103,7 @@ def _wait_cancelled(engine: Any, job_id: str) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_ctrl_c_leaves_or_cancels_the_job_and_the_run_goes_on(cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
     # --keep-on-interrupt: the client exits, the job runs on and says how to reattach.
@@ -136,6 +137,7 @@ def test_ctrl_c_leaves_or_cancels_the_job_and_the_run_goes_on(cluster: Cluster, 
     assert latest_checkpoint(out)[0] == last + 1 and (out / "final" / "adapter_model.safetensors").is_file()
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_ctrl_c_cancels_a_running_eval_job(cluster: Cluster) -> None:
     client = cluster.client("eval", "--env", "tinker/Bandit-v0", "--model", "tiny", "--episodes", "100000", "--max-new-tokens", "4",
                             "--scheduler", cluster.url)

@@ -58,6 +58,7 @@ def _stable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_torch_free_client_trains_through_workers_and_survives_one(db_url: str, keys: Any, tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
@@ -113,6 +114,7 @@ def test_a_torch_free_client_trains_through_workers_and_survives_one(db_url: str
     assert job["state"] == "succeeded" and job["lease_epoch"] == 2 and job["attempt"] == 1 and held == 0
 
 
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_dead_client_frees_its_job_and_resume_goes_on_from_its_checkpoints(db_url: str, keys: Any, tmp_path: Path,
                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"

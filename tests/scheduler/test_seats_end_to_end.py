@@ -79,6 +79,7 @@ def _solo_runs(tmp_path: Path, cache: Path) -> None:
         server.wait(30)
 
 
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_killed_worker_with_three_packed_jobs_of_two_tenants(db_url: str, keys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     monkeypatch.setenv("TINKERGYM_CACHE", str(cache))

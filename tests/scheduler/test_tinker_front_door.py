@@ -88,6 +88,7 @@ def _train(url: str, key: str, model: str, on_step: Any = None, idle: float = 0.
         return losses, final, [s.logprobs for s in sampled.sequences], [v for row in scored for v in row], weights
 
 
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: Any, tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tinkergym.backends.models import resolve_model
     from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig

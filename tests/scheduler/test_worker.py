@@ -142,6 +142,7 @@ def test_a_metrics_port_in_use_exits_2_before_any_registration(tmp_path: Path) -
     assert f"--metrics-port {port}: cannot listen" in result.output and "pick a free port" in result.output
 
 
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
     settings = SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)
     server = ThreadServer(create_app(settings))
