@@ -300,3 +300,23 @@ def test_eval_of_a_vlm_folder_renders_and_sends_its_images(tiny_vlm: str, tiny: 
     summary = json.loads(result.output[result.output.index('{"env"'):].splitlines()[0])  # after the progress bar's carriage returns
     assert summary["failed"] == 0.0 and summary["episodes"] == 2.0
     assert sent == [2]  # one sampling round, one image per episode
+
+
+def test_train_on_a_vlm_folder_sends_its_images_to_sampling_and_training(tiny_vlm: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from tinkergym.backends.torch.backend import TorchBackend
+    from tinkergym.cli import main
+
+    sampled: list[int] = []
+    trained: list[int] = []
+    sample, forward_backward = TorchBackend.sample, TorchBackend.forward_backward
+    monkeypatch.setattr(TorchBackend, "sample", lambda self, request: (sampled.append(sum(map(len, request.images))), sample(self, request))[1])
+    monkeypatch.setattr(TorchBackend, "forward_backward",
+                        lambda self, request: (trained.extend(len(d.images) for d in request.data), forward_backward(self, request))[1])
+    args = ["train", "--env", "tinker/ColourSquare-v0", "--steps", "1", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "3",
+            "--model", tiny_vlm, "--dtype", "float32", "--quiet", "--out", str(tmp_path / "run")]
+    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert sampled and sum(sampled) == 4  # one image per episode, 2 prompts x 2 samples
+    assert all(n == 1 for n in trained)  # every trained sequence carries its episode's image (a step whose groups all tie trains none)

@@ -135,7 +135,7 @@ class TrainingRun:
     def _build(self, config: TrainConfig, trainer_class: type, backend: Any, start_step: int) -> None:
         """Backend, renderer and trainer, then config.json and the metrics log in the run folder."""
         self.backend = backend if backend is not None else self._build_backend()
-        from tinkergym.chat import ChatTemplateRenderer
+        from tinkergym.chat import renderer_for
 
         if config.scheduler_url and config.scheduler_job != self.backend.job_id:
             config.scheduler_job = self.backend.job_id  # in config.json: --resume reattaches to the job
@@ -143,7 +143,7 @@ class TrainingRun:
         info = self.backend.info()
         if config.backend_url or config.scheduler_url:
             _adopt_server_settings(config, info, resumed=start_step > 0)
-        self.renderer = ChatTemplateRenderer(info["tokenizer"])
+        self.renderer = renderer_for(info["tokenizer"])  # a vision-language model's folder renders its images as its image tokens
         local = not (config.backend_url or config.scheduler_url)
         self.ctx = TrainingContext(config, self.backend, self.renderer, self.make_env, make_backend=self._build_backend if local else None)
         self.trainer = trainer_class(self.ctx)
