@@ -20,7 +20,7 @@ import tinker  # noqa: E402
 import torch  # noqa: E402
 from tinker import types  # noqa: E402
 
-from tests.tinker_api.test_sdk import SEQUENCES, datum, logprobs_of, sft_batch  # noqa: E402
+from tests.tinker_api.test_sdk import SEQUENCES, datum, logprobs_of, sft_batch, trained_client  # noqa: E402
 
 
 def _download(urls: dict[str, str], folder: Path) -> None:
@@ -36,10 +36,7 @@ def test_external_weights_download_as_a_peft_adapter_with_the_trainers_logprobs(
     from transformers import AutoModelForCausalLM
 
     service = connect()
-    training = service.create_lora_training_client(base_model=cluster.model, rank=4, seed=5).result()
-    for _ in range(2):
-        training.forward_backward(sft_batch(), "cross_entropy")
-        training.optim_step(types.AdamParams(learning_rate=2e-2))
+    training = trained_client(service, cluster.model, seed=5)
     path = training.save_weights_external("exported").result().path
     assert path == f"tinker://{training.model_id}/external_weights/exported"
     rest = tinker.RestClient(base_url=cluster.url, api_key=cluster.keys["alice"])

@@ -62,12 +62,18 @@ def test_capabilities_and_a_lora_run_whose_loss_falls(cluster: Any, connect: Any
     assert out.metrics["loss:sum"] == pytest.approx(summed, rel=1e-5)
 
 
-def test_sampler_logprobs_equal_compute_logprobs_and_the_trainers(cluster: Any, connect: Any) -> None:
-    service = connect()
-    training = service.create_lora_training_client(base_model=cluster.model, rank=4, seed=3).result()
-    for _ in range(2):
+def trained_client(service: Any, model: str, seed: int, steps: int = 2) -> Any:
+    """A rank-4 LoRA training client after ``steps`` SFT steps on :func:`sft_batch` (its adapter's B factors no longer zero)."""
+    training = service.create_lora_training_client(base_model=model, rank=4, seed=seed).result()
+    for _ in range(steps):
         training.forward_backward(sft_batch(), "cross_entropy")
         training.optim_step(types.AdamParams(learning_rate=2e-2))
+    return training
+
+
+def test_sampler_logprobs_equal_compute_logprobs_and_the_trainers(cluster: Any, connect: Any) -> None:
+    service = connect()
+    training = trained_client(service, cluster.model, seed=3)
     path = training.save_weights_for_sampler("after-two").result().path
     assert path.startswith("tinker://") and path.endswith("/sampler_weights/after-two")
     sampler = service.create_sampling_client(model_path=path)
