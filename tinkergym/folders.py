@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 
 def cache_root() -> Path:
@@ -27,6 +28,15 @@ def write_private_file(path: str | os.PathLike[str], text: str) -> None:
         out.write(text)
     os.chmod(tmp, 0o600)
     os.replace(tmp, path)
+
+
+def plain_relative_parts(path: Any) -> list[str] | None:
+    """The parts of ``path`` if it is a plain relative, '/'-separated path (no empty, ``.`` or ``..`` part, no backslash or
+    NUL): what a listing sent by another party may name under a folder of ours. Anything else (not a string too): None."""
+    parts = path.split("/") if isinstance(path, str) else []
+    if not parts or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+        return None
+    return parts
 
 
 def fresh_tmp_dir(path: str) -> str:

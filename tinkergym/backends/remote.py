@@ -43,7 +43,7 @@ from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResu
 from tinkergym.downloads import DownloadMismatchError, save_checked
 from tinkergym.urls import check_backend_url, is_http_url  # noqa: F401 - importable from here
 from tinkergym.errors import ConfigError, NonFiniteError, OutOfMemoryError, TinkergymError
-from tinkergym.folders import fresh_tmp_dir, replace_dir
+from tinkergym.folders import fresh_tmp_dir, plain_relative_parts, replace_dir
 
 #: The wire protocol version this client speaks.
 PROTOCOL = 1
@@ -373,8 +373,8 @@ def _message(payload: dict[str, Any]) -> str:
 
 def _relative_file(path: Any) -> str:
     """An export listing's file path, checked: relative, '/'-separated, no '..' or empty parts."""
-    parts = path.split("/") if isinstance(path, str) else []
-    if not parts or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+    parts = plain_relative_parts(path)
+    if parts is None:
         raise RemoteBackendError(f"the training server listed an exported file with an unusable path {path!r}")
     return "/".join(parts)
 

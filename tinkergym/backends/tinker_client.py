@@ -46,7 +46,7 @@ import numpy as np
 
 from tinkergym.backends.remote import server_name
 from tinkergym.errors import ConfigError, TinkergymError
-from tinkergym.folders import fresh_tmp_dir, replace_dir
+from tinkergym.folders import fresh_tmp_dir, plain_relative_parts, replace_dir
 from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, OptimParams, SampleRequest, SampleResponse, SampledSequence
 
 #: The file a checkpoint folder of a Tinker run holds instead of weights.
@@ -331,8 +331,8 @@ class TinkerBackend:
         tmp = fresh_tmp_dir(path)
         try:
             for relative, url in sorted(urls.items()):
-                parts = relative.split("/")
-                if not parts or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+                parts = plain_relative_parts(relative)
+                if parts is None:
                     raise TinkerBackendError(f"the Tinker endpoint {self.url} listed an exported file with an unusable path {relative!r}")
                 dest = Path(tmp, *parts)
                 dest.parent.mkdir(parents=True, exist_ok=True)

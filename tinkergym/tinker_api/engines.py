@@ -136,16 +136,17 @@ class LocalEngine:
             raise EngineError(record.error.status, record.error.message, "user" if record.error.status < 500 else "server")
         return record.result or {}
 
-    def check_name(self, handle: LocalHandle, kind: str, name: str) -> None:
+    def check_name(self, handle: LocalHandle, kind: str, name: str) -> Path:
+        """The folder a checkpoint of ``kind`` named ``name`` is kept in, after checking the name (a 400 if it is refused)."""
         try:
-            named_dir(handle.folder, FOLDERS[kind], name)
+            return named_dir(handle.folder, FOLDERS[kind], name)
         except ConfigError as exc:
             raise EngineError(400, str(exc)) from exc
 
     def save(self, handle: LocalHandle, kind: str, name: str) -> Saved:
         """``training``: the whole state (``save_state``); ``sampler``: the adapter alone (a peft folder); ``external``: the
         adapter alone, kept apart from the sampler checkpoints (a sampler checkpoint of the same name stays as it was)."""
-        self.check_name(handle, kind, name)
+        folder = self.check_name(handle, kind, name)
         if kind == "training":
             self.call(handle, "save_state", {"name": name})
         elif kind == "sampler":
@@ -153,10 +154,8 @@ class LocalEngine:
         else:
             staging = "external-" + secrets.token_hex(8)
             self.call(handle, "export", {"name": staging, "merged": False})
-            folder = named_dir(handle.folder, FOLDERS[kind], name)
             folder.parent.mkdir(parents=True, exist_ok=True)
             replace_dir(str(named_dir(handle.folder, FOLDERS["sampler"], staging)), str(folder))
-        folder = named_dir(handle.folder, FOLDERS[kind], name)
         return Saved(folder, folder_size(folder))
 
     def load(self, handle: LocalHandle, saved: Saved, optimizer: bool) -> None:

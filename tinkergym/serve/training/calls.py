@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
+from tinkergym.folders import plain_relative_parts
 from tinkergym.serve.metrics import TokenTally
 
 #: Names of states and exports: one path component of letters, digits, ``.``, ``_`` and ``-``.
@@ -79,8 +80,8 @@ def named_dir(run_dir: Path, kind: str, name: Any) -> Path:
 
 def file_in(folder: Path, relative: str) -> Path:
     """The regular file ``folder/relative``: no empty, ``.`` or ``..`` component, no symlink; else :class:`FileNotFoundError`."""
-    parts = relative.split("/")
-    if not relative or relative.startswith("/") or any(p in ("", ".", "..") or "\\" in p or "\0" in p for p in parts):
+    parts = plain_relative_parts(relative)
+    if parts is None:
         raise FileNotFoundError(relative)
     path = folder
     for part in parts:
