@@ -306,7 +306,7 @@ class TorchBackend:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         n = request.num_samples
         with_images = [i for i, images in enumerate(request.images) if images]
-        text_rows = [i for i in range(len(request.prompts)) if i not in set(with_images)]
+        text_rows = [i for i in range(len(request.prompts)) if i >= len(request.images) or not request.images[i]]
         flat = [request.prompts[i] for i in text_rows for _ in range(n)]
         model = self._sampling_model()
         self.prefix_cache.scope = adapter_scope(model)
