@@ -76,8 +76,18 @@ def test_signed_urls_reach_their_files_alone_and_not_after_tampering_expiry_or_d
     payload, mac = token.split(".")
     base = url.rsplit("/", 1)[0]
     flipped = mac[:-1] + ("0" if mac[-1] != "0" else "1")
-    for forged in (f"{payload}.{flipped}", payload, f"{payload}.", "x" * 5000, f"{payload[:-2]}.{mac}", "..%2F..%2Fetc%2Fpasswd"):
+    for forged in (f"{payload}.{flipped}", payload, f"{payload}.", "x" * 5000, f"{payload[:-2]}.{mac}", "..%2F..%2Fetc%2Fpasswd",
+                   f"{payload}%00.{mac}", f"%ED%A0%80.{mac}", f"{payload}.{mac}%00"):
         assert httpx.get(f"{base}/{forged}").status_code in (403, 404), forged
+    # the URL listing of hostile checkpoint ids, and of another tenant's run, answers a 4xx
+    key = {"X-API-Key": cluster.keys["alice"]}
+    for checkpoint_id in ("external_weights/..%2F..%2Fkeys.db", "external_weights/a%00b", "external_weights/%ED%A0%80", "x" * 3000,
+                          "weights/none"):
+        answer = httpx.get(f"{cluster.url}/api/v1/training_runs/{training.model_id}/checkpoints/{checkpoint_id}/external_weights_urls", headers=key)
+        assert 400 <= answer.status_code < 500, (checkpoint_id, answer.status_code)
+    answer = httpx.get(f"{cluster.url}/api/v1/training_runs/{training.model_id}/checkpoints/external_weights/signed/external_weights_urls",
+                       headers={"X-API-Key": cluster.keys["bob"]})
+    assert answer.status_code == 404
     # a payload naming another file, with the signature of this one, is refused
     other = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
     other[2] = "../../keys.db"

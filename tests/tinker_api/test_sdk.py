@@ -385,9 +385,10 @@ def test_hostile_inputs_are_refused_with_4xx_and_write_nothing_outside(cluster: 
         return httpx.post(cluster.url + route, content=raw.encode(), headers=headers, timeout=30)
 
     model = training.model_id
-    for name in ('"../evil"', '"a\\u0000b"', '"\\ud800"', '"a/b"', '"' + "x" * 300 + '"', '"x.tmp"'):
-        answer = post("/api/v1/save_weights", f'{{"model_id": "{model}", "path": {name}}}')
-        assert 400 <= answer.status_code < 500, (name, answer.status_code, answer.text)
+    for route in ("/api/v1/save_weights", "/api/v1/save_weights_external"):
+        for name in ('"../evil"', '"a\\u0000b"', '"\\ud800"', '"a/b"', '"' + "x" * 300 + '"', '"x.tmp"'):
+            answer = post(route, f'{{"model_id": "{model}", "path": {name}}}')
+            assert 400 <= answer.status_code < 500, (route, name, answer.status_code, answer.text)
     for path in ("tinker://../weights/x", f"tinker://{model}/weights/../../x", f"tinker://{model}/other/x", "file:///etc/passwd", "tinker://\u0000"):
         answer = httpx.post(cluster.url + "/api/v1/weights_info", json={"tinker_path": path}, headers=headers, timeout=30)
         assert 400 <= answer.status_code < 500, (path, answer.status_code)
