@@ -33,7 +33,6 @@ import json
 import re
 import shutil
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -192,28 +191,18 @@ class ClusterEngine:
         raise EngineError(400, f"unknown call {method!r}")
 
     def _recovering(self, handle: ClusterHandle, method: str, args: dict[str, Any]) -> dict[str, Any]:
-        from tinkergym.errors import ConfigError
-
-        def once() -> dict[str, Any]:
-            try:
-                return self._invoke(handle, method, args)
-            except ConfigError as exc:
-                raise EngineError(400, str(exc)) from exc
-
-        return self._on_server(handle, "in one call", once)
-
-    def _on_server(self, handle: ClusterHandle, what: str, action: Callable[[], Any]) -> Any:
-        """``action`` (a request to the job's server); a lost server is recovered (:meth:`_recover`) and ``action`` run again,
-        at most :data:`MAX_RECOVERIES` times, then a 503."""
         from tinkergym.backends.scheduled import BackendLost
+        from tinkergym.errors import ConfigError
 
         for attempt in range(MAX_RECOVERIES + 1):
             try:
-                return action()
+                return self._invoke(handle, method, args)
             except BackendLost as exc:
                 if attempt == MAX_RECOVERIES:
-                    raise EngineError(503, f"job {handle.job_id} lost its server {attempt + 1} times {what}: {exc}", "server") from exc
+                    raise EngineError(503, f"job {handle.job_id} lost its server {attempt + 1} times in one call: {exc}", "server") from exc
                 self._recover(handle)
+            except ConfigError as exc:
+                raise EngineError(400, str(exc)) from exc
         raise AssertionError("unreachable")
 
     def _recover(self, handle: ClusterHandle) -> None:
@@ -234,7 +223,14 @@ class ClusterEngine:
 
     def _store(self, handle: ClusterHandle, name: str) -> None:
         """Save the job's state as ``name`` and wait until the scheduler holds it; the log before it is no longer needed."""
-        self._on_server(handle, "while saving its state", lambda: handle.backend.save_state(self._note(handle, name)))
+        from tinkergym.backends.scheduled import BackendLost
+
+        for _ in range(MAX_RECOVERIES + 1):
+            try:
+                handle.backend.save_state(self._note(handle, name))
+                break
+            except BackendLost:
+                self._recover(handle)
         handle.backend._wait_stored(name, timeout=600.0)
         handle.stored, handle.log = name, []
 
@@ -248,13 +244,22 @@ class ClusterEngine:
         """``training`` and ``sampler``: the job's whole state (a sampler loads its weights), stored by the scheduler before this
         returns; ``external``: the job's adapter exported by its server and downloaded here (a peft folder under this front
         door's ``external/<job>/<name>``)."""
+        from tinkergym.backends.scheduled import BackendLost
+
         with handle.lock:
             if kind != "external":
                 self._store(handle, name)
                 return Saved((handle.job_id, name), None)
             folder = self.root / "external" / handle.job_id / name
             folder.parent.mkdir(parents=True, exist_ok=True)
-            self._on_server(handle, "while exporting its weights", lambda: handle.backend.export(str(folder)))
+            for _ in range(MAX_RECOVERIES + 1):
+                try:
+                    handle.backend.export(str(folder))
+                    break
+                except BackendLost:
+                    self._recover(handle)
+            else:
+                raise EngineError(503, f"job {handle.job_id} lost its server {MAX_RECOVERIES + 1} times while exporting its weights", "server")
         return Saved(folder, folder_size(folder))
 
     def load(self, handle: ClusterHandle, saved: Saved, optimizer: bool) -> None:
