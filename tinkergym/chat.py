@@ -29,12 +29,17 @@ image processor makes image features of the image (Qwen2-VL: ``grid_t * grid_h *
 model's processor does, then tokenizes. The tokens of a conversation with images are fixed by its text and its
 images' sizes, and the invariants above hold: sampled ids are never re-tokenized, and the bridge is the template's
 own rendering. Its methods take ``images``: the images of the messages in message order (as
-:func:`observation_message` keeps them); each rendering uses as many as its messages hold image parts.
+:func:`observation_message` keeps them); each rendering uses as many as its messages hold image parts. The image
+processor runs once per image: its count is kept under a digest of the image's pixels (the most recently used
+:data:`IMAGE_CACHE_ENTRIES`), so a multi-turn episode, whose every turn renders all its images again, measures each once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -212,6 +217,20 @@ def to_pil_images(images: list[Any]) -> list[Any]:
 # ----- vision-language models ---------------------------------------------------------------------
 #: Qwen2-VL's image token: the one the template writes per image, and the processor repeats.
 QWEN2_VL_IMAGE_TOKEN = "<|image_pad|>"
+#: How many images' token counts an :class:`ImageChatRenderer` keeps (the most recently used): a few bytes each.
+IMAGE_CACHE_ENTRIES = 512
+
+
+def image_digest(image: Any) -> tuple:
+    """A key of ``image``'s pixels (a ``PIL.Image.Image`` or an array-like of uint8): equal pixels, equal keys."""
+    import numpy as np
+
+    if hasattr(image, "tobytes") and hasattr(image, "mode") and hasattr(image, "size"):  # a PIL image
+        kind, shape, data = image.mode, tuple(image.size), image.tobytes()
+    else:
+        array = np.ascontiguousarray(np.asarray(image, dtype=np.uint8))
+        kind, shape, data = "uint8", array.shape, array.data
+    return kind, shape, hashlib.blake2b(data, digest_size=32).digest()
 
 
 class ImageChatRenderer(ChatTemplateRenderer):
@@ -221,12 +240,14 @@ class ImageChatRenderer(ChatTemplateRenderer):
         tokenizer: the model's tokenizer (its chat template renders content lists with image parts).
         image_processor: the model's image processor (``image_grid_thw`` and ``merge_size``, as Qwen2-VL's).
         image_token: the token the template writes once per image and the model reads once per image feature.
+        cache_entries: how many images' token counts to keep (the most recently used; 0 keeps none).
     """
 
     #: The rollout loop hands this renderer the conversation's images.
     renders_images = True
 
-    def __init__(self, tokenizer: Any, image_processor: Any, image_token: str = QWEN2_VL_IMAGE_TOKEN) -> None:
+    def __init__(self, tokenizer: Any, image_processor: Any, image_token: str = QWEN2_VL_IMAGE_TOKEN,
+                 cache_entries: int = IMAGE_CACHE_ENTRIES) -> None:
         super().__init__(tokenizer)
         from tinkergym.errors import ConfigError
 
@@ -237,6 +258,9 @@ class ImageChatRenderer(ChatTemplateRenderer):
         self.image_token = image_token
         self.image_token_id = token_id
         self.merge_length = int(getattr(image_processor, "merge_size", 1)) ** 2
+        self.cache_entries = cache_entries
+        self._counts: OrderedDict[tuple, int] = OrderedDict()  # image_digest -> image tokens, least recently used first
+        self._counts_lock = threading.Lock()  # rollouts may render from several threads
 
     @classmethod
     def from_folder(cls, path: str) -> ImageChatRenderer:
@@ -246,11 +270,24 @@ class ImageChatRenderer(ChatTemplateRenderer):
         return cls(AutoTokenizer.from_pretrained(path), AutoImageProcessor.from_pretrained(path))
 
     def image_token_counts(self, images: list[Any]) -> list[int]:
-        """How many image tokens each image takes (what the image processor makes of it)."""
+        """How many image tokens each image takes (what the image processor makes of it; each image measured once)."""
         if not images:
             return []
-        grid = self.image_processor(images=to_pil_images(images), return_tensors="np")["image_grid_thw"]
-        return [int(row.prod()) // self.merge_length for row in grid]
+        keys = [image_digest(image) for image in images]
+        with self._counts_lock:
+            known = {key: self._counts[key] for key in keys if key in self._counts}
+            for key in known:
+                self._counts.move_to_end(key)
+        new = {key: image for key, image in zip(keys, images) if key not in known}  # one of each repeated image
+        if new:
+            grid = self.image_processor(images=to_pil_images(list(new.values())), return_tensors="np")["image_grid_thw"]
+            measured = {key: int(row.prod()) // self.merge_length for key, row in zip(new, grid)}
+            known.update(measured)
+            with self._counts_lock:
+                self._counts.update(measured)
+                while len(self._counts) > self.cache_entries:
+                    self._counts.popitem(last=False)
+        return [known[key] for key in keys]
 
     def render_text(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         """The template's text for ``messages``, one image token per image part (content lists are kept)."""

@@ -72,6 +72,61 @@ def test_multi_turn_rollout_with_images_is_token_faithful(tiny_vlm: str) -> None
     assert _pixels(trajectories[0].images[0]) != _pixels(trajectories[1].images[0])
 
 
+class CountingProcessor:
+    """The image processor, counting the images it is given (by their pixels' digest)."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.seen: list[tuple] = []
+
+    def __call__(self, images: list, **kwargs: Any) -> Any:
+        from tinkergym.chat import image_digest
+
+        self.seen.extend(image_digest(image) for image in images)
+        return self.processor(images=images, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.processor, name)
+
+
+def test_a_multi_turn_episode_runs_the_image_processor_once_per_image(tiny_vlm: str) -> None:
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    tokenizer, processor = AutoTokenizer.from_pretrained(tiny_vlm), AutoImageProcessor.from_pretrained(tiny_vlm)
+    runs = {}
+    for name, entries in (("cached", 512), ("uncached", 0)):
+        renderer = ImageChatRenderer(tokenizer, CountingProcessor(processor), cache_entries=entries)
+        sampler = ScriptedSampler(renderer)
+        trajectories = rollout([PatchEnv(), PatchEnv(), PatchEnv()], sampler, renderer, RolloutConfig(max_turns=5, max_new_tokens=8, env_workers=1),
+                               seeds=[1, 2, 1])
+        runs[name] = (renderer.image_processor.seen, trajectories, sampler.requests)
+    seen, trajectories, requests = runs["cached"]
+    assert all(len(t.images) == 3 for t in trajectories)
+    # Nine images, two episodes alike (seed 1): six distinct images, each processed once.
+    assert len(seen) == len(set(seen)) == 6
+    # Without the cache every turn measures every image so far again; the tokens and the images sent are the same.
+    assert len(runs["uncached"][0]) > 3 * len(seen)
+    assert [t.tokens for t in trajectories] == [t.tokens for t in runs["uncached"][1]]
+    assert [r.prompts for r in requests] == [r.prompts for r in runs["uncached"][2]]
+    assert [r.images for r in requests] == [r.images for r in runs["uncached"][2]]
+
+
+def test_the_image_cache_keeps_the_most_recently_used_images(tiny_vlm: str) -> None:
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    renderer = ImageChatRenderer(AutoTokenizer.from_pretrained(tiny_vlm), CountingProcessor(AutoImageProcessor.from_pretrained(tiny_vlm)), cache_entries=2)
+    rng = np.random.default_rng(0)
+    a, b, c = (rng.integers(0, 256, size=(40 + 30 * i, 50, 3), dtype=np.uint8) for i in range(3))
+    counts = renderer.image_token_counts([a, b])
+    assert renderer.image_token_counts([b, a.copy()]) == counts[::-1] and len(renderer.image_processor.seen) == 2  # equal pixels: no new run
+    renderer.image_token_counts([c])  # the cache holds two: b, the least recently used, goes
+    renderer.image_token_counts([a, c])
+    assert len(renderer.image_processor.seen) == 3
+    assert renderer.image_token_counts([b]) == counts[1:] and len(renderer.image_processor.seen) == 4
+    uncached = ImageChatRenderer(renderer.tokenizer, renderer.image_processor.processor, cache_entries=0)
+    assert uncached.image_token_counts([a, b, c]) == renderer.image_token_counts([a, b, c])
+
+
 def test_colour_square_rollout_sends_its_image_and_text_renderers_send_none(tiny_vlm: str, tiny: str) -> None:
     from tinkergym.chat import ChatTemplateRenderer
 
