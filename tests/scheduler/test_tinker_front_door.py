@@ -46,9 +46,11 @@ def _datums() -> list[Any]:
             for r in ROWS]
 
 
-def _train(url: str, key: str, model: str, on_step: Any = None, idle: float = 0.0) -> tuple[list[float], list[np.ndarray], list[list[float]], list[float], dict]:
+def _train(url: str, key: str, model: str, on_step: Any = None, idle: float = 0.0) -> tuple[list[float], list[np.ndarray], list[list[float]], list[float], dict, list[float]]:
     """The client's session: STEPS steps (a state saved after the second), a sampler of the end weights, its samples' logprobs,
-    and the end weights as downloaded through save_weights_external's signed URLs."""
+    the end weights as downloaded through save_weights_external's signed URLs, the losses of a run created from the
+    saved state's weights only (fresh Adam moments) over two steps, with the same weights loaded again (weights only) after
+    the first, and the losses of two steps of a run created from the whole saved state."""
     from tinker import types
 
     async def async_step(training: Any) -> float:  # the SDK's async interface (its futures awaited): odd steps and the sampler
@@ -73,7 +75,7 @@ def _train(url: str, key: str, model: str, on_step: Any = None, idle: float = 0.
                 losses.append(fwd.result().metrics["loss:sum"])
                 optim.result()
             if step == 1:
-                training.save_state("after-two").result()
+                state = training.save_state("after-two").result().path
             if on_step is not None:
                 on_step(step)
             if step == 0 and idle:  # only the SDK's heartbeats for longer than the scheduler's idle timeout: the job must stay
@@ -85,9 +87,24 @@ def _train(url: str, key: str, model: str, on_step: Any = None, idle: float = 0.
         exported = training.save_weights_external("end").result().path
         urls = tinker.RestClient(base_url=url, api_key=key).get_external_weights_urls(exported).result().urls
         weights = safetensors.numpy.load(httpx.get(urls["adapter_model.safetensors"]).content)
-        return losses, final, [s.logprobs for s in sampled.sequences], [v for row in scored for v in row], weights
+        fresh = service.create_training_client_from_state(state).result()
+        fresh_losses = []
+        for again in range(2):
+            fwd = fresh.forward_backward(_datums(), "cross_entropy")
+            fresh.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+            fresh_losses.append(fwd.result().metrics["loss:sum"])
+            if again == 0:
+                fresh.load_state(state).result()  # its weights again; its Adam moments and step stay the run's
+        fresh_losses.append(fresh.forward_backward(_datums(), "cross_entropy").result().metrics["loss:sum"])
+        resumed = service.create_training_client_from_state_with_optimizer(state).result()
+        for _ in range(2):
+            fwd = resumed.forward_backward(_datums(), "cross_entropy")
+            resumed.optim_step(types.AdamParams(learning_rate=3e-2)).result()
+            fresh_losses.append(fwd.result().metrics["loss:sum"])
+        return losses, final, [s.logprobs for s in sampled.sequences], [v for row in scored for v in row], weights, fresh_losses
 
 
+@pytest.mark.filterwarnings("ignore:DEPRECATED.*load_state:FutureWarning")  # TrainingClient.load_state: still the SDK's, still served
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: Any, tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from tinkergym.backends.models import resolve_model
@@ -113,14 +130,14 @@ def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: 
                                                           idle_timeout_s=IDLE_TIMEOUT)))
     door = ThreadServer(create_front_door(scheduler.url, {"tiny": tokenizer}, tmp_path / "door", engine, logger, dtype="float32",
                                           checkpoint_every=2, maintenance_s=1.0))
-    first = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache)
+    first = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache, seats=4)  # the run, its sampler, two runs from its state
     workers = [first]
 
     def kill_first(step: int) -> None:
         if step == KILL_AFTER - 1:
             first.send_signal(signal.SIGKILL)
             first.wait()
-            workers.append(shared_worker(scheduler.url, worker_key, tmp_path / "w2", cache))
+            workers.append(shared_worker(scheduler.url, worker_key, tmp_path / "w2", cache, seats=4))
 
     try:
         got = _train(door.url, "tml-" + alice, "tiny", on_step=kill_first, idle=1.5 * IDLE_TIMEOUT)
@@ -131,7 +148,12 @@ def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: 
                 process.wait()
         door.stop()
         scheduler.stop()
-    losses, final, sampled, scored, weights = got
+    losses, final, sampled, scored, weights, fresh_losses = got
+    # weights only: the run starts at the saved weights (the loss of step 3), then goes elsewhere than with the Adam moments
+    np.testing.assert_allclose(fresh_losses, expected[5], rtol=1e-4)
+    assert fresh_losses[0] == pytest.approx(losses[2], rel=1e-4) and fresh_losses[1] == pytest.approx(losses[2], rel=1e-4)
+    assert abs(fresh_losses[2] - losses[3]) > 1e-3 * abs(losses[3])
+    np.testing.assert_allclose(fresh_losses[3:], losses[2:4], rtol=1e-4)  # with the Adam moments: as the run went on
     assert sorted(weights) == sorted(expected[4]) and weights
     for name, value in weights.items():  # the adapter the front door's job exported is the local run's
         np.testing.assert_allclose(value, expected[4][name], atol=1e-4)

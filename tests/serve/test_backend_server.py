@@ -389,6 +389,41 @@ def test_states_and_exports_through_the_server(tiny: str, tmp_path: Path) -> Non
         assert response.status_code in (400, 404) and "TOP-SECRET" not in response.text, path
 
 
+def test_a_weights_only_load_keeps_the_servers_optimizer_step_and_generator(tiny: str, tmp_path: Path) -> None:
+    """``load_state`` with ``weights_only``: the saved adapter's weights, the server's own Adam moments, step and generator."""
+    import torch
+
+    backend = make_backend(tiny)
+    client = Client(serve(backend, tmp_path))
+    data = batch(backend)
+
+    def step() -> None:
+        client.call("forward_backward", {"request": ForwardBackwardRequest(data, LossSpec("reinforce")).to_dict()})
+        client.call("optim_step", {"params": OPTIM.to_dict()})
+
+    step()
+    client.call("save_state", {"name": "one"})
+    saved = {n: p.detach().clone() for n, p in backend._trainable}
+    step()
+    step()
+    moments = {k: v.clone() for k, v in backend.optimizer.state_dict()["state"][0].items()}
+    rng = torch.get_rng_state()
+    client.call("forward_backward", {"request": ForwardBackwardRequest(data, LossSpec("reinforce")).to_dict()})  # pending gradients
+    assert client.call("load_state", {"name": "one", "weights_only": True}) == {}
+    for name, param in backend._trainable:
+        assert torch.equal(param, saved[name]), name
+        assert param.grad is None  # a state holds no pending gradients: neither does a weights-only load
+    assert backend.step == 3
+    for key, value in backend.optimizer.state_dict()["state"][0].items():
+        assert torch.equal(value, moments[key]), key
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert not any((tmp_path / "scratch").iterdir())  # the scratch state is gone
+    # a whole load takes the saved optimizer too
+    assert client.call("load_state", {"name": "one"}) == {} and backend.step == 1
+    bad = client.post("load_state", {"name": "one", "weights_only": "yes"})
+    assert bad.status_code == 400 and "weights_only" in bad.text
+
+
 def test_keep_states_prunes_the_oldest_saved_states(tmp_path: Path) -> None:
     client = Client(serve(FakeBackend(), tmp_path, keep_states=2))
     for step in range(4):

@@ -15,7 +15,8 @@ passes local paths, which map to names:
 - ``save_state(".../step_000010.staging.tmp")`` saves the server state ``step_000010`` (the folder name without
   a trailing ``.staging.tmp``/``.tmp``) and writes ``remote_state.json`` (url, name, step) into the local folder,
   so a local checkpoint folder says where its weights live;
-- ``load_state(folder)`` loads the name that folder's ``remote_state.json`` names;
+- ``load_state(folder)`` loads the name that folder's ``remote_state.json`` names (with ``"weights_only": true`` there,
+  only its trainable weights: the server keeps its own optimizer moments, step and generator);
 - ``export(".../final")`` exports ``final`` on the server and downloads every file (sizes and SHA-256 checked)
   into the local folder, which is then an ordinary HF / peft folder.
 
@@ -188,12 +189,15 @@ class RemoteBackend:
                 )
             raise ConfigError(f"{path} is not a checkpoint of a remote run (no {REMOTE_STATE}); pass a folder that save_state wrote")
         try:
-            name = json.loads(note.read_text(encoding="utf-8"))["name"]
-        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+            meta = json.loads(note.read_text(encoding="utf-8"))
+            name, weights_only = meta["name"], meta.get("weights_only", False)
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise ConfigError(f"{note} is unreadable ({exc}); its checkpoint cannot be restored, resume from an earlier one") from exc
         if not isinstance(name, str) or not NAME_PATTERN.match(name):
             raise ConfigError(f"{note} names no valid server state ({name!r})")
-        self._call("load_state", {"name": name})
+        if not isinstance(weights_only, bool):
+            raise ConfigError(f"{note}: weights_only must be true or false, not {weights_only!r}")
+        self._call("load_state", {"name": name, "weights_only": True} if weights_only else {"name": name})
 
     def export(self, path: str, merged: bool = False) -> None:
         """Export on the server under :func:`server_name` of ``path``, then download the folder into ``path`` (checked by SHA-256)."""

@@ -21,10 +21,11 @@ A client whose SDK still sends session heartbeats keeps its jobs: every ``keepal
 each run and sampler of a live session (:meth:`ClusterEngine.keepalive`), which resets the scheduler's idle timeout as
 a call does; a session that stops its heartbeats lets its jobs end when they go idle.
 
-Differences from ``serve-tinker --model`` (refused with the reason): a weights-only load
-(``create_training_client_from_state``: a job loads a state whole, Adam moments included) and loading another run's
-state into a running run (create a training client from it). Checkpoints are the jobs' (the scheduler's artifact
-store keeps them; ``delete_checkpoint`` forgets the name only).
+A weights-only load (``create_training_client_from_state``, ``load_state``) loads the state's trainable weights and keeps
+the job's own optimizer moments, step and generator (a new run's are fresh), as ``serve-tinker --model`` does; the call
+log holds it, so a new lease replays it. Differences from ``serve-tinker --model`` (refused with the reason): loading
+another run's state into a running run (create a training client from it). Checkpoints are the jobs' (the scheduler's
+artifact store keeps them; ``delete_checkpoint`` forgets the name only).
 """
 
 from __future__ import annotations
@@ -92,7 +93,9 @@ class ClusterEngine:
         return self._tokenizers[name]
 
     # ----- jobs -------------------------------------------------------------------------------------------------
-    def _job(self, credential: str, name: str, model: str, rank: int, seed: int | None, source: Saved | None) -> ClusterHandle:
+    def _job(self, credential: str, name: str, model: str, rank: int, seed: int | None, source: Saved | None, load_now: bool) -> ClusterHandle:
+        """A job that starts from ``source`` when given (the worker restores it); a sampler (``load_now``) loads it at once, a
+        run when its client's load call says how (whole, or weights only: :meth:`load`)."""
         from tinkergym.backends.scheduled import ScheduledBackend
         from tinkergym.client import SchedulerClient, SchedulerError
 
@@ -111,9 +114,11 @@ class ClusterEngine:
         handle.notes.mkdir(parents=True, exist_ok=True)
         with handle.lock:
             self._connect(handle)
-            if source is not None:  # the worker restored it from the scheduler: it is where a new lease starts from too
-                self._load(handle, source.location[1])
-                handle.stored, handle.origin = source.location[1], source.location
+            if source is not None:  # the worker restored it from the scheduler
+                handle.origin = source.location
+                if load_now:  # where a new lease starts from too
+                    self._load(handle, source.location[1])
+                    handle.stored = source.location[1]
         return handle
 
     def _connect(self, handle: ClusterHandle) -> None:
@@ -127,21 +132,21 @@ class ClusterEngine:
         except TimeoutError as exc:
             raise EngineError(503, f"job {handle.job_id} did not run: {exc}", "server") from exc
 
-    def _note(self, handle: ClusterHandle, name: str) -> str:
+    def _note(self, handle: ClusterHandle, name: str, weights_only: bool = False) -> str:
         """A local folder naming the job's state ``name`` (what RemoteBackend's load_state reads)."""
-        folder = handle.notes / name
+        folder = handle.notes / (f"{name}.weights-only" if weights_only else name)
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "remote_state.json").write_text(json.dumps({"name": name}) + "\n")
+        (folder / "remote_state.json").write_text(json.dumps({"name": name, "weights_only": weights_only}) + "\n")
         return str(folder)
 
-    def _load(self, handle: ClusterHandle, name: str) -> None:
-        handle.backend.load_state(self._note(handle, name))
+    def _load(self, handle: ClusterHandle, name: str, weights_only: bool = False) -> None:
+        handle.backend.load_state(self._note(handle, name, weights_only))
 
     def open_run(self, run_id: str, model: str, rank: int, seed: int | None, credential: str, source: Saved | None = None) -> ClusterHandle:
-        return self._job(credential, f"tinker {run_id}"[:200], model, rank, seed, source)
+        return self._job(credential, f"tinker {run_id}"[:200], model, rank, seed, source, load_now=False)
 
     def open_sampler(self, sampler_id: str, model: str, rank: int, source: Saved | None, credential: str) -> ClusterHandle:
-        return self._job(credential, f"tinker {sampler_id}"[:200], model, rank, 0, source)
+        return self._job(credential, f"tinker {sampler_id}"[:200], model, rank, 0, source, load_now=True)
 
     def close(self, handle: ClusterHandle, forget: bool = False) -> None:
         """End the job (its seat is freed at once); its stored checkpoints stay the scheduler's."""
@@ -216,7 +221,10 @@ class ClusterEngine:
                 if handle.stored is not None:
                     self._load(handle, handle.stored)
                 for method, args in handle.log:
-                    self._load(handle, args) if method == "load" else self._invoke(handle, method, args)
+                    if method in ("load", "load_weights"):
+                        self._load(handle, args, weights_only=method == "load_weights")
+                    else:
+                        self._invoke(handle, method, args)
                 return
             except BackendLost:
                 continue  # lost again while catching up: the next lease starts over
@@ -263,18 +271,34 @@ class ClusterEngine:
         return Saved(folder, folder_size(folder))
 
     def load(self, handle: ClusterHandle, saved: Saved, optimizer: bool) -> None:
+        """Load a state of the job (or the one it started from): whole with ``optimizer``, else its weights only. A new lease
+        finds it again: a whole state the job started from is where the next lease starts, any other load is in the log."""
+        from tinkergym.backends.scheduled import BackendLost
+        from tinkergym.errors import ConfigError
+
+        if not isinstance(saved.location, tuple):
+            raise EngineError(400, "this checkpoint holds external weights, for download; load a training checkpoint (save_state)")
         job_id, name = saved.location
-        if handle.origin == saved.location and optimizer:
-            return  # the job started from it (create_training_client_from_state_with_optimizer)
-        if not optimizer:
-            raise EngineError(400, "a weights-only load is not offered by this cluster (a job loads a state whole, Adam moments included): "
-                                   "use create_training_client_from_state_with_optimizer / load_state_with_optimizer")
-        if job_id != handle.job_id:
+        started_from = handle.origin == saved.location
+        if job_id != handle.job_id and not started_from:
             raise EngineError(400, "loading another run's state into a running run is not offered by this cluster: create a training client "
-                                   "from it (create_training_client_from_state_with_optimizer)")
+                                   "from it (create_training_client_from_state[_with_optimizer])")
         with handle.lock:
-            self._load(handle, name)
-            handle.log.append(("load", name))
+            for attempt in range(MAX_RECOVERIES + 1):
+                try:
+                    self._load(handle, name, weights_only=not optimizer)
+                    break
+                except BackendLost as exc:
+                    if attempt == MAX_RECOVERIES:
+                        raise EngineError(503, f"job {handle.job_id} lost its server {attempt + 1} times while loading a state: {exc}",
+                                          "server") from exc
+                    self._recover(handle)
+                except ConfigError as exc:  # e.g. a state of another rank: the job is as it was
+                    raise EngineError(400, str(exc)) from exc
+            if started_from and optimizer and handle.stored is None and not handle.log:
+                handle.stored = name  # the whole state a new lease restores: where the job starts over
+            else:
+                handle.log.append(("load" if optimizer else "load_weights", name))
 
     def delete(self, saved: Saved) -> None:
         """Forget the name; the scheduler keeps the job's checkpoints until its retention removes them. An external

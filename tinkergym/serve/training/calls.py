@@ -319,9 +319,13 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
         params = from_json(OptimParams, args["params"], "args.params")
         check_optim(params)
         return ParsedCall(method, {"params": params})
-    if method in ("save_state", "load_state"):
+    if method == "save_state":
         _only(args, method, ("name",))
         return ParsedCall(method, {"name": _checked(args["name"], str, "args.name")})
+    if method == "load_state":
+        _only(args, method, ("name",), ("weights_only",))
+        return ParsedCall(method, {"name": _checked(args["name"], str, "args.name"),
+                                   "weights_only": _checked(args.get("weights_only", False), bool, "args.weights_only")})
     if method == "export":
         _only(args, method, ("name",), ("merged",))
         return ParsedCall(method, {"name": _checked(args["name"], str, "args.name"), "merged": _checked(args.get("merged", False), bool, "args.merged")})
@@ -371,7 +375,10 @@ def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0
             raise ConfigError(f"no saved state named {args['name']!r}; save one with save_state first")
         if any(p.is_symlink() for p in folder.iterdir()):
             raise ConfigError(f"states/{args['name']} holds a symbolic link, which the server never follows")
-        backend.load_state(str(folder))
+        if args.get("weights_only"):
+            load_weights_only(backend, folder, run_dir)
+        else:
+            backend.load_state(str(folder))
         return {}
     if call.method == "export":
         folder = named_dir(run_dir, "exports", args["name"])
@@ -379,6 +386,31 @@ def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0
         backend.export(str(folder), merged=args["merged"])
         return {"name": args["name"], "files": file_listing(folder)}
     raise ConfigError(f"unknown method {call.method!r}")
+
+
+def load_weights_only(backend: Any, folder: Path, run_dir: Path) -> None:
+    """Load the trainable weights of the state ``folder`` and keep the backend's own optimizer moments, step and generator
+    (Tinker's ``load_state`` without the optimizer; a new run's are fresh).
+
+    The backend's current state is saved to a scratch folder, its weights file replaced by ``folder``'s, and that loaded:
+    the backend's own checks (same trainable names and shapes) apply, and a refused load leaves it as it was. A state
+    written by a server sharded over several ranks is refused (its weights are not one file).
+    """
+    weights = folder / "trainable.safetensors"
+    if not weights.is_file() or weights.is_symlink():
+        raise ConfigError(f"states/{folder.name} holds no trainable.safetensors (a sharded server's state?); a weights-only load "
+                          "needs a state of one process: load it whole (load_state_with_optimizer)")
+    scratch = run_dir / "scratch" / f"weights-only-{secrets.token_hex(6)}"
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        backend.save_state(str(scratch))
+        mine = scratch / "trainable.safetensors"
+        if not mine.is_file():
+            raise ConfigError("this server's state is sharded over several ranks; it loads a state whole (load_state_with_optimizer)")
+        shutil.copyfile(weights, mine)
+        backend.load_state(str(scratch))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 # ----- outcomes -----------------------------------------------------------------------------------------
