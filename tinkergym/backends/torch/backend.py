@@ -42,7 +42,7 @@ from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.batches import Batch, adamw_step, check_prompts, check_weights_finite, collate, request_normalizers, validate_data
 from tinkergym.backends.models import is_vision_folder, resolve_model
 from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
-from tinkergym.backends.torch.vision import VISION_TOKEN_NAMES, VisionInputs, forbid_tokens, sample_with_images
+from tinkergym.backends.torch.vision import VisionInputs, forbid_tokens, sample_with_images, vision_token_ids
 from tinkergym.backends.torch.sharded_states import SHARDED_FORMAT, load_sharded_state
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, read_rng_state, restore_rng_state, write_optimizer_state, write_rng_state
 from tinkergym.backends.torch.copies import CastCopy, MergedLoraCopy, _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401
@@ -223,13 +223,8 @@ class TorchBackend:
         # weight by broadcasting the weight to [B, H, V] first: seconds per prefill with a frozen (LoRA) head.
         model.get_output_embeddings().register_forward_pre_hook(_contiguous_input)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         if self.reads_images:
-            forbid_tokens(model, self._vision_token_ids())
+            forbid_tokens(model, vision_token_ids(self.tokenizer))
         return model.to(self.device if device is None else device)
-
-    def _vision_token_ids(self) -> list[int]:
-        """The ids of the tokenizer's vision markers (a vision-language policy never writes them)."""
-        ids = [self.tokenizer.convert_tokens_to_ids(name) for name in VISION_TOKEN_NAMES]
-        return [i for i in ids if isinstance(i, int) and i != self.tokenizer.unk_token_id]
 
     def _compute(self) -> contextlib.AbstractContextManager:
         """Autocast to the compute dtype when any trainable weights (full float32 masters, a LoRA adapter) are kept in another one."""

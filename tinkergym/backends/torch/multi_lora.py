@@ -80,16 +80,20 @@ class MultiLoraLinear(torch.nn.Module):
         return y
 
 
-def inject(model: torch.nn.Module, target_modules: str | list[str] = "all-linear") -> dict[str, MultiLoraLinear]:
+def inject(model: torch.nn.Module, target_modules: str | list[str] = "all-linear", within: str | None = None) -> dict[str, MultiLoraLinear]:
     """Wrap the targeted linear layers of ``model`` in place; ``{module name: layer}``.
 
     ``"all-linear"`` targets every ``nn.Linear`` but the output head, as peft does; a list names the layers by
-    the last part of their module name (``q_proj``, ``v_proj``, ...).
+    the last part of their module name (``q_proj``, ``v_proj``, ...). ``within``: only layers under a module of that
+    name (``"language_model"``: a vision-language model's language model, not its vision tower, whose rows are image
+    patches rather than the batch's rows).
     """
     head = model.get_output_embeddings()  # type: ignore[operator]  # an HF method via nn.Module.__getattr__
     targets = []
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or module is head:
+            continue
+        if within is not None and f".{within}." not in f".{name}.":
             continue
         if target_modules == "all-linear" or name.rsplit(".", 1)[-1] in target_modules:
             targets.append(name)

@@ -19,6 +19,13 @@ calls of several sessions together:
   its own generator (its seed, or the session's), so it gets the tokens it would get alone.
 - ``logprobs_many``: rows of every request at one temperature in shared passes.
 
+Vision-language models (a base folder with a ``vision_config`` and an image processor): sessions sample, score and train
+with images as :class:`~tinkergym.backends.torch.backend.TorchBackend` does (:mod:`~tinkergym.backends.torch.vision`):
+the adapters sit on the language model only, a pass's rows carry their own images (pixels and 3D positions built from
+the rows in the pass's order, so rows of several sessions never see another's image), rows with images share no prompt
+and bypass the prefix cache, a prompt with images is sampled on its own after the text rows, and image tokens are
+never sampled.
+
 Memory: the base once, plus per session its adapter, gradients and AdamW's two moments (four times the adapter
 in float32), plus the activations of a pass. :meth:`SharedBase.memory` reports it; a session that would take
 the sessions past ``memory_budget_mb`` is refused with the figures. The prefix cache is shared, each entry scoped
@@ -40,21 +47,26 @@ from typing import Any, TypeVar
 
 import torch
 
-from tinkergym.backends.models import resolve_model
+from tinkergym.backends.models import is_vision_folder, resolve_model
 from tinkergym.backends.torch import losses, multi_lora
+from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
 from tinkergym.backends.torch.batches import Batch, adamw_step, check_prompts, check_weights_finite, collate, request_normalizers, validate_data
 from tinkergym.backends.torch.copies import kv_token_cost
 from tinkergym.backends.torch.prefix_cache import PrefixCache
+from tinkergym.backends.torch.row_adapters import rows_through
 from tinkergym.backends.torch.runtime import DTYPES, compute_in, load_causal_lm, resolve_attn_implementation, resolve_device, resolve_dtype
 from tinkergym.backends.torch.sampling import RowGenerators, sample_batch
 from tinkergym.backends.torch.scoring import MicroBatch, logprobs_from, padded_length_limit, plan_micro_batches, sequence_logprobs
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, write_optimizer_state
+from tinkergym.backends.torch.vision import VisionInputs, forbid_tokens, sample_with_images, vision_token_ids
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE
 from tinkergym.errors import ConfigError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 from tinkergym.protocol.types import (
+    MAX_IMAGES,
     Datum,
     ForwardBackwardRequest,
+    ImageData,
     ForwardBackwardResult,
     OptimParams,
     SampleRequest,
@@ -137,10 +149,18 @@ class SharedBase:
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
         self.attn_implementation = resolve_attn_implementation(self.config.attn_implementation, self.device, self.dtype, self.model_path)
+        self.reads_images = is_vision_folder(self.model_path)
+        if self.reads_images and self.attn_implementation == GROUPED_MATMUL:
+            self.attn_implementation = "sdpa"  # the vision tower's attention runs on packed patches, which only the built-in kernels take
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         model = load_causal_lm(self.model_path, self.dtype, attn_implementation=self.attn_implementation)
         self.model = model.to(self.device).requires_grad_(False)
-        self.layers = multi_lora.inject(self.model, self.config.lora_target_modules)
+        #: A vision-language model's inputs beside the ids (None for a text model): see tinkergym.backends.torch.vision.
+        self.vision = VisionInputs.of(self.model, self.model_path, self.tokenizer) if self.reads_images else None
+        if self.reads_images:
+            forbid_tokens(self.model, vision_token_ids(self.tokenizer))
+        within = "language_model" if self.reads_images else None  # the vision tower stays frozen and adapter-free
+        self.layers = multi_lora.inject(self.model, self.config.lora_target_modules, within=within)
         self.sessions: dict[int, LoraSession] = {}
         self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))
         self._next_id = 1
@@ -157,7 +177,7 @@ class SharedBase:
             "micro_batch_size": self.config.micro_batch_size, "dtype": dtype, "param_dtype": dtype, "device": str(self.device),
             "attn_implementation": self.attn_implementation, "deterministic": False, "gradient_checkpointing": False,
             "total_params": sum(p.numel() for p in self.model.parameters()), "max_lora_rank": self.config.max_lora_rank,
-            "max_sessions": self.config.max_sessions,
+            "max_sessions": self.config.max_sessions, "reads_images": self.reads_images,
         }
 
     # ----- sessions ---------------------------------------------------------------------------------
@@ -210,7 +230,9 @@ class SharedBase:
 
     def _check_forward_backward(self, session: LoraSession, request: ForwardBackwardRequest) -> None:
         session._check_open()
-        validate_data(request.data, request.loss)
+        validate_data(request.data, request.loss, self.reads_images)
+        if self.vision is not None and any(d.images for d in request.data):
+            self.vision.check_rows([d.tokens for d in request.data], [d.images for d in request.data], "datum")
 
     def _forward_backward_together(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]]) -> list[ForwardBackwardResult]:
         for session, _ in calls:  # their prefixes' memory goes to the activations; sampling after the update starts afresh anyway
@@ -228,7 +250,8 @@ class SharedBase:
                 # Every call's rows planned as one request, prompts shared within a session only: passes hold several sessions' rows.
                 rows = [(k, i) for k in members for i in range(len(calls[k][1].data))]
                 data = [calls[k][1].data[i] for k, i in rows]
-                for micro in plan_micro_batches(data, self.config.micro_batch_size, self.config.share_prefixes, kv_cost, scopes=[k for k, _ in rows]):
+                share = self.config.share_prefixes and not any(d.images for d in data)  # rows with images are scored on their own
+                for micro in plan_micro_batches(data, self.config.micro_batch_size, share, kv_cost, scopes=[k for k, _ in rows]):
                     self._one_pass(calls, [rows[j] for j in micro.indices], micro, temperature, normalizers, sums, scored)
         results: list[ForwardBackwardResult] = []
         for (_, request), micro_sums, logprobs in zip(calls, sums, scored):
@@ -247,13 +270,14 @@ class SharedBase:
         local = MicroBatch(list(range(len(rows))), micro.group_sizes, micro.prefix_lens)
         batch = collate(rows, self.device, per_token=False)  # each session's losses read its own rows' (below)
         width = batch.tokens.shape[1]
+        inputs = self._image_inputs(batch.tokens, batch.attention, [r.images for r in rows])
         logprobs = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, local, temperature,
-                                     lengths=batch.lengths, read=batch.read, adapters=adapters)
+                                     lengths=batch.lengths, read=batch.read, adapters=adapters, model_inputs=inputs)
         reference = None
         if any(calls[k][1].loss.kl_coef > 0 for k, _ in picked):
             with torch.no_grad():  # the base alone: no adapter
                 reference = sequence_logprobs(self.model, batch.tokens, batch.attention, batch.mask, local, temperature,
-                                              lengths=batch.lengths, read=batch.read)
+                                              lengths=batch.lengths, read=batch.read, model_inputs=inputs)
         total_loss = None
         with torch.autocast(self.device.type, enabled=False):
             for k in dict.fromkeys(k for k, _ in picked):
@@ -275,6 +299,12 @@ class SharedBase:
                 if calls[k][1].return_logprobs:
                     scored[k][i] = row[: len(calls[k][1].data[i].tokens)]
 
+    def _image_inputs(self, tokens_BT: torch.Tensor, attention_BT: torch.Tensor, images: list[list[ImageData]]) -> dict[str, torch.Tensor] | None:
+        """A pass's pixels and positions for rows ``tokens_BT`` showing ``images`` (row by row, in the pass's order); None without images."""
+        if self.vision is None or not any(images):
+            return None
+        return self.vision.model_inputs(tokens_BT, attention_BT, images)
+
     # ----- sampling and scoring ---------------------------------------------------------------------
     def sample_many(self, calls: Sequence[tuple[LoraSession, SampleRequest]]) -> list[Outcome]:
         """Each call's :class:`SampleResponse`, or the exception it raised; see the module docstring."""
@@ -282,16 +312,22 @@ class SharedBase:
 
     def _check_sample(self, session: LoraSession, request: SampleRequest) -> None:
         session._check_open()
-        check_prompts(request.prompts, request.images)
+        check_prompts(request.prompts, request.images, self.reads_images)
+        if self.vision is not None and any(request.images):
+            self.vision.check_rows(request.prompts, request.images, "prompt")
 
     def _sample_together(self, calls: Sequence[tuple[LoraSession, SampleRequest]]) -> list[SampleResponse]:
         eos = self.tokenizer.eos_token_id
-        out: list[list[SampledSequence]] = [[] for _ in calls]
+        out: list[dict[int, list[SampledSequence]]] = [{} for _ in calls]
         settings: dict[Any, list[int]] = {}
+        stop_ids: list[list[int]] = []
         for k, (_, request) in enumerate(calls):
             p = request.params
             stops = tuple(p.stop_token_ids) or ((eos,) if eos is not None else ())
+            stop_ids.append(list(stops))
             settings.setdefault((p.max_new_tokens, p.temperature, p.top_p, p.top_k, stops), []).append(k)
+        # Prompts with images are sampled on their own after the text rows (see the module docstring).
+        text_rows = [[i for i in range(len(r.prompts)) if not (r.images and r.images[i])] for _, r in calls]
         one_length = padded_length_limit(self.model) is None
         # A seeded request draws from its own generator across its batches, as TorchBackend's sample does.
         generators = {k: s.generator if r.params.seed is None else torch.Generator(device=self.device).manual_seed(r.params.seed)
@@ -299,32 +335,35 @@ class SharedBase:
         self.model.eval()
         for key, members in settings.items():
             # Whole requests per batch, so each request's rows are batched as they would be alone.
-            batches: list[list[tuple[int, int, int]]] = [[]]  # [(call, first prompt, end prompt)]
+            batches: list[list[tuple[int, list[int]]]] = [[]]  # [(call, its prompts in the batch)]
             for k in members:
                 request = calls[k][1]
                 step = max(1, self.config.max_sample_batch // request.num_samples)
-                for first in range(0, len(request.prompts), step):
-                    piece = (k, first, min(first + step, len(request.prompts)))
-                    size = (piece[2] - piece[1]) * request.num_samples
-                    used = sum((e - f) * calls[c][1].num_samples for c, f, e in batches[-1])
+                for first in range(0, len(text_rows[k]), step):
+                    piece = (k, text_rows[k][first : first + step])
+                    size = len(piece[1]) * request.num_samples
+                    used = sum(len(rows) * calls[c][1].num_samples for c, rows in batches[-1])
                     if batches[-1] and (used + size > self.config.max_sample_batch or not one_length):
                         batches.append([])
                     batches[-1].append(piece)
             params = calls[members[0]][1].params
             for pieces in batches:
-                self._sample_batch(calls, pieces, params, list(key[-1]), generators, out)
-        return [SampleResponse(sequences=[seqs[i * r.num_samples : (i + 1) * r.num_samples] for i in range(len(r.prompts))])
-                for seqs, (_, r) in zip(out, calls)]
+                if pieces:
+                    self._sample_batch(calls, pieces, params, list(key[-1]), generators, out)
+        for k, (session, request) in enumerate(calls):
+            for i in (i for i in range(len(request.prompts)) if request.images and request.images[i]):
+                out[k][i] = self._sample_images(session, request, i, stop_ids[k], generators[k])
+        return [SampleResponse(sequences=[seqs[i] for i in range(len(r.prompts))]) for seqs, (_, r) in zip(out, calls)]
 
-    def _sample_batch(self, calls: Sequence[tuple[LoraSession, SampleRequest]], pieces: list[tuple[int, int, int]], params: Any,
-                      stop_ids: list[int], generators: dict[int, torch.Generator], out: list[list[SampledSequence]]) -> None:
+    def _sample_batch(self, calls: Sequence[tuple[LoraSession, SampleRequest]], pieces: list[tuple[int, list[int]]], params: Any,
+                      stop_ids: list[int], generators: dict[int, torch.Generator], out: list[dict[int, list[SampledSequence]]]) -> None:
         prompts: list[list[int]] = []
         adapters: list[int] = []
         segments: list[tuple[range, torch.Generator]] = []
-        for k, first, end in pieces:
+        for k, rows in pieces:
             session, request = calls[k]
             start = len(prompts)
-            prompts.extend(p for p in request.prompts[first:end] for _ in range(request.num_samples))
+            prompts.extend(request.prompts[i] for i in rows for _ in range(request.num_samples))
             adapters.extend([session.id] * (len(prompts) - start))
             segments.append((range(start, len(prompts)), generators[k]))
         rng = RowGenerators(segments) if params.temperature > 0 else None
@@ -334,25 +373,57 @@ class SharedBase:
                                      prefix_cache=self.prefix_cache, adapters=adapters)
         if rng is not None:  # each generator as its own batch would leave it: after the step its last row stopped
             rng.settle(start_state, [max(len(sequences[i].tokens) for i in span) - 1 for span, _ in segments])
-        for (k, _, _), (span, _) in zip(pieces, segments):
-            out[k].extend(sequences[i] for i in span)
+        for (k, rows), (span, _) in zip(pieces, segments):
+            n = calls[k][1].num_samples
+            for j, i in enumerate(rows):
+                out[k][i] = [sequences[span[0] + j * n + s] for s in range(n)]
 
-    def logprobs_many(self, calls: Sequence[tuple[LoraSession, tuple[list[list[int]], float]]]) -> list[Outcome]:
-        """Each call's per-token logprobs of ``(sequences, temperature)``, or the exception it raised."""
-        return self._isolated(calls, self._logprobs_together, lambda session, _: session._check_open(), restore_grads=False)
+    def _sample_images(self, session: LoraSession, request: SampleRequest, i: int, stop_ids: list[int],
+                       generator: torch.Generator) -> list[SampledSequence]:
+        """The samples of prompt ``i`` of ``request``, which has images: prefilled once through the session's adapter, past the
+        prefix cache, in batches of at most ``max_sample_batch`` (as TorchBackend samples it)."""
+        assert self.vision is not None  # _check_sample refused images otherwise
+        sequences: list[SampledSequence] = []
+        for start in range(0, request.num_samples, self.config.max_sample_batch):
+            count = min(self.config.max_sample_batch, request.num_samples - start)
+            with self._compute(), rows_through([session.id]):
+                sequences.extend(sample_with_images(self.model, request.prompts[i], request.images[i], self.vision, count, request.params,
+                                                    stop_ids, self.pad_id, generator))
+        return sequences
 
-    def _logprobs_together(self, calls: Sequence[tuple[LoraSession, tuple[list[list[int]], float]]]) -> list[list[list[float]]]:
-        out: list[list[list[float]]] = [[[] for _ in seqs] for _, (seqs, _) in calls]
-        rows = [(k, i) for k, (_, (seqs, _)) in enumerate(calls) for i in range(len(seqs))]
+    def logprobs_many(self, calls: Sequence[tuple[LoraSession, tuple]]) -> list[Outcome]:
+        """Each call's per-token logprobs of ``(sequences, temperature)`` or ``(sequences, temperature, images)`` (one list of
+        images per sequence, for a vision-language base), or the exception it raised."""
+        return self._isolated(calls, self._logprobs_together, self._check_logprobs, restore_grads=False)
+
+    def _check_logprobs(self, session: LoraSession, call: tuple) -> None:
+        session._check_open()
+        sequences, _, images = _scoring_call(call)
+        if images is not None:
+            if len(images) != len(sequences):
+                raise ConfigError(f"images must hold one list per sequence ({len(sequences)}), not {len(images)}")
+            for i, row in enumerate(images):
+                if len(row) > MAX_IMAGES:
+                    raise ConfigError(f"sequence {i} carries {len(row)} images; at most {MAX_IMAGES} are allowed")
+            check_prompts(sequences, images, self.reads_images)
+        if self.vision is not None:
+            self.vision.check_rows(sequences, images or [[] for _ in sequences], "sequence")
+
+    def _logprobs_together(self, calls: Sequence[tuple[LoraSession, tuple]]) -> list[list[list[float]]]:
+        scoring = [_scoring_call(call) for _, call in calls]
+        out: list[list[list[float]]] = [[[] for _ in seqs] for seqs, _, _ in scoring]
+        rows = [(k, i) for k, (seqs, _, _) in enumerate(scoring) for i in range(len(seqs))]
         self.model.eval()
-        for temperature in sorted({t for _, (_, t) in calls}):
-            mine = [(k, i) for k, i in rows if calls[k][1][1] == temperature]
-            data = [Datum(tokens=calls[k][1][0][i], loss_mask=[0.0] * len(calls[k][1][0][i])) for k, i in mine]
+        for temperature in sorted({t for _, t, _ in scoring}):
+            mine = [(k, i) for k, i in rows if scoring[k][1] == temperature]
+            data = [Datum(tokens=scoring[k][0][i], loss_mask=[0.0] * len(scoring[k][0][i]), images=_images_of(scoring[k][2], i)) for k, i in mine]
             for micro in plan_micro_batches(data, self.config.micro_batch_size, False):
-                batch = collate([data[j] for j in micro.indices], self.device, per_token=False)
+                picked = [data[j] for j in micro.indices]
+                batch = collate(picked, self.device, per_token=False)
                 adapters = [calls[mine[j][0]][0].id for j in micro.indices]
                 with torch.no_grad(), self._compute():
-                    scored = logprobs_from(self.model, batch.tokens, batch.attention, temperature=temperature, adapters=adapters)
+                    inputs = self._image_inputs(batch.tokens, batch.attention, [d.images for d in picked])
+                    scored = logprobs_from(self.model, batch.tokens, batch.attention, temperature=temperature, adapters=adapters, model_inputs=inputs)
                 for j, row in zip(micro.indices, scored.tolist()):
                     k, i = mine[j]
                     out[k][i] = row[: len(data[j].tokens)]
@@ -395,6 +466,16 @@ class SharedBase:
                 for k, result in zip(group, results):
                     outcomes[k] = result
         return outcomes
+
+
+def _scoring_call(call: tuple) -> tuple[list[list[int]], float, list[list[ImageData]] | None]:
+    """``(sequences, temperature, images or None)`` of a ``logprobs_many`` call given with or without its images."""
+    sequences, temperature, *rest = call
+    return sequences, temperature, (rest[0] if rest else None)
+
+
+def _images_of(images: list[list[ImageData]] | None, i: int) -> list[ImageData]:
+    return [] if images is None else list(images[i])
 
 
 def _holding_base(method: Callable[..., T]) -> Callable[..., T]:
@@ -470,8 +551,10 @@ class LoraSession:
     def sample(self, request: SampleRequest) -> SampleResponse:
         return self._one(self.base.sample_many([(self, request)])[0])
 
-    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        return self._one(self.base.logprobs_many([(self, (sequences, temperature))])[0])
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[ImageData]] | None = None) -> list[list[float]]:
+        """Per-token logprobs of ``sequences`` (entry 0 is 0.0); ``images``: one list per sequence of the images its image tokens
+        show (a vision-language base)."""
+        return self._one(self.base.logprobs_many([(self, (sequences, temperature) if images is None else (sequences, temperature, images))])[0])
 
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
         return self._one(self.base.forward_backward_many([(self, request)])[0])
@@ -559,4 +642,6 @@ class LoraSession:
         tmp = fresh_tmp_dir(path)
         multi_lora.save_adapter(tmp, self.params, self.config.lora_rank, self.config.lora_alpha, self.base.model_path, multi_lora.target_names(self.base.layers))
         self.base.tokenizer.save_pretrained(tmp)
+        if self.base.vision is not None:
+            self.base.vision.image_processor.save_pretrained(tmp)
         replace_dir(tmp, os.fspath(path).rstrip("/"))

@@ -44,6 +44,12 @@ def image_array(image: ImageData) -> np.ndarray:
     return np.frombuffer(image.pixels(), dtype=np.uint8).reshape(image.height, image.width, 3)
 
 
+def vision_token_ids(tokenizer: Any) -> list[int]:
+    """The ids of ``tokenizer``'s vision markers (a vision-language policy never writes them)."""
+    ids = [tokenizer.convert_tokens_to_ids(name) for name in VISION_TOKEN_NAMES]
+    return [i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id]
+
+
 def forbid_tokens(model: torch.nn.Module, token_ids: list[int]) -> None:
     """Set the logits of ``token_ids`` to :data:`FORBIDDEN_LOGIT` in every forward pass of ``model``'s output layer."""
     if not token_ids:

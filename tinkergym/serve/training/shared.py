@@ -334,7 +334,10 @@ class SharedWorker:
 
 def _joint_args(record: CallRecord) -> Any:
     args = record.call.args  # type: ignore[union-attr]
-    return (args["sequences"], args["temperature"]) if record.method == "logprobs" else args["request"]
+    if record.method != "logprobs":
+        return args["request"]
+    # An in-process caller (the Tinker API's engine) may score sequences with their images; the HTTP route sends none.
+    return (args["sequences"], args["temperature"]) if args.get("images") is None else (args["sequences"], args["temperature"], args["images"])
 
 
 @dataclass
