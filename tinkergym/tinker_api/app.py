@@ -6,7 +6,7 @@ their results and samples go back as protobuf (:mod:`tinkergym.tinker_api.wire`)
 needs ``X-API-Key: tml-<key>``: a tinkergym tenant key behind the ``tml-`` prefix the SDK requires (``tinkergym
 scheduler keys create`` makes them; the server keeps their SHA-256 digests only). A key's tenant reaches its own
 sessions, runs, samplers, futures and checkpoints and nothing else. What the server does not offer (a model, a
-loss, image inputs, stop strings) is refused with a Tinker-style error that says so, never a 500.
+loss, image inputs to a text model) is refused with a Tinker-style error that says so, never a 500.
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
             sampler = service.sampler(who, parsed.sampling_session_id)
         else:
             raise TinkerError(400, "sample through a sampling client (create_sampling_client): this server needs a sampling_session_id")
-        operation, ids = ops.sample(service, sampler, parsed)
+        operation, ids = await run_in_threadpool(ops.sample, service, sampler, parsed)  # image chunks are decoded there
         return future(service.submit(who, operation), None, sample_sequence_ids=ids)
 
     # ----- futures ------------------------------------------------------------------------------------------

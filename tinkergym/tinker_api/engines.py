@@ -84,6 +84,10 @@ class LocalEngine:
     def tokenizer(self, name: str) -> Any:
         return self.base.tokenizer
 
+    def vision(self, name: str) -> Any:
+        """The served model's image inputs (:class:`~tinkergym.backends.torch.vision.VisionInputs`), or None for a text model."""
+        return getattr(self.base, "vision", None)
+
     # ----- runs and samplers -----------------------------------------------------------------------------
     def _session(self, rank: int, seed: int | None) -> Any:
         from tinkergym.backends.torch.shared import LoraSessionConfig

@@ -5,7 +5,13 @@ The conversions:
 - A Tinker ``Datum`` (``model_input`` of text chunks, ``loss_fn_inputs`` aligned with it: position ``i`` predicts
   ``target_tokens[i]``) is our :class:`~tinkergym.protocol.types.Datum` of ``model_input + [target_tokens[-1]]``,
   which needs ``target_tokens`` to be ``model_input`` shifted by one (as every Tinker client builds them);
-  other targets are refused with that reason. Image chunks are refused (this server runs text models).
+  other targets are refused with that reason, but at an image's positions (the SDK's cookbook writes 0 there).
+- Image chunks (a vision-language model only; a text model refuses them): each decoded PNG or JPEG (at most
+  :data:`~tinkergym.protocol.types.MAX_IMAGES` per input, :data:`~tinkergym.protocol.types.MAX_IMAGE_PIXELS` pixels
+  each; bytes that do not decode are a 400) becomes the model's image token repeated as many times as the image
+  processor makes features (as :class:`~tinkergym.chat.ImageChatRenderer` renders it), and its pixels travel with the
+  row (:class:`~tinkergym.protocol.types.ImageData`); an ``expected_tokens`` other than that count is a 400. No loss
+  is taken at a position whose target is an image token (its weight and advantage count as 0, its logprob reads 0).
 - ``forward_backward`` is one of our requests with the same loss (the Backend protocol has every Tinker loss but
   ``stable_reinforce``, with ``aggregation="sum"``: each token weighs its loss-mask entry): ``cross_entropy``'s
   weights are the loss mask; the RL losses' advantages and sampler logprobs are the datum's, masked to the positions
@@ -22,13 +28,24 @@ The conversions:
 
 from __future__ import annotations
 
+import io
 import secrets
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
+from tinkergym.protocol.types import (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES,
+    Datum,
+    ForwardBackwardRequest,
+    ImageData,
+    LossSpec,
+    OptimParams,
+    SampleRequest,
+    SamplingParams,
+)
 from tinkergym.tinker_api import losses as tinker_losses
 from tinkergym.tinker_api.service import Run, Sampler, TinkerError, TinkerService, as_array, loss_settings
 
@@ -36,14 +53,76 @@ from tinkergym.tinker_api.service import Run, Sampler, TinkerError, TinkerServic
 OUTPUT_TYPE = "ArrayRecord"
 
 
-def model_tokens(model_input: Any, where: str) -> list[int]:
-    """The token ids of a ``ModelInput`` of text chunks; any other chunk is refused."""
+#: The SDK's image formats, as PIL names them.
+IMAGE_FORMATS = {"png": "PNG", "jpeg": "JPEG"}
+
+
+def image_inputs(service: TinkerService, model: str | None) -> Any | None:
+    """The served model's image inputs (:class:`~tinkergym.backends.torch.vision.VisionInputs`), or None when it reads none."""
+    vision = getattr(service.engine, "vision", None)
+    return None if vision is None or model is None else vision(model)
+
+
+def decode_image(chunk: Any, where: str) -> ImageData:
+    """The pixels of an ``ImageChunk``: PNG or JPEG bytes of at most :data:`MAX_IMAGE_PIXELS` pixels, else a 400."""
+    from PIL import Image
+
+    fmt = str(getattr(chunk, "format", ""))
+    if fmt not in IMAGE_FORMATS:
+        raise TinkerError(400, f"{where}: image format {fmt[:20]!r} is not supported; send png or jpeg")
+    try:
+        with Image.open(io.BytesIO(bytes(chunk.data)), formats=[IMAGE_FORMATS[fmt]]) as image:
+            width, height = image.size  # read from the header: nothing is decoded yet
+            if width * height > MAX_IMAGE_PIXELS:
+                raise TinkerError(400, f"{where}: a {width} x {height} image is over the {MAX_IMAGE_PIXELS:,} pixels allowed; resize it first")
+            pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except TinkerError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - bytes that do not decode are the client's error
+        raise TinkerError(400, f"{where}: the image's bytes are not a readable {fmt} ({type(exc).__name__}: {str(exc)[:200]})") from None
+    return ImageData.from_array(pixels)
+
+
+def model_input(service: TinkerService, model: str | None, value: Any, where: str) -> tuple[list[int], list[ImageData]]:
+    """The token ids of a ``ModelInput`` and the images its image chunks show (see the module docstring)."""
     tokens: list[int] = []
-    for chunk in model_input.chunks:
-        if getattr(chunk, "type", None) != "encoded_text":
-            raise TinkerError(400, f"{where}: {getattr(chunk, 'type', type(chunk).__name__)} chunks are not supported: this server trains text models")
-        tokens.extend(int(t) for t in chunk.tokens)
-    return tokens
+    images: list[ImageData] = []
+    image_tokens = 0
+    vision = image_inputs(service, model)
+    for j, chunk in enumerate(value.chunks):
+        kind = getattr(chunk, "type", None)
+        if kind == "encoded_text":
+            tokens.extend(int(t) for t in chunk.tokens)
+            continue
+        if kind != "image":
+            raise TinkerError(400, f"{where}: {kind or type(chunk).__name__} chunks are not supported: this server takes text and image chunks")
+        if not hasattr(service.engine, "vision"):
+            raise TinkerError(400, f"{where}: image chunks are not supported by this front door, which trains text models; "
+                                   "serve a vision-language model with tinkergym serve-tinker --model <folder>")
+        if vision is None:
+            raise TinkerError(400, f"{where}: image chunks are not supported: this server trains text models (its model reads no images)")
+        if len(images) == MAX_IMAGES:
+            raise TinkerError(400, f"{where}: more than {MAX_IMAGES} images in one input; send at most {MAX_IMAGES}")
+        image = decode_image(chunk, f"{where}.chunks[{j}]")
+        count = vision.token_count(image)
+        expected = getattr(chunk, "expected_tokens", None)
+        if expected is not None and int(expected) != count:
+            raise TinkerError(400, f"{where}.chunks[{j}]: expected_tokens is {int(expected)}, but this {image.width} x {image.height} image "
+                                   f"takes {count} tokens of this model; set expected_tokens to {count} (or leave it unset)")
+        tokens.extend([vision.image_token_id] * count)
+        images.append(image)
+        image_tokens += count
+    if vision is not None and tokens.count(vision.image_token_id) != image_tokens:
+        raise TinkerError(400, f"{where}: a text chunk holds the image token id {vision.image_token_id}; send each image as an image chunk")
+    return tokens, images
+
+
+def image_positions(service: TinkerService, model: str | None, tokens: list[int]) -> np.ndarray:
+    """Which of ``tokens`` are image tokens (all False for a text model)."""
+    vision = image_inputs(service, model)
+    if vision is None:
+        return np.zeros(len(tokens), dtype=bool)
+    return np.asarray(tokens, dtype=np.int64) == vision.image_token_id
 
 
 class PreparedRows:
@@ -56,9 +135,11 @@ class PreparedRows:
             raise TinkerError(400, f"{len(data)} datums is over this server's limit of {service.limits.max_datums} per request")
         self.rows: list[Datum] = []
         self.inputs: list[dict[str, np.ndarray]] = []
+        #: Per datum, the positions whose target is an image token (no loss is taken there).
+        self.image_targets: list[np.ndarray] = []
         for i, datum in enumerate(data):
             where = f"data[{i}]"
-            tokens = model_tokens(datum.model_input, where)
+            tokens, images = model_input(service, model, datum.model_input, where)
             if not tokens:
                 raise TinkerError(400, f"{where}: model_input has no tokens")
             arrays = {str(k): as_array(v) for k, v in datum.loss_fn_inputs.items()}
@@ -69,11 +150,19 @@ class PreparedRows:
             except tinker_losses.LossInputError as exc:
                 raise TinkerError(400, str(exc)) from exc
             targets = [int(t) for t in arrays["target_tokens"]]
-            if targets[:-1] != tokens[1:]:
+            on_image = np.append(image_positions(service, model, tokens)[1:], False)  # position i's target is token i + 1
+            shifted = [t if image else target for t, target, image in zip(tokens[1:], targets, on_image)]
+            if shifted != tokens[1:]:
                 raise TinkerError(400, f"{where}: target_tokens must be model_input shifted by one (position i predicts token i + 1 of the "
                                        "sequence, as the SDK's docs build them); other targets are not supported")
-            self.rows.append(Datum(tokens=tokens + [targets[-1]], loss_mask=[0.0] + [1.0] * len(tokens)))
+            if image_positions(service, model, targets[-1:]).any():
+                raise TinkerError(400, f"{where}: the last target is the image token; an image is sent as an image chunk of model_input")
+            for name in ("weights", "advantages"):  # no loss where the target is an image token
+                if name in arrays and on_image.any():
+                    arrays[name] = np.where(on_image, 0, arrays[name])
+            self.rows.append(Datum(tokens=tokens + [targets[-1]], loss_mask=[0.0] + [1.0] * len(tokens), images=images))
             self.inputs.append(arrays)
+            self.image_targets.append(on_image)
         service.check_tokens([d.tokens for d in self.rows], "data", model)
 
 
@@ -99,6 +188,7 @@ def _policy_inputs(rows: PreparedRows, i: int, name: str) -> tuple[np.ndarray, n
         mask = np.ones(len(advantages), dtype=bool)
     else:
         mask = advantages != 0
+    mask = mask & ~rows.image_targets[i]
     return mask, mask.astype(np.float64)
 
 
@@ -113,11 +203,11 @@ def our_request(rows: PreparedRows, name: str, settings: dict[str, float]) -> tu
             continue
         kept.append(i)
         if name == "cross_entropy":
-            data.append(Datum(tokens=datum.tokens, loss_mask=[0.0, *weights.tolist()]))
+            data.append(Datum(tokens=datum.tokens, loss_mask=[0.0, *weights.tolist()], images=datum.images))
             continue
         inputs = rows.inputs[i]
         data.append(Datum(tokens=datum.tokens, loss_mask=[0.0, *weights.tolist()], advantages=[0.0, *inputs["advantages"].astype(float).tolist()],
-                          sampling_logprobs=[0.0, *inputs["logprobs"].astype(float).tolist()]))
+                          sampling_logprobs=[0.0, *inputs["logprobs"].astype(float).tolist()], images=datum.images))
     low, high = settings.get("clip_low_threshold", 0.8), settings.get("clip_high_threshold", 1.2)
     spec = LossSpec(name=name, aggregation="sum", clip_low=1.0 - low, clip_high=high - 1.0, beta=settings.get("beta", 0.05))
     return ForwardBackwardRequest(data=data, loss=spec, return_logprobs=True), kept, masks
@@ -144,7 +234,8 @@ def elementwise_loss(rows: PreparedRows, i: int, name: str, settings: dict[str, 
 def _scored(service: TinkerService, run: Run, rows: PreparedRows, known: dict[int, tuple[np.ndarray, list[float]]]) -> list[np.ndarray]:
     """Every datum's logprobs of its ``target_tokens``: the engine's where ``known`` has them (``i: (mask, logprobs)``, valid at the
     mask's positions), the rest from one ``logprobs`` call over the shortest prefixes that hold them, each scored once
-    (a group's copies of a prompt share one)."""
+    (a group's copies of a prompt share one); a datum with images is scored whole with its images, on its own (its prefix
+    of tokens is not its images'). Positions whose target is an image token read 0."""
     out = [np.zeros(len(d.tokens) - 1) for d in rows.rows]
     needs: list[tuple[int, np.ndarray, int]] = []  # (datum, positions still needed, tokens to score)
     for i in range(len(rows.rows)):
@@ -154,11 +245,12 @@ def _scored(service: TinkerService, run: Run, rows: PreparedRows, known: dict[in
             out[i][mask] = np.asarray(engine[1:], dtype=np.float64)[mask]
         missing = np.flatnonzero(~mask)
         if len(missing):
-            needs.append((i, missing, int(missing[-1]) + 2))
+            needs.append((i, missing, len(rows.rows[i].tokens) if rows.rows[i].images else int(missing[-1]) + 2))
     # In lexicographic order every prefix comes just before the sequences that extend it: each prefix needed rides on the
     # sequence chosen for the next one when it begins that one, else is scored itself (sorting keeps this n log n).
     prefixes = [tuple(rows.rows[i].tokens[:length]) for i, _, length in needs]
-    order = sorted(range(len(needs)), key=lambda j: prefixes[j])
+    text = [j for j, (i, _, _) in enumerate(needs) if not rows.rows[i].images]
+    order = sorted(text, key=lambda j: prefixes[j])
     sequences: list[list[int]] = []
     chosen: dict[int, int] = {}
     for at in reversed(range(len(order))):
@@ -169,11 +261,22 @@ def _scored(service: TinkerService, run: Run, rows: PreparedRows, known: dict[in
         else:
             sequences.append(list(prefixes[j]))
             chosen[j] = len(sequences) - 1
+    images: list[list[ImageData]] = [[] for _ in sequences]
+    for j, (i, _, _) in enumerate(needs):
+        if rows.rows[i].images:
+            sequences.append(list(prefixes[j]))
+            images.append(rows.rows[i].images)
+            chosen[j] = len(sequences) - 1
     where = [(i, missing, chosen[j]) for j, (i, missing, _) in enumerate(needs)]
     if sequences:
-        scored = service.call(run.handle, "logprobs", {"sequences": sequences, "temperature": 1.0})["logprobs"]
+        args: dict[str, Any] = {"sequences": sequences, "temperature": 1.0}
+        if any(images):
+            args["images"] = images
+        scored = service.call(run.handle, "logprobs", args)["logprobs"]
         for i, missing, k in where:
             out[i][missing] = np.asarray(scored[k][1:], dtype=np.float64)[missing]
+    for lp, on_image in zip(out, rows.image_targets):
+        lp[on_image] = 0.0
     return out
 
 
@@ -274,7 +377,7 @@ def stop_string_end(tokenizer: Any, tokens: list[int], stops: list[str]) -> int 
 
 def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Callable[[], Any], list[str]]:
     """The operation of an ``asample`` request, and the ``sequence_id`` of each sample it will answer."""
-    prompt = model_tokens(request.prompt, "prompt")
+    prompt, images = model_input(service, sampler.base_model, request.prompt, "prompt")
     if not prompt:
         raise TinkerError(400, "prompt: give at least one token")
     params = request.sampling_params
@@ -292,7 +395,7 @@ def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Call
     if getattr(request, "target_prompt_logprobs", None) is not None or getattr(request, "record_stability_info", None):
         raise TinkerError(400, "target_prompt_logprobs and record_stability_info are not supported by this server")
     service.check_tokens([prompt], "prompt", sampler.base_model)
-    ours = SampleRequest(prompts=[prompt], num_samples=int(request.num_samples), params=SamplingParams(
+    ours = SampleRequest(prompts=[prompt], images=[images] if images else [], num_samples=int(request.num_samples), params=SamplingParams(
         max_new_tokens=max_tokens, temperature=float(params.temperature), top_p=float(params.top_p), top_k=max(0, int(params.top_k)),
         stop_token_ids=stop_ids, seed=params.seed))
     ids = [f"seq-{secrets.token_hex(8)}" for _ in range(ours.num_samples)]
@@ -317,9 +420,13 @@ def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Call
                                                logprobs_np=np.zeros(0, np.float32)) for s in ids]
         prompt_logprobs = None
         if want_prompt:
-            scored = service.call(sampler.handle, "logprobs", {"sequences": [prompt], "temperature": 1.0})["logprobs"][0]
+            args: dict[str, Any] = {"sequences": [prompt], "temperature": 1.0}
+            if images:
+                args["images"] = [images]
+            scored = service.call(sampler.handle, "logprobs", args)["logprobs"][0]
             values = np.asarray(scored, dtype=np.float32)
             values[0] = np.nan
+            values[1:][image_positions(service, sampler.base_model, prompt)[1:]] = np.nan  # an image token is no prediction
             if last_n is not None:
                 values[: max(1, len(prompt) - int(last_n))] = np.nan
             prompt_logprobs = values
