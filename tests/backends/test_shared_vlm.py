@@ -157,3 +157,40 @@ def test_a_text_base_still_refuses_images(tiny: str) -> None:
         session.forward_backward(ForwardBackwardRequest(data=[Datum([1, 2], [0.0, 1.0], images=[_image(0)])], loss=LossSpec(name="cross_entropy")))
     with pytest.raises(ConfigError, match="reads no images"):
         session.logprobs([[1, 2]], 1.0, [[_image(0)]])
+
+
+def test_images_travel_to_a_shared_server_and_back(pair: tuple[Any, Any, Any], tiny_vlm: str, tmp_path: Any) -> None:
+    """``serve-shared`` on the tiny VLM: an adapter reached over HTTP (RemoteBackend) samples and trains with images as a
+    session of the same seed does in process."""
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from testkit import serving
+    from tinkergym.backends.remote import RemoteBackend
+    from tinkergym.backends.torch.shared import LoraSessionConfig, SharedBase, SharedBaseConfig
+    from tinkergym.serve.auth import token_digest
+    from tinkergym.serve.training.shared import create_shared_app
+
+    admin = "a" * 40
+    served = SharedBase(SharedBaseConfig(model=tiny_vlm, dtype="float32", micro_batch_size=4))
+    reference = pair[1].open_session(LoraSessionConfig(lora_rank=RANK, lora_alpha=ALPHA, seed=21))
+    try:
+        with serving(create_shared_app(served, run_dir=tmp_path, token_digest=token_digest(admin))) as url:
+            token = httpx.post(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {admin}"},
+                               json={"lora_rank": RANK, "lora_alpha": ALPHA, "seed": 21}).json()["token"]
+            remote = RemoteBackend(url, token)
+            renderer = ImageChatRenderer.from_folder(tiny_vlm)
+            images = [[_image(31)], [_image(32, 72)]]
+            request = SampleRequest(prompts=[_prompt(renderer, row, "Which?") for row in images], images=images, num_samples=2,
+                                    params=SamplingParams(max_new_tokens=5, temperature=1.0, seed=4))
+            response = remote.sample(request)
+            solo = reference.sample(request)
+            assert [[s.tokens for s in row] for row in response.sequences] == [[s.tokens for s in row] for row in solo.sequences]
+            data = [Datum(tokens=p + s.tokens, loss_mask=[0.0] * len(p) + [1.0] * len(s.tokens), images=row,
+                          sampling_logprobs=[0.0] * len(p) + s.logprobs) for p, row, seqs in zip(request.prompts, images, response.sequences) for s in seqs]
+            fb = ForwardBackwardRequest(data=data, loss=LossSpec(name="cross_entropy"))
+            metrics = remote.forward_backward(fb).metrics
+            assert metrics["mismatch/logp_abs_max"] < 1e-5  # the server's sampler logprobs are its trainer's
+            assert metrics["loss"] == pytest.approx(reference.forward_backward(fb).metrics["loss"], abs=1e-5)
+    finally:
+        pair[1].close_session(reference)
