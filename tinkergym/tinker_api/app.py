@@ -158,7 +158,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
     @app.post("/api/v1/get_info")
     async def get_info(request: Request) -> JSONResponse:
         parsed = await body(request, types.GetInfoRequest)
-        run = service.run(tenant(request), parsed.model_id)
+        run = service.run(tenant(request), parsed.model_id, request.state.credential)
         facts = service.engine.model_info(run.base_model)
         return JSONResponse({"type": "get_info", "model_id": run.model_id, "is_lora": True, "lora_rank": run.rank, "model_name": run.base_model,
                              "model_data": {"arch": facts["arch"], "model_name": run.base_model, "tokenizer_id": facts["tokenizer_id"]}})
@@ -172,27 +172,27 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
             parsed, forward_only = decode_forward_backward(raw, request.headers.get("content-encoding"))
         except ValueError as exc:
             raise TinkerError(400, f"malformed forward_backward body: {str(exc)[:500]}") from None
-        run = service.run(tenant(request), parsed.model_id)
+        run = service.run(tenant(request), parsed.model_id, request.state.credential)
         operation = await run_in_threadpool(ops.forward_backward, service, run, parsed, forward_only)
         return future(service.submit(tenant(request), operation, run), run.model_id)
 
     @app.post("/api/v1/optim_step")
     async def optim_step(request: Request) -> JSONResponse:
         parsed = await body(request, types.OptimStepRequest)
-        run = service.run(tenant(request), parsed.model_id)
+        run = service.run(tenant(request), parsed.model_id, request.state.credential)
         return future(service.submit(tenant(request), ops.optim_step(service, run, parsed), run), run.model_id)
 
     @app.post("/api/v1/save_weights")
     async def save_weights(request: Request) -> JSONResponse:
         parsed = await body(request, types.SaveWeightsRequest)
-        run = service.run(tenant(request), parsed.model_id)
+        run = service.run(tenant(request), parsed.model_id, request.state.credential)
         save = ops.save_state(service, run, parsed.path, "training", parsed.user_metadata)
         return future(service.submit(tenant(request), lambda: {"path": save(), "type": "save_weights"}, run), run.model_id)
 
     @app.post("/api/v1/save_weights_for_sampler")
     async def save_weights_for_sampler(request: Request) -> JSONResponse:
         parsed = await body(request, types.SaveWeightsForSamplerRequest)
-        run = service.run(tenant(request), parsed.model_id)
+        run = service.run(tenant(request), parsed.model_id, request.state.credential)
         if parsed.path is None:
             credential = request.state.credential
 
@@ -210,7 +210,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
         if parsed.age_encryption_recipients:
             raise TinkerError(400, "age encryption of exported weights is not offered by this server: save without "
                                    "age_encryption_recipients (the files are served only to signed URLs of your key's runs)")
-        run = service.run(tenant(request), parsed.model_id)
+        run = service.run(tenant(request), parsed.model_id, request.state.credential)
         save = ops.save_state(service, run, parsed.path, "external", None)
         return future(service.submit(tenant(request), lambda: {"path": save(), "type": "save_weights_external"}, run), run.model_id)
 
@@ -233,7 +233,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
         parsed = await body(request, types.LoadWeightsRequest)
         who = tenant(request)
         if parsed.model_id is not None:
-            run = service.run(who, parsed.model_id)
+            run = service.run(who, parsed.model_id, request.state.credential)
         else:  # create-via-load: a new run with the checkpoint's rank
             if parsed.session_id is None or parsed.model_seq_id is None:
                 raise TinkerError(400, "load_weights needs model_id, or session_id and model_seq_id")
@@ -261,7 +261,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
         parsed = await body(request, types.SampleRequest)
         who = tenant(request)
         if parsed.sampling_session_id is not None:
-            sampler = service.sampler(who, parsed.sampling_session_id)
+            sampler = service.sampler(who, parsed.sampling_session_id, request.state.credential)
         else:
             raise TinkerError(400, "sample through a sampling client (create_sampling_client): this server needs a sampling_session_id")
         operation, ids = await run_in_threadpool(ops.sample, service, sampler, parsed)  # image chunks are decoded there

@@ -17,6 +17,14 @@ A worker that dies moves the run to another worker, and the client never sees a 
   lease, loads the newest stored state (the worker restored it), replays the log (the same calls, in order, on the
   same data: the same gradients and steps) and runs the call again; the SDK sees a slow answer, or its own retry.
 
+A front door that restarts keeps its clients' sessions, runs, samplers and checkpoints (:mod:`tinkergym.tinker_api.journal`):
+:meth:`ClusterEngine.describe` gives a handle as plain data, :meth:`ClusterEngine.restore` makes it again without a
+connection, and a run's first request after the restart (:meth:`ClusterEngine.attach`, with the request's key) reattaches
+to its job and brings the server back to the log before the request runs: the newest stored state loaded and the log
+replayed, so a call that was running when the front door stopped, and was never logged, leaves no trace. A run with no
+stored state yet cannot be brought back on its job's server (its adapter's start is not saved there): its job is ended
+and a new one from the same config (the same seed: the same start) replays the log.
+
 A client whose SDK still sends session heartbeats keeps its jobs: every ``keepalive_s`` the service pings the server of
 each run and sampler of a live session (:meth:`ClusterEngine.keepalive`), which resets the scheduler's idle timeout as
 a call does; a session that stops its heartbeats lets its jobs end when they go idle.
@@ -48,7 +56,10 @@ MAX_RECOVERIES = 5
 
 @dataclass
 class ClusterHandle:
-    """A run's or sampler's job: its backend, the calls since its newest stored state, and that state."""
+    """A run's or sampler's job: its backend, the calls since its newest stored state, and that state.
+
+    ``backend`` is None for a handle restored after a restart until a request reattaches it (:meth:`ClusterEngine.attach`);
+    ``resync`` then says that the job's server must be brought back to the log before the next call."""
 
     job_id: str
     backend: Any
@@ -60,6 +71,30 @@ class ClusterHandle:
     steps: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     closed: bool = False
+    owner: str = ""  # the run's model_id or the sampler's id (the journal's key)
+    config: dict[str, Any] = field(default_factory=dict)  # the job's config: a replacement job is submitted with it
+    name: str = ""
+    sampler: bool = False
+    resync: bool = False
+
+
+def _plain_args(method: str, args: Any) -> Any:
+    """A logged call's arguments as JSON data (a load's are a state's name)."""
+    if method == "forward_backward":
+        return {"request": args["request"].to_dict()}
+    if method == "optim_step":
+        return {"params": args["params"].to_dict()}
+    return args
+
+
+def _call_args(method: str, data: Any) -> Any:
+    from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams
+
+    if method == "forward_backward":
+        return {"request": ForwardBackwardRequest.from_dict(data["request"])}
+    if method == "optim_step":
+        return {"params": OptimParams.from_dict(data["params"])}
+    return data
 
 
 class ClusterEngine:
@@ -72,6 +107,7 @@ class ClusterEngine:
         self.wait_timeout, self.poll = wait_timeout, poll
         self.say = say or (lambda line: None)
         self._tokenizers: dict[str, Any] = {}
+        self.journal: Any = None  # a Journal: each handle's changes are written to it (set by the service that restores from it)
 
     # ----- what is offered --------------------------------------------------------------------------------
     def models(self) -> list[dict[str, Any]]:
@@ -93,11 +129,10 @@ class ClusterEngine:
         return self._tokenizers[name]
 
     # ----- jobs -------------------------------------------------------------------------------------------------
-    def _job(self, credential: str, name: str, model: str, rank: int, seed: int | None, source: Saved | None, load_now: bool) -> ClusterHandle:
+    def _job(self, credential: str, owner: str, model: str, rank: int, seed: int | None, source: Saved | None, load_now: bool) -> ClusterHandle:
         """A job that starts from ``source`` when given (the worker restores it); a sampler (``load_now``) loads it at once, a
         run when its client's load call says how (whole, or weights only: :meth:`load`)."""
-        from tinkergym.backends.scheduled import ScheduledBackend
-        from tinkergym.client import SchedulerClient, SchedulerError
+        from tinkergym.client import SchedulerClient
 
         if not 1 <= rank <= self.max_lora_rank:
             raise EngineError(400, f"LoRA rank {rank} is not offered: this cluster takes ranks 1 to {self.max_lora_rank}")
@@ -105,12 +140,10 @@ class ClusterEngine:
                                   "trainer": "tinker", "env": ""}
         if source is not None:
             config.update(resume_job=source.location[0], resume_checkpoint=source.location[1])
-        client = SchedulerClient(self.url, credential)
-        try:
-            backend = ScheduledBackend.submit(client, "train", config, name=name, poll=self.poll, wait_timeout=self.wait_timeout, say=self.say)
-        except SchedulerError as exc:
-            raise EngineError(exc.status or 503, f"the scheduler refused the run's job: {exc}", "user" if (exc.status or 500) < 500 else "server") from exc
-        handle = ClusterHandle(backend.job_id, backend, rank, self.root / "notes" / backend.job_id)
+        name = f"tinker {owner}"[:200]
+        backend = self._submit(SchedulerClient(self.url, credential), config, name)
+        handle = ClusterHandle(backend.job_id, backend, rank, self.root / "notes" / backend.job_id, owner=owner, config=config, name=name,
+                               sampler=load_now)
         handle.notes.mkdir(parents=True, exist_ok=True)
         with handle.lock:
             self._connect(handle)
@@ -120,6 +153,77 @@ class ClusterEngine:
                     self._load(handle, source.location[1])
                     handle.stored = source.location[1]
         return handle
+
+    def _submit(self, client: Any, config: dict[str, Any], name: str) -> Any:
+        from tinkergym.backends.scheduled import ScheduledBackend
+        from tinkergym.client import SchedulerError
+
+        try:
+            return ScheduledBackend.submit(client, "train", config, name=name, poll=self.poll, wait_timeout=self.wait_timeout, say=self.say)
+        except SchedulerError as exc:
+            raise EngineError(exc.status or 503, f"the scheduler refused the run's job: {exc}", "user" if (exc.status or 500) < 500 else "server") from exc
+
+    # ----- a restart: handles as plain data, and back -------------------------------------------------------------
+    def describe(self, handle: ClusterHandle) -> dict[str, Any]:
+        """The handle as JSON data (its log is the journal's calls)."""
+        return {"job_id": handle.job_id, "rank": handle.rank, "stored": handle.stored, "origin": list(handle.origin) if handle.origin else None,
+                "steps": handle.steps, "config": handle.config, "name": handle.name, "sampler": handle.sampler, "closed": handle.closed}
+
+    def restore(self, owner: str, data: dict[str, Any], calls: list[tuple[str, Any]]) -> ClusterHandle:
+        """A handle of :meth:`describe`'s data and its logged ``calls``, not connected: a request reattaches it (:meth:`attach`)."""
+        origin = data.get("origin")
+        return ClusterHandle(str(data["job_id"]), None, int(data["rank"]), self.root / "notes" / str(data["job_id"]),
+                             log=[(method, _call_args(method, args)) for method, args in calls], stored=data.get("stored"),
+                             origin=(str(origin[0]), str(origin[1])) if origin else None, steps=int(data.get("steps", 0)),
+                             closed=bool(data.get("closed")), owner=owner, config=dict(data.get("config") or {}), name=str(data.get("name", "")),
+                             sampler=bool(data.get("sampler")))
+
+    def attach(self, handle: ClusterHandle, credential: str) -> None:
+        """Reattach a restored handle to its job with a request's key (the job's tenant's); the next call first brings the job's
+        server back to the log (:meth:`_resync`). A connected handle is left as it is."""
+        from tinkergym.backends.scheduled import ScheduledBackend
+        from tinkergym.client import SchedulerClient
+
+        if handle.backend is not None:  # connected: never wait for the lock here (a long call holds it; the caller is an event loop)
+            return
+        with handle.lock:  # a restored handle's lock is held by no call (a call needs a backend)
+            if handle.backend is None and not handle.closed:
+                handle.backend = ScheduledBackend(SchedulerClient(self.url, credential), handle.job_id, poll=self.poll, wait_timeout=self.wait_timeout,
+                                                  say=self.say)
+                handle.resync = True
+
+    def _ready(self, handle: ClusterHandle) -> None:
+        """Under the handle's lock, before a call: a reattached handle's server brought back to the log."""
+        if handle.backend is None:
+            raise EngineError(503, f"job {handle.job_id} is not reattached after a restart of this server; send the request again", "server")
+        if handle.resync:
+            self._resync(handle)
+            handle.resync = False
+
+    def _resync(self, handle: ClusterHandle) -> None:
+        """After a restart: the newest stored state and the log, on the job's server (a sampler's server loads its state again).
+        A run with no stored state gets a new job from its config (the same start) that replays the log."""
+        if not handle.sampler and handle.stored is None:
+            old = handle.backend
+            try:
+                old.client.cancel(handle.job_id)
+            except Exception as exc:  # noqa: BLE001 - an old job nobody calls ends at the scheduler's idle timeout anyway
+                self.say(f"job {handle.job_id}: could not cancel it ({exc}); it ends when it goes idle")
+            old.close()
+            backend = self._submit(old.client, handle.config, handle.name)
+            self.say(f"run {handle.owner}: job {backend.job_id} replaces job {handle.job_id}, and replays {len(handle.log)} calls")
+            handle.backend, handle.job_id = backend, backend.job_id
+            handle.notes = self.root / "notes" / backend.job_id
+            handle.notes.mkdir(parents=True, exist_ok=True)
+            self._persist(handle)
+        self._recover(handle, "reattached after a restart of this front door; loading its newest stored state")
+
+    def _persist(self, handle: ClusterHandle, call: tuple[str, Any] | None = None, clear: bool = False) -> None:
+        """Write the handle (and the call its log just gained, or the log's end) to the journal, if there is one."""
+        if self.journal is None or not handle.owner:
+            return
+        logged = (len(handle.log) - 1, call[0], _plain_args(*call)) if call is not None else None
+        self.journal.put_handle(handle.owner, self.describe(handle), logged, clear)
 
     def _connect(self, handle: ClusterHandle) -> None:
         from tinkergym.client import JobEnded
@@ -143,10 +247,10 @@ class ClusterEngine:
         handle.backend.load_state(self._note(handle, name, weights_only))
 
     def open_run(self, run_id: str, model: str, rank: int, seed: int | None, credential: str, source: Saved | None = None) -> ClusterHandle:
-        return self._job(credential, f"tinker {run_id}"[:200], model, rank, seed, source, load_now=False)
+        return self._job(credential, run_id, model, rank, seed, source, load_now=False)
 
     def open_sampler(self, sampler_id: str, model: str, rank: int, source: Saved | None, credential: str) -> ClusterHandle:
-        return self._job(credential, f"tinker {sampler_id}"[:200], model, rank, 0, source, load_now=True)
+        return self._job(credential, sampler_id, model, rank, 0, source, load_now=True)
 
     def close(self, handle: ClusterHandle, forget: bool = False) -> None:
         """End the job (its seat is freed at once); its stored checkpoints stay the scheduler's."""
@@ -154,6 +258,9 @@ class ClusterEngine:
             if handle.closed:
                 return
             handle.closed = True
+            if handle.backend is None:  # restored and never reattached: no key to end it with
+                self.say(f"job {handle.job_id}: not reattached since a restart; it ends when it goes idle")
+                return
             try:
                 handle.backend.complete(store_timeout=60.0)
             except Exception as exc:  # noqa: BLE001 - a job that cannot be ended ends when its client goes quiet
@@ -164,7 +271,7 @@ class ClusterEngine:
         """Tell the job's server that its client is alive, so a client that only sends heartbeats keeps its job past the
         scheduler's idle timeout. Not under the handle's lock (a long call holds it, and is itself activity); a lost server
         is the next call's to find."""
-        if handle.closed:
+        if handle.closed or handle.backend is None:
             return
         try:
             handle.backend.ping()
@@ -174,13 +281,14 @@ class ClusterEngine:
     # ----- calls, with recovery -------------------------------------------------------------------------------------
     def call(self, handle: ClusterHandle, method: str, args: dict[str, Any]) -> dict[str, Any]:
         with handle.lock:
+            self._ready(handle)
             result = self._recovering(handle, method, args)
             if method in ("forward_backward", "optim_step"):
                 handle.log.append((method, args))
-            if method == "optim_step":
-                handle.steps += 1
-                if self.checkpoint_every and handle.steps % self.checkpoint_every == 0:
-                    self._store(handle, f"auto-{handle.steps:06d}")
+                handle.steps += method == "optim_step"
+                self._persist(handle, (method, args))
+            if method == "optim_step" and self.checkpoint_every and handle.steps % self.checkpoint_every == 0:
+                self._store(handle, f"auto-{handle.steps:06d}")
             return result
 
     def _invoke(self, handle: ClusterHandle, method: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -210,12 +318,13 @@ class ClusterEngine:
                 raise EngineError(400, str(exc)) from exc
         raise AssertionError("unreachable")
 
-    def _recover(self, handle: ClusterHandle) -> None:
+    def _recover(self, handle: ClusterHandle, why: str = "its server is gone; waiting for the next lease") -> None:
         """The job's next lease: load its newest stored state and replay the calls made since, in order."""
         from tinkergym.backends.scheduled import BackendLost
 
         while True:
-            self.say(f"job {handle.job_id}: its server is gone; waiting for the next lease, then replaying {len(handle.log)} calls")
+            self.say(f"job {handle.job_id}: {why}, then replaying {len(handle.log)} calls")
+            why = "its server is gone; waiting for the next lease"
             self._connect(handle)
             try:
                 if handle.stored is not None:
@@ -241,6 +350,7 @@ class ClusterEngine:
                 self._recover(handle)
         handle.backend._wait_stored(name, timeout=600.0)
         handle.stored, handle.log = name, []
+        self._persist(handle, clear=True)
 
     # ----- checkpoints ------------------------------------------------------------------------------------------------
     def check_name(self, handle: ClusterHandle, kind: str, name: str) -> None:
@@ -255,6 +365,7 @@ class ClusterEngine:
         from tinkergym.backends.scheduled import BackendLost
 
         with handle.lock:
+            self._ready(handle)
             if kind != "external":
                 self._store(handle, name)
                 return Saved((handle.job_id, name), None)
@@ -284,6 +395,7 @@ class ClusterEngine:
             raise EngineError(400, "loading another run's state into a running run is not offered by this cluster: create a training client "
                                    "from it (create_training_client_from_state[_with_optimizer])")
         with handle.lock:
+            self._ready(handle)
             for attempt in range(MAX_RECOVERIES + 1):
                 try:
                     self._load(handle, name, weights_only=not optimizer)
@@ -297,8 +409,10 @@ class ClusterEngine:
                     raise EngineError(400, str(exc)) from exc
             if started_from and optimizer and handle.stored is None and not handle.log:
                 handle.stored = name  # the whole state a new lease restores: where the job starts over
+                self._persist(handle)
             else:
                 handle.log.append(("load" if optimizer else "load_weights", name))
+                self._persist(handle, handle.log[-1])
 
     def delete(self, saved: Saved) -> None:
         """Forget the name; the scheduler keeps the job's checkpoints until its retention removes them. An external

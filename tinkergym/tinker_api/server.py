@@ -35,14 +35,18 @@ def create_server(base: Any, root: Path, engine: Any, logger: logging.Logger, *,
 
 def create_front_door(scheduler_url: str, offers: dict[str, str], root: Path, engine: Any, logger: logging.Logger, *, max_lora_rank: int = 64,
                       checkpoint_every: int = 8, dtype: str = "auto", **limits: Any) -> Any:
-    """The app of ``serve-tinker --scheduler``: every run and sampler a job of the scheduler at ``scheduler_url`` (its key table: ``engine``)."""
+    """The app of ``serve-tinker --scheduler``: every run and sampler a job of the scheduler at ``scheduler_url`` (its key table: ``engine``).
+    Its sessions, runs, samplers and checkpoints are kept in ``root/front_door.sqlite``: an app made on the same ``root`` starts
+    with them (:mod:`tinkergym.tinker_api.journal`)."""
     import json
 
     from tinkergym.tinker_api.cluster import ClusterEngine
+    from tinkergym.tinker_api.journal import FILE as JOURNAL_FILE
+    from tinkergym.tinker_api.journal import Journal
 
     def say(line: str) -> None:
         logger.info(json.dumps({"event": "tinker_cluster", "message": line}))
 
     cluster = ClusterEngine(scheduler_url, offers, root, max_lora_rank=max_lora_rank, checkpoint_every=checkpoint_every, dtype=dtype, say=say)
-    service = TinkerService(cluster, logger, limits=Limits(**limits))
+    service = TinkerService(cluster, logger, limits=Limits(**limits), journal=Journal(root / JOURNAL_FILE))
     return create_tinker_app(service, tenant_of(engine), logger)

@@ -16,6 +16,10 @@ A checkpoint is ``tinker://<model_id>/weights/<name>`` (``save_state``: adapter,
 ``tinker://<model_id>/external_weights/<name>`` (``save_weights_external``: a peft adapter folder, which
 ``get_external_weights_urls`` hands out as one signed download URL per file); the engine keeps it.
 
+With a :class:`~tinkergym.tinker_api.journal.Journal` (the cluster's front door), the sessions, runs, samplers,
+checkpoints, request ids and the results of runs' requests are written to disk as they change, and a service made on the
+same journal starts with them (:meth:`TinkerService.restore`): a restart keeps every name a client holds.
+
 A signed URL names a file of an external checkpoint and when it expires, with an HMAC-SHA256 of both under a key
 that lives only in this process: it needs no API key (as a storage bucket's signed URL), answers nothing once it has
 expired or its checkpoint was deleted, and reaches no other file.
@@ -174,20 +178,79 @@ class Pending:
 class TinkerService:
     """The Tinker API's state on one shared base (see the module docstring)."""
 
-    def __init__(self, engine: Any, logger: logging.Logger, limits: Limits | None = None) -> None:
+    def __init__(self, engine: Any, logger: logging.Logger, limits: Limits | None = None, journal: Any = None) -> None:
         self.engine, self.logger = engine, logger
         self.limits = limits or Limits()
         self.sessions: dict[str, Session] = {}
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self.futures: dict[str, Pending] = {}
+        self.journal = journal
         self._lock = threading.RLock()
         self._url_key = secrets.token_bytes(32)  # signs download URLs; a restarted server's URLs are void, as its checkpoints are
         self._sampling = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
         self._keepalive_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tinker-keepalive")
         self._keeping_alive: set[int] = set()
+        if journal is not None:
+            engine.journal = journal
+            self.restore()
         threading.Thread(target=_maintain_while_alive, args=(weakref.ref(self), self.limits.maintenance_s), name="tinker-maintenance",
                          daemon=True).start()
+
+    # ----- the journal: what a restart keeps -----------------------------------------------------------------
+    def _write(self, method: str, *args: Any) -> None:
+        """``journal.<method>(*args)`` when there is a journal."""
+        if self.journal is not None:
+            getattr(self.journal, method)(*args)
+
+    def restore(self) -> None:
+        """Start with what the journal holds: sessions (their heartbeat clocks start now), runs and samplers (their handles not
+        connected until a request reattaches them, :meth:`attach`) and checkpoints."""
+        data = self.journal.load()
+        now = time.monotonic()
+        with self._lock:
+            for row in data["sessions"]:
+                self.sessions[row["session_id"]] = Session(row["session_id"], row["tenant"], now, now)
+            for row in data["runs"]:
+                handle = self.engine.restore(row["model_id"], row["handle"], row["calls"])
+                executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tinker-{row['model_id']}")
+                run = Run(row["model_id"], row["tenant"], row["session_id"], row["base_model"], int(row["rank"]), handle, executor,
+                          row["user_metadata"], closed=row["closed"])
+                self.runs[run.model_id] = run
+                if not run.closed and run.session_id in self.sessions:
+                    self.sessions[run.session_id].runs.add(run.model_id)
+            for row in data["checkpoints"]:
+                owner = self.runs.get(row["model_id"])
+                if owner is not None:
+                    where = row["location"]
+                    saved = Saved(Path(where["path"]) if "path" in where else (str(where["job"]), str(where["name"])), row["size"])
+                    owner.checkpoints[row["checkpoint_id"]] = Checkpoint(row["checkpoint_id"], row["kind"], saved, datetime.fromisoformat(row["time"]),
+                                                                       row["user_metadata"])
+            for row in data["samplers"]:
+                handle = self.engine.restore(row["sampler_id"], row["handle"], row["calls"])
+                self.samplers[row["sampler_id"]] = Sampler(row["sampler_id"], row["tenant"], row["session_id"], row["base_model"], row["model_path"],
+                                                           handle)
+                if row["session_id"] in self.sessions:
+                    self.sessions[row["session_id"]].samplers.add(row["sampler_id"])
+        self.logger.info(json.dumps({"event": "tinker_restored", "sessions": len(data["sessions"]), "runs": len(data["runs"]),
+                                     "samplers": len(data["samplers"]), "checkpoints": len(data["checkpoints"])}))
+
+    def attach(self, found: Any, credential: str | None) -> Any:
+        """``found`` (a run or sampler) with its handle reattached to its job with the request's key, where the engine's handles
+        outlive a restart; ``found`` itself."""
+        attach = getattr(self.engine, "attach", None)
+        if attach is not None and credential:
+            attach(found.handle, credential)
+        return found
+
+    def _keep_result(self, request_id: str, future: concurrent.futures.Future) -> None:
+        """A run's request's result, written to the journal once done, so that it is answered after a restart."""
+        if future.cancelled() or future.exception() is not None:
+            return
+        try:
+            self.journal.put_result(request_id, _plain_result(future.result()))
+        except Exception as exc:  # noqa: BLE001 - the answer in memory stands; only a restart would lose it
+            self.logger.warning(json.dumps({"event": "tinker_result_not_kept", "request_id": request_id, "error": str(exc)[:500]}))
 
     def maintain(self) -> None:
         """End the sessions whose client stopped sending heartbeats (their adapters freed even on a server nobody calls), and
@@ -222,6 +285,7 @@ class TinkerService:
             session_id = "session-" + secrets.token_hex(8)
             now = time.monotonic()
             self.sessions[session_id] = Session(session_id, tenant, now, now)
+            self._write("put_session", session_id, tenant, time.time())
         return session_id
 
     def session(self, tenant: str, session_id: str) -> Session:
@@ -240,6 +304,7 @@ class TinkerService:
     def end_session(self, session: Session) -> None:
         with self._lock:
             self.sessions.pop(session.session_id, None)
+            self._write("drop_session", session.session_id)
             for model_id in list(session.runs):
                 run = self.runs.get(model_id)
                 if run is not None:
@@ -247,6 +312,7 @@ class TinkerService:
             for sampler_id in list(session.samplers):
                 sampler = self.samplers.pop(sampler_id, None)
                 if sampler is not None:
+                    self._write("drop_sampler", sampler_id)
                     self.engine.close(sampler.handle)
         self.logger.info(json.dumps({"event": "tinker_session_ended", "session": session.session_id}))
 
@@ -257,6 +323,9 @@ class TinkerService:
         self.engine.close(run.handle, forget=not run.checkpoints)
         if not run.checkpoints:
             self.runs.pop(run.model_id, None)
+            self._write("drop_run", run.model_id)
+        else:
+            self._write("close_run", run.model_id)
 
     # ----- futures --------------------------------------------------------------------------------------
     def submit(self, tenant: str, operation: Callable[[], Any], run: Run | None = None) -> str:
@@ -275,6 +344,10 @@ class TinkerService:
             else:
                 future = self._sampling.submit(operation)
             self.futures[request_id] = Pending(request_id, tenant, future)
+        if self.journal is not None:
+            self.journal.put_request(request_id, tenant)
+            if run is not None:
+                future.add_done_callback(lambda done: self._keep_result(request_id, done))
         return request_id
 
     def _forget_done(self) -> None:
@@ -283,7 +356,18 @@ class TinkerService:
             del self.futures[key]
 
     def pending(self, tenant: str, request_id: str) -> Pending:
-        return owned(self.futures.get(request_id), tenant, f"request {request_id[:80]!r}")
+        """The request's future; after a restart, one made of its kept result, or 410 for one that was running then."""
+        found = self.futures.get(request_id)
+        if found is None and self.journal is not None:
+            kept = self.journal.request(str(request_id)[:200])
+            if kept is not None and kept[0] == tenant:
+                if kept[1] is None:
+                    raise TinkerError(410, f"request {request_id[:80]!r} was not done when this server restarted, or was a sampler's (whose "
+                                           "results are not kept): it changed no training run; send it again")
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                future.set_result(_result_of(kept[1]))
+                return Pending(request_id, tenant, future)
+        return owned(found, tenant, f"request {request_id[:80]!r}")
 
     def cancel(self, tenant: str, request_id: str) -> bool:
         return self.pending(tenant, request_id).future.cancel()
@@ -315,11 +399,14 @@ class TinkerService:
             run = Run(model_id, tenant, session_id, base_model, rank, handle, executor, user_metadata)
             self.runs[model_id] = run
             session.runs.add(model_id)
+            if self.journal is not None:
+                self.journal.put_run(model_id, tenant, session_id, base_model, rank, user_metadata, self.engine.describe(handle))
         self.logger.info(json.dumps({"event": "tinker_run_created", "model_id": model_id, "tenant": tenant, "rank": rank}))
         return run
 
-    def run(self, tenant: str, model_id: str) -> Run:
-        return owned(self.runs.get(model_id), tenant, f"training run {str(model_id)[:80]!r}")
+    def run(self, tenant: str, model_id: str, credential: str | None = None) -> Run:
+        """The tenant's run; with the request's ``credential``, its handle reattached after a restart (:meth:`attach`)."""
+        return self.attach(owned(self.runs.get(model_id), tenant, f"training run {str(model_id)[:80]!r}"), credential)
 
     def checkpoint(self, tenant: str, tinker_path: str) -> tuple[Run, Checkpoint]:
         """The run and checkpoint a ``tinker://<run>/<weights|sampler_weights|external_weights>/<name>`` path names, if the tenant
@@ -351,6 +438,9 @@ class TinkerService:
         checkpoint = Checkpoint(checkpoint_id, kind, self.engine.save(run.handle, kind, name), _now(), user_metadata)
         with self._lock:
             run.checkpoints[checkpoint_id] = checkpoint
+            where = checkpoint.saved.location
+            self._write("put_checkpoint", run.model_id, checkpoint_id, kind, {"path": str(where)} if isinstance(where, Path) else
+                        {"job": where[0], "name": where[1]}, checkpoint.saved.size, checkpoint.time.isoformat(), user_metadata)
         return checkpoint
 
     # ----- external weights: signed download URLs ----------------------------------------------------
@@ -399,12 +489,15 @@ class TinkerService:
         run = self.run(tenant, model_id)
         with self._lock:
             found = run.checkpoints.pop(checkpoint_id, None)
+            if found is not None:
+                self._write("drop_checkpoint", run.model_id, checkpoint_id)
         if found is None:
             raise not_found(f"checkpoint {checkpoint_id[:200]!r}")
         self.engine.delete(found.saved)
         with self._lock:
             if run.closed and not run.checkpoints:
                 self.runs.pop(run.model_id, None)
+                self._write("drop_run", run.model_id)
                 self.engine.close(run.handle, forget=True)
 
     def create_sampler(self, tenant: str, session_id: str, base_model: str | None, model_path: str | None, credential: str = "") -> Sampler:
@@ -415,6 +508,7 @@ class TinkerService:
             evicted = mine[: max(0, len(mine) - self.limits.max_samplers_per_tenant + 1)]  # the oldest first: an RL loop's spent samplers
             for old in evicted:
                 self.samplers.pop(old.sampler_id, None)
+                self._write("drop_sampler", old.sampler_id)
                 for other in self.sessions.values():
                     other.samplers.discard(old.sampler_id)
             source: Saved | None = None
@@ -436,10 +530,13 @@ class TinkerService:
             sampler = Sampler(sampler_id, tenant, session_id, str(model), model_path, handle)
             self.samplers[sampler_id] = sampler
             session.samplers.add(sampler_id)
+            if self.journal is not None:
+                self.journal.put_sampler(sampler_id, tenant, session_id, str(model), model_path, self.engine.describe(handle))
         return sampler
 
-    def sampler(self, tenant: str, sampler_id: str) -> Sampler:
-        return owned(self.samplers.get(sampler_id), tenant, f"sampler {str(sampler_id)[:80]!r}")
+    def sampler(self, tenant: str, sampler_id: str, credential: str | None = None) -> Sampler:
+        """The tenant's sampler; with the request's ``credential``, its handle reattached after a restart (:meth:`attach`)."""
+        return self.attach(owned(self.samplers.get(sampler_id), tenant, f"sampler {str(sampler_id)[:80]!r}"), credential)
 
     def sampler_from_run(self, run: Run, credential: str = "") -> Sampler:
         """A sampler with a snapshot of ``run``'s current weights (``save_weights_for_sampler`` without a name)."""
@@ -450,6 +547,7 @@ class TinkerService:
         finally:
             with self._lock:
                 run.checkpoints.pop(checkpoint.checkpoint_id, None)
+                self._write("drop_checkpoint", run.model_id, checkpoint.checkpoint_id)
             self.engine.delete(checkpoint.saved)
 
     # ----- capabilities ------------------------------------------------------------------------------
@@ -466,6 +564,21 @@ class TinkerService:
                 bad = [t for t in row if not 0 <= t < vocab]
                 if bad:
                     raise TinkerError(400, f"{where}: token id {bad[0]} is outside the model's vocabulary (0 to {vocab - 1})")
+
+
+def _plain_result(result: Any) -> dict[str, Any]:
+    """A request's result as JSON data: the SDK type's name and fields, or a dict as it is."""
+    if hasattr(result, "model_dump"):
+        return {"tinker_type": type(result).__name__, "data": result.model_dump(mode="json")}
+    return {"tinker_type": None, "data": result}
+
+
+def _result_of(kept: dict[str, Any]) -> Any:
+    from tinker import types
+
+    if kept.get("tinker_type") is None:
+        return kept["data"]
+    return getattr(types, kept["tinker_type"]).model_validate(kept["data"])
 
 
 def as_array(tensor: Any) -> np.ndarray:

@@ -1,0 +1,161 @@
+"""The Tinker front door's memory on disk, so that a restart keeps what its clients hold names for.
+
+``serve-tinker --scheduler`` keeps, in one SQLite file (``<run-dir>/front_door.sqlite``, write-ahead logged), its
+sessions, training runs (with each run's job, the newest state the scheduler holds and the log of the calls that
+changed the run since), samplers, checkpoints and the request ids it answered with. A front door that starts on the
+file of one that stopped (or was killed) serves the same ``session_id``s, ``model_id``s, sampler ids and ``tinker://``
+paths; a run's first request after the restart carries its key, with which the front door reattaches to the run's job
+and brings its server back to what the log says (:meth:`tinkergym.tinker_api.cluster.ClusterEngine.attach`).
+
+A request's result is kept once it is done, for the calls of training runs (``forward_backward``, ``optim_step``,
+saves and loads): after a restart ``retrieve_future`` answers it as before. A request that was still running when the
+front door stopped answers 410, and took no effect (the run's server is brought back to its log, which holds only
+finished calls), so the SDK's client may send it again.
+
+The file holds no API key: a key is the client's, sent with each request. It holds the calls' data (the tokens of a
+run's calls since its newest stored state), like the run folder it lives in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+#: The file's name in the front door's run folder.
+FILE = "front_door.sqlite"
+#: Request ids kept (the newest); an older one answers 404 after a restart, as it would have once forgotten in memory.
+KEEP_REQUESTS = 8192
+
+SCHEMA = """
+create table if not exists sessions (session_id text primary key, tenant text not null, created real not null);
+create table if not exists runs (model_id text primary key, tenant text not null, session_id text not null, base_model text not null,
+    rank integer not null, user_metadata text, closed integer not null default 0, handle text not null);
+create table if not exists checkpoints (model_id text not null, checkpoint_id text not null, kind text not null, location text not null,
+    size integer, time text not null, user_metadata text, primary key (model_id, checkpoint_id));
+create table if not exists samplers (sampler_id text primary key, tenant text not null, session_id text not null, base_model text not null,
+    model_path text, handle text not null);
+create table if not exists calls (owner text not null, n integer not null, method text not null, args text not null, primary key (owner, n));
+create table if not exists requests (request_id text primary key, tenant text not null, result text);
+"""
+
+
+class Journal:
+    """The front door's tables (see the module docstring); every write is its own transaction, safe from any thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch(mode=0o600, exist_ok=True)  # the calls' data: the server's user alone (SQLite gives its -wal file the same mode)
+        os.chmod(path, 0o600)
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("pragma journal_mode=wal")
+        self._db.execute("pragma synchronous=normal")  # with WAL: durable across a killed process
+        self._db.executescript(SCHEMA)
+        self._lock = threading.Lock()
+        self._written_requests = 0
+
+    def _write(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
+        with self._lock:
+            self._db.execute("begin immediate")
+            try:
+                for sql, params in statements:
+                    self._db.execute(sql, params)
+            except BaseException:
+                self._db.execute("rollback")
+                raise
+            self._db.execute("commit")
+
+    def _rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return self._db.execute(sql, params).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    # ----- sessions ------------------------------------------------------------------------------------
+    def put_session(self, session_id: str, tenant: str, created: float) -> None:
+        self._write(("insert or replace into sessions values (?, ?, ?)", (session_id, tenant, created)))
+
+    def drop_session(self, session_id: str) -> None:
+        self._write(("delete from sessions where session_id = ?", (session_id,)))
+
+    # ----- runs and samplers --------------------------------------------------------------------------------
+    def put_run(self, model_id: str, tenant: str, session_id: str, base_model: str, rank: int, user_metadata: Any, handle: dict[str, Any]) -> None:
+        self._write(("insert or replace into runs values (?, ?, ?, ?, ?, ?, 0, ?)",
+                     (model_id, tenant, session_id, base_model, rank, json.dumps(user_metadata), json.dumps(handle))))
+
+    def close_run(self, model_id: str) -> None:
+        self._write(("update runs set closed = 1 where model_id = ?", (model_id,)), ("delete from calls where owner = ?", (model_id,)))
+
+    def drop_run(self, model_id: str) -> None:
+        self._write(("delete from runs where model_id = ?", (model_id,)), ("delete from checkpoints where model_id = ?", (model_id,)),
+                    ("delete from calls where owner = ?", (model_id,)))
+
+    def put_sampler(self, sampler_id: str, tenant: str, session_id: str, base_model: str, model_path: str | None, handle: dict[str, Any]) -> None:
+        self._write(("insert or replace into samplers values (?, ?, ?, ?, ?, ?)",
+                     (sampler_id, tenant, session_id, base_model, model_path, json.dumps(handle))))
+
+    def drop_sampler(self, sampler_id: str) -> None:
+        self._write(("delete from samplers where sampler_id = ?", (sampler_id,)))
+
+    def put_handle(self, owner: str, handle: dict[str, Any], call: tuple[int, str, Any] | None = None, clear_calls: bool = False) -> None:
+        """A run's or sampler's job handle as it is now; with it, in the same transaction, the call the run's log gained
+        (``(n, method, args)``) or the log's end (``clear_calls``: a state the scheduler holds replaces it)."""
+        text = json.dumps(handle)
+        statements: list[tuple[str, tuple[Any, ...]]] = [("update runs set handle = ? where model_id = ?", (text, owner)),
+                                                         ("update samplers set handle = ? where sampler_id = ?", (text, owner))]
+        if clear_calls:
+            statements.append(("delete from calls where owner = ?", (owner,)))
+        if call is not None:
+            statements.append(("insert or replace into calls values (?, ?, ?, ?)", (owner, call[0], call[1], json.dumps(call[2]))))
+        self._write(*statements)
+
+    # ----- checkpoints -------------------------------------------------------------------------------------
+    def put_checkpoint(self, model_id: str, checkpoint_id: str, kind: str, location: Any, size: int | None, time: str, user_metadata: Any) -> None:
+        self._write(("insert or replace into checkpoints values (?, ?, ?, ?, ?, ?, ?)",
+                     (model_id, checkpoint_id, kind, json.dumps(location), size, time, json.dumps(user_metadata))))
+
+    def drop_checkpoint(self, model_id: str, checkpoint_id: str) -> None:
+        self._write(("delete from checkpoints where model_id = ? and checkpoint_id = ?", (model_id, checkpoint_id)))
+
+    # ----- requests ----------------------------------------------------------------------------------------
+    def put_request(self, request_id: str, tenant: str) -> None:
+        statements: list[tuple[str, tuple[Any, ...]]] = [("insert into requests values (?, ?, null)", (request_id, tenant))]
+        self._written_requests += 1
+        if self._written_requests % 256 == 0:
+            statements.append(("delete from requests where rowid <= (select max(rowid) from requests) - ?", (KEEP_REQUESTS,)))
+        self._write(*statements)
+
+    def put_result(self, request_id: str, result: dict[str, Any]) -> None:
+        self._write(("update requests set result = ? where request_id = ?", (json.dumps(result), request_id)))
+
+    def request(self, request_id: str) -> tuple[str, dict[str, Any] | None] | None:
+        """``(tenant, result or None)`` of a request this front door answered with, or None."""
+        rows = self._rows("select tenant, result from requests where request_id = ?", (request_id,))
+        if not rows:
+            return None
+        return rows[0][0], (json.loads(rows[0][1]) if rows[0][1] is not None else None)
+
+    # ----- what a restart reads ----------------------------------------------------------------------------------
+    def load(self) -> dict[str, list[dict[str, Any]]]:
+        """Everything but the requests, as dicts of plain data; each run's and sampler's ``calls`` in order."""
+        calls: dict[str, list[tuple[str, Any]]] = {}
+        for owner, _n, method, args in self._rows("select owner, n, method, args from calls order by owner, n"):
+            calls.setdefault(owner, []).append((method, json.loads(args)))
+        return {
+            "sessions": [{"session_id": s, "tenant": t, "created": c} for s, t, c in self._rows("select * from sessions")],
+            "runs": [{"model_id": m, "tenant": t, "session_id": s, "base_model": b, "rank": r, "user_metadata": json.loads(u), "closed": bool(c),
+                      "handle": json.loads(h), "calls": calls.get(m, [])}
+                     for m, t, s, b, r, u, c, h in self._rows("select * from runs order by rowid")],
+            "checkpoints": [{"model_id": m, "checkpoint_id": i, "kind": k, "location": json.loads(loc), "size": size, "time": time,
+                             "user_metadata": json.loads(u)}
+                            for m, i, k, loc, size, time, u in self._rows("select * from checkpoints order by rowid")],
+            "samplers": [{"sampler_id": i, "tenant": t, "session_id": s, "base_model": b, "model_path": p, "handle": json.loads(h),
+                          "calls": calls.get(i, [])}
+                         for i, t, s, b, p, h in self._rows("select * from samplers order by rowid")],
+        }
