@@ -155,24 +155,26 @@ class ScheduledBackend:
         """
         if self.epoch is None:
             return
-        if self.last_state is not None:
-            self._wait_stored(self.last_state, store_timeout)
+        if self.last_state is not None and not self._wait_stored(self.last_state, store_timeout):
+            self.say(f"job {self.job_id}: ending the job without checkpoint {self.last_state}")
         self.client.complete(self.job_id, self.epoch)
 
-    def _wait_stored(self, name: str, timeout: float) -> None:
+    def _wait_stored(self, name: str, timeout: float) -> bool:
+        """Wait until the scheduler holds the job's checkpoint ``name``; whether it does (False: not within ``timeout``
+        seconds, or the scheduler could not say)."""
         from tinkergym.client import SchedulerError
 
         deadline, said = time.monotonic() + timeout, False
         while True:
             try:
                 if any(c["name"] == name for c in self.client.checkpoints(self.job_id)):
-                    return
+                    return True
             except (SchedulerError, OSError) as exc:
                 self.say(f"job {self.job_id}: could not list its checkpoints ({exc})")
-                return
+                return False
             if time.monotonic() > deadline:
-                self.say(f"job {self.job_id}: checkpoint {name} was not stored by the worker within {timeout:g} s; ending the job without it")
-                return
+                self.say(f"job {self.job_id}: checkpoint {name} was not stored by the worker within {timeout:g} s")
+                return False
             if not said:
                 self.say(f"job {self.job_id}: waiting for the worker to store checkpoint {name}")
                 said = True
@@ -208,8 +210,11 @@ class ScheduledBackend:
     def sample(self, request: Any) -> Any:
         return self._call("sample", request)
 
-    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        return self._call("logprobs", sequences, temperature)
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[Any]] | None = None) -> list[list[float]]:
+        """Per-token logprobs on the job's server; ``images`` (one list per sequence) pass through as they are."""
+        if images is None:
+            return self._call("logprobs", sequences, temperature)
+        return self._call("logprobs", sequences, temperature, images=images)
 
     def forward_backward(self, request: Any) -> Any:
         return self._call("forward_backward", request)

@@ -52,6 +52,8 @@ from tinkergym.tinker_api.engines import EngineError, Saved, folder_size
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: Losing the server more often than this within one call gives up (the scheduler's max attempts end the job anyway).
 MAX_RECOVERIES = 5
+#: Seconds a saved state may take to reach the scheduler's artifact store (the worker uploads it).
+STORE_WAIT_S = 600.0
 
 
 @dataclass
@@ -107,6 +109,8 @@ class ClusterEngine:
         self.wait_timeout, self.poll = wait_timeout, poll
         self.say = say or (lambda line: None)
         self._tokenizers: dict[str, Any] = {}
+        self._visions: dict[str, Any] = {}
+        self._vision_lock = threading.Lock()
         self.journal: Any = None  # a Journal: each handle's changes are written to it (set by the service that restores from it)
 
     # ----- what is offered --------------------------------------------------------------------------------
@@ -127,6 +131,23 @@ class ClusterEngine:
 
             self._tokenizers[name] = AutoTokenizer.from_pretrained(self.offers.get(name, name))
         return self._tokenizers[name]
+
+    def vision(self, name: str) -> Any:
+        """The offered model's image inputs (:class:`~tinkergym.backends.torch.vision.VisionInputs`: its image processor and
+        image token, read from the offer's tokenizer folder; no weights are loaded here), or None for a text model or an
+        offer whose tokenizer is not a local model folder."""
+        with self._vision_lock:
+            if name not in self._visions:
+                from tinkergym.backends.models import is_vision_folder
+
+                folder = self.offers.get(name, name)
+                if is_vision_folder(folder):
+                    from tinkergym.backends.torch.vision import VisionInputs
+
+                    self._visions[name] = VisionInputs.of_folder(folder, self.tokenizer(name))
+                else:
+                    self._visions[name] = None
+            return self._visions[name]
 
     # ----- jobs -------------------------------------------------------------------------------------------------
     def _job(self, credential: str, owner: str, model: str, rank: int, seed: int | None, source: Saved | None, load_now: bool) -> ClusterHandle:
@@ -288,7 +309,7 @@ class ClusterEngine:
                 handle.steps += method == "optim_step"
                 self._persist(handle, (method, args))
             if method == "optim_step" and self.checkpoint_every and handle.steps % self.checkpoint_every == 0:
-                self._store(handle, f"auto-{handle.steps:06d}")
+                self._store(handle, f"auto-{handle.steps:06d}", required=False)
             return result
 
     def _invoke(self, handle: ClusterHandle, method: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -296,7 +317,9 @@ class ClusterEngine:
         if method == "sample":
             return backend.sample(args["request"]).to_dict()
         if method == "logprobs":
-            return {"logprobs": backend.logprobs(args["sequences"], args["temperature"])}
+            if args.get("images") is None:
+                return {"logprobs": backend.logprobs(args["sequences"], args["temperature"])}
+            return {"logprobs": backend.logprobs(args["sequences"], args["temperature"], images=args["images"])}
         if method == "forward_backward":
             return backend.forward_backward(args["request"]).to_dict()
         if method == "optim_step":
@@ -338,19 +361,31 @@ class ClusterEngine:
             except BackendLost:
                 continue  # lost again while catching up: the next lease starts over
 
-    def _store(self, handle: ClusterHandle, name: str) -> None:
-        """Save the job's state as ``name`` and wait until the scheduler holds it; the log before it is no longer needed."""
+    def _store(self, handle: ClusterHandle, name: str, required: bool = True) -> None:
+        """Save the job's state as ``name`` and wait until the scheduler holds it; the log before it is then no longer needed.
+
+        A state the scheduler does not hold (its server lost too often, or not stored within :data:`STORE_WAIT_S`) leaves the
+        log as it was: with ``required`` (a client's save: sending it again is harmless) the call answers 503, otherwise (the
+        engine's own ``auto-`` states, after a call that took effect) the run goes on and the next one tries again."""
         from tinkergym.backends.scheduled import BackendLost
 
-        for _ in range(MAX_RECOVERIES + 1):
+        for attempt in range(MAX_RECOVERIES + 1):
             try:
                 handle.backend.save_state(self._note(handle, name))
                 break
-            except BackendLost:
+            except BackendLost as exc:
+                if attempt == MAX_RECOVERIES:
+                    return self._not_stored(handle, name, f"its server was lost {attempt + 1} times while saving it ({exc})", required)
                 self._recover(handle)
-        handle.backend._wait_stored(name, timeout=600.0)
+        if not handle.backend._wait_stored(name, timeout=STORE_WAIT_S):
+            return self._not_stored(handle, name, f"the scheduler did not hold it within {STORE_WAIT_S:g} s", required)
         handle.stored, handle.log = name, []
         self._persist(handle, clear=True)
+
+    def _not_stored(self, handle: ClusterHandle, name: str, why: str, required: bool) -> None:
+        if required:
+            raise EngineError(503, f"job {handle.job_id}: state {name} was not stored: {why}; send the save again", "server")
+        self.say(f"job {handle.job_id}: state {name} was not stored ({why}); its calls stay in the log")
 
     # ----- checkpoints ------------------------------------------------------------------------------------------------
     def check_name(self, handle: ClusterHandle, kind: str, name: str) -> None:
