@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -116,6 +118,23 @@ def test_resolve_model_unknown_name(monkeypatch: pytest.MonkeyPatch, tmp_path: P
         with pytest.raises(ConfigError, match="smollm2-135m") as info:
             resolve_model(name, cache_dir=tmp_path)
         assert "local" in str(info.value)
+
+
+def test_a_hub_id_in_the_local_hub_cache_resolves_offline(tiny: str, tmp_path: Path) -> None:
+    """What unavailable_reason counts as available (a snapshot in HF_HUB_CACHE) is what resolve_model serves, hub offline."""
+    import subprocess
+    import sys
+
+    repo = tmp_path / "hub" / "models--someone--cached-model"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(tiny, repo / "snapshots" / ("0" * 40))
+    code = ("from tinkergym.backends.models import resolve_model, unavailable_reason; "
+            "print(unavailable_reason('someone/cached-model')); print(resolve_model('someone/cached-model'))")
+    env = {**os.environ, "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", str(repo / "snapshots" / ("0" * 40))]
 
 
 def test_interrupted_build_leaves_nothing(tmp_path: Path) -> None:

@@ -168,12 +168,12 @@ def multi_device_job(app: Any, gpus: int, tenant: str = "acme", priority: int = 
     return job["id"]
 
 
-def shared_worker(url: str, key: str, folder: Path, cache: Path, seats: int = 3) -> Any:
-    """``tinkergym worker`` as a process: one CPU slot whose device 0 is shared (``seats`` seats of the tiny model in float32,
-    ranks up to 16), a fast heartbeat and poll; its log in ``folder/worker.log``."""
+def shared_worker(url: str, key: str, folder: Path, cache: Path, seats: int = 3, model: str = "tiny", env: dict[str, str] | None = None) -> Any:
+    """``tinkergym worker`` as a process: one CPU slot whose device 0 is shared (``seats`` seats of ``model`` in float32,
+    ranks up to 16), a fast heartbeat and poll, ``env`` added to its environment; its log in ``folder/worker.log``."""
     folder.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", url, "--slots", "1", "--models", "tiny", "--name", folder.name,
+    command = [sys.executable, "-m", "tinkergym", "worker", "--scheduler", url, "--slots", "1", "--models", model, "--name", folder.name,
                "--shared-devices", "0", "--seats", str(seats), "--shared-dtype", "float32", "--max-lora-rank", "16",
                "--work-dir", str(folder / "work"), "--heartbeat", "0.5", "--poll", "0.2"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(folder / "worker.log", "w"),
-                            env={**os.environ, "TINKERGYM_API_KEY": key, "TINKERGYM_CACHE": str(cache)})
+                            env={**os.environ, "TINKERGYM_API_KEY": key, "TINKERGYM_CACHE": str(cache), **(env or {})})

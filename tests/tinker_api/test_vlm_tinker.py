@@ -144,3 +144,26 @@ def test_a_text_model_still_refuses_image_chunks(cluster: Any, connect: Any) -> 
     datum = types.Datum(model_input=image, loss_fn_inputs={"target_tokens": [6] + [0] * 4 + [7, 8, 9], "weights": [1.0] * 8})
     with pytest.raises(tinker.BadRequestError, match="image chunks are not supported: this server trains text models"):
         training.forward_backward([datum], "cross_entropy").result()
+
+
+def test_the_front_doors_engine_reads_images_from_the_offers_folder_without_weights(tiny_vlm: str, tiny: str, tmp_path: Any) -> None:
+    """``ClusterEngine.vision``: the offered VLM's image processor and image token from its tokenizer folder (an image takes as
+    many tokens as the model's renderer makes), None for a text model's offer, whose image chunks ops.py refuses as before."""
+    from types import SimpleNamespace
+
+    from tinkergym.protocol.types import ImageData
+    from tinkergym.tinker_api.cluster import ClusterEngine
+    from tinkergym.tinker_api.service import TinkerError
+    from tinkergym.tinker_api.ops import model_input
+
+    cluster = ClusterEngine("http://127.0.0.1:9", {MODEL: tiny_vlm, "tiny": tiny}, tmp_path)
+    prompt = Prompt(tiny_vlm)
+    vision = cluster.vision(MODEL)
+    assert vision is cluster.vision(MODEL) and vision.image_token_id == prompt.image_id
+    assert vision.token_count(ImageData.from_array(np.zeros((64, 64, 3), np.uint8))) == prompt.count
+    assert vision.token_count(ImageData.from_array(np.zeros((112, 56, 3), np.uint8))) != prompt.count
+    tokens, images = model_input(SimpleNamespace(engine=cluster), MODEL, prompt.chunks(_png(1)), "prompt")
+    assert tokens.count(prompt.image_id) == prompt.count and len(images) == 1 and images[0].height == 64
+    assert cluster.vision("tiny") is None
+    with pytest.raises(TinkerError, match="image chunks are not supported: this server trains text models"):
+        model_input(SimpleNamespace(engine=cluster), "tiny", prompt.chunks(_png(1)), "prompt")

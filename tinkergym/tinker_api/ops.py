@@ -96,9 +96,6 @@ def model_input(service: TinkerService, model: str | None, value: Any, where: st
             continue
         if kind != "image":
             raise TinkerError(400, f"{where}: {kind or type(chunk).__name__} chunks are not supported: this server takes text and image chunks")
-        if not hasattr(service.engine, "vision"):
-            raise TinkerError(400, f"{where}: image chunks are not supported by this front door, which trains text models; "
-                                   "serve a vision-language model with tinkergym serve-tinker --model <folder>")
         if vision is None:
             raise TinkerError(400, f"{where}: image chunks are not supported: this server trains text models (its model reads no images)")
         if len(images) == MAX_IMAGES:

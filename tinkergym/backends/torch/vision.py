@@ -89,6 +89,17 @@ class VisionInputs:
         rope_model = next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
         return cls(AutoImageProcessor.from_pretrained(path), int(image_token_id), rope_model)
 
+    @classmethod
+    def of_folder(cls, path: str, tokenizer: Any) -> VisionInputs:
+        """The image processor and image token of the vision-language model folder ``path``, without its weights: enough to
+        count an image's tokens (:meth:`token_count`), not to build a forward pass's inputs (no 3D positions)."""
+        from transformers import AutoConfig, AutoImageProcessor
+
+        image_token_id = getattr(AutoConfig.from_pretrained(path), "image_token_id", None)
+        if image_token_id is None:
+            image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        return cls(AutoImageProcessor.from_pretrained(path), int(image_token_id), None)
+
     def pixels(self, images: list[ImageData], device: torch.device) -> dict[str, torch.Tensor]:
         """``pixel_values`` and ``image_grid_thw`` of ``images`` on ``device`` (empty for no images)."""
         if not images:

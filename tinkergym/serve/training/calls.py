@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from collections.abc import Callable
 
-from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest
+from tinkergym.protocol.types import MAX_IMAGES, ForwardBackwardRequest, ImageData, OptimParams, SampleRequest
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
 from tinkergym.folders import plain_relative_parts
 from tinkergym.serve.metrics import TokenTally
@@ -205,6 +206,27 @@ def _check_token_ids(rows: list[list[int]], vocab_size: int | None, where: str) 
                 raise ConfigError(f"{where}[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})")
 
 
+def _scoring_images(value: Any, sequences: int) -> list[list[ImageData]]:
+    """A ``logprobs`` call's images: one list per sequence of at most :data:`MAX_IMAGES` images, each checked as
+    :class:`ImageData` is (size, pixel bound, base64 length) and its base64 decoded once here, so bad bytes are this
+    call's 400 and never reach a pass that other sessions share."""
+    rows = _checked(value, list[list[Any]], "args.images")
+    if len(rows) != sequences:
+        raise ConfigError(f"args.images must hold one list per sequence ({sequences}), not {len(rows)}")
+    images: list[list[ImageData]] = []
+    for i, row in enumerate(rows):
+        if len(row) > MAX_IMAGES:
+            raise ConfigError(f"args.images[{i}] carries {len(row)} images; at most {MAX_IMAGES} are allowed")
+        checked = [from_json(ImageData, image, f"args.images[{i}][{j}]") for j, image in enumerate(row)]
+        for j, image in enumerate(checked):
+            try:
+                image.pixels()
+            except ValueError as exc:
+                raise ConfigError(f"args.images[{i}][{j}]: {exc}") from exc
+        images.append(checked)
+    return images
+
+
 def sample_tokens(request: SampleRequest) -> int:
     """The tokens a sample call holds at most: every sequence's prompt and ``max_new_tokens``."""
     return request.num_samples * (sum(map(len, request.prompts)) + len(request.prompts) * request.params.max_new_tokens)
@@ -303,11 +325,14 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
         _check_token_ids(request.prompts, vocab_size, "args.request.prompts")
         return ParsedCall(method, {"request": request})
     if method == "logprobs":
-        _only(args, method, ("sequences",), ("temperature",))
+        _only(args, method, ("sequences",), ("temperature", "images"))
         sequences = _checked(args["sequences"], list[list[int]], "args.sequences")
         limits.check_rows(sequences, "args.sequences")
         _check_token_ids(sequences, vocab_size, "args.sequences")
-        return ParsedCall(method, {"sequences": sequences, "temperature": _checked(args.get("temperature", 1.0), float, "args.temperature")})
+        parsed = {"sequences": sequences, "temperature": _checked(args.get("temperature", 1.0), float, "args.temperature")}
+        if args.get("images") is not None:
+            parsed["images"] = _scoring_images(args["images"], len(sequences))
+        return ParsedCall(method, parsed)
     if method == "forward_backward":
         _only(args, method, ("request",))
         request = from_json(ForwardBackwardRequest, args["request"], "args.request")
@@ -358,7 +383,13 @@ def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0
     if call.method == "sample":
         return wire_result(call.method, backend.sample(args["request"]))
     if call.method == "logprobs":
-        return wire_result(call.method, backend.logprobs(args["sequences"], args["temperature"]))
+        if args.get("images") is None:
+            return wire_result(call.method, backend.logprobs(args["sequences"], args["temperature"]))
+        if "images" not in inspect.signature(backend.logprobs).parameters:
+            raise ConfigError(f"this server's backend ({type(backend).__name__}) scores no images in logprobs: score sequences with "
+                              "images with forward_backward (a Datum with its images, loss_scale 0, return_logprobs=True), or on a "
+                              "shared server (serve-shared) of a vision-language model")
+        return wire_result(call.method, backend.logprobs(args["sequences"], args["temperature"], images=args["images"]))
     if call.method == "forward_backward":
         return wire_result(call.method, backend.forward_backward(args["request"]))
     if call.method == "optim_step":

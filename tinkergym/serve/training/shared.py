@@ -336,7 +336,7 @@ def _joint_args(record: CallRecord) -> Any:
     args = record.call.args  # type: ignore[union-attr]
     if record.method != "logprobs":
         return args["request"]
-    # An in-process caller (the Tinker API's engine) may score sequences with their images; the HTTP route sends none.
+    # A logprobs call may carry one list of images per sequence (a vision-language base); without them it is the text call.
     return (args["sequences"], args["temperature"]) if args.get("images") is None else (args["sequences"], args["temperature"], args["images"])
 
 
