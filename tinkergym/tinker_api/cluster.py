@@ -29,6 +29,11 @@ A client whose SDK still sends session heartbeats keeps its jobs: every ``keepal
 each run and sampler of a live session (:meth:`ClusterEngine.keepalive`), which resets the scheduler's idle timeout as
 a call does; a session that stops its heartbeats lets its jobs end when they go idle.
 
+An offered vision-language model (``--offer NAME=<folder>``, a folder whose config has a ``vision_config`` and that holds
+the image processor) takes image chunks: :meth:`ClusterEngine.vision` reads its image processor and image token from that
+folder (no weights), so the SDK's images become image tokens here, and their pixels travel with each call (``sample``,
+``forward_backward``, ``logprobs``) to the job's shared server; a text model's offer refuses them.
+
 A weights-only load (``create_training_client_from_state``, ``load_state``) loads the state's trainable weights and keeps
 the job's own optimizer moments, step and generator (a new run's are fresh), as ``serve-tinker --model`` does; the call
 log holds it, so a new lease replays it. Differences from ``serve-tinker --model`` (refused with the reason): loading
