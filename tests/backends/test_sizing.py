@@ -127,6 +127,36 @@ def test_two_ranks_halve_what_fsdp_shards_and_replicate_the_adapter() -> None:
     assert (lora_two.gradients, lora_two.optimizer) == (lora_one.gradients, lora_one.optimizer)
 
 
+def test_a_vision_language_model_counts_its_vision_tower(tiny_vlm: str) -> None:
+    """The tiny Qwen2-VL: its vision tower's weights are in the estimate (trained with the rest in full fine-tuning,
+    frozen with LoRA), and the counts are what TorchBackend holds and trains."""
+    from dataclasses import replace
+
+    from transformers import AutoModelForImageTextToText
+
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+    from tinkergym.backends.torch.sizing import estimate_from_shape, estimate_training_memory, shape_dict, static_estimate
+
+    model = AutoModelForImageTextToText.from_pretrained(tiny_vlm)
+    vision = sum(p.numel() for n, p in model.named_parameters() if ".visual." in f".{n}.")
+    assert vision > 0
+    for rank in (0, 4):
+        estimate = estimate_training_memory(config_of(tiny_vlm), lora_rank=rank, dtype="float32", micro_batch_size=2, max_seq_len=32, device="cpu")
+        assert estimate.shape is not None and estimate.shape.vision_params == vision
+        shape = estimate.shape
+        without = estimate_from_shape(replace(shape, params=shape.params - vision, vision_params=0), estimate.adapter, estimate.settings)
+        trained = 0 if rank else 4 * vision  # float32 gradients of the tower's weights in full fine-tuning; none with LoRA
+        assert estimate.weights - without.weights == 4 * vision
+        assert (estimate.gradients - without.gradients, estimate.optimizer - without.optimizer) == (trained, 2 * trained)
+        assert estimate.activations == without.activations  # the tower's activations are not counted (see the module's notes)
+        assert estimate.per_rank - without.per_rank == 4 * vision + 3 * trained
+        info = TorchBackend(TorchBackendConfig(model=tiny_vlm, dtype="float32", lora_rank=rank, seed=0)).info()
+        assert (estimate.params, estimate.trainable_params) == (info["total_params"], info["trainable_params"])
+        # What serve-backend checks at its start and the scheduler before a lease counts the tower too.
+        static = static_estimate(shape_dict(shape), lora_rank=rank, dtype="float32", ranks=1, device="cpu")
+        assert (static.weights, static.gradients, static.optimizer) == (estimate.weights, estimate.gradients, estimate.optimizer)
+
+
 def test_activations_grow_with_the_micro_batch_and_checkpointing_keeps_one_layer() -> None:
     from tinkergym.backends.torch.sizing import estimate_training_memory
 

@@ -38,3 +38,19 @@ def test_the_check_passes_what_fits_and_skips_a_cpu_without_a_figure(tiny: str) 
     with pytest.raises(ConfigError, match="per device"):
         check_memory(full, 1, 1e-5)
     check_memory(TorchBackendConfig(model=tiny, lora_rank=8, dtype="float32", device="cpu"), 2, 0.01)  # LoRA, 2 ranks: small
+
+
+def test_the_check_counts_a_vision_language_models_vision_tower(tiny_vlm: str) -> None:
+    """The tiny Qwen2-VL in full fine-tuning: its vision tower's weights take 16 bytes each (weights, gradients, two
+    moments in float32) in the figure checked; a device short of the tower's share is refused."""
+    from transformers import AutoConfig
+
+    from tinkergym.backends.torch.sizing import model_shape, shape_dict, static_estimate
+
+    shape = model_shape(AutoConfig.from_pretrained(tiny_vlm))
+    assert shape.vision_params > 0
+    needed = static_estimate(shape_dict(shape), lora_rank=0, dtype="float32", ranks=1, device="cpu").per_rank
+    full = TorchBackendConfig(model=tiny_vlm, lora_rank=0, dtype="float32", device="cpu")
+    check_memory(full, 1, needed * 1.001 / 0.9 / 2**30)  # 0.9: check_fits's headroom
+    with pytest.raises(ConfigError, match="per device"):
+        check_memory(full, 1, (needed - 16 * shape.vision_params) * 1.001 / 0.9 / 2**30)

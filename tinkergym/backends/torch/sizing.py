@@ -17,6 +17,13 @@ step that accumulates micro-batches (the second micro-batch of a step, the optim
   of the backward pass: the logits' gradient with the float32 chunk the log-softmax works on (see
   :mod:`~tinkergym.backends.torch.losses`), or a layer's gradients through its attention probabilities (see
   :func:`activation_bytes`). Unmodelled: LoRA dropout (0 by default), which keeps a copy of each adapted input.
+- A vision-language model (a config with a ``vision_config``) is counted as TorchBackend loads it, whole
+  (``AutoModelForImageTextToText``): its vision tower's weights (every weight outside the language model and its
+  output layer, the projector included; :attr:`ModelShape.vision_params`) are among the weights, frozen beside the base
+  with LoRA (``"all-linear"`` adapts the language model's linear layers only, as TorchBackend does) and trained with
+  the rest in full fine-tuning (their gradients and AdamW moments too). The tower's activations are not counted: with
+  LoRA the frozen tower keeps none for the backward pass, and in full fine-tuning they grow with the patches of a
+  micro-batch's images, which the estimate is not told.
 - With ``ranks > 1`` (:mod:`~tinkergym.backends.torch.sharded`): FSDP2 shards the weights, gradients and optimizer
   state of the modules it wraps over the ranks; a LoRA adapter is left out of FSDP and replicated on every rank. One
   decoder layer and the root module's weights (embeddings, final norm, head) are gathered whole at a time, in the
@@ -49,7 +56,8 @@ SUGGESTED_LORA_RANK = 16
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the estimate needs of a decoder-only model, read from its config (:func:`model_shape`)."""
+    """What the estimate needs of a decoder-only model (a vision-language model's language model, its vision tower
+    counted in the weights), read from its config (:func:`model_shape`)."""
 
     hidden: int
     intermediate: int
@@ -59,13 +67,16 @@ class ModelShape:
     head_dim: int
     vocab: int
     gated_mlp: bool  #: a gate and an up projection (Llama, Qwen, Mistral) rather than one up projection (GPT-2)
-    params: int  #: every weight once (a tied output layer is its embedding)
-    linear_params: int  #: the linear layers' weights and biases, the output layer's included even when tied (what autocast casts)
-    layer_params: int  #: the largest decoder layer's
-    root_params: int  #: outside the decoder layers (embeddings, final norm, an untied head): FSDP2's root module
+    params: int  #: every weight once (a tied output layer is its embedding; a vision-language model's vision tower included)
+    linear_params: int  #: the linear layers' weights and biases, the output layer's included even when tied (what autocast casts;
+    #: a vision-language model's vision layers too)
+    layer_params: int  #: the largest repeated block's (a decoder layer; a vision-language model's vision blocks too)
+    root_params: int  #: outside the repeated blocks (embeddings, final norm, an untied head, a vision patch embedding): FSDP2's root module
     largest_param: int  #: the largest single weight tensor (its gradient is made whole before it is added)
-    lora_io: int  #: the sum of ``in + out`` over the linear layers peft's ``"all-linear"`` adapts (adapter params = rank x this)
+    lora_io: int  #: the sum of ``in + out`` over the linear layers ``"all-linear"`` adapts (adapter params = rank x this): peft's
+    #: choice, or a vision-language model's language model's linear layers (TorchBackend's)
     lora_linears: int  #: how many linear layers ``"all-linear"`` adapts
+    vision_params: int = 0  #: of ``params``, a vision-language model's outside its language model (vision tower, projector)
 
 
 @dataclass(frozen=True)
@@ -151,23 +162,49 @@ def model_shape(model_config: Any) -> ModelShape:
     return _model_shape(model_config.to_json_string(use_diff=False), config_class)
 
 
+def is_vision_config(model_config: Any) -> bool:
+    """Whether ``model_config`` is a vision-language model's (it has a ``vision_config``; TorchBackend's rule for a folder)."""
+    return getattr(model_config, "vision_config", None) is not None
+
+
+def in_language_model(name: str) -> bool:
+    """Whether the module or weight ``name`` of a vision-language model is its language model's (what TorchBackend's LoRA adapts)."""
+    return ".language_model." in f".{name}."
+
+
+def _meta_model(config: Any) -> Any:
+    """``config``'s model on the ``meta`` device, as TorchBackend loads it (a vision-language model whole)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto: Any = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
+    try:
+        with torch.device("meta"):
+            return auto.from_config(config)
+    except Exception as exc:  # noqa: BLE001 - any failure to build means the model cannot be counted
+        raise ConfigError(f"cannot build {type(config).__name__} on the meta device to count its weights ({exc}); estimate memory by hand") from exc
+
+
 @functools.lru_cache(maxsize=32)
 def _model_shape(config_json: str, config_class: Any) -> ModelShape:
     import torch
-    from transformers import AutoModelForCausalLM
 
     config = config_class.from_dict(json.loads(config_json))
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-    except Exception as exc:  # noqa: BLE001 - any failure to build means the model cannot be counted
-        raise ConfigError(f"cannot build {type(config).__name__} on the meta device to count its weights ({exc}); estimate memory by hand") from exc
+    model = _meta_model(config)
     text = _text_config(config)
     heads = text.num_attention_heads
     output = model.get_output_embeddings()
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     layer_params = [sum(p.numel() for p in layer.parameters()) for layer in _decoder_layers(model)]
     unique = {id(p): p for p in model.parameters()}
+    vision: dict[int, Any] = {}
+    if is_vision_config(config):  # every weight outside the language model and its output layer
+        head = {id(p) for p in output.parameters()}
+        vision = {id(p): p for n, p in model.named_parameters() if not in_language_model(n) and id(p) not in head}
+        language = [(n, m) for n, m in linears if in_language_model(n)]  # what TorchBackend's "all-linear" adapts in a VLM
+    else:
+        language = [(n, m) for n, m in linears if m is not output]
+    vision_params = sum(p.numel() for p in vision.values())
     return ModelShape(
         hidden=text.hidden_size,
         intermediate=getattr(text, "intermediate_size", None) or 4 * text.hidden_size,
@@ -176,14 +213,15 @@ def _model_shape(config_json: str, config_class: Any) -> ModelShape:
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         vocab=text.vocab_size,
-        gated_mlp=any(n.endswith(("gate_proj", "gate_up_proj", "w3")) for n, _ in linears),
+        gated_mlp=any(n.endswith(("gate_proj", "gate_up_proj", "w3")) for n, _ in language),
         params=sum(p.numel() for p in unique.values()),
         linear_params=sum(p.numel() for _, m in linears for p in m.parameters()),
         layer_params=max(layer_params, default=0),
         root_params=sum(p.numel() for p in unique.values()) - sum(layer_params),
         largest_param=max(p.numel() for p in unique.values()),
-        lora_io=sum(m.in_features + m.out_features for _, m in linears if m is not output),
-        lora_linears=sum(1 for _, m in linears if m is not output),
+        lora_io=sum(m.in_features + m.out_features for _, m in language),
+        lora_linears=len(language),
+        vision_params=vision_params,
     )
 
 
@@ -196,7 +234,8 @@ def _decoder_layers(model: Any) -> list[Any]:
 
 
 def lora_counts(model_config: Any, rank: int, target_modules: str | list[str]) -> tuple[int, int]:
-    """``(adapter params, adapted linear layers)`` of peft's LoRA of ``rank`` on ``target_modules``, applied on the meta device."""
+    """``(adapter params, adapted linear layers)`` of peft's LoRA of ``rank`` on ``target_modules``, applied on the meta device
+    (``"all-linear"`` of a vision-language model: its language model's linear layers, as TorchBackend adapts them)."""
     targets = target_modules if isinstance(target_modules, str) else tuple(target_modules)
     config_class: Any = type(model_config)
     return _lora_counts(model_config.to_json_string(use_diff=False), config_class, rank, targets)
@@ -206,15 +245,17 @@ def lora_counts(model_config: Any, rank: int, target_modules: str | list[str]) -
 def _lora_counts(config_json: str, config_class: Any, rank: int, targets: str | tuple[str, ...]) -> tuple[int, int]:
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     from tinkergym.backends.torch.runtime import quiet_peft
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config_class.from_dict(json.loads(config_json)))
+    config = config_class.from_dict(json.loads(config_json))
+    model = _meta_model(config)
+    modules: str | list[str] = targets if isinstance(targets, str) else list(targets)
+    if modules == "all-linear" and is_vision_config(config):  # TorchBackend adapts the language model only
+        modules = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and in_language_model(n)]
     try:
         with quiet_peft():
-            model = get_peft_model(model, LoraConfig(r=rank, target_modules=targets if isinstance(targets, str) else list(targets)))
+            model = get_peft_model(model, LoraConfig(r=rank, target_modules=modules))
     except ValueError as exc:
         raise ConfigError(f"lora_target_modules {targets!r} match no layer of this model ({exc}); name its linear layers, or use 'all-linear'") from exc
     adapter = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -435,13 +476,15 @@ def replace_settings(estimate: MemoryEstimate, **changes: Any) -> MemoryEstimate
 
 __all__ = [
     "MemoryEstimate", "ModelShape", "activation_bytes", "saved_bytes", "backend_param_dtype", "check_fits", "estimate_from_shape",
-    "estimate_training_memory", "layer_token_bytes", "lora_counts", "model_shape", "replace_settings",
+    "estimate_training_memory", "in_language_model", "is_vision_config", "layer_token_bytes", "lora_counts", "model_shape",
+    "replace_settings",
 ]
 
 
 # ----- a worker's models, as the scheduler sees them -----------------------------------------------------
-#: The fields of a :class:`ModelShape`, in order: what a worker sends for each model it offers.
-SHAPE_FIELDS = tuple(ModelShape.__dataclass_fields__)
+#: The fields of a :class:`ModelShape`, in order: what a worker sends for each model it offers. ``vision_params`` stays
+#: home: it is a part of ``params`` that no figure reads apart, and the scheduler's wire takes these fields only.
+SHAPE_FIELDS = tuple(name for name in ModelShape.__dataclass_fields__ if name != "vision_params")
 
 
 def shape_dict(shape: ModelShape) -> dict[str, Any]:
@@ -453,8 +496,9 @@ def static_estimate(shape: dict[str, Any], *, lora_rank: int, dtype: str, ranks:
                     gradient_checkpointing: bool = False) -> MemoryEstimate:
     """What a training job keeps on each device whatever its batches: weights, gradients and optimizer state (and the
     gathered layer of a sharded job, and its whole-model load), from a model's :func:`shape_dict`, with LoRA on every
-    linear layer (``"all-linear"``, TorchBackend's default) and one token of activations. What ``serve-backend`` checks
-    at its start (``--device-memory-gb``) and the scheduler before a lease. Torch-free."""
+    linear layer (``"all-linear"``, TorchBackend's default; a vision-language model's language model's) and one token
+    of activations. What ``serve-backend`` checks at its start (``--device-memory-gb``) and the scheduler before a
+    lease. Torch-free."""
     model = ModelShape(**shape)
     compute = _dtype_name(dtype, device)
     settings = {"lora_rank": lora_rank, "lora_target_modules": "all-linear", "dtype": compute, "param_dtype": backend_param_dtype(lora_rank, compute),
