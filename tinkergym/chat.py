@@ -325,17 +325,30 @@ class ImageChatRenderer(ChatTemplateRenderer):
 
 
 def renderer_for(tokenizer: Any) -> ChatTemplateRenderer:
-    """The renderer of a model: an :class:`ImageChatRenderer` for a vision-language model folder (a config with a
-    ``vision_config`` and an image processor beside it), else a :class:`ChatTemplateRenderer` of ``tokenizer``
-    (a loaded tokenizer, or a folder to load it from)."""
+    """The renderer of a model: an :class:`ImageChatRenderer` for a vision-language model's folder (a config with a
+    ``vision_config`` and an image processor beside it) or the tokenizer folder a training server sends of one (no
+    model config; an image processor's ``preprocessor_config.json``), else a :class:`ChatTemplateRenderer` of
+    ``tokenizer`` (a loaded tokenizer, or a folder to load it from)."""
+    if isinstance(tokenizer, str) and _renders_images(tokenizer):
+        return ImageChatRenderer.from_folder(tokenizer)
+    return ChatTemplateRenderer(tokenizer)
+
+
+def _renders_images(folder: str) -> bool:
+    """Whether ``folder`` holds a vision-language model's tokenizer and image processor (see :func:`renderer_for`)."""
     import os
 
-    if isinstance(tokenizer, str) and os.path.isfile(os.path.join(tokenizer, "preprocessor_config.json")):
+    def read(name: str) -> Any:
         try:
-            with open(os.path.join(tokenizer, "config.json"), encoding="utf-8") as handle:
-                config = json.load(handle)
+            with open(os.path.join(folder, name), encoding="utf-8") as handle:
+                return json.load(handle)
         except (OSError, ValueError):
-            config = None
-        if isinstance(config, dict) and "vision_config" in config:
-            return ImageChatRenderer.from_folder(tokenizer)
-    return ChatTemplateRenderer(tokenizer)
+            return None
+
+    processor = read("preprocessor_config.json")
+    if not isinstance(processor, dict):
+        return False
+    if os.path.isfile(os.path.join(folder, "config.json")):
+        config = read("config.json")
+        return isinstance(config, dict) and "vision_config" in config
+    return "image_processor_type" in processor  # a tokenizer folder: the processor says it reads images

@@ -375,3 +375,51 @@ def test_train_on_a_vlm_folder_sends_its_images_to_sampling_and_training(tiny_vl
     assert result.exit_code == 0, result.output
     assert sampled and sum(sampled) == 4  # one image per episode, 2 prompts x 2 samples
     assert all(n == 1 for n in trained)  # every trained sequence carries its episode's image (a step whose groups all tie trains none)
+
+
+def test_a_remote_run_renders_images_with_the_servers_image_processor(tiny_vlm: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training server of a VLM sends its image processor's files with the tokenizer's, so the client's renderer is the
+    image renderer: a rollout through the server has the in-process token ids, and ``tinkergym train --backend-url``
+    sends every episode's image."""
+    pytest.importorskip("fastapi")
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from tinkergym.backends.remote import RemoteBackend
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+    from tinkergym.chat import renderer_for
+    from tinkergym.cli import main
+    from tinkergym.serve.asgi import ThreadServer
+    from tinkergym.serve.auth import token_digest
+    from tinkergym.serve.training.app import create_app
+
+    monkeypatch.setenv("TINKERGYM_CACHE", str(tmp_path / "cache"))
+    backend = TorchBackend(TorchBackendConfig(model=tiny_vlm, dtype="float32", lora_rank=4, seed=0))
+    token = "vlm-remote-renderer-token-0123456789abcdef"
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    token_file.chmod(0o600)
+    server = ThreadServer(create_app(backend, run_dir=tmp_path / "server", token_digest=token_digest(token)))
+    try:
+        client = RemoteBackend(server.url, token, cache_dir=tmp_path / "tokenizers")
+        folder = Path(client.info()["tokenizer"])
+        assert (folder / "preprocessor_config.json").is_file() and not (folder / "config.json").exists()
+        renderer = renderer_for(str(folder))
+        assert isinstance(renderer, ImageChatRenderer)
+        config = RolloutConfig(max_new_tokens=4, seed=3, env_workers=1)
+        remote = rollout([gym.make("tinker/ColourSquare-v0") for _ in range(2)], client, renderer, config, seeds=[1, 2])
+        local = rollout([gym.make("tinker/ColourSquare-v0") for _ in range(2)], backend, ImageChatRenderer.from_folder(tiny_vlm), config, seeds=[1, 2])
+        assert [t.tokens for t in remote] == [t.tokens for t in local]
+        assert all(t.tokens.count(renderer.image_token_id) == 4 and len(t.images) == 1 for t in remote)
+
+        sampled: list[int] = []
+        sample = TorchBackend.sample
+        monkeypatch.setattr(TorchBackend, "sample", lambda self, request: (sampled.append(sum(map(len, request.images))), sample(self, request))[1])
+        args = ["train", "--env", "tinker/ColourSquare-v0", "--steps", "1", "--batch-size", "2", "--group-size", "2", "--max-new-tokens", "3",
+                "--backend-url", server.url, "--backend-token-file", str(token_file), "--quiet", "--out", str(tmp_path / "run")]
+        result = CliRunner().invoke(main, args, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        assert sum(sampled) == 4  # one image per episode, 2 prompts x 2 samples
+    finally:
+        server.stop()

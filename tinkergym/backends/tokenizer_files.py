@@ -2,7 +2,10 @@
 
 The training server (``GET /v1/tokenizer``) and the inference server (``GET /v1/tokenizer``) send the same
 allowlisted files of the model folder as ``{"files": {name: text}}``, so a client without the model (and
-without torch) renders prompts with exactly the server's tokenizer and chat template. Standard library only.
+without torch) renders prompts with exactly the server's tokenizer and chat template. A vision-language model's
+folder (a config with a ``vision_config`` and an image processor) sends its image processor's files too, so the
+client renders images as the server's model reads them (:func:`tinkergym.chat.renderer_for` picks the image renderer
+of such a folder). Standard library only.
 """
 
 from __future__ import annotations
@@ -23,14 +26,19 @@ TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
     "merges.txt", "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
+#: The image processor's files, sent beside the tokenizer's by a vision-language model's folder.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 #: A file name a client accepts (no separators, no leading dot).
 FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def read_tokenizer_files(folder: str | Path) -> dict[str, str]:
-    """The allowlisted tokenizer files present in ``folder`` (name -> text)."""
+    """The allowlisted tokenizer files present in ``folder`` (name -> text), and its image processor's files
+    (:data:`PROCESSOR_FILES`) when it holds a vision-language model."""
+    from tinkergym.backends.models import is_vision_folder
+
     files = {}
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES + (PROCESSOR_FILES if is_vision_folder(folder) else ()):
         path = Path(folder) / name
         if path.is_file():
             files[name] = path.read_text(encoding="utf-8")
