@@ -235,8 +235,9 @@ class TorchBackend:
 
         targets = self.config.lora_target_modules
         if self.reads_images and targets == "all-linear":
-            # The language model's linear layers: the vision tower stays frozen (peft's all-linear would adapt it too).
-            targets = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".language_model." in f".{n}."]
+            from tinkergym.backends.torch.sizing import language_model_linears
+
+            targets = language_model_linears(model)  # the vision tower stays frozen (peft's all-linear would adapt it too)
         lora = LoraConfig(
             r=self.config.lora_rank,
             lora_alpha=self.config.lora_alpha,  # type: ignore[arg-type]  # peft's int: it divides alpha by r

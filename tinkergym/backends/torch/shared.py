@@ -57,6 +57,7 @@ from tinkergym.backends.torch.row_adapters import rows_through
 from tinkergym.backends.torch.runtime import DTYPES, compute_in, load_causal_lm, resolve_attn_implementation, resolve_device, resolve_dtype
 from tinkergym.backends.torch.sampling import RowGenerators, sample_batch
 from tinkergym.backends.torch.scoring import MicroBatch, logprobs_from, padded_length_limit, plan_micro_batches, sequence_logprobs
+from tinkergym.backends.torch.sizing import LANGUAGE_MODEL
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, write_optimizer_state
 from tinkergym.backends.torch.vision import VisionInputs, forbid_tokens, sample_with_images, vision_token_ids
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE
@@ -159,7 +160,7 @@ class SharedBase:
         self.vision = VisionInputs.of(self.model, self.model_path, self.tokenizer) if self.reads_images else None
         if self.reads_images:
             forbid_tokens(self.model, vision_token_ids(self.tokenizer))
-        within = "language_model" if self.reads_images else None  # the vision tower stays frozen and adapter-free
+        within = LANGUAGE_MODEL if self.reads_images else None  # the vision tower stays frozen and adapter-free
         self.layers = multi_lora.inject(self.model, self.config.lora_target_modules, within=within)
         self.sessions: dict[int, LoraSession] = {}
         self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))

@@ -167,9 +167,22 @@ def is_vision_config(model_config: Any) -> bool:
     return getattr(model_config, "vision_config", None) is not None
 
 
+#: The module of a vision-language model that holds its language model: LoRA adapts its linear layers only (TorchBackend,
+#: the shared server's sessions, and the estimates here), and the vision tower stays frozen.
+LANGUAGE_MODEL = "language_model"
+
+
 def in_language_model(name: str) -> bool:
     """Whether the module or weight ``name`` of a vision-language model is its language model's (what TorchBackend's LoRA adapts)."""
-    return ".language_model." in f".{name}."
+    return f".{LANGUAGE_MODEL}." in f".{name}."
+
+
+def language_model_linears(model: Any) -> list[str]:
+    """The names of a vision-language model's linear layers in its language model: LoRA's ``all-linear`` there (peft's own
+    ``all-linear`` would adapt the vision tower too)."""
+    import torch
+
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and in_language_model(n)]
 
 
 def _meta_model(config: Any) -> Any:
@@ -243,7 +256,6 @@ def lora_counts(model_config: Any, rank: int, target_modules: str | list[str]) -
 
 @functools.lru_cache(maxsize=32)
 def _lora_counts(config_json: str, config_class: Any, rank: int, targets: str | tuple[str, ...]) -> tuple[int, int]:
-    import torch
     from peft import LoraConfig, get_peft_model
 
     from tinkergym.backends.torch.runtime import quiet_peft
@@ -252,7 +264,7 @@ def _lora_counts(config_json: str, config_class: Any, rank: int, targets: str | 
     model = _meta_model(config)
     modules: str | list[str] = targets if isinstance(targets, str) else list(targets)
     if modules == "all-linear" and is_vision_config(config):  # TorchBackend adapts the language model only
-        modules = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and in_language_model(n)]
+        modules = language_model_linears(model)
     try:
         with quiet_peft():
             model = get_peft_model(model, LoraConfig(r=rank, target_modules=modules))
