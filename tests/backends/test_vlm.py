@@ -161,6 +161,37 @@ def _trainer_logprobs(backend: Any, data: list) -> list[list[float]]:
     return result.logprobs
 
 
+def test_token_counts_are_kept_per_image_size(vlm_backend: Any) -> None:
+    """The image processor runs once per image size for the token-count checks, and the kept counts are the processor's."""
+    from tinkergym.backends.torch.vision import VisionInputs
+    from tinkergym.protocol.types import ImageData
+
+    real = vlm_backend.vision
+    calls: list[int] = []
+
+    class Counting:  # the real processor, its calls counted
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real.image_processor, name)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            calls.append(len(kwargs["images"]))
+            return real.image_processor(*args, **kwargs)
+
+    vision = VisionInputs(Counting(), real.image_token_id, None)
+    rng = np.random.default_rng(0)
+    images = [ImageData.from_array(rng.integers(0, 256, size=size, dtype=np.uint8)) for size in [(56, 84, 3), (56, 84, 3), (112, 56, 3), (56, 84, 3)]]
+    counts = [vision.token_count(i) for i in images]
+    assert counts == [real.token_count(i) for i in images] and counts[0] != counts[2]
+    assert len(calls) == 2  # two sizes
+    rows = [[real.image_token_id] * (counts[0] + counts[2]) + [5, 6]]
+    vision.check_rows(rows, [[images[1], images[2]]], "row")
+    assert len(calls) == 2
+    vision.COUNT_CACHE = 1  # a new size evicts the others: the next look at an old size runs the processor again
+    vision.token_count(ImageData.from_array(rng.integers(0, 256, size=(84, 84, 3), dtype=np.uint8)))
+    vision.token_count(images[0])
+    assert len(calls) == 4 and list(vision._counts) == [(56, 84)]
+
+
 def test_vlm_loads_with_lora_on_the_language_model_only(vlm_backend: Any) -> None:
     names = [n for n, _ in vlm_backend._trainable]
     assert names and all(".language_model." in n and "lora_" in n for n in names)

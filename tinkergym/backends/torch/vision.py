@@ -20,6 +20,8 @@ the policy wrote would have no image behind it.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -71,11 +73,16 @@ class VisionInputs:
         rope_model: the module with ``get_rope_index`` (Qwen2-VL's inner model), or None for models without 3D positions.
     """
 
+    #: Image sizes whose token counts are kept (the most recently used).
+    COUNT_CACHE = 256
+
     def __init__(self, image_processor: Any, image_token_id: int, rope_model: Any | None) -> None:
         self.image_processor = image_processor
         self.image_token_id = image_token_id
         self.rope_model = rope_model
         self.merge_length = int(getattr(image_processor, "merge_size", 1)) ** 2
+        self._counts: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self._counts_lock = threading.Lock()
 
     @classmethod
     def of(cls, model: torch.nn.Module, path: str, tokenizer: Any) -> VisionInputs:
@@ -121,11 +128,25 @@ class VisionInputs:
                 )
 
     def token_count(self, image: ImageData) -> int:
-        """How many image tokens ``image`` takes (its features after merging)."""
+        """How many image tokens ``image`` takes (its features after merging).
+
+        The processor's grid follows from the image's size alone (it resizes to a multiple of its patch size within its pixel
+        bounds), so the count is kept per size: a call's checks and a conversation's later turns do not run the processor again.
+        """
         from PIL import Image
 
+        key = (image.height, image.width)
+        with self._counts_lock:
+            if key in self._counts:
+                self._counts.move_to_end(key)
+                return self._counts[key]
         grid = self.image_processor(images=[Image.fromarray(image_array(image))], return_tensors="np")["image_grid_thw"]
-        return int(grid[0].prod()) // self.merge_length
+        count = int(grid[0].prod()) // self.merge_length
+        with self._counts_lock:
+            self._counts[key] = count
+            while len(self._counts) > self.COUNT_CACHE:
+                self._counts.popitem(last=False)
+        return count
 
     def model_inputs(self, tokens_BT: torch.Tensor, attention_BT: torch.Tensor | None, images: list[list[ImageData]]) -> dict[str, torch.Tensor]:
         """The forward pass's keyword arguments beside the ids for rows ``tokens_BT`` (right-padded) showing ``images``."""
