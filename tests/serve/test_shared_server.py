@@ -289,7 +289,8 @@ def test_serve_shared_trains_two_runs_of_tinkergym_train_through_their_adapters(
             adapter_token.chmod(0o600)
             out = tmp_path / f"run{k}"
             runs.append((out, subprocess.Popen(
-                [sys.executable, "-m", "tinkergym", "train", "--env", "tinker/Bandit-v0", "--steps", "2", "--batch-size", "2", "--group-size", "4",
+                # enough steps that the two runs overlap whatever the jitter of their processes' start (their calls then share rounds)
+                [sys.executable, "-m", "tinkergym", "train", "--env", "tinker/Bandit-v0", "--steps", "8", "--batch-size", "2", "--group-size", "4",
                  "--max-new-tokens", "6", "--lr", "1e-3", "--quiet", "--out", str(out), "--backend-url", url, "--backend-token-file", str(adapter_token)],
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)))
         for out, process in runs:
