@@ -49,7 +49,8 @@ import shutil
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from tinkergym.tinker_api.engines import EngineError, Saved, folder_size
 
@@ -59,6 +60,12 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_RECOVERIES = 5
 #: Seconds a saved state may take to reach the scheduler's artifact store (the worker uploads it).
 STORE_WAIT_S = 600.0
+
+T = TypeVar("T")
+
+
+class ServerLost(EngineError):
+    """A call gave up: the job's server was lost more than :data:`MAX_RECOVERIES` times while it ran (503: send it again)."""
 
 
 @dataclass
@@ -308,7 +315,7 @@ class ClusterEngine:
     def call(self, handle: ClusterHandle, method: str, args: dict[str, Any]) -> dict[str, Any]:
         with handle.lock:
             self._ready(handle)
-            result = self._recovering(handle, method, args)
+            result = self._with_server(handle, lambda: self._invoke(handle, method, args), "in one call")
             if method in ("forward_backward", "optim_step"):
                 handle.log.append((method, args))
                 handle.steps += method == "optim_step"
@@ -331,16 +338,19 @@ class ClusterEngine:
             return {"metrics": backend.optim_step(args["params"])}
         raise EngineError(400, f"unknown call {method!r}")
 
-    def _recovering(self, handle: ClusterHandle, method: str, args: dict[str, Any]) -> dict[str, Any]:
+    def _with_server(self, handle: ClusterHandle, action: Callable[[], T], what: str) -> T:
+        """Run ``action`` on the job's server; a lost server is recovered (:meth:`_recover`) and the action run again, up to
+        :data:`MAX_RECOVERIES` times (then :class:`ServerLost`). A refused action (``ConfigError``) is a 400 and changes nothing.
+        ``what`` completes the message: "lost its server N times <what>"."""
         from tinkergym.backends.scheduled import BackendLost
         from tinkergym.errors import ConfigError
 
         for attempt in range(MAX_RECOVERIES + 1):
             try:
-                return self._invoke(handle, method, args)
+                return action()
             except BackendLost as exc:
                 if attempt == MAX_RECOVERIES:
-                    raise EngineError(503, f"job {handle.job_id} lost its server {attempt + 1} times in one call: {exc}", "server") from exc
+                    raise ServerLost(503, f"job {handle.job_id} lost its server {attempt + 1} times {what}: {exc}", "server") from exc
                 self._recover(handle)
             except ConfigError as exc:
                 raise EngineError(400, str(exc)) from exc
@@ -372,16 +382,10 @@ class ClusterEngine:
         A state the scheduler does not hold (its server lost too often, or not stored within :data:`STORE_WAIT_S`) leaves the
         log as it was: with ``required`` (a client's save: sending it again is harmless) the call answers 503, otherwise (the
         engine's own ``auto-`` states, after a call that took effect) the run goes on and the next one tries again."""
-        from tinkergym.backends.scheduled import BackendLost
-
-        for attempt in range(MAX_RECOVERIES + 1):
-            try:
-                handle.backend.save_state(self._note(handle, name))
-                break
-            except BackendLost as exc:
-                if attempt == MAX_RECOVERIES:
-                    return self._not_stored(handle, name, f"its server was lost {attempt + 1} times while saving it ({exc})", required)
-                self._recover(handle)
+        try:
+            self._with_server(handle, lambda: handle.backend.save_state(self._note(handle, name)), "while saving it")
+        except ServerLost as exc:
+            return self._not_stored(handle, name, exc.message, required)
         if not handle.backend._wait_stored(name, timeout=STORE_WAIT_S):
             return self._not_stored(handle, name, f"the scheduler did not hold it within {STORE_WAIT_S:g} s", required)
         handle.stored, handle.log = name, []
@@ -402,8 +406,6 @@ class ClusterEngine:
         """``training`` and ``sampler``: the job's whole state (a sampler loads its weights), stored by the scheduler before this
         returns; ``external``: the job's adapter exported by its server and downloaded here (a peft folder under this front
         door's ``external/<job>/<name>``)."""
-        from tinkergym.backends.scheduled import BackendLost
-
         with handle.lock:
             self._ready(handle)
             if kind != "external":
@@ -411,22 +413,12 @@ class ClusterEngine:
                 return Saved((handle.job_id, name), None)
             folder = self.root / "external" / handle.job_id / name
             folder.parent.mkdir(parents=True, exist_ok=True)
-            for _ in range(MAX_RECOVERIES + 1):
-                try:
-                    handle.backend.export(str(folder))
-                    break
-                except BackendLost:
-                    self._recover(handle)
-            else:
-                raise EngineError(503, f"job {handle.job_id} lost its server {MAX_RECOVERIES + 1} times while exporting its weights", "server")
+            self._with_server(handle, lambda: handle.backend.export(str(folder)), "while exporting its weights")
         return Saved(folder, folder_size(folder))
 
     def load(self, handle: ClusterHandle, saved: Saved, optimizer: bool) -> None:
         """Load a state of the job (or the one it started from): whole with ``optimizer``, else its weights only. A new lease
         finds it again: a whole state the job started from is where the next lease starts, any other load is in the log."""
-        from tinkergym.backends.scheduled import BackendLost
-        from tinkergym.errors import ConfigError
-
         if not isinstance(saved.location, tuple):
             raise EngineError(400, "this checkpoint holds external weights, for download; load a training checkpoint (save_state)")
         job_id, name = saved.location
@@ -436,17 +428,8 @@ class ClusterEngine:
                                    "from it (create_training_client_from_state[_with_optimizer])")
         with handle.lock:
             self._ready(handle)
-            for attempt in range(MAX_RECOVERIES + 1):
-                try:
-                    self._load(handle, name, weights_only=not optimizer)
-                    break
-                except BackendLost as exc:
-                    if attempt == MAX_RECOVERIES:
-                        raise EngineError(503, f"job {handle.job_id} lost its server {attempt + 1} times while loading a state: {exc}",
-                                          "server") from exc
-                    self._recover(handle)
-                except ConfigError as exc:  # e.g. a state of another rank: the job is as it was
-                    raise EngineError(400, str(exc)) from exc
+            # a refused load (a state of another rank, say) is a 400 and leaves the job as it was
+            self._with_server(handle, lambda: self._load(handle, name, weights_only=not optimizer), "while loading a state")
             if started_from and optimizer and handle.stored is None and not handle.log:
                 handle.stored = name  # the whole state a new lease restores: where the job starts over
                 self._persist(handle)
