@@ -1,7 +1,8 @@
 """The training server's ``logprobs`` call with images: parse_call checks them (one list per sequence, the protocol's image
 bounds, base64 that decodes) before anything runs; a shared server of a vision-language model scores sequences with their
-images over HTTP as its session does in process, a text call's JSON is what it was before images, and a server whose
-backend scores no images (TorchBackend) refuses them with a 400 and keeps serving."""
+images over HTTP as its session does in process, a text call's JSON is what it was before images; a server of its own on
+a vision-language model (TorchBackend) scores them as its training pass and sampler do, and a text model's server refuses
+them with a 400 and keeps serving."""
 
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def test_a_shared_vlm_server_scores_with_images_as_its_session_does(tiny_vlm: st
     base.close_session(reference)
 
 
-def test_a_backend_without_image_scoring_refuses_images(tiny: str, tmp_path: Path) -> None:
+def test_a_text_model_server_refuses_images_and_keeps_serving(tiny: str, tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
     from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
@@ -121,6 +122,46 @@ def test_a_backend_without_image_scoring_refuses_images(tiny: str, tmp_path: Pat
             return http.post("/v1/call?wait=30", headers=auth, json={"session_id": session, "seq": seq, "method": "logprobs", "args": args})
 
         refused = call(1, {"sequences": [[5, 6, 7]], "images": [[_image(1, 8).to_dict()]]})
-        assert refused.status_code == 400 and "scores no images in logprobs" in refused.text, refused.text
+        assert refused.status_code == 400 and "reads no images" in refused.text, refused.text
         served = call(2, {"sequences": [[5, 6, 7]]})
         assert served.status_code == 200 and len(served.json()["result"]["logprobs"][0]) == 3
+
+
+def test_a_vlm_training_server_scores_with_images_as_its_training_pass_and_sampler_do(tiny_vlm: str, tmp_path: Path) -> None:
+    """A server of its own (``serve-backend``, TorchBackend) on a vision-language model: ``logprobs`` with images equals the
+    logprobs its training pass returns for the same datum's completion, and the sampler's for a sampled completion; another image of the
+    same size moves them; image tokens without their images are refused."""
+    from testkit import serving
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+    from tinkergym.chat import ImageChatRenderer
+    from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams
+    from tinkergym.serve.auth import token_digest
+    from tinkergym.serve.training.app import create_app
+
+    backend = TorchBackend(TorchBackendConfig(model=tiny_vlm, dtype="float32", device="cpu", lora_rank=4, seed=3))
+    renderer = ImageChatRenderer.from_folder(tiny_vlm)
+    pictures = [_image(21), _image(22, 72)]
+    arrays = [np.frombuffer(i.pixels(), np.uint8).reshape(i.height, i.width, 3) for i in pictures]
+    prompts = [renderer.prompt_tokens([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which?"}]}], None,
+                                      images=[a]) for a in arrays]
+    images = [[p] for p in pictures]
+    # the sampler's logprobs of its own completions, and the training pass's of the same rows, before the server starts
+    sampled = backend.sample(SampleRequest(prompts=prompts, images=images, num_samples=1,
+                                           params=SamplingParams(max_new_tokens=4, temperature=1.0, seed=7)))
+    completions = [group[0] for group in sampled.sequences]
+    sequences = [prompt + c.tokens for prompt, c in zip(prompts, completions)]
+    data = [Datum(tokens=p + c.tokens, loss_mask=[0.0] * len(p) + [1.0] * len(c.tokens), images=row)
+            for p, c, row in zip(prompts, completions, images)]
+    trained = backend.forward_backward(ForwardBackwardRequest(data=data, loss=LossSpec(name="cross_entropy"), return_logprobs=True))
+    assert trained.logprobs is not None
+    with serving(create_app(backend, run_dir=tmp_path, token_digest=token_digest(ADMIN))) as url:
+        remote = _Recording(url, ADMIN)
+        scored = remote.logprobs(sequences, 1.0, images=images)
+        for row, expected, prompt, completion in zip(scored, trained.logprobs, prompts, completions):
+            np.testing.assert_allclose(row[len(prompt):], expected[len(prompt):], atol=1e-5)  # the pass reads the completion only
+            np.testing.assert_allclose(row[len(prompt):], completion.logprobs, atol=1e-4)
+        swapped = remote.logprobs(sequences[:1], 1.0, images=[[_image(23)]])
+        assert np.abs(np.asarray(swapped[0]) - np.asarray(scored[0])).max() > 1e-3
+        with pytest.raises(ConfigError, match="image tokens"):
+            remote.logprobs(sequences[:1])
+        remote.close()

@@ -39,7 +39,9 @@ import numpy as np
 import torch
 
 from tinkergym.backends.torch import losses
-from tinkergym.backends.torch.batches import Batch, adamw_step, check_prompts, check_weights_finite, collate, request_normalizers, validate_data
+from tinkergym.backends.torch.batches import (
+    Batch, adamw_step, check_prompts, check_scored_images, check_weights_finite, collate, request_normalizers, validate_data,
+)
 from tinkergym.backends.models import is_vision_folder, resolve_model
 from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
 from tinkergym.backends.torch.vision import VisionInputs, forbid_tokens, sample_with_images, vision_token_ids
@@ -70,6 +72,7 @@ from tinkergym.protocol.types import (
     Datum,
     ForwardBackwardRequest,
     ForwardBackwardResult,
+    ImageData,
     OptimParams,
     SampleRequest,
     SampleResponse,
@@ -380,25 +383,26 @@ class TorchBackend:
         self._sampling_copy_stale = True
         self.prefix_cache.clear()
 
-    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[ImageData]] | None = None) -> list[list[float]]:
         """Per-token logprobs of whole sequences under the current policy at ``temperature`` (entry 0 is 0.0).
 
         Scored in the micro-batches training would score them in (see :meth:`plan`), so scoring long sequences
-        takes no more memory than training on them; read back once. Sequences carry no images: a vision-language
-        model's sequence with image tokens is refused (score it with ``forward_backward(..., return_logprobs=True)``).
+        takes no more memory than training on them; read back once. ``images`` (a vision-language model): one list per
+        sequence of the images its image tokens show, in order; a sequence's image tokens must match its images' count.
         """
-        if self.vision is not None and any(self.vision.image_token_id in s for s in sequences):
-            raise ConfigError("logprobs takes no images, and these sequences hold image tokens: score them with forward_backward "
-                              "(a Datum with its images, loss_scale 0, return_logprobs=True)")
+        check_scored_images(sequences, images, self.reads_images)
+        if self.vision is not None:
+            self.vision.check_rows(sequences, images or [[] for _ in sequences], "sequence")
         self.model.eval()
-        data = [Datum(tokens=s, loss_mask=[0.0] * len(s)) for s in sequences]
+        data = [Datum(tokens=s, loss_mask=[0.0] * len(s), images=list(images[i]) if images else []) for i, s in enumerate(sequences)]
         parts: list[torch.Tensor] = []
         order: list[int] = []
         with torch.no_grad():
             for micro in self.plan(data, share_prefixes=False):
                 batch = self._collate([data[i] for i in micro.indices])
                 with self._compute():
-                    parts.append(logprobs_from(self.model, batch.tokens, batch.attention, temperature=temperature))
+                    parts.append(logprobs_from(self.model, batch.tokens, batch.attention, temperature=temperature,
+                                               model_inputs=batch.model_inputs or None))
                 order.extend(micro.indices)
         if not parts:
             return []

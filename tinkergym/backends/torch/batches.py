@@ -12,7 +12,7 @@ import torch
 from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.scoring import host_to_device, read_positions
 from tinkergym.errors import ConfigError, NonFiniteError
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
+from tinkergym.protocol.types import MAX_IMAGES, Datum, ForwardBackwardRequest, LossSpec, OptimParams
 
 
 @dataclass
@@ -83,6 +83,19 @@ def check_prompts(prompts: list[list[int]], images: Sequence[Sequence[object]] |
         raise ConfigError(f"the prompts carry images, but {NO_IMAGES}")
     if any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token (e.g. the chat template's generation prompt)")
+
+
+def check_scored_images(sequences: list[list[int]], images: Sequence[Sequence[object]] | None, reads_images: bool) -> None:
+    """A ``logprobs`` call's ``images`` (None for text): one list per sequence, at most :data:`MAX_IMAGES` each, and only
+    where the model reads images; a :class:`ConfigError` says what is wrong (a vision model's row checks come after)."""
+    if images is None:
+        return
+    if len(images) != len(sequences):
+        raise ConfigError(f"images must hold one list per sequence ({len(sequences)}), not {len(images)}")
+    for i, row in enumerate(images):
+        if len(row) > MAX_IMAGES:
+            raise ConfigError(f"sequence {i} carries {len(row)} images; at most {MAX_IMAGES} are allowed")
+    check_prompts(sequences, images, reads_images)
 
 
 def collate(data: list[Datum], device: torch.device, width: int | None = None, per_token: bool = True) -> Batch:

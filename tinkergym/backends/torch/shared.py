@@ -50,7 +50,7 @@ import torch
 from tinkergym.backends.models import is_vision_folder, resolve_model
 from tinkergym.backends.torch import losses, multi_lora
 from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
-from tinkergym.backends.torch.batches import Batch, adamw_step, check_prompts, check_weights_finite, collate, request_normalizers, validate_data
+from tinkergym.backends.torch.batches import Batch, adamw_step, check_prompts, check_scored_images, check_weights_finite, collate, request_normalizers, validate_data
 from tinkergym.backends.torch.copies import kv_token_cost
 from tinkergym.backends.torch.prefix_cache import PrefixCache
 from tinkergym.backends.torch.row_adapters import rows_through
@@ -64,7 +64,6 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RAN
 from tinkergym.errors import ConfigError
 from tinkergym.folders import fresh_tmp_dir, replace_dir
 from tinkergym.protocol.types import (
-    MAX_IMAGES,
     Datum,
     ForwardBackwardRequest,
     ImageData,
@@ -400,13 +399,7 @@ class SharedBase:
     def _check_logprobs(self, session: LoraSession, call: tuple) -> None:
         session._check_open()
         sequences, _, images = _scoring_call(call)
-        if images is not None:
-            if len(images) != len(sequences):
-                raise ConfigError(f"images must hold one list per sequence ({len(sequences)}), not {len(images)}")
-            for i, row in enumerate(images):
-                if len(row) > MAX_IMAGES:
-                    raise ConfigError(f"sequence {i} carries {len(row)} images; at most {MAX_IMAGES} are allowed")
-            check_prompts(sequences, images, self.reads_images)
+        check_scored_images(sequences, images, self.reads_images)
         if self.vision is not None:
             self.vision.check_rows(sequences, images or [[] for _ in sequences], "sequence")
 

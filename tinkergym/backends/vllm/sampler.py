@@ -440,10 +440,13 @@ class VLLMBackend:
             self.sync()
         return self.sampler.sample(request)
 
-    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
-        """Per-token logprobs under the training backend's current policy at ``temperature`` (the sampler sleeps meanwhile)."""
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[Any]] | None = None) -> list[list[float]]:
+        """Per-token logprobs under the training backend's current policy at ``temperature`` (the sampler sleeps meanwhile);
+        ``images``, one list per sequence, go to the training backend as they are."""
         self.sampler.sleep()
-        return self.backend.logprobs(sequences, temperature)
+        if images is None:
+            return self.backend.logprobs(sequences, temperature)
+        return self.backend.logprobs(sequences, temperature, images=images)
 
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
         """The training backend's ``forward_backward``; a sampler with sleep mode sleeps first, freeing its KV cache."""
