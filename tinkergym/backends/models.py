@@ -358,8 +358,9 @@ def _smollm2(cache: Path) -> str:
     return path
 
 
-def _from_hub(repo_id: str) -> str | None:
-    """The local snapshot of ``repo_id`` if huggingface_hub is installed and the hub answers, else None."""
+def _from_hub(repo_id: str, files: list[str] | None = None) -> str | None:
+    """The local snapshot of ``repo_id`` if huggingface_hub is installed and the hub answers, else None; with ``files``, a
+    snapshot of those files only (glob patterns)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return None
     try:
@@ -370,7 +371,21 @@ def _from_hub(repo_id: str) -> str | None:
         HfApi().model_info(repo_id, timeout=10)
     except Exception:  # noqa: BLE001 - unreachable hub, unknown repo, no permission: all mean "not from the hub"
         return None
-    return snapshot_download(repo_id)
+    return snapshot_download(repo_id, allow_patterns=files)
+
+
+def files_folder(name_or_path: str) -> str | None:
+    """A local folder with the config, tokenizer and image processor files of a model folder or hub id, for reading them
+    without the weights: the folder itself, the hub id's snapshot in the local Hugging Face cache, or (the hub answering)
+    those files alone downloaded; None when there is none (an unknown name, a hub out of reach)."""
+    from tinkergym.backends.tokenizer_files import PROCESSOR_FILES, TOKENIZER_FILES
+
+    local = os.path.expanduser(name_or_path)
+    if os.path.isdir(local):
+        return local
+    if "/" in name_or_path and not name_or_path.startswith((".", "/", "~")):
+        return _from_hub_cache(name_or_path) or _from_hub(name_or_path, ["config.json", *TOKENIZER_FILES, *PROCESSOR_FILES])
+    return None
 
 
 def _from_hub_cache(repo_id: str) -> str | None:

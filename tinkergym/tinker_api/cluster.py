@@ -146,14 +146,14 @@ class ClusterEngine:
 
     def vision(self, name: str) -> Any:
         """The offered model's image inputs (:class:`~tinkergym.backends.torch.vision.VisionInputs`: its image processor and
-        image token, read from the offer's tokenizer folder; no weights are loaded here), or None for a text model or an
-        offer whose tokenizer is not a local model folder."""
+        image token, read from the offer's tokenizer folder, or a hub id's files in the local Hugging Face cache or fetched
+        alone; no weights are loaded here), or None for a text model or an offer whose files cannot be read here."""
         with self._vision_lock:
             if name not in self._visions:
-                from tinkergym.backends.models import is_vision_folder
+                from tinkergym.backends.models import files_folder, is_vision_folder
 
-                folder = self.offers.get(name, name)
-                if is_vision_folder(folder):
+                folder = files_folder(self.offers.get(name, name))
+                if folder is not None and is_vision_folder(folder):
                     from tinkergym.backends.torch.vision import VisionInputs
 
                     self._visions[name] = VisionInputs.of_folder(folder, self.tokenizer(name))
