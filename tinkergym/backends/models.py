@@ -245,7 +245,7 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 
 
 def build_tiny_vlm(path: str | os.PathLike[str], seed: int = 0, vocab_size: int = 1024, hidden: int = 64, layers: int = 2) -> str:
-    """Build a tiny Qwen2-VL (a 2-layer language model, a 2-block vision tower of width 32) into ``path``, offline.
+    """Build a tiny Qwen2-VL (a 2-layer language model of 4 heads, a 2-block vision tower of width 32) into ``path``, offline.
 
     The folder holds the model, the tiny byte-level BPE tokenizer with Qwen2-VL's vision tokens and an image chat
     template (:data:`VLM_CHAT_TEMPLATE`), and Qwen2-VL's image processor with its defaults (14-pixel patches merged
@@ -258,10 +258,11 @@ def build_tiny_vlm(path: str | os.PathLike[str], seed: int = 0, vocab_size: int 
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
     tokenizer.chat_template = VLM_CHAT_TEMPLATE
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|im_end|>", *VISION_TOKENS)}
+    half = hidden // 4 // 2  # half a head's width (4 heads): split over the time, height and width rotary sections
     text = dict(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1,
-        rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]}, tie_word_embeddings=True,
+        rope_scaling={"type": "mrope", "mrope_section": [half // 4, half // 4, half // 2]}, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=tokenizer.pad_token_id,
     )
     vision = dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,

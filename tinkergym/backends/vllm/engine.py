@@ -208,8 +208,9 @@ def _device_kwargs(device: str | None, platform: EnginePlatform) -> dict[str, An
     return {"device_ids": [int(device.partition(":")[2] or 0)]}
 
 
-def engine_kwargs(config: VLLMSamplerConfig, model_path: str, platform: EnginePlatform) -> dict[str, Any]:
-    """The keyword arguments of ``vllm.LLM`` for ``config`` on ``platform`` (``config.engine_kwargs`` last)."""
+def engine_kwargs(config: VLLMSamplerConfig, model_path: str, platform: EnginePlatform, images: bool = False) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` for ``config`` on ``platform`` (``config.engine_kwargs`` last); ``images``: a
+    vision-language model, whose prompts take up to :data:`~tinkergym.protocol.types.MAX_IMAGES` images each (no video)."""
     c = config
     kwargs: dict[str, Any] = {
         "model": model_path,
@@ -228,6 +229,10 @@ def engine_kwargs(config: VLLMSamplerConfig, model_path: str, platform: EnginePl
         kwargs.update(enable_lora=True, max_lora_rank=c.engine_lora_rank, max_loras=1)
     if c.max_num_seqs is not None:
         kwargs["max_num_seqs"] = c.max_num_seqs
+    if images:
+        from tinkergym.protocol.types import MAX_IMAGES
+
+        kwargs["limit_mm_per_prompt"] = {"image": MAX_IMAGES, "video": 0}
     if platform.on_cpu:
         # When a prompt's prefill is split over engine steps, vLLM discards that step's token and rewinds the
         # request's seeded generator (set_offset), which CPU generators do not support: seeded sampling of a

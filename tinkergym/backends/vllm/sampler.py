@@ -81,7 +81,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from tinkergym.backends.models import is_adapter_folder, resolve_model
+from tinkergym.backends.models import is_adapter_folder, is_vision_folder, resolve_model
 from tinkergym.protocol.types import (
     ForwardBackwardRequest,
     ForwardBackwardResult,
@@ -127,6 +127,23 @@ def _vllm_params(params: SamplingParams, stop_ids: list[int], seed: int | None) 
         logprobs=0,
         detokenize=False,
     )
+
+
+def collapse_image_runs(prompt: list[int], image_token_id: int) -> list[int]:
+    """``prompt`` with each run of image tokens (one image's features, as the renderer wrote them) made one image token:
+    vLLM's processor expands each image's single token to its feature count again, and would expand a whole run too."""
+    out: list[int] = []
+    for token in prompt:
+        if token != image_token_id or not out or out[-1] != image_token_id:
+            out.append(token)
+    return out
+
+
+def image_to_pil(image: Any) -> Any:
+    """An :class:`~tinkergym.protocol.types.ImageData` (RGB bytes) as a ``PIL.Image.Image``."""
+    from PIL import Image
+
+    return Image.frombytes("RGB", (image.width, image.height), image.pixels())
 
 
 def completion_seeds(seed: int | None, count: int) -> list[int | None]:
@@ -185,13 +202,20 @@ class VLLMSampler:
         self._weights_source: str | None = None  # where the last sync's weights came from: a folder or "memory"
         self._lora_request: Any = None
         self._asleep = False
+        self.reads_images = is_vision_folder(self.base_path)
         self._llm: Any = self._build_engine(self.base_path)
         self.full_sync = self._resolve_full_sync()
+        # a vision-language model's image processor and image token: an image's token count is checked before vLLM runs
+        self.vision: Any = None
+        if self.reads_images:
+            from tinkergym.backends.torch.vision import VisionInputs
+
+            self.vision = VisionInputs.of_folder(self.base_path, self._llm.get_tokenizer())
 
     def _build_engine(self, model_path: str) -> Any:
         from vllm import LLM
 
-        return LLM(**engine_kwargs(self.config, model_path, self.platform))
+        return LLM(**engine_kwargs(self.config, model_path, self.platform, images=self.reads_images))
 
     def _resolve_full_sync(self) -> str:
         if self.config.full_sync != "auto":
@@ -251,13 +275,21 @@ class VLLMSampler:
         """
         from vllm.inputs import TokensPrompt
 
-        if any(request.images):
-            raise ConfigError("the vLLM sampler does not sample from images yet: sample a vision-language model with TorchBackend")
         self._check_prompts(request.prompts)
+        prompts: list[Any] = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in request.prompts]
+        if any(request.images):
+            if self.vision is None:
+                raise ConfigError(f"the prompts carry images, but {self.base_path} is not a vision-language model: send images only "
+                                  "to a sampler of a vision-language model (its folder holds an image processor)")
+            self.vision.check_rows(request.prompts, request.images, "prompt")
+            for i, images in enumerate(request.images):
+                if images:
+                    prompts[i] = TokensPrompt(prompt_token_ids=collapse_image_runs(request.prompts[i], self.vision.image_token_id),
+                                              multi_modal_data={"image": [image_to_pil(image) for image in images]})
         self.wake_up()
         params, n = request.params, request.num_samples
         stop_ids = self._stop_ids(params)
-        flat = [prompt for prompt in request.prompts for _ in range(n)]
+        flat = [prompt for prompt in prompts for _ in range(n)]
         if self.seeding == "batch" and params.seed is not None:
             if params.temperature > 0:  # greedy decoding draws nothing: no need to lose the prefix cache
                 # Same cache state, same schedule, same rows of noise (module docstring).
@@ -267,7 +299,7 @@ class VLLMSampler:
         else:
             seeds = completion_seeds(params.seed, len(flat))
         outputs = self._llm.generate(
-            [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in flat],
+            flat,
             [_vllm_params(params, stop_ids, seed) for seed in seeds],
             use_tqdm=False,
             lora_request=self._lora_request,
