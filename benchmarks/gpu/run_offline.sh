@@ -61,9 +61,10 @@ EOF
     echo "== install check (${SECONDS}s)"
     "$PY" -P -c "import tinkergym, trl, datasets; env = tinkergym.make('tinker/Bandit-v0'); obs, info = env.reset(seed=0); print(tinkergym.__file__); print(obs.splitlines()[0], '| reward of red:', env.step('red')[1])"
 
-    echo "== the GPU lane: test_cuda, test_host_syncs, test_gpu_attention, test_gpu_memory (${SECONDS}s)"
-    TINKERGYM_GPU_FIGURES="$OUT/gpu_memory.jsonl" timeout 420 "$PY" -P -m pytest tests/gpu/test_cuda.py tests/gpu/test_host_syncs.py tests/gpu/test_gpu_attention.py \
-        tests/gpu/test_gpu_memory.py -q -rsP -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt"
+    echo "== the GPU lane: make test-gpu's tests (${SECONDS}s)"
+    # shellcheck disable=SC2046
+    TINKERGYM_GPU_FIGURES="$OUT/gpu_memory.jsonl" timeout 420 "$PY" -P -m pytest $(make -s -f Makefile print-gpu-tests 2>/dev/null || echo tests/gpu) \
+        -q -rsP -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt"
     echo "pytest exit: ${PIPESTATUS[0]}"
 
     echo "== GRPO step benchmark, $BENCH_DEVICE, random SmolLM2-135M weights, $BENCH_ARGS (${SECONDS}s)"
