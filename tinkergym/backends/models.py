@@ -244,36 +244,59 @@ VLM_CHAT_TEMPLATE = (
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-def build_tiny_vlm(path: str | os.PathLike[str], seed: int = 0, vocab_size: int = 1024, hidden: int = 64, layers: int = 2) -> str:
+#: The vision-language families :func:`build_tiny_vlm` builds: Qwen's image-grid models, whose image tokens and 3D
+#: positions (``image_grid_thw``, ``get_rope_index``) tinkergym's image path reads.
+TINY_VLM_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def build_tiny_vlm(path: str | os.PathLike[str], seed: int = 0, vocab_size: int = 1024, hidden: int = 64, layers: int = 2,
+                   family: str = "qwen2_vl") -> str:
     """Build a tiny Qwen2-VL (a 2-layer language model of 4 heads, a 2-block vision tower of width 32) into ``path``, offline.
 
     The folder holds the model, the tiny byte-level BPE tokenizer with Qwen2-VL's vision tokens and an image chat
     template (:data:`VLM_CHAT_TEMPLATE`), and Qwen2-VL's image processor with its defaults (14-pixel patches merged
     2 x 2: a 64 x 64 image is resized to 56 x 56 and takes 4 image tokens). The same arguments give the same files.
+    ``family`` (:data:`TINY_VLM_FAMILIES`) builds the same shapes as a Qwen2.5-VL (windowed vision attention, its last
+    block full) or a Qwen3-VL (interleaved 3D rotary sections, deepstack features from the first block) instead.
     """
     import torch
-    from transformers import GenerationConfig, Qwen2VLConfig, Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+    import transformers
+    from transformers import GenerationConfig, Qwen2VLImageProcessorPil
 
+    if family not in TINY_VLM_FAMILIES:
+        raise ConfigError(f"unknown tiny VLM family {family!r}; choose one of {', '.join(TINY_VLM_FAMILIES)}")
     tokenizer = _train_tokenizer(vocab_size)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
     tokenizer.chat_template = VLM_CHAT_TEMPLATE
     ids = {name: tokenizer.convert_tokens_to_ids(name) for name in ("<|im_end|>", *VISION_TOKENS)}
     half = hidden // 4 // 2  # half a head's width (4 heads): split over the time, height and width rotary sections
-    text = dict(
+    text: dict[str, Any] = dict(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.1,
         rope_scaling={"type": "mrope", "mrope_section": [half // 4, half // 4, half // 2]}, tie_word_embeddings=True,
         bos_token_id=None, eos_token_id=ids["<|im_end|>"], pad_token_id=tokenizer.pad_token_id,
     )
-    vision = dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2,
-                  temporal_patch_size=2, in_channels=3, initializer_range=0.1)
-    config = Qwen2VLConfig(
+    grid = dict(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3, initializer_range=0.1)
+    vision: dict[str, Any] = dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=2, mlp_ratio=2, **grid)
+    names = ("Qwen2VLConfig", "Qwen2VLForConditionalGeneration")
+    if family == "qwen2_5_vl":
+        names = ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration")
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, window_size=56,
+                      fullatt_block_indexes=[1], **grid)
+    elif family == "qwen3_vl":
+        names = ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration")
+        text.update(head_dim=hidden // 4, rope_scaling={"rope_type": "default", "mrope_section": [half // 4, (half - half // 4) // 2,
+                                                                                                   half - half // 4 - (half - half // 4) // 2],
+                                                       "mrope_interleaved": True})
+        vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=hidden, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0], **grid)
+    config = getattr(transformers, names[0])(
         text_config=text, vision_config=vision, tie_word_embeddings=True, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(config)
+        model = getattr(transformers, names[1])(config)
     model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=tokenizer.pad_token_id)
     path = str(path)
     model.save_pretrained(path)
