@@ -15,9 +15,10 @@ Where an adapter comes from:
 
 :class:`~tinkergym.backends.torch.inference.TorchInferenceEngine` samples with :class:`~tinkergym.backends.torch.backend.TorchBackend`, built the
 way ``tinkergym eval`` builds it, so a served model gives the tokens and logprobs of evaluating it locally.
-Adapters are attached to one peft model (``load_adapter``) and switched per request under a lock.
+Adapters are attached to one peft model (``load_adapter``) and switched per request under a lock. Served from a
+vision-language model's folder, it samples prompts with images too (:meth:`InferenceEngine.image_renderer` renders them).
 :class:`~tinkergym.backends.vllm.inference.VLLMInferenceEngine` implements the same
-:class:`InferenceEngine` protocol with a ``vllm.LLM`` (``serve-model --engine``).
+:class:`InferenceEngine` protocol with a ``vllm.LLM`` (``serve-model --engine``), text only: it refuses images.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from tinkergym.protocol.types import SampledSequence, SamplingParams
+from tinkergym.protocol.types import ImageData, SampledSequence, SamplingParams
 from tinkergym.errors import ConfigError
 
 
@@ -53,8 +54,15 @@ class InferenceEngine(Protocol):
     def models(self) -> list[ServedModel]:
         """The served names: the base first, then each adapter."""
 
-    def generate(self, model: str, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[SampledSequence]]:
-        """``n`` completions of each prompt with the weights named ``model`` (one of :meth:`models`)."""
+    def image_renderer(self) -> Any:
+        """The chat renderer of requests with images (:class:`~tinkergym.chat.ImageChatRenderer` of the served model); a
+        :class:`ConfigError` saying why when this engine or its model takes no images."""
+
+    def generate(
+        self, model: str, prompts: list[list[int]], params: SamplingParams, n: int, images: list[list[ImageData]] | None = None,
+    ) -> list[list[SampledSequence]]:
+        """``n`` completions of each prompt with the weights named ``model`` (one of :meth:`models`); ``images``: none, or
+        one list per prompt of the images its image tokens show (refused with a :class:`ConfigError` where none are taken)."""
 
 
 @dataclass

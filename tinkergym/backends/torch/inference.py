@@ -1,7 +1,13 @@
 """The torch engine of the inference server and of frozen self-play opponents: a :class:`ServingPlan` served by one
 :class:`~tinkergym.backends.torch.backend.TorchBackend`, built the way ``tinkergym eval`` builds it, so a served model
 gives the tokens and logprobs of evaluating it locally. Adapters are attached to one peft model (``load_adapter``)
-and switched per request under a lock."""
+and switched per request under a lock.
+
+Served from a vision-language model's folder (:func:`~tinkergym.backends.models.is_vision_folder`), prompts may carry
+images (:class:`~tinkergym.protocol.types.ImageData`), sampled as ``TorchBackend.sample`` samples them;
+:meth:`TorchInferenceEngine.image_renderer` is the chat renderer that writes their image tokens (an
+:class:`~tinkergym.chat.ImageChatRenderer` of the model's tokenizer and image processor). A prompt whose image tokens do
+not match its images is refused, and so are images sent to a text model."""
 
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ from typing import Any
 
 from tinkergym.backends.serving import ServedModel, ServingPlan, _eos_token_ids
 from tinkergym.errors import ConfigError
-from tinkergym.protocol.types import SampledSequence, SampleRequest, SamplingParams
+from tinkergym.protocol.types import ImageData, SampledSequence, SampleRequest, SamplingParams
 
 
 def _load_checkpoint_adapter(peft_model: Any, internal: str, folder: str) -> None:
@@ -69,7 +75,8 @@ class TorchInferenceEngine:
         self.tokenizer = self.backend.tokenizer
         model = self.backend.model
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
-        limit = getattr(model.config, "max_position_embeddings", None) or 4096
+        text_config = getattr(model.config, "text_config", None) or model.config  # a vision-language model's language model
+        limit = getattr(text_config, "max_position_embeddings", None) or 4096
         self.max_model_len = int(max_model_len or limit)
         self.eos_token_ids = _eos_token_ids(self.tokenizer, model)
         self._served = [ServedModel(plan.base_id, plan.base_path)]
@@ -84,6 +91,7 @@ class TorchInferenceEngine:
             self._served.append(ServedModel(adapter.name, adapter.path, parent=plan.base_id))
         _compute_under_autocast(model)
         self._lock = threading.Lock()
+        self._image_renderer: Any = None
 
     def add_checkpoint_adapter(self, name: str, folder: str) -> None:
         """Serve one more LoRA adapter, a backend checkpoint's (``state.json``), as ``name`` (e.g. a self-play snapshot)."""
@@ -113,9 +121,45 @@ class TorchInferenceEngine:
             return model.disable_adapter()  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         return contextlib.nullcontext()
 
-    def generate(self, model: str, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[SampledSequence]]:
-        """``n`` completions of each prompt, all in one batched ``TorchBackend.sample`` call."""
+    def image_renderer(self) -> Any:
+        """The :class:`~tinkergym.chat.ImageChatRenderer` of the served vision-language model (made once); a
+        :class:`ConfigError` for a text model."""
+        vision = self.backend.vision
+        if vision is None:
+            raise ConfigError(f"the served model {self.plan.base_id} is a text model and reads no images; send text only, "
+                              "or serve a vision-language model")
+        if self._image_renderer is None:
+            from tinkergym.chat import ImageChatRenderer
+
+            token = str(self.tokenizer.convert_ids_to_tokens(vision.image_token_id))
+            self._image_renderer = ImageChatRenderer(self.tokenizer, vision.image_processor, image_token=token)
+        return self._image_renderer
+
+    def _check_image_tokens(self, prompts: list[list[int]], images: list[list[ImageData]]) -> None:
+        """A vision-language model's prompts hold as many image tokens as their images make features (none without images)."""
+        vision = self.backend.vision
+        if vision is None:
+            if any(images):
+                self.image_renderer()  # raises: a text model reads no images
+            return
+        for i, prompt in enumerate(prompts):
+            row = images[i] if i < len(images) else []
+            found = sum(1 for t in prompt if t == vision.image_token_id)
+            expected = sum(vision.token_count(image) for image in row)
+            if found != expected:
+                raise ConfigError(
+                    f"prompt {i} holds {found} image tokens (id {vision.image_token_id}), but its {len(row)} images make "
+                    f"{expected}; send images as chat image_url parts, which are rendered with their image tokens"
+                )
+
+    def generate(
+        self, model: str, prompts: list[list[int]], params: SamplingParams, n: int, images: list[list[ImageData]] | None = None,
+    ) -> list[list[SampledSequence]]:
+        """``n`` completions of each prompt, all in one ``TorchBackend.sample`` call (``images``: one list per prompt, or none)."""
         if model not in {m.id for m in self._served}:
             raise ConfigError(f"unknown model {model!r}")
+        images = images if images and any(images) else []
+        self._check_image_tokens(prompts, images)
+        request = SampleRequest(prompts=prompts, params=params, num_samples=n, images=images)
         with self._lock, self._weights(model):
-            return self.backend.sample(SampleRequest(prompts=prompts, params=params, num_samples=n)).sequences
+            return self.backend.sample(request).sequences

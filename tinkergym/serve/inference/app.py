@@ -14,6 +14,15 @@ Token faithfulness (vLLM's conventions): ``/v1/completions`` takes ``prompt`` as
 the sampled token only, so ``logprobs`` (``top_logprobs`` in chat) above 1 is refused rather than answered
 with fewer alternatives than asked for. Stop strings are refused too: stop with ``stop_token_ids``.
 
+Chat content parts are ``text`` and ``image_url``; a part of any other type is refused (400), never skipped. An image
+is sent inline as a ``data:image/png;base64,...`` or ``data:image/jpeg;base64,...`` URL: the server fetches nothing, so
+``http(s)://`` URLs are refused with that advice. Each image's size is read from its header before its pixels are
+decoded (at most :data:`~tinkergym.protocol.types.MAX_IMAGE_PIXELS` pixels, and at most
+:data:`~tinkergym.protocol.types.MAX_IMAGES` images a request), the conversation is rendered by the engine's
+:meth:`~tinkergym.backends.serving.InferenceEngine.image_renderer` (the model's image token repeated as many times
+as the image processor makes features of each image) and sampled with its images. Images sent to a text model, or to
+an engine that takes none (vLLM's), are a 400 that says so. ``/v1/completions`` takes text and token ids only.
+
 ``stream: true`` answers with server-sent events in OpenAI's chunk shapes, one chunk per token, ending with
 ``data: [DONE]``. The torch engine generates a request's completions in one batch before the first chunk is
 sent; an engine that generates incrementally can stream as it goes behind the same route.
@@ -21,6 +30,9 @@ sent; an engine that generates incrementally can stream as it goes behind the sa
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import json
 import time
 import uuid
@@ -29,13 +41,17 @@ from collections.abc import Iterator
 
 from tinkergym.backends.serving import InferenceEngine
 from tinkergym.serve.inference.schemas import COMPLETION_ANSWERS, MAX_PROMPTS, MAX_TOKEN_ID, ChatCompletionRequest, CompletionRequest
-from tinkergym.protocol.types import SampledSequence, SamplingParams
+from tinkergym.protocol.types import MAX_IMAGE_PIXELS, MAX_IMAGES, ImageData, SampledSequence, SamplingParams
 from tinkergym.errors import ConfigError
 
 #: Largest request body accepted (a batch of long token-id prompts fits many times over).
 MAX_BODY_BYTES = 32 * 2**20
 #: A stop id no token has: with ``ignore_eos`` and no ``stop_token_ids`` nothing may stop a completion early.
 _NO_STOP = -1
+#: The media types of the ``data:`` URLs an ``image_url`` part may hold (image/jpg: a common misspelling of image/jpeg).
+IMAGE_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg")
+#: What an image part should look like, for refusals.
+_DATA_URL_HINT = "send the image inline as a data:image/png;base64,... or data:image/jpeg;base64,... URL"
 
 
 class APIError(Exception):
@@ -226,10 +242,12 @@ def _token_prompts(engine: InferenceEngine, prompt: Any) -> list[list[int]]:
     return out
 
 
-def _generate(engine: InferenceEngine, model: str, prompts: list[list[int]], params: SamplingParams, n: int) -> list[SampledSequence]:
-    """The completions in OpenAI's choice order: prompt by prompt, ``n`` each."""
+def _generate(
+    engine: InferenceEngine, model: str, prompts: list[list[int]], params: SamplingParams, n: int, images: list[list[ImageData]] | None = None,
+) -> list[SampledSequence]:
+    """The completions in OpenAI's choice order: prompt by prompt, ``n`` each (``images``: one list per prompt, or none)."""
     try:
-        rows = engine.generate(model, prompts, params, n)
+        rows = engine.generate(model, prompts, params, n, images=images) if images else engine.generate(model, prompts, params, n)
     except ConfigError as exc:
         raise APIError(400, str(exc)) from exc
     return [sequence for row in rows for sequence in row]
@@ -266,14 +284,24 @@ def chat(engine: InferenceEngine, request: ChatCompletionRequest, renderer: Any)
     _refuse_unsupported(request)
     if request.top_logprobs is not None and request.top_logprobs > 1:
         raise APIError(400, "top_logprobs above 1 is not supported: it holds the sampled token only", "top_logprobs")
-    messages = [_plain_message(m) for m in request.messages]
+    messages, image_urls = _chat_messages(request)
+    pixels: list[Any] = []
+    if image_urls:
+        renderer = _image_renderer(engine)  # a text model, or an engine without images, refuses before anything is decoded
+        if len(image_urls) > MAX_IMAGES:
+            raise APIError(400, f"the messages hold {len(image_urls)} images; at most {MAX_IMAGES} are taken in one request: send fewer", "messages")
+        pixels = [decode_image_url(url, where) for where, url in image_urls]
     try:
-        prompt = renderer.render(messages, request.tools, add_generation_prompt=request.add_generation_prompt)
+        if pixels:
+            prompt = renderer.render(messages, request.tools, add_generation_prompt=request.add_generation_prompt, images=pixels)
+        else:
+            prompt = renderer.render(messages, request.tools, add_generation_prompt=request.add_generation_prompt)
     except Exception as exc:  # a template that rejects these messages (roles out of order, a bad tool schema)
         raise APIError(400, f"the chat template cannot render these messages: {exc}", "messages") from exc
     prompts = _token_prompts(engine, prompt)
     params = _sampling(engine, request, prompts, request.max_completion_tokens or request.max_tokens, renderer.stop_token_ids)
-    sequences = _generate(engine, request.model, prompts, params, request.n)
+    images = [[ImageData.from_array(p) for p in pixels]] if pixels else None
+    sequences = _generate(engine, request.model, prompts, params, request.n, images)
     view = _TokenView(engine.tokenizer, request.return_tokens_as_token_ids, request.skip_special_tokens, set(params.stop_token_ids))
     chat_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     usage = _usage(prompts, request.n, sequences)
@@ -287,14 +315,84 @@ def chat(engine: InferenceEngine, request: ChatCompletionRequest, renderer: Any)
     return {"id": chat_id, "object": "chat.completion", "created": created, "model": request.model, "choices": choices, "usage": usage}
 
 
-def _plain_message(message: Any) -> dict[str, Any]:
-    """A message as the chat template takes it: list-of-parts content joined into text."""
-    data = message.model_dump(exclude_none=True)
-    content = data.get("content")
-    if isinstance(content, list):
-        data["content"] = "".join(part.get("text", "") for part in content if part.get("type") == "text")
-    data.setdefault("content", "")
-    return data
+def _chat_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """The messages as the chat template takes them, and each image part's ``(where, url)`` in order.
+
+    Without images, list-of-parts content is joined into text; with images, content lists are kept, each image part as
+    ``{"type": "image"}`` (as :class:`~tinkergym.chat.ImageChatRenderer` renders it). Other part types are refused.
+    """
+    messages: list[dict[str, Any]] = []
+    image_urls: list[tuple[str, str]] = []
+    for i, message in enumerate(request.messages):
+        data = message.model_dump(exclude_none=True)
+        content = message.content
+        if isinstance(content, list):
+            parts: list[dict[str, Any]] = []
+            for j, part in enumerate(content):
+                where = f"messages.{i}.content.{j}"
+                if part.type == "text":
+                    parts.append({"type": "text", "text": part.text or ""})
+                elif part.type == "image_url":
+                    if part.image_url is None:
+                        raise APIError(400, f"{where}: an image_url part needs \"image_url\": {{\"url\": ...}}; {_DATA_URL_HINT}", where)
+                    parts.append({"type": "image"})
+                    image_urls.append((where, part.image_url.url))
+                else:
+                    raise APIError(400, f"{where}: content parts of type {part.type!r} are not supported; send text and image_url parts", where)
+            data["content"] = parts
+        data.setdefault("content", "")
+        messages.append(data)
+    if not image_urls:
+        for data in messages:
+            if isinstance(data["content"], list):
+                data["content"] = "".join(part["text"] for part in data["content"] if part["type"] == "text")
+    return messages, image_urls
+
+
+def _image_renderer(engine: InferenceEngine) -> Any:
+    """The engine's renderer of conversations with images; a 400 saying why where it takes none."""
+    image_renderer = getattr(engine, "image_renderer", None)
+    if image_renderer is None:
+        raise APIError(400, "this server's engine takes no images; send text only", "messages")
+    try:
+        return image_renderer()
+    except ConfigError as exc:
+        raise APIError(400, f"images are not taken here: {exc}", "messages") from exc
+
+
+def decode_image_url(url: str, where: str) -> Any:
+    """The ``(H, W, 3)`` uint8 pixels of a ``data:`` URL's PNG or JPEG, read bounded: its size from its header first
+    (at most :data:`MAX_IMAGE_PIXELS` pixels), then its pixels; anything else is a 400 that says what to send."""
+    import numpy as np
+    from PIL import Image
+
+    scheme = url[:16].partition(":")[0].lower() if ":" in url[:16] else ""
+    if scheme in ("http", "https"):
+        raise APIError(400, f"{where}: image URLs are not fetched (this server reaches no network); {_DATA_URL_HINT}", where)
+    if scheme != "data":
+        raise APIError(400, f"{where}: only data: URLs are taken as images, not {url[:20]!r}...; {_DATA_URL_HINT}", where)
+    header, comma, payload = url[5:].partition(",")
+    media_type, *options = [piece.strip().lower() for piece in header.split(";")]
+    if not comma or "base64" not in options:
+        raise APIError(400, f"{where}: the data: URL must hold base64 after ';base64,'; {_DATA_URL_HINT}", where)
+    if media_type not in IMAGE_MEDIA_TYPES:
+        raise APIError(400, f"{where}: images of type {media_type[:40]!r} are not taken: send PNG or JPEG (data:image/png;base64,...)", where)
+    try:
+        data = base64.b64decode("".join(payload.split()), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise APIError(400, f"{where}: the image's base64 does not decode ({exc}); send the file's bytes in standard base64", where) from None
+    try:
+        with Image.open(io.BytesIO(data), formats=["PNG", "JPEG"]) as image:
+            width, height = image.size  # read from the header: nothing is decoded yet
+            if width * height > MAX_IMAGE_PIXELS:
+                raise APIError(400, f"{where}: a {width} x {height} image is over the {MAX_IMAGE_PIXELS:,} pixels allowed; resize it first", where)
+            pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except APIError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - bytes that do not decode are the client's error
+        raise APIError(400, f"{where}: the image's bytes are not a readable PNG or JPEG ({type(exc).__name__}: {str(exc)[:200]}); "
+                            "send the bytes of a PNG or JPEG file", where) from None
+    return pixels
 
 
 def _usage(prompts: list[list[int]], n: int, sequences: list[SampledSequence]) -> dict[str, int]:

@@ -3,7 +3,8 @@
 Fields follow OpenAI's API, plus vLLM's extensions that token-faithful clients use: ``top_k``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and ``return_tokens_as_token_ids``. Fields this
 server does not use are ignored, as vLLM ignores them; settings it cannot honour are refused in
-:mod:`tinkergym.serve.inference.app` with a message that says so.
+:mod:`tinkergym.serve.inference.app` with a message that says so. A chat message's content parts are text, or images as
+``data:`` URLs (``image_url``) for a vision-language model.
 """
 
 from __future__ import annotations
@@ -87,13 +88,26 @@ class CompletionRequest(_Sampling):
     include_stop_str_in_output: bool = False
 
 
+class ImageURL(BaseModel):
+    """An ``image_url`` part's image: a ``data:image/png;base64,...`` or ``data:image/jpeg;base64,...`` URL (``detail`` is ignored)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(BaseModel):
-    """One part of a message's content: ``{"type": "text", "text": ...}``; parts of other types are skipped."""
+    """One part of a message's content: ``{"type": "text", "text": ...}`` or ``{"type": "image_url", "image_url": {"url": ...}}``.
+
+    Parts of other types are refused in :mod:`tinkergym.serve.inference.app` (a 400 that names the two types taken).
+    """
 
     model_config = ConfigDict(extra="allow")
 
     type: str = Field(max_length=64)
     text: str | None = None
+    image_url: ImageURL | None = None
 
 
 class ChatMessage(BaseModel):
