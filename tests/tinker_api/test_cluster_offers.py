@@ -18,7 +18,7 @@ CODE = """
 import json, sys
 from pathlib import Path
 from tinkergym.tinker_api.cluster import ClusterEngine
-from tinkergym.backends.models import files_folder
+from tinkergym.backends.tokenizer_files import files_folder
 
 engine = ClusterEngine("http://127.0.0.1:9", {"vlm": "local/tiny-vlm", "text": "local/tiny", "gone": "local/absent"}, Path(sys.argv[1]))
 answers = {}

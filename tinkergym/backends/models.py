@@ -398,20 +398,6 @@ def _from_hub(repo_id: str, files: list[str] | None = None) -> str | None:
     return snapshot_download(repo_id, allow_patterns=files)
 
 
-def files_folder(name_or_path: str) -> str | None:
-    """A local folder with the config, tokenizer and image processor files of a model folder or hub id, for reading them
-    without the weights: the folder itself, the hub id's snapshot in the local Hugging Face cache, or (the hub answering)
-    those files alone downloaded; None when there is none (an unknown name, a hub out of reach)."""
-    from tinkergym.backends.tokenizer_files import PROCESSOR_FILES, TOKENIZER_FILES
-
-    local = os.path.expanduser(name_or_path)
-    if os.path.isdir(local):
-        return local
-    if "/" in name_or_path and not name_or_path.startswith((".", "/", "~")):
-        return _from_hub_cache(name_or_path) or _from_hub(name_or_path, ["config.json", *TOKENIZER_FILES, *PROCESSOR_FILES])
-    return None
-
-
 def _from_hub_cache(repo_id: str) -> str | None:
     """The snapshot of ``repo_id`` already in the local Hugging Face cache (``HF_HUB_CACHE``), without the network, or None:
     what :func:`unavailable_reason` counts as available is served when the hub is offline or does not answer."""

@@ -150,7 +150,8 @@ class ClusterEngine:
         alone; no weights are loaded here), or None for a text model or an offer whose files cannot be read here."""
         with self._vision_lock:
             if name not in self._visions:
-                from tinkergym.backends.models import files_folder, is_vision_folder
+                from tinkergym.backends.models import is_vision_folder
+                from tinkergym.backends.tokenizer_files import files_folder
 
                 folder = files_folder(self.offers.get(name, name))
                 if folder is not None and is_vision_folder(folder):
