@@ -125,12 +125,12 @@ def test_bad_image_chunks_are_refused_and_the_server_keeps_serving(client: Any, 
     params = types.SamplingParams(max_tokens=2, temperature=1.0, seed=1)
     with pytest.raises(tinker.BadRequestError, match=f"expected_tokens is {prompt.count + 1}.*takes {prompt.count} tokens"):
         sampler.sample(prompt.chunks(_png(1), expected=prompt.count + 1), 1, params).result()
-    with pytest.raises(tinker.BadRequestError, match="not a readable png"):
+    with pytest.raises(tinker.BadRequestError, match="not a readable PNG"):
         sampler.sample(prompt.chunks(b"\x89PNG\r\n\x1a\nnot-really-a-png"), 1, params).result()
     big = _png(0, 1100, 1000)
     with pytest.raises(tinker.BadRequestError, match="over the 1,048,576 pixels"):
         sampler.sample(prompt.chunks(big), 1, params).result()
-    with pytest.raises(tinker.BadRequestError, match="not a readable png"):
+    with pytest.raises(tinker.BadRequestError, match="not a readable PNG"):
         training.forward_backward([prompt.datum(b"garbage")], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match="image token id"):  # an image's tokens without its image
         sampler.sample(types.ModelInput.from_ints(prompt.before + [prompt.image_id] * prompt.count + prompt.after), 1, params).result()

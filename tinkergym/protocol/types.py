@@ -117,6 +117,29 @@ class ImageData(_Plain):
         return raw
 
 
+def read_image_file(data: bytes, formats: tuple[str, ...] = ("PNG", "JPEG")) -> Any:
+    """The ``(H, W, 3)`` uint8 pixels of an image file's bytes in one of Pillow's ``formats``, read bounded: the size from
+    the header first (at most :data:`MAX_IMAGE_PIXELS` pixels: nothing larger is decoded), then the pixels. A
+    ``ValueError`` says what is wrong and what to send (servers answer it as a 400)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    names = " or ".join(formats)
+    try:
+        with Image.open(io.BytesIO(data), formats=list(formats)) as image:
+            width, height = image.size  # read from the header: nothing is decoded yet
+            if width * height > MAX_IMAGE_PIXELS:
+                raise OverflowError(f"a {width} x {height} image is over the {MAX_IMAGE_PIXELS:,} pixels allowed; resize it first")
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except OverflowError as exc:
+        raise ValueError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - bytes that do not decode are the sender's error
+        raise ValueError(f"the image's bytes are not a readable {names} ({type(exc).__name__}: {str(exc)[:200]}); send the bytes of a "
+                         f"{names} file") from None
+
+
 def _check_images(images: list[ImageData], where: str) -> None:
     if len(images) > MAX_IMAGES:
         raise ValueError(f"{where} carries {len(images)} images; at most {MAX_IMAGES} are allowed")

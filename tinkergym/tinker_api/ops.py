@@ -28,7 +28,6 @@ The conversions:
 
 from __future__ import annotations
 
-import io
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from tinkergym.protocol.types import (
-    MAX_IMAGE_PIXELS,
     MAX_IMAGES,
     Datum,
     ForwardBackwardRequest,
@@ -45,9 +43,11 @@ from tinkergym.protocol.types import (
     OptimParams,
     SampleRequest,
     SamplingParams,
+    read_image_file,
 )
 from tinkergym.tinker_api import losses as tinker_losses
-from tinkergym.tinker_api.service import Run, Sampler, TinkerError, TinkerService, as_array, loss_settings
+from tinkergym.tinker_api.records import Run, Sampler
+from tinkergym.tinker_api.service import TinkerError, TinkerService, as_array, loss_settings
 
 #: Per-datum ``loss_fn_outputs`` are records of arrays.
 OUTPUT_TYPE = "ArrayRecord"
@@ -65,22 +65,13 @@ def image_inputs(service: TinkerService, model: str | None) -> Any | None:
 
 def decode_image(chunk: Any, where: str) -> ImageData:
     """The pixels of an ``ImageChunk``: PNG or JPEG bytes of at most :data:`MAX_IMAGE_PIXELS` pixels, else a 400."""
-    from PIL import Image
-
     fmt = str(getattr(chunk, "format", ""))
     if fmt not in IMAGE_FORMATS:
         raise TinkerError(400, f"{where}: image format {fmt[:20]!r} is not supported; send png or jpeg")
     try:
-        with Image.open(io.BytesIO(bytes(chunk.data)), formats=[IMAGE_FORMATS[fmt]]) as image:
-            width, height = image.size  # read from the header: nothing is decoded yet
-            if width * height > MAX_IMAGE_PIXELS:
-                raise TinkerError(400, f"{where}: a {width} x {height} image is over the {MAX_IMAGE_PIXELS:,} pixels allowed; resize it first")
-            pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except TinkerError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - bytes that do not decode are the client's error
-        raise TinkerError(400, f"{where}: the image's bytes are not a readable {fmt} ({type(exc).__name__}: {str(exc)[:200]})") from None
-    return ImageData.from_array(pixels)
+        return ImageData.from_array(read_image_file(bytes(chunk.data), (IMAGE_FORMATS[fmt],)))
+    except ValueError as exc:
+        raise TinkerError(400, f"{where}: {exc}") from None
 
 
 def model_input(service: TinkerService, model: str | None, value: Any, where: str) -> tuple[list[int], list[ImageData]]:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
 import json
 import time
 import uuid
@@ -41,7 +40,7 @@ from collections.abc import Iterator
 
 from tinkergym.backends.serving import InferenceEngine
 from tinkergym.serve.inference.schemas import COMPLETION_ANSWERS, MAX_PROMPTS, MAX_TOKEN_ID, ChatCompletionRequest, CompletionRequest
-from tinkergym.protocol.types import MAX_IMAGE_PIXELS, MAX_IMAGES, ImageData, SampledSequence, SamplingParams
+from tinkergym.protocol.types import MAX_IMAGES, ImageData, SampledSequence, SamplingParams, read_image_file
 from tinkergym.errors import ConfigError
 
 #: Largest request body accepted (a batch of long token-id prompts fits many times over).
@@ -363,9 +362,6 @@ def _image_renderer(engine: InferenceEngine) -> Any:
 def decode_image_url(url: str, where: str) -> Any:
     """The ``(H, W, 3)`` uint8 pixels of a ``data:`` URL's PNG or JPEG, read bounded: its size from its header first
     (at most :data:`MAX_IMAGE_PIXELS` pixels), then its pixels; anything else is a 400 that says what to send."""
-    import numpy as np
-    from PIL import Image
-
     scheme = url[:16].partition(":")[0].lower() if ":" in url[:16] else ""
     if scheme in ("http", "https"):
         raise APIError(400, f"{where}: image URLs are not fetched (this server reaches no network); {_DATA_URL_HINT}", where)
@@ -382,17 +378,9 @@ def decode_image_url(url: str, where: str) -> Any:
     except (binascii.Error, ValueError) as exc:
         raise APIError(400, f"{where}: the image's base64 does not decode ({exc}); send the file's bytes in standard base64", where) from None
     try:
-        with Image.open(io.BytesIO(data), formats=["PNG", "JPEG"]) as image:
-            width, height = image.size  # read from the header: nothing is decoded yet
-            if width * height > MAX_IMAGE_PIXELS:
-                raise APIError(400, f"{where}: a {width} x {height} image is over the {MAX_IMAGE_PIXELS:,} pixels allowed; resize it first", where)
-            pixels = np.asarray(image.convert("RGB"), dtype=np.uint8)
-    except APIError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - bytes that do not decode are the client's error
-        raise APIError(400, f"{where}: the image's bytes are not a readable PNG or JPEG ({type(exc).__name__}: {str(exc)[:200]}); "
-                            "send the bytes of a PNG or JPEG file", where) from None
-    return pixels
+        return read_image_file(data)
+    except ValueError as exc:
+        raise APIError(400, f"{where}: {exc}", where) from None
 
 
 def _usage(prompts: list[list[int]], n: int, sequences: list[SampledSequence]) -> dict[str, int]:
