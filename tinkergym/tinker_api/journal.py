@@ -12,18 +12,29 @@ saves and loads): after a restart ``retrieve_future`` answers it as before. A re
 front door stopped answers 410, and took no effect (the run's server is brought back to its log, which holds only
 finished calls), so the SDK's client may send it again.
 
+Besides :class:`Journal` (the tables), this module holds what a restart does with them: :func:`restore_records` rebuilds a
+:class:`~tinkergym.tinker_api.service.TinkerService`'s sessions, runs, samplers and checkpoints
+(:mod:`tinkergym.tinker_api.records`) from :meth:`Journal.load`, and :func:`encode_result` and :func:`decode_result`
+turn a request's result into the JSON kept for it and back.
+
 The file holds no API key: a key is the client's, sent with each request. It holds the calls' data (the tokens of a
 run's calls since its newest stored state), like the run folder it lives in.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import sqlite3
 import threading
+import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
+
+from tinkergym.tinker_api.engines import Saved
+from tinkergym.tinker_api.records import Checkpoint, Run, Sampler, Session
 
 #: The file's name in the front door's run folder.
 FILE = "front_door.sqlite"
@@ -159,3 +170,51 @@ class Journal:
                           "calls": calls.get(i, [])}
                          for i, t, s, b, p, h in self._rows("select * from samplers order by rowid")],
         }
+
+
+# ----- what a restart rebuilds -------------------------------------------------------------------------------
+def restore_records(data: dict[str, list[dict[str, Any]]], engine: Any, sessions: dict[str, Session], runs: dict[str, Run],
+            samplers: dict[str, Sampler]) -> None:
+    """Add to ``sessions``, ``runs`` and ``samplers`` what :meth:`Journal.load` answered (``data``): sessions (their heartbeat
+    clocks start now), runs and samplers (their handles, from ``engine.restore``, not connected until a request reattaches
+    them) and the runs' checkpoints."""
+    now = time.monotonic()
+    for row in data["sessions"]:
+        sessions[row["session_id"]] = Session(row["session_id"], row["tenant"], now, now)
+    for row in data["runs"]:
+        handle = engine.restore(row["model_id"], row["handle"], row["calls"])
+        executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tinker-{row['model_id']}")
+        run = Run(row["model_id"], row["tenant"], row["session_id"], row["base_model"], int(row["rank"]), handle, executor,
+                  row["user_metadata"], closed=row["closed"])
+        runs[run.model_id] = run
+        if not run.closed and run.session_id in sessions:
+            sessions[run.session_id].runs.add(run.model_id)
+    for row in data["checkpoints"]:
+        owner = runs.get(row["model_id"])
+        if owner is not None:
+            where = row["location"]
+            saved = Saved(Path(where["path"]) if "path" in where else (str(where["job"]), str(where["name"])), row["size"])
+            owner.checkpoints[row["checkpoint_id"]] = Checkpoint(row["checkpoint_id"], row["kind"], saved, datetime.fromisoformat(row["time"]),
+                                                               row["user_metadata"])
+    for row in data["samplers"]:
+        handle = engine.restore(row["sampler_id"], row["handle"], row["calls"])
+        samplers[row["sampler_id"]] = Sampler(row["sampler_id"], row["tenant"], row["session_id"], row["base_model"], row["model_path"], handle)
+        if row["session_id"] in sessions:
+            sessions[row["session_id"]].samplers.add(row["sampler_id"])
+
+
+# ----- kept results -------------------------------------------------------------------------------------------
+def encode_result(result: Any) -> dict[str, Any]:
+    """A request's result as JSON data for :meth:`Journal.put_result`: the SDK type's name and fields, or a dict as it is."""
+    if hasattr(result, "model_dump"):
+        return {"tinker_type": type(result).__name__, "data": result.model_dump(mode="json")}
+    return {"tinker_type": None, "data": result}
+
+
+def decode_result(kept: dict[str, Any]) -> Any:
+    """The result :func:`encode_result` kept, as the SDK type it was (or the dict)."""
+    from tinker import types
+
+    if kept.get("tinker_type") is None:
+        return kept["data"]
+    return getattr(types, kept["tinker_type"]).model_validate(kept["data"])

@@ -1,4 +1,5 @@
-"""What the Tinker API's routes share: tenants' sessions, training runs, samplers, futures and checkpoints.
+"""What the Tinker API's routes share: :class:`TinkerService`, which holds tenants' sessions, training runs, samplers, futures
+and checkpoints (their records are :mod:`tinkergym.tinker_api.records`), its :class:`Limits`, and signed download URLs.
 
 A Tinker training run (``create_model``) is a LoRA adapter that an engine (:mod:`tinkergym.tinker_api.engines`)
 opens: a session of a shared base in this process, or a scheduler job. A sampler is an adapter of its own holding
@@ -18,7 +19,8 @@ A checkpoint is ``tinker://<model_id>/weights/<name>`` (``save_state``: adapter,
 
 With a :class:`~tinkergym.tinker_api.journal.Journal` (the cluster's front door), the sessions, runs, samplers,
 checkpoints, request ids and the results of runs' requests are written to disk as they change, and a service made on the
-same journal starts with them (:meth:`TinkerService.restore`): a restart keeps every name a client holds.
+same journal starts with them (:meth:`TinkerService.restore`, which :func:`~tinkergym.tinker_api.journal.restore_records`
+does): a restart keeps every name a client holds.
 
 A signed URL names a file of an external checkpoint and when it expires, with an HMAC-SHA256 of both under a key
 that lives only in this process: it needs no API key (as a storage bucket's signed URL), answers nothing once it has
@@ -38,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,8 @@ import numpy as np
 
 from tinkergym.tinker_api import losses as tinker_losses
 from tinkergym.tinker_api.engines import EngineError, Saved
+from tinkergym.tinker_api.journal import decode_result, encode_result, restore_records
+from tinkergym.tinker_api.records import Checkpoint, Pending, Run, Sampler, Session, utc_now
 
 #: Checkpoint kinds and their ``tinker://`` segment and folder.
 KINDS = {"training": ("weights", "states"), "sampler": ("sampler_weights", "exports"), "external": ("external_weights", "external")}
@@ -74,10 +78,6 @@ def owned(found: Any, tenant: str, what: str) -> Any:
     return found
 
 
-def _now() -> datetime:
-    return datetime.now(timezone.utc)
-
-
 @dataclass
 class Limits:
     """What one tenant may hold at once, and the sizes of one request."""
@@ -96,83 +96,6 @@ class Limits:
     session_timeout_s: float = 600.0
     #: Seconds between passes that end sessions without heartbeats and keep live sessions' jobs alive (see :meth:`TinkerService.maintain`).
     maintenance_s: float = 30.0
-
-
-@dataclass
-class Checkpoint:
-    checkpoint_id: str  # "weights/<name>", "sampler_weights/<name>" or "external_weights/<name>"
-    kind: str
-    saved: Saved
-    time: datetime
-    user_metadata: dict[str, str] | None = None
-
-    def tinker_path(self, model_id: str) -> str:
-        return f"tinker://{model_id}/{self.checkpoint_id}"
-
-    @property
-    def name(self) -> str:
-        return self.checkpoint_id.split("/", 1)[1]
-
-    def describe(self, model_id: str) -> dict[str, Any]:
-        return {"checkpoint_id": self.checkpoint_id, "checkpoint_type": self.kind, "time": self.time.isoformat(),
-                "tinker_path": self.tinker_path(model_id), "size_bytes": self.saved.size, "public": False, "user_metadata": self.user_metadata}
-
-
-@dataclass
-class Run:
-    """A training run: its engine handle, checkpoints and the executor that runs its requests in order."""
-
-    model_id: str
-    tenant: str
-    session_id: str
-    base_model: str
-    rank: int
-    handle: Any
-    executor: concurrent.futures.ThreadPoolExecutor
-    user_metadata: dict[str, Any] | None = None
-    checkpoints: dict[str, Checkpoint] = field(default_factory=dict)
-    last_request: datetime = field(default_factory=_now)
-    closed: bool = False
-
-    def describe(self) -> dict[str, Any]:
-        def last(kind: str) -> dict[str, Any] | None:
-            mine = [c for c in self.checkpoints.values() if c.kind == kind]
-            return max(mine, key=lambda c: c.time).describe(self.model_id) if mine else None
-
-        return {"training_run_id": self.model_id, "base_model": self.base_model, "model_owner": self.tenant, "is_lora": True,
-                "corrupted": False, "lora_rank": self.rank, "last_request_time": self.last_request.isoformat(),
-                "last_checkpoint": last("training"), "last_sampler_checkpoint": last("sampler"),
-                "user_metadata": {str(k): str(v) for k, v in (self.user_metadata or {}).items()} or None}
-
-
-@dataclass
-class Sampler:
-    sampler_id: str
-    tenant: str
-    session_id: str
-    base_model: str
-    model_path: str | None
-    handle: Any
-
-
-@dataclass
-class Session:
-    session_id: str
-    tenant: str
-    created: float
-    last_heartbeat: float
-    runs: set[str] = field(default_factory=set)
-    samplers: set[str] = field(default_factory=set)
-
-
-@dataclass
-class Pending:
-    """A request's future: its tenant, the operation's concurrent future, and what it answers with (JSON or protobuf)."""
-
-    request_id: str
-    tenant: str
-    future: concurrent.futures.Future
-    created: float = field(default_factory=time.monotonic)
 
 
 class TinkerService:
@@ -204,34 +127,12 @@ class TinkerService:
             getattr(self.journal, method)(*args)
 
     def restore(self) -> None:
-        """Start with what the journal holds: sessions (their heartbeat clocks start now), runs and samplers (their handles not
-        connected until a request reattaches them, :meth:`attach`) and checkpoints."""
+        """Start with what the journal holds (:func:`~tinkergym.tinker_api.journal.restore_records`): sessions (their heartbeat
+        clocks start now), runs and samplers (their handles not connected until a request reattaches them, :meth:`attach`) and
+        checkpoints."""
         data = self.journal.load()
-        now = time.monotonic()
         with self._lock:
-            for row in data["sessions"]:
-                self.sessions[row["session_id"]] = Session(row["session_id"], row["tenant"], now, now)
-            for row in data["runs"]:
-                handle = self.engine.restore(row["model_id"], row["handle"], row["calls"])
-                executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tinker-{row['model_id']}")
-                run = Run(row["model_id"], row["tenant"], row["session_id"], row["base_model"], int(row["rank"]), handle, executor,
-                          row["user_metadata"], closed=row["closed"])
-                self.runs[run.model_id] = run
-                if not run.closed and run.session_id in self.sessions:
-                    self.sessions[run.session_id].runs.add(run.model_id)
-            for row in data["checkpoints"]:
-                owner = self.runs.get(row["model_id"])
-                if owner is not None:
-                    where = row["location"]
-                    saved = Saved(Path(where["path"]) if "path" in where else (str(where["job"]), str(where["name"])), row["size"])
-                    owner.checkpoints[row["checkpoint_id"]] = Checkpoint(row["checkpoint_id"], row["kind"], saved, datetime.fromisoformat(row["time"]),
-                                                                       row["user_metadata"])
-            for row in data["samplers"]:
-                handle = self.engine.restore(row["sampler_id"], row["handle"], row["calls"])
-                self.samplers[row["sampler_id"]] = Sampler(row["sampler_id"], row["tenant"], row["session_id"], row["base_model"], row["model_path"],
-                                                           handle)
-                if row["session_id"] in self.sessions:
-                    self.sessions[row["session_id"]].samplers.add(row["sampler_id"])
+            restore_records(data, self.engine, self.sessions, self.runs, self.samplers)
         self.logger.info(json.dumps({"event": "tinker_restored", "sessions": len(data["sessions"]), "runs": len(data["runs"]),
                                      "samplers": len(data["samplers"]), "checkpoints": len(data["checkpoints"])}))
 
@@ -248,7 +149,7 @@ class TinkerService:
         if future.cancelled() or future.exception() is not None:
             return
         try:
-            self.journal.put_result(request_id, _plain_result(future.result()))
+            self.journal.put_result(request_id, encode_result(future.result()))
         except Exception as exc:  # noqa: BLE001 - the answer in memory stands; only a restart would lose it
             self.logger.warning(json.dumps({"event": "tinker_result_not_kept", "request_id": request_id, "error": str(exc)[:500]}))
 
@@ -339,7 +240,7 @@ class TinkerService:
             if run is not None:
                 if run.closed:
                     raise not_found(f"training run {run.model_id!r}")
-                run.last_request = _now()
+                run.last_request = utc_now()
                 future = run.executor.submit(operation)
             else:
                 future = self._sampling.submit(operation)
@@ -365,7 +266,7 @@ class TinkerService:
                     raise TinkerError(410, f"request {request_id[:80]!r} was not done when this server restarted, or was a sampler's (whose "
                                            "results are not kept): it changed no training run; send it again")
                 future: concurrent.futures.Future = concurrent.futures.Future()
-                future.set_result(_result_of(kept[1]))
+                future.set_result(decode_result(kept[1]))
                 return Pending(request_id, tenant, future)
         return owned(found, tenant, f"request {request_id[:80]!r}")
 
@@ -435,7 +336,7 @@ class TinkerService:
     def save(self, run: Run, kind: str, name: str, user_metadata: dict[str, str] | None = None) -> Checkpoint:
         """Save the run's weights (``training``: with the optimizer) as a checkpoint the run lists."""
         checkpoint_id = self.new_checkpoint(run, kind, name)
-        checkpoint = Checkpoint(checkpoint_id, kind, self.engine.save(run.handle, kind, name), _now(), user_metadata)
+        checkpoint = Checkpoint(checkpoint_id, kind, self.engine.save(run.handle, kind, name), utc_now(), user_metadata)
         with self._lock:
             run.checkpoints[checkpoint_id] = checkpoint
             where = checkpoint.saved.location
@@ -564,21 +465,6 @@ class TinkerService:
                 bad = [t for t in row if not 0 <= t < vocab]
                 if bad:
                     raise TinkerError(400, f"{where}: token id {bad[0]} is outside the model's vocabulary (0 to {vocab - 1})")
-
-
-def _plain_result(result: Any) -> dict[str, Any]:
-    """A request's result as JSON data: the SDK type's name and fields, or a dict as it is."""
-    if hasattr(result, "model_dump"):
-        return {"tinker_type": type(result).__name__, "data": result.model_dump(mode="json")}
-    return {"tinker_type": None, "data": result}
-
-
-def _result_of(kept: dict[str, Any]) -> Any:
-    from tinker import types
-
-    if kept.get("tinker_type") is None:
-        return kept["data"]
-    return getattr(types, kept["tinker_type"]).model_validate(kept["data"])
 
 
 def as_array(tensor: Any) -> np.ndarray:

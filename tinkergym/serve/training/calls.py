@@ -1,10 +1,13 @@
-"""The training server's calls: argument checking, the ordered worker, and the per-session sequence store.
+"""The training server's calls: names in the run folder, parsing and limits, running a call, the ordered worker, and the
+per-session sequence store.
 
 Nothing here knows HTTP. A call is ``(session, seq, method, args)`` with JSON args; :func:`parse_call` turns
 the args into the plain-data requests of :mod:`tinkergym.protocol.types` (unknown fields and wrong JSON types
-are a :class:`~tinkergym.errors.ConfigError`), :class:`CallStore` accepts a session's calls strictly in
-sequence order and keeps their results, so a retried number returns the stored result instead of running
-again, and :class:`CallWorker` runs the accepted calls one at a time in acceptance order.
+are a :class:`~tinkergym.errors.ConfigError`; the checks of single arguments are :mod:`tinkergym.serve.training.arg_checks`)
+within :class:`CallLimits`, :func:`run_call` runs a parsed call on the backend (what the state calls do with saved states
+past the backend's own methods is :mod:`tinkergym.serve.training.saved_states`), :class:`CallStore` accepts a session's
+calls strictly in sequence order and keeps their results, so a retried number returns the stored result instead of
+running again, and :class:`CallWorker` runs the accepted calls one at a time in acceptance order.
 
 Only JSON reaches the backend: nothing a client sends is unpickled or executed, and the names of states and
 exports are checked by :func:`named_dir` (one path component, no symlinks, inside the run folder).
@@ -12,7 +15,6 @@ exports are checked by :func:`named_dir` (one path component, no symlinks, insid
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import inspect
 import json
@@ -22,22 +24,21 @@ import os
 import queue
 import re
 import secrets
-import shutil
 import threading
 import time
 import traceback
-import types
-import typing
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 from collections.abc import Callable
 
-from tinkergym.protocol.types import MAX_IMAGES, ForwardBackwardRequest, ImageData, OptimParams, SampleRequest
+from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
 from tinkergym.folders import plain_relative_parts
 from tinkergym.serve.metrics import TokenTally
+from tinkergym.serve.training.arg_checks import check_token_ids, checked, from_json, json_type_error, scoring_images
+from tinkergym.serve.training.saved_states import load_weights_only, prune_states
 
 #: Names of states and exports: one path component of letters, digits, ``.``, ``_`` and ``-``.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -106,127 +107,7 @@ def file_listing(folder: Path) -> list[dict[str, Any]]:
     return listing
 
 
-# ----- argument checking --------------------------------------------------------------------------------
-def _json_type_error(where: str, expected: str, value: Any) -> ConfigError:
-    return ConfigError(f"{where}: expected {expected}, got {type(value).__name__} {str(value)[:60]!r}")
-
-
-@functools.cache
-def _type_hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _checked(value: Any, hint: Any, where: str) -> Any:
-    """``value`` checked against the annotation ``hint`` (JSON types only); ints become floats where floats go."""
-    origin = typing.get_origin(hint)
-    if hint is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        errors: list[ConfigError] = []
-        for option in typing.get_args(hint):
-            if option is type(None):
-                if value is None:
-                    return None
-                continue
-            try:
-                return _checked(value, option, where)
-            except ConfigError as exc:
-                errors.append(exc)
-        raise errors[0] if len(errors) == 1 else ConfigError(f"{where}: {str(value)[:60]!r} fits none of {hint}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise _json_type_error(where, "a list", value)
-        (item,) = typing.get_args(hint)
-        # Token ids and per-token floats are most of a request: one pass over them, the per-item walk only on a miss.
-        if item is int and all(type(v) is int for v in value):
-            return value
-        if item is float and all(type(v) is float for v in value):
-            return value
-        return [_checked(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _json_type_error(where, "an object", value)
-        _, item = typing.get_args(hint)
-        return {str(k): _checked(v, item, f"{where}.{k}") for k, v in value.items()}
-    if isinstance(hint, type) and is_dataclass(hint):  # hints are classes, never dataclass instances
-        if not isinstance(value, hint):
-            raise _json_type_error(where, f"a {hint.__name__} object", value)
-        hints = _type_hints(hint)
-        for f in fields(hint):
-            setattr(value, f.name, _checked(getattr(value, f.name), hints[f.name], f"{where}.{f.name}"))
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise _json_type_error(where, "true or false", value)
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise _json_type_error(where, "an integer", value)
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise _json_type_error(where, "a number", value)
-        try:
-            return float(value)
-        except OverflowError:  # an integer past a float's range (JSON integers have no bound)
-            raise ConfigError(f"{where}: {str(value)[:24]}... is too large for a number (at most about 1.8e308)") from None
-    if hint is str:
-        if not isinstance(value, str):
-            raise _json_type_error(where, "a string", value)
-        return value
-    raise ConfigError(f"{where}: unsupported type {hint}")
-
-
-class _FromDict(Protocol):
-    """A protocol dataclass: rebuilt from its JSON object by ``from_dict``."""
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Any: ...
-
-
-def from_json(cls: type[_FromDict], data: Any, where: str) -> Any:
-    """``cls.from_dict(data)`` with every field's JSON type checked; any problem is a :class:`ConfigError`."""
-    if not isinstance(data, dict):
-        raise _json_type_error(where, f"a {cls.__name__} object", data)
-    try:
-        value = cls.from_dict(data)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from exc
-    return _checked(value, cls, where)
-
-
-def _check_token_ids(rows: list[list[int]], vocab_size: int | None, where: str) -> None:
-    """Every row holds a token and every id is in ``[0, vocab_size)``: an empty row has nothing to run the model on,
-    an id out of range would index past the embedding (on a GPU, a device assert)."""
-    for i, row in enumerate(rows):
-        if not row:
-            raise ConfigError(f"{where}[{i}] has no tokens: every sequence needs at least one")
-        for token in row:
-            if token < 0 or (vocab_size is not None and token >= vocab_size):
-                raise ConfigError(f"{where}[{i}]: token id {token} is outside the vocabulary [0, {vocab_size})")
-
-
-def _scoring_images(value: Any, sequences: int) -> list[list[ImageData]]:
-    """A ``logprobs`` call's images: one list per sequence of at most :data:`MAX_IMAGES` images, each checked as
-    :class:`ImageData` is (size, pixel bound, base64 length) and its base64 decoded once here, so bad bytes are this
-    call's 400 and never reach a pass that other sessions share."""
-    rows = _checked(value, list[list[Any]], "args.images")
-    if len(rows) != sequences:
-        raise ConfigError(f"args.images must hold one list per sequence ({sequences}), not {len(rows)}")
-    images: list[list[ImageData]] = []
-    for i, row in enumerate(rows):
-        if len(row) > MAX_IMAGES:
-            raise ConfigError(f"args.images[{i}] carries {len(row)} images; at most {MAX_IMAGES} are allowed")
-        checked = [from_json(ImageData, image, f"args.images[{i}][{j}]") for j, image in enumerate(row)]
-        for j, image in enumerate(checked):
-            try:
-                image.pixels()
-            except ValueError as exc:
-                raise ConfigError(f"args.images[{i}][{j}]: {exc}") from exc
-        images.append(checked)
-    return images
-
-
+# ----- limits and parsing -------------------------------------------------------------------------------
 def sample_tokens(request: SampleRequest) -> int:
     """The tokens a sample call holds at most: every sequence's prompt and ``max_new_tokens``."""
     return request.num_samples * (sum(map(len, request.prompts)) + len(request.prompts) * request.params.max_new_tokens)
@@ -317,27 +198,27 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
     """Check a call's JSON ``args`` and build the backend's arguments; anything wrong, or over ``limits``, is a
     :class:`ConfigError`."""
     if not isinstance(args, dict):
-        raise _json_type_error("args", "an object", args)
+        raise json_type_error("args", "an object", args)
     if method == "sample":
         _only(args, method, ("request",))
         request = from_json(SampleRequest, args["request"], "args.request")
         limits.check_sample(request)
-        _check_token_ids(request.prompts, vocab_size, "args.request.prompts")
+        check_token_ids(request.prompts, vocab_size, "args.request.prompts")
         return ParsedCall(method, {"request": request})
     if method == "logprobs":
         _only(args, method, ("sequences",), ("temperature", "images"))
-        sequences = _checked(args["sequences"], list[list[int]], "args.sequences")
+        sequences = checked(args["sequences"], list[list[int]], "args.sequences")
         limits.check_rows(sequences, "args.sequences")
-        _check_token_ids(sequences, vocab_size, "args.sequences")
-        parsed = {"sequences": sequences, "temperature": _checked(args.get("temperature", 1.0), float, "args.temperature")}
+        check_token_ids(sequences, vocab_size, "args.sequences")
+        parsed = {"sequences": sequences, "temperature": checked(args.get("temperature", 1.0), float, "args.temperature")}
         if args.get("images") is not None:
-            parsed["images"] = _scoring_images(args["images"], len(sequences))
+            parsed["images"] = scoring_images(args["images"], len(sequences))
         return ParsedCall(method, parsed)
     if method == "forward_backward":
         _only(args, method, ("request",))
         request = from_json(ForwardBackwardRequest, args["request"], "args.request")
         limits.check_rows([d.tokens for d in request.data], "args.request.data")
-        _check_token_ids([d.tokens for d in request.data], vocab_size, "args.request.data.tokens")
+        check_token_ids([d.tokens for d in request.data], vocab_size, "args.request.data.tokens")
         return ParsedCall(method, {"request": request})
     if method == "optim_step":
         _only(args, method, ("params",))
@@ -346,29 +227,19 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
         return ParsedCall(method, {"params": params})
     if method == "save_state":
         _only(args, method, ("name",))
-        return ParsedCall(method, {"name": _checked(args["name"], str, "args.name")})
+        return ParsedCall(method, {"name": checked(args["name"], str, "args.name")})
     if method == "load_state":
         _only(args, method, ("name",), ("weights_only",))
-        return ParsedCall(method, {"name": _checked(args["name"], str, "args.name"),
-                                   "weights_only": _checked(args.get("weights_only", False), bool, "args.weights_only")})
+        return ParsedCall(method, {"name": checked(args["name"], str, "args.name"),
+                                   "weights_only": checked(args.get("weights_only", False), bool, "args.weights_only")})
     if method == "export":
         _only(args, method, ("name",), ("merged",))
-        return ParsedCall(method, {"name": _checked(args["name"], str, "args.name"), "merged": _checked(args.get("merged", False), bool, "args.merged")})
+        return ParsedCall(method, {"name": checked(args["name"], str, "args.name"), "merged": checked(args.get("merged", False), bool, "args.merged")})
     known = "sample, logprobs, forward_backward, optim_step, save_state, load_state, export"
     raise ConfigError(f"unknown method {str(method)[:60]!r}; the methods are: {known}")
 
 
-def prune_states(run_dir: Path, keep: int, current: Path) -> list[str]:
-    """Delete all but the ``keep`` newest saved states (by modification time; ``current`` always stays); their names."""
-    states_dir = run_dir / "states"
-    saved = [p for p in states_dir.iterdir() if p.is_dir() and not p.is_symlink() and not p.name.endswith(".tmp") and p != current]
-    saved.sort(key=lambda p: p.stat().st_mtime)
-    doomed = saved[: max(len(saved) - (keep - 1), 0)]
-    for folder in doomed:
-        shutil.rmtree(folder, ignore_errors=True)
-    return [p.name for p in doomed]
-
-
+# ----- running a call -----------------------------------------------------------------------------------
 def wire_result(method: str, value: Any) -> dict[str, Any]:
     """The JSON result of a ``sample``, ``logprobs`` or ``forward_backward`` call from what the backend returned."""
     return {"logprobs": value} if method == "logprobs" else value.to_dict()
@@ -417,31 +288,6 @@ def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0
         backend.export(str(folder), merged=args["merged"])
         return {"name": args["name"], "files": file_listing(folder)}
     raise ConfigError(f"unknown method {call.method!r}")
-
-
-def load_weights_only(backend: Any, folder: Path, run_dir: Path) -> None:
-    """Load the trainable weights of the state ``folder`` and keep the backend's own optimizer moments, step and generator
-    (Tinker's ``load_state`` without the optimizer; a new run's are fresh).
-
-    The backend's current state is saved to a scratch folder, its weights file replaced by ``folder``'s, and that loaded:
-    the backend's own checks (same trainable names and shapes) apply, and a refused load leaves it as it was. A state
-    written by a server sharded over several ranks is refused (its weights are not one file).
-    """
-    weights = folder / "trainable.safetensors"
-    if not weights.is_file() or weights.is_symlink():
-        raise ConfigError(f"states/{folder.name} holds no trainable.safetensors (a sharded server's state?); a weights-only load "
-                          "needs a state of one process: load it whole (load_state_with_optimizer)")
-    scratch = run_dir / "scratch" / f"weights-only-{secrets.token_hex(6)}"
-    scratch.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        backend.save_state(str(scratch))
-        mine = scratch / "trainable.safetensors"
-        if not mine.is_file():
-            raise ConfigError("this server's state is sharded over several ranks; it loads a state whole (load_state_with_optimizer)")
-        shutil.copyfile(weights, mine)
-        backend.load_state(str(scratch))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
 
 
 # ----- outcomes -----------------------------------------------------------------------------------------
