@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -174,6 +176,19 @@ def test_a_killed_front_door_started_again_keeps_its_clients_objects(db_url: str
         mine = httpx.get(f"{url}/api/v1/training_runs/{seen['model_id']}", headers=headers, timeout=60)
         assert mine.status_code == 200 and mine.json()["lora_rank"] == 4
         assert httpx.get(f"{url}/api/v1/training_runs/{seen['model_id']}", headers={"X-API-Key": "tml-" + bob}, timeout=60).status_code == 404
+        # a heartbeat alone (no call yet) reattaches the session's two runs and its sampler and brings their servers back, so a
+        # client that only sends heartbeats keeps its jobs; another tenant's heartbeat for the session is refused and moves nothing
+        with sqlite3.connect(tmp_path / "door" / "front_door.sqlite") as journal:
+            (session_id,) = journal.execute("select session_id from sessions").fetchone()
+        assert httpx.post(f"{url}/api/v1/session_heartbeat", headers={"X-API-Key": "tml-" + bob}, json={"session_id": session_id},
+                          timeout=60).status_code in (404, 410)
+        beat = httpx.post(f"{url}/api/v1/session_heartbeat", headers=headers, json={"session_id": session_id}, timeout=60)
+        assert beat.status_code == 200, beat.text
+        log = max(tmp_path.glob("door-*.log"), key=lambda f: f.stat().st_mtime)
+        deadline = time.monotonic() + 120
+        while log.read_text().count("reattached after a restart") < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert log.read_text().count("reattached after a restart") == 3, log.read_text()[-3000:]
 
     try:
         result = _session(url, "tml-" + alice, "tiny", restart)

@@ -126,7 +126,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
     async def heartbeat(request: Request) -> JSONResponse:
         parsed = await body(request, types.SessionHeartbeatRequest)
         try:
-            service.heartbeat(tenant(request), parsed.session_id)
+            await run_in_threadpool(service.heartbeat, tenant(request), parsed.session_id, request.state.credential)
         except TinkerError as exc:
             if exc.status == 404:
                 return _error(410, f"session {parsed.session_id[:80]!r} has ended")

@@ -19,9 +19,9 @@ A worker that dies moves the run to another worker, and the client never sees a 
 
 A front door that restarts keeps its clients' sessions, runs, samplers and checkpoints (:mod:`tinkergym.tinker_api.journal`):
 :meth:`ClusterEngine.describe` gives a handle as plain data, :meth:`ClusterEngine.restore` makes it again without a
-connection, and a run's first request after the restart (:meth:`ClusterEngine.attach`, with the request's key) reattaches
-to its job and brings the server back to the log before the request runs: the newest stored state loaded and the log
-replayed, so a call that was running when the front door stopped, and was never logged, leaves no trace. A run with no
+connection, and a run's first request, or its session's first heartbeat, after the restart (:meth:`ClusterEngine.attach`,
+with the request's key) reattaches to its job and brings the server back to the log before the request runs (after a
+heartbeat, on the keep-alive pool: :meth:`ClusterEngine.keepalive`): the newest stored state loaded and the log replayed, so a call that was running when the front door stopped, and was never logged, leaves no trace. A run with no
 stored state yet cannot be brought back on its job's server (its adapter's start is not saved there): its job is ended
 and a new one from the same config (the same seed: the same start) replays the log.
 
@@ -304,9 +304,18 @@ class ClusterEngine:
     def keepalive(self, handle: ClusterHandle) -> None:
         """Tell the job's server that its client is alive, so a client that only sends heartbeats keeps its job past the
         scheduler's idle timeout. Not under the handle's lock (a long call holds it, and is itself activity); a lost server
-        is the next call's to find."""
+        is the next call's to find. A handle reattached after a restart is first brought back to its log (:meth:`_ready`,
+        when no call holds its lock): until then its job's server has no connection to ping."""
         if handle.closed or handle.backend is None:
             return
+        if handle.resync and handle.lock.acquire(blocking=False):
+            try:
+                if handle.resync and not handle.closed:
+                    self._ready(handle)
+            except Exception as exc:  # noqa: BLE001 - the next call meets the same trouble and answers it
+                self.say(f"job {handle.job_id}: not brought back after a restart yet ({exc}); the next call tries again")
+            finally:
+                handle.lock.release()
         try:
             handle.backend.ping()
         except Exception as exc:  # noqa: BLE001 - see above

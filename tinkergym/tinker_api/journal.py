@@ -4,7 +4,8 @@
 sessions, training runs (with each run's job, the newest state the scheduler holds and the log of the calls that
 changed the run since), samplers, checkpoints and the request ids it answered with. A front door that starts on the
 file of one that stopped (or was killed) serves the same ``session_id``s, ``model_id``s, sampler ids and ``tinker://``
-paths; a run's first request after the restart carries its key, with which the front door reattaches to the run's job
+paths; a run's first request (or its session's first heartbeat) after the restart carries its key, with which the
+front door reattaches to the run's job
 and brings its server back to what the log says (:meth:`tinkergym.tinker_api.cluster.ClusterEngine.attach`).
 
 A request's result is kept once it is done, for the calls of training runs (``forward_backward``, ``optim_step``,

@@ -192,9 +192,22 @@ class TinkerService:
     def session(self, tenant: str, session_id: str) -> Session:
         return owned(self.sessions.get(session_id), tenant, f"session {session_id[:80]!r}")
 
-    def heartbeat(self, tenant: str, session_id: str) -> None:
+    def heartbeat(self, tenant: str, session_id: str, credential: str | None = None) -> None:
+        """A session's client is alive. After a restart (the engine's handles outlive it), the first heartbeat that brings the
+        key reattaches the session's runs and samplers to their jobs and starts bringing their servers back (on the keep-alive
+        pool), so a client that only sends heartbeats keeps its jobs, and its next call finds its server ready."""
         with self._lock:
             self.session(tenant, session_id).last_heartbeat = time.monotonic()
+            objects: list[Run | Sampler] = [*self.runs.values(), *self.samplers.values()]
+            detached = [f for f in objects
+                        if f.session_id == session_id and f.tenant == tenant and getattr(f.handle, "backend", True) is None
+                        and not getattr(f, "closed", False)]
+        keepalive = getattr(self.engine, "keepalive", None)
+        for one in detached:
+            self.attach(one, credential)
+            if keepalive is not None and id(one.handle) not in self._keeping_alive:
+                self._keeping_alive.add(id(one.handle))
+                self._keepalive_pool.submit(self._keep_alive, keepalive, one.handle)
 
     def _expire_sessions(self) -> None:
         """Close the runs and samplers of sessions whose client stopped sending heartbeats (their memory is freed)."""
