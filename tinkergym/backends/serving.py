@@ -18,7 +18,7 @@ way ``tinkergym eval`` builds it, so a served model gives the tokens and logprob
 Adapters are attached to one peft model (``load_adapter``) and switched per request under a lock. Served from a
 vision-language model's folder, it samples prompts with images too (:meth:`InferenceEngine.image_renderer` renders them).
 :class:`~tinkergym.backends.vllm.inference.VLLMInferenceEngine` implements the same
-:class:`InferenceEngine` protocol with a ``vllm.LLM`` (``serve-model --engine``), text only: it refuses images.
+:class:`InferenceEngine` protocol with a ``vllm.LLM`` (``serve-model --engine``), images included where vLLM loads the model.
 """
 
 from __future__ import annotations
@@ -63,6 +63,32 @@ class InferenceEngine(Protocol):
     ) -> list[list[SampledSequence]]:
         """``n`` completions of each prompt with the weights named ``model`` (one of :meth:`models`); ``images``: none, or
         one list per prompt of the images its image tokens show (refused with a :class:`ConfigError` where none are taken)."""
+
+
+def image_renderer_of(vision: Any, tokenizer: Any, base_id: str) -> Any:
+    """The :class:`~tinkergym.chat.ImageChatRenderer` of a served vision-language model whose image inputs are ``vision``
+    (:class:`~tinkergym.backends.torch.vision.VisionInputs`); a :class:`ConfigError` for a text model (``vision`` None)."""
+    if vision is None:
+        raise ConfigError(f"the served model {base_id} is a text model and reads no images; send text only, or serve a vision-language model")
+    from tinkergym.chat import ImageChatRenderer
+
+    return ImageChatRenderer(tokenizer, vision.image_processor, image_token=str(tokenizer.convert_ids_to_tokens(vision.image_token_id)))
+
+
+def check_image_tokens(vision: Any, prompts: list[list[int]], images: list[list[ImageData]]) -> None:
+    """A vision-language model's prompts hold as many image tokens as their images make features (none without images); a
+    :class:`ConfigError` says which does not. ``vision`` None (a text model): nothing to count."""
+    if vision is None:
+        return
+    for i, prompt in enumerate(prompts):
+        row = images[i] if i < len(images) else []
+        found = sum(1 for t in prompt if t == vision.image_token_id)
+        expected = sum(vision.token_count(image) for image in row)
+        if found != expected:
+            raise ConfigError(
+                f"prompt {i} holds {found} image tokens (id {vision.image_token_id}), but its {len(row)} images make "
+                f"{expected}; send images as chat image_url parts, which are rendered with their image tokens"
+            )
 
 
 @dataclass

@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tinkergym.backends.serving import ServedModel, ServingPlan, _eos_token_ids
+from tinkergym.backends.serving import ServedModel, ServingPlan, _eos_token_ids, check_image_tokens, image_renderer_of
 from tinkergym.errors import ConfigError
 from tinkergym.protocol.types import ImageData, SampledSequence, SampleRequest, SamplingParams
 
@@ -124,33 +124,15 @@ class TorchInferenceEngine:
     def image_renderer(self) -> Any:
         """The :class:`~tinkergym.chat.ImageChatRenderer` of the served vision-language model (made once); a
         :class:`ConfigError` for a text model."""
-        vision = self.backend.vision
-        if vision is None:
-            raise ConfigError(f"the served model {self.plan.base_id} is a text model and reads no images; send text only, "
-                              "or serve a vision-language model")
         if self._image_renderer is None:
-            from tinkergym.chat import ImageChatRenderer
-
-            token = str(self.tokenizer.convert_ids_to_tokens(vision.image_token_id))
-            self._image_renderer = ImageChatRenderer(self.tokenizer, vision.image_processor, image_token=token)
+            self._image_renderer = image_renderer_of(self.backend.vision, self.tokenizer, self.plan.base_id)
         return self._image_renderer
 
     def _check_image_tokens(self, prompts: list[list[int]], images: list[list[ImageData]]) -> None:
         """A vision-language model's prompts hold as many image tokens as their images make features (none without images)."""
-        vision = self.backend.vision
-        if vision is None:
-            if any(images):
-                self.image_renderer()  # raises: a text model reads no images
-            return
-        for i, prompt in enumerate(prompts):
-            row = images[i] if i < len(images) else []
-            found = sum(1 for t in prompt if t == vision.image_token_id)
-            expected = sum(vision.token_count(image) for image in row)
-            if found != expected:
-                raise ConfigError(
-                    f"prompt {i} holds {found} image tokens (id {vision.image_token_id}), but its {len(row)} images make "
-                    f"{expected}; send images as chat image_url parts, which are rendered with their image tokens"
-                )
+        if self.backend.vision is None and any(images):
+            self.image_renderer()  # raises: a text model reads no images
+        check_image_tokens(self.backend.vision, prompts, images)
 
     def generate(
         self, model: str, prompts: list[list[int]], params: SamplingParams, n: int, images: list[list[ImageData]] | None = None,

