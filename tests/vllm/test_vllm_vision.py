@@ -69,6 +69,20 @@ def test_a_vision_models_engine_takes_images_and_no_video() -> None:
     assert "limit_mm_per_prompt" not in engine_kwargs(config, "m", platform)
 
 
+@pytest.mark.skipif(_torchvision_works(), reason="torchvision imports here: vLLM can load the model")
+def test_without_torchvision_a_vlm_engine_refuses_to_start_saying_why(tmp_path) -> None:
+    from tinkergym.backends.models import build_tiny_vlm
+    from tinkergym.backends.serving import plan_serving
+    from tinkergym.backends.vllm.inference import VLLMInferenceEngine
+    from tinkergym.errors import ConfigError
+
+    folder = build_tiny_vlm(tmp_path / "vlm", hidden=128)
+    with pytest.raises(ConfigError, match="needs torchvision"):
+        VLLMSampler(folder, dtype="float32", max_model_len=256)
+    with pytest.raises(ConfigError, match="needs torchvision"):
+        VLLMInferenceEngine(plan_serving(model=folder), max_model_len=256)
+
+
 # ----- the engine -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_vlm32(tmp_path_factory: pytest.TempPathFactory) -> str:

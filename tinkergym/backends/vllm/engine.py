@@ -261,3 +261,15 @@ def _check_cpu_head_size(model_path: str) -> None:
             f"(it takes {', '.join(map(str, supported))}); use a model with such heads, e.g. "
             "build_tiny_model(path, hidden=128) for the tiny test model (4 heads of 32)"
         )
+
+
+def check_vision_loads() -> None:
+    """Fail early, saying why, where vLLM cannot load a vision-language model: its Qwen2-VL family's model files import
+    transformers' torchvision image processor, so torchvision must import (a build for the installed torch)."""
+    try:
+        import torchvision  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - missing, or built for another torch (its operators fail to register)
+        raise ConfigError(
+            f"vLLM cannot load this vision-language model here: its model files need torchvision, which does not import ({type(exc).__name__}: "
+            f"{str(exc)[:200]}); install the torchvision built for this torch, or sample the model with TorchBackend"
+        ) from None

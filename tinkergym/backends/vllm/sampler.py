@@ -104,6 +104,7 @@ from tinkergym.backends.vllm.engine import (  # noqa: F401 - re-exported: the sa
     _device_kwargs,
     _engine_in_process,
     _on_cpu,
+    check_vision_loads,
     engine_kwargs,
     require_vllm,
     resolved_eager,
@@ -195,6 +196,9 @@ class VLLMSampler:
         self.base_path = resolve_model(config.model, config.cache_dir)
         if self.platform.on_cpu:
             _check_cpu_head_size(self.base_path)
+        self.reads_images = is_vision_folder(self.base_path)
+        if self.reads_images:
+            check_vision_loads()
         self.version = 0
         self.synced_step: int | None = None
         self._sync_root = tempfile.mkdtemp(prefix="tinkergym-vllm-sync-", dir=config.sync_dir)
@@ -202,7 +206,6 @@ class VLLMSampler:
         self._weights_source: str | None = None  # where the last sync's weights came from: a folder or "memory"
         self._lora_request: Any = None
         self._asleep = False
-        self.reads_images = is_vision_folder(self.base_path)
         self._llm: Any = self._build_engine(self.base_path)
         self.full_sync = self._resolve_full_sync()
         # a vision-language model's image processor and image token: an image's token count is checked before vLLM runs
