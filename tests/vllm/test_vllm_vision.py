@@ -77,9 +77,9 @@ def test_without_torchvision_a_vlm_engine_refuses_to_start_saying_why(tmp_path) 
     from tinkergym.errors import ConfigError
 
     folder = build_tiny_vlm(tmp_path / "vlm", hidden=128)
-    with pytest.raises(ConfigError, match="needs torchvision"):
+    with pytest.raises(ConfigError, match="need torchvision, which does not import"):
         VLLMSampler(folder, dtype="float32", max_model_len=256)
-    with pytest.raises(ConfigError, match="needs torchvision"):
+    with pytest.raises(ConfigError, match="need torchvision, which does not import"):
         VLLMInferenceEngine(plan_serving(model=folder), max_model_len=256)
 
 
