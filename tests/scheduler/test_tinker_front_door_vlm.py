@@ -99,7 +99,7 @@ def test_image_chunks_train_sample_and_score_through_the_front_door(db_url: str,
                 fb = training.forward_backward([prompt.datum(red)], "cross_entropy")
                 training.optim_step(types.AdamParams(learning_rate=2e-2))
                 losses.append(fb.result().metrics["loss:sum"])
-            with pytest.raises(tinker.BadRequestError, match="not a readable png"):
+            with pytest.raises(tinker.BadRequestError, match="not a readable PNG"):
                 training.forward_backward([prompt.datum(b"\x89PNG\r\n\x1a\nnot-really-a-png")], "cross_entropy").result()
             sampler = training.save_weights_and_get_sampling_client().result()
             drawn = sampler.sample(prompt.chunks(red), 2, types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)).result()
