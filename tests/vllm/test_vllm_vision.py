@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tinkergym.backends.vllm.engine import EnginePlatform, VLLMSamplerConfig, engine_kwargs
-from tinkergym.backends.vllm.sampler import VLLMSampler, collapse_image_runs, image_to_pil
+from tinkergym.backends.vllm.sampler import VLLMSampler, collapse_image_runs, image_to_pil, vllm_prompts
 from tinkergym.protocol.types import MAX_IMAGES, Datum, ForwardBackwardRequest, ImageData, LossSpec, OptimParams, SampleRequest, SamplingParams
 
 TOL = 1e-4
@@ -53,6 +53,16 @@ def test_each_images_run_of_tokens_becomes_one_token() -> None:
     assert collapse_image_runs([1, 2, pad, pad, pad, pad, 3, 4, pad, pad, 5], pad) == [1, 2, pad, 3, 4, pad, 5]
     assert collapse_image_runs([pad, pad, 9], pad) == [pad, 9]
     assert collapse_image_runs([1, 2, 3], pad) == [1, 2, 3]
+
+
+def test_only_prompts_with_images_go_to_vllm_collapsed_with_their_images() -> None:
+    from types import SimpleNamespace
+
+    pad, image = 7, _image(4, 16)
+    inputs = vllm_prompts([[1, pad, pad, 2], [3, 4]], [[image], []], SimpleNamespace(image_token_id=pad))
+    assert inputs[0]["prompt_token_ids"] == [1, pad, 2] and inputs[0]["multi_modal_data"]["image"][0].size == (16, 16)
+    assert inputs[1]["prompt_token_ids"] == [3, 4] and "multi_modal_data" not in inputs[1]
+    assert [p["prompt_token_ids"] for p in vllm_prompts([[1, pad]], [], None)] == [[1, pad]]  # text only: as they are
 
 
 def test_an_image_goes_to_vllm_with_its_pixels() -> None:

@@ -65,30 +65,29 @@ class InferenceEngine(Protocol):
         one list per prompt of the images its image tokens show (refused with a :class:`ConfigError` where none are taken)."""
 
 
+def _reads_no_images(base_id: str) -> ConfigError:
+    return ConfigError(f"the served model {base_id} is a text model and reads no images; send text only, or serve a vision-language model")
+
+
 def image_renderer_of(vision: Any, tokenizer: Any, base_id: str) -> Any:
     """The :class:`~tinkergym.chat.ImageChatRenderer` of a served vision-language model whose image inputs are ``vision``
     (:class:`~tinkergym.backends.torch.vision.VisionInputs`); a :class:`ConfigError` for a text model (``vision`` None)."""
     if vision is None:
-        raise ConfigError(f"the served model {base_id} is a text model and reads no images; send text only, or serve a vision-language model")
+        raise _reads_no_images(base_id)
     from tinkergym.chat import ImageChatRenderer
 
     return ImageChatRenderer(tokenizer, vision.image_processor, image_token=str(tokenizer.convert_ids_to_tokens(vision.image_token_id)))
 
 
-def check_image_tokens(vision: Any, prompts: list[list[int]], images: list[list[ImageData]]) -> None:
-    """A vision-language model's prompts hold as many image tokens as their images make features (none without images); a
-    :class:`ConfigError` says which does not. ``vision`` None (a text model): nothing to count."""
+def check_image_tokens(vision: Any, prompts: list[list[int]], images: list[list[ImageData]], base_id: str) -> None:
+    """Images only to a vision-language model (``vision`` not None), and each prompt holding as many image tokens as its
+    images make features (none without images): :meth:`VisionInputs.check_rows`; a :class:`ConfigError` says what is wrong."""
     if vision is None:
+        if any(images):
+            raise _reads_no_images(base_id)
         return
-    for i, prompt in enumerate(prompts):
-        row = images[i] if i < len(images) else []
-        found = sum(1 for t in prompt if t == vision.image_token_id)
-        expected = sum(vision.token_count(image) for image in row)
-        if found != expected:
-            raise ConfigError(
-                f"prompt {i} holds {found} image tokens (id {vision.image_token_id}), but its {len(row)} images make "
-                f"{expected}; send images as chat image_url parts, which are rendered with their image tokens"
-            )
+    rows = [images[i] if i < len(images) else [] for i in range(len(prompts))]
+    vision.check_rows(prompts, rows, "prompt", advice="send images as chat image_url parts, which are rendered with their image tokens")
 
 
 @dataclass

@@ -128,12 +128,6 @@ class TorchInferenceEngine:
             self._image_renderer = image_renderer_of(self.backend.vision, self.tokenizer, self.plan.base_id)
         return self._image_renderer
 
-    def _check_image_tokens(self, prompts: list[list[int]], images: list[list[ImageData]]) -> None:
-        """A vision-language model's prompts hold as many image tokens as their images make features (none without images)."""
-        if self.backend.vision is None and any(images):
-            self.image_renderer()  # raises: a text model reads no images
-        check_image_tokens(self.backend.vision, prompts, images)
-
     def generate(
         self, model: str, prompts: list[list[int]], params: SamplingParams, n: int, images: list[list[ImageData]] | None = None,
     ) -> list[list[SampledSequence]]:
@@ -141,7 +135,7 @@ class TorchInferenceEngine:
         if model not in {m.id for m in self._served}:
             raise ConfigError(f"unknown model {model!r}")
         images = images if images and any(images) else []
-        self._check_image_tokens(prompts, images)
+        check_image_tokens(self.backend.vision, prompts, images, self.plan.base_id)
         request = SampleRequest(prompts=prompts, params=params, num_samples=n, images=images)
         with self._lock, self._weights(model):
             return self.backend.sample(request).sequences

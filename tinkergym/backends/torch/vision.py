@@ -116,15 +116,18 @@ class VisionInputs:
         out = self.image_processor(images=[Image.fromarray(image_array(i)) for i in images], return_tensors="pt")
         return {"pixel_values": host_to_device(out["pixel_values"], device), "image_grid_thw": host_to_device(out["image_grid_thw"], device)}
 
-    def check_rows(self, rows: list[list[int]], images: list[list[ImageData]], where: str) -> None:
-        """Each row holds as many image tokens as its images make features; a :class:`ConfigError` says which does not."""
+    def check_rows(self, rows: list[list[int]], images: list[list[ImageData]], where: str,
+                   advice: str = "render the conversation with the model's renderer (tinkergym.chat.ImageChatRenderer) and send its images",
+                   ) -> None:
+        """Each row holds as many image tokens as its images make features; a :class:`ConfigError` says which does not, and
+        ``advice`` what to do."""
         for i, (tokens, row_images) in enumerate(zip(rows, images)):
             expected = sum(self.token_count(image) for image in row_images)
             found = sum(1 for t in tokens if t == self.image_token_id)
             if found != expected:
                 raise ConfigError(
                     f"{where} {i}: its tokens hold {found} image tokens, but its {len(row_images)} images make {expected} image "
-                    "features; render the conversation with the model's renderer (tinkergym.chat.ImageChatRenderer) and send its images"
+                    f"features; {advice}"
                 )
 
     def token_count(self, image: ImageData) -> int:

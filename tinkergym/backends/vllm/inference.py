@@ -47,11 +47,10 @@ from tinkergym.backends.vllm.sampler import (
     _on_cpu,
     _vllm_params,
     check_vision_loads,
-    collapse_image_runs,
     completion_seeds,
-    image_to_pil,
     require_vllm,
     to_sequence,
+    vllm_prompts,
 )
 from tinkergym.errors import ConfigError
 
@@ -236,18 +235,10 @@ class VLLMInferenceEngine:
         """``n`` completions of each prompt with ``model``'s weights: every completion one ``n=1`` request, in one ``generate`` call.
         ``images``: none, or one list per prompt (a vision-language model; see the module docstring)."""
         images = images if images and any(images) else []
-        if images and self.vision is None:
-            self.image_renderer()  # raises: a text model reads no images
-        check_image_tokens(self.vision, prompts, images)
+        check_image_tokens(self.vision, prompts, images, self.plan.base_id)
         if model not in {m.id for m in self._served}:
             raise ConfigError(f"unknown model {model!r}")
-        from vllm.inputs import TokensPrompt
-
-        inputs: list[Any] = [TokensPrompt(prompt_token_ids=list(p)) for p in prompts]
-        for i, row in enumerate(images):
-            if row:
-                inputs[i] = TokensPrompt(prompt_token_ids=collapse_image_runs(prompts[i], self.vision.image_token_id),
-                                         multi_modal_data={"image": [image_to_pil(image) for image in row]})
+        inputs = vllm_prompts(prompts, images, self.vision)
         # Ids outside the vocabulary never come (the server's "no stop" marker is -1); vLLM refuses them.
         stop_ids = [t for t in params.stop_token_ids if 0 <= t < self.vocab_size]
         flat = [prompt for prompt in inputs for _ in range(n)]

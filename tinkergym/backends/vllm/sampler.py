@@ -140,6 +140,23 @@ def collapse_image_runs(prompt: list[int], image_token_id: int) -> list[int]:
     return out
 
 
+def vllm_prompts(prompts: list[list[int]], images: list[list[Any]], vision: Any) -> list[Any]:
+    """The engine's inputs of token ``prompts`` (checked before): a ``TokensPrompt`` each, and for a prompt with images
+    (``images``: none, or one list per prompt) its runs of image tokens made one token each and its images as multi-modal
+    data."""
+    from vllm.inputs import TokensPrompt
+
+    inputs: list[Any] = []
+    for i, prompt in enumerate(prompts):
+        row = images[i] if i < len(images) else []
+        if row:
+            inputs.append(TokensPrompt(prompt_token_ids=collapse_image_runs(prompt, vision.image_token_id),
+                                       multi_modal_data={"image": [image_to_pil(image) for image in row]}))
+        else:
+            inputs.append(TokensPrompt(prompt_token_ids=list(prompt)))
+    return inputs
+
+
 def image_to_pil(image: Any) -> Any:
     """An :class:`~tinkergym.protocol.types.ImageData` (RGB bytes) as a ``PIL.Image.Image``."""
     from PIL import Image
@@ -276,19 +293,13 @@ class VLLMSampler:
 
         A completion also ends with ``"length"`` when prompt plus completion reach ``max_model_len``.
         """
-        from vllm.inputs import TokensPrompt
-
         self._check_prompts(request.prompts)
-        prompts: list[Any] = [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in request.prompts]
         if any(request.images):
             if self.vision is None:
                 raise ConfigError(f"the prompts carry images, but {self.base_path} is not a vision-language model: send images only "
                                   "to a sampler of a vision-language model (its folder holds an image processor)")
             self.vision.check_rows(request.prompts, request.images, "prompt")
-            for i, images in enumerate(request.images):
-                if images:
-                    prompts[i] = TokensPrompt(prompt_token_ids=collapse_image_runs(request.prompts[i], self.vision.image_token_id),
-                                              multi_modal_data={"image": [image_to_pil(image) for image in images]})
+        prompts = vllm_prompts(request.prompts, request.images if any(request.images) else [], self.vision)
         self.wake_up()
         params, n = request.params, request.num_samples
         stop_ids = self._stop_ids(params)
