@@ -17,6 +17,7 @@ from typing import Any
 
 from tinkergym.protocol.types import _Plain
 from tinkergym.errors import ConfigError
+from tinkergym.protocol.types import MAX_IMAGES
 
 # The ranks a vLLM engine can be built for (vllm.config.lora.MaxLoRARanks); an engine serves adapters up to its rank.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -208,6 +209,10 @@ def _device_kwargs(device: str | None, platform: EnginePlatform) -> dict[str, An
     return {"device_ids": [int(device.partition(":")[2] or 0)]}
 
 
+#: A vision-language model's multi-modal inputs per prompt: the protocol's most images, no video.
+IMAGE_LIMITS = {"image": MAX_IMAGES, "video": 0}
+
+
 def engine_kwargs(config: VLLMSamplerConfig, model_path: str, platform: EnginePlatform, images: bool = False) -> dict[str, Any]:
     """The keyword arguments of ``vllm.LLM`` for ``config`` on ``platform`` (``config.engine_kwargs`` last); ``images``: a
     vision-language model, whose prompts take up to :data:`~tinkergym.protocol.types.MAX_IMAGES` images each (no video)."""
@@ -230,9 +235,7 @@ def engine_kwargs(config: VLLMSamplerConfig, model_path: str, platform: EnginePl
     if c.max_num_seqs is not None:
         kwargs["max_num_seqs"] = c.max_num_seqs
     if images:
-        from tinkergym.protocol.types import MAX_IMAGES
-
-        kwargs["limit_mm_per_prompt"] = {"image": MAX_IMAGES, "video": 0}
+        kwargs["limit_mm_per_prompt"] = IMAGE_LIMITS
     if platform.on_cpu:
         # When a prompt's prefill is split over engine steps, vLLM discards that step's token and rewinds the
         # request's seeded generator (set_offset), which CPU generators do not support: seeded sampling of a

@@ -39,9 +39,10 @@ from typing import Any
 
 from tinkergym.backends.models import is_vision_folder
 from tinkergym.backends.serving import AdapterSource, ServedModel, ServingPlan, _eos_token_ids, check_image_tokens, image_renderer_of
-from tinkergym.protocol.types import MAX_IMAGES, ImageData, SampledSequence, SamplingParams
+from tinkergym.protocol.types import ImageData, SampledSequence, SamplingParams
 from tinkergym.backends.vllm.sampler import (
     CPU_BATCHED_TOKENS,
+    IMAGE_LIMITS,
     VLLM_LORA_RANKS,
     _check_cpu_head_size,
     _on_cpu,
@@ -212,7 +213,7 @@ class VLLMInferenceEngine:
         if lora_rank:
             kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=loras)
         if self.vision is not None:
-            kwargs["limit_mm_per_prompt"] = {"image": MAX_IMAGES, "video": 0}
+            kwargs["limit_mm_per_prompt"] = IMAGE_LIMITS
         if on_cpu:  # prompts scheduled whole: seeded CPU generators cannot rewind (see vllm_sampler)
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=max(self.max_model_len, CPU_BATCHED_TOKENS))
         kwargs.update(extra)

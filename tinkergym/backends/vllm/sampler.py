@@ -94,6 +94,7 @@ from tinkergym.protocol.types import (
 from tinkergym.backends.vllm.engine import (  # noqa: F401 - re-exported: the sampler's public names
     CPU_BATCHED_TOKENS,
     FULL_SYNC_METHODS,
+    IMAGE_LIMITS,
     INSTALL_HINT,
     SEEDING_MODES,
     VLLM_LORA_RANKS,
