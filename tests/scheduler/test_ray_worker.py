@@ -283,8 +283,10 @@ def test_a_restarted_worker_stops_the_actors_its_earlier_process_left(ray_cluste
         assert ranks_of(job_id, 1) == names  # detached: they outlive the worker's process (their lease ends in 3 s, they in 60 more)
 
         second = start_worker(scheduler.url, worker_key, ray_cluster.address, tmp_path / "w", tmp_path / "cache")
-        testkit.wait_until("the earlier process's actors to stop", lambda: not ranks_of(job_id, 1), timeout=120, process=second, output=log)
-        assert not any(alive(info["rank_pid"]) for info in infos) and group["name"] not in groups_of(job_id)
+        # the actors are killed first and their group removed after (Ray removes a group asynchronously): all three are awaited
+        testkit.wait_until("the earlier process's actors, their processes and their placement group to stop",
+                           lambda: not ranks_of(job_id, 1) and not any(alive(info["rank_pid"]) for info in infos)
+                           and group["name"] not in groups_of(job_id), timeout=120, process=second, output=log)
         testkit.wait_until("the job's next lease, on the restarted worker", lambda: job_row(db_url, job_id)["lease_epoch"] == 2,
                            timeout=60, process=second, output=log)
         assert "an earlier process of this worker left its 2 rank(s)" in log()

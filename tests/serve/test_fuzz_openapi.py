@@ -218,7 +218,9 @@ def test_no_request_makes_the_shared_server_fail(tiny: str, tmp_path: Path) -> N
         adapter_failures, adapter_statuses = fuzz(schema, {"/v1/call": 60}, real, headers=mine)
     assert not admin_failures + adapter_failures, "\n\n".join(admin_failures + adapter_failures)
     assert {("/v1/adapters", 201), ("/v1/adapters", 400)} <= set(admin_statuses), sorted(set(admin_statuses))
-    assert {("/v1/call", 200), ("/v1/call", 400), ("/v1/adapters", 403)} <= set(adapter_statuses), sorted(set(adapter_statuses))
+    assert {("/v1/call", 400), ("/v1/adapters", 403)} <= set(adapter_statuses), sorted(set(adapter_statuses))
+    # a valid call was taken: done (200) or, where the fuzzed ``wait`` ran out first, still running (202)
+    assert {("/v1/call", 200), ("/v1/call", 202)} & set(adapter_statuses), sorted(set(adapter_statuses))
 
 
 @pytest.mark.parametrize(("method", "args"), [
