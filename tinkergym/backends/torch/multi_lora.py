@@ -8,7 +8,7 @@ punica/S-LoRA kernels, in plain torch so that it runs (and backpropagates) on CP
 rows all use one adapter skips the gathering.
 
 Each adapter has its own rank and alpha; its weights are float32 tensors outside the model's parameters, so
-that each owner (a :class:`~tinkergym.backends.torch.shared.LoraSession`) keeps its own optimizer over them and
+that each owner (a :class:`~tinkergym.backends.torch.lora_session.LoraSession`) keeps its own optimizer over them and
 closing it frees them. Names and layout follow peft: an adapter saved by :func:`save_adapter` is an ordinary
 peft folder (``adapter_config.json`` + ``adapter_model.safetensors``) that ``PeftModel.from_pretrained``, vLLM
 and ``tinkergym serve-model`` load, and :func:`read_adapter` reads such folders back.
