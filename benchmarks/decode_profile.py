@@ -93,7 +93,7 @@ def build(mode: str, model: str, lora_sampling: str = "adapter", dtype: str = "a
 
 def request(backend: Any, args: argparse.Namespace) -> Any:
     """The GRPO-shaped request: Bandit-v0's first prompts, chat-rendered, ``args.group`` samples each, no early stop."""
-    from grpo_step import BenchSettings, step_prompts
+    from grpo_setup import BenchSettings, step_prompts
 
     from tinkergym.protocol.types import SampleRequest, SamplingParams
     from tinkergym.chat import ChatTemplateRenderer

@@ -100,7 +100,7 @@ def run_tinkergym(model: str, lr: float, seed: int, steps: int, trainer_args: di
 
 def run_trl(model: str, lr: float, seed: int, steps: int) -> dict[str, list[float]]:
     """TRL's GRPOTrainer as ``grpo_trl.py`` sets it up (``steps`` optimizer steps): the mean reward and budget share of every step."""
-    from grpo_step import BenchSettings
+    from grpo_setup import BenchSettings
     from grpo_trl import _trl_trainer
 
     s = BenchSettings(env_kwargs=ENV_KWARGS, max_new_tokens=4, lr=lr, steps=steps - 1, seed=seed, dtype="float32", trl_dtype="float32",

@@ -1,7 +1,7 @@
 """The TRL side of ``grpo_step.py``: TRL's GRPOTrainer on the step's prompts, rewards and settings, timed step by step.
 
 Run by ``grpo_step.py``'s ``trl`` worker (see its docstring for how the two sides are matched); the precision TRL
-computes in and the dtype it loads weights in are :func:`grpo_step.trl_precision` and :func:`grpo_step.trl_dtype`.
+computes in and the dtype it loads weights in are :func:`grpo_setup.trl_precision` and :func:`grpo_setup.trl_dtype`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 from collections.abc import Callable
 
 from bench_machine import CpuShare, _load, sync
-from grpo_step import BenchSettings, _summary, make_env, step_prompts, trl_dtype, trl_precision
+from grpo_setup import BenchSettings, _summary, make_env, step_prompts, trl_dtype, trl_precision
 
 
 def _trl_reward(s: BenchSettings) -> Callable[..., list[float]]:

@@ -55,7 +55,7 @@ from typing import Any
 from collections.abc import Callable, Iterator
 
 from bench_machine import CpuShare, _load, describe, emulation_warning, machine_facts, resolve_precision
-from grpo_step import BenchSettings, _timed, make_env, versions
+from grpo_setup import BenchSettings, _timed, make_env, versions
 
 #: Metric keys that are timings (they differ between the sides by nature).
 VOLATILE = ("time/", "perf/", "timing/", "throughput/")

@@ -93,7 +93,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_machine import CpuShare, _load, describe
-from grpo_step import BenchSettings, _timed, make_env, versions
+from grpo_setup import BenchSettings, _timed, make_env, versions
 from remote_step import _stable, _stop, add_step_options, free_port, start_process, step_options, step_precision
 
 SIDES = ("local", "wire", "tinker")

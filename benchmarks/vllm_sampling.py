@@ -48,7 +48,7 @@ def prompt_ids(args: argparse.Namespace, model_path: str) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from grpo_step import BenchSettings, step_prompts
+    from grpo_setup import BenchSettings, step_prompts
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     settings = BenchSettings(prompts=args.prompts, env_kwargs={"reward_mode": "expected"})
