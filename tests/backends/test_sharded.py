@@ -25,6 +25,7 @@ import sharded_program as program  # noqa: E402 - the rank program's batch and s
 from tinkergym.backends.torch.backend import TorchBackend  # noqa: E402
 from tinkergym.backends.torch.sharded import split_rows  # noqa: E402
 from tinkergym.backends.torch.sharded_states import trainable_weights  # noqa: E402
+from tinkergym.backends.torch.sizing import estimate_training_memory  # noqa: E402
 from tinkergym.protocol.types import Datum  # noqa: E402
 from tinkergym.scheduler.artifact_paths import check_relpath  # noqa: E402
 from tinkergym.scheduler.worker.folders import state_files  # noqa: E402
@@ -49,20 +50,21 @@ def torchrun(ranks: int, spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]
 
 
 def single(model: str, lora: int, steps: int, load: str | None = None, start: int = 0, export: str | None = None,
-           dtype: str = "float32") -> dict[str, Any]:
+           dtype: str = "float32", vlm: bool = False) -> dict[str, Any]:
     """The same calls on one process, without a process group; with ``load``, a sharded state loaded first."""
-    backend = TorchBackend(program.config({"model": model, "lora": lora, "dtype": dtype}))
+    spec = {"model": model, "lora": lora, "dtype": dtype, "vlm": vlm}
+    backend = TorchBackend(program.config(spec))
     if load:
         backend.load_state(load)  # a plain backend loads a sharded state too
     found: dict[str, Any] = {"steps": [], "first_sample": backend.sample(program.SAMPLES[0]).to_dict()}
     for step in range(steps):
-        result = backend.forward_backward(program.batch(start + step))
+        result = backend.forward_backward(program.batches(spec)(start + step))
         if step == 0:
             found["loss"] = result.metrics["loss"]
             found["grads"] = {n: p.grad.detach().clone() for n, p in backend._trainable}
         metrics = backend.optim_step(program.OPTIM)
         found["steps"].append({"grad_norm": metrics["grad_norm"], "weights": {n: p.detach().clone() for n, p in backend._trainable}})
-    found["samples"] = [backend.sample(request).to_dict() for request in program.SAMPLES]
+    found["samples"] = [backend.sample(request).to_dict() for request in program.samples(spec)]
     found["logprobs"] = backend.logprobs([[5, 6, 7, 8, 9], [1, 2, 3]], 1.0)
     if export:
         backend.export(export)
@@ -102,6 +104,37 @@ def test_two_ranks_train_as_one_process(tiny: str, tmp_path: Path, lora: int) ->
 
     assert_close(load_file(str(exported / weights)), load_file(str(tmp_path / "alone" / weights)), "exported")
     assert (exported / "tokenizer_config.json").is_file() and not list(exported.glob("*distcp*"))
+
+
+@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
+def test_a_vlm_on_two_ranks_trains_on_images_as_one_process(tiny_vlm: str, tmp_path: Path, lora: int) -> None:
+    """A Qwen2-VL whose batch puts the image rows on rank 0 and the text rows on rank 1 (only rank 0 runs the vision
+    tower): loss, gradients (the vision tower's too, in full fine-tuning) and the weights after two steps equal the single
+    process's, and so do sampling with an image, the export and a state saved after the first step, loaded at one rank."""
+    exported, state = tmp_path / "export", tmp_path / "state"
+    sharded = torchrun(2, {"model": tiny_vlm, "lora": lora, "steps": 2, "vlm": True, "export": str(exported), "save": str(state)}, tmp_path)
+    alone = single(tiny_vlm, lora, 2, export=str(tmp_path / "alone"), vlm=True)
+    rows = program.vlm_batch(tiny_vlm, 0).data
+    assert [[bool(rows[i].images) for i in part] for part in split_rows(rows, 2)] == [[True] * 3, [False] * 3]  # images on rank 0 only
+    assert sharded["loss"] == pytest.approx(alone["loss"], abs=1e-6)
+    assert_close(sharded["grads"], alone["grads"], "gradient")
+    from transformers import AutoConfig
+
+    estimate = estimate_training_memory(AutoConfig.from_pretrained(tiny_vlm), lora_rank=lora, ranks=2, dtype="float32", micro_batch_size=2, max_seq_len=32)
+    assert sharded["held_bytes"] == estimate.weights  # what the memory check counts: the vision side whole, the rest halved
+    if not lora:
+        assert any(".visual." in n and g.abs().max() > 0 for n, g in alone["grads"].items())  # the vision tower trains
+    for step in range(2):
+        assert sharded["steps"][step]["grad_norm"] == pytest.approx(alone["steps"][step]["grad_norm"], rel=1e-4)
+        assert_close(sharded["steps"][step]["weights"], alone["steps"][step]["weights"], f"weights after step {step}")
+    assert [[[s["tokens"] for s in row] for row in r["sequences"]] for r in sharded["samples"]] == \
+        [[[s["tokens"] for s in row] for row in r["sequences"]] for r in alone["samples"]]
+    weights = "adapter_model.safetensors" if lora else "model.safetensors"
+    from safetensors.torch import load_file
+
+    assert_close(load_file(str(exported / weights)), load_file(str(tmp_path / "alone" / weights)), "exported")
+    resumed = single(tiny_vlm, lora, 1, load=str(state), start=1, vlm=True)  # the vision side whole in the state, with its moments
+    assert_close(resumed["steps"][0]["weights"], sharded["steps"][1]["weights"], "the second step after loading the first's state")
 
 
 @pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])

@@ -437,9 +437,7 @@ class TorchBackend:
         tokens; the loss is normalized by the request's ``num_tokens``/``num_sequences`` when given.
         """
         spec, data = request.loss, request.data
-        validate_data(data, spec, self.reads_images)
-        if self.vision is not None and any(d.images for d in data):
-            self.vision.check_rows([d.tokens for d in data], [d.images for d in data], "datum")
+        self._check_data(data, spec)
         self.prefix_cache.clear()  # its memory goes to the activations; sampling after an update starts afresh anyway
         total_mask, num_sequences = request_normalizers(request)
         self.model.train()
@@ -459,6 +457,13 @@ class TorchBackend:
         for floats in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were
             totals = losses.add_sums(totals, floats)
         return ForwardBackwardResult(metrics=losses.finalize_metrics(totals), logprobs=scored if request.return_logprobs else None)  # type: ignore[arg-type]
+
+    def _check_data(self, data: list[Datum], spec: Any) -> None:
+        """A training request's checks (:func:`~tinkergym.backends.torch.batches.validate_data`), and on a vision-language
+        model that each datum's images fill its image tokens."""
+        validate_data(data, spec, self.reads_images)
+        if self.vision is not None and any(d.images for d in data):
+            self.vision.check_rows([d.tokens for d in data], [d.images for d in data], "datum")
 
     def _train_micro(self, data: list[Datum], micro: MicroBatch, spec: Any, total_mask: float, num_sequences: int,
                      scale: float = 1.0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:

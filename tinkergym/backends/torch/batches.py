@@ -129,7 +129,14 @@ def adamw_step(optimizer: torch.optim.Optimizer, trainable: Sequence[torch.Tenso
     for group in optimizer.param_groups:
         group.update(lr=params.learning_rate, betas=(params.beta1, params.beta2), eps=params.eps, weight_decay=params.weight_decay)
     grads = [p.grad for p in trainable if p.grad is not None]
-    if params.max_grad_norm > 0:
+    kinds = _by_kind([p for p in trainable if p.grad is not None])
+    if len(kinds) > 1:  # a sharded model's shards beside the weights every rank keeps whole: one norm over both
+        norms = [float(torch.nn.utils.get_total_norm([p.grad for p in kind if p.grad is not None])) for kind in kinds]
+        grad_norm = math.sqrt(math.fsum(n * n for n in norms))
+        if params.max_grad_norm > 0:
+            for kind in kinds:
+                torch.nn.utils.clip_grads_with_norm_(kind, params.max_grad_norm, torch.tensor(grad_norm))
+    elif params.max_grad_norm > 0:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(trainable, params.max_grad_norm))
     else:
         grad_norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -139,6 +146,14 @@ def adamw_step(optimizer: torch.optim.Optimizer, trainable: Sequence[torch.Tenso
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"grad_norm": grad_norm, "learning_rate": params.learning_rate, "step": float(step + 1)}, True
+
+
+def _by_kind(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``params`` as plain tensors and DTensors apart (torch's norms and clipping take one kind at a time); empty kinds left out."""
+    kinds: dict[bool, list[torch.Tensor]] = {}
+    for p in params:
+        kinds.setdefault(hasattr(p.grad, "full_tensor"), []).append(p)
+    return list(kinds.values())
 
 
 def check_weights_finite(trainable: Sequence[torch.Tensor], step: int, learning_rate: float) -> None:

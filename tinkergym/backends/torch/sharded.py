@@ -18,6 +18,11 @@ whole request, ``optim_step``, ``save_state``, and so on. What each rank does:
   rank runs as many micro-batches as the busiest one: a rank short of rows runs a pass of zero weight, because every
   forward and backward of a sharded model gathers weights from all ranks. Gradients are synchronised after the last
   micro-batch only. Metric sums are added over ranks; logprobs come back to every rank.
+- **Vision-language models.** A batch's rows with images may all fall on one rank, and only the passes with images run
+  the vision tower, so its weights cannot be gathered the way a decoder layer's are (a rank would wait for a gather its
+  peers never start). The vision side (every weight outside the language model and its output layer) is left out of
+  FSDP like the adapter: whole on every rank; in full fine-tuning its gradients are summed over ranks before the step,
+  as the adapter's are. Only the language model's decoder layers are sharded.
 - **Sampling and scoring** run on the sharded model with every rank given the same request (SPMD): the ranks draw the
   same tokens from the same generator state, so their passes, and the weight gathers they need, line up. Each rank does
   the whole work (no speed-up; the vLLM sampler is the fast path).
@@ -46,7 +51,8 @@ import torch.distributed as dist
 
 from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
-from tinkergym.backends.torch.batches import adamw_step, check_weights_finite, request_normalizers, validate_data
+from tinkergym.backends.torch.batches import adamw_step, check_weights_finite, request_normalizers
+from tinkergym.backends.torch.sizing import in_language_model
 from tinkergym.errors import ConfigError
 from tinkergym.backends.torch.sharded_states import (  # noqa: F401 - load_sharded_state, trainable_weights: public here too
     SHARDED_FORMAT, _sharded_meta, _trainable_only, dcp_folder, keep_index, load_sharded_state, trainable_weights,
@@ -98,12 +104,13 @@ def split_rows(data: list[Datum], world: int) -> list[range]:
     return [range(a, b) for a, b in zip(bounds, bounds[1:])]
 
 
-def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's repeated blocks: modules of its ``_no_split_modules`` classes (transformers names them)."""
+def decoder_layers(model: torch.nn.Module, language_model_only: bool = False) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules of its ``_no_split_modules`` classes (transformers names them); with
+    ``language_model_only`` (a vision-language model) those of its language model only."""
     names: set[str] = set()
     for module in model.modules():
         names.update(getattr(module, "_no_split_modules", None) or ())
-    layers = [m for m in model.modules() if type(m).__name__ in names]
+    layers = [m for n, m in model.named_modules() if type(m).__name__ in names and (not language_model_only or in_language_model(n))]
     if not layers:
         raise ConfigError(f"{type(model).__name__} names no repeated blocks (_no_split_modules): it cannot be sharded layer by layer")
     return layers
@@ -120,16 +127,23 @@ class ShardedTorchBackend(TorchBackend):
         super().__init__(config)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         lora = [p for _, p in self._trainable] if self.is_lora else []
+        # A vision-language model's vision side runs only in the passes whose rows carry images, which differ by rank: it is
+        # kept whole on every rank, out of FSDP, so that no rank waits for a weight gather its peers never start.
+        vision = [p for n, p in self.model.named_parameters() if not in_language_model(n) and not n.startswith("lm_head.")] if self.reads_images else []
         cast = self.param_dtype != self.dtype  # float32 masters, a lower compute dtype
         policy = MixedPrecisionPolicy(param_dtype=self.dtype if cast else None, reduce_dtype=torch.float32 if cast else None)
-        ignored = set(lora) or None
+        ignored = set(lora) | set(vision) or None
         # The model was loaded on the host (_load_base): each fully_shard moves the weights it wraps to this rank's device
         # and keeps its shard there, so a device holds one whole layer at most while loading, never the whole model.
-        self.fsdp_modules = [fully_shard(layer, mp_policy=policy, ignored_params=ignored) for layer in decoder_layers(self.model)]
+        self.fsdp_modules = [fully_shard(layer, mp_policy=policy, ignored_params=ignored)
+                             for layer in decoder_layers(self.model, language_model_only=self.reads_images)]
         self.fsdp_modules.append(fully_shard(self.model, mp_policy=policy, ignored_params=ignored))
         with torch.no_grad():
-            for param in lora:  # left out of FSDP, so not moved by it: the whole adapter on every rank's device
+            for param in [*lora, *vision]:  # left out of FSDP, so not moved by it: whole on every rank's device
                 param.data = param.data.to(self.device)
+        #: Trained weights every rank keeps whole (the adapter; the vision side in full fine-tuning): their gradients are
+        #: summed over ranks before each step.
+        self._replicated = [p for p in [*lora, *vision] if p.requires_grad]
         for module in self.fsdp_modules:
             module.set_gradient_divide_factor(1.0)  # each rank's loss is its share of one sum
             module.set_force_sum_reduction_for_comms(True)  # plain sums (gloo has no pre-multiplied sum)
@@ -154,7 +168,7 @@ class ShardedTorchBackend(TorchBackend):
     # ----- training ---------------------------------------------------------------------------------
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
         spec, data = request.loss, request.data
-        validate_data(data, spec)
+        self._check_data(data, spec)
         self.prefix_cache.clear()
         self._full = None
         total_mask, num_sequences = request_normalizers(request)  # the whole request's, on every rank
@@ -180,7 +194,7 @@ class ShardedTorchBackend(TorchBackend):
                             scored[mine[i]] = row[: len(rows[i].tokens)]
                 else:
                     self._train_micro(data, filler, spec, total_mask, num_sequences, scale=0.0)
-        if self.is_lora:
+        if self._replicated:
             self._all_reduce_grads()
         totals: dict[str, float] = {}
         for floats in losses.sums_to_floats(micro_sums):
@@ -196,8 +210,8 @@ class ShardedTorchBackend(TorchBackend):
         return ForwardBackwardResult(metrics=losses.finalize_metrics(summed), logprobs=scored_rows)
 
     def _all_reduce_grads(self) -> None:
-        """Sum the replicated adapter's gradients over ranks (a rank that trained nothing adds zeros)."""
-        for _, param in self._trainable:
+        """Sum the gradients of the weights every rank keeps whole over ranks (a rank that trained nothing adds zeros)."""
+        for param in self._replicated:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)

@@ -25,7 +25,8 @@ step that accumulates micro-batches (the second micro-batch of a step, the optim
   LoRA the frozen tower keeps none for the backward pass, and in full fine-tuning they grow with the patches of a
   micro-batch's images, which the estimate is not told.
 - With ``ranks > 1`` (:mod:`~tinkergym.backends.torch.sharded`): FSDP2 shards the weights, gradients and optimizer
-  state of the modules it wraps over the ranks; a LoRA adapter is left out of FSDP and replicated on every rank. One
+  state of the modules it wraps over the ranks; a LoRA adapter, and a vision-language model's vision side (with its
+  gradients and AdamW moments in full fine-tuning), are left out of FSDP and replicated on every rank. One
   decoder layer and the root module's weights (embeddings, final norm, head) are gathered whole at a time, in the
   compute dtype, and in full fine-tuning the layer's gradient before its reduce-scatter (**gathered**). Every rank
   first loads the whole model on the host and ``fully_shard`` moves it to the device a layer at a time; on a CPU the
@@ -408,7 +409,9 @@ def estimate_from_shape(shape: ModelShape, adapter: tuple[int, int], settings: d
         shape, rows=settings["micro_batch_size"], length=settings["max_seq_len"], compute=compute, param=param, full=not lora,
         casts=casts, attention=attention, lora_width=lora_width, checkpointing=settings["gradient_checkpointing"], device=settings["device"],
     )
-    weights = -(-shape.params * param // ranks) + adapter_params * 4
+    whole = shape.vision_params if ranks > 1 else 0  # sharded: a vision-language model's vision side is whole on every rank
+    trained_whole = 0 if lora else whole
+    weights = -(-(shape.params - whole) * param // ranks) + whole * param + adapter_params * 4
     copies = shape.linear_params * compute if casts else 0
     if lora and compute != 4:
         copies += adapter_params * compute  # autocast's casts of the float32 adapter
@@ -417,8 +420,8 @@ def estimate_from_shape(shape: ModelShape, adapter: tuple[int, int], settings: d
         gathered = (shape.layer_params + shape.root_params) * compute + (0 if lora else shape.layer_params * 4)
     return MemoryEstimate(
         weights=weights,
-        gradients=-(-trainable * trainable_bytes // sharded),
-        optimizer=-(-2 * trainable * trainable_bytes // sharded),  # AdamW's two moments, in the weights' dtype
+        gradients=-(-(trainable - trained_whole) * trainable_bytes // sharded) + trained_whole * trainable_bytes,
+        optimizer=-(-2 * (trainable - trained_whole) * trainable_bytes // sharded) + 2 * trained_whole * trainable_bytes,  # AdamW's two moments
         activations=activations,
         weight_copies=copies,
         gathered=gathered,
