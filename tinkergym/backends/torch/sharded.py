@@ -129,7 +129,7 @@ class ShardedTorchBackend(TorchBackend):
         lora = [p for _, p in self._trainable] if self.is_lora else []
         # A vision-language model's vision side runs only in the passes whose rows carry images, which differ by rank: it is
         # kept whole on every rank, out of FSDP, so that no rank waits for a weight gather its peers never start.
-        vision = [p for n, p in self.model.named_parameters() if not in_language_model(n) and not n.startswith("lm_head.")] if self.reads_images else []
+        vision = [p for n, p in self.model.named_parameters() if not in_language_model(n) and ".lm_head." not in f".{n}"] if self.reads_images else []
         cast = self.param_dtype != self.dtype  # float32 masters, a lower compute dtype
         policy = MixedPrecisionPolicy(param_dtype=self.dtype if cast else None, reduce_dtype=torch.float32 if cast else None)
         ignored = set(lora) | set(vision) or None
