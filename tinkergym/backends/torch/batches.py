@@ -157,7 +157,9 @@ def _by_kind(params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 def check_weights_finite(trainable: Sequence[torch.Tensor], step: int, learning_rate: float) -> None:
-    """Raise :class:`NonFiniteError` when an optimizer step made any of ``trainable`` NaN or infinite."""
+    """Raise :class:`NonFiniteError` when an optimizer step made any of ``trainable`` NaN or infinite (a sharded weight, a
+    DTensor, is gathered whole first: every rank calls this)."""
     # NaN and inf propagate into sums: one number per tensor.
-    if not bool(torch.stack([p.detach().sum(dtype=torch.float32) for p in trainable]).isfinite().all()):
+    whole = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in trainable]
+    if not bool(torch.stack([p.detach().sum(dtype=torch.float32) for p in whole]).isfinite().all()):
         raise NonFiniteError(f"optimizer step {step} made weights NaN or infinite (learning rate {learning_rate:g})")

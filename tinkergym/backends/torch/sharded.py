@@ -51,14 +51,14 @@ import torch.distributed as dist
 
 from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
-from tinkergym.backends.torch.batches import adamw_step, check_weights_finite, request_normalizers
+from tinkergym.backends.torch.batches import request_normalizers
 from tinkergym.backends.torch.sizing import in_language_model
 from tinkergym.errors import ConfigError
 from tinkergym.backends.torch.sharded_states import (  # noqa: F401 - load_sharded_state, trainable_weights: public here too
     SHARDED_FORMAT, _sharded_meta, _trainable_only, dcp_folder, keep_index, load_sharded_state, trainable_weights,
 )
 from tinkergym.folders import fresh_tmp_dir, replace_dir
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, ForwardBackwardResult, OptimParams
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, ForwardBackwardResult
 
 #: Seconds a collective waits for its peers before it raises (a dead rank ends the others).
 DEFAULT_TIMEOUT_S = 600.0
@@ -150,7 +150,6 @@ class ShardedTorchBackend(TorchBackend):
         self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         # DTensor parameters: the plain per-parameter AdamW (the fused kernel takes plain tensors).
         self.optimizer = torch.optim.AdamW([p for _, p in self._trainable], lr=0.0, foreach=False)
-        self._full: torch.nn.Module | None = None
 
     def _load_base(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
         """The whole model on the host (unless ``device`` says otherwise): fully_shard moves it to the device shard by shard."""
@@ -170,7 +169,6 @@ class ShardedTorchBackend(TorchBackend):
         spec, data = request.loss, request.data
         self._check_data(data, spec)
         self.prefix_cache.clear()
-        self._full = None
         total_mask, num_sequences = request_normalizers(request)  # the whole request's, on every rank
         mine = list(split_rows(data, self.world)[self.rank])
         rows = [data[i] for i in mine]
@@ -215,16 +213,6 @@ class ShardedTorchBackend(TorchBackend):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
-
-    def optim_step(self, params: OptimParams) -> dict[str, float]:
-        trainable = [p for _, p in self._trainable]
-        metrics, stepped = adamw_step(self.optimizer, trainable, params, self.step)
-        if stepped:
-            self.step += 1
-            self._weights_changed()
-            self._full = None
-            check_weights_finite([p.full_tensor() if hasattr(p, "full_tensor") else p for p in trainable], self.step, params.learning_rate)
-        return metrics
 
     # ----- sampling, scoring and export -------------------------------------------------------------
     def _sampling_model(self) -> torch.nn.Module:
@@ -292,7 +280,6 @@ class ShardedTorchBackend(TorchBackend):
                        options=StateDictOptions(strict=False))
         self._weights_changed()
         self.optimizer.zero_grad(set_to_none=True)  # a state holds no pending gradients (see TorchBackend.load_state)
-        self._full = None
         self.step = int(meta["step"])
 
 

@@ -15,9 +15,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tinkergym.protocol.types import _Plain
 from tinkergym.errors import ConfigError
-from tinkergym.protocol.types import MAX_IMAGES
+from tinkergym.protocol.types import MAX_IMAGES, _Plain
 
 # The ranks a vLLM engine can be built for (vllm.config.lora.MaxLoRARanks); an engine serves adapters up to its rank.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

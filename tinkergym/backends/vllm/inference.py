@@ -177,7 +177,6 @@ class VLLMInferenceEngine:
                 from tinkergym.backends.torch.vision import VisionInputs
 
                 check_vision_loads()
-
                 self.vision = VisionInputs.of_folder(plan.base_path, self.tokenizer)
             self._llm = self._build(model_path, lora_rank, len(ranks), utilization, seed, eager, on_cpu, engine_kwargs)
             self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
