@@ -157,6 +157,23 @@ def test_a_finished_session_frees_its_runs_and_samplers(cluster: Any) -> None:
     assert gone.status_code == 404
 
 
+def test_a_finish_sent_again_answers_as_the_first_and_only_to_its_tenant(cluster: Any) -> None:
+    """The SDK sends a finish again when its first answer does not come in time (a session whose jobs take long to end): the
+    session is ended by then, and the retry must not fail the client's close. Another tenant learns nothing of it."""
+    def post(who: str, route: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(cluster.url + route, json=body, headers={"X-API-Key": cluster.keys[who]}, timeout=30)
+
+    session = post("alice", "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "0.38.0"}).json()["session_id"]
+    finish, reason = f"/api/v1/sessions/{session}/finish", {"reason": {"type": "success"}, "detail": None}
+    assert post("bob", finish, reason).status_code == 404  # not bob's to end
+    assert session in cluster.service.sessions
+    assert [post("alice", finish, reason).status_code for _ in range(2)] == [200, 200]
+    assert session not in cluster.service.sessions
+    assert post("alice", "/api/v1/session_heartbeat", {"session_id": session}).status_code == 410
+    assert post("bob", finish, reason).status_code == 404  # an ended session is still not bob's
+    assert post("alice", "/api/v1/sessions/session-0123456789abcdef/finish", reason).status_code == 404  # never opened
+
+
 # ----- losses ------------------------------------------------------------------------------------------------------
 def reference_loss(name: str, lp: torch.Tensor, inputs: dict[str, torch.Tensor], config: dict[str, float]) -> torch.Tensor:
     """Each loss as the Tinker docs define it (elementwise), written here apart from the server's."""

@@ -155,20 +155,37 @@ class ScheduledBackend:
         """
         if self.epoch is None:
             return
-        if self.last_state is not None and not self._wait_stored(self.last_state, store_timeout):
-            self.say(f"job {self.job_id}: ending the job without checkpoint {self.last_state}")
+        if self.last_state is not None:
+            try:
+                stored = self.wait_stored(self.last_state, store_timeout)
+            except BackendLost as exc:
+                self.say(f"{exc}; ending the job without it")
+            else:
+                if not stored:
+                    self.say(f"job {self.job_id}: ending the job without checkpoint {self.last_state}")
         self.client.complete(self.job_id, self.epoch)
 
-    def _wait_stored(self, name: str, timeout: float) -> bool:
-        """Wait until the scheduler holds the job's checkpoint ``name``; whether it does (False: not within ``timeout``
-        seconds, or the scheduler could not say)."""
+    def wait_stored(self, name: str, timeout: float) -> bool:
+        """Wait until the scheduler holds the job's checkpoint ``name``, saved on the server of this lease epoch; whether it
+        does (False: not within ``timeout`` seconds, or the scheduler could not say).
+
+        Raises :class:`BackendLost` as soon as the job no longer runs at this epoch without holding the checkpoint: the
+        worker that would upload it lost the lease (it died, or froze), and the scheduler records no checkpoint from a
+        lease it has moved past, so it never will be stored. The caller saves it again on the next lease's server.
+        """
         from tinkergym.client import SchedulerError
 
         deadline, said = time.monotonic() + timeout, False
         while True:
             try:
-                if any(c["name"] == name for c in self.client.checkpoints(self.job_id)):
+                if self._holds(name):
                     return True
+                job = self.client.show(self.job_id)
+                if job["state"] != "running" or job.get("lease_epoch") != self.epoch:
+                    if self._holds(name):  # recorded between the two looks: a lease it has moved past records nothing more
+                        return True
+                    raise BackendLost(f"job {self.job_id}: its server at lease epoch {self.epoch} lost the lease before its worker stored "
+                                      f"checkpoint {name} (the job is {job['state']} at epoch {job.get('lease_epoch')})")
             except (SchedulerError, OSError) as exc:
                 self.say(f"job {self.job_id}: could not list its checkpoints ({exc})")
                 return False
@@ -179,6 +196,10 @@ class ScheduledBackend:
                 self.say(f"job {self.job_id}: waiting for the worker to store checkpoint {name}")
                 said = True
             time.sleep(min(self.poll, 0.25))
+
+    def _holds(self, name: str) -> bool:
+        """Whether the scheduler has recorded the job's checkpoint ``name``."""
+        return any(c["name"] == name for c in self.client.checkpoints(self.job_id))
 
     # ----- the Backend protocol ---------------------------------------------------------------------
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:

@@ -135,8 +135,7 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
 
     @app.post("/api/v1/sessions/{session_id}/finish")
     async def finish(session_id: str, request: Request) -> Response:
-        session = service.session(tenant(request), session_id)
-        await run_in_threadpool(service.end_session, session)
+        await run_in_threadpool(service.finish_session, tenant(request), session_id)
         return Response(status_code=200, content=b"null", media_type="application/json")
 
     # ----- training runs ----------------------------------------------------------------------------------

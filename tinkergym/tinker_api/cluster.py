@@ -389,17 +389,33 @@ class ClusterEngine:
     def _store(self, handle: ClusterHandle, name: str, required: bool = True) -> None:
         """Save the job's state as ``name`` and wait until the scheduler holds it; the log before it is then no longer needed.
 
+        A server that lost its lease before its worker stored the state (the worker died or froze after the save; the
+        scheduler records nothing from a lease it has moved past) is recovered like a lost call (:meth:`_recover`: the
+        next lease's server, brought to the log) and saves it again.
+
         A state the scheduler does not hold (its server lost too often, or not stored within :data:`STORE_WAIT_S`) leaves the
         log as it was: with ``required`` (a client's save: sending it again is harmless) the call answers 503, otherwise (the
         engine's own ``auto-`` states, after a call that took effect) the run goes on and the next one tries again."""
-        try:
-            self._with_server(handle, lambda: handle.backend.save_state(self._note(handle, name)), "while saving it")
-        except ServerLost as exc:
-            return self._not_stored(handle, name, exc.message, required)
-        if not handle.backend._wait_stored(name, timeout=STORE_WAIT_S):
-            return self._not_stored(handle, name, f"the scheduler did not hold it within {STORE_WAIT_S:g} s", required)
-        handle.stored, handle.log = name, []
-        self._persist(handle, clear=True)
+        from tinkergym.backends.scheduled import BackendLost
+
+        for attempt in range(MAX_RECOVERIES + 1):
+            try:
+                self._with_server(handle, lambda: handle.backend.save_state(self._note(handle, name)), "while saving it")
+            except ServerLost as exc:
+                return self._not_stored(handle, name, exc.message, required)
+            try:
+                stored = handle.backend.wait_stored(name, timeout=STORE_WAIT_S)
+            except BackendLost as exc:
+                if attempt == MAX_RECOVERIES:
+                    return self._not_stored(handle, name, f"its server was lost {attempt + 1} times before it was stored ({exc})", required)
+                self._recover(handle, f"its server lost the lease before the state {name} was stored; waiting for the next lease")
+                continue
+            if not stored:
+                return self._not_stored(handle, name, f"the scheduler did not hold it within {STORE_WAIT_S:g} s", required)
+            handle.stored, handle.log = name, []
+            self._persist(handle, clear=True)
+            return None
+        raise AssertionError("unreachable")
 
     def _not_stored(self, handle: ClusterHandle, name: str, why: str, required: bool) -> None:
         if required:

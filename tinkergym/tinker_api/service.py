@@ -39,6 +39,7 @@ import secrets
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -108,6 +109,8 @@ class TinkerService:
         self.runs: dict[str, Run] = {}
         self.samplers: dict[str, Sampler] = {}
         self.futures: dict[str, Pending] = {}
+        #: Sessions ended here, newest last (id -> tenant; at most ``keep_done_futures``): finishing one again answers as the first time.
+        self.ended: OrderedDict[str, str] = OrderedDict()
         self.journal = journal
         self._lock = threading.RLock()
         self._url_key = secrets.token_bytes(32)  # signs download URLs; a restarted server's URLs are void, as its checkpoints are
@@ -215,31 +218,50 @@ class TinkerService:
         for session in [s for s in self.sessions.values() if s.last_heartbeat < deadline]:
             self.end_session(session)
 
-    def end_session(self, session: Session) -> None:
+    def finish_session(self, tenant: str, session_id: str) -> None:
+        """The client ends its session (the SDK's ``close``): its runs and samplers are closed. Finishing a session this
+        tenant has ended already answers the same, so a retry whose first attempt ended it (the answer lost, or slow to come
+        while its jobs ended) does not fail; another tenant's session, or one never opened, is a 404."""
         with self._lock:
-            self.sessions.pop(session.session_id, None)
+            session = self.sessions.get(session_id)
+            if session is None and self.ended.get(session_id) == tenant:
+                return
+            session = self.session(tenant, session_id)
+        self.end_session(session)
+
+    def end_session(self, session: Session) -> None:
+        """Close the session's runs and samplers (their memory is freed). The service's lock is held only to take them out of
+        its tables: the engine closes them after (a cluster job's end may wait for its last state to be stored), so one
+        session's end holds back no other tenant's request. A session ended already is left as it is."""
+        with self._lock:
+            if self.sessions.pop(session.session_id, None) is None:
+                return
+            self.ended[session.session_id] = session.tenant
+            while len(self.ended) > self.limits.keep_done_futures:
+                self.ended.popitem(last=False)
             self._write("drop_session", session.session_id)
-            for model_id in list(session.runs):
-                run = self.runs.get(model_id)
-                if run is not None:
-                    self._close_run(run)
+            closing = [(run.handle, self._retire_run(run)) for run in (self.runs.get(m) for m in list(session.runs))
+                       if run is not None and not run.closed]
             for sampler_id in list(session.samplers):
                 sampler = self.samplers.pop(sampler_id, None)
                 if sampler is not None:
                     self._write("drop_sampler", sampler_id)
-                    self.engine.close(sampler.handle)
+                    closing.append((sampler.handle, False))
+        for handle, forget in closing:
+            self.engine.close(handle, forget=forget)
         self.logger.info(json.dumps({"event": "tinker_session_ended", "session": session.session_id}))
 
-    def _close_run(self, run: Run) -> None:
-        """Free the run's adapter; a run with checkpoints stays listed (its tinker:// paths still load), one without is forgotten."""
+    def _retire_run(self, run: Run) -> bool:
+        """Under the lock: the run takes no more calls; one with checkpoints stays listed (its tinker:// paths still load), one
+        without is forgotten. Whether the engine may forget its files when it closes the handle."""
         run.closed = True
         run.executor.shutdown(wait=False, cancel_futures=True)
-        self.engine.close(run.handle, forget=not run.checkpoints)
         if not run.checkpoints:
             self.runs.pop(run.model_id, None)
             self._write("drop_run", run.model_id)
         else:
             self._write("close_run", run.model_id)
+        return not run.checkpoints
 
     # ----- futures --------------------------------------------------------------------------------------
     def submit(self, tenant: str, operation: Callable[[], Any], run: Run | None = None) -> str:
