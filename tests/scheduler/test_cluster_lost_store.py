@@ -84,9 +84,9 @@ def test_a_state_whose_worker_froze_before_storing_it_is_stored_from_the_next_le
         # the same three steps on a job nobody interrupted: the same losses
         handles.append(engine.open_run("run-b", "tiny", 4, 3, alice))
         straight = [_step(engine, handles[1]) for _ in range(3)]
-        assert losses[0] == pytest.approx(straight[0], rel=1e-5)
-        assert losses[1] == pytest.approx(straight[1], rel=1e-5)
-        assert losses[2] == pytest.approx(straight[2], rel=1e-5)
+        assert losses[0] == pytest.approx(straight[0], rel=1e-4)
+        assert losses[1] == pytest.approx(straight[1], rel=1e-4)
+        assert losses[2] == pytest.approx(straight[2], rel=1e-4)
         assert straight[2] != pytest.approx(straight[0], rel=1e-3)  # the steps changed the weights: the check can tell runs apart
         owner.close()
     finally:
