@@ -27,7 +27,9 @@ and a new one from the same config (the same seed: the same start) replays the l
 
 A client whose SDK still sends session heartbeats keeps its jobs: every ``keepalive_s`` the service pings the server of
 each run and sampler of a live session (:meth:`ClusterEngine.keepalive`), which resets the scheduler's idle timeout as
-a call does; a session that stops its heartbeats lets its jobs end when they go idle.
+a call does; a session that stops its heartbeats lets its jobs end when they go idle. A keep-alive that finds the server
+gone brings the job's next server to the log once the job runs on a new lease (:meth:`ClusterEngine._follow`), so a
+worker that dies under an idle client does not end its job at the idle timeout.
 
 An offered vision-language model (``--offer NAME=<folder>``, a folder whose config has a ``vision_config`` and that holds
 the image processor) takes image chunks: :meth:`ClusterEngine.vision` reads its image processor and image token from that
@@ -73,7 +75,9 @@ class ClusterHandle:
     """A run's or sampler's job: its backend, the calls since its newest stored state, and that state.
 
     ``backend`` is None for a handle restored after a restart until a request reattaches it (:meth:`ClusterEngine.attach`);
-    ``resync`` then says that the job's server must be brought back to the log before the next call."""
+    ``resync`` then says that the job's server must be brought back to the log before the next call. ``behind`` says that
+    the handle is connected to a new lease's server that has not caught up with the log yet (a catch-up that was cut
+    short): the next call finishes it first."""
 
     job_id: str
     backend: Any
@@ -90,6 +94,7 @@ class ClusterHandle:
     name: str = ""
     sampler: bool = False
     resync: bool = False
+    behind: bool = False
 
 
 def _plain_args(method: str, args: Any) -> Any:
@@ -233,6 +238,8 @@ class ClusterEngine:
         if handle.resync:
             self._resync(handle)
             handle.resync = False
+        if handle.behind:
+            self._recover(handle, "its server has not caught up with the log yet", connect=False)
 
     def _resync(self, handle: ClusterHandle) -> None:
         """After a restart: the newest stored state and the log, on the job's server (a sampler's server loads its state again).
@@ -320,6 +327,30 @@ class ClusterEngine:
             handle.backend.ping()
         except Exception as exc:  # noqa: BLE001 - see above
             self.say(f"job {handle.job_id}: keep-alive found no server ({exc})")
+            self._follow(handle)
+
+    def _follow(self, handle: ClusterHandle) -> None:
+        """After a keep-alive found the job's server gone: once the job runs on a new lease, bring that server to the log
+        (the newest stored state, the calls since), so the keep-alive reaches it from then on and a client that only
+        sends heartbeats keeps its job across a worker's death; otherwise that server would see no call and end the job
+        at the scheduler's idle timeout. Never waits: a job not yet on a new lease is looked at again by the next pass, a
+        handle a call holds is the call's to recover, and a catch-up cut short is finished by the next call (``behind``)."""
+        from tinkergym.client import SchedulerError
+
+        try:
+            job = handle.backend.client.show(handle.job_id)
+        except (SchedulerError, OSError) as exc:
+            self.say(f"job {handle.job_id}: could not look at the job ({exc}); the next keep-alive looks again")
+            return
+        if job.get("state") != "running" or job.get("lease_epoch") == handle.backend.epoch or not handle.lock.acquire(blocking=False):
+            return
+        try:
+            if not handle.closed and handle.backend.epoch != job.get("lease_epoch"):
+                self._recover(handle, "its server is gone while its client is idle; the job runs on a new lease", wait=False)
+        except Exception as exc:  # noqa: BLE001 - the next call meets the same trouble and answers it
+            self.say(f"job {handle.job_id}: not brought to its new server yet ({exc}); the next call does it")
+        finally:
+            handle.lock.release()
 
     # ----- calls, with recovery -------------------------------------------------------------------------------------
     def call(self, handle: ClusterHandle, method: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -366,14 +397,20 @@ class ClusterEngine:
                 raise EngineError(400, str(exc)) from exc
         raise AssertionError("unreachable")
 
-    def _recover(self, handle: ClusterHandle, why: str = "its server is gone; waiting for the next lease") -> None:
-        """The job's next lease: load its newest stored state and replay the calls made since, in order."""
+    def _recover(self, handle: ClusterHandle, why: str = "its server is gone; waiting for the next lease", connect: bool = True,
+                 wait: bool = True) -> None:
+        """The job's next lease: load its newest stored state and replay the calls made since, in order. ``connect=False``: the
+        handle's server is the one to catch up (it is ``behind``). ``wait=False``: a server lost during the catch-up is not
+        waited for; the handle stays ``behind`` and the next call recovers it."""
         from tinkergym.backends.scheduled import BackendLost
 
         while True:
             self.say(f"job {handle.job_id}: {why}, then replaying {len(handle.log)} calls")
             why = "its server is gone; waiting for the next lease"
-            self._connect(handle)
+            if connect:
+                self._connect(handle)
+            connect = True
+            handle.behind = True
             try:
                 if handle.stored is not None:
                     self._load(handle, handle.stored)
@@ -382,9 +419,12 @@ class ClusterEngine:
                         self._load(handle, args, weights_only=method == "load_weights")
                     else:
                         self._invoke(handle, method, args)
-                return
             except BackendLost:
+                if not wait:
+                    return
                 continue  # lost again while catching up: the next lease starts over
+            handle.behind = False
+            return
 
     def _store(self, handle: ClusterHandle, name: str, required: bool = True) -> None:
         """Save the job's state as ``name`` and wait until the scheduler holds it; the log before it is then no longer needed.

@@ -1,16 +1,23 @@
-"""A state saved on a server whose worker then loses the lease is saved again on the next lease's server.
+"""The front door's runs (:class:`~tinkergym.tinker_api.cluster.ClusterEngine`) follow their jobs from a worker that dies or
+freezes to the next one, where a call that found the server gone would not: a state saved but never stored, and a run
+whose client only sends heartbeats.
 
-The front door (:class:`~tinkergym.tinker_api.cluster.ClusterEngine`) saves a run's state every ``checkpoint_every`` steps and
-waits until the scheduler holds it. Here the worker freezes (SIGSTOP) right before such a step: its server still answers
-until its lease file's deadline, so the step and the save succeed there, but the frozen worker never uploads the state and
-the scheduler records nothing from a lease it has moved past. The wait must end as soon as the lease is gone (not after
-:data:`~tinkergym.tinker_api.cluster.STORE_WAIT_S`), the run move to a second worker (its log replayed) and the state be
-stored from there; the run then goes on as one that was never interrupted.
+- The engine saves a run's state every ``checkpoint_every`` steps and waits until the scheduler holds it. A worker frozen
+  (SIGSTOP) right before such a step: its server still answers until its lease file's deadline, so the step and the save
+  succeed there, but the frozen worker never uploads the state and the scheduler records nothing from a lease it has moved
+  past. The wait must end as soon as the lease is gone (not after :data:`~tinkergym.tinker_api.cluster.STORE_WAIT_S`), the
+  run move to a second worker (its log replayed) and the state be stored from there.
+- A client thinking in a notebook sends no call, only heartbeats, and the engine pings its run's server
+  (:meth:`~tinkergym.tinker_api.cluster.ClusterEngine.keepalive`). When the worker dies meanwhile, the keep-alive must bring
+  the job's next server to the run's state, and keep it alive past the scheduler's idle timeout.
+
+Either way the run then goes on as one that was never interrupted.
 """
 
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +29,8 @@ from workerkit import serve_scheduler, shared_worker  # noqa: E402  # registered
 
 pytestmark = pytest.mark.slow
 
+#: The scheduler's idle timeout in the keep-alive test: the client sends no call for longer than that.
+IDLE_TIMEOUT = 20.0
 ROWS = [list(range(5, 21)), [7, 3, 9, 11, 40, 41, 42, 43, 44]]
 
 
@@ -91,6 +100,59 @@ def test_a_state_whose_worker_froze_before_storing_it_is_stored_from_the_next_le
         owner.close()
     finally:
         first.send_signal(signal.SIGCONT)
+        for handle in handles:
+            engine.close(handle)
+        for process in workers:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        scheduler.stop()
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
+def test_an_idle_clients_run_follows_its_job_to_the_next_worker_on_keep_alives_alone(db_url: str, keys: Any, tiny: str, tmp_path: Path) -> None:
+    from tinkergym.client import SchedulerClient
+    from tinkergym.tinker_api.cluster import ClusterEngine
+
+    cache = tmp_path / "cache"
+    alice, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
+    scheduler = serve_scheduler(db_url, tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2, idle_timeout_s=IDLE_TIMEOUT)
+    said: list[str] = []
+    engine = ClusterEngine(scheduler.url, {"tiny": tiny}, tmp_path / "door", checkpoint_every=2, dtype="float32", poll=0.2, say=said.append)
+    first = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache, seats=2)
+    workers = [first]
+    handles: list[Any] = []
+    owner = SchedulerClient(scheduler.url, alice)
+    try:
+        handles.append(engine.open_run("run-a", "tiny", 4, 3, alice))
+        run = handles[0]
+        losses = [_step(engine, run) for _ in range(3)]  # a stored state (auto-000002) and the calls of a step after it
+        assert run.stored == "auto-000002" and len(run.log) == 2
+        workers.append(shared_worker(scheduler.url, worker_key, tmp_path / "w2", cache, seats=2))
+        first.kill()
+        first.wait()
+
+        def keep_alive_until(done: Any, seconds: float) -> None:  # what the service's maintenance pass does for a live session
+            deadline = time.monotonic() + seconds
+            while not done() and time.monotonic() < deadline:
+                engine.keepalive(run)
+                time.sleep(1.0)
+
+        keep_alive_until(lambda: run.backend.epoch >= 2 and not run.behind, 150)
+        assert run.backend.epoch >= 2 and not run.behind, said[-5:]
+        assert any("its server is gone while its client is idle" in line for line in said), said
+        keep_alive_until(lambda: False, IDLE_TIMEOUT + 5)  # no call for longer than the idle timeout: the keep-alives alone
+        job = owner.show(run.job_id)
+        assert job["state"] == "running" and job["lease_epoch"] == run.backend.epoch, job
+        losses.append(_step(engine, run))  # step 4, on the second worker, from the stored state and the replayed step
+
+        handles.append(engine.open_run("run-b", "tiny", 4, 3, alice))
+        straight = [_step(engine, handles[1]) for _ in range(4)]
+        for got, want in zip(losses, straight):
+            assert got == pytest.approx(want, rel=1e-4)
+        assert straight[3] != pytest.approx(straight[2], rel=1e-3)
+    finally:
+        owner.close()
         for handle in handles:
             engine.close(handle)
         for process in workers:
