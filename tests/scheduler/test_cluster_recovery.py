@@ -53,6 +53,17 @@ def _step(engine: Any, handle: Any) -> float:
     return loss
 
 
+def _stop(engine: Any, handles: list[Any], workers: list[Any], scheduler: Any) -> None:
+    """End the runs' jobs, kill the workers still running, stop the scheduler."""
+    for handle in handles:
+        engine.close(handle)
+    for process in workers:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    scheduler.stop()
+
+
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_state_whose_worker_froze_before_storing_it_is_stored_from_the_next_lease(db_url: str, keys: Any, tiny: str, tmp_path: Path,
                                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
@@ -100,13 +111,7 @@ def test_a_state_whose_worker_froze_before_storing_it_is_stored_from_the_next_le
         owner.close()
     finally:
         first.send_signal(signal.SIGCONT)
-        for handle in handles:
-            engine.close(handle)
-        for process in workers:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        scheduler.stop()
+        _stop(engine, handles, workers, scheduler)
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
@@ -153,10 +158,4 @@ def test_an_idle_clients_run_follows_its_job_to_the_next_worker_on_keep_alives_a
         assert straight[3] != pytest.approx(straight[2], rel=1e-3)
     finally:
         owner.close()
-        for handle in handles:
-            engine.close(handle)
-        for process in workers:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-        scheduler.stop()
+        _stop(engine, handles, workers, scheduler)
