@@ -94,7 +94,7 @@ def test_a_state_whose_worker_froze_before_storing_it_is_stored_from_the_next_le
         engine.call(run, "optim_step", {"params": OptimParams(learning_rate=3e-2)})  # step 2: its state auto-000002 saved, then stored
 
         owner = SchedulerClient(scheduler.url, alice)
-        assert any("lost the lease before the state auto-000002 was stored" in line for line in said), said
+        assert any("lost the lease before its worker stored checkpoint auto-000002" in line for line in said), said
         assert run.stored == "auto-000002" and run.log == []  # stored from the second lease's server: the log before it dropped
         recorded = {c["name"]: c for c in owner.checkpoints(run.job_id)}
         assert recorded["auto-000002"]["epoch"] >= 2, recorded

@@ -392,6 +392,7 @@ class ClusterEngine:
             except BackendLost as exc:
                 if attempt == MAX_RECOVERIES:
                     raise ServerLost(503, f"job {handle.job_id} lost its server {attempt + 1} times {what}: {exc}", "server") from exc
+                self.say(str(exc))
                 self._recover(handle)
             except ConfigError as exc:
                 raise EngineError(400, str(exc)) from exc
@@ -430,32 +431,25 @@ class ClusterEngine:
         """Save the job's state as ``name`` and wait until the scheduler holds it; the log before it is then no longer needed.
 
         A server that lost its lease before its worker stored the state (the worker died or froze after the save; the
-        scheduler records nothing from a lease it has moved past) is recovered like a lost call (:meth:`_recover`: the
-        next lease's server, brought to the log) and saves it again.
+        scheduler records nothing from a lease it has moved past: ``wait_stored`` raises ``BackendLost``) is a lost server
+        like any other (:meth:`_with_server`): the next lease's server, brought to the log, saves it again.
 
         A state the scheduler does not hold (its server lost too often, or not stored within :data:`STORE_WAIT_S`) leaves the
         log as it was: with ``required`` (a client's save: sending it again is harmless) the call answers 503, otherwise (the
         engine's own ``auto-`` states, after a call that took effect) the run goes on and the next one tries again."""
-        from tinkergym.backends.scheduled import BackendLost
+        def save() -> bool:
+            handle.backend.save_state(self._note(handle, name))
+            return bool(handle.backend.wait_stored(name, timeout=STORE_WAIT_S))
 
-        for attempt in range(MAX_RECOVERIES + 1):
-            try:
-                self._with_server(handle, lambda: handle.backend.save_state(self._note(handle, name)), "while saving it")
-            except ServerLost as exc:
-                return self._not_stored(handle, name, exc.message, required)
-            try:
-                stored = handle.backend.wait_stored(name, timeout=STORE_WAIT_S)
-            except BackendLost as exc:
-                if attempt == MAX_RECOVERIES:
-                    return self._not_stored(handle, name, f"its server was lost {attempt + 1} times before it was stored ({exc})", required)
-                self._recover(handle, f"its server lost the lease before the state {name} was stored; waiting for the next lease")
-                continue
-            if not stored:
-                return self._not_stored(handle, name, f"the scheduler did not hold it within {STORE_WAIT_S:g} s", required)
-            handle.stored, handle.log = name, []
-            self._persist(handle, clear=True)
-            return None
-        raise AssertionError("unreachable")
+        try:
+            stored = self._with_server(handle, save, "while saving it")
+        except ServerLost as exc:
+            return self._not_stored(handle, name, exc.message, required)
+        if not stored:
+            return self._not_stored(handle, name, f"the scheduler did not hold it within {STORE_WAIT_S:g} s", required)
+        handle.stored, handle.log = name, []
+        self._persist(handle, clear=True)
+        return None
 
     def _not_stored(self, handle: ClusterHandle, name: str, why: str, required: bool) -> None:
         if required:
