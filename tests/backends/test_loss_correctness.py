@@ -107,9 +107,13 @@ def grads(backend: TorchBackend) -> dict[str, torch.Tensor]:
 
 
 def assert_same_grads(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Equal within float32 rounding: 1e-4 of each entry, and 1e-6 of the tensor's largest entry (an entry near zero is a
+    sum of terms as large as the largest, whose rounding depends on the kernels the CPU picks: 1e-5 on a tensor of
+    entries up to 30 was seen with oneDNN's AMX kernels)."""
     assert a.keys() == b.keys() and a
     for name in a:
-        assert torch.allclose(a[name], b[name], atol=1e-6, rtol=1e-4), (name, float((a[name] - b[name]).abs().max()))
+        scale = max(1.0, float(b[name].abs().max()))
+        assert torch.allclose(a[name], b[name], atol=1e-6 * scale, rtol=1e-4), (name, float((a[name] - b[name]).abs().max()))
 
 
 # ----- 1. the ratio of an unchanged policy is 1 at any temperature ----------------------------------------

@@ -46,7 +46,9 @@ def test_merged_samples_equal_the_adapters_after_every_step(tiny: str) -> None:
     for step in range(3):
         samples = sample(merged)
         assert isinstance(merged._sampling_copy, MergedLoraCopy) and adapter._sampling_copy is None
-        assert_same_samples(sample(adapter), samples, atol=1e-5)
+        # within float32 rounding: the merged weight (W + s BA) and the adapter's path (Wx + s B(Ax)) round differently;
+        # 1.3e-5 at a logprob of -7 after two steps was seen with oneDNN's AMX kernels
+        assert_same_samples(sample(adapter), samples, atol=5e-5)
         if step == 0:
             untrained = [s.logprobs for s in samples]
         train(merged, 1)

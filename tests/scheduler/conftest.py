@@ -1,7 +1,9 @@
 """Scheduler fixtures: a database URL (SQLite and PostgreSQL), an app on it, and keys.
 
 ``db_url`` is parametrized over ``sqlite`` (a fresh file per test) and ``postgresql`` (a fresh database per
-test on a private cluster that :func:`postgres_server` starts once per session on 127.0.0.1). The end-to-end tests
+test on a private cluster that :func:`postgres_server` starts once per session on 127.0.0.1), each already at the
+newest schema: a copy of a database migrated once per session (``empty_db_url``: the same, empty, for the tests of
+the migrations). The end-to-end tests
 that run real processes (a scheduler, workers, training clients) pick one of the two with
 ``@pytest.mark.parametrize("db_url", [...], indirect=True)``: their database work is the calls the API-level tests
 make on both, and they are spread over the two so that each database is driven end to end. Where the
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +67,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.path.is_relative_to(folder):
             params = getattr(getattr(item, "callspec", None), "params", {})
-            if params.get("db_url") == "postgresql" or "postgres_server" in getattr(item, "fixturenames", ()):
+            if "postgresql" in (params.get("db_url"), params.get("empty_db_url")) or "postgres_server" in getattr(item, "fixturenames", ()):
                 item.add_marker(pytest.mark.postgres)
 
 
@@ -92,18 +95,58 @@ def postgres_server() -> Iterator[PostgresServer]:
         yield server
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """A fresh, empty database: a SQLite file, or a new database on the session's PostgreSQL cluster."""
+@pytest.fixture(scope="session")
+def sqlite_schema(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file migrated to the newest schema once per test process: each test's database is a copy of it."""
+    path = tmp_path_factory.mktemp("schema") / "scheduler.db"
+    engine = make_engine(f"sqlite:///{path}")
+    try:
+        upgrade(engine)
+    finally:
+        engine.dispose()  # the last connection's close checkpoints the WAL into the file: the file alone is the database
+    return path
+
+
+@pytest.fixture(scope="session")
+def postgres_schema(postgres_server: PostgresServer) -> str:
+    """A database on the session's cluster migrated to the newest schema once: each test's database is made from it
+    (``CREATE DATABASE ... TEMPLATE``, a copy of its files)."""
+    url = postgres_server.new_database()
+    engine = make_engine(url)
+    try:
+        upgrade(engine)
+    finally:
+        engine.dispose()  # a template must have no other connection while it is copied
+    return url.rsplit("/", 1)[1]
+
+
+def fresh_database(request: pytest.FixtureRequest, tmp_path: Path, migrated: bool) -> Iterator[str]:
+    """A new database of the kind ``request.param`` names, empty or at the newest schema (copied from the session's)."""
     if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'scheduler.db'}"
+        path = tmp_path / "scheduler.db"
+        if migrated:
+            shutil.copyfile(request.getfixturevalue("sqlite_schema"), path)
+        yield f"sqlite:///{path}"
         return
     server: PostgresServer = request.getfixturevalue("postgres_server")
-    url = server.new_database()
+    url = server.new_database(template=request.getfixturevalue("postgres_schema") if migrated else None)
     try:
         yield url
     finally:
         server.drop_database(url)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh database at the newest schema: a SQLite file, or a new database on the session's PostgreSQL cluster,
+    each a copy of one migrated once per session (what ``upgrade`` would make, without running the migrations again)."""
+    yield from fresh_database(request, tmp_path, migrated=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def empty_db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """A fresh, empty database (no schema), for the tests of the migrations themselves."""
+    yield from fresh_database(request, tmp_path, migrated=False)
 
 
 @dataclass

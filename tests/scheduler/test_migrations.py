@@ -77,8 +77,8 @@ def _autogenerate_diff(engine: sa.Engine) -> list[Any]:
         return compare_metadata(context, db.metadata)
 
 
-def test_an_empty_database_upgrades_to_the_declared_schema(db_url: str) -> None:
-    engine = make_engine(db_url)
+def test_an_empty_database_upgrades_to_the_declared_schema(empty_db_url: str) -> None:
+    engine = make_engine(empty_db_url)
     try:
         assert current_revision(engine) is None
         upgrade(engine)
@@ -129,8 +129,8 @@ OLD_COLUMNS = {
 }
 
 
-def test_rows_of_the_first_revision_survive_the_upgrade(db_url: str) -> None:
-    engine = make_engine(db_url)
+def test_rows_of_the_first_revision_survive_the_upgrade(empty_db_url: str) -> None:
+    engine = make_engine(empty_db_url)
     try:
         upgrade(engine, "0001")
         assert current_revision(engine) == "0001"
@@ -153,8 +153,8 @@ def test_rows_of_the_first_revision_survive_the_upgrade(db_url: str) -> None:
         engine.dispose()
 
 
-def test_downgrade_to_base_and_up_again(db_url: str) -> None:
-    engine = make_engine(db_url)
+def test_downgrade_to_base_and_up_again(empty_db_url: str) -> None:
+    engine = make_engine(empty_db_url)
     try:
         upgrade(engine)
         with engine.begin() as conn:
@@ -177,17 +177,17 @@ def test_downgrade_to_base_and_up_again(db_url: str) -> None:
         engine.dispose()
 
 
-def test_create_app_upgrades_an_older_database(db_url: str, tmp_path: Path) -> None:
-    engine = make_engine(db_url)
+def test_create_app_upgrades_an_older_database(empty_db_url: str, tmp_path: Path) -> None:
+    engine = make_engine(empty_db_url)
     try:
         upgrade(engine, "0001")
         with engine.begin() as conn:
             _fill_first_revision(conn)
     finally:
         engine.dispose()
-    app = create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False)
+    app = create_app(SchedulerSettings(db_url=empty_db_url, data_dir=tmp_path / "data"), background=False)
     with TestClient(app) as client:
-        engine = make_engine(db_url)
+        engine = make_engine(empty_db_url)
         try:
             assert current_revision(engine) == _head()
         finally:

@@ -45,7 +45,8 @@ from tinkergym.serve.asgi import ThreadServer
 from tinkergym.trainers.reporting import read_metrics
 from workerkit import auth, job_row, query  # registered by conftest.py
 
-pytestmark = pytest.mark.slow
+# One Ray local cluster at a time on the machine: every test here runs in the same test process (xdist_group).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]
 SQLITE = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the scheduler's part is the same on both: the leases' tests cover PostgreSQL
 
 #: Ray takes this machine's routable address for "127.0.0.1" unless told it is no cluster of machines; with this set its

@@ -86,17 +86,17 @@ def test_tenants_set_and_list(db_url: str) -> None:
     assert listed.exit_code == 0 and listed.stdout.splitlines()[1].split()[:3] == ["acme", "5", "7"]
 
 
-def test_db_current_and_upgrade(db_url: str) -> None:
-    empty = cli("db", "current", "--db", db_url)
+def test_db_current_and_upgrade(empty_db_url: str) -> None:
+    empty = cli("db", "current", "--db", empty_db_url)
     assert empty.exit_code == 0 and "empty database" in empty.stdout, empty.output
-    upgraded = cli("db", "upgrade", "--db", db_url)
+    upgraded = cli("db", "upgrade", "--db", empty_db_url)
     head = ScriptDirectory.from_config(alembic_config(None)).get_current_head()
     assert upgraded.exit_code == 0 and f"empty -> {head}" in upgraded.stdout, upgraded.output
-    current = cli("db", "current", "--db", db_url)
+    current = cli("db", "current", "--db", empty_db_url)
     assert current.exit_code == 0 and current.stdout.strip() == f"{head} (newest)"
-    again = cli("db", "upgrade", "--db", db_url)
+    again = cli("db", "upgrade", "--db", empty_db_url)
     assert again.exit_code == 0 and "nothing to do" in again.stdout
-    engine = make_engine(db_url)
+    engine = make_engine(empty_db_url)
     try:
         assert current_revision(engine) == head
     finally:

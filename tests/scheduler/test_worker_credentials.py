@@ -206,8 +206,8 @@ def test_worker_credentials_are_made_by_the_operator_only(db_url: str, tmp_path:
 
 
 # ----- the migration ----------------------------------------------------------------------------------------
-def test_the_migration_takes_the_worker_scope_from_tenants_keys(db_url: str, caplog: Any) -> None:
-    engine = make_engine(db_url)
+def test_the_migration_takes_the_worker_scope_from_tenants_keys(empty_db_url: str, caplog: Any) -> None:
+    engine = make_engine(empty_db_url)
     try:
         upgrade(engine, "0003")
         with engine.begin() as conn:

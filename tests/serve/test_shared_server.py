@@ -156,8 +156,14 @@ def test_an_adapters_waiting_reads_share_one_pass_and_draw_what_each_would_alone
     results = [http.get(f"/v1/requests/{r}?wait=60", headers=caller.headers).json()["result"] for r in [first, *reads, scoring]]
     adapter = worker_id(http, 0)
     assert worker.rounds[-3:] == [[(adapter, "forward_backward")], [(adapter, "sample")] * 5, [(adapter, "logprobs")]]
-    for request, joint in zip(seeded, results[1:4]):  # a seeded read draws what it draws alone
-        assert caller.post("sample", {"request": request.to_dict()}).json()["result"] == joint
+    for request, joint in zip(seeded, results[1:4]):  # a seeded read draws what it draws alone (its logprobs within float32
+        alone = caller.post("sample", {"request": request.to_dict()}).json()["result"]  # rounding: the pass's shape differs)
+        def drawn(result: dict) -> dict:
+            return {**result, "sequences": [[{k: v for k, v in s.items() if k != "logprobs"} for s in row] for row in result["sequences"]]}
+
+        assert drawn(alone) == drawn(joint)
+        for mine, theirs in zip(sum(alone["sequences"], []), sum(joint["sequences"], [])):
+            assert mine["logprobs"] == pytest.approx(theirs["logprobs"], abs=1e-5)
     twins = [[s["tokens"] for s in r["sequences"][0]] for r in results[4:6]]
     assert twins[0] != twins[1]  # unseeded reads share the adapter's generator, one after the other, never the same numbers
 

@@ -67,10 +67,14 @@ class PostgresServer:
             return psycopg.connect(host=str(self.socket_dir), port=self.port, user=self.superuser, dbname="postgres", autocommit=True)
         return psycopg.connect(host="127.0.0.1", port=self.port, user=role, dbname="postgres", autocommit=True)
 
-    def new_database(self) -> str:
+    def new_database(self, template: str | None = None) -> str:
+        """A new, empty database (or a copy of the database ``template``, which no one may be connected to); its URL."""
         name = f"t_{secrets.token_hex(6)}"
         with self._admin(PG_ROLE) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
+            if template is None:
+                conn.execute(f'CREATE DATABASE "{name}"')
+            else:
+                conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
         return f"postgresql://{PG_ROLE}@127.0.0.1:{self.port}/{name}"
 
     def drop_database(self, url: str) -> None:
