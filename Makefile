@@ -17,6 +17,10 @@ TINKER_COOKBOOK_VERSION ?= 0.6.1
 # InformationOnly category, about the import finder it installs), which pip prints as a build warning. The editable
 # installs below filter out that one message; any other warning still shows.
 EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
+# Python writes its bytecode caches (__pycache__, ignored by git) in every recipe, even where the environment says not
+# to: the tests start hundreds of processes, and each would otherwise compile the tinkergym modules it imports from
+# source again (0.4 s of CPU for a server's imports) and pytest would rewrite every test module's asserts in each process.
+unexport PYTHONDONTWRITEBYTECODE
 # Test processes per lane (pytest-xdist): one per core by default; `make test TEST_WORKERS=1` runs each lane in one process.
 # loadgroup keeps the tests of one xdist_group (those that share a machine-wide resource, Ray's local cluster) on one process.
 TEST_WORKERS ?= auto

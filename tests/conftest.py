@@ -22,6 +22,8 @@ import sys
 os.environ.setdefault("TINKERGYM_TEST_THREADS", "1")
 os.environ.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"), os.environ["TINKERGYM_TEST_THREADS"]))
 os.environ["TOKENIZERS_PARALLELISM"] = "false" if os.environ["TINKERGYM_TEST_THREADS"] == "1" else "true"
+# vLLM's CPU engine would otherwise pin an OpenMP thread to every core, in each test process at once ("auto").
+os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
 
 import textwrap
 from pathlib import Path

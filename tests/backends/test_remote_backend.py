@@ -147,6 +147,7 @@ def _invoke(args: list[str]) -> None:
     assert result.exit_code == 0, result.output
 
 
+@pytest.mark.slow
 def test_remote_run_equals_the_local_run_and_exports_a_loadable_adapter(tiny, server, token_file, tmp_path) -> None:
     local, remote = tmp_path / "local", tmp_path / "remote"
     evaluation = ("--eval-every", "2", "--eval-episodes", "2")
@@ -253,6 +254,7 @@ finally:
 """
 
 
+@pytest.mark.slow
 def test_the_client_side_trains_without_torch(server, token_file, tmp_path) -> None:
     out = tmp_path / "torchless"
     env = {**os.environ, "TINKERGYM_CACHE": str(tmp_path / "client-cache")}
@@ -295,6 +297,7 @@ def test_a_client_only_install_trains_through_the_server(server, token_file, tmp
     assert (out / "learning_curve.png").is_file() and any((out / "tensorboard").iterdir())
 
 
+@pytest.mark.slow
 def test_a_connection_the_server_closed_while_idle_is_replaced_at_once(tiny, tmp_path, monkeypatch) -> None:
     from tinkergym.backends import remote as remote_module
     from tinkergym.serve.asgi import ThreadServer

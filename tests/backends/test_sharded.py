@@ -77,12 +77,24 @@ def assert_close(a: dict[str, Any], b: dict[str, Any], what: str, atol: float = 
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
-@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
-def test_two_ranks_train_as_one_process(tiny: str, tmp_path: Path, lora: int) -> None:
+@pytest.fixture(scope="module", params=[0, 8], ids=["full", "lora"])
+def two_ranks(request: pytest.FixtureRequest, tiny: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, Any]]:
+    """(lora rank, folder, what rank 0 wrote) of one float32 run of two steps at 2 ranks, its state saved after the first
+    (``folder / "state"``) and its model exported at the end (``folder / "export"``): the two tests below read it, so
+    torchrun starts once for both (they run in one test process: ``xdist_group``)."""
+    lora = request.param
+    folder = tmp_path_factory.mktemp("two-ranks")
+    run = torchrun(2, {"model": tiny, "lora": lora, "steps": 2, "export": str(folder / "export"), "save": str(folder / "state")}, folder)
+    return lora, folder, run
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("two-ranks")
+def test_two_ranks_train_as_one_process(two_ranks: tuple[int, Path, dict[str, Any]], tiny: str, tmp_path: Path) -> None:
     """Loss and gradients of one batch split over 2 ranks equal the single process's (float32, 1e-5), and so do the
-    weights after two steps."""
-    exported = tmp_path / "export"
-    sharded = torchrun(2, {"model": tiny, "lora": lora, "steps": 2, "export": str(exported)}, tmp_path)
+    weights after two steps (a state saved between them changes nothing)."""
+    lora, folder, sharded = two_ranks
+    exported = folder / "export"
     alone = single(tiny, lora, 2, export=str(tmp_path / "alone"))
     assert sharded["loss"] == pytest.approx(alone["loss"], abs=1e-6)
     assert_close(sharded["grads"], alone["grads"], "gradient")
@@ -106,6 +118,7 @@ def test_two_ranks_train_as_one_process(tiny: str, tmp_path: Path, lora: int) ->
     assert (exported / "tokenizer_config.json").is_file() and not list(exported.glob("*distcp*"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
 def test_a_vlm_on_two_ranks_trains_on_images_as_one_process(tiny_vlm: str, tmp_path: Path, lora: int) -> None:
     """A Qwen2-VL whose batch puts the image rows on rank 0 and the text rows on rank 1 (only rank 0 runs the vision
@@ -137,12 +150,13 @@ def test_a_vlm_on_two_ranks_trains_on_images_as_one_process(tiny_vlm: str, tmp_p
     assert_close(resumed["steps"][0]["weights"], sharded["steps"][1]["weights"], "the second step after loading the first's state")
 
 
-@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
-def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(tiny: str, tmp_path: Path, lora: int) -> None:
+@pytest.mark.slow
+@pytest.mark.xdist_group("two-ranks")
+def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(two_ranks: tuple[int, Path, dict[str, Any]], tiny: str, tmp_path: Path) -> None:
     """Saved after one step at 2 ranks; loaded at 1 (a plain backend) and at 3 ranks, the next step gives the weights that
-    2 ranks going on without a save give."""
-    state = tmp_path / "state"
-    on = torchrun(2, {"model": tiny, "lora": lora, "steps": 2, "save": str(state)}, tmp_path)
+    the 2 ranks going on give."""
+    lora, folder, on = two_ranks
+    state = folder / "state"
     assert (state / "state.json").is_file() and json.loads((state / "state.json").read_text())["ranks"] == 2
     # What serving the checkpoint reads: its trainable weights whole, without a process group.
     assert_close(trainable_weights(str(state)), on["steps"][0]["weights"], "the saved weights read back")
@@ -166,6 +180,7 @@ def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(tiny: str, tmp_pat
     assert any((fresh["steps"][0]["weights"][n] - expected[n]).abs().max() > 1e-4 for n in expected)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
 def test_bfloat16_on_two_ranks_follows_the_single_process(tiny: str, tmp_path: Path, lora: int) -> None:
     """The GPU's precision path on CPU ranks: float32 masters gathered in bfloat16 and gradients reduced in float32
@@ -242,6 +257,7 @@ def stop(process: subprocess.Popen) -> None:
             process.wait()
 
 
+@pytest.mark.slow
 def test_serve_backend_sharded_over_two_ranks_by_torchrun(tiny: str, tmp_path: Path) -> None:
     """Rank 0 serves and sends each call to rank 1: a remote run equals a local one, its state is sharded; a killed rank
     brings the whole server down (torchrun ends the others), no rank left waiting in a collective."""

@@ -334,6 +334,7 @@ def case(name: str, path: str, lora_rank: int, dtype: str, rows: int, length: in
     return {"name": name, "path": path, "lora_rank": lora_rank, "dtype": dtype, "rows": rows, "length": length, "checkpointing": checkpointing}
 
 
+@pytest.mark.slow
 def test_estimate_is_within_20_percent_of_the_measured_peak_on_the_tiny_model(tiny: str) -> None:
     """The tiny model's weights are 0.5 MiB: micro-batches of 4 x 512 tokens make activations (hidden states,
     attention probabilities, logits) nearly all of the peak, so this checks the activation formula, mode by mode."""

@@ -308,6 +308,7 @@ def _grpo_on_balanced_squares(backend: Any, renderer: ImageChatRenderer, steps: 
     return rewards
 
 
+@pytest.mark.slow
 def test_grpo_on_colour_square_raises_reward_past_guessing(warm_vlm: str) -> None:
     """GRPO with full fine-tuning on four red and four blue squares: the reward rises from guessing (0.5) to answering
     from the image in 14 steps (LoRA, below, needs more steps and a decaying rate)."""
@@ -320,6 +321,7 @@ def test_grpo_on_colour_square_raises_reward_past_guessing(warm_vlm: str) -> Non
     assert start < 0.65 and end > 0.8, [round(r, 3) for r in rewards]
 
 
+@pytest.mark.slow
 def test_grpo_with_lora_on_colour_square_raises_reward_past_guessing(warm_vlm: str) -> None:
     """GRPO with LoRA (on the language model only; the vision tower stays frozen) on the same squares: the reward rises
     from guessing to answering from the image. The rate decays linearly from 1e-2 to 1e-3: at a constant rate that

@@ -67,6 +67,7 @@ def _hostile_message(rng: random.Random, tools: list[dict]) -> str:
     return noise + "".join(parts) + rng.choice(["", "\\boxed{1}", "\x00", "[" * 2_000])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_spec", [s for s in own_envs() if s.kind == "env"], ids=lambda s: s.id)
 def test_tool_envs_survive_hostile_tool_calls(env_spec) -> None:
     env = tinkergym.make(env_spec.id)

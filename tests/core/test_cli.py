@@ -100,6 +100,7 @@ def test_a_person_plays_through_stdin() -> None:
     assert "You pulled the green arm." in result.output and "returns: agent +" in result.output
 
 
+@pytest.mark.slow
 def test_play_all_plays_every_installed_env() -> None:
     from tinkergym import list_envs
 

@@ -183,6 +183,7 @@ def test_sigterm_stops_a_scheduler_client_as_ctrl_c_does(stand_in: Any, tmp_path
     assert "POST /v1/jobs/j1/cancel" in stand_in.requests and "job j1 is cancelled" in stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_stops_a_local_run_resumably(tiny: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     with _Client("train", "--env", "tinker/Bandit-v0", "--model", tiny, "--dtype", "float32", "--steps", "500", "--batch-size", "2",

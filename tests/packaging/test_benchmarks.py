@@ -163,6 +163,7 @@ def test_decode_profile_quick() -> None:
     assert mode["mode"] == "lora" and mode["dtype"] == native() and mode["sequences"] == 64 and mode["median"]["current"]["total"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("capped", [False, pytest.param(True, marks=x86_only)])
 def test_attention_cpu_quick(capped: bool) -> None:
     report, _ = run_benchmark("attention_cpu.py", "--quick", env=AVX2 if capped else None)
@@ -202,6 +203,7 @@ def test_shared_lora_quick() -> None:
     assert set(report["ratios"]) == {"1", "2"} and all(v > 0 for row in report["ratios"].values() for v in row.values())
 
 
+@pytest.mark.slow
 def test_env_throughput_quick() -> None:
     from testkit import own_envs  # registered by tests/conftest.py
 
@@ -221,12 +223,14 @@ def test_sandbox_latency_quick() -> None:
     assert set(report) == {"bubblewrap", "rlimits", "bare"} and all(v["median_ms"] > 0 for v in report.values())
 
 
+@pytest.mark.slow
 def test_rollout_env_share_quick() -> None:
     report, _ = run_benchmark("rollout_env_share.py", "--quick")
     assert report["identical"] is True and [r["workers"] for r in report["rows"]] == [1, 4]
     assert all(r["python_calls"] == 4 for r in report["rows"])  # 4 episodes x 1 sandboxed call, in both runs
 
 
+@pytest.mark.slow
 def test_scheduler_load_quick() -> None:
     report, _ = run_benchmark("scheduler_load.py", "--quick", "--json")
     (result,) = report["results"]

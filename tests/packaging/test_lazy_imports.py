@@ -7,6 +7,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 PROBE = r"""
 import json, sys
 import tinkergym
@@ -28,6 +30,7 @@ print(json.dumps({"after_import": after_import, "after_list": after_list, "made"
 """
 
 
+@pytest.mark.slow
 def test_core_and_every_shipped_env_stay_light() -> None:
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr

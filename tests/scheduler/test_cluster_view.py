@@ -241,6 +241,7 @@ class Changes:
         self.client.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_the_job_list_stream_says_when_the_keys_jobs_change(db_url: str, keys: Any, tmp_path: Any) -> None:
     server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", sse_poll_s=0.05, changes_max_s=5.0)))

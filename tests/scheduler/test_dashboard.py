@@ -98,6 +98,7 @@ def sign_in(page: Any, url: str, key: str) -> None:
     page.locator("#jobs-view").wait_for(state="visible")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_dashboard_in_a_browser(browser: Any, server: ThreadServer, keys: Any, shots: Path) -> None:
     from playwright.sync_api import expect
@@ -348,6 +349,7 @@ def test_the_event_stream_resumes_after_a_drop(browser: Any, server: ThreadServe
     assert len(got["sent"]) == 2 and got["sent"][0] == "0" and 2 <= int(got["sent"][1]) <= expected[-1], got
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_the_jobs_list_is_live_and_right_after_its_stream_drops(browser: Any, db_url: str, keys: Any, tmp_path: Path) -> None:
     """No timer reads the list: a job submitted while the list's stream is down does not show until the stream is back,

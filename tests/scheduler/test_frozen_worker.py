@@ -77,6 +77,7 @@ def test_a_server_refuses_every_call_once_its_lease_file_says_the_lease_ended(tm
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_frozen_workers_server_refuses_its_old_token_after_the_lease_ends(db_url: str, keys: Any, tmp_path: Path) -> None:
     owner_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
     scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))

@@ -53,6 +53,7 @@ def scheduler_schema(tmp_path: Path) -> Any:
     return schemathesis.openapi.from_asgi("/openapi.json", app, headers=HEADERS)
 
 
+@pytest.mark.slow
 def test_no_request_makes_a_server_error(scheduler_schema: Any) -> None:
     # One Hypothesis run per operation (schemathesis' own pytest plugin does the same through parametrize).
     operations = [result.ok() for result in scheduler_schema.get_all_operations()]

@@ -266,6 +266,7 @@ def test_a_tenant_has_a_bounded_number_of_requests_in_flight(make_setup: Any) ->
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_job_served_by_a_real_worker_answers_an_openai_client_through_the_gateway(db_url: str, keys: Any, tmp_path: Path,
                                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")

@@ -121,6 +121,8 @@ def test_registration_refuses_shapes_of_models_it_does_not_offer_and_nonsense_me
         assert response.status_code == 400 and "malformed request" in response.text, (body, response.text)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_worker_with_device_memory_registers_it_and_its_models_shapes(db_url: str, keys: Any, tmp_path: Any) -> None:
     """A real ``tinkergym worker --device-memory-gb``: it counts the tiny model's shape (full fine-tuning keeps about
     2.4 MiB of it, LoRA 0.8 MiB) and registers 2 MiB a slot; the full job waits for memory, the LoRA job is leased."""

@@ -81,6 +81,7 @@ def env(make_client: Any, keys: Any, tmp_path: Path) -> Env:
     return Env(make_client, keys, tmp_path)
 
 
+@pytest.mark.slow
 def test_older_checkpoints_of_an_ended_job_go_after_the_keep_time_the_newest_stays(env: Env, db_url: str) -> None:
     job_id, epoch = env.run()
     names = [env.checkpoint(job_id, epoch, step) for step in (10, 30, 20)]

@@ -200,6 +200,8 @@ def _job(db_url: str) -> tuple[dict[str, Any], int]:
     return job, held
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: Any, db_url: str, tmp_path: Path) -> None:
     local, scheduled = tmp_path / "local", tmp_path / "scheduled"
     _train(*COMMON, "--out", str(local))
@@ -236,6 +238,8 @@ def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: A
     assert set(steps) == {0, 1, 2, 3} and steps[-1] == 3
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_call_refused_while_the_lease_lives_goes_on_with_the_same_server(scheduler: Any, db_url: str, tmp_path: Path) -> None:
     """A server that refuses one call as past its lease while the scheduler still holds the lease (a worker's late renewal)
     is the job's server all the same: the client connects to it again (no new epoch comes), loads its newest checkpoint,

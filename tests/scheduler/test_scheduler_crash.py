@@ -18,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import func, select
 
 from tinkergym.client import SchedulerClient, SchedulerError
@@ -51,6 +52,7 @@ def _serve(db_url: str, data_dir: Path, port: int) -> subprocess.Popen:
     raise AssertionError("the scheduler did not start")
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_burst_loses_and_duplicates_nothing(db_url: str, keys: Any, tmp_path: Path) -> None:
     client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
     engine = make_engine(db_url)

@@ -63,6 +63,7 @@ def counts(db_url: str) -> tuple[int, int]:
         engine.dispose()
 
 
+@pytest.mark.slow
 def test_one_key_sent_to_two_scheduler_processes_at_once_makes_one_job(db_url, keys, tmp_path: Path) -> None:
     """Two apps (two stores, as two processes would have) on one database: the key is claimed once, whichever wins."""
     key = keys.new()

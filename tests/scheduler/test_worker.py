@@ -142,6 +142,7 @@ def test_a_metrics_port_in_use_exits_2_before_any_registration(tmp_path: Path) -
     assert f"--metrics-port {port}: cannot listen" in result.output and "pick a free port" in result.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_worker_end_to_end(db_url: str, keys: Any, tmp_path: Path) -> None:
     settings = SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)
@@ -364,6 +365,8 @@ def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Pa
         server.stop()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys: Any, tmp_path: Path) -> None:
     """The worker's handling of its servers, with a stand-in for serve-backend (no torch): a state it writes is uploaded and
     recorded; exit code 75 fails the job saying how to resume; another code fails it with the log's tail; a job that
@@ -433,6 +436,8 @@ class HostileListings:
         await self.app(scope, receive, rewrite)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_hostile_listing_cannot_place_files_outside_the_jobs_folder(db_url: str, keys: Any, tmp_path: Path) -> None:
     """The worker restores only inside the job's folder, whatever the listing says: a name such as ``../../../state.json``
     fails that job with the reason, before any download, and the worker goes on to the next job."""
@@ -453,6 +458,8 @@ def test_a_hostile_listing_cannot_place_files_outside_the_jobs_folder(db_url: st
         assert thread.is_alive()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_4xx_answer_to_a_lease_request_never_ends_the_worker(db_url: str, keys: Any, tmp_path: Path) -> None:
     """Only a refused key (401/403) stops a worker: a 400 for one lease is logged, and the worker asks again and runs the job."""
     with fake_worker(refuse_leases, db_url, keys, tmp_path) as (refusing, owner, _, thread):

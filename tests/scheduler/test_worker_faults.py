@@ -165,6 +165,7 @@ def without_uvicorn(tmp_path: Path) -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join(p for p in (str(blocker), os.environ.get("PYTHONPATH", "")) if p)}
 
 
+@pytest.mark.slow
 def test_a_worker_that_cannot_run_what_it_offers_refuses_to_start(tmp_path: Path) -> None:
     """The servers' packages, each model of --models and each GPU of --gpus are checked before the worker registers."""
     line = refusal(["--slots", "1", "--models", "tiny"], tmp_path, without_uvicorn(tmp_path))
@@ -193,6 +194,8 @@ def test_a_server_that_cannot_run_here_exits_with_the_environment_code(tmp_path:
     assert done.returncode == 69 and len(lines) == 1 and "nobody/no-such-model" in lines[0], (done.returncode, done.stderr[-3000:])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_server_that_cannot_run_here_gives_the_job_back(cluster: Cluster, tmp_path: Path) -> None:
     """Exit code 69 at start: the job is queued again at the same attempt, the worker is quarantined with the reason (and
     exits saying so), the job's events name it, and another worker runs the job."""
@@ -214,6 +217,7 @@ def test_a_server_that_cannot_run_here_gives_the_job_back(cluster: Cluster, tmp_
     cluster.owner.complete(job, 2)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_config_the_job_cannot_start_with_fails_it_with_one_line(cluster: Cluster, tmp_path: Path) -> None:
     """The job's own faults fail it with one line (the server's log goes to the worker's log); the worker goes on."""
     worker = cluster.worker("w1", fake_python(tmp_path))
@@ -230,6 +234,8 @@ def test_a_config_the_job_cannot_start_with_fails_it_with_one_line(cluster: Clus
     assert cluster.row("SELECT quarantined_at FROM workers WHERE name = 'w1'").quarantined_at is None
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_completed_job_leaves_no_warning_and_no_folder(cluster: Cluster, tmp_path: Path) -> None:
     """Saved states are pruned to --keep-states once uploaded; completing the job ends it quietly and removes its folder;
     an idle worker writes nothing per lease poll."""

@@ -79,6 +79,7 @@ def test_inactive_devices_are_not_granted(env: Any) -> None:
     assert w.lease() is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("body", [
     {"name": "../x", "host": "h", "devices": [{"index": 0, "kind": "gpu"}], "models": []},
     {"name": "w", "host": "h", "devices": [{"index": 0, "kind": "gpu"}, {"index": 0, "kind": "gpu"}], "models": []},

@@ -79,6 +79,7 @@ def test_a_running_call_counts_as_activity(tmp_path: Path) -> None:
     assert service.last_activity() == frozen
 
 
+@pytest.mark.slow
 def test_an_idle_server_exits_with_its_code(tiny: str, tmp_path: Path) -> None:
     port = _port()
     server = subprocess.Popen(_serve_command(tiny, tmp_path, port, "--idle-timeout", "2"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -91,6 +92,7 @@ def test_an_idle_server_exits_with_its_code(tiny: str, tmp_path: Path) -> None:
         server.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pdeathsig", [True, False], ids=["pdeathsig", "reparenting"])
 def test_the_server_stops_when_its_worker_is_killed(tiny: str, tmp_path: Path, pdeathsig: bool) -> None:
     port = _port()

@@ -161,6 +161,7 @@ def call(http: TestClient, method: str, args: Any) -> Any:
     return http.post("/v1/call?wait=60", headers={**HEADERS, "Content-Type": "application/json"}, content=body)
 
 
+@pytest.mark.slow
 def test_no_request_makes_the_training_server_fail(training: TestClient) -> None:
     schema = schemathesis.openapi.from_asgi("/openapi.json", training.app, headers=HEADERS)
     request_ids, files = [], [f["path"] for f in call(training, "export", {"name": "e0"}).json()["result"]["files"]]
@@ -190,6 +191,7 @@ def test_no_request_makes_the_training_server_fail(training: TestClient) -> None
     assert len(statuses) >= 200 and {("/v1/call", 200), ("/v1/call", 400), ("/v1/call", 404)} <= set(statuses), sorted(set(statuses))
 
 
+@pytest.mark.slow
 def test_no_request_makes_the_shared_server_fail(tiny: str, tmp_path: Path) -> None:
     """The shared server's document fuzzed with the server's token (its adapter routes) and with an adapter's (the rest)."""
     from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig
@@ -315,6 +317,7 @@ def inference(tiny: str) -> Any:
         yield http, valid
 
 
+@pytest.mark.slow
 def test_no_request_makes_the_inference_server_fail(inference: Any) -> None:
     http, valid = inference
     schema = schemathesis.openapi.from_asgi("/openapi.json", http.app, headers=HEADERS)

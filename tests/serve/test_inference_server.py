@@ -361,6 +361,7 @@ def test_a_lora_checkpoint_given_with_checkpoint_is_an_adapter(setup) -> None:
     assert plan.lora and plan.base_id == setup["tiny"] and [(a.name, a.path, a.kind) for a in plan.adapters] == [("tuned", str(checkpoint_b), "checkpoint")]
 
 
+@pytest.mark.slow
 def test_the_serve_model_command_serves_a_run(setup) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -18,6 +18,7 @@ from tinkergym.cli.serve import check_memory  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_fit_its_device_is_refused_with_the_figures(tiny: str, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe(32))

@@ -260,6 +260,7 @@ def test_remote_backends_train_adapters_together_as_each_would_alone(tiny, live_
             torch.testing.assert_close(mine.params[name], param, rtol=1e-3, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_serve_shared_trains_two_runs_of_tinkergym_train_through_their_adapters(tiny, tmp_path) -> None:
     import json
     import os

@@ -136,6 +136,7 @@ def overlapped(intervals: list[tuple[str, float, float]]) -> bool:
     return any(a < d and c < b for kind, c, d in intervals if kind == "train" for a, b in samples)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("trainer", "k", "loss"), [("grpo", 1, {"old_logprobs": "sampler"}), ("grpo", 2, {"old_logprobs": "trainer", "tis_cap": 2.0}),
                                                     ("rloo", 1, {"old_logprobs": "trainer", "tis_cap": 2.0})])
 def test_every_trained_sample_is_at_most_k_versions_old_and_corrected(cluster: Any, graded: str, tmp_path: Path, trainer: str, k: int,
@@ -161,6 +162,7 @@ def test_every_trained_sample_is_at_most_k_versions_old_and_corrected(cluster: A
     assert "time/rollout_s" not in logged[0]
 
 
+@pytest.mark.slow
 def test_prompts_stay_the_steps_own_and_k0_never_takes_a_snapshot(cluster: Any, graded: str, tmp_path: Path) -> None:
     sync, ahead = tmp_path / "sync", tmp_path / "ahead"
     plain = backend(cluster)
@@ -213,6 +215,7 @@ def test_cli_async_steps_resumes_with_the_setting_and_refuses_to_change_it(clust
     assert logged[2]["async/version_gap_max"] == 0, "a resume samples its first steps again from the checkpoint's weights"
 
 
+@pytest.mark.slow
 def test_a_stopped_run_drops_its_rollouts_in_flight_and_resumes_from_its_checkpoint(cluster: Any, graded: str, tmp_path: Path) -> None:
     class Stop(WatchedTinker):
         def optim_step(self, params: OptimParams) -> dict[str, float]:

@@ -39,6 +39,7 @@ def _cached(folder: str, hub: Path, repo_id: str) -> Path:
     return snapshot
 
 
+@pytest.mark.slow
 def test_a_vlm_offered_by_hub_id_takes_images_from_the_local_cache(tiny_vlm: str, tiny: str, tmp_path: Path) -> None:
     from tinkergym.tinker_api.cluster import ClusterEngine
 

@@ -36,6 +36,7 @@ def read_metrics(folder: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 def test_cookbook_supervised_train_on_a_local_file(cookbook: Any, tmp_path: Path) -> None:
     from tinker_cookbook.supervised import train
     from tinker_cookbook.supervised.data import FromConversationFileBuilder

@@ -16,6 +16,7 @@ pytest.importorskip("torch")
 from testkit import exited_output, free_port, wait_until_answers  # noqa: E402  # registered by tests/conftest.py
 
 
+@pytest.mark.slow
 def test_serve_tinker_process_with_a_scheduler_key(tiny: str, tmp_path: Path) -> None:
     from tinker import types
 

@@ -349,6 +349,7 @@ def test_the_cards_usage_snippet_runs_the_pushed_adapter_on_the_env(lora_run, hu
     assert isinstance(namespace["action"], str) and isinstance(namespace["reward"], float)
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 def test_merged_pushes_a_full_model_that_transformers_loads(lora_run, tiny, hub, tmp_path) -> None:
     import torch
@@ -375,6 +376,7 @@ def test_merged_pushes_a_full_model_that_transformers_loads(lora_run, tiny, hub,
         assert torch.allclose(merged(ids).logits, reference(ids).logits, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_full_run_pushes_its_model_and_a_second_push_reuses_the_repo(full_run, hub, tmp_path) -> None:
     results = [push(hub.url, tmp_path, "--run", str(full_run), "--repo-id", "me/bandit-full", "--merged") for _ in range(2)]
     assert [r.returncode for r in results] == [0, 0], results[-1].stderr
@@ -440,6 +442,7 @@ def test_no_token_and_no_login_is_a_usage_error(lora_run, hub, tmp_path) -> None
     assert hub.requests == []
 
 
+@pytest.mark.slow
 def test_upload_failures_exit_1_with_the_servers_message(lora_run, hub, tmp_path) -> None:
     result = push(hub.url, tmp_path, "--run", str(lora_run), "--repo-id", "me/x", token="hf_wrong")
     assert result.returncode == 1

@@ -1,5 +1,6 @@
 """``train --wandb PROJECT``: every step's numbers go to a Weights & Biases run through W&B's own client (offline mode: no
-account, no network), the same W&B run across ``--resume``; without the flag nothing of W&B is written."""
+account, no network), the same W&B run across ``--resume``. That without the flag nothing of W&B is written is checked in process, by
+tests/trainers/test_training.py::test_train_writes_the_run_folder."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def _train(tmp_path: Path, *args: str) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_wandb_gets_every_step_and_a_resume_continues_its_run(tmp_path: Path) -> None:
     run = tmp_path / "run"
     _train(tmp_path, *RUN, "--steps", "2", "--out", str(run), "--wandb", "tinkergym-test")
@@ -74,9 +76,3 @@ def test_wandb_gets_every_step_and_a_resume_continues_its_run(tmp_path: Path) ->
     for record in records:
         assert steps[record["step"]]["reward/mean"] == pytest.approx(record["reward/mean"])
         assert steps[record["step"]]["tokens/sampled"] == pytest.approx(record["tokens/sampled"])
-
-
-def test_without_the_flag_nothing_of_wandb_is_written(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    _train(tmp_path, *RUN, "--steps", "1", "--out", str(run))
-    assert not (run / "wandb").exists() and not (run / "wandb_id").exists()

@@ -35,7 +35,8 @@ def _stable(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in records]
 
 
-def test_train_writes_the_run_folder(tiny, tmp_path) -> None:
+def test_train_writes_the_run_folder(tiny, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")  # W&B configured, as on a machine that uses it: without --wandb nothing of it is written
     out = tmp_path / "run"
     result = CliRunner().invoke(main, _train_args(tiny, out, "--eval-every", "2", "--eval-episodes", "4"), catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -53,8 +54,10 @@ def test_train_writes_the_run_folder(tiny, tmp_path) -> None:
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
     transcripts = [json.loads(line) for line in (out / "transcripts" / "train_step_000000.jsonl").read_text().splitlines()]
     assert transcripts[0]["messages"][0]["role"] == "system" and transcripts[0]["messages"][-1]["role"] == "assistant"
+    assert not (out / "wandb").exists() and not (out / "wandb_id").exists()
 
 
+@pytest.mark.slow
 def test_resume_after_a_kill_is_exact(tiny, tmp_path) -> None:
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     assert CliRunner().invoke(main, _train_args(tiny, whole), catch_exceptions=False).exit_code == 0

@@ -68,6 +68,7 @@ def test_listing_takes_under_a_second_and_imports_no_env_library() -> None:
 
 
 # ----- every id, and the checkers on a sample ---------------------------------------------------------------
+@pytest.mark.slow
 def test_every_dataset_is_made_reset_and_answered() -> None:
     for spec in SPECS:
         env = tinkergym.make(spec.id)

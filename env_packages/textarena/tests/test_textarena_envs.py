@@ -60,6 +60,7 @@ def test_listing_takes_under_a_second_and_imports_no_env_library() -> None:
 
 
 # ----- every id: Gymnasium's check_env or PettingZoo's api_test, our checker, the random-text fuzz -----------
+@pytest.mark.slow
 @pytest.mark.parametrize("env_spec", PLAYABLE, ids=lambda s: s.id)
 def test_every_playable_game_passes_the_checkers(env_spec) -> None:
     if env_spec.kind == "aec":
