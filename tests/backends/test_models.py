@@ -6,10 +6,13 @@ import importlib.util
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from testkit import wait_until  # registered by tests/conftest.py
 from tinkergym.backends import models
 from tinkergym.backends.models import build_tiny_model, resolve_model
 from tinkergym.errors import ConfigError
@@ -159,8 +162,18 @@ def test_smollm2_conversion(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # Another process converts into the same cache; this one, asking meanwhile, waits for that folder (no second conversion).
+    log = tmp_path.parent / "other.log"
+    with open(log, "w") as said:
+        other = subprocess.Popen([sys.executable, "-c", "import sys; from tinkergym.backends.models import resolve_model; "
+                                  "print(resolve_model('smollm2-135m', cache_dir=sys.argv[1]))", str(tmp_path)],
+                                 stdout=subprocess.PIPE, stderr=said, text=True)
+    wait_until("the other process to start converting", lambda: "converting SmolLM2" in log.read_text(), 120, process=other,
+               output=lambda: log.read_text())  # said once it holds the cache
     path = resolve_model("smollm2-135m", cache_dir=tmp_path)
-    assert "converting SmolLM2" in capfd.readouterr().err
+    out, _ = other.communicate(timeout=600)
+    assert other.returncode == 0 and out.strip() == path, log.read_text()[-3000:]
+    assert "converting" not in capfd.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["smollm2-135m"]
     assert resolve_model("smollm2-135m", cache_dir=tmp_path) == path
     assert "converting" not in capfd.readouterr().err

@@ -283,7 +283,7 @@ def test_a_client_only_install_trains_through_the_server(server, token_file, tmp
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
     install = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", f"{source}[client]", str(source / "env_packages" / "bandit")],
+        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", f"{source}[client]", str(source / "env_packages" / "bandit")],
         capture_output=True, text=True, timeout=900,
     )
     assert install.returncode == 0, install.stderr[-3000:]

@@ -18,6 +18,7 @@ torch and transformers are imported inside the functions: importing this module 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -27,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tinkergym.errors import ConfigError
 from tinkergym.folders import cache_root
@@ -375,11 +376,32 @@ def _smollm2(cache: Path) -> str:
     if dest.is_dir():
         return str(dest)
     smollm2_gguf_path()  # fail before printing anything when the package is missing
-    print(f"tinkergym: converting SmolLM2-135M-Instruct (GGUF) into {dest}; this happens once and takes under a minute", file=sys.stderr)
-    start = time.perf_counter()
-    path = _build_atomically(dest, convert_smollm2)
-    print(f"tinkergym: SmolLM2-135M-Instruct ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    cache.mkdir(parents=True, exist_ok=True)
+    with _held(cache):  # processes started together convert once: the others wait for its folder
+        if dest.is_dir():
+            return str(dest)
+        print(f"tinkergym: converting SmolLM2-135M-Instruct (GGUF) into {dest}; this happens once and takes under a minute", file=sys.stderr)
+        start = time.perf_counter()
+        path = _build_atomically(dest, convert_smollm2)
+        print(f"tinkergym: SmolLM2-135M-Instruct ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     return path
+
+
+@contextlib.contextmanager
+def _held(folder: Path) -> Iterator[None]:
+    """An exclusive advisory lock on ``folder`` itself (no lock file is left in it) while the block runs; none where the
+    platform has no ``fcntl`` (the atomic rename of :func:`_build_atomically` still keeps a model folder whole)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)  # closing releases the lock
 
 
 def _from_hub(repo_id: str, files: list[str] | None = None) -> str | None:
