@@ -17,8 +17,8 @@ import sys
 # One thread per test process for torch (OpenMP), BLAS and the tokenizers (TINKERGYM_TEST_THREADS=N for another count),
 # set before anything imports torch or numpy, so that every server, worker and client a test starts inherits it:
 # pytest-xdist runs one test process per core, and with their default pools (a thread per core each) the test
-# processes and the servers they start would oversubscribe the cores many times over. The tiny models gain nothing from
-# a second thread (docs: CHANGELOG.md, "CI in 25 minutes").
+# processes and the servers they start would oversubscribe the cores many times over (measured in CHANGELOG.md: five
+# CPU-bound test files took 99 s on two processes of one thread, 378 s on two of two threads).
 os.environ.setdefault("TINKERGYM_TEST_THREADS", "1")
 os.environ.update(dict.fromkeys(("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "RAYON_NUM_THREADS"), os.environ["TINKERGYM_TEST_THREADS"]))
 os.environ["TOKENIZERS_PARALLELISM"] = "false" if os.environ["TINKERGYM_TEST_THREADS"] == "1" else "true"

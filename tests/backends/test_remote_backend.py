@@ -172,6 +172,7 @@ def test_remote_run_equals_the_local_run_and_exports_a_loadable_adapter(tiny, se
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), str(remote / "final"))
 
 
+@pytest.mark.slow
 def test_resume_of_a_remote_run_continues_exactly(tiny, server, token_file, tmp_path) -> None:
     short, whole = tmp_path / "short", tmp_path / "whole"
     _invoke(_remote(server, token_file, short, "--steps", "2"))

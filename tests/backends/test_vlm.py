@@ -338,6 +338,7 @@ def test_grpo_with_lora_on_colour_square_raises_reward_past_guessing(warm_vlm: s
     assert start < 0.65 and end > 0.8, [round(r, 3) for r in rewards]
 
 
+@pytest.mark.slow
 def test_lora_gradient_reaches_the_image_conditioned_path(warm_vlm: str) -> None:
     """With LoRA on the language model only, SFT on the right colours lowers the loss with the right images, and the
     loss with the red and blue squares' images swapped rises: the adapted model answers from the image."""

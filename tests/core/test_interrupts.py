@@ -136,6 +136,7 @@ def stand_in() -> Iterator[type[_StandInScheduler]]:
         server.server_close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["train", "eval"])
 def test_ctrl_c_cancels_a_queued_job_and_a_second_one_exits_at_once(command: str, stand_in: Any, tmp_path: Path) -> None:
     out = tmp_path / "run"

@@ -121,6 +121,7 @@ def _play(renderer, case: str, workers: int, seeds: list[int], **wrap) -> tuple[
     return rollout(envs, PromptHashSampler(renderer, texts), renderer, config, seeds=seeds), log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_concurrent_env_calls_give_the_serial_trajectories(renderer, case) -> None:
     seeds = [0, 0, 1, 2, 3, 4]

@@ -36,7 +36,7 @@ def tiny_path(tmp_path_factory) -> str:
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture(params=["tiny", "tiny-tokenizer+smollm2-template", "smollm2"], scope="module")
+@pytest.fixture(params=["tiny", "tiny-tokenizer+smollm2-template", pytest.param("smollm2", marks=pytest.mark.slow)], scope="module")  # slow: SmolLM2 converted on a fresh machine
 def renderer(request, tiny_path) -> ChatTemplateRenderer:
     """The chat templates we ship or default to: the tiny model's, and SmolLM2's (with its own tokenizer too)."""
     from transformers import AutoTokenizer

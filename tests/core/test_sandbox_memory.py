@@ -169,6 +169,7 @@ def test_the_reported_bound_matches_the_host():
     assert refused.returncode is None and "this host offers" in refused.output
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", [None, "implied"])
 def test_forks_memfds_tmpfs_and_shared_memory_stay_within_the_calls_total(kind):
     result, sampled = _attack(memory_bound=kind)

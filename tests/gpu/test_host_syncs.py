@@ -159,6 +159,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["lora", "full"])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sampling_matches_the_reference_decoder(backends: dict[str, TorchBackend], mode: str, case: str) -> None:

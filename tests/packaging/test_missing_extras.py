@@ -39,6 +39,7 @@ def test_the_extra_follows_the_command() -> None:
     assert missing_extra("numpy", "train") is None  # a core dependency: not an extra's, the traceback stays
 
 
+@pytest.mark.slow
 def test_a_client_without_torch_hears_no_advice_to_install_it(tmp_path: Path) -> None:
     code = ("import sys\nsys.modules['torch'] = None\nimport tinkergym.cli\nfrom transformers import AutoTokenizer\n"
             "print(AutoTokenizer.__name__)")

@@ -281,6 +281,7 @@ def test_only_the_dashboard_files_are_public(server: ThreadServer) -> None:
             assert http.get(path).status_code == 401, path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_the_event_stream_parser(browser: Any, server: ThreadServer) -> None:
     """The page's SSE parser: fields split across chunks, CRLF, comments, multi-line data, ids kept across events."""
@@ -303,6 +304,7 @@ def test_the_event_stream_parser(browser: Any, server: ThreadServer) -> None:
         page.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_the_event_stream_resumes_after_a_drop(browser: Any, server: ThreadServer, keys: Any) -> None:
     """The page's stream follower, its first connection cut after two events: it reconnects with Last-Event-ID and
@@ -387,6 +389,7 @@ def test_the_jobs_list_is_live_and_right_after_its_stream_drops(browser: Any, db
         served.stop()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_an_operator_sees_the_cluster_and_a_tenant_does_not(browser: Any, server: ThreadServer, keys: Any, shots: Path) -> None:
     """An operator key lists every tenant's jobs with their owner and opens the cluster view: the worker, what its device

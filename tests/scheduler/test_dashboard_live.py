@@ -189,6 +189,7 @@ def test_a_live_training_run_in_a_browser(browser: Any, server: ThreadServer, ke
 HOSTILE = '<img src=x onerror="window.pwned=1"><script>window.pwned=2</script>'
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_tool_using_transcript_with_hostile_text(browser: Any, server: ThreadServer, keys: Any, shots: Path) -> None:
     """A tool-using episode (``<tool_call>`` blocks in the model's message, ``<tool_response>`` blocks in the env's, an

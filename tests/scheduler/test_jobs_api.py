@@ -87,6 +87,7 @@ def scope_refused(response: Any) -> bool:
 
 
 # ----- auth ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_auth_matrix_from_the_route_table(make_client, keys, db_url) -> None:
     client = make_client(changes_max_s=0.05)  # the job-list stream ends at once here (a client connects again)
     owner = keys.new("acme", "read,write")

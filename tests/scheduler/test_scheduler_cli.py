@@ -186,6 +186,7 @@ def _text_values(db_url: str) -> list[str]:
         engine.dispose()
 
 
+@pytest.mark.slow
 def test_a_served_scheduler_takes_made_keys_and_refuses_revoked_ones(db_url: str, tmp_path: Path) -> None:
     data_dir = tmp_path / "sched"
     key_id, key = _create_key(db_url, data_dir)

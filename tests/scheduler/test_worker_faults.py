@@ -217,6 +217,7 @@ def test_a_server_that_cannot_run_here_gives_the_job_back(cluster: Cluster, tmp_
     cluster.owner.complete(job, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_config_the_job_cannot_start_with_fails_it_with_one_line(cluster: Cluster, tmp_path: Path) -> None:
     """The job's own faults fail it with one line (the server's log goes to the worker's log); the worker goes on."""

@@ -96,6 +96,7 @@ def test_heartbeats_keep_a_busy_worker_alive_and_registering_brings_one_back(env
     assert again.status_code == 200 and again.json()["id"] == other.id and again.json()["status"] == "alive"
 
 
+@pytest.mark.slow
 def test_the_background_sweeper_marks_a_silent_worker_gone_with_no_other_traffic(make_client: Any, keys: Any, db_url: str) -> None:
     client = make_client(background=True, lease_ttl_s=0.5, sweep_interval_s=0.05, worker_timeout_s=1.0)
     user, worker_key, admin = keys.new("acme", "read,write"), keys.new("ops", "worker"), keys.new("ops", "admin")

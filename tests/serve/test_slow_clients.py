@@ -140,6 +140,7 @@ def still_open(s: socket.socket) -> bool:
     return not readable
 
 
+@pytest.mark.slow
 def test_trickled_headers_are_cut_off_while_a_normal_client_is_served(serve) -> None:
     live = serve(header_timeout_s=2.0)
     slow = Trickle(live.port, [b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: "] * 50)
@@ -163,6 +164,7 @@ def test_a_connection_that_sends_nothing_is_closed(serve) -> None:
         silent.close()
 
 
+@pytest.mark.slow
 def test_a_trickled_body_is_cut_off_and_a_fast_large_one_is_not(serve) -> None:
     live = serve(header_timeout_s=2.0, body_timeout_s=2.0)
     slow = Trickle(live.port, [b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"] * 20)
@@ -237,6 +239,7 @@ def test_oversized_headers_are_refused(serve, impl: str) -> None:
         s.close()
 
 
+@pytest.mark.slow
 def test_the_scheduler_app_cuts_off_keyless_trickling_clients(tmp_path: Path) -> None:
     pytest.importorskip("fastapi")
     pytest.importorskip("sqlalchemy")
@@ -368,6 +371,7 @@ def test_scheduler_serve_passes_its_options_to_the_app(flags: list[str], setting
     assert set(flags[::2]) <= helped
 
 
+@pytest.mark.slow
 def test_tinkergym_scheduler_serve_cuts_off_trickling_clients_and_extra_connections(tmp_path: Path) -> None:
     """The real command, in its own process: nothing here stands in for its launch code."""
     pytest.importorskip("fastapi")

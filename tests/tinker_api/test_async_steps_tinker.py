@@ -176,6 +176,7 @@ def test_prompts_stay_the_steps_own_and_k0_never_takes_a_snapshot(cluster: Any, 
     assert first[0]["reward/mean"] == first[1]["reward/mean"]
 
 
+@pytest.mark.slow
 def test_groups_a_lagging_sampler_made_too_old_are_dropped_not_trained(cluster: Any, graded: str, tmp_path: Path) -> None:
     watched = backend(cluster, lag=2)
     out = tmp_path / "run"
@@ -191,6 +192,7 @@ def test_groups_a_lagging_sampler_made_too_old_are_dropped_not_trained(cluster: 
         assert m["async/version_gap_max"] <= 1
 
 
+@pytest.mark.slow
 def test_cli_async_steps_resumes_with_the_setting_and_refuses_to_change_it(cluster: Any, graded: str, tmp_path: Path) -> None:
     from tinkergym.cli import main
 
@@ -269,6 +271,7 @@ turns = "multi"
 '''
 
 
+@pytest.mark.slow
 def test_selfplay_plays_ahead_from_snapshots_within_k_versions(cluster: Any, fake_site: Any, tmp_path: Path) -> None:
     import tinkergym
 

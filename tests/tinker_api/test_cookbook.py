@@ -54,6 +54,7 @@ def test_cookbook_supervised_train_on_a_local_file(cookbook: Any, tmp_path: Path
     assert len(losses) == 8 and losses[-1] < 0.7 * losses[0], losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env_id", ["tinker/Bandit-v0", "tinker/Gomoku-v0", "tinker/GomokuDuel-v0"])
 def test_cookbook_rl_train_on_hub_envs(cookbook: Any, tmp_path: Path, env_id: str) -> None:
     from tinker_cookbook.rl import train

@@ -31,6 +31,7 @@ def _download(urls: dict[str, str], folder: Path) -> None:
         (folder / relative).write_bytes(answer.content)
 
 
+@pytest.mark.slow
 def test_external_weights_download_as_a_peft_adapter_with_the_trainers_logprobs(cluster: Any, connect: Any, tiny: str, tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -61,6 +62,7 @@ def test_external_weights_download_as_a_peft_adapter_with_the_trainers_logprobs(
     assert (tmp_path / "again" / "adapter_model.safetensors").read_bytes() == (tmp_path / "adapter" / "adapter_model.safetensors").read_bytes()
 
 
+@pytest.mark.slow
 def test_signed_urls_reach_their_files_alone_and_not_after_tampering_expiry_or_deletion(cluster: Any, connect: Any,
                                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from tinkergym.tinker_api import service as service_module

@@ -99,6 +99,7 @@ def test_what_tinker_cannot_express_is_refused(cluster: Any) -> None:
         remote.close()
 
 
+@pytest.mark.slow
 def test_train_cli_runs_grpo_and_resumes_through_a_tinker_endpoint(cluster: Any, tmp_path: Path) -> None:
     from tinkergym.cli import main
 

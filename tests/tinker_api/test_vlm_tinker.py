@@ -88,6 +88,7 @@ class Prompt:
         return types.Datum(model_input=self.chunks(png, self.answer[:-1]), loss_fn_inputs={"target_tokens": full[1:], "weights": weights})
 
 
+@pytest.mark.slow
 def test_image_chunks_sample_score_and_train_through_the_sdk(client: Any, tiny_vlm: str) -> None:
     prompt = Prompt(tiny_vlm)
     red, other = _png(1), _png(2)

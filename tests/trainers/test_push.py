@@ -338,6 +338,7 @@ def test_lora_run_uploads_every_file_with_its_bytes_and_a_model_card(lora_run, h
     assert "lora_rank: 8" in card.text  # the resolved config
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")
 def test_the_cards_usage_snippet_runs_the_pushed_adapter_on_the_env(lora_run, hub, tmp_path) -> None:
     assert push(hub.url, tmp_path, "--run", str(lora_run), "--repo-id", "me/bandit-usage").returncode == 0

@@ -68,6 +68,7 @@ def test_planner_recovers_from_a_random_start() -> None:
     assert picked_other > 0, "some random starts leave another object in hand"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rooms", "distractors"), DIFFICULTIES)
 def test_baseline_agent_solves_from_text_alone(rooms: int, distractors: int) -> None:
     """The agent never sees the home: it searches, every command it gives is admissible, and it finishes in 50."""

@@ -48,6 +48,7 @@ def test_the_check_fails_when_reasoning_gym_adds_a_dataset(monkeypatch: pytest.M
     assert catalog.main(["--check"]) == 1
 
 
+@pytest.mark.slow
 def test_listing_takes_under_a_second_and_imports_no_env_library() -> None:
     code = (
         "import sys, tinkergym; n = sum(s.id.startswith('tinker/rg.') for s in tinkergym.list_envs()); "
@@ -120,6 +121,7 @@ def test_hostile_answers_never_raise_and_stay_in_range() -> None:
         json.dumps(info)
 
 
+@pytest.mark.slow
 def test_a_scorer_that_hangs_is_stopped_and_one_that_raises_scores_zero() -> None:
     env = tinkergym.make("tinker/rg.polynomial_multiplication-v0", score_timeout=1.0)
     env.reset(seed=0)

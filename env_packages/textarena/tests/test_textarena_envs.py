@@ -41,6 +41,7 @@ def test_every_textarena_game_is_offered_or_skipped_with_a_reason_and_the_files_
     assert tinkergym.spec("tinker/ta.TicTacToe-v0").kind == "aec" and tinkergym.spec("tinker/ta.Sudoku-v0").kind == "env"
 
 
+@pytest.mark.slow
 def test_listing_takes_under_a_second_and_imports_no_env_library() -> None:
     code = (
         "import sys, tinkergym; n = sum(s.id.startswith('tinker/ta.') for s in tinkergym.list_envs()); "
