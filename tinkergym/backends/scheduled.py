@@ -152,17 +152,15 @@ class ScheduledBackend:
         The worker uploads each state the server saves to the scheduler's artifact store; ending the job stops the
         server, so the run's last checkpoint (the one a later ``--resume`` or ``serve-model --scheduler`` starts
         from) is waited for first, up to ``store_timeout`` seconds.
+
+        Raises :class:`BackendLost` where the lease moved on before that checkpoint was stored (the worker died at the
+        end of the run): the job then runs at another epoch, which this lease cannot end, and the caller recovers on the
+        next lease's server as after any lost call (a training run redoes its steps since its newest stored checkpoint).
         """
         if self.epoch is None:
             return
-        if self.last_state is not None:
-            try:
-                stored = self.wait_stored(self.last_state, store_timeout)
-            except BackendLost as exc:
-                self.say(f"{exc}; ending the job without it")
-            else:
-                if not stored:
-                    self.say(f"job {self.job_id}: ending the job without checkpoint {self.last_state}")
+        if self.last_state is not None and not self.wait_stored(self.last_state, store_timeout):
+            self.say(f"job {self.job_id}: ending the job without checkpoint {self.last_state}")
         self.client.complete(self.job_id, self.epoch)
 
     def wait_stored(self, name: str, timeout: float) -> bool:

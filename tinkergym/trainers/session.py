@@ -216,6 +216,9 @@ class TrainingRun:
                             bar.set_postfix({k: f"{last[m]:.3g}" for k, m in (("reward", "reward/mean"), ("loss", "loss"), ("tok/s", "tokens/per_s")) if m in last})
                         self.backend.export(str(self.folder / "final"))
                         _trainer_hook(self.trainer, "export_backends", self.folder / "final")
+                        complete = getattr(self.backend, "complete", None)
+                        if callable(complete):  # a scheduler job: the run is done, its devices are freed now rather than at
+                            complete()          # an idle timeout (a lease lost before its last state was stored: recovered below)
                         break
                     except BackendLost:  # a scheduler job whose server went away: the next lease's server takes over
                         step = self._recover()
@@ -227,9 +230,6 @@ class TrainingRun:
                 self.log.close()
                 timeline.append_spans(self.folder, self.timeline.take())
         plot_learning_curve(self.folder)
-        complete = getattr(self.backend, "complete", None)
-        if callable(complete):  # a scheduler job: the run is done, its devices are freed now rather than at an idle timeout
-            complete()
         self.close()
         return last
 
