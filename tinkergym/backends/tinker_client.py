@@ -129,10 +129,15 @@ class TinkerBackend:
 
     # ----- facts ------------------------------------------------------------------------------------------
     def info(self) -> dict[str, Any]:
-        if self._tokenizer_dir is None:
-            folder = self._cache_dir / "tokenizers" / self.base_model.strip("/").replace("/", "--")
-            self.training.get_tokenizer().save_pretrained(str(folder))
-            self._tokenizer_dir = str(folder)
+        if self._tokenizer_dir is None:  # saved privately, then kept once per content: clients of one cache never see half a folder
+            import tempfile
+
+            from tinkergym.backends.tokenizer_files import cache_tokenizer_files, read_tokenizer_files
+
+            with tempfile.TemporaryDirectory() as saved:
+                self.training.get_tokenizer().save_pretrained(saved)
+                files = {"files": read_tokenizer_files(saved)}
+            self._tokenizer_dir = cache_tokenizer_files(files, self._cache_dir / "tokenizers", f"the tokenizer of {self.base_model!r} at {self.url}")
         return {"model": self.base_model, "tokenizer": self._tokenizer_dir, "lora_rank": self.lora_rank, "step": self.step,
                 "backend": "tinker", "url": self.url, "model_id": self.training.model_id}
 
