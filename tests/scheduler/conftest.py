@@ -99,11 +99,7 @@ def postgres_server() -> Iterator[PostgresServer]:
 def sqlite_schema(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A SQLite file migrated to the newest schema once per test process: each test's database is a copy of it."""
     path = tmp_path_factory.mktemp("schema") / "scheduler.db"
-    engine = make_engine(f"sqlite:///{path}")
-    try:
-        upgrade(engine)
-    finally:
-        engine.dispose()  # the last connection's close checkpoints the WAL into the file: the file alone is the database
+    migrate(f"sqlite:///{path}")  # the last connection's close checkpoints the WAL into the file: the file alone is the database
     return path
 
 
@@ -112,12 +108,17 @@ def postgres_schema(postgres_server: PostgresServer) -> str:
     """A database on the session's cluster migrated to the newest schema once: each test's database is made from it
     (``CREATE DATABASE ... TEMPLATE``, a copy of its files)."""
     url = postgres_server.new_database()
+    migrate(url)  # and disconnected: a template must have no other connection while it is copied
+    return url.rsplit("/", 1)[1]
+
+
+def migrate(url: str) -> None:
+    """Upgrade the database at ``url`` to the newest schema, then close every connection to it."""
     engine = make_engine(url)
     try:
         upgrade(engine)
     finally:
-        engine.dispose()  # a template must have no other connection while it is copied
-    return url.rsplit("/", 1)[1]
+        engine.dispose()
 
 
 def fresh_database(request: pytest.FixtureRequest, tmp_path: Path, migrated: bool) -> Iterator[str]:
