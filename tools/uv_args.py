@@ -23,7 +23,11 @@ LINE = re.compile(r"^(?P<section>[^.]*)\.(?P<key>[a-z-]+)='(?P<value>.*)'$")
 
 def pip_settings(python: str) -> dict[str, str]:
     """pip's settings by name (``find-links``...), the last one listed winning: pip lists the files first, then the environment."""
-    listed = subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False).stdout
+    return parse(subprocess.run([python, "-m", "pip", "config", "list"], capture_output=True, text=True, check=False).stdout)
+
+
+def parse(listed: str) -> dict[str, str]:
+    """The settings of ``pip config list``'s output (``global.find-links='/opt/wheels'`` lines), the last of a name winning."""
     settings: dict[str, str] = {}
     for line in listed.splitlines():
         match = LINE.match(line.strip())
