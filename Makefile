@@ -114,19 +114,24 @@ lint: install
 	$(VENV)/bin/mypy
 
 # The whole suite, as CI runs it (.ci/run), in the order that fails fastest: the installs (the two virtual environments
-# and the system packages side by side), lint, the quick tests, the slow ones (-m slow: end-to-end runs of real
-# processes, learning curves), the GPU lane's code on the CPU, the vLLM lane. Each test lane runs on every core
-# (pytest-xdist, TEST_WORKERS processes of one thread each: tests/conftest.py sets the thread counts). The first lane
-# that fails stops the run; at the end, with or without a failure, the time of each lane and the 30 slowest tests of
-# all lanes are printed (.ci/report.py, from $(REPORTS)/).
+# and the system packages side by side); lint beside the quick tests (mypy, most of lint's time, runs on one core, and
+# the quick lane leaves about a third of the cores idle while its tests wait on servers, so lint costs no time there;
+# its output is printed when it ends, and if it fails the quick tests are stopped at once); the slow tests (-m slow:
+# end-to-end runs of real processes, learning curves); the GPU lane's code on the CPU; the vLLM lane. Each test lane
+# runs on every core (pytest-xdist, TEST_WORKERS processes of one thread each: tests/conftest.py sets the thread
+# counts). The first lane that fails stops the run; at the end, with or without a failure, the time of each lane, of
+# the whole run and the 30 slowest tests of all lanes are printed (.ci/report.py, from $(REPORTS)/).
 test:
 	@rm -rf $(REPORTS) && mkdir -p $(REPORTS)
-	@$(MAKE) --no-print-directory test-lanes; status=$$?; $(PYTHON) .ci/report.py $(REPORTS); exit $$status
+	@start=$$(date +%s); $(MAKE) --no-print-directory test-lanes; status=$$?; \
+		printf 'total\t%s\t%s\n' "$$(( $$(date +%s) - start ))" "$$status" >> $(REPORTS)/lanes.tsv; $(PYTHON) .ci/report.py $(REPORTS); exit $$status
 
 test-lanes:
 	@$(call timed,install,$(MAKE) --no-print-directory -j3 install $(VLLM_STAMP))
-	@$(call timed,lint,$(MAKE) --no-print-directory lint)
-	@$(call timed,quick,$(PYTEST) -m "not slow" $(call junit,quick))
+	@start=$$(date +%s); $(PYTEST) -m "not slow" $(call junit,quick) & quick=$$!; trap 'kill -TERM $$quick 2>/dev/null' INT TERM; \
+		if ($(call timed,lint,$(MAKE) --no-print-directory lint > $(REPORTS)/lint.log 2>&1)); then cat $(REPORTS)/lint.log; \
+		else cat $(REPORTS)/lint.log; echo "lint failed: the quick tests are stopped" >&2; kill -TERM $$quick 2>/dev/null; wait $$quick; exit 1; fi; \
+		wait $$quick; status=$$?; printf 'quick\t%s\t%s\n' "$$(( $$(date +%s) - start ))" "$$status" >> $(REPORTS)/lanes.tsv; exit $$status
 	@$(call timed,slow,$(PYTEST) -m slow $(call junit,slow))
 	@$(call timed,gpu-on-cpu,$(MAKE) --no-print-directory test-gpu-on-cpu PYTEST_ARGS="$(call junit,gpu-on-cpu)")
 	@$(call timed,vllm,$(MAKE) --no-print-directory test-vllm PYTEST_ARGS="$(call junit,vllm)")

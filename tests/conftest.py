@@ -163,3 +163,19 @@ def serve_backend_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cal
         return result.exception.args[0]
 
     return build
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests of a module that share a module-scoped fixture (a server, an engine, a trained run) run in one test process.
+
+    A module-scoped fixture is built once per test process; under pytest-xdist (``--dist loadgroup``), tests of one
+    module spread over the processes would each build it again (a vLLM server took 28 s, twice). Each such test goes
+    into the ``xdist_group`` named after its module, unless it names a group itself.
+    """
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None or item.get_closest_marker("xdist_group") is not None:
+            continue
+        if any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
