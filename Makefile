@@ -25,9 +25,9 @@ unexport PYTHONDONTWRITEBYTECODE
 # ray, and compiling every file of every package at install time is minutes of CPU on two cores.
 UV_VERSION ?= 0.13.9
 PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile
-# $(call uv_install,VENV): uv's install command into VENV, with this machine's pip settings (a recursive variable: the
-# settings are read only by the recipes that install).
-uv_install = $(1)/bin/uv pip install -q --python $(1)/bin/python $(shell $(PYTHON) tools/uv_args.py)
+# $(call uv_install,VENV): uv's install command into VENV, with this machine's pip settings as VENV's own pip reads them
+# (when the command runs: the venv's pip is there from its creation).
+uv_install = $(1)/bin/uv pip install -q --python $(1)/bin/python $$($(1)/bin/python tools/uv_args.py)
 # Test processes per lane (pytest-xdist): one per core by default; `make test TEST_WORKERS=1` runs each lane in one process.
 # loadgroup keeps the tests of one xdist_group (those that share a machine-wide resource, Ray's local cluster) on one process.
 TEST_WORKERS ?= auto

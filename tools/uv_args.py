@@ -6,13 +6,13 @@ wheels such as a CPU build of torch, extra indexes, a constraints file), uv must
 builds (a multi-GB CUDA torch) from PyPI. This prints them as uv's options, one shell word each, read from
 ``pip config list`` (the environment's variables take precedence over the files, as in pip).
 
-Only the standard library: it runs with the interpreter that creates the virtual environment, before anything is installed.
+``python tools/uv_args.py [PYTHON]``: PYTHON's pip is asked (default: this interpreter's). Only the standard library:
+``make install`` runs it with the new virtual environment's interpreter, whose pip is there before anything is installed.
 """
 
 from __future__ import annotations
 
 import re
-import shlex
 import subprocess
 import sys
 
@@ -48,4 +48,5 @@ def uv_args(settings: dict[str, str]) -> list[str]:
 
 
 if __name__ == "__main__":
-    print(" ".join(shlex.quote(arg) for arg in uv_args(pip_settings(sys.argv[1] if len(sys.argv) > 1 else sys.executable))))
+    # One line of words for the shell to split: pip itself splits these settings at whitespace, so no value holds any.
+    print(" ".join(uv_args(pip_settings(sys.argv[1] if len(sys.argv) > 1 else sys.executable))))
