@@ -1,8 +1,9 @@
 """The end of a CI run: the time of each lane and the slowest tests of all lanes.
 
 ``python .ci/report.py FOLDER``: ``FOLDER/lanes.tsv`` holds a line per lane (name, seconds, exit status), written by
-the Makefile's lanes as each ends, and a last line ``total`` for the whole run; ``FOLDER/*.xml`` the JUnit reports of the pytest lanes (one per lane, named after
-it). Only the standard library: it runs with any Python, before or after an install.
+the Makefile's lanes as each ends, and a last line ``total`` for the whole run (lanes may run side by side);
+``FOLDER/*.xml`` the JUnit reports of the pytest lanes (one per lane, named after it). Only the standard library: it
+runs with any Python, before or after an install.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def main(folder: Path) -> None:
     total = [seconds for name, seconds, _ in ran if name == TOTAL]
     ran = [row for row in ran if row[0] != TOTAL]
     whole = f"{total[-1]:.0f} s from start to end" if total else f"{sum(s for _, s, _ in ran):.0f} s in all"
-    print(f"\n==== lanes ({whole}; lint runs beside the quick tests) ====")
+    print(f"\n==== lanes ({whole}) ====")
     for name, seconds, status in ran:
         print(f"{seconds:8.0f} s  {name}{'' if status == 0 else f'  (exit {status})'}")
     times = test_times(folder)
