@@ -30,6 +30,8 @@ PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile
 uv_install = $(1)/bin/uv pip install -q --python $(1)/bin/python $$($(1)/bin/python tools/uv_args.py)
 # Test processes per lane (pytest-xdist): one per core by default; `make test TEST_WORKERS=1` runs each lane in one process.
 # loadgroup keeps the tests of one xdist_group (those that share a machine-wide resource, Ray's local cluster) on one process.
+# pytest stays below 9.2 (pyproject's dev extra, and the vLLM venv below): 9.2 keeps a node's id where pytest-xdist 3.8's
+# suffix does not reach it, and every xdist_group was silently ignored (tests/test_xdist_groups.py fails then).
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 PYTEST := $(PY) -m pytest $(XDIST)
@@ -172,7 +174,7 @@ $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	$(VLLM_VENV)/bin/uv pip uninstall -q --python $(VLLM_PY) torchvision torchaudio torchcodec
 	$(call uv_install,$(VLLM_VENV)) --no-deps -e . -e ./env_packages/bandit
 	$(call uv_install,$(VLLM_VENV)) "torch==$(TORCH_VERSION)" "transformers<5.20" \
-		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8" "pytest-timeout>=2.3" \
+		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8,<9.2" "pytest-timeout>=2.3" \
 		"tqdm>=4.66" "pyyaml>=6" "matplotlib>=3.8" "tensorboardX>=2.6" "pytest-xdist>=3.6"
 	@touch $(VLLM_STAMP)
 

@@ -45,6 +45,7 @@ def load_testkit() -> None:
 
 
 load_testkit()
+import testkit  # noqa: E402 - registered just above
 
 ENV_MODULE = '''
 from tinkergym import TextEnv
@@ -171,11 +172,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
     A module-scoped fixture is built once per test process; under pytest-xdist (``--dist loadgroup``), tests of one
     module spread over the processes would each build it again (a vLLM server took 28 s, twice). Each such test goes
-    into the ``xdist_group`` named after its module, unless it names a group itself.
+    into the ``xdist_group`` named after its module, unless it names a group itself (``testkit.group_by_module_fixtures``,
+    checked with pytest-xdist by tests/packaging/test_xdist_groups.py).
     """
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        if info is None or item.get_closest_marker("xdist_group") is not None:
-            continue
-        if any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    testkit.group_by_module_fixtures(items)

@@ -201,3 +201,14 @@ def own_envs() -> list[Any]:
     import tinkergym
 
     return [s for s in tinkergym.list_envs() if s.distribution not in GENERATED_FAMILIES]
+
+
+def group_by_module_fixtures(items: list[pytest.Item]) -> None:
+    """Put each test that uses a module-scoped fixture into the ``xdist_group`` named after its module, unless it names
+    a group itself: under ``--dist loadgroup`` the fixture is then built once, not once per test process."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None or item.get_closest_marker("xdist_group") is not None:
+            continue
+        if any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

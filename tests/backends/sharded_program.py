@@ -1,15 +1,17 @@
 """The rank program of test_sharded.py, started by ``torchrun`` (``python -m torch.distributed.run``): every rank builds a
 ShardedTorchBackend and runs the same calls; rank 0 writes what the test compares.
 
-``python -m torch.distributed.run --nproc-per-node N sharded_program.py SPEC.json`` where the spec names the model, the
-LoRA rank, a state folder to load first (``load``) and one to save after the first step (``save``), the steps and the
-seed of the first one's batch (``start``), whether the model is a vision-language model whose batches carry images
-(``vlm``), and the file rank 0 writes (``out``): the first step's loss and gradients, and the weights after every step,
-gathered whole.
+``python -m torch.distributed.run --nproc-per-node N sharded_program.py SPECS.json`` where each spec of the list (one
+run, the runs one after another in the same process group, each on a backend of its own) names the model, the LoRA
+rank, a state folder to load first (``load``) and one to save after the first step (``save``), the steps and the seed of
+the first one's batch (``start``), whether the model is a vision-language model whose batches carry images (``vlm``),
+and the file rank 0 writes (``out``): the first step's loss and gradients, and the weights after every step, gathered
+whole. Several runs in one launch start the ranks (torch, transformers) once.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 from collections.abc import Callable
@@ -91,8 +93,15 @@ SAMPLES = [SampleRequest([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, s
 
 
 def main() -> None:
-    spec = json.loads(open(sys.argv[1]).read())
+    specs = json.loads(open(sys.argv[1]).read())
     init_process_group("cpu", timeout_s=120)
+    for spec in specs:
+        run(spec)
+        gc.collect()
+    dist.destroy_process_group()
+
+
+def run(spec: dict) -> None:
     backend = ShardedTorchBackend(config(spec))
     if spec.get("load"):
         backend.load_state(spec["load"])
@@ -116,7 +125,6 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save(found, spec["out"])
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ The reference here is the model's own forward with transformers' dynamic cache (
 2D padding mask, fed the sampled tokens: in float32 the sampler must match it bit for bit; in bfloat16 on a CPU
 without padding sdpa's decode attention runs the packed grouped-query kernel, which rounds differently in the last
 bit, so there the logits are held to the reference within bfloat16 rounding. Every test runs with sdpa and with
-the grouped_matmul implementation a CPU defaults to.
+the grouped_matmul implementation a CPU defaults to in bfloat16.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tinkergym.protocol.types import SamplingParams
 
 @pytest.fixture(scope="module", params=["sdpa", "grouped_matmul"])
 def backends(tiny: str, request: pytest.FixtureRequest) -> dict[str, TorchBackend]:
-    """Backends of each dtype with sdpa attention and with the grouped_matmul implementation a CPU defaults to."""
+    """Backends of each dtype with sdpa attention and with the grouped_matmul implementation a CPU defaults to in bfloat16."""
     return {
         dtype: TorchBackend(TorchBackendConfig(model=tiny, lora_rank=0, dtype=dtype, device="cpu", seed=0, attn_implementation=request.param))
         for dtype in ("float32", "bfloat16")

@@ -1,4 +1,4 @@
-"""The grouped_matmul attention implementation (CPU default): sdpa's results with sdpa's masks, sdpa where it does not apply."""
+"""The grouped_matmul attention implementation (a CPU's default in bfloat16): sdpa's results with sdpa's masks, sdpa where it does not apply."""
 
 from __future__ import annotations
 
@@ -136,9 +136,9 @@ def _batch() -> list[Datum]:
 
 
 @pytest.mark.parametrize("lora_rank", [4, 0])
-def test_backend_on_cpu_defaults_to_it_and_matches_sdpa(tiny: str, lora_rank: int) -> None:
-    """auto picks grouped_matmul on a CPU; logprobs, gradients and greedy samples (prompts of different lengths) equal sdpa's."""
-    grouped = _backend(tiny, "auto", lora_rank)
+def test_a_backend_with_it_matches_sdpa(tiny: str, lora_rank: int) -> None:
+    """Logprobs, gradients and greedy samples (prompts of different lengths) of a backend with grouped_matmul equal sdpa's (float32)."""
+    grouped = _backend(tiny, NAME, lora_rank)
     sdpa = _backend(tiny, "sdpa", lora_rank)
     assert grouped.info()["attn_implementation"] == grouped.model.config._attn_implementation == NAME
     data = _batch()
@@ -161,7 +161,8 @@ def test_backend_on_cpu_defaults_to_it_and_matches_sdpa(tiny: str, lora_rank: in
 
 def test_saved_models_do_not_name_it(tiny: str, tmp_path: Path) -> None:
     """A merged export loads anywhere: its config names no attention implementation (grouped_matmul exists only here)."""
-    backend = _backend(tiny, "auto", 4)
+    backend = _backend(tiny, NAME, 4)
+    assert backend.model.config._attn_implementation == NAME
     backend.export(str(tmp_path / "merged"), merged=True)
     config = json.loads((tmp_path / "merged" / "config.json").read_text())
     assert NAME not in json.dumps(config) and "attn_implementation" not in json.dumps(config)

@@ -37,16 +37,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(ranks: int, spec: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
-    """Run the program on ``ranks`` processes with torchrun; what rank 0 wrote."""
-    spec = {**spec, "out": str(tmp_path / f"out-{ranks}-{len(list(tmp_path.iterdir()))}.pt")}
-    spec_file = tmp_path / f"spec-{ranks}-{len(list(tmp_path.iterdir()))}.json"
-    spec_file.write_text(json.dumps(spec))
+def torchrun(ranks: int, specs: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
+    """Run the program's runs on ``ranks`` processes started once by torchrun; what rank 0 wrote of each run."""
+    launch = len(list(tmp_path.iterdir()))
+    specs = [{**spec, "out": str(tmp_path / f"out-{ranks}-{launch}-{i}.pt")} for i, spec in enumerate(specs)]
+    spec_file = tmp_path / f"spec-{ranks}-{launch}.json"
+    spec_file.write_text(json.dumps(specs))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), str(PROGRAM), str(spec_file)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
-    return torch.load(spec["out"])
+    return [torch.load(spec["out"]) for spec in specs]
+
+
+#: The two kinds of training each sharded test runs: full fine-tuning and LoRA (rank 8), in one launch of the ranks.
+LORA_RANKS = {"full": 0, "lora": 8}
+each_kind = pytest.mark.parametrize("lora", list(LORA_RANKS.values()), ids=list(LORA_RANKS))
 
 
 def single(model: str, lora: int, steps: int, load: str | None = None, start: int = 0, export: str | None = None,
@@ -77,23 +83,24 @@ def assert_close(a: dict[str, Any], b: dict[str, Any], what: str, atol: float = 
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=lambda m, name=name: f"{what} {name}: {m}")
 
 
-@pytest.fixture(scope="module", params=[0, 8], ids=["full", "lora"])
-def two_ranks(request: pytest.FixtureRequest, tiny: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path, dict[str, Any]]:
-    """(lora rank, folder, what rank 0 wrote) of one float32 run of two steps at 2 ranks, its state saved after the first
-    (``folder / "state"``) and its model exported at the end (``folder / "export"``): the two tests below read it, so
-    torchrun starts once for both (they run in one test process: ``xdist_group``)."""
-    lora = request.param
-    folder = tmp_path_factory.mktemp("two-ranks")
-    run = torchrun(2, {"model": tiny, "lora": lora, "steps": 2, "export": str(folder / "export"), "save": str(folder / "state")}, folder)
-    return lora, folder, run
+@pytest.fixture(scope="module")
+def two_ranks(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, dict[str, Any]]]:
+    """For each LoRA rank (0: full): (folder, what rank 0 wrote) of one float32 run of two steps at 2 ranks, its state
+    saved after the first (``folder / "state"``) and its model exported at the end (``folder / "export"``). The tests
+    below read them, so torchrun starts once for all (they run in one test process: ``xdist_group``)."""
+    folders = {lora: tmp_path_factory.mktemp(f"two-ranks-{lora}") for lora in LORA_RANKS.values()}
+    specs = [{"model": tiny, "lora": lora, "steps": 2, "export": str(folder / "export"), "save": str(folder / "state")} for lora, folder in folders.items()]
+    runs = torchrun(2, specs, tmp_path_factory.mktemp("two-ranks-launch"))
+    return {lora: (folder, run) for (lora, folder), run in zip(folders.items(), runs)}
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("two-ranks")
-def test_two_ranks_train_as_one_process(two_ranks: tuple[int, Path, dict[str, Any]], tiny: str, tmp_path: Path) -> None:
+@each_kind
+def test_two_ranks_train_as_one_process(two_ranks: dict[int, tuple[Path, dict[str, Any]]], lora: int, tiny: str, tmp_path: Path) -> None:
     """Loss and gradients of one batch split over 2 ranks equal the single process's (float32, 1e-5), and so do the
     weights after two steps (a state saved between them changes nothing)."""
-    lora, folder, sharded = two_ranks
+    folder, sharded = two_ranks[lora]
     exported = folder / "export"
     alone = single(tiny, lora, 2, export=str(tmp_path / "alone"))
     assert sharded["loss"] == pytest.approx(alone["loss"], abs=1e-6)
@@ -118,14 +125,25 @@ def test_two_ranks_train_as_one_process(two_ranks: tuple[int, Path, dict[str, An
     assert (exported / "tokenizer_config.json").is_file() and not list(exported.glob("*distcp*"))
 
 
+@pytest.fixture(scope="module")
+def vlm_two_ranks(tiny_vlm: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, dict[str, Any]]]:
+    """For each LoRA rank: (folder, what rank 0 wrote) of two steps of the VLM at 2 ranks, exported and saved as above."""
+    folders = {lora: tmp_path_factory.mktemp(f"vlm-{lora}") for lora in LORA_RANKS.values()}
+    specs = [{"model": tiny_vlm, "lora": lora, "steps": 2, "vlm": True, "export": str(folder / "export"), "save": str(folder / "state")}
+             for lora, folder in folders.items()]
+    runs = torchrun(2, specs, tmp_path_factory.mktemp("vlm-launch"))
+    return {lora: (folder, run) for (lora, folder), run in zip(folders.items(), runs)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
-def test_a_vlm_on_two_ranks_trains_on_images_as_one_process(tiny_vlm: str, tmp_path: Path, lora: int) -> None:
+@each_kind
+def test_a_vlm_on_two_ranks_trains_on_images_as_one_process(vlm_two_ranks: dict[int, tuple[Path, dict[str, Any]]], tiny_vlm: str,
+                                                            tmp_path: Path, lora: int) -> None:
     """A Qwen2-VL whose batch puts the image rows on rank 0 and the text rows on rank 1 (only rank 0 runs the vision
     tower): loss, gradients (the vision tower's too, in full fine-tuning) and the weights after two steps equal the single
     process's, and so do sampling with an image, the export and a state saved after the first step, loaded at one rank."""
-    exported, state = tmp_path / "export", tmp_path / "state"
-    sharded = torchrun(2, {"model": tiny_vlm, "lora": lora, "steps": 2, "vlm": True, "export": str(exported), "save": str(state)}, tmp_path)
+    folder, sharded = vlm_two_ranks[lora]
+    exported, state = folder / "export", folder / "state"
     alone = single(tiny_vlm, lora, 2, export=str(tmp_path / "alone"), vlm=True)
     rows = program.vlm_batch(tiny_vlm, 0).data
     assert [[bool(rows[i].images) for i in part] for part in split_rows(rows, 2)] == [[True] * 3, [False] * 3]  # images on rank 0 only
@@ -150,27 +168,44 @@ def test_a_vlm_on_two_ranks_trains_on_images_as_one_process(tiny_vlm: str, tmp_p
     assert_close(resumed["steps"][0]["weights"], sharded["steps"][1]["weights"], "the second step after loading the first's state")
 
 
+@pytest.fixture(scope="module")
+def moved_states(two_ranks: dict[int, tuple[Path, dict[str, Any]]], tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """Each kind's state saved at 2 ranks, moved as the files a worker uploads (folders.state_files: no hidden names, so
+    no DCP .metadata) and the scheduler's store accepts (artifact_paths.check_relpath)."""
+    moved = {}
+    for lora, (folder, _) in two_ranks.items():
+        state, moved[lora] = folder / "state", tmp_path_factory.mktemp(f"moved-{lora}")
+        for name in state_files(state):
+            check_relpath(name)
+            (moved[lora] / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(state / name, moved[lora] / name)
+    return moved
+
+
+@pytest.fixture(scope="module")
+def three_ranks(moved_states: dict[int, Path], tiny: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """For each kind: one step at 3 ranks from its moved state (the batch of the run's second step); one launch for both."""
+    specs = [{"model": tiny, "lora": lora, "steps": 1, "load": str(moved), "start": 1} for lora, moved in moved_states.items()]
+    return dict(zip(moved_states, torchrun(3, specs, tmp_path_factory.mktemp("three-ranks"))))
+
+
 @pytest.mark.slow
 @pytest.mark.xdist_group("two-ranks")
-def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(two_ranks: tuple[int, Path, dict[str, Any]], tiny: str, tmp_path: Path) -> None:
+@each_kind
+def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(two_ranks: dict[int, tuple[Path, dict[str, Any]]], moved_states: dict[int, Path],
+                                                              three_ranks: dict[int, dict[str, Any]], lora: int, tiny: str) -> None:
     """Saved after one step at 2 ranks; loaded at 1 (a plain backend) and at 3 ranks, the next step gives the weights that
     the 2 ranks going on give."""
-    lora, folder, on = two_ranks
-    state = folder / "state"
+    folder, on = two_ranks[lora]
+    state, moved = folder / "state", moved_states[lora]
     assert (state / "state.json").is_file() and json.loads((state / "state.json").read_text())["ranks"] == 2
     # What serving the checkpoint reads: its trainable weights whole, without a process group.
     assert_close(trainable_weights(str(state)), on["steps"][0]["weights"], "the saved weights read back")
-    # A state moves between workers as the files a worker uploads (folders.state_files: no hidden names, so no DCP
-    # .metadata) and the scheduler's store accepts (artifact_paths.check_relpath): it loads from those alone.
-    moved = tmp_path / "moved"
+    # A state moves between workers as the files a worker uploads (moved_states): it loads from those alone.
     files = state_files(state)
     assert "dcp/metadata.dcp" in files and not any(name.split("/")[-1].startswith(".") for name in files)
-    for name in files:
-        check_relpath(name)
-        (moved / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(state / name, moved / name)
     at_one = single(tiny, lora, 1, load=str(moved), start=1)
-    at_three = torchrun(3, {"model": tiny, "lora": lora, "steps": 1, "load": str(moved), "start": 1}, tmp_path)
+    at_three = three_ranks[lora]
     expected = on["steps"][1]["weights"]  # the second step of the run that went on (its batch 1)
     assert_close(at_one["steps"][0]["weights"], expected, "loaded at 1 rank")
     assert_close(at_three["steps"][0]["weights"], expected, "loaded at 3 ranks")
@@ -180,13 +215,20 @@ def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(two_ranks: tuple[i
     assert any((fresh["steps"][0]["weights"][n] - expected[n]).abs().max() > 1e-4 for n in expected)
 
 
+@pytest.fixture(scope="module")
+def bfloat16_two_ranks(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
+    """For each LoRA rank: what rank 0 wrote of one bfloat16 step at 2 ranks; one launch for both."""
+    specs = [{"model": tiny, "lora": lora, "steps": 1, "dtype": "bfloat16"} for lora in LORA_RANKS.values()]
+    return dict(zip(LORA_RANKS.values(), torchrun(2, specs, tmp_path_factory.mktemp("bfloat16"))))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("lora", [0, 8], ids=["full", "lora"])
-def test_bfloat16_on_two_ranks_follows_the_single_process(tiny: str, tmp_path: Path, lora: int) -> None:
+@each_kind
+def test_bfloat16_on_two_ranks_follows_the_single_process(bfloat16_two_ranks: dict[int, dict[str, Any]], tiny: str, lora: int) -> None:
     """The GPU's precision path on CPU ranks: float32 masters gathered in bfloat16 and gradients reduced in float32
     (FSDP2's MixedPrecisionPolicy) for full fine-tuning, a bfloat16 base with a float32 adapter for LoRA. The single
     process computes under autocast instead, so the two agree to bfloat16's precision, not bit for bit."""
-    sharded = torchrun(2, {"model": tiny, "lora": lora, "steps": 1, "dtype": "bfloat16"}, tmp_path)
+    sharded = bfloat16_two_ranks[lora]
     alone = single(tiny, lora, 1, dtype="bfloat16")
     assert sharded["loss"] == pytest.approx(alone["loss"], rel=5e-2, abs=1e-3)
     mine = torch.cat([g.float().flatten() for _, g in sorted(sharded["grads"].items())])

@@ -10,6 +10,7 @@ from testkit import datum  # registered by tests/conftest.py
 from tinkergym.backends.torch import scoring as torch_scoring
 from tinkergym.backends.models import build_tiny_model
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+from tinkergym.backends.torch.runtime import resolve_attn_implementation
 from tinkergym.backends.torch.scoring import MicroBatch, plan_micro_batches, sequence_logprobs
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams
 
@@ -178,7 +179,8 @@ def test_layouts_build_as_named(layout_models: dict[str, str]) -> None:
     assert AutoConfig.from_pretrained(layout_models["mistral-sliding"]).sliding_window == 6
     assert layer_types["qwen2-hybrid"] == layer_types["gemma3-hybrid"] == layer_types["gemma2-hybrid"] == ["sliding_attention", "full_attention"]
     assert make_backend(layout_models["gemma2-hybrid"], share=True).attn_implementation == "eager"
-    assert make_backend(layout_models["sliding"], share=True).attn_implementation == "grouped_matmul"
+    assert make_backend(layout_models["sliding"], share=True).attn_implementation == "sdpa"  # float32 on a CPU
+    assert resolve_attn_implementation("auto", torch.device("cpu"), torch.bfloat16, layout_models["sliding"]) == "grouped_matmul"
     assert layer_types["chunked"] == ["chunked_attention"] * 2
     assert layer_types["chunked-hybrid"] == ["chunked_attention", "full_attention"]
     # Every group shares one micro-batch, so prompts of different lengths are padded against each other.

@@ -149,7 +149,7 @@ def test_backend_info_and_protocol(tiny: str) -> None:
     assert isinstance(backend, Backend)
     info = backend.info()
     assert info["tokenizer"] == tiny and info["lora_rank"] == 4 and info["step"] == 0
-    assert (info["dtype"], info["device"], info["attn_implementation"]) == ("float32", "cpu", "grouped_matmul")
+    assert (info["dtype"], info["device"], info["attn_implementation"]) == ("float32", "cpu", "sdpa")
     assert 0 < info["trainable_params"] < info["total_params"]
     full = make_backend(tiny, lora_rank=0).info()
     assert full["trainable_params"] == full["total_params"]
@@ -474,6 +474,7 @@ def test_flash_attention_is_chosen_only_when_flash_attn_really_imports(body: str
     assert any("does not import" in str(w.message) for w in caught) is not usable
     assert torch_backend.resolve_attn_implementation("auto", torch.device("cuda"), torch.float32) == "sdpa"
     assert torch_backend.resolve_attn_implementation("auto", torch.device("cpu"), torch.bfloat16) == "grouped_matmul"
+    assert torch_backend.resolve_attn_implementation("auto", torch.device("cpu"), torch.float32) == "sdpa"
     monkeypatch.delitem(sys.modules, "flash_attn", raising=False)
 
 
@@ -493,7 +494,7 @@ def test_deterministic_mode_is_set_for_the_process_reported_and_kept_by_the_run(
     try:
         backend = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=4, dtype="float32", deterministic=True))
         assert torch.are_deterministic_algorithms_enabled() and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
-        assert backend.info()["deterministic"] is True and backend.info()["attn_implementation"] == "grouped_matmul"
+        assert backend.info()["deterministic"] is True and backend.info()["attn_implementation"] == "sdpa"
         runs = []
         for name in ("a", "b"):
             args = ["train", "--env", "tinker/Bandit-v0", "--model", tiny, "--dtype", "float32", "--steps", "2", "--batch-size", "2",

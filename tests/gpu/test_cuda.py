@@ -87,8 +87,8 @@ def test_auto_picks_the_gpu_bfloat16_and_sdpa_or_flash_attention(tiny: str) -> N
         assert info["dtype"] == ("bfloat16" if torch.cuda.is_bf16_supported() else "float32")
         flash = torch_backend.flash_attn_importable() and info["dtype"] == "bfloat16"
         assert info["attn_implementation"] == ("flash_attention_2" if flash else "sdpa")
-    else:  # a CPU: its float32 (or native bfloat16) and our grouped_matmul kernel for a model that supports sdpa
-        assert info["attn_implementation"] == "grouped_matmul"
+    else:  # a CPU: our grouped_matmul kernel in its native bfloat16, sdpa in float32, for a model that supports sdpa
+        assert info["attn_implementation"] == ("grouped_matmul" if info["dtype"] == "bfloat16" else "sdpa")
     # The choice itself, with flash-attn present and absent, whatever is installed here (tests/backends/test_torch_backend.py
     # checks the import test with broken and working stand-ins of the package).
     cuda_device = torch.device("cuda")

@@ -6,7 +6,9 @@ matmul rate: most of a training pass's attention time is that kernel's backward 
 head's query heads are stacked into one ``[G * S, D]`` block (no ``repeat_kv`` copy of the keys), the scores
 are one float32 matmul, masked, soft-maxed in float32, and the probabilities meet the values in the values'
 dtype. On SmolLM2-135M's GRPO shapes forward plus backward takes about 2.3x less time than sdpa's kernel, and
-a decode step's attention about 1.3x less (``benchmarks/README.md``).
+a decode step's attention about 1.3x less (``benchmarks/README.md``). That holds for half precision only: in
+float32 sdpa's CPU kernels are as fast or faster at every shape measured, so ``attn_implementation="auto"`` picks
+this implementation on a CPU in bfloat16 and keeps sdpa in float32.
 
 Numerics: the scores stay in float32, like sdpa's kernels and unlike transformers' ``eager`` (whose bfloat16
 scores round a score of 20 by up to 0.06): in bfloat16 the output is within sdpa's own rounding of an exact

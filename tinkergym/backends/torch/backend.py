@@ -104,7 +104,7 @@ class TorchBackendConfig(_Plain):
             computes under autocast; LoRA keeps the frozen base in bfloat16 and the adapter in float32.
         device: ``"auto"`` (cuda if available, else cpu) or a torch device string.
         attn_implementation: ``"auto"`` (flash_attention_2 when flash-attn is installed, on cuda, in bfloat16;
-            on a CPU ``"grouped_matmul"``, see :mod:`~tinkergym.backends.torch.attention`; else sdpa) or any name
+            on a CPU in half precision ``"grouped_matmul"``, see :mod:`~tinkergym.backends.torch.attention`; else sdpa) or any name
             transformers accepts.
         micro_batch_size: Sequences per forward/backward pass; bounds memory, not the effective batch. Groups
             that share a prompt are packed up to the tokens of that many of the request's longest sequences.

@@ -71,8 +71,9 @@ def flash_attn_importable() -> bool:
 
 def resolve_attn_implementation(name: str, device: torch.device, dtype: torch.dtype, model_path: str | None = None) -> str:
     """``"auto"`` -> flash_attention_2 when flash-attn is importable on cuda in bfloat16 (it needs half precision), else
-    sdpa; on a CPU :mod:`~tinkergym.backends.torch.attention`'s grouped_matmul (sdpa's masks, faster on a CPU) where the
-    model supports sdpa; eager for a model class that supports neither (Gemma 2's soft-capped attention, for one)."""
+    sdpa; on a CPU in half precision :mod:`~tinkergym.backends.torch.attention`'s grouped_matmul (sdpa's masks, faster
+    there on training shapes), in float32 sdpa (whose float32 kernels are as fast or faster at every shape measured);
+    eager for a model class that supports neither (Gemma 2's soft-capped attention, for one)."""
     if name != "auto":
         return name
     if device.type == "cuda" and dtype == torch.bfloat16 and flash_attn_importable():
@@ -80,7 +81,7 @@ def resolve_attn_implementation(name: str, device: torch.device, dtype: torch.dt
             return "flash_attention_2"
     if not _model_class_supports(model_path, "_supports_sdpa"):
         return "eager"
-    return GROUPED_MATMUL if device.type == "cpu" else "sdpa"
+    return GROUPED_MATMUL if device.type == "cpu" and dtype != torch.float32 else "sdpa"
 
 
 def _model_class_supports(model_path: str | None, flag: str) -> bool:

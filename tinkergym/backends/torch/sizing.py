@@ -303,14 +303,15 @@ def layer_token_bytes(shape: ModelShape, compute: int, full: bool, casts: bool, 
 
 
 def saved_bytes(shape: ModelShape, *, rows: int, length: int, compute: int, param: int, full: bool, casts: bool,
-                attention: str, lora_width: int = 0, checkpointing: bool = False) -> int:
+                attention: str, lora_width: int = 0, checkpointing: bool = False, recomputed: bool = True) -> int:
     """What autograd keeps of a forward pass over ``rows`` sequences of ``length`` tokens, in bytes.
 
     Every layer's kept tensors (:func:`layer_token_bytes`), or under gradient checkpointing each layer's input plus
     one layer recomputed in the backward pass; the attention probabilities (``heads x length x length`` per row and
     layer) where they are kept, and the boolean mask the layers share; the final norm's tensors, the head's input
     (where the head trains), the rotary embedding's cosines and sines (in the residual stream's dtype) and the ids.
-    With LoRA the first layer's first norm keeps nothing (no weight before it trains).
+    With LoRA the first layer's first norm keeps nothing (no weight before it trains). ``recomputed`` False leaves
+    the recomputed layer (its kept tensors and probabilities) out of a checkpointed pass.
     """
     tokens = rows * length
     per_layer = layer_token_bytes(shape, compute, full, casts, attention, lora_width)
@@ -319,7 +320,7 @@ def saved_bytes(shape: ModelShape, *, rows: int, length: int, compute: int, para
         probabilities = shape.heads * rows * length * length * (4 + (compute if compute != 4 else 0))
     mask = 0 if attention == "flash_attention_2" else rows * length * length
     if checkpointing:
-        kept = tokens * shape.layers * param * shape.hidden + tokens * per_layer + probabilities
+        kept = tokens * shape.layers * param * shape.hidden + ((tokens * per_layer + probabilities) if recomputed else 0)
     else:
         kept = shape.layers * (tokens * per_layer + probabilities)
     once = 4 * shape.hidden + 4 + 2 * shape.head_dim * param + ((4 + compute) * shape.hidden + 8 if full else 0)
@@ -338,6 +339,9 @@ def activation_bytes(shape: ModelShape, *, rows: int, length: int, compute: int,
     :mod:`~tinkergym.backends.torch.losses`); a layer's backward through kept attention probabilities (the gradients
     of the probabilities and of the scores, float32); in full fine-tuning, the logits' gradient and the largest
     weight's gradient made whole (under autocast first in the compute dtype) before it is added to the accumulated one.
+    Under gradient checkpointing the two phases of the backward pass do not overlap: the head's (logits and their
+    gradients) ends before the first layer is recomputed, so the peak is the larger of the two, each over the layers'
+    inputs: the head's, or one recomputed layer's kept tensors, probabilities and their backward.
     """
     from tinkergym.backends.torch.losses import CHUNK_ROWS, CPU_CHUNK_BYTES
 
@@ -349,6 +353,10 @@ def activation_bytes(shape: ModelShape, *, rows: int, length: int, compute: int,
     softmax_backward = logits + min(tokens, chunk) * shape.vocab * 4
     attention_backward = 8 * shape.heads * rows * length * length if attention in KEEPS_PROBABILITIES else 0
     new_gradient = logits + shape.largest_param * (4 + (compute if casts else 0)) if full else 0
+    if checkpointing:
+        layer = kept - saved_bytes(shape, rows=rows, length=length, compute=compute, param=param, full=full, casts=casts,
+                                   attention=attention, lora_width=lora_width, checkpointing=True, recomputed=False)
+        return kept - layer + max(logits + max(softmax_backward, new_gradient), layer + attention_backward)
     return kept + logits + max(softmax_backward, attention_backward, new_gradient)
 
 
@@ -373,7 +381,7 @@ def estimate_training_memory(
     :func:`backend_param_dtype`); ``lora_rank`` 0 is full fine-tuning; ``lora_target_modules`` None is
     ``"all-linear"``; a micro-batch is ``micro_batch_size`` rows of ``max_seq_len`` tokens (the backend packs shared
     prompts within that many tokens); ``device`` ``"cuda"`` or ``"cpu"`` picks the attention implementation ``"auto"``
-    stands for (sdpa; on a CPU grouped_matmul) and the log-softmax's chunk; ``ranks`` > 1: the FSDP2 sharded backend.
+    stands for (sdpa; on a CPU in half precision grouped_matmul) and the log-softmax's chunk; ``ranks`` > 1: the FSDP2 sharded backend.
     """
     if optimizer != "adamw":
         raise ConfigError(f"optimizer must be 'adamw' (the only one TorchBackend uses), not {optimizer!r}")
@@ -398,8 +406,8 @@ def estimate_from_shape(shape: ModelShape, adapter: tuple[int, int], settings: d
     ranks, lora = settings["ranks"], settings["lora_rank"] > 0
     adapter_params, adapted = adapter
     attention = settings["attn_implementation"]
-    if attention == "auto":
-        attention = "grouped_matmul" if settings["device"] == "cpu" else "sdpa"
+    if attention == "auto":  # TorchBackend's choice (runtime.resolve_attn_implementation) for a model with an sdpa path
+        attention = "grouped_matmul" if settings["device"] == "cpu" and settings["dtype"] != "float32" else "sdpa"
     casts = not lora and param != compute and ranks == 1  # sharded: FSDP2 gathers the weights in the compute dtype already
     trainable = adapter_params if lora else shape.params
     trainable_bytes = 4 if lora else param  # peft keeps an adapter in float32
