@@ -25,6 +25,10 @@ unexport PYTHONDONTWRITEBYTECODE
 # ray, and compiling every file of every package at install time is minutes of CPU on two cores.
 UV_VERSION ?= 0.13.9
 PIP_INSTALL := -m pip install -q --disable-pip-version-check --no-compile
+# What nearly every test process and server imports (torch, transformers with the tiny model's and SmolLM2's classes, peft,
+# the backend), imported once at the end of an install: uv writes no bytecode, and the test processes that start
+# together would each compile these modules again (about 16 s of CPU each; vllm's stack about 25 s).
+WARM_IMPORTS := import torch, transformers, peft; from transformers import Qwen2ForCausalLM, LlamaForCausalLM; import tinkergym.backends.torch.backend
 # $(call uv_install,VENV): uv's install command into VENV, with this machine's pip settings as VENV's own pip reads them
 # (when the command runs: the venv's pip is there from its creation).
 uv_install = $(1)/bin/uv pip install -q --python $(1)/bin/python $$($(1)/bin/python tools/uv_args.py)
@@ -53,6 +57,7 @@ $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	# tinker-cookbook, the peer of the Tinker API's tests: its other requirements are in the dev extra; tml-renderers, which it
 	# loads only for its own vendors' tokenizers, is left out (--no-deps).
 	$(call uv_install,$(VENV)) --no-deps "tinker-cookbook==$(TINKER_COOKBOOK_VERSION)"
+	$(PY) -c "$(WARM_IMPORTS)"
 	@touch $(STAMP)
 
 # $(call apt_install,PACKAGES,PURPOSE,WARNING): a shell step that installs Debian PACKAGES with apt (as root, or through
@@ -176,6 +181,7 @@ $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	$(call uv_install,$(VLLM_VENV)) "torch==$(TORCH_VERSION)" "transformers<5.20" \
 		"peft>=0.17" "gymnasium>=1.0" "pettingzoo>=1.25" "click>=8.1" "numpy>=1.24" "pytest>=8,<9.2" "pytest-timeout>=2.3" \
 		"tqdm>=4.66" "pyyaml>=6" "matplotlib>=3.8" "tensorboardX>=2.6" "pytest-xdist>=3.6"
+	$(VLLM_PY) -c "import vllm; from vllm import LLM; $(WARM_IMPORTS)"
 	@touch $(VLLM_STAMP)
 
 # vLLM sampling against TorchBackend on the tiny model (tests/vllm; the main lane does not collect them).

@@ -51,8 +51,9 @@ TRL (1.0 on) turns gradient checkpointing on by default, which recomputes every 
 the backward pass to save activation memory; with this model's activations memory is no concern, so the
 benchmark turns it off, TRL's faster setting (``--trl-gradient-checkpointing`` turns it back on). Both sides
 load the model with the same attention implementation, ``--attn`` (default ``auto``: what tinkergym's ``auto``
-picks on the device: on a CPU its ``grouped_matmul``, registered with transformers in TRL's worker too; on a
-GPU flash_attention_2 where flash-attn imports, else sdpa; the result records each side's choice).
+picks on the device: on a CPU its ``grouped_matmul`` in bfloat16, registered with transformers in TRL's worker too,
+and sdpa in float32; on a GPU flash_attention_2 where flash-attn imports, else sdpa; the result records each side's
+choice).
 ``--attn sdpa`` runs both sides on transformers' sdpa.
 
 What tinkergym does that TRL does not (both are part of what is measured): each group's prompt is prefilled

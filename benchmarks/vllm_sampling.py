@@ -19,7 +19,7 @@ logprob of every sampled token (what a rollout needs). No side stops early: each
 Each side runs in its own subprocess, one after the other; the first call is a warm-up and the median of
 ``--repeats`` timed calls is reported as generated tokens per second. ``--device`` (``auto``: cuda when
 available) puts the HF and TorchBackend sides on the device vLLM runs on; both load the model with one
-attention implementation, ``--attn`` (default: TorchBackend's ``auto`` for the device, grouped_matmul on a CPU).
+attention implementation, ``--attn`` (default: TorchBackend's ``auto`` for the device, grouped_matmul on a CPU in bfloat16).
 On a GPU the timers synchronize with the device and each side's peak allocated GPU memory is reported.
 
 The precision is ``--dtype`` (``auto``: the fastest the device computes natively, as tinkergym's ``dtype="auto"``:

@@ -128,14 +128,20 @@ def folder_requires(*modules: str) -> Callable[..., pytest.Module | None]:
 
     A ``pytest.importorskip`` at the top of the conftest itself would skip the folder when pytest collects it from
     ``tests``, but stop pytest with a traceback when the folder or one of its files is named on the command line
-    (pytest imports that conftest before collecting, outside any collector)."""
-    reason = import_problem(*modules)
+    (pytest imports that conftest before collecting, outside any collector).
+
+    The modules are imported when the folder's first test module is collected, not when the conftest loads: under
+    pytest-xdist the controlling process, which collects nothing, then never imports torch (5-10 s before it starts
+    the test processes, and more on a fresh environment, where that import compiles every module's bytecode)."""
+    reasons: list[str] = []
 
     def pytest_pycollect_makemodule(module_path: Path, parent: pytest.Collector) -> pytest.Module | None:
-        if not reason:
+        if not reasons:
+            reasons.append(import_problem(*modules))
+        if not reasons[0]:
             return None
         module = _SkippedModule.from_parent(parent, path=module_path)
-        module.reason = f"{parent.path.name}/{module_path.name}: {reason}"
+        module.reason = f"{parent.path.name}/{module_path.name}: {reasons[0]}"
         return module
 
     return pytest_pycollect_makemodule

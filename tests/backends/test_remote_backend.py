@@ -279,14 +279,21 @@ def _source_copy(dest: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_client_only_install_trains_through_the_server(server, token_file, tmp_path) -> None:
-    """``pip install '.[client]'`` plus an env package, no torch: that environment trains through the server."""
+    """``pip install '.[client]'`` plus an env package, no torch: that environment trains through the server.
+
+    Installed with uv where the test environment has it (``make install`` puts it there, its cache holding every wheel
+    the client needs): the same build of the same metadata that pip would install, without pip's downloads."""
     source, venv, out = _source_copy(tmp_path / "src"), tmp_path / "client-venv", tmp_path / "run"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
-    install = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", f"{source}[client]", str(source / "env_packages" / "bandit")],
-        capture_output=True, text=True, timeout=900,
-    )
+    packages = [f"{source}[client]", str(source / "env_packages" / "bandit")]
+    uv = Path(sys.executable).with_name("uv")
+    if uv.is_file():
+        where = subprocess.run([sys.executable, str(source / "tools" / "uv_args.py"), str(python)], capture_output=True, text=True, check=True)
+        command = [str(uv), "pip", "install", "--quiet", "--python", str(python), *where.stdout.split(), *packages]
+    else:
+        command = [str(python), "-m", "pip", "install", "--quiet", "--no-compile", *packages]
+    install = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert install.returncode == 0, install.stderr[-3000:]
     assert subprocess.run([str(python), "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is not None)"]).returncode == 0
     env = {**os.environ, "TINKERGYM_CACHE": str(tmp_path / "client-cache")}

@@ -1,0 +1,132 @@
+"""The test lanes' plumbing under pytest-xdist, run as `make test` runs a lane (``-n 2 --dist loadgroup``) on generated
+test folders with the hooks of ``tests/conftest.py`` and ``testkit``:
+
+- tests that share a module-scoped fixture, and tests of one named ``xdist_group`` (the Ray tests' local cluster), run
+  in one test process; other tests spread over the processes. A pytest or pytest-xdist release that drops the groups
+  (pytest 9.2 with pytest-xdist 3.8 ran every test where it fell, and built every module fixture once per process)
+  fails here, not as a slower CI;
+- a folder whose requirements do not import reports its modules skipped with the reason, and the requirements are
+  imported by the test processes only, never by the controlling one (torch there cost every lane 5-30 s at its start).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("xdist")
+
+LOAD_TESTKIT = f'''
+import importlib.util, sys
+import pytest
+
+if "testkit" not in sys.modules:
+    spec = importlib.util.spec_from_file_location("testkit", {str(Path(__file__).resolve().parents[1] / "testkit.py")!r})
+    sys.modules["testkit"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules["testkit"])
+testkit = sys.modules["testkit"]
+'''
+
+CONFTEST = LOAD_TESTKIT + '''
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    testkit.group_by_module_fixtures(items)
+'''
+
+MODULES = {
+    "test_fixture.py": """
+        import pytest
+
+        @pytest.fixture(scope="module")
+        def server():
+            return object()
+
+        @pytest.mark.parametrize("i", range(4))
+        def test_uses_it(server, i):
+            pass
+
+        def test_does_not(i=0):
+            pass
+    """,
+    "test_named_a.py": """
+        import pytest
+
+        @pytest.mark.xdist_group("cluster")
+        @pytest.mark.parametrize("i", range(3))
+        def test_a(i):
+            pass
+    """,
+    "test_named_b.py": """
+        import pytest
+
+        @pytest.mark.xdist_group("cluster")
+        @pytest.mark.parametrize("i", range(3))
+        def test_b(i):
+            pass
+    """,
+    "test_free.py": """
+        import pytest
+
+        @pytest.mark.parametrize("i", range(8))
+        def test_free(i):
+            pass
+    """,
+}
+
+
+def run_lane(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "--dist", "loadgroup", "-p", "no:cacheprovider", "--import-mode=importlib",
+                           "-o", "addopts=", *args, str(folder)], capture_output=True, text=True, cwd=folder, timeout=120)
+
+
+def test_module_fixtures_and_named_groups_keep_their_tests_in_one_process(tmp_path: Path) -> None:
+    (tmp_path / "conftest.py").write_text(CONFTEST)
+    for name, body in MODULES.items():
+        (tmp_path / name).write_text(textwrap.dedent(body))
+    done = run_lane(tmp_path, "-v")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ran = re.findall(r"\[(gw\d)\] \[\s*\d+%\] PASSED (\S+)", done.stdout)
+    assert len(ran) == 19, done.stdout[-3000:]
+    workers: dict[str, set[str]] = defaultdict(set)
+    for worker, nodeid in ran:
+        workers[nodeid.split("@")[1] if "@" in nodeid else nodeid.split("::")[1].split("[")[0]].add(worker)
+    assert sum(1 for _, nodeid in ran if nodeid.endswith("@test_fixture")) == 4  # the module fixture's users, grouped by module
+    assert sum(1 for _, nodeid in ran if nodeid.endswith("@cluster")) == 6  # a named group across two modules
+    assert len(workers["test_fixture"]) == 1 and len(workers["cluster"]) == 1
+    assert not any("@" in nodeid for _, nodeid in ran if "test_free" in nodeid or "test_does_not" in nodeid)
+    assert {worker for worker, _ in ran} == {"gw0", "gw1"}  # the rest spread over both processes
+
+
+#: A module that records which process imported it (a pytest-xdist test process names itself in PYTEST_XDIST_WORKER).
+RECORDER = """
+import os
+with open(os.environ["IMPORTED_BY"], "a") as said:
+    said.write(os.environ.get("PYTEST_XDIST_WORKER", "controller") + "\\n")
+"""
+
+
+def test_a_folder_without_its_requirements_is_skipped_and_only_test_processes_import_them(tmp_path: Path) -> None:
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "heavy_requirement.py").write_text(RECORDER)
+    for folder, requires in (("has", '"heavy_requirement"'), ("lacks", '"heavy_requirement", "no_such_module_here"')):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "conftest.py").write_text(LOAD_TESTKIT + f"pytest_pycollect_makemodule = testkit.folder_requires({requires})\n")
+        (tmp_path / folder / f"test_{folder}.py").write_text("import heavy_requirement\n" + ("import no_such_module_here\n" if folder == "lacks" else "")
+                                                             + "\ndef test_it():\n    pass\n")
+    imported_by = tmp_path / "imported-by.txt"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-n", "2", "-rs", "-p", "no:cacheprovider", "--import-mode=importlib", "-o", "addopts=",
+                           str(tmp_path / "has"), str(tmp_path / "lacks")], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path / "lib"), "IMPORTED_BY": str(imported_by)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "1 passed, 1 skipped" in done.stdout and "lacks/test_lacks.py: could not import 'no_such_module_here'" in done.stdout, done.stdout[-3000:]
+    importers = imported_by.read_text().split()
+    assert importers and "controller" not in importers and set(importers) <= {"gw0", "gw1"}
