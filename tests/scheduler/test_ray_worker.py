@@ -59,9 +59,11 @@ VOLATILE = ("time/", "tokens/per_s")
 WORKER = "rayw"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def ray_cluster() -> Iterator[Any]:
-    """Two Ray nodes on 127.0.0.1 (in a temporary folder of their own) and this process connected to them as a driver."""
+    """Two Ray nodes on 127.0.0.1 (in a temporary folder of their own) and this process connected to them as a driver; a
+    fresh cluster for each test: what one test's workers leave (actors, placement groups that Ray removes
+    asynchronously) never holds the devices the next one needs (a shared server's placement waited 300 s once)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(*next(iter(RAY_LOOPBACK.items())))  # read when Ray is imported, in this process and in every Ray process
         import ray
