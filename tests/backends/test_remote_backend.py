@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -316,7 +317,11 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_at_once(tiny, tmp
     backend = TorchBackend(TorchBackendConfig(model=tiny, dtype="float32", lora_rank=8, seed=0))
     server = ThreadServer(create_app(backend, run_dir=tmp_path / "server", token_digest=token_digest(TOKEN)), timeout_keep_alive=1)
     slept: list[float] = []
-    monkeypatch.setattr(remote_module.time, "sleep", slept.append)
+    # The client module's own sleeps are recorded, not the process's: time.sleep itself patched would make every other
+    # thread here that sleeps in a loop (a server's maintenance pass an earlier test left) spin, filling the record.
+    recorder = types.SimpleNamespace(**{name: getattr(time, name) for name in dir(time) if not name.startswith("_")})
+    recorder.sleep = slept.append
+    monkeypatch.setattr(remote_module, "time", recorder)
     try:
         client = RemoteBackend(server.url, TOKEN, backoff=5.0)
         client.logprobs([[1, 5, 6]])
