@@ -173,6 +173,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     A module-scoped fixture is built once per test process; under pytest-xdist (``--dist loadgroup``), tests of one
     module spread over the processes would each build it again (a vLLM server took 28 s, twice). Each such test goes
     into the ``xdist_group`` named after its module, unless it names a group itself (``testkit.group_by_module_fixtures``,
-    checked with pytest-xdist by tests/packaging/test_xdist_groups.py).
+    checked with pytest-xdist by tests/packaging/test_test_lanes.py).
     """
     testkit.group_by_module_fixtures(items)
