@@ -130,7 +130,9 @@ def test_a_live_training_run_in_a_browser(browser: Any, server: ThreadServer, ke
         opened = page.locator(f'#transcripts details.transcript[data-step="{step}"][data-episode="{episode}"]')
         expect(opened.locator("summary")).to_contain_text(f"Step {step}, episode {episode}")
         expect(opened.locator("summary")).to_contain_text("reward")
-        opened.locator("summary").click()
+        # By the keyboard, as a reader may: a click's point is taken before it lands, and episodes arriving on top
+        # move the list under it between the two.
+        opened.locator("summary").press("Enter")
         expect(opened).to_have_attribute("open", "")
         turns = opened.locator("li.turn")
         expect(turns).to_have_count(3)  # Bandit: the system prompt, the arms, the model's answer
@@ -223,7 +225,9 @@ def test_a_tool_using_transcript_with_hostile_text(browser: Any, server: ThreadS
         expect(opened.locator("summary")).to_have_text("Step 5, episode 3 (best): reward 1, terminated")
         expect(page.locator("#transcripts details")).to_have_count(2)  # the first (and worst), the best
         expect(page.locator('#transcripts details[data-episode="0"] summary')).to_have_text("Step 5, episode 0 (first, worst): reward 0, terminated")
-        opened.locator("summary").click()
+        # By the keyboard, as a reader may: a click's point is taken before it lands, and episodes arriving on top
+        # move the list under it between the two.
+        opened.locator("summary").press("Enter")
         turns = opened.locator("li.turn")
         assert turns.evaluate_all("turns => turns.map(t => t.dataset.role)") == [
             "system", "observation", "assistant", "tool-call", "tool-result", "tool-result", "assistant"]
