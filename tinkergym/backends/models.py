@@ -438,6 +438,15 @@ def is_adapter_folder(path: str | os.PathLike[str]) -> bool:
     return os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json"))
 
 
+def tokenizer_folder(path: str) -> str:
+    """Where the tokenizer of the model at ``path`` is: ``path`` itself, or for a peft adapter folder saved without one
+    (``save_pretrained`` of an adapter writes only the adapter), its base model's folder."""
+    if is_adapter_folder(path) and not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as handle:
+            return tokenizer_folder(resolve_model(json.load(handle)["base_model_name_or_path"]))
+    return path
+
+
 def check_model_folder(folder: str) -> str:
     """Return ``folder`` if it looks like a model ``save_pretrained`` wrote (or a peft adapter), else raise :class:`ConfigError`.
 

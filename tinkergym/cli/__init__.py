@@ -13,6 +13,7 @@ from tinkergym.cli.jobs import jobs
 from tinkergym.cli import jobs_download  # noqa: F401 - registers `jobs download` on the jobs group
 from tinkergym.cli.play import play
 from tinkergym.cli.push import push
+from tinkergym.cli.results import results
 from tinkergym.cli.scheduler import scheduler
 from tinkergym.cli import scheduler_workers  # noqa: F401 - registers `scheduler workers` on the scheduler group
 from tinkergym.cli.serve import serve_backend
@@ -60,6 +61,7 @@ main.add_command(play)
 main.add_command(train)
 main.add_command(eval_command)
 main.add_command(trace)
+main.add_command(results)
 main.add_command(push)
 main.add_command(jobs)
 main.add_command(serve_backend)

@@ -21,6 +21,7 @@ from tinkergym import plugins
 from tinkergym.errors import ConfigError, TinkergymError, TinkergymWarning
 from tinkergym.rollouts import RolloutConfig, Sampler, Trajectory, rollout
 from tinkergym.config import TrainConfig
+from tinkergym.trainers.evaluation import train_seed
 
 TRAINER_GROUP = "tinkergym.trainers"
 
@@ -48,7 +49,7 @@ class TrainingContext:
     def prompt_seeds(self, step: int, count: int | None = None, salt: str = "train") -> list[int]:
         """The env seeds of a step: a pure function of (run seed, step), so a resumed run sees the same prompts."""
         rng = random.Random(f"{salt}:{self.config.seed}:{step}")
-        return [rng.randrange(2**31) for _ in range(count or self.config.batch_size)]
+        return [train_seed(rng) for _ in range(count or self.config.batch_size)]
 
     def rollout(
         self, seeds: list[int], sampling_seed: int, temperature: float | None = None, env_kwargs: dict | None = None, sampler: Sampler | None = None,

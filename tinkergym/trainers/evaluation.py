@@ -13,10 +13,20 @@ from tinkergym.chat import ChatRenderer
 from tinkergym.rollouts import RolloutConfig, Trajectory, rollout
 
 
+#: Env seeds split in two: training draws its prompts below this (:meth:`TrainingContext.prompt_seeds`), evaluation at or
+#: above it, so that no evaluation episode ever replays a training episode's seed. Both halves fit NumPy's seeding.
+TRAIN_SEEDS = 2**31
+
+
 def eval_seeds(run_seed: int, episodes: int) -> list[int]:
-    """Held-out env seeds: drawn from a stream that training never uses."""
+    """Held-out env seeds: from a stream of their own, in the half of the seed range training never draws from."""
     rng = random.Random(f"eval:{run_seed}")
-    return [rng.randrange(2**31) for _ in range(episodes)]
+    return [TRAIN_SEEDS + rng.randrange(TRAIN_SEEDS) for _ in range(episodes)]
+
+
+def train_seed(rng: random.Random) -> int:
+    """One training env seed from ``rng``: below :data:`TRAIN_SEEDS`, so never an evaluation seed."""
+    return rng.randrange(TRAIN_SEEDS)
 
 
 def evaluate(
@@ -81,6 +91,7 @@ def transcript_record(trajectory: Trajectory, **extra: Any) -> dict[str, Any]:
         "finish_reason": trajectory.finish_reason,
         "error": trajectory.error,
         "sampled_tokens": trajectory.num_sampled_tokens,
+        "success": succeeded(trajectory),
     }
 
 

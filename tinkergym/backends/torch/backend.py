@@ -42,7 +42,7 @@ from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.batches import (
     Batch, adamw_step, check_prompts, check_scored_images, check_weights_finite, collate, request_normalizers, validate_data,
 )
-from tinkergym.backends.models import is_vision_folder, resolve_model
+from tinkergym.backends.models import is_vision_folder, resolve_model, tokenizer_folder
 from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
 from tinkergym.backends.torch.vision import VisionInputs, forbid_tokens, sample_with_images, vision_token_ids
 from tinkergym.backends.torch.sharded_states import SHARDED_FORMAT, load_sharded_state
@@ -196,7 +196,7 @@ class TorchBackend:
         random.seed(self.config.seed)
         np.random.seed(self.config.seed)
         torch.manual_seed(self.config.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder(self.model_path))
         self.model = self._load_base(self.param_dtype)
         #: A vision-language model's inputs beside the ids (None for a text model): see tinkergym.backends.torch.vision.
         self.vision = VisionInputs.of(self.model, self.model_path, self.tokenizer) if self.reads_images else None
@@ -271,7 +271,7 @@ class TorchBackend:
         return {
             "model": self.config.model,
             "model_path": self.model_path,
-            "tokenizer": self.model_path,
+            "tokenizer": tokenizer_folder(self.model_path),
             "lora_rank": self.config.lora_rank,
             "lora_alpha": self.config.lora_alpha,
             "lora_dropout": self.config.lora_dropout,

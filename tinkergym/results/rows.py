@@ -1,0 +1,133 @@
+"""The declared rows of the results table: each a task of the hub and the recipe that trains on it.
+
+A row names its env and the kwargs that set its difficulty, the model, the trainer and its settings, the budget
+(steps, prompts per step, samples per prompt) and its evaluation: greedy, ``eval_episodes`` episodes on held-out
+seeds (:func:`tinkergym.trainers.evaluation.eval_seeds`: a range no training seed is drawn from) with
+``eval_env_kwargs`` on top of ``env_kwargs`` (a test split, another dataset seed: problems training never poses),
+before training, every ``steps // evals`` steps, and after the last step.
+
+``why`` says why the difficulty and budget are what they are, and why the recipe differs from the default (GRPO with
+a LoRA adapter on SmolLM2-135M-Instruct) where it does. Every number of a row was picked so that the untrained model
+is neither at 0 nor at the ceiling, and a whole run (evaluations included) fits in an hour on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tinkergym.config import TrainConfig
+
+#: The default recipe of every row; a row's ``settings`` override these.
+DEFAULT_SETTINGS: dict[str, Any] = {
+    "steps": 60, "batch_size": 8, "group_size": 8, "lr": 5e-4, "lora_rank": 8, "lora_alpha": 16, "max_turns": 1,
+    "max_new_tokens": 64, "temperature": 1.0, "micro_batch_size": 16,
+}
+#: What ``--quick`` changes: the tiny test model and the smallest budget that still runs every part of the harness
+#: (before and after evaluations, an evaluation between, two checkpoints, the table). Not a learning run.
+QUICK_SETTINGS: dict[str, Any] = {"model": "tiny", "steps": 4, "batch_size": 2, "group_size": 2, "eval_episodes": 6, "evals": 2}
+#: Caps on the per-episode budget in ``--quick`` (turns, tokens per turn): the tiny model writes noise, so a short
+#: episode proves as much as a long one.
+QUICK_CAPS = {"max_turns": 3, "max_new_tokens": 8}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of the results table: a task (env, difficulty) and the recipe that trains on it."""
+
+    name: str  # the row's id: ``tinkergym results run NAME``, and its folder docs/results/NAME/
+    task: str  # the task in a few words, for the table
+    env: str
+    env_kwargs: dict[str, Any]
+    why: str
+    eval_env_kwargs: dict[str, Any] = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
+    trainer: str = "grpo"
+    model: str = "smollm2-135m"
+    eval_episodes: int = 64
+    evals: int = 4  # evaluations after the start: the evaluation curve's points beyond the first
+    seed: int = 0
+
+    @property
+    def recipe(self) -> dict[str, Any]:
+        """The row's training settings: :data:`DEFAULT_SETTINGS` with its own on top."""
+        return {**DEFAULT_SETTINGS, **self.settings}
+
+    def config(self, out: str, quick: bool = False) -> TrainConfig:
+        """The run's :class:`TrainConfig` (``quick``: on the tiny model at the smallest budget, see :data:`QUICK_SETTINGS`)."""
+        recipe, model, episodes, evals = self.recipe, self.model, self.eval_episodes, self.evals
+        if quick:
+            recipe = {**recipe, **{k: v for k, v in QUICK_SETTINGS.items() if k in recipe}}
+            recipe.update({k: min(recipe[k], cap) for k, cap in QUICK_CAPS.items()})
+            model, episodes, evals = QUICK_SETTINGS["model"], QUICK_SETTINGS["eval_episodes"], QUICK_SETTINGS["evals"]
+        every = max(1, recipe["steps"] // evals)
+        return TrainConfig(
+            env=self.env, env_kwargs=dict(self.env_kwargs), eval_env_kwargs=dict(self.eval_env_kwargs), trainer=self.trainer, model=model,
+            seed=self.seed, eval_episodes=episodes, eval_every=every, checkpoint_every=every if not quick else 1, out=out,
+            transcripts_every=max(1, recipe["steps"] // 10), **recipe,
+        ).validate()
+
+
+ROWS: tuple[Row, ...] = (
+    Row(
+        name="chain-sum",
+        task="reasoning-gym chain_sum: a + b, one digit each",
+        env="tinker/rg.chain_sum-v0",
+        env_kwargs={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
+        eval_env_kwargs={"seed": 1},
+        why=("The easiest reasoning-gym arithmetic: the untrained model knows the sums but often leaves out the "
+             "<answer> tag the grader reads. Held out: the evaluation draws its questions from another dataset seed."),
+    ),
+    Row(
+        name="math",
+        task="Math-v0 word problems, one reply with \\boxed{}",
+        env="tinker/Math-v0",
+        env_kwargs={"split": "train"},
+        eval_env_kwargs={"split": "test"},
+        settings={"max_new_tokens": 256, "micro_batch_size": 8},
+        why="Held out: the evaluation poses the 250 problems of the test split, training the 2,250 of the train split.",
+    ),
+    Row(
+        name="math-tool",
+        task="MathTool-v0: the same problems with a sandboxed python and a calculator tool",
+        env="tinker/MathTool-v0",
+        env_kwargs={"split": "train"},
+        eval_env_kwargs={"split": "test"},
+        settings={"max_turns": 3, "max_new_tokens": 160, "micro_batch_size": 8},
+        why="Tool calls run in the bubblewrap sandbox. Held out: the test split, as the math row.",
+    ),
+    Row(
+        name="household",
+        task="Household-v0, easiest: one room, no distractors, pick and place",
+        env="tinker/Household-v0",
+        env_kwargs={"rooms": 1, "distractors": 0, "goal_kinds": "pick_and_place"},
+        settings={"max_turns": 12, "max_new_tokens": 16},
+        why="The easiest homes the generator makes. Held out: each seed draws its own home and goal.",
+    ),
+    Row(
+        name="gomoku",
+        task="Gomoku-v0 7x7, four in a row, against the random opponent",
+        env="tinker/Gomoku-v0",
+        env_kwargs={"size": 7, "win_length": 4, "opponent": "random"},
+        settings={"max_turns": 25, "max_new_tokens": 8},
+        why="Held out: the evaluation's seeds draw other sides and other opponent moves.",
+    ),
+    Row(
+        name="frozenlake",
+        task="FrozenLake-v0 4x4, not slippery (multi-turn toy text)",
+        env="tinker/FrozenLake-v0",
+        env_kwargs={"is_slippery": False},
+        settings={"max_turns": 12, "max_new_tokens": 8},
+        why="Gymnasium's map, walked without slipping.",
+    ),
+)
+
+_BY_NAME = {row.name: row for row in ROWS}
+
+
+def get_row(name: str) -> Row:
+    """The row called ``name``; a :class:`KeyError` whose message lists the rows otherwise."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"no results row {name!r}; the rows are: {', '.join(_BY_NAME)}") from None

@@ -1,0 +1,298 @@
+"""``tinkergym results run ROW``: train one row's recipe, evaluate it before, during and after on held-out seeds, and write
+the row's folder of results.
+
+The run itself is an ordinary training run (:class:`~tinkergym.trainers.session.TrainingRun`) in ``WORK/ROW``, so it
+checkpoints as every run does, and running the row again resumes it from its newest checkpoint (a run killed in its
+first evaluation starts over). The row's folder ``OUT/ROW`` gets:
+
+    result.json        what the run was (commit, machine, command, seeds, recipe) and what it gave: success rate and
+                       mean reward before and after with their 95% intervals, the change with its paired interval,
+                       samples and tokens used, wall time (summed over the sittings a resumed run took)
+    reward_curve.png   the training reward by step (and by samples seen)
+    eval_curve.png     the held-out success rate at each evaluation, with Wilson intervals
+    adapter/           the final LoRA adapter (peft), which ``tinkergym eval --model OUT/ROW/adapter`` evaluates again
+
+Success is the env's own verdict (``info["is_success"]``), else a positive reward
+(:func:`tinkergym.trainers.evaluation.succeeded`).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from tinkergym.config import TrainConfig
+from tinkergym.errors import ConfigError
+from tinkergym.results.rows import Row
+from tinkergym.results.stats import bootstrap_mean, paired_bootstrap_difference, wilson
+from tinkergym.trainers.evaluation import eval_seeds
+
+#: The version of result.json's layout (bumped when a key changes meaning).
+SCHEMA = 1
+#: Files of the final adapter copied into the row's folder (the tokenizer is the base model's, loaded from it).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+#: Seconds between two writes of the wall clock file: a killed sitting loses at most this much of its time.
+WALL_EVERY_S = 5.0
+
+
+class WallClock:
+    """The wall time a row's run took, summed over the sittings that ran it (``wall.json`` in its run folder).
+
+    A thread rewrites the file every few seconds, so a sitting that is killed still counts (all but the last
+    few seconds of it).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sittings: list[float] = []
+        if path.is_file():
+            try:
+                self.sittings = [float(s) for s in json.loads(path.read_text(encoding="utf-8"))["sittings"]]
+            except (OSError, ValueError, KeyError, TypeError):
+                self.sittings = []
+        self._start = time.monotonic()
+        self.sittings.append(0.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._tick, name="results-wall-clock", daemon=True)
+        self._thread.start()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(WALL_EVERY_S):
+            self._write()
+
+    def _write(self) -> None:
+        self.sittings[-1] = time.monotonic() - self._start
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"sittings": [round(s, 1) for s in self.sittings]}), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def stop(self) -> float:
+        """Stop counting; the total over every sitting, in seconds."""
+        self._stop.set()
+        self._thread.join()
+        self._write()
+        return sum(self.sittings)
+
+
+def run_row(row: Row, out: Path, work: Path, quick: bool = False, progress: bool = True, command: str = "") -> dict[str, Any]:
+    """Train ``row`` in ``work/ROW`` (or resume it there), then write its results into ``out/ROW``; the result."""
+    from tinkergym.trainers.session import TrainingRun, plan_resume
+
+    folder = work / row.name
+    config = row.config(str(folder), quick=quick)
+    if (folder / "config.json").is_file():
+        _check_same_recipe(folder, config)
+        plan = plan_resume(folder)
+        resumed = plan.start_step
+        if not plan.nothing_to_do:
+            _say(progress, f"{row.name}: resuming {folder} at step {plan.start_step} of {config.steps}")
+            clock = WallClock(folder / "wall.json")
+            try:
+                TrainingRun.resume(folder).run(progress=progress)
+            finally:
+                wall = clock.stop()
+        else:
+            wall = WallClock(folder / "wall.json").stop()
+    else:
+        resumed = 0
+        folder.mkdir(parents=True, exist_ok=True)
+        clock = WallClock(folder / "wall.json")
+        try:
+            TrainingRun(config).run(progress=progress)
+        finally:
+            wall = clock.stop()
+    result = summarize(row, config, folder, wall, quick=quick, command=command, resumed_from=resumed)
+    write_row_folder(result, folder, out / row.name)
+    return result
+
+
+def _say(progress: bool, line: str) -> None:
+    if progress:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _check_same_recipe(folder: Path, config: TrainConfig) -> None:
+    """Refuse to resume a run whose recipe is not the row's any more (the row was edited, or ``--quick`` changed)."""
+    saved = TrainConfig.load(folder / "config.json").to_dict()
+    wanted = config.to_dict()
+    changed = sorted(k for k in wanted if k != "out" and saved.get(k) != wanted[k])
+    if changed:
+        raise ConfigError(
+            f"{folder} holds a run of another recipe than this row's (differs in: {', '.join(changed)}); "
+            f"move it away or delete it to run the row again from the start."
+        )
+
+
+def _eval_outcomes(folder: Path, step: int) -> tuple[list[float], list[float]] | None:
+    """The per-episode success (0/1) and total reward of the evaluation after ``step`` (-1: before training)."""
+    path = folder / "transcripts" / f"eval_step_{step:06d}.jsonl"
+    if not path.is_file():
+        return None
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records.sort(key=lambda r: r["episode"])
+    success = [1.0 if r.get("success") else 0.0 for r in records]
+    reward = [float(r["total_reward"]) if r.get("total_reward") is not None else 0.0 for r in records]
+    return success, reward
+
+
+def _arm(success: list[float], reward: list[float]) -> dict[str, Any]:
+    wins = int(sum(success))
+    return {
+        "episodes": len(success), "successes": wins, "success_rate": wins / max(len(success), 1),
+        "success_interval": list(wilson(wins, len(success))), "reward_mean": sum(reward) / max(len(reward), 1),
+        "reward_interval": list(bootstrap_mean(reward)),
+    }
+
+
+def summarize(
+    row: Row, config: TrainConfig, folder: Path, wall_s: float, quick: bool = False, command: str = "", resumed_from: int = 0,
+) -> dict[str, Any]:
+    """result.json's contents for a finished run of ``row`` in ``folder``."""
+    from tinkergym.trainers.reporting import read_metrics
+
+    records = read_metrics(folder / "metrics.jsonl")
+    last_step = config.steps - 1
+    before, after = _eval_outcomes(folder, -1), _eval_outcomes(folder, last_step)
+    if before is None or after is None:
+        raise ConfigError(f"{folder} has no evaluation {'before training' if before is None else 'after its last step'}; "
+                          f"run the row again to finish it.")
+    change, low, high = paired_bootstrap_difference(before[0], after[0])
+    reward_change = paired_bootstrap_difference(before[1], after[1])
+    curve = []
+    for record in records:
+        if "eval/success_rate" in record:
+            outcome = _eval_outcomes(folder, record["step"])
+            episodes = len(outcome[0]) if outcome else int(record.get("eval/episodes", 0))
+            wins = int(sum(outcome[0])) if outcome else round(record["eval/success_rate"] * episodes)
+            rate = wins / episodes if outcome and episodes else record["eval/success_rate"]
+            curve.append({"step": record["step"], "samples": _samples(config, record["step"]), "success_rate": rate,
+                          "success_interval": list(wilson(wins, episodes)), "reward_mean": record["eval/reward_mean"]})
+    trained = [r for r in records if r["step"] >= 0 and "reward/mean" in r]
+    seeds = eval_seeds(config.seed, config.eval_episodes)
+    return {
+        "schema": SCHEMA,
+        "row": row.name,
+        "task": row.task,
+        "quick": quick,
+        "env": config.env,
+        "env_kwargs": config.env_kwargs,
+        "eval_env_kwargs": config.eval_env_kwargs,
+        "model": config.model,
+        "trainer": config.trainer,
+        "recipe": {k: getattr(config, k) for k in ("steps", "batch_size", "group_size", "lr", "lora_rank", "lora_alpha", "max_turns",
+                                                   "max_new_tokens", "temperature", "micro_batch_size", "dtype", "kl_coef")},
+        "why": row.why,
+        "commit": _commit(),
+        "machine": machine(),
+        "command": command,
+        "seeds": {"run": config.seed, "eval_first": seeds[0] if seeds else None, "eval_count": len(seeds),
+                  "eval_rule": "tinkergym.trainers.evaluation.eval_seeds(run, count): at or above 2**31; training seeds are below"},
+        "evaluation": {"greedy": True, "episodes": config.eval_episodes, "interval": "Wilson score, 95%",
+                       "change_interval": "paired bootstrap over episodes, 10,000 resamples, 95% percentile"},
+        "before": _arm(*before),
+        "after": _arm(*after),
+        "change": {"success_rate": change, "success_interval": [low, high], "reward_mean": reward_change[0],
+                   "reward_interval": [reward_change[1], reward_change[2]]},
+        "learns": low > 0,
+        "samples": _samples(config, last_step),
+        "tokens_sampled": int(sum(r.get("tokens/sampled", 0) for r in trained)),
+        "wall_s": round(wall_s, 1),
+        "resumed_from_step": resumed_from,
+        "reward_curve": [{"step": r["step"], "samples": _samples(config, r["step"]), "reward_mean": r["reward/mean"]} for r in trained],
+        "eval_curve": curve,
+    }
+
+
+def _samples(config: TrainConfig, step: int) -> int:
+    """Episodes sampled for training through ``step`` (0 before the first)."""
+    return (step + 1) * config.batch_size * config.group_size
+
+
+def _commit() -> dict[str, Any]:
+    """The source's git commit and whether the checkout had changes (``None`` outside a git checkout)."""
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True,
+                               timeout=30, check=True).stdout.strip() != ""
+    except (OSError, subprocess.SubprocessError):
+        return {"sha": None, "dirty": None}
+    return {"sha": head, "dirty": dirty}
+
+
+def machine() -> dict[str, Any]:
+    """The machine's facts as the benchmarks record them (CPU, kernels, native precision, GPU) and its float32 matmul rate."""
+    import torch
+
+    from tinkergym.backends.torch.machine import machine_facts, matmul_rate
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    facts = machine_facts(device)
+    rate = matmul_rate(device, "float32", seconds=1.0)
+    return {**facts, "device": device, "cores": _cores(), "python": platform.python_version(), "torch": torch.__version__,
+            "float32_matmul_gflops": round(rate["matmul_flops"] / 1e9, 1)}
+
+
+def _cores() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def write_row_folder(result: dict[str, Any], run_folder: Path, dest: Path) -> None:
+    """result.json, the two curves and the final adapter into ``dest`` (replaced whole)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    final = run_folder / "final"
+    adapter = dest / "adapter"
+    shutil.rmtree(adapter, ignore_errors=True)
+    if (final / "adapter_config.json").is_file():
+        adapter.mkdir()
+        for name in ADAPTER_FILES:
+            if (final / name).is_file():
+                shutil.copy2(final / name, adapter / name)
+        config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+        config["base_model_name_or_path"] = result["model"]  # the short name resolves offline anywhere; a cache path does not
+        (adapter / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    plot_curves(result, dest)
+    (dest / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
+def plot_curves(result: dict[str, Any], dest: Path) -> None:
+    """reward_curve.png (training reward by step and samples) and eval_curve.png (held-out success with intervals)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    title = f"{result['row']}: {result['env']}"
+    figure, axis = plt.subplots(figsize=(7, 4))
+    points = result["reward_curve"]
+    axis.plot([p["samples"] for p in points], [p["reward_mean"] for p in points], marker="o" if len(points) < 30 else None)
+    axis.set_xlabel("episodes sampled for training")
+    axis.set_ylabel("mean training reward")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    figure.savefig(dest / "reward_curve.png", dpi=100, bbox_inches="tight")
+    plt.close(figure)
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    curve = result["eval_curve"]
+    x = [p["samples"] for p in curve]
+    y = [p["success_rate"] for p in curve]
+    below = [max(0.0, p["success_rate"] - p["success_interval"][0]) for p in curve]
+    above = [max(0.0, p["success_interval"][1] - p["success_rate"]) for p in curve]
+    axis.errorbar(x, y, yerr=[below, above], marker="o", capsize=3)
+    axis.set_xlabel("episodes sampled for training")
+    axis.set_ylabel(f"held-out success rate ({result['evaluation']['episodes']} greedy episodes)")
+    axis.set_ylim(-0.02, 1.02)
+    axis.set_title(f"{title} (95% Wilson intervals)")
+    axis.grid(alpha=0.3)
+    figure.savefig(dest / "eval_curve.png", dpi=100, bbox_inches="tight")
+    plt.close(figure)
