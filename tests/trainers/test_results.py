@@ -139,8 +139,16 @@ def test_every_row_runs_end_to_end_on_the_tiny_model(quick_suite: Path) -> None:
         for picture in ("reward_curve.png", "eval_curve.png"):
             assert (folder / picture).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         adapter = json.loads((folder / "adapter" / "adapter_config.json").read_text())
-        assert adapter["base_model_name_or_path"] == "tiny" and (folder / "adapter" / "adapter_model.safetensors").stat().st_size > 0
-        transcripts = quick_suite / "work" / row.name / "transcripts" / "eval_step_-00001.jsonl"
+        assert (folder / "adapter" / "adapter_model.safetensors").stat().st_size > 0
+        if row.warmup is None:
+            assert adapter["base_model_name_or_path"] == "tiny" and result["base"] is None
+        else:  # RL's adapter sits on the warm-up's, which sits on the base model; the untrained model is evaluated too
+            assert adapter["base_model_name_or_path"] == "../warmup_adapter"
+            warm = json.loads((folder / "warmup_adapter" / "adapter_config.json").read_text())
+            assert warm["base_model_name_or_path"] == "tiny" and result["warmup"]["steps"] == 2
+            assert result["base"]["episodes"] == config.eval_episodes
+            assert "after warm-up (untrained: " in render(quick_suite / "out").split(f"| {row.name} ", 1)[1].split("\n", 1)[0]
+        transcripts = quick_suite / "work" / row.name / "rl" / "transcripts" / "eval_step_-00001.jsonl"
         outcomes = [json.loads(line)["success"] for line in transcripts.read_text().splitlines()]
         assert sum(outcomes) == result["before"]["successes"] and len(outcomes) == result["before"]["episodes"]
 
@@ -158,14 +166,16 @@ def test_every_row_runs_end_to_end_on_the_tiny_model(quick_suite: Path) -> None:
     listed = runner.invoke(main, ["results", "list", *out])
     assert listed.exit_code == 0 and listed.output.count(" done ") == len(ROWS)
 
-    # The adapter a row wrote evaluates again with `tinkergym eval`, from its folder alone (the base resolved by name).
-    adapter = quick_suite / "out" / ROWS[0].name / "adapter"
-    config = ROWS[0].config("unused", quick=True)
+    # The adapter a row wrote evaluates again with `tinkergym eval`, from its folder alone (the base resolved by name; a
+    # warmed-up row's adapter through the warm-up's beside it), from another working directory.
+    warmed = next(row for row in ROWS if row.warmup is not None)
+    adapter = quick_suite / "out" / warmed.name / "adapter"
+    config = warmed.config("unused", quick=True)
     evaluated = subprocess.run(
-        [sys.executable, "-m", "tinkergym", "eval", "--env", ROWS[0].env, "--model", str(adapter), "--episodes", "3", "--quiet",
+        [sys.executable, "-m", "tinkergym", "eval", "--env", warmed.env, "--model", str(adapter), "--episodes", "3", "--quiet",
          "--max-turns", str(config.max_turns), "--max-new-tokens", str(config.max_new_tokens),
          *(f"--kwarg={k}={json.dumps(v)}" for k, v in {**config.env_kwargs, **config.eval_env_kwargs}.items())],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=300, cwd=quick_suite)
     assert evaluated.returncode == 0, evaluated.stderr[-3000:]
     assert json.loads(evaluated.stdout.splitlines()[-1])["episodes"] == 3
 
@@ -177,7 +187,7 @@ def test_a_row_killed_mid_run_resumes_to_the_same_result(quick_suite: Path, tmp_
     out, work = tmp_path / "out", tmp_path / "work"
     args = [sys.executable, "-m", "tinkergym", "results", "run", row.name, "--quick", "--quiet", "--out", str(out), "--work", str(work)]
     process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    checkpoints = work / row.name / "checkpoints"
+    checkpoints = work / row.name / "rl" / "checkpoints"
     deadline = time.monotonic() + 300
     while not (checkpoints.is_dir() and any(not p.name.endswith(".tmp") for p in checkpoints.iterdir())):
         assert process.poll() is None, process.communicate()[1][-3000:]
@@ -192,7 +202,8 @@ def test_a_row_killed_mid_run_resumes_to_the_same_result(quick_suite: Path, tmp_
     whole = load_result(quick_suite / "out" / row.name / "result.json")
     assert resumed["resumed_from_step"] >= 1
     sittings = json.loads((work / row.name / "wall.json").read_text())["sittings"]
-    assert len(sittings) == 2 and math.isclose(sum(sittings), resumed["wall_s"], abs_tol=0.2)
+    assert len(sittings) == 2 and math.isclose(sum(s["seconds"] for s in sittings), resumed["wall_s"], abs_tol=0.2)
+    assert all(s["seconds"] > 0 and s["other_cores"] >= 0 for s in sittings) and resumed["machine"]["other_cores"] >= 0
     assert {k: v for k, v in resumed.items() if k not in CIRCUMSTANCES} == {k: v for k, v in whole.items() if k not in CIRCUMSTANCES}
 
 

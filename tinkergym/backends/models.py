@@ -438,12 +438,26 @@ def is_adapter_folder(path: str | os.PathLike[str]) -> bool:
     return os.path.isfile(os.path.join(path, "adapter_config.json")) and not os.path.isfile(os.path.join(path, "config.json"))
 
 
+def adapter_base(path: str | os.PathLike[str]) -> str:
+    """The local folder of the base model of the peft adapter folder ``path`` (its ``base_model_name_or_path``).
+
+    A relative path that names a folder beside the adapter (``../warmup_adapter``) is read from the adapter's own folder,
+    so that a chain of adapters (one trained on top of another) moves as one folder; anything else goes through
+    :func:`resolve_model` (a known name, a hub id, a path from the working directory).
+    """
+    with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as handle:
+        name = json.load(handle)["base_model_name_or_path"]
+    beside = os.path.normpath(os.path.join(path, name))
+    if not os.path.isabs(name) and name.startswith(".") and os.path.isdir(beside):
+        return beside
+    return resolve_model(name)
+
+
 def tokenizer_folder(path: str) -> str:
     """Where the tokenizer of the model at ``path`` is: ``path`` itself, or for a peft adapter folder saved without one
     (``save_pretrained`` of an adapter writes only the adapter), its base model's folder."""
     if is_adapter_folder(path) and not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
-        with open(os.path.join(path, "adapter_config.json"), encoding="utf-8") as handle:
-            return tokenizer_folder(resolve_model(json.load(handle)["base_model_name_or_path"]))
+        return tokenizer_folder(adapter_base(path))
     return path
 
 

@@ -209,7 +209,8 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable), e.g. size=7.")
 @click.option("--trainer-arg", "trainer_args", multiple=True, metavar="KEY=VALUE", help="Trainer-specific setting (repeatable).")
 @click.option("--data", multiple=True, type=SafePath(exists=True, dir_okay=False), help="sft: JSONL chat transcripts (repeatable).")
-@click.option("--demos", type=click.Choice(["baseline"]), help="sft: train on demonstrations of the env's baseline agent.")
+@click.option("--demos", type=click.Choice(["baseline", "random"]),
+              help="sft: train on demonstrations of the env's baseline agent, or of its random agent (the action format, no strategy).")
 @click.option("--out", help="Run folder (default runs/<env>-<trainer>-<time>).")
 @click.option("--config", type=SafePath(exists=True, dir_okay=False), help="YAML/JSON file of the same settings; options override it.")
 @click.option("--resume", type=SafePath(exists=True, file_okay=False),

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -43,22 +44,27 @@ WALL_EVERY_S = 5.0
 
 
 class WallClock:
-    """The wall time a row's run took, summed over the sittings that ran it (``wall.json`` in its run folder).
+    """The wall time a row's run took, summed over the sittings that ran it (``wall.json`` in its run folder), and the
+    cores other processes took meanwhile (a figure taken on a shared machine says so).
 
     A thread rewrites the file every few seconds, so a sitting that is killed still counts (all but the last
     few seconds of it).
     """
 
     def __init__(self, path: Path) -> None:
+        from tinkergym.backends.torch.machine import CpuShare
+
         self.path = path
-        self.sittings: list[float] = []
+        self.sittings: list[dict[str, float]] = []
         if path.is_file():
             try:
-                self.sittings = [float(s) for s in json.loads(path.read_text(encoding="utf-8"))["sittings"]]
+                self.sittings = [{"seconds": float(s["seconds"]), "other_cores": float(s["other_cores"])}
+                                 for s in json.loads(path.read_text(encoding="utf-8"))["sittings"]]
             except (OSError, ValueError, KeyError, TypeError):
                 self.sittings = []
         self._start = time.monotonic()
-        self.sittings.append(0.0)
+        self._share = CpuShare()
+        self.sittings.append({"seconds": 0.0, "other_cores": 0.0})
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._tick, name="results-wall-clock", daemon=True)
         self._thread.start()
@@ -68,9 +74,9 @@ class WallClock:
             self._write()
 
     def _write(self) -> None:
-        self.sittings[-1] = time.monotonic() - self._start
+        self.sittings[-1] = {"seconds": round(time.monotonic() - self._start, 1), "other_cores": round(self._share.stop()["other_cores"], 2)}
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"sittings": [round(s, 1) for s in self.sittings]}), encoding="utf-8")
+        tmp.write_text(json.dumps({"sittings": self.sittings}), encoding="utf-8")
         tmp.replace(self.path)
 
     def stop(self) -> float:
@@ -78,39 +84,76 @@ class WallClock:
         self._stop.set()
         self._thread.join()
         self._write()
-        return sum(self.sittings)
+        return sum(s["seconds"] for s in self.sittings)
+
+    def other_cores(self) -> float:
+        """The cores other processes took, averaged over every sitting by its length."""
+        total = sum(s["seconds"] for s in self.sittings)
+        return sum(s["seconds"] * s["other_cores"] for s in self.sittings) / total if total else 0.0
 
 
 def run_row(row: Row, out: Path, work: Path, quick: bool = False, progress: bool = True, command: str = "") -> dict[str, Any]:
-    """Train ``row`` in ``work/ROW`` (or resume it there), then write its results into ``out/ROW``; the result."""
-    from tinkergym.trainers.session import TrainingRun, plan_resume
+    """Train ``row`` in ``work/ROW`` (or resume it there), then write its results into ``out/ROW``; the result.
 
+    ``work/ROW`` holds ``rl/`` (the RL run), ``warmup/`` (the warm-up's SFT run, for a row that has one) with
+    ``base_eval.jsonl`` (the untrained model's evaluation, the same episodes), and ``wall.json``.
+    """
     folder = work / row.name
-    config = row.config(str(folder), quick=quick)
-    if (folder / "config.json").is_file():
-        _check_same_recipe(folder, config)
-        plan = plan_resume(folder)
-        resumed = plan.start_step
-        if not plan.nothing_to_do:
-            _say(progress, f"{row.name}: resuming {folder} at step {plan.start_step} of {config.steps}")
-            clock = WallClock(folder / "wall.json")
-            try:
-                TrainingRun.resume(folder).run(progress=progress)
-            finally:
-                wall = clock.stop()
-        else:
-            wall = WallClock(folder / "wall.json").stop()
-    else:
-        resumed = 0
-        folder.mkdir(parents=True, exist_ok=True)
-        clock = WallClock(folder / "wall.json")
-        try:
-            TrainingRun(config).run(progress=progress)
-        finally:
-            wall = clock.stop()
+    folder.mkdir(parents=True, exist_ok=True)
+    clock = WallClock(folder / "wall.json")
+    try:
+        model = None
+        if row.warmup is not None:
+            _train(row.warmup_config(str(folder / "warmup"), quick), progress, f"{row.name} warm-up")
+            model = str((folder / "warmup" / "final").resolve())
+        config = row.config(str(folder / "rl"), quick=quick, model=model)
+        resumed = _train(config, progress, row.name)
+        if row.warmup is not None:
+            _base_eval(row, config, folder / "base_eval.jsonl", quick)
+    finally:
+        wall = clock.stop()
     result = summarize(row, config, folder, wall, quick=quick, command=command, resumed_from=resumed)
+    result["machine"]["other_cores"] = round(clock.other_cores(), 2)  # beside the run, averaged over its sittings
     write_row_folder(result, folder, out / row.name)
     return result
+
+
+def _train(config: TrainConfig, progress: bool, what: str) -> int:
+    """Run ``config`` in its folder, or resume it there; the step it resumed from (0: a new run)."""
+    from tinkergym.trainers.session import TrainingRun, plan_resume
+
+    folder = Path(config.out)
+    if not (folder / "config.json").is_file():
+        TrainingRun(config).run(progress=progress)
+        return 0
+    _check_same_recipe(folder, config)
+    plan = plan_resume(folder)
+    if not plan.nothing_to_do:
+        _say(progress, f"{what}: resuming {folder} at step {plan.start_step} of {config.steps}")
+        TrainingRun.resume(folder).run(progress=progress)
+    return plan.start_step
+
+
+def _base_eval(row: Row, config: TrainConfig, path: Path, quick: bool) -> None:
+    """The untrained model's evaluation (the episodes RL's evaluations play), once: for a row whose RL starts warmed up."""
+    if path.is_file():
+        return
+    from tinkergym.chat import renderer_for
+    from tinkergym.rollouts import RolloutConfig
+    from tinkergym.trainers.evaluation import evaluate, write_transcripts
+    from tinkergym.trainers.session import env_factory, load_backend_for_eval
+
+    backend = load_backend_for_eval(model=row.training(quick)[1])
+    try:
+        settings = RolloutConfig(max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, max_context=config.max_context,
+                                 temperature=0.0, seed=config.seed)
+        make_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs})
+        _, trajectories = evaluate(make_env, backend, renderer_for(backend.info()["tokenizer"]), settings,
+                                   eval_seeds(config.seed, config.eval_episodes))
+    finally:
+        getattr(backend, "close", lambda: None)()
+    write_transcripts(path.with_suffix(".tmp"), trajectories, step=-1)
+    path.with_suffix(".tmp").replace(path)
 
 
 def _say(progress: bool, line: str) -> None:
@@ -130,9 +173,10 @@ def _check_same_recipe(folder: Path, config: TrainConfig) -> None:
         )
 
 
-def _eval_outcomes(folder: Path, step: int) -> tuple[list[float], list[float]] | None:
-    """The per-episode success (0/1) and total reward of the evaluation after ``step`` (-1: before training)."""
-    path = folder / "transcripts" / f"eval_step_{step:06d}.jsonl"
+def _eval_outcomes(folder: Path, step: int, path: Path | None = None) -> tuple[list[float], list[float]] | None:
+    """The per-episode success (0/1) and total reward of the evaluation after ``step`` (-1: before training), from the
+    run ``folder``'s transcripts (or from ``path``)."""
+    path = path or folder / "transcripts" / f"eval_step_{step:06d}.jsonl"
     if not path.is_file():
         return None
     records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -152,17 +196,19 @@ def _arm(success: list[float], reward: list[float]) -> dict[str, Any]:
 
 
 def summarize(
-    row: Row, config: TrainConfig, folder: Path, wall_s: float, quick: bool = False, command: str = "", resumed_from: int = 0,
+    row: Row, config: TrainConfig, row_folder: Path, wall_s: float, quick: bool = False, command: str = "", resumed_from: int = 0,
 ) -> dict[str, Any]:
-    """result.json's contents for a finished run of ``row`` in ``folder``."""
+    """result.json's contents for a finished row whose folder (``work/ROW``) is ``row_folder``."""
     from tinkergym.trainers.reporting import read_metrics
 
+    folder = row_folder / "rl"
     records = read_metrics(folder / "metrics.jsonl")
     last_step = config.steps - 1
     before, after = _eval_outcomes(folder, -1), _eval_outcomes(folder, last_step)
     if before is None or after is None:
         raise ConfigError(f"{folder} has no evaluation {'before training' if before is None else 'after its last step'}; "
                           f"run the row again to finish it.")
+    base = _eval_outcomes(row_folder, -1, row_folder / "base_eval.jsonl") if row.warmup is not None else None
     change, low, high = paired_bootstrap_difference(before[0], after[0])
     reward_change = paired_bootstrap_difference(before[1], after[1])
     curve = []
@@ -184,7 +230,8 @@ def summarize(
         "env": config.env,
         "env_kwargs": config.env_kwargs,
         "eval_env_kwargs": config.eval_env_kwargs,
-        "model": config.model,
+        "model": config.model if row.warmup is None else "warmup_adapter",
+        "base_model": row.training(quick)[1],
         "trainer": config.trainer,
         "recipe": {k: getattr(config, k) for k in ("steps", "batch_size", "group_size", "lr", "lora_rank", "lora_alpha", "max_turns",
                                                    "max_new_tokens", "temperature", "micro_batch_size", "dtype", "kl_coef")},
@@ -196,6 +243,8 @@ def summarize(
                   "eval_rule": "tinkergym.trainers.evaluation.eval_seeds(run, count): at or above 2**31; training seeds are below"},
         "evaluation": {"greedy": True, "episodes": config.eval_episodes, "interval": "Wilson score, 95%",
                        "change_interval": "paired bootstrap over episodes, 10,000 resamples, 95% percentile"},
+        "warmup": None if row.warmup is None else {**asdict(row.warmup), "steps": _warmup_steps(row_folder)},
+        "base": None if base is None else _arm(*base),
         "before": _arm(*before),
         "after": _arm(*after),
         "change": {"success_rate": change, "success_interval": [low, high], "reward_mean": reward_change[0],
@@ -208,6 +257,11 @@ def summarize(
         "reward_curve": [{"step": r["step"], "samples": _samples(config, r["step"]), "reward_mean": r["reward/mean"]} for r in trained],
         "eval_curve": curve,
     }
+
+
+def _warmup_steps(row_folder: Path) -> int:
+    """The steps the warm-up's SFT run took (from its config)."""
+    return TrainConfig.load(row_folder / "warmup" / "config.json").steps
 
 
 def _samples(config: TrainConfig, step: int) -> int:
@@ -246,22 +300,30 @@ def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def write_row_folder(result: dict[str, Any], run_folder: Path, dest: Path) -> None:
-    """result.json, the two curves and the final adapter into ``dest`` (replaced whole)."""
+def write_row_folder(result: dict[str, Any], row_folder: Path, dest: Path) -> None:
+    """result.json, the two curves and the final adapter (and the warm-up's, which it is trained on top of) into ``dest``."""
     dest.mkdir(parents=True, exist_ok=True)
-    final = run_folder / "final"
-    adapter = dest / "adapter"
-    shutil.rmtree(adapter, ignore_errors=True)
-    if (final / "adapter_config.json").is_file():
-        adapter.mkdir()
-        for name in ADAPTER_FILES:
-            if (final / name).is_file():
-                shutil.copy2(final / name, adapter / name)
-        config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
-        config["base_model_name_or_path"] = result["model"]  # the short name resolves offline anywhere; a cache path does not
-        (adapter / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    base = result["base_model"]  # the short name resolves offline anywhere; a cache path does not
+    if result["warmup"] is not None:
+        _copy_adapter(row_folder / "warmup" / "final", dest / "warmup_adapter", base)
+        base = "../warmup_adapter"  # read beside the adapter (tinkergym.backends.models.adapter_base)
+    _copy_adapter(row_folder / "rl" / "final", dest / "adapter", base)
     plot_curves(result, dest)
     (dest / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+
+
+def _copy_adapter(final: Path, dest: Path, base: str) -> None:
+    """A run's exported peft adapter into ``dest`` (replaced), its base model named ``base``."""
+    shutil.rmtree(dest, ignore_errors=True)
+    if not (final / "adapter_config.json").is_file():
+        return
+    dest.mkdir()
+    for name in ADAPTER_FILES:
+        if (final / name).is_file():
+            shutil.copy2(final / name, dest / name)
+    config = json.loads((dest / "adapter_config.json").read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = base
+    (dest / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def plot_curves(result: dict[str, Any], dest: Path) -> None:

@@ -48,6 +48,13 @@ def _arm(arm: dict[str, Any]) -> str:
     return f"{_percent(arm['success_rate'])}% [{_percent(low)}, {_percent(high)}]"
 
 
+def _before(result: dict[str, Any]) -> str:
+    """The start of RL; after a warm-up, also the untrained model's rate on the same episodes."""
+    if not result.get("base"):
+        return _arm(result["before"])
+    return f"{_arm(result['before'])} after warm-up (untrained: {_percent(result['base']['success_rate'])}%)"
+
+
 def _change(change: dict[str, Any]) -> str:
     low, high = change["success_interval"]
     return f"{100 * change['success_rate']:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]"
@@ -57,7 +64,8 @@ def _recipe(row: Row, result: dict[str, Any] | None) -> str:
     recipe = result["recipe"] if result else row.recipe
     trainer = (result or {}).get("trainer", row.trainer).upper()
     adapter = f"LoRA r{recipe['lora_rank']}" if recipe["lora_rank"] else "full"
-    return f"{trainer}, {adapter}, {recipe['steps']} steps x {recipe['batch_size']} prompts x {recipe['group_size']}"
+    warmup = f"SFT warm-up on {row.warmup.demos} play, then " if row.warmup else ""
+    return f"{warmup}{trainer}, {adapter}, {recipe['steps']} steps x {recipe['batch_size']} prompts x {recipe['group_size']}"
 
 
 def _minutes(seconds: float) -> str:
@@ -79,7 +87,7 @@ def render(results: Path) -> str:
             continue
         name = f"{row.name} (quick: tiny model)" if result["quick"] else row.name
         lines.append(
-            f"| {name} | {task} | {_recipe(row, result)} | {_arm(result['before'])} | {_arm(result['after'])} | "
+            f"| {name} | {task} | {_recipe(row, result)} | {_before(result)} | {_arm(result['after'])} | "
             f"{_change(result['change'])} | {'yes' if result['learns'] else 'no'} | {result['samples']:,} | {_minutes(result['wall_s'])} |"
         )
     lines.append("")

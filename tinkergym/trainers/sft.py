@@ -4,6 +4,7 @@ Data (``trainer_args``):
 
 - ``data_files``: JSONL files of ``{"messages": [...], "tools": [...]?}`` chat transcripts, or
 - ``demos: "baseline"`` (CLI ``--demos baseline``): transcripts that the env's scripted baseline agent plays
+  (``"random"``, ``--demos random``: its random agent, which teaches the action format and no strategy)
   (``demo_episodes``, default 256; only episodes with reward above ``demo_min_reward``, default -inf, are kept).
   On a multi-agent env the baseline plays itself, and each seat's side of a game (its own view as user
   turns, its moves as assistant turns) is one conversation.
@@ -48,16 +49,23 @@ def load_transcripts(paths: list[str]) -> list[dict[str, Any]]:
     return conversations
 
 
-def baseline_demos(env_id: str, env_kwargs: dict[str, Any], episodes: int, seed: int, min_reward: float) -> list[dict[str, Any]]:
-    """Transcripts of the env's scripted baseline agent, as chat conversations."""
+#: The agents whose episodes ``demos`` names: the env's scripted baseline (its play), or its random agent (legal actions
+#: chosen at random: the action format alone, so that RL from there has a reward signal and still everything to learn).
+DEMO_AGENTS = ("baseline", "random")
+
+
+def baseline_demos(
+    env_id: str, env_kwargs: dict[str, Any], episodes: int, seed: int, min_reward: float, agent: str = "baseline",
+) -> list[dict[str, Any]]:
+    """Transcripts of the env's scripted baseline agent (or its random agent: ``agent="random"``), as chat conversations."""
     import tinkergym
     from tinkergym.episodes import run_episode
-    from tinkergym.registry import load_baseline
+    from tinkergym.registry import load_baseline, load_random_agent
 
     env_spec = tinkergym.spec(env_id)
-    factory = load_baseline(env_spec)
+    factory = (load_random_agent if agent == "random" else load_baseline)(env_spec)
     if factory is None:
-        raise ConfigError(f"{env_spec.distribution} declares no baseline agent for {env_id}; pass SFT data files instead.")
+        raise ConfigError(f"{env_spec.distribution} declares no {agent} agent for {env_id}; pass SFT data files instead.")
     if env_spec.kind == "aec":
         return _duel_demos(tinkergym.make_aec(env_id, **env_kwargs), factory, episodes, seed, min_reward)
     env = tinkergym.make(env_id, **env_kwargs)
@@ -74,7 +82,7 @@ def baseline_demos(env_id: str, env_kwargs: dict[str, Any], episodes: int, seed:
                 messages.append({"role": "user", "content": turn.observation})
         conversations.append({"messages": messages, "tools": transcript.tools})
     if not conversations:
-        raise ConfigError(f"the baseline of {env_id} produced no episode with reward above {min_reward}.")
+        raise ConfigError(f"the {agent} agent of {env_id} produced no episode with reward above {min_reward}.")
     return conversations
 
 
@@ -132,15 +140,17 @@ class SFTTrainer:
         if args.get("data_files"):
             files = args["data_files"]
             conversations = load_transcripts([files] if isinstance(files, str) else list(files))
-        elif args.get("demos") == "baseline":
+        elif args.get("demos") in DEMO_AGENTS:
             if not ctx.config.env:
-                raise ConfigError("--demos baseline needs --env: the env whose baseline agent plays the demonstrations.")
+                raise ConfigError(f"--demos {args['demos']} needs --env: the env whose {args['demos']} agent plays the demonstrations.")
             conversations = baseline_demos(
                 ctx.config.env, ctx.config.env_kwargs, int(args.get("demo_episodes", 256)), ctx.config.seed,
-                float(args.get("demo_min_reward", float("-inf"))),
+                float(args.get("demo_min_reward", float("-inf"))), agent=args["demos"],
             )
+        elif args.get("demos") is not None:
+            raise ConfigError(f"demos={args['demos']!r}: the demonstrations are one of {', '.join(DEMO_AGENTS)} (the env's agent that plays them).")
         else:
-            raise ConfigError("the sft trainer needs data: --data FILE.jsonl (chat transcripts) or --demos baseline with --env.")
+            raise ConfigError("the sft trainer needs data: --data FILE.jsonl (chat transcripts) or --demos baseline|random with --env.")
         self.data = [conversation_to_datum(ctx.renderer, c) for c in conversations]
         self.data = [d for d in self.data if len(d.tokens) <= ctx.config.max_context and sum(d.loss_mask) != 0]
         if not self.data:

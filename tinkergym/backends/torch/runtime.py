@@ -141,7 +141,7 @@ def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> tor
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from tinkergym.backends.models import is_adapter_folder, is_vision_folder, resolve_model
+    from tinkergym.backends.models import adapter_base, is_adapter_folder, is_vision_folder
 
     if kwargs.get("attn_implementation") == GROUPED_MATMUL:
         register_grouped_matmul()
@@ -150,8 +150,7 @@ def load_causal_lm(path: str, dtype: torch.dtype | str, **kwargs: object) -> tor
         return auto.from_pretrained(path, dtype=dtype, **kwargs)
     from peft import PeftModel
 
-    adapter = Path(path, "adapter_config.json")
-    base_path = resolve_model(json.loads(adapter.read_text(encoding="utf-8"))["base_model_name_or_path"])
+    base_path = adapter_base(path)
     base = load_causal_lm(base_path, "auto" if dtype == "auto" else torch.float32, **kwargs)
     with quiet_peft():
         merged = PeftModel.from_pretrained(base, path).merge_and_unload()
