@@ -221,3 +221,30 @@ def test_a_changed_recipe_is_not_resumed(tmp_path: Path) -> None:
         _check_same_recipe(folder, row.config(str(folder), quick=False))
     assert (folder / "config.json").read_text() == before
     _check_same_recipe(folder, row.config(str(folder), quick=True))  # the same recipe resumes
+
+
+@pytest.mark.slow
+def test_trl_trains_a_single_turn_row_on_the_same_recipe_and_evaluation(quick_suite: Path) -> None:
+    """--peer trl: TRL's GRPOTrainer on the row's prompts, its adapter evaluated on the same held-out episodes; a
+    multi-turn row is refused before anything runs."""
+    pytest.importorskip("trl")
+    row = next(row for row in ROWS if row.recipe["max_turns"] == 1)
+    config = row.config("unused", quick=True)
+    args = ["--quick", "--quiet", "--peer", "trl", "--out", str(quick_suite / "out"), "--work", str(quick_suite / "work")]
+    done = _run(["run", row.name, *args])
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout) == {**json.loads(done.stdout), "row": row.name, "peer": "trl"}  # one JSON line, TRL's log on stderr
+    result = json.loads((quick_suite / "out" / row.name / "trl" / "result.json").read_text())
+    ours = load_result(quick_suite / "out" / row.name / "result.json")
+    assert result["before"] == ours["before"]  # the same start and the same episodes
+    assert result["after"]["episodes"] == config.eval_episodes and result["samples"] == ours["samples"]
+    assert [p["step"] for p in result["reward_curve"]] == list(range(config.steps))
+    assert all(b["train_s"] >= a["train_s"] for a, b in zip(result["reward_curve"], result["reward_curve"][1:]))
+    assert (quick_suite / "out" / row.name / "vs_trl.png").read_bytes()[:4] == b"\x89PNG"
+    adapter = json.loads((quick_suite / "out" / row.name / "trl" / "adapter" / "adapter_config.json").read_text())
+    assert adapter["r"] == config.lora_rank and adapter["base_model_name_or_path"] == ("../../warmup_adapter" if row.warmup else "tiny")
+
+    multi = next(row for row in ROWS if row.recipe["max_turns"] > 1)
+    refused = _run(["run", multi.name, *args])
+    assert refused.returncode == 2 and f"row {multi.name} is multi-turn" in refused.stderr
+    assert not (quick_suite / "out" / multi.name / "trl").exists()

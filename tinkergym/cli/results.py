@@ -64,8 +64,11 @@ def list_command(out: Path, as_json: bool) -> None:
               help=f"Folder of the rows' results (default {OUT}; with --quick {QUICK_OUT}).")
 @click.option("--work", type=SafePath(file_okay=False, path_type=Path),
               help=f"Folder of the rows' training runs, checkpoints included (default {WORK}; with --quick {QUICK_WORK}).")
+@click.option("--peer", type=click.Choice(["trl"]),
+              help="Train the row with another trainer instead, on the same recipe and evaluation, after tinkergym's run of it: "
+                   "trl (TRL's GRPOTrainer; single-turn rows; needs trl installed). Writes OUT/ROW/trl/ and OUT/ROW/vs_trl.png.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def run_command(names: tuple[str, ...], quick: bool, out: Path | None, work: Path | None, quiet: bool) -> None:
+def run_command(names: tuple[str, ...], quick: bool, out: Path | None, work: Path | None, peer: str | None, quiet: bool) -> None:
     """Train ROW's recipe and evaluate it before and after on held-out seeds; write OUT/ROW/.
 
     \b
@@ -82,17 +85,25 @@ def run_command(names: tuple[str, ...], quick: bool, out: Path | None, work: Pat
         raise InputError(str(exc.args[0])) from exc
     out = out or (QUICK_OUT if quick else OUT)
     work = work or (QUICK_WORK if quick else WORK)
+    if peer is not None:
+        from tinkergym.results.trl_peer import check_single_turn, run_trl_peer
+
+        for row in rows:
+            check_single_turn(row)  # before any row runs
     for row in rows:
-        command = shlex.join(["tinkergym", "results", "run", row.name, *(["--quick"] if quick else [])])
+        command = shlex.join(["tinkergym", "results", "run", row.name, *(["--quick"] if quick else []), *(["--peer", peer] if peer else [])])
         try:
-            result = run_row(row, out, work, quick=quick, progress=not quiet, command=command)
+            if peer is not None:
+                result = run_trl_peer(row, out, work, quick=quick, progress=not quiet, command=command)
+            else:
+                result = run_row(row, out, work, quick=quick, progress=not quiet, command=command)
         except KeyboardInterrupt:
             click.echo(f"\ninterrupted: {work / row.name} keeps its checkpoints; run `{command}` again to resume it.", err=True)
             sys.exit(130)
         before, after, change = result["before"], result["after"], result["change"]
-        click.echo(json.dumps({"row": row.name, "before": round(before["success_rate"], 4), "after": round(after["success_rate"], 4),
-                               "change_interval": [round(v, 4) for v in change["success_interval"]], "learns": result["learns"],
-                               "wall_s": result["wall_s"], "folder": str(out / row.name)}))
+        click.echo(json.dumps({"row": row.name, **({"peer": peer} if peer else {}), "before": round(before["success_rate"], 4),
+                               "after": round(after["success_rate"], 4), "change_interval": [round(v, 4) for v in change["success_interval"]],
+                               "learns": change["success_interval"][0] > 0, "wall_s": result["wall_s"], "folder": str(out / row.name)}))
 
 
 @results.command("table")

@@ -136,14 +136,19 @@ def _train(config: TrainConfig, progress: bool, what: str) -> int:
 
 def _base_eval(row: Row, config: TrainConfig, path: Path, quick: bool) -> None:
     """The untrained model's evaluation (the episodes RL's evaluations play), once: for a row whose RL starts warmed up."""
-    if path.is_file():
-        return
+    if not path.is_file():
+        evaluate_model(row.training(quick)[1], config, path)
+
+
+def evaluate_model(model: str, config: TrainConfig, path: Path) -> None:
+    """Evaluate ``model`` (a name, a folder, an adapter folder) as a run of ``config`` evaluates: greedy, on its held-out
+    seeds and env; the transcripts into ``path`` (written whole or not at all)."""
     from tinkergym.chat import renderer_for
     from tinkergym.rollouts import RolloutConfig
     from tinkergym.trainers.evaluation import evaluate, write_transcripts
     from tinkergym.trainers.session import env_factory, load_backend_for_eval
 
-    backend = load_backend_for_eval(model=row.training(quick)[1])
+    backend = load_backend_for_eval(model=model)
     try:
         settings = RolloutConfig(max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, max_context=config.max_context,
                                  temperature=0.0, seed=config.seed)
@@ -254,7 +259,8 @@ def summarize(
         "tokens_sampled": int(sum(r.get("tokens/sampled", 0) for r in trained)),
         "wall_s": round(wall_s, 1),
         "resumed_from_step": resumed_from,
-        "reward_curve": [{"step": r["step"], "samples": _samples(config, r["step"]), "reward_mean": r["reward/mean"]} for r in trained],
+        "reward_curve": [{"step": r["step"], "samples": _samples(config, r["step"]), "reward_mean": r["reward/mean"],
+                          "train_s": round(sum(t.get("time/step_s", 0.0) for t in trained if t["step"] <= r["step"]), 2)} for r in trained],
         "eval_curve": curve,
     }
 
