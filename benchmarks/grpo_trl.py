@@ -14,20 +14,12 @@ from collections.abc import Callable
 from bench_machine import CpuShare, _load, sync
 from grpo_setup import BenchSettings, _summary, make_env, step_prompts, trl_dtype, trl_precision
 
+from tinkergym.results.trl_peer import env_reward_function
+
 
 def _trl_reward(s: BenchSettings) -> Callable[..., list[float]]:
     """A TRL reward function that resets the env with the prompt's seed and scores the completion with ``env.step``."""
-    env = make_env(s)
-
-    def env_reward(prompts: list, completions: list, env_seed: list[int], **_: Any) -> list[float]:
-        rewards = []
-        for completion, seed in zip(completions, env_seed):
-            env.reset(seed=seed)
-            text = completion[-1]["content"] if isinstance(completion, list) else completion
-            rewards.append(float(env.step(text)[1]))
-        return rewards
-
-    return env_reward
+    return env_reward_function(make_env(s))
 
 
 def _timed_trl_classes(device: str) -> tuple[type, type]:

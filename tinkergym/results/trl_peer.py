@@ -57,11 +57,9 @@ def _prompts(config: TrainConfig) -> list[dict[str, Any]]:
     return rows
 
 
-def _reward(config: TrainConfig) -> Any:
-    """TRL's reward function: the env reset with the prompt's seed, stepped with the completion."""
-    import tinkergym
-
-    env = tinkergym.make(config.env, **config.env_kwargs)
+def env_reward_function(env: Any) -> Any:
+    """A TRL reward function that plays ``env``: reset with the prompt's seed (the dataset's ``env_seed`` column), stepped
+    with the completion; its reward is the completion's."""
 
     def env_reward(prompts: list, completions: list, env_seed: list[int], **_: Any) -> list[float]:
         rewards = []
@@ -82,6 +80,7 @@ def train_trl(config: TrainConfig, model_path: str, folder: Path, progress: bool
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    import tinkergym
     from tinkergym.backends.torch.attention import register
     from tinkergym.backends.torch.runtime import load_causal_lm, resolve_attn_implementation, resolve_dtype
 
@@ -119,7 +118,7 @@ def train_trl(config: TrainConfig, model_path: str, folder: Path, progress: bool
 
     trainer = GRPOTrainer(
         model=model,  # type: ignore[arg-type]  # a PreTrainedModel (load_causal_lm's annotation is nn.Module)
-        reward_funcs=_reward(config), args=args, train_dataset=Dataset.from_list(_prompts(config)),
+        reward_funcs=env_reward_function(tinkergym.make(config.env, **config.env_kwargs)), args=args, train_dataset=Dataset.from_list(_prompts(config)),
         peft_config=LoraConfig(
             r=config.lora_rank, lora_alpha=config.lora_alpha,  # type: ignore[arg-type]  # peft scales by a float alpha too
             lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM",
