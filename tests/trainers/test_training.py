@@ -241,3 +241,27 @@ def test_sft_on_data_alone_evaluates_nothing_and_runs_through(tiny, tmp_path) ->
     assert result.exit_code == 0, result.output
     steps = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] >= 0]
     assert [r["step"] for r in steps] == [0, 1] and not any(k.startswith("eval/") for r in steps for k in r)
+
+
+def test_sft_cuts_a_conversation_too_long_for_the_context_after_its_last_whole_turn_that_fits(tiny) -> None:
+    """A long game is kept as its opening moves (on a turn's end), not dropped; one whose first answer cannot fit is."""
+    from tinkergym.chat import ChatTemplateRenderer
+    from tinkergym.trainers.sft import conversation_to_datum, fit_conversation
+
+    renderer = ChatTemplateRenderer(tiny)
+    messages = [{"role": "system", "content": "Play."}]
+    for turn in range(12):
+        messages += [{"role": "user", "content": f"board {turn} " + "x " * 40}, {"role": "assistant", "content": f"move {turn}"}]
+    whole = {"messages": messages}
+    length = len(renderer.render(messages))
+    assert fit_conversation(renderer, whole, length) is whole
+    cut = fit_conversation(renderer, whole, length // 2)
+    assert cut is not None and cut["messages"][-1]["role"] == "assistant" and len(cut["messages"]) % 2 == 1
+    assert len(renderer.render(cut["messages"])) <= length // 2
+    longer = messages[: len(cut["messages"]) + 2]  # one more turn: over the bound, so the cut is the longest that fits
+    assert len(renderer.render(longer)) > length // 2
+    datum = conversation_to_datum(renderer, cut)
+    assert sum(datum.loss_mask) > 0
+    first_answer = len(renderer.render(messages[:3]))
+    assert fit_conversation(renderer, whole, first_answer - 1) is None
+    assert fit_conversation(renderer, whole, first_answer)["messages"] == messages[:3]

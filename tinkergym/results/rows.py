@@ -47,6 +47,8 @@ class Warmup:
     episodes: int = 128
     lr: float = 5e-4
     batch_size: int = 8
+    micro_batch_size: int = 2  # whole games are long: a pass over 8 of them at once takes over 20 GiB on a CPU
+    max_context: int = 2048  # longer demonstrations are left out (a shorter bound keeps the short games: a cheaper warm-up)
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,7 @@ class Row:
         return TrainConfig(
             env=self.env, env_kwargs=dict(self.env_kwargs), trainer="sft", model=model, seed=self.seed, steps=steps,
             batch_size=min(w.batch_size, episodes), lr=w.lr, lora_rank=recipe["lora_rank"], lora_alpha=recipe["lora_alpha"],
-            micro_batch_size=recipe["micro_batch_size"], checkpoint_every=steps, out=out,
+            micro_batch_size=w.micro_batch_size, max_context=w.max_context, checkpoint_every=steps, out=out,
             trainer_args={"demos": w.demos, "demo_episodes": episodes},
         ).validate()
 
@@ -151,11 +153,14 @@ ROWS: tuple[Row, ...] = (
         task="Gomoku-v0 7x7, four in a row, against the random opponent",
         env="tinker/Gomoku-v0",
         env_kwargs={"size": 7, "win_length": 4, "opponent": "random"},
-        settings={"steps": 30, "batch_size": 4, "max_turns": 16, "max_new_tokens": 8, "micro_batch_size": 8},
-        warmup=Warmup(demos="random"),
+        settings={"steps": 20, "batch_size": 2, "max_turns": 16, "max_new_tokens": 8, "micro_batch_size": 4},
+        evals=2,
+        warmup=Warmup(demos="random", steps=10, max_context=1024),
         why=("The untrained model writes no legal move (0 of 64 games: every move is refused until the game is forfeit), so "
              "RL would have no signal: a warm-up on the random agent's games teaches the move format and no strategy. "
-             "A game is long (up to 16 moves, each turn showing the board), so a step plays 32 games and the run 30 steps. "
+             "A game is long (up to 16 moves of about 100 tokens each, the board shown every turn): a training pass over "
+             "one takes seconds on two cores, so a step plays 16 games and the run 20 steps, and the warm-up trains on the "
+             "random games that fit 1,024 tokens. "
              "Held out: the evaluation's seeds draw other sides and other opponent moves."),
     ),
     Row(

@@ -10,7 +10,9 @@ Data (``trainer_args``):
   turns, its moves as assistant turns) is one conversation.
 
 Each conversation is rendered with the model's chat template; the loss (mean negative log-likelihood) covers
-the assistant turns only, each up to and including its end-of-turn token, so the model also learns to stop.
+the assistant turns only, each up to and including its end-of-turn token, so the model also learns to stop. A
+conversation longer than ``max_context`` is cut after its last assistant turn that fits (one whose first assistant
+turn does not fit is left out).
 Every step trains on ``batch_size`` conversations drawn by a (seed, step)-seeded shuffle.
 """
 
@@ -126,6 +128,24 @@ def conversation_to_datum(renderer: Any, conversation: dict[str, Any]) -> Datum:
     return Datum(tokens=tokens, loss_mask=mask)
 
 
+def fit_conversation(renderer: Any, conversation: dict[str, Any], max_tokens: int) -> dict[str, Any] | None:
+    """``conversation``, or where it renders to more than ``max_tokens`` its longest start that ends on an assistant turn
+    and fits (as TRL's SFT truncates at ``max_length``, but on a turn's end, so that no turn is cut in half); ``None``
+    when not even its first assistant turn fits."""
+    messages, tools = conversation["messages"], conversation.get("tools")
+    if len(renderer.render(messages, tools)) <= max_tokens:
+        return conversation
+    ends = [i + 1 for i, m in enumerate(messages) if m["role"] == "assistant"]
+    low, high = 0, len(ends)  # ends[:low] fit; find the last one that does (lengths grow with the prefix)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if len(renderer.render(messages[: ends[middle - 1]], tools)) <= max_tokens:
+            low = middle
+        else:
+            high = middle - 1
+    return None if low == 0 else {**conversation, "messages": messages[: ends[low - 1]]}
+
+
 class SFTTrainer:
     """Cross-entropy on assistant tokens of transcripts or baseline demonstrations."""
 
@@ -151,7 +171,8 @@ class SFTTrainer:
             raise ConfigError(f"demos={args['demos']!r}: the demonstrations are one of {', '.join(DEMO_AGENTS)} (the env's agent that plays them).")
         else:
             raise ConfigError("the sft trainer needs data: --data FILE.jsonl (chat transcripts) or --demos baseline|random with --env.")
-        self.data = [conversation_to_datum(ctx.renderer, c) for c in conversations]
+        fitted = [fit_conversation(ctx.renderer, c, ctx.config.max_context) for c in conversations]
+        self.data = [conversation_to_datum(ctx.renderer, c) for c in fitted if c is not None]
         self.data = [d for d in self.data if len(d.tokens) <= ctx.config.max_context and sum(d.loss_mask) != 0]
         if not self.data:
             raise ConfigError("no SFT example fits --max-context with at least one assistant token.")
