@@ -114,12 +114,13 @@ ROWS: tuple[Row, ...] = (
         env="tinker/rg.chain_sum-v0",
         env_kwargs={"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},
         eval_env_kwargs={"seed": 1},
-        settings={"max_new_tokens": 32},
+        settings={"steps": 200, "max_new_tokens": 32},
         warmup=Warmup(demos="baseline", steps=10),
         why=("The easiest reasoning-gym arithmetic. The untrained model never writes the <answer> tag the grader reads "
              "(0 of 64, here and on five other reasoning-gym tasks and prompts tried), so RL would have no signal; the "
              "warm-up imitates the env's baseline, which puts the question's last number in the tag: the format, and a "
-             "guess that is right only when the other term is 0 (6% after 10 steps). RL has to learn the sum. Held out: "
+             "guess that is right only when the other term is 0 (6% after 10 steps). RL has to learn the sum. A first run "
+             "of 60 steps (8 minutes) ended at +6.3 points [0.0, +14.1], rising at its end: this one takes 200. Held out: "
              "the evaluation draws its questions from another dataset seed."),
     ),
     Row(
