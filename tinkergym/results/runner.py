@@ -104,11 +104,17 @@ def run_row(row: Row, out: Path, work: Path, quick: bool = False, progress: bool
     try:
         model = None
         if row.warmup is not None:
-            _train(row.warmup_config(str(folder / "warmup"), quick), progress, f"{row.name} warm-up")
+            warm = row.warmup_config(str(folder / "warmup"), quick)
+            _say(progress, f"{row.name}: warm-up, {warm.steps} SFT steps on the {row.warmup.demos} agent's episodes")
+            _train(warm, progress, f"{row.name} warm-up")
             model = str((folder / "warmup" / "final").resolve())
         config = row.config(str(folder / "rl"), quick=quick, model=model)
+        _say(progress, f"{row.name}: {config.trainer} on {config.env}, {config.steps} steps x {config.batch_size} prompts x "
+                       f"{config.group_size} samples; {config.eval_episodes} held-out episodes evaluated before, every "
+                       f"{config.eval_every} steps and after")
         resumed = _train(config, progress, row.name)
         if row.warmup is not None:
+            _say(progress, f"{row.name}: evaluating the untrained model on the same episodes")
             _base_eval(row, config, folder / "base_eval.jsonl", quick)
     finally:
         wall = clock.stop()
