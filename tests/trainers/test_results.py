@@ -164,7 +164,7 @@ def test_every_row_runs_end_to_end_on_the_tiny_model(quick_suite: Path) -> None:
     assert readme.read_text() == f"# Results\n\n{START}\n{table}{END}\nafter\n"
     assert runner.invoke(main, ["results", "table", *out, "--update", str(readme), "--check"]).exit_code == 0
     listed = runner.invoke(main, ["results", "list", *out])
-    assert listed.exit_code == 0 and listed.output.count(" done ") == len(ROWS)
+    assert listed.exit_code == 0 and listed.output.count(" done, ") == len(ROWS)
 
     # The adapter a row wrote evaluates again with `tinkergym eval`, from its folder alone (the base resolved by name; a
     # warmed-up row's adapter through the warm-up's beside it), from another working directory.

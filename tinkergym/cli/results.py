@@ -49,9 +49,14 @@ def list_command(out: Path, as_json: bool) -> None:
     lines = []
     for row in ROWS:
         r = row.recipe
-        done = (out / row.name / "result.json").is_file()
-        lines.append((row.name, row.env, f"{r['steps']} x {r['batch_size']} x {r['group_size']}", str(row.eval_episodes),
-                      "done" if done else "not run", row.task))
+        path = out / row.name / "result.json"
+        status = "not run"
+        if path.is_file():
+            try:
+                status = f"done, {json.loads(path.read_text(encoding='utf-8'))['wall_s'] / 60:.0f} min"
+            except (OSError, ValueError, KeyError, TypeError):
+                status = "unreadable"
+        lines.append((row.name, row.env, f"{r['steps']} x {r['batch_size']} x {r['group_size']}", str(row.eval_episodes), status, row.task))
     click.echo(table(("ROW", "ENV", "STEPS x PROMPTS x SAMPLES", "EVAL", "RESULT", "TASK"), lines))
 
 
