@@ -246,6 +246,12 @@ def test_trl_trains_a_single_turn_row_on_the_same_recipe_and_evaluation(quick_su
     adapter = json.loads((quick_suite / "out" / row.name / "trl" / "adapter" / "adapter_config.json").read_text())
     assert adapter["r"] == config.lora_rank and adapter["base_model_name_or_path"] == ("../../warmup_adapter" if row.warmup else "tiny")
 
+    assert result["steps"] == config.steps and result["tinkergym_after_as_many_samples"] == ours["after"]
+    uneven = _run(["run", row.name, *args, "--steps", str(config.eval_every + 1)])  # not a step tinkergym evaluated after
+    assert uneven.returncode == 2 and f"evaluated {row.name} after every {config.eval_every} steps" in uneven.stderr
+    alone = _run(["run", row.name, "--quick", "--steps", "2"])
+    assert alone.returncode == 2 and "--steps goes with --peer" in alone.stderr
+
     multi = next(row for row in ROWS if row.recipe["max_turns"] > 1)
     refused = _run(["run", multi.name, *args])
     assert refused.returncode == 2 and f"row {multi.name} is multi-turn" in refused.stderr

@@ -72,8 +72,13 @@ def list_command(out: Path, as_json: bool) -> None:
 @click.option("--peer", type=click.Choice(["trl"]),
               help="Train the row with another trainer instead, on the same recipe and evaluation, after tinkergym's run of it: "
                    "trl (TRL's GRPOTrainer; single-turn rows; needs trl installed). Writes OUT/ROW/trl/ and OUT/ROW/vs_trl.png.")
+@click.option("--steps", "peer_steps", type=click.IntRange(1), metavar="N",
+              help="With --peer: the peer trains only the first N steps of the row's recipe (N one of the steps after which "
+                   "tinkergym evaluated the row) and is compared with tinkergym after as many.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
-def run_command(names: tuple[str, ...], quick: bool, out: Path | None, work: Path | None, peer: str | None, quiet: bool) -> None:
+def run_command(
+    names: tuple[str, ...], quick: bool, out: Path | None, work: Path | None, peer: str | None, peer_steps: int | None, quiet: bool,
+) -> None:
     """Train ROW's recipe and evaluate it before and after on held-out seeds; write OUT/ROW/.
 
     \b
@@ -90,16 +95,19 @@ def run_command(names: tuple[str, ...], quick: bool, out: Path | None, work: Pat
         raise InputError(str(exc.args[0])) from exc
     out = out or (QUICK_OUT if quick else OUT)
     work = work or (QUICK_WORK if quick else WORK)
+    if peer_steps is not None and peer is None:
+        raise click.UsageError("--steps goes with --peer: a row's own run takes the steps of its recipe.")
     if peer is not None:
         from tinkergym.results.trl_peer import check_single_turn, run_trl_peer
 
         for row in rows:
             check_single_turn(row)  # before any row runs
     for row in rows:
-        command = shlex.join(["tinkergym", "results", "run", row.name, *(["--quick"] if quick else []), *(["--peer", peer] if peer else [])])
+        command = shlex.join(["tinkergym", "results", "run", row.name, *(["--quick"] if quick else []), *(["--peer", peer] if peer else []),
+                              *(["--steps", str(peer_steps)] if peer_steps else [])])
         try:
             if peer is not None:
-                result = run_trl_peer(row, out, work, quick=quick, progress=not quiet, command=command)
+                result = run_trl_peer(row, out, work, quick=quick, progress=not quiet, command=command, steps=peer_steps)
             else:
                 result = run_row(row, out, work, quick=quick, progress=not quiet, command=command)
         except KeyboardInterrupt:

@@ -131,8 +131,11 @@ def train_trl(config: TrainConfig, model_path: str, folder: Path, progress: bool
     return records
 
 
-def run_trl_peer(row: Row, out: Path, work: Path, quick: bool = False, progress: bool = True, command: str = "") -> dict[str, Any]:
-    """The row trained by TRL (after tinkergym's own run of the row, whose warm-up and evaluation it shares)."""
+def run_trl_peer(
+    row: Row, out: Path, work: Path, quick: bool = False, progress: bool = True, command: str = "", steps: int | None = None,
+) -> dict[str, Any]:
+    """The row trained by TRL (after tinkergym's own run of the row, whose warm-up and evaluation it shares); ``steps``: only
+    the first so many steps of the row's recipe, compared with tinkergym's evaluation after as many (one of its points)."""
     from tinkergym.backends.models import resolve_model
     from tinkergym.results.runner import WallClock, _arm, _copy_adapter, _eval_outcomes, evaluate_model, machine
 
@@ -143,9 +146,14 @@ def run_trl_peer(row: Row, out: Path, work: Path, quick: bool = False, progress:
                           f"{' --quick' if quick else ''}` first (it makes the warm-up both sides start from, and the evaluation before).")
     ours = json.loads(ours_path.read_text(encoding="utf-8"))
     folder = work / row.name
-    trl_folder = folder / "trl"
+    config = row.config("unused", quick=quick)
+    if steps is not None and (steps > config.steps or steps % config.eval_every):
+        raise ConfigError(f"--steps {steps}: tinkergym evaluated {row.name} after every {config.eval_every} steps up to {config.steps}; "
+                          f"give one of those, so that both sides are compared after as many samples.")
+    config.steps = steps or config.steps
+    trl_folder = folder / f"trl-{config.steps}-steps"
     trl_folder.mkdir(parents=True, exist_ok=True)
-    config = row.config(str(trl_folder), quick=quick)
+    config.out = str(trl_folder)
     start = str((folder / "warmup" / "final").resolve()) if row.warmup is not None else resolve_model(row.training(quick)[1])
     steps_file = trl_folder / "steps.json"
     clock = WallClock(trl_folder / "wall.json")
@@ -157,22 +165,23 @@ def run_trl_peer(row: Row, out: Path, work: Path, quick: bool = False, progress:
             evaluate_model(str(trl_folder / "adapter"), config, evaluated)
     finally:
         wall = clock.stop()
-    steps = json.loads(steps_file.read_text(encoding="utf-8"))
+    records = json.loads(steps_file.read_text(encoding="utf-8"))
     before = _eval_outcomes(folder / "rl", -1)
     after = _eval_outcomes(folder, -1, evaluated)
     assert before is not None and after is not None  # ours ran (checked above); the evaluation was just written
     change, low, high = paired_bootstrap_difference(before[0], after[0])
-    ours_after = _eval_outcomes(folder / "rl", config.steps - 1)
+    ours_after = _eval_outcomes(folder / "rl", config.steps - 1)  # tinkergym after as many steps
     assert ours_after is not None
     versus, v_low, v_high = paired_bootstrap_difference(after[0], ours_after[0])
     elapsed = 0.0
     curve = []
-    for record in steps:
+    for record in records:
         elapsed += record["step_s"]
         curve.append({"step": record["step"], "samples": (record["step"] + 1) * config.batch_size * config.group_size,
                       "reward_mean": record["reward_mean"], "train_s": round(elapsed, 2)})
     result = {
-        "peer": "trl", "row": row.name, "quick": quick, "command": command, "machine": {**machine(), "other_cores": round(clock.other_cores(), 2)},
+        "peer": "trl", "row": row.name, "quick": quick, "command": command, "steps": config.steps,
+        "tinkergym_after_as_many_samples": _arm(*ours_after), "machine": {**machine(), "other_cores": round(clock.other_cores(), 2)},
         "versions": _versions(), "before": _arm(*before), "after": _arm(*after),
         "change": {"success_rate": change, "success_interval": [low, high]},
         "tinkergym_minus_trl": {"success_rate": versus, "success_interval": [v_low, v_high],
@@ -184,7 +193,7 @@ def run_trl_peer(row: Row, out: Path, work: Path, quick: bool = False, progress:
     dest.mkdir(parents=True, exist_ok=True)
     _copy_adapter(trl_folder / "adapter", dest / "adapter", "../../warmup_adapter" if row.warmup is not None else ours["base_model"])
     (dest / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    plot_versus(ours, result, out / row.name / "vs_trl.png")
+    plot_versus({**ours, "reward_curve": [p for p in ours["reward_curve"] if p["step"] < config.steps]}, result, out / row.name / "vs_trl.png")
     return result
 
 
