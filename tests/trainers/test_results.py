@@ -247,6 +247,10 @@ def test_trl_trains_a_single_turn_row_on_the_same_recipe_and_evaluation(quick_su
     assert adapter["r"] == config.lora_rank and adapter["base_model_name_or_path"] == ("../../warmup_adapter" if row.warmup else "tiny")
 
     assert result["steps"] == config.steps and result["tinkergym_after_as_many_samples"] == ours["after"]
+    # TRL trained on the warmed-up model: its adapter is evaluated on that model, not on the base under it.
+    trained = json.loads((quick_suite / "work" / row.name / f"trl-{config.steps}-steps" / "adapter" / "adapter_config.json").read_text())
+    start = (quick_suite / "work" / row.name / "warmup" / "final").resolve() if row.warmup else None
+    assert row.warmup is None or trained["base_model_name_or_path"] == str(start)
     uneven = _run(["run", row.name, *args, "--steps", str(config.eval_every + 1)])  # not a step tinkergym evaluated after
     assert uneven.returncode == 2 and f"evaluated {row.name} after every {config.eval_every} steps" in uneven.stderr
     alone = _run(["run", row.name, "--quick", "--steps", "2"])

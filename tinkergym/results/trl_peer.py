@@ -160,6 +160,7 @@ def run_trl_peer(
     try:
         if not steps_file.is_file():  # TRL's run is not resumed: one stopped before its end starts over
             steps_file.write_text(json.dumps(train_trl(config, start, trl_folder, progress)), encoding="utf-8")
+        _name_base(trl_folder / "adapter", start)
         evaluated = trl_folder / "eval_after.jsonl"
         if not evaluated.is_file():
             evaluate_model(str(trl_folder / "adapter"), config, evaluated)
@@ -195,6 +196,16 @@ def run_trl_peer(
     (dest / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     plot_versus({**ours, "reward_curve": [p for p in ours["reward_curve"] if p["step"] < config.steps]}, result, out / row.name / "vs_trl.png")
     return result
+
+
+def _name_base(adapter: Path, start: str) -> None:
+    """Name ``start`` as the base of TRL's adapter: peft wrote the base model under the warm-up (the merged model's own
+    name), and an evaluation of the adapter on that base would leave the warm-up out."""
+    path = adapter / "adapter_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("base_model_name_or_path") != start:
+        config["base_model_name_or_path"] = start
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def _versions() -> dict[str, str]:
