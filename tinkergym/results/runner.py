@@ -40,15 +40,14 @@ SCHEMA = 1
 #: Files of the final adapter copied into the row's folder (the tokenizer is the base model's, loaded from it).
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 #: Seconds between two writes of the wall clock file: a killed sitting loses at most this much of its time.
-WALL_EVERY_S = 5.0
+WALL_EVERY_S = 1.0
 
 
 class WallClock:
     """The wall time a row's run took, summed over the sittings that ran it (``wall.json`` in its run folder), and the
     cores other processes took meanwhile (a figure taken on a shared machine says so).
 
-    A thread rewrites the file every few seconds, so a sitting that is killed still counts (all but the last
-    few seconds of it).
+    A thread rewrites the file every second, so a sitting that is killed still counts (all but its last second).
     """
 
     def __init__(self, path: Path) -> None:
@@ -65,6 +64,7 @@ class WallClock:
         self._start = time.monotonic()
         self._share = CpuShare()
         self.sittings.append({"seconds": 0.0, "other_cores": 0.0})
+        self._write()  # the sitting is on record from its start, however soon it is killed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._tick, name="results-wall-clock", daemon=True)
         self._thread.start()
