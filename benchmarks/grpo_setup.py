@@ -68,18 +68,14 @@ class BenchSettings:
 def step_prompts(s: BenchSettings, step: int) -> list[tuple[int, list[dict[str, str]]]]:
     """(env seed, chat messages) of the prompts of ``step``: tinkergym's seeds and the messages its rollout renders."""
     import tinkergym
-    from tinkergym.trainers.base import TrainingContext
     from tinkergym.config import TrainConfig
+    from tinkergym.results.trl_peer import step_prompts as prompts_of_step
 
-    config = TrainConfig(env=s.env, batch_size=s.prompts, seed=s.seed)
-    seeds = TrainingContext(config, backend=None, renderer=None).prompt_seeds(step)  # type: ignore[arg-type]
-    env, rows = tinkergym.make(s.env, **s.env_kwargs), []
-    for seed in seeds:
-        observation, info = env.reset(seed=seed)
-        system = [{"role": "system", "content": info["system_prompt"]}] if info.get("system_prompt") else []
-        rows.append((seed, [*system, {"role": "user", "content": observation}]))
-    env.close()
-    return rows
+    env = tinkergym.make(s.env, **s.env_kwargs)
+    try:
+        return prompts_of_step(TrainConfig(env=s.env, batch_size=s.prompts, seed=s.seed), step, env)
+    finally:
+        env.close()
 
 
 def flop_floor(params: int, mode: str, sampled_tokens: int, trained_tokens: int) -> float:
@@ -174,14 +170,9 @@ def trl_precision(s: BenchSettings, mode: str) -> str:
 
 def versions() -> dict[str, str]:
     """Versions of the libraries in the comparison."""
-    from importlib.metadata import PackageNotFoundError, version
+    from tinkergym.backends.torch.machine import library_versions
 
-    out = {"python": sys.version.split()[0]}
-    for name in ("tinkergym", "torch", "transformers", "peft", "accelerate", "trl", "datasets"):
-        try:
-            out[name] = version(name)
-        except PackageNotFoundError:
-            out[name] = "not installed"
+    out = {"python": sys.version.split()[0], **library_versions(("tinkergym", "torch", "transformers", "peft", "accelerate", "trl", "datasets"))}
     try:
         import torch
 

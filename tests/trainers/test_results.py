@@ -211,7 +211,7 @@ def test_a_row_killed_mid_run_resumes_to_the_same_result(quick_suite: Path, tmp_
 
 def test_a_changed_recipe_is_not_resumed(tmp_path: Path) -> None:
     """A run folder of another recipe (here: a quick run, asked for as a full one) is refused, and left as it was."""
-    from tinkergym.results.runner import _check_same_recipe
+    from tinkergym.results.runner import check_same_recipe
     from tinkergym.errors import ConfigError
 
     row = ROWS[0]
@@ -220,9 +220,9 @@ def test_a_changed_recipe_is_not_resumed(tmp_path: Path) -> None:
     row.config(str(folder), quick=True).save(folder / "config.json")
     before = (folder / "config.json").read_text()
     with pytest.raises(ConfigError, match="another recipe than this row's .*steps"):
-        _check_same_recipe(folder, row.config(str(folder), quick=False))
+        check_same_recipe(folder, row.config(str(folder), quick=False))
     assert (folder / "config.json").read_text() == before
-    _check_same_recipe(folder, row.config(str(folder), quick=True))  # the same recipe resumes
+    check_same_recipe(folder, row.config(str(folder), quick=True))  # the same recipe resumes
 
 
 @pytest.mark.slow

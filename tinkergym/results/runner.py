@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from dataclasses import asdict
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +133,7 @@ def _train(config: TrainConfig, progress: bool, what: str) -> int:
     if not (folder / "config.json").is_file():
         TrainingRun(config).run(progress=progress)
         return 0
-    _check_same_recipe(folder, config)
+    check_same_recipe(folder, config)
     plan = plan_resume(folder)
     if not plan.nothing_to_do:
         _say(progress, f"{what}: resuming {folder} at step {plan.start_step} of {config.steps}")
@@ -150,16 +151,13 @@ def evaluate_model(model: str, config: TrainConfig, path: Path) -> None:
     """Evaluate ``model`` (a name, a folder, an adapter folder) as a run of ``config`` evaluates: greedy, on its held-out
     seeds and env; the transcripts into ``path`` (written whole or not at all)."""
     from tinkergym.chat import renderer_for
-    from tinkergym.rollouts import RolloutConfig
-    from tinkergym.trainers.evaluation import evaluate, write_transcripts
+    from tinkergym.trainers.evaluation import eval_rollout_config, evaluate, write_transcripts
     from tinkergym.trainers.session import env_factory, load_backend_for_eval
 
     backend = load_backend_for_eval(model=model)
     try:
-        settings = RolloutConfig(max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, max_context=config.max_context,
-                                 temperature=0.0, seed=config.seed)
         make_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs})
-        _, trajectories = evaluate(make_env, backend, renderer_for(backend.info()["tokenizer"]), settings,
+        _, trajectories = evaluate(make_env, backend, renderer_for(backend.info()["tokenizer"]), eval_rollout_config(config),
                                    eval_seeds(config.seed, config.eval_episodes))
     finally:
         getattr(backend, "close", lambda: None)()
@@ -172,7 +170,7 @@ def _say(progress: bool, line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _check_same_recipe(folder: Path, config: TrainConfig) -> None:
+def check_same_recipe(folder: Path, config: TrainConfig) -> None:
     """Refuse to resume a run whose recipe is not the row's any more (the row was edited, or ``--quick`` changed)."""
     saved = TrainConfig.load(folder / "config.json").to_dict()
     wanted = config.to_dict()
@@ -184,7 +182,7 @@ def _check_same_recipe(folder: Path, config: TrainConfig) -> None:
         )
 
 
-def _eval_outcomes(folder: Path, step: int, path: Path | None = None) -> tuple[list[float], list[float]] | None:
+def eval_outcomes(folder: Path, step: int, path: Path | None = None) -> tuple[list[float], list[float]] | None:
     """The per-episode success (0/1) and total reward of the evaluation after ``step`` (-1: before training), from the
     run ``folder``'s transcripts (or from ``path``)."""
     path = path or folder / "transcripts" / f"eval_step_{step:06d}.jsonl"
@@ -197,7 +195,8 @@ def _eval_outcomes(folder: Path, step: int, path: Path | None = None) -> tuple[l
     return success, reward
 
 
-def _arm(success: list[float], reward: list[float]) -> dict[str, Any]:
+def arm(success: list[float], reward: list[float]) -> dict[str, Any]:
+    """One evaluation's numbers: episodes, successes, success rate with its Wilson interval, mean reward with its bootstrap one."""
     wins = int(sum(success))
     return {
         "episodes": len(success), "successes": wins, "success_rate": wins / max(len(success), 1),
@@ -215,21 +214,21 @@ def summarize(
     folder = row_folder / "rl"
     records = read_metrics(folder / "metrics.jsonl")
     last_step = config.steps - 1
-    before, after = _eval_outcomes(folder, -1), _eval_outcomes(folder, last_step)
+    before, after = eval_outcomes(folder, -1), eval_outcomes(folder, last_step)
     if before is None or after is None:
         raise ConfigError(f"{folder} has no evaluation {'before training' if before is None else 'after its last step'}; "
                           f"run the row again to finish it.")
-    base = _eval_outcomes(row_folder, -1, row_folder / "base_eval.jsonl") if row.warmup is not None else None
+    base = eval_outcomes(row_folder, -1, row_folder / "base_eval.jsonl") if row.warmup is not None else None
     change, low, high = paired_bootstrap_difference(before[0], after[0])
     reward_change = paired_bootstrap_difference(before[1], after[1])
     curve = []
     for record in records:
         if "eval/success_rate" in record:
-            outcome = _eval_outcomes(folder, record["step"])
+            outcome = eval_outcomes(folder, record["step"])
             episodes = len(outcome[0]) if outcome else int(record.get("eval/episodes", 0))
             wins = int(sum(outcome[0])) if outcome else round(record["eval/success_rate"] * episodes)
             rate = wins / episodes if outcome and episodes else record["eval/success_rate"]
-            curve.append({"step": record["step"], "samples": _samples(config, record["step"]), "success_rate": rate,
+            curve.append({"step": record["step"], "samples": samples_through(config, record["step"]), "success_rate": rate,
                           "success_interval": list(wilson(wins, episodes)), "reward_mean": record["eval/reward_mean"]})
     trained = [r for r in records if r["step"] >= 0 and "reward/mean" in r]
     seeds = eval_seeds(config.seed, config.eval_episodes)
@@ -255,18 +254,18 @@ def summarize(
         "evaluation": {"greedy": True, "episodes": config.eval_episodes, "interval": "Wilson score, 95%",
                        "change_interval": "paired bootstrap over episodes, 10,000 resamples, 95% percentile"},
         "warmup": None if row.warmup is None else {**asdict(row.warmup), "steps": _warmup_steps(row_folder)},
-        "base": None if base is None else _arm(*base),
-        "before": _arm(*before),
-        "after": _arm(*after),
+        "base": None if base is None else arm(*base),
+        "before": arm(*before),
+        "after": arm(*after),
         "change": {"success_rate": change, "success_interval": [low, high], "reward_mean": reward_change[0],
                    "reward_interval": [reward_change[1], reward_change[2]]},
         "learns": low > 0,
-        "samples": _samples(config, last_step),
+        "samples": samples_through(config, last_step),
         "tokens_sampled": int(sum(r.get("tokens/sampled", 0) for r in trained)),
         "wall_s": round(wall_s, 1),
         "resumed_from_step": resumed_from,
-        "reward_curve": [{"step": r["step"], "samples": _samples(config, r["step"]), "reward_mean": r["reward/mean"],
-                          "train_s": round(sum(t.get("time/step_s", 0.0) for t in trained if t["step"] <= r["step"]), 2)} for r in trained],
+        "reward_curve": [{"step": r["step"], "samples": samples_through(config, r["step"]), "reward_mean": r["reward/mean"], "train_s": round(s, 2)}
+                         for r, s in zip(trained, accumulate(t.get("time/step_s", 0.0) for t in trained))],
         "eval_curve": curve,
     }
 
@@ -276,7 +275,7 @@ def _warmup_steps(row_folder: Path) -> int:
     return TrainConfig.load(row_folder / "warmup" / "config.json").steps
 
 
-def _samples(config: TrainConfig, step: int) -> int:
+def samples_through(config: TrainConfig, step: int) -> int:
     """Episodes sampled for training through ``step`` (0 before the first)."""
     return (step + 1) * config.batch_size * config.group_size
 
@@ -317,14 +316,14 @@ def write_row_folder(result: dict[str, Any], row_folder: Path, dest: Path) -> No
     dest.mkdir(parents=True, exist_ok=True)
     base = result["base_model"]  # the short name resolves offline anywhere; a cache path does not
     if result["warmup"] is not None:
-        _copy_adapter(row_folder / "warmup" / "final", dest / "warmup_adapter", base)
+        copy_adapter(row_folder / "warmup" / "final", dest / "warmup_adapter", base)
         base = "../warmup_adapter"  # read beside the adapter (tinkergym.backends.models.adapter_base)
-    _copy_adapter(row_folder / "rl" / "final", dest / "adapter", base)
+    copy_adapter(row_folder / "rl" / "final", dest / "adapter", base)
     plot_curves(result, dest)
     (dest / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
 
 
-def _copy_adapter(final: Path, dest: Path, base: str) -> None:
+def copy_adapter(final: Path, dest: Path, base: str) -> None:
     """A run's exported peft adapter into ``dest`` (replaced), its base model named ``base``."""
     shutil.rmtree(dest, ignore_errors=True)
     if not (final / "adapter_config.json").is_file():
@@ -333,9 +332,16 @@ def _copy_adapter(final: Path, dest: Path, base: str) -> None:
     for name in ADAPTER_FILES:
         if (final / name).is_file():
             shutil.copy2(final / name, dest / name)
-    config = json.loads((dest / "adapter_config.json").read_text(encoding="utf-8"))
-    config["base_model_name_or_path"] = base
-    (dest / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    name_adapter_base(dest, base)
+
+
+def name_adapter_base(adapter: Path, base: str) -> None:
+    """Make ``base`` the base model the peft adapter folder ``adapter`` names (its ``base_model_name_or_path``)."""
+    path = adapter / "adapter_config.json"
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if config.get("base_model_name_or_path") != base:
+        config["base_model_name_or_path"] = base
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def plot_curves(result: dict[str, Any], dest: Path) -> None:

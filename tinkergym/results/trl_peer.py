@@ -39,22 +39,29 @@ def check_single_turn(row: Row) -> None:
                           "drives single-turn envs here; compare a single-turn row (tinkergym results list --json shows each row's max_turns).")
 
 
-def _prompts(config: TrainConfig) -> list[dict[str, Any]]:
-    """Every step's prompts in order (as chat messages), with the env seed their reward resets the env with."""
-    import tinkergym
+def step_prompts(config: TrainConfig, step: int, env: Any) -> list[tuple[int, list[dict[str, str]]]]:
+    """(env seed, chat messages) of ``step``'s prompts: the trainer's own seeds, rendered as the rollout renders them (the
+    env's system prompt and its first observation after a seeded reset of ``env``)."""
     from tinkergym.trainers.base import TrainingContext
 
     context = TrainingContext(config=config, backend=None, renderer=None)  # type: ignore[arg-type]  # seeds need neither
-    env, rows = tinkergym.make(config.env, **config.env_kwargs), []
+    rows = []
+    for seed in context.prompt_seeds(step):
+        observation, info = env.reset(seed=seed)
+        system = [{"role": "system", "content": info["system_prompt"]}] if info.get("system_prompt") else []
+        rows.append((seed, [*system, {"role": "user", "content": observation}]))
+    return rows
+
+
+def _prompts(config: TrainConfig) -> list[dict[str, Any]]:
+    """Every step's prompts in order (as chat messages), with the env seed their reward resets the env with."""
+    import tinkergym
+
+    env = tinkergym.make(config.env, **config.env_kwargs)
     try:
-        for step in range(config.steps):
-            for seed in context.prompt_seeds(step):
-                observation, info = env.reset(seed=seed)
-                system = [{"role": "system", "content": info["system_prompt"]}] if info.get("system_prompt") else []
-                rows.append({"prompt": [*system, {"role": "user", "content": observation}], "env_seed": seed})
+        return [{"prompt": messages, "env_seed": seed} for step in range(config.steps) for seed, messages in step_prompts(config, step, env)]
     finally:
         env.close()
-    return rows
 
 
 def env_reward_function(env: Any) -> Any:
@@ -137,7 +144,8 @@ def run_trl_peer(
     """The row trained by TRL (after tinkergym's own run of the row, whose warm-up and evaluation it shares); ``steps``: only
     the first so many steps of the row's recipe, compared with tinkergym's evaluation after as many (one of its points)."""
     from tinkergym.backends.models import resolve_model
-    from tinkergym.results.runner import WallClock, _arm, _copy_adapter, _eval_outcomes, evaluate_model, machine
+    from tinkergym.backends.torch.machine import library_versions
+    from tinkergym.results.runner import WallClock, arm, copy_adapter, eval_outcomes, evaluate_model, machine, name_adapter_base, samples_through
 
     check_single_turn(row)
     ours_path = out / row.name / "result.json"
@@ -160,30 +168,31 @@ def run_trl_peer(
     try:
         if not steps_file.is_file():  # TRL's run is not resumed: one stopped before its end starts over
             steps_file.write_text(json.dumps(train_trl(config, start, trl_folder, progress)), encoding="utf-8")
-        _name_base(trl_folder / "adapter", start)
+        # peft names the base under the warm-up (the merged model's own name): evaluated on it, the warm-up would be left out
+        name_adapter_base(trl_folder / "adapter", start)
         evaluated = trl_folder / "eval_after.jsonl"
         if not evaluated.is_file():
             evaluate_model(str(trl_folder / "adapter"), config, evaluated)
     finally:
         wall = clock.stop()
     records = json.loads(steps_file.read_text(encoding="utf-8"))
-    before = _eval_outcomes(folder / "rl", -1)
-    after = _eval_outcomes(folder, -1, evaluated)
+    before = eval_outcomes(folder / "rl", -1)
+    after = eval_outcomes(folder, -1, evaluated)
     assert before is not None and after is not None  # ours ran (checked above); the evaluation was just written
     change, low, high = paired_bootstrap_difference(before[0], after[0])
-    ours_after = _eval_outcomes(folder / "rl", config.steps - 1)  # tinkergym after as many steps
+    ours_after = eval_outcomes(folder / "rl", config.steps - 1)  # tinkergym after as many steps
     assert ours_after is not None
     versus, v_low, v_high = paired_bootstrap_difference(after[0], ours_after[0])
     elapsed = 0.0
     curve = []
     for record in records:
         elapsed += record["step_s"]
-        curve.append({"step": record["step"], "samples": (record["step"] + 1) * config.batch_size * config.group_size,
+        curve.append({"step": record["step"], "samples": samples_through(config, record["step"]),
                       "reward_mean": record["reward_mean"], "train_s": round(elapsed, 2)})
     result = {
         "peer": "trl", "row": row.name, "quick": quick, "command": command, "steps": config.steps,
-        "tinkergym_after_as_many_samples": _arm(*ours_after), "machine": {**machine(), "other_cores": round(clock.other_cores(), 2)},
-        "versions": _versions(), "before": _arm(*before), "after": _arm(*after),
+        "tinkergym_after_as_many_samples": arm(*ours_after), "machine": {**machine(), "other_cores": round(clock.other_cores(), 2)},
+        "versions": library_versions(("tinkergym", "torch", "transformers", "peft", "trl")), "before": arm(*before), "after": arm(*after),
         "change": {"success_rate": change, "success_interval": [low, high]},
         "tinkergym_minus_trl": {"success_rate": versus, "success_interval": [v_low, v_high],
                                 "interval": "paired bootstrap over the same evaluation episodes, 95%"},
@@ -192,32 +201,10 @@ def run_trl_peer(
     }
     dest = out / row.name / "trl"
     dest.mkdir(parents=True, exist_ok=True)
-    _copy_adapter(trl_folder / "adapter", dest / "adapter", "../../warmup_adapter" if row.warmup is not None else ours["base_model"])
+    copy_adapter(trl_folder / "adapter", dest / "adapter", "../../warmup_adapter" if row.warmup is not None else ours["base_model"])
     (dest / "result.json").write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     plot_versus({**ours, "reward_curve": [p for p in ours["reward_curve"] if p["step"] < config.steps]}, result, out / row.name / "vs_trl.png")
     return result
-
-
-def _name_base(adapter: Path, start: str) -> None:
-    """Name ``start`` as the base of TRL's adapter: peft wrote the base model under the warm-up (the merged model's own
-    name), and an evaluation of the adapter on that base would leave the warm-up out."""
-    path = adapter / "adapter_config.json"
-    config = json.loads(path.read_text(encoding="utf-8"))
-    if config.get("base_model_name_or_path") != start:
-        config["base_model_name_or_path"] = start
-        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-
-
-def _versions() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found = {}
-    for name in ("tinkergym", "torch", "transformers", "peft", "trl"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = "not installed"
-    return found
 
 
 def plot_versus(ours: dict[str, Any], trl: dict[str, Any], path: Path) -> None:

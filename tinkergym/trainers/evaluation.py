@@ -29,6 +29,12 @@ def train_seed(rng: random.Random) -> int:
     return rng.randrange(TRAIN_SEEDS)
 
 
+def eval_rollout_config(config: Any) -> RolloutConfig:
+    """How a run of ``config`` (a :class:`~tinkergym.config.TrainConfig`) plays its evaluations: greedy, within its budgets."""
+    return RolloutConfig(max_turns=config.max_turns, max_new_tokens=config.max_new_tokens, max_context=config.max_context,
+                         temperature=0.0, seed=config.seed)
+
+
 def evaluate(
     make_env: Callable[[], Any],
     backend: Backend,

@@ -50,7 +50,7 @@ from tinkergym.trainers.base import (
     trainer_state,
 )
 from tinkergym.config import TrainConfig
-from tinkergym.trainers.evaluation import eval_seeds, evaluate, transcript_record, write_transcripts
+from tinkergym.trainers.evaluation import eval_rollout_config, eval_seeds, evaluate, transcript_record, write_transcripts
 from tinkergym.trainers.reporting import MetricsLog, plot_learning_curve
 
 KEEP_CHECKPOINTS = 2
@@ -324,16 +324,13 @@ class TrainingRun:
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluate on held-out seeds (greedy) and save the transcripts."""
-        from tinkergym.rollouts import RolloutConfig
-
         c = self.config
         own = getattr(self.trainer, "evaluate", None)
         if callable(own):  # e.g. self-play: games against the league's fixed members, on the eval env
             metrics, trajectories = own(step, eval_seeds(c.seed, c.eval_episodes), self.make_eval_env)
         else:
             assert self.make_eval_env is not None  # evaluate runs only for a run with an env (an SFT run on --data alone has none)
-            settings = RolloutConfig(max_turns=c.max_turns, max_new_tokens=c.max_new_tokens, max_context=c.max_context, temperature=0.0, seed=c.seed)
-            metrics, trajectories = evaluate(self.make_eval_env, self.backend, self.renderer, settings, eval_seeds(c.seed, c.eval_episodes))
+            metrics, trajectories = evaluate(self.make_eval_env, self.backend, self.renderer, eval_rollout_config(c), eval_seeds(c.seed, c.eval_episodes))
         write_transcripts(self.folder / "transcripts" / f"eval_step_{step:06d}.jsonl", trajectories, step=step)
         return metrics
 

@@ -173,7 +173,7 @@ class SFTTrainer:
             raise ConfigError("the sft trainer needs data: --data FILE.jsonl (chat transcripts) or --demos baseline|random with --env.")
         fitted = [fit_conversation(ctx.renderer, c, ctx.config.max_context) for c in conversations]
         self.data = [conversation_to_datum(ctx.renderer, c) for c in fitted if c is not None]
-        self.data = [d for d in self.data if len(d.tokens) <= ctx.config.max_context and sum(d.loss_mask) != 0]
+        self.data = [d for d in self.data if sum(d.loss_mask) != 0]  # fit_conversation kept only what fits the context
         if not self.data:
             raise ConfigError("no SFT example fits --max-context with at least one assistant token.")
 

@@ -134,6 +134,19 @@ def matmul_rate(device: str, dtype: str = "bfloat16", seconds: float = 1.0) -> d
     return out
 
 
+def library_versions(names: tuple[str, ...]) -> dict[str, str]:
+    """The installed version of each distribution in ``names`` (``"not installed"`` where it is not)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = {}
+    for name in names:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = "not installed"
+    return found
+
+
 def load_average() -> list[float]:
     """The 1, 5 and 15 minute load averages, rounded."""
     return [round(x, 2) for x in os.getloadavg()]
