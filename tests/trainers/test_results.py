@@ -260,3 +260,17 @@ def test_trl_trains_a_single_turn_row_on_the_same_recipe_and_evaluation(quick_su
     refused = _run(["run", multi.name, *args])
     assert refused.returncode == 2 and f"row {multi.name} is multi-turn" in refused.stderr
     assert not (quick_suite / "out" / multi.name / "trl").exists()
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "cannot be read as JSON"),
+    ("[1, 2]", "is not a JSON object"),
+    (json.dumps({"schema": True}), "'schema' is missing or not of type int"),
+    ("\ud800".encode("utf-8", "surrogatepass").decode("latin-1"), "cannot be read as JSON"),
+], ids=["not-json", "not-object", "bool-for-int", "lone-surrogate"])
+def test_a_broken_result_file_is_refused_with_what_to_do(tmp_path: Path, text: str, says: str) -> None:
+    (tmp_path / ROWS[0].name).mkdir()
+    (tmp_path / ROWS[0].name / "result.json").write_text(text, encoding="latin-1")
+    result = CliRunner().invoke(main, ["results", "table", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and says in result.output and "run its row again" in result.output
+    assert CliRunner().invoke(main, ["results", "table", "--out", "a\0b"]).exit_code == 2  # a NUL in a path: a usage error

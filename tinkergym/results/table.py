@@ -33,7 +33,7 @@ def load_result(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path} is not a JSON object; run its row again to write it.")
     for key, kind in REQUIRED.items():
         if not isinstance(data.get(key), kind) or (kind is int and isinstance(data.get(key), bool)):
-            raise ConfigError(f"{path}: {key!r} is missing or not a {getattr(kind, '__name__', 'number')}; run its row again to write it.")
+            raise ConfigError(f"{path}: {key!r} is missing or not of type {getattr(kind, '__name__', 'number')}; run its row again to write it.")
     if data["schema"] != SCHEMA:
         raise ConfigError(f"{path} has result schema {data['schema']}, this tinkergym reads {SCHEMA}; run its row again.")
     return data
