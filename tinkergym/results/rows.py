@@ -49,6 +49,7 @@ class Warmup:
     batch_size: int = 8
     micro_batch_size: int = 2  # whole games are long: a pass over 8 of them at once takes over 20 GiB on a CPU
     max_context: int = 2048  # longer demonstrations are left out (a shorter bound keeps the short games: a cheaper warm-up)
+    min_reward: float | None = None  # keep only the demonstrations whose return is above this (None: keep every one)
 
 
 @dataclass(frozen=True)
@@ -98,12 +99,14 @@ class Row:
         assert self.warmup is not None
         recipe, model = self.training(quick)
         w = self.warmup
-        steps, episodes = (2, 4) if quick else (w.steps, w.episodes)
+        # quick: a few episodes, or where only the rewarded ones are kept, enough that some are (a tenth of the math baseline's)
+        steps, episodes = (2, 4 if w.min_reward is None else min(w.episodes, 64)) if quick else (w.steps, w.episodes)
         return TrainConfig(
             env=self.env, env_kwargs=dict(self.env_kwargs), trainer="sft", model=model, seed=self.seed, steps=steps,
             batch_size=min(w.batch_size, episodes), lr=w.lr, lora_rank=recipe["lora_rank"], lora_alpha=recipe["lora_alpha"],
             micro_batch_size=w.micro_batch_size, max_context=w.max_context, checkpoint_every=steps, out=out,
-            trainer_args={"demos": w.demos, "demo_episodes": episodes},
+            trainer_args={"demos": w.demos, "demo_episodes": episodes,
+                          **({} if w.min_reward is None else {"demo_min_reward": w.min_reward})},
         ).validate()
 
 
@@ -129,8 +132,14 @@ ROWS: tuple[Row, ...] = (
         env="tinker/Math-v0",
         env_kwargs={"split": "train"},
         eval_env_kwargs={"split": "test"},
-        settings={"max_new_tokens": 256, "micro_batch_size": 8},
-        why="Held out: the evaluation poses the 250 problems of the test split, training the 2,250 of the train split.",
+        settings={"steps": 200, "max_new_tokens": 256, "micro_batch_size": 8},
+        warmup=Warmup(demos="baseline", steps=10, episodes=1280, min_reward=0.5),
+        why=("Generated arithmetic and algebra word problems of ten kinds. The untrained model never ends with the "
+             "\\boxed{} answer the grader reads (0 of 64), so RL would have no signal. The env's baseline solves only the "
+             "written-out expressions (one kind in ten) and answers 0 to the rest; the warm-up imitates its solved episodes "
+             "alone (those of 1,280 with reward 1), so the model learns to show a calculation and box its value, not to "
+             "answer 0 (imitating every episode, it answered \\boxed{0} to all 64). It then gets 6% right. Held out: the "
+             "evaluation poses the 250 problems of the test split, training the 2,250 of the train split."),
     ),
     Row(
         name="math-tool",
