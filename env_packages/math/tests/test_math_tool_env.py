@@ -217,6 +217,27 @@ def test_baseline_agent():
     assert solved == 25
 
 
+def test_without_a_calculator_the_baseline_computes_in_the_sandboxed_python_and_the_prompt_shows_a_python_call():
+    env = MathToolEnv(split="test", shuffle=False, tools=("python",))
+    assert '"name": "python"' in env.get_system_prompt() and "calculator" not in env.get_system_prompt()
+    assert '"name": "python"' in env.invalid_action_hint()
+    assert '"name": "calculator"' in MathToolEnv(split="test").get_system_prompt()  # the calculator where it is offered
+    solved = 0
+    for i, problem in enumerate(env.problems):
+        if problem.topic != "order_of_operations":
+            continue
+        obs, info = env.reset(options={"index": i})
+        agent = BaselineMathToolAgent(seed=0)
+        obs, _, terminated, _, step_info = env.step(agent(obs, info))
+        assert not terminated and step_info["tool_calls"][0]["name"] == "python", step_info
+        answer = agent(obs, step_info)
+        assert not answer.split("\\boxed{")[1].rstrip("}").endswith(".0")  # a whole quotient reads as a whole number
+        _, reward, terminated, _, _ = env.step(answer)
+        assert terminated
+        solved += reward
+    assert solved == 25
+
+
 def test_made_through_the_hub():
     env = gym.make("tinker/MathTool-v0", max_tool_calls=2, tools=("calculator",))
     obs, info = env.reset(seed=0)

@@ -35,6 +35,15 @@ def find_expression(text: str) -> str | None:
     return None
 
 
+#: The calculator's operator signs that Python writes otherwise.
+_PYTHON_SIGNS = str.maketrans({"×": "*", "÷": "/", "−": "-"})
+
+
+def python_expression(expression: str) -> str:
+    """An expression of :func:`find_expression` written in Python (``×`` ``÷`` ``−`` ``^`` as ``*`` ``/`` ``-`` ``**``)."""
+    return expression.translate(_PYTHON_SIGNS).replace("^", "**")
+
+
 def answer_text(value: str) -> str:
     """A result of the calculator as a bare answer (``"2/3 (about 0.667)"`` -> ``"2/3"``)."""
     return value.split(" (", 1)[0].strip()
@@ -62,7 +71,9 @@ class BaselineMathToolAgent:
     r"""``tinker/MathTool-v0`` baseline: calls the calculator on an expression from the problem, then answers with its result.
 
     First message: one ``<tool_call>`` to ``calculator`` with the expression found in the problem (``0``
-    if none). Second message: ``\boxed{result}`` (``\boxed{0}`` if the tool reported an error).
+    if none); where the env offers no calculator (``info["tools"]`` names python alone), a ``python`` call that
+    prints the expression written in Python. Second message: ``\boxed{result}`` (``\boxed{0}`` if the tool
+    reported an error).
 
     Args:
         seed: Unused (the agent is deterministic); accepted for the agent protocol.
@@ -76,10 +87,16 @@ class BaselineMathToolAgent:
         if not self.called:
             self.called = True
             expression = find_expression(observation) or "0"
-            call = {"name": "calculator", "arguments": {"expression": expression}}
+            offered = {tool.get("function", {}).get("name") for tool in info.get("tools") or [] if isinstance(tool, dict)}
+            if offered and "calculator" not in offered and "python" in offered:
+                call = {"name": "python", "arguments": {"code": f"print({python_expression(expression)})"}}
+            else:
+                call = {"name": "calculator", "arguments": {"expression": expression}}
             return f"Let me compute this.\n<tool_call>{json.dumps(call, ensure_ascii=False)}</tool_call>"
         responses = _TOOL_RESPONSE.findall(observation)
         result = answer_text(responses[0]) if responses else "0"
+        if result.endswith(".0") and result[:-2].lstrip("-").isdigit():  # python prints a whole quotient as 10.0
+            result = result[:-2]
         if not result or result.startswith("Error"):
             result = "0"
         return f"The calculator gives {result}.\n\\boxed{{{result}}}"

@@ -17,7 +17,11 @@ from tinkergym_math.grading import grade
 from tinkergym_math.sandbox import ISOLATIONS, check_sandbox, run_python
 
 TOOL_NAMES = ("python", "calculator")
-_CALL_EXAMPLE = '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * (3 + 4) / 5"}}</tool_call>'
+#: A call of each tool, as the system prompt shows it (the example names a tool the env offers).
+_CALL_EXAMPLES = {
+    "calculator": '<tool_call>{"name": "calculator", "arguments": {"expression": "12 * (3 + 4) / 5"}}</tool_call>',
+    "python": '<tool_call>{"name": "python", "arguments": {"code": "print(12 * (3 + 4) / 5)"}}</tool_call>',
+}
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> int:
@@ -133,11 +137,15 @@ class MathToolEnv(MathEnv):
         """The schemas of the offered tools."""
         return self.toolbox.schemas()
 
+    def call_example(self) -> str:
+        """A tool call in the format the env reads, of a tool it offers (the calculator where it is offered)."""
+        return _CALL_EXAMPLES["calculator" if "calculator" in self.toolbox.names else self.toolbox.names[0]]
+
     def get_system_prompt(self) -> str:
         """Instructions, the tool-call format and the offered tools."""
         lines = [
             "You solve math word problems and may use tools before answering. To call a tool, write",
-            _CALL_EXAMPLE,
+            self.call_example(),
             "(one block per call; several calls in one message are fine). Results come back in <tool_response> blocks. Tools:",
         ]
         for schema in self.toolbox.schemas():
@@ -195,7 +203,7 @@ class MathToolEnv(MathEnv):
 
     def invalid_action_hint(self) -> str:
         """What a valid message looks like."""
-        return f"Call a tool with {_CALL_EXAMPLE}, or reply with your final answer as \\boxed{{...}}."
+        return f"Call a tool with {self.call_example()}, or reply with your final answer as \\boxed{{...}}."
 
 
 def tool_turn(toolbox: ToolBox, parsed: ParsedToolCalls, *, used: int, max_calls: int, turn: int, max_turns: int,
