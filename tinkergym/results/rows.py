@@ -143,7 +143,7 @@ ROWS: tuple[Row, ...] = (
     ),
     Row(
         name="math-tool",
-        task="MathTool-v0: the same problems with a sandboxed python and a calculator tool",
+        task="MathTool-v0: the same problems with a sandboxed python tool",
         env="tinker/MathTool-v0",
         env_kwargs={"split": "train", "tools": ["python"]},
         eval_env_kwargs={"split": "test"},
