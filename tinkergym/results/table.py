@@ -64,7 +64,10 @@ def _recipe(row: Row, result: dict[str, Any] | None) -> str:
     recipe = result["recipe"] if result else row.recipe
     trainer = (result or {}).get("trainer", row.trainer).upper()
     adapter = f"LoRA r{recipe['lora_rank']}" if recipe["lora_rank"] else "full"
-    warmup = f"SFT warm-up on {row.warmup.demos} play, then " if row.warmup else ""
+    warmup = ""
+    if row.warmup:
+        kept = "" if row.warmup.min_reward is None else f" (episodes with reward above {row.warmup.min_reward:g})"
+        warmup = f"SFT warm-up on {row.warmup.demos} play{kept}, then "
     return f"{warmup}{trainer}, {adapter}, {recipe['steps']} steps x {recipe['batch_size']} prompts x {recipe['group_size']}"
 
 
