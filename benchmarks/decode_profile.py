@@ -4,11 +4,15 @@
     python benchmarks/decode_profile.py --modes lora full --calls 5 --top 30
     python benchmarks/decode_profile.py --no-profile         # timings only (the profiler slows each op a little)
     python benchmarks/decode_profile.py --quick --model tiny # 1 call of 4 tokens, no profile (a smoke test)
+    python benchmarks/decode_profile.py --stop-every 29 --new-tokens 64 --baseline 1cd5038 --no-profile
+                                                             # rows of many lengths, against the loop that ran every row to the end
 
 The request is a GRPO step's sampling: the first ``--prompts`` observations of ``tinker/Bandit-v0`` (the env of
 ``grpo_step.py``, with its system prompt) rendered by SmolLM2-135M-Instruct's chat template, ``--group`` samples
 each, temperature 1, seeded. No row stops early (the stop id is outside the vocabulary), so every call decodes
-exactly ``--new-tokens`` steps and the calls are comparable. The backend is built as ``grpo_step.py`` builds it
+exactly ``--new-tokens`` steps and the calls are comparable. ``--stop-every K`` makes every K-th token id a stop
+id instead: rows stop at many lengths, as a rollout's answers do (about 1/K of a row's draws stop it), the same
+ones in every call (seeded), which is where dropping stopped rows from the batch pays. The backend is built as ``grpo_step.py`` builds it
 (``--dtype auto``: bfloat16 where the CPU computes it natively, float32 where it is emulated; LoRA r=8 or full
 fine-tuning); a forced emulated precision prints a warning with its cost.
 
@@ -48,6 +52,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lora-sampling", choices=("adapter", "merged"), default="adapter", help="LoRA's sampling: through the adapter or a merged copy")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                         help="the backend's precision (auto: the fastest one the CPU computes natively)")
+    parser.add_argument("--stop-every", type=int, default=0, metavar="K",
+                        help="every K-th token id stops a row: rows of many lengths (default 0: no row stops early)")
     parser.add_argument("--quick", action="store_true", help="1 timed call of 4 tokens, no profile (a smoke test)")
     args = parser.parse_args(argv)
     if args.quick:
@@ -101,8 +107,8 @@ def request(backend: Any, args: argparse.Namespace) -> Any:
     renderer = ChatTemplateRenderer(backend.info()["tokenizer"])
     rows = step_prompts(BenchSettings(prompts=args.prompts), 0)
     prompts = [renderer.prompt_tokens(messages, None) for _, messages in rows]
-    never = [len(backend.tokenizer) + 5]
-    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=1, stop_token_ids=never)
+    stops = list(range(args.stop_every, len(backend.tokenizer), args.stop_every)) if args.stop_every else [len(backend.tokenizer) + 5]
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, seed=1, stop_token_ids=stops)
     return SampleRequest(prompts=prompts, params=params, num_samples=args.group)
 
 
@@ -180,7 +186,7 @@ def profile_call(backend: Any, req: Any, top: int) -> None:
     print(f"profiled call {wall:.2f} s; self time of all ops {in_ops:.2f} s; outside any op (Python, framework) {wall - in_ops:.2f} s")
 
 
-def timed_calls(backend: Any, req: Any, variants: dict[str, Any], calls: int, new_tokens: int) -> tuple[dict[str, list], dict[str, Any]]:
+def timed_calls(backend: Any, req: Any, variants: dict[str, Any], calls: int, new_tokens: int | None) -> tuple[dict[str, list], dict[str, Any]]:
     """``calls`` timed calls per variant (a sampling module), the variants taking turns, after one warm-up call each."""
     from tinkergym.backends.torch import backend as torch_backend
 
@@ -196,7 +202,7 @@ def timed_calls(backend: Any, req: Any, variants: dict[str, Any], calls: int, ne
                 start = time.perf_counter()
                 outputs[name] = backend.sample(req)
                 total = time.perf_counter() - start
-                assert all(len(s.tokens) == new_tokens for group in outputs[name].sequences for s in group)
+                assert new_tokens is None or all(len(s.tokens) == new_tokens for group in outputs[name].sequences for s in group)
                 if i:  # the first round is the warm-up
                     records[name].append({"total": total, "prefill": timer.prefill_s, "forward": timer.forward_s,
                                           "rest": total - timer.prefill_s - timer.forward_s, "steps": timer.forwards + 1})
@@ -225,7 +231,8 @@ def run_mode(mode: str, args: argparse.Namespace, rates: dict[str, float]) -> di
     variants = {"current": torch_sampling}
     if args.baseline:
         variants["baseline"] = baseline_module(args.baseline)
-    records, outputs = timed_calls(backend, req, variants, args.calls, args.new_tokens)
+    records, outputs = timed_calls(backend, req, variants, args.calls, None if args.stop_every else args.new_tokens)
+    lengths = [len(s.tokens) for group in outputs["current"].sequences for s in group]
     params = sum(p.numel() for n, p in backend.model.named_parameters() if "lora_" not in n)
     batch = args.prompts * args.group
     distinct_tokens = sum(len(p) for p in req.prompts)
@@ -233,6 +240,9 @@ def run_mode(mode: str, args: argparse.Namespace, rates: dict[str, float]) -> di
     flops = {"decode": 2.0 * params * batch * (args.new_tokens - 1), "prefill": 2.0 * params * distinct_tokens}
     print(f"\n== {mode}: {batch} sequences x {args.new_tokens} tokens, prompts of ~{prompt_len:.0f} tokens "
           f"({distinct_tokens} distinct prompt tokens), dtype {backend.dtype}, attention {backend.attn_implementation}, threads {torch.get_num_threads()}")
+    if args.stop_every:
+        print(f"rows stop on every {args.stop_every}th id: {statistics.mean(lengths):.1f} tokens a row on average, {max(lengths)} the longest "
+              f"(the FLOP floor below counts every row to the end)")
     medians = {}
     for name, rows in records.items():
         med = medians[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -252,7 +262,8 @@ def run_mode(mode: str, args: argparse.Namespace, rates: dict[str, float]) -> di
     if not args.no_profile:
         profile_call(backend, req, args.top)
     return {"mode": mode, "dtype": str(backend.dtype).removeprefix("torch."), "attn_implementation": backend.attn_implementation,
-            "sequences": batch, "new_tokens": args.new_tokens, "flop_floor": total_flops, "median": medians, "calls": records}
+            "sequences": batch, "new_tokens": args.new_tokens, "stop_every": args.stop_every, "mean_tokens": statistics.mean(lengths),
+            "flop_floor": total_flops, "median": medians, "calls": records}
 
 
 def main(argv: list[str] | None = None) -> None:

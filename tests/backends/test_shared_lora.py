@@ -146,6 +146,29 @@ def test_mixed_sampling_and_scoring_equal_each_session_alone(tiny, adapters) -> 
     assert scored[0][0] != pytest.approx(scored[2][0], abs=1e-4)
 
 
+def test_rows_of_each_adapter_keep_it_after_stopped_rows_leave_the_decode_batch(tiny, adapters) -> None:
+    """Rows that stopped leave the batch (see tests/backends/test_decode_rows_leave.py); each row still decoding goes on
+    through its own session's adapter: every session gets what it gets sampled alone."""
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, stop_token_ids=list(range(0, 1024, 11)))
+    mixed_base, alone_base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32")), SharedBase(SharedBaseConfig(model=tiny, dtype="float32"))
+    mixed, alone = _sessions(mixed_base, adapters), _sessions(alone_base, adapters)
+    requests = [SampleRequest(prompts=[[11 + r, 12, 13], [40, 41, r]], num_samples=3, params=SamplingParams(**{**params.to_dict(), "seed": r}))
+                for r in RANKS]
+    rows: list[int] = []
+    hook = mixed_base.model.register_forward_pre_hook(lambda module, args, kwargs: rows.append(int(kwargs["input_ids"].shape[0])), with_kwargs=True)
+    together = mixed_base.sample_many(list(zip(mixed, requests)))
+    hook.remove()
+    assert rows[1] == 18 and min(rows[1:]) <= 9, rows  # the decode started with every row, and rows left it
+    for session, request, response in zip(alone, requests, together):
+        solo = session.sample(request)
+        assert [[s.tokens for s in row] for row in response.sequences] == [[s.tokens for s in row] for row in solo.sequences]
+        for row, solo_row in zip(response.sequences, solo.sequences):
+            for seq, solo_seq in zip(row, solo_row):
+                assert seq.logprobs == pytest.approx(solo_seq.logprobs, abs=1e-5)
+    for a, b in zip(mixed, alone):  # each generator left where its own batch would leave it
+        assert torch.equal(a.generator.get_state(), b.generator.get_state())
+
+
 def test_an_exported_session_adapter_is_a_peft_folder_with_the_same_logprobs(tiny, adapters, tmp_path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

@@ -9,10 +9,18 @@ The decode loop never waits for the device between steps: tokens, logprobs and s
 whether every row has stopped is read back once every :data:`STOP_CHECK_INTERVAL` steps. The steps run past
 the first one at which every row had stopped are discarded, and the random generator is put back to its state
 after that step, so the results and the random numbers drawn are those of a loop that checked every step.
+
+A batch decodes until its last row stops, and the rows that stopped would ride along (fed a pad token) to the end.
+At a check where at least :data:`COMPACT_SHARE` of the rows still in the batch have stopped, they leave it: their
+keys and values (kept in the prefix cache first, where there is one) are dropped from the KV cache, and the steps
+after run the remaining rows alone. A step's cost follows the rows still decoding, not the batch's first size. The
+random numbers are still drawn for every row of the first batch, so each remaining row draws what it would have
+drawn in the whole batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
@@ -29,6 +37,9 @@ from tinkergym.errors import NonFiniteError
 
 #: Decode steps between two reads of the stop flags (each read makes the host wait for the device).
 STOP_CHECK_INTERVAL = 8
+#: The share of a decode batch's rows that must have stopped, at a check, for them to leave the batch (see the module
+#: docstring): each drop copies the KV cache of the rows that stay, so a batch is cut at most about log2(rows) times.
+COMPACT_SHARE = 0.5
 
 
 def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -93,18 +104,32 @@ class RowGenerators:
             generator.set_state(start_state[i] if step < 0 else self.history[step][i])
 
 
-def draw(probs_BV: torch.Tensor, generator: torch.Generator | RowGenerators | None) -> torch.Tensor:
+def draw(probs_BV: torch.Tensor, generator: torch.Generator | RowGenerators | None, rows: Rows | None = None) -> torch.Tensor:
     """One index per row with probability ``probs_BV`` (rows need not sum to exactly 1), by inverting the CDF.
 
     One uniform number per row instead of ``torch.multinomial``'s random number per vocabulary entry, which
-    costs more than the model's own decode step on a CPU. Entries with probability 0 are never drawn.
+    costs more than the model's own decode step on a CPU. Entries with probability 0 are never drawn. ``rows``: the
+    rows of ``probs_BV`` are these rows of a larger batch, and the numbers are drawn for all of that batch's rows.
     """
     cdf_BV = probs_BV.cumsum(dim=-1)
+    count = probs_BV.shape[0] if rows is None else rows.batch
     if isinstance(generator, RowGenerators):
-        u_B1 = generator.rand(probs_BV.shape[0], probs_BV.device) * cdf_BV[:, -1:]
+        u_B1 = generator.rand(count, probs_BV.device)
     else:
-        u_B1 = torch.rand((probs_BV.shape[0], 1), generator=generator, device=probs_BV.device) * cdf_BV[:, -1:]
+        u_B1 = torch.rand((count, 1), generator=generator, device=probs_BV.device)
+    if rows is not None:
+        u_B1 = u_B1[rows.index]
+    u_B1 = u_B1 * cdf_BV[:, -1:]
     return torch.searchsorted(cdf_BV, u_B1, right=True).clamp_max(probs_BV.shape[-1] - 1).squeeze(-1)
+
+
+class Rows:
+    """The rows of a decode batch still in it: ``kept`` (their indexes in the first batch, in cache order, on the host)
+    and ``index`` (the same on the device), out of ``batch`` rows."""
+
+    def __init__(self, kept: list[int], batch: int, device: torch.device) -> None:
+        self.kept, self.batch = kept, batch
+        self.index = host_to_device(torch.tensor(kept, dtype=torch.long), device)
 
 
 def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | RowGenerators | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,7 +152,8 @@ def logits_finite(logits_BV: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits_BV.amax(dim=-1)).all()
 
 
-def _draw_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | RowGenerators | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _draw_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | RowGenerators | None,
+               rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if params.temperature <= 0:
         tokens_B = logits_BV.argmax(dim=-1)
         chosen = logits_BV.gather(-1, tokens_B[:, None]).squeeze(-1).float()
@@ -136,7 +162,7 @@ def _draw_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch
     if params.temperature != 1.0 or params.top_k > 0 or params.top_p < 1.0:
         scaled = filter_logits(logits_BV.float() / params.temperature, params.top_k, params.top_p)
     probs_BV = torch.softmax(scaled, dim=-1, dtype=torch.float32)
-    tokens_B = draw(probs_BV, generator)
+    tokens_B = draw(probs_BV, generator, rows)
     return tokens_B, probs_BV.gather(-1, tokens_B[:, None]).squeeze(-1).log()
 
 
@@ -228,25 +254,28 @@ def _cached_columns(prompts: list[list[int]], prefix_cache: PrefixCache, scopes:
     return cache, kept
 
 
-def store_rows(prefix_cache: PrefixCache, cache: object, prompts: list[list[int]], completions: list[list[int]], scopes: list[int] | None = None) -> None:
+def store_rows(prefix_cache: PrefixCache, cache: object, prompts: list[list[int]], completions: list[list[int]], scopes: list[int] | None = None,
+               cache_rows: list[int] | None = None, width: int | None = None) -> None:
     """Keep each row's keys and values for its prompt and the sampled ids the model ran, in ``prefix_cache`` (under each
-    row's scope in ``scopes``, default the cache's).
+    row's scope in ``scopes``, default the cache's). ``cache_rows``: each prompt's row in ``cache`` (default: the i-th);
+    ``width``: the batch's left-padded prompt width (default: the longest of ``prompts``).
 
     Only caches of plain full-attention layers are kept (sliding-window layers hold just their window).
     """
     layers = getattr(cache, "layers", None)
     if not layers or not all(isinstance(layer, _preallocated_layer_class()) for layer in layers):
         return
-    width = max(len(p) for p in prompts)
+    width = max(len(p) for p in prompts) if width is None else width
     ran = layers[0].keys.shape[-2] - width  # decode steps whose ids were run through the model
-    for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        row = i if cache_rows is None else cache_rows[i]
         fed = min(len(completion), ran)
         start, end = width - len(prompt), width + fed
         kv = [(layer.keys[row, :, start:end].clone(), layer.values[row, :, start:end].clone()) for layer in layers]
         if scopes is None:
             prefix_cache.store([*prompt, *completion[:fed]], kv)
         else:
-            prefix_cache.store([*prompt, *completion[:fed]], kv, scopes[row])
+            prefix_cache.store([*prompt, *completion[:fed]], kv, scopes[i])
 
 
 def _preallocated(cache: object, extra: int) -> object:
@@ -283,6 +312,11 @@ def _preallocated_layer_class() -> type:
             self._keys = _grown(layer.keys, extra)
             self._values = _grown(layer.values, extra)
             self._length = layer.keys.shape[-2]
+            self.keys, self.values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
+
+        def select_rows(self, rows_R: torch.Tensor) -> None:
+            """Keep the rows ``rows_R`` of the batch, in that order (the buffers are copied: the rows dropped free theirs)."""
+            self._keys, self._values = self._keys.index_select(0, rows_R), self._values.index_select(0, rows_R)
             self.keys, self.values = self._keys[:, :, : self._length], self._values[:, :, : self._length]
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
@@ -366,11 +400,26 @@ def sample_batch(
     cache = _preallocated(cache, params.max_new_tokens)
     is_stop_V = stop_table(logits_BV.shape[-1], pad_id, stop_ids, device)
     mask = attention if len(widths) > 1 else None
+    width = positions.shape[-1]
+    storing = prefix_cache is not None and prefix_cache.max_bytes > 0
+
+    def release(rows: list[int], cache_rows: list[int], tokens_RS: torch.Tensor) -> None:
+        """Keep the keys and values of rows that leave the decode batch (they have stopped) before they are dropped."""
+        assert prefix_cache is not None
+        stops = set(stop_ids)
+        completions = [ids[: _stop_length(ids, stops)] for ids in tokens_RS.tolist()]
+        store_rows(prefix_cache, cache, [prompts[r] for r in rows], completions, None if adapters is None else [adapters[r] for r in rows],
+                   cache_rows=cache_rows, width=width)
+
     with rows_through(adapters):
-        tokens_BS, logprobs_BS, steps = _decode(model, logits_BV, cache, mask, positions, params, is_stop_V, pad_id, generator, check_interval)
+        tokens_BS, logprobs_BS, steps, kept = _decode(model, logits_BV, cache, mask, positions, params, is_stop_V, pad_id, generator,
+                                                      check_interval, adapters, release if storing else None)
     out = finished_sequences(tokens_BS, logprobs_BS, steps, stop_ids)
-    if prefix_cache is not None and prefix_cache.max_bytes > 0:
-        store_rows(prefix_cache, cache, prompts, [seq.tokens for seq in out], adapters)
+    if storing:
+        assert prefix_cache is not None
+        rows = list(range(len(prompts))) if kept is None else kept
+        store_rows(prefix_cache, cache, [prompts[r] for r in rows], [out[r].tokens for r in rows],
+                   None if adapters is None else [adapters[r] for r in rows], width=width)
     return out
 
 
@@ -391,9 +440,14 @@ def finished_sequences(tokens_BS: torch.Tensor, logprobs_BS: torch.Tensor, steps
     stops = set(stop_ids)
     out = []
     for ids, logprobs in zip(tokens_BS[:, :steps].tolist(), logprobs_BS[:, :steps].tolist()):
-        n = next((i + 1 for i, token in enumerate(ids) if token in stops), steps)
+        n = _stop_length(ids, stops)
         out.append(SampledSequence(tokens=ids[:n], logprobs=logprobs[:n], finish_reason="stop" if ids[:n] and ids[n - 1] in stops else "length"))
     return out
+
+
+def _stop_length(ids: list[int], stops: set[int]) -> int:
+    """How many of a row's ``ids`` it sampled: through its first stop id, else all of them."""
+    return next((i + 1 for i, token in enumerate(ids) if token in stops), len(ids))
 
 
 def _single_query_masks(model: torch.nn.Module, cache: object, attention: torch.Tensor | None, steps: int) -> torch.Tensor | None:
@@ -449,6 +503,11 @@ def _first_stop(done: list[bool], diverged: list[bool], first_step: int) -> int 
     return None
 
 
+#: What the decode loop tells its caller before rows leave the batch: their indexes in the first batch, their rows in
+#: the KV cache now, and their ids so far ``[R, steps]`` on the device.
+Release = Callable[[list[int], list[int], torch.Tensor], None]
+
+
 def _decode(
     model: torch.nn.Module,
     logits_BV: torch.Tensor,
@@ -460,12 +519,17 @@ def _decode(
     pad_id: int,
     generator: torch.Generator | RowGenerators | None,
     check_interval: int,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(tokens [B, S], logprobs [B, S], steps)``: the decode loop from the prefill's logits, on the device.
+    adapters: list[int] | None = None,
+    release: Release | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int, list[int] | None]:
+    """``(tokens [B, S], logprobs [B, S], steps, kept)``: the decode loop from the prefill's logits, on the device.
 
     Only the first ``steps`` columns count. ``is_stop_V`` tells for each id whether it is a stop id. Stop flags
     are read every ``check_interval`` steps (see the module docstring). ``attention`` None means no row is
     padded: transformers then has no padding mask to inspect, which it would read back on every forward pass.
+    Rows that stopped leave the batch (see the module docstring) where the cache allows it; ``kept`` is then the rows
+    of the first batch still in ``cache`` at the end, in its order (None: all of them), and ``release`` is told of
+    each row before it leaves. ``adapters``: each row's adapter on a shared base.
     """
     batch, steps, device = logits_BV.shape[0], params.max_new_tokens, logits_BV.device
     tokens_BS = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
@@ -483,35 +547,73 @@ def _decode(
     next_position = positions[:, -1:] + 1
     width = positions.shape[-1]
     masks_B11S = _single_query_masks(model, cache, attention, steps)
-    for step in range(steps):
-        diverged_S[step] = ~logits_finite(logits_BV)
-        tokens_B, logprobs_B = _draw_next(logits_BV, params, rng)
-        tokens_B = torch.where(finished_B, torch.full_like(tokens_B, pad_id), tokens_B)
-        tokens_BS[:, step], logprobs_BS[:, step] = tokens_B, logprobs_B
-        finished_B |= is_stop_V[tokens_B]
-        done_S[step] = finished_B.all()
-        if rng is not None:
-            rng_states.append(rng.get_state())
-        if step + 1 == steps or step + 1 - window >= check_interval:
-            done, diverged = torch.stack([done_S[window : step + 1], diverged_S[window : step + 1]]).tolist()
-            end = _first_stop(done, diverged, window)
-            if end is not None or step + 1 == steps:
-                end = step if end is None else end
-                if rng is not None:
-                    rng.set_state(rng_states[end - window])
-                return tokens_BS, logprobs_BS, end + 1
-            window, rng_states = step + 1, []
-        if masks_B11S is not None:
-            attention = masks_B11S[..., : width + step + 1]
-        elif attention is not None:
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
-        out = model(
-            input_ids=tokens_B[:, None],
-            attention_mask=attention,
-            position_ids=next_position,
-            **cache_kwargs(cache),
-            use_cache=True,
-        )
-        logits_BV, cache = out.logits[:, -1], cache_of(out)
-        next_position = next_position + 1
-    return tokens_BS, logprobs_BS, 0
+    rows: Rows | None = None  # the rows still in the batch once some have left it (None: every row)
+    compactable = batch > 1 and _droppable(cache)
+    with contextlib.ExitStack() as scopes:
+        for step in range(steps):
+            diverged_S[step] = ~logits_finite(logits_BV)
+            tokens_B, logprobs_B = _draw_next(logits_BV, params, rng, rows)
+            tokens_B = torch.where(finished_B, torch.full_like(tokens_B, pad_id), tokens_B)
+            if rows is None:
+                tokens_BS[:, step], logprobs_BS[:, step] = tokens_B, logprobs_B
+            else:
+                tokens_BS[rows.index, step], logprobs_BS[rows.index, step] = tokens_B, logprobs_B
+            finished_B |= is_stop_V[tokens_B]
+            done_S[step] = finished_B.all()
+            if rng is not None:
+                rng_states.append(rng.get_state())
+            if step + 1 == steps or step + 1 - window >= check_interval:
+                checked = step + 1 - window
+                flags = torch.cat([done_S[window : step + 1], diverged_S[window : step + 1], finished_B if compactable else finished_B[:0]]).tolist()
+                end = _first_stop(flags[:checked], flags[checked : 2 * checked], window)
+                if end is not None or step + 1 == steps:
+                    end = step if end is None else end
+                    if rng is not None:
+                        rng.set_state(rng_states[end - window])
+                    return tokens_BS, logprobs_BS, end + 1, None if rows is None else rows.kept
+                window, rng_states = step + 1, []
+                stopped = [i for i, flag in enumerate(flags[2 * checked :]) if flag]
+                if compactable and stopped and len(stopped) >= COMPACT_SHARE * len(finished_B):
+                    gone_set = set(stopped)
+                    kept_now = [i for i in range(len(finished_B)) if i not in gone_set]
+                    first = list(range(batch)) if rows is None else rows.kept
+                    if release is not None:
+                        gone = host_to_device(torch.tensor(stopped, dtype=torch.long), device)
+                        release([first[i] for i in stopped], stopped, tokens_BS[gone if rows is None else rows.index[gone], : step + 1])
+                    here = host_to_device(torch.tensor(kept_now, dtype=torch.long), device)
+                    _drop_rows(cache, here)
+                    tokens_B, finished_B, next_position = tokens_B[here], finished_B[here], next_position[here]
+                    if masks_B11S is not None:
+                        masks_B11S = masks_B11S[here]
+                    elif attention is not None:
+                        attention = attention[here]
+                    rows = Rows([first[i] for i in kept_now], batch, device)
+                    if adapters is not None:
+                        scopes.enter_context(rows_through([adapters[i] for i in rows.kept]))
+                    compactable = len(kept_now) > 1
+            if masks_B11S is not None:
+                attention = masks_B11S[..., : width + step + 1]
+            elif attention is not None:
+                attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)
+            out = model(
+                input_ids=tokens_B[:, None],
+                attention_mask=attention,
+                position_ids=next_position,
+                **cache_kwargs(cache),
+                use_cache=True,
+            )
+            logits_BV, cache = out.logits[:, -1], cache_of(out)
+            next_position = next_position + 1
+    return tokens_BS, logprobs_BS, 0, None if rows is None else rows.kept
+
+
+def _droppable(cache: object) -> bool:
+    """Whether rows can leave ``cache``: every layer a plain full-attention one, preallocated (see :func:`_drop_rows`)."""
+    layers = getattr(cache, "layers", None) or []
+    return bool(layers) and all(isinstance(layer, _preallocated_layer_class()) for layer in layers)
+
+
+def _drop_rows(cache: object, kept_R: torch.Tensor) -> None:
+    """Keep only the rows ``kept_R`` of each preallocated layer of ``cache`` (their buffers, room for later steps included)."""
+    for layer in cache.layers:  # type: ignore[attr-defined]
+        layer.select_rows(kept_R)

@@ -192,5 +192,5 @@ def sample_with_images(
     text_positions = text_positions.expand(num_samples, -1)
     cache = _preallocated(cache, params.max_new_tokens)
     is_stop_V = stop_table(logits_BV.shape[-1], pad_id, stop_ids, device)
-    tokens_BS, logprobs_BS, steps = _decode(model, logits_BV, cache, None, text_positions, params, is_stop_V, pad_id, generator, STOP_CHECK_INTERVAL)
+    tokens_BS, logprobs_BS, steps, _ = _decode(model, logits_BV, cache, None, text_positions, params, is_stop_V, pad_id, generator, STOP_CHECK_INTERVAL)
     return finished_sequences(tokens_BS, logprobs_BS, steps, stop_ids)
