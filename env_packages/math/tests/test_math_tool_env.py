@@ -199,10 +199,19 @@ def test_hostile_actions_never_raise():
             env.reset()
 
 
-def test_baseline_agent():
+def test_finds_expressions():
     assert find_expression("Evaluate 12 + 3 × (4 − 1).") == "12 + 3 × (4 − 1)"
     assert find_expression("Ava has 3 apples.") is None
-    env = MathToolEnv(split="test", shuffle=False)
+
+
+@pytest.mark.parametrize("tools", [("python", "calculator"), ("python",)], ids=["calculator", "python-alone"])
+def test_the_baseline_solves_every_written_out_expression_through_the_tool_offered(tools):
+    """With a calculator it calls that; with python alone (sandboxed) it prints the expression written in Python, and
+    the prompt's call example and the invalid-action hint name python."""
+    tool = "calculator" if "calculator" in tools else "python"
+    env = MathToolEnv(split="test", shuffle=False, tools=tools)
+    assert f'"name": "{tool}"' in env.get_system_prompt() and f'"name": "{tool}"' in env.invalid_action_hint()
+    assert ("calculator" in env.get_system_prompt()) == (tool == "calculator")
     solved = 0
     for i, problem in enumerate(env.problems):
         if problem.topic != "order_of_operations":
@@ -210,26 +219,7 @@ def test_baseline_agent():
         obs, info = env.reset(options={"index": i})
         agent = BaselineMathToolAgent(seed=0)
         obs, _, terminated, _, step_info = env.step(agent(obs, info))
-        assert not terminated and step_info["tool_calls"][0]["name"] == "calculator"
-        _, reward, terminated, _, _ = env.step(agent(obs, step_info))
-        assert terminated
-        solved += reward
-    assert solved == 25
-
-
-def test_without_a_calculator_the_baseline_computes_in_the_sandboxed_python_and_the_prompt_shows_a_python_call():
-    env = MathToolEnv(split="test", shuffle=False, tools=("python",))
-    assert '"name": "python"' in env.get_system_prompt() and "calculator" not in env.get_system_prompt()
-    assert '"name": "python"' in env.invalid_action_hint()
-    assert '"name": "calculator"' in MathToolEnv(split="test").get_system_prompt()  # the calculator where it is offered
-    solved = 0
-    for i, problem in enumerate(env.problems):
-        if problem.topic != "order_of_operations":
-            continue
-        obs, info = env.reset(options={"index": i})
-        agent = BaselineMathToolAgent(seed=0)
-        obs, _, terminated, _, step_info = env.step(agent(obs, info))
-        assert not terminated and step_info["tool_calls"][0]["name"] == "python", step_info
+        assert not terminated and step_info["tool_calls"][0]["name"] == tool, step_info
         answer = agent(obs, step_info)
         assert not answer.split("\\boxed{")[1].rstrip("}").endswith(".0")  # a whole quotient reads as a whole number
         _, reward, terminated, _, _ = env.step(answer)
