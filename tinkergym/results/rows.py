@@ -138,7 +138,7 @@ ROWS: tuple[Row, ...] = (
              "\\boxed{} answer the grader reads (0 of 64), so RL would have no signal. The env's baseline solves only the "
              "written-out expressions (one kind in ten) and answers 0 to the rest; the warm-up imitates its solved episodes "
              "alone (those of 1,280 with reward 1), so the model learns to show a calculation and box its value, not to "
-             "answer 0 (imitating every episode, it answered \\boxed{0} to all 64). It then gets 6% right. Held out: the "
+             "answer 0 (imitating every episode, it answered \\boxed{0} to all 64). It then gets about 5% right. Held out: the "
              "evaluation poses the 250 problems of the test split, training the 2,250 of the train split."),
     ),
     Row(
