@@ -164,8 +164,12 @@ ROWS: tuple[Row, ...] = (
         task="Household-v0, easiest: one room, no distractors, pick and place",
         env="tinker/Household-v0",
         env_kwargs={"rooms": 1, "distractors": 0, "goal_kinds": "pick_and_place"},
-        settings={"max_turns": 12, "max_new_tokens": 16},
-        why="The easiest homes the generator makes. Held out: each seed draws its own home and goal.",
+        settings={"max_turns": 8, "max_new_tokens": 16, "prefix_cache_mb": 4096},
+        why=("The easiest homes the generator makes: the env's random admissible-command agent solves 3% of them within "
+             "12 commands, its planner every one in 5.6 commands on average (94.5% within 8). Eight turns; the prefix "
+             "cache holds the batch's games (4 GiB): at the default 1 GiB an evaluation of 64 homes of 12 turns ran "
+             "every turn's whole prompt again and did not finish in 15 minutes. Held out: each seed draws its own home "
+             "and goal."),
     ),
     Row(
         name="gomoku",
