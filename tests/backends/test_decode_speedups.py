@@ -14,7 +14,7 @@ import torch
 
 from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
-from tinkergym.backends.torch.sampling import _preallocated, _preallocated_layer_class, _single_query_masks, prefill, sample_batch
+from tinkergym.backends.torch.sampling import preallocated, _preallocated_layer_class, _single_query_masks, prefill, sample_batch
 from tinkergym.protocol.types import SamplingParams
 
 
@@ -65,7 +65,7 @@ def shortcut_decode_logits(model: torch.nn.Module, batch: list[list[int]], token
     """As :func:`plain_decode_logits`, with the sampler's preallocated cache and its 4D masks where it uses them."""
     logits_BV, cache, attention, positions = prefill(model, batch, pad_id, torch.device("cpu"))
     steps = tokens_BS.shape[1]
-    cache = _preallocated(cache, steps)
+    cache = preallocated(cache, steps)
     padded = attention if len({len(p) for p in batch}) > 1 else None
     masks = _single_query_masks(model, cache, padded, steps)
     out, position, width = [logits_BV.float()], positions[:, -1:] + 1, positions.shape[-1]
@@ -85,7 +85,7 @@ def test_the_cache_is_written_in_place(backends: dict[str, TorchBackend]) -> Non
     with torch.inference_mode():
         _, cache, _, _ = prefill(model, prompts((5,), 2), 0, torch.device("cpu"))
         before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-        cache = _preallocated(cache, 3)
+        cache = preallocated(cache, 3)
         layer = cache.layers[0]
         assert all(isinstance(each, _preallocated_layer_class()) for each in cache.layers)
         assert all(torch.equal(each.keys, k) and torch.equal(each.values, v) for each, (k, v) in zip(cache.layers, before))
@@ -109,7 +109,7 @@ def test_bfloat16_without_padding_stays_within_rounding_of_the_plain_decode(back
         with torch.inference_mode():
             _, cache, _, _ = prefill(model, batch, backend.pad_id, torch.device("cpu"))
             # sdpa takes the packed path through a mask; grouped_matmul needs none without padding
-            packed = _single_query_masks(model, _preallocated(cache, 10), None, 10) is not None
+            packed = _single_query_masks(model, preallocated(cache, 10), None, 10) is not None
             assert packed == (backend.attn_implementation == "sdpa")
         plain = plain_decode_logits(model, batch, tokens_BS, backend.pad_id)
         shortcut = shortcut_decode_logits(model, batch, tokens_BS, backend.pad_id)

@@ -201,7 +201,7 @@ def prefill(
     unique = [list(p) for _, p in distinct] if share_prompts else prompts
     unique_adapters = None if adapters is None else ([a for a, _ in distinct] if share_prompts else adapters)
     input_ids, attention, positions = left_pad(unique, pad_id, device)
-    mask = attention if len({len(p) for p in unique}) > 1 else None  # no padding: no mask to inspect (see _decode)
+    mask = attention if len({len(p) for p in unique}) > 1 else None  # no padding: no mask to inspect (see decode)
     past, kept = _cached_columns(unique, prefix_cache, unique_adapters) if prefix_cache is not None else (None, 0)
     with rows_through(unique_adapters):
         out = model(
@@ -262,9 +262,9 @@ def store_rows(prefix_cache: PrefixCache, cache: object, prompts: list[list[int]
 
     Only caches of plain full-attention layers are kept (sliding-window layers hold just their window).
     """
-    layers = getattr(cache, "layers", None)
-    if not layers or not all(isinstance(layer, _preallocated_layer_class()) for layer in layers):
+    if not all_preallocated(cache):
         return
+    layers = cache.layers  # type: ignore[attr-defined]
     width = max(len(p) for p in prompts) if width is None else width
     ran = layers[0].keys.shape[-2] - width  # decode steps whose ids were run through the model
     for i, (prompt, completion) in enumerate(zip(prompts, completions)):
@@ -278,7 +278,14 @@ def store_rows(prefix_cache: PrefixCache, cache: object, prompts: list[list[int]
             prefix_cache.store([*prompt, *completion[:fed]], kv, scopes[i])
 
 
-def _preallocated(cache: object, extra: int) -> object:
+def all_preallocated(cache: object) -> bool:
+    """Whether every layer of ``cache`` is a plain full-attention one made preallocated by :func:`preallocated` (what
+    storing rows in the prefix cache, single-query masks and rows leaving the decode batch need)."""
+    layers = getattr(cache, "layers", None) or []
+    return bool(layers) and all(isinstance(layer, _preallocated_layer_class()) for layer in layers)
+
+
+def preallocated(cache: object, extra: int) -> object:
     """``cache`` with each plain dynamic layer replaced by a :class:`_PreallocatedLayer` with room for ``extra`` more positions."""
     from transformers.cache_utils import DynamicLayer
 
@@ -307,7 +314,7 @@ def _preallocated_layer_class() -> type:
 
         def __init__(self, layer: DynamicLayer, extra: int) -> None:
             super().__init__()
-            assert layer.keys is not None and layer.values is not None  # _preallocated replaces initialized layers only
+            assert layer.keys is not None and layer.values is not None  # preallocated replaces initialized layers only
             self.dtype, self.device, self.is_initialized = layer.keys.dtype, layer.keys.device, True
             self._keys = _grown(layer.keys, extra)
             self._values = _grown(layer.values, extra)
@@ -344,7 +351,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def _autograd_off(function: Callable[P, R]) -> Callable[P, R]:
+def autograd_off(function: Callable[P, R]) -> Callable[P, R]:
     """Run ``function`` (whose first argument is the model) under inference mode, or under ``no_grad`` for a model sharded
     with FSDP2: tensors made in inference mode cannot be updated in place outside it, and FSDP2 reuses the buffers it
     gathers weights into for the next training pass."""
@@ -361,7 +368,7 @@ def _autograd_off(function: Callable[P, R]) -> Callable[P, R]:
     return wrapper
 
 
-@_autograd_off
+@autograd_off
 def sample_batch(
     model: torch.nn.Module,
     prompts: list[list[int]],
@@ -397,29 +404,31 @@ def sample_batch(
         return [by_row[i] for i in range(len(prompts))]
     device = next(model.parameters()).device
     logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts, prefix_cache, adapters)
-    cache = _preallocated(cache, params.max_new_tokens)
+    cache = preallocated(cache, params.max_new_tokens)
     is_stop_V = stop_table(logits_BV.shape[-1], pad_id, stop_ids, device)
     mask = attention if len(widths) > 1 else None
     width = positions.shape[-1]
-    storing = prefix_cache is not None and prefix_cache.max_bytes > 0
 
-    def release(rows: list[int], cache_rows: list[int], tokens_RS: torch.Tensor) -> None:
-        """Keep the keys and values of rows that leave the decode batch (they have stopped) before they are dropped."""
+    def keep(rows: list[int], completions: list[list[int]], cache_rows: list[int] | None = None) -> None:
+        """Keep in the prefix cache the keys and values of the batch's ``rows`` (rows ``cache_rows`` of the KV cache now,
+        default the i-th) for their prompts and ``completions``."""
         assert prefix_cache is not None
-        stops = set(stop_ids)
-        completions = [ids[: _stop_length(ids, stops)] for ids in tokens_RS.tolist()]
         store_rows(prefix_cache, cache, [prompts[r] for r in rows], completions, None if adapters is None else [adapters[r] for r in rows],
                    cache_rows=cache_rows, width=width)
 
+    def release(rows: list[int], cache_rows: list[int], tokens_RS: torch.Tensor) -> None:
+        """Keep the rows leaving the decode batch (they have stopped) before they are dropped."""
+        stops = set(stop_ids)
+        keep(rows, [ids[: _stop_length(ids, stops)] for ids in tokens_RS.tolist()], cache_rows)
+
+    storing = prefix_cache is not None and prefix_cache.max_bytes > 0
     with rows_through(adapters):
-        tokens_BS, logprobs_BS, steps, kept = _decode(model, logits_BV, cache, mask, positions, params, is_stop_V, pad_id, generator,
-                                                      check_interval, adapters, release if storing else None)
+        tokens_BS, logprobs_BS, steps, kept = decode(model, logits_BV, cache, mask, positions, params, is_stop_V, pad_id, generator,
+                                                     check_interval, adapters, release if storing else None)
     out = finished_sequences(tokens_BS, logprobs_BS, steps, stop_ids)
-    if storing:
-        assert prefix_cache is not None
+    if storing:  # the rows still in the batch at its end, in their cache order
         rows = list(range(len(prompts))) if kept is None else kept
-        store_rows(prefix_cache, cache, [prompts[r] for r in rows], [out[r].tokens for r in rows],
-                   None if adapters is None else [adapters[r] for r in rows], width=width)
+        keep(rows, [out[r].tokens for r in rows])
     return out
 
 
@@ -472,7 +481,7 @@ def _single_query_masks(model: torch.nn.Module, cache: object, attention: torch.
         return None
     if implementation == GROUPED_MATMUL and attention is None:  # its single query needs no mask and no head packing
         return None
-    if not all(isinstance(layer, _preallocated_layer_class()) for layer in layers):
+    if not all_preallocated(cache):
         return None
     keys = layers[0].keys
     if attention is None and not (keys.device.type == "cpu" and keys.dtype in (torch.bfloat16, torch.float16)):
@@ -508,7 +517,7 @@ def _first_stop(done: list[bool], diverged: list[bool], first_step: int) -> int 
 Release = Callable[[list[int], list[int], torch.Tensor], None]
 
 
-def _decode(
+def decode(
     model: torch.nn.Module,
     logits_BV: torch.Tensor,
     cache: object,
@@ -548,7 +557,7 @@ def _decode(
     width = positions.shape[-1]
     masks_B11S = _single_query_masks(model, cache, attention, steps)
     rows: Rows | None = None  # the rows still in the batch once some have left it (None: every row)
-    compactable = batch > 1 and _droppable(cache)
+    compactable = batch > 1 and all_preallocated(cache)
     with contextlib.ExitStack() as scopes:
         for step in range(steps):
             diverged_S[step] = ~logits_finite(logits_BV)
@@ -605,12 +614,6 @@ def _decode(
             logits_BV, cache = out.logits[:, -1], cache_of(out)
             next_position = next_position + 1
     return tokens_BS, logprobs_BS, 0, None if rows is None else rows.kept
-
-
-def _droppable(cache: object) -> bool:
-    """Whether rows can leave ``cache``: every layer a plain full-attention one, preallocated (see :func:`_drop_rows`)."""
-    layers = getattr(cache, "layers", None) or []
-    return bool(layers) and all(isinstance(layer, _preallocated_layer_class()) for layer in layers)
 
 
 def _drop_rows(cache: object, kept_R: torch.Tensor) -> None:

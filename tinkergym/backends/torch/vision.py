@@ -11,7 +11,7 @@ Training passes and the sampler's prefill give the model the same inputs, so the
 pass's. Rows with images bypass the prefix cache and shared prompts, in sampling and in training: those key on token
 ids, and every image shows as the same image token ids (and, in Qwen2-VL, shifts the positions of the text after it
 by its grid's size), so a cached prompt of one image would serve another. A prompt with images is prefilled once
-and its KV cache repeated for its samples; decoding is the text sampler's (:func:`~tinkergym.backends.torch.sampling._decode`).
+and its KV cache repeated for its samples; decoding is the text sampler's (:func:`~tinkergym.backends.torch.sampling.decode`).
 
 A vision-language policy never writes image tokens: :func:`forbid_tokens` sets their logits to
 :data:`FORBIDDEN_LOGIT` in every forward pass (sampling and training alike, so the two agree), because an image token
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tinkergym.backends.torch.cache_names import cache_of
-from tinkergym.backends.torch.sampling import _autograd_off, _decode, _preallocated, finished_sequences, stop_table, STOP_CHECK_INTERVAL
+from tinkergym.backends.torch.sampling import autograd_off, decode, preallocated, finished_sequences, stop_table, STOP_CHECK_INTERVAL
 from tinkergym.backends.torch.scoring import host_to_device
 from tinkergym.errors import ConfigError
 from tinkergym.protocol.types import ImageData, SampledSequence, SamplingParams
@@ -165,7 +165,7 @@ class VisionInputs:
         return inputs
 
 
-@_autograd_off
+@autograd_off
 def sample_with_images(
     model: torch.nn.Module,
     prompt: list[int],
@@ -190,7 +190,7 @@ def sample_with_images(
     # Text after the last image counts on by one in every rope dimension: the first one's row continues the prompt.
     text_positions = positions[0] if positions is not None else torch.arange(len(prompt), device=device)[None]
     text_positions = text_positions.expand(num_samples, -1)
-    cache = _preallocated(cache, params.max_new_tokens)
+    cache = preallocated(cache, params.max_new_tokens)
     is_stop_V = stop_table(logits_BV.shape[-1], pad_id, stop_ids, device)
-    tokens_BS, logprobs_BS, steps, _ = _decode(model, logits_BV, cache, None, text_positions, params, is_stop_V, pad_id, generator, STOP_CHECK_INTERVAL)
+    tokens_BS, logprobs_BS, steps, _ = decode(model, logits_BV, cache, None, text_positions, params, is_stop_V, pad_id, generator, STOP_CHECK_INTERVAL)
     return finished_sequences(tokens_BS, logprobs_BS, steps, stop_ids)
