@@ -56,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="every K-th token id stops a row: rows of many lengths (default 0: no row stops early)")
     parser.add_argument("--quick", action="store_true", help="1 timed call of 4 tokens, no profile (a smoke test)")
     args = parser.parse_args(argv)
+    if args.stop_every < 0:
+        parser.error(f"--stop-every {args.stop_every}: give a positive K (every K-th id stops a row), or 0 for no early stop")
     if args.quick:
         args.calls, args.new_tokens, args.no_profile = 1, 4, True
     return args

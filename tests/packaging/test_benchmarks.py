@@ -164,6 +164,24 @@ def test_decode_profile_quick() -> None:
 
 
 @pytest.mark.slow
+def test_decode_profile_with_rows_of_many_lengths_against_another_revision() -> None:
+    """--stop-every: rows stop at many lengths; --baseline times the sampler of another revision on the same request."""
+    report, out = run_benchmark("decode_profile.py", "--quick", "--model", "tiny", "--stop-every", "3", "--baseline", "HEAD")
+    (mode,) = report["modes"]
+    assert mode["stop_every"] == 3 and mode["mean_tokens"] <= 4 and set(mode["median"]) == {"current", "baseline"}
+    assert "sequences with the same ids as the baseline" in out
+
+
+def test_decode_profile_refuses_a_negative_stop_period() -> None:
+    import decode_profile  # from benchmarks/, on sys.path (see the top of this file)
+
+    with pytest.raises(SystemExit) as refused:
+        decode_profile.parse_args(["--stop-every", "-3"])
+    assert refused.value.code == 2
+    assert decode_profile.parse_args(["--stop-every", "5"]).stop_every == 5
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("capped", [False, pytest.param(True, marks=x86_only)])
 def test_attention_cpu_quick(capped: bool) -> None:
     report, _ = run_benchmark("attention_cpu.py", "--quick", env=AVX2 if capped else None)
