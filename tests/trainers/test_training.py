@@ -110,6 +110,43 @@ def test_eval_of_a_model_and_of_a_run(tiny, tmp_path) -> None:
         assert summary["success_rate"] == pytest.approx(sum(r["total_reward"] > 0 for r in records) / 3)
 
 
+def test_eval_keeps_the_batches_that_ended_when_interrupted(tiny, tmp_path, monkeypatch) -> None:
+    import tinkergym.trainers.evaluation as evaluation
+
+    real, calls = evaluation.rollout, []
+
+    def interrupted_at_the_third_batch(*args, **kwargs):  # Ctrl-C while the third batch of episodes plays
+        calls.append(len(kwargs["seeds"]))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(evaluation, "rollout", interrupted_at_the_third_batch)
+    transcripts = tmp_path / "t.jsonl"
+    result = CliRunner().invoke(main, ["eval", "--env", "tinker/Bandit-v0", "--model", tiny, "--episodes", "6", "--batch-size", "2",
+                                       "--max-new-tokens", "4", "--out", str(transcripts), "--quiet"])
+    assert result.exit_code == 130, result.output
+    assert calls == [2, 2, 2]
+    assert "the 4 of 6 episodes that ended are kept" in result.stderr and str(transcripts) in result.stderr
+    records = [json.loads(line) for line in transcripts.read_text().splitlines()]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert len(records) == 4 and summary["episodes"] == 4.0
+    assert summary["reward_mean"] == pytest.approx(sum(r["total_reward"] for r in records) / 4)
+
+
+def test_eval_prefix_cache_is_the_runs_unless_given(tiny, tmp_path) -> None:
+    from tinkergym.trainers.session import load_backend_for_eval
+
+    out = tmp_path / "run"
+    assert CliRunner().invoke(main, _train_args(tiny, out, "--steps", "1", "--prefix-cache-mb", "7"), catch_exceptions=False).exit_code == 0
+    assert load_backend_for_eval(run_dir=str(out)).prefix_cache.max_bytes == 7 * 2**20
+    assert load_backend_for_eval(run_dir=str(out), prefix_cache_mb=3).prefix_cache.max_bytes == 3 * 2**20
+    assert load_backend_for_eval(model=tiny, prefix_cache_mb=0).prefix_cache.max_bytes == 0
+    result = CliRunner().invoke(main, ["eval", "--env", "tinker/Bandit-v0", "--model", "m", "--endpoint", "http://127.0.0.1:9/v1",
+                                       "--prefix-cache-mb", "64"])
+    assert result.exit_code == 2 and "--prefix-cache-mb sets a local model's sampler" in result.output
+
+
 def test_loss_corrections_from_the_command_line(tiny, tmp_path) -> None:
     out = tmp_path / "run"
     extra = ("--steps", "1", "--temperature", "0.7", "--old-logprobs", "trainer", "--tis-cap", "2", "--kl-coef", "0.01",

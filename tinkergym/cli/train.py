@@ -393,12 +393,18 @@ def _holds_run(out: str) -> bool:
               help="Multi-agent envs: play --run/--model against this opponent, seats alternating (repeatable): baseline, random, "
                    "snapshot:N (a self-play run's snapshot) or run:DIR. Prints win/draw/loss and a rating table.")
 @click.option("--keep-on-interrupt", is_flag=True, help="With --scheduler: Ctrl-C leaves the eval job running instead of cancelling it.")
+@click.option("--batch-size", type=click.IntRange(1, MAX_EPISODES), default=64, show_default=True,
+              help="Episodes played at once (one decode batch). Ctrl-C keeps the batches that ended: --out gets their transcripts.")
+@click.option("--prefix-cache-mb", type=FiniteFloat(0),
+              help="A local model's prefix cache in MiB (default: the run's setting with --run, else 1024). A multi-turn env needs "
+                   "one that holds a batch's episodes, or every turn runs its whole prompt again.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def eval_command(
     env: str, model: str | None, run_dir: str | None, episodes: int, kwargs: tuple[str, ...], max_turns: int,
     max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, out: Path | None,
     endpoint: str | None, tokenizer: str | None, api_key_file: str | None, scheduler: str | None, api_key: str | None, gpus: int | None,
-    opponents: tuple[str, ...] = (), keep_on_interrupt: bool = False, quiet: bool = False,
+    opponents: tuple[str, ...] = (), keep_on_interrupt: bool = False, batch_size: int = 64, prefix_cache_mb: float | None = None,
+    quiet: bool = False,
 ) -> None:
     """Evaluate a model (or a run's latest checkpoint, or a served model) on an env: success rate, mean reward, transcripts.
 
@@ -413,7 +419,8 @@ def eval_command(
     tokenizer files the server sends) and sends them as token ids; the server must return the sampled token
     ids (a server that answers with text only is refused). --scheduler does the same through a job's server.
     A bar on stderr shows the episodes done and the mean reward so far (--quiet: none). Ctrl-C cancels a
-    --scheduler job (--keep-on-interrupt: leaves it running); a second Ctrl-C exits at once (code 130).
+    --scheduler job (--keep-on-interrupt: leaves it running); a second Ctrl-C exits at once (code 130). The
+    episodes of the batches that ended before Ctrl-C are kept: their transcripts go to --out, their metrics to stdout.
     """
     if endpoint is None and (tokenizer or api_key_file):
         raise click.UsageError("--tokenizer and --api-key-file go with --endpoint.")
@@ -424,6 +431,8 @@ def eval_command(
         raise click.UsageError("--endpoint needs --model (the served model's name), and no --run or --scheduler.")
     if bool(model) == bool(run_dir):
         raise click.UsageError("give --model or --run (exactly one).")
+    if prefix_cache_mb is not None and (endpoint or scheduler):
+        raise click.UsageError("--prefix-cache-mb sets a local model's sampler: leave it out with --endpoint or --scheduler (the server sets its own).")
     writable_file(out, "--out")
     if opponents:
         if endpoint or scheduler:
@@ -438,25 +447,38 @@ def eval_command(
 
     make_env = env_factory(env, parse_kwargs(kwargs))
     settings = RolloutConfig(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-    held: dict[str, Any] = {}  # the eval job, once submitted
+    held: dict[str, Any] = {"done": []}  # the eval job, once submitted; the episodes of the batches that ended
     with second_interrupt_exits(lambda: _left_behind(held.get("job"))):
         try:
-            metrics, trajectories = _evaluate(make_env, settings, seed, episodes, quiet, model, run_dir, endpoint, tokenizer, api_key_file,
-                                              scheduler, api_key, gpus, held)
+            _evaluate(make_env, settings, seed, episodes, batch_size, prefix_cache_mb, quiet, model, run_dir, endpoint, tokenizer,
+                      api_key_file, scheduler, api_key, gpus, held)
         except KeyboardInterrupt:
-            _stop_eval(held.get("job"), keep_on_interrupt)
+            _stop_eval(held.get("job"), keep_on_interrupt, _keep_episodes(held["done"], out, env, episodes))
+    _keep_episodes(held["done"], out, env, episodes)
+
+
+def _keep_episodes(trajectories: list[Any], out: Path | None, env: str, episodes: int) -> str:
+    """Write the episodes played (their transcripts to ``out``, their metrics to stdout); what was kept, in words."""
+    from tinkergym.trainers.evaluation import summarize
+
+    if not trajectories:
+        return "nothing was written"
     save_transcripts(out, trajectories, env)
-    click.echo(json.dumps({"env": env, **{k.removeprefix("eval/"): round(v, 4) for k, v in metrics.items()}}))
+    click.echo(json.dumps({"env": env, **{k.removeprefix("eval/"): round(v, 4) for k, v in summarize(trajectories).items()}}))
     sys.stdout.flush()
+    where = f"their transcripts are in {out}, " if out is not None else ""
+    return f"the {len(trajectories)} of {episodes} episodes that ended are kept ({where}their metrics on stdout)"
 
 
 def _evaluate(
-    make_env: Any, settings: Any, seed: int, episodes: int, quiet: bool, model: str | None, run_dir: str | None, endpoint: str | None,
-    tokenizer: str | None, api_key_file: str | None, scheduler: str | None, api_key: str | None, gpus: int | None, held: dict[str, Any],
-) -> tuple[dict[str, float], list[Any]]:
-    """The evaluation of ``eval`` through its backend (a local model, an endpoint, or a scheduler job held in ``held["job"]``)."""
+    make_env: Any, settings: Any, seed: int, episodes: int, batch_size: int, prefix_cache_mb: float | None, quiet: bool, model: str | None,
+    run_dir: str | None, endpoint: str | None, tokenizer: str | None, api_key_file: str | None, scheduler: str | None, api_key: str | None,
+    gpus: int | None, held: dict[str, Any],
+) -> None:
+    """The evaluation of ``eval`` through its backend (a local model, an endpoint, or a scheduler job held in ``held["job"]``);
+    the episodes into ``held["done"]``, a batch at a time."""
     from tinkergym.chat import renderer_for
-    from tinkergym.trainers.evaluation import eval_seeds, evaluate
+    from tinkergym.trainers.evaluation import eval_seeds, play
     from tinkergym.trainers.session import load_backend_for_eval
 
     job = None
@@ -473,9 +495,10 @@ def _evaluate(
                 backend.fetch_tokenizer()
             backend.check()
         else:
-            backend = load_backend_for_eval(model=model, run_dir=run_dir)
+            backend = load_backend_for_eval(model=model, run_dir=run_dir, prefix_cache_mb=prefix_cache_mb)
         renderer = renderer_for(backend.info()["tokenizer"])
-        result = evaluate(make_env, backend, renderer, settings, eval_seeds(seed, episodes), progress=not quiet)
+        for batch in play(make_env, backend, renderer, settings, eval_seeds(seed, episodes), batch_size, progress=not quiet):
+            held["done"].extend(batch)
     except KeyboardInterrupt:
         raise  # the job is the caller's to cancel or leave
     except BaseException:
@@ -484,21 +507,21 @@ def _evaluate(
         raise
     if job is not None:
         click.echo(f"job {job.job_id}: {job.end()}", err=True)
-    return result
 
 
-def _stop_eval(job: Any, keep: bool) -> NoReturn:
-    """After Ctrl-C in ``eval``: cancel its scheduler job (or leave it: ``keep``), say so, and exit with code 130."""
+def _stop_eval(job: Any, keep: bool, kept: str) -> NoReturn:
+    """After Ctrl-C in ``eval``: cancel its scheduler job (or leave it: ``keep``), say so and what was ``kept``, and exit
+    with code 130."""
     from tinkergym.cli.interrupts import interrupted, job_outcome, stop_job
 
     click.echo("", err=True)
     if job is None:
-        interrupted("interrupted: the evaluation stopped; nothing was written.")
+        interrupted(f"interrupted: the evaluation stopped; {kept}.")
     state = stop_job(job.client, job.job_id, keep)
     if keep:
-        interrupted(f"interrupted: the evaluation stopped; job {job.job_id} keeps running ({state}) until its server's idle timeout "
-                    f"(end it: tinkergym jobs cancel {job.job_id}).")
-    interrupted(f"interrupted: the evaluation stopped; {job_outcome(job.job_id, state)}.")
+        interrupted(f"interrupted: the evaluation stopped; {kept}; job {job.job_id} keeps running ({state}) until its server's idle "
+                    f"timeout (end it: tinkergym jobs cancel {job.job_id}).")
+    interrupted(f"interrupted: the evaluation stopped; {kept}; {job_outcome(job.job_id, state)}.")
 
 
 def _scheduled_endpoint(

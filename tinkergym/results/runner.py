@@ -154,7 +154,7 @@ def evaluate_model(model: str, config: TrainConfig, path: Path) -> None:
     from tinkergym.trainers.evaluation import eval_rollout_config, evaluate, write_transcripts
     from tinkergym.trainers.session import env_factory, load_backend_for_eval
 
-    backend = load_backend_for_eval(model=model)
+    backend = load_backend_for_eval(model=model, prefix_cache_mb=config.prefix_cache_mb)
     try:
         make_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs})
         _, trajectories = evaluate(make_env, backend, renderer_for(backend.info()["tokenizer"]), eval_rollout_config(config),

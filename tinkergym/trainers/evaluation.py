@@ -6,7 +6,7 @@ import json
 import random
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from tinkergym.protocol.backend import Backend
 from tinkergym.chat import ChatRenderer
@@ -48,30 +48,50 @@ def evaluate(
 
     ``progress`` shows a bar on stderr: episodes done of the total and the mean reward so far.
     """
+    trajectories = [t for chunk in play(make_env, backend, renderer, config, seeds, batch_size, progress) for t in chunk]
+    return summarize(trajectories), trajectories
+
+
+def play(
+    make_env: Callable[[], Any],
+    backend: Backend,
+    renderer: ChatRenderer,
+    config: RolloutConfig,
+    seeds: list[int],
+    batch_size: int = 64,
+    progress: bool = False,
+) -> Iterator[list[Trajectory]]:
+    """:func:`evaluate`'s episodes, ``batch_size`` at a time, each batch yielded as it ends: a caller that is interrupted
+    keeps the batches it has (``tinkergym eval`` writes them)."""
     envs = [make_env() for _ in range(min(batch_size, len(seeds)))]
     trajectories: list[Trajectory] = []
     bar = _progress_bar(len(seeds)) if progress else None
     try:
         for start in range(0, len(seeds), len(envs)):
             chunk = seeds[start : start + len(envs)]
-            trajectories.extend(rollout(envs[: len(chunk)], backend, renderer, config, seeds=chunk))
+            batch = rollout(envs[: len(chunk)], backend, renderer, config, seeds=chunk)
+            trajectories.extend(batch)
             if bar is not None:
                 done = [t for t in trajectories if not t.failed]
                 bar.set_postfix({"reward": f"{sum(t.total_reward for t in done) / max(len(done), 1):.3g}"}, refresh=False)
                 bar.update(len(chunk))
+            yield batch
     finally:
         if bar is not None:
             bar.close()
+
+
+def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
+    """An evaluation's metrics over its episodes (a failed episode, one whose env or sampler raised, counts apart)."""
     ok = [t for t in trajectories if not t.failed]
     n = max(len(ok), 1)
-    metrics = {
+    return {
         "eval/reward_mean": sum(t.total_reward for t in ok) / n,
         "eval/success_rate": sum(succeeded(t) for t in ok) / n,
         "eval/episodes": float(len(trajectories)),
         "eval/failed": float(len(trajectories) - len(ok)),
         "eval/tokens_per_episode": sum(t.num_sampled_tokens for t in trajectories) / max(len(trajectories), 1),
     }
-    return metrics, trajectories
 
 
 def _progress_bar(total: int) -> Any:

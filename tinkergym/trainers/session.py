@@ -30,7 +30,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
@@ -483,15 +483,20 @@ def plan_resume(folder: str | Path, changes: dict[str, Any] | None = None) -> Re
     return ResumePlan(folder, config, start, None if checkpoint is None else checkpoint[1], changed)
 
 
-def load_backend_for_eval(model: str | None = None, run_dir: str | None = None) -> Any:
-    """A backend for evaluation: a model as is, or a run's base model with its latest checkpoint loaded."""
+def load_backend_for_eval(model: str | None = None, run_dir: str | None = None, prefix_cache_mb: float | None = None) -> Any:
+    """A backend for evaluation: a model as is, or a run's base model with its latest checkpoint loaded.
+
+    ``prefix_cache_mb``: the sampler's prefix cache (default: the run's own setting, else the backend's default). A
+    multi-turn evaluation of many episodes needs one that holds them all, or every turn runs its whole prompt again.
+    """
     from tinkergym.backends.models import resolve_model
 
     if run_dir is None:
         path = resolve_model(model or "smollm2-135m")  # before torch is imported: a bad model fails fast
         from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
-        return TorchBackend(TorchBackendConfig(model=path))
+        config = TorchBackendConfig(model=path)
+        return TorchBackend(config if prefix_cache_mb is None else replace(config, prefix_cache_mb=prefix_cache_mb))
     folder = Path(run_dir)
     if not (folder / "config.json").is_file():
         raise ConfigError(f"{folder} is not a run folder (no config.json).")
@@ -506,6 +511,7 @@ def load_backend_for_eval(model: str | None = None, run_dir: str | None = None) 
         raise ConfigError(f"{folder} has no checkpoint yet; train it first, or evaluate its base model with --model {c.model}.")
     from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
-    backend = TorchBackend(TorchBackendConfig(model=resolve_model(c.model), lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, dtype=c.dtype, seed=c.seed))
+    backend = TorchBackend(TorchBackendConfig(model=resolve_model(c.model), lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, dtype=c.dtype, seed=c.seed,
+                                              prefix_cache_mb=c.prefix_cache_mb if prefix_cache_mb is None else prefix_cache_mb))
     backend.load_state(str(checkpoint[1]))
     return backend
