@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
@@ -205,10 +206,13 @@ def test_ctrl_c_stops_a_local_run_resumably(tiny: str, tmp_path: Path) -> None:
 
 
 def test_eval_shows_its_progress_unless_quiet(tiny: str) -> None:
-    args = ["eval", "--env", "tinker/Bandit-v0", "--model", tiny, "--episodes", "3", "--max-new-tokens", "4"]
+    args = ["eval", "--env", "tinker/Bandit-v0", "--model", tiny, "--episodes", "3", "--max-new-tokens", "4", "--batch-size", "1"]
     shown = CliRunner().invoke(main, args, catch_exceptions=False)
     assert shown.exit_code == 0, shown.output
     assert "eval" in shown.stderr and "3/3" in shown.stderr and "reward=" in shown.stderr
+    # The bar's mean runs over every batch so far: at the end it is the summary's mean (a batch of one episode each).
+    last_shown = re.findall(r"reward=([^\]]+)\]", shown.stderr)[-1]
+    assert last_shown == f"{json.loads(shown.stdout.strip().splitlines()[-1])['reward_mean']:.3g}"
     quiet = CliRunner().invoke(main, [*args, "--quiet"], catch_exceptions=False)
     assert quiet.exit_code == 0, quiet.output
     assert "3/3" not in quiet.stderr and "reward=" not in quiet.stderr

@@ -64,16 +64,16 @@ def play(
     """:func:`evaluate`'s episodes, ``batch_size`` at a time, each batch yielded as it ends: a caller that is interrupted
     keeps the batches it has (``tinkergym eval`` writes them)."""
     envs = [make_env() for _ in range(min(batch_size, len(seeds)))]
-    trajectories: list[Trajectory] = []
+    reward, finished = 0.0, 0  # over the episodes that did not fail, for the bar's mean
     bar = _progress_bar(len(seeds)) if progress else None
     try:
         for start in range(0, len(seeds), len(envs)):
             chunk = seeds[start : start + len(envs)]
             batch = rollout(envs[: len(chunk)], backend, renderer, config, seeds=chunk)
-            trajectories.extend(batch)
             if bar is not None:
-                done = [t for t in trajectories if not t.failed]
-                bar.set_postfix({"reward": f"{sum(t.total_reward for t in done) / max(len(done), 1):.3g}"}, refresh=False)
+                done = [t for t in batch if not t.failed]
+                reward, finished = reward + sum(t.total_reward for t in done), finished + len(done)
+                bar.set_postfix({"reward": f"{reward / max(finished, 1):.3g}"}, refresh=False)
                 bar.update(len(chunk))
             yield batch
     finally:
