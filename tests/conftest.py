@@ -176,3 +176,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     checked with pytest-xdist by tests/packaging/test_test_lanes.py).
     """
     testkit.group_by_module_fixtures(items)
+
+
+@pytest.fixture(autouse=True)
+def _keep_umask() -> object:
+    """A service command run in process (click's runner) makes the umask 077 for the rest of the process: restore it."""
+    before = os.umask(0o022)
+    os.umask(before)
+    yield
+    os.umask(before)

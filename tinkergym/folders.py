@@ -30,6 +30,24 @@ def write_private_file(path: str | os.PathLike[str], text: str) -> None:
     os.replace(tmp, path)
 
 
+#: The commands that run a service or write its state (the scheduler and its database, workers, every server): each file
+#: they write is the owner's alone (0600 in 0700 folders), whatever the umask they were started under.
+PRIVATE_COMMANDS = frozenset({"scheduler", "worker", "serve-backend", "serve-shared", "serve-tinker", "serve-model"})
+
+
+def keep_private(folder: str | os.PathLike[str] | None = None) -> None:
+    """Make every file this process writes from now on its owner's alone (umask 077: files 0600, folders 0700); with
+    ``folder``, also take back from group and others what an older run left readable in it (the folder and the files
+    directly inside, links left alone)."""
+    os.umask(0o077)
+    if folder is None or not os.path.isdir(folder):
+        return
+    for path in [Path(folder), *Path(folder).iterdir()]:
+        info = path.lstat()
+        if not path.is_symlink() and info.st_mode & 0o077:
+            os.chmod(path, info.st_mode & 0o700)
+
+
 def plain_relative_parts(path: Any) -> list[str] | None:
     """The parts of ``path`` if it is a plain relative, '/'-separated path (no empty, ``.`` or ``..`` part, no backslash or
     NUL): what a listing sent by another party may name under a folder of ours. Anything else (not a string too): None."""

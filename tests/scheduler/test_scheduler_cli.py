@@ -234,3 +234,39 @@ def test_a_served_scheduler_takes_made_keys_and_refuses_revoked_ones(db_url: str
     # uvicorn shuts down gracefully, then re-raises the SIGTERM it caught.
     assert process.returncode in (0, -signal.SIGTERM), log.read_text(errors="replace")[-3000:]
     assert "Traceback" not in log.read_text(errors="replace")
+
+
+def test_every_file_the_scheduler_writes_is_its_owners_alone_whatever_the_umask(tmp_path: Path) -> None:
+    """Started under umask 022 (the usual default), the scheduler's database, its WAL, its log and its secret are 0600
+    in a 0700 folder; a file an older version left 0644 in the folder is taken back too."""
+    data_dir = tmp_path / "sched"
+    data_dir.mkdir(mode=0o755)
+    os.chmod(data_dir, 0o755)
+    stale = data_dir / "scheduler.log"
+    stale.write_text("")
+    os.chmod(stale, 0o644)
+    port = _free_port()
+    log = tmp_path / "stderr.log"
+    with open(log, "wb") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tinkergym", "scheduler", "serve", "--data-dir", str(data_dir), "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=stderr, preexec_fn=lambda: os.umask(0o022),
+        )
+    try:
+        wait_until_answers(f"http://127.0.0.1:{port}/healthz", timeout=60, every=0.1, process=process, output=log_text(log))
+        assert _get(f"http://127.0.0.1:{port}/v1/jobs")[0] == 401  # a request: the log has a line, the database a read
+        written = sorted(p.relative_to(data_dir).as_posix() for p in data_dir.rglob("*"))
+        assert {"scheduler.db", "scheduler.log"} <= set(written), written  # (the secret is made at the first lease: 0600 itself)
+        modes = {name: oct((data_dir / name).stat().st_mode & 0o777) for name in written}
+        assert modes == {name: "0o700" if (data_dir / name).is_dir() else "0o600" for name in written}
+        assert oct(data_dir.stat().st_mode & 0o777) == "0o700"
+    finally:
+        testkit.stop(process)
+
+
+def test_the_commands_that_keep_their_files_private_are_the_services() -> None:
+    """The private-umask commands are real command names (a renamed command would silently lose it)."""
+    from tinkergym.folders import PRIVATE_COMMANDS
+
+    assert PRIVATE_COMMANDS <= set(main.commands), sorted(PRIVATE_COMMANDS - set(main.commands))
+    assert {name for name in main.commands if name.startswith("serve-")} <= PRIVATE_COMMANDS

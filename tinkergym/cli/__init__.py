@@ -7,6 +7,7 @@ import os
 
 import click
 
+from tinkergym.folders import PRIVATE_COMMANDS, keep_private
 from tinkergym.cli.common import TinkergymGroup
 from tinkergym.cli.envs import envs
 from tinkergym.cli.jobs import jobs
@@ -54,6 +55,8 @@ def main() -> None:
     Exit codes: 0 on success, 2 for bad input (an option, a file's contents, an env's kwargs), 1 when
     the work itself fails (a failed check, a diverged run, a refused upload).
     """
+    if click.get_current_context().invoked_subcommand in PRIVATE_COMMANDS:
+        keep_private()  # a service's database, logs, secrets and job folders are its owner's alone
 
 
 main.add_command(envs)

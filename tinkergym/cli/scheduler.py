@@ -17,6 +17,7 @@ import click
 
 from tinkergym.cli.common import FiniteFloat, InputError, SafePath, shorten, table
 from tinkergym.cli.connection_options import connection_limits, connection_options
+from tinkergym.folders import keep_private
 from tinkergym.cli.serve import _is_loopback
 
 DB_ENVVAR = "TINKERGYM_SCHEDULER_DB"
@@ -201,6 +202,7 @@ def serve(
         data_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise InputError(f"cannot create the data folder {str(data_dir)!r}: {exc.strerror or exc}") from exc
+    keep_private(data_dir)  # a data folder an older version left readable (0644 files) is the owner's alone again
     open_database(db, data_dir).dispose()  # a bad URL or an unreachable server is exit 2, before anything listens
     if not _is_loopback(host):
         click.echo(f"warning: listening on {host}: API keys and data travel unencrypted unless a TLS proxy is in front.", err=True)
