@@ -194,6 +194,8 @@ class TrainConfig:
         return self
 
     def _validate_rl(self) -> None:
+        if not self.temperature <= 100:
+            raise ConfigError(f"temperature must be at most 100 (got {self.temperature}): past it every distribution is uniform.")
         if self.trainer != "sft" and not self.temperature > 0:
             raise ConfigError(
                 f"temperature must be > 0 for RL training (got {self.temperature}): greedy rollouts give every sample of a "

@@ -427,3 +427,34 @@ def test_hostile_inputs_are_refused_with_4xx_and_write_nothing_outside(cluster: 
                          headers={"X-API-Key": cluster.keys["alice"], "Content-Type": "application/x-protobuf"}, timeout=30)
     assert garbage.status_code == 400
     assert post("/api/v1/retrieve_future", '{"request_id": "' + "r" * 10000 + '"}').status_code == 404
+
+
+def test_numbers_that_are_not_finite_or_out_of_range_are_400_at_the_front_door(cluster: Any, connect: Any) -> None:
+    """NaN, infinities and 1e999 anywhere in a JSON body are refused before a route reads them (the field named); a
+    temperature or top_p out of its range is refused by the sample call; an oversized body is 413 before it is read."""
+    training = connect().create_lora_training_client(base_model=cluster.model, rank=4).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    headers = {"X-API-Key": cluster.keys["alice"], "Content-Type": "application/json"}
+    model = training.model_id
+    for number in ("NaN", "Infinity", "-Infinity", "1e999"):
+        body = f'{{"model_id": "{model}", "adam_params": {{"learning_rate": {number}}}}}'
+        answer = httpx.post(cluster.url + "/api/v1/optim_step", content=body.encode(), headers=headers, timeout=30)
+        assert answer.status_code == 400 and "learning_rate" in answer.text and "finite" in answer.text, (number, answer.text)
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    for params in ({"temperature": 1e30}, {"top_p": 0.0}, {"top_p": 2.0}):
+        with pytest.raises(tinker.BadRequestError, match="temperature must be|top_p must be"):
+            sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2, **params)).result()
+    assert sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result().sequences  # the server goes on
+    import http.client
+    import urllib.parse
+
+    where = urllib.parse.urlsplit(cluster.url)
+    connection = http.client.HTTPConnection(where.hostname, where.port, timeout=30)
+    try:  # a declared 1 GiB body: refused from its length, before a byte of it is read
+        connection.putrequest("POST", "/api/v1/optim_step")
+        for name, value in {**headers, "Content-Length": str(1 << 30)}.items():
+            connection.putheader(name, value)
+        connection.endheaders()
+        assert connection.getresponse().status == 413
+    finally:
+        connection.close()

@@ -152,7 +152,7 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--max-turns", type=click.IntRange(1), help="Turns per episode (default 4).")
 @click.option("--max-new-tokens", type=click.IntRange(1), help="New tokens per turn (default 64).")
 @click.option("--max-context", type=click.IntRange(16), help="Context length bound (default 2048).")
-@click.option("--temperature", type=FiniteFloat(0, min_open=True),
+@click.option("--temperature", type=FiniteFloat(0, 100, min_open=True),
               help="Sampling temperature of the rollouts (default 1.0); the loss scores the same tempered distribution.")
 @click.option("--seed", type=SEED, help="Run seed (default 0).")
 @click.option("--kl-coef", type=FiniteFloat(0), help="KL penalty to the reference policy (default 0).")
@@ -371,7 +371,7 @@ def _holds_run(out: str) -> bool:
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable).")
 @click.option("--max-turns", type=click.IntRange(1), default=4, show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(1), default=64, show_default=True)
-@click.option("--temperature", type=FiniteFloat(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=FiniteFloat(0, 100), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True, help="Nucleus sampling (1 = off).")
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="Top-k sampling (0 = off).")
 @click.option("--seed", type=SEED, default=0, show_default=True)

@@ -159,6 +159,18 @@ class SamplingParams(_Plain):
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
 
+    #: The hottest temperature sampled at: past it every distribution is uniform to float precision.
+    MAX_TEMPERATURE = 100.0
+
+    def check(self) -> None:
+        """Refuse settings out of their ranges with a ValueError whose message starts with the field's name."""
+        if not 0 <= self.temperature <= self.MAX_TEMPERATURE:  # NaN fails the comparison too
+            raise ValueError(f"temperature must be in [0, {self.MAX_TEMPERATURE:g}] (0: greedy), not {str(self.temperature)[:24]}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1: no nucleus filter), not {str(self.top_p)[:24]}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0: no top-k filter), not {str(self.top_k)[:24]}")
+
 
 @dataclass
 class SampledSequence(_Plain):

@@ -27,7 +27,7 @@ from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import text
 from starlette.responses import PlainTextResponse, Response
 
-from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictText, WireJSON, add_error_handlers, error_response
+from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictJSON, WireJSON, add_error_handlers, error_response
 from tinkergym.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tinkergym.serve.metrics import MetricsMiddleware
 from tinkergym.scheduler.auth import KeyLookup
@@ -284,7 +284,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     # Added innermost first: the log sees every request, the key is checked before the body is read, the body's size
     # before its text. The dashboard's files (/ui/) are answered innermost, by the files alone.
     mount_ui(app)
-    app.add_middleware(StrictText, exempt=artifact_routes.is_upload)
+    app.add_middleware(StrictJSON, exempt=artifact_routes.is_upload)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes, hint="send a smaller request", exempt=artifact_routes.is_upload)
     app.add_middleware(ApiKeyAuth, engine=engine)
     app.add_middleware(RequestLog, logger=log)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import secrets
 import time
@@ -18,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 class WireJSON(JSONResponse):
     """JSON with floats as Python writes them (exact round trip), non-finite ones as ``NaN`` / ``Infinity``.
 
-    Text that UTF-8 cannot carry (a lone UTF-16 surrogate, stored before :class:`StrictText` refused it) is sent as
+    Text that UTF-8 cannot carry (a lone UTF-16 surrogate, stored before :class:`StrictJSON` refused it) is sent as
     a JSON escape instead, so whatever was stored can always be answered.
     """
 
@@ -52,20 +53,46 @@ def unstorable_text(value: Any, where: str) -> str | None:
     return None
 
 
-class StrictText:
-    """Refuse, with 400, text that could be stored but not answered: a NUL or a lone surrogate in the path, the query
-    or any string of a JSON body (keys included), before any route sees it.
+#: What a JSON body must hold to carry a number that is not finite: Python's ``NaN`` and ``Infinity`` (which its json
+#: reads), an exponent of three digits (``1e999``) or a run of 309 digits (both past a float's range: infinity).
+_NOT_FINITE_HINT = re.compile(rb"NaN|Infinity|[0-9][eE]\+?[0-9]{3}|[0-9]{309}")
+
+
+def non_finite_number(value: Any, where: str, allow_infinity: bool = False) -> str | None:
+    """Where in ``value`` (JSON data, nested) a number is NaN or (unless ``allow_infinity``) infinite, or None."""
+    stack = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, float):
+            if item != item or (not allow_infinity and not math.isfinite(item)):
+                return at
+        elif isinstance(item, dict):
+            stack.extend((child, f"{at}.{str(key)[:40]}") for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend((child, f"{at}[{i}]") for i, child in enumerate(item))
+    return None
+
+
+class StrictJSON:
+    """Refuse, with 400, what could be stored but not answered, or computed with but not meant: a NUL or a lone
+    surrogate in the path, the query or any string of a JSON body (keys included), and a number of a JSON body that is
+    NaN or infinite (``NaN``, ``Infinity``, ``1e999``), before any route sees it. The refusal names the field. A server
+    whose protocol gives infinity a meaning (the training servers: a clip or a gradient norm at infinity bounds nothing)
+    passes ``allow_infinity=True``: NaN alone is refused here, and each field's own check bounds the rest.
 
     JSON bodies are read whole (bounded by :class:`BodyLimit`, which must be added after this, outside it) and replayed
-    to the app; only a body with a backslash-u escape is parsed, the only way such characters reach JSON text. Bodies of
+    to the app; only a body with a backslash-u escape, or with the text of a number that is not finite, is parsed (the
+    only ways such characters or numbers reach JSON text). Bodies of
     another content type, and requests ``exempt(scope)`` names, pass as they are. ``answer(status, kind, message)`` builds
     the refusal (default :func:`error_response`), as for :class:`BodyLimit`.
     """
 
-    def __init__(self, app: Any, exempt: Callable[[dict], bool] | None = None, answer: Callable[[int, str, str], Any] | None = None) -> None:
+    def __init__(self, app: Any, exempt: Callable[[dict], bool] | None = None, answer: Callable[[int, str, str], Any] | None = None,
+                 allow_infinity: bool = False) -> None:
         self.app = app
         self.exempt = exempt
         self.answer = answer or error_response
+        self.allow_infinity = allow_infinity
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or (self.exempt is not None and self.exempt(scope)):
@@ -86,11 +113,21 @@ class StrictText:
                 await self.answer(exc.status_code, "body_too_large", str(exc.detail))(scope, receive, send)
                 return
             body = b"".join(chunks)
-            if b"\\u" in body:
+            text_hint = b"\\u" in body
+            number_hint = (b"NaN" in body) if self.allow_infinity else _NOT_FINITE_HINT.search(body) is not None
+            if text_hint or number_hint:
                 try:
-                    problem = unstorable_text(json.loads(body), "the body")
+                    data = json.loads(body)
                 except ValueError:
                     pass  # not JSON: the route answers that
+                else:
+                    problem = unstorable_text(data, "the body") if text_hint else None
+                    number = non_finite_number(data, "the body", self.allow_infinity) if number_hint and problem is None else None
+                    if number is not None:
+                        what = "NaN" if self.allow_infinity else "not a finite number (NaN or infinite)"
+                        message = f"{number} is {what}: send a finite number in its range"
+                        await self.answer(400, "invalid_request", message)(scope, receive, send)
+                        return
             replayed, upstream = False, receive
 
             async def replay() -> dict:

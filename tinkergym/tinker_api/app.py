@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 from starlette.responses import FileResponse, JSONResponse, Response
 
+from tinkergym.serve.asgi import BodyLimit, StrictJSON
 from tinkergym.tinker_api import ops
 from tinkergym.tinker_api.service import EXTERNAL_FILES_ROUTE, TinkerError, TinkerService
 
@@ -59,6 +60,11 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
 
     app = FastAPI(title="tinkergym Tinker API", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tinker = service
+    # Innermost first: the key is checked (below) before a body is read; a body is bounded, and its numbers finite.
+    refuse = lambda status, kind, message: _error(status, message)  # noqa: E731 - the SDK reads "detail"
+    app.add_middleware(StrictJSON, answer=refuse)
+    app.add_middleware(BodyLimit, max_bytes=service.limits.max_body_bytes, answer=refuse,
+                       hint="send fewer datums per forward_backward call, or fewer prompts per sample call")
 
     @app.middleware("http")
     async def authenticated(request: Request, call_next: Any) -> Response:

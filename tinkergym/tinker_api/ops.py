@@ -383,9 +383,13 @@ def sample(service: TinkerService, sampler: Sampler, request: Any) -> tuple[Call
     if getattr(request, "target_prompt_logprobs", None) is not None or getattr(request, "record_stability_info", None):
         raise TinkerError(400, "target_prompt_logprobs and record_stability_info are not supported by this server")
     service.check_tokens([prompt], "prompt", sampler.base_model)
-    ours = SampleRequest(prompts=[prompt], images=[images] if images else [], num_samples=int(request.num_samples), params=SamplingParams(
-        max_new_tokens=max_tokens, temperature=float(params.temperature), top_p=float(params.top_p), top_k=max(0, int(params.top_k)),
-        stop_token_ids=stop_ids, seed=params.seed))
+    try:
+        sampling = SamplingParams(max_new_tokens=max_tokens, temperature=float(params.temperature), top_p=float(params.top_p),
+                                  top_k=max(0, int(params.top_k)), stop_token_ids=stop_ids, seed=params.seed)
+        sampling.check()
+    except ValueError as exc:  # a temperature or top_p out of its range (NaN and infinities never reach here: 400 at the door)
+        raise TinkerError(400, f"sampling_params: {exc}") from None
+    ours = SampleRequest(prompts=[prompt], images=[images] if images else [], num_samples=int(request.num_samples), params=sampling)
     ids = [f"seq-{secrets.token_hex(8)}" for _ in range(ours.num_samples)]
     want_prompt = bool(request.prompt_logprobs)
     last_n = getattr(request, "prompt_logprobs_last_n", None)

@@ -93,6 +93,7 @@ class Limits:
     max_tokens: int = 1 << 22
     max_new_tokens: int = 1 << 14
     max_num_samples: int = 256
+    max_body_bytes: int = 256 << 20  # one request's body (413 past it): max_tokens of JSON token ids, masks and advantages fit
     keep_done_futures: int = 4096
     session_timeout_s: float = 600.0
     #: Seconds between passes that end sessions without heartbeats and keep live sessions' jobs alive (see :meth:`TinkerService.maintain`).

@@ -295,6 +295,10 @@ class TorchBackend:
         draws from the global torch RNG (seeded by the config and saved with the state).
         """
         params = request.params
+        try:
+            params.check()
+        except ValueError as exc:
+            raise ConfigError(f"params.{exc}") from None
         check_prompts(request.prompts, request.images, self.reads_images)
         if self.vision is not None and any(request.images):
             self.vision.check_rows(request.prompts, request.images, "prompt")

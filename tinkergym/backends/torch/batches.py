@@ -56,13 +56,21 @@ def validate_data(data: list[Datum], spec: LossSpec, reads_images: bool = False)
             raise ConfigError(f"datum {i} carries images, but {NO_IMAGES}")
         if len(datum.loss_mask) != n:
             raise ConfigError(f"datum {i}: loss_mask has {len(datum.loss_mask)} entries for {n} tokens; give one per token")
-        for name in ("advantages", "sampling_logprobs", "old_logprobs"):
+        for name in ("loss_mask", "advantages", "sampling_logprobs", "old_logprobs"):
             values = getattr(datum, name)
             if values and len(values) != n:
                 raise ConfigError(f"datum {i}: {name} has {len(values)} entries for {n} tokens; give one per token (or none)")
+            if values and not max(map(abs, values)) <= losses.MAX_LOSS_NUMBER:  # NaN fails the comparison too
+                raise ConfigError(f"datum {i}: {name} holds {_worst(values)!r}: every entry must be a finite number of at most "
+                                  f"{losses.MAX_LOSS_NUMBER:.0e} in size")
     for name, needed in (("advantages", losses.POLICY_LOSSES), ("sampling_logprobs", losses.RATIO_LOSSES)):
         if spec.name in needed and not all(getattr(d, name) for d in data):
             raise ConfigError(f"the {spec.name!r} loss needs {name} on every datum")
+
+
+def _worst(values: list[float]) -> float:
+    """The entry of ``values`` that breaks the bound: a NaN, else the largest in size."""
+    return next((v for v in values if v != v), max(values, key=abs))
 
 
 def request_normalizers(request: ForwardBackwardRequest) -> tuple[float, int]:

@@ -30,6 +30,11 @@ MAX_LOG_RATIO = 20.0
 MAX_K3 = 10.0
 #: The largest float32: the loss settings scale and clamp float32 tensors, and torch refuses a number past it.
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+#: The largest size of a loss setting (``loss_scale``, ``kl_coef``, the clips, ...) and of a datum's per-token weight or
+#: advantage: their products with logprobs and with each other stay far inside float32 (a loss scale of 1e38 would not).
+MAX_LOSS_NUMBER = 1e6
+#: The loss settings that bound something, which infinity switches off (every other one is a finite number).
+UNBOUNDED_AT_INFINITY = frozenset({"clip_low", "clip_high", "tis_cap"})
 
 
 class _TargetLogprob(torch.autograd.Function):
@@ -215,9 +220,11 @@ def validate_spec(spec: Any) -> None:
             "top_p=1 (top-k/top-p are fine in evaluation)"
         )
     settings = {name: getattr(spec, name) for name in ("clip_low", "clip_high", "kl_coef", "loss_scale", "temperature", "tis_cap", "beta")}
-    unfit = [f"{name}={value!r}" for name, value in settings.items() if math.isnan(value) or FLOAT32_MAX < abs(value) < math.inf]
+    unfit = [f"{name}={value!r}" for name, value in settings.items()
+             if not abs(value) <= MAX_LOSS_NUMBER and not (value == math.inf and name in UNBOUNDED_AT_INFINITY)]  # NaN fits nothing
     if unfit:
-        raise ConfigError(f"{', '.join(unfit)}: the loss settings must be numbers that float32 holds (not NaN; at most {FLOAT32_MAX:.4g} in size, or infinite)")
+        raise ConfigError(f"{', '.join(unfit)}: the loss settings must be numbers of at most {MAX_LOSS_NUMBER:.0e} in size (clip_low, "
+                          "clip_high and tis_cap may be infinite: no bound); a larger one overflows the loss in float32")
     if spec.tis_cap < 0 or spec.kl_coef < 0:
         raise ConfigError(f"tis_cap and kl_coef must be >= 0 (0 = off), not {spec.tis_cap} and {spec.kl_coef}")
     if not 0 <= spec.beta < math.inf:

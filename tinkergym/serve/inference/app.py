@@ -150,13 +150,13 @@ def _answer_errors_openai_style(app: Any, max_body_bytes: int) -> None:
 
     Bodies are bounded by the servers' shared :class:`~tinkergym.serve.asgi.BodyLimit`: by ``Content-Length``
     before reading, and by counting the bytes of a body that streams in without one (chunked transfer). Text with a
-    lone UTF-16 surrogate (no tokenizer encodes one) or a NUL is refused by :class:`~tinkergym.serve.asgi.StrictText`.
+    lone UTF-16 surrogate (no tokenizer encodes one) or a NUL is refused by :class:`~tinkergym.serve.asgi.StrictJSON`.
     """
     from fastapi import Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse
 
-    from tinkergym.serve.asgi import BodyLimit, BodyTooLarge, StrictText
+    from tinkergym.serve.asgi import BodyLimit, BodyTooLarge, StrictJSON
 
     def openai_error(status: int, kind: str, message: str) -> JSONResponse:
         return JSONResponse(APIError(status, message).body(), status_code=status)
@@ -176,7 +176,7 @@ def _answer_errors_openai_style(app: Any, max_body_bytes: int) -> None:
     async def _too_large(request: Request, exc: BodyTooLarge) -> JSONResponse:
         return openai_error(exc.status_code, "body_too_large", str(exc.detail))
 
-    app.add_middleware(StrictText, answer=openai_error)  # inside BodyLimit, which bounds what it reads
+    app.add_middleware(StrictJSON, answer=openai_error)  # inside BodyLimit, which bounds what it reads
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, hint="send fewer or shorter prompts per request", answer=openai_error)
 
 

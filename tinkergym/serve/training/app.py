@@ -31,7 +31,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from tinkergym.serve.asgi import BodyLimit, RequestLog, WireJSON, add_error_handlers, error_response
+from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictJSON, WireJSON, add_error_handlers, error_response
 from tinkergym.serve.training.calls import (
     CallLimits,
     CallRecord,
@@ -347,6 +347,8 @@ def create_app(
     app.include_router(router)
     _add_error_handlers(app, log)
     # Added innermost first: the log sees every request, the token is checked before any body is read.
+    # No NaN in a body (infinity bounds nothing where the protocol allows it): inside BodyLimit, which bounds what it reads.
+    app.add_middleware(StrictJSON, allow_infinity=True)
     app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 1024 * 1024), hint="send the batch in several forward_backward calls (--max-body-mb)")
     require_token(app, token_digest, lease=lease)
     app.add_middleware(RequestLog, logger=log)

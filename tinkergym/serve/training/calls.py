@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
-from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest
+from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest, SamplingParams
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
 from tinkergym.folders import plain_relative_parts
 from tinkergym.serve.metrics import TokenTally
@@ -202,6 +202,10 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
     if method == "sample":
         _only(args, method, ("request",))
         request = from_json(SampleRequest, args["request"], "args.request")
+        try:
+            request.params.check()
+        except ValueError as exc:
+            raise ConfigError(f"args.request.params.{exc}") from None
         limits.check_sample(request)
         check_token_ids(request.prompts, vocab_size, "args.request.prompts")
         return ParsedCall(method, {"request": request})
@@ -211,6 +215,8 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
         limits.check_rows(sequences, "args.sequences")
         check_token_ids(sequences, vocab_size, "args.sequences")
         parsed = {"sequences": sequences, "temperature": checked(args.get("temperature", 1.0), float, "args.temperature")}
+        if not 0 < parsed["temperature"] <= SamplingParams.MAX_TEMPERATURE:  # NaN fails the comparison too
+            raise ConfigError(f"args.temperature must be in (0, {SamplingParams.MAX_TEMPERATURE:g}], not {parsed['temperature']!r}")
         if args.get("images") is not None:
             parsed["images"] = scoring_images(args["images"], len(sequences))
         return ParsedCall(method, parsed)
@@ -218,6 +224,8 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
         _only(args, method, ("request",))
         request = from_json(ForwardBackwardRequest, args["request"], "args.request")
         limits.check_rows([d.tokens for d in request.data], "args.request.data")
+        if request.num_tokens is not None and not 0 <= request.num_tokens < math.inf:
+            raise ConfigError(f"args.request.num_tokens must be the batch's summed loss mask: a finite number >= 0, not {request.num_tokens!r}")
         check_token_ids([d.tokens for d in request.data], vocab_size, "args.request.data.tokens")
         return ParsedCall(method, {"request": request})
     if method == "optim_step":

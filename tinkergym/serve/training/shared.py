@@ -45,7 +45,7 @@ from pydantic import Field
 from starlette.responses import JSONResponse
 
 from tinkergym.errors import ConfigError
-from tinkergym.serve.asgi import BodyLimit, RequestLog, WireJSON, error_response
+from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictJSON, WireJSON, error_response
 from tinkergym.serve.auth import LeaseFile, bearer_matches, bearer_token, token_digest
 from tinkergym.serve.metrics import TokenTally
 from tinkergym.serve.training.app import (ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, WireModel, _add_error_handlers, public_info,
@@ -570,6 +570,8 @@ def create_shared_app(
     async def conflict(request: Request, exc: Conflict) -> WireJSON:
         return error_response(409, "conflict", str(exc)[:2000])
 
+    # No NaN in a body (infinity bounds nothing where the protocol allows it): inside BodyLimit, which bounds what it reads.
+    app.add_middleware(StrictJSON, allow_infinity=True)
     app.add_middleware(BodyLimit, max_bytes=int(max_body_mb * 1024 * 1024), hint="send the batch in several forward_backward calls (--max-body-mb)")
     _authenticate(app, shared, token_digest, lease)
     app.add_middleware(RequestLog, logger=log)
