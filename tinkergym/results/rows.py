@@ -164,9 +164,15 @@ ROWS: tuple[Row, ...] = (
         task="Household-v0, easiest: one room, no distractors, pick and place",
         env="tinker/Household-v0",
         env_kwargs={"rooms": 1, "distractors": 0, "goal_kinds": "pick_and_place"},
-        settings={"max_turns": 8, "max_new_tokens": 16, "prefix_cache_mb": 4096},
-        why=("The easiest homes the generator makes: the env's random admissible-command agent solves 3% of them within "
-             "12 commands, its planner every one in 5.6 commands on average (94.5% within 8). Eight turns; the prefix "
+        settings={"steps": 20, "batch_size": 4, "group_size": 8, "max_turns": 8, "max_new_tokens": 16, "micro_batch_size": 4,
+                  "prefix_cache_mb": 4096},
+        evals=2,
+        warmup=Warmup(demos="baseline", steps=30),
+        why=("The easiest homes the generator makes: the env's planner solves every one in 5.6 commands on average (94.5% "
+             "within 8), its random admissible-command agent 0.3% within 8 (1.1% within 12). The untrained model solves none "
+             "(0 of 64: it echoes the room instead of writing a command), so RL would have no signal; random play cannot give "
+             "one, so the warm-up imitates the planner: 10 steps taught the format and not the task (0 of 64, one command "
+             "repeated), this one takes 30. Four homes of eight samples a step, 20 steps. Eight turns; the prefix "
              "cache holds the batch's games (4 GiB): at the default 1 GiB an evaluation of 64 homes of 12 turns ran "
              "every turn's whole prompt again and did not finish in 15 minutes. Held out: each seed draws its own home "
              "and goal."),
