@@ -89,6 +89,31 @@ def test_a_credential_registers_no_more_devices_than_it_holds(env: Any, keys: An
         engine.dispose()
 
 
+def test_re_registering_with_other_indexes_while_jobs_run_cannot_outgrow_the_bound(env: Any, keys: Any, db_url: str) -> None:
+    """A credential for 2 devices leases 2 jobs, then registers the same worker (and a second one) with new indexes:
+    the devices its jobs still hold count, so it never holds more than 2 jobs at once."""
+    key = keys.worker(2)
+    box = register(env.client, key, name="box", devices=2)
+    jobs = [submit(env.client, env.acme) for _ in range(8)]
+    held = [box.lease(), box.lease()]
+    assert all(held) and box.lease() is None
+    moved = {"name": "box", "host": "127.0.0.1", "devices": [{"index": i, "kind": "slot"} for i in (2, 3)], "models": ["tiny"]}
+    refused = env.client.post("/v1/workers", json=moved, headers=auth(key))
+    assert refused.status_code == 403 and "still held by jobs" in refused.json()["error"]["message"], refused.text
+    one_more = {**moved, "devices": [{"index": 2, "kind": "slot"}]}
+    assert env.client.post("/v1/workers", json=one_more, headers=auth(key)).status_code == 403
+    other = env.client.post("/v1/workers", json={**moved, "name": "second"}, headers=auth(key))
+    assert other.status_code == 403  # nor on another worker of the credential
+    assert box.lease() is None
+    running = [j for j in jobs if job_row(db_url, j)["state"] != "queued"]
+    assert len(running) == 2, running
+    # Its jobs end: the same move now fits, and it leases on the new indexes, two at a time.
+    for lease in held:
+        assert box.state(lease["job_id"], lease["epoch"], "failed", error="moved").status_code == 200
+    assert env.client.post("/v1/workers", json=moved, headers=auth(key)).status_code == 200
+    assert box.lease() is not None and box.lease() is not None and box.lease() is None
+
+
 def test_a_credential_registers_only_its_kind_and_models(env: Any, keys: Any) -> None:
     key = keys.worker(4, kind="gpu", models=("tiny",))
     wrong_kind = env.client.post("/v1/workers", json=_body(kind="slot"), headers=auth(key))

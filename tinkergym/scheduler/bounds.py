@@ -67,10 +67,10 @@ class WorkerBounds:
 
     def check_registration(self, device_list: list[dict[str, Any]], models: list[str], elsewhere: int) -> None:
         """:class:`BoundsError` unless a worker with ``device_list`` and ``models`` fits, ``elsewhere`` devices being
-        registered already by the credential's other workers."""
+        held already by the credential (its other workers', and this worker's unlisted ones that jobs still hold)."""
         total = elsewhere + len(device_list)
         if total > self.devices:
-            more = f" ({elsewhere} on its other workers)" if elsewhere else ""
+            more = f" ({elsewhere} on its other workers or still held by jobs)" if elsewhere else ""
             raise BoundsError(
                 f"this worker credential may register {self.devices} device(s); this registration makes {total}{more}. "
                 "Register fewer, or have the operator make a credential for more: tinkergym scheduler workers create NAME --devices N"

@@ -31,17 +31,22 @@ def register_worker(
 
     A device with ``shared`` (``seats``, ``model``, ``dtype``, ``max_lora_rank``) runs a shared training server: it is
     registered as its seats (:mod:`tinkergym.scheduler.seats`), not as a whole device. The registration must fit the
-    credential's ``bounds`` (:class:`~tinkergym.scheduler.bounds.BoundsError` otherwise), counting the active devices
-    of the credential's other workers (a device with seats counts once). Places the worker no longer lists are marked
-    inactive (a job holding one keeps it until it ends; no new job gets it). Registrations of one key are serialised
-    by a lock on the key's row, so two at once cannot both fit the bound.
+    credential's ``bounds`` (:class:`~tinkergym.scheduler.bounds.BoundsError` otherwise), counting every device the
+    credential holds: the active devices of its other workers, and every device of any of its workers that a job still
+    holds, listed now or not (a device with seats counts once). Places the worker no longer lists are marked inactive
+    (a job holding one keeps it until it ends, and it counts until then; no new job gets it), so re-registering with
+    other indexes while jobs run cannot hold more devices than the bound. Registrations of one key are serialised by a
+    lock on the key's row, so two at once cannot both fit the bound.
     """
     conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == key_id))).first()
     row = conn.execute(select(workers.c.id).where(workers.c.key_id == key_id, workers.c.name == name)).first()
-    others = select(workers.c.id).where(workers.c.key_id == key_id, workers.c.name != name)
-    elsewhere = conn.execute(select(devices.c.worker_id, devices.c.index, devices.c.seat_of).where(
-        devices.c.worker_id.in_(others), devices.c.active.is_(True))).all()
-    bounds.check_registration(device_list, models, physical_devices(elsewhere))
+    mine = select(workers.c.id).where(workers.c.key_id == key_id)
+    held = select(allocations.c.device_id)
+    counted = conn.execute(select(devices.c.worker_id, devices.c.index, devices.c.seat_of).where(
+        devices.c.worker_id.in_(mine), (devices.c.active.is_(True) & (workers_other(row))) | devices.c.id.in_(held))).all()
+    listed_here = {(row[0] if row else None, int(d["index"])) for d in device_list}
+    elsewhere = {(r.worker_id, r.index if r.seat_of is None else r.seat_of) for r in counted} - listed_here
+    bounds.check_registration(device_list, models, len(elsewhere))
     values = {"host": host, "models": json.dumps(sorted(set(models))), "last_seen_at": now,
               "model_shapes": json.dumps(model_shapes, sort_keys=True) if model_shapes else None}
     if row is None:
@@ -62,6 +67,11 @@ def register_worker(
     if gone:
         conn.execute(update(devices).where(devices.c.id.in_(gone)).values(active=False))
     return worker_id
+
+
+def workers_other(row: Any) -> Any:
+    """A condition on ``devices``: the device is another worker's than ``row``'s (any worker's, for a new one)."""
+    return devices.c.worker_id != row[0] if row is not None else devices.c.worker_id.is_not(None)
 
 
 def places(device_list: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
