@@ -17,7 +17,7 @@ from workerkit import Clock, auth, job_row, register, submit  # registered by co
 from tinkergym.cli import main
 from tinkergym.scheduler import leases
 from tinkergym.scheduler.auth import KEY_PATTERN, key_digest
-from tinkergym.scheduler.db import make_engine, upgrade
+from tinkergym.scheduler.db import make_engine, tenants, upgrade
 
 
 def _body(name: str = "w1", devices: int = 1, kind: str = "gpu", models: tuple[str, ...] = ("tiny",)) -> dict[str, Any]:
@@ -176,6 +176,38 @@ def test_a_worker_that_never_heartbeats_is_quarantined_before_it_fails_a_job(env
     assert rogue.post("/lease").status_code == 200
     listed = CliRunner().invoke(main, ["scheduler", "workers", "list", "--db", db_url])
     assert "quarantined" not in listed.output
+
+
+def test_a_worker_that_ignores_a_cancel_loses_the_lease_at_the_deadline(make_client: Any, keys: Any, db_url: str) -> None:
+    """The worker heartbeats on and never stops the cancelled job: at the deadline the lease ends, the job is cancelled,
+    its device and the tenant's quota are free (the tenant's next job runs), and the worker's next heartbeat is 409."""
+    clock = Clock()
+    client = make_client(clock=clock, lease_ttl_s=30.0, cancel_deadline_s=100.0)
+    owner = keys.new("acme", "read,write")
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(sa.update(tenants).where(tenants.c.id == "acme").values(max_gpus=1))
+    engine.dispose()
+    w = register(client, keys.worker(2), devices=2)  # a free device: only the tenant's quota keeps its next job waiting
+    job_id = submit(client, owner)
+    lease = w.lease()
+    for state in ("starting", "running"):
+        assert w.state(job_id, lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+    assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(owner)).json()["state"] == "cancelling"
+    deadline = clock() + 100.0
+    waiting = submit(client, owner)  # over the tenant's quota of one device while the cancelled job holds one
+    for _ in range(4):  # 80 s of heartbeats, each inside the lease: the job stays cancelling, its lease shortened
+        clock.advance(20.0)
+        beat = w.heartbeat(job_id, lease["epoch"])
+        assert beat.status_code == 200 and beat.json()["cancelling"] and beat.json()["expires_at"] <= deadline
+    assert job_row(db_url, job_id)["state"] == "cancelling" and w.lease() is None
+    clock.advance(21.0)  # past the deadline: the lease ended at it
+    assert w.heartbeat(job_id, lease["epoch"]).status_code == 409
+    assert leases.sweep(client.app) == 1
+    assert job_row(db_url, job_id)["state"] == "cancelled"
+    events = client.get(f"/v1/jobs/{job_id}/events", headers=auth(owner)).json()["events"]
+    assert any("did not report the cancelled job stopped" in str(e["data"].get("reason", "")) for e in events)
+    assert w.lease()["job_id"] == waiting  # the device and the quota are free
 
 
 def test_the_quarantine_reason_is_listed_on_one_short_line() -> None:

@@ -83,6 +83,9 @@ class SchedulerSettings:
             (it takes jobs and never runs them) is quarantined: no more leases until the operator releases it
             (``tinkergym scheduler workers release``); 0: never. Below ``max_attempts``, so one such worker alone
             never fails a job.
+        cancel_deadline_s: A cancelled job's worker must stop it within this long: its heartbeats renew the lease no
+            further, so past it the lease ends, the job is ``cancelled`` and its devices and quota are free, whether
+            the worker stopped the job's server or not.
         refuse_unplaceable: Refuse (400) a job that no registered worker, alive or gone, could ever host (its model is
             offered by none, or none offering it has its device count), naming what the workers offer; False: it waits
             with its reason (:mod:`tinkergym.scheduler.placement`).
@@ -114,6 +117,7 @@ class SchedulerSettings:
     job_retention_s: float | None = 90 * 86400.0
     idempotency_ttl_s: float | None = 86400.0
     quarantine_after: int = 2
+    cancel_deadline_s: float = 300.0
     refuse_unplaceable: bool = False
     gateway_max_per_tenant: int = 64
     gateway_read_timeout_s: float = 600.0

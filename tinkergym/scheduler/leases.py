@@ -62,6 +62,7 @@ import base64
 import hashlib
 import hmac
 import json
+import math
 import os
 import secrets
 import tempfile
@@ -305,11 +306,17 @@ def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, 
     the device-seconds since the last renewal and the tokens its server reports in ``usage`` (:mod:`.usage`).
 
     A lease already past its end is lost even before the sweeper sees it (409): the worker must stop the
-    job's server. ``cancelling`` True tells it to stop the server and report ``cancelled``.
+    job's server. ``cancelling`` True tells it to stop the server and report ``cancelled``; a cancelling job's lease is
+    renewed no further than ``cancel_deadline_s`` after the cancel (the job moved to ``cancelling`` then, and its
+    ``updated_at`` has not moved since), so a worker that ignores the cancel loses the lease there and the sweeper
+    cancels the job, freeing its devices and its tenant's quota.
     """
     now = store.clock()
     before = held_job(conn, store, worker_id, job_id, epoch)
-    job = store.renew_lease(conn, job_id, epoch, worker_id, now + settings.lease_ttl_s)
+    expires = now + settings.lease_ttl_s
+    if before["state"] == states.CANCELLING:
+        expires = min(expires, before["updated_at"] + getattr(settings, "cancel_deadline_s", math.inf))
+    job = store.renew_lease(conn, job_id, epoch, worker_id, expires)
     charge_renewal(conn, before, now, settings.lease_ttl_s, epoch, usage)  # the device-seconds and tokens since the last renewal
     _touch(conn, worker_id, now)
     return {"job_id": job_id, "epoch": epoch, "state": job["state"], "cancelling": job["state"] == states.CANCELLING,
@@ -425,7 +432,8 @@ def expire(store: JobStore, job_id: str, epoch: int, now: float, quarantine_afte
             to = states.QUEUED
             values["attempt"] = job["attempt"] + 1
         conn.execute(delete(allocations).where(allocations.c.job_id == job_id))
-        store.transition(conn, job_id, to, epoch=epoch, event={"reason": "lease expired", "epoch": epoch}, **values)
+        reason = "lease expired" if to != states.CANCELLED else "lease ended: the worker did not report the cancelled job stopped in time"
+        store.transition(conn, job_id, to, epoch=epoch, event={"reason": reason, "epoch": epoch}, **values)
     return True
 
 
