@@ -274,3 +274,38 @@ def test_each_tenant_keeps_its_newest_ended_jobs_and_any_that_a_live_job_continu
     assert env.client.get(f"/v1/jobs/{ended[0]}", headers=auth(env.owner)).status_code == 404
     assert (env.root / continued / "step_1" / "weights.bin").exists()
     assert retention.sweep_jobs(env.client.app)["jobs"] == 0
+
+
+# ----- idempotency records -----------------------------------------------------------------------------------
+def test_idempotency_records_past_the_tenants_bounds_are_429_with_retry_after_and_counted_in_its_usage(env: Env, db_url: str) -> None:
+    """One write key sends requests under new Idempotency-Keys again and again (each stores its answer): past the
+    tenant's bound the next new key is 429 with Retry-After (when the oldest record expires) and runs nothing, a stored
+    key is still answered, a request without a key still runs, and the records are in the tenant's usage."""
+    tenants_set(db_url, "acme", "--max-idempotency-records", "5")
+
+    def post(key: str | None) -> Any:
+        body = {"kind": "train", "config": {"model": "tiny"}}
+        return env.client.post("/v1/jobs", json=body, headers={**auth(env.owner), **({"Idempotency-Key": key} if key else {})})
+
+    for i in range(5):
+        env.clock.advance(10.0)
+        assert post(f"k{i}").status_code == 201
+    over = post("k5")
+    message = refused(over, 429, "5 records", "--max-idempotency-records")
+    assert int(over.headers["Retry-After"]) == DAY - 40, (over.headers, message)  # the oldest (k0) was stored 40 s ago
+    assert query(db_url, "SELECT COUNT(*) FROM jobs WHERE tenant_id = 'acme'")[0][0] == 5  # the refused request made nothing
+    again = post("k0")
+    assert again.status_code == 201 and again.headers["Idempotent-Replayed"] == "true"
+    assert post(None).status_code == 201  # without a key, requests still run
+    usage = env.client.get("/v1/usage", headers=auth(env.owner)).json()["tenants"][0]
+    assert usage["idempotency_records"] == 5 and usage["max_idempotency_records"] == 5
+    assert 0 < usage["idempotency_bytes"] == query(db_url, "SELECT SUM(LENGTH(response)) FROM idempotency WHERE tenant_id = 'acme'")[0][0]
+    # By bytes: a bound below what the records hold refuses the next new key too.
+    tenants_set(db_url, "acme", "--max-idempotency-records", "1000", "--max-idempotency-mb", "0")
+    refused(post("k6"), 429, "bytes of stored answers", "--max-idempotency-mb")
+    # The records expire (the retention pass): new keys run again.
+    tenants_set(db_url, "acme", "--max-idempotency-mb", "64")
+    env.clock.advance(DAY)
+    retention.sweep_jobs(env.client.app)
+    assert post("k7").status_code == 201
+    assert query(db_url, "SELECT COUNT(*) FROM idempotency WHERE tenant_id = 'acme'")[0][0] == 1

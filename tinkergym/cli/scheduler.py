@@ -369,11 +369,17 @@ def tenants() -> None:
 @click.option("--keep-ended-jobs", type=click.IntRange(0, MAX_INT), default=None, metavar="N",
               help="Ended jobs kept; older ones are deleted with their events and artifacts (see serve --job-retention). "
                    "New tenants: 1000.")
+@click.option("--max-idempotency-records", type=click.IntRange(0, MAX_INT), default=None, metavar="N",
+              help="Idempotency-Key records (stored answers, kept --idempotency-ttl) the tenant may hold at once; a new key "
+                   "past it is refused (429 with Retry-After). New tenants: 10000.")
+@click.option("--max-idempotency-mb", type=click.IntRange(0, MAX_INT // 2**20), default=None, metavar="MIB",
+              help="Bytes those records may hold, in MiB (2**20 bytes); a new key past it is refused (429). New tenants: 64.")
 @db_option
 @data_dir_option
 def tenants_set(
     tenant: str, max_gpus: int | None, max_queued: int | None, max_artifact_gb: float | None, max_events_per_job: int | None,
-    max_event_kb: int | None, keep_ended_jobs: int | None, db: str | None, data_dir: Path,
+    max_event_kb: int | None, keep_ended_jobs: int | None, max_idempotency_records: int | None, max_idempotency_mb: int | None,
+    db: str | None, data_dir: Path,
 ) -> None:
     """Create a tenant or change its quotas (the options not given keep their values).
 
@@ -394,13 +400,15 @@ def tenants_set(
             ensure_tenant(conn, tenant, max_gpus=max_gpus, max_queued=max_queued,
                           max_artifact_bytes=None if max_artifact_gb is None else round(max_artifact_gb * GIB),
                           max_events_per_job=max_events_per_job, max_event_bytes=None if max_event_kb is None else max_event_kb * 1024,
-                          keep_ended_jobs=keep_ended_jobs)
+                          keep_ended_jobs=keep_ended_jobs, max_idempotency_records=max_idempotency_records,
+                          max_idempotency_bytes=None if max_idempotency_mb is None else max_idempotency_mb << 20)
             row = conn.execute(select(tenants_table).where(tenants_table.c.id == tenant)).mappings().one()
     finally:
         engine.dispose()
     click.echo(f"tenant {row['id']}: max_gpus={row['max_gpus']} max_queued={row['max_queued']} "
                f"max_artifact_gb={_gib(row['max_artifact_bytes'])} max_events_per_job={row['max_events_per_job']} "
-               f"max_event_kb={_kib(row['max_event_bytes'])} keep_ended_jobs={row['keep_ended_jobs']}")
+               f"max_event_kb={_kib(row['max_event_bytes'])} keep_ended_jobs={row['keep_ended_jobs']} "
+               f"max_idempotency_records={row['max_idempotency_records']} max_idempotency_mb={row['max_idempotency_bytes'] >> 20}")
 
 
 def _gib(n: int) -> str:

@@ -62,6 +62,9 @@ tenants = Table(
     Column("retired_device_seconds", Float, nullable=False, default=0.0, server_default="0"),
     Column("retired_tokens_trained", BigInteger, nullable=False, default=0, server_default="0"),
     Column("retired_tokens_sampled", BigInteger, nullable=False, default=0, server_default="0"),
+    # Idempotency-Key records (stored answers) the tenant may hold at once, by count and by bytes (tinkergym.scheduler.idempotency).
+    Column("max_idempotency_records", Integer, nullable=False, default=10_000, server_default="10000"),
+    Column("max_idempotency_bytes", BigInteger, nullable=False, default=64 << 20, server_default=str(64 << 20)),
 )
 
 api_keys = Table(

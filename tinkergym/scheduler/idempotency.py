@@ -9,6 +9,10 @@ A key is scoped by tenant, method and path and fingerprinted by the request body
   creates nothing;
 - the same key with another body is 422;
 - a request refused without effect (a quota, :class:`Refused`) is not stored: a retry runs again;
+- a new key past the tenant's bounds (``tenants.max_idempotency_records`` records, ``max_idempotency_bytes`` bytes of
+  stored answers; ``tinkergym scheduler tenants set``) is 429 with ``Retry-After``, when its oldest record expires
+  (``idempotency_ttl_s``): nothing runs, and the same request without a key still does. A retry of a stored key is
+  always answered. The check is made before the request runs, so a tenant ends at most one answer past its bytes;
 - a retry while the first is still running is 409. In flight means: in this process, a request with the key
   that has not ended (a set the store keeps); in another process on the same PostgreSQL database, a transaction
   holding the key's advisory lock (``pg_try_advisory_xact_lock``, taken in the statement that looks the key
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +38,7 @@ from collections.abc import Callable, Iterator
 from sqlalchemy import and_, bindparam, func, literal_column, select, true, update
 from sqlalchemy.engine import Connection
 
-from tinkergym.scheduler.db import Prepared, idempotency
+from tinkergym.scheduler.db import Prepared, idempotency, tenants
 from tinkergym.scheduler.repository import JobStore
 
 MAX_KEY_LENGTH = 255
@@ -72,11 +77,38 @@ _INSERT_KEY = Prepared(_insert_key)
 
 
 class IdempotencyError(Exception):
-    """The key cannot be used now: ``status`` is 409 (first request in flight), 422 (other body) or 400 (bad key)."""
+    """The key cannot be used now: ``status`` is 409 (first request in flight), 422 (other body), 400 (bad key) or 429
+    (the tenant's records are at their bounds; ``retry_after`` seconds until the oldest expires)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.retry_after = retry_after
+
+
+def held_records(conn: Connection, tenant_id: str) -> tuple[int, int, float | None]:
+    """The tenant's Idempotency-Key records: how many, the bytes of their stored answers, and when the oldest was made."""
+    count, size, oldest = conn.execute(
+        select(func.count(), func.coalesce(func.sum(func.length(idempotency.c.response)), 0), func.min(idempotency.c.created_at))
+        .where(idempotency.c.tenant_id == tenant_id)).one()
+    return int(count), int(size), oldest
+
+
+def check_bounds(conn: Connection, tenant_id: str, now: float, ttl_s: float | None) -> None:
+    """:class:`IdempotencyError` 429 when the tenant holds its bound of records, or of their bytes, already."""
+    bounds = conn.execute(select(tenants.c.max_idempotency_records, tenants.c.max_idempotency_bytes)
+                          .where(tenants.c.id == tenant_id)).first()
+    if bounds is None:
+        return
+    count, size, oldest = held_records(conn, tenant_id)
+    if count < bounds[0] and size < bounds[1]:
+        return
+    wait = max(1, math.ceil(oldest + ttl_s - now)) if ttl_s and oldest is not None else 3600
+    held = f"{count:,} records" if count >= bounds[0] else f"{size:,} bytes of stored answers"
+    raise IdempotencyError(
+        429, f"this tenant holds {held} under Idempotency-Keys, its bound (records: {bounds[0]:,}, bytes: {bounds[1]:,}): retry "
+             f"after the oldest expires (Retry-After), send the request without an Idempotency-Key, or ask the operator "
+             f"(tinkergym scheduler tenants set {tenant_id} --max-idempotency-records N --max-idempotency-mb M)", retry_after=wait)
 
 
 class Refused(Exception):
@@ -107,9 +139,10 @@ def fingerprint(body: Any) -> str:
 
 def run_once(
     store: JobStore, *, tenant_id: str, method: str, path: str, key: str | None, body: Any,
-    handler: Callable[[Connection], tuple[int, dict[str, Any]]],
+    handler: Callable[[Connection], tuple[int, dict[str, Any]]], ttl_s: float | None = None,
 ) -> Stored:
-    """Run ``handler(conn)`` in a transaction once per key, storing its response there; without a key, just run it."""
+    """Run ``handler(conn)`` in a transaction once per key, storing its response there; without a key, just run it.
+    ``ttl_s``: how long records are kept (the ``Retry-After`` of a key refused at the tenant's bounds)."""
     if key is None:
         try:
             with store.transaction() as conn:
@@ -134,6 +167,8 @@ def run_once(
                         return stored
                 elif not free:
                     raise IdempotencyError(409, "a request with this Idempotency-Key is in flight; retry after it ends")
+                if not taking_over:
+                    check_bounds(conn, tenant_id, store.clock(), ttl_s)
                 status, payload = handler(conn)
                 record = {**scope, "body_digest": digest, "status": status, "response": json.dumps(payload), "created_at": store.clock()}
                 if taking_over:  # a dead request's marker (an earlier version's): this request's answer replaces it

@@ -27,7 +27,7 @@ from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler import states
 from tinkergym.scheduler.bounds import CLUSTER
-from tinkergym.scheduler.db import allocations, devices, jobs, tenants
+from tinkergym.scheduler.db import allocations, devices, idempotency, jobs, tenants
 
 #: Seconds between two samples of the queue's history, and the samples kept (an hour at the default).
 QUEUE_SAMPLE_S = 10.0
@@ -120,6 +120,11 @@ def usage_rows(conn: Connection, tenant_id: str | None) -> list[dict[str, Any]]:
     by_jobs = {r.tenant_id: r for r in conn.execute(per_job)}
     by_held = {r.tenant_id: int(r.devices_held) for r in conn.execute(held)}
     by_seats = {r.tenant_id: int(r.seats_held) for r in conn.execute(seats)}
+    records = select(idempotency.c.tenant_id, func.count().label("records"),
+                     func.coalesce(func.sum(func.length(idempotency.c.response)), 0).label("bytes")).group_by(idempotency.c.tenant_id)
+    if tenant_id is not None:
+        records = records.where(idempotency.c.tenant_id == tenant_id)
+    by_records = {r.tenant_id: (int(r.records), int(r.bytes)) for r in conn.execute(records)}
     rows = []
     for t in conn.execute(query.order_by(tenants.c.id)).mappings():
         j = by_jobs.get(t["id"])
@@ -135,6 +140,8 @@ def usage_rows(conn: Connection, tenant_id: str | None) -> list[dict[str, Any]]:
             "artifact_bytes": int(j.artifact_bytes) if j else 0, "max_artifact_bytes": t["max_artifact_bytes"],
             "events": int(j.events) if j else 0, "max_events_per_job": t["max_events_per_job"], "max_event_bytes": t["max_event_bytes"],
             "keep_ended_jobs": t["keep_ended_jobs"],
+            "idempotency_records": by_records.get(t["id"], (0, 0))[0], "max_idempotency_records": t["max_idempotency_records"],
+            "idempotency_bytes": by_records.get(t["id"], (0, 0))[1], "max_idempotency_bytes": t["max_idempotency_bytes"],
         })
     return rows
 

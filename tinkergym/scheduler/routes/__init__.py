@@ -40,9 +40,10 @@ def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: An
 
     try:
         stored = run_once(request.app.state.store, tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
-                          body=body, handler=handler)
+                          body=body, handler=handler, ttl_s=request.app.state.settings.idempotency_ttl_s)
     except IdempotencyError as exc:
-        kinds = {409: "conflict", 422: "idempotency_key_reused", 400: "invalid_request"}
-        return error_response(exc.status, kinds[exc.status], str(exc))
+        kinds = {409: "conflict", 422: "idempotency_key_reused", 400: "invalid_request", 429: "quota"}
+        headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+        return error_response(exc.status, kinds[exc.status], str(exc), headers=headers)
     answer = finish(stored.body) if finish is not None and 200 <= stored.status < 300 else stored.body
     return WireJSON(answer, status_code=stored.status, headers={"Idempotent-Replayed": "true"} if stored.replayed else None)

@@ -53,6 +53,10 @@ class Usage(WireModel):
     max_events_per_job: int
     max_event_bytes: int
     keep_ended_jobs: int
+    idempotency_records: int = Field(description="Idempotency-Key records (stored answers) it holds")
+    max_idempotency_records: int
+    idempotency_bytes: int = Field(description="bytes of those stored answers")
+    max_idempotency_bytes: int
 
 
 class UsageList(WireModel):
