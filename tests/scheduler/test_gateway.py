@@ -175,6 +175,38 @@ def test_a_streamed_answer_passes_through_chunk_by_chunk(make_setup: Any) -> Non
     assert not s.owner_key_reached_an_upstream()
 
 
+def test_a_revoked_keys_open_stream_ends_at_once_and_another_keys_goes_on(make_setup: Any, db_url: str) -> None:
+    """A streamed completion whose key is revoked mid-answer ends with an error event at the watcher's next pass (the
+    server still holding back its answer); another key's stream of the same job is untouched."""
+    from tinkergym.scheduler.auth import KEY_PATTERN, revoke_key
+    from tinkergym.scheduler.db import make_engine
+
+    s = make_setup()
+    upstream = s.upstream("a")
+    worker = kit.register(s.http, s.keys.worker(2))
+    job_id = s.submit()
+    s.run_on(worker, job_id, upstream)
+    doomed = s.keys.new("acme", "read,write")
+    body = {"model": "tiny", "prompt": "hi", "stream": True}
+    with s.http.stream("POST", f"{s.base(job_id)}/completions", json=body, headers=kit.auth(doomed)) as cut, \
+            s.http.stream("POST", f"{s.base(job_id)}/completions", json=body, headers=kit.auth(s.owner)) as kept:
+        cut_lines, kept_lines = cut.iter_lines(), kept.iter_lines()
+        assert next(cut_lines) == next(kept_lines) == 'data: {"from": "a", "n": 1}'
+        engine = make_engine(db_url)
+        try:
+            assert revoke_key(engine, KEY_PATTERN.match(doomed).group(1))
+        finally:
+            engine.dispose()
+        started = time.monotonic()
+        rest = [line for line in cut_lines if line]
+        assert time.monotonic() - started < 10 and not upstream.release.is_set()
+        assert len(rest) == 1 and json.loads(rest[0].removeprefix("data: "))["error"]["type"] == "unauthorized", rest
+        upstream.release.set()
+        assert [line for line in kept_lines if line] == ["data: [DONE]"]
+    assert s.http.get(f"{s.base(job_id)}/models", headers=kit.auth(doomed)).status_code == 401
+    assert s.app.state.gateway.in_flight == {} and not s.app.state.streams.subscriptions  # every slot freed
+
+
 def test_the_same_url_follows_the_job_to_its_next_server_and_token(make_setup: Any) -> None:
     s = make_setup()
     old, new = s.upstream("old"), s.upstream("new")

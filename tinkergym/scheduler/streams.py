@@ -62,6 +62,7 @@ class Subscription:
     revoked: bool = False  # the key was revoked: the stream ends when woken
     tenant: str | None = None
     version: tuple[Version, Version] | None = None
+    uncounted: bool = False  # a key watched alone (StreamHub.watch_key): not one of the key's streams
 
 
 class StreamHub:
@@ -84,6 +85,16 @@ class StreamHub:
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opened: asyncio.Event | None = None
+
+    def watch_key(self, key_id: str) -> Subscription:
+        """Watch ``key_id`` alone, outside the stream limits (a forwarded answer, bounded by the gateway's own): the
+        subscription is woken, ``revoked``, when the key is revoked; :meth:`close` it when the answer ends."""
+        self._ensure_watcher()
+        subscription = Subscription(None, key_id, 0, uncounted=True)
+        self.subscriptions.add(subscription)
+        assert self._opened is not None
+        self._opened.set()
+        return subscription
 
     def open(self, job_id: str | None, key_id: str, cursor: int, tenant: str | None = None) -> Subscription:
         """Count a new stream of ``key_id`` on ``job_id`` (resuming after ``cursor``), or on the job list of ``tenant``
@@ -108,9 +119,10 @@ class StreamHub:
         """Free the stream's slot (once; closing again does nothing)."""
         if subscription in self.subscriptions:
             self.subscriptions.discard(subscription)
-            self.per_key[subscription.key_id] -= 1
-            if self.per_key[subscription.key_id] <= 0:
-                del self.per_key[subscription.key_id]
+            if subscription.key_id in self.per_key and not subscription.uncounted:
+                self.per_key[subscription.key_id] -= 1
+                if self.per_key[subscription.key_id] <= 0:
+                    del self.per_key[subscription.key_id]
 
     async def aclose(self) -> None:
         """Stop the watcher (the app's shutdown)."""

@@ -88,26 +88,54 @@ class Forwarding:
         self._client = self._loop = None
 
 
+#: The last event of a streamed answer cut off because its key was revoked (an OpenAI client reads it as an error).
+REVOKED_EVENT = b'data: {"error": {"type": "unauthorized", "message": "the API key was revoked: this answer ends here"}}\n\n'
+
+
 class ForwardedResponse(StreamingResponse):
     """The server's answer streamed back as it arrives.
 
     The upstream response is closed and the tenant's slot freed however the stream ends: at its last chunk (before the
-    end of the body is sent, so a client that saw the end may send its next request at once), or with the client
-    gone or the request cancelled.
+    end of the body is sent, so a client that saw the end may send its next request at once), with the client gone or
+    the request cancelled, or when the key that sent it is revoked (``watch``, a subscription of the app's stream hub
+    that the hub's watcher wakes then, as it ends event streams): a server-sent answer gets one last error event.
     """
 
-    def __init__(self, upstream: Any, done: Any) -> None:
+    def __init__(self, upstream: Any, done: Any, watch: Any = None) -> None:
         headers = {k: v for k, v in upstream.headers.items() if k.lower() in FORWARDED_RESPONSE_HEADERS}
         super().__init__(self._chunks(upstream), status_code=upstream.status_code, headers=headers)
         self.upstream = upstream
         self.released = False
         self.done = done
+        self.watch = watch
+        self.events = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
     async def _chunks(self, upstream: Any) -> Any:
+        revoked = None if self.watch is None else asyncio.ensure_future(self.watch.wake.wait())
+        chunks = upstream.aiter_raw().__aiter__()
         try:
-            async for chunk in upstream.aiter_raw():
+            while True:
+                step = asyncio.ensure_future(chunks.__anext__())
+                while revoked is not None and not step.done():
+                    await asyncio.wait({step, revoked}, return_when=asyncio.FIRST_COMPLETED)
+                    if revoked.done() and not self.watch.revoked:  # woken for nothing: wait on
+                        self.watch.wake.clear()
+                        revoked = asyncio.ensure_future(self.watch.wake.wait())
+                        continue
+                    if not step.done():  # the key was revoked while the server was still answering
+                        step.cancel()
+                        await asyncio.gather(step, return_exceptions=True)
+                        if self.events:
+                            yield REVOKED_EVENT
+                        return
+                try:
+                    chunk = await step
+                except StopAsyncIteration:
+                    return
                 yield chunk
         finally:
+            if revoked is not None:
+                revoked.cancel()
             await self._finish()
 
     async def _finish(self) -> None:
@@ -161,14 +189,21 @@ async def forward(job_id: str, path: str, request: Request, who: Principal = Dep
     if not gate.acquire(who.tenant_id):
         return error_response(429, "too_many_requests", f"this tenant has {gate.max_per_tenant} requests in flight through the gateway; "
                               "retry when one ends", headers={"Retry-After": "1"})
-    try:
-        return await _send(request, gate, job, path, lambda: gate.release(who.tenant_id))
-    except BaseException:
+    hub = request.app.state.streams
+    watch = hub.watch_key(who.key_id)  # the answer ends when the key is revoked
+
+    def done() -> None:
+        hub.close(watch)
         gate.release(who.tenant_id)
+
+    try:
+        return await _send(request, gate, job, path, done, watch)
+    except BaseException:
+        done()
         raise
 
 
-async def _send(request: Request, gate: Forwarding, job: dict[str, Any], path: str, done: Any) -> Any:
+async def _send(request: Request, gate: Forwarding, job: dict[str, Any], path: str, done: Any, watch: Any = None) -> Any:
     import httpx
 
     token = leases.token_for(request.app, job["id"], job["lease_epoch"])
@@ -193,4 +228,4 @@ async def _send(request: Request, gate: Forwarding, job: dict[str, Any], path: s
         await upstream.aclose()
         done()
         return _unavailable(f"job {job['id']}'s lease has ended on its server (the job is moving); retry shortly")
-    return ForwardedResponse(upstream, done)
+    return ForwardedResponse(upstream, done, watch)
