@@ -195,8 +195,11 @@ def test_expiry_requeues_with_attempt_plus_one_and_frees_devices(setup: Any, clo
     w = register(setup.client, setup.worker, devices=2)
     job_id = setup.job(gpus=2, max_attempts=2)
     lease = w.lease()
-    for state in ("starting", "running"):  # lost mid-run
+    for state in ("starting", "running"):  # lost mid-run, after running a whole lease (a lease lost before counts against the worker)
         assert w.state(job_id, lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+    for _ in range(2):
+        clock.advance(20.0)
+        assert w.heartbeat(job_id, lease["epoch"]).status_code == 200
     clock.advance(29.0)
     assert leases.sweep(app) == 0  # not yet
     clock.advance(2.0)
@@ -212,6 +215,10 @@ def test_expiry_requeues_with_attempt_plus_one_and_frees_devices(setup: Any, clo
     assert again["job_id"] == job_id and again["epoch"] == 2 and again["attempt"] == 1
     for state in ("starting", "running"):
         assert w.state(job_id, again["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+    assert leases.LossPolicy.of(app.state.settings).quarantine_losses > 2  # this worker's two losses do not quarantine it
+    for _ in range(2):
+        clock.advance(20.0)
+        assert w.heartbeat(job_id, again["epoch"]).status_code == 200
     clock.advance(31.0)
     assert leases.sweep(app) == 1
     row = job_row(db_url, job_id)
@@ -255,7 +262,7 @@ def test_expire_compares_epoch_and_expiry(setup: Any, clock: Any, db_url: str) -
     assert not leases.expire(store, job_id, lease["epoch"] + 1, clock() + 60.0)  # another epoch
     assert leases.expire(store, job_id, lease["epoch"], clock() + 60.0)
     assert not leases.expire(store, job_id, lease["epoch"], clock() + 60.0)  # once
-    assert job_row(db_url, job_id)["attempt"] == 1
+    assert job_row(db_url, job_id)["attempt"] == 0  # lost before it ran on its worker: the worker's strike, not the job's attempt
 
 
 def test_background_sweeper_expires_a_lease_with_no_other_traffic(make_client: Any, keys: Any, db_url: str) -> None:
@@ -270,7 +277,7 @@ def test_background_sweeper_expires_a_lease_with_no_other_traffic(make_client: A
         if row["state"] == "queued":
             break
         time.sleep(0.05)
-    assert row["state"] == "queued" and row["attempt"] == 1 and allocated(db_url) == []
+    assert row["state"] == "queued" and row["attempt"] == 0 and allocated(db_url) == []  # never ran: no attempt counted
 
 
 def test_sweeper_survives_errors_and_wakes_early(make_client: Any, monkeypatch: Any) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from click.testing import CliRunner
-from workerkit import Clock, auth, job_row, register, submit  # registered by conftest.py
+from workerkit import Clock, auth, job_row, query, register, submit  # registered by conftest.py
 
 from tinkergym.cli import main
 from tinkergym.scheduler import leases
@@ -151,7 +151,7 @@ def test_a_worker_that_never_heartbeats_is_quarantined_before_it_fails_a_job(env
         env.clock.advance(31.0)
         assert leases.sweep(app) == 1
         row = job_row(db_url, job_id)
-        assert row["state"] == "queued" and row["attempt"] == strike  # max_attempts 3: still queued
+        assert row["state"] == "queued" and row["attempt"] == 0  # the worker's fault: no attempt of the job's is spent
     refused = rogue.post("/lease")
     assert refused.status_code == 403 and "quarantined" in refused.json()["error"]["message"]
     assert "workers release" in refused.json()["error"]["message"]
@@ -169,7 +169,7 @@ def test_a_worker_that_never_heartbeats_is_quarantined_before_it_fails_a_job(env
     quarantined = CliRunner().invoke(main, ["scheduler", "workers", "list", "--db", db_url])
     assert quarantined.exit_code == 0, quarantined.output
     line = next(line for line in quarantined.output.splitlines() if rogue.id in line)
-    assert "quarantined" in line and "2 of its leases in a row expired before the job's server came up" in line
+    assert "quarantined" in line and "2 of its leases in a row expired before the job ran on it" in line
     # The operator releases the rogue: it leases again.
     cli = CliRunner().invoke(main, ["scheduler", "workers", "release", rogue.id, "--db", db_url])
     assert cli.exit_code == 0, cli.output
@@ -221,22 +221,108 @@ def test_the_quarantine_reason_is_listed_on_one_short_line() -> None:
     assert "\n" not in shown and len(shown) <= 120 and shown.startswith("it gave job job_1 back") and shown.endswith("uvicorn")
 
 
-def test_strikes_reset_when_a_server_comes_up(env: Any, keys: Any, db_url: str) -> None:
+def test_strikes_reset_when_the_worker_runs_a_whole_lease_not_when_it_says_running(env: Any, keys: Any, db_url: str) -> None:
     app = env.client.app
     w = register(env.client, keys.worker(1), devices=1)
-    first, second = submit(env.client, env.acme), submit(env.client, env.acme)
+    for _ in range(3):
+        submit(env.client, env.acme)
     lease = w.lease()
     env.clock.advance(31.0)
     leases.sweep(app)  # strike 1
     lease = w.lease()
-    for state in ("starting", "running"):
+    for state in ("starting", "running"):  # "running" alone proves nothing
         assert w.state(lease["job_id"], lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+    for _ in range(2):  # a heartbeat of the running job a whole lease after the grant does
+        env.clock.advance(20.0)
+        assert w.heartbeat(lease["job_id"], lease["epoch"]).status_code == 200
+    assert query(db_url, "SELECT strikes FROM workers WHERE id = :i", i=w.id) == [(0,)]
     assert w.state(lease["job_id"], lease["epoch"], "succeeded").status_code == 200
     lease = w.lease()
     env.clock.advance(31.0)
     leases.sweep(app)  # strike 1 again, not 2
     assert w.post("/lease").status_code == 200
-    assert {job_row(db_url, j)["state"] for j in (first, second)} <= {"queued", "leased", "succeeded"}
+
+
+def test_a_worker_that_reports_running_and_never_heartbeats_is_quarantined_and_fails_no_job(env: Any, keys: Any, db_url: str) -> None:
+    """The rogue takes leases, reports ``running`` at a made-up URL at once and never heartbeats: each lease it loses is
+    a strike (reporting running clears none), it is quarantined after two, and another tenant's jobs are queued again at
+    their first attempt, then run by an honest worker."""
+    app = env.client.app
+    rogue = register(env.client, keys.worker(4), name="rogue", devices=4)
+    globex = keys.new("globex", "read,write")
+    jobs = [submit(env.client, globex) for _ in range(6)]
+    refused = None
+    for _ in range(10):
+        lease = rogue.post("/lease")
+        if lease.status_code == 403:
+            refused = lease
+            break
+        if lease.json()["lease"] is None:  # all four devices held: their leases run out
+            env.clock.advance(31.0)
+            leases.sweep(app)
+            continue
+        taken = lease.json()["lease"]
+        for state in ("starting", "running"):
+            assert rogue.state(taken["job_id"], taken["epoch"], state, server_url="http://10.0.0.1:1").status_code == 200
+    assert refused is not None and "quarantined" in refused.json()["error"]["message"]
+    rows = [job_row(db_url, j) for j in jobs]
+    assert all(r["state"] in ("queued", "leased", "running") for r in rows), [r["state"] for r in rows]
+    env.clock.advance(31.0)
+    leases.sweep(app)
+    assert {(job_row(db_url, j)["state"], job_row(db_url, j)["attempt"]) for j in jobs} == {("queued", 0)}
+    honest = register(env.client, keys.worker(1), name="honest", devices=1)
+    lease = honest.lease()
+    assert lease["job_id"] in jobs and lease["attempt"] == 0
+
+
+def test_a_worker_that_loses_leases_after_proving_itself_is_quarantined_in_the_window(make_client: Any, keys: Any, db_url: str) -> None:
+    """A subtler rogue heartbeats each job past its first lease (proving itself), then drops it, while it keeps asking
+    for leases: at quarantine_losses losses in the window it is quarantined, and a job whose every lost lease was lost
+    by it is queued again, not failed, although its attempts ran out."""
+    clock = Clock()
+    client = make_client(clock=clock, lease_ttl_s=30.0, quarantine_losses=3, quarantine_window_s=3600.0)
+    owner = keys.new("acme", "read,write")
+    rogue = register(client, keys.worker(1), name="rogue", devices=1)
+    job_id = submit(client, owner)  # max_attempts 3
+    for loss in (1, 2, 3):
+        lease = rogue.lease()
+        assert lease is not None and lease["job_id"] == job_id, (loss, lease)
+        for state in ("starting", "running"):
+            assert rogue.state(job_id, lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+        for _ in range(2):
+            clock.advance(20.0)
+            assert rogue.heartbeat(job_id, lease["epoch"]).status_code == 200
+        clock.advance(31.0)
+        assert rogue.post("/lease").status_code in (200, 403)  # it keeps calling while its lease runs out
+        assert leases.sweep(client.app) == 1
+    row = job_row(db_url, job_id)
+    assert row["state"] == "queued" and row["attempt"] == 2, row  # its attempts ran out, but every loss was the rogue's
+    refused = rogue.post("/lease")
+    assert refused.status_code == 403 and "lost 3 leases within 3600 s" in refused.json()["error"]["message"]
+    honest = register(client, keys.worker(1), name="honest", devices=1)
+    assert honest.lease()["job_id"] == job_id
+
+
+def test_a_worker_that_died_holding_leases_is_not_quarantined_for_them(make_client: Any, keys: Any, db_url: str) -> None:
+    clock = Clock()
+    client = make_client(clock=clock, lease_ttl_s=30.0, quarantine_losses=2)
+    owner = keys.new("acme", "read,write")
+    box = register(client, keys.worker(4), name="box", devices=4)
+    held = []
+    for _ in range(4):
+        job_id = submit(client, owner)
+        lease = box.lease()
+        held.append((job_id, lease["epoch"]))
+        for state in ("starting", "running"):
+            assert box.state(job_id, lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+    for _ in range(2):
+        clock.advance(20.0)
+        for job_id, epoch in held:
+            assert box.heartbeat(job_id, epoch).status_code == 200
+    clock.advance(31.0)  # the machine died: no more calls
+    assert leases.sweep(client.app) == 4
+    assert query(db_url, "SELECT quarantined_at, losses FROM workers WHERE id = :i", i=box.id) == [(None, 0)]
+    assert {job_row(db_url, j)["attempt"] for j, _ in held} == {1}  # proven leases: each counts against its job
 
 
 # ----- the operator's commands ----------------------------------------------------------------------------

@@ -137,6 +137,11 @@ def scheduler() -> None:
 @click.option("--quarantine-after", type=click.IntRange(min=0), default=2, show_default=True, metavar="N",
               help="A worker whose leases expire N times in a row before the job's server came up gets no more leases until "
                    "`tinkergym scheduler workers release`; 0: never. Keep it below --max-attempts.")
+@click.option("--quarantine-losses", type=click.IntRange(min=0), default=5, show_default=True, metavar="N",
+              help="A worker that loses N leases within --quarantine-window while it keeps calling the scheduler gets no more "
+                   "leases until `tinkergym scheduler workers release`, whatever it reported; 0: never.")
+@click.option("--quarantine-window", type=FiniteFloat(min=0, min_open=True), default=3600.0, show_default=True, metavar="S",
+              help="The window of --quarantine-losses.")
 @click.option("--cancel-deadline", type=FiniteFloat(min=0, min_open=True), default=300.0, show_default=True, metavar="S",
               help="A cancelled job whose worker has not stopped it this long after the cancel loses its lease: it is "
                    "cancelled and its devices and the tenant's quota are free.")
@@ -178,7 +183,7 @@ def scheduler() -> None:
                    "than any worker offering its model has; by default such a job waits, its reason shown, for such a worker.")
 def serve(
     db: str | None, data_dir: Path, host: str, port: int, lease_ttl: float, sweep_interval: float, backfill_age: float,
-    idle_timeout: float, max_attempts: int, quarantine_after: int, cancel_deadline: float, max_body_kb: int, max_artifact_gb: float, worker_timeout: float | None,
+    idle_timeout: float, max_attempts: int, quarantine_after: int, quarantine_losses: int, quarantine_window: float, cancel_deadline: float, max_body_kb: int, max_artifact_gb: float, worker_timeout: float | None,
     max_streams_per_key: int, max_streams: int, header_timeout: float, body_timeout: float, max_connections: int,
     forget_workers_after: float, checkpoint_keep: float, artifact_retention: float, retention_interval: float,
     job_retention: float, idempotency_ttl: float, refuse_unplaceable: bool, gateway_max_per_tenant: int, gateway_read_timeout: float,
@@ -220,7 +225,7 @@ def serve(
     settings = SchedulerSettings(
         db_url=url, data_dir=data_dir, lease_ttl_s=lease_ttl, sweep_interval_s=sweep_interval, backfill_age_s=backfill_age,
         idle_timeout_s=idle_timeout, max_attempts=max_attempts, quarantine_after=quarantine_after, max_body_bytes=max_body_kb * 1024,
-        cancel_deadline_s=cancel_deadline,
+        cancel_deadline_s=cancel_deadline, quarantine_losses=quarantine_losses, quarantine_window_s=quarantine_window,
         max_streams_per_key=max_streams_per_key, max_streams=max_streams,
         max_artifact_bytes=int(max_artifact_gb * 1024**3), worker_timeout_s=worker_timeout, worker_forget_s=forget_workers_after,
         checkpoint_keep_s=checkpoint_keep, artifact_retention_s=artifact_retention, retention_interval_s=retention_interval,

@@ -93,6 +93,9 @@ workers = Table(
     Column("strikes", Integer, nullable=False, default=0),  # leases in a row that expired before the job's server came up
     Column("quarantined_at", Float, nullable=True),  # set at quarantine_after strikes: no more leases until released
     Column("quarantine_reason", Text, nullable=True),  # why: its strikes, or the fault it reported giving a job back
+    # Leases it lost while it kept calling, counted in a window from losses_since (tinkergym.scheduler.worker_registry._count_loss).
+    Column("losses", Integer, nullable=False, default=0, server_default="0"),
+    Column("losses_since", Float, nullable=True),
     Column("model_shapes", Text, nullable=True),  # JSON: model name -> its shape (tinkergym.scheduler.memory), for the models it counted
 )
 

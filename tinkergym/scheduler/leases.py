@@ -37,14 +37,16 @@ forgets (deletes, with its devices) a worker gone for ``worker_forget_s`` that h
 worker's next poll is answered 404 and it registers again.
 
 Only a worker credential leases (:mod:`tinkergym.scheduler.credentials`): the grant reads the queues of the tenants
-its credential serves, and offers only the models it allows. A worker that takes leases and never runs them (each
-expires while the job is still ``leased`` or ``starting``: the worker never heartbeated, or its server never came
-up) gets a strike per such expiry; at ``quarantine_after`` strikes in a row (default 2) it is quarantined: its lease
-requests are refused (403) until the operator releases it (``tinkergym scheduler workers release``). Such expiries
-count against the job's attempts like any other (a job whose server can never start still ends), and the default
-keeps ``quarantine_after`` below ``max_attempts``, so one rogue worker alone never fails a job; the owner's events
-say which worker lost the lease and when it was quarantined. A credential's workers can hold at most its device
-bound, so a credential costs the queue at most that many times ``quarantine_after`` attempts.
+its credential serves, and offers only the models it allows. A worker proves it runs a lease by heartbeating the
+running job a whole lease TTL after the grant, or by reporting a checkpoint (:func:`proven`); reporting ``running``
+proves nothing. A lease that expires unproven is the worker's fault: a strike against it, and the job is queued again at
+the same attempt; at ``quarantine_after`` strikes in a row (default 2) the worker is quarantined: its lease requests are
+refused (403) until the operator releases it (``tinkergym scheduler workers release``). A proven lease that expires
+counts against the job's attempts (a job that kills its worker still ends), unless every lease the job lost was lost
+by a worker now quarantined. And any worker that loses ``quarantine_losses`` leases (default 5) within
+``quarantine_window_s`` (an hour) while it keeps calling the scheduler is quarantined, whatever it reported; one that
+died holding leases (it stopped calling) is not. The owner's events say which worker lost the lease and when it was
+quarantined. A credential's workers can hold at most its device bound.
 
 A worker that cannot run a job it was granted (its machine lacks a package, the model's files or a device) gives it back
 (:func:`release_job`): the job is queued again at the same attempt and the worker is quarantined with the reason, so a
@@ -66,6 +68,7 @@ import math
 import os
 import secrets
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
@@ -76,12 +79,12 @@ from sqlalchemy.engine import Connection
 from tinkergym.scheduler import memory, states
 from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME
 from tinkergym.scheduler.bounds import WorkerBounds
-from tinkergym.scheduler.db import allocations, checkpoints, devices, jobs, tenants, workers
+from tinkergym.scheduler.db import allocations, checkpoints, devices, events, jobs, tenants, workers
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.seats import fits, parse_shared
 from tinkergym.scheduler.usage import charge_renewal
 from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
-    ALIVE, FORGET_BATCH, GONE, _locked, _strike, forget_worker, mark_gone, owned_worker, quarantine_worker, register_worker,
+    ALIVE, FORGET_BATCH, GONE, _count_loss, _locked, _strike, forget_worker, mark_gone, owned_worker, quarantine_worker, register_worker,
     release_worker, sweep_workers, worker_status, worker_timeout, worker_view,
 )
 
@@ -317,6 +320,8 @@ def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, 
     if before["state"] == states.CANCELLING:
         expires = min(expires, before["updated_at"] + getattr(settings, "cancel_deadline_s", math.inf))
     job = store.renew_lease(conn, job_id, epoch, worker_id, expires)
+    if before["state"] == states.RUNNING and proven(conn, job, settings.lease_ttl_s):  # it ran a whole lease: its strikes end
+        conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.strikes != 0).values(strikes=0))
     charge_renewal(conn, before, now, settings.lease_ttl_s, epoch, usage)  # the device-seconds and tokens since the last renewal
     _touch(conn, worker_id, now)
     return {"job_id": job_id, "epoch": epoch, "state": job["state"], "cancelling": job["state"] == states.CANCELLING,
@@ -345,8 +350,7 @@ def report_state(
     if state == states.RUNNING:
         if not server_url:
             raise ValueError("a running job needs server_url: where its server listens")
-        values["server_url"] = server_url
-        conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.strikes != 0).values(strikes=0))
+        values["server_url"] = server_url  # (strikes are not reset here: a worker proves itself by running, see heartbeat)
     if error:
         event["error"] = values["error"] = error
     if state == states.FAILED and not error:
@@ -406,35 +410,95 @@ def release_job(conn: Connection, store: JobStore, worker_id: str, job_id: str, 
 
 
 # ----- expiry ----------------------------------------------------------------------------------------
-def expire(store: JobStore, job_id: str, epoch: int, now: float, quarantine_after: int = 0) -> bool:
+@dataclass(frozen=True)
+class LossPolicy:
+    """How a lost lease is charged (the scheduler's settings of the same names; see :func:`expire`)."""
+
+    lease_ttl_s: float = 30.0
+    quarantine_after: int = 0  # unproven losses in a row that quarantine a worker (0: never)
+    quarantine_losses: int = 0  # losses of any kind within quarantine_window_s that quarantine a worker (0: never)
+    quarantine_window_s: float = 3600.0
+
+    @classmethod
+    def of(cls, settings: Any) -> LossPolicy:
+        return cls(**{f: getattr(settings, f) for f in ("lease_ttl_s", "quarantine_after", "quarantine_losses", "quarantine_window_s")
+                      if hasattr(settings, f)})
+
+
+def expire(store: JobStore, job_id: str, epoch: int, now: float, policy: LossPolicy = LossPolicy()) -> bool:
     """Expire the job's lease at ``epoch`` if it ended before ``now`` (one transaction); whether it did.
 
     Re-reads the job under lock and compares epoch, state and expiry, so a heartbeat that renewed it first,
-    or a grant of a new epoch, wins instead. The job is requeued with ``attempt + 1``, failed when attempts
-    reach ``max_attempts``, or cancelled when it was cancelling; its devices are freed. A lease that expired
-    before the job's server came up (still ``leased`` or ``starting``) is a strike against its worker
-    (:func:`_strike`), which is quarantined at ``quarantine_after`` strikes in a row (0: never).
+    or a grant of a new epoch, wins instead. The job's devices are freed, and it moves on by who lost the lease:
+
+    - a cancelling job is cancelled;
+    - a lease its worker never proved (:func:`proven`: the job never ran a whole lease past its grant, and no checkpoint
+      was reported in it) is the worker's fault, not the job's: a strike against the worker (:func:`_strike`,
+      quarantined at ``quarantine_after`` in a row), and the job is queued again at the same attempt;
+    - a proven lease counts against the job's attempts: queued with ``attempt + 1``, or failed at ``max_attempts``
+      unless every lease it lost was lost by a worker now quarantined (then queued again at the same attempt).
+
+    Every loss by a worker still calling (seen after the lease ended) counts against it within ``quarantine_window_s``:
+    ``quarantine_losses`` of them quarantine it, whatever it reports (:func:`_count_loss`). A worker that died holding
+    leases stops calling, and its losses are not held against it.
     """
     with store.transaction() as conn:
         job = store.get(conn, job_id, for_update=True)
         ends = job["lease_expires_at"]
         if job["lease_epoch"] != epoch or job["state"] not in states.HOLDING or ends is None or ends >= now:
             return False
-        if job["state"] in (states.LEASED, states.STARTING) and job["worker_id"] is not None:
-            _strike(conn, store, job, quarantine_after, now)
+        worker_id = job["worker_id"]
+        ran = worker_id is None or proven(conn, job, policy.lease_ttl_s)
+        if worker_id is not None:
+            if not ran:
+                _strike(conn, store, job, policy.quarantine_after, now)
+            _count_loss(conn, store, job, policy, now)
         values: dict[str, Any] = {"worker_id": None, "server_url": None, "lease_expires_at": None, "server_token_digest": None}
+        event: dict[str, Any] = {"reason": "lease expired", "epoch": epoch, "worker": worker_id}
         if job["state"] == states.CANCELLING:
             to = states.CANCELLED
-        elif job["attempt"] + 1 >= job["max_attempts"]:
-            to = states.FAILED
-            values.update(attempt=job["attempt"] + 1, error=f"the job's lease was lost {job['attempt'] + 1} times (max_attempts)")
-        else:
+            event["reason"] = "lease ended: the worker did not report the cancelled job stopped in time"
+        elif not ran:
+            to = states.QUEUED
+            event["reason"] = "lease expired before the job ran on its worker (not counted as an attempt)"
+        elif job["attempt"] + 1 < job["max_attempts"]:
             to = states.QUEUED
             values["attempt"] = job["attempt"] + 1
+        elif _all_lost_by_quarantined(conn, job_id, worker_id):
+            to = states.QUEUED
+            event["reason"] = "lease expired; every lease the job lost was lost by a quarantined worker: queued again"
+        else:
+            to = states.FAILED
+            values.update(attempt=job["attempt"] + 1, error=f"the job's lease was lost {job['attempt'] + 1} times (max_attempts)")
         conn.execute(delete(allocations).where(allocations.c.job_id == job_id))
-        reason = "lease expired" if to != states.CANCELLED else "lease ended: the worker did not report the cancelled job stopped in time"
-        store.transition(conn, job_id, to, epoch=epoch, event={"reason": reason, "epoch": epoch}, **values)
+        store.transition(conn, job_id, to, epoch=epoch, event=event, **values)
     return True
+
+
+def proven(conn: Connection, job: dict[str, Any], ttl_s: float) -> bool:
+    """Whether the worker proved it ran the job in this lease: the job is running and a heartbeat renewed the lease at
+    least one lease TTL after the grant (the expiry a heartbeat sets is its time plus the TTL), or the worker reported a
+    checkpoint in this lease."""
+    granted = conn.execute(select(func.min(allocations.c.granted_at)).where(allocations.c.job_id == job["id"])).scalar()
+    if job["state"] in (states.RUNNING, states.CANCELLING) and granted is not None and job["lease_expires_at"] >= granted + 2 * ttl_s:
+        return True
+    return conn.execute(select(checkpoints.c.id).where(checkpoints.c.job_id == job["id"], checkpoints.c.epoch == job["lease_epoch"])
+                        .limit(1)).first() is not None
+
+
+def _all_lost_by_quarantined(conn: Connection, job_id: str, worker_id: str | None) -> bool:
+    """Whether every lease ``job_id`` lost (its expiry events, and this one's ``worker_id``) was lost by a worker that is
+    quarantined now."""
+    losers = {worker_id}
+    for (data,) in conn.execute(select(events.c.data).where(events.c.job_id == job_id, events.c.type == "state")):
+        record = json.loads(data)
+        if record.get("state") in (states.QUEUED, states.FAILED) and str(record.get("reason", "")).startswith("lease expired"):
+            losers.add(record.get("worker"))
+    if None in losers:
+        return False  # a loss of an earlier version (no worker recorded), or of no worker: not known to be a rogue's
+    quarantined = conn.execute(select(func.count()).select_from(workers).where(
+        workers.c.id.in_(sorted(losers)), workers.c.quarantined_at.is_not(None))).scalar_one()
+    return quarantined == len(losers)
 
 
 def sweep(app: Any) -> int:
@@ -449,7 +513,7 @@ def sweep(app: Any) -> int:
     expired = 0
     for job_id, epoch in due:
         try:
-            expired += expire(store, job_id, epoch, now, getattr(app.state.settings, "quarantine_after", 0))
+            expired += expire(store, job_id, epoch, now, LossPolicy.of(app.state.settings))
         except Exception:  # noqa: BLE001 - one job's failure must not stop the others' expiry
             app.state.logger.exception("could not expire the lease of job %s at epoch %s", job_id, epoch)
     if expired:

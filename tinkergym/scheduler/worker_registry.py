@@ -146,8 +146,9 @@ def owned_worker(conn: Connection, worker_id: str, key_id: str) -> dict[str, Any
 def _strike(conn: Connection, store: JobStore, job: dict[str, Any], quarantine_after: int, now: float) -> None:
     """Count a lease of ``job`` that expired before its server came up against its worker; quarantine it at ``quarantine_after``.
 
-    The job's owner reads why in its events (the worker, its strikes, and its quarantine). Strikes reset when one of
-    the worker's jobs reports ``running``; a quarantined worker gets no lease until the operator releases it.
+    The job's owner reads why in its events (the worker, its strikes, and its quarantine). Strikes reset when the worker
+    proves itself (a heartbeat of a running job a whole lease after its grant: :func:`tinkergym.scheduler.leases.proven`),
+    not when it merely reports ``running``; a quarantined worker gets no lease until the operator releases it.
     """
     worker_id = job["worker_id"]
     row = conn.execute(_locked(conn, select(workers.c.strikes, workers.c.quarantined_at).where(workers.c.id == worker_id))).first()
@@ -155,13 +156,36 @@ def _strike(conn: Connection, store: JobStore, job: dict[str, Any], quarantine_a
         return
     strikes = row.strikes + 1
     quarantine = bool(quarantine_after) and strikes >= quarantine_after and row.quarantined_at is None
-    reason = f"{strikes} of its leases in a row expired before the job's server came up (it took jobs and never ran them)"
+    reason = f"{strikes} of its leases in a row expired before the job ran on it (it took jobs and never ran them)"
     conn.execute(update(workers).where(workers.c.id == worker_id).values(
         strikes=strikes, **({"quarantined_at": now, "quarantine_reason": reason} if quarantine else {})))
-    data: dict[str, Any] = {"message": "the lease expired before the job's server came up", "worker": worker_id, "strikes": strikes}
+    data: dict[str, Any] = {"message": "the lease expired before the job ran on its worker", "worker": worker_id, "strikes": strikes}
     if quarantine:
         data["message"] += f"; worker {worker_id} is quarantined after {strikes} such leases in a row and gets no more jobs"
     store.append_event(conn, job["id"], "log", data)
+
+
+def _count_loss(conn: Connection, store: JobStore, job: dict[str, Any], policy: Any, now: float) -> None:
+    """Count a lost lease of ``job`` against its worker if the worker still calls (seen after the lease ended: it is
+    alive and let this lease go), within ``policy.quarantine_window_s``; at ``policy.quarantine_losses`` such losses in
+    the window it is quarantined, whatever it reported. The count is a fixed window: it starts at the first loss after
+    the last window ended."""
+    worker_id = job["worker_id"]
+    row = conn.execute(_locked(conn, select(workers.c.last_seen_at, workers.c.losses, workers.c.losses_since, workers.c.quarantined_at)
+                                     .where(workers.c.id == worker_id))).first()
+    if row is None or row.last_seen_at < job["lease_expires_at"]:
+        return  # it stopped calling before the lease ended: it died holding it, which is no fault of its own
+    if row.losses_since is None or now - row.losses_since > policy.quarantine_window_s:
+        losses, since = 1, now
+    else:
+        losses, since = row.losses + 1, row.losses_since
+    quarantine = bool(policy.quarantine_losses) and losses >= policy.quarantine_losses and row.quarantined_at is None
+    reason = f"it lost {losses} leases within {policy.quarantine_window_s:g} s while it kept calling the scheduler"
+    conn.execute(update(workers).where(workers.c.id == worker_id).values(
+        losses=losses, losses_since=since, **({"quarantined_at": now, "quarantine_reason": reason} if quarantine else {})))
+    if quarantine:
+        store.append_event(conn, job["id"], "log", {"message": f"worker {worker_id} is quarantined: {reason}", "worker": worker_id,
+                                                    "losses": losses})
 
 
 def quarantine_worker(conn: Connection, worker_id: str, reason: str, now: float) -> None:
@@ -173,7 +197,8 @@ def quarantine_worker(conn: Connection, worker_id: str, reason: str, now: float)
 def release_worker(store: JobStore, worker_id: str) -> bool:
     """End a worker's quarantine and clear its strikes; False when there is no such worker."""
     with store.transaction() as conn:
-        result = conn.execute(update(workers).where(workers.c.id == worker_id).values(strikes=0, quarantined_at=None, quarantine_reason=None))
+        result = conn.execute(update(workers).where(workers.c.id == worker_id).values(
+            strikes=0, losses=0, losses_since=None, quarantined_at=None, quarantine_reason=None))
     return result.rowcount == 1
 
 
