@@ -36,7 +36,8 @@ def bearer(token: str) -> dict[str, str]:
 
 
 def shared_app(tiny: str, run_dir: Path, **options: Any) -> tuple[TestClient, SharedBase]:
-    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", micro_batch_size=16, max_sessions=options.pop("max_adapters", 8)))
+    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", micro_batch_size=16, max_sessions=options.pop("max_adapters", 8),
+                                       max_sample_batch=options.pop("max_sample_batch", 64)))
     app = create_shared_app(base, run_dir=run_dir, token_digest=token_digest(TOKEN), **options)
     return TestClient(app, raise_server_exceptions=False), base
 
@@ -138,6 +139,46 @@ def test_rounds_take_adapters_in_turn_so_none_waits_behind_anothers_queue(tiny, 
         assert all(len(r) == 1 for r in rounds)
     else:
         assert len(rounds[1]) == 2
+
+
+@pytest.mark.parametrize("seed", [11, None])
+def test_a_sample_call_over_the_budget_runs_in_slices_that_other_adapters_calls_run_between(tiny, tmp_path, seed) -> None:
+    """One adapter's sample call of 12 prompts x 4 samples (624 tokens) on a server whose rounds hold 100: it is worked
+    two prompts (one batch of the base) at a time, another adapter's small call runs in the second round instead of
+    after the whole call, and the big call's samples are those it gets in one go on a server without the budget (the
+    same adapter seed: the same draws, seeded or from the adapter's generator)."""
+    big = SampleRequest([[5 + i, 6, 7 + i] for i in range(12)], SamplingParams(max_new_tokens=10, seed=seed), num_samples=4)
+    small = SampleRequest([[9, 10]], SamplingParams(max_new_tokens=2, seed=3))
+
+    def serve(pass_tokens: int, folder: str) -> tuple[TestClient, SharedBase, Caller, Caller]:
+        http, base = shared_app(tiny, tmp_path / folder, pass_tokens=pass_tokens, max_sample_batch=8)
+        a, b = (Caller(http, http.post("/v1/adapters", headers=ADMIN, json={"seed": s}).json()["token"]) for s in (1, 2))
+        return http, base, a, b
+
+    http, base, a, b = serve(100, "sliced")
+    worker = http.app.state.shared.worker
+    with base._lock:  # the big call's first slice waits on the base while the small call arrives
+        whole = _submit(a, "sample", {"request": big.to_dict()})
+        wait_until("the first slice to start", lambda: len(worker._running) == 1, timeout=10, every=0.01)
+        mine = _submit(b, "sample", {"request": small.to_dict()})
+    sliced = http.get(f"/v1/requests/{whole}?wait=60", headers=a.headers).json()["result"]
+    assert http.get(f"/v1/requests/{mine}?wait=60", headers=b.headers).status_code == 200
+    a_id, b_id = worker_id(http, 0), worker_id(http, 1)
+    wait_until("the last round to be logged", lambda: sum(x[0] == a_id for r in worker.rounds for x in r) == 6, timeout=10, every=0.01)
+    rounds = [[adapter for adapter, _ in r] for r in worker.rounds]
+    assert rounds[0] == [a_id] and b_id in rounds[1], rounds  # the small call waited one slice, not the whole call
+    assert any(a_id in r for r in rounds[2:]), rounds  # six slices of two prompts in all, the last ones after the small call
+    assert worker._slices == {}
+
+    http, _, a, _ = serve(1 << 20, "whole")
+    at_once = a.post("sample", {"request": big.to_dict()}).json()["result"]
+    wait_until("the round to be logged", lambda: len(http.app.state.shared.worker.rounds) == 1, timeout=10, every=0.01)  # after its answer
+    tokens = [[s["tokens"] for s in row] for row in sliced["sequences"]]
+    assert tokens == [[s["tokens"] for s in row] for row in at_once["sequences"]]
+    assert len(tokens) == 12 and all(len(row) == 4 for row in tokens)
+    for mine_row, theirs_row in zip(sliced["sequences"], at_once["sequences"]):
+        for x, y in zip(mine_row, theirs_row):
+            assert x["logprobs"] == pytest.approx(y["logprobs"], abs=1e-5)
 
 
 def test_an_adapters_waiting_reads_share_one_pass_and_draw_what_each_would_alone(tiny, tmp_path) -> None:

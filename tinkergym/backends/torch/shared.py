@@ -145,6 +145,7 @@ class SharedBase:
         self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))
         self._next_id = 1
         self._lock = threading.RLock()  # one pass at a time over the shared model
+        self._given: dict[int, Any] = {}  # a sample_many call's generators, by its requests' ids
         fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.pad_id = next(t for t in fallbacks if t is not None)
         self.base_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
@@ -286,9 +287,22 @@ class SharedBase:
         return self.vision.model_inputs(tokens_BT, attention_BT, images)
 
     # ----- sampling and scoring ---------------------------------------------------------------------
-    def sample_many(self, calls: Sequence[tuple[LoraSession, SampleRequest]]) -> list[Outcome]:
-        """Each call's :class:`SampleResponse`, or the exception it raised; see the module docstring."""
-        return self._isolated(calls, self._sample_together, self._check_sample, restore_grads=False)
+    def sample_many(self, calls: Sequence[tuple[LoraSession, SampleRequest]], generators: Sequence[Any] | None = None) -> list[Outcome]:
+        """Each call's :class:`SampleResponse`, or the exception it raised; see the module docstring.
+
+        ``generators``: per call, the generator it draws from (one :meth:`slice_generator` made) in place of its seed's or
+        its session's, or None: a request sampled in slices over several passes draws on from where its last slice left.
+        """
+        self._given = {id(r): g for (_, r), g in zip(calls, generators or ()) if g is not None}
+        try:
+            return self._isolated(calls, self._sample_together, self._check_sample, restore_grads=False)
+        finally:
+            self._given = {}
+
+    def slice_generator(self, request: SampleRequest) -> Any:
+        """The generator a request sampled in slices draws from across them: its seed's (made here, once), or None for the
+        session's own (which no other call of the session draws from meanwhile: its later calls wait behind it)."""
+        return None if request.params.seed is None else torch.Generator(device=self.device).manual_seed(request.params.seed)
 
     def _check_sample(self, session: LoraSession, request: SampleRequest) -> None:
         session._check_open()
@@ -310,7 +324,7 @@ class SharedBase:
         text_rows = [[i for i in range(len(r.prompts)) if not (r.images and r.images[i])] for _, r in calls]
         one_length = padded_length_limit(self.model) is None
         # A seeded request draws from its own generator across its batches, as TorchBackend's sample does.
-        generators = {k: s.generator if r.params.seed is None else torch.Generator(device=self.device).manual_seed(r.params.seed)
+        generators = {k: self._given.get(id(r)) or (s.generator if r.params.seed is None else torch.Generator(device=self.device).manual_seed(r.params.seed))
                       for k, (s, r) in enumerate(calls)}
         self.model.eval()
         for key, members in settings.items():
