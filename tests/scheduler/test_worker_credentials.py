@@ -145,7 +145,7 @@ def test_a_worker_that_never_heartbeats_is_quarantined_before_it_fails_a_job(env
     app = env.client.app
     rogue = register(env.client, keys.worker(1), name="rogue", devices=1)
     job_id = submit(env.client, env.acme)
-    for strike in (1, 2):
+    for _ in range(2):
         lease = rogue.lease()
         assert lease is not None and lease["job_id"] == job_id
         env.clock.advance(31.0)

@@ -164,15 +164,17 @@ ROWS: tuple[Row, ...] = (
         task="Household-v0, easiest: one room, no distractors, pick and place",
         env="tinker/Household-v0",
         env_kwargs={"rooms": 1, "distractors": 0, "goal_kinds": "pick_and_place"},
-        settings={"steps": 20, "batch_size": 4, "group_size": 8, "max_turns": 8, "max_new_tokens": 16, "micro_batch_size": 4,
+        settings={"steps": 8, "batch_size": 2, "group_size": 8, "max_turns": 8, "max_new_tokens": 16, "micro_batch_size": 4,
                   "prefix_cache_mb": 4096},
-        evals=2,
+        evals=1,
         warmup=Warmup(demos="baseline", steps=30),
         why=("The easiest homes the generator makes: the env's planner solves every one in 5.6 commands on average (94.5% "
              "within 8), its random admissible-command agent 0.3% within 8 (1.1% within 12). The untrained model solves none "
              "(0 of 64: it echoes the room instead of writing a command), so RL would have no signal; random play cannot give "
              "one, so the warm-up imitates the planner: 10 steps taught the format and not the task (0 of 64, one command "
-             "repeated), this one takes 30. Four homes of eight samples a step, 20 steps. Eight turns; the prefix "
+             "repeated), this one takes 30 (73% of 64 homes after it). Two homes of eight samples a step, 8 steps: a step of four "
+             "homes took 6 to 10 minutes on two cores (sampling 4, training on the whole games 5 to 7), so 20 of them "
+             "did not fit a sitting. Eight turns; the prefix "
              "cache holds the batch's games (4 GiB): at the default 1 GiB an evaluation of 64 homes of 12 turns ran "
              "every turn's whole prompt again and did not finish in 15 minutes. Held out: each seed draws its own home "
              "and goal."),
