@@ -207,3 +207,15 @@ def test_logprobs_refuses_a_temperature_out_of_its_range(training: TestClient) -
     for value in ("0", "-1", "1e30", "Infinity"):
         response = call(training, "logprobs", f'{{"sequences": [[5, 6]], "temperature": {value}}}')
         assert response.status_code == 400 and "temperature" in response.text, (value, response.text[:300])
+
+
+@pytest.mark.parametrize("values", [[1.0, float("nan"), 0.5], [float("nan"), 1.0, 1.0], [0.5, float("inf"), 0.5], [1.0, 1.0, 1e7]])
+def test_a_backend_in_process_refuses_what_the_wire_would(values: list[float]) -> None:
+    """TorchBackend's own checks (no server between: a local run) refuse a NaN wherever it stands in a datum's
+    numbers (``max`` alone steps over one), an infinity and an entry past the bound."""
+    from tinkergym.backends.torch.batches import validate_data
+    from tinkergym.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="advantages holds"):
+        validate_data([Datum([1, 2, 3], [0.0, 1.0, 1.0], values, [-1.0] * 3)], LossSpec("ppo"))
+    validate_data([Datum([1, 2, 3], [0.0, 1.0, 1.0], [0.5, -0.5, 1e6], [-1.0] * 3)], LossSpec("ppo"))  # the bound itself is in

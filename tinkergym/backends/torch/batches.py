@@ -60,7 +60,8 @@ def validate_data(data: list[Datum], spec: LossSpec, reads_images: bool = False)
             values = getattr(datum, name)
             if values and len(values) != n:
                 raise ConfigError(f"datum {i}: {name} has {len(values)} entries for {n} tokens; give one per token (or none)")
-            if values and not max(map(abs, values)) <= losses.MAX_LOSS_NUMBER:  # NaN fails the comparison too
+            # A NaN anywhere makes the sum NaN (max() may step over one: NaN compares false); the max bounds each entry.
+            if values and not (math.isfinite(sum(map(abs, values))) and max(map(abs, values)) <= losses.MAX_LOSS_NUMBER):
                 raise ConfigError(f"datum {i}: {name} holds {_worst(values)!r}: every entry must be a finite number of at most "
                                   f"{losses.MAX_LOSS_NUMBER:.0e} in size")
     for name, needed in (("advantages", losses.POLICY_LOSSES), ("sampling_logprobs", losses.RATIO_LOSSES)):
