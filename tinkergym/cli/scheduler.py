@@ -137,7 +137,7 @@ def scheduler() -> None:
 @click.option("--quarantine-after", type=click.IntRange(min=0), default=2, show_default=True, metavar="N",
               help="A worker whose leases expire N times in a row before the job's server came up gets no more leases until "
                    "`tinkergym scheduler workers release`; 0: never. Keep it below --max-attempts.")
-@click.option("--quarantine-losses", type=click.IntRange(min=0), default=5, show_default=True, metavar="N",
+@click.option("--quarantine-losses", type=click.IntRange(min=0), default=3, show_default=True, metavar="N",
               help="A worker that loses N leases within --quarantine-window while it keeps calling the scheduler gets no more "
                    "leases until `tinkergym scheduler workers release`, whatever it reported; 0: never.")
 @click.option("--quarantine-window", type=FiniteFloat(min=0, min_open=True), default=3600.0, show_default=True, metavar="S",

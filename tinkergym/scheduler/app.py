@@ -79,14 +79,14 @@ class SchedulerSettings:
             ``keep_ended_jobs`` newest ended jobs).
         idempotency_ttl_s: Idempotency-Key records older than this are deleted (a retry after it runs again); None
             or 0: kept forever.
-        quarantine_after: A worker whose leases expire this many times in a row before the job ran on it (it never
-            heartbeated a running job a whole lease past the grant, nor reported a checkpoint: it takes jobs and never
-            runs them) is quarantined: no more leases until the operator releases it
+        quarantine_after: A worker whose leases expire this many times in a row before the job ran on it (no heartbeat
+            after it reported the job running, no checkpoint: it takes jobs and never runs them) is quarantined: no more leases until the operator releases it
             (``tinkergym scheduler workers release``); 0: never. Below ``max_attempts``, so one such worker alone
             never fails a job.
         quarantine_losses: A worker that loses this many leases within ``quarantine_window_s`` while it keeps calling
             the scheduler (each lease it let go, whatever it reported of the job) is quarantined; 0: never. A worker
-            that died holding leases (it stopped calling) is not.
+            that died holding leases (it stopped calling) is not. At most ``max_attempts``, so a worker that keeps losing
+            one job is quarantined before the job fails (which then queues again).
         quarantine_window_s: The window of ``quarantine_losses``.
         cancel_deadline_s: A cancelled job's worker must stop it within this long: its heartbeats renew the lease no
             further, so past it the lease ends, the job is ``cancelled`` and its devices and quota are free, whether
@@ -122,7 +122,7 @@ class SchedulerSettings:
     job_retention_s: float | None = 90 * 86400.0
     idempotency_ttl_s: float | None = 86400.0
     quarantine_after: int = 2
-    quarantine_losses: int = 5
+    quarantine_losses: int = 3
     quarantine_window_s: float = 3600.0
     cancel_deadline_s: float = 300.0
     refuse_unplaceable: bool = False

@@ -37,13 +37,13 @@ forgets (deletes, with its devices) a worker gone for ``worker_forget_s`` that h
 worker's next poll is answered 404 and it registers again.
 
 Only a worker credential leases (:mod:`tinkergym.scheduler.credentials`): the grant reads the queues of the tenants
-its credential serves, and offers only the models it allows. A worker proves it runs a lease by heartbeating the
-running job a whole lease TTL after the grant, or by reporting a checkpoint (:func:`proven`); reporting ``running``
-proves nothing. A lease that expires unproven is the worker's fault: a strike against it, and the job is queued again at
+its credential serves, and offers only the models it allows. A worker proves it runs a lease by heartbeating the job
+after it reported it running, or by reporting a checkpoint (:func:`proven`); reporting ``running`` alone proves
+nothing. A lease that expires unproven is the worker's fault: a strike against it, and the job is queued again at
 the same attempt; at ``quarantine_after`` strikes in a row (default 2) the worker is quarantined: its lease requests are
 refused (403) until the operator releases it (``tinkergym scheduler workers release``). A proven lease that expires
 counts against the job's attempts (a job that kills its worker still ends), unless every lease the job lost was lost
-by a worker now quarantined. And any worker that loses ``quarantine_losses`` leases (default 5) within
+by a worker now quarantined. And any worker that loses ``quarantine_losses`` leases (default 3) within
 ``quarantine_window_s`` (an hour) while it keeps calling the scheduler is quarantined, whatever it reported; one that
 died holding leases (it stopped calling) is not. The owner's events say which worker lost the lease and when it was
 quarantined. A credential's workers can hold at most its device bound.
@@ -320,7 +320,7 @@ def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, 
     if before["state"] == states.CANCELLING:
         expires = min(expires, before["updated_at"] + getattr(settings, "cancel_deadline_s", math.inf))
     job = store.renew_lease(conn, job_id, epoch, worker_id, expires)
-    if before["state"] == states.RUNNING and proven(conn, job, settings.lease_ttl_s):  # it ran a whole lease: its strikes end
+    if before["state"] == states.RUNNING and proven(conn, job, settings.lease_ttl_s):  # it runs the job: its strikes end
         conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.strikes != 0).values(strikes=0))
     charge_renewal(conn, before, now, settings.lease_ttl_s, epoch, usage)  # the device-seconds and tokens since the last renewal
     _touch(conn, worker_id, now)
@@ -432,8 +432,8 @@ def expire(store: JobStore, job_id: str, epoch: int, now: float, policy: LossPol
     or a grant of a new epoch, wins instead. The job's devices are freed, and it moves on by who lost the lease:
 
     - a cancelling job is cancelled;
-    - a lease its worker never proved (:func:`proven`: the job never ran a whole lease past its grant, and no checkpoint
-      was reported in it) is the worker's fault, not the job's: a strike against the worker (:func:`_strike`,
+    - a lease its worker never proved (:func:`proven`: no heartbeat came after it reported the job running, and no
+      checkpoint was reported in it) is the worker's fault, not the job's: a strike against the worker (:func:`_strike`,
       quarantined at ``quarantine_after`` in a row), and the job is queued again at the same attempt;
     - a proven lease counts against the job's attempts: queued with ``attempt + 1``, or failed at ``max_attempts``
       unless every lease it lost was lost by a worker now quarantined (then queued again at the same attempt).
@@ -476,11 +476,11 @@ def expire(store: JobStore, job_id: str, epoch: int, now: float, policy: LossPol
 
 
 def proven(conn: Connection, job: dict[str, Any], ttl_s: float) -> bool:
-    """Whether the worker proved it ran the job in this lease: the job is running and a heartbeat renewed the lease at
-    least one lease TTL after the grant (the expiry a heartbeat sets is its time plus the TTL), or the worker reported a
-    checkpoint in this lease."""
-    granted = conn.execute(select(func.min(allocations.c.granted_at)).where(allocations.c.job_id == job["id"])).scalar()
-    if job["state"] in (states.RUNNING, states.CANCELLING) and granted is not None and job["lease_expires_at"] >= granted + 2 * ttl_s:
+    """Whether the worker proved it runs the job in this lease: the job is running and a heartbeat renewed the lease after
+    the worker reported it running (the job's ``updated_at`` is that report's time, which heartbeats leave alone, and a
+    heartbeat sets the expiry to its own time plus the TTL), or the worker reported a checkpoint in this lease. A worker
+    that reports ``running`` and never heartbeats proves nothing."""
+    if job["state"] in (states.RUNNING, states.CANCELLING) and job["lease_expires_at"] > job["updated_at"] + ttl_s:
         return True
     return conn.execute(select(checkpoints.c.id).where(checkpoints.c.job_id == job["id"], checkpoints.c.epoch == job["lease_epoch"])
                         .limit(1)).first() is not None

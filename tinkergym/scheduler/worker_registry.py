@@ -147,8 +147,8 @@ def _strike(conn: Connection, store: JobStore, job: dict[str, Any], quarantine_a
     """Count a lease of ``job`` that expired before its server came up against its worker; quarantine it at ``quarantine_after``.
 
     The job's owner reads why in its events (the worker, its strikes, and its quarantine). Strikes reset when the worker
-    proves itself (a heartbeat of a running job a whole lease after its grant: :func:`tinkergym.scheduler.leases.proven`),
-    not when it merely reports ``running``; a quarantined worker gets no lease until the operator releases it.
+    proves itself (a heartbeat after it reported a job running: :func:`tinkergym.scheduler.leases.proven`), not when it
+    merely reports ``running``; a quarantined worker gets no lease until the operator releases it.
     """
     worker_id = job["worker_id"]
     row = conn.execute(_locked(conn, select(workers.c.strikes, workers.c.quarantined_at).where(workers.c.id == worker_id))).first()

@@ -93,6 +93,7 @@ class JobRunner(threading.Thread):
         self.folder = self.options.work_dir / "jobs" / self.job_id / str(self.epoch)
         self.server: JobServer | None = None  # started by the worker's launcher (tinkergym.scheduler.worker.launchers)
         self.lost, self.cancelling, self.shutdown, self.done = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+        self.beat_now = threading.Event()  # wakes the heartbeat thread before its interval: the server came up, or the lease ended
         self.renewed_at = time.monotonic()
         self.lost_why = "not renewed"
         self._lease_lock = threading.Lock()
@@ -141,6 +142,7 @@ class JobRunner(threading.Thread):
         finally:
             self._stop_server(graceful=self.outcome in ("cancelled", "shutdown"))
             self.done.set()
+            self.beat_now.set()
             try:
                 finish_folder(self.folder, self.outcome)
             except OSError as exc:
@@ -178,6 +180,7 @@ class JobRunner(threading.Thread):
         self._event("log", {"message": f"starting its server on worker {self.options.name}: loading {self.lease['config'].get('model')}"})
         url = self.seat.open(self._check, self._lease_left()) if self.seat is not None else self._start_server()
         self._report("running", server_url=url)
+        self.beat_now.set()  # a heartbeat at once: the scheduler counts a lease as run from the first heartbeat after "running"
         self._event("log", {"message": f"server running at {url} on worker {self.options.name}", "devices": self.devices})
         next_scan = 0.0
         while True:
@@ -321,7 +324,11 @@ class JobRunner(threading.Thread):
             return None
 
     def _heartbeats(self) -> None:
-        while not self.done.wait(self.interval):
+        while True:
+            self.beat_now.wait(self.interval)
+            self.beat_now.clear()
+            if self.done.is_set():
+                return
             try:
                 usage = self._usage()
                 sent = time.monotonic()
