@@ -192,6 +192,8 @@ def test_a_revoked_keys_open_stream_ends_at_once_and_another_keys_goes_on(make_s
             s.http.stream("POST", f"{s.base(job_id)}/completions", json=body, headers=kit.auth(s.owner)) as kept:
         cut_lines, kept_lines = cut.iter_lines(), kept.iter_lines()
         assert next(cut_lines) == next(kept_lines) == 'data: {"from": "a", "n": 1}'
+        hub = s.app.state.streams  # each answer watches its key, outside the event streams' limits
+        assert len(hub.subscriptions) == 2 and hub.streams_open() == 0 and not hub.per_key
         engine = make_engine(db_url)
         try:
             assert revoke_key(engine, KEY_PATTERN.match(doomed).group(1))

@@ -86,6 +86,6 @@ class SchedulerCollector:
             worker_family.add_metric([st], int(n))
         yield worker_family
         streams = GaugeMetricFamily("tinkergym_scheduler_event_streams_open", "Server-sent event streams open now")
-        streams.add_metric([], len(state.streams.subscriptions))
+        streams.add_metric([], state.streams.streams_open())
         yield streams
 

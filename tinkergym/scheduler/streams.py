@@ -86,6 +86,10 @@ class StreamHub:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._opened: asyncio.Event | None = None
 
+    def streams_open(self) -> int:
+        """The event streams open (the keys watched alone for forwarded answers are not streams)."""
+        return sum(1 for s in self.subscriptions if not s.uncounted)
+
     def watch_key(self, key_id: str) -> Subscription:
         """Watch ``key_id`` alone, outside the stream limits (a forwarded answer, bounded by the gateway's own): the
         subscription is woken, ``revoked``, when the key is revoked; :meth:`close` it when the answer ends."""
@@ -103,9 +107,10 @@ class StreamHub:
             raise StreamRefused(
                 f"this key has {self.per_key[key_id]} event streams open, the most one key may hold: close one first "
                 f"(the operator raises the limit with: tinkergym scheduler serve --max-streams-per-key N)")
-        if len(self.subscriptions) >= self.max_streams:
+        streams = self.streams_open()
+        if streams >= self.max_streams:
             raise StreamRefused(
-                f"the scheduler has {len(self.subscriptions)} event streams open, the most it serves at once: retry later "
+                f"the scheduler has {streams} event streams open, the most it serves at once: retry later "
                 f"(the operator raises the limit with: tinkergym scheduler serve --max-streams N)")
         self._ensure_watcher()
         subscription = Subscription(job_id, key_id, cursor, tenant=tenant)
