@@ -12,12 +12,15 @@ from typing import Any
 from collections.abc import Iterator
 
 import pytest
+import sqlalchemy as sa
 from click.testing import CliRunner
 from tinkergym.scheduler import quotas, retention
 from tinkergym.scheduler.artifacts import sweep_artifacts
 from workerkit import Clock, auth, query, register, submit  # registered by conftest.py
 
 from tinkergym.cli import main
+from tinkergym.scheduler.bounds import CLUSTER
+from tinkergym.scheduler.db import make_engine, tenants
 
 DAY = 86400.0
 
@@ -300,6 +303,16 @@ def test_idempotency_records_past_the_tenants_bounds_are_429_with_retry_after_an
     usage = env.client.get("/v1/usage", headers=auth(env.owner)).json()["tenants"][0]
     assert usage["idempotency_records"] == 5 and usage["max_idempotency_records"] == 5
     assert 0 < usage["idempotency_bytes"] == query(db_url, "SELECT SUM(LENGTH(response)) FROM idempotency WHERE tenant_id = 'acme'")[0][0]
+    # A worker credential is no tenant: its heartbeats and reports (each with a key) are never refused for records.
+    engine = make_engine(db_url)
+    with engine.begin() as conn:  # the worker credentials' tenant, held to one record
+        assert conn.execute(sa.update(tenants).where(tenants.c.id == CLUSTER).values(max_idempotency_records=1)).rowcount == 1
+    engine.dispose()
+    lease = env.worker.lease()  # one of the jobs posted above
+    job_id, epoch = lease["job_id"], lease["epoch"]
+    for i in range(3):
+        beat = env.worker.post(f"/jobs/{job_id}/heartbeat", {"epoch": epoch}, headers={"Idempotency-Key": f"beat-{i}"})
+        assert beat.status_code == 200, beat.text
     # By bytes: a bound below what the records hold refuses the next new key too.
     tenants_set(db_url, "acme", "--max-idempotency-records", "1000", "--max-idempotency-mb", "0")
     refused(post("k6"), 429, "bytes of stored answers", "--max-idempotency-mb")

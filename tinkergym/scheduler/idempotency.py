@@ -9,7 +9,7 @@ A key is scoped by tenant, method and path and fingerprinted by the request body
   creates nothing;
 - the same key with another body is 422;
 - a request refused without effect (a quota, :class:`Refused`) is not stored: a retry runs again;
-- a new key past the tenant's bounds (``tenants.max_idempotency_records`` records, ``max_idempotency_bytes`` bytes of
+- a new key of a tenant's key (not a worker credential's) past the tenant's bounds (``tenants.max_idempotency_records`` records, ``max_idempotency_bytes`` bytes of
   stored answers; ``tinkergym scheduler tenants set``) is 429 with ``Retry-After``, when its oldest record expires
   (``idempotency_ttl_s``): nothing runs, and the same request without a key still does. A retry of a stored key is
   always answered. The check is made before the request runs, so a tenant ends at most one answer past its bytes;
@@ -139,10 +139,12 @@ def fingerprint(body: Any) -> str:
 
 def run_once(
     store: JobStore, *, tenant_id: str, method: str, path: str, key: str | None, body: Any,
-    handler: Callable[[Connection], tuple[int, dict[str, Any]]], ttl_s: float | None = None,
+    handler: Callable[[Connection], tuple[int, dict[str, Any]]], ttl_s: float | None = None, bounded: bool = True,
 ) -> Stored:
     """Run ``handler(conn)`` in a transaction once per key, storing its response there; without a key, just run it.
-    ``ttl_s``: how long records are kept (the ``Retry-After`` of a key refused at the tenant's bounds)."""
+    ``ttl_s``: how long records are kept (the ``Retry-After`` of a key refused at the tenant's bounds); ``bounded``
+    False: the caller is no tenant (a worker credential, whose every heartbeat and report carries a key), and its
+    records are not held to a tenant's bounds."""
     if key is None:
         try:
             with store.transaction() as conn:
@@ -167,7 +169,7 @@ def run_once(
                         return stored
                 elif not free:
                     raise IdempotencyError(409, "a request with this Idempotency-Key is in flight; retry after it ends")
-                if not taking_over:
+                if bounded and not taking_over:
                     check_bounds(conn, tenant_id, store.clock(), ttl_s)
                 status, payload = handler(conn)
                 record = {**scope, "body_digest": digest, "status": status, "response": json.dumps(payload), "created_at": store.clock()}

@@ -40,7 +40,8 @@ def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: An
 
     try:
         stored = run_once(request.app.state.store, tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
-                          body=body, handler=handler, ttl_s=request.app.state.settings.idempotency_ttl_s)
+                          body=body, handler=handler, ttl_s=request.app.state.settings.idempotency_ttl_s,
+                          bounded=who.bounds is None)  # a worker credential's records (every heartbeat's) are the cluster's
     except IdempotencyError as exc:
         kinds = {409: "conflict", 422: "idempotency_key_reused", 400: "invalid_request", 429: "quota"}
         headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
