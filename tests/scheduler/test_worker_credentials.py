@@ -325,6 +325,30 @@ def test_a_worker_that_died_holding_leases_is_not_quarantined_for_them(make_clie
     assert {job_row(db_url, j)["attempt"] for j, _ in held} == {1}  # proven leases: each counts against its job
 
 
+def test_leases_that_ran_out_while_the_scheduler_was_down_quarantine_nobody(make_client: Any, keys: Any, db_url: str) -> None:
+    """The scheduler stops for longer than a lease; when it comes back, the worker calls before the sweep of the leases
+    that ran out meanwhile: those losses are not the worker's (it is not quarantined), though they count for the jobs."""
+    clock = Clock()
+    first = make_client(clock=clock, lease_ttl_s=30.0, quarantine_losses=2)
+    owner = keys.new("acme", "read,write")
+    box = register(first, keys.worker(4), name="box", devices=4)
+    held = []
+    for _ in range(3):
+        job_id = submit(first, owner)
+        lease = box.lease()
+        held.append((job_id, lease["epoch"]))
+        for state in ("starting", "running"):
+            assert box.state(job_id, lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+        clock.advance(1.0)
+        assert box.heartbeat(job_id, lease["epoch"]).status_code == 200  # after "running": the lease is run
+    clock.advance(600.0)  # the scheduler was down for ten minutes; a new one starts on the same database
+    second = make_client(clock=clock, lease_ttl_s=30.0, quarantine_losses=2)
+    assert second.post(f"/v1/workers/{box.id}/lease", headers=auth(box.key)).status_code == 200  # before the sweep
+    assert leases.sweep(second.app) == 3
+    assert query(db_url, "SELECT quarantined_at, losses FROM workers WHERE id = :i", i=box.id) == [(None, 0)]
+    assert {job_row(db_url, j)["attempt"] for j, _ in held} == {1}
+
+
 # ----- the operator's commands ----------------------------------------------------------------------------
 def test_worker_credentials_are_made_by_the_operator_only(db_url: str, tmp_path: Path) -> None:
     def cli(*args: str) -> Any:

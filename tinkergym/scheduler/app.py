@@ -272,6 +272,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
 
     app = FastAPI(title="tinkergym scheduler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, default_response_class=WireJSON)
     app.state.settings = settings
+    app.state.started_at = settings.clock()  # a lease that ran out while no scheduler ran is no worker's fault (leases.expire)
     app.state.engine = engine
     app.state.store = JobStore(engine, settings.clock)
     app.state.artifacts = DirectoryStore(settings.data_dir / "jobs")

@@ -418,11 +418,13 @@ class LossPolicy:
     quarantine_after: int = 0  # unproven losses in a row that quarantine a worker (0: never)
     quarantine_losses: int = 0  # losses of any kind within quarantine_window_s that quarantine a worker (0: never)
     quarantine_window_s: float = 3600.0
+    #: When this scheduler started: a lease that ran out before it (while none ran) counts against no worker's window.
+    since: float = -math.inf
 
     @classmethod
-    def of(cls, settings: Any) -> LossPolicy:
-        return cls(**{f: getattr(settings, f) for f in ("lease_ttl_s", "quarantine_after", "quarantine_losses", "quarantine_window_s")
-                      if hasattr(settings, f)})
+    def of(cls, settings: Any, since: float = -math.inf) -> LossPolicy:
+        return cls(since=since, **{f: getattr(settings, f) for f in ("lease_ttl_s", "quarantine_after", "quarantine_losses", "quarantine_window_s")
+                                   if hasattr(settings, f)})
 
 
 def expire(store: JobStore, job_id: str, epoch: int, now: float, policy: LossPolicy = LossPolicy()) -> bool:
@@ -513,7 +515,7 @@ def sweep(app: Any) -> int:
     expired = 0
     for job_id, epoch in due:
         try:
-            expired += expire(store, job_id, epoch, now, LossPolicy.of(app.state.settings))
+            expired += expire(store, job_id, epoch, now, LossPolicy.of(app.state.settings, getattr(app.state, "started_at", -math.inf)))
         except Exception:  # noqa: BLE001 - one job's failure must not stop the others' expiry
             app.state.logger.exception("could not expire the lease of job %s at epoch %s", job_id, epoch)
     if expired:

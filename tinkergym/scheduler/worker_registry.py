@@ -167,14 +167,15 @@ def _strike(conn: Connection, store: JobStore, job: dict[str, Any], quarantine_a
 
 def _count_loss(conn: Connection, store: JobStore, job: dict[str, Any], policy: Any, now: float) -> None:
     """Count a lost lease of ``job`` against its worker if the worker still calls (seen after the lease ended: it is
-    alive and let this lease go), within ``policy.quarantine_window_s``; at ``policy.quarantine_losses`` such losses in
+    alive and let this lease go) and the lease ended while this scheduler ran (``policy.since``: after an outage, a
+    worker's first call may come before the sweep of the leases that ran out meanwhile), within ``policy.quarantine_window_s``; at ``policy.quarantine_losses`` such losses in
     the window it is quarantined, whatever it reported. The count is a fixed window: it starts at the first loss after
     the last window ended."""
     worker_id = job["worker_id"]
     row = conn.execute(_locked(conn, select(workers.c.last_seen_at, workers.c.losses, workers.c.losses_since, workers.c.quarantined_at)
                                      .where(workers.c.id == worker_id))).first()
-    if row is None or row.last_seen_at < job["lease_expires_at"]:
-        return  # it stopped calling before the lease ended: it died holding it, which is no fault of its own
+    if row is None or row.last_seen_at < job["lease_expires_at"] or job["lease_expires_at"] < policy.since:
+        return  # it stopped calling before the lease ended (it died holding it), or the lease ran out while no scheduler ran
     if row.losses_since is None or now - row.losses_since > policy.quarantine_window_s:
         losses, since = 1, now
     else:
