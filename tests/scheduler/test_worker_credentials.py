@@ -303,18 +303,28 @@ def test_a_worker_that_loses_leases_after_proving_itself_is_quarantined_in_the_w
     assert honest.lease()["job_id"] == job_id
 
 
-def test_a_worker_that_died_holding_leases_is_not_quarantined_for_them(make_client: Any, keys: Any, db_url: str) -> None:
-    clock = Clock()
-    client = make_client(clock=clock, lease_ttl_s=30.0, quarantine_losses=2)
+def _running_jobs(client: Any, keys: Any, clock: Clock, count: int) -> tuple[Any, list[tuple[str, int]]]:
+    """A 4-device worker running ``count`` of tenant acme's jobs, each heartbeated after it was reported running (its
+    lease proven); the worker and the ``(job, epoch)`` it holds."""
     owner = keys.new("acme", "read,write")
     box = register(client, keys.worker(4), name="box", devices=4)
     held = []
-    for _ in range(4):
+    for _ in range(count):
         job_id = submit(client, owner)
         lease = box.lease()
         held.append((job_id, lease["epoch"]))
         for state in ("starting", "running"):
             assert box.state(job_id, lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
+    clock.advance(1.0)
+    for job_id, epoch in held:
+        assert box.heartbeat(job_id, epoch).status_code == 200
+    return box, held
+
+
+def test_a_worker_that_died_holding_leases_is_not_quarantined_for_them(make_client: Any, keys: Any, db_url: str) -> None:
+    clock = Clock()
+    client = make_client(clock=clock, lease_ttl_s=30.0, quarantine_losses=2)
+    box, held = _running_jobs(client, keys, clock, 4)
     for _ in range(2):
         clock.advance(20.0)
         for job_id, epoch in held:
@@ -330,17 +340,7 @@ def test_leases_that_ran_out_while_the_scheduler_was_down_quarantine_nobody(make
     that ran out meanwhile: those losses are not the worker's (it is not quarantined), though they count for the jobs."""
     clock = Clock()
     first = make_client(clock=clock, lease_ttl_s=30.0, quarantine_losses=2)
-    owner = keys.new("acme", "read,write")
-    box = register(first, keys.worker(4), name="box", devices=4)
-    held = []
-    for _ in range(3):
-        job_id = submit(first, owner)
-        lease = box.lease()
-        held.append((job_id, lease["epoch"]))
-        for state in ("starting", "running"):
-            assert box.state(job_id, lease["epoch"], state, server_url="http://127.0.0.1:9").status_code == 200
-        clock.advance(1.0)
-        assert box.heartbeat(job_id, lease["epoch"]).status_code == 200  # after "running": the lease is run
+    box, held = _running_jobs(first, keys, clock, 3)
     clock.advance(600.0)  # the scheduler was down for ten minutes; a new one starts on the same database
     second = make_client(clock=clock, lease_ttl_s=30.0, quarantine_losses=2)
     assert second.post(f"/v1/workers/{box.id}/lease", headers=auth(box.key)).status_code == 200  # before the sweep

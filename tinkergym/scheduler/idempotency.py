@@ -86,11 +86,15 @@ class IdempotencyError(Exception):
         self.retry_after = retry_after
 
 
+def stored_bytes() -> Any:
+    """The bytes of the stored answers of the records an aggregate query reads (JSON written ASCII: a character a byte)."""
+    return func.coalesce(func.sum(func.length(idempotency.c.response)), 0)
+
+
 def held_records(conn: Connection, tenant_id: str) -> tuple[int, int, float | None]:
     """The tenant's Idempotency-Key records: how many, the bytes of their stored answers, and when the oldest was made."""
     count, size, oldest = conn.execute(
-        select(func.count(), func.coalesce(func.sum(func.length(idempotency.c.response)), 0), func.min(idempotency.c.created_at))
-        .where(idempotency.c.tenant_id == tenant_id)).one()
+        select(func.count(), stored_bytes(), func.min(idempotency.c.created_at)).where(idempotency.c.tenant_id == tenant_id)).one()
     return int(count), int(size), oldest
 
 

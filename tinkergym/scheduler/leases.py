@@ -320,7 +320,9 @@ def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, 
     if before["state"] == states.CANCELLING:
         expires = min(expires, before["updated_at"] + getattr(settings, "cancel_deadline_s", math.inf))
     job = store.renew_lease(conn, job_id, epoch, worker_id, expires)
-    if before["state"] == states.RUNNING and proven(conn, job, settings.lease_ttl_s):  # it runs the job: its strikes end
+    proof = before["updated_at"] + settings.lease_ttl_s  # past it, the expiry was set by a heartbeat after "running" (proven)
+    if before["state"] == states.RUNNING and before["lease_expires_at"] <= proof < job["lease_expires_at"]:
+        # The first heartbeat after the job was reported running: the worker runs it, its strikes end (once, not at every one).
         conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.strikes != 0).values(strikes=0))
     charge_renewal(conn, before, now, settings.lease_ttl_s, epoch, usage)  # the device-seconds and tokens since the last renewal
     _touch(conn, worker_id, now)

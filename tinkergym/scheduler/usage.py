@@ -28,6 +28,7 @@ from sqlalchemy.engine import Connection
 from tinkergym.scheduler import states
 from tinkergym.scheduler.bounds import CLUSTER
 from tinkergym.scheduler.db import allocations, devices, idempotency, jobs, tenants
+from tinkergym.scheduler.idempotency import stored_bytes
 
 #: Seconds between two samples of the queue's history, and the samples kept (an hour at the default).
 QUEUE_SAMPLE_S = 10.0
@@ -120,8 +121,7 @@ def usage_rows(conn: Connection, tenant_id: str | None) -> list[dict[str, Any]]:
     by_jobs = {r.tenant_id: r for r in conn.execute(per_job)}
     by_held = {r.tenant_id: int(r.devices_held) for r in conn.execute(held)}
     by_seats = {r.tenant_id: int(r.seats_held) for r in conn.execute(seats)}
-    records = select(idempotency.c.tenant_id, func.count().label("records"),
-                     func.coalesce(func.sum(func.length(idempotency.c.response)), 0).label("bytes")).group_by(idempotency.c.tenant_id)
+    records = select(idempotency.c.tenant_id, func.count().label("records"), stored_bytes().label("bytes")).group_by(idempotency.c.tenant_id)
     if tenant_id is not None:
         records = records.where(idempotency.c.tenant_id == tenant_id)
     by_records = {r.tenant_id: (int(r.records), int(r.bytes)) for r in conn.execute(records)}

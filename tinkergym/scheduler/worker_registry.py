@@ -8,7 +8,7 @@ import logging
 import secrets
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, update
+from sqlalchemy import delete, func, insert, select, true, update
 from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler import states
@@ -41,12 +41,11 @@ def register_worker(
     conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == key_id))).first()
     row = conn.execute(select(workers.c.id).where(workers.c.key_id == key_id, workers.c.name == name)).first()
     mine = select(workers.c.id).where(workers.c.key_id == key_id)
-    held = select(allocations.c.device_id)
+    elsewhere = devices.c.active.is_(True) & (devices.c.worker_id != row[0] if row is not None else true())
     counted = conn.execute(select(devices.c.worker_id, devices.c.index, devices.c.seat_of).where(
-        devices.c.worker_id.in_(mine), (devices.c.active.is_(True) & (workers_other(row))) | devices.c.id.in_(held))).all()
+        devices.c.worker_id.in_(mine), elsewhere | devices.c.id.in_(select(allocations.c.device_id)))).all()
     listed_here = {(row[0] if row else None, int(d["index"])) for d in device_list}
-    elsewhere = {(r.worker_id, r.index if r.seat_of is None else r.seat_of) for r in counted} - listed_here
-    bounds.check_registration(device_list, models, len(elsewhere))
+    bounds.check_registration(device_list, models, len(physical_devices(counted) - listed_here))
     values = {"host": host, "models": json.dumps(sorted(set(models))), "last_seen_at": now,
               "model_shapes": json.dumps(model_shapes, sort_keys=True) if model_shapes else None}
     if row is None:
@@ -69,11 +68,6 @@ def register_worker(
     return worker_id
 
 
-def workers_other(row: Any) -> Any:
-    """A condition on ``devices``: the device is another worker's than ``row``'s (any worker's, for a new one)."""
-    return devices.c.worker_id != row[0] if row is not None else devices.c.worker_id.is_not(None)
-
-
 def places(device_list: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]]:
     """The rows a registration's devices make, ``(index, fields)``: a whole device, or the seats of a shared one."""
     found: list[tuple[int, dict[str, Any]]] = []
@@ -92,9 +86,10 @@ def places(device_list: list[dict[str, Any]]) -> list[tuple[int, dict[str, Any]]
     return found
 
 
-def physical_devices(rows: Any) -> int:
-    """The devices that rows of ``devices`` (``worker_id``, ``index``, ``seat_of``) stand for: each seat counts as its device."""
-    return len({(r.worker_id, r.index if r.seat_of is None else r.seat_of) for r in rows})
+def physical_devices(rows: Any) -> set[tuple[str, int]]:
+    """The devices that rows of ``devices`` (``worker_id``, ``index``, ``seat_of``) stand for, as ``(worker, index)``: each
+    seat stands for its device."""
+    return {(r.worker_id, r.index if r.seat_of is None else r.seat_of) for r in rows}
 
 
 ALIVE, GONE = "alive", "gone"

@@ -58,7 +58,7 @@ def validate_data(data: list[Datum], spec: LossSpec, reads_images: bool = False)
             raise ConfigError(f"datum {i}: loss_mask has {len(datum.loss_mask)} entries for {n} tokens; give one per token")
         for name in ("loss_mask", "advantages", "sampling_logprobs", "old_logprobs"):
             values = getattr(datum, name)
-            if values and len(values) != n:
+            if name != "loss_mask" and values and len(values) != n:  # (loss_mask's length: just above)
                 raise ConfigError(f"datum {i}: {name} has {len(values)} entries for {n} tokens; give one per token (or none)")
             # A NaN anywhere makes the sum NaN (max() may step over one: NaN compares false); the max bounds each entry.
             if values and not (math.isfinite(sum(map(abs, values))) and max(map(abs, values)) <= losses.MAX_LOSS_NUMBER):

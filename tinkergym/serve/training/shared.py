@@ -123,20 +123,23 @@ class _Slices:
     generator: Any  # what its slices draw from (None: its session's generator)
     sequences: dict[int, Any] = field(default_factory=dict)
 
-    def piece_cost(self, first: int) -> int:
-        prompts = self.request.prompts
-        rows = list(self.left)[first : first + self.step]
-        return self.request.num_samples * sum(len(prompts[i]) + self.request.params.max_new_tokens for i in rows)
+    def cost(self, rows: list[int]) -> int:
+        """The tokens sampling prompts ``rows`` puts through the model (as :func:`sample_tokens` counts a whole call)."""
+        return self.request.num_samples * sum(len(self.request.prompts[i]) + self.request.params.max_new_tokens for i in rows)
 
-    def take(self, budget: int, anyway: bool) -> list[int]:
-        """The next slice's prompts: whole batches within ``budget`` tokens (one batch at least when ``anyway``)."""
-        count, used = 0, 0
-        while count < len(self.left):
-            cost = self.piece_cost(count)
-            if used + cost > budget and not (anyway and count == 0):
+    def take(self, budget: int, anyway: bool) -> tuple[list[int], int]:
+        """The next slice's prompts, whole batches within ``budget`` tokens (one batch at least when ``anyway``), and its cost."""
+        rows: list[int] = []
+        used = 0
+        while self.left:
+            piece = [self.left[k] for k in range(min(self.step, len(self.left)))]
+            cost = self.cost(piece)
+            if used + cost > budget and not (anyway and not rows):
                 break
-            count, used = count + self.step, used + cost
-        return [self.left.popleft() for _ in range(min(count, len(self.left)))]
+            for _ in piece:
+                self.left.popleft()
+            rows, used = rows + piece, used + cost
+        return rows, used
 
 
 @dataclass
@@ -271,9 +274,9 @@ class SharedWorker:
             records = self._queues[adapter_id].records
             slices = self._sliced(records[0])
             if slices is not None:
-                rows = slices.take(self.pass_tokens - used, anyway=not taken)
+                rows, cost = slices.take(self.pass_tokens - used, anyway=not taken)
                 if rows:
-                    used += slices.request.num_samples * sum(len(slices.request.prompts[i]) + slices.request.params.max_new_tokens for i in rows)
+                    used += cost
                     taken.append((adapter_id, records[0], rows))
                     if not slices.left:
                         records.popleft()  # its last slice
