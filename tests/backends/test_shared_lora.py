@@ -277,3 +277,42 @@ def test_the_prefix_cache_serves_each_sessions_next_turn_from_its_own_keys(tiny,
     mixed[0].forward_backward(_requests(3)[1])
     mixed[0].optim_step(OptimParams(learning_rate=1e-2))
     assert {e.scope for e in mixed_base.prefix_cache.entries.values()} == scopes - {mixed[0].id}
+
+
+def test_a_training_call_in_slices_gives_the_whole_calls_gradients_and_metrics_and_a_failed_one_puts_them_back(tiny, adapters) -> None:
+    """``call_slices`` cuts a GRPO-and-KL call into micro-batches; run one slice per pass (each with the whole call's
+    normalizers, its sums carried), it gives the gradients and metrics of the call in one go. ``abandon`` after a slice
+    puts the session's gradients back as they were before the call."""
+    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", micro_batch_size=2))
+    sessions = []
+    for _ in range(2):
+        session = base.open_session(LoraSessionConfig(lora_rank=8, lora_alpha=16.0, seed=8))
+        session.load_adapter(adapters[8])
+        sessions.append(session)
+    sliced, whole = sessions
+    grpo, _, kl = _requests(7)
+    request = ForwardBackwardRequest(data=grpo.data + kl.data, loss=LossSpec(name="ppo", kl_coef=0.2), return_logprobs=True)
+    plan = base.call_slices(sliced, "forward_backward", request)
+    assert plan is not None and len(plan.units) >= 3
+    while not plan.finished:
+        rows, cost = plan.take(0, anyway=True)  # one micro-batch a pass
+        assert cost == sum(len(request.data[i].tokens) for i in rows)
+        [result] = base.forward_backward_many([(sliced, plan.part(rows))], [plan.carry])
+        plan.add(rows, result)
+    [alone] = base.forward_backward_many([(whole, request)])
+    assert plan.result().metrics == pytest.approx(alone.metrics, rel=1e-5, abs=1e-7)
+    for mine, theirs in zip(plan.result().logprobs, alone.logprobs):
+        assert mine == pytest.approx(theirs, abs=1e-5)
+    done, expected = _grads(sliced), _grads(whole)
+    assert done.keys() == expected.keys() and done
+    for name in done:
+        torch.testing.assert_close(done[name], expected[name], rtol=1e-4, atol=1e-6)
+
+    plan = base.call_slices(sliced, "forward_backward", request)
+    rows, _ = plan.take(0, anyway=True)
+    base.forward_backward_many([(sliced, plan.part(rows))], [plan.carry])
+    assert any(not torch.equal(g, done[n]) for n, g in _grads(sliced).items())
+    base.abandon(sliced, plan.carry)
+    for name, grad in _grads(sliced).items():
+        assert torch.equal(grad, done[name])
+    assert base.call_slices(sliced, "forward_backward", ForwardBackwardRequest(data=kl.data[:1], loss=kl.loss)) is None  # one unit

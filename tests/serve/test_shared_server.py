@@ -141,13 +141,20 @@ def test_rounds_take_adapters_in_turn_so_none_waits_behind_anothers_queue(tiny, 
         assert len(rounds[1]) == 2
 
 
+def _slices_of(http: TestClient, adapter: str) -> int:
+    return sum(x[0] == adapter for r in http.app.state.shared.worker.rounds for x in r)
+
+
 @pytest.mark.parametrize("seed", [11, None])
-def test_a_sample_call_over_the_budget_runs_in_slices_that_other_adapters_calls_run_between(tiny, tmp_path, seed) -> None:
-    """One adapter's sample call of 12 prompts x 4 samples (624 tokens) on a server whose rounds hold 100: it is worked
-    two prompts (one batch of the base) at a time, another adapter's small call runs in the second round instead of
-    after the whole call, and the big call's samples are those it gets in one go on a server without the budget (the
-    same adapter seed: the same draws, seeded or from the adapter's generator)."""
-    big = SampleRequest([[5 + i, 6, 7 + i] for i in range(12)], SamplingParams(max_new_tokens=10, seed=seed), num_samples=4)
+@pytest.mark.parametrize("prompts, num_samples, slices", [(12, 4, 6), (1, 20, 3)], ids=["12 prompts", "one prompt"])
+def test_a_sample_call_over_the_budget_runs_in_slices_that_other_adapters_calls_run_between(tiny, tmp_path, seed, prompts, num_samples,
+                                                                                             slices) -> None:
+    """One adapter's sample call of 12 prompts x 4 samples (624 tokens), or of one prompt x 20 samples (as every Tinker
+    sample call is one prompt), on a server whose rounds hold 100 tokens: it is worked one batch of the base (8
+    sequences) at a time, another adapter's small call runs in the second round instead of after the whole call, and
+    the big call's samples are those it gets in one go on a server without the budget (the same adapter seed: the same
+    draws, seeded or from the adapter's generator)."""
+    big = SampleRequest([[5 + i, 6, 7 + i] for i in range(prompts)], SamplingParams(max_new_tokens=10, seed=seed), num_samples=num_samples)
     small = SampleRequest([[9, 10]], SamplingParams(max_new_tokens=2, seed=3))
 
     def serve(pass_tokens: int, folder: str) -> tuple[TestClient, SharedBase, Caller, Caller]:
@@ -164,10 +171,10 @@ def test_a_sample_call_over_the_budget_runs_in_slices_that_other_adapters_calls_
     sliced = http.get(f"/v1/requests/{whole}?wait=60", headers=a.headers).json()["result"]
     assert http.get(f"/v1/requests/{mine}?wait=60", headers=b.headers).status_code == 200
     a_id, b_id = worker_id(http, 0), worker_id(http, 1)
-    wait_until("the last round to be logged", lambda: sum(x[0] == a_id for r in worker.rounds for x in r) == 6, timeout=10, every=0.01)
+    wait_until("the last round to be logged", lambda: _slices_of(http, a_id) == slices, timeout=10, every=0.01)
     rounds = [[adapter for adapter, _ in r] for r in worker.rounds]
     assert rounds[0] == [a_id] and b_id in rounds[1], rounds  # the small call waited one slice, not the whole call
-    assert any(a_id in r for r in rounds[2:]), rounds  # six slices of two prompts in all, the last ones after the small call
+    assert any(a_id in r for r in rounds[2:]), rounds  # the last slices after the small call
     assert worker._slices == {}
 
     http, _, a, _ = serve(1 << 20, "whole")
@@ -175,10 +182,61 @@ def test_a_sample_call_over_the_budget_runs_in_slices_that_other_adapters_calls_
     wait_until("the round to be logged", lambda: len(http.app.state.shared.worker.rounds) == 1, timeout=10, every=0.01)  # after its answer
     tokens = [[s["tokens"] for s in row] for row in sliced["sequences"]]
     assert tokens == [[s["tokens"] for s in row] for row in at_once["sequences"]]
-    assert len(tokens) == 12 and all(len(row) == 4 for row in tokens)
+    assert len(tokens) == prompts and all(len(row) == num_samples for row in tokens)
+    assert len({tuple(t) for row in tokens for t in row}) > 1  # the draws differ between the slices' batches
     for mine_row, theirs_row in zip(sliced["sequences"], at_once["sequences"]):
         for x, y in zip(mine_row, theirs_row):
             assert x["logprobs"] == pytest.approx(y["logprobs"], abs=1e-5)
+
+
+def _rows(count: int, seed: int) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(5, 200) for _ in range(rng.randrange(6, 11))] for _ in range(count)]
+
+
+def test_training_and_scoring_calls_over_the_budget_run_in_micro_batch_slices_with_the_whole_calls_result(tiny, tmp_path) -> None:
+    """A forward_backward call of 40 rows (about 320 tokens, three micro-batches of 16 rows) and a logprobs call of as
+    many, on a server whose rounds hold 100 tokens: each is worked a micro-batch at a time, another adapter's call runs
+    between the slices, and each call answers what it answers in one go: the same loss metrics and logprobs, and the
+    same weights after the optimizer step."""
+    rows = _rows(40, seed=4)
+    request = ForwardBackwardRequest([Datum(r, [0.0] + [1.0] * (len(r) - 1)) for r in rows], LossSpec("cross_entropy"), return_logprobs=True)
+    scoring = {"sequences": _rows(40, seed=5), "temperature": 1.0}
+    runs = {}
+    for pass_tokens in (100, 1 << 20):
+        http, base = shared_app(tiny, tmp_path / str(pass_tokens), pass_tokens=pass_tokens)
+        a, b = (Caller(http, http.post("/v1/adapters", headers=ADMIN, json={"seed": s}).json()["token"]) for s in (1, 2))
+        a_id, b_id = worker_id(http, 0), worker_id(http, 1)
+        worker = http.app.state.shared.worker
+        results = []
+        for method, args in (("forward_backward", {"request": request.to_dict()}), ("logprobs", scoring)):
+            before = worker.rounds_run
+            with base._lock:
+                whole = _submit(a, method, args)
+                wait_until("the first slice to start", lambda w=worker: len(w._running) == 1, timeout=10, every=0.01)
+                mine = _submit(b, "logprobs", {"sequences": [[9, 10, 11]], "temperature": 1.0})
+            results.append(http.get(f"/v1/requests/{whole}?wait=60", headers=a.headers).json()["result"])
+            assert http.get(f"/v1/requests/{mine}?wait=60", headers=b.headers).status_code == 200
+            wait_until("the rounds to be logged", lambda w=worker: not w._running, timeout=10, every=0.01)
+            rounds = [[adapter for adapter, _ in r] for r in worker.rounds[before - worker.rounds_run:]]
+            slices = [i for i, r in enumerate(rounds) if a_id in r]
+            if pass_tokens == 100:  # three slices; the other adapter's call ran after the first, before the last
+                assert len(slices) == 3 and slices[0] < next(i for i, r in enumerate(rounds) if b_id in r) < slices[-1], rounds
+            else:
+                assert len(slices) == 1, rounds
+        assert worker._slices == {}
+        assert a.post("optim_step", {"params": OptimParams(learning_rate=0.05).to_dict()}).status_code == 200
+        results.append(a.post("logprobs", {"sequences": rows[:4], "temperature": 1.0}).json()["result"])
+        runs[pass_tokens] = results
+    (fit, scored, after), (fit_whole, scored_whole, after_whole) = ([r["logprobs"] if "metrics" not in r else r for r in runs[t]] for t in (100, 1 << 20))
+    assert len(scored) == len(scored_whole) == 40 and len(after) == 4
+    assert fit["metrics"] == pytest.approx(fit_whole["metrics"], rel=1e-5, abs=1e-6)
+    assert fit["metrics"]["tokens"] == sum(len(r) - 1 for r in rows)
+    for mine, theirs in [*zip(fit["logprobs"], fit_whole["logprobs"]), *zip(scored, scored_whole), *zip(after, after_whole)]:
+        assert mine == pytest.approx(theirs, abs=1e-5)
+    assert after[0][1:] != pytest.approx(fit["logprobs"][0][1:], abs=1e-4)  # the step moved the weights
 
 
 def test_an_adapters_waiting_reads_share_one_pass_and_draw_what_each_would_alone(tiny, tmp_path) -> None:
@@ -418,3 +476,30 @@ def test_token_ids_past_the_vocabulary_are_refused_before_any_shared_pass(tiny, 
     assert refused.status_code == 400 and "outside the vocabulary" in refused.text
     assert http.app.state.shared.worker.rounds == []  # refused at the door: no round ran, nobody's pass was redone
     assert http.get("/openapi.json", headers=ADMIN).status_code == 200
+
+
+def test_a_training_call_whose_slice_fails_fails_whole_and_leaves_no_gradient_of_its_earlier_slices(tiny, tmp_path, monkeypatch) -> None:
+    """The second of a forward_backward call's three slices fails (as a pass that runs out of memory would): the call
+    fails, its third slice never runs, and the adapter's gradients are as before the call, not the first slice's."""
+    http, base = shared_app(tiny, tmp_path, pass_tokens=100)
+    a = Caller(http, http.post("/v1/adapters", headers=ADMIN, json={"seed": 1}).json()["token"])
+    worker = http.app.state.shared.worker
+    session = worker.adapters[worker_id(http, 0)][0]
+    real, passes = base.forward_backward_many, []
+
+    def second_fails(calls, carries=None):
+        passes.append(len(calls))
+        if len(passes) == 2:
+            raise RuntimeError("out of memory in the second slice")
+        return real(calls, carries)
+
+    monkeypatch.setattr(base, "forward_backward_many", second_fails)
+    rows = _rows(40, seed=4)
+    request = ForwardBackwardRequest([Datum(r, [0.0] + [1.0] * (len(r) - 1)) for r in rows], LossSpec("cross_entropy"))
+    response = a.post("forward_backward", {"request": request.to_dict()})
+    assert response.status_code == 500 and "RuntimeError" in response.json()["error"]["message"], response.text
+    assert passes == [1, 1] and worker._slices == {}
+    assert all(p.grad is None or not p.grad.any() for p in session.params.values())
+    monkeypatch.setattr(base, "forward_backward_many", real)
+    assert a.post("forward_backward", {"request": request.to_dict()}).status_code == 200  # the adapter goes on
+    assert any(p.grad is not None and p.grad.any() for p in session.params.values())

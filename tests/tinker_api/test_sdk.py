@@ -397,6 +397,47 @@ def test_samplers_past_the_bound_close_the_oldest(tiny: str, tmp_path: Any) -> N
     engine.dispose()
 
 
+def test_one_tenants_huge_sample_call_is_sliced_so_anothers_small_one_waits_one_batch(tiny: str, tmp_path: Any, monkeypatch: Any) -> None:
+    """Every Tinker sample call is one prompt: alice's of 40 samples on a server whose rounds hold 100 tokens and whose
+    decode batches hold 8 sequences is worked in five batches, bob's 1-token sample runs after the first instead of
+    after all five, and alice gets the samples she gets from the call in one go (the same seed)."""
+    from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig
+    from tinkergym.scheduler.auth import create_key
+    from tinkergym.scheduler.db import make_engine, upgrade
+    from tinkergym.tinker_api.server import create_server
+    from testkit import serving, wait_until
+
+    engine = make_engine(f"sqlite:///{tmp_path / 'keys.db'}")
+    upgrade(engine)
+    keys = {who: "tml-" + create_key(engine, who, ["read", "write"])[1] for who in ("alice", "bob")}
+    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32", max_sessions=8, max_sample_batch=8))
+    app = create_server(base, tmp_path / "runs", engine, logging.getLogger("slices"), model_name="tiny-slices", tokenizer_id=tiny, pass_tokens=100)
+    worker = app.state.tinker.engine.worker
+    big = (types.ModelInput.from_ints([5, 6, 7]), 40, types.SamplingParams(max_tokens=10, temperature=1.0, seed=3))
+    with serving(app) as url, tinker.ServiceClient(base_url=url, api_key=keys["alice"]) as alice, \
+            tinker.ServiceClient(base_url=url, api_key=keys["bob"]) as bob:
+        samplers = [c.create_lora_training_client(base_model="tiny-slices", rank=4).result().save_weights_and_get_sampling_client().result()
+                    for c in (alice, bob)]
+        before = worker.rounds_run
+        with base._lock:  # alice's first slice waits on the base while bob's call arrives
+            huge = samplers[0].sample(*big)
+            wait_until("alice's first slice to start", lambda: len(worker._running) == 1, timeout=30, every=0.01)
+            small = samplers[1].sample(types.ModelInput.from_ints([9, 10]), 1, types.SamplingParams(max_tokens=1))
+            wait_until("bob's call to wait", lambda: sum(len(q.records) for q in worker._queues.values()) == 2, timeout=30, every=0.01)
+        sliced = huge.result()
+        assert len(small.result().sequences) == 1
+        wait_until("the rounds to be logged", lambda: not worker._running, timeout=10, every=0.01)
+        rounds = [[adapter for adapter, _ in r] for r in worker.rounds[before - worker.rounds_run:]]
+        mine = [i for i, r in enumerate(rounds) if rounds[0][0] in r]
+        theirs = next(i for i, r in enumerate(rounds) if any(a != rounds[0][0] for a in r))
+        assert len(mine) == 5 and mine[0] < theirs < mine[-1], rounds
+        monkeypatch.setattr(worker, "pass_tokens", 1 << 20)
+        at_once = samplers[0].sample(*big).result()
+    assert [s.tokens for s in sliced.sequences] == [s.tokens for s in at_once.sequences]
+    assert len({tuple(s.tokens) for s in sliced.sequences}) > 1
+    engine.dispose()
+
+
 def test_hostile_inputs_are_refused_with_4xx_and_write_nothing_outside(cluster: Any, connect: Any, tmp_path: Any) -> None:
     """Names with '..', a NUL or a lone surrogate, huge counts, ids past the vocabulary, odd tinker:// paths: each a 4xx."""
     training = connect().create_lora_training_client(base_model=cluster.model, rank=4).result()

@@ -31,7 +31,8 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @click.option("--micro-batch-size", type=click.IntRange(min=1), default=DEFAULT_MICRO_BATCH_SIZE, show_default=True,
               help="Rows per training or scoring pass, across adapters (bounds the activations' memory).")
 @click.option("--max-sample-batch", type=click.IntRange(min=1), default=64, show_default=True,
-              help="Rows decoded together, across adapters (bounds the KV cache's memory; requests are never split across batches but by their own size).")
+              help="Rows decoded together, across adapters (bounds the KV cache's memory; a request's sequences are batched by this many, "
+                   "as a local backend batches them, and the longest another adapter waits behind a huge call is one such batch).")
 @click.option("--max-lora-rank", type=click.IntRange(min=1), default=64, show_default=True, help="The largest rank an adapter may ask for.")
 @click.option("--max-adapters", type=click.IntRange(min=1), default=64, show_default=True, help="Adapters open at once.")
 @click.option("--memory-budget-mb", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -39,7 +40,8 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @click.option("--prefix-cache-mb", type=FiniteFloat(min=0), default=256.0, show_default=True, metavar="MIB",
               help="Memory for the prefix cache, shared by the adapters (a multi-turn episode's next turn runs its new tokens only; 0 = off).")
 @click.option("--pass-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
-              help="Tokens of one round of calls across adapters; a larger call runs in a round of its own.")
+              help="Tokens of one round of calls across adapters; a larger call is worked in slices (decode batches, micro-batches) "
+                   "over several rounds, with other adapters' calls between them.")
 @click.option("--gather-ms", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="How long a round waits for other adapters' calls to join it (0: never).")
 @HOST_OPTION

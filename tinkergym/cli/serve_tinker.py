@@ -31,6 +31,12 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")
 @click.option("--micro-batch-size", type=click.IntRange(min=1), default=DEFAULT_MICRO_BATCH_SIZE, show_default=True,
               help="Rows per training or scoring pass, across training runs (bounds the activations' memory).")
+@click.option("--max-sample-batch", type=click.IntRange(min=1), default=64, show_default=True,
+              help="Sequences decoded together, across runs and samplers (bounds the KV cache's memory, and the longest another "
+                   "run's call waits behind a huge sample call: one such batch).")
+@click.option("--pass-tokens", type=click.IntRange(min=1), default=65536, show_default=True,
+              help="Tokens of one round of calls across runs and samplers; a larger call is worked in slices (decode batches, "
+                   "micro-batches) over several rounds, with other runs' calls between them.")
 @click.option("--max-lora-rank", type=click.IntRange(min=1), default=64, show_default=True, help="The largest LoRA rank a client may ask for.")
 @click.option("--max-sessions", type=click.IntRange(min=2), default=64, show_default=True,
               help="Adapters held at once (training runs and samplers, of every tenant).")
@@ -55,7 +61,8 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @data_dir_option
 @connection_options
 def serve_tinker(
-    model: str | None, scheduler_url: str | None, offers: tuple[str, ...], checkpoint_every: int, model_name: str | None, tokenizer_id: str | None, dtype: str, device: str, micro_batch_size: int, max_lora_rank: int,
+    model: str | None, scheduler_url: str | None, offers: tuple[str, ...], checkpoint_every: int, model_name: str | None, tokenizer_id: str | None, dtype: str, device: str, micro_batch_size: int, max_sample_batch: int,
+    pass_tokens: int, max_lora_rank: int,
     max_sessions: int, memory_budget_mb: float, max_runs_per_tenant: int, max_samplers_per_tenant: int, session_timeout: float,
     gather_ms: float, sample_gather_ms: float, host: str, port: int, metrics_port: int, run_dir: Path, db: str | None, data_dir: Path, header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
@@ -118,13 +125,14 @@ def serve_tinker(
             resolve_model(model)
         except ConfigError as exc:
             raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
-        base = SharedBase(SharedBaseConfig(model=model, dtype=dtype, device=device, micro_batch_size=micro_batch_size,
+        base = SharedBase(SharedBaseConfig(model=model, dtype=dtype, device=device, micro_batch_size=micro_batch_size, max_sample_batch=max_sample_batch,
                                            max_lora_rank=max_lora_rank, max_sessions=max_sessions, memory_budget_mb=memory_budget_mb))
     from tinkergym.tinker_api.server import create_server
 
     logger = request_logger(run_dir.resolve())
     app = create_server(base, run_dir.resolve(), engine, logger, model_name=model_name or model, tokenizer_id=tokenizer_id,
-                        max_lora_rank=max_lora_rank, gather_ms=gather_ms, sample_gather_ms=sample_gather_ms, max_runs_per_tenant=max_runs_per_tenant,
+                        max_lora_rank=max_lora_rank, gather_ms=gather_ms, sample_gather_ms=sample_gather_ms, pass_tokens=pass_tokens,
+                        max_runs_per_tenant=max_runs_per_tenant,
                         max_samplers_per_tenant=max_samplers_per_tenant, session_timeout_s=session_timeout)
     click.echo(f"tinkergym Tinker API: {model_name or model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), None, False,

@@ -15,9 +15,12 @@ calls of several sessions together:
   gradient equals that of its request alone (up to floating-point summation order), and no gradient reaches
   an adapter whose session has no row in the pass. A pass that fails is undone (every session's gradients are
   put back as they were) and its requests run one by one, so only the failing request fails.
-- ``sample_many``: requests with the same sampling settings decode in one batch; each request's rows draw from
-  its own generator (its seed, or the session's), so it gets the tokens it would get alone.
+- ``sample_many``: requests with the same sampling settings decode in shared batches; each request's sequences are
+  batched by ``max_sample_batch`` as TorchBackend batches them (a prompt's samples may span batches), and each
+  request's rows draw from its own generator (its seed, or the session's), so it gets the tokens it would get alone.
 - ``logprobs_many``: rows of every request at one temperature in shared passes.
+- ``call_slices``: a call cut into those units (decode batches, micro-batches), for a server that works a huge call
+  over several rounds with other sessions' calls between (:mod:`~tinkergym.backends.torch.call_slices`).
 
 Vision-language models (a base folder with a ``vision_config`` and an image processor): sessions sample, score and train
 with images as :class:`~tinkergym.backends.torch.backend.TorchBackend` does (:mod:`~tinkergym.backends.torch.vision`):
@@ -37,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,6 +50,7 @@ import torch
 from tinkergym.backends.models import is_vision_folder, resolve_model
 from tinkergym.backends.torch import losses, multi_lora
 from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
+from tinkergym.backends.torch.call_slices import CallSlices, FitCarry
 from tinkergym.backends.torch.batches import Batch, check_prompts, check_scored_images, collate, request_normalizers, validate_data
 from tinkergym.backends.torch.copies import kv_token_cost
 from tinkergym.backends.torch.lora_session import LoraSession, LoraSessionConfig, Outcome
@@ -146,6 +151,7 @@ class SharedBase:
         self._next_id = 1
         self._lock = threading.RLock()  # one pass at a time over the shared model
         self._given: dict[int, Any] = {}  # a sample_many call's generators, by its requests' ids
+        self._carried: dict[int, FitCarry] = {}  # a forward_backward_many call's carries, by its requests' ids
         fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.pad_id = next(t for t in fallbacks if t is not None)
         self.base_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
@@ -205,9 +211,30 @@ class SharedBase:
         return compute_in(self.device, self.dtype)
 
     # ----- training ---------------------------------------------------------------------------------
-    def forward_backward_many(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]]) -> list[Outcome]:
-        """Each call's :class:`ForwardBackwardResult`, or the exception it raised; see the module docstring."""
-        return self._isolated(calls, self._forward_backward_together, self._check_forward_backward, restore_grads=True)
+    def forward_backward_many(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]],
+                              carries: Sequence[FitCarry | None] | None = None) -> list[Outcome]:
+        """Each call's :class:`ForwardBackwardResult`, or the exception it raised; see the module docstring.
+
+        ``carries``: per call, the :class:`~tinkergym.backends.torch.call_slices.FitCarry` of a call worked in slices (this
+        request one of its slices), or None: its loss sums add to the carry's, and its metrics are the whole call's so far.
+        """
+        given = {id(r): c for (_, r), c in zip(calls, carries or ()) if c is not None}
+        with self._lock:
+            for (session, request) in calls:
+                carry = given.get(id(request))
+                if carry is not None and carry.saved is None:  # its first slice: what a failed slice puts back
+                    carry.saved = session._saved(True)
+            self._carried = given
+            try:
+                return self._isolated(calls, self._forward_backward_together, self._check_forward_backward, restore_grads=True)
+            finally:
+                self._carried = {}
+
+    def abandon(self, session: LoraSession, carry: FitCarry) -> None:
+        """A call worked in slices failed: put its session's gradients back as they were before its first slice."""
+        if carry.saved is not None:
+            with self._lock:
+                session._restore(*carry.saved)
 
     def _check_forward_backward(self, session: LoraSession, request: ForwardBackwardRequest) -> None:
         session._check_open()
@@ -235,11 +262,17 @@ class SharedBase:
                 for micro in plan_micro_batches(data, self.config.micro_batch_size, share, kv_cost, scopes=[k for k, _ in rows]):
                     self._one_pass(calls, [rows[j] for j in micro.indices], micro, temperature, normalizers, sums, scored)
         results: list[ForwardBackwardResult] = []
+        carried: list[tuple[FitCarry, dict[str, float]]] = []
         for (_, request), micro_sums, logprobs in zip(calls, sums, scored):
-            totals: dict[str, float] = {}
+            carry = self._carried.get(id(request))
+            totals: dict[str, float] = {} if carry is None else carry.totals
             for floats in losses.sums_to_floats(micro_sums):
                 totals = losses.add_sums(totals, floats)
+            if carry is not None:
+                carried.append((carry, totals))
             results.append(ForwardBackwardResult(metrics=losses.finalize_metrics(totals), logprobs=logprobs if request.return_logprobs else None))
+        for carry, totals in carried:  # only once every call's pass is done (a failed joint run is run again call by call)
+            carry.totals = totals
         return results
 
     def _one_pass(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]], picked: list[tuple[int, int]], micro: MicroBatch,
@@ -299,10 +332,46 @@ class SharedBase:
         finally:
             self._given = {}
 
-    def slice_generator(self, request: SampleRequest) -> Any:
-        """The generator a request sampled in slices draws from across them: its seed's (made here, once), or None for the
-        session's own (which no other call of the session draws from meanwhile: its later calls wait behind it)."""
-        return None if request.params.seed is None else torch.Generator(device=self.device).manual_seed(request.params.seed)
+    def call_slices(self, session: LoraSession, method: str, args: Any) -> CallSlices | None:
+        """``session``'s call of ``method`` (``args`` as the ``*_many`` method takes them) cut into the units this base runs
+        it in, for a server that works a call larger than its pass in slices (:mod:`~tinkergym.backends.torch.call_slices`);
+        None for a call of one unit, one with images to sample, or one that fails its checks (it fails when run whole)."""
+        checks: dict[str, Callable[[LoraSession, Any], None]] = {
+            "sample": self._check_sample, "forward_backward": self._check_forward_backward, "logprobs": self._check_logprobs}
+        check = checks.get(method)
+        if check is None:
+            return None
+        try:
+            check(session, args)
+        except Exception:  # noqa: BLE001 - run whole, it fails with its own error
+            return None
+        units: deque[tuple[list[int], int]] = deque()
+        if method == "sample":
+            if any(args.images):
+                return None
+            flat = [i for i in range(len(args.prompts)) for _ in range(args.num_samples)]
+            new = args.params.max_new_tokens
+            for first in range(0, len(flat), self.config.max_sample_batch):
+                rows = flat[first : first + self.config.max_sample_batch]
+                units.append((rows, sum(len(args.prompts[i]) + new for i in rows)))
+            # The generator its slices draw from: its seed's (made here, once), or the session's own (None; no other call
+            # of the session draws from it meanwhile: the session's later calls wait behind this one).
+            seeded = args.params.seed is not None
+            carry: Any = torch.Generator(device=self.device).manual_seed(args.params.seed) if seeded else None
+            normalizers = None
+        else:
+            if method == "forward_backward":
+                data, share = args.data, self.config.share_prefixes and not any(d.images for d in args.data)
+                carry, normalizers = FitCarry(), request_normalizers(args)
+            else:
+                sequences, _, images = _scoring_call(args)
+                data, share = [Datum(tokens=t, loss_mask=[0.0] * len(t), images=_images_of(images, i)) for i, t in enumerate(sequences)], False
+                carry, normalizers = None, None
+            for micro in plan_micro_batches(data, self.config.micro_batch_size, share, kv_token_cost(self.model.config)):
+                units.append((list(micro.indices), sum(len(data[i].tokens) for i in micro.indices)))
+        if len(units) < 2:
+            return None
+        return CallSlices(method, args, units, carry, normalizers)
 
     def _check_sample(self, session: LoraSession, request: SampleRequest) -> None:
         session._check_open()
@@ -327,17 +396,17 @@ class SharedBase:
         generators = {k: self._given.get(id(r)) or (s.generator if r.params.seed is None else torch.Generator(device=self.device).manual_seed(r.params.seed))
                       for k, (s, r) in enumerate(calls)}
         self.model.eval()
+        most = self.config.max_sample_batch
         for key, members in settings.items():
-            # Whole requests per batch, so each request's rows are batched as they would be alone.
-            batches: list[list[tuple[int, list[int]]]] = [[]]  # [(call, its prompts in the batch)]
+            # Each request's sequences in batches of max_sample_batch, as it would be batched alone (and as TorchBackend
+            # batches them); several requests' batches share a decode batch where they fit in one.
+            batches: list[list[tuple[int, list[int]]]] = [[]]  # [(call, the prompt of each of its sequences in the batch)]
             for k in members:
-                request = calls[k][1]
-                step = max(1, self.config.max_sample_batch // request.num_samples)
-                for first in range(0, len(text_rows[k]), step):
-                    piece = (k, text_rows[k][first : first + step])
-                    size = len(piece[1]) * request.num_samples
-                    used = sum(len(rows) * calls[c][1].num_samples for c, rows in batches[-1])
-                    if batches[-1] and (used + size > self.config.max_sample_batch or not one_length):
+                flat = [i for i in text_rows[k] for _ in range(calls[k][1].num_samples)]
+                for first in range(0, len(flat), most):
+                    piece = (k, flat[first : first + most])
+                    used = sum(len(rows) for _, rows in batches[-1])
+                    if batches[-1] and (used + len(piece[1]) > most or not one_length):
                         batches.append([])
                     batches[-1].append(piece)
             params = calls[members[0]][1].params
@@ -351,13 +420,15 @@ class SharedBase:
 
     def _sample_batch(self, calls: Sequence[tuple[LoraSession, SampleRequest]], pieces: list[tuple[int, list[int]]], params: Any,
                       stop_ids: list[int], generators: dict[int, torch.Generator], out: list[dict[int, list[SampledSequence]]]) -> None:
+        """Decode ``pieces`` (each a call and the prompt of each of its sequences) in one batch, each call's rows drawing
+        from its own generator; each sequence is appended to its prompt's in ``out``."""
         prompts: list[list[int]] = []
         adapters: list[int] = []
         segments: list[tuple[range, torch.Generator]] = []
         for k, rows in pieces:
             session, request = calls[k]
             start = len(prompts)
-            prompts.extend(request.prompts[i] for i in rows for _ in range(request.num_samples))
+            prompts.extend(request.prompts[i] for i in rows)
             adapters.extend([session.id] * (len(prompts) - start))
             segments.append((range(start, len(prompts)), generators[k]))
         rng = RowGenerators(segments) if params.temperature > 0 else None
@@ -368,9 +439,8 @@ class SharedBase:
         if rng is not None:  # each generator as its own batch would leave it: after the step its last row stopped
             rng.settle(start_state, [max(len(sequences[i].tokens) for i in span) - 1 for span, _ in segments])
         for (k, rows), (span, _) in zip(pieces, segments):
-            n = calls[k][1].num_samples
             for j, i in enumerate(rows):
-                out[k][i] = [sequences[span[0] + j * n + s] for s in range(n)]
+                out[k].setdefault(i, []).append(sequences[span[0] + j])
 
     def _sample_images(self, session: LoraSession, request: SampleRequest, i: int, stop_ids: list[int],
                        generator: torch.Generator) -> list[SampledSequence]:

@@ -14,9 +14,12 @@ through an adapter unchanged, given the server's URL and the adapter's token.
 One thread runs every adapter's calls (:class:`SharedWorker`). Each adapter's calls run in the order they were
 numbered; across adapters, rounds take the next call of each adapter with one waiting, round-robin from a
 rotating start, up to ``pass_tokens`` tokens a round, so one adapter's large or many calls never hold another's back
-for more than a round. A ``sample`` call larger than that is worked in slices of its prompts over several rounds
-(whole batches of the base, drawing on from one generator: the samples it would get in one go), so other adapters'
-calls run between its slices; another call larger than the budget runs in a round of its own. An adapter's waiting reads of one
+for more than a round. A ``sample``, ``forward_backward`` or ``logprobs`` call larger than that is worked in slices over
+several rounds, so other adapters' calls run between its slices: whole units of the base (batches of ``max_sample_batch``
+sequences, even of one prompt; micro-batches of rows), each slice carrying on from the last, so the call gets what it
+would get in one go (:mod:`~tinkergym.backends.torch.call_slices`). A slice holds one unit at least, so another adapter
+waits at most one unit of a huge call (a decode batch of ``max_sample_batch`` sequences, a micro-batch); a call of one
+unit, or one sampling prompts with images, runs in a round of its own. An adapter's waiting reads of one
 kind (``sample``, ``logprobs``: they change no weights) join its first call in the round, within the budget, so a
 client's concurrent sampling requests share one pass. A round starts when ``gather_s`` passed without a new call
 (and, unless every adapter has a call waiting, ``gather_s`` after the first), at most ten times ``gather_s`` after
@@ -53,13 +56,12 @@ from tinkergym.serve.metrics import TokenTally
 from tinkergym.serve.training.app import (ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, WireModel, _add_error_handlers, public_info,
                                           router, training_metrics)
 from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, call_error, run_call, sample_tokens, wire_result
-from tinkergym.protocol.types import SampleRequest, SampleResponse, SamplingParams
 
 #: Routes of the server's own token; every other route but /health serves one adapter.
 ADMIN_PREFIX = "/v1/adapters"
 #: Calls that read an adapter without changing it: several of one adapter run in one pass (see :meth:`SharedWorker._take_round`).
 JOINED_READS = ("sample", "logprobs")
-#: The outcome of a slice that is not its call's last (:class:`_Slices`): the call is not finished yet.
+#: The outcome of a slice that is not its call's last: the call is not finished yet.
 _MORE_SLICES = object()
 #: A round waits for more calls at most this many times its gather time (see :meth:`SharedWorker._loop`).
 GATHER_ROUNDS = 10
@@ -111,38 +113,6 @@ def call_tokens(record: CallRecord) -> int:
 
 
 @dataclass
-class _Slices:
-    """A ``sample`` call larger than a round's budget, worked in slices of its prompts over several rounds, so other
-    adapters' calls run between them. A slice is whole batches of the base's (``step`` prompts each) and draws from the
-    call's generator across slices, so the call gets the samples it would get in one go; its adapter's later calls wait
-    behind it, as behind any call."""
-
-    request: SampleRequest
-    left: deque[int]  # its prompts' indexes still to sample, in order
-    step: int  # prompts per batch of the base
-    generator: Any  # what its slices draw from (None: its session's generator)
-    sequences: dict[int, Any] = field(default_factory=dict)
-
-    def cost(self, rows: list[int]) -> int:
-        """The tokens sampling prompts ``rows`` puts through the model (as :func:`sample_tokens` counts a whole call)."""
-        return self.request.num_samples * sum(len(self.request.prompts[i]) + self.request.params.max_new_tokens for i in rows)
-
-    def take(self, budget: int, anyway: bool) -> tuple[list[int], int]:
-        """The next slice's prompts, whole batches within ``budget`` tokens (one batch at least when ``anyway``), and its cost."""
-        rows: list[int] = []
-        used = 0
-        while self.left:
-            piece = [self.left[k] for k in range(min(self.step, len(self.left)))]
-            cost = self.cost(piece)
-            if used + cost > budget and not (anyway and not rows):
-                break
-            for _ in piece:
-                self.left.popleft()
-            rows, used = rows + piece, used + cost
-        return rows, used
-
-
-@dataclass
 class _Queue:
     records: deque[CallRecord] = field(default_factory=deque)
     last_done: float = field(default_factory=time.monotonic)
@@ -187,7 +157,7 @@ class SharedWorker:
         self._queues: dict[str, _Queue] = {}
         self._running: set[str] = set()
         self._cond = threading.Condition()
-        self._slices: dict[str, _Slices] = {}  # request id -> a sample call being worked in slices
+        self._slices: dict[str, Any] = {}  # request id -> a call being worked in slices (the base's CallSlices)
         self._start = 0
         self._last_submit = 0.0
         self._stopping = False
@@ -261,8 +231,8 @@ class SharedWorker:
 
     def _take_round(self) -> list[tuple[str, CallRecord, list[int] | None]]:
         """The next call of each adapter with one waiting, round-robin from a rotating start, within the token budget: a
-        sample call larger than the budget gives a slice of its prompts (:class:`_Slices`), and stays at the head of its
-        queue until its last slice is taken. Each entry: ``(adapter, call, the slice's prompts or None for the whole)``."""
+        call larger than the budget gives a slice of its units (see :meth:`_sliced`), and stays at the head of its queue
+        until its last slice is taken. Each entry: ``(adapter, call, the slice's rows or None for the whole call)``."""
         ids = [a for a, q in self._queues.items() if q.records]
         if not ids:
             return []
@@ -272,13 +242,13 @@ class SharedWorker:
         used = 0
         for adapter_id in ids[start:] + ids[:start]:
             records = self._queues[adapter_id].records
-            slices = self._sliced(records[0])
+            slices = self._sliced(adapter_id, records[0])
             if slices is not None:
                 rows, cost = slices.take(self.pass_tokens - used, anyway=not taken)
                 if rows:
                     used += cost
                     taken.append((adapter_id, records[0], rows))
-                    if not slices.left:
+                    if slices.finished:
                         records.popleft()  # its last slice
                 continue
             cost = call_tokens(records[0])
@@ -288,29 +258,24 @@ class SharedWorker:
             taken.append((adapter_id, first, None))
             used += cost
             # Reads (sample, logprobs) change no weights: an adapter's waiting reads of one kind join its first in the same pass.
-            while (first.method in JOINED_READS and records and records[0].method == first.method and self._sliced(records[0]) is None
+            while (first.method in JOINED_READS and records and records[0].method == first.method and self._sliced(adapter_id, records[0]) is None
                    and used + call_tokens(records[0]) <= self.pass_tokens):
                 used += call_tokens(records[0])
                 taken.append((adapter_id, records.popleft(), None))
         self._running = {a for a, _, _ in taken}
         return taken
 
-    def _sliced(self, record: CallRecord) -> _Slices | None:
-        """The slices of a sample call larger than a round's budget (made on first sight), or None for a call run whole."""
+    def _sliced(self, adapter_id: str, record: CallRecord) -> Any:
+        """The slices of a call larger than a round's budget (made on first sight by the base's ``call_slices``: see
+        :mod:`~tinkergym.backends.torch.call_slices`), or None for a call run whole."""
         known = self._slices.get(record.request_id)
-        if known is not None or record.call is None or record.method != "sample" or call_tokens(record) <= self.pass_tokens:
+        if (known is not None or record.call is None or call_tokens(record) <= self.pass_tokens
+                or adapter_id not in self.adapters or not hasattr(self.base, "call_slices")):
             return known
-        request = record.call.args["request"]
-        if request.images or len(request.prompts) < 2:
-            return None  # prompts with images are sampled on their own anyway; one prompt is one batch's worth
-        batch = getattr(getattr(self.base, "config", None), "max_sample_batch", 64)
-        step = max(1, batch // request.num_samples)
-        if step >= len(request.prompts):
-            return None
-        if not hasattr(self.base, "slice_generator"):
-            return None  # a base that cannot carry a generator across slices samples the call whole
-        self._slices[record.request_id] = _Slices(request, deque(range(len(request.prompts))), step, self.base.slice_generator(request))
-        return self._slices[record.request_id]
+        slices = self.base.call_slices(self.adapters[adapter_id][0], record.method, _joint_args(record))
+        if slices is not None:
+            self._slices[record.request_id] = slices
+        return slices
 
     def _loop(self) -> None:
         while True:
@@ -357,14 +322,14 @@ class SharedWorker:
             mine = [(a, r, rows) for a, r, rows in ready if r.call is not None and r.call.method == method]
             if not mine:
                 continue
-            args = [(self.adapters[a][0], _joint_args(r) if rows is None else self._slice_request(r, rows)) for a, r, rows in mine]
-            generators = [None if rows is None else self._slices[r.request_id].generator for _, r, rows in mine]
+            args = [(self.adapters[a][0], _joint_args(r) if rows is None else self._slices[r.request_id].part(rows)) for a, r, rows in mine]
+            carries = [None if rows is None else self._slices[r.request_id].carry for _, r, rows in mine]
             try:
-                results = run(args, generators) if any(g is not None for g in generators) else run(args)
+                results = run(args, carries) if any(c is not None for c in carries) else run(args)
             except Exception as exc:  # noqa: BLE001 - a fault of the joint call itself fails its calls
                 results = [exc] * len(mine)
-            for (_, record, rows), result in zip(mine, results):
-                outcomes[record.request_id] = result if rows is None else self._slice_done(record, rows, result)
+            for (adapter_id, record, rows), result in zip(mine, results):
+                outcomes[record.request_id] = result if rows is None else self._slice_done(adapter_id, record, rows, result)
         for adapter_id, record, _ in ready:
             if record.request_id not in outcomes:
                 session, run_dir = self.adapters[adapter_id]
@@ -391,28 +356,24 @@ class SharedWorker:
                 self.tally(adapter_id).add(record.method, record.call, result)
             record.finish(result=result, error=error)
 
-    def _slice_request(self, record: CallRecord, rows: list[int]) -> SampleRequest:
-        """The sample request of one slice of ``record``'s call: its prompts ``rows``, drawing from the call's generator."""
-        request = self._slices[record.request_id].request
-        params = SamplingParams(**{**request.params.to_dict(), "seed": None})  # the slices' generator carries the seed's draws
-        return SampleRequest(prompts=[request.prompts[i] for i in rows], params=params, num_samples=request.num_samples)
-
-    def _slice_done(self, record: CallRecord, rows: list[int], result: Any) -> Any:
-        """Keep a slice's samples; the call's whole response after its last slice, :data:`_MORE_SLICES` before it, or the
-        slice's error (which ends the call: its slices left are dropped)."""
+    def _slice_done(self, adapter_id: str, record: CallRecord, rows: list[int], result: Any) -> Any:
+        """Keep a slice's results; the call's whole result after its last slice, :data:`_MORE_SLICES` before it, or the
+        slice's error (which ends the call: its slices left are dropped, and a training call's gradients put back)."""
         slices = self._slices[record.request_id]
-        if isinstance(result, BaseException) or not slices.left:
+        if isinstance(result, BaseException):
             self._slices.pop(record.request_id, None)
-            if isinstance(result, BaseException):
-                with self._cond:
-                    queue = next((q for q in self._queues.values() if q.records and q.records[0] is record), None)
-                    if queue is not None:
-                        queue.records.popleft()
-                return result
-        slices.sequences.update(zip(rows, result.sequences))
-        if slices.left:
+            if record.method == "forward_backward":
+                self.base.abandon(self.adapters[adapter_id][0], slices.carry)
+            with self._cond:
+                queue = self._queues.get(adapter_id)
+                if queue is not None and queue.records and queue.records[0] is record:
+                    queue.records.popleft()
+            return result
+        slices.add(rows, result)
+        if not slices.finished:
             return _MORE_SLICES
-        return SampleResponse(sequences=[slices.sequences[i] for i in range(len(slices.request.prompts))])
+        self._slices.pop(record.request_id, None)
+        return slices.result()
 
     def _check_disk(self, run_dir: Path) -> None:
         """Refuse a new state or export while the adapter's folder holds its most bytes (``max_disk_bytes``; 0: no bound)."""
