@@ -222,6 +222,15 @@ def test_shared_lora_quick() -> None:
 
 
 @pytest.mark.slow
+def test_shared_fairness_quick() -> None:
+    report, _ = run_benchmark("shared_fairness.py", "--quick", "--json")
+    check_machine(report["machine"])
+    assert report["model"] == "tiny" and report["batches"] == 6 and report["same_samples"] is True
+    assert set(report["modes"]) == {"sliced", "whole"} and report["small_alone_s"] > 0
+    assert all(m["small_beside_s"] > 0 and m["huge_s"] > 0 for m in report["modes"].values())
+
+
+@pytest.mark.slow
 def test_env_throughput_quick() -> None:
     from testkit import own_envs  # registered by tests/conftest.py
 

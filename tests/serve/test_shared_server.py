@@ -145,15 +145,17 @@ def _slices_of(http: TestClient, adapter: str) -> int:
     return sum(x[0] == adapter for r in http.app.state.shared.worker.rounds for x in r)
 
 
+@pytest.mark.parametrize("start", [0, 1], ids=["rotation 0", "rotation 1"])
 @pytest.mark.parametrize("seed", [11, None])
 @pytest.mark.parametrize("prompts, num_samples, slices", [(12, 4, 6), (1, 20, 3)], ids=["12 prompts", "one prompt"])
 def test_a_sample_call_over_the_budget_runs_in_slices_that_other_adapters_calls_run_between(tiny, tmp_path, seed, prompts, num_samples,
-                                                                                             slices) -> None:
+                                                                                             slices, start) -> None:
     """One adapter's sample call of 12 prompts x 4 samples (624 tokens), or of one prompt x 20 samples (as every Tinker
     sample call is one prompt), on a server whose rounds hold 100 tokens: it is worked one batch of the base (8
     sequences) at a time, another adapter's small call runs in the second round instead of after the whole call, and
     the big call's samples are those it gets in one go on a server without the budget (the same adapter seed: the same
-    draws, seeded or from the adapter's generator)."""
+    draws, seeded or from the adapter's generator). A call in slices goes after fresh calls in a round, so the small
+    call runs next whatever the rotation says."""
     big = SampleRequest([[5 + i, 6, 7 + i] for i in range(prompts)], SamplingParams(max_new_tokens=10, seed=seed), num_samples=num_samples)
     small = SampleRequest([[9, 10]], SamplingParams(max_new_tokens=2, seed=3))
 
@@ -164,6 +166,7 @@ def test_a_sample_call_over_the_budget_runs_in_slices_that_other_adapters_calls_
 
     http, base, a, b = serve(100, "sliced")
     worker = http.app.state.shared.worker
+    worker._start = start  # whichever adapter the rotation puts first, the small call waits one slice (not two)
     with base._lock:  # the big call's first slice waits on the base while the small call arrives
         whole = _submit(a, "sample", {"request": big.to_dict()})
         wait_until("the first slice to start", lambda: len(worker._running) == 1, timeout=10, every=0.01)

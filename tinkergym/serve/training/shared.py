@@ -13,7 +13,8 @@ through an adapter unchanged, given the server's URL and the adapter's token.
 
 One thread runs every adapter's calls (:class:`SharedWorker`). Each adapter's calls run in the order they were
 numbered; across adapters, rounds take the next call of each adapter with one waiting, round-robin from a
-rotating start, up to ``pass_tokens`` tokens a round, so one adapter's large or many calls never hold another's back
+rotating start (an adapter the last round passed over first, a call already in slices after fresh calls), up to
+``pass_tokens`` tokens a round, so one adapter's large or many calls never hold another's back
 for more than a round. A ``sample``, ``forward_backward`` or ``logprobs`` call larger than that is worked in slices over
 several rounds, so other adapters' calls run between its slices: whole units of the base (batches of ``max_sample_batch``
 sequences, even of one prompt; micro-batches of rows), each slice carrying on from the last, so the call gets what it
@@ -159,6 +160,7 @@ class SharedWorker:
         self._cond = threading.Condition()
         self._slices: dict[str, Any] = {}  # request id -> a call being worked in slices (the base's CallSlices)
         self._start = 0
+        self._passed_over: set[str] = set()  # adapters with a call waiting that the last round did not take
         self._last_submit = 0.0
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -238,9 +240,12 @@ class SharedWorker:
             return []
         start = self._start % len(ids)
         self._start += 1
+        # An adapter passed over last round (for the budget) goes first; a call already in slices goes after the fresh
+        # calls, so a call that arrives while a huge one runs waits one slice, and the huge one one round at most.
+        order = sorted(ids[start:] + ids[:start], key=lambda a: 0 if a in self._passed_over else 2 if self._queues[a].records[0].request_id in self._slices else 1)
         taken: list[tuple[str, CallRecord, list[int] | None]] = []
         used = 0
-        for adapter_id in ids[start:] + ids[:start]:
+        for adapter_id in order:
             records = self._queues[adapter_id].records
             slices = self._sliced(adapter_id, records[0])
             if slices is not None:
@@ -263,6 +268,7 @@ class SharedWorker:
                 used += call_tokens(records[0])
                 taken.append((adapter_id, records.popleft(), None))
         self._running = {a for a, _, _ in taken}
+        self._passed_over = set(ids) - self._running
         return taken
 
     def _sliced(self, adapter_id: str, record: CallRecord) -> Any:
