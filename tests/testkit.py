@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -19,7 +21,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tinkergym.protocol.types import Datum
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, OptimParams, SampleRequest, SampleResponse
 
 
 def wait_until(what: str, check: Callable[[], Any], timeout: float = 60.0, every: float = 0.1,
@@ -218,3 +220,129 @@ def group_by_module_fixtures(items: list[pytest.Item]) -> None:
             continue
         if any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values()):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+# ----- async steps: a backend watched while it samples ahead --------------------------------------------------------
+GRADED_ENV = "fake/Graded-v0"
+GRADED = '''
+from tinkergym import TextEnv
+
+class GradedEnv(TextEnv):
+    """One turn: the prompt carries a number drawn from the reset's seed; the reward is the share of vowels in the reply."""
+
+    metadata = {**TextEnv.metadata, "tinkergym": {"data": "free", "turns": "single", "agents": 1}}
+
+    def _reset(self, options):
+        return f"task {int(self.np_random.integers(1_000_000))}: say something", {}
+
+    def _step(self, action):
+        return "done", sum(c in "aeiou" for c in action.lower()) / max(len(action), 1), True, False, {}
+'''
+
+
+def add_graded_env(fake_site: Any) -> str:
+    """Install and register ``fake/Graded-v0`` (random replies of the tiny model get rewards that differ within a group,
+    so every step trains) on the ``fake_site`` fixture; returns its id."""
+    import tinkergym
+
+    fake_site.add("fakeenv-graded", {GRADED_ENV: "fakeenv_graded:GradedEnv"}, module_code=GRADED)
+    tinkergym.register_installed_envs(refresh=True)
+    return GRADED_ENV
+
+
+class WatchedSnapshot:
+    """A snapshot whose samples are recorded in its backend's ``sampled`` (prompt + completion -> version) and ``intervals``."""
+
+    def __init__(self, snapshot: Any, owner: Watched) -> None:
+        self.snapshot, self.owner, self.version = snapshot, owner, snapshot.version
+
+    def sample(self, request: SampleRequest) -> SampleResponse:
+        started = time.perf_counter()
+        response = self.snapshot.sample(request)
+        with self.owner.watch_lock:
+            self.owner.intervals.append(("sample", started, time.perf_counter()))
+            for prompt, sequences in zip(request.prompts, response.sequences):
+                for sequence in sequences:
+                    self.owner.sampled[tuple(prompt + sequence.tokens)] = (self.version, list(sequence.logprobs))
+        return response
+
+
+class Watched:
+    """Mixed into a real backend that takes snapshots (``class WatchedTorch(Watched, TorchBackend)``): records of what was
+    sampled and trained at which version, training slowed by ``delay`` (outside the backend, as a slow environment or tool
+    would hold the trainer), so the sampling thread runs ahead. ``lag`` > 0 plays a sampler fleet that loads new weights
+    late: a snapshot asked for is the one taken ``lag`` calls before."""
+
+    step: int
+
+    def __init__(self, *args: Any, delay: float = 0.0, lag: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.delay, self.lag = delay, lag
+        self.watch_lock = threading.Lock()
+        self.sampled: dict[tuple[int, ...], tuple[int, list[float]]] = {}
+        self.trained: list[tuple[int, ForwardBackwardRequest]] = []  # (the version it trained, the request)
+        self.intervals: list[tuple[str, float, float]] = []
+        self.snapshots: list[Any] = []
+
+    def sampling_snapshot(self) -> WatchedSnapshot:
+        self.snapshots.append(super().sampling_snapshot())  # type: ignore[misc]
+        return WatchedSnapshot(self.snapshots[max(0, len(self.snapshots) - 1 - self.lag)], self)
+
+    def forward_backward(self, request: ForwardBackwardRequest) -> Any:
+        started = time.perf_counter()
+        time.sleep(self.delay)
+        self.trained.append((self.step, request))
+        result = super().forward_backward(request)  # type: ignore[misc]
+        self.intervals.append(("train", started, time.perf_counter()))
+        return result
+
+    def optim_step(self, params: OptimParams) -> dict[str, float]:
+        started = time.perf_counter()
+        out = super().optim_step(params)  # type: ignore[misc]
+        self.intervals.append(("train", started, time.perf_counter()))
+        return out
+
+    def sampled_version(self, tokens: list[int]) -> tuple[int, list[float]]:
+        """The version and logprobs of the recorded sample that ``tokens`` (a trained sequence) is."""
+        return self.sampled[tuple(tokens)]
+
+
+def metrics(out: Path) -> list[dict[str, Any]]:
+    """A run folder's ``metrics.jsonl`` records."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def prompts(out: Path, step: int) -> list[str]:
+    """The user prompts of a run's training step ``step`` (its transcripts)."""
+    rows = [json.loads(line) for line in (out / "transcripts" / f"train_step_{step:06d}.jsonl").read_text().splitlines()]
+    return [next(m["content"] for m in row["messages"] if m["role"] == "user") for row in rows]
+
+
+def overlapped(intervals: list[tuple[str, float, float]]) -> bool:
+    """Whether some sample call ran while a training call did (the sampling thread ran ahead of training)."""
+    samples = [(a, b) for kind, a, b in intervals if kind == "sample"]
+    return any(a < d and c < b for kind, c, d in intervals if kind == "train" for a, b in samples)
+
+
+def check_bounded_staleness(watched: Watched, out: Path, k: int, steps: int) -> None:
+    """A run of ``steps`` steps with ``async_steps`` ``k`` through ``watched``: sampling overlapped training, one snapshot per
+    handover, every trained sequence one a snapshot sampled at most ``k`` versions before (exactly ``k`` once the pipeline
+    is full), trained with a correction and the snapshot's own logprobs, and the logged gaps and times agree."""
+    from tinkergym.trainers.async_rollouts import corrects_staleness
+
+    assert overlapped(watched.intervals), "no sample ran while a step trained: nothing was sampled ahead"
+    assert len(watched.snapshots) == steps - k, "one snapshot at the start for steps 0..K, then one per step handed over"
+    gaps = []
+    for version, request in watched.trained:
+        assert corrects_staleness(request.loss), request.loss
+        for datum in request.data:
+            sampled_at, logprobs = watched.sampled_version(datum.tokens)  # every trained sequence is one a snapshot sampled
+            assert 0 <= version - sampled_at <= k
+            assert datum.sampling_logprobs[-len(logprobs):] == logprobs, "the ratio's old policy is the snapshot's own logprobs"
+            gaps.append(version - sampled_at)
+    assert max(gaps) == k, "once the pipeline is full a step trains samples exactly K versions old"
+    logged = [m for m in metrics(out) if m["step"] >= 0]
+    assert [m["async/version_gap_max"] for m in logged] == [float(min(s, k)) for s in range(steps)]
+    assert all(m["async/dropped_groups"] == 0 and m["batch/trained_sequences"] > 0 for m in logged)
+    assert all(m["time/rollout_wait_s"] >= 0 and m["time/update_s"] >= watched.delay and m["async/rollout_s"] > 0 for m in logged)
+    assert "time/rollout_s" not in logged[0]

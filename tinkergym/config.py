@@ -18,6 +18,8 @@ from tinkergym.errors import ConfigError
 
 #: Where rollouts are sampled: the training backend itself, or a vLLM engine synced from it after every step.
 SAMPLERS = ("torch", "vllm")
+#: Backends that sample from a fixed snapshot of the weights while they train (``async_steps`` > 0).
+SNAPSHOT_BACKENDS = ("torch", "tinker")
 #: Episodes that a budget (max_turns, max_context, an episode token budget) ended: trained on, or masked.
 TRUNCATION_MODES = ("keep", "mask")
 #: Weight dtypes a backend loads a model in ("auto": bfloat16 where the device computes it natively).
@@ -234,13 +236,13 @@ class TrainConfig:
                 "sampler (the ratio against the sampler's logprobs: PPO's off-policy correction), or keep trainer and add "
                 "--tis-cap C (e.g. 2) to weight each token by min(current/sampler ratio, C)."
             )
-        if self.backend is None:
-            implied = "scheduled" if self.scheduler_url else "remote" if self.backend_url else "vllm" if self.sampler == "vllm" else "torch"
+        implied = self.backend or ("scheduled" if self.scheduler_url else "remote" if self.backend_url else "vllm" if self.sampler == "vllm" else "torch")
+        if implied not in SNAPSHOT_BACKENDS:
             raise ConfigError(
                 f"async-steps {k} samples the next steps while one trains, which needs a backend that samples from a fixed "
-                f"snapshot of the weights: the tinker backend (--backend tinker --backend-url URL). The {implied} backend "
-                "these settings train through samples and trains one after the other (so do torch, vllm, remote and "
-                "scheduled): leave out --async-steps, or train through a Tinker endpoint."
+                f"snapshot of the weights: {' or '.join(SNAPSHOT_BACKENDS)} (--backend torch, or --backend tinker --backend-url URL). "
+                f"The {implied} backend these settings train through samples and trains one after the other: leave out "
+                "--async-steps, or train through one of those."
             )
 
     def _validate_sampler_engine(self) -> None:

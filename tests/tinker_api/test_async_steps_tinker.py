@@ -22,92 +22,24 @@ pytest.importorskip("tinker")
 
 from click.testing import CliRunner  # noqa: E402
 
+from testkit import GRADED_ENV, Watched, add_graded_env, check_bounded_staleness, metrics, prompts  # noqa: E402  # registered by tests/conftest.py
+
 from tinkergym.backends.tinker_client import TinkerBackend  # noqa: E402
 from tinkergym.config import TrainConfig  # noqa: E402
-from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest, SampleResponse  # noqa: E402
-from tinkergym.trainers.async_rollouts import corrects_staleness  # noqa: E402
+from tinkergym.protocol.types import OptimParams  # noqa: E402
 from tinkergym.trainers.session import TrainingRun  # noqa: E402
 
-ENV = "fake/Graded-v0"
-GRADED = '''
-from tinkergym import TextEnv
-
-class GradedEnv(TextEnv):
-    """One turn: the prompt carries a number drawn from the reset's seed; the reward is the share of vowels in the reply."""
-
-    metadata = {**TextEnv.metadata, "tinkergym": {"data": "free", "turns": "single", "agents": 1}}
-
-    def _reset(self, options):
-        return f"task {int(self.np_random.integers(1_000_000))}: say something", {}
-
-    def _step(self, action):
-        return "done", sum(c in "aeiou" for c in action.lower()) / max(len(action), 1), True, False, {}
-'''
+ENV = GRADED_ENV
 
 
 @pytest.fixture
 def graded(fake_site: Any) -> str:
     """``fake/Graded-v0``: random replies of the tiny model get rewards that differ within a group, so every step trains."""
-    import tinkergym
-
-    fake_site.add("fakeenv-graded", {ENV: "fakeenv_graded:GradedEnv"}, module_code=GRADED)
-    tinkergym.register_installed_envs(refresh=True)
-    return ENV
+    return add_graded_env(fake_site)
 
 
-class WatchedSnapshot:
-    """A snapshot whose samples are recorded in its backend's ``sampled`` (prompt + completion -> version) and ``intervals``."""
-
-    def __init__(self, snapshot: Any, owner: WatchedTinker) -> None:
-        self.snapshot, self.owner, self.version = snapshot, owner, snapshot.version
-
-    def sample(self, request: SampleRequest) -> SampleResponse:
-        started = time.perf_counter()
-        response = self.snapshot.sample(request)
-        with self.owner.lock:
-            self.owner.intervals.append(("sample", started, time.perf_counter()))
-            for prompt, sequences in zip(request.prompts, response.sequences):
-                for sequence in sequences:
-                    self.owner.sampled[tuple(prompt + sequence.tokens)] = (self.version, list(sequence.logprobs))
-        return response
-
-
-class WatchedTinker(TinkerBackend):
-    """The real TinkerBackend with records of what was sampled and trained at which version, training slowed by ``delay``.
-
-    ``lag`` > 0 plays a sampler fleet that loads new weights late: a snapshot asked for is the one taken ``lag`` calls before.
-    """
-
-    def __init__(self, *args: Any, delay: float = 0.0, lag: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.delay, self.lag = delay, lag
-        self.lock = threading.Lock()
-        self.sampled: dict[tuple[int, ...], tuple[int, list[float]]] = {}
-        self.trained: list[tuple[int, ForwardBackwardRequest]] = []  # (the version it trained, the request)
-        self.intervals: list[tuple[str, float, float]] = []
-        self.snapshots: list[Any] = []
-
-    def sampling_snapshot(self) -> WatchedSnapshot:
-        self.snapshots.append(super().sampling_snapshot())
-        return WatchedSnapshot(self.snapshots[max(0, len(self.snapshots) - 1 - self.lag)], self)
-
-    def forward_backward(self, request: ForwardBackwardRequest) -> Any:
-        started = time.perf_counter()
-        time.sleep(self.delay)
-        self.trained.append((self.step, request))
-        result = super().forward_backward(request)
-        self.intervals.append(("train", started, time.perf_counter()))
-        return result
-
-    def optim_step(self, params: OptimParams) -> dict[str, float]:
-        started = time.perf_counter()
-        out = super().optim_step(params)
-        self.intervals.append(("train", started, time.perf_counter()))
-        return out
-
-    def sampled_version(self, tokens: list[int]) -> tuple[int, list[float]]:
-        """The version and logprobs of the recorded sample that ``tokens`` (a trained sequence) is."""
-        return self.sampled[tuple(tokens)]
+class WatchedTinker(Watched, TinkerBackend):
+    """The real TinkerBackend, watched (:class:`testkit.Watched`)."""
 
 
 def config(cluster: Any, out: Path, **changes: Any) -> TrainConfig:
@@ -121,21 +53,6 @@ def backend(cluster: Any, who: str = "alice", **kwargs: Any) -> WatchedTinker:
     return WatchedTinker(cluster.url, cluster.keys[who], cluster.model, lora_rank=4, seed=0, **kwargs)
 
 
-def metrics(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-
-
-def prompts(out: Path, step: int) -> list[str]:
-    rows = [json.loads(line) for line in (out / "transcripts" / f"train_step_{step:06d}.jsonl").read_text().splitlines()]
-    return [next(m["content"] for m in row["messages"] if m["role"] == "user") for row in rows]
-
-
-def overlapped(intervals: list[tuple[str, float, float]]) -> bool:
-    """Whether some sample call ran while a training call did (the sampling thread ran ahead of training)."""
-    samples = [(a, b) for kind, a, b in intervals if kind == "sample"]
-    return any(a < d and c < b for kind, c, d in intervals if kind == "train" for a, b in samples)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("trainer", "k", "loss"), [("grpo", 1, {"old_logprobs": "sampler"}), ("grpo", 2, {"old_logprobs": "trainer", "tis_cap": 2.0}),
                                                     ("rloo", 1, {"old_logprobs": "trainer", "tis_cap": 2.0})])
@@ -144,22 +61,7 @@ def test_every_trained_sample_is_at_most_k_versions_old_and_corrected(cluster: A
     watched = backend(cluster, delay=0.3)
     out = tmp_path / "run"
     TrainingRun(config(cluster, out, trainer=trainer, async_steps=k, **loss), backend=watched).run(progress=False)
-    assert overlapped(watched.intervals), "no sample ran while a step trained: nothing was sampled ahead"
-    assert len(watched.snapshots) == 5 - k, "one snapshot at the start for steps 0..K, then one per step handed over"
-    gaps = []
-    for version, request in watched.trained:
-        assert corrects_staleness(request.loss), request.loss
-        for datum in request.data:
-            sampled_at, logprobs = watched.sampled_version(datum.tokens)  # every trained sequence is one a snapshot sampled
-            assert 0 <= version - sampled_at <= k
-            assert datum.sampling_logprobs[-len(logprobs):] == logprobs, "the ratio's old policy is the snapshot's own logprobs"
-            gaps.append(version - sampled_at)
-    assert max(gaps) == k, "once the pipeline is full a step trains samples exactly K versions old"
-    logged = [m for m in metrics(out) if m["step"] >= 0]
-    assert [m["async/version_gap_max"] for m in logged] == [float(min(s, k)) for s in range(5)]
-    assert all(m["async/dropped_groups"] == 0 and m["batch/trained_sequences"] > 0 for m in logged)
-    assert all(m["time/rollout_wait_s"] >= 0 and m["time/update_s"] >= 0.3 and m["async/rollout_s"] > 0 for m in logged)
-    assert "time/rollout_s" not in logged[0]
+    check_bounded_staleness(watched, out, k, steps=5)
 
 
 @pytest.mark.slow

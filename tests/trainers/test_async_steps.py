@@ -1,7 +1,7 @@
 """``async_steps``: what is refused and why, the pure rules of staleness, and K = 0 as the synchronous step it always was.
 
-Runs that sample ahead through a backend that can (TinkerBackend against a real Tinker endpoint) are tested in
-``tests/tinker_api/test_async_steps_tinker.py``, where the endpoint fixture lives.
+Runs that sample ahead through a backend that can are tested in ``tests/trainers/test_async_steps_torch.py`` (the local
+TorchBackend) and ``tests/tinker_api/test_async_steps_tinker.py`` (TinkerBackend against a real Tinker endpoint).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ TINKER = {"backend": "tinker", "backend_url": "http://127.0.0.1:9"}
         ({"async_steps": -1}, "async-steps must be 0"),
         ({"async_steps": 1, **TINKER}, "--old-logprobs sampler"),  # the default old_logprobs is the trainer's: ratio 1, uncorrected
         ({"async_steps": 1, "trainer": "rloo", "old_logprobs": "sampler", **TINKER}, "REINFORCE loss has no importance ratio"),
-        ({"async_steps": 2, "old_logprobs": "sampler"}, "the tinker backend (--backend tinker"),
         ({"async_steps": 1, "old_logprobs": "sampler", "backend_url": "http://127.0.0.1:9"}, "The remote backend"),
         ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm"}, "The vllm backend"),
     ],
@@ -42,6 +41,8 @@ def test_config_takes_async_steps_with_a_correction_from_options_and_files(tmp_p
     assert TrainConfig(env=ENV, async_steps=1, old_logprobs="trainer", tis_cap=2.0, **TINKER).validate().async_steps == 1
     assert TrainConfig(env=ENV, async_steps=1, trainer="rloo", old_logprobs="trainer", tis_cap=2.0, **TINKER).validate().async_steps == 1
     assert TrainConfig(env=ENV).validate().async_steps == 0
+    assert TrainConfig(env=ENV, async_steps=2, old_logprobs="sampler").validate().async_steps == 2  # the torch backend, implied
+    assert TrainConfig(env=ENV, async_steps=2, old_logprobs="sampler", backend="torch").validate().async_steps == 2
     (tmp_path / "c.yaml").write_text("env: tinker/Bandit-v0\nasync-steps: 3\nold-logprobs: sampler\nbackend: tinker\nbackend-url: http://127.0.0.1:9\n")
     assert TrainConfig.load(tmp_path / "c.yaml").validate().async_steps == 3
     (tmp_path / "bad.yaml").write_text("env: tinker/Bandit-v0\nasync_steps: two\n")
@@ -75,7 +76,7 @@ def _train(out: Path, *extra: str, model: str = "tiny") -> list[str]:
     [
         (("--async-steps", "-1"), "-1 is not in the range x>=0"),
         (("--async-steps", "1"), "--old-logprobs sampler"),
-        (("--async-steps", "1", "--old-logprobs", "sampler"), "the tinker backend (--backend tinker --backend-url URL)"),
+        (("--async-steps", "1", "--old-logprobs", "sampler", "--sampler", "vllm"), "The vllm backend these settings train through"),
     ],
 )
 def test_cli_refuses_async_steps_before_loading_a_model(tmp_path: Path, extra: tuple[str, ...], message: str) -> None:
@@ -87,16 +88,19 @@ def test_cli_refuses_async_steps_before_loading_a_model(tmp_path: Path, extra: t
 
 def test_sft_and_a_backend_without_snapshots_are_refused_with_what_to_do(tiny: str, tmp_path: Path) -> None:
     pytest.importorskip("torch")
+    from tinkergym.backends.torch.backend import TorchBackend
     data = tmp_path / "chats.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
     sft = CliRunner().invoke(_main(), ["train", "--trainer", "sft", "--data", str(data), "--model", tiny, "--async-steps", "1", "--quiet",
                                        "--out", str(tmp_path / "sft")])
     assert sft.exit_code == 2 and "the sft trainer reads a dataset and samples nothing" in " ".join(sft.output.split()), sft.output
     assert not (tmp_path / "sft").exists(), "refused before a model was loaded or a folder made"
-    local = CliRunner().invoke(_main(), _train(tmp_path / "local", "--async-steps", "1", "--old-logprobs", "sampler", "--backend", "torch", model=tiny))
-    assert local.exit_code == 2, local.output
-    assert "TorchBackend samples and trains one after the other" in " ".join(local.output.split())
-    assert not (tmp_path / "local").exists()
+    from tinkergym.backends.torch.sharded import ShardedTorchBackend
+    from tinkergym.trainers.async_rollouts import check_snapshots
+
+    check_snapshots({"policy": TorchBackend}, 2)
+    with pytest.raises(ConfigError, match="ShardedTorchBackend samples and trains one after the other"):
+        check_snapshots({"policy": object.__new__(ShardedTorchBackend)}, 1)
 
 
 def test_async_steps_0_is_the_synchronous_step(tiny: str, tmp_path: Path) -> None:

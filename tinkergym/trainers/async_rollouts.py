@@ -82,9 +82,9 @@ def check_snapshots(backends: dict[str, Any], async_steps: int) -> None:
         if not callable(getattr(backend, "sampling_snapshot", None)):
             raise ConfigError(
                 f"async-steps {async_steps} samples the next steps while one trains, which needs a backend that samples from a "
-                f"fixed snapshot of the weights (a sampling_snapshot() method): the tinker backend (--backend tinker --backend-url "
-                f"URL). {type(backend).__name__} samples and trains one after the other (so do the torch, vllm, remote and "
-                "scheduled backends): leave out --async-steps, or train through a Tinker endpoint."
+                f"fixed snapshot of the weights (a sampling_snapshot() method): the torch backend (--backend torch) or the tinker "
+                f"backend (--backend tinker --backend-url URL). {type(backend).__name__} samples and trains one after the other: "
+                "leave out --async-steps, or train through one of those."
             )
 
 

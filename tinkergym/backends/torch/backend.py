@@ -26,10 +26,13 @@ casting activations than on the adapter itself).
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
 import json
 import math
 import os
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,6 +164,31 @@ class TorchBackendConfig(_Plain):
             raise ConfigError(f"prefix_cache_mb must be >= 0 (0 turns the prefix cache off), not {self.prefix_cache_mb}")
 
 
+def _one_at_a_time(method: Any) -> Any:
+    """Run ``method`` holding the backend's lock: a snapshot sampled on another thread (``async_steps``) runs between
+    the training thread's calls, never inside one."""
+
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+class TorchSnapshot:
+    """The weights of a :class:`TorchBackend` at one version (its optimizer steps), to sample from on another thread while
+    the backend trains on (:meth:`TorchBackend.sampling_snapshot`): a copy of the LoRA adapter's weights, or of the whole
+    model in the compute dtype for full fine-tuning. Its ``sample`` is thread-safe."""
+
+    def __init__(self, backend: TorchBackend, version: int, weights: list[torch.Tensor] | None = None, model: torch.nn.Module | None = None) -> None:
+        self.backend, self.version, self.weights, self.model = backend, version, weights, model
+
+    def sample(self, request: SampleRequest) -> SampleResponse:
+        """``request`` sampled with the snapshot's weights (as :meth:`TorchBackend.sample` samples with the current ones)."""
+        return self.backend._sample_snapshot(self, request)
+
+
 def _contiguous_input(module: torch.nn.Module, args: tuple) -> tuple:
     return (args[0].contiguous(), *args[1:])
 
@@ -215,6 +243,8 @@ class TorchBackend:
         self._sampling_copy: CastCopy | MergedLoraCopy | None = None  # see _sampling_model
         self._sampling_copy_stale = False  # the trainable weights changed since the copy was made or refreshed
         self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))
+        self._lock = threading.RLock()  # one call at a time: the training thread's, or a snapshot's (see sampling_snapshot)
+        self._last_snapshot: TorchSnapshot | None = None
         # Padding is only ever read behind the attention mask, so any id does when the tokenizer has none.
         fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
         self.pad_id = next(t for t in fallbacks if t is not None)
@@ -288,12 +318,56 @@ class TorchBackend:
         }
 
     # ----- sampling and scoring ---------------------------------------------------------------------
+    @_one_at_a_time
     def sample(self, request: SampleRequest) -> SampleResponse:
         """``num_samples`` completions per prompt, in batches of at most ``max_sample_batch`` sequences.
 
         With ``params.seed`` set, sampling draws from its own generator and repeats exactly; without it, it
         draws from the global torch RNG (seeded by the config and saved with the state).
         """
+        return self._sample(request, self._sampling_model(), None)
+
+    @_one_at_a_time
+    def sampling_snapshot(self) -> TorchSnapshot:
+        """A sampler of the weights as they are now, which later optimizer steps leave alone (``async_steps``: the next
+        steps' rollouts sample from it on another thread while this one trains).
+
+        LoRA: a copy of the adapter's weights (float32, the adapter's size); sampling swaps them into the model for the
+        call, under the backend's lock, and back. Full fine-tuning: a copy of the whole model in the compute dtype (one
+        more model's weights in memory per snapshot alive: at most ``async_steps`` + 1), sampled on its own. A snapshot
+        of the current version is made once and shared. The prefix cache keeps a snapshot's prompts apart from the
+        current weights'.
+        """
+        last = self._last_snapshot
+        if last is not None and last.version == self.step:
+            return last
+        if self.is_lora:
+            snapshot = TorchSnapshot(self, self.step, weights=[p.detach().clone() for _, p in self._trainable])
+        else:
+            model = copy.deepcopy(self.model).requires_grad_(False).eval()
+            snapshot = TorchSnapshot(self, self.step, model=model if self.param_dtype == self.dtype else model.to(self.dtype))
+        self._last_snapshot = snapshot
+        return snapshot
+
+    @_one_at_a_time
+    def _sample_snapshot(self, snapshot: TorchSnapshot, request: SampleRequest) -> SampleResponse:
+        scope = ("snapshot", snapshot.version, id(snapshot))
+        if snapshot.model is not None:
+            return self._sample(request, snapshot.model, scope)
+        assert snapshot.weights is not None
+        live = [p.detach().clone() for _, p in self._trainable]
+        try:
+            with torch.no_grad():
+                for (_, param), weight in zip(self._trainable, snapshot.weights):
+                    param.copy_(weight)
+            return self._sample(request, self.model.eval(), scope)
+        finally:
+            with torch.no_grad():
+                for (_, param), weight in zip(self._trainable, live):
+                    param.copy_(weight)
+
+    def _sample(self, request: SampleRequest, model: torch.nn.Module, scope: Any) -> SampleResponse:
+        """:meth:`sample` with ``model``; the prefix cache under ``scope`` (None: the model's adapters)."""
         params = request.params
         try:
             params.check()
@@ -311,8 +385,7 @@ class TorchBackend:
         with_images = [i for i, images in enumerate(request.images) if images]
         text_rows = [i for i in range(len(request.prompts)) if i >= len(request.images) or not request.images[i]]
         flat = [request.prompts[i] for i in text_rows for _ in range(n)]
-        model = self._sampling_model()
-        self.prefix_cache.scope = adapter_scope(model)
+        self.prefix_cache.scope = adapter_scope(model) if scope is None else scope
         results: list[SampledSequence] = []
         for start in range(0, len(flat), self.config.max_sample_batch):
             chunk = flat[start : start + self.config.max_sample_batch]
@@ -387,6 +460,7 @@ class TorchBackend:
         self._sampling_copy_stale = True
         self.prefix_cache.clear()
 
+    @_one_at_a_time
     def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[ImageData]] | None = None) -> list[list[float]]:
         """Per-token logprobs of whole sequences under the current policy at ``temperature`` (entry 0 is 0.0).
 
@@ -431,6 +505,7 @@ class TorchBackend:
         return batch
 
     # ----- training ---------------------------------------------------------------------------------
+    @_one_at_a_time
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
         """Compute the named loss on the batch, micro-batch by micro-batch, and accumulate gradients.
 
@@ -509,6 +584,7 @@ class TorchBackend:
                     self._reference = _frozen_in_compute_dtype(self._load_base(self.param_dtype, torch.device("cpu")), self.dtype, self.device)
             return self._sequence_logprobs(self._reference, batch, micro, temperature)
 
+    @_one_at_a_time
     def optim_step(self, params: OptimParams) -> dict[str, float]:
         """One AdamW step with the accumulated gradients (clipped to ``max_grad_norm``), then clear them.
 
@@ -523,6 +599,7 @@ class TorchBackend:
         return metrics
 
     # ----- checkpoints and export -------------------------------------------------------------------
+    @_one_at_a_time
     def save_state(self, path: str) -> None:
         """Write trainable weights, AdamW state, step and RNG states into the folder ``path`` atomically.
 
@@ -540,6 +617,7 @@ class TorchBackend:
         Path(tmp, "state.json").write_text(json.dumps(meta, indent=2) + "\n")
         replace_dir(tmp, os.fspath(path).rstrip("/"))
 
+    @_one_at_a_time
     def load_state(self, path: str) -> None:
         """Restore what :meth:`save_state` wrote; the backend must have the same model and LoRA settings.
 
@@ -576,6 +654,7 @@ class TorchBackend:
         restore_rng_state(*rng_state, self.device)
         self.step = int(meta["step"])
 
+    @_one_at_a_time
     def export(self, path: str, merged: bool = False) -> None:
         """Write an HF folder with the tokenizer: the peft adapter, or with ``merged`` (or full fine-tuning) a plain model.
 

@@ -119,6 +119,9 @@ def decoder_layers(model: torch.nn.Module, language_model_only: bool = False) ->
 class ShardedTorchBackend(TorchBackend):
     """:class:`TorchBackend` on one rank of the process group (see the module's notes)."""
 
+    #: No snapshots to sample from while training (``async_steps``): a rank holds a shard of the weights only.
+    sampling_snapshot = None
+
     def __init__(self, config: TorchBackendConfig | None = None) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 

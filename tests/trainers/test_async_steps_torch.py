@@ -1,0 +1,109 @@
+"""``async_steps`` on the local torch backend: snapshots of the weights that later steps leave alone, sampled on the
+rollout thread while the trainer trains, with every trained sample at most K versions old and corrected.
+
+The run tests watch the real :class:`~tinkergym.backends.torch.backend.TorchBackend` (:class:`testkit.Watched`): every
+completion a snapshot samples is recorded with its version, every training request with the version it trains, and the
+trainer is held outside the backend (as a slow tool would hold it) so the sampling thread runs ahead.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from testkit import Watched, add_graded_env, check_bounded_staleness, metrics  # noqa: E402  # registered by tests/conftest.py
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.config import TrainConfig  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.trainers.session import TrainingRun  # noqa: E402
+
+
+class WatchedTorch(Watched, TorchBackend):
+    """The real TorchBackend, watched (:class:`testkit.Watched`)."""
+
+
+def _tokens(response: Any) -> list[list[list[int]]]:
+    return [[s.tokens for s in row] for row in response.sequences]
+
+
+@pytest.mark.parametrize("lora_rank", [4, 0], ids=["lora", "full"])
+def test_a_snapshot_samples_the_weights_it_was_taken_with_while_the_backend_trains_on(tiny: str, lora_rank: int) -> None:
+    """A snapshot samples what the backend sampled when it was taken, after optimizer steps changed the backend's own
+    samples, also from another thread while the backend trains; a new snapshot samples the new weights; one snapshot per
+    version is made."""
+    backend = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=lora_rank, lora_alpha=8.0, dtype="float32", seed=0))
+    request = SampleRequest([[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=6, temperature=1.0, seed=3), num_samples=3)
+    before = backend.sample(request)
+    snapshot = backend.sampling_snapshot()
+    assert snapshot.version == 0 and backend.sampling_snapshot() is snapshot
+    train = ForwardBackwardRequest([Datum([5, 6, 7, 8, 9, 10], [0.0] + [1.0] * 5)], LossSpec("cross_entropy"))
+
+    def step() -> None:
+        backend.forward_backward(train)
+        backend.optim_step(OptimParams(learning_rate=0.5 if lora_rank else 0.05))
+
+    step()
+    after = backend.sample(request)
+    assert _tokens(after) != _tokens(before), "the step did not change what the backend samples"
+    from_snapshot = snapshot.sample(request)
+    assert _tokens(from_snapshot) == _tokens(before)
+    for row, old in zip(from_snapshot.sequences, before.sequences):
+        for seq, old_seq in zip(row, old):
+            assert seq.logprobs == pytest.approx(old_seq.logprobs, abs=1e-6)
+    assert _tokens(backend.sample(request)) == _tokens(after), "sampling the snapshot left the backend's weights as they were"
+
+    drawn: list[Any] = []
+    thread = threading.Thread(target=lambda: drawn.extend(snapshot.sample(request) for _ in range(3)))
+    thread.start()
+    for _ in range(3):
+        step()  # trains while the other thread samples the snapshot
+    thread.join(60)
+    assert len(drawn) == 3 and all(_tokens(d) == _tokens(before) for d in drawn)
+    newer = backend.sampling_snapshot()
+    assert newer.version == backend.step == 4 and _tokens(newer.sample(request)) == _tokens(backend.sample(request))
+
+
+def _config(out: Path, tiny: str, **changes: Any) -> TrainConfig:
+    settings = dict(env="fake/Graded-v0", trainer="grpo", backend="torch", model=tiny, dtype="float32", lora_rank=4, steps=5, batch_size=2,
+                    group_size=4, max_turns=1, max_new_tokens=6, lr=5e-2, checkpoint_every=1, transcripts_every=1, old_logprobs="sampler",
+                    out=str(out))
+    return TrainConfig(**{**settings, **changes})
+
+
+@pytest.mark.parametrize(("k", "loss"), [(2, {"old_logprobs": "sampler"}),
+                                         pytest.param(1, {"old_logprobs": "trainer", "tis_cap": 2.0}, marks=pytest.mark.slow)])
+def test_every_trained_sample_is_at_most_k_versions_old_and_corrected(tiny: str, fake_site: Any, tmp_path: Path, k: int, loss: dict) -> None:
+    add_graded_env(fake_site)
+    out = tmp_path / "run"
+    watched = WatchedTorch(TorchBackendConfig(model=tiny, lora_rank=4, dtype="float32", seed=0), delay=0.3)
+    TrainingRun(_config(out, tiny, async_steps=k, **loss), backend=watched).run(progress=False)
+    check_bounded_staleness(watched, out, k, steps=5)
+
+
+@pytest.mark.slow
+def test_full_fine_tuning_samples_ahead_from_copies_of_the_model(tiny: str, fake_site: Any, tmp_path: Path) -> None:
+    add_graded_env(fake_site)
+    out = tmp_path / "full"
+    watched = WatchedTorch(TorchBackendConfig(model=tiny, lora_rank=0, dtype="float32", seed=0), delay=0.2)
+    TrainingRun(_config(out, tiny, lora_rank=0, lr=1e-3, steps=4, async_steps=1), backend=watched).run(progress=False)
+    check_bounded_staleness(watched, out, 1, steps=4)
+
+
+def test_the_cli_trains_ahead_on_the_torch_backend(tiny: str, fake_site: Any, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from tinkergym.cli import main
+
+    add_graded_env(fake_site)
+    out = tmp_path / "cli"
+    args = ["train", "--env", "fake/Graded-v0", "--model", tiny, "--dtype", "float32", "--lora-rank", "4", "--steps", "3", "--batch-size", "2",
+            "--group-size", "2", "--max-new-tokens", "4", "--async-steps", "2", "--old-logprobs", "sampler", "--quiet", "--out", str(out)]
+    done = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    logged = [m for m in metrics(out) if m["step"] >= 0]
+    assert [m["async/version_gap_max"] for m in logged] == [0.0, 1.0, 2.0]
