@@ -122,8 +122,12 @@ class TrainConfig:
     # next K steps are sampled from a snapshot of the weights while the current step trains, so a step trains on samples
     # of a policy up to K updates old, corrected by the ratio to the sampler's logprobs (old_logprobs "sampler") or by
     # tis_cap. 0: each step samples with the current weights, then trains. Needs a backend that samples from snapshots
-    # (tinker) and an RL trainer that plays envs (grpo, rloo, selfplay).
+    # (torch, tinker) and an RL trainer that plays envs (grpo, rloo, selfplay).
     async_steps: int = 0
+    # Seconds every env step waits (plus up to env_latency_jitter more, uniform): a stand-in for a slow tool, API or judge
+    # (tinkergym.wrappers.LatencyWrapper), to measure a setting where the env's time matters. 0: none.
+    env_latency: float = 0.0
+    env_latency_jitter: float = 0.0
     # Episodes a budget ended (finish reasons max_turns, max_episode_tokens, context; not the env's own
     # truncation): "keep" trains on them with their reward, "mask" leaves them out of the loss and of their
     # group's statistics. truncated_reward, when set, replaces their total reward (e.g. -1 as a penalty).
@@ -215,6 +219,9 @@ class TrainConfig:
         if self.truncation not in TRUNCATION_MODES:
             raise ConfigError(f"truncation must be one of {', '.join(TRUNCATION_MODES)}, not {self.truncation!r}.")
         self._validate_async_steps()
+        for name in ("env_latency", "env_latency_jitter"):
+            if not 0 <= getattr(self, name) <= 3600:
+                raise ConfigError(f"{name.replace('_', '-')} must be seconds between 0 and 3600, not {getattr(self, name)}.")
 
     def _validate_async_steps(self) -> None:
         """``async_steps`` trains samples of an older policy: refuse settings that would train them uncorrected, or cannot sample ahead."""

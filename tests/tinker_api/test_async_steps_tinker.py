@@ -195,14 +195,18 @@ def test_selfplay_plays_ahead_from_snapshots_within_k_versions(cluster: Any, fak
 
 
 @pytest.mark.slow
-def test_the_async_steps_benchmark_runs_quick() -> None:
+@pytest.mark.parametrize("backend", ["tinker", "torch"])
+def test_the_async_rollouts_benchmark_runs_quick(backend: str) -> None:
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "async_steps.py"
-    done = subprocess.run([sys.executable, str(script), "--quick", "--json"], capture_output=True, text=True, timeout=900, cwd=script.parents[1])
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "async_rollouts.py"
+    done = subprocess.run([sys.executable, str(script), "--quick", "--json", "--backend", backend, "--env-latency", "0.05"], capture_output=True,
+                          text=True, timeout=900, cwd=script.parents[1])
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["backend"] == backend and result["env_latency"] == 0.05
     assert set(result["by_k"]) == {"0", "1"} and all(result["by_k"][k]["steps_per_hour"] > 0 for k in ("0", "1"))
+    assert all(0 <= result["by_k"][k]["idle_fraction"] <= 1.0 + 1e-9 for k in ("0", "1"))
     assert [r["k"] for r in result["runs"]] == [0, 1] and all(len(r["reward"]) == 2 for r in result["runs"])
     assert result["by_k"]["0"]["version_gap"] == 0 and result["by_k"]["1"]["version_gap"] <= 1

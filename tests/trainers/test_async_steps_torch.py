@@ -102,8 +102,45 @@ def test_the_cli_trains_ahead_on_the_torch_backend(tiny: str, fake_site: Any, tm
     add_graded_env(fake_site)
     out = tmp_path / "cli"
     args = ["train", "--env", "fake/Graded-v0", "--model", tiny, "--dtype", "float32", "--lora-rank", "4", "--steps", "3", "--batch-size", "2",
-            "--group-size", "2", "--max-new-tokens", "4", "--async-steps", "2", "--old-logprobs", "sampler", "--quiet", "--out", str(out)]
+            "--group-size", "2", "--max-new-tokens", "4", "--async-steps", "2", "--old-logprobs", "sampler", "--env-latency", "0.05", "--quiet", "--out", str(out)]
     done = CliRunner().invoke(main, args, catch_exceptions=False)
     assert done.exit_code == 0, done.output
+    import json
+
+    assert json.loads((out / "config.json").read_text())["env_latency"] == 0.05
     logged = [m for m in metrics(out) if m["step"] >= 0]
     assert [m["async/version_gap_max"] for m in logged] == [0.0, 1.0, 2.0]
+
+
+def test_the_latency_wrapper_delays_every_step_and_changes_nothing_else() -> None:
+    import time
+
+    from gymnasium.utils.env_checker import check_env
+
+    import tinkergym
+    from tinkergym.wrappers import LatencyWrapper
+
+    plain, slow = tinkergym.make("tinker/Bandit-v0"), LatencyWrapper(tinkergym.make("tinker/Bandit-v0"), delay=0.05, jitter=0.05, seed=1)
+    check_env(slow.unwrapped)
+    assert plain.reset(seed=3) == slow.reset(seed=3)
+    started = time.perf_counter()
+    for action in ("arm 1", "pull the second arm", "\x00??"):
+        assert plain.step(action)[:4] == slow.step(action)[:4]
+        plain.reset(seed=4), slow.reset(seed=4)
+    assert 0.15 <= slow.waited < 0.3 and time.perf_counter() - started >= slow.waited
+    with pytest.raises(ValueError, match="finite seconds"):
+        LatencyWrapper(tinkergym.make("tinker/Bandit-v0"), delay=float("nan"))
+
+
+def test_env_latency_wraps_a_runs_envs_and_is_refused_where_it_cannot_apply(tmp_path: Path) -> None:
+    from tinkergym.errors import ConfigError
+    from tinkergym.trainers.session import env_factory
+    from tinkergym.wrappers import LatencyWrapper
+
+    env = env_factory("tinker/Bandit-v0", {}, latency=0.5)()
+    assert isinstance(env, LatencyWrapper) and env.delay == 0.5
+    assert not isinstance(env_factory("tinker/Bandit-v0", {})(), LatencyWrapper)
+    with pytest.raises(ConfigError, match="single-agent envs"):
+        env_factory("tinker/GomokuDuel-v0", {"size": 7}, multi_agent=True, latency=0.5)
+    with pytest.raises(ConfigError, match="env-latency must be seconds"):
+        TrainConfig(env="tinker/Bandit-v0", env_latency=-1.0).validate()

@@ -22,7 +22,7 @@ _FIELDS = (
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
     "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
     "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every", "prefix_cache_mb", "wandb_project",
-    "lora_sampling", "backend", "async_steps",
+    "lora_sampling", "backend", "async_steps", "env_latency", "env_latency_jitter",
 )
 
 
@@ -165,7 +165,12 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--async-steps", type=click.IntRange(0), metavar="K",
               help="Sample the rollouts of the next K steps from a snapshot of the weights while a step trains (default 0: sample, "
                    "then train). A step then trains on samples up to K updates old, corrected by --old-logprobs sampler or "
-                   "--tis-cap; needs a backend that samples from snapshots (--backend tinker) and grpo, rloo or selfplay.")
+                   "--tis-cap; needs a backend that samples from snapshots (torch, the default, or tinker) and grpo, rloo or selfplay.")
+@click.option("--env-latency", type=FiniteFloat(0), metavar="SECONDS",
+              help="Every env step waits this long first: a stand-in for a slow tool, API or judge (tinkergym.wrappers.LatencyWrapper), "
+                   "to measure settings such as --async-steps where the env's time matters (default 0).")
+@click.option("--env-latency-jitter", type=FiniteFloat(0), metavar="SECONDS",
+              help="Up to this many seconds more per env step, uniform (with --env-latency: a random delay).")
 @click.option("--truncation", type=click.Choice(["keep", "mask"]),
               help="Episodes a budget ended (max turns, max context): keep them (default) or mask them out of the loss.")
 @click.option("--truncated-reward", type=FiniteFloat(), help="Reward given to episodes a budget ended instead of what they collected.")
@@ -237,6 +242,7 @@ def train(**options: Any) -> None:
       tinkergym train --resume runs/bandit
       tinkergym train --resume runs/bandit --steps 60       # extend a finished run to 60 steps
       tinkergym train --env tinker/Bandit-v0 --backend-url http://gpu-host:8765 --backend-token-file ~/.tinkergym/token
+      tinkergym train --env tinker/MathTool-v0 --async-steps 2 --old-logprobs sampler --env-latency 0.5
       TINKER_API_KEY=tml-... tinkergym train --env tinker/MathTool-v0 --backend tinker --backend-url URL --model NAME --async-steps 1 --old-logprobs sampler
       TINKERGYM_API_KEY=tgk_... tinkergym train --env tinker/Bandit-v0 --scheduler http://scheduler:8780 --out runs/bandit
 

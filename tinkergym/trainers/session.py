@@ -80,8 +80,9 @@ class RunInterrupted(KeyboardInterrupt):
         self.folder, self.backend = folder, backend
 
 
-def env_factory(env_id: str, kwargs: dict[str, Any], multi_agent: bool = False) -> Callable[[], Any]:
-    """A function that makes ``env_id`` (single-agent, or AEC for ``multi_agent``) with ``kwargs``; checks the id now, not mid-run."""
+def env_factory(env_id: str, kwargs: dict[str, Any], multi_agent: bool = False, latency: float = 0.0, jitter: float = 0.0) -> Callable[[], Any]:
+    """A function that makes ``env_id`` (single-agent, or AEC for ``multi_agent``) with ``kwargs``; checks the id now, not mid-run.
+    ``latency``/``jitter`` > 0: each env is wrapped in a :class:`~tinkergym.wrappers.LatencyWrapper` (single-agent envs)."""
     import tinkergym
     from tinkergym.registry import make_checked
 
@@ -91,7 +92,15 @@ def env_factory(env_id: str, kwargs: dict[str, Any], multi_agent: bool = False) 
     if not multi_agent and env_spec.kind != "env":
         raise ConfigError(f"{env_id} is a multi-agent env: train it with self-play (--selfplay), or pick a single-agent env (e.g. tinker/Gomoku-v0).")
     make_checked(env_id, kwargs, multi_agent=multi_agent).close()  # fail fast on bad kwargs
-    return (lambda: tinkergym.make_aec(env_id, **kwargs)) if multi_agent else (lambda: tinkergym.make(env_id, **kwargs))
+    if multi_agent:
+        if latency or jitter:
+            raise ConfigError(f"--env-latency wraps single-agent envs; {env_id} is a multi-agent one (leave --env-latency out).")
+        return lambda: tinkergym.make_aec(env_id, **kwargs)
+    if latency or jitter:
+        from tinkergym.wrappers import LatencyWrapper
+
+        return lambda: LatencyWrapper(tinkergym.make(env_id, **kwargs), delay=latency, jitter=jitter)
+    return lambda: tinkergym.make(env_id, **kwargs)
 
 
 class TrainingRun:
@@ -117,8 +126,9 @@ class TrainingRun:
             import tinkergym
 
             multi = tinkergym.spec(config.env).kind == "aec"
-        self.make_env = env_factory(config.env, config.env_kwargs, multi) if config.env else None
-        self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}, multi) if config.env else None
+        latency = (config.env_latency, config.env_latency_jitter)
+        self.make_env = env_factory(config.env, config.env_kwargs, multi, *latency) if config.env else None
+        self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}, multi, *latency) if config.env else None
         created = _make_run_folder(self.folder)
         self.timeline = timeline.Timeline()  # the run's spans (see tinkergym.timeline), written to the run folder per step
         try:

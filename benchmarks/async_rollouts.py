@@ -1,31 +1,34 @@
-"""GRPO steps per hour with rollouts sampled ahead (``--async-steps K``, K = 0, 1, 2) through a Tinker endpoint, and the reward curves.
+"""GRPO steps per hour with rollouts sampled ahead (``--async-steps K``, K = 0, 1, 2), on the local torch backend or
+through a Tinker endpoint, where the env is slow or not, and the reward curves.
 
-    python benchmarks/async_steps.py                          # smollm2-135m, K = 0 1 2, seeds 0 1 2, 6 steps each
-    python benchmarks/async_steps.py --model tiny --steps 4 --json
-    python benchmarks/async_steps.py --quick                  # the tiny model, K = 0 1, seed 0, 2 steps (a smoke test)
+    python benchmarks/async_rollouts.py                                   # torch, smollm2-135m, MathTool-v0, K = 0 1 2, seeds 0 1 2
+    python benchmarks/async_rollouts.py --env tinker/Math-v0 --env-latency 0.5 --ks 0 1 2 4
+    python benchmarks/async_rollouts.py --backend tinker                  # through serve-tinker (started here)
+    python benchmarks/async_rollouts.py --env tinker/Bandit-v0            # compute-bound: async must not be slower
+    python benchmarks/async_rollouts.py --quick                           # the tiny model, K = 0 1, seed 0, 2 steps (a smoke test)
 
-The server is ``tinkergym serve-tinker`` started here as its own process on 127.0.0.1 (a key database made in a
-temporary ``--data-dir``, the SDK's key ``tml-<key>``); every run is a ``TrainingRun`` of tinkergym's GRPO trainer in
-this process through a :class:`~tinkergym.backends.tinker_client.TinkerBackend` (its own training client), on
-``tinker/MathTool-v0``: multi-turn word problems with a sandboxed ``python`` tool and a calculator, paid 1 for a
-correct ``\\boxed{}`` answer plus ``--format-reward`` for a well-formed one. The runs of one seed differ only in K; all
-use ``--old-logprobs sampler`` (the PPO ratio against the sampler's logprobs, what an async run needs; at K = 0 it
-is the on-policy ratio), so only the overlap differs. Runs alternate K within a seed (K = 0, 1, 2 for seed 0, then
-seed 1, ...), so a change in what else the machine runs touches every K alike.
+Every run is a ``TrainingRun`` of tinkergym's GRPO trainer in this process. ``--backend torch`` (default): a local
+:class:`~tinkergym.backends.torch.backend.TorchBackend` per run; rollouts sampled ahead draw from its snapshots (a copy of
+the LoRA adapter swapped in for each sample call) while the trainer trains. ``--backend tinker``: ``tinkergym
+serve-tinker`` started here as its own process on 127.0.0.1 (a key database made in a temporary ``--data-dir``, the
+SDK's key ``tml-<key>``) and a :class:`~tinkergym.backends.tinker_client.TinkerBackend` per run; its sampling requests
+wait in the server's queue beside the training calls. The default env is ``tinker/MathTool-v0``: multi-turn word
+problems with a sandboxed ``python`` tool and a calculator, paid 1 for a correct ``\\boxed{}`` answer plus
+``--format-reward`` for a well-formed one. ``--env-latency S`` wraps the env in
+:class:`~tinkergym.wrappers.LatencyWrapper`: every env step waits S seconds more (a remote API or judge). The runs of
+one seed differ only in K; all use ``--old-logprobs sampler`` (the PPO ratio against the sampler's logprobs, what an
+async run needs; at K = 0 it is the on-policy ratio), so only the overlap differs. Runs alternate K within a seed
+(K = 0, 1, 2 for seed 0, then seed 1, ...), so a change in what else the machine runs touches every K alike.
 
-What overlaps at K > 0: while the server computes a step's training pass, this process plays the next steps' episodes
-(env steps, tool calls in the sandbox, chat rendering) and its sampling requests wait in the server's queue beside the
-training calls (the server's shared worker serves both). Reported per K (medians over seeds): steps per hour over
-the training loop (the summed ``time/step_s``; the final checkpoint and export are left out, the same for every K),
-the speed-up over K = 0 (after an untimed warm-up run), where a step's time went (waiting for its rollout, ``time/rollout_wait_s`` or at K = 0
-``time/rollout_s``, and training, ``time/update_s``), how long a rollout ran in the background (``async/rollout_s``)
-and the mean version gap of the trained samples. The reward curves are ``reward/mean`` of each step against the
-samples drawn so far (batch size x group size per step, the same for every K), per seed and averaged over seeds.
-
-``--env`` measures another single-agent env instead (``tinker/Bandit-v0``: one short turn, no tools, but a small
-model names arms well enough that nearly every step trains, so there is a training pass to overlap).
-``--plot FILE`` draws the curves (needs matplotlib). Nothing here asserts a time; on a 2-core CPU the server and the
-client share the cores, so the overlap is bounded by them.
+Reported per K (medians over seeds): steps per hour over the training loop (the summed ``time/step_s``; the final
+checkpoint and export are left out, the same for every K), the speed-up over the first K (after an untimed warm-up
+run), where a step's time went (waiting for its rollout, ``time/rollout_wait_s`` or at K = 0 ``time/rollout_s``, and
+training, ``time/update_s``), the learner's idle fraction (the time it waited for rollouts over the loop's), how long a
+rollout ran in the background (``async/rollout_s``) and the mean version gap of the trained samples. The reward curves
+are ``reward/mean`` of each step against the samples drawn so far (batch size x group size per step, the same for
+every K), per seed and averaged over seeds. ``--plot FILE`` draws the curves (needs matplotlib). Nothing here asserts
+a time; on a 2-core CPU sampling and training share the cores, so the overlap is bounded by them: what async wins here
+is the env's time (``--env-latency``, tools), during which the trainer trains.
 """
 
 from __future__ import annotations
@@ -49,15 +52,17 @@ from tinker_step import start_tinker
 ENV = "tinker/MathTool-v0"
 
 
-def train(args: argparse.Namespace, url: str, key: str, k: int, seed: int, folder: Path) -> dict[str, Any]:
-    """One run of ``args.steps`` GRPO steps at ``async_steps`` k; its loop time, steps per hour and per-step numbers."""
+def train(args: argparse.Namespace, url: str | None, key: str | None, k: int, seed: int, folder: Path) -> dict[str, Any]:
+    """One run of ``args.steps`` GRPO steps at ``async_steps`` k (through the Tinker endpoint ``url``, or on a local torch
+    backend where ``url`` is None); its loop time, steps per hour and per-step numbers."""
     from tinkergym.config import TrainConfig
     from tinkergym.trainers.reporting import read_metrics
     from tinkergym.trainers.session import TrainingRun
 
     out = folder / f"k{k}-seed{seed}"
+    where = {"backend": "tinker", "backend_url": url, "model": args.served_name} if url else {"backend": "torch", "model": args.model, "dtype": args.dtype}
     config = TrainConfig(
-        env=args.env, trainer="grpo", backend="tinker", backend_url=url, model=args.served_name, lora_rank=args.lora_rank, steps=args.steps,
+        **where, env=args.env, trainer="grpo", lora_rank=args.lora_rank, steps=args.steps, env_latency=args.env_latency,
         batch_size=args.batch_size, group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
         max_context=args.max_context, lr=args.lr, seed=seed, old_logprobs="sampler", async_steps=k, checkpoint_every=args.steps,
         transcripts_every=0, env_kwargs={"format_reward": args.format_reward, "max_turns": args.max_turns} if args.env == ENV else {}, out=str(out),
@@ -74,6 +79,7 @@ def train(args: argparse.Namespace, url: str, key: str, k: int, seed: int, folde
 
     return {
         "k": k, "seed": seed, "loop_s": loop, "wall_s": wall, "steps_per_hour": len(records) * 3600.0 / loop,
+        "idle_fraction": sum(float(r.get("time/rollout_wait_s", r.get("time/rollout_s", 0.0))) for r in records) / loop,
         "reward": column("reward/mean"), "step_s": column("time/step_s"), "rollout_wait_s": column("time/rollout_wait_s", "time/rollout_s"),
         "update_s": column("time/update_s"), "rollout_s": column("async/rollout_s", "time/rollout_s"),
         "version_gap": column("async/version_gap_mean"), "dropped_groups": column("async/dropped_groups"),
@@ -92,6 +98,7 @@ def summarize(runs: list[dict[str, Any]], ks: list[int], samples_per_step: int) 
         out[str(k)] = {
             "steps_per_hour": per_hour, "speedup": per_hour / base,
             **{name: statistics.median(statistics.fmean(r[name]) for r in mine) for name in ("step_s", "rollout_wait_s", "update_s", "rollout_s", "version_gap")},
+            "idle_fraction": statistics.median(r["idle_fraction"] for r in mine),
             "dropped_groups": sum(sum(r["dropped_groups"]) for r in mine),
             "samples": [samples_per_step * (i + 1) for i in range(steps)],
             "reward_mean": [statistics.fmean(r["reward"][i] for r in mine) for i in range(steps)],
@@ -101,13 +108,14 @@ def summarize(runs: list[dict[str, Any]], ks: list[int], samples_per_step: int) 
 
 
 def print_report(summary: dict[str, Any], ks: list[int], facts: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"{args.model} through serve-tinker, {args.env}: {args.batch_size} prompts x {args.group_size} samples per step, {args.steps} steps, "
-          f"seeds {args.seeds}; {describe(facts)}")
-    print(f"{'K':>2} {'steps/h':>9} {'speed-up':>9} {'step s':>8} {'wait s':>8} {'train s':>8} {'rollout s':>10} {'gap':>5} {'dropped':>8}")
+    where = "through serve-tinker" if args.backend == "tinker" else "on the torch backend"
+    print(f"{args.model} {where}, {args.env} (env latency {args.env_latency:g} s a step): {args.batch_size} prompts x {args.group_size} samples "
+          f"per step, {args.steps} steps, seeds {args.seeds}; {describe(facts)}")
+    print(f"{'K':>2} {'steps/h':>9} {'speed-up':>9} {'step s':>8} {'wait s':>8} {'idle':>6} {'train s':>8} {'rollout s':>10} {'gap':>5} {'dropped':>8}")
     for k in ks:
         s = summary[str(k)]
-        print(f"{k:>2} {s['steps_per_hour']:>9.1f} {s['speedup']:>8.2f}x {s['step_s']:>8.2f} {s['rollout_wait_s']:>8.2f} {s['update_s']:>8.2f} "
-              f"{s['rollout_s']:>10.2f} {s['version_gap']:>5.2f} {s['dropped_groups']:>8}")
+        print(f"{k:>2} {s['steps_per_hour']:>9.1f} {s['speedup']:>8.2f}x {s['step_s']:>8.2f} {s['rollout_wait_s']:>8.2f} {s['idle_fraction']:>6.2f} "
+              f"{s['update_s']:>8.2f} {s['rollout_s']:>10.2f} {s['version_gap']:>5.2f} {s['dropped_groups']:>8}")
     print("\nreward/mean (mean over seeds) against samples drawn:")
     print(f"{'samples':>8} " + " ".join(f"{'K=' + str(k):>8}" for k in ks))
     for i, samples in enumerate(summary[str(ks[0])]["samples"]):
@@ -135,7 +143,9 @@ def plot(summary: dict[str, Any], ks: list[int], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", help="the model serve-tinker serves (tiny, smollm2-135m, a folder)")
+    parser.add_argument("--backend", choices=("torch", "tinker"), default="torch", help="a local TorchBackend, or serve-tinker started here")
+    parser.add_argument("--model", default="smollm2-135m", help="the model trained (tiny, smollm2-135m, a folder)")
+    parser.add_argument("--env-latency", type=float, default=0.0, metavar="S", help="every env step waits S seconds more (LatencyWrapper)")
     parser.add_argument("--env", default=ENV, help=f"the env (default {ENV}; e.g. tinker/Bandit-v0, where every step trains)")
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2], help="the --async-steps values (the first is the speed-up's base)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -150,7 +160,7 @@ def main() -> None:
     parser.add_argument("--format-reward", type=float, default=0.1)
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     parser.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                        help="OMP threads of the server (default: all cores but one, which the client's envs and tools use; "
+                        help="with --backend tinker: OMP threads of the server (default: all cores but one, which the client's envs and tools use; "
                              "more threads than free cores makes every decode step wait at OpenMP barriers)")
     parser.add_argument("--warmup-steps", type=int, default=1, help="steps of an untimed run first (the server's first passes are slow)")
     parser.add_argument("--plot", metavar="FILE", help="draw the reward curves to this PNG (needs matplotlib)")
@@ -172,9 +182,11 @@ def main() -> None:
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="async-steps-") as tmp:
         folder = Path(tmp)
-        say(f"starting serve-tinker on {args.model} ...")
-        process, url, key, _ = start_tinker(model_path, args.served_name, folder, args.server_threads, args.dtype,
-                                            extra=("--max-runs-per-tenant", "64", "--max-samplers-per-tenant", "256"))
+        process = url = key = None
+        if args.backend == "tinker":
+            say(f"starting serve-tinker on {args.model} ...")
+            process, url, key, _ = start_tinker(model_path, args.served_name, folder, args.server_threads, args.dtype,
+                                                extra=("--max-runs-per-tenant", "64", "--max-samplers-per-tenant", "256"))
         try:
             if args.warmup_steps:
                 say(f"warm-up: {args.warmup_steps} step(s), not counted ...")
@@ -186,10 +198,11 @@ def main() -> None:
                     say(f"seed {seed} K={k}: {run['steps_per_hour']:.1f} steps/h (loop {run['loop_s']:.1f} s, run {run['wall_s']:.1f} s), "
                         f"rewards {[round(r, 3) for r in run['reward']]}")
         finally:
-            _stop(process)
+            if process is not None:
+                _stop(process)
     summary = summarize(runs, args.ks, args.batch_size * args.group_size)
     facts = machine_facts("cpu")
-    result = {"model": args.model, "env": args.env, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
+    result = {"model": args.model, "backend": args.backend, "env": args.env, "env_latency": args.env_latency, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},
               "by_k": summary, "runs": runs, "machine": facts}
     if not args.json:
         print_report(summary, args.ks, facts, args)
