@@ -273,8 +273,6 @@ class Watched:
     would hold the trainer), so the sampling thread runs ahead. ``lag`` > 0 plays a sampler fleet that loads new weights
     late: a snapshot asked for is the one taken ``lag`` calls before."""
 
-    step: int
-
     def __init__(self, *args: Any, delay: float = 0.0, lag: int = 0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.delay, self.lag = delay, lag
@@ -289,9 +287,11 @@ class Watched:
         return WatchedSnapshot(self.snapshots[max(0, len(self.snapshots) - 1 - self.lag)], self)
 
     def forward_backward(self, request: ForwardBackwardRequest) -> Any:
+        from tinkergym.trainers.async_rollouts import policy_version
+
         started = time.perf_counter()
         time.sleep(self.delay)
-        self.trained.append((self.step, request))
+        self.trained.append((policy_version(self), request))
         result = super().forward_backward(request)  # type: ignore[misc]
         self.intervals.append(("train", started, time.perf_counter()))
         return result

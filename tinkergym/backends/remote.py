@@ -89,6 +89,17 @@ def server_name(path: str | os.PathLike[str]) -> str:
     return name
 
 
+class RemoteSnapshot:
+    """The weights a training server had when :meth:`RemoteBackend.sampling_snapshot` was called, held on the server."""
+
+    def __init__(self, backend: RemoteBackend, snapshot_id: str, version: int) -> None:
+        self.backend, self.snapshot_id, self.version = backend, snapshot_id, version
+
+    def sample(self, request: SampleRequest) -> SampleResponse:
+        """Completions sampled on the server with the snapshot's weights (thread-safe: the backend's calls go one at a time)."""
+        return SampleResponse.from_dict(self.backend._call("sample", {"request": request.to_dict(), "snapshot": self.snapshot_id}))
+
+
 class RemoteBackend:
     """The Backend protocol, computed by the training server at ``url`` (bearer ``token``).
 
@@ -154,6 +165,14 @@ class RemoteBackend:
     def sample(self, request: SampleRequest) -> SampleResponse:
         """Completions for token prompts, sampled on the server."""
         return SampleResponse.from_dict(self._call("sample", {"request": request.to_dict()}))
+
+    def sampling_snapshot(self) -> RemoteSnapshot:
+        """A snapshot of the server's weights now, to sample from on another thread while training goes on
+        (``async_steps``): the server keeps it (its newest eight) and samples from it when a ``sample`` call names it.
+        Calls still go one at a time, in order (the server runs a snapshot's samples between the training calls): what
+        overlaps the training is the rollout's env steps and tool calls, here."""
+        answer = self._call("snapshot", {})
+        return RemoteSnapshot(self, str(answer["snapshot"]), int(answer["version"]))
 
     def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[ImageData]] | None = None) -> list[list[float]]:
         """Per-token logprobs of whole sequences under the server's current policy; ``images``: one list per sequence of the

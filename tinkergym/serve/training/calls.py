@@ -42,6 +42,8 @@ from tinkergym.serve.training.saved_states import load_weights_only, prune_state
 
 #: Names of states and exports: one path component of letters, digits, ``.``, ``_`` and ``-``.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+#: A snapshot's id, as :class:`Snapshots` makes them.
+SNAPSHOT_ID = re.compile(r"^v\d{1,12}-\d{1,12}$")
 
 #: Where named folders live inside the run folder (``external``: the Tinker API's downloadable adapters, kept apart from exports).
 KINDS = {"states": "states", "exports": "exports", "external": "external"}
@@ -199,16 +201,22 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
     :class:`ConfigError`."""
     if not isinstance(args, dict):
         raise json_type_error("args", "an object", args)
+    if method == "snapshot":
+        _only(args, method, ())
+        return ParsedCall(method, {})
     if method == "sample":
-        _only(args, method, ("request",))
+        _only(args, method, ("request",), ("snapshot",))
         request = from_json(SampleRequest, args["request"], "args.request")
+        snapshot = args.get("snapshot")
+        if snapshot is not None and not (isinstance(snapshot, str) and SNAPSHOT_ID.match(snapshot)):
+            raise ConfigError(f"args.snapshot must be a snapshot id a snapshot call answered, not {str(snapshot)[:40]!r}")
         try:
             request.params.check()
         except ValueError as exc:
             raise ConfigError(f"args.request.params.{exc}") from None
         limits.check_sample(request)
         check_token_ids(request.prompts, vocab_size, "args.request.prompts")
-        return ParsedCall(method, {"request": request})
+        return ParsedCall(method, {"request": request, "snapshot": snapshot})
     if method == "logprobs":
         _only(args, method, ("sequences",), ("temperature", "images"))
         sequences = checked(args["sequences"], list[list[int]], "args.sequences")
@@ -243,7 +251,7 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
     if method == "export":
         _only(args, method, ("name",), ("merged",))
         return ParsedCall(method, {"name": checked(args["name"], str, "args.name"), "merged": checked(args.get("merged", False), bool, "args.merged")})
-    known = "sample, logprobs, forward_backward, optim_step, save_state, load_state, export"
+    known = "sample, logprobs, forward_backward, optim_step, save_state, load_state, export, snapshot"
     raise ConfigError(f"unknown method {str(method)[:60]!r}; the methods are: {known}")
 
 
@@ -253,12 +261,52 @@ def wire_result(method: str, value: Any) -> dict[str, Any]:
     return {"logprobs": value} if method == "logprobs" else value.to_dict()
 
 
-def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0) -> dict[str, Any]:
+class Snapshots:
+    """The snapshots of a server's weights its client samples from while it trains (``async_steps``): a ``snapshot`` call
+    takes one (``backend.sampling_snapshot()``) and answers its id and version; a ``sample`` call naming the id samples
+    from it. The newest ``keep`` are held (a run needs K + 1 at most); a sample from an older one is refused."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._held: OrderedDict[str, Any] = OrderedDict()
+        self._taken = 0
+
+    def take(self, backend: Any) -> dict[str, Any]:
+        """A snapshot of ``backend``'s weights now: ``{"snapshot": id, "version": its optimizer steps}``."""
+        take = getattr(backend, "sampling_snapshot", None)
+        if not callable(take):
+            raise ConfigError(f"this server's backend ({type(backend).__name__}) takes no snapshots to sample from while it trains: "
+                              "leave out --async-steps")
+        snapshot = take()
+        self._taken += 1
+        snapshot_id = f"v{int(snapshot.version)}-{self._taken}"
+        self._held[snapshot_id] = snapshot
+        while len(self._held) > self.keep:
+            self._held.popitem(last=False)
+        return {"snapshot": snapshot_id, "version": int(snapshot.version)}
+
+    def get(self, snapshot_id: str) -> Any:
+        """The held snapshot ``snapshot_id``; a :class:`ConfigError` once it is gone."""
+        snapshot = self._held.get(snapshot_id)
+        if snapshot is None:
+            raise ConfigError(f"snapshot {snapshot_id!r} is not held (this server keeps its newest {self.keep}, and none across a "
+                              "restart): take a new one with a snapshot call")
+        return snapshot
+
+
+def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0, snapshots: Snapshots | None = None) -> dict[str, Any]:
     """Run a checked call on ``backend`` and return its JSON result (names are checked again, now, before use).
 
     With ``keep_states`` > 0, a ``save_state`` leaves only that many saved states (the newest) in the run folder.
+    ``snapshots``: where ``snapshot`` calls keep what a ``sample`` call may name (None: the server takes none).
     """
     args = call.args
+    if call.method == "snapshot" or (call.method == "sample" and args.get("snapshot") is not None):
+        if snapshots is None:
+            raise ConfigError(f"this server ({type(backend).__name__}) takes no snapshots to sample from while it trains: leave out --async-steps")
+        if call.method == "snapshot":
+            return snapshots.take(backend)
+        return wire_result(call.method, snapshots.get(args["snapshot"]).sample(args["request"]))
     if call.method == "sample":
         return wire_result(call.method, backend.sample(args["request"]))
     if call.method == "logprobs":
@@ -448,6 +496,7 @@ class CallWorker:
 
     def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_states: int = 0) -> None:
         self.backend = backend
+        self.snapshots = Snapshots()  # what the client samples from while the server trains (async steps)
         self.run_dir = run_dir
         self.logger = logger
         self.keep_states = keep_states
@@ -482,7 +531,7 @@ class CallWorker:
             start = time.perf_counter()
             result, error = None, None
             try:
-                result = run_call(self.backend, record.call, self.run_dir, self.keep_states)  # type: ignore[arg-type]
+                result = run_call(self.backend, record.call, self.run_dir, self.keep_states, self.snapshots)  # type: ignore[arg-type]
             except Exception as exc:  # noqa: BLE001 - any failure becomes the call's stored outcome
                 error = call_error(exc, record.request_id, self.logger)
             seconds = time.perf_counter() - start

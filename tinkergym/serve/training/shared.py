@@ -325,7 +325,8 @@ class SharedWorker:
         ready = [(a, r, rows) for a, r, rows in taken if r.call is not None and a in self.adapters]
         together = {"forward_backward": self.base.forward_backward_many, "sample": self.base.sample_many, "logprobs": self.base.logprobs_many}
         for method, run in together.items():
-            mine = [(a, r, rows) for a, r, rows in ready if r.call is not None and r.call.method == method]
+            # A sample from a snapshot runs alone (run_call below refuses it: a shared server takes no snapshots).
+            mine = [(a, r, rows) for a, r, rows in ready if r.call is not None and r.call.method == method and not r.call.args.get("snapshot")]
             if not mine:
                 continue
             args = [(self.adapters[a][0], _joint_args(r) if rows is None else self._slices[r.request_id].part(rows)) for a, r, rows in mine]
