@@ -264,7 +264,8 @@ def wire_result(method: str, value: Any) -> dict[str, Any]:
 class Snapshots:
     """The snapshots of a server's weights its client samples from while it trains (``async_steps``): a ``snapshot`` call
     takes one (``backend.sampling_snapshot()``) and answers its id and version; a ``sample`` call naming the id samples
-    from it. The newest ``keep`` are held (a run needs K + 1 at most); a sample from an older one is refused."""
+    from it. The newest ``keep`` are held (a run needs K + 1 at most; serve-backend holds 8 of a LoRA backend, 3 of a full
+    fine-tuning one, each a copy of the model); a sample from an older one is refused."""
 
     def __init__(self, keep: int = 8) -> None:
         self.keep = keep
@@ -496,7 +497,9 @@ class CallWorker:
 
     def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_states: int = 0) -> None:
         self.backend = backend
-        self.snapshots = Snapshots()  # what the client samples from while the server trains (async steps)
+        # What the client samples from while the server trains (async steps): a LoRA snapshot is the adapter's size, a full
+        # fine-tuning one a whole model, so fewer of those are held.
+        self.snapshots = Snapshots(keep=8 if getattr(backend, "is_lora", True) else 3)
         self.run_dir = run_dir
         self.logger = logger
         self.keep_states = keep_states
