@@ -19,7 +19,7 @@ from tinkergym.errors import ConfigError
 #: Where rollouts are sampled: the training backend itself, or a vLLM engine synced from it after every step.
 SAMPLERS = ("torch", "vllm")
 #: Backends that sample from a fixed snapshot of the weights while they train (``async_steps`` > 0).
-SNAPSHOT_BACKENDS = ("torch", "remote", "tinker")
+SNAPSHOT_BACKENDS = ("torch", "remote", "scheduled", "tinker")
 #: Episodes that a budget (max_turns, max_context, an episode token budget) ended: trained on, or masked.
 TRUNCATION_MODES = ("keep", "mask")
 #: Weight dtypes a backend loads a model in ("auto": bfloat16 where the device computes it natively).
@@ -247,8 +247,8 @@ class TrainConfig:
         if implied not in SNAPSHOT_BACKENDS:
             raise ConfigError(
                 f"async-steps {k} samples the next steps while one trains, which needs a backend that samples from a fixed "
-                f"snapshot of the weights: {', '.join(SNAPSHOT_BACKENDS)} (--backend torch, --backend-url URL of a serve-backend, or --backend "
-                f"tinker --backend-url URL). "
+                f"snapshot of the weights: {', '.join(SNAPSHOT_BACKENDS)} (--backend torch, --backend-url URL of a serve-backend, --scheduler "
+                f"URL, or --backend tinker --backend-url URL). "
                 f"The {implied} backend these settings train through samples and trains one after the other: leave out "
                 "--async-steps, or train through one of those."
             )

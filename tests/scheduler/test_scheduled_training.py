@@ -240,6 +240,40 @@ def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: A
 
 @pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
+def test_a_scheduled_run_samples_ahead_from_its_servers_snapshots_and_survives_its_worker(scheduler: Any, db_url: str, tmp_path: Path) -> None:
+    """--async-steps 1 through the scheduler: rollouts sample from snapshots the job's server holds; the first worker dies
+    after step 1, its snapshots with it, and the run goes on from its checkpoint on the second worker's server, sampling
+    from that server's snapshots, every trained sample at most one version old."""
+    out = tmp_path / "scheduled"
+    first = PlayedWorker(scheduler.url, scheduler.worker_key, "w1", tmp_path / "w1", die_after="step_000001")
+    second = PlayedWorker(scheduler.url, scheduler.worker_key, "w2", tmp_path / "w2", restore_from=tmp_path / "w1")
+    first.start()
+    try:
+        def second_after_first() -> None:
+            while first.lease is None and not first.stopped.is_set():
+                time.sleep(0.05)
+            second.start()
+
+        threading.Thread(target=second_after_first, daemon=True).start()
+        _train(*COMMON, "--out", str(out), "--scheduler", scheduler.url, "--api-key", scheduler.client_key, "--async-steps", "1",
+               "--old-logprobs", "sampler")
+    finally:
+        first.stopped.set()
+        second.stopped.set()
+        first.join(timeout=30)
+        if second.is_alive():
+            second.join(timeout=30)
+    assert first.error is None and second.error is None, (first.error, second.error)
+    assert second.lease["epoch"] == 2
+    records = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] >= 0]
+    assert sorted({r["step"] for r in records}) == [0, 1, 2, 3]
+    assert all(r["async/version_gap_max"] <= 1 for r in records) and any(r["async/version_gap_max"] == 1 for r in records)
+    job, held = _job(db_url)
+    assert job["state"] == "succeeded" and held == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_call_refused_while_the_lease_lives_goes_on_with_the_same_server(scheduler: Any, db_url: str, tmp_path: Path) -> None:
     """A server that refuses one call as past its lease while the scheduler still holds the lease (a worker's late renewal)
     is the job's server all the same: the client connects to it again (no new epoch comes), loads its newest checkpoint,

@@ -26,7 +26,6 @@ TINKER = {"backend": "tinker", "backend_url": "http://127.0.0.1:9"}
         ({"async_steps": -1}, "async-steps must be 0"),
         ({"async_steps": 1, **TINKER}, "--old-logprobs sampler"),  # the default old_logprobs is the trainer's: ratio 1, uncorrected
         ({"async_steps": 1, "trainer": "rloo", "old_logprobs": "sampler", **TINKER}, "REINFORCE loss has no importance ratio"),
-        ({"async_steps": 1, "old_logprobs": "sampler", "backend_url": "http://127.0.0.1:9"}, "The remote backend"),
         ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm"}, "The vllm backend"),
     ],
 )
@@ -43,6 +42,7 @@ def test_config_takes_async_steps_with_a_correction_from_options_and_files(tmp_p
     assert TrainConfig(env=ENV).validate().async_steps == 0
     assert TrainConfig(env=ENV, async_steps=2, old_logprobs="sampler").validate().async_steps == 2  # the torch backend, implied
     assert TrainConfig(env=ENV, async_steps=2, old_logprobs="sampler", backend="torch").validate().async_steps == 2
+    assert TrainConfig(env=ENV, async_steps=1, old_logprobs="sampler", backend_url="http://127.0.0.1:9").validate().async_steps == 1  # remote
     (tmp_path / "c.yaml").write_text("env: tinker/Bandit-v0\nasync-steps: 3\nold-logprobs: sampler\nbackend: tinker\nbackend-url: http://127.0.0.1:9\n")
     assert TrainConfig.load(tmp_path / "c.yaml").validate().async_steps == 3
     (tmp_path / "bad.yaml").write_text("env: tinker/Bandit-v0\nasync_steps: two\n")

@@ -54,6 +54,27 @@ class BackendLost(RemoteBackendError):
     """The job's server stopped answering (lease lost or worker gone); :meth:`ScheduledBackend.reconnect` waits for the next one."""
 
 
+class ScheduledSnapshot:
+    """A snapshot held by the server of one lease epoch of a scheduler job (see :meth:`ScheduledBackend.sampling_snapshot`)."""
+
+    def __init__(self, backend: ScheduledBackend, snapshot: Any, epoch: int | None) -> None:
+        self.backend, self.snapshot, self.epoch, self.version = backend, snapshot, epoch, snapshot.version
+
+    def sample(self, request: Any) -> Any:
+        """Sampled with the snapshot's weights on the server that holds it; :class:`BackendLost` once that server is not the job's."""
+        if self.backend.epoch != self.epoch:
+            raise BackendLost(f"job {self.backend.job_id}: its server changed (lease epoch {self.epoch} -> {self.backend.epoch}) since this "
+                              "snapshot was taken")
+        try:
+            return self.snapshot.sample(request)
+        except RemoteBackendError as exc:
+            raise BackendLost(f"job {self.backend.job_id}: {exc}") from exc
+        except ConfigError as exc:
+            if "refused the token" in str(exc) or "is not held" in str(exc):
+                raise BackendLost(f"job {self.backend.job_id}: {exc}") from exc
+            raise
+
+
 class ScheduledBackend:
     """The Backend protocol computed by the server of scheduler job ``job_id``.
 
@@ -228,6 +249,12 @@ class ScheduledBackend:
 
     def sample(self, request: Any) -> Any:
         return self._call("sample", request)
+
+    def sampling_snapshot(self) -> ScheduledSnapshot:
+        """A snapshot of the job's server's weights (:meth:`RemoteBackend.sampling_snapshot`), fenced as every call is: once
+        the job moves to another server (a new lease epoch), its samples raise :class:`BackendLost`, and the run goes on
+        from its newest checkpoint, whose rollouts sample again from the new server's snapshots."""
+        return ScheduledSnapshot(self, self._call("sampling_snapshot"), self.epoch)
 
     def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[Any]] | None = None) -> list[list[float]]:
         """Per-token logprobs on the job's server; ``images`` (one list per sequence) pass through as they are."""
