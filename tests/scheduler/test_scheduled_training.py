@@ -200,11 +200,9 @@ def _job(db_url: str) -> tuple[dict[str, Any], int]:
     return job, held
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
-def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: Any, db_url: str, tmp_path: Path) -> None:
-    local, scheduled = tmp_path / "local", tmp_path / "scheduled"
-    _train(*COMMON, "--out", str(local))
+def _train_on_two_workers(scheduler: Any, tmp_path: Path, *args: str) -> tuple[PlayedWorker, PlayedWorker]:
+    """``train *COMMON *args`` through ``scheduler`` while worker w1 takes the job and dies after step 1, and w2, started
+    once w1 holds the lease, takes it over from w1's states; both workers, after the run."""
     first = PlayedWorker(scheduler.url, scheduler.worker_key, "w1", tmp_path / "w1", die_after="step_000001")
     second = PlayedWorker(scheduler.url, scheduler.worker_key, "w2", tmp_path / "w2", restore_from=tmp_path / "w1")
     first.start()
@@ -215,7 +213,7 @@ def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: A
             second.start()
 
         threading.Thread(target=second_after_first, daemon=True).start()
-        _train(*COMMON, "--out", str(scheduled), "--scheduler", scheduler.url, "--api-key", scheduler.client_key)
+        _train(*COMMON, *args, "--scheduler", scheduler.url, "--api-key", scheduler.client_key)
     finally:
         first.stopped.set()
         second.stopped.set()
@@ -223,6 +221,15 @@ def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: A
         if second.is_alive():
             second.join(timeout=30)
     assert first.error is None and second.error is None, (first.error, second.error)
+    return first, second
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
+def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: Any, db_url: str, tmp_path: Path) -> None:
+    local, scheduled = tmp_path / "local", tmp_path / "scheduled"
+    _train(*COMMON, "--out", str(local))
+    first, second = _train_on_two_workers(scheduler, tmp_path, "--out", str(scheduled))
     assert first.lease["epoch"] == 1 and second.lease["epoch"] == 2 and second.lease["attempt"] == 1
     assert _stable(read_metrics(scheduled / "metrics.jsonl")) == _stable(read_metrics(local / "metrics.jsonl"))
     assert sorted(p.name for p in (scheduled / "final").iterdir()) == sorted(p.name for p in (local / "final").iterdir())
@@ -245,25 +252,7 @@ def test_a_scheduled_run_samples_ahead_from_its_servers_snapshots_and_survives_i
     after step 1, its snapshots with it, and the run goes on from its checkpoint on the second worker's server, sampling
     from that server's snapshots, every trained sample at most one version old."""
     out = tmp_path / "scheduled"
-    first = PlayedWorker(scheduler.url, scheduler.worker_key, "w1", tmp_path / "w1", die_after="step_000001")
-    second = PlayedWorker(scheduler.url, scheduler.worker_key, "w2", tmp_path / "w2", restore_from=tmp_path / "w1")
-    first.start()
-    try:
-        def second_after_first() -> None:
-            while first.lease is None and not first.stopped.is_set():
-                time.sleep(0.05)
-            second.start()
-
-        threading.Thread(target=second_after_first, daemon=True).start()
-        _train(*COMMON, "--out", str(out), "--scheduler", scheduler.url, "--api-key", scheduler.client_key, "--async-steps", "1",
-               "--old-logprobs", "sampler")
-    finally:
-        first.stopped.set()
-        second.stopped.set()
-        first.join(timeout=30)
-        if second.is_alive():
-            second.join(timeout=30)
-    assert first.error is None and second.error is None, (first.error, second.error)
+    _, second = _train_on_two_workers(scheduler, tmp_path, "--out", str(out), "--async-steps", "1", "--old-logprobs", "sampler")
     assert second.lease["epoch"] == 2
     records = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] >= 0]
     assert sorted({r["step"] for r in records}) == [0, 1, 2, 3]
