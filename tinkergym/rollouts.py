@@ -97,6 +97,9 @@ class Trajectory:
 
     ``images``: with a renderer that renders images (``renders_images``, e.g.
     :class:`~tinkergym.chat.ImageChatRenderer`), the images its image tokens show, in order; else empty.
+
+    ``policy_version``: the version (optimizer steps) of the weights that sampled it, where the sampler has one (a
+    snapshot sampled ahead of training, ``async_steps``); None where the backend's current weights did.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -109,6 +112,7 @@ class Trajectory:
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
     images: list[ImageData] = field(default_factory=list)
+    policy_version: int | None = None
 
     @property
     def total_reward(self) -> float:
@@ -381,4 +385,7 @@ def rollout(
                 on_round(round_index, sum(e.state is not EpisodeState.TERMINATED for e in episodes))
     finally:
         env_calls.close()
+    version = getattr(sampler, "version", None)  # a snapshot's: every sample of this rollout drew from it
+    for episode in episodes:
+        episode.trajectory.policy_version = None if version is None else int(version)
     return [e.trajectory for e in episodes]

@@ -8,6 +8,7 @@ trainer is held outside the backend (as a slow tool would hold it) so the sampli
 
 from __future__ import annotations
 
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,9 @@ def test_every_trained_sample_is_at_most_k_versions_old_and_corrected(tiny: str,
     watched = WatchedTorch(TorchBackendConfig(model=tiny, lora_rank=4, dtype="float32", seed=0), delay=0.3)
     TrainingRun(_config(out, tiny, async_steps=k, **loss), backend=watched).run(progress=False)
     check_bounded_staleness(watched, out, k, steps=5)
+    for step in range(5):  # every transcript names the version that sampled it: the weights of the start of step - K
+        rows = [json.loads(line) for line in (out / "transcripts" / f"train_step_{step:06d}.jsonl").read_text().splitlines()]
+        assert {row["policy_version"] for row in rows} == {max(0, step - k)}, step
 
 
 @pytest.mark.slow

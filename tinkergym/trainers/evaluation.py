@@ -118,6 +118,7 @@ def transcript_record(trajectory: Trajectory, **extra: Any) -> dict[str, Any]:
         "error": trajectory.error,
         "sampled_tokens": trajectory.num_sampled_tokens,
         "success": succeeded(trajectory),
+        **({} if trajectory.policy_version is None else {"policy_version": trajectory.policy_version}),
     }
 
 

@@ -115,7 +115,8 @@ class GRPOTrainer:
             rollout, waited = self.pipeline.take(step, c.steps - 1)
         trained = time.perf_counter()
         trajectories: list[Trajectory] = rollout.output
-        gaps_B = [policy_version(self.ctx.backend) - rollout.versions[POLICY]] * len(trajectories)
+        now = policy_version(self.ctx.backend)
+        gaps_B = [now - (rollout.versions[POLICY] if t.policy_version is None else t.policy_version) for t in trajectories]
         keep_B = fresh_groups(gaps_B, c.group_size, c.async_steps)
         with timeline.span("update"):
             metrics = self.update(self.ctx.backend, [t for t, keep in zip(trajectories, keep_B) if keep])

@@ -458,6 +458,7 @@ class TorchBackend:
     def _weights_changed(self) -> None:
         """Mark everything computed from the old weights stale: the sampling copy and the prefix cache."""
         self._sampling_copy_stale = True
+        self._last_snapshot = None  # a snapshot taken before holds the old weights (it stays valid for those who hold it)
         self.prefix_cache.clear()
 
     @_one_at_a_time
