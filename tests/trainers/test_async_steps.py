@@ -7,6 +7,7 @@ TorchBackend) and ``tests/tinker_api/test_async_steps_tinker.py`` (TinkerBackend
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -121,3 +122,71 @@ def _main():
     from tinkergym.cli import main
 
     return main
+
+
+class _CountingBackend:
+    """A learner reduced to its version (the optimizer steps taken) and its snapshots, for the pipeline's own rules: a
+    snapshot asked for is the one taken ``lag`` calls before (a sampler fleet that loads new weights late)."""
+
+    def __init__(self, lag: int, delays: list[float]) -> None:
+        self.step, self.lag, self.delays, self.taken = 0, lag, delays, []
+
+    def info(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def sampling_snapshot(self) -> Any:
+        import types
+
+        self.taken.append(self.step)
+        version = self.taken[max(0, len(self.taken) - 1 - self.lag)]
+        return types.SimpleNamespace(version=version, sample=lambda request: version)
+
+    def train(self) -> None:
+        import time
+
+        time.sleep(self.delays[self.step % len(self.delays)])
+        self.step += 1
+
+
+def test_no_sample_trains_more_than_k_versions_after_the_one_that_drew_it_under_random_delays() -> None:
+    """Property: whatever K, run length, lag of the snapshots and delays of sampling and training, every group a step
+    trains was drawn at most K versions before (the rest are dropped and counted), every sample drew from the snapshot
+    its rollout names, and with no lag the gap is exactly min(step, K) whenever every step trains."""
+    hypothesis = pytest.importorskip("hypothesis")
+    import time
+
+    from hypothesis import strategies as st
+
+    from tinkergym.trainers.async_rollouts import POLICY, RolloutPipeline
+
+    @hypothesis.settings(max_examples=40, deadline=None)
+    @hypothesis.given(k=st.integers(1, 4), steps=st.integers(1, 8), lag=st.integers(0, 2),
+                      delays=st.lists(st.floats(0, 0.003), min_size=1, max_size=6), sample_delays=st.lists(st.floats(0, 0.003), min_size=1, max_size=6))
+    def check(k: int, steps: int, lag: int, delays: list[float], sample_delays: list[float]) -> None:
+        backend = _CountingBackend(lag, delays)
+
+        def plan(step: int, samplers: dict[str, Any]) -> Any:
+            def play() -> list[int]:
+                drawn = []
+                for i in range(4):  # two groups of two, each sample a call of the step's snapshot
+                    time.sleep(sample_delays[(step + i) % len(sample_delays)])
+                    drawn.append(samplers[POLICY].sample(None))
+                return drawn
+            return play
+
+        pipeline = RolloutPipeline({POLICY: backend}, k, plan)
+        try:
+            for step in range(steps):
+                rollout, waited = pipeline.take(step, steps - 1)
+                assert waited >= 0 and rollout.step == step
+                assert rollout.output == [rollout.versions[POLICY]] * 4, "a sample drew from another snapshot than its rollout names"
+                gaps = [backend.step - v for v in rollout.output]
+                keep = fresh_groups(gaps, 2, k)
+                assert all(g <= k for g, kept in zip(gaps, keep) if kept) and all(g > k for g, kept in zip(gaps, keep) if not kept)
+                if lag == 0:
+                    assert gaps == [min(step, k)] * 4
+                backend.train()
+        finally:
+            pipeline.close()
+
+    check()
