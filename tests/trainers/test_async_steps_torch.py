@@ -148,3 +148,32 @@ def test_env_latency_wraps_a_runs_envs_and_is_refused_where_it_cannot_apply(tmp_
         env_factory("tinker/GomokuDuel-v0", {"size": 7}, multi_agent=True, latency=0.5)
     with pytest.raises(ConfigError, match="env-latency must be seconds"):
         TrainConfig(env="tinker/Bandit-v0", env_latency=-1.0).validate()
+
+
+@pytest.mark.slow
+def test_a_stopped_run_drops_its_rollouts_in_flight_and_resumes_without_losing_or_repeating_a_step(tiny: str, fake_site: Any,
+                                                                                                    tmp_path: Path) -> None:
+    import time
+
+    class Stop(WatchedTorch):
+        def optim_step(self, params: OptimParams) -> dict[str, float]:
+            if self.step == 2:
+                raise KeyboardInterrupt
+            return super().optim_step(params)
+
+    add_graded_env(fake_site)
+    out = tmp_path / "run"
+    config = TorchBackendConfig(model=tiny, lora_rank=4, dtype="float32", seed=0)
+    with pytest.raises(KeyboardInterrupt):
+        TrainingRun(_config(out, tiny, steps=6, async_steps=2), backend=Stop(config, delay=0.2)).run(progress=False)
+    deadline = time.time() + 30
+    while any(t.name.startswith("rollouts-ahead") for t in threading.enumerate()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(t.name.startswith("rollouts-ahead") for t in threading.enumerate()), "the sampling thread outlived the run"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000", "step_000001"]
+    resumed = TrainingRun.resume(out, backend=WatchedTorch(config))
+    assert resumed.start_step == 2
+    resumed.run(progress=False)
+    logged = [m for m in metrics(out) if m["step"] >= 0]
+    assert [m["step"] for m in logged] == list(range(6)), "a step lost or repeated"
+    assert [m["async/version_gap_max"] for m in logged[2:]] == [0.0, 1.0, 2.0, 2.0], "steps after the resume sample from its weights"
