@@ -243,7 +243,9 @@ class TrainConfig:
                 "sampler (the ratio against the sampler's logprobs: PPO's off-policy correction), or keep trainer and add "
                 "--tis-cap C (e.g. 2) to weight each token by min(current/sampler ratio, C)."
             )
-        implied = self.backend or ("scheduled" if self.scheduler_url else "remote" if self.backend_url else "vllm" if self.sampler == "vllm" else "torch")
+        implied = self.backend or ("scheduled" if self.scheduler_url else "remote" if self.backend_url else "torch")
+        if self.sampler == "vllm":  # the vLLM sampler beside any backend samples the latest weights only (so far)
+            implied = "vllm"
         if implied not in SNAPSHOT_BACKENDS:
             raise ConfigError(
                 f"async-steps {k} samples the next steps while one trains, which needs a backend that samples from a fixed "

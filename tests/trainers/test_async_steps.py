@@ -28,6 +28,7 @@ TINKER = {"backend": "tinker", "backend_url": "http://127.0.0.1:9"}
         ({"async_steps": 1, **TINKER}, "--old-logprobs sampler"),  # the default old_logprobs is the trainer's: ratio 1, uncorrected
         ({"async_steps": 1, "trainer": "rloo", "old_logprobs": "sampler", **TINKER}, "REINFORCE loss has no importance ratio"),
         ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm"}, "The vllm backend"),
+        ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm", "backend": "torch"}, "The vllm backend"),
     ],
 )
 def test_config_refuses_async_steps_that_would_train_uncorrected_or_cannot_sample_ahead(settings: dict, message: str) -> None:
