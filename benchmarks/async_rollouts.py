@@ -4,6 +4,8 @@ through a Tinker endpoint, where the env is slow or not, and the reward curves.
     python benchmarks/async_rollouts.py                                   # torch, smollm2-135m, MathTool-v0, K = 0 1 2, seeds 0 1 2
     python benchmarks/async_rollouts.py --env tinker/Math-v0 --env-latency 0.5 --ks 0 1 2 4
     python benchmarks/async_rollouts.py --backend tinker                  # through serve-tinker (started here)
+    python benchmarks/async_rollouts.py --backend remote                  # through serve-backend (one started here per run)
+    python benchmarks/async_rollouts.py --model docs/results/math-tool/warmup_adapter --env-kwargs '{"split": "train", "tools": ["python"]}'
     python benchmarks/async_rollouts.py --env tinker/Bandit-v0            # compute-bound: async must not be slower
     python benchmarks/async_rollouts.py --quick                           # the tiny model, K = 0 1, seed 0, 2 steps (a smoke test)
 
@@ -12,9 +14,15 @@ Every run is a ``TrainingRun`` of tinkergym's GRPO trainer in this process. ``--
 the LoRA adapter swapped in for each sample call) while the trainer trains. ``--backend tinker``: ``tinkergym
 serve-tinker`` started here as its own process on 127.0.0.1 (a key database made in a temporary ``--data-dir``, the
 SDK's key ``tml-<key>``) and a :class:`~tinkergym.backends.tinker_client.TinkerBackend` per run; its sampling requests
-wait in the server's queue beside the training calls. The default env is ``tinker/MathTool-v0``: multi-turn word
+wait in the server's queue beside the training calls. ``--backend remote``: ``tinkergym serve-backend`` started here
+for each run (its weights start afresh; not timed) and a :class:`~tinkergym.backends.remote.RemoteBackend`; rollouts
+sampled ahead name a snapshot the server keeps (``sample`` with ``snapshot``) while the next training calls run. The default env is ``tinker/MathTool-v0``: multi-turn word
 problems with a sandboxed ``python`` tool and a calculator, paid 1 for a correct ``\\boxed{}`` answer plus
-``--format-reward`` for a well-formed one. ``--env-latency S`` wraps the env in
+``--format-reward`` for a well-formed one (``--env-kwargs`` adds to its kwargs). ``--model`` takes a peft adapter folder
+too: ``docs/results/math-tool/warmup_adapter`` is SmolLM2 after the math-tool row's warm-up, which calls python and
+boxes what it printed, so its groups' rewards differ and every step trains (the untrained model scores 0 on every
+sample, so its steps train nothing). ``--max-episodes-in-flight N`` bounds the rollouts played at once (default: K
+steps' worth, every step handed over plays at once). ``--env-latency S`` wraps the env in
 :class:`~tinkergym.wrappers.LatencyWrapper`: every env step waits S seconds more (a remote API or judge). The runs of
 one seed differ only in K; all use ``--old-logprobs sampler`` (the PPO ratio against the sampler's logprobs, what an
 async run needs; at K = 0 it is the on-policy ratio), so only the overlap differs. Runs alternate K within a seed
@@ -45,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_machine import describe, machine_facts
-from remote_step import _stop
+from remote_step import _stop, start_server
 from tinker_step import start_tinker
 
 #: The env measured by default; ``--env`` takes any single-agent hub env (its default kwargs, MathTool's given here).
@@ -60,17 +68,34 @@ def train(args: argparse.Namespace, url: str | None, key: str | None, k: int, se
     from tinkergym.trainers.session import TrainingRun
 
     out = folder / f"k{k}-seed{seed}"
-    where = {"backend": "tinker", "backend_url": url, "model": args.served_name} if url else {"backend": "torch", "model": args.model, "dtype": args.dtype}
+    process = None
+    if args.backend == "remote":  # a server of its own per run: every run starts from the same weights
+        server_folder = folder / f"server-k{k}-seed{seed}"
+        server_folder.mkdir(parents=True)
+        process, url, key, _ = start_server(args.model_path, args.lora_rank, server_folder, args.server_threads, 2 * args.lora_rank,
+                                            args.micro_batch_size, args.dtype)
+        where: dict[str, Any] = {"backend_url": url, "model": args.model}
+    elif url:
+        where = {"backend": "tinker", "backend_url": url, "model": args.served_name}
+    else:
+        where = {"backend": "torch", "model": args.model, "dtype": args.dtype}
+    env_kwargs = {"format_reward": args.format_reward, "max_turns": args.max_turns} if args.env == ENV else {}
+    at_once = args.max_episodes_in_flight or k * args.batch_size * args.group_size or 1
     config = TrainConfig(
         **where, env=args.env, trainer="grpo", lora_rank=args.lora_rank, steps=args.steps, env_latency=args.env_latency,
         batch_size=args.batch_size, group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
         max_context=args.max_context, lr=args.lr, seed=seed, old_logprobs="sampler", async_steps=k, checkpoint_every=args.steps,
-        transcripts_every=0, env_kwargs={"format_reward": args.format_reward, "max_turns": args.max_turns} if args.env == ENV else {}, out=str(out),
+        max_episodes_in_flight=at_once, micro_batch_size=args.micro_batch_size, transcripts_every=0,
+        env_kwargs={**env_kwargs, **json.loads(args.env_kwargs)}, out=str(out),
     )
-    run = TrainingRun(config, backend_token=key)
-    started = time.perf_counter()
-    run.run(progress=False)
-    wall = time.perf_counter() - started
+    try:
+        run = TrainingRun(config, backend_token=key)
+        started = time.perf_counter()
+        run.run(progress=False)
+        wall = time.perf_counter() - started
+    finally:
+        if process is not None:
+            _stop(process)
     records = [r for r in read_metrics(out / "metrics.jsonl") if r["step"] >= 0]
     loop = sum(r["time/step_s"] for r in records)
 
@@ -108,7 +133,7 @@ def summarize(runs: list[dict[str, Any]], ks: list[int], samples_per_step: int) 
 
 
 def print_report(summary: dict[str, Any], ks: list[int], facts: dict[str, Any], args: argparse.Namespace) -> None:
-    where = "through serve-tinker" if args.backend == "tinker" else "on the torch backend"
+    where = {"tinker": "through serve-tinker", "remote": "through serve-backend"}.get(args.backend, "on the torch backend")
     print(f"{args.model} {where}, {args.env} (env latency {args.env_latency:g} s a step): {args.batch_size} prompts x {args.group_size} samples "
           f"per step, {args.steps} steps, seeds {args.seeds}; {describe(facts)}")
     print(f"{'K':>2} {'steps/h':>9} {'speed-up':>9} {'step s':>8} {'wait s':>8} {'idle':>6} {'train s':>8} {'rollout s':>10} {'gap':>5} {'dropped':>8}")
@@ -143,7 +168,8 @@ def plot(summary: dict[str, Any], ks: list[int], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=("torch", "tinker"), default="torch", help="a local TorchBackend, or serve-tinker started here")
+    parser.add_argument("--backend", choices=("torch", "remote", "tinker"), default="torch",
+                        help="a local TorchBackend, serve-backend started here for each run, or serve-tinker started here")
     parser.add_argument("--model", default="smollm2-135m", help="the model trained (tiny, smollm2-135m, a folder)")
     parser.add_argument("--env-latency", type=float, default=0.0, metavar="S", help="every env step waits S seconds more (LatencyWrapper)")
     parser.add_argument("--env", default=ENV, help=f"the env (default {ENV}; e.g. tinker/Bandit-v0, where every step trains)")
@@ -158,6 +184,10 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--format-reward", type=float, default=0.1)
+    parser.add_argument("--env-kwargs", default="{}", metavar="JSON", help="more kwargs of the env (added to the defaults)")
+    parser.add_argument("--max-episodes-in-flight", type=int, default=0, metavar="N",
+                        help="bound on the episodes the rollouts ahead play at once (default 0: K steps' worth, all of them)")
+    parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     parser.add_argument("--server-threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                         help="with --backend tinker: OMP threads of the server (default: all cores but one, which the client's envs and tools use; "
@@ -178,7 +208,7 @@ def main() -> None:
     from tinkergym.backends.models import resolve_model
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated benchmark still stops its server (the finally below)
-    model_path = resolve_model(args.model)
+    model_path = args.model_path = resolve_model(args.model)
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="async-steps-") as tmp:
         folder = Path(tmp)

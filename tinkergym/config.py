@@ -124,6 +124,10 @@ class TrainConfig:
     # tis_cap. 0: each step samples with the current weights, then trains. Needs a backend that samples from snapshots
     # (torch, tinker) and an RL trainer that plays envs (grpo, rloo, selfplay).
     async_steps: int = 0
+    # With async_steps K > 1: the most episodes the rollouts sampled ahead play at once. Up to K steps' rollouts play side
+    # by side (their env steps and tool calls wait together, their sample calls take turns on the backend), as many as
+    # fit in this bound in whole steps (batch_size x group_size episodes each), and always one.
+    max_episodes_in_flight: int = 256
     # Seconds every env step waits (plus up to env_latency_jitter more, uniform): a stand-in for a slow tool, API or judge
     # (tinkergym.wrappers.LatencyWrapper), to measure a setting where the env's time matters. 0: none.
     env_latency: float = 0.0
@@ -219,6 +223,8 @@ class TrainConfig:
         if self.truncation not in TRUNCATION_MODES:
             raise ConfigError(f"truncation must be one of {', '.join(TRUNCATION_MODES)}, not {self.truncation!r}.")
         self._validate_async_steps()
+        if isinstance(self.max_episodes_in_flight, bool) or not isinstance(self.max_episodes_in_flight, int) or self.max_episodes_in_flight < 1:
+            raise ConfigError(f"max-episodes-in-flight must be a whole number of episodes, at least 1, not {self.max_episodes_in_flight!r}.")
         for name in ("env_latency", "env_latency_jitter"):
             if not 0 <= getattr(self, name) <= 3600:
                 raise ConfigError(f"{name.replace('_', '-')} must be seconds between 0 and 3600, not {getattr(self, name)}.")

@@ -150,7 +150,7 @@ class _CountingBackend:
 
 
 def test_no_sample_trains_more_than_k_versions_after_the_one_that_drew_it_under_random_delays() -> None:
-    """Property: whatever K, run length, lag of the snapshots and delays of sampling and training, every group a step
+    """Property: whatever K, rollouts at once, run length, lag of the snapshots and delays of sampling and training, every group a step
     trains was drawn at most K versions before (the rest are dropped and counted), every sample drew from the snapshot
     its rollout names, and with no lag the gap is exactly min(step, K) whenever every step trains."""
     hypothesis = pytest.importorskip("hypothesis")
@@ -161,9 +161,9 @@ def test_no_sample_trains_more_than_k_versions_after_the_one_that_drew_it_under_
     from tinkergym.trainers.async_rollouts import POLICY, RolloutPipeline
 
     @hypothesis.settings(max_examples=40, deadline=None)
-    @hypothesis.given(k=st.integers(1, 4), steps=st.integers(1, 8), lag=st.integers(0, 2),
+    @hypothesis.given(k=st.integers(1, 4), steps=st.integers(1, 8), lag=st.integers(0, 2), workers=st.integers(1, 4),
                       delays=st.lists(st.floats(0, 0.003), min_size=1, max_size=6), sample_delays=st.lists(st.floats(0, 0.003), min_size=1, max_size=6))
-    def check(k: int, steps: int, lag: int, delays: list[float], sample_delays: list[float]) -> None:
+    def check(k: int, steps: int, lag: int, workers: int, delays: list[float], sample_delays: list[float]) -> None:
         backend = _CountingBackend(lag, delays)
 
         def plan(step: int, samplers: dict[str, Any]) -> Any:
@@ -175,7 +175,7 @@ def test_no_sample_trains_more_than_k_versions_after_the_one_that_drew_it_under_
                 return drawn
             return play
 
-        pipeline = RolloutPipeline({POLICY: backend}, k, plan)
+        pipeline = RolloutPipeline({POLICY: backend}, k, plan, workers=min(workers, k))
         try:
             for step in range(steps):
                 rollout, waited = pipeline.take(step, steps - 1)
@@ -191,3 +191,48 @@ def test_no_sample_trains_more_than_k_versions_after_the_one_that_drew_it_under_
             pipeline.close()
 
     check()
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_a_pipeline_plays_as_many_rollouts_at_once_as_it_has_workers_and_never_more(workers: int) -> None:
+    """Rollouts handed over together play side by side up to ``workers`` (each waits until that many are in flight, as
+    envs waiting on a slow tool would), and no more: steps come back in order with their own outputs."""
+    import threading
+
+    from tinkergym.trainers.async_rollouts import POLICY, RolloutPipeline
+
+    backend = _CountingBackend(0, [0.0])
+    lock, now, most = threading.Lock(), [0], [0]
+    together = threading.Barrier(workers, timeout=30)
+
+    def plan(step: int, samplers: dict[str, Any]) -> Any:
+        def play() -> int:
+            with lock:
+                now[0] += 1
+                most[0] = max(most[0], now[0])
+            if step < workers:  # the first rollouts wait for each other: they pass only if all play at once
+                together.wait()
+            with lock:
+                now[0] -= 1
+            return step * 10
+        return play
+
+    pipeline = RolloutPipeline({POLICY: backend}, 3, plan, workers=workers)
+    try:
+        assert [pipeline.take(step, 5)[0].output for step in range(6)] == [0, 10, 20, 30, 40, 50]
+    finally:
+        pipeline.close()
+    assert most[0] == workers
+    with pytest.raises(ValueError, match="1 to 3 of them at once"):
+        RolloutPipeline({POLICY: backend}, 3, plan, workers=4)
+
+
+def test_rollouts_at_once_fit_max_episodes_in_flight_in_whole_steps() -> None:
+    from tinkergym.trainers.async_rollouts import rollouts_at_once
+
+    assert rollouts_at_once(4, 256, 64) == 4  # four steps of 64 fit in 256
+    assert rollouts_at_once(4, 200, 64) == 3
+    assert rollouts_at_once(2, 256, 16) == 2  # never more than K
+    assert rollouts_at_once(4, 10, 64) == 1  # always one, even a step larger than the bound
+    with pytest.raises(ConfigError, match="max-episodes-in-flight must be a whole number"):
+        TrainConfig(env="tinker/Bandit-v0", max_episodes_in_flight=0).validate()

@@ -177,3 +177,17 @@ def test_a_stopped_run_drops_its_rollouts_in_flight_and_resumes_without_losing_o
     logged = [m for m in metrics(out) if m["step"] >= 0]
     assert [m["step"] for m in logged] == list(range(6)), "a step lost or repeated"
     assert [m["async/version_gap_max"] for m in logged[2:]] == [0.0, 1.0, 2.0, 2.0], "steps after the resume sample from its weights"
+
+
+@pytest.mark.parametrize(("in_flight", "sets"), [(16, 2), (15, 1)])
+def test_rollouts_ahead_play_side_by_side_within_max_episodes_in_flight(tiny: str, fake_site: Any, tmp_path: Path, in_flight: int, sets: int) -> None:
+    """K = 2 with a slow env: two steps' rollouts (8 episodes each) play at once where 16 episodes may be in flight, each
+    with envs of its own (the pool holds a set per rollout that ran at once), one at a time where 15 may; every trained
+    sample stays at most K versions old either way."""
+    add_graded_env(fake_site)
+    out = tmp_path / "run"
+    watched = WatchedTorch(TorchBackendConfig(model=tiny, lora_rank=4, dtype="float32", seed=0), delay=0.05)
+    run = TrainingRun(_config(out, tiny, steps=4, async_steps=2, env_latency=0.3, max_episodes_in_flight=in_flight), backend=watched)
+    run.run(progress=False)
+    check_bounded_staleness(watched, out, 2, steps=4)
+    assert run.ctx.env_pool is not None and run.ctx.env_pool.sets == sets

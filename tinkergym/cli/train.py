@@ -22,7 +22,8 @@ _FIELDS = (
     "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
     "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
     "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every", "prefix_cache_mb", "wandb_project",
-    "lora_sampling", "backend", "async_steps", "env_latency", "env_latency_jitter",
+    "lora_sampling", "backend", "async_steps", "max_episodes_in_flight", "env_latency",
+    "env_latency_jitter",
 )
 
 
@@ -165,7 +166,11 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--async-steps", type=click.IntRange(0), metavar="K",
               help="Sample the rollouts of the next K steps from a snapshot of the weights while a step trains (default 0: sample, "
                    "then train). A step then trains on samples up to K updates old, corrected by --old-logprobs sampler or "
-                   "--tis-cap; needs a backend that samples from snapshots (torch, the default, or tinker) and grpo, rloo or selfplay.")
+                   "--tis-cap; needs a backend that samples from snapshots (torch, the default; a serve-backend or --scheduler; tinker) "
+                   "and grpo, rloo or selfplay.")
+@click.option("--max-episodes-in-flight", type=click.IntRange(1), metavar="N",
+              help="With --async-steps K: up to K steps' rollouts play at once, as many as fit in N episodes in whole steps "
+                   "(--batch-size x --group-size each; always one). Their env steps and tool calls wait side by side (default 256).")
 @click.option("--env-latency", type=FiniteFloat(0), metavar="SECONDS",
               help="Every env step waits this long first: a stand-in for a slow tool, API or judge (tinkergym.wrappers.LatencyWrapper), "
                    "to measure settings such as --async-steps where the env's time matters (default 0).")
@@ -255,8 +260,8 @@ def train(**options: Any) -> None:
     where it starts (tinkergym serve-backend) and recorded in the run's config.json; the token is never saved.
 
     With --async-steps K the rollouts of the next K steps are sampled from snapshots of the weights while a
-    step trains (a backend that samples from snapshots: --backend tinker); metrics async/* report the trained
-    samples' version gap and dropped groups, time/rollout_wait_s the time a step waited for its rollout.
+    step trains, up to K of them at once (--max-episodes-in-flight bounds them); metrics async/* report the
+    trained samples' version gap and dropped groups, time/rollout_wait_s the time a step waited for its rollout.
 
     With --scheduler the run is a job: it waits in the queue (its position is shown), then trains through
     the server a worker starts for it. If that worker dies, the run waits for the job's next lease and goes

@@ -4,12 +4,20 @@ What prime-rl's ``max_async_level``, tinker-cookbook's ``max_steps_off_policy`` 
 A synchronous step samples with the current weights and then trains, so the sampler waits for every update and the
 update for every rollout. With K > 0, at the start of step ``j`` the trainer takes a snapshot of each learner's
 weights (:meth:`~tinkergym.protocol.backend.SnapshotBackend.sampling_snapshot`, tagged with their version: the
-optimizer steps they have taken) and hands step ``j + K``'s rollout, bound to that snapshot, to one background
-thread. The thread plays the rollouts handed to it in step order while the trainer waits for step ``j``'s (handed
-over K steps before) and trains on it. So step ``s`` samples with the weights the run had at the start of step
-``s - K`` (the first K + 1 steps of a run, or of a resume, with the weights it starts from), and a sample trains at
-most K versions after the one that drew it: exactly K once the pipeline is full and every step updates. Which
-weights sample which step follows from the step alone, so an async run repeats exactly.
+optimizer steps they have taken) and hands step ``j + K``'s rollout, bound to that snapshot, to a pool of background
+threads, while the trainer waits for step ``j``'s (handed over K steps before) and trains on it. So step ``s`` samples
+with the weights the run had at the start of step ``s - K`` (the first K + 1 steps of a run, or of a resume, with the
+weights it starts from), and a sample trains at most K versions after the one that drew it: exactly K once the
+pipeline is full and every step updates. Which weights sample which step follows from the step alone.
+
+The pool plays up to ``workers`` of the K steps handed over at once (``max_episodes_in_flight`` in whole steps, see
+:func:`rollouts_at_once`): where the env is slow (a tool, an API, a judge), their env steps wait side by side while
+their sample calls take turns on the backend, so K steps in flight sample up to K times as many episodes an hour as
+one. Each rollout plays envs of its own (:class:`~tinkergym.trainers.base.EnvPool`). With one worker the rollouts play
+in step order and an async run repeats exactly; with several, their sample calls interleave in the order their envs
+answer, and the same tokens follow as long as the backend's answer to a call depends on the call alone (the torch
+backend's prefix cache keeps each snapshot's prompts apart, but a prompt one rollout finds cached and another computes
+afresh may differ in the last bits of a logit).
 
 Invariants:
 
@@ -88,6 +96,12 @@ def check_snapshots(backends: dict[str, Any], async_steps: int) -> None:
             )
 
 
+def rollouts_at_once(async_steps: int, max_episodes_in_flight: int, episodes_per_step: int) -> int:
+    """How many steps' rollouts a pipeline ``async_steps`` ahead plays at once: as many as fit in ``max_episodes_in_flight``
+    episodes in whole steps, at most ``async_steps``, at least one."""
+    return max(1, min(async_steps, max_episodes_in_flight // max(1, episodes_per_step)))
+
+
 def policy_version(backend: Any) -> int:
     """The version of ``backend``'s current weights: the optimizer steps they have taken (its ``info()["step"]``)."""
     return int(backend.info()["step"])
@@ -149,7 +163,8 @@ class StepRollout(Generic[T]):
 
 
 class RolloutPipeline(Generic[T]):
-    """The rollouts of the next ``ahead`` steps, played on one background thread from snapshots of ``learners``' weights.
+    """The rollouts of the next ``ahead`` steps, played on ``workers`` background threads (up to that many at once) from
+    snapshots of ``learners``' weights.
 
     ``plan(step, samplers)`` runs on the trainer's thread when a step is handed over: it fixes everything of the step's
     rollout that depends on the trainer's state (prompts, opponents) and returns the function that plays it with
@@ -157,11 +172,13 @@ class RolloutPipeline(Generic[T]):
     in order; a step out of order (a checkpoint restored) or :meth:`reset` drops what is in flight.
     """
 
-    def __init__(self, learners: dict[str, Any], ahead: int, plan: Callable[[int, dict[str, Any]], Callable[[], T]]) -> None:
+    def __init__(self, learners: dict[str, Any], ahead: int, plan: Callable[[int, dict[str, Any]], Callable[[], T]], workers: int = 1) -> None:
         if ahead < 1:
             raise ValueError(f"a rollout pipeline samples at least one step ahead, not {ahead}")
+        if not 1 <= workers <= ahead:
+            raise ValueError(f"a rollout pipeline of {ahead} steps ahead plays 1 to {ahead} of them at once, not {workers}")
         check_snapshots(learners, ahead)
-        self.learners, self.ahead, self.plan = learners, ahead, plan
+        self.learners, self.ahead, self.plan, self.workers = learners, ahead, plan, workers
         self._executor: ThreadPoolExecutor | None = None
         self._stopped = threading.Event()
         self._futures: dict[int, Future] = {}
@@ -177,7 +194,7 @@ class RolloutPipeline(Generic[T]):
         upto = min(step + self.ahead, max(last_step, step))
         if self._handed <= upto:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts-ahead")
+                self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="rollouts-ahead")
             samplers = {name: StoppableSampler(backend.sampling_snapshot(), self._stopped) for name, backend in self.learners.items()}
             versions = {name: sampler.version for name, sampler in samplers.items()}
             for ahead_step in range(self._handed, upto + 1):

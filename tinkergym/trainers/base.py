@@ -10,7 +10,10 @@ from __future__ import annotations
 import difflib
 import importlib.metadata as md
 import random
+import threading
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from collections.abc import Callable
@@ -34,6 +37,49 @@ class StepOutput:
     trajectories: list[Trajectory] = field(default_factory=list)
 
 
+class EnvPool:
+    """Sets of envs made by ``make_env``, lent to one rollout at a time and made once: rollouts played at the same time
+    (``async_steps`` > 1 plays several steps ahead at once) each get their own, as an env is never stepped by two at once.
+
+    Thread-safe; it holds as many sets as rollouts ever ran at once (at most one per rollout in flight).
+    """
+
+    def __init__(self, make_env: Callable[[], Any]) -> None:
+        self.make_env = make_env
+        self._free: list[list[Any]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def sets(self) -> int:
+        """How many sets the pool holds now (lent ones not counted): as many as rollouts have run at once."""
+        with self._lock:
+            return len(self._free)
+
+    def take(self, count: int) -> list[Any]:
+        """``count`` envs no other rollout holds until they are :meth:`give`-n back (made where the pool has too few)."""
+        with self._lock:
+            envs = max(self._free, key=len) if self._free else []
+            if envs:
+                self._free.remove(envs)
+        while len(envs) < count:
+            envs.append(self.make_env())
+        return envs
+
+    def give(self, envs: list[Any]) -> None:
+        """Put back a set :meth:`take` lent (the whole set, also envs past the ``count`` asked for)."""
+        with self._lock:
+            self._free.append(envs)
+
+    @contextmanager
+    def lend(self, count: int) -> Iterator[list[Any]]:
+        """:meth:`take` for the ``with`` block, then :meth:`give`."""
+        envs = self.take(count)
+        try:
+            yield envs[:count]
+        finally:
+            self.give(envs)
+
+
 @dataclass
 class TrainingContext:
     """Everything a trainer may use: the config, the backend, the chat renderer and an env factory."""
@@ -44,7 +90,12 @@ class TrainingContext:
     make_env: Callable[[], Any] | None = None
     #: Builds another backend like ``backend`` (a local one; ``None`` for a training server or a scheduler job).
     make_backend: Callable[[], Backend] | None = None
-    _envs: list[Any] = field(default_factory=list)
+    #: The envs ``rollout`` plays (made by ``make_env``, a set per rollout at once).
+    env_pool: EnvPool | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.make_env is not None:
+            self.env_pool = EnvPool(self.make_env)
 
     def prompt_seeds(self, step: int, count: int | None = None, salt: str = "train") -> list[int]:
         """The env seeds of a step: a pure function of (run seed, step), so a resumed run sees the same prompts."""
@@ -56,12 +107,12 @@ class TrainingContext:
     ) -> list[Trajectory]:
         """Play one episode per seed with the current policy, or with ``sampler`` (e.g. a snapshot of it); envs are made once and reused.
 
-        One rollout at a time: the envs are shared between calls.
+        Thread-safe: rollouts at the same time each play their own envs (an :class:`EnvPool`).
         """
         if self.make_env is None:
             raise ConfigError(f"the {self.config.trainer!r} trainer needs an env (--env).")
-        while len(self._envs) < len(seeds):
-            self._envs.append(self.make_env())
+        if self.env_pool is None or self.env_pool.make_env is not self.make_env:  # make_env set after the context was made
+            self.env_pool = EnvPool(self.make_env)
         c = self.config
         settings = RolloutConfig(
             max_turns=c.max_turns,
@@ -70,7 +121,8 @@ class TrainingContext:
             temperature=c.temperature if temperature is None else temperature,
             seed=sampling_seed,
         )
-        return rollout(self._envs[: len(seeds)], self.backend if sampler is None else sampler, self.renderer, settings, seeds=seeds)
+        with self.env_pool.lend(len(seeds)) as envs:
+            return rollout(envs, self.backend if sampler is None else sampler, self.renderer, settings, seeds=seeds)
 
 
 class Trainer(Protocol):

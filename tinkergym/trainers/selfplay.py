@@ -55,8 +55,8 @@ from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlaye
 from tinkergym.protocol.backend import Backend
 from tinkergym.rollouts import RolloutConfig, Trajectory
 from tinkergym.trainers.advantages import keyed_advantages
-from tinkergym.trainers.async_rollouts import RolloutPipeline, policy_version, staleness_metrics
-from tinkergym.trainers.base import StepOutput, TrainingContext
+from tinkergym.trainers.async_rollouts import RolloutPipeline, policy_version, rollouts_at_once, staleness_metrics
+from tinkergym.trainers.base import EnvPool, StepOutput, TrainingContext
 from tinkergym.trainers.collapse import CollapseDetector
 from tinkergym.trainers.grpo import GRPOTrainer, phase_times
 from tinkergym.trainers.league import League, LeagueMember
@@ -96,7 +96,7 @@ class SelfPlayTrainer(GRPOTrainer):
                 self.league.add(LeagueMember(name, name))
             elif name.startswith("run:"):
                 self.league.add(LeagueMember(name, "policy", source=name[4:]))
-        self._envs: list[Any] = []
+        self._pool = EnvPool(self.ctx.make_env) if self.ctx.make_env is not None else None
         self._fixed_outcomes: list[float] = []
         self.fired: list[str] = []
         self.seat_backends: dict[str, Backend] = {}  # each seat's but the first: its trainable backend (set by _seat_learners)
@@ -113,7 +113,8 @@ class SelfPlayTrainer(GRPOTrainer):
             raise ConfigError("seat_policies=separate trains a backend per seat, built on this machine: leave out --backend-url and --scheduler.")
         if self.snapshots_on:
             raise ConfigError("seat_policies=separate has no snapshots (a snapshot would have to keep to one seat): use --opponents baseline,random.")
-        seats = list(self._games(1)[0].possible_agents)
+        with self._env_pool().lend(1) as envs:
+            seats = list(envs[0].possible_agents)
         learners = {seats[0]: self.learner}
         for seat in seats[1:]:
             self.seat_backends[seat] = self.ctx.make_backend()
@@ -144,12 +145,11 @@ class SelfPlayTrainer(GRPOTrainer):
             self._players[name] = ModelPlayer(name, sampler)
         return self._players[name]
 
-    def _games(self, count: int) -> list[Any]:
-        if self.ctx.make_env is None:
+    def _env_pool(self) -> EnvPool:
+        """The games' envs: each step's games (several at once when played ahead) borrow a set of their own."""
+        if self._pool is None:
             raise ConfigError("self-play needs a multi-agent env (--env, e.g. tinker/GomokuDuel-v0).")
-        while len(self._envs) < count:
-            self._envs.append(self.ctx.make_env())
-        return self._envs[:count]
+        return self._pool
 
     def settings(self, temperature: float | None = None, seed: int | None = None) -> RolloutConfig:
         """The rollout budgets of the run (``max_turns`` is moves per seat)."""
@@ -158,14 +158,14 @@ class SelfPlayTrainer(GRPOTrainer):
                              temperature=c.temperature if temperature is None else temperature, seed=seed)
 
     # ----- one step ----------------------------------------------------------------------------------
-    def schedule(self, step: int, samplers: dict[str, Any] | None = None) -> tuple[list[Game], list[str]]:
-        """The step's games and the opponent of each (``learner`` for pure self-play): a pure function of the seed, the step and the league.
+    def schedule(self, step: int, envs: list[Any], samplers: dict[str, Any] | None = None) -> tuple[list[Game], list[str]]:
+        """The step's games in ``envs`` (one each; batch size x group size of them) and the opponent of each (``learner``
+        for pure self-play): a pure function of the seed, the step and the league.
 
         ``samplers`` (by learner name) puts the learners' snapshots in their seats instead of their backends.
         """
         c = self.ctx.config
         count = c.batch_size * c.group_size
-        envs = self._games(count)
         seats = list(envs[0].possible_agents)
         rng = random.Random(f"selfplay:{c.seed}:{step}")
         learner, seat_learners = self.learner, self.seat_learners
@@ -190,9 +190,9 @@ class SelfPlayTrainer(GRPOTrainer):
         if c.async_steps:
             results, opponents, metrics = self.update_ahead(step)
         else:
-            games, opponents = self.schedule(step)
             started = time.perf_counter()
-            with timeline.span("rollout", games=len(games)):
+            with self._env_pool().lend(c.batch_size * c.group_size) as envs, timeline.span("rollout", games=len(envs)):
+                games, opponents = self.schedule(step, envs)
                 results = play_games(games, self.ctx.renderer, self.settings(seed=c.seed * 100_003 + step))
             rolled_out = time.perf_counter()
             with timeline.span("update"):
@@ -234,7 +234,8 @@ class SelfPlayTrainer(GRPOTrainer):
         """The step's games, played ahead from snapshots; each learner updates on them unless they are more than ``async_steps`` versions old."""
         c = self.ctx.config
         if self.pipeline is None:
-            self.pipeline = RolloutPipeline(self.learners(), c.async_steps, self.plan_games)
+            at_once = rollouts_at_once(c.async_steps, c.max_episodes_in_flight, c.batch_size * c.group_size)
+            self.pipeline = RolloutPipeline(self.learners(), c.async_steps, self.plan_games, workers=at_once)
         with timeline.span("rollout_wait"):
             rollout, waited = self.pipeline.take(step, c.steps - 1)
         trained = time.perf_counter()
@@ -252,9 +253,19 @@ class SelfPlayTrainer(GRPOTrainer):
 
     def plan_games(self, step: int, samplers: dict[str, Any]) -> Callable[[], tuple[list[GameResult], list[str]]]:
         """Step ``step``'s games (drawn now, from the league as it stands) with the learners' snapshots ``samplers``, to play later."""
-        games, opponents = self.schedule(step, samplers)
-        settings = self.settings(seed=self.ctx.config.seed * 100_003 + step)
-        return lambda: (play_games(games, self.ctx.renderer, settings), opponents)
+        c = self.ctx.config
+        pool = self._env_pool()
+        envs = pool.take(c.batch_size * c.group_size)
+        games, opponents = self.schedule(step, envs[: c.batch_size * c.group_size], samplers)
+        settings = self.settings(seed=c.seed * 100_003 + step)
+
+        def play() -> tuple[list[GameResult], list[str]]:
+            try:
+                return play_games(games, self.ctx.renderer, settings), opponents
+            finally:
+                pool.give(envs)
+
+        return play
 
     def close(self) -> None:
         """Stop playing ahead (games in flight are dropped)."""
