@@ -5,6 +5,7 @@ through a Tinker endpoint, where the env is slow or not, and the reward curves.
     python benchmarks/async_rollouts.py --env tinker/Math-v0 --env-latency 0.5 --ks 0 1 2 4
     python benchmarks/async_rollouts.py --backend tinker                  # through serve-tinker (started here)
     python benchmarks/async_rollouts.py --backend remote                  # through serve-backend (one started here per run)
+    python benchmarks/async_rollouts.py --backend scheduled               # each run a job of a scheduler and worker started here
     python benchmarks/async_rollouts.py --model docs/results/math-tool/warmup_adapter --env-kwargs '{"split": "train", "tools": ["python"]}'
     python benchmarks/async_rollouts.py --env tinker/Bandit-v0            # compute-bound: async must not be slower
     python benchmarks/async_rollouts.py --quick                           # the tiny model, K = 0 1, seed 0, 2 steps (a smoke test)
@@ -16,7 +17,10 @@ serve-tinker`` started here as its own process on 127.0.0.1 (a key database made
 SDK's key ``tml-<key>``) and a :class:`~tinkergym.backends.tinker_client.TinkerBackend` per run; its sampling requests
 wait in the server's queue beside the training calls. ``--backend remote``: ``tinkergym serve-backend`` started here
 for each run (its weights start afresh; not timed) and a :class:`~tinkergym.backends.remote.RemoteBackend`; rollouts
-sampled ahead name a snapshot the server keeps (``sample`` with ``snapshot``) while the next training calls run. The default env is ``tinker/MathTool-v0``: multi-turn word
+sampled ahead name a snapshot the server keeps (``sample`` with ``snapshot``) while the next training calls run.
+``--backend scheduled``: ``tinkergym scheduler serve`` and one ``tinkergym worker`` started here; each run is a job
+(a :class:`~tinkergym.backends.scheduled.ScheduledBackend`) whose server the worker starts, so a run's time also holds
+the lease and the server's start (the same for every K). The default env is ``tinker/MathTool-v0``: multi-turn word
 problems with a sandboxed ``python`` tool and a calculator, paid 1 for a correct ``\\boxed{}`` answer plus
 ``--format-reward`` for a well-formed one (``--env-kwargs`` adds to its kwargs). ``--model`` takes a peft adapter folder
 too: ``docs/results/math-tool/warmup_adapter`` is SmolLM2 after the math-tool row's warm-up, which calls python and
@@ -42,6 +46,7 @@ is the env's time (``--env-latency``, tools), during which the trainer trains.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -53,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_machine import describe, machine_facts
-from remote_step import _stop, start_server
+from remote_step import _stop, scheduler_with_worker, start_server
 from tinker_step import start_tinker
 
 #: The env measured by default; ``--env`` takes any single-agent hub env (its default kwargs, MathTool's given here).
@@ -75,6 +80,8 @@ def train(args: argparse.Namespace, url: str | None, key: str | None, k: int, se
         process, url, key, _ = start_server(args.model_path, args.lora_rank, server_folder, args.server_threads, 2 * args.lora_rank,
                                             args.micro_batch_size, args.dtype)
         where: dict[str, Any] = {"backend_url": url, "model": args.model}
+    elif args.backend == "scheduled":
+        where = {"scheduler_url": url, "model": args.model}
     elif url:
         where = {"backend": "tinker", "backend_url": url, "model": args.served_name}
     else:
@@ -89,7 +96,8 @@ def train(args: argparse.Namespace, url: str | None, key: str | None, k: int, se
         env_kwargs={**env_kwargs, **json.loads(args.env_kwargs)}, out=str(out),
     )
     try:
-        run = TrainingRun(config, backend_token=key)
+        run = TrainingRun(config, backend_token=None if args.backend == "scheduled" else key,
+                          api_key=key if args.backend == "scheduled" else None)
         started = time.perf_counter()
         run.run(progress=False)
         wall = time.perf_counter() - started
@@ -133,7 +141,7 @@ def summarize(runs: list[dict[str, Any]], ks: list[int], samples_per_step: int) 
 
 
 def print_report(summary: dict[str, Any], ks: list[int], facts: dict[str, Any], args: argparse.Namespace) -> None:
-    where = {"tinker": "through serve-tinker", "remote": "through serve-backend"}.get(args.backend, "on the torch backend")
+    where = {"tinker": "through serve-tinker", "remote": "through serve-backend", "scheduled": "through a scheduler's worker"}.get(args.backend, "on the torch backend")
     print(f"{args.model} {where}, {args.env} (env latency {args.env_latency:g} s a step): {args.batch_size} prompts x {args.group_size} samples "
           f"per step, {args.steps} steps, seeds {args.seeds}; {describe(facts)}")
     print(f"{'K':>2} {'steps/h':>9} {'speed-up':>9} {'step s':>8} {'wait s':>8} {'idle':>6} {'train s':>8} {'rollout s':>10} {'gap':>5} {'dropped':>8}")
@@ -168,8 +176,9 @@ def plot(summary: dict[str, Any], ks: list[int], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", choices=("torch", "remote", "tinker"), default="torch",
-                        help="a local TorchBackend, serve-backend started here for each run, or serve-tinker started here")
+    parser.add_argument("--backend", choices=("torch", "remote", "scheduled", "tinker"), default="torch",
+                        help="a local TorchBackend, serve-backend started here for each run, a scheduler and worker started here, "
+                             "or serve-tinker started here")
     parser.add_argument("--model", default="smollm2-135m", help="the model trained (tiny, smollm2-135m, a folder)")
     parser.add_argument("--env-latency", type=float, default=0.0, metavar="S", help="every env step waits S seconds more (LatencyWrapper)")
     parser.add_argument("--env", default=ENV, help=f"the env (default {ENV}; e.g. tinker/Bandit-v0, where every step trains)")
@@ -213,6 +222,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="async-steps-") as tmp:
         folder = Path(tmp)
         process = url = key = None
+        jobs = contextlib.ExitStack()
+        if args.backend == "scheduled":
+            say(f"starting a scheduler and a worker serving {args.model} ...")
+            url, key, _ = jobs.enter_context(scheduler_with_worker(args.model, folder, args.server_threads))
         if args.backend == "tinker":
             say(f"starting serve-tinker on {args.model} ...")
             process, url, key, _ = start_tinker(model_path, args.served_name, folder, args.server_threads, args.dtype,
@@ -230,6 +243,7 @@ def main() -> None:
         finally:
             if process is not None:
                 _stop(process)
+            jobs.close()
     summary = summarize(runs, args.ks, args.batch_size * args.group_size)
     facts = machine_facts("cpu")
     result = {"model": args.model, "backend": args.backend, "env": args.env, "env_latency": args.env_latency, "settings": {k: v for k, v in vars(args).items() if k not in ("json", "plot")},

@@ -147,6 +147,26 @@ def remote_side(via: str, model: str, config: Any, scratch: Path, threads: int, 
         return
     from tinkergym.backends.scheduled import ScheduledBackend
     from tinkergym.client import SchedulerClient
+
+    with scheduler_with_worker(model, scratch, threads) as (url, client_key, work_dir):
+        started = time.perf_counter()
+        backend = ScheduledBackend.submit(SchedulerClient(url, client_key), "train", config.job_config,
+                                          say=say, poll=0.2, remote={"cache_dir": scratch / "cache"})
+        backend.connect()
+        setup = {"submit_to_connected_s": time.perf_counter() - started}
+
+        def log() -> Path | None:
+            found = sorted(work_dir.rglob("server.log"))
+            return found[-1] if found else None
+
+        yield backend, lambda: backend._remote, log, setup
+        backend.complete()
+
+
+@contextlib.contextmanager
+def scheduler_with_worker(model: str, scratch: Path, threads: int) -> Iterator[tuple[str, str, Path]]:
+    """``tinkergym scheduler serve`` (SQLite in ``scratch``) and ``tinkergym worker --slots 1`` serving ``model``, started
+    here on 127.0.0.1: (the scheduler's URL, a client key that may submit, the worker's folder); both stop after."""
     from tinkergym.scheduler.auth import create_key
     from tinkergym.scheduler.credentials import WorkerBounds, create_worker_key
     from tinkergym.scheduler.db import make_engine, upgrade
@@ -166,18 +186,7 @@ def remote_side(via: str, model: str, config: Any, scratch: Path, threads: int, 
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         _wait_http(f"http://127.0.0.1:{port}/readyz", scheduler)
-        started = time.perf_counter()
-        backend = ScheduledBackend.submit(SchedulerClient(f"http://127.0.0.1:{port}", client_key), "train", config.job_config,
-                                          say=say, poll=0.2, remote={"cache_dir": scratch / "cache"})
-        backend.connect()
-        setup = {"submit_to_connected_s": time.perf_counter() - started}
-
-        def log() -> Path | None:
-            found = sorted(work_dir.rglob("server.log"))
-            return found[-1] if found else None
-
-        yield backend, lambda: backend._remote, log, setup
-        backend.complete()
+        yield f"http://127.0.0.1:{port}", client_key, work_dir
     finally:
         _stop(worker)
         _stop(scheduler)

@@ -19,7 +19,7 @@ from tinkergym.errors import ConfigError
 #: Where rollouts are sampled: the training backend itself, or a vLLM engine synced from it after every step.
 SAMPLERS = ("torch", "vllm")
 #: Backends that sample from a fixed snapshot of the weights while they train (``async_steps`` > 0).
-SNAPSHOT_BACKENDS = ("torch", "remote", "scheduled", "tinker")
+SNAPSHOT_BACKENDS = ("torch", "vllm", "remote", "scheduled", "tinker")
 #: Episodes that a budget (max_turns, max_context, an episode token budget) ended: trained on, or masked.
 TRUNCATION_MODES = ("keep", "mask")
 #: Weight dtypes a backend loads a model in ("auto": bfloat16 where the device computes it natively).
@@ -250,8 +250,14 @@ class TrainConfig:
                 "--tis-cap C (e.g. 2) to weight each token by min(current/sampler ratio, C)."
             )
         implied = self.backend or ("scheduled" if self.scheduler_url else "remote" if self.backend_url else "torch")
-        if self.sampler == "vllm":  # the vLLM sampler beside any backend samples the latest weights only (so far)
+        if self.sampler == "vllm":  # the vLLM engine samples, whatever trains: its snapshots are adapters, one per version
             implied = "vllm"
+            if self.lora_rank == 0:
+                raise ConfigError(
+                    f"async-steps {k} samples older versions of the policy beside the newest, and the vLLM sampler holds full "
+                    "weights once (replaced at every sync): train a LoRA policy (leave out --full; each version is then its own "
+                    "adapter in the engine), sample with --sampler torch, or leave out --async-steps."
+                )
         if implied not in SNAPSHOT_BACKENDS:
             raise ConfigError(
                 f"async-steps {k} samples the next steps while one trains, which needs a backend that samples from a fixed "

@@ -27,8 +27,9 @@ TINKER = {"backend": "tinker", "backend_url": "http://127.0.0.1:9"}
         ({"async_steps": -1}, "async-steps must be 0"),
         ({"async_steps": 1, **TINKER}, "--old-logprobs sampler"),  # the default old_logprobs is the trainer's: ratio 1, uncorrected
         ({"async_steps": 1, "trainer": "rloo", "old_logprobs": "sampler", **TINKER}, "REINFORCE loss has no importance ratio"),
-        ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm"}, "The vllm backend"),
-        ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm", "backend": "torch"}, "The vllm backend"),
+        ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm", "lora_rank": 0}, "the vLLM sampler holds full weights once"),
+        ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm", "backend": "torch", "lora_rank": 0}, "leave out --full"),
+        ({"async_steps": 1, "old_logprobs": "sampler", "backend": "sharded"}, "The sharded backend"),
     ],
 )
 def test_config_refuses_async_steps_that_would_train_uncorrected_or_cannot_sample_ahead(settings: dict, message: str) -> None:
@@ -78,7 +79,7 @@ def _train(out: Path, *extra: str, model: str = "tiny") -> list[str]:
     [
         (("--async-steps", "-1"), "-1 is not in the range x>=0"),
         (("--async-steps", "1"), "--old-logprobs sampler"),
-        (("--async-steps", "1", "--old-logprobs", "sampler", "--sampler", "vllm"), "The vllm backend these settings train through"),
+        (("--async-steps", "1", "--old-logprobs", "sampler", "--sampler", "vllm", "--full"), "the vLLM sampler holds full weights once"),
     ],
 )
 def test_cli_refuses_async_steps_before_loading_a_model(tmp_path: Path, extra: tuple[str, ...], message: str) -> None:

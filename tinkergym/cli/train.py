@@ -166,8 +166,8 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--async-steps", type=click.IntRange(0), metavar="K",
               help="Sample the rollouts of the next K steps from a snapshot of the weights while a step trains (default 0: sample, "
                    "then train). A step then trains on samples up to K updates old, corrected by --old-logprobs sampler or "
-                   "--tis-cap; needs a backend that samples from snapshots (torch, the default; a serve-backend or --scheduler; tinker) "
-                   "and grpo, rloo or selfplay.")
+                   "--tis-cap; needs a backend that samples from snapshots (torch, the default; a serve-backend or --scheduler; tinker; "
+                   "--sampler vllm with LoRA) and grpo, rloo or selfplay.")
 @click.option("--max-episodes-in-flight", type=click.IntRange(1), metavar="N",
               help="With --async-steps K: up to K steps' rollouts play at once, as many as fit in N episodes in whole steps "
                    "(--batch-size x --group-size each; always one). Their env steps and tool calls wait side by side (default 256).")

@@ -17,4 +17,6 @@ def build(request: Any) -> Any:
     engine = {"enforce_eager": c.sampler_eager, "device": c.sampler_device, "sleep": c.sampler_sleep}
     if c.sampler_gpu_memory is not None:
         engine["gpu_memory_utilization"] = c.sampler_gpu_memory
+    if c.async_steps:  # the versions snapshots sample (up to K + 1 of them) and the one synced meanwhile
+        engine["max_loras"] = c.async_steps + 2
     return VLLMBackend(backend, max_model_len=c.max_context + c.max_new_tokens, seed=c.seed, **engine)

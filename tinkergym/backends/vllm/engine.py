@@ -62,6 +62,8 @@ class VLLMSamplerConfig(_Plain):
             on :meth:`VLLMSampler.close`); None uses the system's temporary folder.
         cache_dir: Where named models are built or converted; None uses the default cache.
         engine_kwargs: Further keyword arguments for ``vllm.LLM`` (plain values only).
+        max_loras: LoRA adapters the engine batches together: 1 for a sampler that always samples the latest
+            weights; ``async_steps`` + 2 for one whose snapshots sample older versions while a new one is synced.
     """
 
     model: str = "tiny"
@@ -79,6 +81,7 @@ class VLLMSamplerConfig(_Plain):
     sync_dir: str | None = None
     cache_dir: str | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    max_loras: int = 1
 
     def __post_init__(self) -> None:
         if self.lora_rank < 0 or self.lora_rank > VLLM_LORA_RANKS[-1]:
@@ -89,6 +92,8 @@ class VLLMSamplerConfig(_Plain):
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], not {self.gpu_memory_utilization}")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len must be at least 2, not {self.max_model_len}")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or self.max_loras < 1:
+            raise ConfigError(f"max_loras must be a whole number of adapters, at least 1, not {self.max_loras!r}")
         if self.seeding not in SEEDING_MODES:
             raise ConfigError(f"seeding must be one of {', '.join(SEEDING_MODES)}, not {self.seeding!r}")
         if self.device is not None and not DEVICE_PATTERN.fullmatch(self.device):
@@ -230,7 +235,7 @@ def engine_kwargs(config: VLLMSamplerConfig, model_path: str, platform: EnginePl
         kwargs["enable_sleep_mode"] = True
     kwargs.update(_device_kwargs(c.device, platform))
     if c.engine_lora_rank:
-        kwargs.update(enable_lora=True, max_lora_rank=c.engine_lora_rank, max_loras=1)
+        kwargs.update(enable_lora=True, max_lora_rank=c.engine_lora_rank, max_loras=c.max_loras)
     if c.max_num_seqs is not None:
         kwargs["max_num_seqs"] = c.max_num_seqs
     if images:

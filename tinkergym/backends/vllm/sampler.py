@@ -33,7 +33,16 @@ Syncing weights:
 
 - LoRA (the training backend reports ``lora`` > 0 and the sampler has ``lora_rank`` > 0): the adapter is
   exported to a fresh folder and added as a new ``LoRARequest`` with a new id on every sync; the previous
-  adapter is removed from the engine. The base weights never change.
+  adapter is removed from the engine once no snapshot samples it. The base weights never change.
+
+Snapshots (``async_steps`` > 0, :meth:`VLLMBackend.sampling_snapshot`; LoRA only): a snapshot is the adapter of one
+version, held by its ``LoRARequest`` (id and folder kept while the snapshot lives), so the rollouts sampled ahead keep
+sampling the version they were handed while the trainer steps and the engine loads the next one. Versions do not
+interrupt each other: the engine runs one call at a time (the sampler's lock), a sync waits for the call in flight,
+and a sequence being decoded when new weights arrive finishes on the adapter it started with, as does every later
+turn of its episode. The engine holds ``max_loras`` adapters (``async_steps`` + 2 when built for a run); one
+evicted from its cache is loaded again from its folder. Full weights have one copy in the engine, so a full
+fine-tuning run cannot sample an older version beside the new one: snapshots of it are refused.
 - Full weights (or a LoRA policy given to a sampler with ``lora_rank=0``: it is exported merged): the model is
   exported to a fresh folder and either reloaded in place with ``collective_rpc("reload_weights")`` followed by
   ``reset_prefix_cache()`` (``full_sync="reload"``), or the engine is shut down and built again from the folder
@@ -79,6 +88,8 @@ import copy
 import os
 import shutil
 import tempfile
+import threading
+import weakref
 from typing import Any
 
 from tinkergym.backends.models import is_adapter_folder, is_vision_folder, resolve_model
@@ -223,6 +234,10 @@ class VLLMSampler:
         self._weights_dir: str | None = None  # the folder the engine's current weights or adapter came from
         self._weights_source: str | None = None  # where the last sync's weights came from: a folder or "memory"
         self._lora_request: Any = None
+        # Adapters the engine may still be asked for: the current one and those snapshots hold (id -> request, folder).
+        self._adapters: dict[int, tuple[Any, str]] = {}
+        self._users: dict[int, int] = {}  # live snapshots per adapter id
+        self._lock = threading.RLock()  # one engine call at a time: generate, a sync, sleep and wake
         self._asleep = False
         self._llm: Any = self._build_engine(self.base_path)
         self.full_sync = self._resolve_full_sync()
@@ -289,11 +304,16 @@ class VLLMSampler:
                     f"{self.config.max_model_len}; build the sampler with a larger max_model_len"
                 )
 
-    def sample(self, request: SampleRequest) -> SampleResponse:
-        """``num_samples`` completions per prompt from the engine's current weights (see the module docstring).
+    def sample(self, request: SampleRequest, lora_request: Any = None) -> SampleResponse:
+        """``num_samples`` completions per prompt from the engine's current weights, or the adapter ``lora_request`` names
+        (a snapshot's, see :meth:`hold`); see the module docstring.
 
         A completion also ends with ``"length"`` when prompt plus completion reach ``max_model_len``.
         """
+        with self._lock:
+            return self._sample(request, lora_request)
+
+    def _sample(self, request: SampleRequest, lora_request: Any) -> SampleResponse:
         self._check_prompts(request.prompts)
         if any(request.images):
             if self.vision is None:
@@ -317,7 +337,7 @@ class VLLMSampler:
             flat,
             [_vllm_params(params, stop_ids, seed) for seed in seeds],
             use_tqdm=False,
-            lora_request=self._lora_request,
+            lora_request=self._lora_request if lora_request is None else lora_request,
         )
         stops = set(stop_ids)
         results = [to_sequence(out.outputs[0], stops) for out in outputs]
@@ -328,8 +348,13 @@ class VLLMSampler:
         """Load ``backend``'s policy: as a new LoRA adapter, or as full weights (from memory or from its ``export``).
 
         A LoRA policy is loaded as an adapter when the engine serves LoRA, else merged. The previous export is
-        removed once the new weights are in place.
+        removed once the new weights are in place (an adapter once no snapshot holds it). Waits for a sample call in
+        flight on another thread.
         """
+        with self._lock:
+            self._sync_from(backend)
+
+    def _sync_from(self, backend: Any) -> None:
         info = backend.info()
         rank = int(info.get("lora_rank") or 0)
         if rank > self.config.engine_lora_rank and self.lora_enabled:
@@ -356,24 +381,54 @@ class VLLMSampler:
                 raise
             source = folder
         previous, self._weights_dir, self._weights_source = self._weights_dir, folder, source
-        if previous is not None:
+        if previous is not None and not any(previous == kept for _, kept in self._adapters.values()):
             shutil.rmtree(previous, ignore_errors=True)
+        self._drop_unused_adapters()
         self.synced_step = info.get("step")
 
     def _load_adapter(self, folder: str) -> None:
         from vllm.lora.request import LoRARequest
 
         request = LoRARequest(lora_name=f"tinkergym-{self.version}", lora_int_id=self.version, lora_path=folder)
-        engine = self._llm.llm_engine
-        engine.add_lora(request)  # load now, so a broken adapter fails the sync rather than the next sample
-        if self._lora_request is not None:
-            engine.remove_lora(self._lora_request.lora_int_id)
+        self._llm.llm_engine.add_lora(request)  # load now, so a broken adapter fails the sync rather than the next sample
+        self._adapters[request.lora_int_id] = (request, folder)
         self._lora_request = request
 
     def _drop_adapter(self) -> None:
-        if self._lora_request is not None:  # a LoRA-enabled engine given full weights: the adapter no longer applies
-            self._llm.llm_engine.remove_lora(self._lora_request.lora_int_id)
-            self._lora_request = None
+        self._lora_request = None  # a LoRA-enabled engine given full weights: the adapter no longer applies
+        self._drop_unused_adapters()
+
+    def _drop_unused_adapters(self) -> None:
+        """Remove from the engine, and from disk, every adapter that is not the current one and no snapshot holds."""
+        current = None if self._lora_request is None else self._lora_request.lora_int_id
+        for lora_id in [i for i in self._adapters if i != current and not self._users.get(i)]:
+            _, folder = self._adapters.pop(lora_id)
+            self._users.pop(lora_id, None)
+            if self._llm is not None:
+                self._llm.llm_engine.remove_lora(lora_id)
+            if folder != self._weights_dir:
+                shutil.rmtree(folder, ignore_errors=True)
+
+    # ----- snapshots --------------------------------------------------------------------------------
+    def hold(self) -> Any:
+        """The current adapter's ``LoRARequest``, kept in the engine (and on disk) until :meth:`release`: what a snapshot
+        samples with. Refused when the engine's weights are not an adapter (full weights have one copy)."""
+        with self._lock:
+            if self._lora_request is None:
+                raise ConfigError(
+                    "a snapshot of the vLLM sampler keeps one LoRA adapter per version, and this engine holds full weights "
+                    "(one copy, replaced at every sync): train a LoRA policy (--lora-rank above 0) to sample ahead with vLLM, "
+                    "or leave out --async-steps"
+                )
+            lora_id = self._lora_request.lora_int_id
+            self._users[lora_id] = self._users.get(lora_id, 0) + 1
+            return self._lora_request
+
+    def release(self, lora_id: int) -> None:
+        """A snapshot of adapter ``lora_id`` is gone; the next sync removes the adapter if no other holds it (any thread)."""
+        with self._lock:
+            if self._users.get(lora_id):
+                self._users[lora_id] -= 1
 
     def _load_weights_from_memory(self, model: Any, merge: bool) -> None:
         """Reload the engine's weights in place from ``model``'s tensors (HF names), merging a peft model on a copy first."""
@@ -398,16 +453,19 @@ class VLLMSampler:
 
     # ----- sleep mode -------------------------------------------------------------------------------
     def sleep(self) -> None:
-        """Free the engine's GPU memory for a training pass (``llm.sleep(level=1)``) when sleep mode is on; else nothing."""
-        if self.sleeps and not self._asleep and self._llm is not None:
-            self._llm.sleep(level=1)
-            self._asleep = True
+        """Free the engine's GPU memory for a training pass (``llm.sleep(level=1)``) when sleep mode is on; else nothing.
+        With snapshots sampling on another thread, it waits for their call in flight (and the next one wakes it)."""
+        with self._lock:
+            if self.sleeps and not self._asleep and self._llm is not None:
+                self._llm.sleep(level=1)
+                self._asleep = True
 
     def wake_up(self) -> None:
         """Bring the weights and KV cache back after :meth:`sleep` (sampling and syncing call it themselves)."""
-        if self._asleep:
-            self._llm.wake_up()
-            self._asleep = False
+        with self._lock:
+            if self._asleep:
+                self._llm.wake_up()
+                self._asleep = False
 
     # ----- lifetime ---------------------------------------------------------------------------------
     def _shutdown_engine(self) -> None:
@@ -425,14 +483,30 @@ class VLLMSampler:
 
     def close(self) -> None:
         """Shut the engine down and remove the exported weights."""
-        self._shutdown_engine()
-        shutil.rmtree(self._sync_root, ignore_errors=True)
+        with self._lock:
+            self._shutdown_engine()
+            self._adapters.clear()
+            shutil.rmtree(self._sync_root, ignore_errors=True)
 
     def __enter__(self) -> VLLMSampler:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class VLLMSnapshot:
+    """One version of a LoRA policy in a :class:`VLLMSampler`: samples with that version's adapter whatever the engine
+    loads later (:meth:`VLLMBackend.sampling_snapshot`). Thread-safe; its adapter is released when it is collected."""
+
+    def __init__(self, sampler: VLLMSampler, version: int) -> None:
+        self.sampler, self.version = sampler, version
+        self.request = sampler.hold()
+        weakref.finalize(self, sampler.release, self.request.lora_int_id)
+
+    def sample(self, request: SampleRequest) -> SampleResponse:
+        """``request`` sampled with the snapshot's adapter."""
+        return self.sampler.sample(request, lora_request=self.request)
 
 
 class VLLMBackend:
@@ -471,6 +545,20 @@ class VLLMBackend:
             raise ConfigError("pass sampler settings only when no sampler is given")
         self.sampler = sampler
         self._stale = True
+        self._last_snapshot: VLLMSnapshot | None = None
+
+    def sampling_snapshot(self) -> VLLMSnapshot:
+        """A sampler of the policy as it is now, which later optimizer steps leave alone (``async_steps``): the adapter of
+        the current version (synced first if the weights changed), held in the engine while the snapshot lives. A
+        snapshot of the current version is made once and shared. LoRA only (see the module docstring)."""
+        if self._stale:
+            self.sync()
+        version = int(self.backend.info()["step"])
+        last = self._last_snapshot
+        if last is not None and last.version == version and last.request is self.sampler._lora_request:
+            return last
+        self._last_snapshot = VLLMSnapshot(self.sampler, version)
+        return self._last_snapshot
 
     def sync(self) -> None:
         """Sync the sampler from the backend now."""
