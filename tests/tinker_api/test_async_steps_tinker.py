@@ -195,7 +195,7 @@ def test_selfplay_plays_ahead_from_snapshots_within_k_versions(cluster: Any, fak
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["tinker", "torch"])
+@pytest.mark.parametrize("backend", ["tinker", "torch", "remote", "scheduled"])
 def test_the_async_rollouts_benchmark_runs_quick(backend: str) -> None:
     import subprocess
     import sys
