@@ -87,3 +87,17 @@ def test_a_shared_server_takes_no_snapshots(tiny: str, tmp_path: Path) -> None:
             remote._call("sample", {"request": request.to_dict(), "snapshot": "v0-1"})
         assert remote.sample(request).sequences  # the adapter goes on
         remote.close()
+
+
+@pytest.mark.parametrize(("bad", "message"), [("../states/step_1", "must be a snapshot id"), ("v1-1\x00", "holds a NUL character"),
+                                              ("v1-1\n", "must be a snapshot id"), ("v\u0661-1", "must be a snapshot id"),
+                                              ("v" * 300, "must be a snapshot id"), (7, "must be a snapshot id"), ("v0-999", "is not held")])
+def test_a_malformed_snapshot_id_is_refused_before_anything_runs(tiny: str, tmp_path: Path, bad: Any, message: str) -> None:
+    request = SampleRequest([[5, 6, 7]], SamplingParams(max_new_tokens=2, temperature=1.0, seed=3), num_samples=1)
+    with serving(_server(tiny, tmp_path / "server")) as url:
+        remote = RemoteBackend(url, TOKEN)
+        remote.sampling_snapshot()
+        with pytest.raises(ConfigError, match=message):
+            remote._call("sample", {"request": request.to_dict(), "snapshot": bad})
+        assert remote.sample(request).sequences  # the server goes on
+        remote.close()

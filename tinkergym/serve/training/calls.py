@@ -43,7 +43,7 @@ from tinkergym.serve.training.saved_states import load_weights_only, prune_state
 #: Names of states and exports: one path component of letters, digits, ``.``, ``_`` and ``-``.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 #: A snapshot's id, as :class:`Snapshots` makes them.
-SNAPSHOT_ID = re.compile(r"^v\d{1,12}-\d{1,12}$")
+SNAPSHOT_ID = re.compile(r"v[0-9]{1,12}-[0-9]{1,12}")  # whole string (fullmatch): no trailing newline, ASCII digits only
 
 #: Where named folders live inside the run folder (``external``: the Tinker API's downloadable adapters, kept apart from exports).
 KINDS = {"states": "states", "exports": "exports", "external": "external"}
@@ -208,7 +208,7 @@ def parse_call(method: Any, args: Any, vocab_size: int | None = None, limits: Ca
         _only(args, method, ("request",), ("snapshot",))
         request = from_json(SampleRequest, args["request"], "args.request")
         snapshot = args.get("snapshot")
-        if snapshot is not None and not (isinstance(snapshot, str) and SNAPSHOT_ID.match(snapshot)):
+        if snapshot is not None and not (isinstance(snapshot, str) and SNAPSHOT_ID.fullmatch(snapshot)):
             raise ConfigError(f"args.snapshot must be a snapshot id a snapshot call answered, not {str(snapshot)[:40]!r}")
         try:
             request.params.check()
