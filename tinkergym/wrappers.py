@@ -1,4 +1,5 @@
-"""Env wrappers, as ``gymnasium.wrappers``: :class:`LatencyWrapper` adds a delay to every step.
+"""Env wrappers, as ``gymnasium.wrappers``: :class:`LatencyWrapper` adds a delay to every step (:class:`AECLatencyWrapper`
+to every move of a multi-agent game).
 
 An agentic env's step is often slow where the env is not the model: a web or search API, a judge model, a remote
 simulator. :class:`LatencyWrapper` stands for that time on any env (a fixed delay, or a fixed one plus a uniform random
@@ -7,6 +8,7 @@ one), so that a training setting can be measured where the env's time matters (`
 
     env = LatencyWrapper(tinkergym.make("tinker/Math-v0"), delay=0.5)             # every step waits 0.5 s
     env = LatencyWrapper(tinkergym.make("tinker/Math-v0"), delay=0.2, jitter=0.6)  # 0.2 to 0.8 s, uniform
+    game = AECLatencyWrapper(tinkergym.make_aec("tinker/GomokuDuel-v0"), delay=0.5)  # every move waits 0.5 s
 
 The delay is a sleep on the calling thread, as a blocking API call would be: episodes played on several threads
 (rollouts play each round's env steps concurrently) wait at once, as concurrent API calls would. ``reset`` is not
@@ -20,6 +22,7 @@ import time
 from typing import Any
 
 import gymnasium as gym
+from pettingzoo.utils.wrappers import BaseWrapper
 
 
 class LatencyWrapper(gym.Wrapper):
@@ -44,8 +47,35 @@ class LatencyWrapper(gym.Wrapper):
 
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
         """Wait, then step the wrapped env."""
-        seconds = self.delay + (self._rng.uniform(0.0, self.jitter) if self.jitter else 0.0)
-        if seconds:
-            time.sleep(seconds)
-            self.waited += seconds
+        self.waited += _wait(self.delay, self.jitter, self._rng)
         return self.env.step(action)
+
+
+class AECLatencyWrapper(BaseWrapper):
+    """A multi-agent (AEC) ``env`` whose every ``step`` (a move of the agent to act) first waits ``delay`` seconds plus a
+    uniform draw from ``[0, jitter)``: :class:`LatencyWrapper` for PettingZoo games (``--env-latency`` with self-play).
+
+    Args: as :class:`LatencyWrapper`'s.
+    """
+
+    def __init__(self, env: Any, delay: float = 0.5, jitter: float = 0.0, seed: int | None = None) -> None:
+        if not (0 <= delay < float("inf") and 0 <= jitter < float("inf")):
+            raise ValueError(f"delay and jitter must be finite seconds, 0 or more, not {delay!r} and {jitter!r}")
+        super().__init__(env)
+        self.delay, self.jitter = float(delay), float(jitter)
+        self._rng = random.Random(seed)
+        #: Seconds this wrapper has waited in all.
+        self.waited = 0.0
+
+    def step(self, action: Any) -> None:
+        """Wait, then make the move in the wrapped game."""
+        self.waited += _wait(self.delay, self.jitter, self._rng)
+        super().step(action)
+
+
+def _wait(delay: float, jitter: float, rng: random.Random) -> float:
+    """Sleep ``delay`` plus a uniform draw below ``jitter`` seconds (from ``rng``); the seconds slept."""
+    seconds = delay + (rng.uniform(0.0, jitter) if jitter else 0.0)
+    if seconds:
+        time.sleep(seconds)
+    return seconds

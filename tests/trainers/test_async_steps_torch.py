@@ -136,16 +136,38 @@ def test_the_latency_wrapper_delays_every_step_and_changes_nothing_else() -> Non
         LatencyWrapper(tinkergym.make("tinker/Bandit-v0"), delay=float("nan"))
 
 
+def test_the_aec_latency_wrapper_delays_every_move_passes_api_test_and_changes_nothing_else() -> None:
+    import random
+    import time
+
+    import tinkergym
+    from tinkergym.testing import check_text_aec_env
+    from tinkergym.wrappers import AECLatencyWrapper
+
+    check_text_aec_env(AECLatencyWrapper(tinkergym.make_aec("tinker/GomokuDuel-v0", size=7), delay=0.0, jitter=0.001, seed=0))
+    plain, slow = tinkergym.make_aec("tinker/GomokuDuel-v0", size=7), AECLatencyWrapper(tinkergym.make_aec("tinker/GomokuDuel-v0", size=7), delay=0.02)
+    plain.reset(seed=5), slow.reset(seed=5)
+    moves, rng = 0, random.Random(0)
+    started = time.perf_counter()
+    while plain.agents and moves < 6:
+        action = rng.choice(["A1", "d4", "B2", "\x00??", "pass", "g7"])  # random text, bad moves among them
+        plain.step(action), slow.step(action)
+        moves += 1
+        assert plain.agent_selection == slow.agent_selection and plain.rewards == slow.rewards
+        assert plain.observe(plain.agent_selection) == slow.observe(slow.agent_selection)
+    assert slow.waited == pytest.approx(0.02 * moves) and time.perf_counter() - started >= slow.waited
+
+
 def test_env_latency_wraps_a_runs_envs_and_is_refused_where_it_cannot_apply(tmp_path: Path) -> None:
     from tinkergym.errors import ConfigError
     from tinkergym.trainers.session import env_factory
-    from tinkergym.wrappers import LatencyWrapper
+    from tinkergym.wrappers import AECLatencyWrapper, LatencyWrapper
 
     env = env_factory("tinker/Bandit-v0", {}, latency=0.5)()
     assert isinstance(env, LatencyWrapper) and env.delay == 0.5
     assert not isinstance(env_factory("tinker/Bandit-v0", {})(), LatencyWrapper)
-    with pytest.raises(ConfigError, match="single-agent envs"):
-        env_factory("tinker/GomokuDuel-v0", {"size": 7}, multi_agent=True, latency=0.5)
+    game = env_factory("tinker/GomokuDuel-v0", {"size": 7}, multi_agent=True, latency=0.5)()
+    assert isinstance(game, AECLatencyWrapper) and game.delay == 0.5
     with pytest.raises(ConfigError, match="env-latency must be seconds"):
         TrainConfig(env="tinker/Bandit-v0", env_latency=-1.0).validate()
 

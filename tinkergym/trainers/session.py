@@ -82,7 +82,8 @@ class RunInterrupted(KeyboardInterrupt):
 
 def env_factory(env_id: str, kwargs: dict[str, Any], multi_agent: bool = False, latency: float = 0.0, jitter: float = 0.0) -> Callable[[], Any]:
     """A function that makes ``env_id`` (single-agent, or AEC for ``multi_agent``) with ``kwargs``; checks the id now, not mid-run.
-    ``latency``/``jitter`` > 0: each env is wrapped in a :class:`~tinkergym.wrappers.LatencyWrapper` (single-agent envs)."""
+    ``latency``/``jitter`` > 0: each env is wrapped in a :class:`~tinkergym.wrappers.LatencyWrapper` (an AEC env in an
+    :class:`~tinkergym.wrappers.AECLatencyWrapper`)."""
     import tinkergym
     from tinkergym.registry import make_checked
 
@@ -94,7 +95,9 @@ def env_factory(env_id: str, kwargs: dict[str, Any], multi_agent: bool = False, 
     make_checked(env_id, kwargs, multi_agent=multi_agent).close()  # fail fast on bad kwargs
     if multi_agent:
         if latency or jitter:
-            raise ConfigError(f"--env-latency wraps single-agent envs; {env_id} is a multi-agent one (leave --env-latency out).")
+            from tinkergym.wrappers import AECLatencyWrapper
+
+            return lambda: AECLatencyWrapper(tinkergym.make_aec(env_id, **kwargs), delay=latency, jitter=jitter)
         return lambda: tinkergym.make_aec(env_id, **kwargs)
     if latency or jitter:
         from tinkergym.wrappers import LatencyWrapper
