@@ -43,7 +43,7 @@ import torch
 
 from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.batches import (
-    Batch, adamw_step, check_prompts, check_scored_images, check_weights_finite, collate, request_normalizers, validate_data,
+    Batch, adamw_step, check_prompts, check_scored_images, check_weights_finite, collate, request_normalizers, sample_batches, validate_data,
 )
 from tinkergym.backends.models import is_vision_folder, resolve_model, tokenizer_folder
 from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
@@ -384,11 +384,10 @@ class TorchBackend:
         n = request.num_samples
         with_images = [i for i, images in enumerate(request.images) if images]
         text_rows = [i for i in range(len(request.prompts)) if i >= len(request.images) or not request.images[i]]
-        flat = [request.prompts[i] for i in text_rows for _ in range(n)]
         self.prefix_cache.scope = adapter_scope(model) if scope is None else scope
         results: list[SampledSequence] = []
-        for start in range(0, len(flat), self.config.max_sample_batch):
-            chunk = flat[start : start + self.config.max_sample_batch]
+        for rows in sample_batches(text_rows, n, self.config.max_sample_batch):
+            chunk = [request.prompts[i] for i in rows]
             with self._compute(), self._out_of_memory_advice(chunk, training=False):
                 results.extend(sample_batch(model, chunk, params, stop_ids, self.pad_id, generator, self.config.share_prefixes, prefix_cache=self.prefix_cache))
         sequences: dict[int, list[SampledSequence]] = {i: results[k * n : (k + 1) * n] for k, i in enumerate(text_rows)}

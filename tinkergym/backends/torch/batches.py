@@ -94,6 +94,14 @@ def check_prompts(prompts: list[list[int]], images: Sequence[Sequence[object]] |
         raise ConfigError("every prompt needs at least one token (e.g. the chat template's generation prompt)")
 
 
+def sample_batches(prompts: Sequence[int], num_samples: int, most: int) -> list[list[int]]:
+    """How a sample request's sequences are decoded: each of ``prompts`` (indices) ``num_samples`` times, in order, cut
+    into batches of at most ``most`` (a prompt's samples may span two). Every torch engine batches a request so, which
+    keeps its draws the same wherever it runs (alone, beside other tenants' calls, or in slices)."""
+    flat = [i for i in prompts for _ in range(num_samples)]
+    return [flat[first : first + most] for first in range(0, len(flat), most)]
+
+
 def check_scored_images(sequences: list[list[int]], images: Sequence[Sequence[object]] | None, reads_images: bool) -> None:
     """A ``logprobs`` call's ``images`` (None for text): one list per sequence, at most :data:`MAX_IMAGES` each, and only
     where the model reads images; a :class:`ConfigError` says what is wrong (a vision model's row checks come after)."""

@@ -51,7 +51,15 @@ from tinkergym.backends.models import is_vision_folder, resolve_model
 from tinkergym.backends.torch import losses, multi_lora
 from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
 from tinkergym.backends.torch.call_slices import CallSlices, FitCarry
-from tinkergym.backends.torch.batches import Batch, check_prompts, check_scored_images, collate, request_normalizers, validate_data
+from tinkergym.backends.torch.batches import (
+    Batch,
+    check_prompts,
+    check_scored_images,
+    collate,
+    request_normalizers,
+    sample_batches,
+    validate_data,
+)
 from tinkergym.backends.torch.copies import kv_token_cost
 from tinkergym.backends.torch.lora_session import LoraSession, LoraSessionConfig, Outcome
 from tinkergym.backends.torch.prefix_cache import PrefixCache
@@ -349,10 +357,8 @@ class SharedBase:
         if method == "sample":
             if any(args.images):
                 return None
-            flat = [i for i in range(len(args.prompts)) for _ in range(args.num_samples)]
             new = args.params.max_new_tokens
-            for first in range(0, len(flat), self.config.max_sample_batch):
-                rows = flat[first : first + self.config.max_sample_batch]
+            for rows in sample_batches(range(len(args.prompts)), args.num_samples, self.config.max_sample_batch):
                 units.append((rows, sum(len(args.prompts[i]) + new for i in rows)))
             # The generator its slices draw from: its seed's (made here, once), or the session's own (None; no other call
             # of the session draws from it meanwhile: the session's later calls wait behind this one).
@@ -402,9 +408,8 @@ class SharedBase:
             # batches them); several requests' batches share a decode batch where they fit in one.
             batches: list[list[tuple[int, list[int]]]] = [[]]  # [(call, the prompt of each of its sequences in the batch)]
             for k in members:
-                flat = [i for i in text_rows[k] for _ in range(calls[k][1].num_samples)]
-                for first in range(0, len(flat), most):
-                    piece = (k, flat[first : first + most])
+                for rows in sample_batches(text_rows[k], calls[k][1].num_samples, most):
+                    piece = (k, rows)
                     used = sum(len(rows) for _, rows in batches[-1])
                     if batches[-1] and (used + len(piece[1]) > most or not one_length):
                         batches.append([])
