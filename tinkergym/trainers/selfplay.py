@@ -96,7 +96,6 @@ class SelfPlayTrainer(GRPOTrainer):
                 self.league.add(LeagueMember(name, name))
             elif name.startswith("run:"):
                 self.league.add(LeagueMember(name, "policy", source=name[4:]))
-        self._pool = EnvPool(self.ctx.make_env) if self.ctx.make_env is not None else None
         self._fixed_outcomes: list[float] = []
         self.fired: list[str] = []
         self.seat_backends: dict[str, Backend] = {}  # each seat's but the first: its trainable backend (set by _seat_learners)
@@ -146,10 +145,10 @@ class SelfPlayTrainer(GRPOTrainer):
         return self._players[name]
 
     def _env_pool(self) -> EnvPool:
-        """The games' envs: each step's games (several at once when played ahead) borrow a set of their own."""
-        if self._pool is None:
+        """The run's envs (the context's pool): each step's games (several at once when played ahead) borrow a set of their own."""
+        if self.ctx.env_pool is None:
             raise ConfigError("self-play needs a multi-agent env (--env, e.g. tinker/GomokuDuel-v0).")
-        return self._pool
+        return self.ctx.env_pool
 
     def settings(self, temperature: float | None = None, seed: int | None = None) -> RolloutConfig:
         """The rollout budgets of the run (``max_turns`` is moves per seat)."""
