@@ -93,9 +93,10 @@ def test_a_killed_worker_with_three_packed_jobs_of_two_tenants(db_url: str, keys
     clients = []
     engine = make_engine(db_url)
     try:
-        for k in range(3):
+        for k in range(3):  # each env step waits 1 s (it changes no number), so no run ends before all three are seated
             clients.append(subprocess.Popen(
-                [sys.executable, "-m", "tinkergym", "train", *_run_args(k), "--out", str(tmp_path / f"run{k}"), "--scheduler", scheduler.url],
+                [sys.executable, "-m", "tinkergym", "train", *_run_args(k), "--env-latency", "1", "--out", str(tmp_path / f"run{k}"),
+                 "--scheduler", scheduler.url],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 env={**os.environ, "TINKERGYM_API_KEY": tenant_keys[k], "TINKERGYM_CACHE": str(tmp_path / f"client-cache{k}")}))
         deadline = time.monotonic() + 600
