@@ -25,7 +25,29 @@ import gymnasium as gym
 from pettingzoo.utils.wrappers import BaseWrapper
 
 
-class LatencyWrapper(gym.Wrapper):
+class _Waits:
+    """What both wrappers share: the delay and jitter, the jitter's own generator, and the seconds waited so far."""
+
+    delay: float
+    jitter: float
+    #: Seconds this wrapper has waited in all (what a run spent in the stand-in API).
+    waited: float
+
+    def _set_latency(self, delay: float, jitter: float, seed: int | None) -> None:
+        if not (0 <= delay < float("inf") and 0 <= jitter < float("inf")):
+            raise ValueError(f"delay and jitter must be finite seconds, 0 or more, not {delay!r} and {jitter!r}")
+        self.delay, self.jitter, self.waited = float(delay), float(jitter), 0.0
+        self._rng = random.Random(seed)
+
+    def _wait(self) -> None:
+        """Sleep ``delay`` plus a uniform draw below ``jitter`` seconds."""
+        seconds = self.delay + (self._rng.uniform(0.0, self.jitter) if self.jitter else 0.0)
+        if seconds:
+            time.sleep(seconds)
+            self.waited += seconds
+
+
+class LatencyWrapper(_Waits, gym.Wrapper):
     """``env`` whose every ``step`` first waits ``delay`` seconds plus a uniform draw from ``[0, jitter)``.
 
     Args:
@@ -37,21 +59,16 @@ class LatencyWrapper(gym.Wrapper):
     """
 
     def __init__(self, env: gym.Env, delay: float = 0.5, jitter: float = 0.0, seed: int | None = None) -> None:
-        if not (0 <= delay < float("inf") and 0 <= jitter < float("inf")):
-            raise ValueError(f"delay and jitter must be finite seconds, 0 or more, not {delay!r} and {jitter!r}")
         super().__init__(env)
-        self.delay, self.jitter = float(delay), float(jitter)
-        self._rng = random.Random(seed)
-        #: Seconds this wrapper has waited in all (what a run spent in the stand-in API).
-        self.waited = 0.0
+        self._set_latency(delay, jitter, seed)
 
     def step(self, action: Any) -> tuple[Any, Any, bool, bool, dict[str, Any]]:
         """Wait, then step the wrapped env."""
-        self.waited += _wait(self.delay, self.jitter, self._rng)
+        self._wait()
         return self.env.step(action)
 
 
-class AECLatencyWrapper(BaseWrapper):
+class AECLatencyWrapper(_Waits, BaseWrapper):
     """A multi-agent (AEC) ``env`` whose every ``step`` (a move of the agent to act) first waits ``delay`` seconds plus a
     uniform draw from ``[0, jitter)``: :class:`LatencyWrapper` for PettingZoo games (``--env-latency`` with self-play).
 
@@ -59,23 +76,10 @@ class AECLatencyWrapper(BaseWrapper):
     """
 
     def __init__(self, env: Any, delay: float = 0.5, jitter: float = 0.0, seed: int | None = None) -> None:
-        if not (0 <= delay < float("inf") and 0 <= jitter < float("inf")):
-            raise ValueError(f"delay and jitter must be finite seconds, 0 or more, not {delay!r} and {jitter!r}")
         super().__init__(env)
-        self.delay, self.jitter = float(delay), float(jitter)
-        self._rng = random.Random(seed)
-        #: Seconds this wrapper has waited in all.
-        self.waited = 0.0
+        self._set_latency(delay, jitter, seed)
 
     def step(self, action: Any) -> None:
         """Wait, then make the move in the wrapped game."""
-        self.waited += _wait(self.delay, self.jitter, self._rng)
+        self._wait()
         super().step(action)
-
-
-def _wait(delay: float, jitter: float, rng: random.Random) -> float:
-    """Sleep ``delay`` plus a uniform draw below ``jitter`` seconds (from ``rng``); the seconds slept."""
-    seconds = delay + (rng.uniform(0.0, jitter) if jitter else 0.0)
-    if seconds:
-        time.sleep(seconds)
-    return seconds
