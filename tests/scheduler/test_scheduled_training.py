@@ -250,14 +250,15 @@ def test_a_scheduled_run_survives_its_worker_and_equals_a_local_run(scheduler: A
 def test_a_scheduled_run_samples_ahead_from_its_servers_snapshots_and_survives_its_worker(scheduler: Any, db_url: str, tmp_path: Path) -> None:
     """--async-steps 2 through the scheduler: rollouts sample from snapshots the job's server holds; the first worker dies
     after step 1, its snapshots with it, and the run goes on from its checkpoint on the second worker's server, sampling
-    from that server's snapshots. Each sitting samples its first steps from the weights it starts with (gaps 0, then 1:
-    two steps each), and no trained sample is more than K versions old."""
+    from that server's snapshots. Each sitting samples its first K + 1 steps from the weights it starts with, so with two
+    steps a sitting the gaps are 0 or 1 (0 where the step before trained nothing), never more than K."""
     out = tmp_path / "scheduled"
     _, second = _train_on_two_workers(scheduler, tmp_path, "--out", str(out), "--async-steps", "2", "--old-logprobs", "sampler")
     assert second.lease["epoch"] == 2
     records = {r["step"]: r for r in read_metrics(out / "metrics.jsonl") if r["step"] >= 0}  # the last record of a step that ran twice
     assert sorted(records) == [0, 1, 2, 3]
-    assert [records[s]["async/version_gap_max"] for s in range(4)] == [0.0, 1.0, 0.0, 1.0]
+    gaps = [records[s]["async/version_gap_max"] for s in range(4)]
+    assert gaps[0] == 0.0 and all(g <= 1.0 for g in gaps) and 1.0 in gaps, gaps
     job, held = _job(db_url)
     assert job["state"] == "succeeded" and held == 0
 
