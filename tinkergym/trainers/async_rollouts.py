@@ -185,6 +185,13 @@ class RolloutPipeline(Generic[T]):
         self._next = -1  # the step take() expects next
         self._handed = -1  # the first step not yet handed over
 
+    @classmethod
+    def for_run(cls, learners: dict[str, Any], config: Any, plan: Callable[[int, dict[str, Any]], Callable[[], T]]) -> RolloutPipeline[T]:
+        """The pipeline of a run's ``config`` (a TrainConfig): ``async_steps`` ahead, as many rollouts at once as
+        :func:`rollouts_at_once` allows for its ``max_episodes_in_flight`` and batch size x group size episodes a step."""
+        workers = rollouts_at_once(config.async_steps, config.max_episodes_in_flight, config.batch_size * config.group_size)
+        return cls(learners, config.async_steps, plan, workers=workers)
+
     def take(self, step: int, last_step: int) -> tuple[StepRollout[T], float]:
         """Hand over the steps up to ``step + ahead`` (at most ``last_step``) not yet handed over, bound to snapshots of
         the current weights, then wait for ``step``'s rollout; returns it and the seconds waited."""

@@ -44,7 +44,6 @@ from tinkergym.trainers.advantages import (
 from tinkergym.trainers.async_rollouts import (
     POLICY,
     RolloutPipeline,
-    rollouts_at_once,
     check_correction,
     check_snapshots,
     dropped_groups,
@@ -111,8 +110,7 @@ class GRPOTrainer:
         """Take the step's rollout, sampled ahead; drop groups more than ``async_steps`` versions old; one gradient step on the rest."""
         c = self.ctx.config
         if self.pipeline is None:
-            at_once = rollouts_at_once(c.async_steps, c.max_episodes_in_flight, c.batch_size * c.group_size)
-            self.pipeline = RolloutPipeline({POLICY: self.ctx.backend}, c.async_steps, self.plan_rollout, workers=at_once)
+            self.pipeline = RolloutPipeline.for_run({POLICY: self.ctx.backend}, c, self.plan_rollout)
         with timeline.span("rollout_wait"):
             rollout, waited = self.pipeline.take(step, c.steps - 1)
         trained = time.perf_counter()

@@ -55,7 +55,7 @@ from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlaye
 from tinkergym.protocol.backend import Backend
 from tinkergym.rollouts import RolloutConfig, Trajectory
 from tinkergym.trainers.advantages import keyed_advantages
-from tinkergym.trainers.async_rollouts import RolloutPipeline, policy_version, rollouts_at_once, staleness_metrics
+from tinkergym.trainers.async_rollouts import RolloutPipeline, policy_version, staleness_metrics
 from tinkergym.trainers.base import EnvPool, StepOutput, TrainingContext
 from tinkergym.trainers.collapse import CollapseDetector
 from tinkergym.trainers.grpo import GRPOTrainer, phase_times
@@ -233,8 +233,7 @@ class SelfPlayTrainer(GRPOTrainer):
         """The step's games, played ahead from snapshots; each learner updates on them unless they are more than ``async_steps`` versions old."""
         c = self.ctx.config
         if self.pipeline is None:
-            at_once = rollouts_at_once(c.async_steps, c.max_episodes_in_flight, c.batch_size * c.group_size)
-            self.pipeline = RolloutPipeline(self.learners(), c.async_steps, self.plan_games, workers=at_once)
+            self.pipeline = RolloutPipeline.for_run(self.learners(), c, self.plan_games)
         with timeline.span("rollout_wait"):
             rollout, waited = self.pipeline.take(step, c.steps - 1)
         trained = time.perf_counter()
