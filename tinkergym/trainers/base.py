@@ -90,8 +90,8 @@ class TrainingContext:
     make_env: Callable[[], Any] | None = None
     #: Builds another backend like ``backend`` (a local one; ``None`` for a training server or a scheduler job).
     make_backend: Callable[[], Backend] | None = None
-    #: The envs ``rollout`` plays (made by ``make_env``, a set per rollout at once).
-    env_pool: EnvPool | None = field(default=None, repr=False)
+    #: The envs ``rollout`` plays (made by ``make_env``, a set per rollout at once); None without ``make_env``.
+    env_pool: EnvPool | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.make_env is not None:
@@ -109,10 +109,8 @@ class TrainingContext:
 
         Thread-safe: rollouts at the same time each play their own envs (an :class:`EnvPool`).
         """
-        if self.make_env is None:
+        if self.env_pool is None:  # made with the context from make_env
             raise ConfigError(f"the {self.config.trainer!r} trainer needs an env (--env).")
-        if self.env_pool is None or self.env_pool.make_env is not self.make_env:  # make_env set after the context was made
-            self.env_pool = EnvPool(self.make_env)
         c = self.config
         settings = RolloutConfig(
             max_turns=c.max_turns,
