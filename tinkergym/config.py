@@ -122,7 +122,7 @@ class TrainConfig:
     # next K steps are sampled from a snapshot of the weights while the current step trains, so a step trains on samples
     # of a policy up to K updates old, corrected by the ratio to the sampler's logprobs (old_logprobs "sampler") or by
     # tis_cap. 0: each step samples with the current weights, then trains. Needs a backend that samples from snapshots
-    # (torch, tinker) and an RL trainer that plays envs (grpo, rloo, selfplay).
+    # (SNAPSHOT_BACKENDS; the vLLM sampler for a LoRA policy) and an RL trainer that plays envs (grpo, rloo, selfplay).
     async_steps: int = 0
     # With async_steps K > 1: the most episodes the rollouts sampled ahead play at once. Up to K steps' rollouts play side
     # by side (their env steps and tool calls wait together, their sample calls take turns on the backend), as many as

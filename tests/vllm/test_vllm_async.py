@@ -60,7 +60,7 @@ def test_a_snapshot_keeps_its_adapter_while_new_versions_load_and_lets_go_of_it_
         step()
         backend.sampling_snapshot()  # the sync after the snapshot is gone removes its adapter, from the engine and the disk
         assert held not in backend.sampler._adapters and not os.path.exists(folder)
-        assert set(backend.sampler._adapters) == {new.request.lora_int_id, backend.sampler._lora_request.lora_int_id}  # new is alive
+        assert set(backend.sampler._adapters) == {new.request.lora_int_id, backend.sampler.current_adapter.lora_int_id}  # new is alive
     finally:
         backend.close()
 

@@ -234,8 +234,9 @@ class VLLMSampler:
         self._weights_dir: str | None = None  # the folder the engine's current weights or adapter came from
         self._weights_source: str | None = None  # where the last sync's weights came from: a folder or "memory"
         self._lora_request: Any = None
-        # Adapters the engine may still be asked for: the current one and those snapshots hold (id -> request, folder).
-        self._adapters: dict[int, tuple[Any, str]] = {}
+        # Adapters the engine may still be asked for: the current one and those snapshots hold (id -> its LoRARequest,
+        # whose lora_path is the adapter's folder).
+        self._adapters: dict[int, Any] = {}
         self._users: dict[int, int] = {}  # live snapshots per adapter id
         self._lock = threading.RLock()  # one engine call at a time: generate, a sync, sleep and wake
         self._asleep = False
@@ -381,7 +382,7 @@ class VLLMSampler:
                 raise
             source = folder
         previous, self._weights_dir, self._weights_source = self._weights_dir, folder, source
-        if previous is not None and not any(previous == kept for _, kept in self._adapters.values()):
+        if previous is not None and not any(previous == kept.lora_path for kept in self._adapters.values()):
             shutil.rmtree(previous, ignore_errors=True)
         self._drop_unused_adapters()
         self.synced_step = info.get("step")
@@ -391,7 +392,7 @@ class VLLMSampler:
 
         request = LoRARequest(lora_name=f"tinkergym-{self.version}", lora_int_id=self.version, lora_path=folder)
         self._llm.llm_engine.add_lora(request)  # load now, so a broken adapter fails the sync rather than the next sample
-        self._adapters[request.lora_int_id] = (request, folder)
+        self._adapters[request.lora_int_id] = request
         self._lora_request = request
 
     def _drop_adapter(self) -> None:
@@ -402,7 +403,7 @@ class VLLMSampler:
         """Remove from the engine, and from disk, every adapter that is not the current one and no snapshot holds."""
         current = None if self._lora_request is None else self._lora_request.lora_int_id
         for lora_id in [i for i in self._adapters if i != current and not self._users.get(i)]:
-            _, folder = self._adapters.pop(lora_id)
+            folder = self._adapters.pop(lora_id).lora_path
             self._users.pop(lora_id, None)
             if self._llm is not None:
                 self._llm.llm_engine.remove_lora(lora_id)
@@ -410,6 +411,11 @@ class VLLMSampler:
                 shutil.rmtree(folder, ignore_errors=True)
 
     # ----- snapshots --------------------------------------------------------------------------------
+    @property
+    def current_adapter(self) -> Any:
+        """The ``LoRARequest`` the engine samples the latest weights with (None while it holds full weights)."""
+        return self._lora_request
+
     def hold(self) -> Any:
         """The current adapter's ``LoRARequest``, kept in the engine (and on disk) until :meth:`release`: what a snapshot
         samples with. Refused when the engine's weights are not an adapter (full weights have one copy)."""
@@ -417,7 +423,7 @@ class VLLMSampler:
             if self._lora_request is None:
                 raise ConfigError(
                     "a snapshot of the vLLM sampler keeps one LoRA adapter per version, and this engine holds full weights "
-                    "(one copy, replaced at every sync): train a LoRA policy (--lora-rank above 0) to sample ahead with vLLM, "
+                    "(one copy, replaced at every sync): train a LoRA policy (leave out --full) to sample ahead with vLLM, "
                     "or leave out --async-steps"
                 )
             lora_id = self._lora_request.lora_int_id
@@ -555,7 +561,7 @@ class VLLMBackend:
             self.sync()
         version = int(self.backend.info()["step"])
         last = self._last_snapshot
-        if last is not None and last.version == version and last.request is self.sampler._lora_request:
+        if last is not None and last.version == version and last.request is self.sampler.current_adapter:
             return last
         self._last_snapshot = VLLMSnapshot(self.sampler, version)
         return self._last_snapshot
