@@ -89,7 +89,7 @@ def test_a_shared_server_takes_no_snapshots(tiny: str, tmp_path: Path) -> None:
         remote.close()
 
 
-@pytest.mark.parametrize(("bad", "message"), [("../states/step_1", "must be a snapshot id"), ("v1-1\x00", "holds a NUL character"),
+@pytest.mark.parametrize(("bad", "message"), [("../states/step_1", "must be a snapshot id"), ("v1-1\x00", "holds a NUL character"), ("v1-\ud800", "lone UTF-16 surrogate"),
                                               ("v1-1\n", "must be a snapshot id"), ("v\u0661-1", "must be a snapshot id"),
                                               ("v" * 300, "must be a snapshot id"), (7, "must be a snapshot id"), ("v0-999", "is not held")])
 def test_a_malformed_snapshot_id_is_refused_before_anything_runs(tiny: str, tmp_path: Path, bad: Any, message: str) -> None:
