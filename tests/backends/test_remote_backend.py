@@ -332,3 +332,34 @@ def test_a_connection_the_server_closed_while_idle_is_replaced_at_once(tiny, tmp
         assert slept == [] and client.wire.requests >= 4  # sent again on a new connection, with no backoff
     finally:
         server.stop()
+
+
+def test_a_ping_from_another_thread_during_an_export_waits_for_the_download(server, tmp_path, monkeypatch) -> None:
+    """A keep-alive thread pings while the export's files download on the same connection: the ping sends nothing (the
+    download is a sign of life), and the folder arrives whole."""
+    import tinkergym.backends.remote as remote_module
+
+    backend = RemoteBackend(server.url, TOKEN)
+    backend.info()
+    pings: list[Any] = []
+    real_save = remote_module.save_checked
+
+    def save_while_pinged(response: Any, dest: Path, size: int, sha256: str) -> None:
+        def ping() -> None:
+            try:
+                pings.append(backend.ping())
+            except Exception as exc:  # noqa: BLE001 - recorded for the assertion
+                pings.append(exc)
+
+        pinger = threading.Thread(target=ping)
+        pinger.start()
+        pinger.join(timeout=10)
+        real_save(response, dest, size, sha256)
+
+    monkeypatch.setattr(remote_module, "save_checked", save_while_pinged)
+    backend.export(str(tmp_path / "adapter"))
+    assert pings and all(p is False for p in pings), pings
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "adapter").iterdir()}
+    monkeypatch.setattr(remote_module, "save_checked", real_save)
+    assert backend.ping() is True  # the connection goes on
+    backend.close()

@@ -223,9 +223,14 @@ class RemoteBackend:
         self._call("load_state", {"name": name, "weights_only": True} if weights_only else {"name": name})
 
     def export(self, path: str, merged: bool = False) -> None:
-        """Export on the server under :func:`server_name` of ``path``, then download the folder into ``path`` (checked by SHA-256)."""
+        """Export on the server under :func:`server_name` of ``path``, then download the folder into ``path`` (checked by SHA-256).
+        The downloads hold the connection as a call does: a :meth:`ping` from another thread meanwhile sends nothing."""
         name = server_name(path)
-        listing = self._call("export", {"name": name, "merged": merged})
+        with self._lock:
+            listing = self._call("export", {"name": name, "merged": merged})
+            self._download_folder(name, listing, path)
+
+    def _download_folder(self, name: str, listing: dict[str, Any], path: str) -> None:
         tmp = fresh_tmp_dir(path)
         try:
             for entry in listing["files"]:
@@ -355,7 +360,8 @@ class RemoteBackend:
                     f"the export lists {size} bytes with {sha256}; export again"
                 ) from None
 
-        self._request("GET", path, None, f"download {path}", on_ok=save)
+        with self._lock:  # the connection is the calls' too: one request on it at a time
+            self._request("GET", path, None, f"download {path}", on_ok=save)
 
     def _error(self, status: int, payload: dict[str, Any], what: str) -> TinkergymError:
         """The tinkergym error for a refused call, with the server's message."""

@@ -287,7 +287,8 @@ def create_tinker_app(service: TinkerService, authenticate: Callable[[str], str 
         if isinstance(exc, TinkerError):
             return JSONResponse({"error": exc.message, "category": exc.category})
         if exc is not None:
-            logger.error(json.dumps({"event": "tinker_request_failed", "request_id": parsed.request_id, "error": repr(exc)[:2000]}))
+            logger.error(json.dumps({"event": "tinker_request_failed", "request_id": parsed.request_id, "error": repr(exc)[:2000]}),
+                         exc_info=exc)  # the traceback: where in the server it failed
             return JSONResponse({"error": f"the request failed on the server ({type(exc).__name__}); request id {parsed.request_id} "
                                           "in the server log", "category": "server"})
         result = pending.future.result()
