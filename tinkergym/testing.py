@@ -210,15 +210,16 @@ def check_text_aec_env(
 
     skip = _skipped(env.unwrapped)
     if "peer" not in skip:
+        printed = io.StringIO()  # api_test prints "Starting API test" and "Passed API test" on stdout, every call
         with mock.patch("pettingzoo.test.api_test._test_observation_space_compatibility", lambda *a, **k: None):
             try:
-                with warnings.catch_warnings():
+                with warnings.catch_warnings(), contextlib.redirect_stdout(printed):
                     warnings.simplefilter("ignore")  # api_test warns that text spaces are not Box/Discrete
                     api_test(env, num_cycles=api_cycles)
             except (AssertionError, TypeError, ValueError, AttributeError, KeyError) as exc:
-                raise CheckFailed(f"pettingzoo api_test failed: {type(exc).__name__}: {exc}") from exc
+                raise CheckFailed(f"pettingzoo api_test failed: {type(exc).__name__}: {exc}{_printed(printed)}") from exc
             except Exception as exc:  # the env itself raised on the peer suite's (random) actions
-                raise CheckFailed(f"pettingzoo api_test: the env raised {type(exc).__name__}: {exc}") from exc
+                raise CheckFailed(f"pettingzoo api_test: the env raised {type(exc).__name__}: {exc}{_printed(printed)}") from exc
     make_agent = _agent_factory(baseline)
     for seed in seeds:
         def seats(s: int = seed) -> dict[str, Any]:
@@ -230,6 +231,17 @@ def check_text_aec_env(
             _compare_runs(first, run_aec_episode(env, seats(), seed=seed, max_steps=max_steps), f"seed {seed}")
     if "fuzz" not in skip:
         _fuzz_aec(env, _fuzz_actions(fuzz_count, seeds[0]))
+
+
+#: What ``api_test`` itself prints on every call: left out of a failure's message.
+_API_TEST_LINES = ("Starting API test", "Passed API test")
+
+
+def _printed(captured: io.StringIO, limit: int = 500) -> str:
+    """What the env printed during a failed peer check, for its message (the end of it, where it failed); "" for nothing."""
+    lines = [line for line in captured.getvalue().splitlines() if line.strip() and line.strip() not in _API_TEST_LINES]
+    text = "\n".join(lines)
+    return f" (it printed: {'...' + text[-limit:] if len(text) > limit else text})" if text else ""
 
 
 def _fuzz_aec(env: Any, actions: list[Any]) -> None:

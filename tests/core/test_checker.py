@@ -152,6 +152,20 @@ def test_a_good_aec_env_passes() -> None:
     check_text_aec_env(PassEnv(), baseline=PassAgent)
 
 
+def test_the_aec_checker_keeps_pettingzoos_prints_off_stdout_but_not_a_failure(capsys: pytest.CaptureFixture[str]) -> None:
+    check_text_aec_env(PassEnv(), baseline=PassAgent)
+    assert capsys.readouterr().out == ""  # api_test prints "Starting API test" and "Passed API test" on its own
+
+    class NoisyFragileEnv(PassEnv):
+        def _play(self, agent, action):
+            print("the env says: about to fail")
+            raise RuntimeError("broken on purpose")
+
+    with pytest.raises(CheckFailed, match=r"api_test: the env raised RuntimeError: broken on purpose \(it printed: the env says: about to fail"):
+        check_text_aec_env(NoisyFragileEnv(), baseline=PassAgent, fuzz_count=0)
+    assert capsys.readouterr().out == ""
+
+
 def test_aec_breakage_is_caught() -> None:
     class ChattyEnv(PassEnv):
         def _observe(self, agent):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -36,6 +38,34 @@ def test_envs_check_passes_and_reports() -> None:
     assert "ok    tinker/Bandit-v0" in result.output and "1 passed, 0 failed" in result.output
 
 
+def test_envs_check_times_each_env_and_names_the_slowest_without_the_peers_prints() -> None:
+    result = run("envs", "check", "tinker/Bandit-v0", "tinker/GomokuDuel-v0", "--fuzz", "5")
+    assert result.exit_code == 0, result.output
+    assert re.search(r"^ok    tinker/Bandit-v0  \(\d+\.\d s\)$", result.output, re.MULTILINE), result.output
+    assert re.search(r"^ok    tinker/GomokuDuel-v0  \(\d+\.\d s\)$", result.output, re.MULTILINE), result.output
+    assert re.search(r"^2 passed, 0 failed in \d+\.\d s; slowest: tinker/\S+ \(", result.output, re.MULTILINE), result.output
+    assert "API test" not in result.output  # PettingZoo's api_test prints two lines per env on its own
+    assert "env/s" not in result.output  # no bar off a terminal
+
+
+def test_envs_check_bar_counts_the_envs_on_a_terminal_unless_quiet() -> None:
+    from tinkergym.cli.envs import duration, progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    shown, hidden = Terminal(), Terminal()
+    for stream, quiet in ((shown, False), (hidden, True)):
+        with progress_bar(2, quiet, file=stream) as bar:
+            bar.set_postfix_str("tinker/Slow-v0")
+            bar.update(1)
+            bar.refresh()
+    assert "1/2" in shown.getvalue() and "tinker/Slow-v0" in shown.getvalue() and hidden.getvalue() == ""
+    assert [duration(s) for s in (0.42, 12.4, 131.0, 452.0)] == ["0.4 s", "12 s", "2 min 11 s", "7 min 32 s"]
+    assert "--quiet" in run("envs", "check", "--help").output
+
+
 def test_envs_check_fails_with_exit_1_on_a_broken_env(fake_site) -> None:
     fake_site.add(
         "fakeenv-loud",
@@ -49,7 +79,7 @@ def test_envs_check_fails_with_exit_1_on_a_broken_env(fake_site) -> None:
     )
     result = run("envs", "check", "fake/Loud-v0")
     assert result.exit_code == 1
-    assert "FAIL  fake/Loud-v0  (fakeenv-loud)" in result.output and "not inside" in result.output
+    assert "FAIL  fake/Loud-v0  (fakeenv-loud, " in result.output and "not inside" in result.output
 
 
 @pytest.mark.parametrize(

@@ -5,8 +5,10 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -78,8 +80,12 @@ def _check_one(s: EnvSpec, kwargs: dict, fuzz_count: int) -> None:
 @click.option("--all", "check_all", is_flag=True, help="Check every installed env.")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Keyword argument for the env (repeatable).")
 @click.option("--fuzz", "fuzz_count", default=200, show_default=True, type=click.IntRange(0, 100_000), help="Random action strings to try on top of the hostile set.")
-def check_command(env_ids: tuple[str, ...], check_all: bool, kwargs: tuple[str, ...], fuzz_count: int) -> None:
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def check_command(env_ids: tuple[str, ...], check_all: bool, kwargs: tuple[str, ...], fuzz_count: int, quiet: bool = False) -> None:
     """Run the conformance checkers (Gymnasium check_env / PettingZoo api_test + tinkergym's) on envs.
+
+    Each env's line says how long its check took, and the summary names the slowest. A bar on stderr shows
+    the envs checked so far and the one being checked (only on a terminal; --quiet: none).
 
     Exits with 1 if any env fails, 2 on bad usage.
     """
@@ -88,22 +94,61 @@ def check_command(env_ids: tuple[str, ...], check_all: bool, kwargs: tuple[str, 
     specs = list_envs(refresh=True) if check_all else [spec(i) for i in env_ids]
     env_kwargs = parse_kwargs(kwargs)
     failures = skipped = 0
-    for s in specs:
-        try:
-            _check_one(s, env_kwargs, fuzz_count)
-        except EnvUnavailableError as exc:
-            if not check_all:
-                raise
-            skipped += 1
-            click.secho(f"skip  {s.id}  ({s.distribution})\n      {exc}", fg="yellow")
-        except (CheckFailed, TinkergymError) as exc:
-            failures += 1
-            click.secho(f"FAIL  {s.id}  ({s.distribution})\n      {exc}", fg="red")
-        else:
-            click.secho(f"ok    {s.id}", fg="green")
-    click.echo(f"{len(specs) - failures - skipped} passed, {failures} failed" + (f", {skipped} skipped (not installable offline)" if skipped else ""))
+    took: dict[str, float] = {}
+    started = time.perf_counter()
+    with progress_bar(len(specs), quiet) as bar:
+        for s in specs:
+            bar.set_postfix_str(s.id)  # the env being checked: a slow one is named while it runs
+            begun = time.perf_counter()
+            try:
+                _check_one(s, env_kwargs, fuzz_count)
+            except EnvUnavailableError as exc:
+                if not check_all:
+                    raise
+                skipped += 1
+                line, colour = f"skip  {s.id}  ({s.distribution})\n      {exc}", "yellow"
+            except (CheckFailed, TinkergymError) as exc:
+                failures += 1
+                line, colour = f"FAIL  {s.id}  ({s.distribution}, {duration(time.perf_counter() - begun)})\n      {exc}", "red"
+            else:
+                line, colour = f"ok    {s.id}  ({duration(time.perf_counter() - begun)})", "green"
+            took[s.id] = time.perf_counter() - begun
+            with bar.external_write_mode():  # the line above the bar, never through it
+                click.secho(line, fg=colour)
+            bar.update(1)
+    summary = f"{len(specs) - failures - skipped} passed, {failures} failed" + (f", {skipped} skipped (not installable offline)" if skipped else "")
+    click.echo(f"{summary} in {duration(time.perf_counter() - started)}{_slowest(took)}")
     if failures:
         sys.exit(1)
+
+
+def progress_bar(total: int, quiet: bool, file: Any = None) -> Any:
+    """The check's bar on stderr (``file``): envs checked of ``total``, the one being checked; off with ``quiet`` or off a terminal."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="check", unit="env", file=file or sys.stderr, disable=True if quiet else None, leave=False)
+
+
+def duration(seconds: float) -> str:
+    """``0.4 s``, ``12 s``, ``2 min 11 s``: a check's time, as long as it needs to be."""
+    if seconds < 10:
+        return f"{seconds:.1f} s"
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s"
+
+
+#: Envs the summary names as the slowest, at most.
+SLOWEST_SHOWN = 3
+
+
+def _slowest(took: dict[str, float]) -> str:
+    """``; slowest: a (2 min 11 s), b (40 s)``: the envs that took longest, where several were checked."""
+    if len(took) < 2:
+        return ""
+    ranked = sorted(took.items(), key=lambda item: -item[1])[:SLOWEST_SHOWN]
+    return "; slowest: " + ", ".join(f"{env_id} ({duration(seconds)})" for env_id, seconds in ranked)
 
 
 @envs.command("new")
