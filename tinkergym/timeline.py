@@ -117,6 +117,25 @@ def append_spans(folder: str | Path, spans: list[Span]) -> None:
         out.write("".join(json.dumps(asdict(s), separators=(",", ":")) + "\n" for s in spans))
 
 
+def trim_spans(folder: str | Path, keep_through: int | None) -> None:
+    """Drop the spans of the steps after ``keep_through`` (every span for ``None``) from the run folder's :data:`FILE`, as a
+    resume drops those steps' metrics: a step that is trained again is in the timeline once. A step's spans are those
+    that started before the next step's ``step`` span (its rollouts, update, evaluation and checkpoint)."""
+    path = Path(folder) / FILE
+    if keep_through is None:
+        path.unlink(missing_ok=True)
+        return
+    spans = read_spans(folder)
+    later = [s.start_us for s in spans if s.name == "step" and s.cat == "step" and int(s.args.get("step", -1)) > keep_through]
+    if not later:
+        return
+    cut = min(later)
+    kept = [s for s in spans if s.start_us < cut and int(s.args.get("step", keep_through)) <= keep_through]
+    tmp = path.with_name(FILE + ".tmp")
+    tmp.write_text("".join(json.dumps(asdict(s), separators=(",", ":")) + "\n" for s in kept), encoding="utf-8")
+    tmp.replace(path)
+
+
 def read_spans(folder: str | Path) -> list[Span]:
     """The run folder's spans (a line cut short by a crash is skipped)."""
     path = Path(folder) / FILE

@@ -137,3 +137,37 @@ def test_tool_calls_are_counted_by_tool_name() -> None:
             box.call(ToolCall(box.names[0], {"x": x}))
     text = metrics.render().decode()
     assert f'tinkergym_phase_duration_seconds_count{{name="tool",tool="{box.names[0]}"}} 3.0' in text
+
+
+def test_a_resume_drops_the_spans_of_the_steps_it_trains_again(run: Path, tmp_path: Path) -> None:
+    """A run that stopped after step 2 with its newest checkpoint at step 1 trains step 2 again: its timeline, as its metrics,
+    then holds each step once."""
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    shutil.rmtree(copy / "checkpoints" / "step_000002")  # the checkpoint after step 2 never made it
+    shutil.rmtree(copy / "final")
+    TrainingRun.resume(copy).run(progress=False)
+    spans = timeline.read_spans(copy)
+    assert sorted(s.args["step"] for s in spans if s.name == "step") == list(range(STEPS))
+    assert sorted(s.args["step"] for s in spans if s.name == "checkpoint") == [1, 2]
+    assert [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()] == list(range(STEPS))
+
+
+def test_an_overwritten_run_folder_holds_the_new_run_alone(tiny: str, tmp_path: Path) -> None:
+    """train --overwrite over a finished run: every file of the old run is replaced (the timeline, the checkpoints and the
+    transcripts too, not only the metrics) and the run says what it replaced; a file of the user's stays."""
+    out = tmp_path / "run"
+    common = ["train", "--env", "tinker/Bandit-v0", "--model", tiny, "--dtype", "float32", "--batch-size", "1", "--group-size", "2",
+              "--max-new-tokens", "3", "--out", str(out), "--quiet", "--checkpoint-every", "1"]
+    first = CliRunner().invoke(main, [*common, "--steps", "3"])
+    assert first.exit_code == 0, first.output
+    (out / "notes.txt").write_text("mine")
+    second = CliRunner().invoke(main, [*common, "--steps", "2", "--overwrite"])
+    assert second.exit_code == 0, second.output
+    assert f"{out} held a run: replaced its config.json, metrics.jsonl, timeline.jsonl" in second.output
+    assert sorted(s.args["step"] for s in timeline.read_spans(out) if s.name == "step") == [0, 1]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_000000", "step_000001"]
+    assert not list((out / "transcripts").glob("*step_000002*"))
+    assert (out / "notes.txt").read_text() == "mine"

@@ -12,6 +12,12 @@ Run folder layout::
     resumes.jsonl         one line per resume: the step it continued from and the settings it changed
     transcripts/          sample episodes as JSONL (train_step_N.jsonl, eval_step_N.jsonl)
     final/                the exported model (adapter or full) that plain transformers / peft load
+    timeline.jsonl        spans of each step's phases (see :mod:`tinkergym.timeline`; ``tinkergym trace``)
+
+One rule holds for every file: a resume keeps what the steps up to its checkpoint wrote and drops the rest (a step
+trained again is logged once, in metrics.jsonl, TensorBoard and timeline.jsonl alike); a new run in a folder that holds
+one (``train --overwrite``) first removes every file of the old run (:data:`RUN_FILES`; other files are left) and says
+which.
 
 Every random choice of a step is a function of (seed, step) or restored from the checkpoint, so
 ``resume`` continues exactly: a resumed run logs the same metrics as an uninterrupted one. With
@@ -36,6 +42,7 @@ from typing import Any
 from collections.abc import Callable
 
 from tinkergym.backends.scheduled import BackendLost
+from tinkergym.client import print_stderr
 from tinkergym import timeline
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
 from tinkergym.folders import complete_checkpoints, latest_checkpoint, replace_dir
@@ -133,6 +140,9 @@ class TrainingRun:
         self.make_env = env_factory(config.env, config.env_kwargs, multi, *latency) if config.env else None
         self.make_eval_env = env_factory(config.env, {**config.env_kwargs, **config.eval_env_kwargs}, multi, *latency) if config.env else None
         created = _make_run_folder(self.folder)
+        self.replaced = [] if start_step else clear_run_files(self.folder)
+        if self.replaced:
+            print_stderr(f"{self.folder} held a run: replaced its {', '.join(self.replaced)}")
         self.timeline = timeline.Timeline()  # the run's spans (see tinkergym.timeline), written to the run folder per step
         try:
             with timeline.recording(self.timeline):  # a scheduler job's wait in the queue is a span
@@ -162,6 +172,7 @@ class TrainingRun:
         self.trainer = trainer_class(self.ctx)
         config.save(self.folder / "config.json")
         self.log = self._metrics_log(start_step - 1 if start_step else None)
+        timeline.trim_spans(self.folder, start_step - 1 if start_step else None)
 
     def _metrics_log(self, keep_through: int | None) -> MetricsLog:
         return MetricsLog(self.folder, keep_through=keep_through, wandb_project=self.config.wandb_project,
@@ -410,6 +421,27 @@ def _close_trainer(trainer: Any) -> None:
     close = getattr(trainer, "close", None)
     if callable(close):
         close()
+
+
+#: What a run writes in its folder (see the module docstring); a new run in a folder that holds one removes them first.
+RUN_FILES = ("config.json", "metrics.jsonl", "timeline.jsonl", "resumes.jsonl", "learning_curve.png", "tensorboard", "checkpoints",
+             "transcripts", "final", "wandb")
+
+
+def clear_run_files(folder: Path) -> list[str]:
+    """Remove the files and folders of a run (:data:`RUN_FILES`) from ``folder``; the names of those it held. A new run starts
+    from an empty layout: no old checkpoint for a later resume to find, no old step in the timeline or the transcripts."""
+    removed = []
+    for name in RUN_FILES:
+        path = folder / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        removed.append(name)
+    return removed
 
 
 def _make_run_folder(folder: Path) -> bool:
