@@ -406,7 +406,7 @@ def test_eval_of_a_vlm_folder_renders_and_sends_its_images(tiny_vlm: str, tiny: 
     sent: list[int] = []
     sample = TorchBackend.sample
     monkeypatch.setattr(TorchBackend, "sample", lambda self, request: (sent.append(sum(map(len, request.images))), sample(self, request))[1])
-    args = ["eval", "--env", "tinker/ColourSquare-v0", "--episodes", "2", "--max-new-tokens", "3", "--model", tiny_vlm, "--out", str(tmp_path / "eval.jsonl")]
+    args = ["eval", "--env", "tinker/ColourSquare-v0", "--episodes", "2", "--max-new-tokens", "3", "--model", tiny_vlm, "--out", str(tmp_path / "eval.jsonl"), "--json"]
     result = CliRunner().invoke(main, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output[result.output.index('{"env"'):].splitlines()[0])  # after the progress bar's carriage returns

@@ -206,7 +206,7 @@ def test_ctrl_c_stops_a_local_run_resumably(tiny: str, tmp_path: Path) -> None:
 
 
 def test_eval_shows_its_progress_unless_quiet(tiny: str) -> None:
-    args = ["eval", "--env", "tinker/Bandit-v0", "--model", tiny, "--episodes", "3", "--max-new-tokens", "4", "--batch-size", "1"]
+    args = ["eval", "--env", "tinker/Bandit-v0", "--model", tiny, "--episodes", "3", "--max-new-tokens", "4", "--batch-size", "1", "--json"]
     shown = CliRunner().invoke(main, args, catch_exceptions=False)
     assert shown.exit_code == 0, shown.output
     assert "eval" in shown.stderr and "3/3" in shown.stderr and "reward=" in shown.stderr

@@ -79,7 +79,7 @@ def test_the_job_config_names_the_training_job_and_refuses_a_local_run(tmp_path:
 
 
 def _eval(*args: str, out: Path) -> tuple[Any, list[dict]]:
-    result = CliRunner().invoke(main, ["eval", *EVAL, *args, "--out", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(main, ["eval", *EVAL, *args, "--out", str(out), "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout.splitlines()[-1]), [json.loads(line) for line in out.read_text().splitlines()]
 

@@ -1,4 +1,5 @@
-"""``tinkergym jobs logs`` prints a ``transcript`` event (tens of KiB of messages) as one short summary line."""
+"""``tinkergym jobs logs`` prints a ``transcript`` event (tens of KiB of messages) and a ``metrics`` event (a step's tens of
+numbers) as one short summary line each."""
 
 from __future__ import annotations
 
@@ -36,3 +37,11 @@ def test_an_episode_picked_twice_is_named_once() -> None:
 def test_other_events_and_odd_transcript_data_print_their_json() -> None:
     assert event_line({"type": "metrics", "data": {"reward": 0.5}, "created_at": 0.0}).endswith('{"reward":0.5}')
     assert event_line({"type": "transcript", "data": {"note": "old"}, "created_at": 0.0}).endswith('{"note":"old"}')
+
+
+def test_a_metrics_event_is_its_steps_key_numbers_in_one_line() -> None:
+    data = {"step": 6, "reward/mean": 0.625, "loss": 0.01234567, "eval/reward_mean": 0.5, "eval/success_rate": 0.25,
+            **{f"time/phase_{i}_s": 0.1 * i for i in range(16)}}
+    line = event_line({"type": "metrics", "data": data, "created_at": 0.0})
+    assert line.endswith("metrics     step 6: reward 0.625, loss 0.01235, eval reward 0.5, eval success 25.0% (--json for all 21 numbers)")
+    assert "time/" not in line and "{" not in line

@@ -62,7 +62,7 @@ def setup(tmp_path_factory):
 
 
 def _eval(*args: str, out: Path):
-    result = CliRunner().invoke(main, ["eval", *EVAL, *args, "--out", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(main, ["eval", *EVAL, *args, "--out", str(out), "--json"], catch_exceptions=False)
     return result, [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
 
 

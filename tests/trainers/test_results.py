@@ -172,7 +172,7 @@ def test_every_row_runs_end_to_end_on_the_tiny_model(quick_suite: Path) -> None:
     adapter = quick_suite / "out" / warmed.name / "adapter"
     config = warmed.config("unused", quick=True)
     evaluated = subprocess.run(
-        [sys.executable, "-m", "tinkergym", "eval", "--env", warmed.env, "--model", str(adapter), "--episodes", "3", "--quiet",
+        [sys.executable, "-m", "tinkergym", "eval", "--env", warmed.env, "--model", str(adapter), "--episodes", "3", "--quiet", "--json",
          "--max-turns", str(config.max_turns), "--max-new-tokens", str(config.max_new_tokens),
          *(f"--kwarg={k}={json.dumps(v)}" for k, v in {**config.env_kwargs, **config.eval_env_kwargs}.items())],
         capture_output=True, text=True, timeout=300, cwd=quick_suite)

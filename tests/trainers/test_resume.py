@@ -202,7 +202,7 @@ def test_resume_with_more_steps_extends_a_finished_run(tiny, tmp_path) -> None:
     assert _cli(*_train_args(tiny, run, "--steps", "2")).exit_code == 0
     first_export = (run / "final").stat().st_mtime_ns
 
-    result = _cli("train", "--resume", str(run), "--steps", "4", "--quiet")
+    result = _cli("train", "--resume", str(run), "--steps", "4", "--quiet", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout.strip().splitlines()[-1])["run"] == str(run)
     assert _stable(read_metrics(run / "metrics.jsonl")) == _stable(read_metrics(whole / "metrics.jsonl"))
@@ -216,7 +216,7 @@ def test_resume_with_more_steps_extends_a_finished_run(tiny, tmp_path) -> None:
     # Done already: the same command, or no --steps, or an option at its saved value, changes nothing.
     before = {p: p.stat().st_mtime_ns for p in (run / "metrics.jsonl", run / "config.json", run / "final")}
     for extra in ([], ["--steps", "4"], ["--env", "tinker/Bandit-v0", "--lr", "1e-3"]):
-        result = _cli("train", "--resume", str(run), "--quiet", *extra)
+        result = _cli("train", "--resume", str(run), "--quiet", "--json", *extra)
         assert result.exit_code == 0, result.output
         assert "nothing to do" in result.stderr and "--steps N with N above 4" in result.stderr
         assert "reward/mean" in json.loads(result.stdout.strip().splitlines()[-1])

@@ -174,7 +174,7 @@ def test_selfplay_from_the_command_line_then_eval_against_opponents(tmp_path, ti
     assert {"eval/win_vs_baseline", "eval/loss_vs_random", "rating/learner", "collapse/any"} <= set(last)
     assert (out / "snapshots" / "step_000001" / "state.json").is_file()
     evaluated = CliRunner().invoke(main, ["eval", "--env", ENV, "--kwarg", "size=5", "--kwarg", "win_length=3", "--run", str(out),
-                                          "--opponent", "baseline", "--opponent", "snapshot:1", "--episodes", "2", "--max-turns", "8"])
+                                          "--opponent", "baseline", "--opponent", "snapshot:1", "--episodes", "2", "--max-turns", "8", "--json"])
     assert evaluated.exit_code == 0, evaluated.output
     summary = json.loads(evaluated.stdout.strip().splitlines()[-1])["opponents"]
     assert set(summary) == {"baseline", "snapshot:1"} and summary["baseline"]["games"] + summary["baseline"]["errors"] == 2

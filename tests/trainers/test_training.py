@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -89,7 +90,7 @@ def test_eval_of_a_model_and_of_a_run(tiny, tmp_path) -> None:
     assert CliRunner().invoke(main, _train_args(tiny, out, "--steps", "1"), catch_exceptions=False).exit_code == 0
     for source in (["--model", tiny], ["--run", str(out)]):
         transcripts = tmp_path / "t.jsonl"
-        result = CliRunner().invoke(main, ["eval", "--env", "tinker/Bandit-v0", *source, "--episodes", "3", "--max-new-tokens", "4", "--out", str(transcripts)], catch_exceptions=False)
+        result = CliRunner().invoke(main, ["eval", "--env", "tinker/Bandit-v0", *source, "--episodes", "3", "--max-new-tokens", "4", "--out", str(transcripts), "--json"], catch_exceptions=False)
         assert result.exit_code == 0, result.output
         summary = json.loads(result.stdout.strip().splitlines()[-1])
         records = [json.loads(line) for line in transcripts.read_text().splitlines()]
@@ -110,6 +111,25 @@ def test_eval_of_a_model_and_of_a_run(tiny, tmp_path) -> None:
         assert summary["success_rate"] == pytest.approx(sum(r["total_reward"] > 0 for r in records) / 3)
 
 
+def test_train_and_eval_end_with_a_summary_and_say_which_checkpoint_they_load(tiny, tmp_path) -> None:
+    out = tmp_path / "run"
+    trained = CliRunner().invoke(main, _train_args(tiny, out, "--steps", "1", "--eval-every", "1", "--eval-episodes", "2"), catch_exceptions=False)
+    assert trained.exit_code == 0, trained.output
+    assert re.match(r"1 of 1 steps, reward -?[\d.]+(, loss \S+)?, eval reward -?[\d.]+, eval success [\d.]+%\n", trained.stdout), trained.stdout
+    assert f"run folder: {out} (the model: {out / 'final'}; " in trained.stdout and "{" not in trained.stdout
+    resumed = CliRunner().invoke(main, ["train", "--resume", str(out), "--steps", "2", "--quiet"], catch_exceptions=False)
+    assert resumed.exit_code == 0, resumed.output
+    assert f"resuming from checkpoint step_000000 in {out / 'checkpoints' / 'step_000000'}" in resumed.stderr
+    assert resumed.stdout.startswith("2 of 2 steps, reward ")
+    common = ["eval", "--env", "tinker/Bandit-v0", "--episodes", "2", "--max-new-tokens", "4", "--quiet"]
+    of_run = CliRunner().invoke(main, [*common, "--run", str(out)], catch_exceptions=False)
+    assert of_run.exit_code == 0, of_run.output
+    assert f"evaluating checkpoint step_000001 of {out} ({out / 'checkpoints' / 'step_000001'})" in of_run.stderr
+    assert re.fullmatch(r"tinker/Bandit-v0: 2 episodes, success [\d.]+%, mean reward -?[\d.]+ \([\d.]+ tokens per episode\)\n", of_run.stdout)
+    of_model = CliRunner().invoke(main, [*common, "--model", tiny], catch_exceptions=False)
+    assert of_model.exit_code == 0 and f"evaluating {tiny} (" in of_model.stderr
+
+
 def test_eval_keeps_the_batches_that_ended_when_interrupted(tiny, tmp_path, monkeypatch) -> None:
     import tinkergym.trainers.evaluation as evaluation
 
@@ -124,7 +144,7 @@ def test_eval_keeps_the_batches_that_ended_when_interrupted(tiny, tmp_path, monk
     monkeypatch.setattr(evaluation, "rollout", interrupted_at_the_third_batch)
     transcripts = tmp_path / "t.jsonl"
     result = CliRunner().invoke(main, ["eval", "--env", "tinker/Bandit-v0", "--model", tiny, "--episodes", "6", "--batch-size", "2",
-                                       "--max-new-tokens", "4", "--out", str(transcripts), "--quiet"])
+                                       "--max-new-tokens", "4", "--out", str(transcripts), "--quiet", "--json"])
     assert result.exit_code == 130, result.output
     assert calls == [2, 2, 2]
     assert "the 4 of 6 episodes that ended are kept" in result.stderr and str(transcripts) in result.stderr

@@ -88,7 +88,7 @@ def test_eval_through_vllm_equals_eval_through_serve_model(endpoints, model: str
     for server in ("vllm", "ours"):
         out = tmp_path / f"{server}.jsonl"
         args = ["eval", *EVAL, "--endpoint", endpoints[server] + "/v1", "--model", name, "--tokenizer", endpoints["tiny"],
-                "--api-key-file", str(endpoints["key_file"]), "--out", str(out)]
+                "--api-key-file", str(endpoints["key_file"]), "--out", str(out), "--json"]
         result = CliRunner().invoke(main, args, catch_exceptions=False)
         assert result.exit_code == 0, result.output
         outputs[server] = (json.loads(result.stdout.splitlines()[-1]), [json.loads(line) for line in out.read_text().splitlines()])

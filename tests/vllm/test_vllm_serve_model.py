@@ -79,7 +79,7 @@ def served(tiny: str, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _eval(*args: str, out: Path):
-    result = CliRunner().invoke(main, ["eval", *EVAL, *args, "--out", str(out)], catch_exceptions=False)
+    result = CliRunner().invoke(main, ["eval", *EVAL, *args, "--out", str(out), "--json"], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout.splitlines()[-1]), [json.loads(line) for line in out.read_text().splitlines()]
 

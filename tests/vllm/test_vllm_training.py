@@ -42,7 +42,7 @@ def test_training_run_samples_with_vllm_synced_every_step(tiny: str, tmp_path: P
 def test_cli_trains_with_the_vllm_sampler(tiny: str, tmp_path: Path) -> None:
     out = tmp_path / "cli-run"
     args = [f"--{k.replace('_', '-')}={v}" for k, v in SETTINGS.items() if k != "steps"]
-    command = [sys.executable, "-m", "tinkergym", "train", "--model", tiny, "--sampler", "vllm", "--steps", "1", "--max-context", "256", "--out", str(out), "--quiet", *args]
+    command = [sys.executable, "-m", "tinkergym", "train", "--model", tiny, "--sampler", "vllm", "--steps", "1", "--max-context", "256", "--out", str(out), "--quiet", "--json", *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads(result.stdout.strip().splitlines()[-1])["run"] == str(out)

@@ -81,9 +81,13 @@ def job_table(found: list[dict[str, Any]]) -> str:
 
 def event_line(event: dict[str, Any]) -> str:
     """``2025-01-02 03:04:05  state  {"state":"queued"}``: an event's local time, type and data (a ``transcript``
-    event's data, up to tens of KiB of messages, as a one-line summary: :func:`transcript_summary`)."""
+    event's data, up to tens of KiB of messages, as a one-line summary: :func:`transcript_summary`; a ``metrics`` event's,
+    a step's tens of numbers, as its key ones: :func:`~tinkergym.cli.summaries.metrics_summary`)."""
+    from tinkergym.cli.summaries import metrics_summary
+
     stamp = datetime.datetime.fromtimestamp(float(event["created_at"])).strftime("%Y-%m-%d %H:%M:%S")
-    summary = transcript_summary(event["data"]) if event["type"] == "transcript" else None
+    summaries = {"transcript": transcript_summary, "metrics": metrics_summary}
+    summary = summaries[event["type"]](event["data"]) if event["type"] in summaries else None
     shown = summary if summary is not None else json.dumps(event["data"], separators=(",", ":"), sort_keys=True)
     return f"{stamp}  {event['type']:<10}  {shown}"
 
@@ -179,8 +183,8 @@ def cancel_command(scheduler_url: str | None, api_key: str | None, job_id: str) 
 def logs_command(scheduler_url: str | None, api_key: str | None, job_id: str, follow: bool, after: int, as_json: bool) -> None:
     """The job's events (state changes, logs, metrics, checkpoints, transcripts) as lines: time, type, data.
 
-    A transcript event is summed up in one line (its step, and each episode it carries with why and its total reward);
-    --json prints its messages."""
+    A transcript event is summed up in one line (its step, and each episode it carries with why and its total reward), and
+    a metrics event in its step's key numbers (reward, loss, eval reward and success); --json prints every event whole."""
     client = connect(scheduler_url, api_key)
     show = (lambda e: json.dumps(e, separators=(",", ":"))) if as_json else event_line
 

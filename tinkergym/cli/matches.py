@@ -12,9 +12,10 @@ import click
 
 def eval_matches(
     env: str, model: str | None, run_dir: str | None, opponents: tuple[str, ...], episodes: int, kwargs: dict[str, Any],
-    max_turns: int, max_new_tokens: int, temperature: float, seed: int, out: Path | None,
+    max_turns: int, max_new_tokens: int, temperature: float, seed: int, out: Path | None, as_json: bool = False,
 ) -> None:
-    """Play ``episodes`` games against each opponent (seats alternating); print the table, the ratings and a JSON line."""
+    """Play ``episodes`` games against each opponent (seats alternating); print the table and the ratings, and with ``as_json``
+    a JSON line of each opponent's games and rates on stdout."""
     from tinkergym.chat import ChatTemplateRenderer
     from tinkergym.games import ModelPlayer
     from tinkergym.config import TrainConfig
@@ -37,6 +38,7 @@ def eval_matches(
     click.echo(records_table(records), err=True)
     click.echo("\nratings (openskill, ordinal = mu - 3 sigma):\n" + rated(records).table(), err=True)
     save_transcripts(out, trajectories, env)
-    summary = {name: {"games": r.games, "errors": r.errors, **{k: round(v, 4) for k, v in r.rates().items()}} for name, r in records.items()}
-    click.echo(json.dumps({"env": env, "opponents": summary}))
-    sys.stdout.flush()
+    if as_json:
+        summary = {name: {"games": r.games, "errors": r.errors, **{k: round(v, 4) for k, v in r.rates().items()}} for name, r in records.items()}
+        click.echo(json.dumps({"env": env, "opponents": summary}))
+        sys.stdout.flush()

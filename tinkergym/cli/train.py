@@ -232,6 +232,8 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--keep-on-interrupt", is_flag=True,
               help="With --scheduler: Ctrl-C leaves the job running (reattach with --resume) instead of cancelling it.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True,
+              help="End with one JSON line (the run folder and the last step's reward, loss and eval numbers) instead of a summary.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, show_default=True,
               help="Serve the run's Prometheus metrics at http://127.0.0.1:PORT/metrics while it trains: the time of each phase "
                    "(steps, sampling requests, env steps, tool calls and the sandbox's, forward_backward, optim_step); 0: off.")
@@ -296,17 +298,33 @@ def _train(options: dict[str, Any], holder: dict[str, Any]) -> None:
         folder, last = Path(options["resume"]), {}
     else:
         click.echo(f"run folder: {run.folder}", err=True)
+        if options["resume"]:
+            click.echo(_resumed_from(run.folder, run.start_step), err=True)
         if options.get("metrics_port"):
             _serve_run_metrics(run, options["metrics_port"])
         try:
             folder, last = run.folder, run.run(progress=not options["quiet"])
         except KeyboardInterrupt:
             _stop_run(run.folder, run.backend, options.get("keep_on_interrupt", False))
+    records = read_metrics(folder / "metrics.jsonl")
     if not last:  # no step trained now: report the run's last logged step
-        records = read_metrics(folder / "metrics.jsonl")
         last = records[-1] if records else {}
-    shown = {k: round(v, 4) for k, v in last.items() if k.startswith(("reward", "loss", "eval/"))}
-    click.echo(json.dumps({"run": str(folder), **shown}))
+    if options.get("as_json"):
+        shown = {k: round(v, 4) for k, v in last.items() if k.startswith(("reward", "loss", "eval/"))}
+        click.echo(json.dumps({"run": str(folder), **shown}))
+        return
+    from tinkergym.cli.summaries import train_summary
+
+    steps = run.config.steps if run is not None else None
+    click.echo(train_summary(folder, {**last, "step": records[-1]["step"]} if records else last, steps))
+
+
+def _resumed_from(folder: Path, start_step: int) -> str:
+    """The line that says which checkpoint a resume loaded (the step before ``start_step``), or that it starts over."""
+    if start_step == 0:
+        return f"resuming {folder} from the start: it has no checkpoint yet"
+    name = f"step_{start_step - 1:06d}"
+    return f"resuming from checkpoint {name} in {folder / 'checkpoints' / name} (next: step {start_step})"
 
 
 def _serve_run_metrics(run: Any, port: int) -> None:
@@ -410,12 +428,13 @@ def _holds_run(out: str) -> bool:
               help="A local model's prefix cache in MiB (default: the run's setting with --run, else 1024). A multi-turn env needs "
                    "one that holds a batch's episodes, or every turn runs its whole prompt again.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the metrics as one JSON line instead of a summary.")
 def eval_command(
     env: str, model: str | None, run_dir: str | None, episodes: int, kwargs: tuple[str, ...], max_turns: int,
     max_new_tokens: int, temperature: float, top_p: float, top_k: int, seed: int, out: Path | None,
     endpoint: str | None, tokenizer: str | None, api_key_file: str | None, scheduler: str | None, api_key: str | None, gpus: int | None,
     opponents: tuple[str, ...] = (), keep_on_interrupt: bool = False, batch_size: int = 64, prefix_cache_mb: float | None = None,
-    quiet: bool = False,
+    quiet: bool = False, as_json: bool = False,
 ) -> None:
     """Evaluate a model (or a run's latest checkpoint, or a served model) on an env: success rate, mean reward, transcripts.
 
@@ -432,6 +451,7 @@ def eval_command(
     A bar on stderr shows the episodes done and the mean reward so far (--quiet: none). Ctrl-C cancels a
     --scheduler job (--keep-on-interrupt: leaves it running); a second Ctrl-C exits at once (code 130). The
     episodes of the batches that ended before Ctrl-C are kept: their transcripts go to --out, their metrics to stdout.
+    The metrics are a summary line (--json: one JSON line).
     """
     if endpoint is None and (tokenizer or api_key_file):
         raise click.UsageError("--tokenizer and --api-key-file go with --endpoint.")
@@ -450,7 +470,8 @@ def eval_command(
             raise click.UsageError("--opponent plays a local model: leave out --endpoint and --scheduler.")
         from tinkergym.cli.matches import eval_matches
 
-        eval_matches(env, model, run_dir, opponents, episodes, parse_kwargs(kwargs), max_turns, max_new_tokens, temperature, seed, out)
+        eval_matches(env, model, run_dir, opponents, episodes, parse_kwargs(kwargs), max_turns, max_new_tokens, temperature, seed, out,
+                     as_json=as_json)
         return
     from tinkergym.cli.interrupts import second_interrupt_exits
     from tinkergym.rollouts import RolloutConfig
@@ -464,18 +485,21 @@ def eval_command(
             _evaluate(make_env, settings, seed, episodes, batch_size, prefix_cache_mb, quiet, model, run_dir, endpoint, tokenizer,
                       api_key_file, scheduler, api_key, gpus, held)
         except KeyboardInterrupt:
-            _stop_eval(held.get("job"), keep_on_interrupt, _keep_episodes(held["done"], out, env, episodes))
-    _keep_episodes(held["done"], out, env, episodes)
+            _stop_eval(held.get("job"), keep_on_interrupt, _keep_episodes(held["done"], out, env, episodes, as_json))
+    _keep_episodes(held["done"], out, env, episodes, as_json)
 
 
-def _keep_episodes(trajectories: list[Any], out: Path | None, env: str, episodes: int) -> str:
-    """Write the episodes played (their transcripts to ``out``, their metrics to stdout); what was kept, in words."""
+def _keep_episodes(trajectories: list[Any], out: Path | None, env: str, episodes: int, as_json: bool = False) -> str:
+    """Write the episodes played (their transcripts to ``out``, their metrics to stdout: a summary, or JSON with ``as_json``);
+    what was kept, in words."""
+    from tinkergym.cli.summaries import eval_summary
     from tinkergym.trainers.evaluation import summarize
 
     if not trajectories:
         return "nothing was written"
     save_transcripts(out, trajectories, env)
-    click.echo(json.dumps({"env": env, **{k.removeprefix("eval/"): round(v, 4) for k, v in summarize(trajectories).items()}}))
+    metrics = {k.removeprefix("eval/"): round(v, 4) for k, v in summarize(trajectories).items()}
+    click.echo(json.dumps({"env": env, **metrics}) if as_json else eval_summary(env, metrics))
     sys.stdout.flush()
     where = f"their transcripts are in {out}, " if out is not None else ""
     return f"the {len(trajectories)} of {episodes} episodes that ended are kept ({where}their metrics on stdout)"
@@ -507,6 +531,7 @@ def _evaluate(
             backend.check()
         else:
             backend = load_backend_for_eval(model=model, run_dir=run_dir, prefix_cache_mb=prefix_cache_mb)
+            click.echo(_evaluated_model(model, run_dir, getattr(backend, "model_path", None)), err=True)
         renderer = renderer_for(backend.info()["tokenizer"])
         for batch in play(make_env, backend, renderer, settings, eval_seeds(seed, episodes), batch_size, progress=not quiet):
             held["done"].extend(batch)
@@ -518,6 +543,17 @@ def _evaluate(
         raise
     if job is not None:
         click.echo(f"job {job.job_id}: {job.end()}", err=True)
+
+
+def _evaluated_model(model: str | None, run_dir: str | None, path: Any) -> str:
+    """The line that says what a local evaluation loaded: a run's latest checkpoint (the one :func:`load_backend_for_eval`
+    loads), or the model and its folder (``path``)."""
+    from tinkergym.folders import latest_checkpoint
+
+    checkpoint = latest_checkpoint(Path(run_dir)) if run_dir is not None else None
+    if checkpoint is not None:
+        return f"evaluating checkpoint {checkpoint[1].name} of {run_dir} ({checkpoint[1]})"
+    return f"evaluating {model or run_dir}" + (f" ({path})" if path else "")
 
 
 def _stop_eval(job: Any, keep: bool, kept: str) -> NoReturn:
