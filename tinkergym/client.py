@@ -74,6 +74,19 @@ def print_stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+#: States a job never runs again from: the terminal ones, and ``cancelling`` (its worker is stopping it; it ends cancelled).
+ENDING_STATES = TERMINAL_STATES | {"cancelling"}
+
+
+def ended_message(job: dict[str, Any]) -> str:
+    """Why a client can no longer use ``job`` (in one of :data:`ENDING_STATES`): a cancel says so, and by whom it may come."""
+    job_id, state = job["id"], job["state"]
+    if state in ("cancelled", "cancelling"):
+        return (f"job {job_id} is cancelled: it was cancelled while this client used it (tinkergym jobs cancel {job_id}, "
+                f"or Cancel job on the dashboard); see tinkergym jobs logs {job_id}")
+    return f"job {job_id} is {state}{': ' + job['error'] if job.get('error') else ''}; see tinkergym jobs logs {job_id}"
+
+
 def wait_running(
     client: SchedulerClient, job_id: str, *, after_epoch: int | None = None, timeout: float | None = None, poll: float = 1.0,
     say: Callable[[str], None] = print_stderr, still_queued: str = "", unplaceable_after: float | None = UNPLACEABLE_HINT_S,
@@ -88,7 +101,8 @@ def wait_running(
 
     Each change of the job's state (and queue position, and why it waits) is said once, and so is each message its
     worker logs while it prepares the job's server (restoring a checkpoint, loading the model). A terminal job, or one not
-    running within ``timeout`` seconds (None: no limit), raises :class:`JobEnded`; ``still_queued`` ends the latter's
+    running within ``timeout`` seconds (None: no limit), raises :class:`JobEnded` (so does a ``cancelling`` one, which never
+    runs again: :func:`ended_message` says it was cancelled); ``still_queued`` ends the latter's
     message. A job that no worker can host (no worker alive, none offering its model, none large enough) for
     ``unplaceable_after`` seconds is said once, with how to go on; the wait goes on (None: never said).
     """
@@ -107,8 +121,8 @@ def wait_running(
                 seen = max(seen, int(event["seq"]))
                 if event["type"] == "log" and isinstance(event["data"].get("message"), str):
                     say(f"job {job_id}: {event['data']['message'][:300]}")
-        if state in TERMINAL_STATES:
-            raise JobEnded(f"job {job_id} is {state}{': ' + job['error'] if job.get('error') else ''}; see tinkergym jobs logs {job_id}")
+        if state in ENDING_STATES:
+            raise JobEnded(ended_message({**job, "id": job_id}))
         same_epoch_again = (same_epoch_after is not None and after_epoch is not None and job.get("lease_epoch") == after_epoch
                             and time.monotonic() - started >= same_epoch_after)
         if state == "running" and (after_epoch is None or job["lease_epoch"] > after_epoch or same_epoch_again):

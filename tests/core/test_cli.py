@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -128,6 +133,26 @@ def test_a_person_plays_through_stdin() -> None:
     result = run("play", "tinker/Bandit-v0", "--seed", "0", "--kwarg", "reward_mode=\"expected\"", input="green\n")
     assert result.exit_code == 0, result.output
     assert "You pulled the green arm." in result.output and "returns: agent +" in result.output
+
+
+def test_ctrl_c_at_the_prompt_abandons_the_game_as_interrupted_and_the_end_of_input_as_ended() -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "tinkergym", "play", "tinker/Bandit-v0", "--seed", "0"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        shown, deadline = b"", time.monotonic() + 60
+        while b"you>" not in shown:  # the prompt waits for the person's action
+            assert time.monotonic() < deadline and process.poll() is None, shown
+            shown += os.read(process.stdout.fileno(), 4096)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr
+    assert b"interrupted: the game is abandoned" in stderr and b"input ended" not in stderr and b"Traceback" not in stderr
+    ended = run("play", "tinker/Bandit-v0", "--seed", "0", input="")
+    assert ended.exit_code == 1 and "input ended; the game is abandoned" in ended.output
 
 
 @pytest.mark.slow

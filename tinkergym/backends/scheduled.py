@@ -133,7 +133,16 @@ class ScheduledBackend:
     def reconnect(self) -> None:
         """After :class:`BackendLost`: wait for the job's next lease (a new epoch) and connect to that server; while the job
         still holds the lease of the lost server after :data:`SAME_SERVER_RETRY_S` seconds, connect to that server again (the
-        lease says it lives; if it is gone after all, the next call fails again and the wait goes on)."""
+        lease says it lives; if it is gone after all, the next call fails again and the wait goes on). A job that was cancelled
+        (or has ended) meanwhile raises :class:`JobEnded` at once, saying so: no lease will come."""
+        from tinkergym.client import ENDING_STATES, SchedulerError, ended_message
+
+        try:
+            job = self.client.show(self.job_id)
+        except (SchedulerError, OSError):  # the scheduler cannot say now: wait for the next lease (the wait asks it again)
+            job = None
+        if job is not None and job["state"] in ENDING_STATES:  # cancelled (or ended) while the run trained: no lease comes
+            raise JobEnded(ended_message(job))
         self.say(f"job {self.job_id}: its server at epoch {self.epoch} did not answer; waiting for the job's next lease")
         self.connect(after_epoch=self.epoch, same_epoch_after=SAME_SERVER_RETRY_S)
 

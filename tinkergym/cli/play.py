@@ -30,7 +30,9 @@ class HumanAgent:
         click.echo(observation)
         try:
             return click.prompt(click.style(f"{self.seat}>", fg="yellow"), default="", show_default=False, prompt_suffix=" ")
-        except click.Abort:
+        except click.Abort as exc:  # click.prompt turns both Ctrl-C and the end of input into Abort; its context says which
+            if isinstance(exc.__context__, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
             raise click.ClickException("input ended; the game is abandoned") from None
 
 
@@ -83,7 +85,21 @@ def play(env_id: str | None, play_all: bool, agent: str, seats: tuple[str, ...],
       tinkergym play tinker/GomokuDuel-v0 --seat player_1
       tinkergym play tinker/Math-v0 --agent baseline --seed 3
       tinkergym play --all --agent baseline --seed 0
+
+    Ctrl-C abandons the game (exit code 130); the end of input (Ctrl-D) too (exit code 1).
     """
+    try:
+        _play(env_id, play_all, agent, seats, opponent, seed, kwargs, max_steps, jsonl)
+    except KeyboardInterrupt:
+        from tinkergym.cli.interrupts import interrupted
+
+        click.echo("", err=True)  # off the line of the prompt
+        interrupted("interrupted: the game is abandoned" + (f" (any episode that ended is in {jsonl})" if jsonl else ""))
+
+
+def _play(env_id: str | None, play_all: bool, agent: str, seats: tuple[str, ...], opponent: str, seed: int | None, kwargs: tuple[str, ...],
+          max_steps: int, jsonl: Path | None) -> None:
+    """The play command's work."""
     if bool(env_id) == play_all:
         raise click.UsageError("give an ENV_ID or --all (not both).")
     if play_all and agent == "human":

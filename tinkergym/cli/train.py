@@ -302,10 +302,15 @@ def _train(options: dict[str, Any], holder: dict[str, Any]) -> None:
             click.echo(_resumed_from(run.folder, run.start_step), err=True)
         if options.get("metrics_port"):
             _serve_run_metrics(run, options["metrics_port"])
+        from tinkergym.client import JobEnded
+
         try:
             folder, last = run.folder, run.run(progress=not options["quiet"])
         except KeyboardInterrupt:
             _stop_run(run.folder, run.backend, options.get("keep_on_interrupt", False))
+        except JobEnded as exc:  # the run's scheduler job was cancelled (or ended) under it
+            raise click.ClickException(f"{exc}. The run folder {run.folder} stays resumable ({_checkpoints_kept(run.folder)}); "
+                                       f"go on with: tinkergym train --resume {run.folder} (a new job starts from its checkpoints).") from exc
     records = read_metrics(folder / "metrics.jsonl")
     if not last:  # no step trained now: report the run's last logged step
         last = records[-1] if records else {}
@@ -360,11 +365,9 @@ def _new_run(options: dict[str, Any], token: str | None) -> Any:
 def _stop_run(folder: Path, backend: Any, keep: bool) -> NoReturn:
     """After Ctrl-C: cancel the run's scheduler job (or leave it: ``keep``), say how to go on, and exit with code 130."""
     from tinkergym.cli.interrupts import interrupted, job_outcome, stop_job
-    from tinkergym.folders import latest_checkpoint
 
     click.echo("", err=True)
-    checkpoint = latest_checkpoint(folder)
-    kept = f"its checkpoints are kept (newest: {checkpoint[1].name})" if checkpoint else "it has no checkpoint yet"
+    kept = _checkpoints_kept(folder)
     job_id = getattr(backend, "job_id", None)
     if job_id is None:
         getattr(backend, "close", lambda: None)()
@@ -376,6 +379,14 @@ def _stop_run(folder: Path, backend: Any, keep: bool) -> NoReturn:
                     f"reattach with: tinkergym train --resume {folder} (or end it: tinkergym jobs cancel {job_id}). The run folder: {kept}.")
     interrupted(f"interrupted: {job_outcome(job_id, state)}; the run folder {folder} stays resumable ({kept}); "
                 f"go on with: tinkergym train --resume {folder} (a new job starts from its checkpoints).")
+
+
+def _checkpoints_kept(folder: Path) -> str:
+    """``its checkpoints are kept (newest: step_000039)``, or that the run has none yet."""
+    from tinkergym.folders import latest_checkpoint
+
+    checkpoint = latest_checkpoint(folder)
+    return f"its checkpoints are kept (newest: {checkpoint[1].name})" if checkpoint else "it has no checkpoint yet"
 
 
 def _left_behind(holder: Any) -> str:
