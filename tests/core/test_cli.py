@@ -120,6 +120,25 @@ def test_every_command_has_help(command) -> None:
     assert result.exit_code == 0 and "Usage:" in result.output and len(result.output.splitlines()) > 4
 
 
+def test_no_help_shows_an_open_range_as_none() -> None:
+    """Every command's help, walked from the group: an option without bounds reads as its type, never ``[x<=None]``."""
+    import click
+
+    def commands(group: click.Group, path: tuple[str, ...] = ()):
+        for name, command in group.commands.items():
+            yield (*path, name)
+            if isinstance(command, click.Group):
+                yield from commands(command, (*path, name))
+
+    for command in commands(main):
+        shown = run(*command, "--help").output
+        assert "None]" not in shown and "<=None" not in shown, command
+    help_text = " ".join(run("train", "--help").output.split())
+    assert "--truncated-reward FLOAT Reward given to episodes a budget ended instead of what they collected. --" in help_text
+    refused = CliRunner().invoke(main, ["train", "--env", "tinker/Bandit-v0", "--truncated-reward", "nan"])
+    assert refused.exit_code == 2 and "nan is not a finite number" in refused.output
+
+
 def test_play_with_the_baseline_prints_a_transcript_and_writes_jsonl(tmp_path) -> None:
     out = tmp_path / "t.jsonl"
     result = run("play", "tinker/Bandit-v0", "--agent", "baseline", "--seed", "3", "--kwarg", "arms=3", "--jsonl", str(out))

@@ -267,6 +267,11 @@ def test_only_the_dashboard_files_are_public(server: ThreadServer) -> None:
         assert http.get("/ui/", headers={"If-None-Match": page.headers["etag"]}).status_code == 304
         redirect = http.get("/ui")
         assert redirect.status_code == 307 and redirect.headers["location"] == "/ui/"
+        for method in ("GET", "HEAD"):  # the scheduler's own address leads to the dashboard, which asks for a key itself
+            root = http.request(method, "/")
+            assert root.status_code == 307 and root.headers["location"] == "/ui/" and root.content == b"", method
+        assert http.post("/", json={}).status_code == 405  # the root is a redirect and nothing else
+        assert http.get("/", follow_redirects=True).headers["content-type"].startswith("text/html")
         for name, media_type in (("app.js", "text/javascript"), ("style.css", "text/css"), ("vendor/uPlot.esm.js", "text/javascript"),
                                  ("vendor/uPlot.LICENSE", "text/plain")):
             answer = http.get(f"/ui/{name}")
@@ -300,6 +305,25 @@ def test_the_event_stream_parser(browser: Any, server: ThreadServer) -> None:
         }""")
         assert events == {"out": [{"id": "7", "type": "metrics", "data": '{"a":1}'}, {"id": "7", "type": "message", "data": "x\ny"}],
                           "retry": 1000}
+    finally:
+        page.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_the_cluster_view_names_each_device_once(browser: Any, server: ThreadServer) -> None:
+    """A device's name is shown beside its place unless it already says it: "slot 0", not "slot 0 slot 0"."""
+    page = browser.new_page()
+    try:
+        page.goto(f"{server.url}/ui/")
+        shown = page.evaluate("""async () => {
+            const { describe } = await import("./cluster.js");
+            const device = (extra) => ({ index: 0, kind: "slot", name: "", active: true, seat_of: null, shared: null, ...extra });
+            return [device({ name: "slot 0" }), device({ name: "ray cpu slot 0" }), device({ kind: "gpu", name: "cuda:0" }), device({}),
+                    device({ index: 1024, name: "slot 1 seat 0", seat_of: 1, shared: { model: "tiny" } }),
+                    device({ index: 1025, seat_of: 1, active: false })].map(describe);
+        }""")
+        assert shown == ["slot 0", "ray cpu slot 0", "gpu 0 cuda:0", "slot 0", "slot 1 seat 0 (tiny)", "seat on device 1, inactive"]
     finally:
         page.close()
 

@@ -85,3 +85,30 @@ def test_any_tenant_key_lists_the_workers_that_serve_it(make_client: Any, keys: 
     assert header.split()[:3] == ["NAME", "STATUS", "MODELS"]
     assert len(rows) == 1 and rows[0].split()[:4] == ["acme-box", "alive", "org/big,tiny", "2"]
     assert "globex" not in listed.output and "job_" not in listed.output
+
+
+def test_workers_list_counts_a_device_shared_by_seats_once(make_client: Any, keys: Any, db_url: str, tmp_path: Path) -> None:
+    from tinkergym.cli.workers import DeviceCount
+
+    client = make_client()
+    shared = {"seats": 2, "model": "tiny", "dtype": "float32", "max_lora_rank": 16}
+    devices = [{"index": 0, "kind": "slot", "name": "slot 0"}, {"index": 1, "kind": "slot", "name": "slot 1", "shared": shared}]
+    body = {"name": "seat-box", "host": "127.0.0.1", "devices": devices, "models": ["tiny"]}
+    assert client.post("/v1/workers", json=body, headers=auth(keys.worker(2, tenants=("acme",)))).status_code == 200
+    register(client, keys.worker(1, tenants=("acme",)), name="one-box", devices=1)
+    server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False))
+    try:
+        env = {"TINKERGYM_SCHEDULER": server.url, "TINKERGYM_API_KEY": keys.new("acme", "read")}
+        listed = CliRunner().invoke(main, ["workers", "list"], env=env)
+    finally:
+        server.stop()
+    assert listed.exit_code == 0, listed.output
+    rows = {line.split()[0]: line for line in listed.output.strip().splitlines()[1:]}
+    assert "  2 slots (2 seats)  0 (0 of 2 seats)  " in rows["seat-box"], listed.output  # the 2 slots, not 3 (the shared one's seats)
+    assert rows["one-box"].split()[3:6] == ["1", "slot", "0"], listed.output
+    seats = [{"index": 0, "kind": "gpu", "active": True, "busy": False, "seat_of": None},
+             {"index": 1024, "kind": "gpu", "active": True, "busy": True, "seat_of": 1},
+             {"index": 1025, "kind": "gpu", "active": True, "busy": False, "seat_of": 1},
+             {"index": 2, "kind": "gpu", "active": False, "busy": False, "seat_of": None}]
+    count = DeviceCount.of(seats)
+    assert (count.devices_text(), count.busy, count.busy_seats) == ("2 GPUs (2 seats)", 1, 1)

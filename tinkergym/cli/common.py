@@ -102,7 +102,18 @@ class SafePath(click.Path):
 
 
 class FiniteFloat(click.FloatRange):
-    """``click.FloatRange`` that also refuses ``nan`` and ``inf`` (which compare false against any bound)."""
+    """``click.FloatRange`` that also refuses ``nan`` and ``inf`` (which compare false against any bound).
+
+    Without bounds it is shown in help as a plain ``FLOAT``, with no range (click would show ``[x<=None]``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.min is None and self.max is None:
+            self.name = "float"
+
+    def _describe_range(self) -> str:
+        return "" if self.min is None and self.max is None else super()._describe_range()
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         number = super().convert(value, param, ctx)

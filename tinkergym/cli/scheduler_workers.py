@@ -16,6 +16,7 @@ import click
 
 from tinkergym.cli.common import FiniteFloat, InputError, shorten, table
 from tinkergym.cli.scheduler import _check_tenant, _when, data_dir_option, db_option, open_database, scheduler
+from tinkergym.cli.workers import DeviceCount
 
 _DEVICES = click.option("--devices", type=click.IntRange(1, 4096), required=True,
                         help="How many devices the credential may register, across all its workers.")
@@ -146,7 +147,8 @@ def workers_credentials(db: str | None, data_dir: Path) -> None:
 @db_option
 @data_dir_option
 def workers_list(worker_timeout: float, only_gone: bool, db: str | None, data_dir: Path) -> None:
-    """List workers: id, name, host, status (alive, gone; quarantined), devices busy of active, last seen, why quarantined.
+    """List workers: id, name, host, status (alive, gone; quarantined), devices busy of active (a device shared by seats counts
+    once; its seats busy of all beside it), last seen, why quarantined.
 
     \b
     Example:
@@ -169,10 +171,11 @@ def workers_list(worker_timeout: float, only_gone: bool, db: str | None, data_di
     for w in found:
         if only_gone and w["status"] != GONE:
             continue
-        active = [d for d in w["devices"] if d["active"]]
+        count = DeviceCount.of(w["devices"])
         seen = f"{_when(w['last_seen_at'])} ({_ago(now - w['last_seen_at'])} ago)"
         status = w["status"] + (", quarantined" if w["quarantined"] else "")
-        rows.append((w["id"], w["name"], w["host"], status, f"{sum(d['busy'] for d in active)}/{len(active)}", seen, _quarantine_reason(w)))
+        busy = f"{count.busy}/{count.total}" + (f" (seats {count.busy_seats}/{count.seats})" if count.seats else "")
+        rows.append((w["id"], w["name"], w["host"], status, busy, seen, _quarantine_reason(w)))
     if not rows:
         click.echo("no gone workers" if only_gone and found else "no workers", err=True)
         return

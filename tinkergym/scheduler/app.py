@@ -7,7 +7,7 @@ lease epoch, 413 a body over the limit (or a tenant's quota on one event or its 
 Idempotency-Key reused with another body, 429 a tenant's quota reached (queued jobs, events per job: raised with
 ``tinkergym scheduler tenants set``), 503 with ``Retry-After`` an inference job that has no server yet (the gateway,
 ``routes/gateway.py``). ``/healthz`` and ``/readyz`` are public, and so are the dashboard's static files (``/ui/``,
-:mod:`tinkergym.scheduler.ui`); every other route needs a key (``Authorization: Bearer tgk_...``); ``/metrics``
+:mod:`tinkergym.scheduler.ui`) and the redirect from ``/`` to them; every other route needs a key (``Authorization: Bearer tgk_...``); ``/metrics``
 (Prometheus) a key with the ``metrics`` scope.
 """
 

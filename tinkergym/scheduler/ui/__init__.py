@@ -4,7 +4,7 @@ The page itself holds no privilege. It asks for an API key, keeps it in the brow
 makes ordinary authenticated calls (``Authorization: Bearer``) to the job routes, so a tenant's key sees that
 tenant's jobs and nothing else. Only the files are public: :func:`is_ui_path` names the paths the auth middleware
 lets through, and :class:`DashboardFiles` answers every one of them itself (a file of ``static/``, a redirect from
-``/ui`` to ``/ui/``, or a 404), so no route of the API is reachable through them.
+``/ui`` and from the scheduler's root ``/`` to ``/ui/``, or a 404), so no route of the API is reachable through them.
 
 The files are plain ES modules (``static/*.js``) and uPlot (MIT, ``static/vendor/``, its licence beside it) for the
 charts: no build step, no CDN. They are read once, when the app is built, and sent with a content security policy
@@ -18,6 +18,8 @@ from importlib import resources
 from typing import Any
 
 PREFIX = "/ui"
+#: The scheduler's own address: a browser sent there is led to the dashboard (which asks for a key), nothing more.
+ROOT = "/"
 #: The media types of the files served; a file with another suffix is not served.
 MEDIA_TYPES = {
     ".html": "text/html; charset=utf-8",
@@ -41,8 +43,9 @@ SECURITY_HEADERS = {
 
 
 def is_ui_path(path: str) -> bool:
-    """Whether ``path`` is the dashboard's (``/ui`` or under ``/ui/``): public, and answered by :class:`DashboardFiles` alone."""
-    return path == PREFIX or path.startswith(PREFIX + "/")
+    """Whether ``path`` is the dashboard's (``/ui``, under ``/ui/``, or the root ``/`` that leads to it): public, and answered
+    by :class:`DashboardFiles` alone."""
+    return path in (PREFIX, ROOT) or path.startswith(PREFIX + "/")
 
 
 def load_files() -> dict[str, tuple[bytes, str, str]]:
@@ -75,7 +78,7 @@ class DashboardFiles:
             return await self.app(scope, receive, send)
         if scope["method"] not in ("GET", "HEAD"):
             return await self._send(send, 405, b"method not allowed\n", "text/plain; charset=utf-8", {"allow": "GET, HEAD"})
-        if scope["path"] == PREFIX:  # relative URLs in the page resolve against /ui/
+        if scope["path"] in (PREFIX, ROOT):  # relative URLs in the page resolve against /ui/; the root is where people look first
             location = scope.get("root_path", "") + PREFIX + "/"
             return await self._send(send, 307, b"", "text/plain; charset=utf-8", {"location": location})
         name = scope["path"][len(PREFIX) + 1:] or "index.html"

@@ -114,10 +114,15 @@ export class ClusterView {
   }
 }
 
-function describe(device) {
-  const what = device.seat_of !== null && device.seat_of !== undefined ? `seat on device ${device.seat_of}` : `${device.kind} ${device.index}`;
+/** "gpu 0 cuda:0", "slot 0" (not "slot 0 slot 0": a name that already says the place is shown alone), "slot 1 seat 0 (tiny)". */
+export function describe(device) {
+  const seat = device.seat_of !== null && device.seat_of !== undefined;
+  const place = seat ? `seat on device ${device.seat_of}` : `${device.kind} ${device.index}`;
+  const name = device.name || "";
+  // A seat's name says its device and seat ("slot 1 seat 0"); a worker's own name for a device often says its place too.
+  const what = !name ? place : seat || name.includes(place) ? name : `${place} ${name}`;
   const shared = device.shared ? ` (${device.shared.model})` : "";
-  return `${what}${device.name ? ` ${device.name}` : ""}${shared}${device.active ? "" : ", inactive"}`;
+  return `${what}${shared}${device.active ? "" : ", inactive"}`;
 }
 
 function seconds(s) {
