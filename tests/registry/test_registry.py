@@ -67,6 +67,43 @@ def test_uninstalled_known_id_names_the_pip_install(fake_site, monkeypatch) -> N
         tinkergym.spec("tinker/FakeWrld-v0")
 
 
+def test_a_missing_namespace_says_what_to_check(monkeypatch) -> None:
+    """No tinker/ id installed where this Python looks (the env packages are elsewhere, or `import tinkergym` is not the
+    installed package): the message says which package Python imports and that a local folder may shadow it."""
+    monkeypatch.setattr(hub, "list_envs", lambda refresh=False: [])
+    message = hub.unknown_env_message("tinker/Bandit-v0")
+    assert "install it with: pip install tinkergym-bandit" in message
+    assert "No env package of the tinker/ namespace is installed" in message
+    assert 'python -c "import tinkergym; print(tinkergym.__file__, list(tinkergym.__path__))"' in message
+    assert "A folder named tinkergym (or a tinkergym.py) beside the script is imported instead" in message
+    assert "namespace" not in hub.unknown_env_message("nowhere/Thing-v0")  # a namespace the hub knows nothing of: no such advice
+
+
+def test_a_folder_named_tinkergym_that_would_shadow_the_package_is_found(tmp_path, monkeypatch) -> None:
+    from tinkergym.registry.shadowing import PACKAGE_DIR, shadow_note, shadowing_path
+
+    project = tmp_path / "project"
+    (project / "tinkergym").mkdir(parents=True)
+    installed = tmp_path / "site"
+    (installed / "tinkergym").mkdir(parents=True)
+    (installed / "tinkergym" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys, "path", [str(project), str(installed)])
+    assert shadowing_path(project) is None  # a folder without __init__.py loses to a package installed on the path
+    monkeypatch.setattr(sys, "path", [str(project)])
+    assert shadowing_path(project) == project / "tinkergym"  # ... and wins over one an import hook provides (an editable install)
+    (project / "tinkergym" / "__init__.py").write_text("")
+    monkeypatch.setattr(sys, "path", [str(project), str(installed)])
+    assert shadowing_path(project) == project / "tinkergym"  # a package wins wherever it comes first
+    assert shadowing_path(PACKAGE_DIR.parent) is None and shadowing_path(tmp_path) is None  # the installed package; nothing
+    assert "Namespace tinker not found" in shadow_note(project)
+    monkeypatch.undo()
+    monkeypatch.chdir(project)
+    listed = CliRunner().invoke(main, ["envs", "list"])
+    assert listed.exit_code == 0 and f"note: {project / 'tinkergym'} shadows the installed tinkergym package" in listed.stderr
+    monkeypatch.chdir(tmp_path)
+    assert "shadows" not in CliRunner().invoke(main, ["envs", "list"]).stderr
+
+
 def test_two_packages_claiming_one_id_is_an_error_naming_both(fake_site) -> None:
     fake_site.add("fakeenv-one", {"fake/Twin-v0": "fakeenv_one:EchoEnv"})
     fake_site.add("fakeenv-two", {"fake/Twin-v0": "fakeenv_two:EchoEnv"}, version="2.0")

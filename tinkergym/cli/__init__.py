@@ -57,6 +57,22 @@ def main() -> None:
     """
     if click.get_current_context().invoked_subcommand in PRIVATE_COMMANDS:
         keep_private()  # a service's database, logs, secrets and job folders are its owner's alone
+    _note_shadowing_folder()
+
+
+def _note_shadowing_folder() -> None:
+    """Say so when a ``tinkergym`` folder here shadows the package for Python run here: the command itself runs the installed
+    package, but a script or notebook run here would not, and fail without a word about why."""
+    from pathlib import Path
+
+    from tinkergym.registry.shadowing import shadow_note
+
+    try:
+        note = shadow_note(Path.cwd())
+    except OSError:  # a working directory that is gone
+        return
+    if note:
+        click.echo(note, err=True)
 
 
 main.add_command(envs)

@@ -124,6 +124,12 @@ def unknown_env_message(env_id: str) -> str:
         if dist and candidate not in installed:
             lines.append(f"{candidate} is provided by {dist}; install it with: pip install {dist}")
             break
+    namespace = env_id.split("/", 1)[0] if "/" in env_id else None
+    if namespace in {i.split("/", 1)[0] for i in providers} and not any(i.startswith(f"{namespace}/") for i in installed):
+        from tinkergym.registry.shadowing import import_check
+
+        # None of a namespace the hub knows is installed: the env packages may be elsewhere, or this is not the package they see.
+        lines.append(f"No env package of the {namespace}/ namespace is installed where this Python looks. {import_check()}")
     lines.append("List installed envs with: tinkergym envs list")
     return "\n".join(lines)
 
