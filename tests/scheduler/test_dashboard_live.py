@@ -165,7 +165,8 @@ def test_a_live_training_run_in_a_browser(browser: Any, server: ThreadServer, ke
         expect(page.locator("#stream-state")).to_have_text("The job has ended.")
         _, stderr = train.communicate(timeout=60)
         assert train.returncode == 1, stderr[-3000:]
-        assert f"Error: job {job_id} is cancelled" in stderr, stderr[-3000:]
+        assert f"Error: job {job_id} is cancelled: it was cancelled while this client used it" in stderr, stderr[-3000:]
+        assert "did not answer" not in stderr and f"go on with: tinkergym train --resume {tmp_path / 'run'}" in stderr, stderr[-3000:]
         assert client.show(job_id)["state"] == "cancelled"
         page.screenshot(path=str(shots / "live-job-cancelled.png"), full_page=True)
         assert problems == [], "\n".join(problems)
