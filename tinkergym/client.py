@@ -244,9 +244,10 @@ class SchedulerClient:
         """The running job's server: ``url``, ``token`` (of the current lease epoch) and ``epoch``; a 409 until it runs."""
         return self._request("GET", f"/v1/jobs/{_quote(job_id)}/connection")
 
-    def complete(self, job_id: str, epoch: int) -> dict[str, Any]:
-        """End the job the client trained through at lease ``epoch``: it succeeds and frees its devices."""
-        return self._request("POST", f"/v1/jobs/{_quote(job_id)}/complete", {"epoch": epoch})
+    def complete(self, job_id: str, epoch: int, reason: str | None = None) -> dict[str, Any]:
+        """End the job the client trained through at lease ``epoch``: it succeeds and frees its devices. ``reason`` (at most
+        500 characters) says why, to the job's owner: ``tinkergym jobs show`` prints it as the job's ``end_reason``."""
+        return self._request("POST", f"/v1/jobs/{_quote(job_id)}/complete", {"epoch": epoch, **({"reason": reason} if reason else {})})
 
     def report(self, job_id: str, type_: str, data: dict[str, Any]) -> int:
         """Append a ``metrics``, ``log`` or ``transcript`` event of the client's run to the job's stream; its seq."""

@@ -257,6 +257,33 @@ def test_dashboard_in_a_browser(browser: Any, server: ThreadServer, keys: Any, s
         http.close()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_job_its_client_ended_says_why(browser: Any, server: ThreadServer, keys: Any) -> None:
+    """The reason a client gave when it completed its job (the Tinker front door: its session ended, and why) is a fact of
+    the job's page."""
+    from playwright.sync_api import expect
+
+    expect.set_options(timeout=TIMEOUT_MS)
+    owner, worker_key = keys.new("acme"), keys.worker(1)
+    why = "its Tinker session ended: no heartbeat from the client for 180 s"
+    with SchedulerClient(server.url, owner) as client, httpx.Client(base_url=server.url, timeout=30) as http:
+        job = client.submit("train", {"model": "tiny"}, name="tinker run")
+        worker = register(http, worker_key, devices=1)
+        epoch = worker.lease()["epoch"]
+        assert worker.state(job["id"], epoch, "starting").status_code == 200
+        assert worker.state(job["id"], epoch, "running", server_url="http://127.0.0.1:9").status_code == 200
+        client.complete(job["id"], epoch, reason=why)
+    page = browser.new_page()
+    try:
+        sign_in(page, server.url, owner)
+        page.get_by_role("link", name="tinker run").click()
+        expect(page.locator('#job-facts dd[data-fact="state"]')).to_have_text("succeeded")
+        expect(page.locator('#job-facts dd[data-fact="ended because"]')).to_have_text(why)
+    finally:
+        page.close()
+
+
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_only_the_dashboard_files_are_public(server: ThreadServer) -> None:
     with httpx.Client(base_url=server.url, timeout=30) as http:

@@ -137,6 +137,24 @@ def test_state_reports_run_a_job_to_its_end_and_free_its_devices(env: Any, db_ur
     assert states_seen == ["queued", "leased", "starting", "running", "succeeded"]
 
 
+def test_a_clients_completion_says_why_the_job_ended_to_its_tenant_alone(env: Any, keys: Any, db_url: str) -> None:
+    """The reason a client gives when it completes its job (the Tinker front door: its session ended, and why) is the job's
+    end_reason; another tenant can neither complete the job nor read it, and a reason past 500 characters is refused."""
+    w, job_id, lease = leased(env)
+    assert w.state(job_id, lease["epoch"], "starting").status_code == 200
+    assert w.state(job_id, lease["epoch"], "running", server_url="http://127.0.0.1:8123").status_code == 200
+    assert env.client.get(f"/v1/jobs/{job_id}", headers=auth(env.user)).json()["end_reason"] is None  # running: no end yet
+    complete, why = f"/v1/jobs/{job_id}/complete", "its Tinker session ended: no heartbeat from the client for 180 s"
+    other = keys.new("other", "read,write")
+    assert env.client.post(complete, json={"epoch": lease["epoch"], "reason": why}, headers=auth(other)).status_code == 404
+    assert env.client.post(complete, json={"epoch": lease["epoch"], "reason": "x" * 501}, headers=auth(env.user)).status_code == 400
+    assert env.client.post(complete, json={"epoch": lease["epoch"], "reason": why}, headers=auth(env.user)).json()["state"] == "succeeded"
+    shown = env.client.get(f"/v1/jobs/{job_id}", headers=auth(env.user)).json()
+    assert shown["state"] == "succeeded" and shown["end_reason"] == why and allocated(db_url) == []
+    assert events(env, job_id)[-1]["data"] == {"state": "succeeded", "attempt": 0, "by": "client", "epoch": lease["epoch"], "reason": why}
+    assert env.client.get(f"/v1/jobs/{job_id}", headers=auth(other)).status_code == 404
+
+
 def test_failed_report_keeps_the_error(env: Any, db_url: str) -> None:
     w, job_id, lease = leased(env)
     assert w.state(job_id, lease["epoch"], "failed", error="CUDA out of memory").status_code == 200

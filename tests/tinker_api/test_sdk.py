@@ -18,6 +18,8 @@ pytest.importorskip("sqlalchemy")
 import torch  # noqa: E402
 from tinker import types  # noqa: E402
 
+from tinkergym.tinker_api.service import TinkerError  # noqa: E402
+
 
 
 def datum(tokens: list[int], **inputs: Any) -> Any:
@@ -316,6 +318,9 @@ def test_a_session_without_heartbeats_ends_and_frees_its_adapter_with_no_other_c
     service.maintain()
     assert session_id in service.sessions and run.model_id in service.runs  # heartbeats are on time: nothing ends
     service.sessions[session_id].last_heartbeat -= service.limits.session_timeout_s + 1
+    with pytest.raises(TinkerError) as refused:  # another tenant's heartbeat keeps nothing alive
+        service.heartbeat("bob", session_id)
+    assert refused.value.status == 404
     service.maintain()  # what the service's own thread runs every maintenance_s
     assert session_id not in service.sessions and run.model_id not in service.runs
     assert len(cluster.base.sessions) == held - 1

@@ -176,8 +176,9 @@ class ScheduledBackend:
             self.say(f"job {self.job_id}: could not report step {step}'s transcripts to the scheduler ({problem})")
             return
 
-    def complete(self, store_timeout: float = STORE_TIMEOUT_S) -> None:
-        """End the job (it succeeds; its devices are freed at once), once the worker has stored its last saved state.
+    def complete(self, store_timeout: float = STORE_TIMEOUT_S, reason: str | None = None) -> None:
+        """End the job (it succeeds; its devices are freed at once), once the worker has stored its last saved state;
+        ``reason`` says why to the job's owner (the job's ``end_reason``).
 
         The worker uploads each state the server saves to the scheduler's artifact store; ending the job stops the
         server, so the run's last checkpoint (the one a later ``--resume`` or ``serve-model --scheduler`` starts
@@ -191,7 +192,7 @@ class ScheduledBackend:
             return
         if self.last_state is not None and not self.wait_stored(self.last_state, store_timeout):
             self.say(f"job {self.job_id}: ending the job without checkpoint {self.last_state}")
-        self.client.complete(self.job_id, self.epoch)
+        self.client.complete(self.job_id, self.epoch, reason=reason)
 
     def wait_stored(self, name: str, timeout: float) -> bool:
         """Wait until the scheduler holds the job's checkpoint ``name``, saved on the server of this lease epoch; whether it

@@ -149,13 +149,15 @@ def list_command(scheduler_url: str | None, api_key: str | None, state: str | No
 @click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the job as JSON.")
 def show_command(scheduler_url: str | None, api_key: str | None, job_id: str, as_json: bool) -> None:
-    """One job: its state, attempt, queue position, why it waits (when queued), server and config."""
+    """One job: its state, attempt, queue position, why it waits (when queued), server, why it ended (when its client
+    said: end_reason) and config."""
     client = connect(scheduler_url, api_key)
     job = call(lambda: client.show(job_id))
     if as_json:
         click.echo(json.dumps(job, indent=2))
         return
-    for field in ("id", "name", "kind", "state", "priority", "gpus", "attempt", "max_attempts", "queue_position", "server_url", "error"):
+    for field in ("id", "name", "kind", "state", "priority", "gpus", "attempt", "max_attempts", "queue_position", "server_url", "error",
+                  "end_reason"):
         if job.get(field) not in (None, ""):
             click.echo(f"{field + ':':<16}{job[field]}")
         if field == "queue_position" and job.get("wait_reason"):

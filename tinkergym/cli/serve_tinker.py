@@ -45,8 +45,12 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @click.option("--max-runs-per-tenant", type=click.IntRange(min=1), default=8, show_default=True, help="Training runs one tenant holds at once.")
 @click.option("--max-samplers-per-tenant", type=click.IntRange(min=1), default=32, show_default=True,
               help="Samplers one tenant holds at once; a new one past it closes the tenant's oldest (an RL loop's spent snapshots).")
-@click.option("--session-timeout", type=click.FloatRange(min=10), default=600.0, show_default=True,
-              help="Seconds without a heartbeat after which a client's session ends and its runs and samplers are freed.")
+# tinkergym.tinker_api.service's Limits.session_timeout_s, and three of SDK_HEARTBEAT_S (not imported here: it imports torch)
+@click.option("--session-timeout", type=click.FloatRange(min=30), default=180.0, show_default=True,
+              help="Seconds without a heartbeat after which a client's session ends (checked every 30 s): its runs and samplers are "
+                   "freed (with --scheduler, their jobs end and free their seats, the reason in `tinkergym jobs show`); their saved "
+                   "states are kept. The SDK sends a heartbeat every 10 s while its ServiceClient lives, busy or idle: only a client "
+                   "that is gone (killed, or a script that ended without close()) comes near it.")
 @click.option("--gather-ms", type=click.FloatRange(min=0, max=1000), default=2.0, show_default=True,
               help="Before a pass, wait until no call came for this long (at most ten times it), so several runs' calls share it.")
 @click.option("--sample-gather-ms", type=click.FloatRange(min=0, max=1000), default=50.0, show_default=True,

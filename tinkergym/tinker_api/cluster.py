@@ -25,11 +25,22 @@ heartbeat, on the keep-alive pool: :meth:`ClusterEngine.keepalive`): the newest 
 stored state yet cannot be brought back on its job's server (its adapter's start is not saved there): its job is ended
 and a new one from the same config (the same seed: the same start) replays the log.
 
-A client whose SDK still sends session heartbeats keeps its jobs: every ``keepalive_s`` the service pings the server of
+A client whose SDK still sends session heartbeats keeps its jobs: every ``maintenance_s`` the service pings the server of
 each run and sampler of a live session (:meth:`ClusterEngine.keepalive`), which resets the scheduler's idle timeout as
-a call does; a session that stops its heartbeats lets its jobs end when they go idle. A keep-alive that finds the server
-gone brings the job's next server to the log once the job runs on a new lease (:meth:`ClusterEngine._follow`), so a
-worker that dies under an idle client does not end its job at the idle timeout.
+a call does. A keep-alive that finds the server gone brings the job's next server to the log once the job runs on a new
+lease (:meth:`ClusterEngine._follow`), so a worker that dies under an idle client does not end its job at the idle timeout.
+
+A client that is gone (killed, or a script that ended without ``close()``) sends no heartbeat: once its session has had
+none for ``session_timeout_s`` (``serve-tinker --session-timeout``, 180 s; the SDK sends one every 10 s), the next
+maintenance pass ends the session and :meth:`ClusterEngine.close` completes each of its jobs with the reason (the job's
+``end_reason``, which ``tinkergym jobs show`` and the dashboard's job view show), which frees their seats at once; the
+states the scheduler stored stay, and the run stays listed, so ``create_training_client_from_state(path)`` from a new
+client resumes it on a new job. A front door that stops for good ends nothing: its jobs get no more calls nor
+keep-alives, and each ends at the scheduler's idle timeout (``scheduler serve --idle-timeout``, 900 s), a seat's as a
+whole server's (the worker stops a seat whose adapter got no call for that long). A front door started again on its
+run folder restores its sessions with a fresh heartbeat clock: a client that is still alive reattaches with its next
+heartbeat, one that is gone ends after the session timeout, and its jobs, which the front door can end only with the
+client's key, at the idle timeout.
 
 An offered vision-language model (``--offer NAME=<folder>``, a folder whose config has a ``vision_config`` and that holds
 the image processor) takes image chunks: :meth:`ClusterEngine.vision` reads its image processor and image token from that
@@ -293,8 +304,9 @@ class ClusterEngine:
     def open_sampler(self, sampler_id: str, model: str, rank: int, source: Saved | None, credential: str) -> ClusterHandle:
         return self._job(credential, sampler_id, model, rank, 0, source, load_now=True)
 
-    def close(self, handle: ClusterHandle, forget: bool = False) -> None:
-        """End the job (its seat is freed at once); its stored checkpoints stay the scheduler's."""
+    def close(self, handle: ClusterHandle, forget: bool = False, reason: str | None = None) -> None:
+        """End the job (its seat is freed at once), ``reason`` its end reason (``tinkergym jobs show`` and the dashboard show it);
+        its stored checkpoints stay the scheduler's. A call in flight (its client may be gone) is waited for: it holds the lock."""
         with handle.lock:
             if handle.closed:
                 return
@@ -303,7 +315,7 @@ class ClusterEngine:
                 self.say(f"job {handle.job_id}: not reattached since a restart; it ends when it goes idle")
                 return
             try:
-                handle.backend.complete(store_timeout=60.0)
+                handle.backend.complete(store_timeout=60.0, reason=reason)
             except Exception as exc:  # noqa: BLE001 - a job that cannot be ended ends when its client goes quiet
                 self.say(f"job {handle.job_id}: could not end it ({exc}); it ends when it goes idle")
             handle.backend.close()

@@ -120,8 +120,8 @@ class LocalEngine:
         self.worker.add(sampler_id, session, self.root / "samplers")
         return LocalHandle(sampler_id, session, self.root / "samplers", rank)
 
-    def close(self, handle: LocalHandle, forget: bool = False) -> None:
-        """Free the handle's adapter; with ``forget``, its checkpoints too."""
+    def close(self, handle: LocalHandle, forget: bool = False, reason: str | None = None) -> None:
+        """Free the handle's adapter; with ``forget``, its checkpoints too. ``reason`` (why it closes) is a cluster job's to keep."""
         self.worker.remove(handle.adapter_id)
         self.base.close_session(handle.session)
         if forget and handle.folder.name == handle.adapter_id:

@@ -12,6 +12,12 @@ order) or on the samplers' pool. ``retrieve_future`` waits for it a while and an
 done. A tenant reaches only its own sessions, runs, samplers, futures and checkpoints: anything else answers as if
 it did not exist (404).
 
+A session ends when its client finishes it (the SDK's ``close``) or, once it has sent no heartbeat for
+:attr:`Limits.session_timeout_s` (the SDK sends one every :data:`SDK_HEARTBEAT_S` while its ``ServiceClient`` lives, idle
+or not), at the next maintenance pass (every :attr:`Limits.maintenance_s`, whether or not anyone calls): its runs and
+samplers are closed with the reason, which a cluster's jobs keep as their end reason. A run with checkpoints stays listed,
+so its ``tinker://`` paths still load. Another tenant's heartbeats are 404s and keep nothing alive.
+
 A checkpoint is ``tinker://<model_id>/weights/<name>`` (``save_state``: adapter, Adam moments, step and generator),
 ``tinker://<model_id>/sampler_weights/<name>`` (``save_weights_for_sampler``) or
 ``tinker://<model_id>/external_weights/<name>`` (``save_weights_external``: a peft adapter folder, which
@@ -62,6 +68,9 @@ EXTERNAL_URL_TTL_S = 3600
 EXTERNAL_FILES_ROUTE = "/api/v1/external_weights_files"
 #: The longest signed token a download may carry (a longer one is refused before it is decoded).
 MAX_SIGNED_TOKEN = 2048
+#: Seconds between the session heartbeats the tinker SDK (0.38) sends on its own, from a background thread, for as long as its
+#: ``ServiceClient`` lives (whether or not the script calls anything); it warns after 120 s without an answered one.
+SDK_HEARTBEAT_S = 10.0
 
 
 #: A request refused with an HTTP status; ``category`` is the SDK's ``RequestErrorCategory`` (user or server).
@@ -95,7 +104,10 @@ class Limits:
     max_num_samples: int = 256
     max_body_bytes: int = 256 << 20  # one request's body (413 past it): max_tokens of JSON token ids, masks and advantages fit
     keep_done_futures: int = 4096
-    session_timeout_s: float = 600.0
+    #: Seconds without a heartbeat after which a session ends, its runs and samplers closed (a cluster's jobs ended, their seats
+    #: freed; their saved states kept): 18 of the SDK's heartbeat periods (:data:`SDK_HEARTBEAT_S`), so a client that lives
+    #: (idle or not) never comes near it, and past the SDK's own warning that its heartbeats fail (120 s).
+    session_timeout_s: float = 180.0
     #: Seconds between passes that end sessions without heartbeats and keep live sessions' jobs alive (see :meth:`TinkerService.maintain`).
     maintenance_s: float = 30.0
 
@@ -117,7 +129,10 @@ class TinkerService:
         self._url_key = secrets.token_bytes(32)  # signs download URLs; a restarted server's URLs are void, as its checkpoints are
         self._sampling = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tinker-sample")
         self._keepalive_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tinker-keepalive")
+        self._closing_pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="tinker-session-end")
         self._keeping_alive: set[int] = set()
+        #: Runs being opened (model_id -> tenant, and the future of the run): a retried creation waits for the first.
+        self._opening: dict[str, tuple[str, concurrent.futures.Future]] = {}
         if journal is not None:
             engine.journal = journal
             self.restore()
@@ -158,20 +173,23 @@ class TinkerService:
             self.logger.warning(json.dumps({"event": "tinker_result_not_kept", "request_id": request_id, "error": str(exc)[:500]}))
 
     def maintain(self) -> None:
-        """End the sessions whose client stopped sending heartbeats (their adapters freed even on a server nobody calls), and
-        keep the jobs of live sessions from their idle timeout where the engine's runs are jobs (``engine.keepalive``)."""
+        """End the sessions whose client stopped sending heartbeats (their adapters freed even on a server nobody calls, a
+        cluster's jobs ended with the reason), and keep the jobs of live sessions from their idle timeout where the engine's runs
+        are jobs (``engine.keepalive``). The lock is held only to read and change the tables: the jobs end after it."""
         with self._lock:
-            self._expire_sessions()
+            lapsed = [(session, self._take_session(session)) for session in self._lapsed_sessions()]
             handles = [r.handle for r in self.runs.values() if not r.closed and r.session_id in self.sessions]
             handles += [s.handle for s in self.samplers.values() if s.session_id in self.sessions]
         keepalive = getattr(self.engine, "keepalive", None)
-        if keepalive is None:
-            return
         for handle in handles:  # each a request to a job's server, on a pool: a server that hangs holds back no other
-            if id(handle) in self._keeping_alive:
+            if keepalive is None or id(handle) in self._keeping_alive:
                 continue
             self._keeping_alive.add(id(handle))
             self._keepalive_pool.submit(self._keep_alive, keepalive, handle)
+        why = (f"its Tinker session ended: no heartbeat from the client for {self.limits.session_timeout_s:g} s (the client stopped without "
+               "ServiceClient.close); the run's saved states are kept: create_training_client_from_state(path) resumes it")
+        ending = [self._closing_pool.submit(self._close_all, session, closing, why) for session, closing in lapsed]
+        concurrent.futures.wait(ending, timeout=self.limits.maintenance_s)  # one slow to end (a call in flight holds its job) goes on alone
 
     def _keep_alive(self, keepalive: Callable[[Any], None], handle: Any) -> None:
         try:
@@ -182,8 +200,8 @@ class TinkerService:
     # ----- sessions -----------------------------------------------------------------------------------
     def create_session(self, tenant: str) -> str:
         with self._lock:
-            self._expire_sessions()
-            mine = [s for s in self.sessions.values() if s.tenant == tenant]
+            deadline = time.monotonic() - self.limits.session_timeout_s
+            mine = [s for s in self.sessions.values() if s.tenant == tenant and s.last_heartbeat >= deadline]  # lapsed ones end at the next pass
             if len(mine) >= self.limits.max_sessions_per_tenant:
                 raise TinkerError(429, f"this tenant has {len(mine)} sessions open, its most; let idle ones lapse "
                                        f"({self.limits.session_timeout_s:.0f} s without a heartbeat) or end them")
@@ -199,7 +217,8 @@ class TinkerService:
     def heartbeat(self, tenant: str, session_id: str, credential: str | None = None) -> None:
         """A session's client is alive. After a restart (the engine's handles outlive it), the first heartbeat that brings the
         key reattaches the session's runs and samplers to their jobs and starts bringing their servers back (on the keep-alive
-        pool), so a client that only sends heartbeats keeps its jobs, and its next call finds its server ready."""
+        pool), so a client that only sends heartbeats keeps its jobs, and its next call finds its server ready. Another
+        tenant's heartbeat is a 404 and keeps nothing alive."""
         with self._lock:
             self.session(tenant, session_id).last_heartbeat = time.monotonic()
             objects: list[Run | Sampler] = [*self.runs.values(), *self.samplers.values()]
@@ -213,11 +232,10 @@ class TinkerService:
                 self._keeping_alive.add(id(one.handle))
                 self._keepalive_pool.submit(self._keep_alive, keepalive, one.handle)
 
-    def _expire_sessions(self) -> None:
-        """Close the runs and samplers of sessions whose client stopped sending heartbeats (their memory is freed)."""
+    def _lapsed_sessions(self) -> list[Session]:
+        """Under the lock: the sessions whose client sent no heartbeat for ``session_timeout_s``."""
         deadline = time.monotonic() - self.limits.session_timeout_s
-        for session in [s for s in self.sessions.values() if s.last_heartbeat < deadline]:
-            self.end_session(session)
+        return [s for s in self.sessions.values() if s.last_heartbeat < deadline]
 
     def finish_session(self, tenant: str, session_id: str) -> None:
         """The client ends its session (the SDK's ``close``): its runs and samplers are closed. Finishing a session this
@@ -228,29 +246,45 @@ class TinkerService:
             if session is None and self.ended.get(session_id) == tenant:
                 return
             session = self.session(tenant, session_id)
-        self.end_session(session)
+        self.end_session(session, "its Tinker session ended: the client closed it (ServiceClient.close)")
 
-    def end_session(self, session: Session) -> None:
-        """Close the session's runs and samplers (their memory is freed). The service's lock is held only to take them out of
-        its tables: the engine closes them after (a cluster job's end may wait for its last state to be stored), so one
-        session's end holds back no other tenant's request. A session ended already is left as it is."""
+    def end_session(self, session: Session, why: str = "its Tinker session ended") -> None:
+        """Close the session's runs and samplers (their memory is freed; a cluster's jobs end, ``why`` recorded as each job's end
+        reason). The service's lock is held only to take them out of its tables: the engine closes them after (a cluster job's end
+        may wait for its last state to be stored), so one session's end holds back no other tenant's request. A session ended
+        already is left as it is."""
         with self._lock:
-            if self.sessions.pop(session.session_id, None) is None:
-                return
-            self.ended[session.session_id] = session.tenant
-            while len(self.ended) > self.limits.keep_done_futures:
-                self.ended.popitem(last=False)
-            self._write("drop_session", session.session_id)
-            closing = [(run.handle, self._retire_run(run)) for run in (self.runs.get(m) for m in list(session.runs))
-                       if run is not None and not run.closed]
-            for sampler_id in list(session.samplers):
-                sampler = self.samplers.pop(sampler_id, None)
-                if sampler is not None:
-                    self._write("drop_sampler", sampler_id)
-                    closing.append((sampler.handle, False))
+            closing = self._take_session(session)
+        self._close_all(session, closing, why)
+
+    def _take_session(self, session: Session) -> list[tuple[Any, bool]] | None:
+        """Under the lock: the session out of the tables, its runs retired and its samplers dropped; the handles to close (and
+        whether the engine may forget each one's files), or None for a session ended already."""
+        if self.sessions.pop(session.session_id, None) is None:
+            return None
+        self.ended[session.session_id] = session.tenant
+        while len(self.ended) > self.limits.keep_done_futures:
+            self.ended.popitem(last=False)
+        self._write("drop_session", session.session_id)
+        closing = [(run.handle, self._retire_run(run)) for run in (self.runs.get(m) for m in list(session.runs))
+                   if run is not None and not run.closed]
+        for sampler_id in list(session.samplers):
+            sampler = self.samplers.pop(sampler_id, None)
+            if sampler is not None:
+                self._write("drop_sampler", sampler_id)
+                closing.append((sampler.handle, False))
+        return closing
+
+    def _close_all(self, session: Session, closing: list[tuple[Any, bool]] | None, why: str) -> None:
+        """Outside the lock: the engine closes the handles :meth:`_take_session` took; one that fails holds back no other."""
+        if closing is None:
+            return
         for handle, forget in closing:
-            self.engine.close(handle, forget=forget)
-        self.logger.info(json.dumps({"event": "tinker_session_ended", "session": session.session_id}))
+            try:
+                self.engine.close(handle, forget=forget, reason=why)
+            except Exception as exc:  # noqa: BLE001 - the session has ended; a job that could not be ended ends at its idle timeout
+                self.logger.warning(json.dumps({"event": "tinker_close_failed", "session": session.session_id, "error": str(exc)[:500]}))
+        self.logger.info(json.dumps({"event": "tinker_session_ended", "session": session.session_id, "tenant": session.tenant, "why": why}))
 
     def _retire_run(self, run: Run) -> bool:
         """Under the lock: the run takes no more calls; one with checkpoints stays listed (its tinker:// paths still load), one
@@ -317,28 +351,57 @@ class TinkerService:
     # ----- runs and samplers -------------------------------------------------------------------------------
     def create_run(self, tenant: str, session_id: str, model_seq_id: int, base_model: str, rank: int, seed: int | None,
                    user_metadata: dict[str, Any] | None, credential: str = "", source: Saved | None = None) -> Run:
-        """The run ``<session_id>:train:<model_seq_id>`` (the id the SDK derives too); a retried creation answers the run made first."""
+        """The run ``<session_id>:train:<model_seq_id>`` (the id the SDK derives too); a retried creation answers the run made first
+        (waiting for it while it is made). The engine opens it outside the lock (a cluster's job may wait long for a seat), so other
+        requests, and every session's heartbeats, go on meanwhile; a session that ends meanwhile gets no run (its job is ended)."""
         with self._lock:
             session = self.session(tenant, session_id)
             model_id = f"{session_id}:train:{int(model_seq_id)}"
             if model_id in self.runs:
                 return self.runs[model_id]
-            self.engine.check_model(base_model)
-            mine = [r for r in self.runs.values() if r.tenant == tenant]
-            if sum(not r.closed for r in mine) >= self.limits.max_runs_per_tenant:
-                raise TinkerError(429, f"this tenant has {sum(not r.closed for r in mine)} training runs open, its most; end a session "
-                                       "(ServiceClient.close) to close its runs")
-            if len(mine) >= self.limits.max_kept_runs_per_tenant:
-                raise TinkerError(429, f"this tenant keeps {len(mine)} training runs with checkpoints, its most; delete the checkpoints "
-                                       "of old runs (RestClient.delete_checkpoint): a closed run without checkpoints is forgotten")
-            handle = self.engine.open_run(model_id, base_model, rank, seed, credential, source)
-            executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tinker-{model_id}")
-            run = Run(model_id, tenant, session_id, base_model, rank, handle, executor, user_metadata)
-            self.runs[model_id] = run
-            session.runs.add(model_id)
-            if self.journal is not None:
-                self.journal.put_run(model_id, tenant, session_id, base_model, rank, user_metadata, self.engine.describe(handle))
+            made = self._opening.get(model_id)
+            if made is None:
+                self.engine.check_model(base_model)
+                mine = [r for r in self.runs.values() if r.tenant == tenant]
+                opening = sum(1 for t, _ in self._opening.values() if t == tenant)
+                if sum(not r.closed for r in mine) + opening >= self.limits.max_runs_per_tenant:
+                    raise TinkerError(429, f"this tenant has {sum(not r.closed for r in mine) + opening} training runs open, its most; end a "
+                                           "session (ServiceClient.close) to close its runs")
+                if len(mine) + opening >= self.limits.max_kept_runs_per_tenant:
+                    raise TinkerError(429, f"this tenant keeps {len(mine)} training runs with checkpoints, its most; delete the checkpoints "
+                                           "of old runs (RestClient.delete_checkpoint): a closed run without checkpoints is forgotten")
+                self._opening[model_id] = (tenant, concurrent.futures.Future())
+        if made is not None:
+            return made[1].result()  # the first creation's run, or its refusal
+        try:
+            run = self._open_run(session, model_id, base_model, rank, seed, user_metadata, credential, source)
+        except Exception as exc:
+            with self._lock:
+                _, future = self._opening.pop(model_id)
+            future.set_exception(exc)
+            raise
+        with self._lock:
+            _, future = self._opening.pop(model_id)
+        future.set_result(run)
         self.logger.info(json.dumps({"event": "tinker_run_created", "model_id": model_id, "tenant": tenant, "rank": rank}))
+        return run
+
+    def _open_run(self, session: Session, model_id: str, base_model: str, rank: int, seed: int | None, user_metadata: dict[str, Any] | None,
+                  credential: str, source: Saved | None) -> Run:
+        """The engine's run, entered in the tables if its session still lives; else closed (a 404, as for a session ended before)."""
+        handle = self.engine.open_run(model_id, base_model, rank, seed, credential, source)
+        run: Run | None = None
+        with self._lock:
+            if self.sessions.get(session.session_id) is session:
+                executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tinker-{model_id}")
+                run = Run(model_id, session.tenant, session.session_id, base_model, rank, handle, executor, user_metadata)
+                self.runs[model_id] = run
+                session.runs.add(model_id)
+                if self.journal is not None:
+                    self.journal.put_run(model_id, session.tenant, session.session_id, base_model, rank, user_metadata, self.engine.describe(handle))
+        if run is None:
+            self.engine.close(handle, forget=True, reason="its Tinker session ended while the run's job started")
+            raise not_found(f"session {session.session_id[:80]!r}")
         return run
 
     def run(self, tenant: str, model_id: str, credential: str | None = None) -> Run:
@@ -438,16 +501,10 @@ class TinkerService:
                 self.engine.close(run.handle, forget=True)
 
     def create_sampler(self, tenant: str, session_id: str, base_model: str | None, model_path: str | None, credential: str = "") -> Sampler:
-        """A sampler holding the weights of ``model_path`` (a sampler or training checkpoint), or the base model's."""
+        """A sampler holding the weights of ``model_path`` (a sampler or training checkpoint), or the base model's. A session that
+        ends while the engine opens it (outside the lock) gets no sampler (its job is ended)."""
         with self._lock:
             session = self.session(tenant, session_id)
-            mine = [s for s in self.samplers.values() if s.tenant == tenant]
-            evicted = mine[: max(0, len(mine) - self.limits.max_samplers_per_tenant + 1)]  # the oldest first: an RL loop's spent samplers
-            for old in evicted:
-                self.samplers.pop(old.sampler_id, None)
-                self._write("drop_sampler", old.sampler_id)
-                for other in self.sessions.values():
-                    other.samplers.discard(old.sampler_id)
             source: Saved | None = None
             rank, model = 1, base_model
             if model_path is not None:
@@ -458,17 +515,30 @@ class TinkerService:
                 source, rank, model = checkpoint.saved, run.rank, run.base_model
             else:
                 self.engine.check_model(base_model)
+            mine = [s for s in self.samplers.values() if s.tenant == tenant]
+            evicted = mine[: max(0, len(mine) - self.limits.max_samplers_per_tenant + 1)]  # the oldest first: an RL loop's spent samplers
+            for old in evicted:
+                self.samplers.pop(old.sampler_id, None)
+                self._write("drop_sampler", old.sampler_id)
+                for other in self.sessions.values():
+                    other.samplers.discard(old.sampler_id)
         for old in evicted:
-            self.engine.close(old.handle)
+            self.engine.close(old.handle, reason=f"its Tinker sampler was closed: its tenant opened a new one past its bound of "
+                                                 f"{self.limits.max_samplers_per_tenant} samplers (the oldest close first)")
             self.logger.info(json.dumps({"event": "tinker_sampler_evicted", "sampler": old.sampler_id, "tenant": tenant}))
         sampler_id = "sampler-" + secrets.token_hex(8)
         handle = self.engine.open_sampler(sampler_id, model, rank, source, credential)
+        sampler: Sampler | None = None
         with self._lock:
-            sampler = Sampler(sampler_id, tenant, session_id, str(model), model_path, handle)
-            self.samplers[sampler_id] = sampler
-            session.samplers.add(sampler_id)
-            if self.journal is not None:
-                self.journal.put_sampler(sampler_id, tenant, session_id, str(model), model_path, self.engine.describe(handle))
+            if self.sessions.get(session_id) is session:
+                sampler = Sampler(sampler_id, tenant, session_id, str(model), model_path, handle)
+                self.samplers[sampler_id] = sampler
+                session.samplers.add(sampler_id)
+                if self.journal is not None:
+                    self.journal.put_sampler(sampler_id, tenant, session_id, str(model), model_path, self.engine.describe(handle))
+        if sampler is None:
+            self.engine.close(handle, reason="its Tinker session ended while the sampler's job started")
+            raise not_found(f"session {session_id[:80]!r}")
         return sampler
 
     def sampler(self, tenant: str, sampler_id: str, credential: str | None = None) -> Sampler:

@@ -22,6 +22,9 @@ from tinkergym.scheduler.repository import Conflict, JobStore
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
+#: The longest reason a client may give for completing a job.
+MAX_REASON = 500
+
 
 class Connection(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -37,6 +40,8 @@ class Complete(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     epoch: int = Field(ge=0, le=MAX_INT, description="the lease epoch the client trained against (fences a completion from an older lease)")
+    reason: str | None = Field(None, max_length=MAX_REASON, description="why the client ends the job, in words for its owner (the Tinker "
+                                                                         "front door says its session ended, and why): the job's end_reason")
 
 
 class Completed(BaseModel):
@@ -82,14 +87,16 @@ def connection(job_id: str, request: Request, who: Principal = Depends(require("
 def complete(job_id: str, body: Complete, request: Request, who: Principal = Depends(require("write"))) -> Any:
     """The client is done with the job (a train job's run ended): it succeeds and its devices are freed at once.
 
-    The worker sees the end at its next heartbeat and stops the server. Completing again answers the same.
+    The worker sees the end at its next heartbeat and stops the server. Completing again answers the same. A ``reason``
+    goes with the job's ``state`` event, and ``GET /v1/jobs/{id}`` answers it as the job's ``end_reason``.
     """
     store = _store(request)
     with store.transaction() as conn:
         job = store.get(conn, job_id, who.tenant_id, for_update=True)
         if job["state"] == states.SUCCEEDED:
             return {"job_id": job_id, "state": job["state"]}
-        moved = store.transition(conn, job_id, states.SUCCEEDED, epoch=body.epoch, event={"by": "client", "epoch": body.epoch},
+        said = {"reason": body.reason} if body.reason else {}
+        moved = store.transition(conn, job_id, states.SUCCEEDED, epoch=body.epoch, event={"by": "client", "epoch": body.epoch, **said},
                                  lease_expires_at=None, server_url=None, server_token_digest=None)
         conn.execute(delete(allocations).where(allocations.c.job_id == job_id))
     return {"job_id": job_id, "state": moved.job["state"]}

@@ -15,7 +15,7 @@ from tinkergym.scheduler import placement, states
 from tinkergym.scheduler.artifacts import JOB_ID
 from tinkergym.scheduler.deps import Forbidden, require
 from tinkergym.scheduler.auth import TENANT_PATTERN, Principal
-from tinkergym.scheduler.db import MAX_INT, allocations, devices, jobs
+from tinkergym.scheduler.db import MAX_INT, allocations, devices, events, jobs
 from tinkergym.scheduler.idempotency import Refused
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.routes import in_writer_thread, respond_once
@@ -58,6 +58,8 @@ class Job(WireModel):
                                                 "whole devices (false) now; null while it holds nothing")
     wait_reason: WaitReason | None = Field(None, description="why a queued job waits; queued jobs, in GET /v1/jobs and /v1/jobs/{id}")
     last_event: int = Field(0, description="the seq of the job's newest event (read the ones after it with ?after=)")
+    end_reason: str | None = Field(None, description="why an ended job ended, as the client that completed it said (the Tinker front "
+                                                     "door: its session ended, and why); in GET /v1/jobs/{id} (a failed job says why in error)")
     config: dict[str, Any]
 
 
@@ -142,7 +144,8 @@ def seats_held(conn: Any, rows: list[dict[str, Any]]) -> dict[str, bool]:
 def job_view(conn: Any, job: dict[str, Any], position: bool | int | None = False, wait_reason: dict[str, str] | None = None) -> dict[str, Any]:
     """The public view of a job row (no token digests, no worker ids); ``position``: True counts its place in the
     queue, a number is that place (:func:`queue_positions` counts a page's in one query)."""
-    view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position", "wait_reason", "last_event", "seat")}
+    view = {k: job[k] for k in Job.model_fields if k in job and k not in ("config", "queue_position", "wait_reason", "last_event", "seat",
+                                                                         "end_reason")}
     view["tenant"] = job["tenant_id"]
     view["config"] = json.loads(job["config"])
     view["queue_position"] = queue_position(conn, job) if position is True else (position or None)
@@ -248,7 +251,17 @@ def show(job_id: str, request: Request, who: Principal = Depends(require("read")
     with store.read() as conn:
         job = store.get(conn, job_id, who.tenant_filter())
         reasons = placement.wait_reasons(conn, request.app.state.settings, store.clock(), [job])
-        return job_view(conn, job, position=True, wait_reason=reasons.get(job_id))
+        return {**job_view(conn, job, position=True, wait_reason=reasons.get(job_id)), "end_reason": end_reason(conn, job)}
+
+
+def end_reason(conn: Any, job: dict[str, Any]) -> str | None:
+    """The ``reason`` of an ended job's last ``state`` event (a client's, given when it completed the job), or None."""
+    if job["state"] not in states.TERMINAL:
+        return None
+    data = conn.execute(select(events.c.data).where(events.c.job_id == job["id"], events.c.type == "state")
+                        .order_by(events.c.seq.desc()).limit(1)).scalar()
+    reason = json.loads(data).get("reason") if data else None
+    return reason if isinstance(reason, str) else None
 
 
 @router.post("/{job_id}/cancel", response_model=Job, responses={404: {}, 409: {}})

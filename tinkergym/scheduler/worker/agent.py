@@ -242,6 +242,10 @@ class JobRunner(threading.Thread):
         if code == IDLE_EXIT_CODE and self.lease["kind"] in SERVING_KINDS:
             error = ("the job's inference server got no request for the idle timeout, so it stopped (exit code 75) and the devices are "
                      "free; serve the model again with: tinkergym serve-model --scheduler URL (the same --run or --model)")
+        elif code == IDLE_EXIT_CODE and (self.lease.get("config") or {}).get("trainer") == "tinker":
+            error = ("the job's Tinker front door (serve-tinker --scheduler) sent no call for the idle timeout (it stopped, or lost the "
+                     "session), so its server stopped (exit code 75) and the devices are free; its stored states are kept: a Tinker client "
+                     "resumes the run from one with create_training_client_from_state(path) through the front door")
         elif code == IDLE_EXIT_CODE:
             error = ("the job's client sent no call for the idle timeout, so its server stopped (exit code 75) and the devices are free; "
                      "continue the run with: tinkergym train --resume DIR (the run's folder), which starts from its last checkpoint")

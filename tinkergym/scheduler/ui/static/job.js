@@ -104,6 +104,7 @@ export class JobView {
     if (job.queue_position) facts.push(["Queue position", job.queue_position]);
     if (job.wait_reason) facts.push(["Waiting for", job.wait_reason.message]);
     if (job.error) facts.push(["Error", job.error]);
+    if (job.end_reason) facts.push(["Ended because", job.end_reason]);
     const dl = document.getElementById("job-facts");
     dl.replaceChildren(...facts.flatMap(([name, value]) => [el("dt", {}, name), el("dd", { "data-fact": name.toLowerCase() }, value)]));
     this.cancelButton.disabled = !CANCELLABLE.has(job.state);
