@@ -77,3 +77,47 @@ def test_the_cli_shows_the_refusal_and_exits_2(server: ThreadServer, keys: Any, 
         assert result.exit_code == 2, (kind, result.output)
         assert f"{kind} jobs run on one device today" in result.output and "--gpus 1 on the command line" in result.output, result.output
     assert kit.query(db_url, "SELECT COUNT(*) FROM jobs") == [(0,)]
+
+
+def test_the_help_says_a_training_job_shards_over_its_devices() -> None:
+    """``train --gpus N`` runs the job's server one rank per device (sharded); ``eval --gpus`` stays one device."""
+    def gpus_help(command: str) -> str:
+        said = " ".join(CliRunner().invoke(main, [command, "--help"], terminal_width=200).output.split())
+        return said[said.index("--gpus INTEGER"):][:300]
+
+    train = gpus_help("train")
+    assert "refuses more" not in train and "one rank per device, the model sharded over them" in train, train
+    evaluate = gpus_help("eval")
+    assert "an eval job uses one today and the scheduler refuses more" in evaluate, evaluate
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the reason's tables: tests/scheduler/test_wait_reasons.py
+def test_a_train_job_past_every_worker_is_queued_and_jobs_show_says_what_to_do(keys: Any, db_url: str, tmp_path: Path) -> None:
+    """A train job on 4 devices is accepted (it would shard), and with the largest worker of 2 slots ``jobs show`` says
+    that none can host it and what to submit instead; ``--refuse-unplaceable`` refuses it with the same advice."""
+    import httpx
+
+    user = keys.new("acme", "read,write")
+    live = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False))
+    try:
+        with httpx.Client(base_url=live.url) as http:
+            kit.register(http, keys.worker(8), devices=2, models=("tiny",))
+            queued = post(http, user, "train", gpus=4)
+            assert queued.status_code == 201 and queued.json()["gpus"] == 4, queued.text
+        job = queued.json()["id"]
+        shown = CliRunner().invoke(main, ["jobs", "show", job, "--scheduler", live.url, "--api-key", user], catch_exceptions=False)
+        assert shown.exit_code == 0, shown.output
+        said = " ".join(shown.output.split())
+        assert ("reason: too_few_devices: no worker offering tiny has 4 slots (the largest has 2 slots): resubmit it with "
+                "--gpus 2 or fewer, or start a worker with 4 slots") in said, said
+    finally:
+        live.stop()
+    refusing = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", refuse_unplaceable=True), background=False))
+    try:
+        with httpx.Client(base_url=refusing.url) as http:
+            refused = post(http, user, "train", gpus=4)
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["message"].endswith("no worker offering tiny has 4 devices (the workers offer tiny: up to 2 "
+                                                            "device(s)): submit it with --gpus 2 or fewer"), refused.text
+    finally:
+        refusing.stop()

@@ -302,7 +302,7 @@ def test_queued_quota_is_429_and_not_stored_under_the_key(make_client, keys, db_
     assert submit(client, key, idempotency_key="third").json()["id"] == ran.json()["id"]
     engine = make_engine(db_url)
     with engine.begin() as conn:
-        ensure_tenant(conn, "small", max_gpus=0)  # every kind runs on one device today: a job over the device quota asks for one
+        ensure_tenant(conn, "small", max_gpus=0)  # a job of one device is past a quota of none
     engine.dispose()
     too_big = submit(client, key)
     assert too_big.status_code == 400 and "tenant 'small' may hold at most 0" in too_big.json()["error"]["message"]

@@ -66,7 +66,7 @@ def test_each_reason_appears_when_it_should(make_client: Any, keys: Any, db_url:
 
     w = kit.register(client, keys.worker(8), name="w1", devices=2, models=("tiny",))
     wrong_model = kit.submit(client, user, model="smollm2-136m")
-    too_big = kit.multi_device_job(client.app, gpus=3)  # multi-device jobs are stored past the API, which refuses them today
+    too_big = kit.multi_device_job(client.app, gpus=3)  # stored past the API, which would accept it: train jobs shard
     missing = reason(client, user, wrong_model)
     assert missing["code"] == "no_model" and "smollm2-136m" in missing["message"] and "tiny" in missing["message"]
     large = reason(client, user, too_big)
@@ -146,7 +146,7 @@ def test_refuse_unplaceable_refuses_what_no_worker_offered(make_client: Any, key
     def post(model: str, gpus: int = 1) -> Any:
         return client.post("/v1/jobs", json={"kind": "train", "config": {"model": model}, "gpus": gpus}, headers=kit.auth(user))
 
-    def unplaceable(gpus: int) -> str | None:  # placement's answer for a multi-device job: the API refuses those before it today
+    def unplaceable(gpus: int) -> str | None:  # placement's answer for a multi-device job
         with client.app.state.store.read() as conn:
             return placement.refusal(conn, "acme", "tiny", gpus)
 
@@ -206,7 +206,7 @@ def test_the_progress_line_says_why_and_an_unplaceable_job_says_how_to_go_on(ser
             raise Hinted
 
     try:
-        job = kit.multi_device_job(server.app, gpus=3, model="smollm2-136m")  # stored past the API, which refuses it today
+        job = kit.multi_device_job(server.app, gpus=3, model="smollm2-136m")  # stored past the API
         with pytest.raises(Hinted):
             wait_running(client, job, poll=0.01, say=say, unplaceable_after=0.0, timeout=60.0)
         assert "no worker is alive" in lines[0]

@@ -215,7 +215,8 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
 @click.option("--api-key", envvar="TINKERGYM_API_KEY", show_envvar=True,
               help="The scheduler key (tgk_...) for --scheduler and to --resume such a run; never saved.")
 @click.option("--gpus", type=click.IntRange(1, 64),
-              help="Devices the scheduler job needs, all on one worker (default 1; a training job uses one today and the scheduler refuses more).")
+              help="Devices the scheduler job needs, all on one worker (default 1); on more than one its training server runs one "
+                   "rank per device, the model sharded over them (FSDP2), and trains as on one.")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable), e.g. size=7.")
 @click.option("--trainer-arg", "trainer_args", multiple=True, metavar="KEY=VALUE", help="Trainer-specific setting (repeatable).")
 @click.option("--data", multiple=True, type=SafePath(exists=True, dir_okay=False), help="sft: JSONL chat transcripts (repeatable).")

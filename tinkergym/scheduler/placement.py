@@ -187,8 +187,10 @@ class Placement:
             largest = max(offering, key=lambda h: h.devices)
             seats = "; seats of shared servers take only LoRA train or sft jobs of one device with the server's model, dtype and " \
                     "at most its max_lora_rank" if any(h.seats for h in offering) else ""
+            fewer = f": resubmit it with --gpus {largest.devices} or fewer, or start a worker with {_devices(gpus, largest.kind)}" \
+                if 0 < largest.devices < gpus else ""
             return reason(TOO_FEW_DEVICES, f"no worker offering {model} has {_devices(gpus, largest.kind)} "
-                                           f"(the largest has {_devices(largest.devices, largest.kind)}){seats}")
+                                           f"(the largest has {_devices(largest.devices, largest.kind)}){fewer}{seats}")
         if self._over_quota(job):
             held, limit = self.quota(tenant)
             return reason(QUOTA, f"tenant {tenant}'s jobs hold {held} of its {limit} devices (max_gpus); this job needs {gpus}")
@@ -248,7 +250,8 @@ def refusal(conn: Connection, tenant: str, model: Any, gpus: int, kind: str = "t
     if model not in most:
         return f"no worker offers model {model} (the workers offer {cluster}); start one: tinkergym worker --models {model}"
     if gpus > most[model]:
-        return f"no worker offering {model} has {gpus} devices (the workers offer {cluster})"
+        fewer = f": submit it with --gpus {most[model]} or fewer" if most[model] else ""
+        return f"no worker offering {model} has {gpus} devices (the workers offer {cluster}){fewer}"
     job = {"kind": kind, "gpus": gpus, "config": {**(config or {}), "model": model}}
     if not any(h.hosts(job) for h in hosts):
         refusals = [r for h in hosts if model in h.models and gpus <= h.devices and (r := h.memory_refusal(job))]

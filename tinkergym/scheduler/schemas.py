@@ -10,10 +10,10 @@ from tinkergym.config import DTYPES, SERVED_NAME
 from tinkergym.scheduler.artifacts import JOB_ID
 
 
-#: Devices a job of each kind can use today: its server runs on the first device of its lease. A job asking for more is
-#: refused at submission (:func:`device_refusal`); sharded training across devices will raise these. The leases already
-#: grant a job its devices all at once or not at all, and count them against the tenant's quota.
-#: A train or sft job's server runs one rank per device (FSDP2 under torchrun: tinkergym.backends.torch.sharded).
+#: Devices a job of each kind can use. A train or sft job's server runs one rank per device of its lease (FSDP2 under
+#: torchrun: tinkergym.backends.torch.sharded); an eval or inference job's server runs on the first device only. A job
+#: asking for more is refused at submission (:func:`device_refusal`). The leases grant a job its devices all at once or
+#: not at all, and count them against the tenant's quota.
 USABLE_DEVICES: dict[str, int] = {"train": 64, "sft": 64, "eval": 1, "inference": 1}
 
 
