@@ -394,3 +394,23 @@ def test_the_migration_takes_the_worker_scope_from_tenants_keys(empty_db_url: st
     warned = caplog.text
     assert "aaaaaaaaaaaa" in warned and "revoked" in warned and "bbbbbbbbbbbb" in warned and "cccccccccccc" in warned
     assert "dddddddddddd" not in warned and "workers create" in warned
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # the answer reads the key alone: the tests above cover PostgreSQL
+def test_a_worker_started_with_a_tenants_key_says_to_make_a_worker_credential(db_url: str, keys: Any, tmp_path: Path) -> None:
+    """``tinkergym worker`` with a tenant's key exits 2 naming the command that makes a worker credential, not a scope to
+    ask for (no key of a tenant registers a worker, whatever its scopes)."""
+    from tinkergym.scheduler.app import SchedulerSettings, create_app
+    from tinkergym.serve.asgi import ThreadServer
+
+    live = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False))
+    try:
+        for scopes in ("read,write", "admin"):
+            result = CliRunner().invoke(main, ["worker", "--scheduler", live.url, "--slots", "1", "--models", "tiny",
+                                               "--work-dir", str(tmp_path / "w")], env={"TINKERGYM_API_KEY": keys.new("acme", scopes)})
+            said = " ".join(result.output.split())
+            assert result.exit_code == 2, said
+            assert "not a worker credential" in said and "tinkergym scheduler workers create NAME --devices N" in said, said
+            assert "'worker' scope" not in said and "that scope" not in said, said
+    finally:
+        live.stop()

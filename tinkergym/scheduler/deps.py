@@ -27,6 +27,10 @@ def require(scope: str) -> Callable[[Request], Awaitable[Principal]]:
 
     async def dependency(request: Request) -> Principal:  # async: FastAPI would run a plain def in a thread
         who = principal(request)
+        if scope == "worker" and who.bounds is None:  # a tenant's key, whatever its scopes, never acts as a worker
+            raise Forbidden(f"this is a key of tenant {who.tenant_id} ({', '.join(sorted(who.scopes))}), not a worker credential: a "
+                            "worker needs one, which the operator makes on the scheduler's machine with: tinkergym scheduler "
+                            "workers create NAME --devices N > worker-key.txt")
         if not who.allows(scope):
             raise Forbidden(f"this key lacks the {scope!r} scope (it has: {', '.join(sorted(who.scopes))})")
         return who
