@@ -3,6 +3,7 @@ training and sampling through it, and a refused key."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -68,3 +69,53 @@ def test_serve_tinker_refuses_a_muddled_command_line(args: list[str], message: s
 
     done = CliRunner().invoke(main, ["serve-tinker", "--run-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data"), *args])
     assert done.exit_code == 2 and message in done.output, done.output
+
+
+def test_an_offer_without_a_tokenizer_names_one_clients_load_offline(tiny: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--offer tiny`` (no ``=TOKENIZER``) names tiny's folder in tinkergym's model cache, which the SDK's tokenizer loader
+    reads with the hub offline; a folder names itself, a hub id stays, and a name tinkergym does not know stays with a
+    one-line warning at start."""
+    import importlib
+    import shutil
+
+    from click.testing import CliRunner
+    from tinker.lib.public_interfaces.sampling_client import _load_tokenizer_from_model_info
+
+    import tinkergym.tinker_api.server as server_module
+    from tinkergym.cli import main
+
+    serve_tinker_cli = importlib.import_module("tinkergym.cli.serve_tinker")  # the package's attribute of that name is the command
+
+    cache = tmp_path / "cache"
+    shutil.copytree(tiny, cache / "models" / "tiny")  # as `resolve_model("tiny")` leaves it
+    monkeypatch.setenv("TINKERGYM_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offered: dict[str, str] = {}
+    monkeypatch.setattr(server_module, "create_front_door", lambda url, offers, *args, **kwargs: offered.update(offers))
+    monkeypatch.setattr(serve_tinker_cli, "run_server", lambda *args, **kwargs: None)
+    done = CliRunner().invoke(main, ["serve-tinker", "--scheduler", "http://127.0.0.1:9", "--offer", "tiny", "--offer", tiny, "--offer",
+                                     "org/model", "--offer", "mystery", "--offer", "named=org/tok", "--run-dir", str(tmp_path / "runs"),
+                                     "--data-dir", str(tmp_path / "data")], catch_exceptions=False)
+    assert done.exit_code == 0, done.output
+    assert offered == {"tiny": str(cache / "models" / "tiny"), tiny: tiny, "org/model": "org/model", "mystery": "mystery", "named": "org/tok"}
+    warnings = [line for line in done.output.splitlines() if line.startswith("warning:")]
+    assert warnings == ["warning: --offer mystery: tinkergym knows no model of that name; clients will load its tokenizer 'mystery' "
+                        "from the Hugging Face hub. Name one they can read with --offer mystery=FOLDER (or =HUB_ID)."], done.output
+    assert _load_tokenizer_from_model_info("tiny", offered["tiny"]).encode("hello")  # what get_tokenizer() does with get_info's answer
+
+
+def test_without_torch_an_offer_of_tiny_keeps_its_name_and_warns(tmp_path: Path) -> None:
+    """A front door installed without torch does not build tiny (nor convert smollm2-135m) to name its folder: the name stays
+    (smollm2-135m's hub id), with the warning, and torch is never imported."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "sitecustomize.py").write_text("import sys\nsys.modules['torch'] = None\n")
+    code = ("import json, sys\nfrom tinkergym.tinker_api.cluster import offered_tokenizer\n"
+            "print(json.dumps([offered_tokenizer(m) for m in ('tiny', 'smollm2-135m')] + ['torch' in sys.modules and sys.modules['torch'] is not None]))")
+    env = {**os.environ, "TINKERGYM_CACHE": str(tmp_path / "cache"), "PYTHONPATH": os.pathsep.join(filter(None, (str(blocker), os.environ.get("PYTHONPATH"))))}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (tiny_name, tiny_warning), (smol_name, smol_warning), imported = json.loads(done.stdout.splitlines()[-1])
+    assert tiny_name == "tiny" and "making its folder here needs torch" in tiny_warning and "--offer tiny=FOLDER" in tiny_warning
+    assert smol_name == "HuggingFaceTB/SmolLM2-135M-Instruct" and "from the Hugging Face hub" in smol_warning
+    assert not imported and not (tmp_path / "cache" / "models").exists()

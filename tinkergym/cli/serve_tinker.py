@@ -19,7 +19,8 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
               help="Instead of --model: the front door of this scheduler's cluster; every run and sampler is a job on its workers.")
 @click.option("--offer", "offers", multiple=True, metavar="MODEL[=TOKENIZER]",
               help="With --scheduler: a model the workers serve (a name jobs ask for), and the tokenizer clients load for it "
-                   "(a hub id or a folder; default: the model's name). Repeat for several.")
+                   "(a hub id or a folder they can read; default: the model's folder on this machine for tiny, smollm2-135m or a "
+                   "folder, a hub id as is, else the name, with a warning). Repeat for several.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=8, show_default=True,
               help="With --scheduler: optimizer steps between the states a run saves, from which a run moved to another worker replays.")
 @click.option("--model-name", default=None,
@@ -105,10 +106,18 @@ def serve_tinker(
         click.echo(f"warning: listening on {host}: keys and data travel unencrypted unless a TLS proxy is in front.", err=True)
     engine = open_database(db, data_dir)
     if scheduler_url is not None:
+        from tinkergym.tinker_api.cluster import offered_tokenizer
         from tinkergym.tinker_api.server import create_front_door
         from tinkergym.urls import check_scheduler_url
 
-        offered = dict((o.split("=", 1) + [o.split("=", 1)[0]])[:2] for o in offers)
+        offered = {}
+        for offer in offers:
+            name, given, tokenizer = offer.partition("=")
+            if not given:
+                tokenizer, warning = offered_tokenizer(name)
+                if warning:
+                    click.echo(warning, err=True)
+            offered[name] = tokenizer
         run_dir.mkdir(parents=True, exist_ok=True)
         logger = request_logger(run_dir.resolve())
         app = create_front_door(check_scheduler_url(scheduler_url), offered, run_dir.resolve(), engine, logger, max_lora_rank=max_lora_rank,

@@ -127,6 +127,44 @@ def _call_args(method: str, data: Any) -> Any:
     return data
 
 
+def offered_tokenizer(model: str) -> tuple[str, str | None]:
+    """The tokenizer clients load for an offered ``model`` (``serve-tinker --offer MODEL`` without ``=TOKENIZER``), and a
+    warning when they must fetch it from the Hugging Face hub (None when not).
+
+    The SDK's ``get_tokenizer()`` hands what ``get_info`` names to ``AutoTokenizer.from_pretrained``: a folder of this
+    machine loads offline, a short name (``tiny``, ``smollm2-135m``) loads nowhere. So a folder is named as is; ``tiny`` and
+    ``smollm2-135m`` by their folder in tinkergym's model cache, built (or converted) first where torch is installed; a hub
+    id as it is (the hub or its local cache has it). Anything else keeps its name, with the warning.
+    """
+    import importlib.util
+    import os
+
+    from tinkergym.backends.models import SMOLLM2_HUB_ID, SMOLLM2_NAME, TINY_NAME, default_cache_dir, resolve_model
+    from tinkergym.errors import ConfigError
+
+    local = os.path.expanduser(model)
+    if model not in (TINY_NAME, SMOLLM2_NAME) and os.path.isdir(local):
+        return os.path.abspath(local), None
+    if "/" in model and not model.startswith((".", "/", "~")):
+        return model, None
+    why = "tinkergym knows no model of that name"
+    if model in (TINY_NAME, SMOLLM2_NAME):
+        cached = default_cache_dir() / model
+        if cached.is_dir():
+            return str(cached), None
+        missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
+        if missing:
+            why = f"making its folder here needs {' and '.join(missing)} (pip install 'tinkergym[train]')"
+        else:
+            try:
+                return resolve_model(model), None
+            except (ConfigError, ImportError, OSError) as exc:
+                why = f"its folder cannot be made here: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    name = SMOLLM2_HUB_ID if model == SMOLLM2_NAME else model
+    return name, (f"warning: --offer {model}: {why}; clients will load its tokenizer {name!r} from the Hugging Face hub. "
+                  f"Name one they can read with --offer {model}=FOLDER (or =HUB_ID).")
+
+
 class ClusterEngine:
     """Runs and samplers as scheduler jobs (see the module docstring). ``offers``: model name -> tokenizer id."""
 
