@@ -425,7 +425,7 @@ def _close_trainer(trainer: Any) -> None:
 
 #: What a run writes in its folder (see the module docstring); a new run in a folder that holds one removes them first.
 RUN_FILES = ("config.json", "metrics.jsonl", "timeline.jsonl", "resumes.jsonl", "learning_curve.png", "tensorboard", "checkpoints",
-             "transcripts", "final", "wandb")
+             "transcripts", "final", "wandb", "wandb_id")
 
 
 def clear_run_files(folder: Path) -> list[str]:
