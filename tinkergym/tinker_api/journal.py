@@ -8,10 +8,18 @@ paths; a run's first request (or its session's first heartbeat) after the restar
 front door reattaches to the run's job
 and brings its server back to what the log says (:meth:`tinkergym.tinker_api.cluster.ClusterEngine.attach`).
 
-A request's result is kept once it is done, for the calls of training runs (``forward_backward``, ``optim_step``,
-saves and loads): after a restart ``retrieve_future`` answers it as before. A request that was still running when the
-front door stopped answers 410, and took no effect (the run's server is brought back to its log, which holds only
-finished calls), so the SDK's client may send it again.
+A request's result is kept once it is done, for the calls of training runs (``create_model``, ``forward``,
+``forward_backward``, ``optim_step``, saves and loads): after a restart ``retrieve_future`` answers it as before (a
+``ForwardBackwardOutput`` is kept as the protobuf the SDK reads, so it is answered as it would have been). A request that was
+still running when the front door stopped answers 410, and took no effect (the run's server is brought back to its log,
+which holds only finished calls), so the SDK's client may send it again. Samplers' results are not kept (a sample changes
+no run: sending it again is safe), and answer 410 too.
+
+What is kept is bounded: one result at most :data:`MAX_RESULT_BYTES` (a forward_backward's per-token outputs at the
+service's default ``Limits.max_tokens`` fit), all of them at most :data:`KEEP_RESULT_BYTES` (the newest finished kept). A
+request whose result is not kept (too large, or dropped for newer ones) answers 410 after a restart saying that it was done
+and took effect, so that it is not sent again; a result too large is logged once, when it is done
+(``tinker_result_not_kept``).
 
 Besides :class:`Journal` (the tables), this module holds what a restart does with them: :func:`restore_records` rebuilds a
 :class:`~tinkergym.tinker_api.service.TinkerService`'s sessions, runs, samplers and checkpoints
@@ -24,6 +32,7 @@ run's calls since its newest stored state), like the run folder it lives in.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import json
 import os
@@ -34,13 +43,19 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from tinkergym.tinker_api.engines import Saved
+from tinkergym.tinker_api.engines import EngineError, Saved
 from tinkergym.tinker_api.records import Checkpoint, Run, Sampler, Session
 
 #: The file's name in the front door's run folder.
 FILE = "front_door.sqlite"
 #: Request ids kept (the newest); an older one answers 404 after a restart, as it would have once forgotten in memory.
 KEEP_REQUESTS = 8192
+#: The largest result kept, in bytes of its JSON: a forward_backward's output is 8 bytes a token (float32 logprobs and
+#: elementwise loss), so at ``Limits.max_tokens`` (4,194,304 tokens) its protobuf is 32 MiB, 43 MiB in base64.
+MAX_RESULT_BYTES = 48 << 20
+#: The kept results' bytes in all: past it the oldest are dropped (a client retrieves its results as they finish, so only the
+#: newest are ever asked for after a restart).
+KEEP_RESULT_BYTES = 1 << 30
 
 SCHEMA = """
 create table if not exists sessions (session_id text primary key, tenant text not null, created real not null);
@@ -52,7 +67,14 @@ create table if not exists samplers (sampler_id text primary key, tenant text no
     model_path text, handle text not null);
 create table if not exists calls (owner text not null, n integer not null, method text not null, args text not null, primary key (owner, n));
 create table if not exists requests (request_id text primary key, tenant text not null, result text);
+create table if not exists results (request_id text primary key, size integer not null, result text not null);
 """
+# ``results`` holds the kept results and ``size``, their bytes (0 for a note that one was not kept), first so that summing it
+# reads no result; ``requests.result`` is read for the results of files written before it.
+
+
+class ResultNotKept(ValueError):
+    """A done request's result was too large to keep: :meth:`Journal.put_result` recorded that instead."""
 
 
 class Journal:
@@ -66,20 +88,25 @@ class Journal:
         self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
         self._db.execute("pragma journal_mode=wal")
         self._db.execute("pragma synchronous=normal")  # with WAL: durable across a killed process
+        self._db.execute(f"pragma journal_size_limit={2 * MAX_RESULT_BYTES}")  # the -wal file shrinks back after a large result
         self._db.executescript(SCHEMA)
         self._lock = threading.Lock()
         self._written_requests = 0
+        self._result_bytes = self._rows("select coalesce(sum(size), 0) from results")[0][0]
 
     def _write(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
         with self._lock:
-            self._db.execute("begin immediate")
-            try:
-                for sql, params in statements:
-                    self._db.execute(sql, params)
-            except BaseException:
-                self._db.execute("rollback")
-                raise
-            self._db.execute("commit")
+            self._write_locked(*statements)
+
+    def _write_locked(self, *statements: tuple[str, tuple[Any, ...]]) -> None:
+        self._db.execute("begin immediate")
+        try:
+            for sql, params in statements:
+                self._db.execute(sql, params)
+        except BaseException:
+            self._db.execute("rollback")
+            raise
+        self._db.execute("commit")
 
     def _rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
@@ -138,17 +165,50 @@ class Journal:
     # ----- requests ----------------------------------------------------------------------------------------
     def put_request(self, request_id: str, tenant: str) -> None:
         statements: list[tuple[str, tuple[Any, ...]]] = [("insert into requests values (?, ?, null)", (request_id, tenant))]
-        self._written_requests += 1
-        if self._written_requests % 256 == 0:
-            statements.append(("delete from requests where rowid <= (select max(rowid) from requests) - ?", (KEEP_REQUESTS,)))
-        self._write(*statements)
+        with self._lock:
+            self._written_requests += 1
+            if self._written_requests % 256 == 0:
+                oldest = "(select request_id from requests where rowid <= (select max(rowid) from requests) - ?)"
+                statements += [(f"delete from results where request_id in {oldest}", (KEEP_REQUESTS,)),
+                               ("delete from requests where rowid <= (select max(rowid) from requests) - ?", (KEEP_REQUESTS,))]
+            self._write_locked(*statements)
+            if len(statements) > 1:
+                self._result_bytes = self._db.execute("select coalesce(sum(size), 0) from results").fetchone()[0]
 
     def put_result(self, request_id: str, result: dict[str, Any]) -> None:
-        self._write(("update requests set result = ? where request_id = ?", (json.dumps(result), request_id)))
+        """Keep a done request's result (:func:`encode_result`'s JSON data), dropping the oldest kept past
+        :data:`KEEP_RESULT_BYTES`. One over :data:`MAX_RESULT_BYTES` is not kept: the request is recorded as done with its
+        result not kept (after a restart it answers 410 saying so), and :class:`ResultNotKept` says why."""
+        text = json.dumps(result, separators=(",", ":"))
+        too_large = len(text) > MAX_RESULT_BYTES
+        if too_large:
+            text = json.dumps({"not_kept": f"its result ({len(text):,} bytes) is larger than the {MAX_RESULT_BYTES:,} bytes this server keeps "
+                                           "of one result"})
+        with self._lock:
+            size = 0 if too_large else len(text)
+            self._write_locked(("insert or replace into results (request_id, size, result) select ?, ?, ? where exists "
+                                "(select 1 from requests where request_id = ?)", (request_id, size, text, request_id)))  # not one forgotten
+            self._result_bytes += size
+            if self._result_bytes > KEEP_RESULT_BYTES:
+                self._drop_oldest_results()
+        if too_large:
+            raise ResultNotKept(f"request {request_id} was done, but {json.loads(text)['not_kept']}: after a restart it answers 410")
+
+    def _drop_oldest_results(self) -> None:
+        """Under the lock: the oldest results, past the newest :data:`KEEP_RESULT_BYTES`, replaced by a note that they were dropped."""
+        dropped = json.dumps({"not_kept": f"its result was dropped for newer ones (this server keeps the newest {KEEP_RESULT_BYTES:,} bytes "
+                                          "of results)"})
+        cut = self._db.execute("select rowid from (select rowid, sum(size) over (order by rowid desc) as newer from results) where newer > ? "
+                               "order by rowid desc limit 1", (KEEP_RESULT_BYTES,)).fetchone()
+        if cut is not None:
+            self._write_locked(("update results set result = ?, size = 0 where rowid <= ? and size > 0", (dropped, cut[0])))
+        self._result_bytes = self._db.execute("select coalesce(sum(size), 0) from results").fetchone()[0]
 
     def request(self, request_id: str) -> tuple[str, dict[str, Any] | None] | None:
-        """``(tenant, result or None)`` of a request this front door answered with, or None."""
-        rows = self._rows("select tenant, result from requests where request_id = ?", (request_id,))
+        """``(tenant, result or None)`` of a request this front door answered with, or None. The result is :func:`encode_result`'s
+        data, or ``{"not_kept": why}`` for a request done whose result was not kept (:func:`decode_result` refuses it with a 410)."""
+        rows = self._rows("select r.tenant, coalesce(k.result, r.result) from requests r left join results k on k.request_id = r.request_id "
+                          "where r.request_id = ?", (request_id,))
         if not rows:
             return None
         return rows[0][0], (json.loads(rows[0][1]) if rows[0][1] is not None else None)
@@ -206,16 +266,36 @@ def restore_records(data: dict[str, list[dict[str, Any]]], engine: Any, sessions
 
 # ----- kept results -------------------------------------------------------------------------------------------
 def encode_result(result: Any) -> dict[str, Any]:
-    """A request's result as JSON data for :meth:`Journal.put_result`: the SDK type's name and fields, or a dict as it is."""
+    """A request's result as JSON data for :meth:`Journal.put_result`: a ``ForwardBackwardOutput`` as the protobuf the SDK
+    reads (``retrieve_future`` answers it so; base64), another SDK type's name and fields, or plain data (a dict) as it is.
+    Raises ``TypeError`` for anything else."""
+    from tinker import types
+
+    if isinstance(result, types.ForwardBackwardOutput):
+        from tinkergym.tinker_api.wire import encode_forward_backward_output
+
+        return {"tinker_type": "ForwardBackwardOutput", "proto": base64.b64encode(encode_forward_backward_output(result)).decode("ascii")}
     if hasattr(result, "model_dump"):
         return {"tinker_type": type(result).__name__, "data": result.model_dump(mode="json")}
-    return {"tinker_type": None, "data": result}
+    if result is None or isinstance(result, (dict, list, str, int, float, bool)):
+        return {"tinker_type": None, "data": result}
+    raise TypeError(f"a result of type {type(result).__name__} cannot be kept: encode_result knows ForwardBackwardOutput, the SDK's "
+                    "pydantic types and plain data")
 
 
 def decode_result(kept: dict[str, Any]) -> Any:
-    """The result :func:`encode_result` kept, as the SDK type it was (or the dict)."""
+    """The result :func:`encode_result` kept, as the SDK type it was (or the plain data); a request done whose result was not kept
+    (``{"not_kept": why}``, :meth:`Journal.put_result`) raises a 410 that says it took effect."""
     from tinker import types
 
+    if "not_kept" in kept:
+        raise EngineError(410, f"this request was done before this server restarted, and what it changed stays changed (a forward_backward's "
+                               f"gradients added, an optim_step taken), but {kept['not_kept']}: sending it again would apply it twice; go on "
+                               "with the next call (or load the run's last saved state to redo it)")
     if kept.get("tinker_type") is None:
         return kept["data"]
+    if kept["tinker_type"] == "ForwardBackwardOutput":
+        from tinker.proto.response_conv import deserialize_forward_backward_output
+
+        return deserialize_forward_backward_output(base64.b64decode(kept["proto"]))
     return getattr(types, kept["tinker_type"]).model_validate(kept["data"])
