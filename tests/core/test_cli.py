@@ -164,6 +164,7 @@ def test_ctrl_c_at_the_prompt_abandons_the_game_as_interrupted_and_the_end_of_in
             assert time.monotonic() < deadline and process.poll() is None, shown
             shown += os.read(process.stdout.fileno(), 4096)
         process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)  # stdin stays open meanwhile, as a terminal's does: Ctrl-C alone ends the game, not the end of input
         _, stderr = process.communicate(timeout=60)
     finally:
         if process.poll() is None:

@@ -100,8 +100,11 @@ class FrontDoor:
         wait_until("the server to start", lambda: self._server.started, timeout=30, every=0.01)
 
     def stop(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(10)
+        """As a killed server: its connections close at once (the SDK's kept-alive ones too, which then reach the next
+        server), never a graceful wait for open long-polls, so no request meets the old service after its journal closed."""
+        self._server.should_exit = self._server.force_exit = True
+        self._thread.join(30)
+        assert not self._thread.is_alive(), "the server did not stop"
         self.journal.close()
 
     def restart(self) -> None:
