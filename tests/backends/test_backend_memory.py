@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig, _sampling_copy
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig, sampling_copy
 from tinkergym.backends.torch.sampling import prefill
 from tinkergym.backends.torch.scoring import MicroBatch
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
@@ -44,7 +44,7 @@ def test_sampling_copy_equals_the_old_one_and_duplicates_only_the_low_precision_
     backend = make(tiny)
     train_step(backend)
     old = old_sampling_copy(backend.model, backend.dtype)
-    new = _sampling_copy(backend.model, backend.dtype)
+    new = sampling_copy(backend.model, backend.dtype)
     old_params = dict(old.named_parameters(remove_duplicate=False))
     new_params = dict(new.named_parameters(remove_duplicate=False))
     assert old_params.keys() == new_params.keys()

@@ -404,7 +404,7 @@ def _held(folder: Path) -> Iterator[None]:
         os.close(descriptor)  # closing releases the lock
 
 
-def _from_hub(repo_id: str, files: list[str] | None = None) -> str | None:
+def from_hub(repo_id: str, files: list[str] | None = None) -> str | None:
     """The local snapshot of ``repo_id`` if huggingface_hub is installed and the hub answers, else None; with ``files``, a
     snapshot of those files only (glob patterns)."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
@@ -420,7 +420,7 @@ def _from_hub(repo_id: str, files: list[str] | None = None) -> str | None:
     return snapshot_download(repo_id, allow_patterns=files)
 
 
-def _from_hub_cache(repo_id: str) -> str | None:
+def from_hub_cache(repo_id: str) -> str | None:
     """The snapshot of ``repo_id`` already in the local Hugging Face cache (``HF_HUB_CACHE``), without the network, or None:
     what :func:`unavailable_reason` counts as available is served when the hub is offline or does not answer."""
     try:
@@ -506,7 +506,7 @@ def resolve_model(name_or_path: str, cache_dir: str | os.PathLike[str] | None = 
     if os.path.isdir(local):
         return check_model_folder(local)
     if "/" in name_or_path and not name_or_path.startswith((".", "/", "~")):
-        snapshot = _from_hub(name_or_path) or _from_hub_cache(name_or_path)
+        snapshot = from_hub(name_or_path) or from_hub_cache(name_or_path)
         if snapshot is not None:
             return snapshot
         if name_or_path == SMOLLM2_HUB_ID:

@@ -241,7 +241,7 @@ def plan_serving(
     return plan
 
 
-def _eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
+def eos_token_ids(tokenizer: Any, model: Any) -> list[int]:
     """End-of-sequence ids a completion stops at unless ``ignore_eos``: the tokenizer's and the generation config's (as vLLM)."""
     ids = {tokenizer.eos_token_id}
     generation = getattr(model, "generation_config", None)

@@ -36,13 +36,13 @@ def files_folder(name_or_path: str) -> str | None:
     """A local folder with the config, tokenizer and image processor files of a model folder or hub id, for reading them
     without the weights: the folder itself, the hub id's snapshot in the local Hugging Face cache, or (the hub answering)
     those files alone downloaded; None when there is none (an unknown name, a hub out of reach)."""
-    from tinkergym.backends.models import _from_hub, _from_hub_cache
+    from tinkergym.backends.models import from_hub, from_hub_cache
 
     local = os.path.expanduser(name_or_path)
     if os.path.isdir(local):
         return local
     if "/" in name_or_path and not name_or_path.startswith((".", "/", "~")):
-        return _from_hub_cache(name_or_path) or _from_hub(name_or_path, ["config.json", *TOKENIZER_FILES, *PROCESSOR_FILES])
+        return from_hub_cache(name_or_path) or from_hub(name_or_path, ["config.json", *TOKENIZER_FILES, *PROCESSOR_FILES])
     return None
 
 

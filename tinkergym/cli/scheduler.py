@@ -18,7 +18,7 @@ import click
 from tinkergym.cli.common import FiniteFloat, InputError, SafePath, shorten, table
 from tinkergym.cli.connection_options import connection_limits, connection_options
 from tinkergym.folders import keep_private
-from tinkergym.cli.serve import _is_loopback
+from tinkergym.cli.serve import is_loopback
 
 DB_ENVVAR = "TINKERGYM_SCHEDULER_DB"
 GIB = 1 << 30
@@ -80,7 +80,7 @@ def open_database(db: str | None, data_dir: Path, *, migrate: bool = True) -> An
     return engine
 
 
-def _check_tenant(tenant: str) -> str:
+def check_tenant(tenant: str) -> str:
     from tinkergym.scheduler.auth import TENANT_PATTERN
 
     if not TENANT_PATTERN.match(tenant):
@@ -90,7 +90,7 @@ def _check_tenant(tenant: str) -> str:
     return tenant
 
 
-def _when(t: float | None) -> str:
+def when(t: float | None) -> str:
     return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
 
 
@@ -212,7 +212,7 @@ def serve(
         raise InputError(f"cannot create the data folder {str(data_dir)!r}: {exc.strerror or exc}") from exc
     keep_private(data_dir)  # a data folder an older version left readable (0644 files) is the owner's alone again
     open_database(db, data_dir).dispose()  # a bad URL or an unreachable server is exit 2, before anything listens
-    if not _is_loopback(host):
+    if not is_loopback(host):
         click.echo(f"warning: listening on {host}: API keys and data travel unencrypted unless a TLS proxy is in front.", err=True)
 
     import uvicorn
@@ -272,7 +272,7 @@ def keys_create(tenant: str, scopes: str, name: str, db: str | None, data_dir: P
     """
     from tinkergym.scheduler.auth import TENANT_SCOPES, create_key, parse_scopes
 
-    _check_tenant(tenant)
+    check_tenant(tenant)
     try:
         scope_list = parse_scopes(scopes)
     except ValueError as exc:
@@ -308,7 +308,7 @@ def keys_list(tenant: str | None, db: str | None, data_dir: Path) -> None:
     from tinkergym.scheduler.auth import list_keys
 
     if tenant is not None:
-        _check_tenant(tenant)
+        check_tenant(tenant)
     engine = open_database(db, data_dir)
     try:
         found = list_keys(engine, tenant)
@@ -317,7 +317,7 @@ def keys_list(tenant: str | None, db: str | None, data_dir: Path) -> None:
     if not found:
         click.echo("no keys" + (f" for tenant {tenant}" if tenant else "") + "; make one with: tinkergym scheduler keys create", err=True)
         return
-    rows = [(k["id"], k["tenant_id"], k["scopes"], k["name"] or "-", _when(k["created_at"]), _when(k["revoked_at"])) for k in found]
+    rows = [(k["id"], k["tenant_id"], k["scopes"], k["name"] or "-", when(k["created_at"]), when(k["revoked_at"])) for k in found]
     click.echo(table(("ID", "TENANT", "SCOPES", "NAME", "CREATED", "REVOKED"), rows))
 
 
@@ -343,7 +343,7 @@ def keys_revoke(key_id: str, db: str | None, data_dir: Path) -> None:
     finally:
         engine.dispose()
     if key_id in known:
-        click.echo(f"key {key_id} was already revoked ({_when(known[key_id]['revoked_at'])})")
+        click.echo(f"key {key_id} was already revoked ({when(known[key_id]['revoked_at'])})")
         return
     raise InputError(f"no key with id {shorten(key_id, 80)!r}; see the ids with: tinkergym scheduler keys list")
 
@@ -398,7 +398,7 @@ def tenants_set(
     from tinkergym.scheduler.auth import ensure_tenant
     from tinkergym.scheduler.db import tenants as tenants_table
 
-    _check_tenant(tenant)
+    check_tenant(tenant)
     engine = open_database(db, data_dir)
     try:
         with engine.begin() as conn:
@@ -451,7 +451,7 @@ def tenants_list(db: str | None, data_dir: Path) -> None:
     finally:
         engine.dispose()
     rows = [(t["id"], str(t["max_gpus"]), str(t["max_queued"]), _gib(t["max_artifact_bytes"]), _gib(int(stored.get(t["id"]) or 0)),
-             str(t["max_events_per_job"]), _kib(t["max_event_bytes"]), str(t["keep_ended_jobs"]), _when(t["created_at"])) for t in found]
+             str(t["max_events_per_job"]), _kib(t["max_event_bytes"]), str(t["keep_ended_jobs"]), when(t["created_at"])) for t in found]
     header = ("TENANT", "MAX_GPUS", "MAX_QUEUED", "MAX_ARTIFACT_GB", "STORED_GB", "MAX_EVENTS_PER_JOB", "MAX_EVENT_KB", "KEEP_ENDED_JOBS", "CREATED")
     click.echo(table(header, rows) if rows else "no tenants")
 

@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from tinkergym.cli.common import FiniteFloat, InputError, shorten, table
-from tinkergym.cli.scheduler import _check_tenant, _when, data_dir_option, db_option, open_database, scheduler
+from tinkergym.cli.scheduler import check_tenant, when, data_dir_option, db_option, open_database, scheduler
 from tinkergym.cli.workers import DeviceCount
 
 _DEVICES = click.option("--devices", type=click.IntRange(1, 4096), required=True,
@@ -43,7 +43,7 @@ def _bounds(devices: int, kind: str | None, models: tuple[str, ...], tenant_list
     if bad:
         raise click.BadParameter(f"not a model name: {shorten(bad[0], 100)!r}", param_hint="--model")
     for tenant in tenant_list:
-        _check_tenant(tenant)
+        check_tenant(tenant)
     return WorkerBounds(devices, kind, tuple(sorted(set(models))) or None, tuple(sorted(set(tenant_list))) or None)
 
 
@@ -135,8 +135,8 @@ def workers_credentials(db: str | None, data_dir: Path) -> None:
     if not found:
         click.echo("no worker credentials; make one with: tinkergym scheduler workers create NAME --devices N", err=True)
         return
-    rows = [(k["id"], k["name"] or "-", k["bounds"].describe() if k["bounds"] else "(unreadable: revoke it)", _when(k["created_at"]),
-             _when(k["revoked_at"])) for k in found]
+    rows = [(k["id"], k["name"] or "-", k["bounds"].describe() if k["bounds"] else "(unreadable: revoke it)", when(k["created_at"]),
+             when(k["revoked_at"])) for k in found]
     click.echo(table(("ID", "NAME", "BOUNDS", "CREATED", "REVOKED"), rows))
 
 
@@ -172,7 +172,7 @@ def workers_list(worker_timeout: float, only_gone: bool, db: str | None, data_di
         if only_gone and w["status"] != GONE:
             continue
         count = DeviceCount.of(w["devices"])
-        seen = f"{_when(w['last_seen_at'])} ({_ago(now - w['last_seen_at'])} ago)"
+        seen = f"{when(w['last_seen_at'])} ({_ago(now - w['last_seen_at'])} ago)"
         status = w["status"] + (", quarantined" if w["quarantined"] else "")
         busy = f"{count.busy}/{count.total}" + (f" (seats {count.busy_seats}/{count.seats})" if count.seats else "")
         rows.append((w["id"], w["name"], w["host"], status, busy, seen, _quarantine_reason(w)))

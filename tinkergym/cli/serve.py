@@ -23,7 +23,7 @@ TOKEN_HINT = (
 )
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -169,7 +169,7 @@ def serve_backend(
     if full and lora_rank is not None:
         raise click.UsageError("--full and --lora-rank exclude each other: --full trains every weight.")
     digest = token_digest(read_token_file(token_file))  # refuses a short or group/world-readable file: exit 2
-    if not _is_loopback(host):
+    if not is_loopback(host):
         click.echo(f"warning: listening on {host}: the token and the data travel unencrypted unless a TLS proxy is in front.", err=True)
 
     from tinkergym.serve.lifetime import EnvironmentFault, environment_faults

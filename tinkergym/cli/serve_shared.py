@@ -15,7 +15,7 @@ from tinkergym.cli.serve import (
     LEASE_FILE_OPTION,
     MAX_BODY_OPTION,
     TOKEN_HINT,
-    _is_loopback,
+    is_loopback,
     call_limit_options,
     call_limits,
     request_logger,
@@ -90,7 +90,7 @@ def serve_shared(
     if token_file is None:
         raise InputError(f"--token-file is required: every route but /health needs a token; {TOKEN_HINT}")
     digest = token_digest(read_token_file(token_file))
-    if not _is_loopback(host):
+    if not is_loopback(host):
         click.echo(f"warning: listening on {host}: the tokens and the data travel unencrypted unless a TLS proxy is in front.", err=True)
 
     from tinkergym.errors import ConfigError

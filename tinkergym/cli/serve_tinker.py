@@ -9,7 +9,7 @@ import click
 from tinkergym.cli.common import InputError, SafePath
 from tinkergym.cli.connection_options import connection_limits, connection_options
 from tinkergym.cli.scheduler import data_dir_option, db_option, open_database
-from tinkergym.cli.serve import HOST_OPTION, METRICS_PORT_OPTION, _is_loopback, request_logger, run_server
+from tinkergym.cli.serve import HOST_OPTION, METRICS_PORT_OPTION, is_loopback, request_logger, run_server
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 
 
@@ -102,7 +102,7 @@ def serve_tinker(
         raise InputError("--offer names the models of a cluster: give --scheduler URL too, or serve one model here with --model")
     if scheduler_url is not None and not offers:
         raise InputError("--scheduler needs the models its workers serve: --offer MODEL[=TOKENIZER] (repeat for several)")
-    if not _is_loopback(host):
+    if not is_loopback(host):
         click.echo(f"warning: listening on {host}: keys and data travel unencrypted unless a TLS proxy is in front.", err=True)
     engine = open_database(db, data_dir)
     if scheduler_url is not None:

@@ -157,7 +157,7 @@ def _touch(conn: Connection, worker_id: str, now: float) -> None:
 
 
 # ----- granting --------------------------------------------------------------------------------------
-def _queue(conn: Connection, tenant_ids: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
+def queued_jobs(conn: Connection, tenant_ids: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
     """Queued jobs (of ``tenant_ids`` only, when given) in grant order (priority desc, created_at asc, id asc), a page at a time."""
     cols = (jobs.c.id, jobs.c.tenant_id, jobs.c.kind, jobs.c.priority, jobs.c.created_at, jobs.c.gpus, jobs.c.config,
             jobs.c.lease_epoch, jobs.c.attempt, jobs.c.placed)
@@ -178,7 +178,7 @@ def _queue(conn: Connection, tenant_ids: tuple[str, ...] | None = None) -> Itera
         last = rows[-1]
 
 
-def _held_by_tenant(conn: Connection, tenant_id: str) -> int:
+def held_by_tenant(conn: Connection, tenant_id: str) -> int:
     """Devices held now by the tenant's jobs."""
     return int(conn.execute(
         select(func.count()).select_from(allocations.join(jobs, jobs.c.id == allocations.c.job_id)).where(jobs.c.tenant_id == tenant_id)
@@ -233,7 +233,7 @@ def grant(
     device_memory, device_kind = memory.smallest([d.memory_bytes for d in whole]), (whole[0].kind if whole else "slot")
     held: dict[str, int] = {}
     quota: dict[str, int] = {}
-    for job in _queue(conn, bounds.tenants if bounds is not None else None):
+    for job in queued_jobs(conn, bounds.tenants if bounds is not None else None):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
         on_seats, on_devices = job["placed"] != "devices", job["placed"] != "seat"  # a job with checkpoints stays on their kind
         if _model(job) not in models:
@@ -245,7 +245,7 @@ def grant(
         tenant = job["tenant_id"]
         if tenant not in quota:
             quota[tenant] = conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == tenant)).scalar_one()
-            held[tenant] = _held_by_tenant(conn, tenant)
+            held[tenant] = held_by_tenant(conn, tenant)
         if held[tenant] + gpus > quota[tenant]:
             continue  # over its tenant's quota: waits, blocks nobody
         seat = next((d for d, shared in free_seats if on_seats and fits(shared, kind, gpus, config)), None)
@@ -265,7 +265,7 @@ def _take(
     """Move ``job`` queued -> leased on ``chosen`` devices; None when another grant took it or its tenant's quota is gone."""
     if conn.dialect.name != "sqlite":  # serialise grants per tenant so concurrent ones cannot both pass the quota
         limit = conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == job["tenant_id"]).with_for_update()).scalar_one()
-        if _held_by_tenant(conn, job["tenant_id"]) + job["gpus"] > limit:
+        if held_by_tenant(conn, job["tenant_id"]) + job["gpus"] > limit:
             return None
     epoch = job["lease_epoch"] + 1
     expires = now + settings.lease_ttl_s

@@ -153,10 +153,10 @@ class Placement:
     def quota(self, tenant: str) -> tuple[int, int]:
         """(devices the tenant's jobs hold, its max_gpus)."""
         if tenant not in self._quota:
-            from tinkergym.scheduler.leases import _held_by_tenant
+            from tinkergym.scheduler.leases import held_by_tenant
 
             limit = self.conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == tenant)).scalar_one_or_none()
-            self._quota[tenant] = (_held_by_tenant(self.conn, tenant), int(limit or 0))
+            self._quota[tenant] = (held_by_tenant(self.conn, tenant), int(limit or 0))
         return self._quota[tenant]
 
     def _over_quota(self, job: dict[str, Any]) -> bool:
@@ -229,12 +229,12 @@ def reason(code: str, message: str) -> dict[str, str]:
 
 def wait_reasons(conn: Connection, settings: Any, now: float, queued: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
     """The reasons of the ``queued`` jobs (rows with id, tenant_id, gpus, config, state): the queue is read up to the last."""
-    from tinkergym.scheduler.leases import _queue
+    from tinkergym.scheduler.leases import queued_jobs
 
     wanted = {j["id"] for j in queued if j["state"] == states.QUEUED}
     if not wanted:
         return {}
-    return Placement(conn, settings, now).reasons(_queue(conn), wanted)
+    return Placement(conn, settings, now).reasons(queued_jobs(conn), wanted)
 
 
 # ----- what workers have ever offered ----------------------------------------------------------------
@@ -264,13 +264,13 @@ def refusal(conn: Connection, tenant: str, model: Any, gpus: int, kind: str = "t
 def note_wait_reasons(app: Any) -> int:
     """Append a ``waiting`` event (``code``, ``message``) to each queued job whose reason code changed since the last pass;
     how many. The last codes live in ``app.state.wait_reasons`` (memory only)."""
-    from tinkergym.scheduler.leases import MAX_SCAN, _queue
+    from tinkergym.scheduler.leases import MAX_SCAN, queued_jobs
 
     store = app.state.store
     last: dict[str, str] = getattr(app.state, "wait_reasons", None) or {}
     with store.read() as conn:
         queue = []
-        for job in _queue(conn):
+        for job in queued_jobs(conn):
             queue.append(job)
             if len(queue) >= MAX_SCAN:
                 break

@@ -50,7 +50,7 @@ from tinkergym.backends.torch.attention import NAME as GROUPED_MATMUL
 from tinkergym.backends.torch.vision import VisionInputs, forbid_tokens, sample_with_images, vision_token_ids
 from tinkergym.backends.torch.sharded_states import SHARDED_FORMAT, load_sharded_state
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, read_rng_state, restore_rng_state, write_optimizer_state, write_rng_state
-from tinkergym.backends.torch.copies import CastCopy, MergedLoraCopy, _frozen_in_compute_dtype, _merged_on_host, _sampling_copy, kv_token_cost  # noqa: F401
+from tinkergym.backends.torch.copies import CastCopy, MergedLoraCopy, frozen_in_compute_dtype, merged_on_host, sampling_copy, kv_token_cost  # noqa: F401
 from tinkergym.backends.torch.prefix_cache import PrefixCache, adapter_scope
 from tinkergym.backends.torch.sampling import sample_batch
 from tinkergym.backends.torch.runtime import (  # noqa: F401 - public here too
@@ -577,11 +577,11 @@ class TorchBackend:
                 # The starting weights, read back from disk only when a KL term first needs them.
                 # Computed like the policy, so the two agree exactly before the first update. Float32 masters
                 # are read on the host and the linear layers go to the device in the compute dtype (see
-                # _frozen_in_compute_dtype): autocast rounds them the same way on every pass.
+                # frozen_in_compute_dtype): autocast rounds them the same way on every pass.
                 if self.param_dtype == self.dtype:
                     self._reference = self._load_base(self.param_dtype).eval().requires_grad_(False)
                 else:
-                    self._reference = _frozen_in_compute_dtype(self._load_base(self.param_dtype, torch.device("cpu")), self.dtype, self.device)
+                    self._reference = frozen_in_compute_dtype(self._load_base(self.param_dtype, torch.device("cpu")), self.dtype, self.device)
             return self._sequence_logprobs(self._reference, batch, micro, temperature)
 
     @_one_at_a_time
@@ -670,7 +670,7 @@ class TorchBackend:
             model.save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         elif self.is_lora:
             # Merging rewrites the layers in place, so it happens on a copy, in host memory.
-            _merged_on_host(model).save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
+            merged_on_host(model).save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         else:
             model.save_pretrained(tmp)  # type: ignore[operator]  # an HF/peft method via nn.Module.__getattr__
         self.tokenizer.save_pretrained(tmp)

@@ -17,7 +17,7 @@ import torch
 from tinkergym.backends.torch.cache_names import cache_name
 
 
-def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
+def sampling_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None = None) -> torch.nn.Module:
     """A frozen copy of ``model`` on ``device`` whose linear weights are in ``dtype`` and whose other weights stay as they are.
 
     Built weight by weight, never as a whole duplicate in the weights' own dtype: each linear weight is cast
@@ -43,10 +43,10 @@ def _sampling_copy(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
 
 
 class CastCopy:
-    """:func:`_sampling_copy` of ``source`` as :attr:`model`; :meth:`refresh` copies ``source``'s changed weights into it in place."""
+    """:func:`sampling_copy` of ``source`` as :attr:`model`; :meth:`refresh` copies ``source``'s changed weights into it in place."""
 
     def __init__(self, source: torch.nn.Module, dtype: torch.dtype) -> None:
-        self.source, self.model = source, _sampling_copy(source, dtype)
+        self.source, self.model = source, sampling_copy(source, dtype)
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -56,8 +56,8 @@ class CastCopy:
                 targets[name].copy_(source)
 
 
-def _frozen_in_compute_dtype(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """``model`` (loaded on the host, used for nothing else) frozen on ``device`` as :func:`_sampling_copy` makes its copy.
+def frozen_in_compute_dtype(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """``model`` (loaded on the host, used for nothing else) frozen on ``device`` as :func:`sampling_copy` makes its copy.
 
     Converted in place, layer by layer, so no more than one layer's weights exist twice at any time, on the
     host; the linear layers reach ``device`` already in ``dtype``.
@@ -87,12 +87,12 @@ def _cache_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: 
 
         cache = DynamicCache(config=module.config)  # type: ignore[arg-type]  # the HF config via nn.Module.__getattr__
         for layer in cache.layers:
-            layer.update = functools.partial(_update_in, dtype, layer.update)  # type: ignore[method-assign, union-attr]  # linear-attention layers lack update
+            layer.update = functools.partial(update_in, dtype, layer.update)  # type: ignore[method-assign, union-attr]  # linear-attention layers lack update
         kwargs[cache_name()] = cache
     return args, kwargs
 
 
-def _update_in(dtype: torch.dtype, update: Any, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+def update_in(dtype: torch.dtype, update: Any, keys: torch.Tensor, values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     return update(keys.to(dtype), values.to(dtype), *args, **kwargs)
 
 
@@ -112,7 +112,7 @@ def kv_token_cost(config: Any) -> float:
     return min(1.0, 4 * heads * head_dim / (2 * config.hidden_size + 2 * intermediate))
 
 
-def _merged_on_host(model: torch.nn.Module) -> torch.nn.Module:
+def merged_on_host(model: torch.nn.Module) -> torch.nn.Module:
     """``model`` (a peft model) with its adapters merged, in host memory: no second copy of it on its device.
 
     The weights are copied to the host one by one; each layer's update (``B @ A`` times the scaling) is still

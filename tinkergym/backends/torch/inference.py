@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tinkergym.backends.serving import ServedModel, ServingPlan, _eos_token_ids, check_image_tokens, image_renderer_of
+from tinkergym.backends.serving import ServedModel, ServingPlan, eos_token_ids, check_image_tokens, image_renderer_of
 from tinkergym.errors import ConfigError
 from tinkergym.protocol.types import ImageData, SampledSequence, SampleRequest, SamplingParams
 
@@ -78,7 +78,7 @@ class TorchInferenceEngine:
         text_config = getattr(model.config, "text_config", None) or model.config  # a vision-language model's language model
         limit = getattr(text_config, "max_position_embeddings", None) or 4096
         self.max_model_len = int(max_model_len or limit)
-        self.eos_token_ids = _eos_token_ids(self.tokenizer, model)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, model)
         self._served = [ServedModel(plan.base_id, plan.base_path)]
         self._internal: dict[str, str] = {}  # served adapter name -> peft adapter name (any served name is safe)
         for i, adapter in enumerate(plan.adapters):

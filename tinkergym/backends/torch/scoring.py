@@ -37,7 +37,7 @@ import torch
 
 from tinkergym.backends.torch import losses
 from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of
-from tinkergym.backends.torch.copies import _update_in
+from tinkergym.backends.torch.copies import update_in
 from tinkergym.backends.torch.row_adapters import pick, rows_through
 from tinkergym.protocol.types import Datum
 
@@ -335,7 +335,7 @@ def _store_in_compute_dtype(cache: Any) -> None:
     for layer in cast:
         layer.keys, layer.values, layer.dtype = layer.keys.to(dtype), layer.values.to(dtype), dtype
     if "update" not in cache.__dict__:
-        cache.update = functools.partial(_update_in, dtype, cache.update)
+        cache.update = functools.partial(update_in, dtype, cache.update)
 
 
 def _checkpoints_layers(model: torch.nn.Module) -> bool:
@@ -395,8 +395,8 @@ def _copy_layer(layer: Any) -> Any:
     which a plain copy would keep (every row pass would then append to the prompt's own cache)."""
     new = copy.copy(layer)
     wrapper = new.__dict__.pop("update", None)
-    if isinstance(wrapper, functools.partial) and wrapper.func is _update_in:
-        new.update = functools.partial(_update_in, wrapper.args[0], new.update)
+    if isinstance(wrapper, functools.partial) and wrapper.func is update_in:
+        new.update = functools.partial(update_in, wrapper.args[0], new.update)
     elif wrapper is not None:
         raise TypeError(f"cannot copy a KV cache layer whose update was replaced by {wrapper!r}")
     return new

@@ -38,7 +38,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from tinkergym.backends.models import is_vision_folder
-from tinkergym.backends.serving import AdapterSource, ServedModel, ServingPlan, _eos_token_ids, check_image_tokens, image_renderer_of
+from tinkergym.backends.serving import AdapterSource, ServedModel, ServingPlan, eos_token_ids, check_image_tokens, image_renderer_of
 from tinkergym.protocol.types import ImageData, SampledSequence, SamplingParams
 from tinkergym.backends.vllm.sampler import (
     CPU_BATCHED_TOKENS,
@@ -180,7 +180,7 @@ class VLLMInferenceEngine:
                 self.vision = VisionInputs.of_folder(plan.base_path, self.tokenizer)
             self._llm = self._build(model_path, lora_rank, len(ranks), utilization, seed, eager, on_cpu, engine_kwargs)
             self.vocab_size = int(self._llm.llm_engine.model_config.get_vocab_size())
-            self.eos_token_ids = _eos_token_ids(self.tokenizer, SimpleNamespace(generation_config=_generation_config(model_path)))
+            self.eos_token_ids = eos_token_ids(self.tokenizer, SimpleNamespace(generation_config=_generation_config(model_path)))
             for request in self._lora_requests.values():  # load now: a broken adapter fails at start, not at its first request
                 self._llm.llm_engine.add_lora(request)
         except BaseException:
