@@ -211,13 +211,13 @@ def test_a_worker_that_ignores_a_cancel_loses_the_lease_at_the_deadline(make_cli
 
 
 def test_the_quarantine_reason_is_listed_on_one_short_line() -> None:
-    from tinkergym.cli.scheduler_workers import _quarantine_reason
+    from tinkergym.cli.scheduler_workers import quarantine_reason
 
-    assert _quarantine_reason({"quarantined": False, "quarantine_reason": None, "strikes": 0}) == "-"
+    assert quarantine_reason({"quarantined": False, "quarantine_reason": None, "strikes": 0}) == "-"
     # Quarantined before migration 0005 stored reasons: its strikes say why.
-    assert _quarantine_reason({"quarantined": True, "quarantine_reason": None, "strikes": 3}).startswith("3 of its leases in a row")
+    assert quarantine_reason({"quarantined": True, "quarantine_reason": None, "strikes": 3}).startswith("3 of its leases in a row")
     fault = "it gave job job_1 back: Traceback (most recent call last):\n" + "  File x\n" * 50 + "ModuleNotFoundError: uvicorn"
-    shown = _quarantine_reason({"quarantined": True, "quarantine_reason": fault, "strikes": 0})
+    shown = quarantine_reason({"quarantined": True, "quarantine_reason": fault, "strikes": 0})
     assert "\n" not in shown and len(shown) <= 120 and shown.startswith("it gave job job_1 back") and shown.endswith("uvicorn")
 
 

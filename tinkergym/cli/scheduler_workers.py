@@ -175,7 +175,7 @@ def workers_list(worker_timeout: float, only_gone: bool, db: str | None, data_di
         seen = f"{when(w['last_seen_at'])} ({_ago(now - w['last_seen_at'])} ago)"
         status = w["status"] + (", quarantined" if w["quarantined"] else "")
         busy = f"{count.busy}/{count.total}" + (f" (seats {count.busy_seats}/{count.seats})" if count.seats else "")
-        rows.append((w["id"], w["name"], w["host"], status, busy, seen, _quarantine_reason(w)))
+        rows.append((w["id"], w["name"], w["host"], status, busy, seen, quarantine_reason(w)))
     if not rows:
         click.echo("no gone workers" if only_gone and found else "no workers", err=True)
         return
@@ -206,7 +206,7 @@ def workers_release(worker_id: str, db: str | None, data_dir: Path) -> None:
     click.echo(f"released worker {worker_id}: it takes leases again")
 
 
-def _quarantine_reason(worker: dict[str, Any]) -> str:
+def quarantine_reason(worker: dict[str, Any]) -> str:
     """Why ``worker`` is quarantined, on one line and at most 120 characters ("-" when it is not)."""
     if not worker["quarantined"]:
         return "-"
