@@ -156,8 +156,11 @@ def test_a_person_plays_through_stdin() -> None:
 
 def test_ctrl_c_at_the_prompt_abandons_the_game_as_interrupted_and_the_end_of_input_as_ended() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # A terminal's foreground process gets Ctrl-C; one started in the background of a script inherits SIGINT ignored,
+    # so the child gets the terminal's default back before it starts.
     process = subprocess.Popen([sys.executable, "-m", "tinkergym", "play", "tinker/Bandit-v0", "--seed", "0"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     try:
         shown, deadline = b"", time.monotonic() + 60
         while b"you>" not in shown:  # the prompt waits for the person's action

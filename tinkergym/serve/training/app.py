@@ -285,7 +285,8 @@ async def export_file(name: str, path: str, request: Request) -> Any:
 
 # ----- middleware ---------------------------------------------------------------------------------------
 # ----- the app factory ----------------------------------------------------------------------------------
-def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
+def add_training_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
+    """The error handlers every training server shares: 404 for an unknown session, 409 out of sequence, 400 bad input."""
     add_error_handlers(app, logger, "the server log")
 
     @app.exception_handler(UnknownSessionError)
@@ -345,7 +346,7 @@ def create_app(
     )
     app.state.service = service
     app.include_router(router)
-    _add_error_handlers(app, log)
+    add_training_error_handlers(app, log)
     # Added innermost first: the log sees every request, the token is checked before any body is read.
     # No NaN in a body (infinity bounds nothing where the protocol allows it): inside BodyLimit, which bounds what it reads.
     app.add_middleware(StrictJSON, allow_infinity=True)

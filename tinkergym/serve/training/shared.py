@@ -51,10 +51,10 @@ from pydantic import Field
 from starlette.responses import JSONResponse
 
 from tinkergym.errors import ConfigError
-from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictJSON, WireJSON, add_error_handlers, error_response
+from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictJSON, WireJSON, error_response
 from tinkergym.serve.auth import LeaseFile, bearer_matches, bearer_token, token_digest
 from tinkergym.serve.metrics import TokenTally
-from tinkergym.serve.training.app import (ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, WireModel, public_info,
+from tinkergym.serve.training.app import (ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, WireModel, add_training_error_handlers, public_info,
                                           router, training_metrics)
 from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, call_error, run_call, sample_tokens, wire_result
 
@@ -625,7 +625,7 @@ def create_shared_app(
     # Every route answers 403 to the other kind of token; a call past an adapter's waiting calls is 429.
     app.include_router(admin, responses={403: {"model": ErrorResponse}})
     app.include_router(router, responses={403: {"model": ErrorResponse}, 429: {"model": ErrorResponse}})
-    add_error_handlers(app, log, "the server log")
+    add_training_error_handlers(app, log)
 
     @app.exception_handler(Conflict)
     async def conflict(request: Request, exc: Conflict) -> WireJSON:
