@@ -162,6 +162,19 @@ def _check_wheel(project: Path, wheel: Path) -> None:
         assert parts[0] != "tests", name
         assert not any(p.endswith(".egg-info") or p == "__pycache__" for p in parts), name
         assert not name.endswith((".pyc", "conftest.py")) and not fnmatch.fnmatch(parts[-1], "test_*.py"), name
+    # (3) the license texts the project declares, as they are, in the dist-info's licenses/
+    with zipfile.ZipFile(wheel) as archive:
+        for pattern in tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))["project"].get("license-files", []):
+            for path in project.glob(pattern):
+                inside = f"{dist_info[0].split('/')[0]}/licenses/{path.relative_to(project).as_posix()}"
+                assert inside in names and archive.read(inside) == path.read_bytes(), f"{wheel.name} lacks its license text {inside}"
+
+
+def test_the_root_project_declares_its_apache_license() -> None:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    text = (REPO / "LICENSE").read_text(encoding="utf-8")
+    assert text.lstrip().startswith("Apache License\n") and "Version 2.0, January 2004" in text and "END OF TERMS AND CONDITIONS" in text
 
 
 def _check_quiet(build: str, output: str) -> None:
