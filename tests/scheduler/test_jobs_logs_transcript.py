@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from tinkergym.backends.scheduled import transcript_event
-from tinkergym.cli.jobs import event_line
+from tinkergym.cli.jobs.queue import event_line
 
 
 def _records(rewards: list[float]) -> list[dict]:

@@ -88,7 +88,7 @@ def test_any_tenant_key_lists_the_workers_that_serve_it(make_client: Any, keys: 
 
 
 def test_workers_list_counts_a_device_shared_by_seats_once(make_client: Any, keys: Any, db_url: str, tmp_path: Path) -> None:
-    from tinkergym.cli.workers import DeviceCount
+    from tinkergym.cli.jobs.workers import DeviceCount
 
     client = make_client()
     shared = {"seats": 2, "model": "tiny", "dtype": "float32", "max_lora_rank": 16}

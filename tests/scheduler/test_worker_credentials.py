@@ -211,7 +211,7 @@ def test_a_worker_that_ignores_a_cancel_loses_the_lease_at_the_deadline(make_cli
 
 
 def test_the_quarantine_reason_is_listed_on_one_short_line() -> None:
-    from tinkergym.cli.scheduler_workers import quarantine_reason
+    from tinkergym.cli.scheduler.workers import quarantine_reason
 
     assert quarantine_reason({"quarantined": False, "quarantine_reason": None, "strikes": 0}) == "-"
     # Quarantined before migration 0005 stored reasons: its strikes say why.

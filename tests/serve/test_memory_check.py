@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 from tinkergym.backends.torch.backend import TorchBackendConfig  # noqa: E402
-from tinkergym.cli.serve import check_memory  # noqa: E402
+from tinkergym.cli.serve.backend import check_memory  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
 
 

@@ -84,7 +84,7 @@ def test_an_offer_without_a_tokenizer_names_one_clients_load_offline(tiny: str, 
     import tinkergym.tinker_api.server as server_module
     from tinkergym.cli import main
 
-    serve_tinker_cli = importlib.import_module("tinkergym.cli.serve_tinker")  # the package's attribute of that name is the command
+    serve_tinker_cli = importlib.import_module("tinkergym.cli.serve.tinker")  # the package's attribute of that name is the command
 
     cache = tmp_path / "cache"
     shutil.copytree(tiny, cache / "models" / "tiny")  # as `resolve_model("tiny")` leaves it

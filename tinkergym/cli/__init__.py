@@ -10,21 +10,21 @@ import click
 from tinkergym.folders import PRIVATE_COMMANDS, keep_private
 from tinkergym.cli.common import TinkergymGroup
 from tinkergym.cli.envs import envs
-from tinkergym.cli.jobs import jobs
-from tinkergym.cli import jobs_download  # noqa: F401 - registers `jobs download` on the jobs group
+from tinkergym.cli.jobs.queue import jobs as jobs_group
+from tinkergym.cli.jobs import download  # noqa: F401 - registers `jobs download` on the jobs group
 from tinkergym.cli.play import play
 from tinkergym.cli.push import push
 from tinkergym.cli.results import results
-from tinkergym.cli.scheduler import scheduler
-from tinkergym.cli import scheduler_workers  # noqa: F401 - registers `scheduler workers` on the scheduler group
-from tinkergym.cli.serve import serve_backend
-from tinkergym.cli.serve_shared import serve_shared
-from tinkergym.cli.serve_tinker import serve_tinker
-from tinkergym.cli.serve_model import serve_model
+from tinkergym.cli.scheduler.serve import scheduler as scheduler_group
+from tinkergym.cli.scheduler import workers as scheduler_workers  # noqa: F401 - registers `scheduler workers` on the scheduler group
+from tinkergym.cli.serve.backend import serve_backend
+from tinkergym.cli.serve.shared import serve_shared
+from tinkergym.cli.serve.tinker import serve_tinker
+from tinkergym.cli.serve.model import serve_model
 from tinkergym.cli.trace import trace
 from tinkergym.cli.train import eval_command, train
 from tinkergym.cli.worker import worker
-from tinkergym.cli.workers import workers
+from tinkergym.cli.jobs.workers import workers
 
 
 def _torch_missing() -> bool:
@@ -82,12 +82,12 @@ main.add_command(eval_command)
 main.add_command(trace)
 main.add_command(results)
 main.add_command(push)
-main.add_command(jobs)
+main.add_command(jobs_group)
 main.add_command(serve_backend)
 main.add_command(serve_shared)
 main.add_command(serve_tinker)
 main.add_command(serve_model)
-main.add_command(scheduler)
+main.add_command(scheduler_group)
 main.add_command(worker)
 main.add_command(workers)
 

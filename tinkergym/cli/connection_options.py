@@ -1,8 +1,10 @@
 """The options every HTTP server command shares to bound slow and surplus clients (``--header-timeout``,
-``--body-timeout``, ``--max-connections``), and the :class:`~tinkergym.serve.slow_clients.ConnectionLimits` they make."""
+``--body-timeout``, ``--max-connections``), and the :class:`~tinkergym.serve.slow_clients.ConnectionLimits` they make;
+whether the interface a server listens on is loopback (else it warns that its traffic is unencrypted)."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 from collections.abc import Callable
 
@@ -36,3 +38,13 @@ def connection_options(command: Callable[..., Any]) -> Callable[..., Any]:
 def connection_limits(header_timeout: float, body_timeout: float, max_connections: int) -> ConnectionLimits:
     """The limits the options give."""
     return ConnectionLimits(header_timeout_s=header_timeout, body_timeout_s=body_timeout, max_connections=max_connections)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a ``--host``) is a loopback interface, reachable from this machine alone."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

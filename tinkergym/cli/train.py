@@ -4,63 +4,48 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, NoReturn
 
 import click
 
 from tinkergym.cli.common import SEED, FiniteFloat, InputError, SafePath, parse_kwargs, save_transcripts, writable_file
-from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DTYPES
+from tinkergym.cli.settings import SectionedCommand, SectionOption, given, setting_options
+from tinkergym.config import MAX_EPISODES, TrainConfig, option_name, setting_of
 
-#: Most episodes one evaluation plays (each has its own seed, drawn up front).
-MAX_EPISODES = 1_000_000
-
-#: CLI option -> TrainConfig field, for options that map one to one.
-_FIELDS = (
-    "env", "trainer", "model", "lora_rank", "lora_alpha", "steps", "batch_size", "group_size", "lr", "max_turns",
-    "max_new_tokens", "max_context", "temperature", "seed", "out", "kl_coef", "eval_every", "eval_episodes",
-    "checkpoint_every", "dtype", "micro_batch_size", "loss_aggregation", "max_grad_norm", "sampler",
-    "old_logprobs", "tis_cap", "truncation", "truncated_reward", "backend_url", "gpus",
-    "sampler_gpu_memory", "sampler_eager", "sampler_device", "sampler_sleep", "opponents", "snapshot_every", "prefix_cache_mb", "wandb_project",
-    "lora_sampling", "backend", "async_steps", "max_episodes_in_flight", "env_latency",
-    "env_latency_jitter",
-)
-
-
-#: Options a training server decides (set when it starts), not a client training through it.
-_SERVER_OWNED = (
-    "model", "lora_rank", "lora_alpha", "full", "dtype", "micro_batch_size", "sampler", "deterministic", "gradient_checkpointing", "prefix_cache_mb",
-    "lora_sampling",
-)
+#: The options of ``train`` made from TrainConfig's fields: each sets the field of its name.
+SETTING_OPTIONS = setting_options(TrainConfig)
+#: Field names of the options a training server decides (set when it starts), not a client training through it.
+_SERVER_OWNED = tuple(f.name for f in fields(TrainConfig) if (found := setting_of(f)) is not None and found.server_owned)
 
 
 def build_config(options: dict[str, Any], base: Any = None) -> Any:
-    """A TrainConfig from ``base`` or ``--config`` (if given) overridden by the options given on the command line."""
-    from tinkergym.config import TrainConfig
+    """A TrainConfig from ``base`` or ``--config`` (if given) overridden by the options given on the command line.
 
+    ``options`` holds the options the command line gave (:func:`~tinkergym.cli.settings.given`); each of
+    :data:`SETTING_OPTIONS` sets its field, a mapping's ``KEY=VALUE`` pairs add to the mapping's keys.
+    """
     if base is not None:
         config = TrainConfig.from_dict(base.to_dict())
     else:
         config = TrainConfig.load(options["config"]) if options.get("config") else TrainConfig()
-    for name in _FIELDS:
-        if options.get(name) is not None:
-            setattr(config, name, options[name])
+    for param in SETTING_OPTIONS:
+        name = param.name
+        assert name is not None  # every setting's option is named after its field
+        value = options.get(name)
+        if value is None or value == ():
+            continue
+        if isinstance(getattr(config, name), dict):
+            value = {**getattr(config, name), **parse_kwargs(value, option_name(name))}
+        setattr(config, name, value)
     if options.get("selfplay"):
         if options.get("trainer") not in (None, "selfplay"):
             raise click.UsageError(f"--selfplay is the selfplay trainer; leave out --trainer {options['trainer']}.")
         config.trainer = "selfplay"
-    if options.get("scheduler"):
-        config.scheduler_url = options["scheduler"]
     if options.get("full"):
         config.lora_rank = 0
-    if options.get("deterministic"):
-        config.deterministic = True
-    if options.get("gradient_checkpointing"):
-        config.gradient_checkpointing = True
-    if options.get("kwargs"):
-        config.env_kwargs = {**config.env_kwargs, **parse_kwargs(options["kwargs"])}
     args = dict(config.trainer_args)
-    args.update(parse_kwargs(options.get("trainer_args") or ()))
     if options.get("data"):
         args["data_files"] = list(options["data"])
     if options.get("demos"):
@@ -97,11 +82,11 @@ _TINKER_CLIENT_OWNED = ("model", "lora_rank")
 def _check_server_owned(options: dict[str, Any], backend_url: str | None) -> None:
     """Refuse model options beside --backend-url: the training server loaded its model with its own (a Tinker endpoint
     takes the base model and LoRA rank from its client)."""
-    owned = [k for k in _SERVER_OWNED if not (options.get("backend") == "tinker" and k in _TINKER_CLIENT_OWNED)]
-    given = [f"--{k.replace('_', '-')}" for k in owned if options.get(k) is not None and options.get(k) is not False]  # 0 is given
-    if backend_url and given:
+    owned = [k for k in (*_SERVER_OWNED, "full") if not (options.get("backend") == "tinker" and k in _TINKER_CLIENT_OWNED)]
+    named = [option_name(k) for k in owned if options.get(k) is not None and options.get(k) is not False]  # 0 is given
+    if backend_url and named:
         raise click.UsageError(
-            f"{', '.join(given)}: a training server's model is set where the server starts (tinkergym serve-backend); "
+            f"{', '.join(named)}: a training server's model is set where the server starts (tinkergym serve-backend); "
             "leave these out with --backend-url."
         )
 

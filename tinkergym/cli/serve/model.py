@@ -11,7 +11,7 @@ import click
 from tinkergym.cli.common import SafePath
 from tinkergym.config import DTYPES
 from tinkergym.cli.connection_options import connection_limits, connection_options
-from tinkergym.cli.serve import METRICS_PORT_OPTION, start_metrics
+from tinkergym.cli.serve.backend import METRICS_PORT_OPTION, start_metrics
 
 ENGINES = ("auto", "torch", "vllm")
 
@@ -141,7 +141,7 @@ def serve_model(
         if given:
             raise click.UsageError(f"{', '.join(given).replace('--adapters', '--adapter')}: the worker sets these where it starts the job's "
                                    "server; with --scheduler give --model or --run, and --dtype, --gpus, --key-file, --detach.")
-        from tinkergym.cli.serve_job import serve_through_scheduler
+        from tinkergym.cli.serve.job import serve_through_scheduler
 
         serve_through_scheduler(scheduler, api_key, model=model, run_dir=run_dir, dtype=dtype, gpus=gpus, key_file=key_file, detach=detach)
         return

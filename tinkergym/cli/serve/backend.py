@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import os
 import sys
@@ -15,21 +14,12 @@ import click
 
 from tinkergym.serve.training.calls import CallLimits
 from tinkergym.cli.common import SEED, FiniteFloat, InputError, SafePath
-from tinkergym.cli.connection_options import connection_limits, connection_options
+from tinkergym.cli.connection_options import connection_limits, connection_options, is_loopback
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 
 TOKEN_HINT = (
     'make one with: python -c "import secrets; print(secrets.token_urlsafe(32))" > token.txt && chmod 600 token.txt'
 )
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def request_logger(run_dir: Path) -> logging.Logger:

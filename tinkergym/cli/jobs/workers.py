@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from tinkergym.cli.common import table
-from tinkergym.cli.jobs import age, call, connect, scheduler_options
+from tinkergym.cli.jobs.queue import age, call, connect, scheduler_options
 
 
 @click.group()

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from tinkergym.cli.common import InputError, SafePath
-from tinkergym.cli.jobs import call, connect, jobs, scheduler_options
+from tinkergym.cli.jobs.queue import call, connect, jobs, scheduler_options
 from tinkergym.downloads import DownloadMismatchError, save_checked
 from tinkergym.scheduler.artifact_paths import ArtifactPathError, check_relpath
 

@@ -1,5 +1,5 @@
 """``tinkergym scheduler``: serve the job scheduler, make and revoke its API keys, set tenant quotas, make worker
-credentials and list its workers (:mod:`tinkergym.cli.scheduler_workers`), migrate its database.
+credentials and list its workers (:mod:`tinkergym.cli.scheduler.workers`), migrate its database.
 
 Keys are made here, on the scheduler's machine, and nowhere else: the service has no registration route.
 SQLAlchemy, Alembic and FastAPI are imported inside the commands, so ``import tinkergym.cli`` stays light.
@@ -16,9 +16,8 @@ from typing import Any
 import click
 
 from tinkergym.cli.common import FiniteFloat, InputError, SafePath, shorten, table
-from tinkergym.cli.connection_options import connection_limits, connection_options
+from tinkergym.cli.connection_options import connection_limits, connection_options, is_loopback
 from tinkergym.folders import keep_private
-from tinkergym.cli.serve import is_loopback
 
 DB_ENVVAR = "TINKERGYM_SCHEDULER_DB"
 GIB = 1 << 30

@@ -15,8 +15,8 @@ from typing import Any
 import click
 
 from tinkergym.cli.common import FiniteFloat, InputError, shorten, table
-from tinkergym.cli.scheduler import check_tenant, when, data_dir_option, db_option, open_database, scheduler
-from tinkergym.cli.workers import DeviceCount
+from tinkergym.cli.scheduler.serve import check_tenant, when, data_dir_option, db_option, open_database, scheduler
+from tinkergym.cli.jobs.workers import DeviceCount
 
 _DEVICES = click.option("--devices", type=click.IntRange(1, 4096), required=True,
                         help="How many devices the credential may register, across all its workers.")

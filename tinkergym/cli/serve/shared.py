@@ -7,15 +7,14 @@ from pathlib import Path
 import click
 
 from tinkergym.cli.common import FiniteFloat, InputError, SafePath
-from tinkergym.cli.connection_options import connection_limits, connection_options
-from tinkergym.cli.serve import (
+from tinkergym.cli.connection_options import connection_limits, connection_options, is_loopback
+from tinkergym.cli.serve.backend import (
     EXIT_WITH_PARENT_OPTION,
     HOST_OPTION,
     METRICS_PORT_OPTION,
     LEASE_FILE_OPTION,
     MAX_BODY_OPTION,
     TOKEN_HINT,
-    is_loopback,
     call_limit_options,
     call_limits,
     request_logger,

@@ -1,0 +1,1 @@
+"""``tinkergym jobs``: the client's side of the scheduler (a tenant's jobs and the workers that serve it)."""
