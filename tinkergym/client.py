@@ -34,7 +34,7 @@ from typing import Any
 from collections.abc import Callable, Iterator
 
 from tinkergym.errors import ConfigError, TinkergymError
-from tinkergym.urls import SCHEDULER_ENV, check_scheduler_url  # noqa: F401 - importable from here
+from tinkergym.plumbing.urls import SCHEDULER_ENV, check_scheduler_url  # noqa: F401 - importable from here
 
 #: The environment variables the CLI and :class:`SchedulerClient` read when no URL or key is given (and SCHEDULER_ENV).
 API_KEY_ENV = "TINKERGYM_API_KEY"

@@ -278,14 +278,14 @@ class TrainConfig:
             raise ConfigError(f"sampler-device must be cuda:N (a visible GPU's index, e.g. cuda:1), cuda or cpu (got {self.sampler_device!r}).")
 
     def _validate_remote(self, backend_url: str) -> None:
-        from tinkergym.urls import check_backend_url
+        from tinkergym.plumbing.urls import check_backend_url
 
         self.backend_url = check_backend_url(backend_url)
         if self.sampler != "torch":
             raise ConfigError(f"sampler {self.sampler!r} cannot be combined with backend-url: the training server samples with its own model.")
 
     def _validate_scheduled(self) -> None:
-        from tinkergym.urls import check_scheduler_url
+        from tinkergym.plumbing.urls import check_scheduler_url
 
         if self.backend_url is not None:
             raise ConfigError("scheduler and backend-url exclude each other: the scheduler finds the training server itself.")

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 
 from tinkergym.protocol.types import ImageData, SampleRequest, SampleResponse, SamplingParams
 from tinkergym.chat import ChatRenderer, Message, observation_message
-from tinkergym import timeline
+from tinkergym.plumbing import timeline
 from tinkergym.errors import ConfigError
 
 #: Finish reasons of an episode cut by one of the rollout's budgets rather than ended by its env.

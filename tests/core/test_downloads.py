@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tinkergym.downloads import DownloadMismatchError, save_checked
+from tinkergym.plumbing.downloads import DownloadMismatchError, save_checked
 
 BODY = b"weights " * 50_000
 

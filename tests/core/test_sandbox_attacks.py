@@ -406,7 +406,7 @@ def test_system_calls_of_another_abi_end_the_process():
 
 
 def test_without_libseccomp_bindings_the_sandbox_refuses(monkeypatch):
-    from tinkergym import sandbox
+    from tinkergym.sandbox import run as sandbox
 
     def missing() -> bytes:
         raise SandboxUnavailableError("the sandbox's seccomp filter needs libseccomp's Python bindings ... apt-get install bubblewrap python3-seccomp")

@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from tinkergym import sandbox_memory
 from tinkergym.errors import ConfigError
+from tinkergym.sandbox import memory as sandbox_memory
 from tinkergym.sandbox import MEMORY_BOUNDS, memory_bound, run_python
 
 MIB = 1 << 20

@@ -26,7 +26,7 @@ from workerkit import WorkerProcess, serve_scheduler  # registered by conftest.p
 
 from tinkergym.cli import main
 from tinkergym.scheduler.db import allocations, jobs, make_engine
-from tinkergym.folders import latest_checkpoint
+from tinkergym.plumbing.folders import latest_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -266,7 +266,7 @@ def test_every_file_the_scheduler_writes_is_its_owners_alone_whatever_the_umask(
 
 def test_the_commands_that_keep_their_files_private_are_the_services() -> None:
     """The private-umask commands are real command names (a renamed command would silently lose it)."""
-    from tinkergym.folders import PRIVATE_COMMANDS
+    from tinkergym.plumbing.folders import PRIVATE_COMMANDS
 
     assert PRIVATE_COMMANDS <= set(main.commands), sorted(PRIVATE_COMMANDS - set(main.commands))
     assert {name for name in main.commands if name.startswith("serve-")} <= PRIVATE_COMMANDS

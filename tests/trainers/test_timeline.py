@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tinkergym import timeline
+from tinkergym.plumbing import timeline
 from tinkergym.cli import main
 from tinkergym.tools import ToolBox, ToolCall
 

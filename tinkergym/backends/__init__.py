@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import Callable
 
-from tinkergym import plugins
+from tinkergym.registry import plugins
 from tinkergym.errors import ConfigError
 
 #: The entry-point group of backend factories.

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from tinkergym.client import TERMINAL_STATES, JobEnded, SchedulerError, print_stderr, wait_running
 from tinkergym.errors import ConfigError
-from tinkergym.folders import cache_root
+from tinkergym.plumbing.folders import cache_root
 
 #: The job ended (failed, cancelled, succeeded) while it was still wanted, or did not start in time.
 InferenceJobEnded = JobEnded

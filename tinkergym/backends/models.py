@@ -31,7 +31,7 @@ from typing import Any
 from collections.abc import Callable, Iterator
 
 from tinkergym.errors import ConfigError
-from tinkergym.folders import cache_root
+from tinkergym.plumbing.folders import cache_root
 
 SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"

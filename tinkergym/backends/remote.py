@@ -1,7 +1,7 @@
 """RemoteBackend: the Backend protocol over HTTP, as a client of the training server (``tinkergym serve-backend``).
 
 Standard library only (``http.client`` over one kept-alive connection, ``json``, ``hashlib`` by way of
-:mod:`tinkergym.downloads`), so a client without torch trains through it: envs, rollouts and the trainer run here,
+:mod:`tinkergym.plumbing.downloads`), so a client without torch trains through it: envs, rollouts and the trainer run here,
 the model on the server.
 
 Every call carries its session's next sequence number. A call whose answer is lost (a dropped connection, a
@@ -41,10 +41,10 @@ from collections.abc import Callable
 
 from tinkergym.backends.tokenizer_files import cache_tokenizer_files, default_cache_dir
 from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, ImageData, OptimParams, SampleRequest, SampleResponse
-from tinkergym.downloads import DownloadMismatchError, save_checked
-from tinkergym.urls import check_backend_url, is_http_url  # noqa: F401 - importable from here
+from tinkergym.plumbing.downloads import DownloadMismatchError, save_checked
+from tinkergym.plumbing.urls import check_backend_url, is_http_url  # noqa: F401 - importable from here
 from tinkergym.errors import ConfigError, NonFiniteError, OutOfMemoryError, TinkergymError
-from tinkergym.folders import fresh_tmp_dir, plain_relative_parts, replace_dir
+from tinkergym.plumbing.folders import fresh_tmp_dir, plain_relative_parts, replace_dir
 
 #: The wire protocol version this client speaks.
 PROTOCOL = 1

@@ -24,7 +24,7 @@ import time
 from typing import Any
 from collections.abc import Callable
 
-from tinkergym import timeline
+from tinkergym.plumbing import timeline
 from tinkergym.backends.remote import RemoteBackend, RemoteBackendError, server_name
 from tinkergym.client import TERMINAL_STATES as TERMINAL  # noqa: F401 - importable from here
 from tinkergym.client import JobEnded, print_stderr  # noqa: F401 - JobEnded: raised by wait_running; importable from here

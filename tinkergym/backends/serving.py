@@ -131,7 +131,7 @@ def _is_run(folder: Path) -> bool:
 
 def run_weights(folder: Path) -> tuple[Path, str]:
     """The newest weights of a run: ``(final/, "export")`` when it is up to date, else ``(checkpoint, "checkpoint")``."""
-    from tinkergym.folders import latest_checkpoint
+    from tinkergym.plumbing.folders import latest_checkpoint
 
     checkpoint = latest_checkpoint(folder)
     final = folder / "final"

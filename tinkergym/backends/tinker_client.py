@@ -46,7 +46,7 @@ import numpy as np
 
 from tinkergym.backends.remote import server_name
 from tinkergym.errors import ConfigError, TinkergymError
-from tinkergym.folders import fresh_tmp_dir, plain_relative_parts, replace_dir
+from tinkergym.plumbing.folders import fresh_tmp_dir, plain_relative_parts, replace_dir
 from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, OptimParams, SampleRequest, SampleResponse, SampledSequence
 
 #: The file a checkpoint folder of a Tinker run holds instead of weights.

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tinkergym.folders import cache_root
+from tinkergym.plumbing.folders import cache_root
 
 #: Files of a model folder a client needs to build the same tokenizer and chat template.
 TOKENIZER_FILES = (

@@ -7,7 +7,7 @@ import os
 
 import click
 
-from tinkergym.folders import PRIVATE_COMMANDS, keep_private
+from tinkergym.plumbing.folders import PRIVATE_COMMANDS, keep_private
 from tinkergym.cli.common import TinkergymGroup
 from tinkergym.cli.envs import envs
 from tinkergym.cli.jobs.queue import jobs as jobs_group

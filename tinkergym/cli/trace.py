@@ -1,4 +1,4 @@
-"""``tinkergym trace RUN``: a run's timeline as a Chrome/Perfetto trace (see :mod:`tinkergym.timeline`)."""
+"""``tinkergym trace RUN``: a run's timeline as a Chrome/Perfetto trace (see :mod:`tinkergym.plumbing.timeline`)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def trace(run: Path, out: Path | None, steps: str | None) -> None:
       tinkergym trace runs/bandit                          # runs/bandit/trace.json
       tinkergym trace runs/bandit --steps 10:12 --out steps.json
     """
-    from tinkergym.timeline import FILE, chrome_trace, read_spans
+    from tinkergym.plumbing.timeline import FILE, chrome_trace, read_spans
 
     spans = read_spans(run)
     if not spans:

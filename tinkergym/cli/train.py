@@ -369,7 +369,7 @@ def _stop_run(folder: Path, backend: Any, keep: bool) -> NoReturn:
 
 def _checkpoints_kept(folder: Path) -> str:
     """``its checkpoints are kept (newest: step_000039)``, or that the run has none yet."""
-    from tinkergym.folders import latest_checkpoint
+    from tinkergym.plumbing.folders import latest_checkpoint
 
     checkpoint = latest_checkpoint(folder)
     return f"its checkpoints are kept (newest: {checkpoint[1].name})" if checkpoint else "it has no checkpoint yet"
@@ -545,7 +545,7 @@ def _evaluate(
 def _evaluated_model(model: str | None, run_dir: str | None, path: Any) -> str:
     """The line that says what a local evaluation loaded: a run's latest checkpoint (the one :func:`load_backend_for_eval`
     loads), or the model and its folder (``path``)."""
-    from tinkergym.folders import latest_checkpoint
+    from tinkergym.plumbing.folders import latest_checkpoint
 
     checkpoint = latest_checkpoint(Path(run_dir)) if run_dir is not None else None
     if checkpoint is not None:

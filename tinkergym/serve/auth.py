@@ -99,7 +99,7 @@ class LeaseFile:
 
 def write_lease_file(path: str | os.PathLike[str], until: float, epoch: int) -> None:
     """Write a lease's deadline (``time.monotonic()`` seconds) for its server's :class:`LeaseFile`, atomically, mode 0600."""
-    from tinkergym.folders import write_private_file
+    from tinkergym.plumbing.folders import write_private_file
 
     write_private_file(path, json.dumps({"until": until, "epoch": epoch}))
 

@@ -148,7 +148,7 @@ TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class PhaseMetrics:
-    """A training run's phases (the spans of its :mod:`~tinkergym.timeline`) as one histogram,
+    """A training run's phases (the spans of its :mod:`~tinkergym.plumbing.timeline`) as one histogram,
     ``tinkergym_phase_duration_seconds{name, tool}``: steps, rollouts, sampling requests, env steps, tool calls (``tool``: the
     tool's name; the ``python`` tool's are the sandbox's calls), ``forward_backward``, ``optim_step``, evaluations,
     checkpoints. Its ``_count`` counts them: ``rate(tinkergym_phase_duration_seconds_count{name="tool"}[1m])`` is tool calls

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tinkergym.errors import ConfigError
-from tinkergym.folders import replace_dir
+from tinkergym.plumbing.folders import replace_dir
 from tinkergym.serve.training.calls import CallRecord, ParsedCall, named_dir
 from tinkergym.serve.training.shared import SharedWorker
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 from tinkergym.protocol.backend import Backend
 from tinkergym.chat import ChatRenderer
-from tinkergym import plugins
+from tinkergym.registry import plugins
 from tinkergym.errors import ConfigError, TinkergymError, TinkergymWarning
 from tinkergym.rollouts import RolloutConfig, Sampler, Trajectory, rollout
 from tinkergym.config import TrainConfig

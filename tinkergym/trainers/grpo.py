@@ -30,7 +30,7 @@ import time
 from typing import Any
 from collections.abc import Callable
 
-from tinkergym import timeline
+from tinkergym.plumbing import timeline
 from tinkergym.protocol.types import ForwardBackwardRequest, LossSpec, OptimParams
 from tinkergym.rollouts import Trajectory
 from tinkergym.trainers.advantages import (

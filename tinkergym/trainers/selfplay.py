@@ -48,7 +48,7 @@ from collections.abc import Callable, Set as AbstractSet
 from pathlib import Path
 from typing import Any
 
-from tinkergym import timeline
+from tinkergym.plumbing import timeline
 from tinkergym.config import OPPONENT_KINDS, parse_opponents  # noqa: F401 - importable from here
 from tinkergym.errors import ConfigError
 from tinkergym.games import Game, GameResult, ModelPlayer, Player, ScriptedPlayer, SeatResult, play_games

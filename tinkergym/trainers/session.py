@@ -12,7 +12,7 @@ Run folder layout::
     resumes.jsonl         one line per resume: the step it continued from and the settings it changed
     transcripts/          sample episodes as JSONL (train_step_N.jsonl, eval_step_N.jsonl)
     final/                the exported model (adapter or full) that plain transformers / peft load
-    timeline.jsonl        spans of each step's phases (see :mod:`tinkergym.timeline`; ``tinkergym trace``)
+    timeline.jsonl        spans of each step's phases (see :mod:`tinkergym.plumbing.timeline`; ``tinkergym trace``)
 
 One rule holds for every file: a resume keeps what the steps up to its checkpoint wrote and drops the rest (a step
 trained again is logged once, in metrics.jsonl, TensorBoard and timeline.jsonl alike); a new run in a folder that holds
@@ -43,9 +43,9 @@ from collections.abc import Callable
 
 from tinkergym.backends.scheduled import BackendLost
 from tinkergym.client import print_stderr
-from tinkergym import timeline
+from tinkergym.plumbing import timeline
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
-from tinkergym.folders import complete_checkpoints, latest_checkpoint, replace_dir
+from tinkergym.plumbing.folders import complete_checkpoints, latest_checkpoint, replace_dir
 from tinkergym.trainers.base import (
     StepOutput,
     TrainerStateError,
@@ -143,7 +143,7 @@ class TrainingRun:
         self.replaced = [] if start_step else clear_run_files(self.folder)
         if self.replaced:
             print_stderr(f"{self.folder} held a run: replaced its {', '.join(self.replaced)}")
-        self.timeline = timeline.Timeline()  # the run's spans (see tinkergym.timeline), written to the run folder per step
+        self.timeline = timeline.Timeline()  # the run's spans (see tinkergym.plumbing.timeline), written to the run folder per step
         try:
             with timeline.recording(self.timeline):  # a scheduler job's wait in the queue is a span
                 self._build(config, trainer_class, backend, start_step)

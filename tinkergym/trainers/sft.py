@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from tinkergym import timeline
+from tinkergym.plumbing import timeline
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams
 from tinkergym.errors import ConfigError
 from tinkergym.trainers.base import StepOutput, TrainingContext

@@ -84,7 +84,7 @@ from tinkergym.protocol.types import (
 )
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE
 from tinkergym.errors import ConfigError, OutOfMemoryError
-from tinkergym.folders import fresh_tmp_dir, replace_dir
+from tinkergym.plumbing.folders import fresh_tmp_dir, replace_dir
 
 #: Version of the save_state folder layout. 1: optimizer.pt and rng.pt pickles (refused since);
 #: 2: optimizer and RNG states as safetensors + JSON.

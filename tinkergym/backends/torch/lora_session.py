@@ -26,7 +26,7 @@ from tinkergym.backends.torch.state_files import check_state_format, read_optimi
 from tinkergym.backends.torch.vision import VisionInputs
 from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
 from tinkergym.errors import ConfigError
-from tinkergym.folders import fresh_tmp_dir, replace_dir
+from tinkergym.plumbing.folders import fresh_tmp_dir, replace_dir
 from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, ImageData, OptimParams, SampleRequest, SampleResponse, _Plain
 
 #: Version of a session's save_state folder.

@@ -57,7 +57,7 @@ from tinkergym.errors import ConfigError
 from tinkergym.backends.torch.sharded_states import (  # noqa: F401 - load_sharded_state, trainable_weights: public here too
     SHARDED_FORMAT, _sharded_meta, _trainable_only, dcp_folder, keep_index, load_sharded_state, trainable_weights,
 )
-from tinkergym.folders import fresh_tmp_dir, replace_dir
+from tinkergym.plumbing.folders import fresh_tmp_dir, replace_dir
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, ForwardBackwardResult
 
 #: Seconds a collective waits for its peers before it raises (a dead rank ends the others).

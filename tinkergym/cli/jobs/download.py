@@ -11,7 +11,7 @@ import click
 
 from tinkergym.cli.common import InputError, SafePath
 from tinkergym.cli.jobs.queue import call, connect, jobs, scheduler_options
-from tinkergym.downloads import DownloadMismatchError, save_checked
+from tinkergym.plumbing.downloads import DownloadMismatchError, save_checked
 from tinkergym.scheduler.artifact_paths import ArtifactPathError, check_relpath
 
 def _quote(part: str) -> str:

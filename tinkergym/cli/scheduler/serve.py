@@ -17,7 +17,7 @@ import click
 
 from tinkergym.cli.common import FiniteFloat, InputError, SafePath, shorten, table
 from tinkergym.cli.connection_options import connection_limits, connection_options, is_loopback
-from tinkergym.folders import keep_private
+from tinkergym.plumbing.folders import keep_private
 
 DB_ENVVAR = "TINKERGYM_SCHEDULER_DB"
 GIB = 1 << 30

@@ -17,7 +17,7 @@ KEEP_ALIVE_S = 30.0
 
 
 def _announce(job: Any, key_file: Path, base_url: str) -> None:
-    from tinkergym.folders import write_private_file
+    from tinkergym.plumbing.folders import write_private_file
 
     endpoint = job.endpoint
     write_private_file(key_file, endpoint.key + "\n")

@@ -108,7 +108,7 @@ def serve_tinker(
     if scheduler_url is not None:
         from tinkergym.tinker_api.cluster import offered_tokenizer
         from tinkergym.tinker_api.server import create_front_door
-        from tinkergym.urls import check_scheduler_url
+        from tinkergym.plumbing.urls import check_scheduler_url
 
         offered = {}
         for offer in offers:

@@ -64,7 +64,7 @@ from tinkergym.scheduler.worker.folders import state_step as _step
 
 from tinkergym.serve.auth import write_lease_file
 from tinkergym.client import SchedulerError
-from tinkergym.folders import write_private_file
+from tinkergym.plumbing.folders import write_private_file
 
 log = logging.getLogger("tinkergym.worker")
 

@@ -35,7 +35,7 @@ from typing import Any
 from collections.abc import Callable
 
 from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
-from tinkergym.folders import write_private_file
+from tinkergym.plumbing.folders import write_private_file
 from tinkergym.scheduler.worker.checks import last_line, log_tail, server_fault
 from tinkergym.scheduler.worker.faults import JobFault, WorkerFault
 from tinkergym.scheduler.worker.launchers import SHARED_LEASE_S, SHARED_RENEW_S, JobServer, Launcher, ServerLost

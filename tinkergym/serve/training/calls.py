@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest, SamplingParams
 from tinkergym.errors import ConfigError, NonFiniteError, TinkergymError
-from tinkergym.folders import plain_relative_parts
+from tinkergym.plumbing.folders import plain_relative_parts
 from tinkergym.serve.metrics import TokenTally
 from tinkergym.serve.training.arg_checks import check_token_ids, checked, from_json, json_type_error, scoring_images
 from tinkergym.serve.training.saved_states import load_weights_only, prune_states

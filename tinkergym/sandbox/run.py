@@ -18,15 +18,15 @@ Flatpak uses; Debian/Ubuntu package ``bubblewrap``):
   follows a mount into the host;
 - the ``rlimits`` that bound each process (address space, CPU seconds, processes, file size, open files,
   no core dumps), a wall-clock ``timeout``, and output cut to ``max_output`` characters;
-- a bound on the call's total memory, processes and files together (:mod:`tinkergym.sandbox_memory`): a memory
+- a bound on the call's total memory, processes and files together (:mod:`tinkergym.sandbox.memory`): a memory
   cgroup of its own limited to ``memory_mb`` (``"cgroup-v2"``; ``"cgroup-v1"`` on a hybrid host) where this process
   may make one, else ``"implied"``: the code kept to one process, so ``memory_mb`` plus the two tmpfs folders.
-  :func:`memory_bound` says which holds here, each result which held for it (and its peak, and OOM kills);
+  :func:`~tinkergym.sandbox.memory.memory_bound` says which holds here, each result which held for it (and its peak, and OOM kills);
 - ``--die-with-parent``: when the sandbox's first process ends, the kernel ends every process in its PID
   namespace, so nothing a call starts (a double-forked daemon included) outlives it;
 - a seccomp filter (bubblewrap's ``--seccomp``, built by libseccomp's own Python bindings, Debian/Ubuntu
   ``python3-seccomp``, Fedora ``python3-libseccomp``) that answers ``EPERM`` to the system calls code has no use
-  for and that widen the kernel's attack surface (:data:`~tinkergym.sandbox_filter.DENIED_SYSCALLS`: ``ptrace``, cross-process memory
+  for and that widen the kernel's attack surface (:data:`~tinkergym.sandbox.seccomp_filter.DENIED_SYSCALLS`: ``ptrace``, cross-process memory
   access, ``io_uring``, ``userfaultfd``, ``bpf``, ``perf_event_open``, the key store) and to ``socket`` and
   ``socketpair`` of any family but ``AF_UNIX``; system calls of another ABI (32-bit, x32) end the process.
 
@@ -59,10 +59,9 @@ import time
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from tinkergym import sandbox_memory
 from tinkergym.errors import ConfigError, SandboxUnavailableError
-from tinkergym.sandbox_filter import DENIED_SYSCALLS, program_fd, seccomp_program  # noqa: F401 - DENIED_SYSCALLS: public here too
-from tinkergym.sandbox_memory import MEMORY_BOUNDS, MemoryBound, memory_bound  # noqa: F401 - public here too
+from tinkergym.sandbox import memory as sandbox_memory
+from tinkergym.sandbox.seccomp_filter import program_fd, seccomp_program
 
 #: Longest code accepted, in UTF-8 bytes (it is sent through a pipe before the child starts reading).
 MAX_CODE_BYTES = 60_000
@@ -170,7 +169,7 @@ class SandboxResult:
         timed_out: The wall-clock timeout killed it.
         truncated: The output was cut.
         duration: Seconds from start to finish.
-        memory_bound: What bounded the call's total memory (one of :data:`MEMORY_BOUNDS`; ``""`` if it never started).
+        memory_bound: What bounded the call's total memory (one of :data:`~tinkergym.sandbox.memory.MEMORY_BOUNDS`; ``""`` if it never started).
         memory_total_bytes: That bound's total, for the call's processes and files together.
         memory_peak_bytes: The most the call held at once, where its cgroup kept it.
         memory_killed: The OOM killer ended a process of the call: it reached its memory bound.
@@ -462,7 +461,7 @@ def run_python(
     max_processes: int = 32,
     python: str | None = None,
     isolation: str = "bubblewrap",
-    memory_bound: str | None = None,  # noqa: F811 - the option keeps its name; the function is sandbox_memory.memory_bound
+    memory_bound: str | None = None,  # the option's name; the function is sandbox_memory.memory_bound
 ) -> SandboxResult:
     """Run ``code`` in a sandbox and return what it printed (see the module docstring).
 
@@ -480,7 +479,7 @@ def run_python(
         python: The interpreter (default: the system's ``python3``).
         isolation: ``"bubblewrap"`` (default) or ``"rlimits"`` (a weaker guard, not a security boundary).
         memory_bound: ``None`` (default) for the best bound on the call's total memory that this host offers;
-            ``"implied"`` to do without a cgroup (see :mod:`tinkergym.sandbox_memory`).
+            ``"implied"`` to do without a cgroup (see :mod:`tinkergym.sandbox.memory`).
     """
     start = time.monotonic()
     for name, value, low, high in (("timeout", timeout, 0.01, 3600), ("memory_mb", memory_mb, 16, 1 << 20),

@@ -6,7 +6,7 @@ writes; :func:`program_fd` puts it in a pipe for ``bwrap --seccomp FD``. The fil
 :data:`DENIED_SYSCALLS` and to ``socket``/``socketpair`` of any family but ``AF_UNIX``; a system call of another ABI
 (32-bit ``int 0x80``, x32) ends the process (libseccomp's default bad-arch action).
 
-Where no cgroup bounds a call's memory (:mod:`tinkergym.sandbox_memory`), ``seccomp_program(single_process=True)`` also
+Where no cgroup bounds a call's memory (:mod:`tinkergym.sandbox.memory`), ``seccomp_program(single_process=True)`` also
 keeps the code to one process and out of memory that no limit counts: ``EPERM`` to :data:`SINGLE_PROCESS_DENIED` and to
 ``clone`` without ``CLONE_THREAD`` (threads still start: they share the one address space), ``ENOSYS`` to ``clone3``
 (whose flags a filter cannot read; the C library then falls back to ``clone``, as under Docker's default profile).

@@ -1,6 +1,6 @@
 """Tool calling for text environments: schemas, a tool box, and a tolerant tool-call parser.
 
-- :func:`function_schema` (from :mod:`tinkergym.tool_schemas`) turns a typed Python function with a
+- :func:`function_schema` (from :mod:`tinkergym.tools.schemas`) turns a typed Python function with a
   Google-style docstring into the tool schema OpenAI-style APIs and chat templates take.
 
 - :class:`ToolBox` holds :class:`Tool` objects; :meth:`ToolBox.call` validates a call's arguments
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from collections.abc import Callable, Iterable
 
-from tinkergym import timeline
+from tinkergym.plumbing import timeline
 from tinkergym.errors import ConfigError
-from tinkergym.tool_schemas import function_schema
+from tinkergym.tools.schemas import function_schema
 
 __all__ = [
     "EXPECTED_FORM",
@@ -36,7 +36,6 @@ __all__ = [
     "Tool",
     "ToolBox",
     "ToolCall",
-    "function_schema",
     "parse_tool_calls",
 ]
 
