@@ -71,7 +71,7 @@ def test_a_killed_clients_session_ends_its_jobs_with_the_reason_and_its_state_lo
     from click.testing import CliRunner
 
     from tinkergym.backends.models import resolve_model
-    from tinkergym.cli.jobs.queue import jobs as jobs_command
+    from tinkergym.cli.jobs import jobs_group as jobs_command
     from tinkergym.client import SchedulerClient
     from tinkergym.scheduler.db import make_engine
     from tinkergym.tinker_api.server import create_front_door

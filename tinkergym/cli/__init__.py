@@ -10,13 +10,11 @@ import click
 from tinkergym.plumbing.folders import PRIVATE_COMMANDS, keep_private
 from tinkergym.cli.common import TinkergymGroup
 from tinkergym.cli.envs import envs
-from tinkergym.cli.jobs.queue import jobs as jobs_group
-from tinkergym.cli.jobs import download  # noqa: F401 - registers `jobs download` on the jobs group
+from tinkergym.cli.jobs import jobs_group
 from tinkergym.cli.play import play
 from tinkergym.cli.push import push
 from tinkergym.cli.results import results
-from tinkergym.cli.scheduler.serve import scheduler as scheduler_group
-from tinkergym.cli.scheduler import workers as scheduler_workers  # noqa: F401 - registers `scheduler workers` on the scheduler group
+from tinkergym.cli.scheduler import scheduler_group
 from tinkergym.cli.serve.backend import serve_backend
 from tinkergym.cli.serve.shared import serve_shared
 from tinkergym.cli.serve.tinker import serve_tinker

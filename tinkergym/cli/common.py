@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable, Sequence
@@ -36,6 +37,20 @@ def table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = [header, *rows]
     widths = [max(len(str(r[i])) for r in lines) for i in range(len(header))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in lines)
+
+
+def when(t: float | None) -> str:
+    """``2025-01-02 03:04:05Z``: a time stamp in UTC, for a table; ``-`` for none."""
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(t))
+
+
+def age(created_at: float, now: float | None = None) -> str:
+    """``42s``, ``5m``, ``3h``, ``2d``: how long ago ``created_at`` was."""
+    seconds = max(0.0, (time.time() if now is None else now) - created_at)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"
 
 
 def _shown(exc: Exception) -> str:
@@ -157,13 +172,14 @@ def construct_env(make: Callable[..., Any], env_id: str, kwargs: dict[str, Any])
     return make_checked(env_id, kwargs, multi_agent=make is make_aec)
 
 
-def parse_kwargs(pairs: tuple[str, ...]) -> dict[str, Any]:
-    """``("size=7", "opponent=random")`` -> ``{"size": 7, "opponent": "random"}`` (values read as JSON when they parse)."""
+def parse_kwargs(pairs: tuple[str, ...], option: str = "--kwarg") -> dict[str, Any]:
+    """``("size=7", "opponent=random")`` -> ``{"size": 7, "opponent": "random"}`` (values read as JSON when they parse);
+    a pair that is not KEY=VALUE is a usage error that names ``option``."""
     kwargs: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key.isidentifier():
-            raise click.BadParameter(f"{pair!r}: expected KEY=VALUE, e.g. size=7", param_hint="--kwarg")
+            raise click.BadParameter(f"{pair!r}: expected KEY=VALUE, e.g. size=7", param_hint=option)
         try:
             kwargs[key] = json.loads(raw)
         except (json.JSONDecodeError, RecursionError):

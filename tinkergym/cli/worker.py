@@ -210,7 +210,7 @@ def worker(
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s worker %(levelname)s %(message)s")
     pool = Worker(client, options, ray_launcher(options) if ray_launcher is not None else None)
     if metrics_port:
-        from tinkergym.cli.serve.backend import start_metrics
+        from tinkergym.cli.serve.server import start_metrics
 
         start_metrics(pool.count_metrics(), metrics_port)
     code = pool.run()

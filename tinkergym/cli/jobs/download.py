@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from tinkergym.cli.common import InputError, SafePath
-from tinkergym.cli.jobs.queue import call, connect, jobs, scheduler_options
+from tinkergym.cli.jobs.connection import call, connect, scheduler_options
 from tinkergym.plumbing.downloads import DownloadMismatchError, save_checked
 from tinkergym.scheduler.artifact_paths import ArtifactPathError, check_relpath
 
@@ -49,12 +49,12 @@ def download_file(client: Any, job_id: str, name: str, entry: dict[str, Any], de
         connection.close()
 
 
-@jobs.command("download")
+@click.command("download")
 @click.argument("job_id")
 @click.option("--checkpoint", "wanted", default=None, metavar="STEP|NAME", help="Which checkpoint: its step or its name (default: the newest).")
 @click.option("--out", type=SafePath(file_okay=False, path_type=Path), required=True, help="The folder to write it into (made if needed).")
 @scheduler_options
-def download(job_id: str, wanted: str | None, out: Path, scheduler_url: str | None, api_key: str | None) -> None:
+def download_command(job_id: str, wanted: str | None, out: Path, scheduler_url: str | None, api_key: str | None) -> None:
     """Download one of a job's checkpoints into --out (a state `tinkergym train --resume` and peft load).
 
     Every file is checked against the size and SHA-256 the scheduler lists before it is kept.

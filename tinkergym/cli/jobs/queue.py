@@ -1,4 +1,5 @@
-"""``tinkergym jobs list|show|cancel|logs``: the scheduler's jobs from the command line (through :mod:`tinkergym.client`)."""
+"""``tinkergym jobs list|show|cancel|logs``: a tenant's jobs in the scheduler's queue, from the command line (through
+:mod:`tinkergym.client`)."""
 
 from __future__ import annotations
 
@@ -6,64 +7,14 @@ import datetime
 import json
 import time
 from typing import Any
-from collections.abc import Callable
 
 import click
 
-from tinkergym.cli.common import InputError
-from tinkergym.client import API_KEY_ENV, SCHEDULER_ENV
+from tinkergym.cli.common import age
+from tinkergym.cli.jobs.connection import call, connect, scheduler_options
 
 STATES = ("queued", "leased", "starting", "running", "cancelling", "succeeded", "failed", "cancelled")
 KINDS = ("train", "sft", "eval", "inference")
-
-
-def scheduler_options(command: Callable[..., Any]) -> Callable[..., Any]:
-    """``--scheduler`` and ``--api-key`` (from the environment by default) on a jobs command."""
-    command = click.option(
-        "--api-key", envvar=API_KEY_ENV, show_envvar=True, metavar="KEY",
-        help="An API key from `tinkergym scheduler keys create` (tgk_...). Prefer the environment variable: "
-        "a key on the command line ends up in the shell history.",
-    )(command)
-    return click.option(
-        "--scheduler", "scheduler_url", envvar=SCHEDULER_ENV, show_envvar=True, metavar="URL",
-        help="The scheduler, e.g. http://127.0.0.1:8780.",
-    )(command)
-
-
-def connect(scheduler_url: str | None, api_key: str | None) -> Any:
-    """A :class:`~tinkergym.client.SchedulerClient`; no URL or no key is bad input (exit 2) with a message saying how to give one."""
-    from tinkergym.client import SchedulerClient
-    from tinkergym.errors import ConfigError
-
-    if not api_key or not api_key.strip():
-        raise InputError(f"no API key: pass --api-key KEY or set {API_KEY_ENV} (an admin makes one with `tinkergym scheduler keys create`)")
-    if not scheduler_url:
-        raise InputError(f"no scheduler: pass --scheduler URL or set {SCHEDULER_ENV} (e.g. http://127.0.0.1:8780)")
-    try:
-        return SchedulerClient(scheduler_url, api_key)
-    except ConfigError as exc:
-        raise InputError(str(exc)) from exc
-
-
-def call(action: Callable[[], Any]) -> Any:
-    """Run a client call; the scheduler's refusals become exit 2 (bad request, key or id) or 1 (the scheduler failed)."""
-    from tinkergym.client import SchedulerError
-
-    try:
-        return action()
-    except SchedulerError as exc:
-        if exc.input_error:
-            raise InputError(str(exc)) from exc
-        raise click.ClickException(str(exc)) from exc
-
-
-def age(created_at: float, now: float | None = None) -> str:
-    """``42s``, ``5m``, ``3h``, ``2d``: how long ago ``created_at`` was."""
-    seconds = max(0.0, (time.time() if now is None else now) - created_at)
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{int(seconds // size)}{unit}"
-    return f"{int(seconds)}s"
 
 
 def job_table(found: list[dict[str, Any]]) -> str:
@@ -110,25 +61,7 @@ def transcript_summary(data: Any) -> str | None:
     return f"step {data.get('step')}: {count} episodes: {', '.join(parts) or 'none'} (--json for the messages)"
 
 
-@click.group()
-def jobs() -> None:
-    """The scheduler's jobs: list, show, cancel, logs (--follow streams them as they happen).
-
-    Every command needs the scheduler's URL (--scheduler or TINKERGYM_SCHEDULER) and an API key
-    (--api-key or TINKERGYM_API_KEY). Exit codes: 2 for bad input (no key, a refused key, an unknown
-    job id), 1 when the scheduler fails or cannot be reached, or refuses the action (cancelling an ended job).
-
-    \b
-    Examples:
-      export TINKERGYM_SCHEDULER=http://127.0.0.1:8780 TINKERGYM_API_KEY=tgk_...
-      tinkergym jobs list --state queued,running
-      tinkergym jobs show job_0123
-      tinkergym jobs logs job_0123 --follow
-      tinkergym jobs cancel job_0123
-    """
-
-
-@jobs.command("list")
+@click.command("list")
 @scheduler_options
 @click.option("--state", help="Only jobs in these states (comma-separated: " + ", ".join(STATES) + ").")
 @click.option("--kind", type=click.Choice(KINDS), help="Only jobs of this kind.")
@@ -144,7 +77,7 @@ def list_command(scheduler_url: str | None, api_key: str | None, state: str | No
     click.echo(json.dumps(found, indent=2) if as_json else job_table(found))
 
 
-@jobs.command("show")
+@click.command("show")
 @scheduler_options
 @click.argument("job_id")
 @click.option("--json", "as_json", is_flag=True, help="Print the job as JSON.")
@@ -166,7 +99,7 @@ def show_command(scheduler_url: str | None, api_key: str | None, job_id: str, as
     click.echo(f"{'config:':<16}{json.dumps(job.get('config', {}), sort_keys=True)}")
 
 
-@jobs.command("cancel")
+@click.command("cancel")
 @scheduler_options
 @click.argument("job_id")
 def cancel_command(scheduler_url: str | None, api_key: str | None, job_id: str) -> None:
@@ -176,7 +109,7 @@ def cancel_command(scheduler_url: str | None, api_key: str | None, job_id: str) 
     click.echo(f"{job['id']}: {job['state']}")
 
 
-@jobs.command("logs")
+@click.command("logs")
 @scheduler_options
 @click.argument("job_id")
 @click.option("--follow", "-f", is_flag=True, help="Keep streaming new events until the job ends.")

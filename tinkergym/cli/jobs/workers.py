@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from tinkergym.cli.common import table
-from tinkergym.cli.jobs.queue import age, call, connect, scheduler_options
+from tinkergym.cli.common import age, table
+from tinkergym.cli.jobs.connection import call, connect, scheduler_options
 
 
 @click.group()

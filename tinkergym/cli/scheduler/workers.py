@@ -14,8 +14,9 @@ from typing import Any
 
 import click
 
-from tinkergym.cli.common import FiniteFloat, InputError, shorten, table
-from tinkergym.cli.scheduler.serve import check_tenant, when, data_dir_option, db_option, open_database, scheduler
+from tinkergym.cli.common import FiniteFloat, InputError, shorten, table, when
+from tinkergym.cli.scheduler.database import data_dir_option, db_option, open_database
+from tinkergym.cli.scheduler.tenants import check_tenant
 from tinkergym.cli.jobs.workers import DeviceCount
 
 _DEVICES = click.option("--devices", type=click.IntRange(1, 4096), required=True,
@@ -47,7 +48,7 @@ def _bounds(devices: int, kind: str | None, models: tuple[str, ...], tenant_list
     return WorkerBounds(devices, kind, tuple(sorted(set(models))) or None, tuple(sorted(set(tenant_list))) or None)
 
 
-@scheduler.group("workers")
+@click.group("workers")
 def workers_group() -> None:
     """Worker credentials (made only here) and the workers that registered with them.
 

@@ -11,7 +11,7 @@ import click
 from tinkergym.cli.common import SafePath
 from tinkergym.config import DTYPES
 from tinkergym.cli.connection_options import connection_limits, connection_options
-from tinkergym.cli.serve.backend import METRICS_PORT_OPTION, start_metrics
+from tinkergym.cli.serve.server import METRICS_PORT_OPTION, start_metrics
 
 ENGINES = ("auto", "torch", "vllm")
 

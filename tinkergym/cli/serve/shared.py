@@ -8,7 +8,7 @@ import click
 
 from tinkergym.cli.common import FiniteFloat, InputError, SafePath
 from tinkergym.cli.connection_options import connection_limits, connection_options, is_loopback
-from tinkergym.cli.serve.backend import (
+from tinkergym.cli.serve.server import (
     EXIT_WITH_PARENT_OPTION,
     HOST_OPTION,
     METRICS_PORT_OPTION,

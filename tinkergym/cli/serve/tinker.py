@@ -8,8 +8,8 @@ import click
 
 from tinkergym.cli.common import InputError, SafePath
 from tinkergym.cli.connection_options import connection_limits, connection_options, is_loopback
-from tinkergym.cli.scheduler.serve import data_dir_option, db_option, open_database
-from tinkergym.cli.serve.backend import HOST_OPTION, METRICS_PORT_OPTION, request_logger, run_server
+from tinkergym.cli.scheduler.database import data_dir_option, db_option, open_database
+from tinkergym.cli.serve.server import HOST_OPTION, METRICS_PORT_OPTION, request_logger, run_server
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 
 
