@@ -135,11 +135,12 @@ shell:
 play: install
 	$(VENV)/bin/tinkergym play --all --agent baseline --seed 0
 
-# ruff (the rule set in pyproject.toml), the import contracts ([tool.importlinter]), mypy on tinkergym ([tool.mypy]) and
+# ruff (the rule set in pyproject.toml; line length and complexity against tools/lint_baseline.json), the import contracts ([tool.importlinter]), mypy on tinkergym ([tool.mypy]) and
 # the documentation site's strict build (a broken link, a missing page, a reference that no longer imports);
 # make test runs them beside the quick tests.
 lint: install
 	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages tools
+	$(PY) tools/lint_baseline.py
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
 	$(MKDOCS) build --strict --quiet --site-dir $(abspath $(REPORTS))/site
