@@ -38,13 +38,13 @@ from tinkergym.rollouts import (
     RolloutConfig,
     Sampler,
     Trajectory,
-    _after_step,
-    _EnvCalls,
-    _env_workers,
-    _Episode,
-    _group_by_budget,
-    _start,
-    _take_sample,
+    EnvCalls,
+    Episode,
+    after_step,
+    env_worker_count,
+    group_by_budget,
+    start_episode,
+    take_sample,
 )
 
 
@@ -138,14 +138,14 @@ class _Seat:
     agent: str
     player: Player
     result: SeatResult
-    episode: _Episode | None = None  # model players only
+    episode: Episode | None = None  # model players only
     agent_fn: Callable[[str, dict], str] | None = None  # scripted players only
     pending: float = 0.0  # reward paid since the seat's last move
     stopped: bool = False  # whether its last sample ended on a stop token
     moved: bool = False
 
 
-def _model_seat(seat: _Seat) -> tuple[ModelPlayer, _Episode]:
+def _model_seat(seat: _Seat) -> tuple[ModelPlayer, Episode]:
     """A model player's seat: its player and its episode (which :func:`_new_live` gives every model seat)."""
     assert isinstance(seat.player, ModelPlayer) and seat.episode is not None
     return seat.player, seat.episode
@@ -178,7 +178,7 @@ def _new_live(game: Game) -> _Live:
         player = game.players[agent]
         seat = _Seat(agent, player, SeatResult(agent, player.name))
         if isinstance(player, ModelPlayer):
-            seat.episode = _Episode(game.env, game.seed)
+            seat.episode = Episode(game.env, game.seed)
             seat.result.trajectory = seat.episode.trajectory
         else:
             seat.agent_fn = player.make_agent(seed=_seat_seed(game.seed, index))
@@ -219,11 +219,11 @@ def _prepare(live: _Live, renderer: ChatRenderer, config: RolloutConfig) -> tupl
         return seat, seat.agent_fn(observation, info)
     _, episode = _model_seat(seat)
     if not seat.moved and episode.state is EpisodeState.PENDING:
-        _start(episode, (observation, info), renderer, config)
+        start_episode(episode, (observation, info), renderer, config)
     else:
         reward, seat.pending = seat.pending, 0.0
         seat.result.reward += reward
-        _after_step(episode, (observation, reward, False, False, info), seat.stopped, renderer, config)
+        after_step(episode, (observation, reward, False, False, info), seat.stopped, renderer, config)
     if episode.state is EpisodeState.TERMINATED:  # a budget ran out: the game ends here for everyone
         _end(live, episode.trajectory.finish_reason)
         return None
@@ -241,7 +241,7 @@ def _sample_moves(waiting: list[tuple[_Live, _Seat]], renderer: ChatRenderer, co
     for policy_index, ((_, temperature), members) in enumerate(by_policy.items()):
         sampler = _model_seat(members[0][1])[0].sampler
         by_episode = {id(seat.episode): (live, seat) for live, seat in members}
-        for budget, episodes in _group_by_budget([_model_seat(seat)[1] for _, seat in members], config).items():
+        for budget, episodes in group_by_budget([_model_seat(seat)[1] for _, seat in members], config).items():
             params = SamplingParams(
                 max_new_tokens=budget, temperature=temperature, top_p=config.top_p, top_k=config.top_k,
                 stop_token_ids=list(renderer.stop_token_ids),
@@ -251,7 +251,7 @@ def _sample_moves(waiting: list[tuple[_Live, _Seat]], renderer: ChatRenderer, co
             for episode, (sequence, *_) in zip(episodes, response.sequences, strict=True):
                 live, seat = by_episode[id(episode)]
                 try:
-                    moves[id(live)] = _take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)
+                    moves[id(live)] = take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)
                 except Exception as exc:  # noqa: BLE001 - a template failure ends this game only
                     _end(live, "error", f"{type(exc).__name__}: {exc}")
                     continue
@@ -292,7 +292,7 @@ def play_games(
         on_round: Called after each round with (round, games still running).
     """
     lives = [_new_live(g) for g in games]
-    env_calls = _EnvCalls(_env_workers([g.env for g in games], config))
+    env_calls = EnvCalls(env_worker_count([g.env for g in games], config))
     try:
         for live, reset in [(live, env_calls.submit(live.game.env.reset, seed=live.game.seed)) for live in lives]:
             try:

@@ -142,7 +142,9 @@ class Trajectory:
 
 
 @dataclass
-class _Episode:
+class Episode:
+    """One env's episode in the loop: its state, its trajectory so far, its turns; the game coordinator keeps one per model seat."""
+
     env: Any
     seed: int | None
     state: EpisodeState = EpisodeState.PENDING
@@ -163,7 +165,7 @@ class _Episode:
         self.finish("error", f"{type(exc).__name__}: {exc}")
 
 
-class _EnvCalls:
+class EnvCalls:
     """Runs env calls on a bounded thread pool (or inline with one worker); results come back as futures.
 
     An env exception is kept in its future (it is data); the pool is shut down by :meth:`close`.
@@ -189,7 +191,7 @@ class _EnvCalls:
             self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _start(episode: _Episode, reset: tuple[str, dict], renderer: ChatRenderer, config: RolloutConfig) -> None:
+def start_episode(episode: Episode, reset: tuple[str, dict], renderer: ChatRenderer, config: RolloutConfig) -> None:
     """PENDING -> GENERATING: render the first prompt from the env's reset (or finish if it cannot fit)."""
     observation, info = reset
     messages: list[Message] = []
@@ -227,7 +229,7 @@ def _user_message(observation: Any, renderer: ChatRenderer) -> tuple[Message, li
     return message, images if getattr(renderer, "renders_images", False) else []
 
 
-def _keep_images(episode: _Episode, images: list[Any]) -> None:
+def _keep_images(episode: Episode, images: list[Any]) -> None:
     episode.images.extend(images)
     episode.trajectory.images.extend(ImageData.from_array(_as_uint8(image)) for image in images)
 
@@ -238,14 +240,14 @@ def _as_uint8(image: Any) -> Any:
     return np.ascontiguousarray(np.asarray(image, dtype=np.uint8))
 
 
-def _turn_budget(episode: _Episode, config: RolloutConfig) -> int:
+def _turn_budget(episode: Episode, config: RolloutConfig) -> int:
     budget = min(config.max_new_tokens, config.max_context - len(episode.trajectory.tokens))
     if config.max_episode_tokens is not None:
         budget = min(budget, config.max_episode_tokens - episode.trajectory.num_sampled_tokens)
     return budget
 
 
-def _take_sample(episode: _Episode, tokens: list[int], logprobs: list[float], renderer: ChatRenderer) -> str:
+def take_sample(episode: Episode, tokens: list[int], logprobs: list[float], renderer: ChatRenderer) -> str:
     """GENERATING -> INTERACTING: append the sampled ids and return their text for ``env.step``."""
     episode.state = EpisodeState.INTERACTING
     trajectory = episode.trajectory
@@ -255,7 +257,7 @@ def _take_sample(episode: _Episode, tokens: list[int], logprobs: list[float], re
     return text
 
 
-def _after_step(episode: _Episode, result: tuple, stopped: bool, renderer: ChatRenderer, config: RolloutConfig) -> None:
+def after_step(episode: Episode, result: tuple, stopped: bool, renderer: ChatRenderer, config: RolloutConfig) -> None:
     """INTERACTING: record the env's step, then append the observation or finish.
 
     A budget that ends the episode here ends it before the observation is appended, so the trajectory
@@ -290,9 +292,9 @@ def _after_step(episode: _Episode, result: tuple, stopped: bool, renderer: ChatR
     episode.state = EpisodeState.GENERATING
 
 
-def _group_by_budget(waiting: list[_Episode], config: RolloutConfig) -> dict[int, list[_Episode]]:
+def group_by_budget(waiting: list[Episode], config: RolloutConfig) -> dict[int, list[Episode]]:
     """Waiting episodes by their token budget for this turn; those with none left are finished."""
-    by_budget: dict[int, list[_Episode]] = {}
+    by_budget: dict[int, list[Episode]] = {}
     for episode in waiting:
         budget = _turn_budget(episode, config)
         if budget <= 0:
@@ -303,10 +305,10 @@ def _group_by_budget(waiting: list[_Episode], config: RolloutConfig) -> dict[int
     return by_budget
 
 
-def _sample_round(waiting: list[_Episode], sampler: Sampler, renderer: ChatRenderer, config: RolloutConfig, round_index: int, env_calls: _EnvCalls) -> None:
+def _sample_round(waiting: list[Episode], sampler: Sampler, renderer: ChatRenderer, config: RolloutConfig, round_index: int, env_calls: EnvCalls) -> None:
     """One batched ``sample`` call per distinct token budget; env steps run while later groups sample."""
-    stepping: list[tuple[_Episode, Future, bool]] = []
-    for budget, group in _group_by_budget(waiting, config).items():
+    stepping: list[tuple[Episode, Future, bool]] = []
+    for budget, group in group_by_budget(waiting, config).items():
         params = SamplingParams(
             max_new_tokens=budget,
             temperature=config.temperature,
@@ -320,14 +322,14 @@ def _sample_round(waiting: list[_Episode], sampler: Sampler, renderer: ChatRende
             response = sampler.sample(SampleRequest(prompts=[e.trajectory.tokens for e in group], params=params, images=images))
         for episode, (sequence, *_) in zip(group, response.sequences):
             try:
-                text = _take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)
+                text = take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)
             except Exception as exc:  # noqa: BLE001 - a template failure ends this episode only
                 episode.fail(exc)
                 continue
             stepping.append((episode, env_calls.submit(_env_step, episode.env, text), sequence.finish_reason == "stop"))
     for episode, step, stopped in stepping:  # in submission order, whatever order the steps finished in
         try:
-            _after_step(episode, step.result(), stopped, renderer, config)
+            after_step(episode, step.result(), stopped, renderer, config)
         except Exception as exc:  # noqa: BLE001 - an env or template failure ends this episode only
             episode.fail(exc)
 
@@ -342,7 +344,7 @@ def _env_reset(env: Any, seed: int | None) -> tuple:
         return env.reset(seed=seed)
 
 
-def _env_workers(envs: list[Any], config: RolloutConfig) -> int:
+def env_worker_count(envs: list[Any], config: RolloutConfig) -> int:
     """Threads for the env calls: one env is never called from two threads, so a repeated env means one."""
     if len({id(env) for env in envs}) < len(envs):
         return 1
@@ -368,13 +370,13 @@ def rollout(
         on_round: Called after each sampling round with (round, episodes still running).
     """
     seeds = list(seeds) if seeds is not None else [None] * len(envs)
-    episodes = [_Episode(env, seed) for env, seed in zip(envs, seeds, strict=True)]
-    env_calls = _EnvCalls(_env_workers(envs, config))
+    episodes = [Episode(env, seed) for env, seed in zip(envs, seeds, strict=True)]
+    env_calls = EnvCalls(env_worker_count(envs, config))
     try:
         resets = [(e, env_calls.submit(_env_reset, e.env, e.seed)) for e in episodes]
         for episode, reset in resets:
             try:
-                _start(episode, reset.result(), renderer, config)
+                start_episode(episode, reset.result(), renderer, config)
             except Exception as exc:  # noqa: BLE001 - an env or template failure ends this episode only
                 episode.fail(exc)
         round_index = 0

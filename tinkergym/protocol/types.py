@@ -55,7 +55,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class _Plain:
+class PlainData:
     """``to_dict`` / ``from_dict`` for the dataclasses below (nested lists of dataclasses included)."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -73,7 +73,7 @@ class _Plain:
 
 
 @dataclass
-class ImageData(_Plain):
+class ImageData(PlainData):
     """One RGB image: ``height`` x ``width`` pixels, ``data`` their uint8 values row by row (R, G, B each) in base64.
 
     Checked when made (also by :meth:`from_dict`): positive sizes, at most :data:`MAX_IMAGE_PIXELS` pixels, and
@@ -149,7 +149,7 @@ def _check_images(images: list[ImageData], where: str) -> None:
 
 
 @dataclass
-class SamplingParams(_Plain):
+class SamplingParams(PlainData):
     """How to sample: ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 switch those filters off."""
 
     max_new_tokens: int = 128
@@ -173,7 +173,7 @@ class SamplingParams(_Plain):
 
 
 @dataclass
-class SampledSequence(_Plain):
+class SampledSequence(PlainData):
     """One completion: the ids exactly as sampled, their logprobs under the sampling policy, why it stopped."""
 
     tokens: list[int]
@@ -182,7 +182,7 @@ class SampledSequence(_Plain):
 
 
 @dataclass
-class SampleRequest(_Plain):
+class SampleRequest(PlainData):
     """``num_samples`` completions for each token prompt.
 
     ``images``: empty (text only), or one list per prompt of the images its image tokens show, in order.
@@ -204,14 +204,14 @@ class SampleRequest(_Plain):
 
 
 @dataclass
-class SampleResponse(_Plain):
+class SampleResponse(PlainData):
     """``sequences[i]`` holds the completions of ``prompts[i]``."""
 
     sequences: list[list[SampledSequence]]
 
 
 @dataclass
-class Datum(_Plain):
+class Datum(PlainData):
     """One training sequence with per-token loss mask, advantages and (for RL) the sampler's logprobs.
 
     ``images``: the images its image tokens show, in order (empty for text).
@@ -233,7 +233,7 @@ class Datum(_Plain):
 
 
 @dataclass
-class LossSpec(_Plain):
+class LossSpec(PlainData):
     """A named loss and its settings, computed by the backend.
 
     Names: ``"cross_entropy"`` (SFT: mean negative log-likelihood of masked tokens), ``"ppo"`` (clipped
@@ -274,7 +274,7 @@ class LossSpec(_Plain):
 
 
 @dataclass
-class ForwardBackwardRequest(_Plain):
+class ForwardBackwardRequest(PlainData):
     """A batch and its loss; gradients accumulate until :meth:`Backend.optim_step`.
 
     ``num_tokens`` / ``num_sequences``: the loss normalizers of the whole optimizer batch (the summed loss
@@ -295,7 +295,7 @@ class ForwardBackwardRequest(_Plain):
 
 
 @dataclass
-class ForwardBackwardResult(_Plain):
+class ForwardBackwardResult(PlainData):
     """Aggregated numbers of the pass (loss, KL, clip fraction, tokens); with ``return_logprobs``, each datum's logprobs."""
 
     metrics: dict[str, float]
@@ -310,7 +310,7 @@ class ForwardBackwardResult(_Plain):
 
 
 @dataclass
-class OptimParams(_Plain):
+class OptimParams(PlainData):
     """AdamW settings of one optimizer step; ``max_grad_norm`` 0 switches clipping off."""
 
     learning_rate: float = 1e-5

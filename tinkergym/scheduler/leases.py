@@ -84,7 +84,7 @@ from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.seats import fits, parse_shared
 from tinkergym.scheduler.usage import charge_renewal
 from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
-    ALIVE, FORGET_BATCH, GONE, _count_loss, _locked, _strike, forget_worker, mark_gone, owned_worker, quarantine_worker, register_worker,
+    ALIVE, FORGET_BATCH, GONE, count_loss, locked, strike_worker, forget_worker, mark_gone, owned_worker, quarantine_worker, register_worker,
     release_worker, sweep_workers, worker_status, worker_timeout, worker_view,
 )
 
@@ -208,7 +208,7 @@ def grant(
     back and answers no lease.
     """
     now = store.clock()
-    worker = conn.execute(_locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
+    worker = conn.execute(locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
     if worker is None:
         return None  # forgotten by the sweeper since the caller checked it: its next call is 404, and it registers again
     _touch(conn, worker_id, now)  # the worker's own call: alive from now on (a gone worker comes back here)
@@ -437,13 +437,13 @@ def expire(store: JobStore, job_id: str, epoch: int, now: float, policy: LossPol
 
     - a cancelling job is cancelled;
     - a lease its worker never proved (:func:`proven`: no heartbeat came after it reported the job running, and no
-      checkpoint was reported in it) is the worker's fault, not the job's: a strike against the worker (:func:`_strike`,
+      checkpoint was reported in it) is the worker's fault, not the job's: a strike against the worker (:func:`strike_worker`,
       quarantined at ``quarantine_after`` in a row), and the job is queued again at the same attempt;
     - a proven lease counts against the job's attempts: queued with ``attempt + 1``, or failed at ``max_attempts``
       unless every lease it lost was lost by a worker now quarantined (then queued again at the same attempt).
 
     Every loss by a worker still calling (seen after the lease ended) counts against it within ``quarantine_window_s``:
-    ``quarantine_losses`` of them quarantine it, whatever it reports (:func:`_count_loss`). A worker that died holding
+    ``quarantine_losses`` of them quarantine it, whatever it reports (:func:`count_loss`). A worker that died holding
     leases stops calling, and its losses are not held against it.
     """
     with store.transaction() as conn:
@@ -455,8 +455,8 @@ def expire(store: JobStore, job_id: str, epoch: int, now: float, policy: LossPol
         ran = worker_id is None or proven(conn, job, policy.lease_ttl_s)
         if worker_id is not None:
             if not ran:
-                _strike(conn, store, job, policy.quarantine_after, now)
-            _count_loss(conn, store, job, policy, now)
+                strike_worker(conn, store, job, policy.quarantine_after, now)
+            count_loss(conn, store, job, policy, now)
         values: dict[str, Any] = {"worker_id": None, "server_url": None, "lease_expires_at": None, "server_token_digest": None}
         event: dict[str, Any] = {"reason": "lease expired", "epoch": epoch, "worker": worker_id}
         if job["state"] == states.CANCELLING:

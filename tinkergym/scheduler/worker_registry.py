@@ -18,7 +18,7 @@ from tinkergym.scheduler.repository import JobStore
 from tinkergym.scheduler.seats import parse_shared, seat_index, shared_json
 
 
-def _locked(conn: Connection, query: Any) -> Any:
+def locked(conn: Connection, query: Any) -> Any:
     """``query FOR UPDATE`` where the database has it (SQLite's ``BEGIN IMMEDIATE`` already holds the write lock)."""
     return query if conn.dialect.name == "sqlite" else query.with_for_update()
 
@@ -38,7 +38,7 @@ def register_worker(
     other indexes while jobs run cannot hold more devices than the bound. Registrations of one key are serialised by a
     lock on the key's row, so two at once cannot both fit the bound.
     """
-    conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == key_id))).first()
+    conn.execute(locked(conn, select(api_keys.c.id).where(api_keys.c.id == key_id))).first()
     row = conn.execute(select(workers.c.id).where(workers.c.key_id == key_id, workers.c.name == name)).first()
     mine = select(workers.c.id).where(workers.c.key_id == key_id)
     elsewhere = devices.c.active.is_(True) & (devices.c.worker_id != row[0] if row is not None else true())
@@ -138,7 +138,7 @@ def owned_worker(conn: Connection, worker_id: str, key_id: str) -> dict[str, Any
     return dict(row) if row is not None else None
 
 
-def _strike(conn: Connection, store: JobStore, job: dict[str, Any], quarantine_after: int, now: float) -> None:
+def strike_worker(conn: Connection, store: JobStore, job: dict[str, Any], quarantine_after: int, now: float) -> None:
     """Count a lease of ``job`` that expired before its server came up against its worker; quarantine it at ``quarantine_after``.
 
     The job's owner reads why in its events (the worker, its strikes, and its quarantine). Strikes reset when the worker
@@ -146,7 +146,7 @@ def _strike(conn: Connection, store: JobStore, job: dict[str, Any], quarantine_a
     merely reports ``running``; a quarantined worker gets no lease until the operator releases it.
     """
     worker_id = job["worker_id"]
-    row = conn.execute(_locked(conn, select(workers.c.strikes, workers.c.quarantined_at).where(workers.c.id == worker_id))).first()
+    row = conn.execute(locked(conn, select(workers.c.strikes, workers.c.quarantined_at).where(workers.c.id == worker_id))).first()
     if row is None:
         return
     strikes = row.strikes + 1
@@ -160,14 +160,14 @@ def _strike(conn: Connection, store: JobStore, job: dict[str, Any], quarantine_a
     store.append_event(conn, job["id"], "log", data)
 
 
-def _count_loss(conn: Connection, store: JobStore, job: dict[str, Any], policy: Any, now: float) -> None:
+def count_loss(conn: Connection, store: JobStore, job: dict[str, Any], policy: Any, now: float) -> None:
     """Count a lost lease of ``job`` against its worker if the worker still calls (seen after the lease ended: it is
     alive and let this lease go) and the lease ended while this scheduler ran (``policy.since``: after an outage, a
     worker's first call may come before the sweep of the leases that ran out meanwhile), within ``policy.quarantine_window_s``; at ``policy.quarantine_losses`` such losses in
     the window it is quarantined, whatever it reported. The count is a fixed window: it starts at the first loss after
     the last window ended."""
     worker_id = job["worker_id"]
-    row = conn.execute(_locked(conn, select(workers.c.last_seen_at, workers.c.losses, workers.c.losses_since, workers.c.quarantined_at)
+    row = conn.execute(locked(conn, select(workers.c.last_seen_at, workers.c.losses, workers.c.losses_since, workers.c.quarantined_at)
                                      .where(workers.c.id == worker_id))).first()
     if row is None or row.last_seen_at < job["lease_expires_at"] or job["lease_expires_at"] < policy.since:
         return  # it stopped calling before the lease ended (it died holding it), or the lease ran out while no scheduler ran
@@ -208,8 +208,8 @@ def forget_worker(store: JobStore, worker_id: str, seen_before: float) -> bool:
         row = conn.execute(select(workers.c.key_id).where(workers.c.id == worker_id)).first()
         if row is None:
             return False
-        conn.execute(_locked(conn, select(api_keys.c.id).where(api_keys.c.id == row.key_id))).first()
-        worker = conn.execute(_locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
+        conn.execute(locked(conn, select(api_keys.c.id).where(api_keys.c.id == row.key_id))).first()
+        worker = conn.execute(locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
         if worker is None or worker["last_seen_at"] >= seen_before:
             return False
         held = conn.execute(select(jobs.c.id).where(jobs.c.worker_id == worker_id, jobs.c.state.in_(sorted(states.HOLDING))).limit(1)).first()

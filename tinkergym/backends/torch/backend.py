@@ -80,7 +80,7 @@ from tinkergym.protocol.types import (
     SampleRequest,
     SampleResponse,
     SampledSequence,
-    _Plain,
+    PlainData,
 )
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE
 from tinkergym.errors import ConfigError, OutOfMemoryError
@@ -92,7 +92,7 @@ STATE_FORMAT = 2
 
 
 @dataclass
-class TorchBackendConfig(_Plain):
+class TorchBackendConfig(PlainData):
     """Settings of a :class:`TorchBackend`: ids, paths and numbers only, so it serializes with the run.
 
     Attributes:

@@ -27,7 +27,7 @@ from tinkergym.backends.torch.vision import VisionInputs
 from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
 from tinkergym.errors import ConfigError
 from tinkergym.plumbing.folders import fresh_tmp_dir, replace_dir
-from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, ImageData, OptimParams, SampleRequest, SampleResponse, _Plain
+from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, ImageData, OptimParams, SampleRequest, SampleResponse, PlainData
 
 #: Version of a session's save_state folder.
 SESSION_STATE_FORMAT = 1
@@ -64,7 +64,7 @@ class SessionBase(Protocol):
 
 
 @dataclass
-class LoraSessionConfig(_Plain):
+class LoraSessionConfig(PlainData):
     """A session's adapter: its rank and alpha, and the seed of its initialization and sampling."""
 
     lora_rank: int = DEFAULT_LORA_RANK

@@ -55,7 +55,7 @@ from tinkergym.backends.torch.batches import request_normalizers
 from tinkergym.backends.torch.sizing import in_language_model
 from tinkergym.errors import ConfigError
 from tinkergym.backends.torch.sharded_states import (  # noqa: F401 - load_sharded_state, trainable_weights: public here too
-    SHARDED_FORMAT, _sharded_meta, _trainable_only, dcp_folder, keep_index, load_sharded_state, trainable_weights,
+    SHARDED_FORMAT, sharded_meta, trainable_only, dcp_folder, keep_index, load_sharded_state, trainable_weights,
 )
 from tinkergym.plumbing.folders import fresh_tmp_dir, replace_dir
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, ForwardBackwardResult
@@ -256,7 +256,7 @@ class ShardedTorchBackend(TorchBackend):
         dist.broadcast_object_list(shared, src=0)
         tmp = shared[0]
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": _trainable_only(model_state, self._trainable), "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
+        dcp.save({"model": trainable_only(model_state, self._trainable), "optim": optim_state}, checkpoint_id=os.path.join(tmp, "dcp"))
         dist.barrier()
         if self.rank == 0:
             keep_index(os.path.join(tmp, "dcp"))
@@ -270,9 +270,9 @@ class ShardedTorchBackend(TorchBackend):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-        meta = _sharded_meta(path)
+        meta = sharded_meta(path)
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": _trainable_only(model_state, self._trainable), "optim": optim_state}
+        state = {"model": trainable_only(model_state, self._trainable), "optim": optim_state}
         if self.rank == 0:
             dcp_folder(path)  # the index back in place, once, before any rank reads it
         dist.barrier()

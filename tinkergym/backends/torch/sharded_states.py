@@ -59,14 +59,15 @@ def is_sharded_state(path: str) -> bool:
         return False
 
 
-def _trainable_only(state: dict[str, Any], trainable: list[tuple[str, torch.nn.Parameter]]) -> dict[str, Any]:
+def trainable_only(state: dict[str, Any], trainable: list[tuple[str, torch.nn.Parameter]]) -> dict[str, Any]:
     """The entries of a model state dict that train (a LoRA state holds the adapter, not the frozen base)."""
     names = {n for n, _ in trainable}
     kept = {k: v for k, v in state.items() if k in names}
     return kept if len(kept) == len(names) else state
 
 
-def _sharded_meta(path: str) -> dict[str, Any]:
+def sharded_meta(path: str) -> dict[str, Any]:
+    """The ``state.json`` of a sharded state folder; a ConfigError for a folder that holds no sharded state."""
     meta_file = Path(path, "state.json")
     if not meta_file.is_file():
         raise ConfigError(f"{path} is not a backend state folder (no state.json); pass a folder written by save_state")
@@ -99,9 +100,9 @@ def load_sharded_state(backend: Any, path: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    meta = _sharded_meta(path)
+    meta = sharded_meta(path)
     model_state, optim_state = get_state_dict(backend.model, backend.optimizer)
-    state = {"model": _trainable_only(model_state, backend._trainable), "optim": optim_state}
+    state = {"model": trainable_only(model_state, backend._trainable), "optim": optim_state}
     dcp.load(state, checkpoint_id=dcp_folder(path))  # no process group: read whole
     set_state_dict(backend.model, backend.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=StateDictOptions(strict=False))

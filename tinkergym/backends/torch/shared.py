@@ -79,14 +79,14 @@ from tinkergym.protocol.types import (
     SampleRequest,
     SampleResponse,
     SampledSequence,
-    _Plain,
+    PlainData,
 )
 
 T = TypeVar("T")
 
 
 @dataclass
-class SharedBaseConfig(_Plain):
+class SharedBaseConfig(PlainData):
     """Settings of a :class:`SharedBase`; the model, precision and attention settings mean what they mean for
     :class:`~tinkergym.backends.torch.backend.TorchBackendConfig`.
 

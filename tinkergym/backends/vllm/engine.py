@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tinkergym.errors import ConfigError
-from tinkergym.protocol.types import MAX_IMAGES, _Plain
+from tinkergym.protocol.types import MAX_IMAGES, PlainData
 
 # The ranks a vLLM engine can be built for (vllm.config.lora.MaxLoRARanks); an engine serves adapters up to its rank.
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -34,7 +34,7 @@ INSTALL_HINT = (
 
 
 @dataclass
-class VLLMSamplerConfig(_Plain):
+class VLLMSamplerConfig(PlainData):
     """Settings of a :class:`VLLMSampler`: ids, paths and numbers only, so it serializes with the run.
 
     Attributes:
@@ -117,13 +117,14 @@ def require_vllm() -> Any:
     return vllm
 
 
-def _on_cpu() -> bool:
+def runs_on_cpu() -> bool:
+    """Whether vLLM's platform here is the CPU."""
     from vllm.platforms import current_platform
 
     return bool(current_platform.is_cpu())
 
 
-def _engine_in_process() -> bool:
+def engine_in_process() -> bool:
     """Whether ``vllm.LLM`` runs its engine core and worker in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     from vllm import envs
 
@@ -188,7 +189,7 @@ def resolved_sleep(config: VLLMSamplerConfig, platform: EnginePlatform) -> bool:
     return bool(config.sleep)
 
 
-def _device_kwargs(device: str | None, platform: EnginePlatform) -> dict[str, Any]:
+def device_kwargs(device: str | None, platform: EnginePlatform) -> dict[str, Any]:
     """The engine arguments that place it on ``device`` (see the module docstring), or a ConfigError saying why not."""
     if device is None:
         return {}
@@ -233,7 +234,7 @@ def engine_kwargs(config: VLLMSamplerConfig, model_path: str, platform: EnginePl
     }
     if resolved_sleep(c, platform):
         kwargs["enable_sleep_mode"] = True
-    kwargs.update(_device_kwargs(c.device, platform))
+    kwargs.update(device_kwargs(c.device, platform))
     if c.engine_lora_rank:
         kwargs.update(enable_lora=True, max_lora_rank=c.engine_lora_rank, max_loras=c.max_loras)
     if c.max_num_seqs is not None:
@@ -249,7 +250,7 @@ def engine_kwargs(config: VLLMSamplerConfig, model_path: str, platform: EnginePl
     return kwargs
 
 
-def _check_cpu_head_size(model_path: str) -> None:
+def check_cpu_head_size(model_path: str) -> None:
     """Fail early on CPU for head sizes the CPU attention kernels lack (vLLM would fail at the first request)."""
     from transformers import AutoConfig
 

@@ -1,4 +1,4 @@
-"""Serving with vLLM: :class:`VLLMInferenceEngine`, the :class:`~tinkergym.backends.serving.InferenceEngine` behind ``serve-model --engine vllm``.
+"""Serving with vLLM: :class:`VLLMInferenceEngine`, the :class:`~tinkergym.backends.serving.InferenceEngine` behind ``serve model --engine vllm``.
 
 One ``vllm.LLM`` serves a :class:`~tinkergym.backends.serving.ServingPlan`: the base model, and each
 LoRA adapter as a ``LoRARequest`` (the engine is built with ``enable_lora``, ``max_loras`` = the number of
@@ -44,9 +44,9 @@ from tinkergym.backends.vllm.sampler import (
     CPU_BATCHED_TOKENS,
     IMAGE_LIMITS,
     VLLM_LORA_RANKS,
-    _check_cpu_head_size,
-    _on_cpu,
-    _vllm_params,
+    check_cpu_head_size,
+    runs_on_cpu,
+    vllm_params,
     check_vision_loads,
     completion_seeds,
     require_vllm,
@@ -154,9 +154,9 @@ class VLLMInferenceEngine:
     ) -> None:
         require_vllm()
         self.plan = plan
-        on_cpu = _on_cpu()
+        on_cpu = runs_on_cpu()
         if on_cpu:
-            _check_cpu_head_size(plan.base_path)
+            check_cpu_head_size(plan.base_path)
         ranks = [adapter_rank(a) for a in plan.adapters]
         lora_rank = engine_lora_rank(max(ranks)) if ranks else 0
         self._work_dir = tempfile.mkdtemp(prefix="tinkergym-vllm-serve-", dir=work_dir)
@@ -242,7 +242,7 @@ class VLLMInferenceEngine:
         # Ids outside the vocabulary never come (the server's "no stop" marker is -1); vLLM refuses them.
         stop_ids = [t for t in params.stop_token_ids if 0 <= t < self.vocab_size]
         flat = [prompt for prompt in inputs for _ in range(n)]
-        requests = [_vllm_params(params, stop_ids, seed) for seed in completion_seeds(params.seed, len(flat))]
+        requests = [vllm_params(params, stop_ids, seed) for seed in completion_seeds(params.seed, len(flat))]
         with self._lock:
             outputs = self._llm.generate(flat, requests, use_tqdm=False, lora_request=self._lora_requests.get(model))
         stops = set(stop_ids)

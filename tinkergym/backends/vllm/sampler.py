@@ -112,10 +112,10 @@ from tinkergym.backends.vllm.engine import (  # noqa: F401 - re-exported: the sa
     EnginePlatform,
     SamplerWorkerExtension,
     VLLMSamplerConfig,
-    _check_cpu_head_size,
-    _device_kwargs,
-    _engine_in_process,
-    _on_cpu,
+    check_cpu_head_size,
+    device_kwargs,
+    engine_in_process,
+    runs_on_cpu,
     check_vision_loads,
     engine_kwargs,
     require_vllm,
@@ -124,7 +124,7 @@ from tinkergym.backends.vllm.engine import (  # noqa: F401 - re-exported: the sa
 )
 from tinkergym.errors import ConfigError
 
-def _vllm_params(params: SamplingParams, stop_ids: list[int], seed: int | None) -> Any:
+def vllm_params(params: SamplingParams, stop_ids: list[int], seed: int | None) -> Any:
     """vLLM sampling parameters for one completion (see the module docstring for what each choice means)."""
     from vllm import SamplingParams as VLLMParams
 
@@ -215,8 +215,8 @@ class VLLMSampler:
         # Settings checked before anything is built: a wrong device or sleep mode fails here, with its reason.
         self.enforce_eager = resolved_eager(config, self.platform)
         self.sleeps = resolved_sleep(config, self.platform)
-        _device_kwargs(config.device, self.platform)
-        if config.full_sync == "memory" and not _engine_in_process():
+        device_kwargs(config.device, self.platform)
+        if config.full_sync == "memory" and not engine_in_process():
             raise ConfigError(
                 "full_sync='memory' hands tensors to an engine in this process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
                 "or use full_sync='reload'"
@@ -224,7 +224,7 @@ class VLLMSampler:
         self.seeding = "batch" if config.seeding == "auto" else config.seeding
         self.base_path = resolve_model(config.model, config.cache_dir)
         if self.platform.on_cpu:
-            _check_cpu_head_size(self.base_path)
+            check_cpu_head_size(self.base_path)
         self.reads_images = is_vision_folder(self.base_path)
         if self.reads_images:
             check_vision_loads()
@@ -262,7 +262,7 @@ class VLLMSampler:
         tied = bool(getattr(hf_config, "tie_word_embeddings", False) or getattr(text_config, "tie_word_embeddings", False))
         if tied and self.platform.on_cpu:
             return "restart"
-        return "memory" if _engine_in_process() else "reload"
+        return "memory" if engine_in_process() else "reload"
 
     @property
     def lora_enabled(self) -> bool:
@@ -336,7 +336,7 @@ class VLLMSampler:
             seeds = completion_seeds(params.seed, len(flat))
         outputs = self._llm.generate(
             flat,
-            [_vllm_params(params, stop_ids, seed) for seed in seeds],
+            [vllm_params(params, stop_ids, seed) for seed in seeds],
             use_tqdm=False,
             lora_request=self._lora_request if lora_request is None else lora_request,
         )
