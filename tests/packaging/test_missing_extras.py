@@ -33,7 +33,7 @@ def test_a_missing_module_names_its_extra(tmp_path: Path, module: str, args: lis
 
 def test_the_extra_follows_the_command() -> None:
     assert missing_extra("fastapi", "scheduler") == "scheduler"
-    assert missing_extra("fastapi", "serve-backend") == "serve"
+    assert missing_extra("fastapi", "serve") == "serve"
     assert missing_extra("transformers.models", "train") == "train"
     assert missing_extra("transformers", "jobs") == "client"
     assert missing_extra("numpy", "train") is None  # a core dependency: not an extra's, the traceback stays

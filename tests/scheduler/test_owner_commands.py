@@ -1,6 +1,6 @@
 """What an owner does from any machine: ``tinkergym jobs download`` gets a job's checkpoint (the newest, or one by step or
 name), every file checked against the size and SHA-256 the store lists (another tenant's job and an unknown checkpoint
-are exit 2, a file that does not match its listing exit 1 with nothing kept); ``tinkergym workers list`` shows the
+are exit 2, a file that does not match its listing exit 1 with nothing kept); ``tinkergym jobs workers`` shows the
 workers that serve the key's tenant and nothing of other tenants."""
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def test_any_tenant_key_lists_the_workers_that_serve_it(make_client: Any, keys: 
     server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False))
     try:
         env = {"TINKERGYM_SCHEDULER": server.url, "TINKERGYM_API_KEY": reader}
-        listed = CliRunner().invoke(main, ["workers", "list"], env=env)
+        listed = CliRunner().invoke(main, ["jobs", "workers"], env=env)
     finally:
         server.stop()
     assert listed.exit_code == 0, listed.output
@@ -99,7 +99,7 @@ def test_workers_list_counts_a_device_shared_by_seats_once(make_client: Any, key
     server = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data"), background=False))
     try:
         env = {"TINKERGYM_SCHEDULER": server.url, "TINKERGYM_API_KEY": keys.new("acme", "read")}
-        listed = CliRunner().invoke(main, ["workers", "list"], env=env)
+        listed = CliRunner().invoke(main, ["jobs", "workers"], env=env)
     finally:
         server.stop()
     assert listed.exit_code == 0, listed.output

@@ -11,18 +11,15 @@ from tinkergym.plumbing.folders import PRIVATE_COMMANDS, keep_private
 from tinkergym.cli.common import TinkergymGroup
 from tinkergym.cli.envs import envs
 from tinkergym.cli.jobs import jobs_group
+from tinkergym.cli.old_spellings import old_spellings
 from tinkergym.cli.play import play
 from tinkergym.cli.push import push
 from tinkergym.cli.results import results
 from tinkergym.cli.scheduler import scheduler_group
-from tinkergym.cli.serve.backend import serve_backend
-from tinkergym.cli.serve.shared import serve_shared
-from tinkergym.cli.serve.tinker import serve_tinker
-from tinkergym.cli.serve.model import serve_model
+from tinkergym.cli.serve import serve_group
 from tinkergym.cli.trace import trace
 from tinkergym.cli.train import eval_command, train
 from tinkergym.cli.worker import worker
-from tinkergym.cli.jobs.workers import workers
 
 
 def _torch_missing() -> bool:
@@ -81,12 +78,10 @@ main.add_command(trace)
 main.add_command(results)
 main.add_command(push)
 main.add_command(jobs_group)
-main.add_command(serve_backend)
-main.add_command(serve_shared)
-main.add_command(serve_tinker)
-main.add_command(serve_model)
+main.add_command(serve_group)
 main.add_command(scheduler_group)
 main.add_command(worker)
-main.add_command(workers)
+for _old in old_spellings(serve_group, jobs_group):  # hidden; each says which spelling replaces it
+    main.add_command(_old)
 
 __all__ = ["main"]

@@ -74,7 +74,8 @@ _EXTRAS: dict[str, str] = {
     "matplotlib": "client", "tensorboardX": "client", "huggingface_hub": "hub", "vllm": "vllm", "trl": "bench",
 }
 _COMMAND_EXTRAS = {"scheduler": {"serve": "scheduler", "client": "scheduler"}, "train": {"client": "train"},
-                   "serve-backend": {"client": "serve"}, "serve-model": {"client": "serve"}, "push": {"client": "hub"}}
+                   "serve": {"client": "serve"}, "serve-backend": {"client": "serve"}, "serve-model": {"client": "serve"},
+                   "push": {"client": "hub"}}
 
 
 def missing_extra(module: str | None, command: str | None) -> str | None:

@@ -32,7 +32,7 @@ def write_private_file(path: str | os.PathLike[str], text: str) -> None:
 
 #: The commands that run a service or write its state (the scheduler and its database, workers, every server): each file
 #: they write is the owner's alone (0600 in 0700 folders), whatever the umask they were started under.
-PRIVATE_COMMANDS = frozenset({"scheduler", "worker", "serve-backend", "serve-shared", "serve-tinker", "serve-model"})
+PRIVATE_COMMANDS = frozenset({"scheduler", "worker", "serve", "serve-backend", "serve-shared", "serve-tinker", "serve-model"})
 
 
 def keep_private(folder: str | os.PathLike[str] | None = None) -> None:

@@ -7,11 +7,13 @@ import click
 
 from tinkergym.cli.jobs.download import download_command
 from tinkergym.cli.jobs.queue import cancel_command, list_command, logs_command, show_command
+from tinkergym.cli.jobs.workers import workers_command
 
 
 @click.group("jobs")
 def jobs_group() -> None:
-    """The scheduler's jobs: list, show, cancel, logs (--follow streams them as they happen).
+    """Your side of the scheduler: your jobs (list, show, cancel, logs: --follow streams them as they happen; download a
+    checkpoint) and the workers that serve your tenant.
 
     Every command needs the scheduler's URL (--scheduler or TINKERGYM_SCHEDULER) and an API key
     (--api-key or TINKERGYM_API_KEY). Exit codes: 2 for bad input (no key, a refused key, an unknown
@@ -24,10 +26,11 @@ def jobs_group() -> None:
       tinkergym jobs show job_0123
       tinkergym jobs logs job_0123 --follow
       tinkergym jobs cancel job_0123
+      tinkergym jobs workers --alive
     """
 
 
-for _command in (list_command, show_command, cancel_command, logs_command, download_command):
+for _command in (list_command, show_command, cancel_command, logs_command, download_command, workers_command):
     jobs_group.add_command(_command)
 
 __all__ = ["jobs_group"]

@@ -1,4 +1,4 @@
-"""``tinkergym workers list``: the capacity a tenant's key can use (the workers that serve its tenant), from any machine."""
+"""``tinkergym jobs workers``: the capacity a tenant's key can use (the workers that serve its tenant), from any machine."""
 
 from __future__ import annotations
 
@@ -12,30 +12,20 @@ from tinkergym.cli.common import age, table
 from tinkergym.cli.jobs.connection import call, connect, scheduler_options
 
 
-@click.group()
-def workers() -> None:
-    """The scheduler's workers that serve your tenant: their models, devices and whether they are busy or gone.
-
-    \b
-    Examples:
-      export TINKERGYM_SCHEDULER=http://127.0.0.1:8780 TINKERGYM_API_KEY=tgk_...
-      tinkergym workers list
-      tinkergym workers list --alive
-    """
-
-
-@workers.command("list")
+@click.command("workers")
 @click.option("--alive", "only_alive", is_flag=True, help="Only the workers alive now.")
 @scheduler_options
-def workers_list(only_alive: bool, scheduler_url: str | None, api_key: str | None) -> None:
-    """List the workers your jobs can run on: name, status, models, devices (a device shared by seats counts once, its seats
+def workers_command(only_alive: bool, scheduler_url: str | None, api_key: str | None) -> None:
+    """The workers your jobs can run on: name, status, models, devices (a device shared by seats counts once, its seats
     beside it), how many are busy, last seen.
 
     Any key with the read scope lists them; other tenants' jobs on them are never shown.
 
     \b
-    Example:
-      tinkergym workers list --scheduler http://127.0.0.1:8780
+    Examples:
+      export TINKERGYM_SCHEDULER=http://127.0.0.1:8780 TINKERGYM_API_KEY=tgk_...
+      tinkergym jobs workers
+      tinkergym jobs workers --alive
     """
     client = connect(scheduler_url, api_key)
     try:

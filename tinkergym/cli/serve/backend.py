@@ -1,4 +1,4 @@
-"""``tinkergym serve-backend``: the training server."""
+"""``tinkergym serve backend``: the training server."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from tinkergym.cli.serve.server import (
 from tinkergym.cli.connection_options import connection_limits, connection_options, is_loopback
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 
-@click.command("serve-backend")
+@click.command("backend")
 @click.option("--model", required=True, help="Model name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
 @click.option("--lora-rank", type=click.IntRange(min=1), default=None, help=f"LoRA rank (default {DEFAULT_LORA_RANK}).")
 @click.option("--full", is_flag=True, help="Train every weight instead of a LoRA adapter.")
@@ -76,7 +76,7 @@ def serve_backend(
     \b
     Example:
       python -c "import secrets; print(secrets.token_urlsafe(32))" > token.txt && chmod 600 token.txt
-      tinkergym serve-backend --model tiny --token-file token.txt --run-dir runs/server --port 8765
+      tinkergym serve backend --model tiny --token-file token.txt --run-dir runs/server --port 8765
     """
     from tinkergym.serve.auth import LeaseFile, read_token_file, token_digest
 
@@ -175,7 +175,7 @@ def record_exit_code(path: Path) -> Iterator[None]:
 def _serve_sharded(config: Any, ranks: int, run_dir: Path, digest: bytes, max_body_mb: float, keep_states: int, host: str, port: int,
                    idle_timeout: float | None, exit_with_parent: bool, lease_file: Path | None, metrics_port: int,
                    limits: tuple[int, int, int, int], connections: tuple[float, float, int]) -> None:
-    """serve-backend on each rank torchrun started (``WORLD_SIZE`` > 1): every rank holds a shard of the model
+    """``serve backend`` on each rank torchrun started (``WORLD_SIZE`` > 1): every rank holds a shard of the model
     (:class:`~tinkergym.backends.torch.sharded.ShardedTorchBackend`, one device each: ``cuda:LOCAL_RANK`` on GPUs);
     rank 0 serves HTTP and sends each call to the others (:class:`~tinkergym.backends.torch.sharded.Lockstep`)."""
     import dataclasses

@@ -1,4 +1,4 @@
-"""``tinkergym serve-model --scheduler URL``: a model served by a scheduler's worker, followed from here."""
+"""``tinkergym serve model --scheduler URL``: a model served by a scheduler's worker, followed from here."""
 
 from __future__ import annotations
 

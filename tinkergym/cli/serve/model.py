@@ -1,4 +1,4 @@
-"""``tinkergym serve-model``: the OpenAI-compatible inference server."""
+"""``tinkergym serve model``: the OpenAI-compatible inference server."""
 
 from __future__ import annotations
 
@@ -63,7 +63,7 @@ def _check_model(model: str) -> None:
             raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
 
 
-@click.command("serve-model")
+@click.command("model")
 @click.option("--model", help="Base model to serve (tiny, smollm2-135m, a local HF folder, a hub id); adapters attach to it.")
 @click.option("--run", "run_dir", type=SafePath(exists=True, file_okay=False),
               help="A training run folder: its adapter on its base model (named after the folder), or a full fine-tuning run's model.")
@@ -115,10 +115,10 @@ def serve_model(
 
     \b
     Examples:
-      tinkergym serve-model --run runs/bandit --api-key-file key.txt
-      tinkergym serve-model --model smollm2-135m --adapter a=runs/a --adapter b=runs/b/checkpoints/step_000009 \\
+      tinkergym serve model --run runs/bandit --api-key-file key.txt
+      tinkergym serve model --model smollm2-135m --adapter a=runs/a --adapter b=runs/b/checkpoints/step_000009 \\
           --api-key-file key.txt --port 8001
-      TINKERGYM_API_KEY=tgk_... tinkergym serve-model --scheduler http://scheduler:8780 --run runs/bandit
+      TINKERGYM_API_KEY=tgk_... tinkergym serve model --scheduler http://scheduler:8780 --run runs/bandit
 
     Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (stream: true included), and
     GET /health without the key. A request's "model" picks the base or an adapter. Evaluate through it with:
@@ -168,7 +168,7 @@ def serve_model(
     except ImportError as exc:  # this machine's fault, not the request's: exit 69 (a worker gives the job back)
         from tinkergym.serve.lifetime import ENVIRONMENT_EXIT_CODE
 
-        click.echo(f"error: serve-model needs the serve extra ({exc.name} is missing): pip install 'tinkergym[serve]'", err=True)
+        click.echo(f"error: tinkergym serve model needs the serve extra ({exc.name} is missing): pip install 'tinkergym[serve]'", err=True)
         raise SystemExit(ENVIRONMENT_EXIT_CODE) from exc
     served: InferenceEngine | None = None
     if engine == "vllm":

@@ -1,4 +1,4 @@
-"""``tinkergym serve-shared``: one base model, many LoRA adapters, each with its own token."""
+"""``tinkergym serve shared``: one base model, many LoRA adapters, each with its own token."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from tinkergym.cli.serve.server import (
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 
 
-@click.command("serve-shared")
+@click.command("shared")
 @click.option("--model", required=True, help="The base model: a name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
 @click.option("--dtype", type=click.Choice(DTYPES), default=DEFAULT_DTYPE, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")
@@ -69,18 +69,18 @@ def serve_shared(
     metrics_port: int, max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
     header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
-    """Serve one base model to many LoRA adapters: each adapter trains as through serve-backend, with a token of its own,
+    """Serve one base model to many LoRA adapters: each adapter trains as through `tinkergym serve backend`, with a token of its own,
     and the calls of several adapters run together on the base.
 
     The server's token opens an adapter (POST /v1/adapters with lora_rank, lora_alpha, seed), which answers the
-    adapter's id and token; that token reaches the adapter alone, through serve-backend's routes, so
+    adapter's id and token; that token reaches the adapter alone, through the routes of `tinkergym serve backend`, so
     `tinkergym train --backend-url URL` with the adapter's token trains it. GET /v1/adapters lists the adapters and
     the memory they hold; DELETE /v1/adapters/ID closes one.
 
     \b
     Example:
       python -c "import secrets; print(secrets.token_urlsafe(32))" > token.txt && chmod 600 token.txt
-      tinkergym serve-shared --model tiny --token-file token.txt --run-dir runs/shared --port 8766
+      tinkergym serve shared --model tiny --token-file token.txt --run-dir runs/shared --port 8766
       curl -s -X POST -H "Authorization: Bearer $(cat token.txt)" -H 'Content-Type: application/json' \\
            -d '{"lora_rank": 8}' http://127.0.0.1:8766/v1/adapters
     """

@@ -1,4 +1,4 @@
-"""``tinkergym serve-tinker``: the Tinker API (the ``tinker`` SDK's REST API) on one machine, or in front of a scheduler's cluster."""
+"""``tinkergym serve tinker``: the Tinker API (the ``tinker`` SDK's REST API) on one machine, or in front of a scheduler's cluster."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tinkergym.cli.serve.server import HOST_OPTION, METRICS_PORT_OPTION, request
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 
 
-@click.command("serve-tinker")
+@click.command("tinker")
 @click.option("--model", default=None, help="The base model served here: a name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
 @click.option("--scheduler", "scheduler_url", default=None, metavar="URL",
               help="Instead of --model: the front door of this scheduler's cluster; every run and sampler is a job on its workers.")
@@ -85,7 +85,7 @@ def serve_tinker(
     \b
     Example:
       tinkergym scheduler keys create --tenant alice --scopes read,write --data-dir tinker-data > alice.key
-      tinkergym serve-tinker --model smollm2-135m --data-dir tinker-data --run-dir tinker-runs --port 8000
+      tinkergym serve tinker --model smollm2-135m --data-dir tinker-data --run-dir tinker-runs --port 8000
       TINKER_API_KEY=tml-$(cat alice.key) python -c "import tinker; print(tinker.ServiceClient(base_url='http://127.0.0.1:8000').get_server_capabilities())"
     """
     from tinkergym.errors import ConfigError
@@ -94,7 +94,7 @@ def serve_tinker(
     try:
         import tinker  # noqa: F401 - the SDK's types and protobuf schema are the wire
     except ImportError as exc:
-        raise InputError("serve-tinker speaks the tinker SDK's own types: pip install 'tinkergym[tinker]' (tinker==0.38.0)") from exc
+        raise InputError("tinkergym serve tinker speaks the tinker SDK's own types: pip install 'tinkergym[tinker]' (tinker==0.38.0)") from exc
     if (model is None) == (scheduler_url is None):
         both = "not both" if model is not None else "one of them"
         raise InputError(f"give --model MODEL (serve it here) or --scheduler URL with --offer MODEL (the cluster's front door): {both}")
