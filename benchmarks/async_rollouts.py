@@ -3,8 +3,8 @@ through a Tinker endpoint, where the env is slow or not, and the reward curves.
 
     python benchmarks/async_rollouts.py                                   # torch, smollm2-135m, MathTool-v0, K = 0 1 2, seeds 0 1 2
     python benchmarks/async_rollouts.py --env tinker/Math-v0 --env-latency 0.5 --ks 0 1 2 4
-    python benchmarks/async_rollouts.py --backend tinker                  # through serve-tinker (started here)
-    python benchmarks/async_rollouts.py --backend remote                  # through serve-backend (one started here per run)
+    python benchmarks/async_rollouts.py --backend tinker                  # through serve tinker (started here)
+    python benchmarks/async_rollouts.py --backend remote                  # through serve backend (one started here per run)
     python benchmarks/async_rollouts.py --backend scheduled               # each run a job of a scheduler and worker started here
     python benchmarks/async_rollouts.py --model docs/results/math-tool/warmup_adapter --env-kwargs '{"split": "train", "tools": ["python"]}'
     python benchmarks/async_rollouts.py --env tinker/Bandit-v0            # compute-bound: async must not be slower
@@ -13,9 +13,9 @@ through a Tinker endpoint, where the env is slow or not, and the reward curves.
 Every run is a ``TrainingRun`` of tinkergym's GRPO trainer in this process. ``--backend torch`` (default): a local
 :class:`~tinkergym.backends.torch.backend.TorchBackend` per run; rollouts sampled ahead draw from its snapshots (a copy of
 the LoRA adapter swapped in for each sample call) while the trainer trains. ``--backend tinker``: ``tinkergym
-serve-tinker`` started here as its own process on 127.0.0.1 (a key database made in a temporary ``--data-dir``, the
+serve tinker`` started here as its own process on 127.0.0.1 (a key database made in a temporary ``--data-dir``, the
 SDK's key ``tml-<key>``) and a :class:`~tinkergym.backends.tinker_client.TinkerBackend` per run; its sampling requests
-wait in the server's queue beside the training calls. ``--backend remote``: ``tinkergym serve-backend`` started here
+wait in the server's queue beside the training calls. ``--backend remote``: ``tinkergym serve backend`` started here
 for each run (its weights start afresh; not timed) and a :class:`~tinkergym.backends.remote.RemoteBackend`; rollouts
 sampled ahead name a snapshot the server keeps (``sample`` with ``snapshot``) while the next training calls run.
 ``--backend scheduled``: ``tinkergym scheduler serve`` and one ``tinkergym worker`` started here; each run is a job
@@ -141,7 +141,7 @@ def summarize(runs: list[dict[str, Any]], ks: list[int], samples_per_step: int) 
 
 
 def print_report(summary: dict[str, Any], ks: list[int], facts: dict[str, Any], args: argparse.Namespace) -> None:
-    where = {"tinker": "through serve-tinker", "remote": "through serve-backend", "scheduled": "through a scheduler's worker"}.get(args.backend, "on the torch backend")
+    where = {"tinker": "through serve tinker", "remote": "through serve backend", "scheduled": "through a scheduler's worker"}.get(args.backend, "on the torch backend")
     print(f"{args.model} {where}, {args.env} (env latency {args.env_latency:g} s a step): {args.batch_size} prompts x {args.group_size} samples "
           f"per step, {args.steps} steps, seeds {args.seeds}; {describe(facts)}")
     print(f"{'K':>2} {'steps/h':>9} {'speed-up':>9} {'step s':>8} {'wait s':>8} {'idle':>6} {'train s':>8} {'rollout s':>10} {'gap':>5} {'dropped':>8}")
@@ -177,8 +177,8 @@ def plot(summary: dict[str, Any], ks: list[int], path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("torch", "remote", "scheduled", "tinker"), default="torch",
-                        help="a local TorchBackend, serve-backend started here for each run, a scheduler and worker started here, "
-                             "or serve-tinker started here")
+                        help="a local TorchBackend, serve backend started here for each run, a scheduler and worker started here, "
+                             "or serve tinker started here")
     parser.add_argument("--model", default="smollm2-135m", help="the model trained (tiny, smollm2-135m, a folder)")
     parser.add_argument("--env-latency", type=float, default=0.0, metavar="S", help="every env step waits S seconds more (LatencyWrapper)")
     parser.add_argument("--env", default=ENV, help=f"the env (default {ENV}; e.g. tinker/Bandit-v0, where every step trains)")
@@ -227,7 +227,7 @@ def main() -> None:
             say(f"starting a scheduler and a worker serving {args.model} ...")
             url, key, _ = jobs.enter_context(scheduler_with_worker(args.model, folder, args.server_threads))
         if args.backend == "tinker":
-            say(f"starting serve-tinker on {args.model} ...")
+            say(f"starting serve tinker on {args.model} ...")
             process, url, key, _ = start_tinker(model_path, args.served_name, folder, args.server_threads, args.dtype,
                                                 extra=("--max-runs-per-tenant", "64", "--max-samplers-per-tenant", "256"))
         try:

@@ -5,7 +5,7 @@ worked in slices (``--pass-tokens``) and run whole, against the small call's lat
     python benchmarks/shared_fairness.py --samples 512 --new-tokens 64
     python benchmarks/shared_fairness.py --quick --json       # tiny model (a smoke test)
 
-One ``serve-shared`` app in this process (its HTTP routes called in-process), two adapters. The small call: one prompt,
+One ``serve shared`` app in this process (its HTTP routes called in-process), two adapters. The small call: one prompt,
 one sample, ``--small-tokens`` new tokens (median of ``--repeats`` calls alone). The huge call: one prompt (as every
 Tinker ``sample`` call is) and ``--samples`` samples of ``--new-tokens`` new tokens (seeded, temperature 1), decoded in
 batches of ``--max-sample-batch`` sequences. For each mode, the huge call is sent, and once its first pass runs the

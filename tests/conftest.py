@@ -138,7 +138,7 @@ def length_passes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatc
 
 @pytest.fixture
 def serve_backend_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., object]:
-    """``build(*flags)``: the TorchBackendConfig ``tinkergym serve-backend --model tiny ... *flags`` builds (no backend is made)."""
+    """``build(*flags)``: the TorchBackendConfig ``tinkergym serve backend --model tiny ... *flags`` builds (no backend is made)."""
     import secrets
 
     from click.testing import CliRunner
@@ -158,7 +158,7 @@ def serve_backend_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Cal
     token.chmod(0o600)
 
     def build(*flags: str) -> object:
-        args = ["serve-backend", "--model", "tiny", "--token-file", str(token), "--run-dir", str(tmp_path / "server"), *flags]
+        args = ["serve", "backend", "--model", "tiny", "--token-file", str(token), "--run-dir", str(tmp_path / "server"), *flags]
         result = CliRunner().invoke(main, args)
         assert isinstance(result.exception, Built), result.output
         return result.exception.args[0]

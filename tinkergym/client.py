@@ -413,7 +413,7 @@ class SchedulerClient:
     def _error(self, status: int, payload: dict[str, Any], method: str, path: str) -> SchedulerError:
         message, kind = _message(payload), _kind(payload)
         if status == 401 and self._model_server():
-            text = (f"{self.url} is a tinkergym training or inference server (serve-backend, serve-model), not the scheduler: "
+            text = (f"{self.url} is a tinkergym training or inference server (serve backend, serve model), not the scheduler: "
                     "give the scheduler's URL (`tinkergym scheduler serve`, port 8780 by default) with --scheduler or "
                     f"{SCHEDULER_ENV}")
         elif status == 401:

@@ -1,5 +1,5 @@
 """tinkergym envs in tinker-cookbook: any hub env as a cookbook ``Env``/``EnvGroupBuilder``, so the cookbook's own
-``rl.train`` loop trains on it unchanged (against any Tinker-API endpoint, tinkergym's ``serve-tinker`` included).
+``rl.train`` loop trains on it unchanged (against any Tinker-API endpoint, tinkergym's ``serve tinker`` included).
 
 ::
 

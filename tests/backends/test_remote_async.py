@@ -1,4 +1,4 @@
-"""``async_steps`` through a training server (``serve-backend``): the client takes snapshots of the server's weights and
+"""``async_steps`` through a training server (``serve backend``): the client takes snapshots of the server's weights and
 its rollout thread samples from them while the trainer trains, every trained sample at most K versions old; the server
 holds a bounded number of snapshots, and a shared server takes none."""
 

@@ -250,7 +250,7 @@ def test_rows_are_split_by_tokens_and_groups_stay_on_one_rank() -> None:
 
 
 def serve_sharded(tiny: str, tmp_path: Path, ranks: int = 2) -> tuple[subprocess.Popen, str, str]:
-    """``tinkergym serve-backend`` started by torchrun on ``ranks`` gloo ranks; (process, url, token)."""
+    """``tinkergym serve backend`` started by torchrun on ``ranks`` gloo ranks; (process, url, token)."""
     import secrets
 
     token = tmp_path / "token"
@@ -258,7 +258,7 @@ def serve_sharded(tiny: str, tmp_path: Path, ranks: int = 2) -> tuple[subprocess
     token.chmod(0o600)
     port = free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "-m", "tinkergym", "serve-backend", "--model", tiny, "--dtype", "float32",
+               "--master-port", str(free_port()), "-m", "tinkergym", "serve", "backend", "--model", tiny, "--dtype", "float32",
                "--device", "cpu", "--seed", "3", "--micro-batch-size", "2", "--lora-rank", "8", "--token-file", str(token),
                "--run-dir", str(tmp_path / "server"), "--port", str(port)]
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,

@@ -160,7 +160,7 @@ def test_a_text_base_still_refuses_images(tiny: str) -> None:
 
 
 def test_images_travel_to_a_shared_server_and_back(pair: tuple[Any, Any, Any], tiny_vlm: str, tmp_path: Any) -> None:
-    """``serve-shared`` on the tiny VLM: an adapter reached over HTTP (RemoteBackend) samples and trains with images as a
+    """``serve shared`` on the tiny VLM: an adapter reached over HTTP (RemoteBackend) samples and trains with images as a
     session of the same seed does in process."""
     pytest.importorskip("fastapi")
     import httpx

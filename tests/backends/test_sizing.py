@@ -152,7 +152,7 @@ def test_a_vision_language_model_counts_its_vision_tower(tiny_vlm: str) -> None:
         assert estimate.per_rank - without.per_rank == 4 * vision + 3 * trained
         info = TorchBackend(TorchBackendConfig(model=tiny_vlm, dtype="float32", lora_rank=rank, seed=0)).info()
         assert (estimate.params, estimate.trainable_params) == (info["total_params"], info["trainable_params"])
-        # What serve-backend checks at its start and the scheduler before a lease counts the tower too.
+        # What serve backend checks at its start and the scheduler before a lease counts the tower too.
         static = static_estimate(shape_dict(shape), lora_rank=rank, dtype="float32", ranks=1, device="cpu")
         assert (static.weights, static.gradients, static.optimizer) == (estimate.weights, estimate.gradients, estimate.optimizer)
 

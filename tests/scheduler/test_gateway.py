@@ -315,7 +315,7 @@ def test_a_job_served_by_a_real_worker_answers_an_openai_client_through_the_gate
     scheduler = kit.serve_scheduler(db_url, tmp_path / "data", lease_ttl_s=5.0, sweep_interval_s=0.2)
     worker = kit.WorkerProcess(scheduler.url, worker_key, tmp_path / "w1", "w1")
     try:
-        served = CliRunner().invoke(main, ["serve-model", "--scheduler", scheduler.url, "--model", "tiny", "--dtype", "float32", "--detach",
+        served = CliRunner().invoke(main, ["serve", "model", "--scheduler", scheduler.url, "--model", "tiny", "--dtype", "float32", "--detach",
                                            "--key-file", str(tmp_path / "endpoint.key")], catch_exceptions=False)
         assert served.exit_code == 0, served.output
         endpoint = json.loads(served.stdout.splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Serving through the scheduler: `serve-model --scheduler` and `eval --scheduler` on a run the scheduler trained.
+"""Serving through the scheduler: `serve model --scheduler` and `eval --scheduler` on a run the scheduler trained.
 
 The worker restores the training job's newest checkpoint from the artifact store and serves it under the run's
 name; what it serves answers exactly as the same checkpoint served here, and differs from the base model.
@@ -42,7 +42,7 @@ def test_a_serving_job_runs_serve_model_on_the_restored_checkpoint(kind: str, tm
     lease = {"kind": kind, "idle_timeout_s": 600.0,
              "config": {"model": "tiny", "dtype": "float32", "lora_rank": 16, "resume_job": "job_1", "served_name": "bandit"}}
     command = server_command(_options(tmp_path), lease, 20001, tmp_path / "f", gpu=False, served="step_000004")
-    assert command[:4] == ["python", "-m", "tinkergym", "serve-model"]
+    assert command[:5] == ["python", "-m", "tinkergym", "serve", "model"]
     assert command[command.index("--checkpoint") + 1] == f"bandit={tmp_path / 'f' / 'states' / 'step_000004'}"
     assert "--exit-with-parent" in command and command[command.index("--idle-timeout") + 1] == "600"
     assert command[command.index("--api-key-file") + 1] == str(tmp_path / "f" / "token")
@@ -59,7 +59,7 @@ def test_a_serving_job_runs_serve_model_on_the_restored_checkpoint(kind: str, tm
 def test_a_deterministic_train_job_gets_a_deterministic_training_server(tmp_path: Path) -> None:
     config = TrainConfig(env="tinker/Bandit-v0", model="tiny", deterministic=True, gradient_checkpointing=True).job_config()
     command = server_command(_options(tmp_path), {"kind": "train", "config": config}, 20001, tmp_path / "f", gpu=False)
-    assert command[3] == "serve-backend" and "--deterministic" in command and "--gradient-checkpointing" in command
+    assert command[3:5] == ["serve", "backend"] and "--deterministic" in command and "--gradient-checkpointing" in command
     config["deterministic"] = "yes"
     assert "--deterministic" not in server_command(_options(tmp_path), {"kind": "train", "config": config}, 20001, tmp_path / "f", gpu=False)
 
@@ -71,7 +71,7 @@ def test_the_job_config_names_the_training_job_and_refuses_a_local_run(tmp_path:
     TrainConfig(env="tinker/Bandit-v0", model="tiny").save(run / "config.json")
     with pytest.raises(ConfigError, match="trained on this machine"):
         job_config(run_dir=run)
-    result = CliRunner().invoke(main, ["serve-model", "--scheduler", "http://127.0.0.1:9", "--api-key", "tgk_x", "--run", str(run)])
+    result = CliRunner().invoke(main, ["serve", "model", "--scheduler", "http://127.0.0.1:9", "--api-key", "tgk_x", "--run", str(run)])
     assert result.exit_code == 2 and "trained on this machine" in result.output
     TrainConfig(env="tinker/Bandit-v0", model="tiny", scheduler_url="http://s", scheduler_job="job_abc", lora_rank=8).save(run / "config.json")
     assert job_config(run_dir=run) == {"model": "tiny", "dtype": "auto", "lora_rank": 8, "resume_job": "job_abc", "served_name": "my-run"}
@@ -120,7 +120,7 @@ def test_a_scheduler_trained_run_is_served_and_evaluated_by_a_worker(db_url: str
         assert newest["name"] == last_saved, "the job ends only once its worker has stored the run's last checkpoint"
 
         key_file = tmp_path / "endpoint.key"
-        served = CliRunner().invoke(main, ["serve-model", "--scheduler", scheduler.url, "--run", str(run), "--detach", "--key-file", str(key_file)],
+        served = CliRunner().invoke(main, ["serve", "model", "--scheduler", scheduler.url, "--run", str(run), "--detach", "--key-file", str(key_file)],
                                     catch_exceptions=False)
         assert served.exit_code == 0, served.output
         endpoint = json.loads(served.stdout.splitlines()[-1])

@@ -69,7 +69,7 @@ def test_the_cli_shows_the_refusal_and_exits_2(server: ThreadServer, keys: Any, 
     user = keys.new("acme", "read,write")
     at = ["--scheduler", server.url, "--api-key", user, "--gpus", "2"]
     runs = {
-        "inference": ["serve-model", "--model", "tiny", "--detach", *at],
+        "inference": ["serve", "model", "--model", "tiny", "--detach", *at],
         "eval": ["eval", "--env", "tinker/Bandit-v0", "--model", "tiny", "--quiet", *at],
     }
     for kind, args in runs.items():

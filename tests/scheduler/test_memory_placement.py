@@ -30,7 +30,7 @@ def shape() -> dict[str, Any]:
 @pytest.mark.parametrize(("rank", "ranks", "dtype", "device"), [(0, 1, "float32", "cpu"), (8, 1, "bfloat16", "cuda"), (0, 2, "auto", "cuda"),
                                                                (16, 4, "auto", "cpu")])
 def test_the_static_estimate_of_a_shape_is_the_servers_check(shape: dict[str, Any], rank: int, ranks: int, dtype: str, device: str) -> None:
-    """What the scheduler prices from a worker's shape is what serve-backend prices from the model's config at its start."""
+    """What the scheduler prices from a worker's shape is what serve backend prices from the model's config at its start."""
     ours = static_estimate(shape, lora_rank=rank, dtype=dtype, ranks=ranks, device=device)
     theirs = estimate_training_memory(smollm2_config(), lora_rank=rank, dtype=dtype, micro_batch_size=1, max_seq_len=1, ranks=ranks, device=device)
     assert ours.per_rank == theirs.per_rank and ours.describe() == theirs.describe()

@@ -132,7 +132,7 @@ def test_the_placement_is_checked_on_every_worker(tmp_path: Path) -> None:
     assert placement_strategy({}) == "PACK" and placement_strategy({"placement": "strict_spread"}) == "STRICT_SPREAD"
     lease["config"] = {"model": "tiny"}
     rank = server_command(options, lease, 8000, tmp_path, False, host="10.0.0.7", lease_file=tmp_path / "lease.rank0", torchrun=False)
-    assert rank[1:4] == ["-m", "tinkergym", "serve-backend"] and "torch.distributed.run" not in rank
+    assert rank[1:5] == ["-m", "tinkergym", "serve", "backend"] and "torch.distributed.run" not in rank
     assert rank[rank.index("--host") + 1] == "10.0.0.7" and rank[rank.index("--lease-file") + 1] == str(tmp_path / "lease.rank0")
 
 

@@ -60,7 +60,7 @@ def _solo_runs(tmp_path: Path, cache: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "TINKERGYM_CACHE": str(cache)}
-    server = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve-shared", "--model", "tiny", "--dtype", "float32", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve", "shared", "--model", "tiny", "--dtype", "float32", "--port", str(port),
                                "--token-file", str(tmp_path / "solo-token"), "--run-dir", str(tmp_path / "solo-server")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:

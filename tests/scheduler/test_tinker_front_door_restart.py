@@ -1,7 +1,7 @@
-"""A killed Tinker front door (`serve-tinker --scheduler`, a process) started again on its run folder: the official SDK's
+"""A killed Tinker front door (`serve tinker --scheduler`, a process) started again on its run folder: the official SDK's
 objects made before the kill go on unchanged. Its session, two training runs (one with a state the scheduler holds and calls
 since, one with none: its job is replaced and its calls replayed), a sampler and the checkpoints are kept; every loss after
-the restart and the sampler's seeded draws equal the same session on a local serve-tinker, and a request's result kept in
+the restart and the sampler's seeded draws equal the same session on a local serve tinker, and a request's result kept in
 the journal is answered after the restart to its tenant alone."""
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def _front_door(scheduler: str, db_url: str, folder: Path, port: int, tokenizer:
     import testkit
 
     log = open(folder.parent / f"door-{port}-{len(list(folder.parent.glob('door-*')))}.log", "w")
-    process = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve-tinker", "--scheduler", scheduler, "--offer", f"tiny={tokenizer}",
+    process = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve", "tinker", "--scheduler", scheduler, "--offer", f"tiny={tokenizer}",
                                 "--checkpoint-every", "2", "--dtype", "float32", "--db", db_url, "--run-dir", str(folder), "--port", str(port)],
                                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "TINKERGYM_CACHE": str(cache)})
     testkit.wait_until_answers(f"http://127.0.0.1:{port}/api/v1/healthz", timeout=120, process=process, output=testkit.log_text(Path(log.name)))

@@ -1,5 +1,5 @@
 """A Tinker SDK client killed without ``close()`` (a script that dies, or ends without closing) through the front door
-(`serve-tinker --scheduler`): once its session has had no heartbeat for the session timeout, its run's and sampler's jobs
+(`serve tinker --scheduler`): once its session has had no heartbeat for the session timeout, its run's and sampler's jobs
 end, with the reason in the job's record (`tinkergym jobs show`), their seats free, and the state it saved loads from a
 new client. Another tenant's heartbeats for the session keep nothing alive, and its finish ends nothing. A front door
 stopped for good after its client died leaves the jobs to the scheduler's idle timeout, which ends seats' jobs too."""
@@ -28,7 +28,7 @@ from workerkit import allocated, shared_worker  # noqa: E402  # registered by te
 
 pytestmark = pytest.mark.slow
 
-#: Three of the SDK's heartbeat periods (10 s), the least `serve-tinker --session-timeout` takes.
+#: Three of the SDK's heartbeat periods (10 s), the least `serve tinker --session-timeout` takes.
 SESSION_TIMEOUT = 30.0
 MAINTENANCE = 1.0
 #: The scheduler's idle timeout where the front door is stopped for good (its client is gone before it: no call comes).
@@ -152,7 +152,7 @@ def test_the_jobs_of_a_front_door_stopped_for_good_end_at_the_idle_timeout(db_ur
                                                           idle_timeout_s=IDLE_TIMEOUT)))
     worker = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache, seats=2)
     port = testkit.free_port()
-    door = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve-tinker", "--scheduler", scheduler.url, "--offer", f"tiny={tokenizer}",
+    door = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve", "tinker", "--scheduler", scheduler.url, "--offer", f"tiny={tokenizer}",
                              "--dtype", "float32", "--db", db_url, "--run-dir", str(tmp_path / "door"), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "door.log", "w"), env={**os.environ, "TINKERGYM_CACHE": str(cache)})
     client = None
@@ -173,7 +173,7 @@ def test_the_jobs_of_a_front_door_stopped_for_good_end_at_the_idle_timeout(db_ur
         assert allocated(db_url) == []  # both seats free
         for job_id in job_ids:
             job = owner.show(job_id)
-            assert job["state"] == "failed" and "Tinker front door (serve-tinker --scheduler) sent no call for the idle timeout" in job["error"], job
+            assert job["state"] == "failed" and "Tinker front door (serve tinker --scheduler) sent no call for the idle timeout" in job["error"], job
     finally:
         for process in (client, door, worker):
             if process is not None and process.poll() is None:

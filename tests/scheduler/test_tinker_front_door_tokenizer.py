@@ -46,7 +46,7 @@ def test_an_offer_of_tiny_gives_the_sdk_a_tokenizer_it_loads_offline(db_url: str
     scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=6.0, sweep_interval_s=0.2)))
     worker = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache, seats=1, env={"HF_HUB_OFFLINE": "1"})
     port = testkit.free_port()
-    door = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve-tinker", "--scheduler", scheduler.url, "--offer", "tiny", "--dtype", "float32",
+    door = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve", "tinker", "--scheduler", scheduler.url, "--offer", "tiny", "--dtype", "float32",
                              "--db", db_url, "--run-dir", str(tmp_path / "door"), "--port", str(port)],
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "door.log", "w"), env=offline)
     try:

@@ -1,4 +1,4 @@
-"""The Tinker front door (`serve-tinker --scheduler`) on a vision-language model: a real scheduler, a worker process whose
+"""The Tinker front door (`serve tinker --scheduler`) on a vision-language model: a real scheduler, a worker process whose
 shared server holds the tiny Qwen2-VL (offered by a hub id found in the local Hugging Face cache), and the official SDK.
 A LoRA run's cross-entropy loss on a datum with an image falls; a sampler of its weights scores its own samples with the
 image as it sampled them, another image changes them; bad image bytes are a 400 and the front door goes on serving."""

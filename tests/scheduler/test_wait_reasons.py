@@ -1,5 +1,5 @@
 """Jobs that cannot run say so: each queued job's reason (API, CLI, the client's progress line, the event stream),
-``--refuse-unplaceable``, and ``serve-model --scheduler --detach`` returning at once."""
+``--refuse-unplaceable``, and ``serve model --scheduler --detach`` returning at once."""
 
 from __future__ import annotations
 
@@ -177,7 +177,7 @@ def test_serve_model_detach_exits_at_once_and_jobs_show_says_why(server: ThreadS
     user = keys.new("acme", "read,write")
     env = {**os.environ, "TINKERGYM_API_KEY": user, "PYTHONPATH": str(REPO)}
     done = subprocess.run(
-        [sys.executable, "-m", "tinkergym", "serve-model", "--scheduler", server.url, "--model", "smollm2-136m", "--detach"],
+        [sys.executable, "-m", "tinkergym", "serve", "model", "--scheduler", server.url, "--model", "smollm2-136m", "--detach"],
         capture_output=True, text=True, env=env, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stderr
     job = json.loads(done.stdout.splitlines()[-1])["job"]

@@ -71,7 +71,7 @@ def server_pids(run_dir: Path) -> list[int]:
                 zombie = handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
         except OSError:
             continue
-        if not zombie and b"serve-backend" in args and str(run_dir).encode() in args:
+        if not zombie and b"serve" in args and args[args.index(b"serve") + 1] == b"backend" and str(run_dir).encode() in args:
             found.append(int(entry))
     return found
 
@@ -281,7 +281,7 @@ def test_a_refused_key_exits_2(tmp_path: Path, db_url: str) -> None:
 
 FAKE_SERVER = r'''
 import http.server, json, os, sys, threading, time
-args = sys.argv[sys.argv.index("serve-backend") + 1:]
+args = sys.argv[sys.argv.index("serve") + 2:]  # after `serve backend`
 opt = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
 run, seed = opt["--run-dir"], int(opt["--seed"])
 assert os.environ["CUDA_VISIBLE_DEVICES"] == "" and opt["--device"] == "cpu" and oct(os.stat(opt["--token-file"]).st_mode & 0o777) == "0o600"
@@ -368,7 +368,7 @@ def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Pa
 @pytest.mark.slow
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys: Any, tmp_path: Path) -> None:
-    """The worker's handling of its servers, with a stand-in for serve-backend (no torch): a state it writes is uploaded and
+    """The worker's handling of its servers, with a stand-in for serve backend (no torch): a state it writes is uploaded and
     recorded; exit code 75 fails the job saying how to resume; another code fails it with the log's tail; a job that
     continues an ended one starts with that job's newest checkpoint restored."""
     with fake_worker(fail_artifact_reads, db_url, keys, tmp_path) as (flaky, owner, worker, _):

@@ -31,13 +31,13 @@ from workerkit import WorkerProcess, stored_job  # registered by conftest.py
 
 CONFIG = {"model": "tiny", "dtype": "float32", "lora_rank": 4, "seed": 0}
 
-#: Stands in for the worker's Python: ``-c`` (the worker's start-up check) runs the real one; ``-m tinkergym serve-backend``
+#: Stands in for the worker's Python: ``-c`` (the worker's start-up check) runs the real one; ``-m tinkergym serve backend``
 #: is a fake server whose behaviour the job's seed picks; a copy named ``*broken*`` cannot run on this machine (exit 69).
 FAKE_PYTHON = r'''
 import http.server, json, os, sys, threading, time
 if sys.argv[1] == "-c":
     os.execv(REAL, [REAL, *sys.argv[1:]])
-args = sys.argv[sys.argv.index("serve-backend") + 1:]
+args = sys.argv[sys.argv.index("serve") + 2:]  # after `serve backend`
 opt = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
 run, seed = opt["--run-dir"], int(opt["--seed"])
 if "broken" in os.path.basename(sys.argv[0]):
@@ -177,17 +177,17 @@ def test_a_worker_that_cannot_run_what_it_offers_refuses_to_start(tmp_path: Path
 
 
 def test_a_server_that_cannot_run_here_exits_with_the_environment_code(tmp_path: Path) -> None:
-    """serve-backend on a machine without uvicorn, serve-model of a model the machine lacks: exit code 69 and one line,
+    """``serve backend`` on a machine without uvicorn, serve model of a model the machine lacks: exit code 69 and one line,
     which a worker reads as its own fault."""
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe(32))
     token.chmod(0o600)
-    done = subprocess.run([sys.executable, "-m", "tinkergym", "serve-backend", "--model", "tiny", "--token-file", str(token),
+    done = subprocess.run([sys.executable, "-m", "tinkergym", "serve", "backend", "--model", "tiny", "--token-file", str(token),
                            "--run-dir", str(tmp_path / "run"), "--port", "29999"], env={**os.environ, **without_uvicorn(tmp_path)},
                           capture_output=True, text=True, timeout=120, check=False)
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 69 and len(lines) == 1 and "uvicorn" in lines[0], (done.returncode, done.stderr[-3000:])
-    done = subprocess.run([sys.executable, "-m", "tinkergym", "serve-model", "--model", "nobody/no-such-model", "--api-key-file", str(token),
+    done = subprocess.run([sys.executable, "-m", "tinkergym", "serve", "model", "--model", "nobody/no-such-model", "--api-key-file", str(token),
                            "--engine", "torch", "--port", "29999"], env={**os.environ, "HF_HUB_OFFLINE": "1"},
                           capture_output=True, text=True, timeout=120, check=False)
     lines = [line for line in done.stderr.splitlines() if line.strip()]

@@ -33,7 +33,7 @@ def _serve_command(tiny: str, tmp_path: Path, port: int, *extra: str) -> list[st
     token.write_text(TOKEN)
     token.chmod(0o600)
     return [
-        sys.executable, "-m", "tinkergym", "serve-backend", "--model", tiny, "--device", "cpu", "--lora-rank", "4",
+        sys.executable, "-m", "tinkergym", "serve", "backend", "--model", tiny, "--device", "cpu", "--lora-rank", "4",
         "--port", str(port), "--token-file", str(token), "--run-dir", str(tmp_path / "server"), *extra,
     ]
 

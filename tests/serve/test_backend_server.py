@@ -517,7 +517,7 @@ def test_serve_backend_passes_its_limits(tmp_path: Path, monkeypatch: pytest.Mon
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe(32))
     token.chmod(0o600)
-    args = ["serve-backend", "--model", "tiny", "--token-file", str(token), "--run-dir", str(tmp_path / "server")]
+    args = ["serve", "backend", "--model", "tiny", "--token-file", str(token), "--run-dir", str(tmp_path / "server")]
     flags = ["--max-num-samples", "3", "--max-request-new-tokens", "5", "--max-request-sequences", "7", "--max-request-tokens", "11"]
     built = CliRunner().invoke(main, args + flags).exception
     assert isinstance(built, Built) and built.args[0] == CallLimits(num_samples=3, new_tokens=5, sequences=7, tokens=11)
@@ -529,7 +529,7 @@ def test_serve_backend_passes_its_limits(tmp_path: Path, monkeypatch: pytest.Mon
 
 # ----- the command ----------------------------------------------------------------------------------------
 def test_serve_backend_refuses_to_start_without_a_private_token_file(tmp_path: Path) -> None:
-    args = ["serve-backend", "--model", "tiny", "--run-dir", str(tmp_path / "run")]
+    args = ["serve", "backend", "--model", "tiny", "--run-dir", str(tmp_path / "run")]
     missing = CliRunner().invoke(main, args)
     assert missing.exit_code == 2 and "--token-file is required" in missing.output
     token = tmp_path / "token.txt"

@@ -1,5 +1,5 @@
 """Hostile input: schemathesis generates requests for every operation of the OpenAPI documents of the training server
-(``tinkergym serve-backend``) and the inference server (``tinkergym serve-model``), each built in-process around the
+(``tinkergym serve backend``) and the inference server (``tinkergym serve model``), each built in-process around the
 tiny model and called with its bearer token. Neither answers any of them with a 5xx, and every answer is what the
 document declares: its status code, content type and body schema.
 

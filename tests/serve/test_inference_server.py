@@ -302,18 +302,18 @@ def test_eval_endpoint_errors_say_what_to_do(setup, model, right_key, message, t
     [
         (["eval", *EVAL, "--endpoint", "http://127.0.0.1:9/v1", "--model", "m", "--run", "{run_a}"], "and no --run"),
         (["eval", *EVAL, "--model", "m", "--api-key", "tgk_x"], "go with --scheduler"),
-        (["serve-model", "--model", "{tiny}", "--gpus", "2", "--api-key-file", "{key}"], "go with --scheduler"),
-        (["serve-model", "--model", "{tiny}"], "--api-key-file is required"),
-        (["serve-model", "--model", "{tiny}", "--scheduler", "http://127.0.0.1:9", "--port", "9000"], "--port: the worker sets"),
-        (["serve-model", "--model", "{tiny}", "--checkpoint", "c={run_a}", "--api-key-file", "{key}"], "not a checkpoint folder"),
-        (["serve-model", "--run", "{run_a}", "--checkpoint", "c={run_a}", "--api-key-file", "{key}"], "give --model, not --run"),
+        (["serve", "model", "--model", "{tiny}", "--gpus", "2", "--api-key-file", "{key}"], "go with --scheduler"),
+        (["serve", "model", "--model", "{tiny}"], "--api-key-file is required"),
+        (["serve", "model", "--model", "{tiny}", "--scheduler", "http://127.0.0.1:9", "--port", "9000"], "--port: the worker sets"),
+        (["serve", "model", "--model", "{tiny}", "--checkpoint", "c={run_a}", "--api-key-file", "{key}"], "not a checkpoint folder"),
+        (["serve", "model", "--run", "{run_a}", "--checkpoint", "c={run_a}", "--api-key-file", "{key}"], "give --model, not --run"),
         (["eval", *EVAL, "--model", "m", "--tokenizer", "tiny"], "go with --endpoint"),
         (["eval", *EVAL, "--endpoint", "ftp://x", "--model", "m", "--tokenizer", "{tiny}"], "http:// or https://"),
-        (["serve-model", "--model", "{tiny}", "--api-key-file", "{short_key}"], "at least 32 characters"),
-        (["serve-model", "--model", "{tiny}", "--adapter", "noequals", "--api-key-file", "{key}"], "expected NAME=PATH"),
-        (["serve-model", "--model", "{tiny}", "--adapter", "a={tiny}", "--api-key-file", "{key}"], "not a run, a checkpoint"),
-        (["serve-model", "--model", "{tiny}", "--adapter", "x={run_a}", "--adapter", "x={run_b}", "--api-key-file", "{key}"], "already served"),
-        (["serve-model", "--run", "{run_a}", "--model", "{tiny}", "--api-key-file", "{key}"], "exactly one"),
+        (["serve", "model", "--model", "{tiny}", "--api-key-file", "{short_key}"], "at least 32 characters"),
+        (["serve", "model", "--model", "{tiny}", "--adapter", "noequals", "--api-key-file", "{key}"], "expected NAME=PATH"),
+        (["serve", "model", "--model", "{tiny}", "--adapter", "a={tiny}", "--api-key-file", "{key}"], "not a run, a checkpoint"),
+        (["serve", "model", "--model", "{tiny}", "--adapter", "x={run_a}", "--adapter", "x={run_b}", "--api-key-file", "{key}"], "already served"),
+        (["serve", "model", "--run", "{run_a}", "--model", "{tiny}", "--api-key-file", "{key}"], "exactly one"),
     ],
 )
 def test_bad_serving_input_exits_2_before_loading(setup, args, message, tmp_path) -> None:
@@ -366,7 +366,7 @@ def test_the_serve_model_command_serves_a_run(setup) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
     port, metrics_port = free_port(), free_port()
-    command = [sys.executable, "-m", "tinkergym", "serve-model", "--run", str(setup["runs"]["a"]), "--api-key-file", str(setup["key_file"]),
+    command = [sys.executable, "-m", "tinkergym", "serve", "model", "--run", str(setup["runs"]["a"]), "--api-key-file", str(setup["key_file"]),
                "--port", str(port), "--idle-timeout", "3", "--metrics-port", str(metrics_port)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     try:
@@ -412,8 +412,8 @@ def test_engine_vllm_without_vllm_exits_2_saying_to_install_it(setup) -> None:
 
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here (the vLLM lane tests --engine vllm)")
-    args = ["serve-model", "--engine", "vllm", "--model", setup["tiny"], "--api-key-file", str(setup["key_file"])]
+    args = ["serve", "model", "--engine", "vllm", "--model", setup["tiny"], "--api-key-file", str(setup["key_file"])]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2, result.output
     assert "--engine vllm needs the vllm package" in result.output and "install" in result.output
-    assert "--engine [auto|torch|vllm]" in CliRunner().invoke(main, ["serve-model", "--help"]).output
+    assert "--engine [auto|torch|vllm]" in CliRunner().invoke(main, ["serve", "model", "--help"]).output

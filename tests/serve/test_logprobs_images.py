@@ -128,7 +128,7 @@ def test_a_text_model_server_refuses_images_and_keeps_serving(tiny: str, tmp_pat
 
 
 def test_a_vlm_training_server_scores_with_images_as_its_training_pass_and_sampler_do(tiny_vlm: str, tmp_path: Path) -> None:
-    """A server of its own (``serve-backend``, TorchBackend) on a vision-language model: ``logprobs`` with images equals the
+    """A server of its own (``serve backend``, TorchBackend) on a vision-language model: ``logprobs`` with images equals the
     logprobs its training pass returns for the same datum's completion, and the sampler's for a sampled completion; another image of the
     same size moves them; image tokens without their images are refused."""
     from testkit import serving

@@ -1,4 +1,4 @@
-"""serve-backend refuses, before any weight loads, a model whose weights, gradients and Adam state alone exceed a device
+"""``serve backend`` refuses, before any weight loads, a model whose weights, gradients and Adam state alone exceed a device
 (tinkergym.backends.torch.sizing): exit code 2, one line with the figures and what to change."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def test_a_model_that_cannot_fit_its_device_is_refused_with_the_figures(tiny: st
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe(32))
     token.chmod(0o600)
-    done = subprocess.run([sys.executable, "-m", "tinkergym", "serve-backend", "--model", tiny, "--full", "--dtype", "float32",
+    done = subprocess.run([sys.executable, "-m", "tinkergym", "serve", "backend", "--model", tiny, "--full", "--dtype", "float32",
                            "--device", "cpu", "--token-file", str(token), "--run-dir", str(tmp_path / "run"), "--port", "29998",
                            "--device-memory-gb", "0.0001"], capture_output=True, text=True, timeout=120, env=dict(os.environ), check=False)
     lines = [line for line in done.stderr.splitlines() if line.strip()]

@@ -384,7 +384,7 @@ def test_serve_shared_trains_two_runs_of_tinkergym_train_through_their_adapters(
     port, metrics_port = ports
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "TINKERGYM_CACHE": str(tmp_path / "cache")}
-    server = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve-shared", "--model", tiny, "--dtype", "float32", "--port", str(port),
+    server = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve", "shared", "--model", tiny, "--dtype", "float32", "--port", str(port),
                                "--token-file", str(token_file), "--run-dir", str(tmp_path / "server"), "--gather-ms", "50",
                                "--metrics-port", str(metrics_port)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)

@@ -297,7 +297,7 @@ def backend_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(torch_backend, "TorchBackend", lambda config: object())
     monkeypatch.setattr(server, "create_app", lambda backend, **options: stub_app)
-    return ["serve-backend", "--model", "tiny", "--token-file", str(private_file(tmp_path / "token")), "--run-dir", str(tmp_path / "run")]
+    return ["serve", "backend", "--model", "tiny", "--token-file", str(private_file(tmp_path / "token")), "--run-dir", str(tmp_path / "run")]
 
 
 def shared_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -307,7 +307,7 @@ def shared_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(shared_engine, "SharedBase", lambda config: object())
     monkeypatch.setattr(shared_server, "create_shared_app", lambda base, **options: stub_app)
-    return ["serve-shared", "--model", "tiny", "--token-file", str(private_file(tmp_path / "token")), "--run-dir", str(tmp_path / "run")]
+    return ["serve", "shared", "--model", "tiny", "--token-file", str(private_file(tmp_path / "token")), "--run-dir", str(tmp_path / "run")]
 
 
 def model_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -323,10 +323,10 @@ def model_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.setattr(serving, "plan_serving", lambda **options: None)
     monkeypatch.setattr(torch_inference, "TorchInferenceEngine", lambda plan, **options: Served())
     monkeypatch.setattr(inference_server, "create_inference_app", lambda served, digest, **options: stub_app)
-    return ["serve-model", "--model", "tiny", "--engine", "torch", "--api-key-file", str(private_file(tmp_path / "key"))]
+    return ["serve", "model", "--model", "tiny", "--engine", "torch", "--api-key-file", str(private_file(tmp_path / "key"))]
 
 
-@pytest.mark.parametrize("command", [scheduler_args, backend_args, shared_args, model_args], ids=["scheduler", "serve-backend", "serve-shared", "serve-model"])
+@pytest.mark.parametrize("command", [scheduler_args, backend_args, shared_args, model_args], ids=["scheduler", "serve", "backend", "serve", "shared", "serve", "model"])
 def test_every_server_command_launches_uvicorn_with_the_bounds(command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                built_config: None) -> None:
     args = command(tmp_path, monkeypatch) if command is not scheduler_args else command(tmp_path)

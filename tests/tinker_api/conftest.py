@@ -19,7 +19,7 @@ class Cluster:
     keys: dict[str, str]  # tenant -> "tml-..." key
     base: Any
     service: Any  # the TinkerService (its engine's shared worker: service.engine.worker)
-    metrics: Any  # the app's ServerMetrics (serve-tinker --metrics-port serves them)
+    metrics: Any  # the app's ServerMetrics (serve tinker --metrics-port serves them)
 
     def client(self, who: str = "alice") -> Any:
         import tinker
@@ -29,7 +29,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """``serve-tinker``'s app on the tiny model (named ``tiny-test``) at ``cluster.url``; ``cluster.keys`` by tenant."""
+    """``serve tinker``'s app on the tiny model (named ``tiny-test``) at ``cluster.url``; ``cluster.keys`` by tenant."""
     pytest.importorskip("tinker")
     pytest.importorskip("sqlalchemy")
     from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig

@@ -1,4 +1,4 @@
-"""``async_steps`` through a real Tinker endpoint (serve-tinker on the tiny model): rollouts sampled ahead from snapshots.
+"""``async_steps`` through a real Tinker endpoint (serve tinker on the tiny model): rollouts sampled ahead from snapshots.
 
 The backend is the real :class:`~tinkergym.backends.tinker_client.TinkerBackend`, instrumented (:class:`WatchedTinker`):
 every completion a snapshot samples is recorded with the snapshot's version, every training request with the version

@@ -1,4 +1,4 @@
-"""``save_weights_external`` and ``get_external_weights_urls`` through the real ``tinker`` SDK against ``serve-tinker``: the
+"""``save_weights_external`` and ``get_external_weights_urls`` through the real ``tinker`` SDK against ``serve tinker``: the
 adapter comes back as a peft folder whose logprobs are the training client's, through signed URLs that need no API key,
 reach only that checkpoint's files, and are void once tampered with, expired or deleted; another tenant gets nothing."""
 

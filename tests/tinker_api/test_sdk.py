@@ -298,7 +298,7 @@ def test_a_clients_concurrent_samples_share_one_pass(cluster: Any, connect: Any,
     """Eight requests in flight at once (as a GRPO rollout sends its prompts) run as one batch on the shared worker."""
     sampler = connect().create_lora_training_client(base_model=cluster.model, rank=4).result().save_weights_and_get_sampling_client().result()
     worker = cluster.service.engine.worker
-    assert worker.read_gather_s == 0.05  # serve-tinker's default; a loaded test machine gets more room below
+    assert worker.read_gather_s == 0.05  # serve tinker's default; a loaded test machine gets more room below
     monkeypatch.setattr(worker, "read_gather_s", 0.2)
     for _ in range(3):  # the first round may start before the last request arrives: then the rest make the next
         before = worker.rounds_run

@@ -1,4 +1,4 @@
-"""`tinkergym serve-tinker` as its own process: a key made by `tinkergym scheduler keys create` on its database, the SDK
+"""`tinkergym serve tinker` as its own process: a key made by `tinkergym scheduler keys create` on its database, the SDK
 training and sampling through it, and a refused key."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def test_serve_tinker_process_with_a_scheduler_key(tiny: str, tmp_path: Path) ->
     key = "tml-" + made.stdout.strip()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve-tinker", "--model", tiny, "--model-name", "tiny-cli", "--dtype", "float32",
+    server = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve", "tinker", "--model", tiny, "--model-name", "tiny-cli", "--dtype", "float32",
                                "--port", str(port), "--data-dir", str(tmp_path / "data"), "--run-dir", str(tmp_path / "runs")],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
@@ -67,7 +67,7 @@ def test_serve_tinker_refuses_a_muddled_command_line(args: list[str], message: s
 
     from tinkergym.cli import main
 
-    done = CliRunner().invoke(main, ["serve-tinker", "--run-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data"), *args])
+    done = CliRunner().invoke(main, ["serve", "tinker", "--run-dir", str(tmp_path / "runs"), "--data-dir", str(tmp_path / "data"), *args])
     assert done.exit_code == 2 and message in done.output, done.output
 
 
@@ -93,7 +93,7 @@ def test_an_offer_without_a_tokenizer_names_one_clients_load_offline(tiny: str, 
     offered: dict[str, str] = {}
     monkeypatch.setattr(server_module, "create_front_door", lambda url, offers, *args, **kwargs: offered.update(offers))
     monkeypatch.setattr(serve_tinker_cli, "run_server", lambda *args, **kwargs: None)
-    done = CliRunner().invoke(main, ["serve-tinker", "--scheduler", "http://127.0.0.1:9", "--offer", "tiny", "--offer", tiny, "--offer",
+    done = CliRunner().invoke(main, ["serve", "tinker", "--scheduler", "http://127.0.0.1:9", "--offer", "tiny", "--offer", tiny, "--offer",
                                      "org/model", "--offer", "mystery", "--offer", "named=org/tok", "--run-dir", str(tmp_path / "runs"),
                                      "--data-dir", str(tmp_path / "data")], catch_exceptions=False)
     assert done.exit_code == 0, done.output

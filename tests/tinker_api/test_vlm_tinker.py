@@ -1,4 +1,4 @@
-"""The official ``tinker`` SDK against ``serve-tinker`` on the tiny Qwen2-VL: image chunks sample, score and train; a wrong
+"""The official ``tinker`` SDK against ``serve tinker`` on the tiny Qwen2-VL: image chunks sample, score and train; a wrong
 ``expected_tokens``, bytes that are no image and an image over the pixel bound are refused with a 400; a text model still
 refuses image chunks."""
 
@@ -35,7 +35,7 @@ def _png(seed: int, height: int = 64, width: int = 64) -> bytes:
 
 @pytest.fixture(scope="module")
 def vlm_server(tiny_vlm: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
-    """``serve-tinker``'s app on the tiny VLM at ``(url, key)``."""
+    """``serve tinker``'s app on the tiny VLM at ``(url, key)``."""
     from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig
     from tinkergym.scheduler.auth import create_key
     from tinkergym.scheduler.db import make_engine, upgrade

@@ -63,7 +63,7 @@ def test_config_round_trip_and_errors(tmp_path) -> None:
         TrainConfig.load(tmp_path / "bad.yaml")
     with pytest.raises(ConfigError, match="steps must be at least 1"):
         TrainConfig(env="tinker/Bandit-v0", steps=0).validate()
-    assert TrainConfig(env="tinker/Bandit-v0", lora_alpha=0.5).validate().lora_alpha == 0.5  # a float, as serve-backend takes it
+    assert TrainConfig(env="tinker/Bandit-v0", lora_alpha=0.5).validate().lora_alpha == 0.5  # a float, as serve backend takes it
     with pytest.raises(ConfigError, match="lora-alpha must be above 0"):
         TrainConfig(env="tinker/Bandit-v0", lora_alpha=0).validate()
     with pytest.raises(ConfigError, match="--env is required"):

@@ -1,6 +1,6 @@
-"""``tinkergym eval --endpoint`` against vLLM's own OpenAI server: the same transcripts as through ``serve-model``.
+"""``tinkergym eval --endpoint`` against vLLM's own OpenAI server: the same transcripts as through ``serve model``.
 
-vLLM serves the tiny base and a trained LoRA adapter (``--lora-modules a=<run>/final``); ``serve-model`` serves the
+vLLM serves the tiny base and a trained LoRA adapter (``--lora-modules a=<run>/final``); ``serve model`` serves the
 same two names. Both run in float32, where their logprobs agree to about 1e-5, so greedy evaluation through
 either endpoint plays the same episodes.
 """

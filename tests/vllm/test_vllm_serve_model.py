@@ -1,4 +1,4 @@
-"""``serve-model`` with the vLLM engine: the tiny base and two trained adapters served by one ``vllm.LLM``.
+"""``serve model`` with the vLLM engine: the tiny base and two trained adapters served by one ``vllm.LLM``.
 
 Adapter ``a`` is a run folder (its exported peft ``final/``), adapter ``b`` a checkpoint folder (converted to a
 peft folder when the engine starts). Everything runs in float32, where vLLM's and torch's logprobs agree to
@@ -180,7 +180,7 @@ def test_serve_model_engine_vllm_serves_a_run(served) -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    command = [sys.executable, "-m", "tinkergym", "serve-model", "--engine", "vllm", "--run", str(served["runs"]["a"]),
+    command = [sys.executable, "-m", "tinkergym", "serve", "model", "--engine", "vllm", "--run", str(served["runs"]["a"]),
                "--api-key-file", str(served["key_file"]), "--port", str(port), "--max-model-len", "512"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     try:

@@ -5,7 +5,7 @@
 round's prompts as token ids in one batched request and reads the sampled ids back from vLLM's
 ``return_tokens_as_token_ids`` convention (``"token_id:<id>"`` strings in ``logprobs.tokens``). A server that
 answers with text alone is refused: re-tokenizing text would not give back the ids the model sampled.
-``tinkergym serve-model`` and vLLM's OpenAI server both qualify.
+``tinkergym serve model`` and vLLM's OpenAI server both qualify.
 
 The chat template stays on the client (the rollout loop renders with a local tokenizer), so the served
 model must use that tokenizer: a local one, or the server's own files (:meth:`EndpointSampler.fetch_tokenizer`,
@@ -90,7 +90,7 @@ class EndpointSampler:
         except urllib.error.HTTPError as exc:
             raise self._http_error(exc, route) from exc
         except urllib.error.URLError as exc:
-            raise EndpointError(f"cannot reach {self.base}{route}: {exc.reason}; is the server running (tinkergym serve-model)?") from exc
+            raise EndpointError(f"cannot reach {self.base}{route}: {exc.reason}; is the server running (tinkergym serve model)?") from exc
         except (OSError, ValueError) as exc:  # a dropped connection, a timeout, a body that is not JSON
             raise EndpointError(f"{self.base}{route} did not answer with JSON: {exc}") from exc
 
@@ -179,7 +179,7 @@ class EndpointSampler:
         if pieces is None or not all(matches) or not isinstance(values, list) or len(values) != len(pieces):
             raise ConfigError(
                 f"{self.base} answers completions with text, not token ids: evaluation needs the sampled ids themselves "
-                "(re-tokenized text is not what the model sampled). Serve the model with tinkergym serve-model, or vLLM "
+                "(re-tokenized text is not what the model sampled). Serve the model with tinkergym serve model, or vLLM "
                 "(which honours return_tokens_as_token_ids with logprobs)."
             )
         tokens = [int(m.group(1)) for m in matches if m is not None]  # all of them: checked above

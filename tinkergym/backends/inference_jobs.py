@@ -1,6 +1,6 @@
-"""Serving a model through a scheduler: ``tinkergym serve-model --scheduler URL`` and ``tinkergym eval --scheduler URL``.
+"""Serving a model through a scheduler: ``tinkergym serve model --scheduler URL`` and ``tinkergym eval --scheduler URL``.
 
-An inference (or eval) job asks a worker for devices and runs ``tinkergym serve-model`` there, serving a base
+An inference (or eval) job asks a worker for devices and runs ``tinkergym serve model`` there, serving a base
 model, or a run the scheduler trained: its config names the training job (``resume_job``), whose newest
 checkpoint the worker restores from the artifact store and serves under the run's name (a LoRA run as an
 adapter on its base, a full fine-tuning run as a model of its own). Weights never pass through this machine.
@@ -53,7 +53,7 @@ def job_config(model: str | None = None, run_dir: str | Path | None = None, dtyp
     """The config of an inference job serving ``model`` (a name the workers offer) or the run in ``run_dir``.
 
     A run must have been trained through the scheduler (its config names the job whose checkpoints the worker
-    restores); a run trained on this machine is served here (``tinkergym serve-model --run DIR``).
+    restores); a run trained on this machine is served here (``tinkergym serve model --run DIR``).
     """
     if (model is None) == (run_dir is None):
         raise ConfigError("give --model or --run (exactly one).")
@@ -68,7 +68,7 @@ def job_config(model: str | None = None, run_dir: str | Path | None = None, dtyp
     if not config.scheduler_job:
         raise ConfigError(
             f"{folder} was trained on this machine, not through a scheduler, so no worker has its weights: serve it here with "
-            f"tinkergym serve-model --run {folder} --api-key-file KEY, or train it with --scheduler URL first."
+            f"tinkergym serve model --run {folder} --api-key-file KEY, or train it with --scheduler URL first."
         )
     return {"model": config.model, "dtype": dtype or config.dtype, "lora_rank": config.lora_rank, "resume_job": config.scheduler_job,
             "served_name": served_name(folder)}

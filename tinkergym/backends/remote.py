@@ -1,4 +1,4 @@
-"""RemoteBackend: the Backend protocol over HTTP, as a client of the training server (``tinkergym serve-backend``).
+"""RemoteBackend: the Backend protocol over HTTP, as a client of the training server (``tinkergym serve backend``).
 
 Standard library only (``http.client`` over one kept-alive connection, ``json``, ``hashlib`` by way of
 :mod:`tinkergym.plumbing.downloads`), so a client without torch trains through it: envs, rollouts and the trainer run here,
@@ -315,7 +315,7 @@ class RemoteBackend:
             attempt += 1
         raise RemoteBackendError(
             f"{what}: no answer from the training server at {self.url} after {self.retries + 1} tries ({last}); "
-            "check that it is running (tinkergym serve-backend) and that --backend-url points at it"
+            "check that it is running (tinkergym serve backend) and that --backend-url points at it"
         )
 
     def _send(self, method: str, path: str, body: Any, on_ok: Callable[[Any], None] | None) -> tuple[int, dict[str, Any], float | None]:

@@ -181,7 +181,7 @@ class ScheduledBackend:
         ``reason`` says why to the job's owner (the job's ``end_reason``).
 
         The worker uploads each state the server saves to the scheduler's artifact store; ending the job stops the
-        server, so the run's last checkpoint (the one a later ``--resume`` or ``serve-model --scheduler`` starts
+        server, so the run's last checkpoint (the one a later ``--resume`` or ``serve model --scheduler`` starts
         from) is waited for first, up to ``store_timeout`` seconds.
 
         Raises :class:`BackendLost` where the lease moved on before that checkpoint was stored (the worker died at the

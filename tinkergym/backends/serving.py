@@ -18,7 +18,7 @@ way ``tinkergym eval`` builds it, so a served model gives the tokens and logprob
 Adapters are attached to one peft model (``load_adapter``) and switched per request under a lock. Served from a
 vision-language model's folder, it samples prompts with images too (:meth:`InferenceEngine.image_renderer` renders them).
 :class:`~tinkergym.backends.vllm.inference.VLLMInferenceEngine` implements the same
-:class:`InferenceEngine` protocol with a ``vllm.LLM`` (``serve-model --engine``), images included where vLLM loads the model.
+:class:`InferenceEngine` protocol with a ``vllm.LLM`` (``serve model --engine``), images included where vLLM loads the model.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def plan_serving(
     model: str | None = None, run: str | None = None, adapters: Sequence[tuple[str, str]] = (), dtype: str | None = None,
     checkpoint: tuple[str, str] | None = None,
 ) -> ServingPlan:
-    """What ``serve-model`` serves: ``model`` (a base for ``adapters``) or a ``run`` (its adapter on its base, or its full model).
+    """What ``serve model`` serves: ``model`` (a base for ``adapters``) or a ``run`` (its adapter on its base, or its full model).
 
     ``checkpoint`` (NAME, PATH), with ``model``: a backend checkpoint folder (``state.json``) served as NAME: a LoRA
     checkpoint as an adapter on ``model``, a full fine-tuning one as a model of its own in place of ``model``.

@@ -1,7 +1,7 @@
 """TinkerBackend: the Backend protocol through the ``tinker`` SDK, so tinkergym's trainers train on any Tinker-API endpoint.
 
 ``tinkergym train --backend tinker --backend-url URL --model NAME --lora-rank R`` runs GRPO, RLOO, SFT and self-play
-through a Tinker training client (``tinkergym serve-tinker``, Thinking Machines' service, or another compatible one);
+through a Tinker training client (``tinkergym serve tinker``, Thinking Machines' service, or another compatible one);
 the key is ``TINKER_API_KEY`` or ``--backend-token-file``. No torch is needed on this side.
 
 How our calls map onto Tinker's:

@@ -4,7 +4,7 @@ A worker may register each device's memory (``memory_gb``) and, for each model i
 (:func:`tinkergym.backends.torch.sizing.shape_dict`, counted once at the worker's start). From those the scheduler
 prices what a ``train`` or ``sft`` job keeps on each of its devices whatever its batches (weights, gradients, AdamW's
 moments; FSDP2's gathered layer and whole-model load for a job on several devices:
-:func:`~tinkergym.backends.torch.sizing.static_estimate`, the figure ``serve-backend`` checks at its start too). A job
+:func:`~tinkergym.backends.torch.sizing.static_estimate`, the figure ``serve backend`` checks at its start too). A job
 that needs more than ``HEADROOM`` of a worker's smallest device is not hosted there: placement says why it waits
 (``too_little_memory``, with the figures and what to change) and no lease sends it there. A worker that sent no memory
 or no shape for the model is not checked (its server checks at its start). Torch-free.

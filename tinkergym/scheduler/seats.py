@@ -1,7 +1,7 @@
 """Seats: LoRA jobs packed onto a shared training server, one seat a job, instead of a whole device each.
 
 A worker may run some of its devices as shared servers (``tinkergym worker --shared-devices 0 --seats 4``): one
-``serve-shared`` process per such device holds one base model once, and each of its seats is a place the scheduler
+``serve shared`` process per such device holds one base model once, and each of its seats is a place the scheduler
 leases like a device. A seat is a row of ``devices`` with ``seat_of`` (the index of the device it sits on) and
 ``shared`` (the server's base: model, dtype, max_lora_rank, as JSON); its own ``index`` is :func:`seat_index`, so the
 database's constraints (one allocation a place, one place an index per worker) hold seats as they hold devices, and a

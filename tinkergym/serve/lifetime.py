@@ -10,7 +10,7 @@ server stops itself:
 - with an idle timeout, a server whose client has sent no call for that long stops too (the client died),
   freeing the job's devices; the exit code :data:`IDLE_EXIT_CODE` tells the worker why.
 
-Stopping is a graceful shutdown of the server (``tinkergym serve-backend`` sets uvicorn's ``should_exit``), after
+Stopping is a graceful shutdown of the server (``tinkergym serve backend`` sets uvicorn's ``should_exit``), after
 which the process exits with :data:`IDLE_EXIT_CODE` or :data:`ORPHAN_EXIT_CODE`.
 
 A server that cannot start because of the machine it runs on (a package missing, the model's files missing, a

@@ -1,6 +1,6 @@
 """The Tinker API's front door to a cluster: each training run and sampler is a scheduler job, on a worker's shared server.
 
-``tinkergym serve-tinker --scheduler URL --offer MODEL`` serves the one base URL the SDK knows and computes nothing
+``tinkergym serve tinker --scheduler URL --offer MODEL`` serves the one base URL the SDK knows and computes nothing
 itself: :class:`ClusterEngine` submits, for each Tinker training run, a LoRA ``train`` job in the name of the key that
 created it (its tenant's quotas, devices and isolation apply), waits for its lease and talks to the job's server (a
 seat of a worker's shared server, or a server of its own) through
@@ -31,7 +31,7 @@ a call does. A keep-alive that finds the server gone brings the job's next serve
 lease (:meth:`ClusterEngine._follow`), so a worker that dies under an idle client does not end its job at the idle timeout.
 
 A client that is gone (killed, or a script that ended without ``close()``) sends no heartbeat: once its session has had
-none for ``session_timeout_s`` (``serve-tinker --session-timeout``, 180 s; the SDK sends one every 10 s), the next
+none for ``session_timeout_s`` (``serve tinker --session-timeout``, 180 s; the SDK sends one every 10 s), the next
 maintenance pass ends the session and :meth:`ClusterEngine.close` completes each of its jobs with the reason (the job's
 ``end_reason``, which ``tinkergym jobs show`` and the dashboard's job view show), which frees their seats at once; the
 states the scheduler stored stay, and the run stays listed, so ``create_training_client_from_state(path)`` from a new
@@ -48,8 +48,8 @@ folder (no weights), so the SDK's images become image tokens here, and their pix
 ``forward_backward``, ``logprobs``) to the job's shared server; a text model's offer refuses them.
 
 A weights-only load (``create_training_client_from_state``, ``load_state``) loads the state's trainable weights and keeps
-the job's own optimizer moments, step and generator (a new run's are fresh), as ``serve-tinker --model`` does; the call
-log holds it, so a new lease replays it. Differences from ``serve-tinker --model`` (refused with the reason): loading
+the job's own optimizer moments, step and generator (a new run's are fresh), as ``serve tinker --model`` does; the call
+log holds it, so a new lease replays it. Differences from ``serve tinker --model`` (refused with the reason): loading
 another run's state into a running run (create a training client from it). Checkpoints are the jobs' (the scheduler's
 artifact store keeps them; ``delete_checkpoint`` forgets the name only).
 """
@@ -128,7 +128,7 @@ def _call_args(method: str, data: Any) -> Any:
 
 
 def offered_tokenizer(model: str) -> tuple[str, str | None]:
-    """The tokenizer clients load for an offered ``model`` (``serve-tinker --offer MODEL`` without ``=TOKENIZER``), and a
+    """The tokenizer clients load for an offered ``model`` (``serve tinker --offer MODEL`` without ``=TOKENIZER``), and a
     warning when they must fetch it from the Hugging Face hub (None when not).
 
     The SDK's ``get_tokenizer()`` hands what ``get_info`` names to ``AutoTokenizer.from_pretrained``: a folder of this

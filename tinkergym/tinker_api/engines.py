@@ -1,6 +1,6 @@
 """Where the Tinker API's runs and samplers compute: an engine opens them, runs their calls and keeps their checkpoints.
 
-:class:`LocalEngine` (``serve-tinker``): one :class:`~tinkergym.backends.torch.shared.SharedBase` in this process;
+:class:`LocalEngine` (``serve tinker``): one :class:`~tinkergym.backends.torch.shared.SharedBase` in this process;
 every run and sampler is a LoRA session on it, and every call goes through the
 :class:`~tinkergym.serve.training.shared.SharedWorker`, so the calls of several runs share passes.
 :class:`~tinkergym.tinker_api.cluster.ClusterEngine` (the scheduler's front door) runs each one as a scheduler job.

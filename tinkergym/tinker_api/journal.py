@@ -1,6 +1,6 @@
 """The Tinker front door's memory on disk, so that a restart keeps what its clients hold names for.
 
-``serve-tinker --scheduler`` keeps, in one SQLite file (``<run-dir>/front_door.sqlite``, write-ahead logged), its
+``serve tinker --scheduler`` keeps, in one SQLite file (``<run-dir>/front_door.sqlite``, write-ahead logged), its
 sessions, training runs (with each run's job, the newest state the scheduler holds and the log of the calls that
 changed the run since), samplers, checkpoints and the request ids it answered with. A front door that starts on the
 file of one that stopped (or was killed) serves the same ``session_id``s, ``model_id``s, sampler ids and ``tinker://``

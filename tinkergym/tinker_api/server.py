@@ -1,4 +1,4 @@
-"""The Tinker API apps of ``tinkergym serve-tinker``: on a shared base here, or in front of a scheduler; both authenticated with the
+"""The Tinker API apps of ``tinkergym serve tinker``: on a shared base here, or in front of a scheduler; both authenticated with the
 scheduler's tenant keys."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def tenant_of(engine: Any) -> Any:
 
 def create_server(base: Any, root: Path, engine: Any, logger: logging.Logger, *, model_name: str, tokenizer_id: str | None = None,
                   max_lora_rank: int = 64, gather_ms: float = 2.0, sample_gather_ms: float = 50.0, pass_tokens: int = 65536, **limits: Any) -> Any:
-    """The app of ``serve-tinker``: ``base`` (a :class:`~tinkergym.backends.torch.shared.SharedBase`) serves every tenant's runs;
+    """The app of ``serve tinker``: ``base`` (a :class:`~tinkergym.backends.torch.shared.SharedBase`) serves every tenant's runs;
     ``pass_tokens`` bounds a round of calls (a larger call is worked in slices: see :class:`SharedWorker`)."""
     worker = SharedWorker(base, logger, keep_states=0, pass_tokens=pass_tokens, gather_s=gather_ms / 1000.0, max_waiting=64,
                           read_gather_s=sample_gather_ms / 1000.0)
@@ -37,7 +37,7 @@ def create_server(base: Any, root: Path, engine: Any, logger: logging.Logger, *,
 
 def create_front_door(scheduler_url: str, offers: dict[str, str], root: Path, engine: Any, logger: logging.Logger, *, max_lora_rank: int = 64,
                       checkpoint_every: int = 8, dtype: str = "auto", **limits: Any) -> Any:
-    """The app of ``serve-tinker --scheduler``: every run and sampler a job of the scheduler at ``scheduler_url`` (its key table: ``engine``).
+    """The app of ``serve tinker --scheduler``: every run and sampler a job of the scheduler at ``scheduler_url`` (its key table: ``engine``).
     Its sessions, runs, samplers and checkpoints are kept in ``root/front_door.sqlite``: an app made on the same ``root`` starts
     with them (:mod:`tinkergym.tinker_api.journal`)."""
     import json

@@ -11,7 +11,7 @@ Each adapter has its own rank and alpha; its weights are float32 tensors outside
 that each owner (a :class:`~tinkergym.backends.torch.lora_session.LoraSession`) keeps its own optimizer over them and
 closing it frees them. Names and layout follow peft: an adapter saved by :func:`save_adapter` is an ordinary
 peft folder (``adapter_config.json`` + ``adapter_model.safetensors``) that ``PeftModel.from_pretrained``, vLLM
-and ``tinkergym serve-model`` load, and :func:`read_adapter` reads such folders back.
+and ``tinkergym serve model`` load, and :func:`read_adapter` reads such folders back.
 """
 
 from __future__ import annotations

@@ -520,7 +520,7 @@ def static_estimate(shape: dict[str, Any], *, lora_rank: int, dtype: str, ranks:
     """What a training job keeps on each device whatever its batches: weights, gradients and optimizer state (and the
     gathered layer of a sharded job, and its whole-model load), from a model's :func:`shape_dict`, with LoRA on every
     linear layer (``"all-linear"``, TorchBackend's default; a vision-language model's language model's) and one token
-    of activations. What ``serve-backend`` checks at its start (``--device-memory-gb``) and the scheduler before a
+    of activations. What ``serve backend`` checks at its start (``--device-memory-gb``) and the scheduler before a
     lease. Torch-free."""
     model = ModelShape(**shape)
     compute = _dtype_name(dtype, device)

@@ -8,9 +8,9 @@ the server refuses every call, so a frozen worker's server stops serving when it
 
 1. restores checkpoints from the scheduler's artifact store into ``states/<name>`` (sizes and SHA-256 checked):
    the job's last one (the lease's ``checkpoint``) and, for a job whose config continues an ended one
-   (``resume_job``), that job's newest, which an inference or eval job serves (``serve-model --checkpoint``);
+   (``resume_job``), that job's newest, which an inference or eval job serves (``serve model --checkpoint``);
    a scheduler that fails meanwhile (5xx, no answer) is asked again while the lease holds;
-2. reports ``starting``, starts ``python -m tinkergym serve-backend ... --exit-with-parent`` (``serve-model`` for
+2. reports ``starting``, starts ``python -m tinkergym serve backend ... --exit-with-parent`` (``serve model`` for
    inference jobs) through the worker's launcher (:mod:`~tinkergym.scheduler.worker.launchers`: by default a process
    group of this machine that dies with the worker, with ``CUDA_VISIBLE_DEVICES`` set to the leased devices, empty for
    CPU slots; with ``--ray``, one Ray actor per rank: :mod:`~tinkergym.scheduler.worker.ray_pool`), waits for its
@@ -68,7 +68,7 @@ from tinkergym.plumbing.folders import write_private_file
 
 log = logging.getLogger("tinkergym.worker")
 
-#: Exit codes of ``serve-backend`` (``tinkergym.serve.lifetime``, not imported here to keep this light).
+#: Exit codes of ``serve backend`` (``tinkergym.serve.lifetime``, not imported here to keep this light).
 IDLE_EXIT_CODE = 75
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 #: A 409's message when the job itself ended at this epoch (its client completed it, it was cancelled or failed).
@@ -241,9 +241,9 @@ class JobRunner(threading.Thread):
         code = self._exit_code(code)
         if code == IDLE_EXIT_CODE and self.lease["kind"] in SERVING_KINDS:
             error = ("the job's inference server got no request for the idle timeout, so it stopped (exit code 75) and the devices are "
-                     "free; serve the model again with: tinkergym serve-model --scheduler URL (the same --run or --model)")
+                     "free; serve the model again with: tinkergym serve model --scheduler URL (the same --run or --model)")
         elif code == IDLE_EXIT_CODE and (self.lease.get("config") or {}).get("trainer") == "tinker":
-            error = ("the job's Tinker front door (serve-tinker --scheduler) sent no call for the idle timeout (it stopped, or lost the "
+            error = ("the job's Tinker front door (serve tinker --scheduler) sent no call for the idle timeout (it stopped, or lost the "
                      "session), so its server stopped (exit code 75) and the devices are free; its stored states are kept: a Tinker client "
                      "resumes the run from one with create_training_client_from_state(path) through the front door")
         elif code == IDLE_EXIT_CODE:

@@ -21,7 +21,7 @@ import subprocess
 from typing import Any
 from pathlib import Path
 
-#: Exit code of ``serve-backend``/``serve-model`` when this machine cannot run them (``tinkergym.serve.lifetime``).
+#: Exit code of ``serve backend``/``serve model`` when this machine cannot run them (``tinkergym.serve.lifetime``).
 ENVIRONMENT_EXIT_CODE = 69
 #: Packages the job servers import (the ``train`` and ``serve`` extras).
 SERVER_MODULES = ("tinkergym", "click", "uvicorn", "fastapi", "pydantic", "torch", "transformers", "peft", "safetensors")

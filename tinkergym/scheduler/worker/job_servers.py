@@ -1,7 +1,7 @@
 """What a worker starts for a lease: the command line of the job's server, checked field by field from the job's config.
 
-A train or sft job gets ``tinkergym serve-backend`` with the config's model settings; an inference or eval job
-gets ``tinkergym serve-model`` (serving a trained run's restored checkpoint under its name). Every value that
+A train or sft job gets ``tinkergym serve backend`` with the config's model settings; an inference or eval job
+gets ``tinkergym serve model`` (serving a trained run's restored checkpoint under its name). Every value that
 reaches the command line is checked here first: a config the worker cannot start is a :class:`ValueError`. So is the
 config's ``placement`` (:func:`placement_strategy`: how a ``--ray`` worker lays a job's ranks over its cluster's nodes),
 checked on every worker so that a job fails alike wherever it lands. Standard library only.
@@ -16,7 +16,7 @@ from typing import Any
 
 from tinkergym.config import DEFAULT_LORA_RANK, DTYPES, SERVED_NAME, is_model_name
 
-#: Job kinds whose server is an inference server (``serve-model``); the others get a training server.
+#: Job kinds whose server is an inference server (``serve model``); the others get a training server.
 SERVING_KINDS = ("inference", "eval")
 #: A job config's ``placement`` -> the Ray placement group strategy of its ranks (``tinkergym worker --ray``): ``pack``
 #: (the default) puts them on one node where they fit, else on as few as can hold them; ``spread`` over as many nodes as
@@ -69,7 +69,7 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
     """The command line of the job's server (a :class:`ValueError` for a config it cannot start).
 
     ``served``: for an inference or eval job serving a trained run, the name of the restored checkpoint in ``states/``.
-    A training job on several devices runs ``serve-backend`` under torchrun, one rank per device, its ranks meeting on
+    A training job on several devices runs ``serve backend`` under torchrun, one rank per device, its ranks meeting on
     ``master_port`` of 127.0.0.1 (the model sharded over them: :mod:`tinkergym.backends.torch.sharded`); with
     ``torchrun`` False the command is one rank's, whose launcher sets the ranks' environment itself (``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as torchrun would: :mod:`~tinkergym.scheduler.worker.ray_pool`).
@@ -91,7 +91,7 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
     lifetime = ["--exit-with-parent", "--lease-file", str(lease_file or folder / "lease"), *(["--idle-timeout", f"{idle:g}"] if idle else [])]
     host = host or options.host
     if lease["kind"] in SERVING_KINDS:
-        command = [*base, "serve-model", "--model", model, "--api-key-file", str(folder / "token"), "--host", host,
+        command = [*base, "serve", "model", "--model", model, "--api-key-file", str(folder / "token"), "--host", host,
                    "--port", str(port), "--dtype", dtype, "--device", device, *lifetime]
         if config.get("resume_job"):  # a run the scheduler trained: its newest checkpoint, restored into states/
             name = config.get("served_name", "model")
@@ -112,7 +112,7 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
             raise ValueError(f"a job on {ranks} devices needs a port for its ranks to meet on")
         base = [options.python, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
                 "--master-port", str(master_port), "-m", "tinkergym"]
-    command = [*base, "serve-backend", "--model", model, *(["--full"] if rank == 0 else ["--lora-rank", str(rank)]), "--dtype", dtype,
+    command = [*base, "serve", "backend", "--model", model, *(["--full"] if rank == 0 else ["--lora-rank", str(rank)]), "--dtype", dtype,
                "--seed", str(seed), "--device", device, "--host", host, "--port", str(port), "--token-file", str(folder / "token"),
                "--run-dir", str(folder)]
     for key, flag, kind in (("lora_alpha", "--lora-alpha", float), ("lora_dropout", "--lora-dropout", float),
@@ -122,7 +122,7 @@ def server_command(options: WorkerOptions, lease: dict[str, Any], port: int, fol
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
             raise ValueError(f"config.{key} {value!r} is not a number")
-        command += [flag, repr(kind(value))]  # serve-backend checks the range
+        command += [flag, repr(kind(value))]  # serve backend checks the range
     for flag in ("deterministic", "gradient_checkpointing"):
         if config.get(flag) is True:
             command.append(f"--{flag.replace('_', '-')}")

@@ -7,14 +7,14 @@ N bundles (``{"GPU": 1}`` or ``{"CPU": 1}``) whose strategy is the job config's 
 (:func:`~tinkergym.scheduler.worker.job_servers.placement_strategy`: ``pack`` by default, on one node where the
 ranks fit; ``spread`` and the strict forms on request), named after the lease, ``tinkergym/<worker>/<job>/<epoch>``, in
 the Ray namespace ``tinkergym``; its ranks are detached actors named ``<group>/rank<i>`` (:class:`RankActor`). Each
-actor starts its rank's ``python -m tinkergym serve-backend ...`` (the command a one-machine worker runs under
+actor starts its rank's ``python -m tinkergym serve backend ...`` (the command a one-machine worker runs under
 torchrun) with the environment torchrun would give it: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` (rank 0's node),
 ``MASTER_PORT`` (a free port there), ``LOCAL_RANK`` 0 and ``CUDA_VISIBLE_DEVICES`` the one GPU Ray gave the actor (empty
 for a CPU slot); the process dies with its actor (``PR_SET_PDEATHSIG``). Rank 0 serves HTTP on its node's Ray address,
 the job's server URL. The worker's ``TINKERGYM_*``, ``HF_*``, ``TRANSFORMERS_*``, ``NCCL_*`` and ``GLOO_*`` variables
 travel to the ranks (its key never does); each node must have the worker's Python (``--python``) and models.
 
-A shared device (``--shared-devices``: :mod:`~tinkergym.scheduler.worker.seats`) runs its ``serve-shared`` the same way, as
+A shared device (``--shared-devices``: :mod:`~tinkergym.scheduler.worker.seats`) runs its ``serve shared`` the same way, as
 one actor in a group of one bundle, ``tinkergym/<worker>/shared/<device>``, started at its first seat lease; it has a lease
 of its own (:data:`~.launchers.SHARED_LEASE_S`) that the worker's loop renews while it runs.
 
@@ -115,7 +115,7 @@ def _gone(exc: BaseException) -> bool:
 
 
 class RankActor:
-    """One rank of a job on a Ray node: starts its ``serve-backend`` process, reports its exit, and stops it (a Ray actor:
+    """One rank of a job on a Ray node: starts its ``serve backend`` process, reports its exit, and stops it (a Ray actor:
     :class:`RayLauncher` makes it one). Past its lease's end plus :data:`ORPHAN_GRACE_S` it stops the rank and removes its
     group by itself."""
 

@@ -1,6 +1,6 @@
 """The worker's shared training servers and the seats its LoRA jobs take on them (:mod:`tinkergym.scheduler.seats`).
 
-A device given with ``tinkergym worker --shared-devices`` runs one ``tinkergym serve-shared`` (:class:`SharedServer`):
+A device given with ``tinkergym worker --shared-devices`` runs one ``tinkergym serve shared`` (:class:`SharedServer`):
 started at the first seat lease of that device, in ``<work-dir>/shared/<device>/`` (its own random token in the 0600
 file ``token``, its run folder), by the worker's launcher (:mod:`~tinkergym.scheduler.worker.launchers`: a process with
 ``CUDA_VISIBLE_DEVICES`` set to the device and ``PR_SET_PDEATHSIG``, so it dies with the worker; with ``--ray``, a Ray
@@ -47,7 +47,7 @@ LOG_TAIL = 3000
 
 
 class SharedServer:
-    """One ``serve-shared`` server on one device of the worker, started by the worker's launcher (see the module's notes)."""
+    """One ``serve shared`` server on one device of the worker, started by the worker's launcher (see the module's notes)."""
 
     def __init__(self, device: dict[str, Any], options: Any, take_port: Callable[[], int], release_port: Callable[[int], None],
                  launcher: Launcher) -> None:
@@ -111,7 +111,7 @@ class SharedServer:
     def command(self, host: str, port: int) -> list[str]:
         """The server's command line, listening on ``host``:``port``."""
         gpu = self.device["kind"] == "gpu"
-        return [self.options.python, "-m", "tinkergym", "serve-shared", "--model", self.spec["model"], "--dtype", self.spec["dtype"],
+        return [self.options.python, "-m", "tinkergym", "serve", "shared", "--model", self.spec["model"], "--dtype", self.spec["dtype"],
                 "--device", "auto" if gpu else "cpu", "--max-lora-rank", str(self.spec["max_lora_rank"]),
                 "--max-adapters", str(self.spec["seats"]), "--host", host, "--port", str(port),
                 "--token-file", str(self.folder / "token"), "--run-dir", str(self.folder / "run"), "--keep-states", "0",

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible inference server (tinkergym serve-model) and its engines."""
+"""The OpenAI-compatible inference server (tinkergym serve model) and its engines."""

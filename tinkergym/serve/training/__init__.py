@@ -1,1 +1,1 @@
-"""The training server: the Backend protocol over HTTP (tinkergym serve-backend)."""
+"""The training server: the Backend protocol over HTTP (tinkergym serve backend)."""

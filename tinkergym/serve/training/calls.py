@@ -122,7 +122,7 @@ class CallLimits:
     ``num_samples``: completions per prompt; ``new_tokens``: a sample call's ``max_new_tokens``; ``sequences``: the
     sequences a call holds (a sample call's prompts times ``num_samples``, a training or scoring call's rows);
     ``tokens``: the tokens a call holds (a sample call's prompt and new tokens of every sequence it makes, a
-    training or scoring call's summed row lengths). Each is a ``serve-backend`` option, named in the refusal and
+    training or scoring call's summed row lengths). Each is a ``serve backend`` option, named in the refusal and
     listed by ``GET /v1/info``.
     """
 
@@ -131,7 +131,7 @@ class CallLimits:
     sequences: int = 1 << 16
     tokens: int = 1 << 27
 
-    #: The serve-backend option of each limit.
+    #: The serve backend option of each limit.
     OPTIONS = {"num_samples": "--max-num-samples", "new_tokens": "--max-request-new-tokens", "sequences": "--max-request-sequences",
                "tokens": "--max-request-tokens"}
 
@@ -143,7 +143,7 @@ class CallLimits:
         """Refuse ``value`` over the limit ``name`` with a :class:`ConfigError` that names the limit and its option."""
         limit = getattr(self, name)
         if value > limit:
-            raise ConfigError(f"{where}: {value:,} {what} is over this server's limit of {limit:,} ({self.OPTIONS[name]} on serve-backend; "
+            raise ConfigError(f"{where}: {value:,} {what} is over this server's limit of {limit:,} ({self.OPTIONS[name]} on serve backend; "
                               f"GET /v1/info lists the limits): split the request into smaller calls")
 
     def check_sample(self, request: SampleRequest) -> None:
@@ -264,7 +264,7 @@ def wire_result(method: str, value: Any) -> dict[str, Any]:
 class Snapshots:
     """The snapshots of a server's weights its client samples from while it trains (``async_steps``): a ``snapshot`` call
     takes one (``backend.sampling_snapshot()``) and answers its id and version; a ``sample`` call naming the id samples
-    from it. The newest ``keep`` are held (a run needs K + 1 at most; serve-backend holds 8 of a LoRA backend, 3 of a full
+    from it. The newest ``keep`` are held (a run needs K + 1 at most; serve backend holds 8 of a LoRA backend, 3 of a full
     fine-tuning one, each a copy of the model); a sample from an older one is refused."""
 
     def __init__(self, keep: int = 8) -> None:
@@ -316,7 +316,7 @@ def run_call(backend: Any, call: ParsedCall, run_dir: Path, keep_states: int = 0
         if "images" not in inspect.signature(backend.logprobs).parameters:
             raise ConfigError(f"this server's backend ({type(backend).__name__}) scores no images in logprobs: score sequences with "
                               "images with forward_backward (a Datum with its images, loss_scale 0, return_logprobs=True), or on a "
-                              "shared server (serve-shared) of a vision-language model")
+                              "shared server (serve shared) of a vision-language model")
         return wire_result(call.method, backend.logprobs(args["sequences"], args["temperature"], images=args["images"]))
     if call.method == "forward_backward":
         return wire_result(call.method, backend.forward_backward(args["request"]))

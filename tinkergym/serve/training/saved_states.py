@@ -1,7 +1,7 @@
 """What the training server's state calls do with the saved states in its run folder, past the backend's own methods.
 
 :func:`load_weights_only` is a ``load_state`` of the weights alone (Tinker's ``load_state`` without the optimizer),
-and :func:`prune_states` keeps the newest saved states (``serve-backend --keep-states``).
+and :func:`prune_states` keeps the newest saved states (``serve backend --keep-states``).
 """
 
 from __future__ import annotations
