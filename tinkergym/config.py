@@ -9,7 +9,7 @@ import numbers
 import os
 import re
 import reprlib
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import Field, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,111 +43,221 @@ MAX_VALUE_NODES = 100_000
 
 
 #: One default for each setting of the model and its training pass, wherever it is set: a run's config
-#: (:class:`TrainConfig`), ``tinkergym serve-backend``'s options, ``TorchBackendConfig`` and the server a scheduler
+#: (:class:`TrainConfig`), ``tinkergym serve backend``'s options, ``TorchBackendConfig`` and the server a scheduler
 #: job runs on. The same names travel from the command line through the config, the job config and the server's
 #: ``info`` to the worker's command line.
 DEFAULT_LORA_RANK = 8
 DEFAULT_LORA_ALPHA = 16
 DEFAULT_MICRO_BATCH_SIZE = 8
 DEFAULT_DTYPE = "auto"
+#: Most episodes one evaluation plays (each has its own seed, drawn up front).
+MAX_EPISODES = 1_000_000
+
+#: The groups a run's settings fall in, in the order ``tinkergym train --help`` shows them.
+SECTIONS = ("Run", "Model", "Rollouts", "Loss and optimizer", "Sampling ahead", "Sampler", "Remote compute", "Self-play",
+            "Evaluation and checkpoints", "Output")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a config field means to the people who set it: its help, its group and the bounds the command line checks.
+
+    It rides on the field (``field(default=..., metadata=setting(...))``), beside the field's name, type and default, so
+    each is written once; ``tinkergym train`` makes its options from these (:mod:`tinkergym.cli.settings`).
+    """
+
+    help: str
+    section: str
+    #: The option's name: ``""`` is ``--`` and the field's name with dashes; ``None``: config files only.
+    option: str | None = ""
+    metavar: str | None = None
+    min: float | None = None
+    max: float | None = None
+    min_open: bool = False
+    max_open: bool = False
+    choices: tuple[str, ...] = ()
+    #: Set where a training server starts (tinkergym serve backend): a run through one takes the server's.
+    server_owned: bool = False
+
+
+def setting(help: str, section: str, **details: Any) -> dict[str, Any]:
+    """A field's metadata: its :class:`Setting` (``help`` also under ``"help"``, the key HfArgumentParser and tyro read)."""
+    return {"help": help, "setting": Setting(help, section, **details)}
+
+
+def setting_of(f: Field[Any]) -> Setting | None:
+    """The :class:`Setting` of a config field, ``None`` for a field that has none."""
+    found = f.metadata.get("setting")
+    return found if isinstance(found, Setting) else None
+
+
+def option_name(name: str) -> str:
+    """The command-line option that sets config field ``name`` (``eval_every`` -> ``--eval-every``, ``scheduler_url`` ->
+    ``--scheduler``); the field's name itself for one that config files alone set."""
+    found = {f.name: setting_of(f) for f in fields(TrainConfig)}.get(name)
+    if found is not None and found.option is None:
+        return name
+    return found.option if found is not None and found.option else "--" + name.replace("_", "-")
 
 
 @dataclass
 class TrainConfig:
-    """Everything a run needs; the CLI only parses into this (``--config FILE.yaml`` fills the same fields)."""
+    """Everything a run needs; the CLI only parses into this (``--config FILE.yaml`` fills the same fields).
 
-    env: str = ""
-    trainer: str = "grpo"
-    model: str = "smollm2-135m"
-    lora_rank: int = DEFAULT_LORA_RANK  # 0 trains every parameter (full fine-tuning)
-    lora_alpha: float = DEFAULT_LORA_ALPHA
-    lora_dropout: float = 0.0
-    steps: int = 20
-    batch_size: int = 8  # prompts (env seeds) per step
-    group_size: int = 8  # samples per prompt
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    max_turns: int = 4
-    max_new_tokens: int = 64
-    max_context: int = 2048
-    temperature: float = 1.0
-    seed: int = 0
-    out: str = ""
-    kl_coef: float = 0.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    loss_aggregation: str = "token"
-    eval_every: int = 0
-    eval_episodes: int = 32
-    checkpoint_every: int = 10
-    transcripts_every: int = 5
-    dtype: str = DEFAULT_DTYPE
-    micro_batch_size: int = DEFAULT_MICRO_BATCH_SIZE
-    # Deterministic kernels (torch.use_deterministic_algorithms), so a run and its resume repeat bit for bit on a GPU
-    # too; on CPU they already do. Slower; eager attention on a GPU.
-    deterministic: bool = False
-    # Recompute each decoder layer's activations in the backward pass instead of keeping them (less memory, about a
-    # third more compute; same gradients). Prompts shared by a group stay shared.
-    gradient_checkpointing: bool = False
-    # Memory (MiB) for the torch sampler's automatic prefix caching: a multi-turn episode's or game's next turn runs only
-    # its new tokens, not the whole conversation again. Emptied at every update; 0 turns it off.
-    prefix_cache_mb: float = 1024.0
-    # How a LoRA policy samples with the torch sampler: "adapter" (as the training pass computes) or "merged" (a copy with
-    # the adapter merged in: faster on a CPU; in bfloat16 updates under half a weight's rounding step are lost to it).
-    lora_sampling: str = "adapter"
-    sampler: str = "torch"  # "torch" (the training backend samples) or "vllm" (a vLLM engine, synced every step)
-    # The vLLM sampler's engine (sampler "vllm" only; None: chosen from the platform): the fraction of its GPU's memory
-    # (default 0.3), CUDA graphs and compilation off (eager; default on CPU only), its device ("cuda:N", "cpu"; default
-    # vLLM's first visible GPU), and sleep mode during training passes (default where vLLM has it: GPU).
-    sampler_gpu_memory: float | None = None
-    sampler_eager: bool | None = None
-    sampler_device: str | None = None
-    sampler_sleep: bool | None = None
-    # A training server (tinkergym serve-backend) that computes instead of a local model: its model, LoRA
-    # rank, dtype and micro-batch size are the server's (a new run records them here). The token is never saved.
-    backend_url: str | None = None
-    # A scheduler (tinkergym scheduler serve) that leases a worker's devices for the run: the run becomes job
-    # scheduler_job (recorded once submitted, so --resume reattaches to it) on `gpus` devices. The key is never saved.
-    scheduler_url: str | None = None
-    scheduler_job: str | None = None
-    gpus: int = 1
-    # The old policy of the PPO ratio: "trainer" (the policy's own logprobs of the training pass, before the
-    # step's only update, as TRL does on-policy; free) or "sampler" (the sampler's logprobs, so its numerics enter
-    # the ratio: in bfloat16 up to ~0.3 nats on SmolLM2, enough to clip). With tis_cap > 0 (needs "trainer") each
-    # token is weighted by min(trainer/sampler ratio, tis_cap): truncated importance sampling, as verl/TRL.
-    old_logprobs: str = "trainer"
-    tis_cap: float = 0.0
-    # Rollouts sampled ahead (prime-rl's max_async_level, tinker-cookbook's max_steps_off_policy): the rollouts of the
-    # next K steps are sampled from a snapshot of the weights while the current step trains, so a step trains on samples
-    # of a policy up to K updates old, corrected by the ratio to the sampler's logprobs (old_logprobs "sampler") or by
-    # tis_cap. 0: each step samples with the current weights, then trains. Needs a backend that samples from snapshots
-    # (SNAPSHOT_BACKENDS; the vLLM sampler for a LoRA policy) and an RL trainer that plays envs (grpo, rloo, selfplay).
-    async_steps: int = 0
-    # With async_steps K > 1: the most episodes the rollouts sampled ahead play at once. Up to K steps' rollouts play side
-    # by side (their env steps and tool calls wait together, their sample calls take turns on the backend), as many as
-    # fit in this bound in whole steps (batch_size x group_size episodes each), and always one.
-    max_episodes_in_flight: int = 256
-    # Seconds every env step waits (plus up to env_latency_jitter more, uniform): a stand-in for a slow tool, API or judge
-    # (tinkergym.wrappers.LatencyWrapper), to measure a setting where the env's time matters. 0: none.
-    env_latency: float = 0.0
-    env_latency_jitter: float = 0.0
-    # Episodes a budget ended (finish reasons max_turns, max_episode_tokens, context; not the env's own
-    # truncation): "keep" trains on them with their reward, "mask" leaves them out of the loss and of their
-    # group's statistics. truncated_reward, when set, replaces their total reward (e.g. -1 as a penalty).
-    truncation: str = "keep"
-    truncated_reward: float | None = None
-    env_kwargs: dict[str, Any] = field(default_factory=dict)
-    eval_env_kwargs: dict[str, Any] = field(default_factory=dict)
-    trainer_args: dict[str, Any] = field(default_factory=dict)
-    # Self-play (trainer "selfplay", --selfplay): the league's opponents and how often the learner is snapshotted into it.
-    opponents: str = "baseline,random,snapshots"
-    snapshot_every: int = 10
-    # A Weights & Biases project to log every step's numbers to as well (None: metrics.jsonl and TensorBoard only).
-    wandb_project: str | None = None
-    # The backend plugin (entry-point group tinkergym.backends) the run trains through; None: the one its settings
-    # imply (scheduled with scheduler_url, remote with backend_url, vllm with sampler "vllm", else torch).
-    backend: str | None = None
+    Each field's help, group and command-line bounds are its :class:`Setting`, in its metadata: ``tinkergym train``'s
+    options are made from them, so a field's name, type, default and help are written once, here.
+    """
+
+    # Run
+    env: str = field(default="", metadata=setting("Env id to train on (see: tinkergym envs list).", "Run"))
+    env_kwargs: dict[str, Any] = field(default_factory=dict, metadata=setting(
+        "Env keyword argument (repeatable), e.g. size=7.", "Run", option="--kwarg", metavar="KEY=VALUE"))
+    trainer: str = field(default="grpo", metadata=setting("Trainer plugin: grpo, rloo, sft, selfplay, or any installed one.", "Run"))
+    trainer_args: dict[str, Any] = field(default_factory=dict, metadata=setting(
+        "Trainer-specific setting (repeatable).", "Run", option="--trainer-arg", metavar="KEY=VALUE"))
+    model: str = field(default="smollm2-135m", metadata=setting(
+        "smollm2-135m, tiny (a test-sized model), a local HF folder, or a hub id.", "Run", server_owned=True))
+    steps: int = field(default=20, metadata=setting("Optimizer steps.", "Run", min=1))
+    seed: int = field(default=0, metadata=setting("Run seed.", "Run", min=0, max=MAX_SEED))
+    out: str = field(default="", metadata=setting("Run folder (default runs/<env>-<trainer>-<time>).", "Run"))
+
+    # Model
+    lora_rank: int = field(default=DEFAULT_LORA_RANK, metadata=setting(
+        "LoRA rank (--full, or 0 in a config file: train every parameter).", "Model", min=1, server_owned=True))
+    lora_alpha: float = field(default=DEFAULT_LORA_ALPHA, metadata=setting(
+        "LoRA alpha: the adapter's update is scaled by alpha / rank.", "Model", min=0, min_open=True, server_owned=True))
+    lora_dropout: float = field(default=0.0, metadata=setting(
+        "Dropout on the LoRA adapter's input while it trains.", "Model", min=0, max=1, max_open=True, server_owned=True))
+    dtype: str = field(default=DEFAULT_DTYPE, metadata=setting(
+        "Weights dtype (auto: bf16 where supported).", "Model", choices=DTYPES, server_owned=True))
+    micro_batch_size: int = field(default=DEFAULT_MICRO_BATCH_SIZE, metadata=setting(
+        "Sequences per forward pass (bounds memory; groups sharing a prompt pack into the same token budget).", "Model", min=1,
+        server_owned=True))
+    deterministic: bool = field(default=False, metadata=setting(
+        "Deterministic kernels only (torch.use_deterministic_algorithms), so the run and its resume repeat bit for bit on a "
+        "GPU too (slower, eager attention on a GPU; on CPU they already do).", "Model", server_owned=True))
+    gradient_checkpointing: bool = field(default=False, metadata=setting(
+        "Recompute layer activations in the backward pass instead of keeping them: less memory, about a third more compute, "
+        "same gradients (prompts shared by a group stay shared).", "Model", server_owned=True))
+
+    # Rollouts
+    batch_size: int = field(default=8, metadata=setting("Prompts (env seeds) per step.", "Rollouts", min=1))
+    group_size: int = field(default=8, metadata=setting("Samples per prompt.", "Rollouts", min=1))
+    max_turns: int = field(default=4, metadata=setting("Turns per episode.", "Rollouts", min=1))
+    max_new_tokens: int = field(default=64, metadata=setting("New tokens per turn.", "Rollouts", min=1))
+    max_context: int = field(default=2048, metadata=setting("Context length bound.", "Rollouts", min=16))
+    temperature: float = field(default=1.0, metadata=setting(
+        "Sampling temperature of the rollouts; the loss scores the same tempered distribution.", "Rollouts", min=0, max=100,
+        min_open=True))
+    truncation: str = field(default="keep", metadata=setting(
+        "Episodes a budget ended (max turns, max context, an episode's token budget; not the env's own truncation): keep "
+        "them (trained on with their reward) or mask them out of the loss and of their group's statistics.", "Rollouts",
+        choices=TRUNCATION_MODES))
+    truncated_reward: float | None = field(default=None, metadata=setting(
+        "Reward given to episodes a budget ended instead of what they collected.", "Rollouts"))
+    env_latency: float = field(default=0.0, metadata=setting(
+        "Every env step waits this long first: a stand-in for a slow tool, API or judge (tinkergym.wrappers.LatencyWrapper), "
+        "to measure settings such as --async-steps where the env's time matters.", "Rollouts", min=0, max=3600,
+        metavar="SECONDS"))
+    env_latency_jitter: float = field(default=0.0, metadata=setting(
+        "Up to this many seconds more per env step, uniform (with --env-latency: a random delay).", "Rollouts", min=0,
+        max=3600, metavar="SECONDS"))
+
+    # Loss and optimizer
+    lr: float = field(default=1e-4, metadata=setting("Learning rate.", "Loss and optimizer", min=0, min_open=True))
+    weight_decay: float = field(default=0.0, metadata=setting("AdamW's decoupled weight decay.", "Loss and optimizer", min=0))
+    max_grad_norm: float = field(default=1.0, metadata=setting("Gradient clipping norm (0 = off).", "Loss and optimizer", min=0))
+    kl_coef: float = field(default=0.0, metadata=setting("KL penalty to the reference policy.", "Loss and optimizer", min=0))
+    clip_low: float = field(default=0.2, metadata=setting(
+        "PPO clipping below: a token's ratio is clipped at 1 - CLIP_LOW.", "Loss and optimizer", min=0))
+    clip_high: float = field(default=0.2, metadata=setting(
+        "PPO clipping above: a token's ratio is clipped at 1 + CLIP_HIGH.", "Loss and optimizer", min=0))
+    loss_aggregation: str = field(default="token", metadata=setting(
+        "Average the loss per token or per sequence.", "Loss and optimizer", choices=("token", "sequence")))
+    old_logprobs: str = field(default="trainer", metadata=setting(
+        "Old policy of the PPO ratio: the trainer's own logprobs of the training pass, before the step's only update (as TRL "
+        "does on-policy; free), or the sampler's (its numerics then enter the ratio: in bfloat16 up to ~0.3 nats on SmolLM2, "
+        "enough to clip).", "Loss and optimizer", choices=OLD_LOGPROBS))
+    tis_cap: float = field(default=0.0, metadata=setting(
+        "Truncated importance weight min(trainer/sampler ratio, CAP) on every token, as verl and TRL (0 = off; needs "
+        "--old-logprobs trainer). 2 is usual with --sampler vllm.", "Loss and optimizer", min=0))
+
+    # Sampling ahead (prime-rl's max_async_level, tinker-cookbook's max_steps_off_policy)
+    async_steps: int = field(default=0, metadata=setting(
+        "Sample the rollouts of the next K steps from a snapshot of the weights while a step trains (0: sample, then train). "
+        "A step then trains on samples up to K updates old, corrected by --old-logprobs sampler or --tis-cap; needs a backend "
+        "that samples from snapshots (torch, the default; a serve backend or --scheduler; tinker; --sampler vllm with LoRA) "
+        "and grpo, rloo or selfplay.", "Sampling ahead", min=0, metavar="K"))
+    max_episodes_in_flight: int = field(default=256, metadata=setting(
+        "With --async-steps K: up to K steps' rollouts play at once, as many as fit in N episodes in whole steps "
+        "(--batch-size x --group-size each; always one). Their env steps and tool calls wait side by side.", "Sampling ahead",
+        min=1, metavar="N"))
+
+    # Sampler
+    sampler: str = field(default="torch", metadata=setting(
+        "Who samples rollouts: torch (the training model) or vllm (a vLLM engine synced after every step; needs vllm "
+        "installed).", "Sampler", choices=SAMPLERS, server_owned=True))
+    prefix_cache_mb: float = field(default=1024.0, metadata=setting(
+        "Memory for the torch sampler's prefix cache: a multi-turn episode's next turn runs only its new tokens, not the "
+        "whole conversation again (emptied at every update; 0 = off).", "Sampler", min=0, metavar="MIB", server_owned=True))
+    lora_sampling: str = field(default="adapter", metadata=setting(
+        "How LoRA samples: adapter (as the training pass computes) or merged (a merged copy of the weights: faster on a "
+        "CPU, one more copy of them in memory; in bfloat16 the sampler loses updates under the weights' rounding).",
+        "Sampler", choices=("adapter", "merged"), server_owned=True))
+    sampler_gpu_memory: float | None = field(default=None, metadata=setting(
+        "With --sampler vllm: fraction of its GPU's memory vLLM may take (default 0.3).", "Sampler", min=0, max=1,
+        min_open=True, metavar="FRACTION"))
+    sampler_eager: bool | None = field(default=None, metadata=setting(
+        "With --sampler vllm: skip CUDA graphs and compilation (faster start, slower steps); default on CPU only.", "Sampler"))
+    sampler_device: str | None = field(default=None, metadata=setting(
+        "With --sampler vllm: the engine's device, e.g. cuda:1 to keep it off the training GPU (default: vLLM's first GPU).",
+        "Sampler", metavar="DEVICE"))
+    sampler_sleep: bool | None = field(default=None, metadata=setting(
+        "With --sampler vllm: free vLLM's GPU memory during training passes (sleep mode; default on GPU, unavailable on "
+        "CPU).", "Sampler"))
+
+    # Remote compute
+    backend: str | None = field(default=None, metadata=setting(
+        "A backend plugin (entry-point group tinkergym.backends) to train through; default: the one --scheduler, "
+        "--backend-url and --sampler imply (scheduled, remote, vllm, else torch).", "Remote compute", metavar="NAME"))
+    backend_url: str | None = field(default=None, metadata=setting(
+        "Train through a training server (tinkergym serve backend) at URL: its model computes, envs and the trainer run "
+        "here. Its model, LoRA rank, dtype and micro-batch size are the server's (the run records them).", "Remote compute",
+        metavar="URL"))
+    scheduler_url: str | None = field(default=None, metadata=setting(
+        "Train as a job of a scheduler (tinkergym scheduler serve): it leases a worker's devices, whose training server "
+        "computes; envs and the trainer run here.", "Remote compute", option="--scheduler", metavar="URL"))
+    scheduler_job: str | None = field(default=None, metadata=setting(
+        "The scheduler job the run trains as, recorded once submitted so that --resume reattaches to it.", "Remote compute",
+        option=None))
+    gpus: int = field(default=1, metadata=setting(
+        "Devices the scheduler job needs, all on one worker; on more than one its training server runs one rank per device, "
+        "the model sharded over them (FSDP2), and trains as on one.", "Remote compute", min=1, max=64))
+
+    # Self-play (trainer "selfplay", --selfplay)
+    opponents: str = field(default="baseline,random,snapshots", metadata=setting(
+        "Self-play league, comma-separated: baseline, random, snapshots (of the learner), run:DIR.", "Self-play",
+        metavar="LIST"))
+    snapshot_every: int = field(default=10, metadata=setting(
+        "Self-play: add a frozen snapshot of the learner every N steps (0 = never).", "Self-play", min=0))
+
+    # Evaluation and checkpoints
+    eval_every: int = field(default=0, metadata=setting(
+        "Evaluate every N steps on held-out seeds (0 = off).", "Evaluation and checkpoints", min=0))
+    eval_episodes: int = field(default=32, metadata=setting(
+        "Episodes per evaluation.", "Evaluation and checkpoints", min=1, max=MAX_EPISODES))
+    eval_env_kwargs: dict[str, Any] = field(default_factory=dict, metadata=setting(
+        "Env keyword argument of the evaluation's envs, over --kwarg (repeatable), e.g. split=test.",
+        "Evaluation and checkpoints", option="--eval-kwarg", metavar="KEY=VALUE"))
+    checkpoint_every: int = field(default=10, metadata=setting(
+        "Checkpoint every N steps.", "Evaluation and checkpoints", min=1))
+    transcripts_every: int = field(default=5, metadata=setting(
+        "Write the episodes' transcripts every N steps and at the last (0 = never).", "Evaluation and checkpoints", min=0))
+
+    # Output
+    wandb_project: str | None = field(default=None, metadata=setting(
+        "Also log every step to this Weights & Biases project (needs the wandb extra; WANDB_MODE=offline logs locally).",
+        "Output", option="--wandb", metavar="PROJECT"))
 
     def validate(self) -> TrainConfig:
         """Raise :class:`ConfigError` for values that cannot work; return self."""
@@ -261,7 +371,7 @@ class TrainConfig:
         if implied not in SNAPSHOT_BACKENDS:
             raise ConfigError(
                 f"async-steps {k} samples the next steps while one trains, which needs a backend that samples from a fixed "
-                f"snapshot of the weights: {', '.join(SNAPSHOT_BACKENDS)} (--backend torch, --backend-url URL of a serve-backend, --scheduler "
+                f"snapshot of the weights: {', '.join(SNAPSHOT_BACKENDS)} (--backend torch, --backend-url URL of a serve backend, --scheduler "
                 f"URL, or --backend tinker --backend-url URL). "
                 f"The {implied} backend these settings train through samples and trains one after the other: leave out "
                 "--async-steps, or train through one of those."

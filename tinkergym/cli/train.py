@@ -118,111 +118,39 @@ def resume_run(options: dict[str, Any], backend_token: str | None = None) -> Any
     return TrainingRun.resume(options["resume"], changes=changes, backend_token=backend_token, api_key=options.get("api_key"))
 
 
-@click.command()
-@click.option("--env", help="Env id to train on (see: tinkergym envs list).")
-@click.option("--trainer", help="Trainer plugin: grpo (default), rloo, sft, selfplay, or any installed one.")
-@click.option("--selfplay", is_flag=True,
-              help="Self-play on a multi-agent env (e.g. tinker/GomokuDuel-v0): the learner against itself and a rated league.")
-@click.option("--opponents", metavar="LIST",
-              help="Self-play league, comma-separated: baseline, random, snapshots (of the learner), run:DIR "
-                   "(default baseline,random,snapshots).")
-@click.option("--snapshot-every", type=click.IntRange(0), help="Self-play: add a frozen snapshot of the learner every N steps (default 10; 0 = never).")
-@click.option("--model", help="smollm2-135m (default), tiny (a test-sized model), a local HF folder, or a hub id.")
-@click.option("--lora-rank", type=click.IntRange(1), help=f"LoRA rank (default {DEFAULT_LORA_RANK}).")
-@click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), help=f"LoRA alpha (default {DEFAULT_LORA_ALPHA}).")
-@click.option("--full", is_flag=True, help="Train every parameter instead of a LoRA adapter.")
-@click.option("--steps", type=click.IntRange(1), help="Optimizer steps (default 20).")
-@click.option("--batch-size", type=click.IntRange(1), help="Prompts (env seeds) per step (default 8).")
-@click.option("--group-size", type=click.IntRange(1), help="Samples per prompt (default 8).")
-@click.option("--lr", type=FiniteFloat(0, min_open=True), help="Learning rate (default 1e-4).")
-@click.option("--max-turns", type=click.IntRange(1), help="Turns per episode (default 4).")
-@click.option("--max-new-tokens", type=click.IntRange(1), help="New tokens per turn (default 64).")
-@click.option("--max-context", type=click.IntRange(16), help="Context length bound (default 2048).")
-@click.option("--temperature", type=FiniteFloat(0, 100, min_open=True),
-              help="Sampling temperature of the rollouts (default 1.0); the loss scores the same tempered distribution.")
-@click.option("--seed", type=SEED, help="Run seed (default 0).")
-@click.option("--kl-coef", type=FiniteFloat(0), help="KL penalty to the reference policy (default 0).")
-@click.option("--loss-aggregation", type=click.Choice(["token", "sequence"]), help="Average the loss per token or per sequence.")
-@click.option("--max-grad-norm", type=FiniteFloat(0), help="Gradient clipping norm (default 1.0; 0 = off).")
-@click.option("--old-logprobs", type=click.Choice(["sampler", "trainer"]),
-              help="Old policy of the PPO ratio: the trainer's own logprobs before the update (default) or the sampler's.")
-@click.option("--tis-cap", type=FiniteFloat(0),
-              help="Truncated importance weight min(trainer/sampler ratio, CAP) on every token (0 = off; needs --old-logprobs trainer). 2 is usual with --sampler vllm.")
-@click.option("--async-steps", type=click.IntRange(0), metavar="K",
-              help="Sample the rollouts of the next K steps from a snapshot of the weights while a step trains (default 0: sample, "
-                   "then train). A step then trains on samples up to K updates old, corrected by --old-logprobs sampler or "
-                   "--tis-cap; needs a backend that samples from snapshots (torch, the default; a serve-backend or --scheduler; tinker; "
-                   "--sampler vllm with LoRA) and grpo, rloo or selfplay.")
-@click.option("--max-episodes-in-flight", type=click.IntRange(1), metavar="N",
-              help="With --async-steps K: up to K steps' rollouts play at once, as many as fit in N episodes in whole steps "
-                   "(--batch-size x --group-size each; always one). Their env steps and tool calls wait side by side (default 256).")
-@click.option("--env-latency", type=FiniteFloat(0), metavar="SECONDS",
-              help="Every env step waits this long first: a stand-in for a slow tool, API or judge (tinkergym.wrappers.LatencyWrapper), "
-                   "to measure settings such as --async-steps where the env's time matters (default 0).")
-@click.option("--env-latency-jitter", type=FiniteFloat(0), metavar="SECONDS",
-              help="Up to this many seconds more per env step, uniform (with --env-latency: a random delay).")
-@click.option("--truncation", type=click.Choice(["keep", "mask"]),
-              help="Episodes a budget ended (max turns, max context): keep them (default) or mask them out of the loss.")
-@click.option("--truncated-reward", type=FiniteFloat(), help="Reward given to episodes a budget ended instead of what they collected.")
-@click.option("--eval-every", type=click.IntRange(0), help="Evaluate every N steps on held-out seeds (0 = off).")
-@click.option("--eval-episodes", type=click.IntRange(1, MAX_EPISODES), help="Episodes per evaluation (default 32).")
-@click.option("--checkpoint-every", type=click.IntRange(1), help="Checkpoint every N steps (default 10).")
-@click.option("--dtype", type=click.Choice(DTYPES), help="Weights dtype (auto: bf16 where supported).")
-@click.option("--deterministic", is_flag=True,
-              help="Deterministic kernels only, so the run and its resume repeat bit for bit on a GPU too (slower; on CPU they already do).")
-@click.option("--gradient-checkpointing", is_flag=True,
-              help="Recompute layer activations in the backward pass instead of keeping them: less memory, about a third more compute, same gradients.")
-@click.option("--micro-batch-size", type=click.IntRange(1), help="Sequences per forward pass (bounds memory; groups sharing a prompt pack into the same token budget).")
-@click.option("--prefix-cache-mb", type=FiniteFloat(0), metavar="MIB",
-              help="Memory for the torch sampler's prefix cache: a multi-turn episode's next turn runs only its new tokens (default 1024; 0 = off).")
-@click.option("--lora-sampling", type=click.Choice(["adapter", "merged"]),
-              help="How LoRA samples: adapter (default: as the training pass computes) or merged (a merged copy of the weights: "
-                   "faster on a CPU, one more copy of them in memory; in bfloat16 the sampler loses updates under the weights' rounding).")
-@click.option("--sampler", type=click.Choice(["torch", "vllm"]),
-              help="Who samples rollouts: torch (the training model, default) or vllm (a vLLM engine synced after every step; needs vllm installed).")
-@click.option("--sampler-gpu-memory", type=FiniteFloat(0, 1, min_open=True), metavar="FRACTION",
-              help="With --sampler vllm: fraction of its GPU's memory vLLM may take (default 0.3).")
-@click.option("--sampler-eager/--no-sampler-eager", default=None,
-              help="With --sampler vllm: skip CUDA graphs and compilation (faster start, slower steps); default on CPU only.")
-@click.option("--sampler-device", metavar="DEVICE",
-              help="With --sampler vllm: the engine's device, e.g. cuda:1 to keep it off the training GPU (default: vLLM's first GPU).")
-@click.option("--sampler-sleep/--no-sampler-sleep", default=None,
-              help="With --sampler vllm: free vLLM's GPU memory during training passes (sleep mode; default on GPU, unavailable on CPU).")
-@click.option("--backend", metavar="NAME",
-              help="A backend plugin (entry-point group tinkergym.backends) to train through; default: the one --scheduler, "
-                   "--backend-url and --sampler imply (scheduled, remote, vllm, else torch).")
-@click.option("--backend-url", metavar="URL",
-              help="Train through a training server (tinkergym serve-backend) at URL: its model computes, envs and the trainer run here.")
-@click.option("--backend-token-file", type=SafePath(dir_okay=False),
-              help="File (mode 600) holding the training server's token; needed with --backend-url and to --resume such a run.")
-@click.option("--scheduler", metavar="URL",
-              help="Train as a job of a scheduler (tinkergym scheduler serve): it leases a worker's devices, whose training server computes; envs and the trainer run here.")
-@click.option("--api-key", envvar="TINKERGYM_API_KEY", show_envvar=True,
-              help="The scheduler key (tgk_...) for --scheduler and to --resume such a run; never saved.")
-@click.option("--gpus", type=click.IntRange(1, 64),
-              help="Devices the scheduler job needs, all on one worker (default 1); on more than one its training server runs one "
-                   "rank per device, the model sharded over them (FSDP2), and trains as on one.")
-@click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Env keyword argument (repeatable), e.g. size=7.")
-@click.option("--trainer-arg", "trainer_args", multiple=True, metavar="KEY=VALUE", help="Trainer-specific setting (repeatable).")
-@click.option("--data", multiple=True, type=SafePath(exists=True, dir_okay=False), help="sft: JSONL chat transcripts (repeatable).")
-@click.option("--demos", type=click.Choice(["baseline", "random"]),
-              help="sft: train on demonstrations of the env's baseline agent, or of its random agent (the action format, no strategy).")
-@click.option("--out", help="Run folder (default runs/<env>-<trainer>-<time>).")
-@click.option("--config", type=SafePath(exists=True, dir_okay=False), help="YAML/JSON file of the same settings; options override it.")
-@click.option("--resume", type=SafePath(exists=True, file_okay=False),
-              help="Continue the run in this folder from its last checkpoint, with its own settings; only --steps, "
-                   "--eval-every, --eval-episodes, --checkpoint-every, --lr and --max-grad-norm may change them.")
-@click.option("--overwrite", is_flag=True, help="Start a new run in an --out folder that already holds one (its metrics and checkpoints are replaced).")
-@click.option("--wandb", "wandb_project", metavar="PROJECT",
-              help="Also log every step to this Weights & Biases project (needs the wandb extra; WANDB_MODE=offline logs locally).")
-@click.option("--keep-on-interrupt", is_flag=True,
-              help="With --scheduler: Ctrl-C leaves the job running (reattach with --resume) instead of cancelling it.")
-@click.option("--quiet", is_flag=True, help="No progress bar.")
-@click.option("--json", "as_json", is_flag=True,
-              help="End with one JSON line (the run folder and the last step's reward, loss and eval numbers) instead of a summary.")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=0, show_default=True,
-              help="Serve the run's Prometheus metrics at http://127.0.0.1:PORT/metrics while it trains: the time of each phase "
-                   "(steps, sampling requests, env steps, tool calls and the sandbox's, forward_backward, optim_step); 0: off.")
+#: The options of ``train`` that set no config field of their own: shorthands (--selfplay, --full, --data, --demos), what
+#: the run starts from (--config, --resume), secrets that are never saved, and how the command reports.
+COMMAND_LINE_OPTIONS = (
+    SectionOption(["--data"], section="Run", multiple=True, type=SafePath(exists=True, dir_okay=False),
+                  help="sft: JSONL chat transcripts (repeatable)."),
+    SectionOption(["--demos"], section="Run", type=click.Choice(["baseline", "random"]),
+                  help="sft: train on demonstrations of the env's baseline agent, or of its random agent (the action format, no strategy)."),
+    SectionOption(["--config"], section="Run", type=SafePath(exists=True, dir_okay=False),
+                  help="YAML/JSON file of the same settings (keys are the field names: lora_rank, scheduler_url); options override it."),
+    SectionOption(["--resume"], section="Run", type=SafePath(exists=True, file_okay=False),
+                  help="Continue the run in this folder from its last checkpoint, with its own settings; only --steps, "
+                       "--eval-every, --eval-episodes, --checkpoint-every, --lr and --max-grad-norm may change them."),
+    SectionOption(["--overwrite"], section="Run", is_flag=True,
+                  help="Start a new run in an --out folder that already holds one (its metrics and checkpoints are replaced)."),
+    SectionOption(["--full"], section="Model", is_flag=True, help="Train every parameter instead of a LoRA adapter."),
+    SectionOption(["--backend-token-file"], section="Remote compute", type=SafePath(dir_okay=False),
+                  help="File (mode 600) holding the training server's token; needed with --backend-url and to --resume such a run."),
+    SectionOption(["--api-key"], section="Remote compute", envvar="TINKERGYM_API_KEY", show_envvar=True,
+                  help="The scheduler key (tgk_...) for --scheduler and to --resume such a run; never saved."),
+    SectionOption(["--keep-on-interrupt"], section="Remote compute", is_flag=True,
+                  help="With --scheduler: Ctrl-C leaves the job running (reattach with --resume) instead of cancelling it."),
+    SectionOption(["--selfplay"], section="Self-play", is_flag=True,
+                  help="Self-play on a multi-agent env (e.g. tinker/GomokuDuel-v0): the learner against itself and a rated league."),
+    SectionOption(["--quiet"], section="Output", is_flag=True, help="No progress bar."),
+    SectionOption(["--json", "as_json"], section="Output", is_flag=True,
+                  help="End with one JSON line (the run folder and the last step's reward, loss and eval numbers) instead of a summary."),
+    SectionOption(["--metrics-port"], section="Output", type=click.IntRange(0, 65535), default=0, show_default=True,
+                  help="Serve the run's Prometheus metrics at http://127.0.0.1:PORT/metrics while it trains: the time of each phase "
+                       "(steps, sampling requests, env steps, tool calls and the sandbox's, forward_backward, optim_step); 0: off."),
+)
+
+
+@click.command(cls=SectionedCommand, params=[*SETTING_OPTIONS, *COMMAND_LINE_OPTIONS])
 def train(**options: Any) -> None:
     """Train a model on an env with a trainer plugin (LoRA by default, --full for every parameter).
 
@@ -258,6 +186,7 @@ def train(**options: Any) -> None:
     """
     from tinkergym.cli.interrupts import second_interrupt_exits
 
+    options = given(options, SETTING_OPTIONS)  # a setting left out keeps the config file's (or the resumed run's)
     holder: dict[str, Any] = {}
     with second_interrupt_exits(lambda: _left_behind(holder.get("run"))):
         _train(options, holder)
@@ -269,7 +198,7 @@ def _train(options: dict[str, Any], holder: dict[str, Any]) -> None:
     from tinkergym.trainers.session import RunInterrupted, plan_resume
 
     token = read_backend_token(options)
-    if options.get("keep_on_interrupt") and not (options.get("scheduler") or (options["resume"] and plan_resume(options["resume"]).config.scheduler_url)):
+    if options.get("keep_on_interrupt") and not (options.get("scheduler_url") or (options["resume"] and plan_resume(options["resume"]).config.scheduler_url)):
         raise click.UsageError("--keep-on-interrupt leaves a scheduler job running: it goes with --scheduler URL (or --resume of such a run).")
     try:
         if options["resume"]:

@@ -56,7 +56,7 @@ from tinkergym.trainers.base import (
     restore_trainer_state,
     trainer_state,
 )
-from tinkergym.config import TrainConfig
+from tinkergym.config import TrainConfig, option_name as config_option_name
 from tinkergym.trainers.evaluation import eval_rollout_config, eval_seeds, evaluate, transcript_record, write_transcripts
 from tinkergym.trainers.reporting import MetricsLog, plot_learning_curve
 
@@ -68,8 +68,8 @@ TRAINER_STATE = "trainer_state.json"
 #: what a finished step meant; every other setting is fixed for the life of a run.
 RESUMABLE_FIELDS = ("steps", "eval_every", "eval_episodes", "checkpoint_every", "lr", "max_grad_norm")
 
-#: The command-line spelling of config fields whose option is not simply ``--field-name``.
-_OPTION_NAMES = {"env_kwargs": "--kwarg", "trainer_args": "--trainer-arg/--data/--demos", "lora_rank": "--lora-rank/--full"}
+#: Config fields that more than one option sets (the field's own and its shorthands).
+_OPTION_NAMES = {"trainer_args": "--trainer-arg/--data/--demos", "lora_rank": "--lora-rank/--full"}
 
 
 class TrainingDiverged(TinkergymError, RuntimeError):
@@ -470,8 +470,8 @@ def _write_trainer_state(path: Path, trainer: str, step: int, state: dict[str, A
 
 
 def option_name(field_name: str) -> str:
-    """The command-line option that sets a config field (``eval_every`` -> ``--eval-every``)."""
-    return _OPTION_NAMES.get(field_name, "--" + field_name.replace("_", "-"))
+    """The command-line option that sets a config field (``eval_every`` -> ``--eval-every``, ``env_kwargs`` -> ``--kwarg``)."""
+    return _OPTION_NAMES.get(field_name) or config_option_name(field_name)
 
 
 @dataclass
