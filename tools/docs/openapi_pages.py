@@ -27,7 +27,8 @@ SITE_FOLDER = "reference/openapi"
 MARKER = re.compile(r"^\[OAD\((?P<name>[a-z-]+)\)\]\s*$", re.MULTILINE)
 #: A random 32-byte token's digest: the apps check requests against it, and the documents never see it.
 DIGEST = bytes(32)
-log = logging.getLogger("mkdocs.hooks.openapi_pages")
+#: Templates that take the place of essentials-openapi's own: the responses of an operation as one table.
+TEMPLATES = Path(__file__).with_name("openapi_templates")
 
 
 def _scheduler(folder: Path) -> Any:
@@ -89,7 +90,7 @@ def render(document: dict[str, Any]) -> str:
     """``document`` as Markdown, its title left out and its headings two levels down (under the page's ``##`` section)."""
     from openapidocs.mk.v3 import OpenAPIV3DocumentationHandler
 
-    text = OpenAPIV3DocumentationHandler(document, style="MKDOCS").write()
+    text = OpenAPIV3DocumentationHandler(document, style="MKDOCS", templates_path=str(TEMPLATES)).write()
     text = re.sub(r"^<!--.*?-->\s*", "", text, flags=re.DOTALL)  # the generator's own note
     lines, fenced = [], False
     for line in text.splitlines():
