@@ -237,7 +237,7 @@ def finished_run(tiny, tmp_path_factory) -> Path:
     [
         (["--steps", "1"], "--steps 1 is fewer than the 2 steps"),
         (["--batch-size", "3"], "cannot change --batch-size (from 2 to 3)."),
-        (["--kwarg", "arms=3", "--seed", "5"], "cannot change --seed (from 0 to 5), --kwarg (from {} to {\"arms\": 3})."),
+        (["--kwarg", "arms=3", "--seed", "5"], "cannot change --kwarg (from {} to {\"arms\": 3}), --seed (from 0 to 5)."),  # the fields' order
         (["--full"], "cannot change --lora-rank/--full"),
         (["--config", "{config}"], "--config cannot be combined with --resume"),
     ],
