@@ -137,19 +137,19 @@ play: install
 
 # ruff (the rule set in pyproject.toml; line length and complexity against tools/lint_baseline.json), the import contracts ([tool.importlinter]), mypy on tinkergym ([tool.mypy]) and
 # the documentation site's strict build (a broken link, a missing page, a reference that no longer imports);
-# make test runs them beside the quick tests.
+# make test runs them beside the quick tests. (mkdocs' --quiet would silence the warnings that --strict counts.)
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/python -m mkdocs
 lint: install
 	$(VENV)/bin/ruff check tinkergym tests benchmarks examples env_packages tools
 	$(PY) tools/lint_baseline.py
 	$(VENV)/bin/lint-imports --no-cache
 	$(VENV)/bin/mypy
-	$(MKDOCS) build --strict --quiet --site-dir $(abspath $(REPORTS))/site
+	$(MKDOCS) build --strict --site-dir $(abspath $(REPORTS))/site
 
 # The documentation site (mkdocs.yml, docs/): built into site/ with --strict (every warning fails: a broken link, a page
 # missing from the nav, a reference to code that no longer imports), or served with live reload on 127.0.0.1:8000.
 # The reference pages are generated from the code at build time (tools/docs/openapi_pages.py builds each server's app).
-# The examples in the pages are checked by tests/docs (make test's quick lane).
-MKDOCS := $(VENV)/bin/python -m mkdocs
+# The examples in the pages are checked by tests/docs (make test: their command lines in the quick lane, their runs in the slow one).
 docs: install
 	$(MKDOCS) build --strict --site-dir site
 

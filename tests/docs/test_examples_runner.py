@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import docs_examples as examples  # registered by tests/docs/conftest.py
 import pytest
@@ -159,3 +160,24 @@ def test_directives_stack_and_skipped_blocks_are_still_parsed(tmp_path: Path) ->
     assert second.skip == "needs a GPU"
     found = problems(path)
     assert len(found) == 1 and found[0].startswith("page.md:9:") and "one" in found[0], found
+
+
+@pytest.mark.slow  # a real scheduler and a tinkergym process
+def test_a_block_with_the_scheduler_and_tiny_model_fixtures_reaches_them(tmp_path: Path, example_fixtures: Any) -> None:
+    """``fixture=scheduler`` is a running scheduler whose tenant key lists its (no) jobs; ``fixture=tiny-model`` a model folder."""
+    path = page(tmp_path, """
+        <!-- docs-test: fixture=scheduler -->
+        <!-- docs-test: fixture=tiny-model -->
+        ```bash
+        tinkergym jobs list --json > jobs.json
+        python -c "import json; assert json.load(open('jobs.json')) == [], open('jobs.json').read()"
+        test -f "$TINY_MODEL/config.json"
+        ```
+    """)
+    (block,) = examples.read_blocks(path, "page.md")
+    env = examples.example_env(tmp_path / "cache", example_fixtures(block.fixtures))
+    assert env["TINKERGYM_URL"].startswith("http://127.0.0.1:") and env["TINKERGYM_API_KEY"]
+    assert examples.run_example([block], tmp_path, env) is None
+    env["TINKERGYM_API_KEY"] = "tgk_not-a-key"
+    problem = examples.run_example([block], tmp_path, env)
+    assert problem is not None and "page.md:3: the bash example exited" in problem, problem
