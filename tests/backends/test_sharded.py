@@ -84,14 +84,24 @@ def assert_close(a: dict[str, Any], b: dict[str, Any], what: str, atol: float = 
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, dict[str, Any]]]:
-    """For each LoRA rank (0: full): (folder, what rank 0 wrote) of one float32 run of two steps at 2 ranks, its state
-    saved after the first (``folder / "state"``) and its model exported at the end (``folder / "export"``). The tests
-    below read them, so torchrun starts once for all (they run in one test process: ``xdist_group``)."""
-    folders = {lora: tmp_path_factory.mktemp(f"two-ranks-{lora}") for lora in LORA_RANKS.values()}
-    specs = [{"model": tiny, "lora": lora, "steps": 2, "export": str(folder / "export"), "save": str(folder / "state")} for lora, folder in folders.items()]
+def two_rank_runs(tiny: str, tiny_vlm: str, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], tuple[Path, dict[str, Any]]]:
+    """Every run at 2 ranks the tests below read, by (kind, LoRA rank; 0: full), as (folder, what rank 0 wrote): "float32",
+    two steps of the tiny model, its state saved after the first (``folder / "state"``) and its model exported at the end
+    (``folder / "export"``); "vlm", the same of the tiny Qwen2-VL; "bfloat16", one step of the tiny model in bfloat16.
+    torchrun starts once for all of them (the tests run in one test process: ``xdist_group`` "two-ranks"), each rank
+    process importing torch and joining the group once, not once per kind."""
+    kinds = {"float32": {"model": tiny, "steps": 2}, "vlm": {"model": tiny_vlm, "steps": 2, "vlm": True}}
+    folders = {(kind, lora): tmp_path_factory.mktemp(f"{kind}-{lora}") for kind in (*kinds, "bfloat16") for lora in LORA_RANKS.values()}
+    specs = [{**kinds[kind], "lora": lora, "export": str(folder / "export"), "save": str(folder / "state")} if kind in kinds
+             else {"model": tiny, "lora": lora, "steps": 1, "dtype": "bfloat16"} for (kind, lora), folder in folders.items()]
     runs = torchrun(2, specs, tmp_path_factory.mktemp("two-ranks-launch"))
-    return {lora: (folder, run) for (lora, folder), run in zip(folders.items(), runs)}
+    return {key: (folder, run) for (key, folder), run in zip(folders.items(), runs)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks(two_rank_runs: dict[tuple[str, int], tuple[Path, dict[str, Any]]]) -> dict[int, tuple[Path, dict[str, Any]]]:
+    """For each LoRA rank (0: full): the float32 run of :func:`two_rank_runs`."""
+    return {lora: two_rank_runs["float32", lora] for lora in LORA_RANKS.values()}
 
 
 @pytest.mark.slow
@@ -126,16 +136,13 @@ def test_two_ranks_train_as_one_process(two_ranks: dict[int, tuple[Path, dict[st
 
 
 @pytest.fixture(scope="module")
-def vlm_two_ranks(tiny_vlm: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, dict[str, Any]]]:
-    """For each LoRA rank: (folder, what rank 0 wrote) of two steps of the VLM at 2 ranks, exported and saved as above."""
-    folders = {lora: tmp_path_factory.mktemp(f"vlm-{lora}") for lora in LORA_RANKS.values()}
-    specs = [{"model": tiny_vlm, "lora": lora, "steps": 2, "vlm": True, "export": str(folder / "export"), "save": str(folder / "state")}
-             for lora, folder in folders.items()]
-    runs = torchrun(2, specs, tmp_path_factory.mktemp("vlm-launch"))
-    return {lora: (folder, run) for (lora, folder), run in zip(folders.items(), runs)}
+def vlm_two_ranks(two_rank_runs: dict[tuple[str, int], tuple[Path, dict[str, Any]]]) -> dict[int, tuple[Path, dict[str, Any]]]:
+    """For each LoRA rank: the VLM's run of :func:`two_rank_runs` (two steps, exported and saved as the float32 run)."""
+    return {lora: two_rank_runs["vlm", lora] for lora in LORA_RANKS.values()}
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("two-ranks")
 @each_kind
 def test_a_vlm_on_two_ranks_trains_on_images_as_one_process(vlm_two_ranks: dict[int, tuple[Path, dict[str, Any]]], tiny_vlm: str,
                                                             tmp_path: Path, lora: int) -> None:
@@ -216,13 +223,13 @@ def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(two_ranks: dict[in
 
 
 @pytest.fixture(scope="module")
-def bfloat16_two_ranks(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict[str, Any]]:
-    """For each LoRA rank: what rank 0 wrote of one bfloat16 step at 2 ranks; one launch for both."""
-    specs = [{"model": tiny, "lora": lora, "steps": 1, "dtype": "bfloat16"} for lora in LORA_RANKS.values()]
-    return dict(zip(LORA_RANKS.values(), torchrun(2, specs, tmp_path_factory.mktemp("bfloat16"))))
+def bfloat16_two_ranks(two_rank_runs: dict[tuple[str, int], tuple[Path, dict[str, Any]]]) -> dict[int, dict[str, Any]]:
+    """For each LoRA rank: what rank 0 wrote of the bfloat16 step of :func:`two_rank_runs`."""
+    return {lora: two_rank_runs["bfloat16", lora][1] for lora in LORA_RANKS.values()}
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("two-ranks")
 @each_kind
 def test_bfloat16_on_two_ranks_follows_the_single_process(bfloat16_two_ranks: dict[int, dict[str, Any]], tiny: str, lora: int) -> None:
     """The GPU's precision path on CPU ranks: float32 masters gathered in bfloat16 and gradients reduced in float32
