@@ -412,7 +412,8 @@ def run_example(chain: list[Block], cwd: Path, env: dict[str, str], timeout: flo
         done = subprocess.run(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         output = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return f"{last.where}: the example ran past {timeout:.0f} s\n{output[-3000:]}"
+        return (f"{last.where}: the example ran past {timeout:.0f} s: make it smaller (fewer steps, episodes or envs; the tiny model), "
+                f"or mark it <!-- docs-test: skip: REASON -->\n{output[-3000:]}")
     finally:
         if last.lang == "python":
             os.unlink(spec.name)
