@@ -62,8 +62,9 @@ EOF
     "$PY" -P -c "import tinkergym, trl, datasets; env = tinkergym.make('tinker/Bandit-v0'); obs, info = env.reset(seed=0); print(tinkergym.__file__); print(obs.splitlines()[0], '| reward of red:', env.step('red')[1])"
 
     echo "== the GPU lane: make test-gpu's tests (${SECONDS}s)"
+    # make print-gpu-tests: -m gpu and the folders and modules that apply the marker.
     # shellcheck disable=SC2046
-    TINKERGYM_GPU_FIGURES="$OUT/gpu_memory.jsonl" timeout 420 "$PY" -P -m pytest $(make -s -f Makefile print-gpu-tests 2>/dev/null || echo tests/gpu) \
+    TINKERGYM_GPU_FIGURES="$OUT/gpu_memory.jsonl" timeout 420 "$PY" -P -m pytest $(make -s -f Makefile print-gpu-tests 2>/dev/null || echo -m gpu tests/gpu) \
         -q -rsP -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt"
     echo "pytest exit: ${PIPESTATUS[0]}"
 

@@ -145,6 +145,7 @@ def test_rng_state_keeps_only_the_backend_devices_cuda_generator(monkeypatch: py
     assert calls == [("get", torch.device("cuda", 3)), ("set", torch.device("cuda", 0))]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_rng_round_trip_on_the_current_device() -> None:
     device = torch.device("cuda", torch.cuda.current_device())

@@ -23,10 +23,11 @@ from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, Op
 
 DEVICE = os.environ.get("TINKERGYM_TEST_DEVICE", "cuda")
 DEVICE_TYPE = torch.device(DEVICE).type
-pytestmark = pytest.mark.skipif(
+# TINKERGYM_TEST_DEVICE=cpu runs the GPU path on the CPU in make test's gpu-on-cpu lane (the marker gpu_on_cpu).
+pytestmark = [pytest.mark.gpu_on_cpu, pytest.mark.skipif(
     DEVICE_TYPE == "cuda" and not torch.cuda.is_available(),
     reason="needs a CUDA GPU (torch.cuda.is_available() is False); TINKERGYM_TEST_DEVICE=cpu runs these tests on the CPU",
-)
+)]
 # bfloat16 keeps 8 bits of mantissa: logits of a few units carry errors of about 1e-2, and different batch
 # shapes (prefill and decode steps against one full pass; a shared prompt against its copies) round differently.
 BF16_MEAN, BF16_MAX = 2e-2, 0.15

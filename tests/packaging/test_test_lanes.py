@@ -6,13 +6,18 @@ test folders with the hooks of ``tests/conftest.py`` and ``testkit``:
   (pytest 9.2 with pytest-xdist 3.8 ran every test where it fell, and built every module fixture once per process)
   fails here, not as a slower CI;
 - a folder whose requirements do not import reports its modules skipped with the reason, and the requirements are
-  imported by the test processes only, never by the controlling one (torch there cost every lane 5-30 s at its start).
+  imported by the test processes only, never by the controlling one (torch there cost every lane 5-30 s at its start);
+- the GPU, GPU-on-CPU and vLLM lanes select their tests by marker (``-m gpu``, ``-m gpu_on_cpu``, ``-m vllm``) from the
+  folders and modules that apply it (``make print-gpu-tests``), never from a list of files, and those paths hold every
+  test the whole suite marks.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -130,3 +135,58 @@ def test_a_folder_without_its_requirements_is_skipped_and_only_test_processes_im
     assert "1 passed, 1 skipped" in done.stdout and "lacks/test_lacks.py: could not import 'no_such_module_here'" in done.stdout, done.stdout[-3000:]
     importers = imported_by.read_text().split()
     assert importers and "controller" not in importers and set(importers) <= {"gw0", "gw1"}
+
+
+REPO = Path(__file__).resolve().parents[2]
+MAKE = shutil.which("make")
+
+#: A pytest plugin that writes each collected test's markers (after every conftest has added its own) to $LANE_MARKERS.
+MARKERS_PLUGIN = """
+import json, os
+import pytest
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    with open(os.environ["LANE_MARKERS"], "w") as out:
+        json.dump({item.nodeid: sorted({mark.name for mark in item.iter_markers()}) for item in items}, out)
+"""
+
+
+def _gpu_lane_args() -> list[str]:
+    done = subprocess.run([MAKE or "make", "-s", "print-gpu-tests"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def _markers(tmp_path: Path) -> dict[str, set[str]]:
+    """Each test of the whole suite -> its markers."""
+    (tmp_path / "lane_markers.py").write_text(MARKERS_PLUGIN)
+    out = tmp_path / "markers.json"
+    env = {key: value for key, value in os.environ.items() if not key.startswith("PYTEST_XDIST")}
+    env.update(PYTHONPATH=os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")])), LANE_MARKERS=str(out))
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-p", "lane_markers",
+                           "-o", "addopts=--import-mode=importlib"], cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return {nodeid: set(names) for nodeid, names in json.loads(out.read_text()).items()}
+
+
+@pytest.mark.skipif(MAKE is None, reason="needs make")
+def test_the_gpu_lanes_select_by_marker_and_the_makefile_lists_no_test_files() -> None:
+    args = _gpu_lane_args()
+    assert args[:2] == ["-m", "gpu"] and "tests/gpu" in args[2:], args
+    assert all((REPO / path).exists() for path in args[2:]), args
+    recipes = [line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("\t") or ":=" in line]
+    assert not [line for line in recipes if re.search(r"\btest_\w+\.py\b", line)], "a lane lists test files: select them by marker"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(MAKE is None, reason="needs make")
+def test_the_gpu_lanes_paths_hold_every_test_the_whole_suite_marks(tmp_path: Path) -> None:
+    everything = _markers(tmp_path)
+    gpu = {nodeid for nodeid, names in everything.items() if "gpu" in names}
+    on_cpu = {nodeid for nodeid, names in everything.items() if "gpu_on_cpu" in names}
+    paths = _gpu_lane_args()[2:]
+    outside = sorted(nodeid for nodeid in gpu if not any(nodeid.split("::")[0] == path or nodeid.startswith(f"{path}/") for path in paths))
+    assert gpu and not outside, f"marked gpu, outside make print-gpu-tests' paths {paths}: {outside}"
+    assert on_cpu and on_cpu <= gpu, sorted(on_cpu - gpu)  # the GPU-on-CPU lane looks where the GPU lane does
+    assert not {nodeid for nodeid in on_cpu if "test_host_syncs.py" in nodeid}, "the main lane runs the host-sync tests on the CPU already"

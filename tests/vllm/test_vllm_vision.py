@@ -110,6 +110,7 @@ def _prompts(folder: str, images: list[ImageData]) -> list[list[int]]:
                                    images=[a]) for a in arrays]
 
 
+@pytest.mark.gpu
 @needs_engine
 def test_vllm_samples_with_images_as_torch_backend_scores_them(tiny_vlm32: str, kit) -> None:
     backend = kit.backend(tiny_vlm32, lora_rank=LORA_RANK)
@@ -132,6 +133,7 @@ def test_vllm_samples_with_images_as_torch_backend_scores_them(tiny_vlm32: str, 
             sampler.sample(SampleRequest(prompts=[prompts[0][:-3]], images=[[_image(6, 200)]], params=greedy))
 
 
+@pytest.mark.gpu
 @needs_engine
 def test_a_lora_sync_on_a_vlm_serves_the_trained_adapter(tiny_vlm32: str, kit) -> None:
     backend = kit.backend(tiny_vlm32, lora_rank=LORA_RANK)
@@ -152,6 +154,7 @@ def test_a_lora_sync_on_a_vlm_serves_the_trained_adapter(tiny_vlm32: str, kit) -
     assert kit.max_diff(got.logprobs, expected.logprobs) < TOL
 
 
+@pytest.mark.gpu
 @needs_engine
 def test_serve_models_vllm_engine_answers_images_as_the_torch_engine(tiny_vlm32: str) -> None:
     """``serve-model --engine vllm`` on a vision-language model: the greedy tokens and logprobs of a prompt with an image are
