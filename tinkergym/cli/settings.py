@@ -91,12 +91,13 @@ def _click_type(name: str, annotation: str, found: Setting) -> click.ParamType:
     """The click type of a field of type ``annotation``: its choices, or a number type within its bounds."""
     if found.choices:
         return click.Choice(list(found.choices))
-    bounds = {"min": found.min, "max": found.max, "min_open": found.min_open, "max_open": found.max_open}
     if annotation == "int":
-        bounded = found.min is not None or found.max is not None
-        return click.IntRange(**bounds) if bounded else click.INT
+        if found.min is None and found.max is None:
+            return click.INT
+        low, high = (None if bound is None else int(bound) for bound in (found.min, found.max))
+        return click.IntRange(low, high, min_open=found.min_open, max_open=found.max_open)
     if annotation in ("float", "float | None"):
-        return FiniteFloat(**bounds)
+        return FiniteFloat(found.min, found.max, min_open=found.min_open, max_open=found.max_open)
     if annotation in ("str", "str | None"):
         return click.STRING
     raise TypeError(f"config field {name!r} of type {annotation} has no command-line type; give it int, float, str, bool or dict.")
