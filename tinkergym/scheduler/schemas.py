@@ -1,13 +1,15 @@
-"""The scheduler's typed wire models that more than one route (or the worker) speaks: the base of every request and
-answer (unknown fields refused), and a job's submission with its typed config. Models used by one route live beside it."""
+"""The scheduler's typed wire models that more than one route (or the worker) speaks: a job's submission with its typed
+config. Models used by one route live beside it; all derive from every server's base,
+:class:`~tinkergym.serve.wire.WireModel` (unknown fields refused)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 from tinkergym.config import DTYPES, SERVED_NAME
 from tinkergym.scheduler.artifacts import JOB_ID
+from tinkergym.serve.wire import WireModel
 
 
 #: Devices a job of each kind can use. A train or sft job's server runs one rank per device of its lease (FSDP2 under
@@ -29,16 +31,12 @@ def device_refusal(kind: str, gpus: int) -> str | None:
             f"submit it with gpus {usable} or fewer (--gpus {usable} on the command line)")
 
 
-class WireModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class JobConfig(BaseModel):
+class JobConfig(WireModel):
     """A job's config: what its worker starts the job's server with, typed and checked here at submission, so a value
     that cannot work is refused now (422) instead of failing the job on a worker. The run's other settings (env,
     trainer, steps, ...) are kept as given, for people reading the job; folders of the client's machine are refused."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # the one scheduler body that keeps fields it does not name: see above
 
     model: str = Field(max_length=200, description="a model the workers offer (tiny, smollm2-135m, org/name), never a path")
     dtype: str = Field("auto", pattern="^(" + "|".join(DTYPES) + ")$", description="the weights' dtype on the server")

@@ -46,7 +46,7 @@ from tinkergym.scheduler.artifacts import (
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.db import MAX_INT, checkpoints
 from tinkergym.scheduler.repository import Conflict, JobStore, NotFound
-from tinkergym.scheduler.schemas import WireModel
+from tinkergym.serve.wire import WireModel
 
 worker_router = APIRouter(prefix="/v1/workers", tags=["artifacts"])
 owner_router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])

@@ -19,7 +19,7 @@ from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.db import allocations, devices, jobs, workers
 from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.repository import JobStore
-from tinkergym.scheduler.schemas import WireModel
+from tinkergym.serve.wire import WireModel
 from tinkergym.scheduler.usage import queue_sample, usage_rows
 from tinkergym.scheduler.worker_registry import worker_timeout, worker_view
 

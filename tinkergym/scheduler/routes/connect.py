@@ -12,13 +12,14 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from sqlalchemy import delete
 from tinkergym.scheduler import leases, states
 from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.db import MAX_INT, allocations
 from tinkergym.scheduler.repository import Conflict, JobStore
+from tinkergym.serve.wire import WireModel
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -26,9 +27,7 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 MAX_REASON = 500
 
 
-class Connection(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Connection(WireModel):
     job_id: str
     state: str
     epoch: int
@@ -36,34 +35,26 @@ class Connection(BaseModel):
     token: str = Field(description="bearer token of that server for this lease epoch")
 
 
-class Complete(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Complete(WireModel):
     epoch: int = Field(ge=0, le=MAX_INT, description="the lease epoch the client trained against (fences a completion from an older lease)")
     reason: str | None = Field(None, max_length=MAX_REASON, description="why the client ends the job, in words for its owner (the Tinker "
                                                                          "front door says its session ended, and why): the job's end_reason")
 
 
-class Completed(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Completed(WireModel):
     job_id: str
     state: str
 
 
-class ClientEvent(BaseModel):
+class ClientEvent(WireModel):
     """What the client reports of the run it drives: ``metrics`` of a step (numbers), a ``log`` line, or a ``transcript``
     (a few of a step's episodes, their messages cut short; the job's page on the dashboard shows them)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     type: Literal["metrics", "log", "transcript"]
     data: dict[str, Any] = Field(description="a JSON object of at most the tenant's max_event_bytes (64 KiB unless raised)")
 
 
-class EventSeq(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class EventSeq(WireModel):
     seq: int
 
 

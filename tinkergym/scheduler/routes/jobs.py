@@ -19,7 +19,8 @@ from tinkergym.scheduler.db import MAX_INT, allocations, devices, events, jobs
 from tinkergym.scheduler.idempotency import Refused
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.routes import in_writer_thread, respond_once
-from tinkergym.scheduler.schemas import JobCreate, WireModel, device_refusal
+from tinkergym.scheduler.schemas import JobCreate, device_refusal
+from tinkergym.serve.wire import WireModel
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 

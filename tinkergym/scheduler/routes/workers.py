@@ -31,7 +31,7 @@ from tinkergym.scheduler.db import MAX_INT, api_keys, workers
 from tinkergym.scheduler.repository import JobStore
 from tinkergym.scheduler.routes import respond_once
 from tinkergym.config import DTYPES, is_model_name
-from tinkergym.scheduler.schemas import WireModel
+from tinkergym.serve.wire import WireModel
 from tinkergym.scheduler.seats import MAX_SEATS
 
 router = APIRouter(prefix="/v1/workers", tags=["workers"])

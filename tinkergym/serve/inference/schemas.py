@@ -2,7 +2,8 @@
 
 Fields follow OpenAI's API, plus vLLM's extensions that token-faithful clients use: ``top_k``,
 ``stop_token_ids``, ``ignore_eos``, ``skip_special_tokens`` and ``return_tokens_as_token_ids``. Fields this
-server does not use are ignored, as vLLM ignores them; settings it cannot honour are refused in
+server does not use are ignored, as vLLM ignores them (:class:`OpenAIBody`, the one rule here that differs from every other
+server's :class:`~tinkergym.serve.wire.WireModel`); settings it cannot honour are refused in
 :mod:`tinkergym.serve.inference.app` with a message that says so. A chat message's content parts are text, or images as
 ``data:`` URLs (``image_url``) for a vision-language model.
 """
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+
+from tinkergym.serve.wire import WireModel
 
 #: Bounds that keep one request from holding the model for long or filling memory.
 MAX_N = 64
@@ -21,7 +24,15 @@ MAX_MESSAGES = 1024
 MAX_TOKEN_ID = 2**31 - 1
 
 
-class ErrorDetail(BaseModel):
+class OpenAIBody(WireModel):
+    """A body of the OpenAI-compatible routes: a field this server does not use is ignored, not refused. OpenAI's clients and
+    the tools built on them send fields of OpenAI's newer API (``user``, ``metadata``, ``store``, ``response_format``, ...)
+    that vLLM's server ignores too; refusing them would turn a working client away."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+class ErrorDetail(OpenAIBody):
     """What went wrong: ``param`` names the request field at fault, where one is."""
 
     message: str
@@ -30,7 +41,7 @@ class ErrorDetail(BaseModel):
     code: int | None = None
 
 
-class ErrorResponse(BaseModel):
+class ErrorResponse(OpenAIBody):
     """The body of every refusal, in OpenAI's shape."""
 
     error: ErrorDetail
@@ -47,16 +58,14 @@ COMPLETION_ANSWERS: dict[int | str, dict[str, Any]] = {
 }
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(OpenAIBody):
     """``stream_options``: ``include_usage`` adds a last chunk with the token counts."""
 
     include_usage: bool = False
 
 
-class _Sampling(BaseModel):
+class _Sampling(OpenAIBody):
     """What completions and chat completions share: the model, sampling settings and vLLM's extensions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str = Field(max_length=1000)
     temperature: float | None = Field(None, ge=0.0, le=100.0)
@@ -88,32 +97,30 @@ class CompletionRequest(_Sampling):
     include_stop_str_in_output: bool = False
 
 
-class ImageURL(BaseModel):
+class ImageURL(OpenAIBody):
     """An ``image_url`` part's image: a ``data:image/png;base64,...`` or ``data:image/jpeg;base64,...`` URL (``detail`` is ignored)."""
-
-    model_config = ConfigDict(extra="ignore")
 
     url: str
     detail: str | None = None
 
 
-class ContentPart(BaseModel):
+class ContentPart(OpenAIBody):
     """One part of a message's content: ``{"type": "text", "text": ...}`` or ``{"type": "image_url", "image_url": {"url": ...}}``.
 
     Parts of other types are refused in :mod:`tinkergym.serve.inference.app` (a 400 that names the two types taken).
     """
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # kept as sent: the app reads type, text and image_url, and refuses other types by name
 
     type: str = Field(max_length=64)
     text: str | None = None
     image_url: ImageURL | None = None
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(OpenAIBody):
     """One message; ``content`` is text or a list of content parts."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # its other fields (name, tool_calls, tool_call_id, ...) reach the chat template
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None

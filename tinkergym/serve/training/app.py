@@ -29,9 +29,10 @@ from typing import Any, Literal
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import Field, StrictInt, StrictStr
 
 from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictJSON, WireJSON, add_error_handlers, error_response
+from tinkergym.serve.wire import WireModel
 from tinkergym.serve.training.calls import (
     CallLimits,
     CallRecord,
@@ -56,12 +57,6 @@ MAX_WAIT = 300.0
 
 
 # ----- wire models (they document every route in /openapi.json) ----------------------------------------
-class WireModel(BaseModel):
-    """A request or response body; unknown fields are an error."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 class HealthResponse(WireModel):
     status: Literal["ok"] = "ok"
 

@@ -54,9 +54,10 @@ from tinkergym.errors import ConfigError
 from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictJSON, WireJSON, error_response
 from tinkergym.serve.auth import LeaseFile, bearer_matches, bearer_token, token_digest
 from tinkergym.serve.metrics import TokenTally
-from tinkergym.serve.training.app import (ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, WireModel, add_training_error_handlers, public_info,
+from tinkergym.serve.training.app import (ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, add_training_error_handlers, public_info,
                                           router, training_metrics)
 from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, call_error, run_call, sample_tokens, wire_result
+from tinkergym.serve.wire import WireModel
 
 #: Routes of the server's own token; every other route but /health serves one adapter.
 ADMIN_PREFIX = "/v1/adapters"
