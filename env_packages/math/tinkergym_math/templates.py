@@ -77,8 +77,10 @@ def shopping(rng: random.Random) -> tuple[str, str]:
     total = n1 * p1 + n2 * p2
     bill = next(b for b in (20, 50, 100, 200, 500) if b > total)
     question = rng.choice((
-        f"{name} buys {n1} {item1}s at {money(p1)} each and {n2} {item2}s at {money(p2)} each. {he.capitalize()} pays with a {money(bill)} bill. How much change, in dollars, does {he} get?",
-        f"At a shop, {item1}s cost {money(p1)} each and {item2}s cost {money(p2)} each. {name} takes {n1} {item1}s and {n2} {item2}s and hands over {money(bill)}. How many dollars of change should {name} receive?",
+        f"{name} buys {n1} {item1}s at {money(p1)} each and {n2} {item2}s at {money(p2)} each. {he.capitalize()} pays with a {money(bill)} bill. How "
+        f"much change, in dollars, does {he} get?",
+        f"At a shop, {item1}s cost {money(p1)} each and {item2}s cost {money(p2)} each. {name} takes {n1} {item1}s and {n2} {item2}s and hands over "
+        f"{money(bill)}. How many dollars of change should {name} receive?",
     ))
     return question, fmt(bill - total, decimal=True)
 
@@ -91,8 +93,10 @@ def collecting(rng: random.Random) -> tuple[str, str]:
     start, per_day, days = rng.randint(5, 60), rng.randint(2, 12), rng.randint(2, 9)
     given = rng.randint(1, start + per_day * days - 1)
     question = rng.choice((
-        f"{name} has {start} {thing}. Every day for {days} days {he} gets {per_day} more. Then {he} gives {given} to {friend}. How many {thing} does {name} have now?",
-        f"{name} starts the week with {start} {thing} in {his} collection and adds {per_day} {thing} a day for {days} days. After giving {friend} {given} {thing}, how many are left in the collection?",
+        f"{name} has {start} {thing}. Every day for {days} days {he} gets {per_day} more. Then {he} gives {given} to {friend}. How many {thing} does "
+        f"{name} have now?",
+        f"{name} starts the week with {start} {thing} in {his} collection and adds {per_day} {thing} a day for {days} days. After giving {friend} "
+        f"{given} {thing}, how many are left in the collection?",
     ))
     return question, fmt(Fraction(start + per_day * days - given))
 
@@ -104,8 +108,10 @@ def bakery(rng: random.Random) -> tuple[str, str]:
     morning = rng.randint(1, made // 2)
     afternoon = rng.randint(1, made - morning)
     question = rng.choice((
-        f"A bakery bakes {trays} trays of muffins with {per_tray} muffins on each tray. It sells {morning} muffins in the morning and {afternoon} in the afternoon. How many muffins are left?",
-        f"There are {per_tray} muffins on each of {trays} trays. If {morning} muffins are sold before noon and another {afternoon} after noon, how many muffins remain unsold?",
+        f"A bakery bakes {trays} trays of muffins with {per_tray} muffins on each tray. It sells {morning} muffins in the morning and {afternoon} in "
+        "the afternoon. How many muffins are left?",
+        f"There are {per_tray} muffins on each of {trays} trays. If {morning} muffins are sold before noon and another {afternoon} after noon, how "
+        "many muffins remain unsold?",
     ))
     return question, fmt(Fraction(made - morning - afternoon))
 
@@ -116,8 +122,10 @@ def buses(rng: random.Random) -> tuple[str, str]:
     students = classes * size
     needed = -(-students // seats)
     question = rng.choice((
-        f"A school has {classes} classes with {size} students each. Every bus holds {seats} students. How many buses are needed to take all the students on a trip?",
-        f"For a field trip, {classes} classes of {size} pupils must ride buses that seat {seats} each. What is the smallest number of buses that can carry everyone?",
+        f"A school has {classes} classes with {size} students each. Every bus holds {seats} students. How many buses are needed to take all the "
+        "students on a trip?",
+        f"For a field trip, {classes} classes of {size} pupils must ride buses that seat {seats} each. What is the smallest number of buses that can "
+        "carry everyone?",
     ))
     return question, fmt(Fraction(needed))
 
@@ -227,7 +235,8 @@ def pizza(rng: random.Random) -> tuple[str, str]:
     while a + b >= 1 or a == b:
         a, b = _proper(rng), _proper(rng)
     if rng.random() < 0.5:
-        question = f"{name} ate {_frac_text(a)} of a pizza and {friend} ate {_frac_text(b)} of the same pizza. What fraction of the pizza did they eat together?"
+        question = (f"{name} ate {_frac_text(a)} of a pizza and {friend} ate {_frac_text(b)} of the same pizza. "
+                    "What fraction of the pizza did they eat together?")
         return question, fmt(a + b)
     big, small = max(a, b), min(a, b)
     question = f"A tank is {_frac_text(big)} full of water. Then {_frac_text(small)} of the tank's capacity is drained. What fraction of the tank is full now?"
