@@ -28,7 +28,8 @@ def _help(command: click.Command, args: tuple[str, ...] = ()) -> str:
 
 def test_every_field_has_an_option_and_every_option_a_field_or_a_place_among_the_command_line_ones() -> None:
     settings = {f.name: setting_of(f) for f in fields(TrainConfig)}
-    assert all(found is not None and found.section in SECTIONS for found in settings.values()), settings
+    unset = [name for name, found in settings.items() if found is None or found.section not in SECTIONS]
+    assert not unset, f"fields with no Setting (help, a section of SECTIONS), so no option: {unset}"
     assert {name for name, found in settings.items() if found is not None and found.option is None} == FILE_ONLY
     assert sorted(p.name for p in SETTING_OPTIONS if p.name) == sorted(set(settings) - FILE_ONLY)
     own = [p.name for p in COMMAND_LINE_OPTIONS]
