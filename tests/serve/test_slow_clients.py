@@ -326,7 +326,7 @@ def model_args(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return ["serve", "model", "--model", "tiny", "--engine", "torch", "--api-key-file", str(private_file(tmp_path / "key"))]
 
 
-@pytest.mark.parametrize("command", [scheduler_args, backend_args, shared_args, model_args], ids=["scheduler", "serve", "backend", "serve", "shared", "serve", "model"])
+@pytest.mark.parametrize("command", [scheduler_args, backend_args, shared_args, model_args], ids=["scheduler", "serve backend", "serve shared", "serve model"])
 def test_every_server_command_launches_uvicorn_with_the_bounds(command, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                built_config: None) -> None:
     args = command(tmp_path, monkeypatch) if command is not scheduler_args else command(tmp_path)
