@@ -49,7 +49,7 @@ junit = --junitxml=$(abspath $(REPORTS))/$(1).xml
 # $(call timed,LANE,COMMAND): run COMMAND; append LANE, its seconds and its exit status to $(REPORTS)/lanes.tsv; exit as COMMAND did.
 timed = start=$$(date +%s); $(2); status=$$?; printf '%s\t%s\t%s\n' "$(1)" "$$(( $$(date +%s) - start ))" "$$status" >> $(REPORTS)/lanes.tsv; exit $$status
 
-.PHONY: install demo shell play lint docs docs-serve test test-lanes test-quick test-gpu-on-cpu test-vllm test-gpu print-gpu-tests bench clean sandbox-tool postgres-server browser
+.PHONY: install demo shell play lint docs docs-serve test test-lanes test-quick test-gpu-on-cpu test-vllm test-gpu print-gpu-tests print-marked bench clean sandbox-tool postgres-server browser
 
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(ENV_PACKAGES))
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -188,15 +188,18 @@ test-quick: install
 # The GPU and vLLM lanes select their tests by marker (pyproject.toml's markers), not by a list of files.
 # $(call marked,MARKER): where pytest -m MARKER looks: the folders and modules under tests/ and env_packages/ whose source
 # applies the marker (a folder's conftest.py marks its whole folder), so each lane imports only those modules.
-# tests/packaging/test_test_lanes.py checks that the GPU lane's hold every test the whole suite marks gpu.
+# `make -s print-marked MARKER=gpu` prints them; tests/packaging/test_test_lanes.py checks that they hold every test the
+# whole suite marks.
 marked = $(shell grep -rlE --include='*.py' 'mark\.$(1)\b' tests env_packages | sed 's|/conftest\.py$$||' | sort -u)
+print-marked:
+	@echo $(call marked,$(MARKER))
 
 # The GPU lane's tests on the CPU (-m gpu_on_cpu, TINKERGYM_TEST_DEVICE=cpu; eager attention stands in for flash-attn):
 # the code of the GPU path runs on every change, though no GPU is here. What only a GPU can show (kernels, host syncs,
 # memory) is not checked. tests/gpu/test_host_syncs.py is not marked: it runs on the CPU in the main lane already
 # (counting read-backs there); nor is tests/gpu/test_gpu_memory.py, which needs vLLM (the vLLM lane runs it on the CPU).
 test-gpu-on-cpu: install
-	TINKERGYM_TEST_DEVICE=cpu $(PY) -m pytest -m gpu_on_cpu $(call marked,gpu) -q $(XDIST) $(PYTEST_ARGS)
+	TINKERGYM_TEST_DEVICE=cpu $(PY) -m pytest -m gpu_on_cpu $(call marked,gpu_on_cpu) -q $(XDIST) $(PYTEST_ARGS)
 
 # The GPU lane, every test marked gpu (each skips where torch sees no CUDA device, saying why): TorchBackend on CUDA,
 # host syncs per decode step and training pass counted with torch.cuda.set_sync_debug_mode, flash-attn against sdpa in

@@ -152,10 +152,14 @@ def pytest_collection_modifyitems(items):
 """
 
 
-def _gpu_lane_args() -> list[str]:
-    done = subprocess.run([MAKE or "make", "-s", "print-gpu-tests"], cwd=REPO, capture_output=True, text=True, timeout=60)
+def _make_prints(*args: str) -> list[str]:
+    done = subprocess.run([MAKE or "make", "-s", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
+
+
+def _gpu_lane_args() -> list[str]:
+    return _make_prints("print-gpu-tests")
 
 
 def _markers(tmp_path: Path) -> dict[str, set[str]]:
@@ -173,7 +177,7 @@ def _markers(tmp_path: Path) -> dict[str, set[str]]:
 @pytest.mark.skipif(MAKE is None, reason="needs make")
 def test_the_gpu_lanes_select_by_marker_and_the_makefile_lists_no_test_files() -> None:
     args = _gpu_lane_args()
-    assert args[:2] == ["-m", "gpu"] and "tests/gpu" in args[2:], args
+    assert args[:2] == ["-m", "gpu"] and "tests/gpu" in args[2:] and args[2:] == _make_prints("print-marked", "MARKER=gpu"), args
     assert all((REPO / path).exists() for path in args[2:]), args
     recipes = [line for line in (REPO / "Makefile").read_text().splitlines() if line.startswith("\t") or ":=" in line]
     assert not [line for line in recipes if re.search(r"\btest_\w+\.py\b", line)], "a lane lists test files: select them by marker"
@@ -181,12 +185,13 @@ def test_the_gpu_lanes_select_by_marker_and_the_makefile_lists_no_test_files() -
 
 @pytest.mark.slow
 @pytest.mark.skipif(MAKE is None, reason="needs make")
-def test_the_gpu_lanes_paths_hold_every_test_the_whole_suite_marks(tmp_path: Path) -> None:
+def test_each_lanes_paths_hold_every_test_the_whole_suite_marks(tmp_path: Path) -> None:
     everything = _markers(tmp_path)
-    gpu = {nodeid for nodeid, names in everything.items() if "gpu" in names}
-    on_cpu = {nodeid for nodeid, names in everything.items() if "gpu_on_cpu" in names}
-    paths = _gpu_lane_args()[2:]
-    outside = sorted(nodeid for nodeid in gpu if not any(nodeid.split("::")[0] == path or nodeid.startswith(f"{path}/") for path in paths))
-    assert gpu and not outside, f"marked gpu, outside make print-gpu-tests' paths {paths}: {outside}"
-    assert on_cpu and on_cpu <= gpu, sorted(on_cpu - gpu)  # the GPU-on-CPU lane looks where the GPU lane does
+    marked = {marker: {nodeid for nodeid, names in everything.items() if marker in names} for marker in ("gpu", "gpu_on_cpu", "vllm")}
+    for marker, nodeids in marked.items():
+        paths = _make_prints("print-marked", f"MARKER={marker}")
+        outside = sorted(n for n in nodeids if not any(n.split("::")[0] == path or n.startswith(f"{path}/") for path in paths))
+        assert nodeids and not outside, f"marked {marker}, outside make print-marked's paths {paths}: {outside}"
+    on_cpu, gpu = marked["gpu_on_cpu"], marked["gpu"]
+    assert on_cpu <= gpu, sorted(on_cpu - gpu)  # the GPU path of a GPU test, run on the CPU
     assert not {nodeid for nodeid in on_cpu if "test_host_syncs.py" in nodeid}, "the main lane runs the host-sync tests on the CPU already"
