@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -154,13 +155,20 @@ def test_a_person_plays_through_stdin() -> None:
     assert "You pulled the green arm." in result.output and "returns: agent +" in result.output
 
 
+def _sigint_as_a_terminal_gives_it() -> None:
+    """In the child before exec: SIGINT neither ignored nor blocked, whatever the parent (a CI runner) set."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_ctrl_c_at_the_prompt_abandons_the_game_as_interrupted_and_the_end_of_input_as_ended() -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     # A terminal's foreground process gets Ctrl-C; one started in the background of a script inherits SIGINT ignored,
     # so the child gets the terminal's default back before it starts.
+    errors = tempfile.TemporaryFile()  # a file, not a pipe: nothing the child writes can fill a buffer and stall it
     process = subprocess.Popen([sys.executable, "-m", "tinkergym", "play", "tinker/Bandit-v0", "--seed", "0"], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
+                               stdout=subprocess.PIPE, stderr=errors, env=env,
+                               preexec_fn=_sigint_as_a_terminal_gives_it)  # noqa: PLW1509
     try:
         shown, deadline = b"", time.monotonic() + 60
         while b"you>" not in shown:  # the prompt waits for the person's action
@@ -168,10 +176,12 @@ def test_ctrl_c_at_the_prompt_abandons_the_game_as_interrupted_and_the_end_of_in
             shown += os.read(process.stdout.fileno(), 4096)
         process.send_signal(signal.SIGINT)
         process.wait(timeout=60)  # stdin stays open meanwhile, as a terminal's does: Ctrl-C alone ends the game, not the end of input
-        _, stderr = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
+        errors.seek(0)
+        stderr = errors.read()
+        errors.close()
     assert process.returncode == 130, stderr
     assert b"interrupted: the game is abandoned" in stderr and b"input ended" not in stderr and b"Traceback" not in stderr
     ended = run("play", "tinker/Bandit-v0", "--seed", "0", input="")
