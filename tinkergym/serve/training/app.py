@@ -1,7 +1,7 @@
 """The training server: the Backend protocol over HTTP (wire protocol version 1).
 
 :func:`create_app` builds a FastAPI app around any object that implements
-:class:`~tinkergym.protocol.backend.Backend`; ``tinkergym serve-backend`` runs it with a
+:class:`~tinkergym.protocol.backend.Backend`; ``tinkergym serve backend`` runs it with a
 :class:`~tinkergym.backends.torch.backend.TorchBackend` under uvicorn. Every route but ``GET /health`` needs
 the bearer token (:mod:`tinkergym.serve.auth`).
 

@@ -1,4 +1,4 @@
-"""The shared training server: one base model, many LoRA adapters, each with a token of its own (``tinkergym serve-shared``).
+"""The shared training server: one base model, many LoRA adapters, each with a token of its own (``tinkergym serve shared``).
 
 The server's own token (the operator's, or a scheduler worker's) manages adapters: ``POST /v1/adapters`` opens one
 (its rank, alpha and seed; refused past ``--max-lora-rank``, ``--max-adapters`` or the memory budget, with the
