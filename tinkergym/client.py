@@ -420,7 +420,7 @@ class SchedulerClient:
             text = (f"the scheduler at {self.url} refused the API key (401): pass a valid, unrevoked key with --api-key or "
                     f"{API_KEY_ENV} (keys come from `tinkergym scheduler keys create`)")
         elif status == 403:
-            hint = "; ask the operator for a key with that scope" if "scope" in message and "worker credential" not in message else ""
+            hint = "; ask the operator for a key with that scope" if kind == "scope" else ""
             text = f"the API key may not do this ({method} {path}): {message}{hint}"
         elif status == 404:
             text = f"not found: {message} (jobs of other tenants are not visible to this key)"

@@ -83,7 +83,7 @@ def call(client: Any, method: str, path: str, headers: dict[str, str]) -> Any:
 
 def scope_refused(response: Any) -> bool:
     """A 403 from the scope check (not a route's own 403, such as a worker acting for another worker)."""
-    return response.status_code == 403 and "scope" in response.json()["error"]["message"]
+    return response.status_code == 403 and response.json()["error"]["type"] in ("scope", "not_a_worker")
 
 
 # ----- auth ------------------------------------------------------------------------------------------

@@ -183,7 +183,7 @@ def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
     @app.exception_handler(BoundsError)
     @app.exception_handler(Quarantined)
     async def forbidden(request: Request, exc: Exception) -> WireJSON:
-        return error_response(403, "forbidden", str(exc))
+        return error_response(403, exc.kind if isinstance(exc, Forbidden) else "forbidden", str(exc))
 
     @app.exception_handler(QuotaExceeded)
     async def quota_exceeded(request: Request, exc: QuotaExceeded) -> WireJSON:

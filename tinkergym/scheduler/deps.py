@@ -14,7 +14,12 @@ from tinkergym.scheduler.auth import Principal
 
 
 class Forbidden(Exception):
-    """The key is valid but lacks the scope (HTTP 403)."""
+    """The key is valid but may not do this (HTTP 403); ``kind`` is the error's type on the wire: ``scope`` (the key
+    lacks the route's scope), ``not_a_worker`` (a tenant's key on a worker's route) or ``forbidden``."""
+
+    def __init__(self, message: str, kind: str = "forbidden") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def principal(request: Request) -> Principal:
@@ -30,9 +35,9 @@ def require(scope: str) -> Callable[[Request], Awaitable[Principal]]:
         if scope == "worker" and who.bounds is None:  # a tenant's key, whatever its scopes, never acts as a worker
             raise Forbidden(f"this is a key of tenant {who.tenant_id} ({', '.join(sorted(who.scopes))}), not a worker credential: a "
                             "worker needs one, which the operator makes on the scheduler's machine with: tinkergym scheduler "
-                            "workers create NAME --devices N > worker-key.txt")
+                            "workers create NAME --devices N > worker-key.txt", "not_a_worker")
         if not who.allows(scope):
-            raise Forbidden(f"this key lacks the {scope!r} scope (it has: {', '.join(sorted(who.scopes))})")
+            raise Forbidden(f"this key lacks the {scope!r} scope (it has: {', '.join(sorted(who.scopes))})", "scope")
         return who
 
     dependency.__name__ = f"require_{scope}"

@@ -218,7 +218,7 @@ def list_jobs(
     if tenant and not TENANT_PATTERN.match(tenant):
         raise ValueError(f"tenant {tenant[:64]!r} is not a tenant name (lowercase letters, digits, '.', '_' and '-')")
     if tenant and only is not None and tenant != only:
-        raise Forbidden(f"this key lists only tenant {only!r}'s jobs; listing another tenant's needs the 'operator' scope")
+        raise Forbidden(f"this key lists only tenant {only!r}'s jobs; listing another tenant's needs the 'operator' scope", "scope")
     if only is not None or tenant:
         query = query.where(jobs.c.tenant_id == (only or tenant))
     if state:
