@@ -32,11 +32,13 @@ pytestmark = pytest.mark.slow
 ROWS = [list(range(5, 21)), [7, 3, 9, 11, 40, 41, 42, 43, 44], list(range(100, 112))]
 STEPS = 6
 KILL_AFTER = 3
-#: The scheduler's idle timeout here: the client then only sends heartbeats for 1.5 times as long (the front door keeps the job alive).
+#: The scheduler's idle timeout here: the client then only sends heartbeats for IDLE_MARGIN seconds longer (the front door keeps the job
+#: alive; without it the job would end within a worker's scan, half a second, of the timeout, and the next step fail).
 #: It also bounds how long the front door may take to reach the job's next server after the first worker is killed (its
 #: call to the dead server ends, it waits for the new lease, it loads the state), which took more than 20 s on a loaded
 #: 2-core machine: the seat then ended as idle before its client came.
 IDLE_TIMEOUT = 45.0
+IDLE_MARGIN = 5.0
 
 
 def _datums() -> list[Any]:
@@ -86,7 +88,7 @@ def _train(url: str, key: str, model: str, on_step: Any = None, idle: float = 0.
         scored = [sampler.compute_logprobs(types.ModelInput.from_ints(ROWS[0][:4] + s.tokens)).result()[4:] for s in sampled.sequences]
         exported = training.save_weights_external("end").result().path
         urls = tinker.RestClient(base_url=url, api_key=key).get_external_weights_urls(exported).result().urls
-        weights = safetensors.numpy.load(httpx.get(urls["adapter_model.safetensors"]).content)
+        weights = safetensors.numpy.load(httpx.get(urls["adapter_model.safetensors"], timeout=60).content)  # not httpx's 5 s: a loaded machine
         fresh = service.create_training_client_from_state(state).result()
         fresh_losses = []
         for again in range(2):
@@ -140,7 +142,7 @@ def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: 
             workers.append(shared_worker(scheduler.url, worker_key, tmp_path / "w2", cache, seats=4))
 
     try:
-        got = _train(door.url, "tml-" + alice, "tiny", on_step=kill_first, idle=1.5 * IDLE_TIMEOUT)
+        got = _train(door.url, "tml-" + alice, "tiny", on_step=kill_first, idle=IDLE_TIMEOUT + IDLE_MARGIN)
     finally:
         for process in workers:
             if process.poll() is None:
