@@ -20,6 +20,12 @@ from collections.abc import Callable
 from bench_machine import device_extra
 
 
+#: The step's shape under ``--quick`` (grpo_step.py, remote_step.py, tinker_step.py): a smoke test of every part of the step
+#: on the tiny model, whose timings compare nothing, so 2 prompts x 4 samples of at most 8 new tokens (TRL's micro-batch of
+#: 8 is then the whole batch) stand in for the 8 x 8 of at most 32 that a timed run keeps.
+QUICK_SHAPE: dict[str, Any] = {"prompts": 2, "group_size": 4, "max_new_tokens": 8}
+
+
 @dataclass
 class BenchSettings:
     """The step both sides run: env, batch shape, sampling, LoRA and optimizer settings."""

@@ -1,7 +1,7 @@
 """One GRPO step on SmolLM2-135M-Instruct: tinkergym's GRPOTrainer against TRL's GRPOTrainer, same config.
 
     python benchmarks/grpo_step.py                         # LoRA and full fine-tuning, both sides, 3 timed steps
-    python benchmarks/grpo_step.py --quick                 # 1 timed step per side (a smoke test)
+    python benchmarks/grpo_step.py --quick                 # 1 timed step per side, 2 prompts x 4 samples (a smoke test)
     python benchmarks/grpo_step.py --only tinkergym --modes lora --steps 5 --json
     python benchmarks/grpo_step.py --malloc no-mmap        # both sides with glibc's mmap for big blocks off
     python benchmarks/grpo_step.py --device cuda --model path/to/smollm2-135m   # a GPU, weights from the config
@@ -95,7 +95,7 @@ from bench_machine import (
     CpuShare, _load, describe, emulation_cost, has_weights, machine_facts, matmul_rate, random_model,
     resolve_device, resolve_precision, sync,
 )
-from grpo_setup import BenchSettings, _summary, _timed, make_env, trl_precision, versions
+from grpo_setup import QUICK_SHAPE, BenchSettings, _summary, _timed, make_env, trl_precision, versions
 
 RESULT_MARK = "GRPO_STEP_RESULT "
 GIB = 1024**3
@@ -243,7 +243,7 @@ def print_table(results: list[dict[str, Any]], ratios: dict[str, float]) -> None
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="one timed step per side (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="one timed step per side of 2 prompts x 4 samples of at most 8 new tokens (a smoke test)")
     parser.add_argument("--only", choices=("tinkergym", "trl"), help="run one side only")
     parser.add_argument("--modes", default="lora,full", help="comma-separated: lora, full")
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step (median reported)")
@@ -309,7 +309,8 @@ def main() -> None:
         settings = BenchSettings(env=args.env, env_kwargs=env_kwargs, steps=1 if args.quick else args.steps, dtype=resolve_precision(args.dtype, device),
                                  micro_batch_size=args.micro_batch_size, trl_dtype=args.trl_dtype, trl_micro_batch_size=args.trl_micro_batch_size,
                                  trl_gradient_checkpointing=args.trl_gradient_checkpointing, attn=args.attn, lora_sampling=args.lora_sampling, malloc=args.malloc, device=device,
-                                 model=args.model, model_path=model_path, random_weights=random_weights, reward=reward)
+                                 model=args.model, model_path=model_path, random_weights=random_weights, reward=reward,
+                                 **(QUICK_SHAPE if args.quick else {}))
         facts = machine_facts(device)
         say(f"machine: {describe(facts)}; native precision {facts['native_dtype']}")
         sides = [args.only] if args.only else ["tinkergym", "trl"]

@@ -3,7 +3,7 @@
     python benchmarks/remote_step.py                          # tiny and smollm2-135m, LoRA, 1 warm-up + 3 timed steps
     python benchmarks/remote_step.py --models tiny --steps 10 --json
     python benchmarks/remote_step.py --models smollm2-135m --full
-    python benchmarks/remote_step.py --quick                  # the tiny model, 1 timed step (a smoke test)
+    python benchmarks/remote_step.py --quick                  # the tiny model, 1 timed step of 2 prompts x 4 samples (a smoke test)
 
 The step is ``benchmarks/grpo_step.py``'s: 8 prompts x 8 samples of at most 32 new tokens of ``tinker/Bandit-v0``,
 scored by the env, then one optimizer step (LoRA r=8, or every weight with ``--full``). Both sides run
@@ -55,7 +55,7 @@ from typing import Any
 from collections.abc import Callable, Iterator
 
 from bench_machine import CpuShare, _load, describe, emulation_warning, machine_facts, resolve_precision
-from grpo_setup import BenchSettings, _timed, make_env, versions
+from grpo_setup import QUICK_SHAPE, BenchSettings, _timed, make_env, versions
 
 #: Metric keys that are timings (they differ between the sides by nature).
 VOLATILE = ("time/", "perf/", "timing/", "throughput/")
@@ -315,7 +315,7 @@ def add_step_options(parser: argparse.ArgumentParser, sides: str) -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up step (median reported)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                         help=f"precision of {sides} (auto: the fastest one the CPU computes natively)")
-    parser.add_argument("--quick", action="store_true", help="the tiny model only, 1 timed step (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="the tiny model only, 1 timed step of 2 prompts x 4 samples of at most 8 new tokens (a smoke test)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
 
 
@@ -353,7 +353,7 @@ def main() -> None:
     dtype, facts, warning = step_precision(args, "both sides", say)
     results = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
-        settings = BenchSettings(steps=args.steps, model=model, dtype=dtype)
+        settings = BenchSettings(steps=args.steps, model=model, dtype=dtype, **(QUICK_SHAPE if args.quick else {}))
         for via in (("direct", "scheduler") if args.via == "both" else (args.via,)):
             results.append(run_model(model, settings, 0 if args.full else settings.lora_rank, say, via))
     report = {"versions": versions(), "machine": facts, "dtype": dtype, "results": results, "notes": [warning] if warning else []}

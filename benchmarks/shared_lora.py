@@ -60,6 +60,8 @@ RESULT_MARK = "SHARED_LORA_RESULT "
 LAYOUTS = ("shared", "separate", "time_sliced")
 MIB = 2**20
 PROMPTS, SAMPLES, MAX_NEW_TOKENS, TEMPERATURE = 8, 8, 32, 1.0
+#: --quick's step, a smoke test of every layout on the tiny model (its timings compare nothing): 2 prompts x 4 samples of at most 8 new tokens.
+QUICK_PROMPTS, QUICK_SAMPLES, QUICK_MAX_NEW_TOKENS = 2, 4, 8
 LORA_RANK, LORA_ALPHA, MICRO_BATCH_SIZE, LR = 8, 16.0, 8, 1e-5
 
 
@@ -74,20 +76,20 @@ def memory_status() -> dict[str, int]:
     return out
 
 
-def job_prompts(tokenizer: Any, job: int, step: int) -> list[list[int]]:
-    """The 8 prompts of ``job`` at ``step``: the chat template around a short question of its own, as token ids."""
+def job_prompts(tokenizer: Any, job: int, step: int, count: int = PROMPTS) -> list[list[int]]:
+    """The ``count`` prompts of ``job`` at ``step``: the chat template around a short question of its own, as token ids."""
     prompts = []
-    for i in range(PROMPTS):
+    for i in range(count):
         text = f"Job {job}, step {step}, question {i}: name a prime number between {10 * i + job} and {10 * i + job + 40}, and say why."
         rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
         prompts.append(tokenizer(rendered, add_special_tokens=False)["input_ids"])
     return prompts
 
 
-def sample_request(prompts: list[list[int]]) -> Any:
+def sample_request(prompts: list[list[int]], samples: int = SAMPLES, max_new_tokens: int = MAX_NEW_TOKENS) -> Any:
     from tinkergym.protocol.types import SampleRequest, SamplingParams
 
-    return SampleRequest(prompts=prompts, params=SamplingParams(max_new_tokens=MAX_NEW_TOKENS, temperature=TEMPERATURE), num_samples=SAMPLES)
+    return SampleRequest(prompts=prompts, params=SamplingParams(max_new_tokens=max_new_tokens, temperature=TEMPERATURE), num_samples=samples)
 
 
 def train_request(prompts: list[list[int]], response: Any, rng: random.Random) -> tuple[Any, dict[str, int]]:
@@ -101,7 +103,7 @@ def train_request(prompts: list[list[int]], response: Any, rng: random.Random) -
             sampled += n
             data.append(Datum(tokens=prompt + seq.tokens, loss_mask=[0.0] * len(prompt) + [1.0] * n,
                               advantages=[0.0] * len(prompt) + [advantage] * n, sampling_logprobs=[0.0] * len(prompt) + list(seq.logprobs)))
-    counts = {"prompt_tokens": sum(len(p) for p in prompts) * SAMPLES, "sampled_tokens": sampled, "trained_tokens": sum(len(d.tokens) for d in data)}
+    counts = {"prompt_tokens": sum(len(p) * len(group) for p, group in zip(prompts, response.sequences)), "sampled_tokens": sampled, "trained_tokens": sum(len(d.tokens) for d in data)}
     return ForwardBackwardRequest(data=data, loss=LossSpec(name="ppo")), counts
 
 
@@ -131,13 +133,13 @@ def run_worker(layout: str, k: int, settings: dict[str, Any]) -> dict[str, Any]:
     for step in range(1 + settings["steps"]):
         if step == 1:
             load["start"] = _load()
-        prompts = [job_prompts(tokenizer, j, step) for j in range(k)]
+        prompts = [job_prompts(tokenizer, j, step, settings["prompts"]) for j in range(k)]
         counts: list[dict[str, int]] = []
         job_s = [0.0] * k
         cpu = CpuShare()
         start = time.perf_counter()
         if layout == "shared":
-            responses = base.sample_many([(s, sample_request(p)) for s, p in zip(jobs, prompts)])
+            responses = base.sample_many([(s, sample_request(p, settings["samples"], settings["max_new_tokens"])) for s, p in zip(jobs, prompts)])
             sample_s = time.perf_counter() - start
             requests = []
             for p, response, rng in zip(prompts, responses, rngs):
@@ -153,7 +155,7 @@ def run_worker(layout: str, k: int, settings: dict[str, Any]) -> dict[str, Any]:
             sample_s = 0.0
             for j, job in enumerate(jobs):
                 mine = time.perf_counter()
-                response = job.sample(sample_request(prompts[j]))
+                response = job.sample(sample_request(prompts[j], settings["samples"], settings["max_new_tokens"]))
                 sample_s += time.perf_counter() - mine
                 request, count = train_request(prompts[j], response, rngs[j])
                 job.forward_backward(request)
@@ -245,7 +247,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="float32",
                         help="precision of every layout (auto: tinkergym's choice, the device's native one)")
     parser.add_argument("--seed", type=int, default=0, help="job j's adapter and sampling seed is seed + j")
-    parser.add_argument("--quick", action="store_true", help="tiny model, K = 1, 2, one timed step (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, K = 1, 2, one timed step of 2 prompts x 4 samples of at most 8 new tokens (a smoke test)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--worker", choices=(*LAYOUTS, "matmul"), help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -259,6 +261,7 @@ def main() -> None:
         result = matmul_rate("cpu", "float32") if args.worker == "matmul" else run_worker(args.worker, int(args.ks), settings)
         print(RESULT_MARK + json.dumps(result), flush=True)
         return
+    shape = (QUICK_PROMPTS, QUICK_SAMPLES, QUICK_MAX_NEW_TOKENS) if args.quick else (PROMPTS, SAMPLES, MAX_NEW_TOKENS)
     if args.quick:
         args.model, args.ks, args.steps = "tiny", "1,2", 1
     layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
@@ -277,7 +280,7 @@ def main() -> None:
             print(message, file=sys.stderr, flush=True)
 
     settings = {"model": args.model, "model_path": resolve_model(args.model), "dtype": resolve_precision(args.dtype, "cpu"),
-                "steps": args.steps, "seed": args.seed, "prompts": PROMPTS, "samples": SAMPLES, "max_new_tokens": MAX_NEW_TOKENS,
+                "steps": args.steps, "seed": args.seed, "prompts": shape[0], "samples": shape[1], "max_new_tokens": shape[2],
                 "temperature": TEMPERATURE, "lora_rank": LORA_RANK, "lora_alpha": LORA_ALPHA, "micro_batch_size": MICRO_BATCH_SIZE, "lr": LR}
     facts = machine_facts("cpu")
     say(f"machine: {describe(facts)}; native precision {facts['native_dtype']}; measuring the float32 matmul rate ...")

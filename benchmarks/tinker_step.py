@@ -2,7 +2,7 @@
 
     python benchmarks/tinker_step.py                          # tiny and smollm2-135m, LoRA r=8, 1 warm-up + 3 timed steps
     python benchmarks/tinker_step.py --models smollm2-135m --steps 5 --json
-    python benchmarks/tinker_step.py --quick                  # the tiny model, 1 timed step (a smoke test)
+    python benchmarks/tinker_step.py --quick                  # the tiny model, 1 timed step of 2 prompts x 4 samples (a smoke test)
 
 The step is ``benchmarks/grpo_step.py``'s (its ``BenchSettings``): 8 prompts x 8 samples of at most 32 new tokens
 of ``tinker/Bandit-v0``, scored by the env, then one optimizer step of a LoRA r=8 adapter. Every side runs tinkergym's
@@ -93,7 +93,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_machine import CpuShare, _load, describe
-from grpo_setup import BenchSettings, _timed, make_env, versions
+from grpo_setup import QUICK_SHAPE, BenchSettings, _timed, make_env, versions
 from remote_step import _stable, _stop, add_step_options, free_port, start_process, step_options, step_precision
 
 SIDES = ("local", "wire", "tinker")
@@ -410,7 +410,7 @@ def main() -> None:
     dtype, facts, warning = step_precision(args, "every side", say)
     results = []
     for model in [m.strip() for m in args.models.split(",") if m.strip()]:
-        settings = BenchSettings(steps=args.steps, model=model, dtype=dtype)
+        settings = BenchSettings(steps=args.steps, model=model, dtype=dtype, **(QUICK_SHAPE if args.quick else {}))
         results.append(run_model(model, settings, settings.lora_rank, say))
     notes = [warning] if warning else []
     for r in results:

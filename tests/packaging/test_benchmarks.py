@@ -100,10 +100,12 @@ def test_the_native_precision_is_tinkergyms_auto() -> None:
 # ----- the GRPO step against TRL -------------------------------------------------------------------
 def check_grpo(report: dict[str, Any], precision: str, modes: tuple[str, ...], sides: tuple[str, ...] = ("tinkergym", "trl")) -> None:
     results = {(r["side"], r["mode"]): r for r in report["results"]}
+    shape = report["settings"]  # --quick's: 2 prompts x 4 samples of at most 8 new tokens
+    assert (shape["prompts"], shape["group_size"], shape["max_new_tokens"]) == (2, 4, 8)
     assert set(results) == {(side, mode) for side in sides for mode in modes}
     for (side, _), r in results.items():
         assert r["dtype"] == precision, (side, r["dtype"])
-        assert r["median"]["trained_sequences"] == 64  # hashed rewards: every group trains on both sides
+        assert r["median"]["trained_sequences"] == shape["prompts"] * shape["group_size"] == 8  # hashed rewards: every group trains on both sides
         assert r["x_floor"] > 0 and math.isfinite(r["floor_s"])
         if side == "trl":
             assert r["bf16_autocast"] == (precision == "bfloat16")
