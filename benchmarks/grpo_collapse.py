@@ -32,7 +32,7 @@ the last 5 steps, and the run's time.
 
 Measured (2-core CPU, seeds 11-20): at lr 1e-2, 4 of 10 runs collapse on each side (7 collapse steps tinkergym's,
 12 TRL's), at 5e-3 none; in a collapse step most samples repeat the arm's name to the budget (``redredredred``,
-invalid). It is GRPO's knife edge on this model, not tinkergym's (see the README's GRPO notes).
+invalid). It is GRPO's knife edge on this model, not tinkergym's (see docs/training/index.md, how the loss is computed).
 """
 
 from __future__ import annotations

