@@ -10,7 +10,7 @@ scored by the env, then one optimizer step (LoRA r=8, or every weight with ``--f
 tinkergym's ``GRPOTrainer`` with the same config and seed; only the backend differs:
 
 - local: a :class:`~tinkergym.backends.torch.backend.TorchBackend` in this process;
-- remote: ``tinkergym serve-backend`` started by this script as its own process on 127.0.0.1 (a real uvicorn
+- remote: ``tinkergym serve backend`` started by this script as its own process on 127.0.0.1 (a real uvicorn
   server, a bearer token, the JSON wire protocol), built with the same settings, and a
   :class:`~tinkergym.backends.remote.RemoteBackend` in this process.
 
@@ -69,7 +69,7 @@ def free_port() -> int:
 
 def start_server(model_path: str, lora_rank: int, folder: Path, threads: int, lora_alpha: int, micro_batch_size: int,
                  dtype: str = "auto") -> tuple[subprocess.Popen, str, str, Path]:
-    """``tinkergym serve-backend`` on a free loopback port: (process, url, token, its JSON log file)."""
+    """``tinkergym serve backend`` on a free loopback port: (process, url, token, its JSON log file)."""
     token = secrets.token_urlsafe(32)
     token_file = folder / "token"
     token_file.write_text(token + "\n")
@@ -79,11 +79,11 @@ def start_server(model_path: str, lora_rank: int, folder: Path, threads: int, lo
     model_args = ["--full"] if lora_rank == 0 else ["--lora-rank", str(lora_rank), "--lora-alpha", str(lora_alpha)]
     model_args += ["--micro-batch-size", str(micro_batch_size), "--dtype", dtype]
     command = [
-        sys.executable, "-m", "tinkergym", "serve-backend", "--model", model_path, *model_args, "--device", "cpu", "--seed", "0",
+        sys.executable, "-m", "tinkergym", "serve", "backend", "--model", model_path, *model_args, "--device", "cpu", "--seed", "0",
         "--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file), "--run-dir", str(run_dir),
     ]
     url = f"http://127.0.0.1:{port}"
-    return start_process(command, url + "/health", folder, threads, "serve-backend"), url, token, run_dir / "server.log"
+    return start_process(command, url + "/health", folder, threads, "serve_backend"), url, token, run_dir / "server.log"
 
 
 def start_process(command: list[str], health: str, folder: Path, threads: int, what: str, timeout: float = 300.0) -> subprocess.Popen:
@@ -129,7 +129,7 @@ def server_times(log: Path | None, start_line: int) -> tuple[int, float, float]:
 def remote_side(via: str, model: str, config: Any, scratch: Path, threads: int, say: Any) -> Iterator[tuple[Any, Callable[[], Any], Callable[[], Path | None], dict[str, float]]]:
     """The remote backend: (backend, its RemoteBackend (for the wire counters), its server's log, setup times).
 
-    ``direct``: ``serve-backend`` started here. ``scheduler``: ``tinkergym scheduler serve`` and ``tinkergym worker
+    ``direct``: ``serve backend`` started here. ``scheduler``: ``tinkergym scheduler serve`` and ``tinkergym worker
     --slots 1`` started here, the run submitted as a job; the worker starts the server, the client connects to it.
     """
     if via == "direct":

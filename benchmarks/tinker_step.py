@@ -1,4 +1,4 @@
-"""The GRPO step three ways: a local LoRA session, our wire (``serve-shared``) and the Tinker API (``serve-tinker``).
+"""The GRPO step three ways: a local LoRA session, our wire (``serve shared``) and the Tinker API (``serve tinker``).
 
     python benchmarks/tinker_step.py                          # tiny and smollm2-135m, LoRA r=8, 1 warm-up + 3 timed steps
     python benchmarks/tinker_step.py --models smollm2-135m --steps 5 --json
@@ -11,10 +11,10 @@ of ``tinker/Bandit-v0``, scored by the env, then one optimizer step of a LoRA r=
 (rank 8, alpha 32, seed 0, micro-batches of 8 rows, ``--dtype``); only the way the trainer reaches it differs:
 
 - local: the session itself, in this process (no server, no wire);
-- wire: ``tinkergym serve-shared`` started here as its own process on 127.0.0.1, one adapter opened on it with the
+- wire: ``tinkergym serve shared`` started here as its own process on 127.0.0.1, one adapter opened on it with the
   server's token (``POST /v1/adapters``), and a :class:`~tinkergym.backends.remote.RemoteBackend` with the
   adapter's token (tinkergym's JSON protocol);
-- tinker: ``tinkergym serve-tinker`` started here as its own process on 127.0.0.1 with a scheduler key database
+- tinker: ``tinkergym serve tinker`` started here as its own process on 127.0.0.1 with a scheduler key database
   made in a temporary ``--data-dir`` (``create_key``), and a :class:`~tinkergym.backends.tinker_client.TinkerBackend`
   (the ``tinker`` SDK 0.38, key ``tml-<key>``).
 
@@ -28,13 +28,13 @@ SDK's httpx client, headers not counted, its background heartbeats and telemetry
 
 How the paths differ (all of it is part of what is measured):
 
-- Adapter: serve-tinker opens every LoRA adapter with alpha 32 (Tinker's: the update is scaled by 32 / rank), and a
+- Adapter: serve tinker opens every LoRA adapter with alpha 32 (Tinker's: the update is scaled by 32 / rank), and a
   client cannot ask for another. The local and wire sessions are opened with alpha 32 too (not the sibling
-  benchmarks' 16), so all three start from the same adapter; full fine-tuning is not offered by serve-tinker.
+  benchmarks' 16), so all three start from the same adapter; full fine-tuning is not offered by serve tinker.
 - Sampling: the rollout sends one ``sample`` call of 64 prompts (8 distinct prompts, each 8 times, one sample
   each). Local and wire run it as one batch of 64 rows (a shared prompt is prefilled once). TinkerBackend sends one
   Tinker ``asample`` request per distinct prompt, 8 requests of 8 samples, all in flight, each with the rollout's
-  seed (so every group draws from the same stream; the 8 samples of a request differ). serve-tinker queues them on
+  seed (so every group draws from the same stream; the 8 samples of a request differ). serve tinker queues them on
   the sampler's adapter, and its shared worker runs an adapter's waiting samples in one pass (those that arrived
   while another ran, or within its gather time), so they run as one to a few batches. Each is an ``asample`` plus at
   least one ``retrieve_future``. The completions, rewards and so
@@ -42,14 +42,14 @@ How the paths differ (all of it is part of what is measured):
   the Tinker side trained on nothing); local and wire must give the same metrics (``same``: float32 exactly,
   bfloat16 up to the last bits between processes).
 - Sampler: after each optimizer step TinkerBackend asks for a new sampling client
-  (``save_weights_and_get_sampling_client``): serve-tinker exports the adapter to disk, opens a new session and
+  (``save_weights_and_get_sampling_client``): serve tinker exports the adapter to disk, opens a new session and
   loads the export into it (``sampler_s``, part of the sample time). Local and wire sample from the training
-  session. The samplers of a Tinker session stay open until the session ends, one per step: with serve-tinker's
+  session. The samplers of a Tinker session stay open until the session ends, one per step: with serve tinker's
   default ``--max-samplers-per-tenant 32``, a longer run's 33rd sample is refused (429).
 - Loss: GRPOTrainer's default ``old_logprobs: trainer`` (the ratio's base is the same pass's logprobs, so the ratio is
   1) is computed in the forward-backward pass locally and on the wire. TinkerBackend sends it as one
   ``cross_entropy`` request with weights ``w * A`` (the same gradient), and computes the loss value and metrics on the
-  client from the returned logprobs. serve-tinker trains only the positions with a non-zero weight (a group's prompt
+  client from the returned logprobs. serve tinker trains only the positions with a non-zero weight (a group's prompt
   is shared and gets no logits; rows whose advantage is 0 are left out of the pass) and scores the other positions
   in one ``logprobs`` call over the distinct prefixes that hold them, since the Tinker
   contract answers every position's logprob; the local and wire passes score the completions only. (``forward_s``,
@@ -59,9 +59,9 @@ How the paths differ (all of it is part of what is measured):
   future and a ``retrieve_future`` long poll for its result; the wire answers a call within its request when it
   finishes within the wait.
 - Server settings: both servers keep their defaults (prefix cache 256 MiB, 64 rows decoded together); a round of the
-  shared worker starts once its gather time (serve-shared's ``--gather-ms`` 5 ms, serve-tinker's fixed 2 ms) passed
+  shared worker starts once its gather time (serve shared's ``--gather-ms`` 5 ms, serve tinker's fixed 2 ms) passed
   without a new call, at most ten gather times after its first.
-- Authentication: serve-tinker looks every request's key up in the scheduler's key table (SQLite here); serve-shared
+- Authentication: serve tinker looks every request's key up in the scheduler's key table (SQLite here); serve shared
   compares a token digest.
 
 Both servers run with ``OMP_NUM_THREADS`` set to this process's torch threads (``--threads``; the ``threads`` of
@@ -101,26 +101,26 @@ PARTS = ("sample", "forward_backward", "optim_step")
 #: TinkerBackend's own steps timed apart where it has them: the scoring pass before a ppo forward_backward, and the
 #: sampling client of the current weights (a new one after each optimizer step).
 EXTRA_TINKER = ("_forward_logprobs", "_current_sampler")
-#: serve-tinker's LoRA alpha (fixed); the other sides are opened with it too.
+#: serve tinker's LoRA alpha (fixed); the other sides are opened with it too.
 TINKER_ALPHA = 32.0
 
 
 def start_shared(model_path: str, folder: Path, threads: int, dtype: str, micro_batch_size: int) -> tuple[subprocess.Popen, str, str, Path]:
-    """``tinkergym serve-shared`` on a free loopback port: (process, url, the server's token, its JSON log)."""
+    """``tinkergym serve shared`` on a free loopback port: (process, url, the server's token, its JSON log)."""
     token = secrets.token_urlsafe(32)
     token_file = folder / "shared.token"
     token_file.write_text(token + "\n")
     token_file.chmod(0o600)
     port, run_dir = free_port(), folder / "shared"
-    command = [sys.executable, "-m", "tinkergym", "serve-shared", "--model", model_path, "--dtype", dtype, "--device", "cpu",
+    command = [sys.executable, "-m", "tinkergym", "serve", "shared", "--model", model_path, "--dtype", dtype, "--device", "cpu",
                "--micro-batch-size", str(micro_batch_size), "--host", "127.0.0.1", "--port", str(port), "--token-file", str(token_file),
                "--run-dir", str(run_dir)]
     url = f"http://127.0.0.1:{port}"
-    return start_process(command, url + "/health", folder, threads, "serve-shared"), url, token, run_dir / "server.log"
+    return start_process(command, url + "/health", folder, threads, "serve_shared"), url, token, run_dir / "server.log"
 
 
 def open_adapter(url: str, admin_token: str, rank: int, alpha: float, seed: int) -> str:
-    """Open an adapter on serve-shared with the server's token; the adapter's own token."""
+    """Open an adapter on serve shared with the server's token; the adapter's own token."""
     body = json.dumps({"lora_rank": rank, "lora_alpha": alpha, "seed": seed}).encode()
     request = urllib.request.Request(url + "/v1/adapters", data=body, method="POST",
                                      headers={"Authorization": f"Bearer {admin_token}", "Content-Type": "application/json"})
@@ -130,7 +130,7 @@ def open_adapter(url: str, admin_token: str, rank: int, alpha: float, seed: int)
 
 def start_tinker(model_path: str, model_name: str, folder: Path, threads: int, dtype: str, micro_batch_size: int | None = None,
                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str, str, Path]:
-    """``tinkergym serve-tinker`` (with ``extra`` options) on a free loopback port with a fresh key database: (process, url, the
+    """``tinkergym serve tinker`` (with ``extra`` options) on a free loopback port with a fresh key database: (process, url, the
     SDK's key, its JSON log)."""
     from tinkergym.scheduler.auth import create_key
     from tinkergym.scheduler.db import database_url, make_engine, upgrade
@@ -141,19 +141,19 @@ def start_tinker(model_path: str, model_name: str, folder: Path, threads: int, d
     key = create_key(engine, "bench", ["read", "write"])[1]
     engine.dispose()
     port, run_dir = free_port(), folder / "tinker"
-    command = [sys.executable, "-m", "tinkergym", "serve-tinker", "--model", model_path, "--model-name", model_name, "--dtype", dtype,
+    command = [sys.executable, "-m", "tinkergym", "serve", "tinker", "--model", model_path, "--model-name", model_name, "--dtype", dtype,
                "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir), "--run-dir", str(run_dir), *extra]
     if micro_batch_size is not None:
         command += ["--micro-batch-size", str(micro_batch_size)]
     url = f"http://127.0.0.1:{port}"
-    return start_process(command, url + "/api/v1/healthz", folder, threads, "serve-tinker", 600.0), url, "tml-" + key, run_dir / "server.log"
+    return start_process(command, url + "/api/v1/healthz", folder, threads, "serve_tinker", 600.0), url, "tml-" + key, run_dir / "server.log"
 
 
 class HttpCount:
     """Requests and body bytes the tinker SDK's httpx clients exchange with ``port`` (headers not counted), by route.
 
     Installed on ``httpx.AsyncClient.send`` (the SDK's client class) while the context is open; a response's bytes
-    are its ``Content-Length`` (every answer of serve-tinker has one)."""
+    are its ``Content-Length`` (every answer of serve tinker has one)."""
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -258,7 +258,7 @@ def run_model(model: str, s: BenchSettings, lora_rank: int, say: Any) -> dict[st
     with tempfile.TemporaryDirectory(prefix="tinker-step-") as scratch_name:
         scratch = Path(scratch_name)
         try:
-            say(f"{model}: starting serve-shared and serve-tinker ...")
+            say(f"{model}: starting serve shared and serve tinker ...")
             shared, shared_url, admin, shared_log = start_shared(model_path, scratch, threads, s.dtype, config.micro_batch_size)
             processes.append(shared)
             tinker_proc, tinker_url, key, tinker_log = start_tinker(model_path, model, scratch, threads, s.dtype, config.micro_batch_size)
@@ -401,7 +401,7 @@ def main() -> None:
                              "share, 1 keeps each side clear of stalled thread barriers")
     args = parser.parse_args()
     say = step_options(args)
-    # the SDK warns at every try_again answer of a long poll (an operation past serve-tinker's 20 s wait): counted, not printed
+    # the SDK warns at every try_again answer of a long poll (an operation past serve tinker's 20 s wait): counted, not printed
     logging.getLogger("tinker.lib.api_future_impl").setLevel(logging.ERROR)
     if args.threads:
         import torch

@@ -1,6 +1,6 @@
-"""The Tinker API in front of a scheduler (`serve-tinker --scheduler`): the official SDK (its sync and async interfaces) trains
+"""The Tinker API in front of a scheduler (`serve tinker --scheduler`): the official SDK (its sync and async interfaces) trains
 and samples through one base URL while each run and sampler is a job on a real worker's shared server; the worker is killed mid-run, a second one takes
-the job, and every step's loss, the final weights and the sampler's logprobs equal the same run on a local serve-tinker. A
+the job, and every step's loss, the final weights and the sampler's logprobs equal the same run on a local serve tinker. A
 client that only sends heartbeats for longer than the scheduler's idle timeout keeps its job (the front door's keep-alive)."""
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def test_sdk_through_the_front_door_survives_a_killed_worker(db_url: str, keys: 
     engine = make_engine(db_url)
     logger = logging.getLogger("tinker-front-door-test")
 
-    # the same session on a local serve-tinker: what the cluster must answer
+    # the same session on a local serve tinker: what the cluster must answer
     base = SharedBase(SharedBaseConfig(model="tiny", dtype="float32", micro_batch_size=16, max_sessions=8))
     local = ThreadServer(create_server(base, tmp_path / "local", engine, logger, model_name="tiny", tokenizer_id=tokenizer))
     try:
