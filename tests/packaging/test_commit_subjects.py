@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 SINCE = "74cbd480919398c269d5a504121b5ab1edb9b858"
 LIMIT = 72
 #: Commits after SINCE whose subjects run past the limit and stay as they are (history is not rewritten).
-EXEMPT = {"e00fe9fd73ae8192f0e9afb56c22089632136836"}
+EXEMPT = {"e00fe9fd73ae8192f0e9afb56c22089632136836", "f2769d3fb46cf17be4435d4e491a17d4aa7028ac"}
 
 
 def _git(*args: str) -> subprocess.CompletedProcess:
