@@ -162,7 +162,7 @@ def test_train_refuses_checkpointing_beside_a_training_server() -> None:
     args = ["train", "--env", "tinker/Bandit-v0", "--backend-url", "http://127.0.0.1:9", "--gradient-checkpointing", "--quiet"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2
-    assert "--gradient-checkpointing" in result.output and "serve-backend" in result.output
+    assert "--gradient-checkpointing" in result.output and "serve backend" in result.output
 
 
 def test_serve_backend_passes_the_flag(serve_backend_config: Callable[..., TorchBackendConfig]) -> None:

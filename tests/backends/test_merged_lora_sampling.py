@@ -164,7 +164,7 @@ def test_train_refuses_server_owned_options_beside_a_training_server(option: lis
     from tinkergym.cli import main
 
     result = CliRunner().invoke(main, ["train", "--env", "tinker/Bandit-v0", "--backend-url", "http://127.0.0.1:9", *option, "--quiet"])
-    assert result.exit_code == 2 and option[0] in result.output and "serve-backend" in result.output
+    assert result.exit_code == 2 and option[0] in result.output and "serve backend" in result.output
 
 
 def test_serve_backend_passes_it(serve_backend_config: Callable[..., TorchBackendConfig]) -> None:

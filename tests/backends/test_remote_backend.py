@@ -237,7 +237,7 @@ def test_errors_say_what_to_do(server, tmp_path) -> None:
 
 def test_cli_refuses_model_options_and_stray_tokens(server, token_file, tmp_path) -> None:
     result = CliRunner().invoke(main, _remote(server, token_file, tmp_path / "a", "--lora-rank", "4"))
-    assert result.exit_code == 2 and "--lora-rank" in result.output and "serve-backend" in result.output
+    assert result.exit_code == 2 and "--lora-rank" in result.output and "serve backend" in result.output
     result = CliRunner().invoke(main, _common(tmp_path / "b", "--backend-token-file", str(token_file)))
     assert result.exit_code == 2 and "--backend-url" in result.output
     result = CliRunner().invoke(main, _common(tmp_path / "c", "--backend-url", "ftp://host"))

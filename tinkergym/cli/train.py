@@ -86,7 +86,7 @@ def _check_server_owned(options: dict[str, Any], backend_url: str | None) -> Non
     named = [option_name(k) for k in owned if options.get(k) is not None and options.get(k) is not False]  # 0 is given
     if backend_url and named:
         raise click.UsageError(
-            f"{', '.join(named)}: a training server's model is set where the server starts (tinkergym serve-backend); "
+            f"{', '.join(named)}: a training server's model is set where the server starts (tinkergym serve backend); "
             "leave these out with --backend-url."
         )
 
@@ -173,7 +173,7 @@ def train(**options: Any) -> None:
     steps still to run (--lr, --max-grad-norm); any other option that changes a setting exits with code 2.
 
     With --backend-url the model is the server's: its model, LoRA rank, dtype and micro-batch size are set
-    where it starts (tinkergym serve-backend) and recorded in the run's config.json; the token is never saved.
+    where it starts (tinkergym serve backend) and recorded in the run's config.json; the token is never saved.
 
     With --async-steps K the rollouts of the next K steps are sampled from snapshots of the weights while a
     step trains, up to K of them at once (--max-episodes-in-flight bounds them); metrics async/* report the
@@ -253,7 +253,7 @@ def _serve_run_metrics(run: Any, port: int) -> None:
         from tinkergym.serve.metrics import PhaseMetrics, ServerMetrics
     except ImportError as exc:
         raise InputError(f"--metrics-port needs prometheus_client: pip install prometheus_client ({exc})") from exc
-    from tinkergym.cli.serve import start_metrics
+    from tinkergym.cli.serve.server import start_metrics
 
     metrics = ServerMetrics("trainer")
     run.timeline.add_listener(PhaseMetrics(metrics).observe)
@@ -333,10 +333,10 @@ def _holds_run(out: str) -> bool:
 @click.option("--out", "out", type=SafePath(dir_okay=False, path_type=Path), help="Write transcripts to this JSONL file.")
 @click.option("--endpoint", metavar="URL",
               help="Evaluate a served model through its OpenAI-compatible /v1/completions (token ids in and out; "
-                   "tinkergym serve-model or vLLM); --model is then the served model's name.")
+                   "tinkergym serve model or vLLM); --model is then the served model's name.")
 @click.option("--tokenizer", help="With --endpoint: the local model (name or folder) whose tokenizer and chat template the served "
                                   "model uses, e.g. the base model, or a run's final/ folder (default: the files the server sends, "
-                                  "which tinkergym serve-model does).")
+                                  "which tinkergym serve model does).")
 @click.option("--api-key-file", type=SafePath(exists=True, dir_okay=False), help="With --endpoint: file holding the server's API key.")
 @click.option("--scheduler", metavar="URL",
               help="Evaluate on a scheduler's worker: an eval job serves --model (a model the workers offer) or --run (a run trained "
