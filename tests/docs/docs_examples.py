@@ -7,11 +7,19 @@ above a fence (invisible on the site) says how it is checked; several may stand 
   still parsed. A skip without a reason is refused.
 - ``<!-- docs-test: fixture=NAME -->``: run with what the fixture provides (:data:`FIXTURES`) in its environment.
 - ``<!-- docs-test: continue -->``: a python block run in the namespace of the python block before it on the page.
+- ``<!-- docs-test: background -->``: a bash block that starts a server: it runs in the background, in a process group
+  of its own, until its ports answer HTTP on 127.0.0.1 (those of its ``--port N`` options, or ``background=PORT``), and
+  serves the page's later blocks; the group is stopped (SIGTERM, then SIGKILL) at the page's end, pass or fail.
 
 Each ``tinkergym ...`` command line of a bash block (skipped or not) is parsed against the real click command tree:
 its command and subcommands exist, every option exists and every value converts, without the command being run.
 Python blocks run each in a fresh interpreter (with the blocks they continue), bash blocks with ``bash -euo
 pipefail``; both in a folder of their page, offline, with the virtual environment's ``bin`` first on ``PATH``.
+
+A page's blocks run in order and share a :class:`PageRun`: the variables a bash block exports are in the environment
+of the blocks after it, and a background block's ports are moved to free ones (the same substitution in every later
+block of the page: ``--port N``, ``127.0.0.1:N``, ``localhost:N``), so pages that show the same port run side by side
+and the printed pages keep their ports.
 """
 
 from __future__ import annotations
@@ -22,9 +30,14 @@ import json
 import os
 import re
 import shlex
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +53,13 @@ FIXTURES = {
 }
 #: How long one example (a python block with those it continues, or a bash block) may run.
 TIMEOUT_S = 120
+#: How long a background block may take to answer on its ports, and to stop after SIGTERM before SIGKILL.
+READY_TIMEOUT_S = 180
+STOP_GRACE_S = 10
 #: Fence languages that are examples, and spellings of them that are refused (they would escape the checks).
 LANGUAGES = ("python", "bash")
 OTHER_SPELLINGS = {"py": "python", "python3": "python", "pycon": "python", "sh": "bash", "shell": "bash", "zsh": "bash", "console": None}
+PORT_OPTION = re.compile(r"--port[ =](\d+)\b")
 DIRECTIVE = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[^\s`{]*)")
 
@@ -63,6 +80,7 @@ class Block:
     skip: str | None = None
     fixtures: tuple[str, ...] = ()
     continues: bool = False
+    background: int | None = None  # a background block: the port it is ready on, 0 for those of its --port options
 
     @property
     def where(self) -> str:
@@ -80,11 +98,16 @@ def page_name(path: Path, root: Path = ROOT) -> str:
     return path.relative_to(root).as_posix() if path.is_relative_to(root) else str(path)
 
 
-def _directives(body: list[tuple[int, str]], where: str) -> tuple[str | None, tuple[str, ...], bool]:
-    skip, fixtures, continues = None, [], False
+def _directives(body: list[tuple[int, str]], where: str) -> tuple[str | None, tuple[str, ...], bool, int | None]:
+    skip, fixtures, continues, background = None, [], False, None
     for line, text in body:
         if text == "continue":
             continues = True
+        elif text == "background" or text.startswith("background="):
+            port = text.partition("=")[2].strip() or "0"
+            if not port.isdigit():
+                raise ConventionError(f"{where}: line {line}: background=PORT takes a port number, not {port!r}")
+            background = int(port)
         elif text == "skip" or text.startswith("skip:") or text.startswith("skip "):
             reason = text[4:].lstrip(": ").strip()
             if not reason:
@@ -96,8 +119,9 @@ def _directives(body: list[tuple[int, str]], where: str) -> tuple[str | None, tu
                 raise ConventionError(f"{where}: line {line}: no fixture {name!r}; the fixtures are: {', '.join(FIXTURES)}")
             fixtures.append(name)
         else:
-            raise ConventionError(f"{where}: line {line}: unknown directive {text!r}: write skip: REASON, fixture=NAME or continue")
-    return skip, tuple(fixtures), continues
+            raise ConventionError(f"{where}: line {line}: unknown directive {text!r}: write skip: REASON, fixture=NAME, continue "
+                                  "or background")
+    return skip, tuple(fixtures), continues, background
 
 
 def read_blocks(path: Path, name: str | None = None) -> list[Block]:
@@ -128,12 +152,16 @@ def read_blocks(path: Path, name: str | None = None) -> list[Block]:
             instead = f"```{OTHER_SPELLINGS[lang]}" if OTHER_SPELLINGS[lang] else "```bash for a command to check, ```text for output"
             raise ConventionError(f"{where}: ```{lang} is not checked: write {instead}")
         if lang in LANGUAGES:
-            skip, fixtures, continues = _directives(pending, where)
+            skip, fixtures, continues, background = _directives(pending, where)
+            if background is not None and lang != "bash":
+                raise ConventionError(f"{where}: background is for bash blocks (a server started from the shell)")
+            if background == 0 and not PORT_OPTION.search(code):
+                raise ConventionError(f"{where}: a background block without a --port N option says its port: background=PORT")
             if continues and lang != "python":
                 raise ConventionError(f"{where}: continue is for python blocks (a bash block runs on its own)")
             if continues and (not blocks or blocks[-1].lang != "python" or blocks[-1].skip):
                 raise ConventionError(f"{where}: continue follows a python block that runs; the block before it is not one")
-            blocks.append(Block(name, path, i + 1, lang, code + "\n", skip, fixtures, continues))
+            blocks.append(Block(name, path, i + 1, lang, code + "\n", skip, fixtures, continues, background))
         elif pending:
             raise ConventionError(f"{where}: docs-test directives are for python and bash blocks, not ```{lang or 'text'}")
         pending = []
@@ -399,15 +427,141 @@ def python_chain(blocks: list[Block], block: Block) -> list[Block]:
     return chain
 
 
-def run_example(chain: list[Block], cwd: Path, env: dict[str, str], timeout: float = TIMEOUT_S) -> str | None:
-    """Run a bash block, or a python block with those it continues (``chain``), in ``cwd``; what went wrong, or None."""
+#: Variables a shell sets for itself: never carried from one block to the next.
+SHELL_OWN = {"_", "SHLVL", "PWD", "OLDPWD", "DOCS_EXAMPLE_ENV_OUT"}
+
+
+@dataclass
+class Background:
+    """A background block's process group, where its output goes, and the ports it answers on."""
+
+    block: Block
+    process: subprocess.Popen[bytes]
+    log: Path
+    ports: list[int]
+
+    def output(self) -> str:
+        """The last 3000 characters the block printed (stdout and stderr together)."""
+        return self.log.read_text(encoding="utf-8", errors="replace")[-3000:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        """SIGTERM to the whole group, SIGKILL to what is left after :data:`STOP_GRACE_S`."""
+        for sig, wait in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                break  # the group is empty
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(self.process):
+                time.sleep(0.1)
+            if not _group_alive(self.process):
+                break
+        self.process.wait(timeout=5)
+
+
+def _group_alive(process: subprocess.Popen[bytes]) -> bool:
+    process.poll()  # reap the leader, or its group seems alive forever
+    try:
+        os.killpg(process.pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@dataclass
+class PageRun:
+    """What the blocks of one page share as they run in order: their folder, the variables earlier bash blocks
+    exported, the free ports that stand for the page's ports, and the servers of its background blocks."""
+
+    folder: Path
+    variables: dict[str, str] = field(default_factory=dict)
+    ports: dict[int, int] = field(default_factory=dict)
+    background: list[Background] = field(default_factory=list)
+    broken: str | None = None  # a background block that did not become ready: the later blocks cannot run
+
+    def code(self, block: Block) -> str:
+        """``block``'s code with the page's ports moved to the free ones chosen for them."""
+        code = block.code
+        for port, free in self.ports.items():
+            code = re.sub(rf"(--port[ =]|127\.0\.0\.1:|localhost:){port}\b", rf"\g<1>{free}", code)
+        return code
+
+    def stop(self) -> None:
+        """Stop every background block's process group, the last started first."""
+        while self.background:
+            self.background.pop().stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _answers(port: int) -> bool:
+    """Whether an HTTP server answers on 127.0.0.1:``port`` (any status: 401 and 404 are answers)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2):
+            return True
+    except urllib.error.HTTPError:
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def start_background(block: Block, run: PageRun, env: dict[str, str], timeout: float = READY_TIMEOUT_S) -> str | None:
+    """Start a background block in a process group of its own and wait until its ports answer; what went wrong, or None.
+    Its server stays in ``run.background`` until :meth:`PageRun.stop`."""
+    ports = [block.background] if block.background else [int(port) for port in PORT_OPTION.findall(block.code)]
+    for port in ports:
+        run.ports.setdefault(port, _free_port())
+    log = run.folder / f".background-{block.line}.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(["bash", "-euo", "pipefail", "-c", run.code(block), block.where], cwd=run.folder,
+                                   env={**env, **run.variables}, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
+    server = Background(block, process, log, [run.ports[port] for port in ports])
+    run.background.append(server)
+    deadline = time.monotonic() + timeout
+    waiting = list(server.ports)
+    while waiting:
+        if process.poll() is not None:
+            problem = f"{block.where}: the background example exited {process.returncode} before 127.0.0.1:{waiting[0]} answered"
+            break
+        if time.monotonic() > deadline:
+            problem = f"{block.where}: the background example did not answer on 127.0.0.1:{waiting[0]} within {timeout:.0f} s"
+            break
+        if _answers(waiting[0]):
+            waiting.pop(0)
+        else:
+            time.sleep(0.25)
+    else:
+        return None
+    run.broken = block.where
+    return f"{problem} (the page's port {next(p for p, f in run.ports.items() if f == waiting[0])})\n--- output\n{server.output()}"
+
+
+def run_example(chain: list[Block], cwd: Path, env: dict[str, str], timeout: float = TIMEOUT_S, run: PageRun | None = None) -> str | None:
+    """Run a bash block, or a python block with those it continues (``chain``), in ``cwd``; what went wrong, or None.
+    With ``run`` (the page's :class:`PageRun`), the block sees what the page's earlier blocks exported and started, a
+    bash block's exports are kept for the blocks after it, and a background block is started."""
     last = chain[-1]
+    run = run or PageRun(cwd)
+    if run.broken:
+        return f"{last.where}: not run: the background example at {run.broken} did not start"
+    env = {**env, **run.variables}
+    if last.background is not None:
+        return start_background(last, run, env)
+    exported = None
     if last.lang == "python":
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False, encoding="utf-8") as spec:
-            json.dump([{"path": str(b.path), "line": b.line, "code": b.code} for b in chain], spec)
+            json.dump([{"path": str(b.path), "line": b.line, "code": run.code(b)} for b in chain], spec)
         command = [sys.executable, "-c", PYTHON_DRIVER, spec.name]
     else:
-        command = ["bash", "-euo", "pipefail", "-c", last.code, last.where]
+        exported = cwd / ".exported-env"
+        env["DOCS_EXAMPLE_ENV_OUT"] = str(exported)
+        # on the block's first line, so the shell's line numbers are the block's
+        command = ["bash", "-euo", "pipefail", "-c", 'trap \'env -0 > "$DOCS_EXAMPLE_ENV_OUT"\' EXIT; ' + run.code(last), last.where]
     try:
         done = subprocess.run(command, cwd=cwd, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -417,6 +571,12 @@ def run_example(chain: list[Block], cwd: Path, env: dict[str, str], timeout: flo
     finally:
         if last.lang == "python":
             os.unlink(spec.name)
+    if exported is not None and exported.exists():
+        for item in exported.read_bytes().decode(errors="replace").split("\0"):
+            name, sep, value = item.partition("=")
+            if sep and name not in SHELL_OWN and env.get(name) != value:
+                run.variables[name] = value
+        exported.unlink()
     if done.returncode == 0:
         return None
     what = " (with the blocks it continues: " + ", ".join(b.where for b in chain[:-1]) + ")" if len(chain) > 1 else ""

@@ -5,13 +5,14 @@
   and subcommands exist, its options exist, its values convert (test ids name the page and the fence's line).
 - Every python block (with the blocks it continues) and every bash block that is not skipped runs, in a folder of its
   page, offline, with the fixtures it names; a page's examples run in one test process, in order (the slow lane: each
-  is a real process, and some train the tiny model; the checks above are the quick lane's).
+  is a real process, and some train the tiny model; the checks above are the quick lane's). A page's background
+  blocks (servers) serve its later blocks and are stopped after its last block, pass or fail.
 - A ``tinkergym play ... --agent baseline`` line whose comment says the baseline solves the episode is run, and it does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import docs_examples as examples  # registered by tests/docs/conftest.py
@@ -34,6 +35,11 @@ def _collect() -> tuple[list[examples.Block], list[str]]:
 BLOCKS, PROBLEMS = _collect()
 BASH = [block for block in BLOCKS if block.lang == "bash"]
 COMMANDS = [command for block in BASH for command in examples.command_lines(block)]
+
+
+def _last_of_each_page(runnable: list[pytest.ParameterSet]) -> dict[str, examples.Block]:
+    """The last block each page runs: its servers are stopped after it."""
+    return {param.values[0][-1].page: param.values[0][-1] for param in runnable}  # type: ignore[index]
 
 
 def _runnable() -> list[pytest.ParameterSet]:
@@ -72,21 +78,34 @@ def test_every_command_line_parses(block: examples.Block) -> None:
     assert not wrong, "\n".join(wrong)
 
 
+RUNNABLE = _runnable()
+LAST_OF_PAGE = _last_of_each_page(RUNNABLE)
+
+
 @pytest.fixture(scope="session")
-def page_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The folder each page's examples run in (one per page: a block may use what the blocks before it wrote)."""
-    return {}
+def page_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, examples.PageRun]]:
+    """What each page's examples share (one folder per page: a block may use what the blocks before it wrote, exported or
+    started); a page's servers still running when the tests end (an interrupted page) are stopped then."""
+    runs: dict[str, examples.PageRun] = {}
+    yield runs
+    for run in runs.values():
+        run.stop()
 
 
 @pytest.mark.slow  # each example is a real process (an interpreter, or bash running tinkergym), and some train a model
-@pytest.mark.parametrize("chain", _runnable())
-def test_every_example_runs(chain: list[examples.Block], page_folders: dict[str, Path], tmp_path_factory: pytest.TempPathFactory,
+@pytest.mark.parametrize("chain", RUNNABLE)
+def test_every_example_runs(chain: list[examples.Block], page_runs: dict[str, examples.PageRun], tmp_path_factory: pytest.TempPathFactory,
                             example_fixtures: Callable[[tuple[str, ...]], dict[str, str]], example_cache: Path) -> None:
     page = chain[-1].page
-    if page not in page_folders:
-        page_folders[page] = tmp_path_factory.mktemp("page")
-    fixtures = tuple(dict.fromkeys(name for block in chain for name in block.fixtures))
-    problem = examples.run_example(chain, page_folders[page], examples.example_env(example_cache, example_fixtures(fixtures)))
+    if page not in page_runs:
+        page_runs[page] = examples.PageRun(tmp_path_factory.mktemp("page"))
+    run = page_runs[page]
+    try:
+        fixtures = tuple(dict.fromkeys(name for block in chain for name in block.fixtures))
+        problem = examples.run_example(chain, run.folder, examples.example_env(example_cache, example_fixtures(fixtures)), run=run)
+    finally:
+        if chain[-1] is LAST_OF_PAGE[page]:
+            run.stop()
     assert problem is None, problem
 
 

@@ -181,3 +181,117 @@ def test_a_block_with_the_scheduler_and_tiny_model_fixtures_reaches_them(tmp_pat
     env["TINKERGYM_API_KEY"] = "tgk_not-a-key"
     problem = examples.run_example([block], tmp_path, env)
     assert problem is not None and "page.md:3: the bash example exited" in problem, problem
+
+
+def test_a_background_directive_needs_a_bash_block_and_a_port(tmp_path: Path) -> None:
+    with pytest.raises(examples.ConventionError, match="background is for bash blocks"):
+        examples.read_blocks(page(tmp_path, "<!-- docs-test: background -->\n```python\nx = 1\n```\n"), "page.md")
+    with pytest.raises(examples.ConventionError, match="says its port: background=PORT"):
+        examples.read_blocks(page(tmp_path, "<!-- docs-test: background -->\n```bash\npython -m http.server\n```\n"), "page.md")
+    with pytest.raises(examples.ConventionError, match="takes a port number"):
+        examples.read_blocks(page(tmp_path, "<!-- docs-test: background=http -->\n```bash\ntrue\n```\n"), "page.md")
+    (block,) = examples.read_blocks(page(tmp_path, "<!-- docs-test: background=8000 -->\n```bash\npython -m http.server\n```\n"), "page.md")
+    assert block.background == 8000
+
+
+def _run_page(blocks: list[examples.Block], run: examples.PageRun, env: dict[str, str]) -> list[str | None]:
+    """Run a page's blocks in order as the docs test does (python chains by their last block), then stop its servers."""
+    try:
+        return [examples.run_example(examples.python_chain(blocks, block) if block.lang == "python" else [block], run.folder, env, run=run)
+                for block in blocks]
+    finally:
+        run.stop()
+
+
+@pytest.mark.slow  # a real HTTP server in the background
+def test_a_background_server_serves_the_later_blocks_on_a_free_port_and_is_gone_after_the_page(tmp_path: Path) -> None:
+    """The server of a background block answers the next blocks (bash and python, its page port moved to a free one in
+    both), and its whole process group, a child it forked too, is stopped at the page's end."""
+    path = page(tmp_path, """
+        <!-- docs-test: background -->
+        ```bash
+        echo served > index.html
+        sleep 300 &   # a child of the block: stopped with it
+        echo $! > child.pid
+        printf 'import http.server, sys\nhttp.server.test(http.server.SimpleHTTPRequestHandler, port=int(sys.argv[2]), bind="127.0.0.1")\n' > serve.py
+        python serve.py --port 8123
+        ```
+
+        ```bash
+        python -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/index.html').read().decode())" > got.txt
+        ```
+
+        ```python
+        import urllib.request
+        assert urllib.request.urlopen("http://localhost:8123/index.html").read() == b"served\\n"
+        ```
+    """)
+    blocks = examples.read_blocks(path, "page.md")
+    assert blocks[0].background == 0
+    run = examples.PageRun(tmp_path)
+    env = examples.example_env(tmp_path / "cache")
+    try:
+        assert examples.run_example(blocks[:1], tmp_path, env, run=run) is None
+        (server,) = run.background
+        assert examples.run_example(blocks[1:2], tmp_path, env, run=run) is None
+        assert examples.run_example(blocks[2:], tmp_path, env, run=run) is None
+    finally:
+        run.stop()
+    assert (tmp_path / "got.txt").read_text().strip() == "served"
+    (port,) = run.ports.values()
+    assert port != 8123 and not examples._answers(port)
+    assert server.process.returncode is not None and not examples._group_alive(server.process)
+    assert not Path(f"/proc/{(tmp_path / 'child.pid').read_text().strip()}").exists()
+    assert not run.background
+
+
+@pytest.mark.slow  # a real process in the background
+@pytest.mark.parametrize("code, said", [
+    ("echo 'no server here'\nexit 3\n", "exited 3 before 127.0.0.1:"),
+    ("echo 'listening soon'\nsleep 300\n", "did not answer on 127.0.0.1:"),
+])
+def test_a_background_block_that_never_answers_fails_with_its_output_and_the_page_stops(tmp_path: Path, code: str, said: str) -> None:
+    path = page(tmp_path, f"<!-- docs-test: background=8124 -->\n```bash\n{code}```\n\n```bash\necho after > after.txt\n```\n")
+    first, second = examples.read_blocks(path, "page.md")
+    run = examples.PageRun(tmp_path)
+    env = examples.example_env(tmp_path / "cache")
+    try:
+        problem = examples.start_background(first, run, env, timeout=3)
+        assert problem is not None and problem.startswith(f"page.md:2: the background example {said}"), problem
+        assert "the page's port 8124" in problem and ("no server here" in problem or "listening soon" in problem), problem
+        later = examples.run_example([second], tmp_path, env, run=run)
+        assert later == "page.md:7: not run: the background example at page.md:2 did not start", later
+        assert not (tmp_path / "after.txt").exists()
+    finally:
+        run.stop()
+    assert not run.background
+
+
+def test_the_variables_a_bash_block_exports_are_seen_by_the_blocks_after_it(tmp_path: Path) -> None:
+    path = page(tmp_path, """
+        ```bash
+        echo tgk_secret > key.txt
+        export TINKERGYM_API_KEY=$(cat key.txt)
+        export HF_HUB_OFFLINE=0
+        LOCAL_ONLY=1
+        ```
+
+        ```bash
+        test "$TINKERGYM_API_KEY" = tgk_secret
+        test "$HF_HUB_OFFLINE" = 0
+        test -z "${LOCAL_ONLY:-}"
+        export TINKER_API_KEY=tml-$TINKERGYM_API_KEY
+        ```
+
+        ```python
+        import os
+        assert os.environ["TINKER_API_KEY"] == "tml-tgk_secret", os.environ.get("TINKER_API_KEY")
+        ```
+    """)
+    blocks = examples.read_blocks(path, "page.md")
+    env = examples.example_env(tmp_path / "cache")
+    run = examples.PageRun(tmp_path)
+    assert _run_page(blocks, run, env) == [None, None, None]
+    assert run.variables == {"TINKERGYM_API_KEY": "tgk_secret", "HF_HUB_OFFLINE": "0", "TINKER_API_KEY": "tml-tgk_secret"}
+    alone = examples.run_example([blocks[1]], tmp_path, env)  # without the page's run: nothing carried
+    assert alone is not None and "exited 1" in alone, alone
