@@ -8,8 +8,9 @@ above a fence (invisible on the site) says how it is checked; several may stand 
 - ``<!-- docs-test: fixture=NAME -->``: run with what the fixture provides (:data:`FIXTURES`) in its environment.
 - ``<!-- docs-test: continue -->``: a python block run in the namespace of the python block before it on the page.
 - ``<!-- docs-test: background -->``: a bash block that starts a server: it runs in the background, in a process group
-  of its own, until its ports answer HTTP on 127.0.0.1 (those of its ``--port N`` options, or ``background=PORT``), and
-  serves the page's later blocks; the group is stopped (SIGTERM, then SIGKILL) at the page's end, pass or fail.
+  of its own, until its ports answer HTTP on 127.0.0.1 (those of its ``--port N`` and ``--metrics-port N`` options, or
+  ``background=PORT``), and serves the page's later blocks; the group is stopped (SIGTERM, then SIGKILL) at the page's
+  end, pass or fail.
 
 Each ``tinkergym ...`` command line of a bash block (skipped or not) is parsed against the real click command tree:
 its command and subcommands exist, every option exists and every value converts, without the command being run.
@@ -18,8 +19,8 @@ pipefail``; both in a folder of their page, offline, with the virtual environmen
 
 A page's blocks run in order and share a :class:`PageRun`: the variables a bash block exports are in the environment
 of the blocks after it, and a background block's ports are moved to free ones (the same substitution in every later
-block of the page: ``--port N``, ``127.0.0.1:N``, ``localhost:N``), so pages that show the same port run side by side
-and the printed pages keep their ports.
+block of the page: ``--port N``, ``--metrics-port N``, ``127.0.0.1:N``, ``localhost:N``), so pages that show the
+same port run side by side and the printed pages keep their ports.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ STOP_GRACE_S = 10
 #: Fence languages that are examples, and spellings of them that are refused (they would escape the checks).
 LANGUAGES = ("python", "bash")
 OTHER_SPELLINGS = {"py": "python", "python3": "python", "pycon": "python", "sh": "bash", "shell": "bash", "zsh": "bash", "console": None}
-PORT_OPTION = re.compile(r"--port[ =](\d+)\b")
+PORT_OPTION = re.compile(r"--(?:[a-z]+-)*port[ =](\d+)\b")  # --port N, --metrics-port N
 DIRECTIVE = re.compile(r"^\s*<!--\s*docs-test:\s*(?P<body>.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})[ \t]*(?P<lang>[^\s`{]*)")
 
@@ -483,7 +484,7 @@ class PageRun:
         """``block``'s code with the page's ports moved to the free ones chosen for them."""
         code = block.code
         for port, free in self.ports.items():
-            code = re.sub(rf"(--port[ =]|127\.0\.0\.1:|localhost:){port}\b", rf"\g<1>{free}", code)
+            code = re.sub(rf"(--(?:[a-z]+-)*port[ =]|127\.0\.0\.1:|localhost:){port}\b", rf"\g<1>{free}", code)
         return code
 
     def stop(self) -> None:

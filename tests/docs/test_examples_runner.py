@@ -192,6 +192,11 @@ def test_a_background_directive_needs_a_bash_block_and_a_port(tmp_path: Path) ->
         examples.read_blocks(page(tmp_path, "<!-- docs-test: background=http -->\n```bash\ntrue\n```\n"), "page.md")
     (block,) = examples.read_blocks(page(tmp_path, "<!-- docs-test: background=8000 -->\n```bash\npython -m http.server\n```\n"), "page.md")
     assert block.background == 8000
+    (block,) = examples.read_blocks(page(tmp_path, "<!-- docs-test: background -->\n```bash\nserve --metrics-port 9101\n```\n"), "page.md")
+    run = examples.PageRun(tmp_path, ports={9101: 40001, 80: 40002})
+    assert examples.PORT_OPTION.findall(block.code) == ["9101"]
+    assert run.code(examples.Block("page.md", tmp_path, 1, "bash", "curl localhost:9101 127.0.0.1:91011 --port=80 :80\n")) == \
+        "curl localhost:40001 127.0.0.1:91011 --port=40002 :80\n"
 
 
 def _run_page(blocks: list[examples.Block], run: examples.PageRun, env: dict[str, str]) -> list[str | None]:
