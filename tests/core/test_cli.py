@@ -155,6 +155,15 @@ def test_a_person_plays_through_stdin() -> None:
     assert "You pulled the green arm." in result.output and "returns: agent +" in result.output
 
 
+def _wait_until_blocked(pid: int, seconds: float = 30) -> None:
+    """Until process ``pid`` sleeps (state S: here, in the read of the prompt) a few polls in a row."""
+    deadline, asleep = time.monotonic() + seconds, 0
+    while asleep < 3 and time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            asleep = asleep + 1 if stat.read().rsplit(")", 1)[1].split()[0] == "S" else 0
+        time.sleep(0.05)
+
+
 def _sigint_as_a_terminal_gives_it() -> None:
     """In the child before exec: SIGINT neither ignored nor blocked, whatever the parent (a CI runner) set."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -174,6 +183,9 @@ def test_ctrl_c_at_the_prompt_abandons_the_game_as_interrupted_and_the_end_of_in
         while b"you>" not in shown:  # the prompt waits for the person's action
             assert time.monotonic() < deadline and process.poll() is None, shown
             shown += os.read(process.stdout.fileno(), 4096)
+        # A person presses Ctrl-C while the prompt waits on its read. Sent at once, the signal could land between the
+        # prompt's write and its read: Python notes it, the read then blocks, and nothing wakes it (no terminal would).
+        _wait_until_blocked(process.pid)
         process.send_signal(signal.SIGINT)
         process.wait(timeout=60)  # stdin stays open meanwhile, as a terminal's does: Ctrl-C alone ends the game, not the end of input
     finally:
