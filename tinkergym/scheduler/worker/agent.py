@@ -59,8 +59,7 @@ from tinkergym.scheduler.worker.faults import Cancelled, JobFault, LeaseLost, Sh
 from tinkergym.scheduler.worker.folders import finish_folder, prune_states
 from tinkergym.scheduler.worker.launchers import STOP_GRACE_S, JobServer, ServerLost  # noqa: F401 - STOP_GRACE_S public here too
 from tinkergym.scheduler.worker.seats import Seat
-from tinkergym.scheduler.worker.folders import state_files as _files
-from tinkergym.scheduler.worker.folders import state_step as _step
+from tinkergym.scheduler.worker.folders import state_files, state_step
 
 from tinkergym.serve.auth import write_lease_file
 from tinkergym.client import SchedulerError
@@ -527,7 +526,7 @@ class JobRunner(threading.Thread):
                 self.seen[name] = signature
                 self._event("log", {"message": f"state {name} was saved again; checkpoint {name} is already recorded and is kept as it was"})
                 continue
-            step = _step(name, Path(entry.path))
+            step = state_step(name, Path(entry.path))
             if step is None:
                 self.seen[name] = signature
                 continue
@@ -547,7 +546,7 @@ class JobRunner(threading.Thread):
     def _upload(self, name: str, folder: Path, step: int) -> None:
         try:
             self.client.drop_partial(self.job_id, self.epoch, name)
-            for relpath in _files(folder):
+            for relpath in state_files(folder):
                 self._check()
                 self.client.upload(self.job_id, self.epoch, name, relpath, folder.joinpath(*relpath.split("/")))
             self.client.record_checkpoint(self.job_id, self.epoch, step, name)

@@ -48,9 +48,9 @@ class WorkerOptions:
 
 def die_with_parent() -> None:
     """A server's ``preexec_fn``: it gets SIGKILL when the worker dies (``PR_SET_PDEATHSIG``)."""
-    from tinkergym.serve.lifetime import die_with_parent as _pdeathsig
+    from tinkergym.serve import lifetime
 
-    _pdeathsig()
+    lifetime.die_with_parent()
 
 
 def placement_strategy(config: dict[str, Any]) -> str:
