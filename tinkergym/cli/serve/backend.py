@@ -12,6 +12,7 @@ import click
 
 from tinkergym.cli.common import SEED, FiniteFloat, InputError, SafePath
 from tinkergym.cli.serve.server import (
+    device_options,
     EXIT_WITH_PARENT_OPTION,
     HOST_OPTION,
     LEASE_FILE_OPTION,
@@ -24,7 +25,7 @@ from tinkergym.cli.serve.server import (
     run_server,
 )
 from tinkergym.cli.connection_options import connection_limits, connection_options, is_loopback
-from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE, DTYPES
+from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE
 
 @click.command("backend")
 @click.option("--model", required=True, help="Model name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
@@ -33,8 +34,7 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RAN
 @click.option("--lora-alpha", type=click.FloatRange(min=0, min_open=True), default=None, help=f"LoRA alpha (default {DEFAULT_LORA_ALPHA}).")
 @click.option("--lora-dropout", type=click.FloatRange(0, 1, max_open=True), default=0.0, show_default=True)
 @click.option("--micro-batch-size", type=click.IntRange(min=1), default=DEFAULT_MICRO_BATCH_SIZE, show_default=True, help="Sequences per forward/backward pass (bounds memory).")
-@click.option("--dtype", type=click.Choice(DTYPES), default=DEFAULT_DTYPE, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+@device_options
 @click.option("--seed", type=SEED, default=0, show_default=True)
 @HOST_OPTION
 @click.option("--port", type=click.IntRange(1, 65535), default=8765, show_default=True)

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from tinkergym.config import DEFAULT_DTYPE, DTYPES
 from tinkergym.serve.training.calls import CallLimits
 from tinkergym.cli.common import InputError, SafePath
 
@@ -39,6 +40,12 @@ METRICS_PORT_OPTION = click.option("--metrics-port", type=click.IntRange(0, 6553
                                         "no key (counts and latencies, never ids); 0: off.")
 LEASE_FILE_OPTION = click.option("--lease-file", type=SafePath(dir_okay=False, path_type=Path), default=None,
               help="A scheduler's worker renews the lease's deadline in this file; past it every call is refused (401 lease_ended).")
+
+
+def device_options(command: Any) -> Any:
+    """--dtype and --device of a server that loads a model (the compute dtype and where the model runs)."""
+    command = click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")(command)
+    return click.option("--dtype", type=click.Choice(DTYPES), default=DEFAULT_DTYPE, show_default=True)(command)
 
 
 def call_limit_options(command: Any) -> Any:

@@ -9,6 +9,7 @@ import click
 from tinkergym.cli.common import FiniteFloat, InputError, SafePath
 from tinkergym.cli.connection_options import connection_limits, connection_options, is_loopback
 from tinkergym.cli.serve.server import (
+    device_options,
     EXIT_WITH_PARENT_OPTION,
     HOST_OPTION,
     METRICS_PORT_OPTION,
@@ -20,13 +21,12 @@ from tinkergym.cli.serve.server import (
     request_logger,
     run_server,
 )
-from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
+from tinkergym.config import DEFAULT_MICRO_BATCH_SIZE
 
 
 @click.command("shared")
 @click.option("--model", required=True, help="The base model: a name (tiny, smollm2-135m, a hub id) or a folder on this machine.")
-@click.option("--dtype", type=click.Choice(DTYPES), default=DEFAULT_DTYPE, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+@device_options
 @click.option("--micro-batch-size", type=click.IntRange(min=1), default=DEFAULT_MICRO_BATCH_SIZE, show_default=True,
               help="Rows per training or scoring pass, across adapters (bounds the activations' memory).")
 @click.option("--max-sample-batch", type=click.IntRange(min=1), default=64, show_default=True,

@@ -9,8 +9,8 @@ import click
 from tinkergym.cli.common import InputError, SafePath
 from tinkergym.cli.connection_options import connection_limits, connection_options, is_loopback
 from tinkergym.cli.scheduler.database import data_dir_option, db_option, open_database
-from tinkergym.cli.serve.server import HOST_OPTION, METRICS_PORT_OPTION, request_logger, run_server
-from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
+from tinkergym.cli.serve.server import HOST_OPTION, METRICS_PORT_OPTION, device_options, request_logger, run_server
+from tinkergym.config import DEFAULT_MICRO_BATCH_SIZE
 
 
 @click.command("tinker")
@@ -28,8 +28,7 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE, DTYPES
 @click.option("--tokenizer-id", default=None,
               help="What get_info answers as the tokenizer (the SDK loads it with AutoTokenizer): a hub id or a folder the clients can read "
                    "(default: the model's folder on this machine).")
-@click.option("--dtype", type=click.Choice(DTYPES), default=DEFAULT_DTYPE, show_default=True)
-@click.option("--device", default="auto", show_default=True, help="auto (cuda when available), cpu, cuda, cuda:1, ...")
+@device_options
 @click.option("--micro-batch-size", type=click.IntRange(min=1), default=DEFAULT_MICRO_BATCH_SIZE, show_default=True,
               help="Rows per training or scoring pass, across training runs (bounds the activations' memory).")
 @click.option("--max-sample-batch", type=click.IntRange(min=1), default=64, show_default=True,
