@@ -160,12 +160,10 @@ docs-serve: install
 # and the system packages side by side); lint beside the quick tests (mypy, most of lint's time, runs on one core, and
 # the quick lane leaves about a third of the cores idle while its tests wait on servers, so lint costs no time there;
 # its output is printed when it ends, and if it fails the quick tests are stopped at once); the slow tests (-m slow:
-# end-to-end runs of real processes, learning curves) on every core, and beside them, in one process, the GPU lane's
-# code on the CPU and then the vLLM lane (the slow lane leaves about 40% of two cores idle while its tests wait on
-# servers, workers and timeouts; the two side lanes' output is printed when the slow lane ends). Test lanes run
-# pytest-xdist, TEST_WORKERS processes of one thread each (tests/conftest.py sets the thread counts). A failed lane
-# stops the run; at the end, with or without a failure, the time of each lane, of the whole run and the 30 slowest
-# tests of all lanes are printed (.ci/report.py, from $(REPORTS)/).
+# end-to-end runs of real processes, learning curves); the GPU lane's code on the CPU; the vLLM lane. Each test lane
+# runs on every core (pytest-xdist, TEST_WORKERS processes of one thread each: tests/conftest.py sets the thread
+# counts). The first lane that fails stops the run; at the end, with or without a failure, the time of each lane, of
+# the whole run and the 30 slowest tests of all lanes are printed (.ci/report.py, from $(REPORTS)/).
 test:
 	@rm -rf $(REPORTS) && mkdir -p $(REPORTS)
 	@start=$$(date +%s); $(MAKE) --no-print-directory test-lanes; status=$$?; \
@@ -177,11 +175,9 @@ test-lanes:
 		if ($(call timed,lint,$(MAKE) --no-print-directory lint > $(REPORTS)/lint.log 2>&1)); then cat $(REPORTS)/lint.log; \
 		else cat $(REPORTS)/lint.log; echo "lint failed: the quick tests are stopped" >&2; kill -TERM $$quick 2>/dev/null; wait $$quick; exit 1; fi; \
 		wait $$quick; status=$$?; printf 'quick\t%s\t%s\n' "$$(( $$(date +%s) - start ))" "$$status" >> $(REPORTS)/lanes.tsv; exit $$status
-	@(($(call timed,gpu-on-cpu,$(MAKE) --no-print-directory test-gpu-on-cpu TEST_WORKERS=1 PYTEST_ARGS="$(call junit,gpu-on-cpu)")) && \
-		($(call timed,vllm,$(MAKE) --no-print-directory test-vllm TEST_WORKERS=1 PYTEST_ARGS="$(call junit,vllm)"))) \
-		> $(REPORTS)/beside-slow.log 2>&1 & beside=$$!; trap 'kill -TERM $$beside 2>/dev/null' INT TERM; \
-		($(call timed,slow,$(PYTEST) -m slow $(call junit,slow))); slow=$$?; wait $$beside; other=$$?; \
-		cat $(REPORTS)/beside-slow.log; test $$slow -eq 0 && test $$other -eq 0
+	@$(call timed,slow,$(PYTEST) -m slow $(call junit,slow))
+	@$(call timed,gpu-on-cpu,$(MAKE) --no-print-directory test-gpu-on-cpu PYTEST_ARGS="$(call junit,gpu-on-cpu)")
+	@$(call timed,vllm,$(MAKE) --no-print-directory test-vllm PYTEST_ARGS="$(call junit,vllm)")
 
 # A developer's loop: lint's fast checks and the quick tests (-m "not slow"), on every core; a few minutes.
 test-quick: install
