@@ -57,6 +57,10 @@ RUN = ("--env", "tinker/Bandit-v0", "--model", "tiny", "--dtype", "float32", "--
        "--max-new-tokens", "4", "--lr", "3e-2", "--checkpoint-every", "1", "--quiet")
 VOLATILE = ("time/", "tokens/per_s")
 WORKER = "rayw"
+#: The scheduler's lease TTL here: a lease the tests end on purpose expires this long after its last heartbeat. A Ray
+#: cluster of two nodes beside other tests on two cores has held a worker's heartbeats (every 0.5 s) back for over 3 s,
+#: and a shorter TTL then ended a lease no test meant to end (the job ran at one epoch more than the test expects).
+LEASE_TTL_S = 8.0
 
 
 @pytest.fixture
@@ -172,7 +176,7 @@ def test_a_two_rank_job_spans_the_nodes_survives_a_killed_rank_and_trains_as_one
 
     local, cache = local_run
     client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=LEASE_TTL_S, sweep_interval_s=0.2)))
     worker = start_worker(scheduler.url, worker_key, ray_cluster.address, tmp_path / "w", cache)
     out = tmp_path / "scheduled"
     client = train_through(scheduler.url, client_key, out, 2, tmp_path / "client-cache")
@@ -223,7 +227,7 @@ def test_a_killed_actor_ends_the_lease_and_the_job_resumes_from_its_checkpoint(r
 
     local, cache = local_run
     client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=LEASE_TTL_S, sweep_interval_s=0.2)))
     worker = start_worker(scheduler.url, worker_key, ray_cluster.address, tmp_path / "w", cache)
     out = tmp_path / "scheduled"
     client = train_through(scheduler.url, client_key, out, 1, tmp_path / "client-cache")
@@ -263,7 +267,7 @@ def test_a_restarted_worker_stops_the_actors_its_earlier_process_left(ray_cluste
     import ray
 
     client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=LEASE_TTL_S, sweep_interval_s=0.2)))
     body = {"kind": "train", "gpus": 2, "config": {"model": "tiny", "dtype": "float32", "placement": "strict_spread"}}
     first = start_worker(scheduler.url, worker_key, ray_cluster.address, tmp_path / "w", tmp_path / "cache")
     log = testkit.log_text(tmp_path / "w" / "worker.log")
@@ -283,7 +287,7 @@ def test_a_restarted_worker_stops_the_actors_its_earlier_process_left(ray_cluste
 
         first.send_signal(signal.SIGKILL)
         first.wait()
-        assert ranks_of(job_id, 1) == names  # detached: they outlive the worker's process (their lease ends in 3 s, they in 60 more)
+        assert ranks_of(job_id, 1) == names  # detached: they outlive the worker's process (their lease ends in LEASE_TTL_S, they in 60 s more)
 
         second = start_worker(scheduler.url, worker_key, ray_cluster.address, tmp_path / "w", tmp_path / "cache")
         # the actors are killed first and their group removed after (Ray removes a group asynchronously): all three are awaited
@@ -310,7 +314,7 @@ def test_a_lora_job_takes_a_seat_of_a_shared_server_running_as_an_actor(ray_clus
     trains. Killed with SIGKILL, the worker leaves the shared server's actor; started again, it stops it."""
     _, cache = local_run
     client_key, worker_key = keys.new("acme", "read,write"), keys.new("ops", "worker")
-    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=3.0, sweep_interval_s=0.2)))
+    scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=LEASE_TTL_S, sweep_interval_s=0.2)))
     shared = ("--shared-devices", "0", "--seats", "2", "--shared-dtype", "float32", "--max-lora-rank", "16")
     worker = start_worker(scheduler.url, worker_key, ray_cluster.address, tmp_path / "w", cache, *shared)
     out = tmp_path / "scheduled"
