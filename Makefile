@@ -42,10 +42,6 @@ uv_install = $(1)/bin/uv pip install -q --python $(1)/bin/python $$($(1)/bin/pyt
 TEST_WORKERS ?= auto
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
 PYTEST := $(PY) -m pytest $(XDIST)
-# The slow lane's processes: half as many again as the cores (3 on two), as its tests spend much of their time waiting
-# on the servers, workers and timeouts they start (two processes on two cores left 30-50% of the CPU idle); TEST_WORKERS
-# set to a number sets it too.
-SLOW_TEST_WORKERS ?= $(if $(filter auto,$(TEST_WORKERS)),$(shell $(PYTHON) -c 'import os; print(max(2, len(os.sched_getaffinity(0)) * 3 // 2))'),$(TEST_WORKERS))
 # Where `make test` keeps each lane's time and JUnit report for the summary at its end.
 REPORTS ?= .ci-reports
 # $(call junit,LANE): the pytest option that writes LANE's JUnit report.
@@ -166,7 +162,7 @@ docs-serve: install
 # its output is printed when it ends, and if it fails the quick tests are stopped at once); the slow tests (-m slow:
 # end-to-end runs of real processes, learning curves); the GPU lane's code on the CPU; the vLLM lane. Each test lane
 # runs on every core (pytest-xdist, TEST_WORKERS processes of one thread each: tests/conftest.py sets the thread
-# counts; the slow lane SLOW_TEST_WORKERS). The first lane that fails stops the run; at the end, with or without a failure, the time of each lane, of
+# counts). The first lane that fails stops the run; at the end, with or without a failure, the time of each lane, of
 # the whole run and the 30 slowest tests of all lanes are printed (.ci/report.py, from $(REPORTS)/).
 test:
 	@rm -rf $(REPORTS) && mkdir -p $(REPORTS)
@@ -179,7 +175,7 @@ test-lanes:
 		if ($(call timed,lint,$(MAKE) --no-print-directory lint > $(REPORTS)/lint.log 2>&1)); then cat $(REPORTS)/lint.log; \
 		else cat $(REPORTS)/lint.log; echo "lint failed: the quick tests are stopped" >&2; kill -TERM $$quick 2>/dev/null; wait $$quick; exit 1; fi; \
 		wait $$quick; status=$$?; printf 'quick\t%s\t%s\n' "$$(( $$(date +%s) - start ))" "$$status" >> $(REPORTS)/lanes.tsv; exit $$status
-	@$(call timed,slow,$(PY) -m pytest -n $(SLOW_TEST_WORKERS) --dist loadgroup -m slow $(call junit,slow))
+	@$(call timed,slow,$(PYTEST) -m slow $(call junit,slow))
 	@$(call timed,gpu-on-cpu,$(MAKE) --no-print-directory test-gpu-on-cpu PYTEST_ARGS="$(call junit,gpu-on-cpu)")
 	@$(call timed,vllm,$(MAKE) --no-print-directory test-vllm PYTEST_ARGS="$(call junit,vllm)")
 
