@@ -131,6 +131,24 @@ export class JobsView {
       `${bytes(mine.artifact_bytes)} of ${bytes(mine.max_artifact_bytes)} stored.`;
   }
 
+  /** Shows `rows`, keeping the rows and cells already shown that did not change: the list reads itself again whenever a
+   * job changes, and a row replaced under the pointer would lose the click on its link that had begun (mouse down on the
+   * old link, up on the new one is no click). */
+  keepRows(rows) {
+    const shown = new Map([...this.body.children].map((tr) => [tr.dataset.job, tr]));
+    const kept = rows.map((row) => {
+      const before = shown.get(row.dataset.job);
+      if (!before || before.children.length !== row.children.length) return row;
+      before.dataset.state = row.dataset.state;
+      [...row.children].forEach((cell, i) => {
+        if (before.children[i].outerHTML !== cell.outerHTML) before.children[i].replaceWith(cell);
+      });
+      return before;
+    });
+    const same = kept.length === this.body.children.length && kept.every((tr, i) => this.body.children[i] === tr);
+    if (!same) this.body.replaceChildren(...kept);
+  }
+
   render(page) {
     this.nextCursor = page.next_cursor;
     const operator = this.me && this.me.operator;
@@ -146,7 +164,7 @@ export class JobsView {
       el("td", {}, timeCell(job.created_at, age(job.created_at))),
       el("td", {}, job.wait_reason ? job.wait_reason.message : ""),
     ));
-    this.body.replaceChildren(...rows);
+    this.keepRows(rows);
     document.getElementById("jobs-empty").hidden = rows.length > 0;
     this.prev.disabled = this.cursors.length <= 1;
     this.next.disabled = !this.nextCursor;
