@@ -56,5 +56,13 @@ def example_fixtures(request: pytest.FixtureRequest) -> Callable[[tuple[str, ...
 
 @pytest.fixture(scope="session")
 def example_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """TINKERGYM_CACHE of every example run by this test process (models converted once)."""
-    return tmp_path_factory.mktemp("docs-cache")
+    """TINKERGYM_CACHE of every example run by this test process: its own keys and tokenizers, and the models of the
+    suite's cache (``~/.cache/tinkergym/models`` unless TINKERGYM_CACHE says otherwise), which every test process shares:
+    SmolLM2 is converted once for the whole run (the cache builds a model atomically, under a lock), not once a process."""
+    from tinkergym.plumbing.folders import cache_root
+
+    cache = tmp_path_factory.mktemp("docs-cache")
+    models = cache_root() / "models"
+    models.mkdir(parents=True, exist_ok=True)
+    (cache / "models").symlink_to(models, target_is_directory=True)
+    return cache
