@@ -184,15 +184,15 @@ ROWS: tuple[Row, ...] = (
         task="Gomoku-v0 7x7, four in a row, against the random opponent",
         env="tinker/Gomoku-v0",
         env_kwargs={"size": 7, "win_length": 4, "opponent": "random"},
-        settings={"steps": 5, "batch_size": 2, "max_turns": 16, "max_new_tokens": 8, "micro_batch_size": 2, "prefix_cache_mb": 4096,
+        settings={"steps": 4, "batch_size": 2, "max_turns": 16, "max_new_tokens": 8, "micro_batch_size": 2, "prefix_cache_mb": 4096,
                   "gradient_checkpointing": True},
         evals=1,
         warmup=Warmup(demos="random", steps=10, max_context=1024),
         why=("The untrained model writes no legal move (0 of 64 games: every move is refused until the game is forfeit), so "
              "RL would have no signal: a warm-up on the random agent's games teaches the move format and no strategy. "
              "A game is long (up to 16 moves of about 100 tokens each, the board shown every turn): a training pass over "
-             "one takes seconds on two cores, so a step plays 16 games (about 8 minutes a step here) and the run 5 steps (the hour's "
-             "budget), and the warm-up trains on the "
+             "one takes seconds on two cores, so a step plays 16 games (4 to 9 minutes a step here) and the run 4 steps (the hour's "
+             "budget: 5 took 68 minutes), and the warm-up trains on the "
              "random games that fit 1,024 tokens. The prefix cache holds most of an evaluation's 64 games (4 GiB): at the "
              "default 1 GiB it held a third of them, and every turn ran the whole game again (an evaluation took over 10 "
              "minutes); a training pass recomputes each layer's activations (a pass over four whole games kept them, with "
