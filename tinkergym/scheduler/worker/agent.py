@@ -56,10 +56,9 @@ from tinkergym.scheduler.artifact_paths import check_relpath
 from tinkergym.scheduler.worker.job_servers import SERVING_KINDS, WorkerOptions, die_with_parent, server_command  # noqa: F401 - public here too
 from tinkergym.scheduler.worker.checks import last_line, log_tail, server_fault
 from tinkergym.scheduler.worker.faults import Cancelled, JobFault, LeaseLost, Shutdown, WorkerFault  # noqa: F401 - public here too
-from tinkergym.scheduler.worker.folders import finish_folder, prune_states
+from tinkergym.scheduler.worker.folders import finish_folder, prune_states, state_files, state_step
 from tinkergym.scheduler.worker.launchers import STOP_GRACE_S, JobServer, ServerLost  # noqa: F401 - STOP_GRACE_S public here too
 from tinkergym.scheduler.worker.seats import Seat
-from tinkergym.scheduler.worker.folders import state_files, state_step
 
 from tinkergym.serve.auth import write_lease_file
 from tinkergym.client import SchedulerError
