@@ -213,3 +213,53 @@ def test_rollouts_ahead_play_side_by_side_within_max_episodes_in_flight(tiny: st
     run.run(progress=False)
     check_bounded_staleness(watched, out, 2, steps=4)
     assert run.ctx.env_pool is not None and run.ctx.env_pool.sets == sets
+
+
+def test_a_rollout_whose_thread_dies_is_played_again_and_trains_what_it_would_have_none_twice(tiny: str, fake_site: Any,
+                                                                                              tmp_path: Path) -> None:
+    """K = 2: the thread playing step 1's rollout dies after its sample came back (a crash outside the episodes' env
+    code). The step is played again from the same snapshot, once, so every step trains the very sequences a run without
+    the crash trains, each once, and ``async/rollout_retries`` counts it; a rollout that dies twice ends the run."""
+
+    class Dying(WatchedTorch):
+        def __init__(self, *args: Any, die_at: int = 0, again: bool = False, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.die_at, self.again, self.calls = die_at, again, 0
+
+        def sampling_snapshot(self) -> Any:
+            snapshot, owner = super().sampling_snapshot(), self
+
+            class DiesAfterSampling:
+                version = snapshot.version
+
+                def sample(self, request: SampleRequest) -> Any:
+                    response = snapshot.sample(request)
+                    owner.calls += 1
+                    played_again = threading.current_thread() is threading.main_thread()  # the trainer's thread
+                    if owner.calls == owner.die_at or (owner.again and played_again):
+                        raise RuntimeError("the rollout runner died")
+                    return response
+
+            return DiesAfterSampling()
+
+    def trained(watched: WatchedTorch) -> list[list[tuple[int, ...]]]:
+        return [sorted(tuple(d.tokens) for d in request.data) for _, request in watched.trained]
+
+    add_graded_env(fake_site)
+    config = TorchBackendConfig(model=tiny, lora_rank=4, dtype="float32", seed=0)
+    settings = dict(steps=5, async_steps=2, max_episodes_in_flight=8)  # one rollout at a time: the run repeats exactly
+    clean = WatchedTorch(config, delay=0.1)
+    TrainingRun(_config(tmp_path / "clean", tiny, **settings), backend=clean).run(progress=False)
+    dying = Dying(config, delay=0.1, die_at=2)  # the second sample call: step 1's rollout, on the rollout thread
+    TrainingRun(_config(tmp_path / "crash", tiny, **settings), backend=dying).run(progress=False)
+    assert dying.calls == 6, "step 1's rollout was not played again (one sample call a rollout, five steps)"
+    assert len(dying.trained) == 5 and trained(dying) == trained(clean), "a step lost, doubled or changed its samples"
+    assert all(len(request.data) == 8 for _, request in dying.trained)
+    logged = [m for m in metrics(tmp_path / "crash") if m["step"] >= 0]
+    assert [m["async/rollout_retries"] for m in logged] == [0.0, 1.0, 0.0, 0.0, 0.0]
+    assert [m["async/version_gap_max"] for m in logged] == [m["async/version_gap_max"] for m in metrics(tmp_path / "clean") if m["step"] >= 0]
+
+    twice = Dying(config, die_at=2, again=True)  # step 1's rollout dies, and so does its second play
+    with pytest.raises(RuntimeError, match="the rollout runner died"):
+        TrainingRun(_config(tmp_path / "twice", tiny, **settings), backend=twice).run(progress=False)
+    assert [m["step"] for m in metrics(tmp_path / "twice") if m["step"] >= 0] == [0]

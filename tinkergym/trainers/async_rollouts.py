@@ -31,14 +31,22 @@ Invariants:
   the sampler's logprobs, or the truncated importance weight ``tis_cap``. The config refuses settings without one.
 - Rollouts in flight when a run stops or restores a checkpoint are dropped (the thread stops at its next ``sample``);
   a resume samples them again from the checkpoint's weights.
+- A rollout whose thread dies of an exception other than tinkergym's own (a crash in an env's code outside its
+  episodes, a sampler's transient failure) is played again from the start, once, on the trainer's thread, with the
+  same snapshot, prompts and seeds: what it had sampled before it died is thrown away, so the step trains the samples
+  it would have trained and none twice (``async/rollout_retries``). A second failure, or a tinkergym error (a lost
+  backend, a bad setting), ends the step as in a synchronous run. An env that raises inside an episode does not get
+  here: that episode is masked and counted (:mod:`tinkergym.trainers.rollouts`).
 
 The metrics of an async step: ``async/version_gap_mean`` and ``async/version_gap_max`` over the trained samples,
-``async/dropped_groups``, ``time/rollout_wait_s`` (the trainer waiting for the step's rollout), ``time/update_s``
-(training) and ``async/rollout_s`` (how long the rollout ran in the background, overlapping earlier steps' training).
+``async/dropped_groups``, ``async/rollout_retries``, ``time/rollout_wait_s`` (the trainer waiting for the step's
+rollout, a retry included), ``time/update_s`` (training) and ``async/rollout_s`` (how long the rollout ran in the
+background, overlapping earlier steps' training).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -50,6 +58,11 @@ from tinkergym.errors import ConfigError, TinkergymError
 from tinkergym.protocol.types import LossSpec, SampleRequest, SampleResponse
 
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
+
+#: How many times a step's rollout whose thread died is played again before the step fails (see the module's docstring).
+ROLLOUT_RETRIES = 1
 
 #: The name of a single-policy trainer's learner in :attr:`StepRollout.versions`.
 POLICY = "policy"
@@ -160,6 +173,8 @@ class StepRollout(Generic[T]):
     versions: dict[str, int]
     #: How long it ran on the background thread (sampling and env steps).
     seconds: float
+    #: How many times it was played again after its thread died (at most :data:`ROLLOUT_RETRIES`).
+    retries: int = 0
 
 
 class RolloutPipeline(Generic[T]):
@@ -182,6 +197,7 @@ class RolloutPipeline(Generic[T]):
         self._executor: ThreadPoolExecutor | None = None
         self._stopped = threading.Event()
         self._futures: dict[int, Future] = {}
+        self._plays: dict[int, tuple[Callable[[], T], dict[str, int]]] = {}  # each handed-over step's rollout, to play again
         self._next = -1  # the step take() expects next
         self._handed = -1  # the first step not yet handed over
 
@@ -205,12 +221,32 @@ class RolloutPipeline(Generic[T]):
             samplers = {name: StoppableSampler(backend.sampling_snapshot(), self._stopped) for name, backend in self.learners.items()}
             versions = {name: sampler.version for name, sampler in samplers.items()}
             for ahead_step in range(self._handed, upto + 1):
-                self._futures[ahead_step] = self._executor.submit(_played, ahead_step, self.plan(ahead_step, samplers), versions)
+                self._plays[ahead_step] = (self.plan(ahead_step, samplers), versions)
+                self._futures[ahead_step] = self._executor.submit(_played, ahead_step, *self._plays[ahead_step])
             self._handed = upto + 1
         started = time.perf_counter()
-        rollout = self._futures.pop(step).result()
+        rollout = self._result(step)
         self._next = step + 1
         return rollout, time.perf_counter() - started
+
+    def _result(self, step: int) -> StepRollout[T]:
+        """``step``'s rollout; one whose thread died of an exception other than a tinkergym error is played again, from the
+        start and on this thread, up to :data:`ROLLOUT_RETRIES` times."""
+        future, (play, versions) = self._futures.pop(step), self._plays.pop(step)
+        retries = 0
+        while True:
+            try:
+                rollout = future.result() if retries == 0 else _played(step, play, versions)
+                rollout.retries = retries
+                return rollout
+            except TinkergymError:
+                raise  # said what went wrong (a lost backend, a cancelled rollout, a bad setting): playing it again cannot help
+            except Exception as exc:
+                if retries >= ROLLOUT_RETRIES or self._stopped.is_set():
+                    raise
+                retries += 1
+                log.warning("step %d's rollout failed (%s: %s); playing it again from its snapshot, its samples so far dropped",
+                            step, type(exc).__name__, exc)
 
     def reset(self) -> None:
         """Drop every rollout handed over (in flight ones stop at their next ``sample``); the next :meth:`take` starts afresh."""
@@ -218,6 +254,7 @@ class RolloutPipeline(Generic[T]):
         for future in self._futures.values():
             future.cancel()
         self._futures.clear()
+        self._plays.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         self._executor, self._stopped = None, threading.Event()

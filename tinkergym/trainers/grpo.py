@@ -121,7 +121,8 @@ class GRPOTrainer:
         with timeline.span("update"):
             metrics = self.update(self.ctx.backend, [t for t, keep in zip(trajectories, keep_B) if keep])
         metrics.update(staleness_metrics(gaps_B, keep_B, dropped_groups(keep_B, c.group_size)))
-        metrics.update({"time/rollout_wait_s": waited, "time/update_s": time.perf_counter() - trained, "async/rollout_s": rollout.seconds})
+        metrics.update({"time/rollout_wait_s": waited, "time/update_s": time.perf_counter() - trained, "async/rollout_s": rollout.seconds,
+                        "async/rollout_retries": float(rollout.retries)})
         return StepOutput(metrics, trajectories)
 
     def plan_rollout(self, step: int, samplers: dict[str, Any]) -> Callable[[], list[Trajectory]]:

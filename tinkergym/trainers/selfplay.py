@@ -246,7 +246,8 @@ class SelfPlayTrainer(GRPOTrainer):
         gaps_B = [gaps[name] for name in gaps for _ in range(sizes[name])]
         keep_B = [name not in stale for name in gaps for _ in range(sizes[name])]
         metrics.update(staleness_metrics(gaps_B, keep_B, dropped_groups=len(stale)))  # a learner's batch is one group
-        metrics.update({"time/rollout_wait_s": waited, "time/update_s": time.perf_counter() - trained, "async/rollout_s": rollout.seconds})
+        metrics.update({"time/rollout_wait_s": waited, "time/update_s": time.perf_counter() - trained, "async/rollout_s": rollout.seconds,
+                        "async/rollout_retries": float(rollout.retries)})
         return results, opponents, metrics
 
     def plan_games(self, step: int, samplers: dict[str, Any]) -> Callable[[], tuple[list[GameResult], list[str]]]:
