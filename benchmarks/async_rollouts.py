@@ -33,8 +33,9 @@ async run needs; at K = 0 it is the on-policy ratio), so only the overlap differ
 (K = 0, 1, 2 for seed 0, then seed 1, ...), so a change in what else the machine runs touches every K alike.
 
 Reported per K (medians over seeds): steps per hour over the training loop (the summed ``time/step_s``; the final
-checkpoint and export are left out, the same for every K), the speed-up over the first K (after an untimed warm-up
-run), where a step's time went (waiting for its rollout, ``time/rollout_wait_s`` or at K = 0 ``time/rollout_s``, and
+checkpoint and export are left out, the same for every K), samples drawn per hour (steps per hour x batch size x
+group size), the speed-up over the first K (after an untimed warm-up run), the reward per sample (``reward/mean`` over
+the run's steps, the mean over seeds and the seeds' range), where a step's time went (waiting for its rollout, ``time/rollout_wait_s`` or at K = 0 ``time/rollout_s``, and
 training, ``time/update_s``), the learner's idle fraction (the time it waited for rollouts over the loop's), how long a
 rollout ran in the background (``async/rollout_s``) and the mean version gap of the trained samples. The reward curves
 are ``reward/mean`` of each step against the samples drawn so far (batch size x group size per step, the same for
@@ -128,8 +129,10 @@ def summarize(runs: list[dict[str, Any]], ks: list[int], samples_per_step: int) 
         mine = [r for r in runs if r["k"] == k]
         per_hour = statistics.median(r["steps_per_hour"] for r in mine)
         steps = len(mine[0]["reward"])
+        per_seed = [statistics.fmean(r["reward"]) for r in mine]  # reward per sample drawn, over the run
         out[str(k)] = {
-            "steps_per_hour": per_hour, "speedup": per_hour / base,
+            "steps_per_hour": per_hour, "speedup": per_hour / base, "samples_per_hour": per_hour * samples_per_step,
+            "reward_per_sample": statistics.fmean(per_seed), "reward_per_sample_range": [min(per_seed), max(per_seed)],
             **{name: statistics.median(statistics.fmean(r[name]) for r in mine) for name in ("step_s", "rollout_wait_s", "update_s", "rollout_s", "version_gap")},
             "idle_fraction": statistics.median(r["idle_fraction"] for r in mine),
             "dropped_groups": sum(sum(r["dropped_groups"]) for r in mine),
@@ -144,11 +147,14 @@ def print_report(summary: dict[str, Any], ks: list[int], facts: dict[str, Any], 
     where = {"tinker": "through serve tinker", "remote": "through serve backend", "scheduled": "through a scheduler's worker"}.get(args.backend, "on the torch backend")
     print(f"{args.model} {where}, {args.env} (env latency {args.env_latency:g} s a step): {args.batch_size} prompts x {args.group_size} samples "
           f"per step, {args.steps} steps, seeds {args.seeds}; {describe(facts)}")
-    print(f"{'K':>2} {'steps/h':>9} {'speed-up':>9} {'step s':>8} {'wait s':>8} {'idle':>6} {'train s':>8} {'rollout s':>10} {'gap':>5} {'dropped':>8}")
+    print(f"{'K':>2} {'steps/h':>9} {'samples/h':>10} {'speed-up':>9} {'step s':>8} {'wait s':>8} {'idle':>6} {'train s':>8} {'rollout s':>10} "
+          f"{'gap':>5} {'dropped':>8} {'reward/sample (seeds)':>24}")
     for k in ks:
         s = summary[str(k)]
-        print(f"{k:>2} {s['steps_per_hour']:>9.1f} {s['speedup']:>8.2f}x {s['step_s']:>8.2f} {s['rollout_wait_s']:>8.2f} {s['idle_fraction']:>6.2f} "
-              f"{s['update_s']:>8.2f} {s['rollout_s']:>10.2f} {s['version_gap']:>5.2f} {s['dropped_groups']:>8}")
+        low, high = s["reward_per_sample_range"]
+        print(f"{k:>2} {s['steps_per_hour']:>9.1f} {s['samples_per_hour']:>10.0f} {s['speedup']:>8.2f}x {s['step_s']:>8.2f} {s['rollout_wait_s']:>8.2f} "
+              f"{s['idle_fraction']:>6.2f} {s['update_s']:>8.2f} {s['rollout_s']:>10.2f} {s['version_gap']:>5.2f} {s['dropped_groups']:>8} "
+              f"{s['reward_per_sample']:>8.3f} [{low:.3f}, {high:.3f}]")
     print("\nreward/mean (mean over seeds) against samples drawn:")
     print(f"{'samples':>8} " + " ".join(f"{'K=' + str(k):>8}" for k in ks))
     for i, samples in enumerate(summary[str(ks[0])]["samples"]):
