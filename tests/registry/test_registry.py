@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import gymnasium as gym
 import pytest
@@ -72,7 +73,8 @@ def test_a_missing_namespace_says_what_to_check(monkeypatch) -> None:
     installed package): the message says which package Python imports and that a local folder may shadow it."""
     monkeypatch.setattr(hub, "list_envs", lambda refresh=False: [])
     message = hub.unknown_env_message("tinker/Bandit-v0")
-    assert "install it with: pip install tinkergym-bandit" in message
+    root = Path(tinkergym.__file__).resolve().parents[1]  # this clone: its own folder, then the name it will have
+    assert f"install it with: pip install -e {root / 'env_packages' / 'bandit'} (from this clone; once published: pip install tinkergym-bandit)" in message
     assert "No env package of the tinker/ namespace is installed" in message
     assert 'python -c "import tinkergym; print(tinkergym.__file__, list(tinkergym.__path__))"' in message
     assert "A folder named tinkergym (or a tinkergym.py) beside the script is imported instead" in message

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 import click
 
 from tinkergym.errors import ConfigError, EnvKindError, ScaffoldError, TinkergymError, UnknownEnvError
+from tinkergym.plumbing.install import pip_install
 
 #: tinkergym errors that mean the input was wrong (an option, a file's contents, an env's kwargs): exit code 2.
 INPUT_ERRORS = (ConfigError, UnknownEnvError, EnvKindError, ScaffoldError)
@@ -98,7 +99,7 @@ class TinkergymGroup(click.Group):
                 raise
             what = f"tinkergym {command}" if command else "this command"
             raise click.ClickException(
-                f"{what} needs the {extra!r} extra (no module named {exc.name!r}): install it with: pip install 'tinkergym[{extra}]'"
+                f"{what} needs the {extra!r} extra (no module named {exc.name!r}): install it with: {pip_install(extra)}"
             ) from exc
         except INPUT_ERRORS as exc:
             raise InputError(_shown(exc)) from exc

@@ -14,6 +14,7 @@ import click
 
 from tinkergym.cli.common import SafePath, construct_env, parse_kwargs
 from tinkergym.errors import CheckFailed, ConfigError, EnvUnavailableError, TinkergymError
+from tinkergym.plumbing.install import pip_install
 from tinkergym.registry import EnvSpec, list_envs, load_baseline, load_entry_point, spec
 
 
@@ -32,7 +33,7 @@ def list_command(as_json: bool) -> None:
             click.echo(json.dumps(s.to_dict()))
         return
     if not specs:
-        click.echo("No env packages installed. Try: pip install tinkergym-gomoku  (or: tinkergym envs new NAME)")
+        click.echo(f"No env packages installed. Try: {pip_install(dist='tinkergym-gomoku')}  (or: tinkergym envs new NAME)")
         return
     rows = [("ID", "PACKAGE", "VERSION", "DATA", "TURNS", "AGENTS", "SUMMARY")]
     rows += [(s.id, s.distribution, s.version, s.data, s.turns, str(s.agents), s.summary) for s in specs]

@@ -20,6 +20,7 @@ import gymnasium as gym
 
 from tinkergym.errors import ConfigError, DuplicateEnvIdError, EnvKindError, EnvPackageImportError, UnknownEnvError
 from tinkergym.registry.discovery import Discovery, EnvSpec, conflict_message, discover, warn_about
+from tinkergym.plumbing.install import pip_install
 
 _state: dict[str, Discovery] = {}
 #: The entry point the hub registered for each id, so a rescan can tell its own entries from others'.
@@ -122,7 +123,7 @@ def unknown_env_message(env_id: str) -> str:
     for candidate in [env_id, *close[:1]]:
         dist = providers.get(candidate)
         if dist and candidate not in installed:
-            lines.append(f"{candidate} is provided by {dist}; install it with: pip install {dist}")
+            lines.append(f"{candidate} is provided by {dist}; install it with: {pip_install(dist=dist)}")
             break
     namespace = env_id.split("/", 1)[0] if "/" in env_id else None
     if namespace in {i.split("/", 1)[0] for i in providers} and not any(i.startswith(f"{namespace}/") for i in installed):

@@ -30,6 +30,8 @@ import time
 from contextlib import contextmanager
 from collections.abc import Callable, Iterator
 
+from tinkergym.plumbing.install import pip_install
+
 #: The exit code of a server that stopped because its client was idle (EX_TEMPFAIL).
 IDLE_EXIT_CODE = 75
 #: The exit code of a server that stopped because its parent died.
@@ -51,7 +53,7 @@ def environment_faults() -> Iterator[None]:
         yield
     except ImportError as exc:
         _environment_exit(f"a package the server needs does not import here: {type(exc).__name__}: {exc}; "
-                          "install it with: pip install 'tinkergym[train,serve]'")
+                          f"install it with: {pip_install('train,serve')}")
     except EnvironmentFault as exc:
         _environment_exit(str(exc))
     except RuntimeError as exc:

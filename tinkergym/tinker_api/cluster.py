@@ -66,6 +66,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tinkergym.tinker_api.engines import EngineError, Saved, folder_size
+from tinkergym.plumbing.install import pip_install
 
 #: A job's checkpoint names (a state folder on its server).
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -154,7 +155,7 @@ def offered_tokenizer(model: str) -> tuple[str, str | None]:
             return str(cached), None
         missing = [name for name in ("torch", "transformers") if importlib.util.find_spec(name) is None]
         if missing:
-            why = f"making its folder here needs {' and '.join(missing)} (pip install 'tinkergym[train]')"
+            why = f"making its folder here needs {' and '.join(missing)} ({pip_install('train')})"
         else:
             try:
                 return resolve_model(model), None

@@ -14,6 +14,7 @@ from typing import Any
 from collections.abc import Iterable
 
 from tinkergym.errors import ConfigError, TinkergymError
+from tinkergym.plumbing.install import pip_install
 
 LEARNER = "learner"
 KINDS = ("snapshot", "baseline", "random", "policy")
@@ -292,7 +293,7 @@ def _plackett_luce() -> Any:
     try:
         from openskill.models import PlackettLuce
     except ImportError as exc:
-        raise ImportError("the league's ratings need openskill; install it with: pip install 'tinkergym[train]'") from exc
+        raise ImportError(f"the league's ratings need openskill; install it with: {pip_install('train')}") from exc
     return PlackettLuce()
 
 

@@ -32,6 +32,7 @@ from tinkergym.backends.models import SMOLLM2_HUB_ID, SMOLLM2_NAME
 from tinkergym.errors import ConfigError, TinkergymError, UnknownEnvError
 from tinkergym.config import TrainConfig
 from tinkergym.trainers.reporting import read_metrics
+from tinkergym.plumbing.install import pip_install
 
 #: ORG/NAME as the Hub accepts it: ASCII letters, digits, ``_ . -``; no ``--`` or ``..``; at most 96 a part.
 REPO_ID_PATTERN = re.compile(r"^(?!.*(?:--|\.\.))(?!.*\.git$)(\w(?:[\w.-]{0,94}\w)?)/(\w(?:[\w.-]{0,94}\w)?)$", re.ASCII)
@@ -45,7 +46,7 @@ RUN_FILES = (("config.json", "tinkergym_config.json"), ("metrics.jsonl", "metric
 #: Files of a peft adapter folder (the rest of final/ is the tokenizer).
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 
-INSTALL_HUB = "install it with: pip install 'tinkergym[hub]'"
+INSTALL_HUB = f"install it with: {pip_install('hub')}"
 
 
 class PushError(TinkergymError, RuntimeError):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tinkergym.errors import ConfigError
+from tinkergym.plumbing.install import pip_install
 
 ID_FILE = "wandb_id"
 
@@ -25,7 +26,7 @@ class WandbTracker:
         try:
             import wandb
         except ImportError as exc:
-            raise ConfigError("--wandb needs the wandb client library: install it with: pip install 'tinkergym[wandb]'") from exc
+            raise ConfigError(f"--wandb needs the wandb client library: install it with: {pip_install('wandb')}") from exc
         id_file = folder / ID_FILE
         run_id = id_file.read_text(encoding="utf-8").strip() if id_file.is_file() else ""
         if not run_id:

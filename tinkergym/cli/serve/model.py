@@ -12,6 +12,7 @@ from tinkergym.cli.common import SafePath
 from tinkergym.config import DTYPES
 from tinkergym.cli.connection_options import connection_limits, connection_options
 from tinkergym.cli.serve.server import METRICS_PORT_OPTION, start_metrics
+from tinkergym.plumbing.install import pip_install
 
 ENGINES = ("auto", "torch", "vllm")
 
@@ -168,7 +169,7 @@ def serve_model(
     except ImportError as exc:  # this machine's fault, not the request's: exit 69 (a worker gives the job back)
         from tinkergym.serve.lifetime import ENVIRONMENT_EXIT_CODE
 
-        click.echo(f"error: tinkergym serve model needs the serve extra ({exc.name} is missing): pip install 'tinkergym[serve]'", err=True)
+        click.echo(f"error: tinkergym serve model needs the serve extra ({exc.name} is missing): {pip_install('serve')}", err=True)
         raise SystemExit(ENVIRONMENT_EXIT_CODE) from exc
     served: InferenceEngine | None = None
     if engine == "vllm":

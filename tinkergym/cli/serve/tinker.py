@@ -11,6 +11,7 @@ from tinkergym.cli.connection_options import connection_limits, connection_optio
 from tinkergym.cli.scheduler.database import data_dir_option, db_option, open_database
 from tinkergym.cli.serve.server import HOST_OPTION, METRICS_PORT_OPTION, device_options, request_logger, run_server
 from tinkergym.config import DEFAULT_MICRO_BATCH_SIZE
+from tinkergym.plumbing.install import pip_install
 
 
 @click.command("tinker")
@@ -93,7 +94,7 @@ def serve_tinker(
     try:
         import tinker  # noqa: F401 - the SDK's types and protobuf schema are the wire
     except ImportError as exc:
-        raise InputError("tinkergym serve tinker speaks the tinker SDK's own types: pip install 'tinkergym[tinker]' (tinker==0.38.0)") from exc
+        raise InputError(f"tinkergym serve tinker speaks the tinker SDK's own types (tinker==0.38.0): {pip_install('tinker')}") from exc
     if (model is None) == (scheduler_url is None):
         both = "not both" if model is not None else "one of them"
         raise InputError(f"give --model MODEL (serve it here) or --scheduler URL with --offer MODEL (the cluster's front door): {both}")
@@ -105,9 +106,9 @@ def serve_tinker(
         click.echo(f"warning: listening on {host}: keys and data travel unencrypted unless a TLS proxy is in front.", err=True)
     engine = open_database(db, data_dir)
     if scheduler_url is not None:
+        from tinkergym.plumbing.urls import check_scheduler_url
         from tinkergym.tinker_api.cluster import offered_tokenizer
         from tinkergym.tinker_api.server import create_front_door
-        from tinkergym.plumbing.urls import check_scheduler_url
 
         offered = {}
         for offer in offers:

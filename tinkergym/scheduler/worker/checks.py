@@ -21,6 +21,8 @@ import subprocess
 from typing import Any
 from pathlib import Path
 
+from tinkergym.plumbing.install import pip_install
+
 #: Exit code of ``serve backend``/``serve model`` when this machine cannot run them (``tinkergym.serve.lifetime``).
 ENVIRONMENT_EXIT_CODE = 69
 #: Packages the job servers import (the ``train`` and ``serve`` extras).
@@ -133,7 +135,7 @@ def check_worker(python: str, devices: list[dict[str, Any]], models: list[str], 
     problems = []
     if found["missing"]:
         problems.append(f"the job servers need {', '.join(found['missing'])}, which {python} cannot import; "
-                        "install them with: pip install 'tinkergym[train,serve]'")
+                        f"install them with: {pip_install('train,serve')}")
     for model, problem in found["models"].items():
         problems.append(f"--models {model}: {problem} (or leave it out of --models; --skip-model-check starts anyway)")
     gpus = sorted(d["index"] for d in devices if d["kind"] == "gpu")

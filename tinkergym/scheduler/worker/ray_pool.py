@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from tinkergym.client import SchedulerError
+from tinkergym.plumbing.install import pip_install
 from tinkergym.scheduler.worker.faults import WorkerFault
 from tinkergym.scheduler.worker.job_servers import placement_strategy, server_command
 from tinkergym.scheduler.worker.launchers import SHARED_LEASE_S, STOP_GRACE_S, ServerLost, spawn_lasting
@@ -79,7 +80,7 @@ def connect(address: str | None) -> None:
     try:
         import ray
     except ImportError as exc:
-        raise ImportError(f"--ray needs Ray, which does not import here ({exc}); install it with: pip install 'tinkergym[ray]'") from exc
+        raise ImportError(f"--ray needs Ray, which does not import here ({exc}); install it with: {pip_install('ray')}") from exc
     ray.init(address=address, namespace=NAMESPACE, ignore_reinit_error=True, log_to_driver=False, logging_level=logging.WARNING)
 
 
