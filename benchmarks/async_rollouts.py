@@ -33,15 +33,16 @@ async run needs; at K = 0 it is the on-policy ratio), so only the overlap differ
 (K = 0, 1, 2 for seed 0, then seed 1, ...), so a change in what else the machine runs touches every K alike.
 
 Reported per K (medians over seeds): steps per hour over the training loop (the summed ``time/step_s``; the final
-checkpoint and export are left out, the same for every K), samples drawn per hour (steps per hour x batch size x
-group size), the speed-up over the first K (after an untimed warm-up run), the reward per sample (``reward/mean`` over
-the run's steps, the mean over seeds and the seeds' range), where a step's time went (waiting for its rollout, ``time/rollout_wait_s`` or at K = 0 ``time/rollout_s``, and
-training, ``time/update_s``), the learner's idle fraction (the time it waited for rollouts over the loop's), how long a
-rollout ran in the background (``async/rollout_s``) and the mean version gap of the trained samples. The reward curves
-are ``reward/mean`` of each step against the samples drawn so far (batch size x group size per step, the same for
-every K), per seed and averaged over seeds. ``--plot FILE`` draws the curves (needs matplotlib). Nothing here asserts
-a time; on a 2-core CPU sampling and training share the cores, so the overlap is bounded by them: what async wins here
-is the env's time (``--env-latency``, tools), during which the trainer trains.
+checkpoint and export are left out, the same for every K), samples drawn per hour (steps per hour x batch size x group
+size), the speed-up over the first K (after an untimed warm-up run), the reward per sample (``reward/mean`` over the
+run's steps, the mean over seeds and the seeds' range), where a step's time went (waiting for its rollout,
+``time/rollout_wait_s`` or at K = 0 ``time/rollout_s``, and training, ``time/update_s``), the learner's idle fraction
+(the time it waited for rollouts over the loop's), how long a rollout ran in the background (``async/rollout_s``) and
+the mean version gap of the trained samples. The reward curves are ``reward/mean`` of each step against the samples
+drawn so far (batch size x group size per step, the same for every K), per seed and averaged over seeds. ``--plot
+FILE`` draws the curves (needs matplotlib). Nothing here asserts a time; on a 2-core CPU sampling and training share
+the cores, so the overlap is bounded by them: what async wins here is the env's time (``--env-latency``, tools),
+during which the trainer trains.
 """
 
 from __future__ import annotations
