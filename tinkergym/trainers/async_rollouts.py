@@ -221,8 +221,9 @@ class RolloutPipeline(Generic[T]):
             samplers = {name: StoppableSampler(backend.sampling_snapshot(), self._stopped) for name, backend in self.learners.items()}
             versions = {name: sampler.version for name, sampler in samplers.items()}
             for ahead_step in range(self._handed, upto + 1):
-                self._plays[ahead_step] = (self.plan(ahead_step, samplers), versions)
-                self._futures[ahead_step] = self._executor.submit(_played, ahead_step, *self._plays[ahead_step])
+                play = self.plan(ahead_step, samplers)
+                self._plays[ahead_step] = (play, versions)
+                self._futures[ahead_step] = self._executor.submit(_played, ahead_step, play, versions)
             self._handed = upto + 1
         started = time.perf_counter()
         rollout = self._result(step)
