@@ -40,11 +40,11 @@ def pip_install(extras: str = "", dist: str = "tinkergym") -> str:
     published = shlex.quote(f"{dist}[{extras}]" if extras else dist)
     root = clone_root()
     folder = None
-    if root is not None:
-        if dist == "tinkergym":
-            folder = root
-        elif dist.startswith("tinkergym-") and (root / ENV_PACKAGES / dist.removeprefix("tinkergym-").replace("-", "_")).is_dir():
-            folder = root / ENV_PACKAGES / dist.removeprefix("tinkergym-").replace("-", "_")
+    if root is not None and dist == "tinkergym":
+        folder = root
+    elif root is not None and dist.startswith("tinkergym-"):
+        package = root / ENV_PACKAGES / dist.removeprefix("tinkergym-").replace("-", "_")
+        folder = package if package.is_dir() else None
     if folder is None:
         return f"pip install {published}"
     local = shlex.quote(f"{folder}[{extras}]" if extras else str(folder))

@@ -196,8 +196,8 @@ class RolloutPipeline(Generic[T]):
         self.learners, self.ahead, self.plan, self.workers = learners, ahead, plan, workers
         self._executor: ThreadPoolExecutor | None = None
         self._stopped = threading.Event()
-        self._futures: dict[int, Future] = {}
-        self._plays: dict[int, tuple[Callable[[], T], dict[str, int]]] = {}  # each handed-over step's rollout, to play again
+        # Each handed-over step's rollout in flight, with what plays it (to play it again) and its snapshots' versions.
+        self._futures: dict[int, tuple[Future, Callable[[], T], dict[str, int]]] = {}
         self._next = -1  # the step take() expects next
         self._handed = -1  # the first step not yet handed over
 
@@ -222,8 +222,7 @@ class RolloutPipeline(Generic[T]):
             versions = {name: sampler.version for name, sampler in samplers.items()}
             for ahead_step in range(self._handed, upto + 1):
                 play = self.plan(ahead_step, samplers)
-                self._plays[ahead_step] = (play, versions)
-                self._futures[ahead_step] = self._executor.submit(_played, ahead_step, play, versions)
+                self._futures[ahead_step] = (self._executor.submit(_played, ahead_step, play, versions), play, versions)
             self._handed = upto + 1
         started = time.perf_counter()
         rollout = self._result(step)
@@ -233,7 +232,7 @@ class RolloutPipeline(Generic[T]):
     def _result(self, step: int) -> StepRollout[T]:
         """``step``'s rollout; one whose thread died of an exception other than a tinkergym error is played again, from the
         start and on this thread, up to :data:`ROLLOUT_RETRIES` times."""
-        future, (play, versions) = self._futures.pop(step), self._plays.pop(step)
+        future, play, versions = self._futures.pop(step)
         retries = 0
         while True:
             try:
@@ -252,10 +251,9 @@ class RolloutPipeline(Generic[T]):
     def reset(self) -> None:
         """Drop every rollout handed over (in flight ones stop at their next ``sample``); the next :meth:`take` starts afresh."""
         self._stopped.set()
-        for future in self._futures.values():
+        for future, _, _ in self._futures.values():
             future.cancel()
         self._futures.clear()
-        self._plays.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         self._executor, self._stopped = None, threading.Event()
