@@ -64,6 +64,10 @@ log = logging.getLogger(__name__)
 #: How many times a step's rollout whose thread died is played again before the step fails (see the module's docstring).
 ROLLOUT_RETRIES = 1
 
+#: How long the trainer waits, at most, for the rollouts just started to make their first sample call before it trains
+#: (see :meth:`RolloutPipeline.take`): an env's reset and the first prompts take milliseconds; a slow reset is not waited out.
+HEAD_START_S = 1.0
+
 #: The name of a single-policy trainer's learner in :attr:`StepRollout.versions`.
 POLICY = "policy"
 #: Losses with an importance ratio (against the sampler's logprobs with ``old_logprobs="sampler"``), as the torch backend's.
@@ -150,14 +154,17 @@ def staleness_metrics(gaps_B: Sequence[int], keep_B: Sequence[bool], dropped_gro
 
 
 class StoppableSampler:
-    """A snapshot's ``sample`` that refuses once ``stopped`` is set, so a rollout in flight ends at its next call."""
+    """A snapshot's ``sample`` that refuses once ``stopped`` is set, so a rollout in flight ends at its next call.
+    :attr:`called` is set at its first call (the rollout's head start, see :meth:`RolloutPipeline.take`)."""
 
     def __init__(self, snapshot: Any, stopped: threading.Event) -> None:
         self.snapshot, self._stopped = snapshot, stopped
         self.version = int(snapshot.version)
+        self.called = threading.Event()
 
     def sample(self, request: SampleRequest) -> SampleResponse:
         """Sample with the snapshot, unless the pipeline it belongs to was closed."""
+        self.called.set()
         if self._stopped.is_set():
             raise RolloutCancelled("the run stopped while this rollout was sampled ahead; it is dropped")
         return self.snapshot.sample(request)
@@ -175,6 +182,16 @@ class StepRollout(Generic[T]):
     seconds: float
     #: How many times it was played again after its thread died (at most :data:`ROLLOUT_RETRIES`).
     retries: int = 0
+
+
+@dataclass
+class _InFlight:
+    """A handed-over step's rollout: its future, what plays it (to play it again), its snapshots' versions and samplers."""
+
+    future: Future
+    play: Callable[[], Any]
+    versions: dict[str, int]
+    samplers: list[StoppableSampler]
 
 
 class RolloutPipeline(Generic[T]):
@@ -196,8 +213,8 @@ class RolloutPipeline(Generic[T]):
         self.learners, self.ahead, self.plan, self.workers = learners, ahead, plan, workers
         self._executor: ThreadPoolExecutor | None = None
         self._stopped = threading.Event()
-        # Each handed-over step's rollout in flight, with what plays it (to play it again) and its snapshots' versions.
-        self._futures: dict[int, tuple[Future, Callable[[], T], dict[str, int]]] = {}
+        # Each handed-over step's rollout in flight, with what plays it (to play it again) and its samplers.
+        self._futures: dict[int, _InFlight] = {}
         self._next = -1  # the step take() expects next
         self._handed = -1  # the first step not yet handed over
 
@@ -210,7 +227,13 @@ class RolloutPipeline(Generic[T]):
 
     def take(self, step: int, last_step: int) -> tuple[StepRollout[T], float]:
         """Hand over the steps up to ``step + ahead`` (at most ``last_step``) not yet handed over, bound to snapshots of
-        the current weights, then wait for ``step``'s rollout; returns it and the seconds waited."""
+        the current weights, then wait for ``step``'s rollout; returns it and the seconds waited.
+
+        Before it returns, the rollouts that started meanwhile get a head start: the trainer waits until each has made
+        its first sample call (up to :data:`HEAD_START_S`), so that on a backend that samples and trains on one device
+        (whose sample calls go first, :mod:`tinkergym.backends.torch.turns`) their first turn samples before the step
+        trains and their env steps overlap the update, instead of waiting behind it.
+        """
         if step != self._next:
             self.reset()
             self._handed = step
@@ -218,21 +241,43 @@ class RolloutPipeline(Generic[T]):
         if self._handed <= upto:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="rollouts-ahead")
-            samplers = {name: StoppableSampler(backend.sampling_snapshot(), self._stopped) for name, backend in self.learners.items()}
-            versions = {name: sampler.version for name, sampler in samplers.items()}
+            snapshots = {name: backend.sampling_snapshot() for name, backend in self.learners.items()}
             for ahead_step in range(self._handed, upto + 1):
+                samplers = {name: StoppableSampler(snapshot, self._stopped) for name, snapshot in snapshots.items()}
+                versions = {name: sampler.version for name, sampler in samplers.items()}
                 play = self.plan(ahead_step, samplers)
-                self._futures[ahead_step] = (self._executor.submit(_played, ahead_step, play, versions), play, versions)
+                future = self._executor.submit(_played, ahead_step, play, versions)
+                self._futures[ahead_step] = _InFlight(future, play, versions, list(samplers.values()))
             self._handed = upto + 1
         started = time.perf_counter()
         rollout = self._result(step)
+        waited = time.perf_counter() - started
         self._next = step + 1
-        return rollout, time.perf_counter() - started
+        self._head_start(time.perf_counter() + HEAD_START_S)
+        return rollout, waited
+
+    def _head_start(self, deadline: float) -> None:
+        """Wait until every rollout in flight that runs, or will run as soon as a worker frees, has made its first sample
+        call or ended, or until ``deadline``."""
+        while time.perf_counter() < deadline:
+            busy = sum(1 for f in self._futures.values() if f.future.running())
+            free = self.workers - busy
+            starting = []
+            for flight in self._futures.values():  # in step order: a free worker takes the earliest pending rollout
+                if flight.future.running():
+                    starting.append(flight)
+                elif not flight.future.done() and free > 0:
+                    starting.append(flight)
+                    free -= 1
+            if all(flight.future.done() or any(s.called.is_set() for s in flight.samplers) for flight in starting):
+                return
+            time.sleep(0.002)
 
     def _result(self, step: int) -> StepRollout[T]:
         """``step``'s rollout; one whose thread died of an exception other than a tinkergym error is played again, from the
         start and on this thread, up to :data:`ROLLOUT_RETRIES` times."""
-        future, play, versions = self._futures.pop(step)
+        flight = self._futures.pop(step)
+        future, play, versions = flight.future, flight.play, flight.versions
         retries = 0
         while True:
             try:
@@ -251,8 +296,8 @@ class RolloutPipeline(Generic[T]):
     def reset(self) -> None:
         """Drop every rollout handed over (in flight ones stop at their next ``sample``); the next :meth:`take` starts afresh."""
         self._stopped.set()
-        for future, _, _ in self._futures.values():
-            future.cancel()
+        for flight in self._futures.values():
+            flight.future.cancel()
         self._futures.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)

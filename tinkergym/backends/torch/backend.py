@@ -32,7 +32,6 @@ import json
 import math
 import os
 import random
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +52,7 @@ from tinkergym.backends.torch.state_files import check_state_format, read_optimi
 from tinkergym.backends.torch.copies import CastCopy, MergedLoraCopy, frozen_in_compute_dtype, merged_on_host, sampling_copy, kv_token_cost  # noqa: F401
 from tinkergym.backends.torch.prefix_cache import PrefixCache, adapter_scope
 from tinkergym.backends.torch.sampling import sample_batch
+from tinkergym.backends.torch.turns import TurnLock
 from tinkergym.backends.torch.runtime import (  # noqa: F401 - public here too
     DTYPES,
     compute_in,
@@ -166,11 +166,22 @@ class TorchBackendConfig(PlainData):
 
 def _one_at_a_time(method: Any) -> Any:
     """Run ``method`` holding the backend's lock: a snapshot sampled on another thread (``async_steps``) runs between
-    the training thread's calls, never inside one."""
+    the training thread's calls (or between a ``forward_backward``'s micro-batches), never inside one."""
 
     @functools.wraps(method)
     def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
+        with self._lock.hold():
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
+def _sampling_first(method: Any) -> Any:
+    """:func:`_one_at_a_time` for a sample call, which goes before the training calls that wait (see :mod:`.turns`)."""
+
+    @functools.wraps(method)
+    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock.hold(sampling=True):
             return method(self, *args, **kwargs)
 
     return locked
@@ -243,7 +254,7 @@ class TorchBackend:
         self._sampling_copy: CastCopy | MergedLoraCopy | None = None  # see _sampling_model
         self._sampling_copy_stale = False  # the trainable weights changed since the copy was made or refreshed
         self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))
-        self._lock = threading.RLock()  # one call at a time: the training thread's, or a snapshot's (see sampling_snapshot)
+        self._lock = TurnLock()  # one call at a time, sample calls first: the training thread's, or a snapshot's (see sampling_snapshot)
         self._last_snapshot: TorchSnapshot | None = None
         # Padding is only ever read behind the attention mask, so any id does when the tokenizer has none.
         fallbacks = (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0)
@@ -318,7 +329,7 @@ class TorchBackend:
         }
 
     # ----- sampling and scoring ---------------------------------------------------------------------
-    @_one_at_a_time
+    @_sampling_first
     def sample(self, request: SampleRequest) -> SampleResponse:
         """``num_samples`` completions per prompt, in batches of at most ``max_sample_batch`` sequences.
 
@@ -349,7 +360,7 @@ class TorchBackend:
         self._last_snapshot = snapshot
         return snapshot
 
-    @_one_at_a_time
+    @_sampling_first
     def _sample_snapshot(self, snapshot: TorchSnapshot, request: SampleRequest) -> SampleResponse:
         scope = ("snapshot", snapshot.version, id(snapshot))
         if snapshot.model is not None:
@@ -527,6 +538,8 @@ class TorchBackend:
         # the cast (the weights stay as they are until optim_step), not once per micro-batch. Loss and backward: no autocast.
         with self._compute():
             for micro in self.plan(data):
+                if self._lock.let_samplers_in():  # a snapshot sampled in between (async_steps): its env steps overlap the rest
+                    self.model.train()
                 sums, logprobs = self._train_micro(data, micro, spec, total_mask, num_sequences)
                 if request.return_logprobs:
                     for i, row in zip(micro.indices, logprobs.detach().float().cpu().tolist()):

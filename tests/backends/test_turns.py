@@ -1,0 +1,171 @@
+"""Sampling goes first on a backend that samples and trains on one device (:mod:`tinkergym.backends.torch.turns`).
+
+With ``async_steps`` the next steps' rollouts sample from snapshots while the trainer trains; what overlaps the env's
+time depends on whose call runs first. The lock is tested alone (order, hand-over between parts of a long call,
+reentrancy), then on the real tiny :class:`~tinkergym.backends.torch.backend.TorchBackend`: a snapshot's sample call
+that arrives mid-``forward_backward`` runs between two micro-batches and changes neither the gradients nor its own
+samples, and a rollout handed over by the pipeline samples its first turn before the step it was handed over in trains.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
+from tinkergym.backends.torch.turns import TurnLock  # noqa: E402
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
+from tinkergym.trainers.async_rollouts import RolloutPipeline  # noqa: E402
+
+
+def _wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+def test_a_waiting_sample_call_goes_before_a_training_call_that_waited_longer() -> None:
+    lock, order = TurnLock(), []
+    entered = threading.Event()
+
+    def holder() -> None:
+        with lock.hold():
+            entered.set()
+            _wait_for(lambda: lock.waiting_samplers == 1 and trainer_waits.is_set(), "both calls to wait")
+            time.sleep(0.05)  # the training call has been blocked in _acquire for a while now
+
+    trainer_waits = threading.Event()
+
+    def call(name: str, sampling: bool) -> None:
+        if not sampling:
+            trainer_waits.set()
+        with lock.hold(sampling=sampling):
+            order.append(name)
+
+    first = threading.Thread(target=holder)
+    first.start()
+    entered.wait(10)
+    training = threading.Thread(target=call, args=("train", False))
+    training.start()
+    _wait_for(trainer_waits.is_set, "the training call")
+    time.sleep(0.05)  # it now waits inside the lock, before the sample call arrives
+    sampling = threading.Thread(target=call, args=("sample", True))
+    sampling.start()
+    for thread in (first, training, sampling):
+        thread.join(10)
+    assert order == ["sample", "train"]
+
+
+def test_a_long_call_lets_waiting_samplers_in_between_its_parts_only() -> None:
+    lock, events = TurnLock(), []
+    assert lock.let_samplers_in() is False, "a thread that does not hold the lock has nothing to hand over"
+
+    def sampler() -> None:
+        with lock.hold(sampling=True):
+            events.append("sample")
+
+    with lock.hold():
+        assert lock.let_samplers_in() is False, "no sampler waits"
+        thread = threading.Thread(target=sampler)
+        thread.start()
+        _wait_for(lambda: lock.waiting_samplers == 1, "the sampler")
+        events.append("part 1")
+        with lock.hold():  # reentrant: a call inside a call does not hand the lock over
+            assert lock.let_samplers_in() is False
+        events.append("part 1 done")
+        assert lock.let_samplers_in() is True
+        events.append("part 2")
+    thread.join(10)
+    assert events == ["part 1", "part 1 done", "sample", "part 2"]
+    with pytest.raises(RuntimeError, match="released by the thread that holds it"):
+        lock._release()
+
+
+def _backend(tiny: str, micro_batch_size: int) -> TorchBackend:
+    return TorchBackend(TorchBackendConfig(model=tiny, lora_rank=4, lora_alpha=8.0, dtype="float32", seed=0, micro_batch_size=micro_batch_size))
+
+
+TRAIN = ForwardBackwardRequest(
+    [Datum([5, 6, 7, 8, 9, 10], [0.0, 0.0, 1.0, 1.0, 1.0, 1.0], [a] * 6, [-2.0] * 6) for a in (1.0, -0.5, 0.25)]
+    + [Datum([11, 12, 13, 14], [0.0, 1.0, 1.0, 1.0], [-1.0] * 4, [-2.5] * 4)],
+    LossSpec("importance_sampling"),
+)
+SAMPLE = SampleRequest([[5, 6, 7], [9, 10]], SamplingParams(max_new_tokens=5, temperature=1.0, seed=3), num_samples=2)
+
+
+def _grads(backend: TorchBackend) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() for _, p in backend._trainable if p.grad is not None]
+
+
+def test_a_snapshot_sampled_mid_forward_backward_runs_between_micro_batches_and_changes_nothing(tiny: str) -> None:
+    alone = _backend(tiny, micro_batch_size=1)
+    expected_metrics = alone.forward_backward(TRAIN).metrics
+    expected_grads = _grads(alone)
+    expected_samples = alone.sampling_snapshot().sample(SAMPLE)
+
+    backend = _backend(tiny, micro_batch_size=1)
+    snapshot = backend.sampling_snapshot()
+    order: list[str] = []
+    drawn: list[Any] = []
+
+    def sampler() -> None:
+        drawn.append(snapshot.sample(SAMPLE))
+        order.append("sampled")
+
+    thread = threading.Thread(target=sampler)
+    forwards = {"n": 0}
+
+    def on_forward(module: Any, args: Any, output: Any) -> None:  # the first micro-batch's forward: a rollout's env answers
+        if threading.current_thread() is not threading.main_thread():
+            return  # the sampler's own forwards
+        forwards["n"] += 1
+        order.append(f"forward {forwards['n']}")
+        if forwards["n"] == 1:
+            thread.start()
+            _wait_for(lambda: backend._lock.waiting_samplers == 1, "the sample call to wait")
+
+    hook = backend.model.register_forward_hook(on_forward)
+    try:
+        metrics = backend.forward_backward(TRAIN).metrics
+    finally:
+        hook.remove()
+    thread.join(60)
+    assert 1 <= order.index("sampled") < len(order) - 1, f"the sample call ran between micro-batches: {order}"
+    assert forwards["n"] >= 2 and backend.model.training
+    for name, value in expected_metrics.items():
+        assert metrics[name] == pytest.approx(value, rel=1e-6, abs=1e-7), name
+    for got, want in zip(_grads(backend), expected_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert [[s.tokens for s in row] for row in drawn[0].sequences] == [[s.tokens for s in row] for row in expected_samples.sequences]
+
+
+def test_a_rollout_handed_over_samples_its_first_turn_before_the_step_trains(tiny: str) -> None:
+    # One micro-batch: forward_backward has no point between micro-batches to let a sampler in, so only the
+    # pipeline's head start puts the rollout's sample call first.
+    backend = _backend(tiny, micro_batch_size=8)
+    order: list[str] = []
+
+    def plan(step: int, samplers: dict[str, Any]) -> Any:
+        def play() -> int:
+            time.sleep(0.2)  # an env's reset
+            samplers["policy"].sample(SAMPLE)
+            order.append(f"step {step} sampled")
+            return step
+        return play
+
+    pipeline = RolloutPipeline({"policy": backend}, ahead=1, plan=plan)
+    try:
+        for step in range(3):
+            rollout, _ = pipeline.take(step, last_step=2)
+            assert rollout.output == step
+            backend.forward_backward(TRAIN)
+            order.append(f"step {step} trained")
+    finally:
+        pipeline.close()
+    assert order == ["step 0 sampled", "step 1 sampled", "step 0 trained", "step 2 sampled", "step 1 trained", "step 2 trained"]
