@@ -93,7 +93,7 @@ def train(args: argparse.Namespace, url: str | None, key: str | None, k: int, se
     config = TrainConfig(
         **where, env=args.env, trainer="grpo", lora_rank=args.lora_rank, steps=args.steps, env_latency=args.env_latency,
         batch_size=args.batch_size, group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-        max_context=args.max_context, lr=args.lr, seed=seed, old_logprobs="sampler", async_steps=k, checkpoint_every=args.steps,
+        max_context=args.max_context, lr=args.lr, seed=seed, old_logprobs=args.old_logprobs, tis_cap=args.tis_cap, async_steps=k, checkpoint_every=args.steps,
         max_episodes_in_flight=at_once, micro_batch_size=args.micro_batch_size, transcripts_every=0,
         env_kwargs={**env_kwargs, **json.loads(args.env_kwargs)}, out=str(out),
     )
@@ -199,6 +199,10 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--old-logprobs", choices=("sampler", "trainer"), default="sampler",
+                        help="the stale samples' correction: PPO's ratio against the sampler's logprobs, or (trainer) the ratio against "
+                        "the trainer's own logprobs times the truncated importance weight --tis-cap (AReaL's decoupled PPO)")
+    parser.add_argument("--tis-cap", type=float, default=0.0, metavar="C", help="with --old-logprobs trainer: the weight's cap (e.g. 2)")
     parser.add_argument("--format-reward", type=float, default=0.1)
     parser.add_argument("--env-kwargs", default="{}", metavar="JSON", help="more kwargs of the env (added to the defaults)")
     parser.add_argument("--max-episodes-in-flight", type=int, default=0, metavar="N",

@@ -47,10 +47,12 @@ background, overlapping earlier steps' training).
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -155,19 +157,73 @@ def staleness_metrics(gaps_B: Sequence[int], keep_B: Sequence[bool], dropped_gro
 
 class StoppableSampler:
     """A snapshot's ``sample`` that refuses once ``stopped`` is set, so a rollout in flight ends at its next call.
-    :attr:`called` is set at its first call (the rollout's head start, see :meth:`RolloutPipeline.take`)."""
+    :attr:`called` is set at its first call (the rollout's head start, see :meth:`RolloutPipeline.take`). With a
+    ``relay`` (a snapshot that samples on the trainer's thread, :class:`TrainerThreadCalls`) the call is handed to it."""
 
-    def __init__(self, snapshot: Any, stopped: threading.Event) -> None:
-        self.snapshot, self._stopped = snapshot, stopped
+    def __init__(self, snapshot: Any, stopped: threading.Event, relay: TrainerThreadCalls | None = None) -> None:
+        self.snapshot, self._stopped, self._relay = snapshot, stopped, relay
         self.version = int(snapshot.version)
         self.called = threading.Event()
 
     def sample(self, request: SampleRequest) -> SampleResponse:
         """Sample with the snapshot, unless the pipeline it belongs to was closed."""
-        self.called.set()
         if self._stopped.is_set():
             raise RolloutCancelled("the run stopped while this rollout was sampled ahead; it is dropped")
+        if self._relay is not None:
+            return self._relay.call(self.snapshot.sample, request, self.called)
+        self.called.set()
         return self.snapshot.sample(request)
+
+
+class TrainerThreadCalls:
+    """Sample calls of the rollout threads, run on the trainer's thread.
+
+    A backend in this process (:class:`~tinkergym.backends.torch.backend.TorchSnapshot`'s ``samples_on_trainer_thread``)
+    runs one call at a time anyway, and its compute is fastest from one thread: every other thread that runs torch ops
+    brings a team of OpenMP workers of its own, and once a process has more of them than cores, all of them stop
+    spinning between operations (libgomp's throttling), which made a CPU decode 1.7x slower. So a rollout thread's
+    sample call waits in a queue, and the trainer's thread runs it while it waits for a rollout (:meth:`serve`) or
+    itself plays one (a retry: the call runs at once). A call that waits while the trainer trains runs after the
+    training call; a stopped pipeline fails the calls that wait (:class:`RolloutCancelled`).
+    """
+
+    def __init__(self, stopped: threading.Event) -> None:
+        self._stopped = stopped
+        self._queue: queue.SimpleQueue[tuple[Callable[[Any], Any], Any, Future]] = queue.SimpleQueue()
+        self._trainer = threading.get_ident()
+
+    def call(self, function: Callable[[Any], T], argument: Any, queued: threading.Event) -> T:
+        """``function(argument)`` on the trainer's thread (at once when called from it); its result or exception. ``queued``
+        is set once the call waits in the queue (or runs)."""
+        if threading.get_ident() == self._trainer:
+            queued.set()
+            return function(argument)
+        done: Future = Future()
+        self._queue.put((function, argument, done))
+        queued.set()
+        while True:
+            try:
+                return done.result(timeout=0.05)
+            except FuturesTimeout:
+                if self._stopped.is_set() and done.cancel():
+                    raise RolloutCancelled("the run stopped while this rollout was sampled ahead; it is dropped") from None
+
+    def serve(self, timeout: float) -> bool:
+        """Run the calls that wait, or wait up to ``timeout`` seconds for one first; whether any ran."""
+        ran, wait = False, timeout
+        while True:
+            try:
+                function, argument, done = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                return ran
+            wait = 0.0
+            if not done.set_running_or_notify_cancel():
+                continue  # its rollout stopped waiting
+            try:
+                done.set_result(function(argument))
+            except BaseException as exc:  # noqa: BLE001  # handed to the rollout's thread, which raises it
+                done.set_exception(exc)
+            ran = True
 
 
 @dataclass
@@ -213,6 +269,7 @@ class RolloutPipeline(Generic[T]):
         self.learners, self.ahead, self.plan, self.workers = learners, ahead, plan, workers
         self._executor: ThreadPoolExecutor | None = None
         self._stopped = threading.Event()
+        self._relay: TrainerThreadCalls | None = None  # for snapshots that sample on the trainer's thread
         # Each handed-over step's rollout in flight, with what plays it (to play it again) and its samplers.
         self._futures: dict[int, _InFlight] = {}
         self._next = -1  # the step take() expects next
@@ -242,8 +299,11 @@ class RolloutPipeline(Generic[T]):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="rollouts-ahead")
             snapshots = {name: backend.sampling_snapshot() for name, backend in self.learners.items()}
+            if self._relay is None and any(getattr(s, "samples_on_trainer_thread", False) for s in snapshots.values()):
+                self._relay = TrainerThreadCalls(self._stopped)
             for ahead_step in range(self._handed, upto + 1):
-                samplers = {name: StoppableSampler(snapshot, self._stopped) for name, snapshot in snapshots.items()}
+                samplers = {name: StoppableSampler(snapshot, self._stopped, self._relay if getattr(snapshot, "samples_on_trainer_thread", False) else None)
+                            for name, snapshot in snapshots.items()}
                 versions = {name: sampler.version for name, sampler in samplers.items()}
                 play = self.plan(ahead_step, samplers)
                 future = self._executor.submit(_played, ahead_step, play, versions)
@@ -253,13 +313,16 @@ class RolloutPipeline(Generic[T]):
         rollout = self._result(step)
         waited = time.perf_counter() - started
         self._next = step + 1
-        self._head_start(time.perf_counter() + HEAD_START_S)
+        self._head_start()
         return rollout, waited
 
-    def _head_start(self, deadline: float) -> None:
+    def _head_start(self) -> None:
         """Wait until every rollout in flight that runs, or will run as soon as a worker frees, has made its first sample
-        call or ended, or until ``deadline``."""
-        while time.perf_counter() < deadline:
+        call or ended (up to :data:`HEAD_START_S` of waiting), running the calls handed to this thread meanwhile."""
+        waited = 0.0
+        while True:
+            if self._relay is not None and self._relay.serve(0.0):
+                continue  # ran what waited: sample calls go before the step trains
             busy = sum(1 for f in self._futures.values() if f.future.running())
             free = self.workers - busy
             starting = []
@@ -269,9 +332,12 @@ class RolloutPipeline(Generic[T]):
                 elif not flight.future.done() and free > 0:
                     starting.append(flight)
                     free -= 1
-            if all(flight.future.done() or any(s.called.is_set() for s in flight.samplers) for flight in starting):
+            if waited >= HEAD_START_S or all(f.future.done() or any(s.called.is_set() for s in f.samplers) for f in starting):
                 return
-            time.sleep(0.002)
+            started = time.perf_counter()
+            if self._relay is None or not self._relay.serve(0.002):
+                time.sleep(0.0 if self._relay is not None else 0.002)
+                waited += time.perf_counter() - started
 
     def _result(self, step: int) -> StepRollout[T]:
         """``step``'s rollout; one whose thread died of an exception other than a tinkergym error is played again, from the
@@ -281,7 +347,7 @@ class RolloutPipeline(Generic[T]):
         retries = 0
         while True:
             try:
-                rollout = future.result() if retries == 0 else _played(step, play, versions)
+                rollout = self._wait(future) if retries == 0 else _played(step, play, versions)
                 rollout.retries = retries
                 return rollout
             except TinkergymError:
@@ -293,6 +359,12 @@ class RolloutPipeline(Generic[T]):
                 log.warning("step %d's rollout failed (%s: %s); playing it again from its snapshot, its samples so far dropped",
                             step, type(exc).__name__, exc)
 
+    def _wait(self, future: Future) -> StepRollout[T]:
+        """``future``'s rollout, running the sample calls it (and the others in flight) hand to this thread meanwhile."""
+        while self._relay is not None and not future.done():
+            self._relay.serve(0.005)
+        return future.result()
+
     def reset(self) -> None:
         """Drop every rollout handed over (in flight ones stop at their next ``sample``); the next :meth:`take` starts afresh."""
         self._stopped.set()
@@ -301,7 +373,7 @@ class RolloutPipeline(Generic[T]):
         self._futures.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
-        self._executor, self._stopped = None, threading.Event()
+        self._executor, self._stopped, self._relay = None, threading.Event(), None
         self._next = self._handed = -1
 
     def close(self) -> None:

@@ -192,6 +192,10 @@ class TorchSnapshot:
     the backend trains on (:meth:`TorchBackend.sampling_snapshot`): a copy of the LoRA adapter's weights, or of the whole
     model in the compute dtype for full fine-tuning. Its ``sample`` is thread-safe."""
 
+    #: A rollout pipeline runs this snapshot's sample calls on the trainer's thread (see
+    #: :class:`~tinkergym.trainers.async_rollouts.TrainerThreadCalls`): the backend's compute is fastest from one thread.
+    samples_on_trainer_thread = True
+
     def __init__(self, backend: TorchBackend, version: int, weights: list[torch.Tensor] | None = None, model: torch.nn.Module | None = None) -> None:
         self.backend, self.version, self.weights, self.model = backend, version, weights, model
 
