@@ -126,6 +126,7 @@ def summarize(runs: list[dict[str, Any]], ks: list[int], samples_per_step: int) 
     """Per K: medians over seeds of steps per hour and the per-step means; the mean reward curve over seeds."""
     out: dict[str, Any] = {}
     base = statistics.median(r["steps_per_hour"] for r in runs if r["k"] == ks[0])
+    base_runs = [r for r in runs if r["k"] == ks[0]]
     for k in ks:
         mine = [r for r in runs if r["k"] == k]
         per_hour = statistics.median(r["steps_per_hour"] for r in mine)
@@ -134,6 +135,7 @@ def summarize(runs: list[dict[str, Any]], ks: list[int], samples_per_step: int) 
         out[str(k)] = {
             "steps_per_hour": per_hour, "speedup": per_hour / base, "samples_per_hour": per_hour * samples_per_step,
             "reward_per_sample": statistics.fmean(per_seed), "reward_per_sample_range": [min(per_seed), max(per_seed)],
+            **_by_version(mine, base_runs),
             **{name: statistics.median(statistics.fmean(r[name]) for r in mine) for name in ("step_s", "rollout_wait_s", "update_s", "rollout_s", "version_gap")},
             "idle_fraction": statistics.median(r["idle_fraction"] for r in mine),
             "dropped_groups": sum(sum(r["dropped_groups"]) for r in mine),
@@ -144,18 +146,49 @@ def summarize(runs: list[dict[str, Any]], ks: list[int], samples_per_step: int) 
     return out
 
 
+def _versions(run: dict[str, Any]) -> list[int]:
+    """The version of the weights that sampled each step of ``run`` (the step trains version ``step``, ``gap`` versions on)."""
+    return [step - round(gap) for step, gap in enumerate(run["version_gap"])]
+
+
+def _at_versions(runs: list[dict[str, Any]], newest: int) -> list[float]:
+    """Per run: the mean over versions 0..``newest`` of the reward per sample each version drew."""
+    per_seed = []
+    for run in runs:
+        drawn: dict[int, list[float]] = {}
+        for version, reward in zip(_versions(run), run["reward"]):
+            drawn.setdefault(version, []).append(reward)
+        per_seed.append(statistics.fmean(statistics.fmean(drawn[v]) for v in range(newest + 1) if v in drawn))
+    return per_seed
+
+
+def _by_version(runs: list[dict[str, Any]], base_runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Reward per sample at equal versions, ``runs`` (one K) against ``base_runs`` (K = 0) over the versions every one of
+    ``runs`` sampled with. Over a short run, K > 0 samples its first K + 1 steps with the starting weights, so its reward
+    per sample over the run lags K updates by construction; at equal versions it says whether the updates of stale
+    samples learn as much as those of fresh ones."""
+    newest = min(max(_versions(r)) for r in runs)
+    mine, base = _at_versions(runs, newest), _at_versions(base_runs, newest)
+    return {"versions_compared": newest, "reward_at_equal_versions": statistics.fmean(mine),
+            "reward_at_equal_versions_range": [min(mine), max(mine)], "base_at_equal_versions": statistics.fmean(base),
+            "base_at_equal_versions_range": [min(base), max(base)]}
+
+
 def print_report(summary: dict[str, Any], ks: list[int], facts: dict[str, Any], args: argparse.Namespace) -> None:
     where = {"tinker": "through serve tinker", "remote": "through serve backend", "scheduled": "through a scheduler's worker"}.get(args.backend, "on the torch backend")
     print(f"{args.model} {where}, {args.env} (env latency {args.env_latency:g} s a step): {args.batch_size} prompts x {args.group_size} samples "
           f"per step, {args.steps} steps, seeds {args.seeds}; {describe(facts)}")
     print(f"{'K':>2} {'steps/h':>9} {'samples/h':>10} {'speed-up':>9} {'step s':>8} {'wait s':>8} {'idle':>6} {'train s':>8} {'rollout s':>10} "
-          f"{'gap':>5} {'dropped':>8} {'reward/sample (seeds)':>24}")
+          f"{'gap':>5} {'dropped':>8} {'reward/sample (seeds)':>24} {'at equal versions (seeds)':>26} {'K=' + str(ks[0]) + ' there':>24}")
     for k in ks:
         s = summary[str(k)]
         low, high = s["reward_per_sample_range"]
         print(f"{k:>2} {s['steps_per_hour']:>9.1f} {s['samples_per_hour']:>10.0f} {s['speedup']:>8.2f}x {s['step_s']:>8.2f} {s['rollout_wait_s']:>8.2f} "
               f"{s['idle_fraction']:>6.2f} {s['update_s']:>8.2f} {s['rollout_s']:>10.2f} {s['version_gap']:>5.2f} {s['dropped_groups']:>8} "
-              f"{s['reward_per_sample']:>8.3f} [{low:.3f}, {high:.3f}]")
+              f"{s['reward_per_sample']:>8.3f} [{low:.3f}, {high:.3f}] "
+              f"0..{s['versions_compared']:<2} {s['reward_at_equal_versions']:>6.3f} [{s['reward_at_equal_versions_range'][0]:.3f}, "
+              f"{s['reward_at_equal_versions_range'][1]:.3f}] {s['base_at_equal_versions']:>8.3f} [{s['base_at_equal_versions_range'][0]:.3f}, "
+              f"{s['base_at_equal_versions_range'][1]:.3f}]")
     print("\nreward/mean (mean over seeds) against samples drawn:")
     print(f"{'samples':>8} " + " ".join(f"{'K=' + str(k):>8}" for k in ks))
     for i, samples in enumerate(summary[str(ks[0])]["samples"]):

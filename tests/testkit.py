@@ -318,19 +318,22 @@ def prompts(out: Path, step: int) -> list[str]:
     return [next(m["content"] for m in row["messages"] if m["role"] == "user") for row in rows]
 
 
-def overlapped(intervals: list[tuple[str, float, float]]) -> bool:
-    """Whether some sample call ran while a training call did (the sampling thread ran ahead of training)."""
-    samples = [(a, b) for kind, a, b in intervals if kind == "sample"]
-    return any(a < d and c < b for kind, c, d in intervals if kind == "train" for a, b in samples)
+def sampled_ahead(intervals: list[tuple[str, float, float]], steps: int) -> bool:
+    """Whether more than one step's sample calls ran before the first training call: the rollouts of later steps sampled
+    before step 0 trained (a synchronous run makes exactly one step's). Overlap in time is not asked for: sample calls
+    go first (a rollout handed over samples its first turn before the step trains), so a quick one ends before it."""
+    samples = [a for kind, a, _ in intervals if kind == "sample"]
+    first_train = min(a for kind, a, _ in intervals if kind == "train")
+    return sum(1 for a in samples if a < first_train) > len(samples) / steps
 
 
 def check_bounded_staleness(watched: Watched, out: Path, k: int, steps: int) -> None:
-    """A run of ``steps`` steps with ``async_steps`` ``k`` through ``watched``: sampling overlapped training, one snapshot per
+    """A run of ``steps`` steps with ``async_steps`` ``k`` through ``watched``: later steps sampled before step 0 trained, one snapshot per
     handover, every trained sequence one a snapshot sampled at most ``k`` versions before (exactly ``k`` once the pipeline
     is full), trained with a correction and the snapshot's own logprobs, and the logged gaps and times agree."""
     from tinkergym.trainers.async_rollouts import corrects_staleness
 
-    assert overlapped(watched.intervals), "no sample ran while a step trained: nothing was sampled ahead"
+    assert sampled_ahead(watched.intervals, steps), "only step 0's rollout sampled before step 0 trained: nothing was sampled ahead"
     assert len(watched.snapshots) == steps - k, "one snapshot at the start for steps 0..K, then one per step handed over"
     gaps = []
     for version, request in watched.trained:

@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.torch.turns import TurnLock  # noqa: E402
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, SampleRequest, SamplingParams  # noqa: E402
-from tinkergym.trainers.async_rollouts import RolloutPipeline  # noqa: E402
+from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.trainers.async_rollouts import RolloutCancelled, RolloutPipeline  # noqa: E402
 
 
 def _wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
@@ -169,3 +170,70 @@ def test_a_rollout_handed_over_samples_its_first_turn_before_the_step_trains(tin
     finally:
         pipeline.close()
     assert order == ["step 0 sampled", "step 1 sampled", "step 0 trained", "step 2 sampled", "step 1 trained", "step 2 trained"]
+
+
+class ThreadNoting(TorchBackend):
+    """The real TorchBackend, noting which thread ran each snapshot's sample call."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sampled_on: list[int] = []
+
+    def _sample_snapshot(self, snapshot: Any, request: SampleRequest) -> Any:
+        self.sampled_on.append(threading.get_ident())
+        return super()._sample_snapshot(snapshot, request)
+
+
+def test_the_rollout_threads_sample_calls_run_on_the_trainers_thread_and_their_errors_reach_the_rollout(tiny: str) -> None:
+    # A CPU decode is fastest from one thread (see TrainerThreadCalls): the rollouts' calls run on the thread that trains.
+    backend = ThreadNoting(TorchBackendConfig(model=tiny, lora_rank=4, lora_alpha=8.0, dtype="float32", seed=0))
+    expected = backend.sampling_snapshot().sample(SAMPLE)
+    backend.sampled_on.clear()
+    rollout_threads: set[int] = set()
+
+    def plan(step: int, samplers: dict[str, Any]) -> Any:
+        def play() -> Any:
+            rollout_threads.add(threading.get_ident())
+            if step == 1:
+                return samplers["policy"].sample(SampleRequest([[5, 6, 7]], SamplingParams(temperature=-1.0)))  # refused
+            return [samplers["policy"].sample(SAMPLE) for _ in range(2)]
+        return play
+
+    pipeline = RolloutPipeline({"policy": backend}, ahead=1, plan=plan)
+    try:
+        rollout, _ = pipeline.take(0, last_step=1)
+        assert [[s.tokens for s in row] for row in rollout.output[1].sequences] == [[s.tokens for s in row] for row in expected.sequences]
+        with pytest.raises(ConfigError, match="temperature"):
+            pipeline.take(1, last_step=1)
+    finally:
+        pipeline.close()
+    assert backend.sampled_on and set(backend.sampled_on) == {threading.get_ident()}
+    assert threading.get_ident() not in rollout_threads
+
+
+def test_a_call_waiting_for_the_trainers_thread_ends_when_the_pipeline_stops(tiny: str) -> None:
+    backend = _backend(tiny, micro_batch_size=8)
+    outcome: list[BaseException] = []
+    gate = threading.Event()
+
+    def plan(step: int, samplers: dict[str, Any]) -> Any:
+        def play() -> None:
+            samplers["policy"].sample(SAMPLE)  # step 1's runs in take()'s head start
+            if step == 1:
+                gate.wait(30)
+                try:
+                    samplers["policy"].sample(SAMPLE)  # waits in the queue: the trainer is not in take() again
+                except BaseException as exc:
+                    outcome.append(exc)
+                    raise
+        return play
+
+    pipeline = RolloutPipeline({"policy": backend}, ahead=1, plan=plan)
+    pipeline.take(0, last_step=5)
+    gate.set()
+    time.sleep(0.3)
+    assert not outcome, "the call ran without the trainer's thread"
+    started = time.monotonic()
+    pipeline.close()
+    _wait_for(lambda: bool(outcome), "the waiting call to end")
+    assert isinstance(outcome[0], RolloutCancelled) and time.monotonic() - started < 5

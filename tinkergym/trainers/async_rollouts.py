@@ -19,6 +19,12 @@ answer, and the same tokens follow as long as the backend's answer to a call dep
 backend's prefix cache keeps each snapshot's prompts apart, but a prompt one rollout finds cached and another computes
 afresh may differ in the last bits of a logit).
 
+Order: sample calls go first (a sample call unblocks env work that runs beside the device; a training call unblocks
+nothing until the step ends). :meth:`RolloutPipeline.take` gives the rollouts that just started a head start (their
+first sample call before the step trains), the torch backend runs a waiting sample call before a waiting training call
+and between a ``forward_backward``'s micro-batches (:mod:`tinkergym.backends.torch.turns`), and a snapshot of a backend
+in this process samples on the trainer's thread (:class:`TrainerThreadCalls`).
+
 Invariants:
 
 - Prompts and sampling seeds are the step's own (``prompt_seeds(step)``), as in a synchronous run.
