@@ -33,34 +33,36 @@ def _wait_for(condition: Any, what: str, timeout: float = 30.0) -> None:
 
 def test_a_waiting_sample_call_goes_before_a_training_call_that_waited_longer() -> None:
     lock, order = TurnLock(), []
-    entered = threading.Event()
+    running, release = threading.Event(), threading.Event()
+    trainer_at_gate = threading.Event()
 
-    def holder() -> None:
-        with lock.hold():
-            entered.set()
-            _wait_for(lambda: lock.waiting_samplers == 1 and trainer_waits.is_set(), "both calls to wait")
-            time.sleep(0.05)  # the training call has been blocked in _acquire for a while now
-
-    trainer_waits = threading.Event()
-
-    def call(name: str, sampling: bool) -> None:
-        if not sampling:
-            trainer_waits.set()
-        with lock.hold(sampling=sampling):
+    def sample(name: str, hold_until: threading.Event | None = None) -> None:
+        with lock.sampling(), lock.rlock:
             order.append(name)
+            running.set()
+            if hold_until is not None:
+                hold_until.wait(10)
 
-    first = threading.Thread(target=holder)
+    def train() -> None:
+        trainer_at_gate.set()
+        lock.wait_for_samplers()
+        with lock.rlock:
+            order.append("train")
+
+    first = threading.Thread(target=sample, args=("sample 1", release))
     first.start()
-    entered.wait(10)
-    training = threading.Thread(target=call, args=("train", False))
-    training.start()
-    _wait_for(trainer_waits.is_set, "the training call")
-    time.sleep(0.05)  # it now waits inside the lock, before the sample call arrives
-    sampling = threading.Thread(target=call, args=("sample", True))
-    sampling.start()
-    for thread in (first, training, sampling):
+    assert running.wait(10)
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    assert trainer_at_gate.wait(10)
+    time.sleep(0.05)  # the training call waits, before the second sample call arrives
+    second = threading.Thread(target=sample, args=("sample 2",))
+    second.start()
+    _wait_for(lambda: lock.waiting_samplers == 2, "the second sample call")
+    release.set()
+    for thread in (first, trainer, second):
         thread.join(10)
-    assert order == ["sample", "train"]
+    assert order == ["sample 1", "sample 2", "train"]
 
 
 def test_a_long_call_lets_waiting_samplers_in_between_its_parts_only() -> None:
@@ -68,24 +70,26 @@ def test_a_long_call_lets_waiting_samplers_in_between_its_parts_only() -> None:
     assert lock.let_samplers_in() is False, "a thread that does not hold the lock has nothing to hand over"
 
     def sampler() -> None:
-        with lock.hold(sampling=True):
+        with lock.sampling(), lock.rlock:
             events.append("sample")
 
-    with lock.hold():
+    with lock.rlock:
+        lock.depth += 1
         assert lock.let_samplers_in() is False, "no sampler waits"
         thread = threading.Thread(target=sampler)
         thread.start()
         _wait_for(lambda: lock.waiting_samplers == 1, "the sampler")
         events.append("part 1")
-        with lock.hold():  # reentrant: a call inside a call does not hand the lock over
+        with lock.rlock:  # reentrant: a call inside a call does not hand the lock over
+            lock.depth += 1
             assert lock.let_samplers_in() is False
+            lock.depth -= 1
         events.append("part 1 done")
         assert lock.let_samplers_in() is True
         events.append("part 2")
+        lock.depth -= 1
     thread.join(10)
     assert events == ["part 1", "part 1 done", "sample", "part 2"]
-    with pytest.raises(RuntimeError, match="released by the thread that holds it"):
-        lock._release()
 
 
 def _backend(tiny: str, micro_batch_size: int) -> TorchBackend:

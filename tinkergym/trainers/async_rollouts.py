@@ -227,8 +227,11 @@ class TrainerThreadCalls:
                 continue  # its rollout stopped waiting
             try:
                 done.set_result(function(argument))
-            except BaseException as exc:  # noqa: BLE001  # handed to the rollout's thread, which raises it
+            except Exception as exc:  # noqa: BLE001  # handed to the rollout's thread, which raises it
                 done.set_exception(exc)
+            except BaseException:  # Ctrl-C on the trainer's thread: the run stops, and the rollout with it
+                done.set_exception(RolloutCancelled("the run stopped while this rollout was sampled ahead; it is dropped"))
+                raise
             ran = True
 
 

@@ -166,23 +166,35 @@ class TorchBackendConfig(PlainData):
 
 def _one_at_a_time(method: Any) -> Any:
     """Run ``method`` holding the backend's lock: a snapshot sampled on another thread (``async_steps``) runs between
-    the training thread's calls (or between a ``forward_backward``'s micro-batches), never inside one."""
+    the training thread's calls (or between a ``forward_backward``'s micro-batches), never inside one; a sample call
+    that waits goes first (:class:`~tinkergym.backends.torch.turns.TurnLock`)."""
 
     @functools.wraps(method)
     def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock.hold():
-            return method(self, *args, **kwargs)
+        turns = self._lock
+        turns.wait_for_samplers()
+        with turns.rlock:
+            turns.depth += 1
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                turns.depth -= 1
 
     return locked
 
 
 def _sampling_first(method: Any) -> Any:
-    """:func:`_one_at_a_time` for a sample call, which goes before the training calls that wait (see :mod:`.turns`)."""
+    """:func:`_one_at_a_time` for a sample call, which goes before the training calls that wait."""
 
     @functools.wraps(method)
     def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._lock.hold(sampling=True):
-            return method(self, *args, **kwargs)
+        turns = self._lock
+        with turns.sampling(), turns.rlock:
+            turns.depth += 1
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                turns.depth -= 1
 
     return locked
 

@@ -17,61 +17,56 @@ import threading
 from collections.abc import Iterator
 
 
-class TurnLock:
-    """A reentrant lock whose waiting sample calls go before its waiting training calls.
+#: The longest a training call waits for sample calls to go first (a bound, never a hang: see :class:`TurnLock`).
+SAMPLERS_FIRST_S = 10.0
 
-    ``hold(sampling=True)`` for a sample call, ``hold()`` for any other; the thread that holds it may take it again
-    (as an ``RLock``). :attr:`waiting_samplers` says how many sample calls wait now.
+
+class TurnLock:
+    """A reentrant lock whose sample calls go before the training calls that wait.
+
+    The exclusion is a C ``RLock`` (:attr:`rlock`), taken with ``with``, so a Ctrl-C that lands anywhere in a call
+    leaves it as a plain ``RLock`` would. The order is a gate in front of it: a sample call counts itself from the
+    moment it waits until it ends (:meth:`sampling`), and a training call first waits until no sample call is counted
+    (:meth:`wait_for_samplers`, at most :data:`SAMPLERS_FIRST_S`: a bound, never a hang).
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._owner: int | None = None
-        self._depth = 0
+        self.rlock = threading.RLock()
+        self._turns = threading.Condition(threading.Lock())
+        #: How many calls deep the holder is (kept by the holder: see :meth:`call`).
+        self.depth = 0
+        #: Sample calls waiting for the lock or holding it.
         self.waiting_samplers = 0
 
     @contextlib.contextmanager
-    def hold(self, sampling: bool = False) -> Iterator[None]:
-        """Hold the lock for one call: a sample call (``sampling``) once no one holds it, any other call once no one holds
-        it and no sample call waits."""
-        self._acquire(sampling)
+    def sampling(self) -> Iterator[None]:
+        """Count a sample call while it waits and runs."""
+        with self._turns:
+            self.waiting_samplers += 1
         try:
             yield
         finally:
-            self._release()
+            with self._turns:
+                self.waiting_samplers -= 1
+                self._turns.notify_all()
+
+    def wait_for_samplers(self) -> None:
+        """Before a training call takes the lock: wait until no sample call waits or runs (at most :data:`SAMPLERS_FIRST_S`);
+        a call made from inside another call (the lock held already) does not wait."""
+        if self.rlock._is_owned():  # type: ignore[attr-defined]  # the C RLock's, as threading.Condition uses it
+            return
+        with self._turns:
+            self._turns.wait_for(lambda: not self.waiting_samplers, timeout=SAMPLERS_FIRST_S)
 
     def let_samplers_in(self) -> bool:
         """Called by the holder between two parts of a long call: if sample calls wait (and the holder holds the lock once,
         not from inside another call), hand the lock to them and take it back once they are done. Whether it did."""
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner != me or self._depth != 1 or not self.waiting_samplers:
-                return False
-        self._release()
-        self._acquire(False)
+        if not self.waiting_samplers or self.depth != 1 or not self.rlock._is_owned():  # type: ignore[attr-defined]
+            return False
+        self.rlock.release()
+        try:
+            with self._turns:
+                self._turns.wait_for(lambda: not self.waiting_samplers, timeout=SAMPLERS_FIRST_S)
+        finally:
+            self.rlock.acquire()
         return True
-
-    def _acquire(self, sampling: bool) -> None:
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return
-            if sampling:
-                self.waiting_samplers += 1
-            try:
-                while self._owner is not None or (not sampling and self.waiting_samplers):
-                    self._cond.wait()
-            finally:
-                if sampling:
-                    self.waiting_samplers -= 1
-            self._owner, self._depth = me, 1
-
-    def _release(self) -> None:
-        with self._cond:
-            if self._owner != threading.get_ident():
-                raise RuntimeError("a TurnLock is released by the thread that holds it")
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
-                self._cond.notify_all()
