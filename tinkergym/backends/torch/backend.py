@@ -164,39 +164,31 @@ class TorchBackendConfig(PlainData):
             raise ConfigError(f"prefix_cache_mb must be >= 0 (0 turns the prefix cache off), not {self.prefix_cache_mb}")
 
 
-def _one_at_a_time(method: Any) -> Any:
-    """Run ``method`` holding the backend's lock: a snapshot sampled on another thread (``async_steps``) runs between
-    the training thread's calls (or between a ``forward_backward``'s micro-batches), never inside one; a sample call
-    that waits goes first (:class:`~tinkergym.backends.torch.turns.TurnLock`)."""
+def _locked(sampling: bool) -> Any:
+    """A decorator: run the method holding the backend's lock. A snapshot sampled on another thread (``async_steps``) runs
+    between the training thread's calls (or between a ``forward_backward``'s micro-batches), never inside one; a sample
+    call (``sampling``) that waits goes before the training calls that wait (:class:`~tinkergym.backends.torch.turns.TurnLock`)."""
 
-    @functools.wraps(method)
-    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        turns = self._lock
-        turns.wait_for_samplers()
-        with turns.rlock:
-            turns.depth += 1
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                turns.depth -= 1
+    def decorate(method: Any) -> Any:
+        @functools.wraps(method)
+        def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            turns = self._lock
+            if not sampling:
+                turns.wait_for_samplers()
+            with turns.sampling() if sampling else contextlib.nullcontext(), turns.rlock:
+                turns.depth += 1
+                try:
+                    return method(self, *args, **kwargs)
+                finally:
+                    turns.depth -= 1
 
-    return locked
+        return locked
+
+    return decorate
 
 
-def _sampling_first(method: Any) -> Any:
-    """:func:`_one_at_a_time` for a sample call, which goes before the training calls that wait."""
-
-    @functools.wraps(method)
-    def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
-        turns = self._lock
-        with turns.sampling(), turns.rlock:
-            turns.depth += 1
-            try:
-                return method(self, *args, **kwargs)
-            finally:
-                turns.depth -= 1
-
-    return locked
+_one_at_a_time = _locked(sampling=False)
+_sampling_first = _locked(sampling=True)
 
 
 class TorchSnapshot:
