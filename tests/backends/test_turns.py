@@ -37,17 +37,16 @@ def test_a_waiting_sample_call_goes_before_a_training_call_that_waited_longer() 
     trainer_at_gate = threading.Event()
 
     def sample(name: str, hold_until: threading.Event | None = None) -> None:
-        with lock.sampling(), lock.rlock:
+        def run() -> None:
             order.append(name)
             running.set()
             if hold_until is not None:
                 hold_until.wait(10)
+        lock.call(run, sampling=True)
 
     def train() -> None:
         trainer_at_gate.set()
-        lock.wait_for_samplers()
-        with lock.rlock:
-            order.append("train")
+        lock.call(lambda: order.append("train"))
 
     first = threading.Thread(target=sample, args=("sample 1", release))
     first.start()
@@ -69,25 +68,18 @@ def test_a_long_call_lets_waiting_samplers_in_between_its_parts_only() -> None:
     lock, events = TurnLock(), []
     assert lock.let_samplers_in() is False, "a thread that does not hold the lock has nothing to hand over"
 
-    def sampler() -> None:
-        with lock.sampling(), lock.rlock:
-            events.append("sample")
-
-    with lock.rlock:
-        lock.depth += 1
+    def long_call() -> None:
         assert lock.let_samplers_in() is False, "no sampler waits"
-        thread = threading.Thread(target=sampler)
         thread.start()
         _wait_for(lambda: lock.waiting_samplers == 1, "the sampler")
         events.append("part 1")
-        with lock.rlock:  # reentrant: a call inside a call does not hand the lock over
-            lock.depth += 1
-            assert lock.let_samplers_in() is False
-            lock.depth -= 1
+        assert lock.call(lock.let_samplers_in) is False, "reentrant: a call inside a call does not hand the lock over"
         events.append("part 1 done")
         assert lock.let_samplers_in() is True
         events.append("part 2")
-        lock.depth -= 1
+
+    thread = threading.Thread(target=lambda: lock.call(lambda: events.append("sample"), sampling=True))
+    lock.call(long_call)
     thread.join(10)
     assert events == ["part 1", "part 1 done", "sample", "part 2"]
 

@@ -308,10 +308,11 @@ class RolloutPipeline(Generic[T]):
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="rollouts-ahead")
             snapshots = {name: backend.sampling_snapshot() for name, backend in self.learners.items()}
-            if self._relay is None and any(getattr(s, "samples_on_trainer_thread", False) for s in snapshots.values()):
+            relayed = {name for name, snapshot in snapshots.items() if getattr(snapshot, "samples_on_trainer_thread", False)}
+            if relayed and self._relay is None:
                 self._relay = TrainerThreadCalls(self._stopped)
             for ahead_step in range(self._handed, upto + 1):
-                samplers = {name: StoppableSampler(snapshot, self._stopped, self._relay if getattr(snapshot, "samples_on_trainer_thread", False) else None)
+                samplers = {name: StoppableSampler(snapshot, self._stopped, self._relay if name in relayed else None)
                             for name, snapshot in snapshots.items()}
                 versions = {name: sampler.version for name, sampler in samplers.items()}
                 play = self.plan(ahead_step, samplers)
@@ -332,21 +333,18 @@ class RolloutPipeline(Generic[T]):
         while True:
             if self._relay is not None and self._relay.serve(0.0):
                 continue  # ran what waited: sample calls go before the step trains
-            busy = sum(1 for f in self._futures.values() if f.future.running())
-            free = self.workers - busy
-            starting = []
-            for flight in self._futures.values():  # in step order: a free worker takes the earliest pending rollout
-                if flight.future.running():
-                    starting.append(flight)
-                elif not flight.future.done() and free > 0:
-                    starting.append(flight)
-                    free -= 1
+            running = [f for f in self._futures.values() if f.future.running()]
+            pending = [f for f in self._futures.values() if not (f.future.running() or f.future.done())]
+            starting = running + pending[: max(0, self.workers - len(running))]  # a free worker takes the earliest pending one
             if waited >= HEAD_START_S or all(f.future.done() or any(s.called.is_set() for s in f.samplers) for f in starting):
                 return
             started = time.perf_counter()
-            if self._relay is None or not self._relay.serve(0.002):
-                time.sleep(0.0 if self._relay is not None else 0.002)
-                waited += time.perf_counter() - started
+            if self._relay is not None:
+                if self._relay.serve(0.002):
+                    continue  # the time a call ran is not waiting
+            else:
+                time.sleep(0.002)
+            waited += time.perf_counter() - started
 
     def _result(self, step: int) -> StepRollout[T]:
         """``step``'s rollout; one whose thread died of an exception other than a tinkergym error is played again, from the

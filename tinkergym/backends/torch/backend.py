@@ -172,15 +172,7 @@ def _locked(sampling: bool) -> Any:
     def decorate(method: Any) -> Any:
         @functools.wraps(method)
         def locked(self: Any, *args: Any, **kwargs: Any) -> Any:
-            turns = self._lock
-            if not sampling:
-                turns.wait_for_samplers()
-            with turns.sampling() if sampling else contextlib.nullcontext(), turns.rlock:
-                turns.depth += 1
-                try:
-                    return method(self, *args, **kwargs)
-                finally:
-                    turns.depth -= 1
+            return self._lock.call(lambda: method(self, *args, **kwargs), sampling)
 
         return locked
 

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 #: The longest a training call waits for sample calls to go first (a bound, never a hang: see :class:`TurnLock`).
@@ -33,10 +36,22 @@ class TurnLock:
     def __init__(self) -> None:
         self.rlock = threading.RLock()
         self._turns = threading.Condition(threading.Lock())
-        #: How many calls deep the holder is (kept by the holder: see :meth:`call`).
+        #: How many calls deep the holder is (kept by :meth:`call`).
         self.depth = 0
         #: Sample calls waiting for the lock or holding it.
         self.waiting_samplers = 0
+
+    def call(self, function: Callable[[], T], sampling: bool = False) -> T:
+        """``function()`` holding the lock: a sample call (``sampling``) counted while it waits and runs, any other call
+        after :meth:`wait_for_samplers`."""
+        if not sampling:
+            self.wait_for_samplers()
+        with self.sampling() if sampling else contextlib.nullcontext(), self.rlock:
+            self.depth += 1
+            try:
+                return function()
+            finally:
+                self.depth -= 1
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[None]:
@@ -53,10 +68,8 @@ class TurnLock:
     def wait_for_samplers(self) -> None:
         """Before a training call takes the lock: wait until no sample call waits or runs (at most :data:`SAMPLERS_FIRST_S`);
         a call made from inside another call (the lock held already) does not wait."""
-        if self.rlock._is_owned():  # type: ignore[attr-defined]  # the C RLock's, as threading.Condition uses it
-            return
-        with self._turns:
-            self._turns.wait_for(lambda: not self.waiting_samplers, timeout=SAMPLERS_FIRST_S)
+        if not self.rlock._is_owned():  # type: ignore[attr-defined]  # the C RLock's, as threading.Condition uses it
+            self._wait_out_samplers()
 
     def let_samplers_in(self) -> bool:
         """Called by the holder between two parts of a long call: if sample calls wait (and the holder holds the lock once,
@@ -65,8 +78,11 @@ class TurnLock:
             return False
         self.rlock.release()
         try:
-            with self._turns:
-                self._turns.wait_for(lambda: not self.waiting_samplers, timeout=SAMPLERS_FIRST_S)
+            self._wait_out_samplers()
         finally:
             self.rlock.acquire()
         return True
+
+    def _wait_out_samplers(self) -> None:
+        with self._turns:
+            self._turns.wait_for(lambda: not self.waiting_samplers, timeout=SAMPLERS_FIRST_S)
