@@ -164,7 +164,9 @@ def test_wait_reasons_know_seats(setup: Any) -> None:
     assert reason(later)["code"] == "busy"
 
 
-def test_a_job_resumes_on_the_kind_of_place_that_wrote_its_checkpoints(setup: Any, db_url: str) -> None:
+def test_a_job_resumes_on_whichever_kind_of_place_is_free_whatever_wrote_its_checkpoints(setup: Any, db_url: str) -> None:
+    """A seat's job and a whole device's job lose their leases; each resumes on the other kind of place (both load each
+    other's states: tinkergym.backends.torch.lora_states)."""
     worker = register(setup.client, setup.worker_key, whole=1, shared={**SHARED, "seats": 1})
     seated, whole = submit(setup.client, setup.user), submit(setup.client, setup.other)
     first = {g["job_id"]: g for g in (worker.lease(), worker.lease())}
@@ -174,9 +176,7 @@ def test_a_job_resumes_on_the_kind_of_place_that_wrote_its_checkpoints(setup: An
         assert worker.state(job, lease["epoch"], "running", server_url="http://127.0.0.1:1").status_code == 200
         answer = worker.post(f"/jobs/{job}/checkpoints", {"epoch": lease["epoch"], "step": 1, "name": "step_000001"})
         assert answer.status_code == 200, answer.text
-    placed = dict(kit.query(db_url, "SELECT id, placed FROM jobs"))
-    assert placed == {seated: "seat", whole: "devices"}
-    # both lose their leases; a new LoRA job of a higher priority takes the seat, and the whole device is free
+    # both lose their leases; a new LoRA job of a higher priority takes the seat, so the seat's job takes the whole device
     setup.clock.advance(31)
     assert leases.sweep(setup.client.app) == 2
     response = setup.client.post("/v1/jobs", json={"kind": "train", "config": {"model": "tiny"}, "priority": 1}, headers=kit.auth(setup.user))
@@ -184,7 +184,46 @@ def test_a_job_resumes_on_the_kind_of_place_that_wrote_its_checkpoints(setup: An
     taken = {}
     while (granted := worker.lease()) is not None:
         taken[granted["job_id"]] = granted
-    assert set(taken) == {newcomer, whole}, "a job whose checkpoints a seat wrote never resumes on a whole device"
-    assert taken[newcomer]["seat"] is not None and taken[whole]["seat"] is None
-    reason = setup.client.get(f"/v1/jobs/{seated}", headers=kit.auth(setup.user)).json()["wait_reason"]
+    assert set(taken) == {newcomer, seated}
+    assert taken[newcomer]["seat"] is not None and taken[seated]["seat"] is None, "the seat's job resumes on the whole device"
+    reason = setup.client.get(f"/v1/jobs/{whole}", headers=kit.auth(setup.other)).json()["wait_reason"]
     assert reason["code"] == "busy", reason
+    # the newcomer ends; the job whose checkpoints a whole device wrote resumes on the seat it frees
+    epoch = taken[newcomer]["epoch"]
+    assert worker.state(newcomer, epoch, "starting").status_code == 200
+    assert worker.state(newcomer, epoch, "running", server_url="http://127.0.0.1:1").status_code == 200
+    assert worker.state(newcomer, epoch, "succeeded").status_code == 200
+    again = worker.lease()
+    assert again is not None and again["job_id"] == whole and again["seat"] is not None
+
+
+def test_a_packable_job_waits_for_a_free_seat_on_another_worker_rather_than_take_a_whole_device(setup: Any) -> None:
+    """Three workers: two with whole devices only, one with a seat. The seat's worker polls last, and still gets the LoRA
+    job; a full fine-tuning job takes a whole device; once the seat is held, the next LoRA job takes a whole device."""
+
+    def whole_only(name: str) -> kit.Worker:
+        body = {"name": name, "host": "127.0.0.1", "devices": [{"index": 0, "kind": "slot", "name": "slot 0"}], "models": ["tiny"]}
+        response = setup.client.post("/v1/workers", json=body, headers=kit.auth(setup.worker_key))
+        assert response.status_code == 200, response.text
+        return kit.Worker(setup.client, setup.worker_key, response.json()["id"], body)
+
+    first, second = whole_only("w1"), whole_only("w2")
+    seated = register(setup.client, setup.worker_key, name="w3", whole=0, shared={**SHARED, "seats": 1})
+    lora = submit(setup.client, setup.user)
+    assert first.lease() is None and second.lease() is None, "a whole device went to a job that a free seat elsewhere fits"
+    granted = seated.lease()
+    assert granted["job_id"] == lora and granted["seat"] is not None
+    full = submit(setup.client, setup.user, lora_rank=0)
+    assert first.lease()["job_id"] == full
+    later = submit(setup.client, setup.user)  # no seat is free now
+    assert second.lease()["job_id"] == later
+    # a free seat of a worker gone silent (past the worker timeout) is not waited for
+    for worker, job in ((seated, lora), (first, full), (second, later)):
+        epoch = granted["epoch"] if job == lora else 1
+        for state in ("starting", "running", "succeeded"):
+            extra = {"server_url": "http://127.0.0.1:1"} if state == "running" else {}
+            assert worker.state(job, epoch, state, **extra).status_code == 200
+    setup.clock.advance(3 * 30 + 1)
+    first.lease()  # back from silence itself: nothing is queued
+    waiting = submit(setup.client, setup.user)
+    assert first.lease()["job_id"] == waiting

@@ -1,9 +1,11 @@
 """Three LoRA jobs of two tenants packed onto one worker's shared training server, with real processes on 127.0.0.1:
 a scheduler, `tinkergym worker --shared-devices 0 --seats 3`, and three `tinkergym train --scheduler` clients (ranks
 4, 8 and 16). While they run, each job's token reaches its own adapter alone on the one server; then the worker is
-killed with SIGKILL (its shared server dies with it), a second worker takes the three jobs at the next epoch, each
-resumes from its own checkpoint, and every run ends with the metrics of the same run trained alone (its adapter the
-only one of a shared server), step for step (float32: counts equal, losses and norms to 1e-4).
+killed with SIGKILL (its shared server dies with it), a second worker with whole devices only takes the three jobs at
+the next epoch and each resumes from its own seat's checkpoint on a server of its own; that worker is killed too, and a
+third, with seats only, takes them back onto a shared server from the whole servers' checkpoints. Every run ends with
+the metrics of the same run trained locally (a `TorchBackend` in the client's process), step for step (float32:
+counts equal, losses and norms to 1e-4): one job, one result, wherever it ran and however often it moved.
 """
 
 from __future__ import annotations
@@ -29,14 +31,13 @@ from tinkergym.cli import main
 from tinkergym.scheduler.app import SchedulerSettings, create_app
 from tinkergym.scheduler.db import allocations, checkpoints, devices, jobs, make_engine
 from tinkergym.serve.asgi import ThreadServer
-from workerkit import shared_worker  # noqa: E402  # registered by tests/scheduler/conftest.py
+from workerkit import WorkerProcess, shared_worker  # noqa: E402  # registered by tests/scheduler/conftest.py
 from tinkergym.trainers.reporting import read_metrics
-from testkit import free_port
 
 pytestmark = pytest.mark.slow
 
 VOLATILE = ("time/", "tokens/per_s")
-TRAINING = ("--env", "tinker/Bandit-v0", "--steps", "10", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "3e-2",
+TRAINING = ("--env", "tinker/Bandit-v0", "--steps", "12", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "3e-2",
             "--checkpoint-every", "1", "--quiet")
 RANKS = (4, 8, 16)
 
@@ -50,46 +51,44 @@ def _run_args(k: int) -> list[str]:
     return [*TRAINING, "--model", "tiny", "--dtype", "float32", "--lora-rank", str(RANKS[k]), "--seed", str(k)]
 
 
-def _solo_runs(tmp_path: Path, cache: Path) -> None:
-    """Each run alone: one at a time through its own adapter of a shared server (what a seat runs on)."""
-    from testkit import exited_output, wait_until_answers
+def _solo_runs(tmp_path: Path) -> None:
+    """Each run alone and local: a TorchBackend in this process, no server."""
+    for k in range(3):
+        result = CliRunner().invoke(main, ["train", *_run_args(k), "--out", str(tmp_path / f"solo{k}")], catch_exceptions=False)
+        assert result.exit_code == 0, result.output
 
-    token = "solo-server-token-of-at-least-32-characters"
-    (tmp_path / "solo-token").write_text(token + "\n")
-    (tmp_path / "solo-token").chmod(0o600)
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "TINKERGYM_CACHE": str(cache)}
-    server = subprocess.Popen([sys.executable, "-m", "tinkergym", "serve", "shared", "--model", "tiny", "--dtype", "float32", "--port", str(port),
-                               "--token-file", str(tmp_path / "solo-token"), "--run-dir", str(tmp_path / "solo-server")],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    try:
-        wait_until_answers(f"{url}/health", timeout=120, process=server, output=exited_output(server))
-        for k in range(3):
-            opened = httpx.post(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {token}"},
-                                json={"lora_rank": RANKS[k], "seed": k}).json()
-            (tmp_path / f"solo{k}.token").write_text(opened["token"] + "\n")
-            (tmp_path / f"solo{k}.token").chmod(0o600)
-            result = CliRunner().invoke(main, ["train", *TRAINING, "--seed", str(k), "--out", str(tmp_path / f"solo{k}"), "--backend-url", url,
-                                               "--backend-token-file", str(tmp_path / f"solo{k}.token")], catch_exceptions=False)
-            assert result.exit_code == 0, result.output
-            httpx.delete(f"{url}/v1/adapters/{opened['adapter_id']}", headers={"Authorization": f"Bearer {token}"})
-    finally:
-        server.terminate()
-        server.wait(30)
+
+def _wait_for_checkpoints(engine: Any, clients: list[Any], epoch: int, seats: bool) -> list[Any]:
+    """Until every job runs at ``epoch`` on a seat (``seats``) or a whole device, each with a checkpoint of that epoch;
+    the jobs' allocations."""
+    deadline = time.monotonic() + 600
+    while True:
+        with engine.connect() as conn:
+            placed = conn.execute(select(allocations.c.job_id, devices.c.seat_of, devices.c.worker_id)
+                                  .join(devices, devices.c.id == allocations.c.device_id)).all()
+            saved = {r.job_id for r in conn.execute(select(checkpoints.c.job_id).where(checkpoints.c.epoch == epoch))}
+            running = {r.id for r in conn.execute(select(jobs.c.id).where(jobs.c.state == "running", jobs.c.lease_epoch == epoch))}
+        if len(placed) == 3 and {p.job_id for p in placed} <= saved & running:
+            assert all((p.seat_of is not None) == seats for p in placed), placed
+            return placed
+        for client in clients:
+            assert client.poll() is None, client.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"the jobs did not all run and checkpoint at epoch {epoch}: {placed}, {saved}, {running}"
+        time.sleep(0.1)
 
 
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_killed_worker_with_three_packed_jobs_of_two_tenants(db_url: str, keys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     monkeypatch.setenv("TINKERGYM_CACHE", str(cache))
-    _solo_runs(tmp_path, cache)
+    _solo_runs(tmp_path)
 
     tenant_keys = [keys.new("acme", "read,write"), keys.new("acme", "read,write"), keys.new("beta", "read,write")]
     worker_key = keys.new("ops", "worker")
     scheduler = ThreadServer(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=6.0, sweep_interval_s=0.2)))
     first = shared_worker(scheduler.url, worker_key, tmp_path / "w1", cache)
-    second = None
+    second: WorkerProcess | None = None
+    third = None
     clients = []
     engine = make_engine(db_url)
     try:
@@ -99,19 +98,7 @@ def test_a_killed_worker_with_three_packed_jobs_of_two_tenants(db_url: str, keys
                  "--scheduler", scheduler.url],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 env={**os.environ, "TINKERGYM_API_KEY": tenant_keys[k], "TINKERGYM_CACHE": str(tmp_path / f"client-cache{k}")}))
-        deadline = time.monotonic() + 600
-        while True:  # every job on a seat of w1's one shared server, each with a checkpoint stored
-            with engine.connect() as conn:
-                seated = conn.execute(select(allocations.c.job_id, devices.c.seat_of, devices.c.worker_id)
-                                      .join(devices, devices.c.id == allocations.c.device_id)).all()
-                saved = {r.job_id for r in conn.execute(select(checkpoints.c.job_id))}
-                running = {r.id for r in conn.execute(select(jobs.c.id).where(jobs.c.state == "running"))}
-            if len(seated) == 3 and {s.job_id for s in seated} <= saved & running:
-                break
-            for client in clients:
-                assert client.poll() is None, client.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, f"the jobs did not all run and checkpoint on seats: {seated}, {saved}"
-            time.sleep(0.1)
+        seated = _wait_for_checkpoints(engine, clients, epoch=1, seats=True)  # every job on a seat of w1's one shared server
         assert all(s.seat_of == 0 for s in seated) and len({s.worker_id for s in seated}) == 1
         job_ids = [json.loads((tmp_path / f"run{k}" / "config.json").read_text())["scheduler_job"] for k in range(3)]
 
@@ -138,29 +125,35 @@ def test_a_killed_worker_with_three_packed_jobs_of_two_tenants(db_url: str, keys
 
         first.send_signal(signal.SIGKILL)
         first.wait()
-        second = shared_worker(scheduler.url, worker_key, tmp_path / "w2", cache)
+        # seats to whole devices: a worker without seats takes the three jobs, each on a server of its own
+        second = WorkerProcess(scheduler.url, worker_key, tmp_path / "w2", "w2", "--slots", "3", heartbeat="0.5")
+        _wait_for_checkpoints(engine, clients, epoch=2, seats=False)
+        second.process.send_signal(signal.SIGKILL)
+        second.process.wait()
+        # and back: a worker with seats only takes them onto one shared server from the whole servers' checkpoints
+        third = shared_worker(scheduler.url, worker_key, tmp_path / "w3", cache)
         errors = []
         for client in clients:
             _, stderr = client.communicate(timeout=600)
             assert client.returncode == 0, stderr[-4000:]
             errors.append(stderr)
     finally:
-        for process in (first, second, *clients):
+        for process in (first, second.process if second else None, third, *clients):
             if process is not None and process.poll() is None:
                 process.kill()
                 process.wait()
         scheduler.stop()
     for stderr in errors:
-        assert "reconnected to its new server (epoch 2)" in stderr, stderr[-3000:]
+        assert "reconnected to its new server (epoch 2)" in stderr and "reconnected to its new server (epoch 3)" in stderr, stderr[-3000:]
     with engine.connect() as conn:
         rows = {r.id: r for r in conn.execute(select(jobs.c.id, jobs.c.state, jobs.c.lease_epoch, jobs.c.attempt))}
         held = conn.execute(select(allocations)).all()
     engine.dispose()
-    assert all((rows[j].state, rows[j].lease_epoch, rows[j].attempt) == ("succeeded", 2, 1) for j in job_ids), rows
+    assert all((rows[j].state, rows[j].lease_epoch, rows[j].attempt) == ("succeeded", 3, 2) for j in job_ids), rows
     assert held == []
     for k in range(3):
         records = read_metrics(tmp_path / f"run{k}" / "metrics.jsonl")
-        assert [r["step"] for r in records] == list(range(10))
+        assert [r["step"] for r in records] == list(range(12))
         assert _stable(records) == _stable(read_metrics(tmp_path / f"solo{k}" / "metrics.jsonl")), f"run {k} differs from its solo run"
         saved = json.loads((tmp_path / f"run{k}" / "final" / "adapter_config.json").read_text())
         assert saved["r"] == RANKS[k]

@@ -527,6 +527,71 @@ def test_serve_backend_passes_its_limits(tmp_path: Path, monkeypatch: pytest.Mon
     assert refused.exit_code == 2 and "--max-num-samples" in refused.output
 
 
+def test_serve_backend_builds_its_backend_on_the_thread_that_runs_its_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One thread runs all of a server's torch work: a CPU process with two threads' OpenMP teams decodes 1.7x slower."""
+    import secrets
+    import threading
+
+    from tinkergym.serve.training import app as server
+    from tinkergym.backends.torch import backend as torch_backend
+
+    built_on: list[threading.Thread] = []
+
+    class Built(Exception):
+        pass
+
+    def build(config: Any) -> FakeBackend:
+        built_on.append(threading.current_thread())
+        return FakeBackend()
+
+    def fake_create_app(backend: Any, **options: Any) -> None:
+        raise Built(backend, options["worker"])
+
+    monkeypatch.setattr(torch_backend, "TorchBackend", build)
+    monkeypatch.setattr(server, "create_app", fake_create_app)
+    token = tmp_path / "token"
+    token.write_text(secrets.token_urlsafe(32))
+    token.chmod(0o600)
+    built = CliRunner().invoke(main, ["serve", "backend", "--model", "tiny", "--token-file", str(token), "--run-dir", str(tmp_path / "server")]).exception
+    assert isinstance(built, Built)
+    backend, worker = built.args
+    try:
+        assert isinstance(backend, FakeBackend) and worker.backend is backend
+        assert built_on != [threading.current_thread()] and built_on == [worker.run(threading.current_thread)]
+    finally:
+        worker.stop()
+
+
+def test_a_worker_runs_functions_in_order_with_its_calls_and_raises_what_they_raise(tmp_path: Path) -> None:
+    import threading
+
+    from tinkergym.serve.training.calls import CallWorker
+
+    worker = CallWorker.building(lambda: FakeBackend(), tmp_path, logging.getLogger("test"))
+    try:
+        assert isinstance(worker.backend, FakeBackend) and worker.snapshots.keep == 8
+        seen: list[int] = []
+        release = threading.Event()
+        first = threading.Thread(target=worker.run, args=(lambda: (release.wait(10), seen.append(1)),))
+        first.start()
+        time.sleep(0.05)  # the first function holds the thread: the second waits behind it
+        second = threading.Thread(target=worker.run, args=(lambda: seen.append(2),))
+        second.start()
+        time.sleep(0.05)
+        assert seen == []
+        release.set()
+        first.join(10)
+        second.join(10)
+        assert seen == [1, 2]
+        with pytest.raises(ZeroDivisionError):
+            worker.run(lambda: 1 / 0)
+        assert worker.run(lambda: worker.run(lambda: 7)) == 7  # from its own thread a function runs at once
+    finally:
+        worker.stop()
+    with pytest.raises(RuntimeError, match="no backend"):
+        CallWorker.building(lambda: (_ for _ in ()).throw(RuntimeError("no backend")), tmp_path, logging.getLogger("test"))
+
+
 # ----- the command ----------------------------------------------------------------------------------------
 def test_serve_backend_refuses_to_start_without_a_private_token_file(tmp_path: Path) -> None:
     args = ["serve", "backend", "--model", "tiny", "--run-dir", str(tmp_path / "run")]

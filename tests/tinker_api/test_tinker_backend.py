@@ -73,7 +73,10 @@ def test_calls_equal_a_local_session_metric_for_metric(cluster: Any, case: str) 
             assert stepped_there["grad_norm"] == pytest.approx(stepped_here["grad_norm"], rel=2e-4)
         np.testing.assert_allclose(np.concatenate([np.asarray(r) for r in remote.logprobs(ROWS)]),
                                    np.concatenate([np.asarray(r) for r in local.logprobs(ROWS)]), atol=1e-4)
-        sampled = remote.sample(SampleRequest(prompts=[r[:PROMPT] for r in ROWS[:2]], num_samples=2, params=SamplingParams(max_new_tokens=5, seed=3)))
+        asked = SampleRequest(prompts=[r[:PROMPT] for r in ROWS[:2]], num_samples=2, params=SamplingParams(max_new_tokens=5, seed=3))
+        sampled = remote.sample(asked)
+        # one Tinker request per prompt, each seeded with its group's seed: the tokens a local request draws
+        assert [[s.tokens for s in row] for row in sampled.sequences] == [[s.tokens for s in row] for row in local.sample(asked).sequences]
         for prompt, sequences in zip(ROWS[:2], sampled.sequences):
             for seq in sequences:  # the sampler holds the current weights: its logprobs are the trainer's
                 np.testing.assert_allclose(seq.logprobs, local.logprobs([prompt[:PROMPT] + seq.tokens])[0][PROMPT:], atol=1e-4)
@@ -139,3 +142,66 @@ def test_train_cli_sft_loss_falls_through_a_tinker_endpoint(cluster: Any, tmp_pa
     assert done.exit_code == 0, done.output
     losses = [r["loss"] for r in metrics(tmp_path / "sft") if r.get("step", -1) >= 0 and "loss" in r]
     assert len(losses) == 6 and losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.slow
+def test_one_lora_job_gives_one_result_locally_on_a_whole_server_on_a_seat_and_through_the_tinker_api(cluster: Any, tiny: str,
+                                                                                                       tmp_path: Path) -> None:
+    """The same GRPO run (config, seed) in four places: a local TorchBackend, `serve backend`, a seat (an adapter of
+    `serve shared`) and `train --backend tinker` against `serve tinker`: the same metrics, step for step (float32)."""
+    from testkit import serving
+
+    from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
+    from tinkergym.backends.torch.shared import SharedBase, SharedBaseConfig
+    from tinkergym.cli import main
+    from tinkergym.serve.auth import token_digest
+    from tinkergym.serve.training.app import create_app
+    from tinkergym.serve.training.shared import create_shared_app
+
+    rank, alpha, seed = 4, 32.0, 5  # Tinker's LoRA has alpha 32
+    run = ["train", "--env", "tinker/Bandit-v0", "--trainer", "grpo", "--lora-rank", str(rank), "--lora-alpha", str(alpha), "--seed", str(seed),
+           "--steps", "3", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "3e-2", "--quiet"]
+
+    def token(name: str, text: str) -> str:
+        path = tmp_path / name
+        path.write_text(text)
+        path.chmod(0o600)
+        return str(path)
+
+    def train(place: str, *extra: str) -> list[dict[str, Any]]:
+        done = CliRunner().invoke(main, [*run, *extra, "--out", str(tmp_path / place)], catch_exceptions=False)
+        assert done.exit_code == 0, done.output
+        return metrics(tmp_path / place)
+
+    server_token = "s" * 40
+    runs = {"local": train("local", "--model", tiny, "--dtype", "float32")}
+    whole = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=rank, lora_alpha=alpha, dtype="float32", seed=seed))
+    with serving(create_app(whole, run_dir=tmp_path / "server", token_digest=token_digest(server_token))) as url:
+        runs["server"] = train("server", "--backend-url", url, "--backend-token-file", token("server.token", server_token))
+    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32"))
+    with serving(create_shared_app(base, run_dir=tmp_path / "shared", token_digest=token_digest(server_token))) as url:
+        import httpx
+
+        opened = httpx.post(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {server_token}"},
+                            json={"lora_rank": rank, "lora_alpha": alpha, "seed": seed}).json()
+        runs["seat"] = train("seat", "--backend-url", url, "--backend-token-file", token("seat.token", opened["token"]))
+    runs["tinker"] = train("tinker", "--backend", "tinker", "--backend-url", cluster.url, "--model", cluster.model,
+                           "--backend-token-file", token("tinker.key", cluster.keys["alice"]))
+
+    def steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [r for r in records if r.get("step", -1) >= 0 and "reward/mean" in r]
+
+    compared = set.intersection(*(set(r) for records in runs.values() for r in steps(records)))
+    compared = {k for k in compared if not k.startswith(("time/", "tokens/per_s", "memory/"))}
+    assert {"loss", "grad_norm", "reward/mean"} <= compared, sorted(compared)
+    local = steps(runs["local"])
+    assert [r["step"] for r in local] == [0, 1, 2]
+    for place, records in runs.items():
+        assert len(steps(records)) == 3, place
+        for mine, theirs in zip(local, steps(records)):
+            for key in sorted(compared):
+                a, b = mine[key], theirs[key]
+                if isinstance(a, float) or isinstance(b, float):
+                    assert b == pytest.approx(a, rel=1e-4, abs=1e-4), (place, mine["step"], key)
+                else:
+                    assert a == b, (place, mine["step"], key)

@@ -18,8 +18,8 @@ How our calls map onto Tinker's:
   temperature other than 1 (Tinker scores at temperature 1).
 - ``sample``: a sampling client of the current weights (``save_weights_and_get_sampling_client`` after each
   optimizer step), one Tinker request per distinct prompt for all its copies' samples (a group's), all in flight at
-  once. A seed makes each prompt's draws reproducible, but the draws are not those of a local batch (which shares
-  one generator across prompts).
+  once. A seeded request sends each distinct prompt its group's seed (:mod:`tinkergym.protocol.seeds`), so the
+  samples are those of the same request on a local backend, wherever the endpoint draws them as tinkergym's do.
 - ``sampling_snapshot`` (the optional :class:`~tinkergym.protocol.backend.SnapshotBackend` capability that
   ``async_steps`` needs): that same sampling client as a :class:`TinkerSnapshot` of the current weights and their
   version. A Tinker sampling client of kind ``snapshot`` holds the weights saved when it was asked for (the SDK orders
@@ -47,6 +47,7 @@ import numpy as np
 from tinkergym.backends.remote import server_name
 from tinkergym.errors import ConfigError, TinkergymError
 from tinkergym.plumbing.folders import fresh_tmp_dir, plain_relative_parts, replace_dir
+from tinkergym.protocol.seeds import group_seed, prompt_groups
 from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, OptimParams, SampleRequest, SampleResponse, SampledSequence
 
 #: The file a checkpoint folder of a Tinker run holds instead of weights.
@@ -172,19 +173,22 @@ class TinkerBackend:
     def sample_with(self, sampler: Any, request: SampleRequest) -> SampleResponse:
         """``request`` through the Tinker sampling client ``sampler``: one request per distinct prompt, all in flight at once.
 
-        The copies of a prompt (a GRPO group) are one request for all their samples: a request's seed seeds one stream of
-        draws, so copies sent apart with the rollout's seed would all draw the same completion.
+        The copies of a prompt (a GRPO group) are one request for all their samples, seeded with the group's seed
+        (:func:`~tinkergym.protocol.seeds.group_seed`): copies sent apart with one seed would all draw the same completion.
         """
         types = self._tinker.types
         p = request.params
-        params = types.SamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
-                                      stop=list(p.stop_token_ids) or None, seed=p.seed)
-        rows_of: dict[tuple[int, ...], list[int]] = {}
-        for i, prompt in enumerate(request.prompts):
-            rows_of.setdefault(tuple(prompt), []).append(i)
+
+        def params(group: int) -> Any:  # a seeded request's group seeds (tinkergym.protocol.seeds): the draws of a local batch
+            seed = None if p.seed is None else group_seed(p.seed, group)
+            return types.SamplingParams(max_tokens=p.max_new_tokens, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k or -1,
+                                        stop=list(p.stop_token_ids) or None, seed=seed)
+
+        groups = prompt_groups(request.prompts)
         n = request.num_samples
         try:
-            futures = [(rows, sampler.sample(types.ModelInput.from_ints(list(prompt)), n * len(rows), params)) for prompt, rows in rows_of.items()]
+            futures = [(rows, sampler.sample(types.ModelInput.from_ints(list(request.prompts[rows[0]])), n * len(rows), params(g)))
+                       for g, rows in enumerate(groups)]
             answered = [(rows, f.result()) for rows, f in futures]
         except Exception as exc:  # noqa: BLE001 - the endpoint's error, said as ours
             raise self._fail(exc, "a sample request") from exc

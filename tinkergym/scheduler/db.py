@@ -139,9 +139,6 @@ jobs = Table(
     Column("server_token_digest", String(64), nullable=True),
     Column("cursor", Integer, nullable=False, default=0),  # last event seq, so appends number without a scan
     Column("artifact_bytes", BigInteger, nullable=False, default=0),  # bytes its stored artifacts hold (the tenant's quota)
-    # Where its checkpoints were written: "seat" (a shared server's session state) or "devices" (a whole server's); set
-    # with its first checkpoint, after which it is granted only that kind of place (the two states differ in format).
-    Column("placed", String(8), nullable=True),
     # Devices held times seconds (a seat counts its share of its device), added at each renewal (tinkergym.scheduler.usage).
     Column("device_seconds", Float, nullable=False, default=0.0, server_default="0"),
     # Tokens its servers trained and sampled, and the last totals a server reported ({"epoch", "tokens_trained", ...}).

@@ -16,9 +16,9 @@ serves the model and has enough devices), no job after it in the order is grante
 to it and large jobs are not starved. A job whose tenant holds ``tenants.max_gpus`` devices already waits
 without blocking anyone. A LoRA job that fits a free seat of a shared training server takes that seat before a whole
 device (:mod:`tinkergym.scheduler.seats`: the placement rule); a seat is a row of ``devices`` like any device, so
-the same constraint holds it, and it counts as one device toward the tenant's quota. A job's first checkpoint fixes
-the kind of place it runs on from then on (``jobs.placed``): a session's state and a whole server's differ in format,
-so a job that resumes does so on the kind of place that wrote its checkpoints.
+the same constraint holds it, and it counts as one device toward the tenant's quota. A LoRA job resumes on either kind
+of place, whichever wrote its checkpoints: a session of a shared base and a whole server start an adapter from the
+same draws and load each other's states (:mod:`tinkergym.backends.torch.lora_states`).
 
 Expiry (:func:`sweep`) runs in the app's background task (:func:`tinkergym.scheduler.sweeps.sweep_forever`), so a lease expires with
 no other traffic: the job goes back to ``queued`` with ``attempt + 1`` (``failed`` once attempts reach
@@ -160,7 +160,7 @@ def _touch(conn: Connection, worker_id: str, now: float) -> None:
 def queued_jobs(conn: Connection, tenant_ids: tuple[str, ...] | None = None) -> Iterator[dict[str, Any]]:
     """Queued jobs (of ``tenant_ids`` only, when given) in grant order (priority desc, created_at asc, id asc), a page at a time."""
     cols = (jobs.c.id, jobs.c.tenant_id, jobs.c.kind, jobs.c.priority, jobs.c.created_at, jobs.c.gpus, jobs.c.config,
-            jobs.c.lease_epoch, jobs.c.attempt, jobs.c.placed)
+            jobs.c.lease_epoch, jobs.c.attempt)
     last: dict[str, Any] | None = None
     for _ in range(0, MAX_SCAN, _PAGE):
         query = select(*cols).where(jobs.c.state == states.QUEUED)
@@ -183,6 +183,58 @@ def held_by_tenant(conn: Connection, tenant_id: str) -> int:
     return int(conn.execute(
         select(func.count()).select_from(allocations.join(jobs, jobs.c.id == allocations.c.job_id)).where(jobs.c.tenant_id == tenant_id)
     ).scalar_one())
+
+
+def _over_quota(conn: Connection, job: dict[str, Any], held: dict[str, int], quota: dict[str, int]) -> bool:
+    """Whether ``job`` would take its tenant past its ``max_gpus`` (each tenant's figures read once a grant, into ``held``
+    and ``quota``)."""
+    tenant = job["tenant_id"]
+    if tenant not in quota:
+        quota[tenant] = conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == tenant)).scalar_one()
+        held[tenant] = held_by_tenant(conn, tenant)
+    return held[tenant] + job["gpus"] > quota[tenant]
+
+
+class _SeatsElsewhere:
+    """The free seats of the other live workers (:func:`free_seats_of_others`), read at a grant's first question."""
+
+    def __init__(self, conn: Connection, worker_id: str, seen_since: float) -> None:
+        self.conn, self.worker_id, self.seen_since = conn, worker_id, seen_since
+        self._seats: list[tuple[dict[str, Any], frozenset[str] | None, WorkerBounds]] | None = None
+
+    def fit(self, job: dict[str, Any]) -> bool:
+        """Whether a free seat of another live worker that may run ``job`` (its tenant, its model) fits it."""
+        if self._seats is None:
+            self._seats = free_seats_of_others(self.conn, self.worker_id, self.seen_since)
+        model = _model(job)
+        return any(others.serves(job["tenant_id"]) and (offered is None or model in offered) and fits(shared, job["kind"], job["gpus"], job["config"])
+                   for shared, offered, others in self._seats)
+
+
+def free_seats_of_others(conn: Connection, worker_id: str, seen_since: float) -> list[tuple[dict[str, Any], frozenset[str] | None, WorkerBounds]]:
+    """Every free seat of a worker other than ``worker_id`` that is alive (seen since ``seen_since``, not quarantined, its
+    credential standing): the seat's base, the models its worker offers within its credential, and the credential's bounds.
+    A packable job prefers such a seat to a whole device here: placement is the cluster's, not the first poller's."""
+    from tinkergym.scheduler.bounds import parse_bounds
+    from tinkergym.scheduler.db import api_keys
+
+    rows = conn.execute(
+        select(devices.c.shared, workers.c.models, api_keys.c.worker_bounds)
+        .select_from(devices.join(workers, workers.c.id == devices.c.worker_id).join(api_keys, api_keys.c.id == workers.c.key_id))
+        .where(devices.c.seat_of.is_not(None), devices.c.active.is_(True), devices.c.worker_id != worker_id,
+               devices.c.id.not_in(select(allocations.c.device_id)), workers.c.last_seen_at >= seen_since,
+               workers.c.quarantined_at.is_(None), api_keys.c.revoked_at.is_(None))
+    ).all()
+    found: list[tuple[dict[str, Any], frozenset[str] | None, WorkerBounds]] = []
+    for shared, models, worker_bounds in rows:
+        parsed = parse_bounds(worker_bounds)
+        if parsed is None:
+            continue
+        offered = set(json.loads(models))
+        if parsed.models is not None:
+            offered &= set(parsed.models)
+        found.append((parse_shared(shared) or {}, frozenset(offered), parsed))
+    return found
 
 
 def _model(job: dict[str, Any]) -> Any:
@@ -233,22 +285,20 @@ def grant(
     device_memory, device_kind = memory.smallest([d.memory_bytes for d in whole]), (whole[0].kind if whole else "slot")
     held: dict[str, int] = {}
     quota: dict[str, int] = {}
+    elsewhere = _SeatsElsewhere(conn, worker_id, now - worker_timeout(settings))
     for job in queued_jobs(conn, bounds.tenants if bounds is not None else None):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
-        on_seats, on_devices = job["placed"] != "devices", job["placed"] != "seat"  # a job with checkpoints stays on their kind
         if _model(job) not in models:
             continue
         # Whole devices only if there are enough and they have the memory (priced only then; memory.refusal is cached).
-        on_devices = on_devices and gpus <= len(whole) and memory.refusal(kind, gpus, config, shapes.get(_model(job)), device_memory, device_kind) is None
-        if not on_devices and not (on_seats and any(fits(shared, kind, gpus, config) for _, shared in seats)):
+        on_devices = gpus <= len(whole) and memory.refusal(kind, gpus, config, shapes.get(_model(job)), device_memory, device_kind) is None
+        if not on_devices and not any(fits(shared, kind, gpus, config) for _, shared in seats):
             continue  # never fits here: it neither starts nor holds this worker's devices
-        tenant = job["tenant_id"]
-        if tenant not in quota:
-            quota[tenant] = conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == tenant)).scalar_one()
-            held[tenant] = held_by_tenant(conn, tenant)
-        if held[tenant] + gpus > quota[tenant]:
+        if _over_quota(conn, job, held, quota):
             continue  # over its tenant's quota: waits, blocks nobody
-        seat = next((d for d, shared in free_seats if on_seats and fits(shared, kind, gpus, config)), None)
+        seat = next((d for d, shared in free_seats if fits(shared, kind, gpus, config)), None)
+        if seat is None and on_devices and gpus <= len(free) and elsewhere.fit(job):
+            continue  # a free seat of another worker fits it: the job waits for that worker's poll (it asks every few seconds)
         if seat is None and (gpus > len(free) or not on_devices):
             if now - job["created_at"] > settings.backfill_age_s:
                 return None  # waited too long: the devices here drain to it, nobody behind jumps ahead
@@ -385,9 +435,6 @@ def report_checkpoint(conn: Connection, store: JobStore, worker_id: str, job_id:
             raise Conflict(f"job {job_id} already has checkpoint {name!r} at step {existing['step']}")
         return {"job_id": job_id, "step": step, "name": name, "epoch": existing["epoch"]}
     store.add_checkpoint(conn, job_id, epoch, step, name)
-    seated = conn.execute(select(devices.c.seat_of).join(allocations, allocations.c.device_id == devices.c.id)
-                          .where(allocations.c.job_id == job_id).limit(1)).scalar()
-    conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.placed.is_(None)).values(placed="devices" if seated is None else "seat"))
     return {"job_id": job_id, "step": step, "name": name, "epoch": epoch}
 
 

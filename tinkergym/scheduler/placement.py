@@ -78,11 +78,10 @@ class Host:
         return memory.refusal(job["kind"], job["gpus"], job["config"], shape, self.memory, self.kind)
 
     def _whole(self, job: dict[str, Any], devices: int) -> bool:
-        # A job whose checkpoints a seat wrote stays on seats.
-        return job.get("placed") != "seat" and job["gpus"] <= devices and self.memory_refusal(job) is None
+        return job["gpus"] <= devices and self.memory_refusal(job) is None
 
     def _seat(self, job: dict[str, Any], free_only: bool) -> bool:
-        return job.get("placed") != "devices" and any(
+        return any(
             (free or not free_only) and fits(shared, job["kind"], job["gpus"], job["config"]) for shared, free in self.seats)
 
     @property
@@ -178,7 +177,7 @@ class Placement:
             return reason(NO_MODEL, f"no worker offers model {model} (alive workers offer: {', '.join(models[:10]) or 'nothing'}); "
                                     f"start one: tinkergym worker --models {model}")
         if not any(h.hosts(job) for h in offering):
-            big_enough = [h for h in offering if job.get("placed") != "seat" and gpus <= h.devices]
+            big_enough = [h for h in offering if gpus <= h.devices]
             refusals = [h.memory_refusal(job) for h in big_enough]
             if big_enough and all(refusals):
                 largest = max(big_enough, key=lambda h: h.memory or 0)

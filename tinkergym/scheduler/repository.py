@@ -138,7 +138,7 @@ class JobStore:
             "id": new_job_id(), "tenant_id": tenant_id, "kind": kind, "state": states.QUEUED, "priority": priority, "gpus": gpus,
             "config": json.dumps(config, sort_keys=True), "name": name, "attempt": 0, "max_attempts": max_attempts,
             "created_at": t, "updated_at": t, "finished_at": None, "error": None, "lease_epoch": 0, "worker_id": None,
-            "lease_expires_at": None, "server_url": None, "server_token_digest": None, "cursor": 1, "artifact_bytes": 0, "placed": None,
+            "lease_expires_at": None, "server_url": None, "server_token_digest": None, "cursor": 1, "artifact_bytes": 0,
             "device_seconds": 0.0, "tokens_trained": 0, "tokens_sampled": 0, "usage_reported": None,
         }
         # The job with its cursor at its first event, and that event (seq 1): statements prepared once and run on the

@@ -40,7 +40,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from tinkergym.backends.torch import losses
+from tinkergym.backends.torch import lora_states, losses, multi_lora
 from tinkergym.backends.torch.batches import (
     Batch, adamw_step, check_prompts, check_scored_images, check_weights_finite, collate, request_normalizers, sample_batches, validate_data,
 )
@@ -51,7 +51,7 @@ from tinkergym.backends.torch.sharded_states import SHARDED_FORMAT, load_sharded
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, read_rng_state, restore_rng_state, write_optimizer_state, write_rng_state
 from tinkergym.backends.torch.copies import CastCopy, MergedLoraCopy, frozen_in_compute_dtype, merged_on_host, sampling_copy, kv_token_cost  # noqa: F401
 from tinkergym.backends.torch.prefix_cache import PrefixCache, adapter_scope
-from tinkergym.backends.torch.sampling import sample_batch
+from tinkergym.backends.torch.sampling import RowStreams, sample_batch
 from tinkergym.backends.torch.turns import TurnLock
 from tinkergym.backends.torch.runtime import (  # noqa: F401 - public here too
     DTYPES,
@@ -71,6 +71,7 @@ from tinkergym.backends.torch.scoring import (
     plan_micro_batches,
     sequence_logprobs,
 )
+from tinkergym.protocol.seeds import sample_seeds
 from tinkergym.protocol.types import (
     Datum,
     ForwardBackwardRequest,
@@ -86,9 +87,8 @@ from tinkergym.config import DEFAULT_DTYPE, DEFAULT_LORA_ALPHA, DEFAULT_LORA_RAN
 from tinkergym.errors import ConfigError, OutOfMemoryError
 from tinkergym.plumbing.folders import fresh_tmp_dir, replace_dir
 
-#: Version of the save_state folder layout. 1: optimizer.pt and rng.pt pickles (refused since);
-#: 2: optimizer and RNG states as safetensors + JSON.
-STATE_FORMAT = 2
+#: Version of the save_state folder layout (:data:`~tinkergym.backends.torch.lora_states.BACKEND_STATE_FORMAT`).
+STATE_FORMAT = lora_states.BACKEND_STATE_FORMAT
 
 
 @dataclass
@@ -295,6 +295,17 @@ class TorchBackend:
         # started from included; load_causal_lm merges that), not the base that folder was merged into.
         for adapter_config in model.peft_config.values():
             adapter_config.base_model_name_or_path = self.model_path
+        # The adapter's A factors drawn as a shared base's session draws them (multi_lora.draw_a, module order, a generator
+        # of the seed alone): a job starts from the same adapter on a whole server, a shared seat or the Tinker API.
+        init = torch.Generator().manual_seed(self.config.seed)
+        with torch.no_grad():
+            for module in model.modules():
+                adapters = getattr(module, "lora_A", None)  # peft's ModuleDict of the layer's adapters (one here)
+                if isinstance(adapters, torch.nn.ModuleDict):
+                    for a in adapters.values():
+                        weight = a.weight
+                        assert isinstance(weight, torch.Tensor)
+                        weight.copy_(multi_lora.draw_a(weight.shape[0], weight.shape[1], init))
         # peft casts each layer's input to the adapter's float32 before the adapter; under autocast (every
         # forward here runs in _compute) the adapter computes in the compute dtype from its float32 weights.
         for module in model.modules():
@@ -333,8 +344,9 @@ class TorchBackend:
     def sample(self, request: SampleRequest) -> SampleResponse:
         """``num_samples`` completions per prompt, in batches of at most ``max_sample_batch`` sequences.
 
-        With ``params.seed`` set, sampling draws from its own generator and repeats exactly; without it, it
-        draws from the global torch RNG (seeded by the config and saved with the state).
+        With ``params.seed`` set, each sample draws from its own stream (:mod:`tinkergym.protocol.seeds`) and repeats
+        exactly, whatever the batches and wherever it is drawn; without it, sampling draws from the global torch RNG
+        (seeded by the config and saved with the state).
         """
         return self._sample(request, self._sampling_model(), None)
 
@@ -389,16 +401,16 @@ class TorchBackend:
             self.vision.check_rows(request.prompts, request.images, "prompt")
         eos = self.tokenizer.eos_token_id
         stop_ids = list(params.stop_token_ids) or ([eos] if eos is not None else [])
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
         n = request.num_samples
+        # A seeded request: each sample its own stream (tinkergym.protocol.seeds); else the device's default generator.
+        seeds = None if params.seed is None else RowStreams(sample_seeds(request.prompts, n, params.seed, request.images))
         with_images = [i for i, images in enumerate(request.images) if images]
         text_rows = [i for i in range(len(request.prompts)) if i >= len(request.images) or not request.images[i]]
         self.prefix_cache.scope = adapter_scope(model) if scope is None else scope
         results: list[SampledSequence] = []
         for rows in sample_batches(text_rows, n, self.config.max_sample_batch):
             chunk = [request.prompts[i] for i in rows]
+            generator = None if seeds is None else seeds.take(rows)
             with self._compute(), self._out_of_memory_advice(chunk, training=False):
                 results.extend(sample_batch(model, chunk, params, stop_ids, self.pad_id, generator, self.config.share_prefixes, prefix_cache=self.prefix_cache))
         sequences: dict[int, list[SampledSequence]] = {i: results[k * n : (k + 1) * n] for k, i in enumerate(text_rows)}
@@ -407,6 +419,7 @@ class TorchBackend:
             sequences[i] = []
             for start in range(0, n, self.config.max_sample_batch):
                 count = min(self.config.max_sample_batch, n - start)
+                generator = None if seeds is None else seeds.take([i] * count)
                 with self._compute(), self._out_of_memory_advice([request.prompts[i]] * count, training=False):
                     sequences[i].extend(sample_with_images(model, request.prompts[i], request.images[i], self.vision, count, params, stop_ids, self.pad_id, generator))
         return SampleResponse(sequences=[sequences[i] for i in range(len(request.prompts))])
@@ -632,7 +645,8 @@ class TorchBackend:
 
     @_one_at_a_time
     def load_state(self, path: str) -> None:
-        """Restore what :meth:`save_state` wrote; the backend must have the same model and LoRA settings.
+        """Restore what :meth:`save_state` wrote; the backend must have the same model and LoRA settings. A LoRA backend
+        also loads what a shared base's session wrote (a job that trained on a seat: :mod:`~tinkergym.backends.torch.lora_states`).
 
         Gradients accumulated since the last :meth:`optim_step` are dropped: a state holds none, and a client that loads
         one after a lost call (its server unreachable for a moment) must not step with that call's gradients.
@@ -640,10 +654,10 @@ class TorchBackend:
         """
         from safetensors.torch import load_file
 
-        meta_file = Path(path, "state.json")
-        if not meta_file.is_file():
-            raise ConfigError(f"{path} is not a backend state folder (no state.json); pass a folder written by save_state")
-        meta = json.loads(meta_file.read_text())
+        meta = lora_states.read_meta(path)
+        if lora_states.is_session_state(meta):  # a job that trained on a seat of a shared base goes on here
+            self._load_session_state(path, meta)
+            return
         if meta.get("format") == SHARDED_FORMAT:  # written by a server sharded over several ranks: loads here whole
             load_sharded_state(self, path)
             self.optimizer.zero_grad(set_to_none=True)
@@ -665,6 +679,30 @@ class TorchBackend:
         self.optimizer.load_state_dict(optimizer_state)
         self.optimizer.zero_grad(set_to_none=True)
         restore_rng_state(*rng_state, self.device)
+        self.step = int(meta["step"])
+
+    def _load_session_state(self, path: str, meta: dict[str, Any]) -> None:
+        """:meth:`load_state` of a state a shared base's session wrote (:mod:`~tinkergym.backends.torch.lora_states`)."""
+        from safetensors.torch import load_file
+
+        if not self.is_lora:
+            raise ConfigError(f"{path} holds a LoRA adapter's state; a full fine-tuning backend cannot load it")
+        lora_states.check_adapter(path, meta, self.config.lora_rank, self.config.lora_alpha)
+        saved = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.device))
+        weights = {lora_states.backend_name(name): tensor for name, tensor in saved.items()}
+        if sorted(weights) != sorted(n for n, _ in self._trainable) or any(weights[n].shape != p.shape for n, p in self._trainable):
+            raise ConfigError(f"{path} holds the adapter of other layers than this backend's ({self.config.lora_target_modules}); "
+                              "load it where the job's adapter targets the saved layers")
+        optimizer_state = read_optimizer_state(path)
+        lora_states.check_optimizer_shapes(path, optimizer_state, [p for _, p in self._trainable])
+        generator = load_file(os.path.join(path, "rng.safetensors"))["generator"]
+        with torch.no_grad():
+            for name, param in self._trainable:
+                param.copy_(weights[name])
+        self._weights_changed()
+        self.optimizer.load_state_dict(optimizer_state)
+        self.optimizer.zero_grad(set_to_none=True)
+        lora_states.set_device_generator(generator, self.device)
         self.step = int(meta["step"])
 
     @_one_at_a_time

@@ -6,8 +6,9 @@ one go:
 
 - ``sample``: batches of ``max_sample_batch`` sequences of the call's sequences in order (a prompt's index once per
   sample; one prompt with many samples is several batches, as :class:`~tinkergym.backends.torch.backend.TorchBackend`
-  batches it). Each slice asks for its sequences as prompts of one sample each and draws on from the generator the
-  call's last slice left (:attr:`CallSlices.carry`), so the call gets the tokens it gets in one go.
+  batches it). Each slice asks for its sequences as prompts of one sample each; a seeded call's samples draw from their
+  own streams (:attr:`CallSlices.carry` hands each slice its samples' seeds), an unseeded call's from the session's
+  generator where the call's last slice left it, so the call gets the tokens it gets in one go.
 - ``forward_backward``: micro-batches of the call's rows as the base plans them alone. Each slice's request carries the
   whole call's loss normalizers (``num_tokens``, ``num_sequences``), so its gradient is its share of the whole call's;
   its loss sums add up in :class:`FitCarry`, whose metrics are the whole call's after the last slice. A slice that fails
@@ -37,7 +38,7 @@ class FitCarry:
 @dataclass
 class CallSlices:
     """One call's units in the order they run (each: the call's rows in it, and the tokens it puts through the model),
-    what the base carries across slices (``carry``: a sample call's generator, a training call's :class:`FitCarry`,
+    what the base carries across slices (``carry``: a seeded sample call's streams, a training call's :class:`FitCarry`,
     nothing for scoring), and the results of the rows done so far."""
 
     method: str
@@ -78,6 +79,13 @@ class CallSlices:
         sequences, temperature, *images = args
         picked = [sequences[i] for i in rows]
         return (picked, temperature, [images[0][i] for i in rows]) if images else (picked, temperature)
+
+    def carry_for(self, rows: list[int]) -> Any:
+        """What the slice ``rows`` carries into its pass: a seeded sample call's streams of the slice's samples (its rows'
+        next samples, each the one sample of its prompt in the slice's request); else :attr:`carry` itself."""
+        if self.method == "sample" and self.carry is not None:
+            return self.carry.slice(rows)
+        return self.carry
 
     def add(self, rows: list[int], result: Any) -> None:
         """Keep the results of the slice ``rows``."""

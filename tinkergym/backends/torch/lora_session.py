@@ -19,9 +19,10 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from tinkergym.backends.torch import multi_lora
+from tinkergym.backends.torch import lora_states, multi_lora
 from tinkergym.backends.torch.batches import adamw_step, check_weights_finite
 from tinkergym.backends.torch.prefix_cache import PrefixCache
+from tinkergym.backends.torch.lora_states import BACKEND_STATE_FORMAT, SESSION_KIND, SESSION_STATE_FORMAT
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, write_optimizer_state
 from tinkergym.backends.torch.vision import VisionInputs
 from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
@@ -29,8 +30,6 @@ from tinkergym.errors import ConfigError
 from tinkergym.plumbing.folders import fresh_tmp_dir, replace_dir
 from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, ImageData, OptimParams, SampleRequest, SampleResponse, PlainData
 
-#: Version of a session's save_state folder.
-SESSION_STATE_FORMAT = 1
 
 T = TypeVar("T")
 Outcome = Any  # a result, or the exception its request raised
@@ -177,34 +176,40 @@ class LoraSession:
         save_file({n: p.detach().cpu().contiguous() for n, p in self.params.items()}, os.path.join(tmp, "trainable.safetensors"))
         write_optimizer_state(tmp, self.optimizer.state_dict())
         save_file({"generator": self.generator.get_state()}, os.path.join(tmp, "rng.safetensors"))
-        meta = {"format": SESSION_STATE_FORMAT, "kind": "lora_session", "step": self.step, "config": self.config.to_dict(), "model_path": self.base.model_path}
+        meta = {"format": SESSION_STATE_FORMAT, "kind": SESSION_KIND, "step": self.step, "config": self.config.to_dict(), "model_path": self.base.model_path}
         Path(tmp, "state.json").write_text(json.dumps(meta, indent=2) + "\n")
         replace_dir(tmp, os.fspath(path).rstrip("/"))
 
     @_holding_base
     def load_state(self, path: str) -> None:
-        """Restore what :meth:`save_state` wrote (same rank); everything is read before anything changes. Gradients
-        accumulated since the last step are dropped (a state holds none)."""
+        """Restore what :meth:`save_state` wrote (same rank), or what a whole backend's ``save_state`` wrote of a LoRA job of
+        the same rank and alpha (:mod:`~tinkergym.backends.torch.lora_states`); everything is read before anything changes.
+        Gradients accumulated since the last step are dropped (a state holds none)."""
         from safetensors.torch import load_file
 
         self._check_open()
-        meta_file = Path(path, "state.json")
-        if not meta_file.is_file():
-            raise ConfigError(f"{path} is not a session state folder (no state.json); pass a folder written by save_state")
-        meta = json.loads(meta_file.read_text())
-        check_state_format(path, meta.get("format"), SESSION_STATE_FORMAT)
-        if meta.get("kind") != "lora_session":
-            raise ConfigError(f"{path} holds the state of another kind of backend; a session loads a session's state or an adapter (load_adapter)")
-        weights = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.base.device))
+        meta = lora_states.read_meta(path)
+        saved = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.base.device))
+        generator_state: torch.Tensor | None
+        if lora_states.is_session_state(meta):
+            check_state_format(path, meta.get("format"), SESSION_STATE_FORMAT)
+            weights = saved
+            generator_state = load_file(os.path.join(path, "rng.safetensors"))["generator"]
+        else:  # a whole backend's state: the job trained on a server of its own and goes on here
+            check_state_format(path, meta.get("format"), BACKEND_STATE_FORMAT)
+            lora_states.check_adapter(path, meta, self.config.lora_rank, self.config.lora_alpha)
+            weights = {lora_states.session_name(name): tensor for name, tensor in saved.items()}
+            generator_state = lora_states.sampler_state(load_file(os.path.join(path, "rng.safetensors")), self.base.device)
         self._check_weights(weights, path)
         optimizer_state = read_optimizer_state(path)
-        generator_state = load_file(os.path.join(path, "rng.safetensors"))["generator"]
+        lora_states.check_optimizer_shapes(path, optimizer_state, list(self.params.values()))
         with torch.no_grad():
             for name, param in self.params.items():
                 param.copy_(weights[name])
                 param.grad = None
         self.optimizer.load_state_dict(optimizer_state)
-        self.generator.set_state(generator_state)
+        if generator_state is not None:
+            self.generator.set_state(generator_state)
         self.step = int(meta["step"])
         self._weights_changed()
 

@@ -124,12 +124,8 @@ def add_adapter(
     """
     params: dict[str, torch.nn.Parameter] = {}
     for name, layer in layers.items():
-        a = torch.empty(rank, layer.in_features, dtype=torch.float32)
-        # nn.init.kaiming_uniform_(a, a=sqrt(5)) as peft and nn.Linear use, drawn from the adapter's own generator.
-        bound = math.sqrt(6.0 / ((1 + 5.0) * layer.in_features))
-        a.uniform_(-bound, bound, generator=generator)
         weights = LoraWeights(
-            A=torch.nn.Parameter(a.to(device)),
+            A=torch.nn.Parameter(draw_a(rank, layer.in_features, generator).to(device)),
             B=torch.nn.Parameter(torch.zeros(layer.out_features, rank, dtype=torch.float32, device=device)),
             scaling=alpha / rank,
         )
@@ -137,6 +133,15 @@ def add_adapter(
         params[f"{PEFT_PREFIX}{name}.lora_A.weight"] = weights.A
         params[f"{PEFT_PREFIX}{name}.lora_B.weight"] = weights.B
     return params
+
+
+def draw_a(rank: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
+    """A LoRA ``A`` factor for a layer of ``in_features`` inputs, float32 on the CPU: ``nn.init.kaiming_uniform_(a,
+    a=sqrt(5))`` as peft and ``nn.Linear`` use, drawn from ``generator``. Every place a LoRA job trains (a whole
+    :class:`~tinkergym.backends.torch.backend.TorchBackend`, a session of a shared base) draws its adapter with this, layer
+    by layer in the model's module order from ``torch.Generator().manual_seed(seed)``: one seed, one start, anywhere."""
+    bound = math.sqrt(6.0 / ((1 + 5.0) * in_features))
+    return torch.empty(rank, in_features, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
 
 
 def remove_adapter(layers: dict[str, MultiLoraLinear], adapter: int) -> None:

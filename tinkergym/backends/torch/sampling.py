@@ -25,6 +25,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, ParamSpec, TypeVar
 
+import numpy as np
 import torch
 
 from tinkergym.backends.torch.cache_names import cache_kwargs, cache_of
@@ -61,6 +62,78 @@ def filter_logits(logits_BV: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -
     return logits_BV
 
 
+class SeededRows:
+    """Random numbers by row, each row from its own seed (:func:`tinkergym.protocol.seeds.sample_seeds`): the number row
+    ``r`` draws at decode step ``t`` is ``mix64(seed_r + (t + 1) * golden) / 2**64`` (splitmix64), a function of the two
+    alone. So what a row samples does not depend on the rows beside it, the batches its request is cut into, the rank or
+    the device that decodes it (the numbers are made on the host, in exact integer arithmetic), or the server it goes
+    through. Its state is the step: the decode loop's rewind (:func:`decode`) and a shared base's settling
+    (:meth:`RowGenerators.settle`) set it back like a generator's. The numbers of :data:`STEPS_AHEAD` steps are made and
+    copied to the device at once."""
+
+    #: Steps whose numbers are made and copied at once.
+    STEPS_AHEAD = 64
+
+    def __init__(self, seeds: list[int]) -> None:
+        self.seeds = np.array([s & (2**64 - 1) for s in seeds], dtype=np.uint64)
+        self.step = 0
+        self._table: tuple[int, torch.device, torch.Tensor] | None = None  # (first step, device, [rows, STEPS_AHEAD])
+
+    def __len__(self) -> int:
+        return len(self.seeds)
+
+    def rand(self, rows: int, device: torch.device) -> torch.Tensor:
+        if rows != len(self.seeds):
+            raise ValueError(f"{len(self.seeds)} seeded rows cannot draw for a batch of {rows}")
+        first = self.step - self.step % self.STEPS_AHEAD
+        if self._table is None or self._table[0] != first or self._table[1] != device:
+            self._table = (first, device, host_to_device(torch.from_numpy(uniforms(self.seeds, first, self.STEPS_AHEAD)), device))
+        column = self._table[2][:, self.step - first : self.step - first + 1]
+        self.step += 1
+        return column
+
+    def get_state(self) -> int:
+        return self.step
+
+    def set_state(self, state: int) -> None:
+        self.step = int(state)
+
+
+class RowStreams:
+    """A seeded request's sample seeds by prompt (:func:`~tinkergym.protocol.seeds.sample_seeds`), handed out in the order
+    its batches take them: :meth:`take` gives the :class:`SeededRows` of a batch whose row ``j`` is the next sample of
+    prompt ``rows[j]``."""
+
+    def __init__(self, by_prompt: list[list[int]]) -> None:
+        self.by_prompt = by_prompt
+        self.used = [0] * len(by_prompt)
+
+    def take(self, rows: list[int]) -> SeededRows:
+        return SeededRows(self._next(rows))
+
+    def slice(self, rows: list[int]) -> RowStreams:
+        """The streams of a request of ``rows``' prompts, one sample each: the next sample of each (a call worked in slices)."""
+        return RowStreams([[seed] for seed in self._next(rows)])
+
+    def _next(self, rows: list[int]) -> list[int]:
+        seeds = []
+        for i in rows:
+            seeds.append(self.by_prompt[i][self.used[i]])
+            self.used[i] += 1
+        return seeds
+
+
+def uniforms(seeds: np.ndarray, first: int, steps: int) -> np.ndarray:
+    """``[rows, steps]`` float32 numbers in [0, 1): row ``r``'s at decode steps ``first`` to ``first + steps - 1``."""
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    with np.errstate(over="ignore"):
+        x = seeds[:, None] + (np.arange(first + 1, first + steps + 1, dtype=np.uint64)[None, :] * golden)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x = x ^ (x >> np.uint64(31))
+    return ((x >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)).astype(np.float32)
+
+
 class RowGenerators:
     """Random streams by rows: the rows of each segment draw from that segment's generator, in row order.
 
@@ -70,26 +143,27 @@ class RowGenerators:
     the step where its own rows had all stopped (:meth:`settle`), as a batch of its own would leave it.
     """
 
-    def __init__(self, segments: list[tuple[range, torch.Generator]]) -> None:
+    def __init__(self, segments: list[tuple[range, torch.Generator | SeededRows]]) -> None:
         self.segments = segments
-        self.history: list[list[torch.Tensor]] = []
+        self.history: list[list[Any]] = []
 
     def rand(self, rows: int, device: torch.device) -> torch.Tensor:
-        parts = [torch.rand((len(span), 1), generator=generator, device=device) for span, generator in self.segments]
+        parts = [generator.rand(len(span), device) if isinstance(generator, SeededRows) else torch.rand((len(span), 1), generator=generator, device=device)
+                 for span, generator in self.segments]
         if sum(len(span) for span, _ in self.segments) != rows:
             raise ValueError("the generators' segments must cover every row of the batch")
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def get_state(self) -> list[torch.Tensor]:
-        state = [generator.get_state() for _, generator in self.segments]
+    def get_state(self) -> list[Any]:
+        state: list[Any] = [generator.get_state() for _, generator in self.segments]
         self.history.append(state)
         return state
 
-    def set_state(self, state: list[torch.Tensor]) -> None:
+    def set_state(self, state: list[Any]) -> None:
         for (_, generator), saved in zip(self.segments, state):
             generator.set_state(saved)
 
-    def settle(self, start_state: list[torch.Tensor], last_steps: list[int]) -> None:
+    def settle(self, start_state: list[Any], last_steps: list[int]) -> None:
         """Put segment ``i``'s generator to its state after step ``last_steps[i]`` (-1: before the first step).
 
         A generator that several segments share (unseeded requests of one session in one batch) is put to its state after
@@ -104,7 +178,7 @@ class RowGenerators:
             generator.set_state(start_state[i] if step < 0 else self.history[step][i])
 
 
-def draw(probs_BV: torch.Tensor, generator: torch.Generator | RowGenerators | None, rows: Rows | None = None) -> torch.Tensor:
+def draw(probs_BV: torch.Tensor, generator: torch.Generator | RowGenerators | SeededRows | None, rows: Rows | None = None) -> torch.Tensor:
     """One index per row with probability ``probs_BV`` (rows need not sum to exactly 1), by inverting the CDF.
 
     One uniform number per row instead of ``torch.multinomial``'s random number per vocabulary entry, which
@@ -113,7 +187,7 @@ def draw(probs_BV: torch.Tensor, generator: torch.Generator | RowGenerators | No
     """
     cdf_BV = probs_BV.cumsum(dim=-1)
     count = probs_BV.shape[0] if rows is None else rows.batch
-    if isinstance(generator, RowGenerators):
+    if isinstance(generator, (RowGenerators, SeededRows)):
         u_B1 = generator.rand(count, probs_BV.device)
     else:
         u_B1 = torch.rand((count, 1), generator=generator, device=probs_BV.device)
@@ -132,7 +206,7 @@ class Rows:
         self.index = host_to_device(torch.tensor(kept, dtype=torch.long), device)
 
 
-def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | RowGenerators | None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | RowGenerators | SeededRows | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its logprob under the distribution it was drawn from (see the module docstring).
 
     Probabilities are float32 whatever the logits' dtype; at temperature 1 without filters they come straight
@@ -152,7 +226,7 @@ def logits_finite(logits_BV: torch.Tensor) -> torch.Tensor:
     return torch.isfinite(logits_BV.amax(dim=-1)).all()
 
 
-def _draw_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | RowGenerators | None,
+def _draw_next(logits_BV: torch.Tensor, params: SamplingParams, generator: torch.Generator | RowGenerators | SeededRows | None,
                rows: Rows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if params.temperature <= 0:
         tokens_B = logits_BV.argmax(dim=-1)
@@ -375,7 +449,7 @@ def sample_batch(
     params: SamplingParams,
     stop_ids: list[int],
     pad_id: int,
-    generator: torch.Generator | RowGenerators | None = None,
+    generator: torch.Generator | RowGenerators | SeededRows | None = None,
     share_prompts: bool = True,
     check_interval: int = STOP_CHECK_INTERVAL,
     prefix_cache: PrefixCache | None = None,
@@ -400,7 +474,9 @@ def sample_batch(
         by_row: dict[int, SampledSequence] = {}
         for width in widths:
             indices = [i for i, p in enumerate(prompts) if len(p) == width]
-            by_row.update(zip(indices, sample_batch(model, [prompts[i] for i in indices], params, stop_ids, pad_id, generator, share_prompts, check_interval, prefix_cache)))
+            rows_generator = SeededRows([int(generator.seeds[i]) for i in indices]) if isinstance(generator, SeededRows) else generator
+            by_row.update(zip(indices, sample_batch(model, [prompts[i] for i in indices], params, stop_ids, pad_id, rows_generator, share_prompts,
+                                                    check_interval, prefix_cache)))
         return [by_row[i] for i in range(len(prompts))]
     device = next(model.parameters()).device
     logits_BV, cache, attention, positions = prefill(model, prompts, pad_id, device, share_prompts, prefix_cache, adapters)
@@ -526,7 +602,7 @@ def decode(
     params: SamplingParams,
     is_stop_V: torch.Tensor,
     pad_id: int,
-    generator: torch.Generator | RowGenerators | None,
+    generator: torch.Generator | RowGenerators | SeededRows | None,
     check_interval: int,
     adapters: list[int] | None = None,
     release: Release | None = None,

@@ -65,12 +65,13 @@ from tinkergym.backends.torch.lora_session import LoraSession, LoraSessionConfig
 from tinkergym.backends.torch.prefix_cache import PrefixCache
 from tinkergym.backends.torch.row_adapters import rows_through
 from tinkergym.backends.torch.runtime import DTYPES, compute_in, load_causal_lm, resolve_attn_implementation, resolve_device, resolve_dtype
-from tinkergym.backends.torch.sampling import RowGenerators, sample_batch
+from tinkergym.backends.torch.sampling import RowGenerators, RowStreams, SeededRows, sample_batch
 from tinkergym.backends.torch.scoring import MicroBatch, logprobs_from, padded_length_limit, plan_micro_batches, sequence_logprobs
 from tinkergym.backends.torch.sizing import LANGUAGE_MODEL
 from tinkergym.backends.torch.vision import VisionInputs, forbid_tokens, sample_with_images, vision_token_ids
 from tinkergym.config import DEFAULT_DTYPE, DEFAULT_MICRO_BATCH_SIZE
 from tinkergym.errors import ConfigError
+from tinkergym.protocol.seeds import sample_seeds
 from tinkergym.protocol.types import (
     Datum,
     ForwardBackwardRequest,
@@ -331,8 +332,8 @@ class SharedBase:
     def sample_many(self, calls: Sequence[tuple[LoraSession, SampleRequest]], generators: Sequence[Any] | None = None) -> list[Outcome]:
         """Each call's :class:`SampleResponse`, or the exception it raised; see the module docstring.
 
-        ``generators``: per call, the generator it draws from (one :meth:`slice_generator` made) in place of its seed's or
-        its session's, or None: a request sampled in slices over several passes draws on from where its last slice left.
+        ``generators``: per call, what it draws from in place of its seed's streams or its session's generator, or None: a
+        request sampled in slices over several passes draws on as its whole call would (:meth:`CallSlices.carry_for`).
         """
         self._given = {id(r): g for (_, r), g in zip(calls, generators or ()) if g is not None}
         try:
@@ -360,10 +361,10 @@ class SharedBase:
             new = args.params.max_new_tokens
             for rows in sample_batches(range(len(args.prompts)), args.num_samples, self.config.max_sample_batch):
                 units.append((rows, sum(len(args.prompts[i]) + new for i in rows)))
-            # The generator its slices draw from: its seed's (made here, once), or the session's own (None; no other call
+            # What its slices draw from: its samples' own streams (seeded), or the session's generator (None; no other call
             # of the session draws from it meanwhile: the session's later calls wait behind this one).
             seeded = args.params.seed is not None
-            carry: Any = torch.Generator(device=self.device).manual_seed(args.params.seed) if seeded else None
+            carry: Any = RowStreams(sample_seeds(args.prompts, args.num_samples, args.params.seed, args.images)) if seeded else None
             normalizers = None
         else:
             if method == "forward_backward":
@@ -398,9 +399,11 @@ class SharedBase:
         # Prompts with images are sampled on their own after the text rows (see the module docstring).
         text_rows = [[i for i in range(len(r.prompts)) if not (r.images and r.images[i])] for _, r in calls]
         one_length = padded_length_limit(self.model) is None
-        # A seeded request draws from its own generator across its batches, as TorchBackend's sample does.
-        generators = {k: self._given.get(id(r)) or (s.generator if r.params.seed is None else torch.Generator(device=self.device).manual_seed(r.params.seed))
-                      for k, (s, r) in enumerate(calls)}
+        # A seeded request draws each sample from its own stream, as TorchBackend's sample does (tinkergym.protocol.seeds);
+        # an unseeded one from its session's generator, across its batches.
+        generators: dict[int, torch.Generator | RowStreams] = {
+            k: self._given.get(id(r)) or (s.generator if r.params.seed is None else RowStreams(sample_seeds(r.prompts, r.num_samples, r.params.seed, r.images)))
+            for k, (s, r) in enumerate(calls)}
         self.model.eval()
         most = self.config.max_sample_batch
         for key, members in settings.items():
@@ -424,18 +427,19 @@ class SharedBase:
         return [SampleResponse(sequences=[seqs[i] for i in range(len(r.prompts))]) for seqs, (_, r) in zip(out, calls)]
 
     def _sample_batch(self, calls: Sequence[tuple[LoraSession, SampleRequest]], pieces: list[tuple[int, list[int]]], params: Any,
-                      stop_ids: list[int], generators: dict[int, torch.Generator], out: list[dict[int, list[SampledSequence]]]) -> None:
+                      stop_ids: list[int], generators: dict[int, torch.Generator | RowStreams], out: list[dict[int, list[SampledSequence]]]) -> None:
         """Decode ``pieces`` (each a call and the prompt of each of its sequences) in one batch, each call's rows drawing
         from its own generator; each sequence is appended to its prompt's in ``out``."""
         prompts: list[list[int]] = []
         adapters: list[int] = []
-        segments: list[tuple[range, torch.Generator]] = []
+        segments: list[tuple[range, torch.Generator | SeededRows]] = []
         for k, rows in pieces:
             session, request = calls[k]
             start = len(prompts)
             prompts.extend(request.prompts[i] for i in rows)
             adapters.extend([session.id] * (len(prompts) - start))
-            segments.append((range(start, len(prompts)), generators[k]))
+            generator = generators[k]
+            segments.append((range(start, len(prompts)), generator.take(rows) if isinstance(generator, RowStreams) else generator))
         rng = RowGenerators(segments) if params.temperature > 0 else None
         start_state = [g.get_state() for _, g in segments]
         with self._compute():
@@ -448,16 +452,17 @@ class SharedBase:
                 out[k].setdefault(i, []).append(sequences[span[0] + j])
 
     def _sample_images(self, session: LoraSession, request: SampleRequest, i: int, stop_ids: list[int],
-                       generator: torch.Generator) -> list[SampledSequence]:
+                       generator: torch.Generator | RowStreams) -> list[SampledSequence]:
         """The samples of prompt ``i`` of ``request``, which has images: prefilled once through the session's adapter, past the
         prefix cache, in batches of at most ``max_sample_batch`` (as TorchBackend samples it)."""
         assert self.vision is not None  # _check_sample refused images otherwise
         sequences: list[SampledSequence] = []
         for start in range(0, request.num_samples, self.config.max_sample_batch):
             count = min(self.config.max_sample_batch, request.num_samples - start)
+            drawn = generator.take([i] * count) if isinstance(generator, RowStreams) else generator
             with self._compute(), rows_through([session.id]):
                 sequences.extend(sample_with_images(self.model, request.prompts[i], request.images[i], self.vision, count, request.params,
-                                                    stop_ids, self.pad_id, generator))
+                                                    stop_ids, self.pad_id, drawn))
         return sequences
 
     def logprobs_many(self, calls: Sequence[tuple[LoraSession, tuple]]) -> list[Outcome]:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from tinkergym.backends.torch.cache_names import cache_of
-from tinkergym.backends.torch.sampling import autograd_off, decode, preallocated, finished_sequences, stop_table, STOP_CHECK_INTERVAL
+from tinkergym.backends.torch.sampling import SeededRows, autograd_off, decode, preallocated, finished_sequences, stop_table, STOP_CHECK_INTERVAL
 from tinkergym.backends.torch.scoring import host_to_device
 from tinkergym.errors import ConfigError
 from tinkergym.protocol.types import ImageData, SampledSequence, SamplingParams
@@ -175,7 +175,7 @@ def sample_with_images(
     params: SamplingParams,
     stop_ids: list[int],
     pad_id: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | SeededRows | None = None,
 ) -> list[SampledSequence]:
     """``num_samples`` completions of one prompt with images: the prompt is prefilled once (with its pixels and
     positions), its KV cache repeated for every sample, and the samples decoded together as the text sampler does."""

@@ -98,6 +98,7 @@ def serve_backend(
 
         from tinkergym.backends.models import resolve_model
         from tinkergym.serve.training.app import create_app
+        from tinkergym.serve.training.calls import CallWorker
         from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -116,11 +117,12 @@ def serve_backend(
             return _serve_sharded(config, ranks, run_dir, digest, max_body_mb, keep_states, host, port, idle_timeout, exit_with_parent,
                                   lease_file, metrics_port, (max_num_samples, max_request_new_tokens, max_request_sequences, max_request_tokens),
                                   (header_timeout, body_timeout, max_connections))
-        backend = TorchBackend(config)
-    logger = request_logger(run_dir.resolve())
-    app = create_app(backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=logger,
+        logger = request_logger(run_dir.resolve())
+        # Built on the thread that will run the calls: one thread runs the server's torch work (CallWorker says why).
+        worker = CallWorker.building(lambda: TorchBackend(config), run_dir.resolve(), logger, keep_states)
+    app = create_app(worker.backend, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=logger,
                      keep_states=keep_states, limits=call_limits(max_num_samples, max_request_new_tokens, max_request_sequences, max_request_tokens),
-                     lease=LeaseFile(lease_file) if lease_file is not None else None)
+                     lease=LeaseFile(lease_file) if lease_file is not None else None, worker=worker)
     click.echo(f"tinkergym training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
                lambda: app.state.service.last_activity(), logger, metrics_port)

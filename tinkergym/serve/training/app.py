@@ -309,6 +309,7 @@ def create_app(
     max_sessions: int = 64,
     limits: CallLimits = CallLimits(),
     lease: LeaseFile | None = None,
+    worker: CallWorker | None = None,
 ) -> FastAPI:
     """A FastAPI app serving ``backend`` (any :class:`~tinkergym.protocol.backend.Backend`) over HTTP.
 
@@ -324,11 +325,13 @@ def create_app(
         keep_states: With a value > 0, each ``save_state`` deletes all but that many newest saved states.
         limits: What one call may ask for (samples, new tokens, sequences, tokens); larger asks are refused with 400.
         lease: The lease the server serves under (a scheduler's worker started it): past its end every call is refused.
+        worker: The thread that runs the calls, when the caller made it (:meth:`CallWorker.building`: the backend was built
+            on it); by default one of its own.
     """
     folder = Path(run_dir).resolve()
     folder.mkdir(parents=True, exist_ok=True)
     log = logger or logging.getLogger("tinkergym.serve.training.app")
-    service = TrainingService(backend, folder, log, keep_results, max_sessions, keep_states, limits)
+    service = TrainingService(backend, folder, log, keep_results, max_sessions, keep_states, limits, worker)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

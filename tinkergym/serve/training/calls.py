@@ -15,6 +15,7 @@ exports are checked by :func:`named_dir` (one path component, no symlinks, insid
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import inspect
 import json
@@ -30,7 +31,7 @@ import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from collections.abc import Callable
 
 from tinkergym.protocol.types import ForwardBackwardRequest, OptimParams, SampleRequest, SamplingParams
@@ -492,14 +493,44 @@ class CallStore:
             return self._by_id.get(request_id)
 
 
+T = TypeVar("T")
+
+
+def snapshots_for(backend: Any) -> Snapshots:
+    """What the client samples from while the server trains (async steps): a LoRA snapshot is the adapter's size, a full
+    fine-tuning one a whole model, so fewer of those are held."""
+    return Snapshots(keep=8 if getattr(backend, "is_lora", True) else 3)
+
+
+@dataclass
+class WorkerTask:
+    """A function a worker's thread runs between calls (:meth:`CallWorker.run`), and the future it answers through."""
+
+    function: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.function())
+        except BaseException as exc:  # noqa: BLE001 - whatever it raised is raised again where run() waits
+            self.future.set_exception(exc)
+
+
 class CallWorker:
-    """One thread that runs accepted calls on the backend, strictly in the order they were submitted."""
+    """One thread that runs accepted calls on the backend, strictly in the order they were submitted.
+
+    Made with :meth:`building`, the same thread also builds the backend, so that one thread runs every torch operation
+    of the server: on a CPU each thread that runs torch operations gets an OpenMP team of its own, and once a process
+    holds more OpenMP threads than cores, libgomp stops spinning between parallel regions and wakes its threads by futex
+    for each one instead, so every decode slows (SmolLM2's sample calls: 1.7x, weights loaded on one thread and calls
+    run on another, against both on one).
+    """
 
     def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_states: int = 0) -> None:
         self.backend = backend
-        # What the client samples from while the server trains (async steps): a LoRA snapshot is the adapter's size, a full
-        # fine-tuning one a whole model, so fewer of those are held.
-        self.snapshots = Snapshots(keep=8 if getattr(backend, "is_lora", True) else 3)
+        self.snapshots = snapshots_for(backend)
         self.run_dir = run_dir
         self.logger = logger
         self.keep_states = keep_states
@@ -508,18 +539,41 @@ class CallWorker:
         #: ``observer(method, call, result, ok, seconds)`` after each call (the server's metrics), or None.
         self.observer: Callable[[str, Any, Any, bool, float], None] | None = None
         self.tokens = TokenTally()  # what the server's calls trained and sampled (GET /v1/usage)
-        self._queue: queue.Queue[CallRecord | None] = queue.Queue()
+        self._queue: queue.Queue[CallRecord | WorkerTask | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+
+    @classmethod
+    def building(cls, build: Callable[[], Any], run_dir: Path, logger: logging.Logger, keep_states: int = 0) -> CallWorker:
+        """A worker whose backend is ``build()``, called on the worker's own thread (what it raises is raised here)."""
+        worker = cls(None, run_dir, logger, keep_states)
+        worker.backend = worker.run(build)
+        worker.snapshots = snapshots_for(worker.backend)
+        return worker
+
+    def run(self, function: Callable[[], T]) -> T:
+        """Run ``function`` on the worker's thread after the calls submitted before it; return what it returns."""
+        if threading.current_thread() is self._thread:
+            return function()
+        task = WorkerTask(function, concurrent.futures.Future())
+        with self._start_lock:
+            self._start()
+        self._queue.put(task)
+        result: T = task.future.result()
+        return result
 
     def submit(self, record: CallRecord) -> None:
         """Queue ``record`` to run after every call submitted before it (the thread starts on first use)."""
         with self._start_lock:
             self.pending += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="tinkergym-backend-worker", daemon=True)
-                self._thread.start()
+            self._start()
         self._queue.put(record)
+
+    def _start(self) -> None:
+        """Start the thread unless it runs (under ``_start_lock``)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="tinkergym-backend-worker", daemon=True)
+            self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Let the thread finish the call it is running and end."""
@@ -531,6 +585,9 @@ class CallWorker:
 
     def _loop(self) -> None:
         while (record := self._queue.get()) is not None:
+            if isinstance(record, WorkerTask):
+                record.run()
+                continue
             start = time.perf_counter()
             result, error = None, None
             try:

@@ -44,7 +44,23 @@ def load_weights_only(backend: Any, folder: Path, run_dir: Path) -> None:
         mine = scratch / "trainable.safetensors"
         if not mine.is_file():
             raise ConfigError("this server's state is sharded over several ranks; it loads a state whole (load_state_with_optimizer)")
-        shutil.copyfile(weights, mine)
+        copy_weights(folder, scratch)
         backend.load_state(str(scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def copy_weights(source: Path, dest: Path) -> None:
+    """``source``'s trainable weights over ``dest``'s, named as ``dest``'s state names them: a whole backend's and a shared
+    base's session's name a LoRA adapter differently (:mod:`~tinkergym.backends.torch.lora_states`)."""
+    from tinkergym.backends.torch import lora_states
+
+    theirs, mine = source / "trainable.safetensors", dest / "trainable.safetensors"
+    as_session = lora_states.is_session_state(lora_states.read_meta(str(dest)))
+    if not (source / "state.json").is_file() or lora_states.is_session_state(lora_states.read_meta(str(source))) == as_session:
+        shutil.copyfile(theirs, mine)
+        return
+    from safetensors.torch import load_file, save_file
+
+    rename = lora_states.session_name if as_session else lora_states.backend_name
+    save_file({rename(name): tensor for name, tensor in load_file(theirs).items()}, mine)
