@@ -159,8 +159,9 @@ def test_one_lora_job_gives_one_result_locally_on_a_whole_server_on_a_seat_and_t
     from tinkergym.serve.training.shared import create_shared_app
 
     rank, alpha, seed = 4, 32.0, 5  # Tinker's LoRA has alpha 32
-    run = ["train", "--env", "tinker/Bandit-v0", "--trainer", "grpo", "--lora-rank", str(rank), "--lora-alpha", str(alpha), "--seed", str(seed),
-           "--steps", "3", "--batch-size", "2", "--group-size", "4", "--max-new-tokens", "6", "--lr", "3e-2", "--quiet"]
+    # A server's adapter is set where it starts; the client names it for a local run and for the Tinker API (alpha 32 there).
+    run = ["train", "--env", "tinker/Bandit-v0", "--trainer", "grpo", "--seed", str(seed), "--steps", "4", "--batch-size", "2",
+           "--group-size", "4", "--max-new-tokens", "6", "--lr", "3e-2", "--quiet"]
 
     def token(name: str, text: str) -> str:
         path = tmp_path / name
@@ -174,7 +175,7 @@ def test_one_lora_job_gives_one_result_locally_on_a_whole_server_on_a_seat_and_t
         return metrics(tmp_path / place)
 
     server_token = "s" * 40
-    runs = {"local": train("local", "--model", tiny, "--dtype", "float32")}
+    runs = {"local": train("local", "--model", tiny, "--dtype", "float32", "--lora-rank", str(rank), "--lora-alpha", str(alpha))}
     whole = TorchBackend(TorchBackendConfig(model=tiny, lora_rank=rank, lora_alpha=alpha, dtype="float32", seed=seed))
     with serving(create_app(whole, run_dir=tmp_path / "server", token_digest=token_digest(server_token))) as url:
         runs["server"] = train("server", "--backend-url", url, "--backend-token-file", token("server.token", server_token))
@@ -185,23 +186,23 @@ def test_one_lora_job_gives_one_result_locally_on_a_whole_server_on_a_seat_and_t
         opened = httpx.post(f"{url}/v1/adapters", headers={"Authorization": f"Bearer {server_token}"},
                             json={"lora_rank": rank, "lora_alpha": alpha, "seed": seed}).json()
         runs["seat"] = train("seat", "--backend-url", url, "--backend-token-file", token("seat.token", opened["token"]))
-    runs["tinker"] = train("tinker", "--backend", "tinker", "--backend-url", cluster.url, "--model", cluster.model,
+    runs["tinker"] = train("tinker", "--backend", "tinker", "--backend-url", cluster.url, "--model", cluster.model, "--lora-rank", str(rank),
                            "--backend-token-file", token("tinker.key", cluster.keys["alice"]))
 
     def steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [r for r in records if r.get("step", -1) >= 0 and "reward/mean" in r]
 
-    compared = set.intersection(*(set(r) for records in runs.values() for r in steps(records)))
-    compared = {k for k in compared if not k.startswith(("time/", "tokens/per_s", "memory/"))}
-    assert {"loss", "grad_norm", "reward/mean"} <= compared, sorted(compared)
-    local = steps(runs["local"])
-    assert [r["step"] for r in local] == [0, 1, 2]
+    def stable(record: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in record.items() if not k.startswith(("time/", "tokens/per_s", "memory/"))}
+
+    local = [stable(r) for r in steps(runs["local"])]
+    assert [r["step"] for r in local] == [0, 1, 2, 3] and any("grad_norm" in r for r in local), local
     for place, records in runs.items():
-        assert len(steps(records)) == 3, place
-        for mine, theirs in zip(local, steps(records)):
-            for key in sorted(compared):
-                a, b = mine[key], theirs[key]
-                if isinstance(a, float) or isinstance(b, float):
-                    assert b == pytest.approx(a, rel=1e-4, abs=1e-4), (place, mine["step"], key)
+        theirs = [stable(r) for r in steps(records)]
+        assert [sorted(r) for r in theirs] == [sorted(r) for r in local], place
+        for mine, other in zip(local, theirs):
+            for key, value in mine.items():
+                if isinstance(value, float) or isinstance(other[key], float):
+                    assert other[key] == pytest.approx(value, rel=1e-4, abs=1e-4), (place, mine["step"], key)
                 else:
-                    assert a == b, (place, mine["step"], key)
+                    assert other[key] == value, (place, mine["step"], key)
