@@ -28,8 +28,10 @@ boxes what it printed, so its groups' rewards differ and every step trains (the 
 sample, so its steps train nothing). ``--max-episodes-in-flight N`` bounds the rollouts played at once (default: K
 steps' worth, every step handed over plays at once). ``--env-latency S`` wraps the env in
 :class:`~tinkergym.wrappers.LatencyWrapper`: every env step waits S seconds more (a remote API or judge). The runs of
-one seed differ only in K; all use ``--old-logprobs sampler`` (the PPO ratio against the sampler's logprobs, what an
-async run needs; at K = 0 it is the on-policy ratio), so only the overlap differs. Runs alternate K within a seed
+one seed differ only in K; all use one correction (default: the trainer's for K > 0, ``--old-logprobs trainer --tis-cap
+2``: PPO's ratio from the trainer's own logprobs times the truncated weight against the sampler's; ``--old-logprobs
+sampler`` for PPO's ratio against the sampler's logprobs; at K = 0 both are the on-policy step), so only the overlap
+differs. Runs alternate K within a seed
 (K = 0, 1, 2 for seed 0, then seed 1, ...), so a change in what else the machine runs touches every K alike.
 
 Reported per K (medians over seeds): steps per hour over the training loop (the summed ``time/step_s``; the final
@@ -93,7 +95,8 @@ def train(args: argparse.Namespace, url: str | None, key: str | None, k: int, se
     config = TrainConfig(
         **where, env=args.env, trainer="grpo", lora_rank=args.lora_rank, steps=args.steps, env_latency=args.env_latency,
         batch_size=args.batch_size, group_size=args.group_size, max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
-        max_context=args.max_context, lr=args.lr, seed=seed, old_logprobs=args.old_logprobs, tis_cap=args.tis_cap, async_steps=k, checkpoint_every=args.steps,
+        max_context=args.max_context, lr=args.lr, seed=seed, old_logprobs=args.old_logprobs,
+        tis_cap=args.tis_cap if args.old_logprobs == "trainer" else 0.0, async_steps=k, checkpoint_every=args.steps,
         max_episodes_in_flight=at_once, micro_batch_size=args.micro_batch_size, transcripts_every=0,
         env_kwargs={**env_kwargs, **json.loads(args.env_kwargs)}, out=str(out),
     )
@@ -232,10 +235,10 @@ def main() -> None:
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--lora-rank", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-4)
-    parser.add_argument("--old-logprobs", choices=("sampler", "trainer"), default="sampler",
-                        help="the stale samples' correction: PPO's ratio against the sampler's logprobs, or (trainer) the ratio against "
-                        "the trainer's own logprobs times the truncated importance weight --tis-cap (AReaL's decoupled PPO)")
-    parser.add_argument("--tis-cap", type=float, default=0.0, metavar="C", help="with --old-logprobs trainer: the weight's cap (e.g. 2)")
+    parser.add_argument("--old-logprobs", choices=("sampler", "trainer"), default="trainer",
+                        help="the stale samples' correction: (trainer, the default) the ratio against the trainer's own logprobs times "
+                        "the truncated importance weight --tis-cap (AReaL's decoupled PPO), or PPO's ratio against the sampler's logprobs")
+    parser.add_argument("--tis-cap", type=float, default=2.0, metavar="C", help="with --old-logprobs trainer: the weight's cap (default 2)")
     parser.add_argument("--format-reward", type=float, default=0.1)
     parser.add_argument("--env-kwargs", default="{}", metavar="JSON", help="more kwargs of the env (added to the defaults)")
     parser.add_argument("--max-episodes-in-flight", type=int, default=0, metavar="N",

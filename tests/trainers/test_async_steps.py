@@ -25,7 +25,6 @@ TINKER = {"backend": "tinker", "backend_url": "http://127.0.0.1:9"}
     ("settings", "message"),
     [
         ({"async_steps": -1}, "async-steps must be 0"),
-        ({"async_steps": 1, **TINKER}, "--old-logprobs sampler"),  # the default old_logprobs is the trainer's: ratio 1, uncorrected
         ({"async_steps": 1, "trainer": "rloo", "old_logprobs": "sampler", **TINKER}, "REINFORCE loss has no importance ratio"),
         ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm", "lora_rank": 0}, "the vLLM sampler holds full weights once"),
         ({"async_steps": 1, "old_logprobs": "sampler", "sampler": "vllm", "backend": "torch", "lora_rank": 0}, "leave out --full"),
@@ -39,6 +38,12 @@ def test_config_refuses_async_steps_that_would_train_uncorrected_or_cannot_sampl
 
 
 def test_config_takes_async_steps_with_a_correction_from_options_and_files(tmp_path: Path) -> None:
+    # the default correction: the trainer's logprobs (PPO's ratio starts at 1) with the truncated weight against the sampler's
+    assert TrainConfig(env=ENV, async_steps=1, **TINKER).validate().tis_cap == 2.0
+    assert TrainConfig(env=ENV, async_steps=1, tis_cap=1.5, **TINKER).validate().tis_cap == 1.5
+    assert TrainConfig(env=ENV, async_steps=1, trainer="rloo", **TINKER).validate().tis_cap == 2.0
+    assert TrainConfig(env=ENV, async_steps=2, old_logprobs="sampler", **TINKER).validate().tis_cap == 0.0
+    assert TrainConfig(env=ENV, **TINKER).validate().tis_cap == 0.0  # a synchronous run keeps its own
     assert TrainConfig(env=ENV, async_steps=2, old_logprobs="sampler", **TINKER).validate().async_steps == 2
     assert TrainConfig(env=ENV, async_steps=1, old_logprobs="trainer", tis_cap=2.0, **TINKER).validate().async_steps == 1
     assert TrainConfig(env=ENV, async_steps=1, trainer="rloo", old_logprobs="trainer", tis_cap=2.0, **TINKER).validate().async_steps == 1
@@ -78,7 +83,7 @@ def _train(out: Path, *extra: str, model: str = "tiny") -> list[str]:
     ("extra", "message"),
     [
         (("--async-steps", "-1"), "-1 is not in the range x>=0"),
-        (("--async-steps", "1"), "--old-logprobs sampler"),
+        (("--async-steps", "1", "--trainer", "rloo", "--old-logprobs", "sampler"), "REINFORCE loss has no importance ratio"),
         (("--async-steps", "1", "--old-logprobs", "sampler", "--sampler", "vllm", "--full"), "the vLLM sampler holds full weights once"),
     ],
 )
