@@ -672,14 +672,8 @@ class TorchBackend:
             )
         # Everything is read before anything changes, so a broken folder leaves the backend as it was.
         optimizer_state, rng_state = read_optimizer_state(path), read_rng_state(path)
-        with torch.no_grad():
-            for name, param in self._trainable:
-                param.copy_(weights[name])
-        self._weights_changed()
-        self.optimizer.load_state_dict(optimizer_state)
-        self.optimizer.zero_grad(set_to_none=True)
+        self._restore(weights, optimizer_state, int(meta["step"]))
         restore_rng_state(*rng_state, self.device)
-        self.step = int(meta["step"])
 
     def _load_session_state(self, path: str, meta: dict[str, Any]) -> None:
         """:meth:`load_state` of a state a shared base's session wrote (:mod:`~tinkergym.backends.torch.lora_states`)."""
@@ -696,14 +690,18 @@ class TorchBackend:
         optimizer_state = read_optimizer_state(path)
         lora_states.check_optimizer_shapes(path, optimizer_state, [p for _, p in self._trainable])
         generator = load_file(os.path.join(path, "rng.safetensors"))["generator"]
+        self._restore(weights, optimizer_state, int(meta["step"]))
+        lora_states.set_device_generator(generator, self.device)
+
+    def _restore(self, weights: dict[str, torch.Tensor], optimizer_state: dict[str, Any], step: int) -> None:
+        """Put a read state's trainable weights, AdamW state and step in place (pending gradients dropped)."""
         with torch.no_grad():
             for name, param in self._trainable:
                 param.copy_(weights[name])
         self._weights_changed()
         self.optimizer.load_state_dict(optimizer_state)
         self.optimizer.zero_grad(set_to_none=True)
-        lora_states.set_device_generator(generator, self.device)
-        self.step = int(meta["step"])
+        self.step = step
 
     @_one_at_a_time
     def export(self, path: str, merged: bool = False) -> None:
