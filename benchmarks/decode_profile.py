@@ -188,6 +188,18 @@ def profile_call(backend: Any, req: Any, top: int) -> None:
     print(f"profiled call {wall:.2f} s; self time of all ops {in_ops:.2f} s; outside any op (Python, framework) {wall - in_ops:.2f} s")
 
 
+def unseeded(sample_batch: Any) -> Any:
+    """A baseline's ``sample_batch`` from before seeded requests drew one stream per sample: it gets the device's generator
+    in place of the streams (its ids then differ from the current revision's wherever the request is seeded)."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if len(args) > 5 and callable(getattr(args[5], "rand", None)):
+            args = (*args[:5], None, *args[6:])
+        if callable(getattr(kwargs.get("generator"), "rand", None)):
+            kwargs["generator"] = None
+        return sample_batch(*args, **kwargs)
+    return call
+
+
 def timed_calls(backend: Any, req: Any, variants: dict[str, Any], calls: int, new_tokens: int | None) -> tuple[dict[str, list], dict[str, Any]]:
     """``calls`` timed calls per variant (a sampling module), the variants taking turns, after one warm-up call each."""
     from tinkergym.backends.torch import backend as torch_backend
@@ -199,7 +211,7 @@ def timed_calls(backend: Any, req: Any, variants: dict[str, Any], calls: int, ne
         for i in range(calls + 1):
             order = list(variants.items()) if i % 2 == 0 else list(reversed(variants.items()))
             for name, module in order:
-                torch_backend.sample_batch = module.sample_batch
+                torch_backend.sample_batch = module.sample_batch if hasattr(module, "SeededRows") else unseeded(module.sample_batch)
                 timer.reset()
                 start = time.perf_counter()
                 outputs[name] = backend.sample(req)

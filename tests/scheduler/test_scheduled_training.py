@@ -271,7 +271,8 @@ def test_a_call_refused_while_the_lease_lives_goes_on_with_the_same_server(sched
     which drops the gradients of the refused step's forward_backward, and the run equals the local one."""
     local, scheduled = tmp_path / "local", tmp_path / "scheduled"
     _train(*COMMON, "--out", str(local))
-    worker = PlayedWorker(scheduler.url, scheduler.worker_key, "w1", tmp_path / "w1", lapse_after="step_000001")
+    # refused: the optim_step of step 1 (the one step after step 0's checkpoint that trains here: the next two tie)
+    worker = PlayedWorker(scheduler.url, scheduler.worker_key, "w1", tmp_path / "w1", lapse_after="step_000000")
     worker.start()
     done: list[Any] = []
     client = threading.Thread(daemon=True, target=lambda: done.append(CliRunner().invoke(

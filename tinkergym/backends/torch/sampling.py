@@ -148,7 +148,7 @@ class RowGenerators:
         self.history: list[list[Any]] = []
 
     def rand(self, rows: int, device: torch.device) -> torch.Tensor:
-        parts = [generator.rand(len(span), device) if isinstance(generator, SeededRows) else torch.rand((len(span), 1), generator=generator, device=device)
+        parts = [generator.rand(len(span), device) if _draws_itself(generator) else torch.rand((len(span), 1), generator=generator, device=device)
                  for span, generator in self.segments]
         if sum(len(span) for span, _ in self.segments) != rows:
             raise ValueError("the generators' segments must cover every row of the batch")
@@ -178,6 +178,13 @@ class RowGenerators:
             generator.set_state(start_state[i] if step < 0 else self.history[step][i])
 
 
+def _draws_itself(generator: object) -> bool:
+    """Whether ``generator`` makes its numbers itself (:class:`RowGenerators`, :class:`SeededRows`: their ``rand``) rather than
+    being a ``torch.Generator`` that ``torch.rand`` draws from. Told by the method, not the class, so that a copy of this module
+    loaded on its own (``benchmarks/decode_profile.py --baseline``) takes the streams of this one."""
+    return callable(getattr(generator, "rand", None))
+
+
 def draw(probs_BV: torch.Tensor, generator: torch.Generator | RowGenerators | SeededRows | None, rows: Rows | None = None) -> torch.Tensor:
     """One index per row with probability ``probs_BV`` (rows need not sum to exactly 1), by inverting the CDF.
 
@@ -187,8 +194,8 @@ def draw(probs_BV: torch.Tensor, generator: torch.Generator | RowGenerators | Se
     """
     cdf_BV = probs_BV.cumsum(dim=-1)
     count = probs_BV.shape[0] if rows is None else rows.batch
-    if isinstance(generator, (RowGenerators, SeededRows)):
-        u_B1 = generator.rand(count, probs_BV.device)
+    if _draws_itself(generator):
+        u_B1 = generator.rand(count, probs_BV.device)  # type: ignore[union-attr]  # RowGenerators or SeededRows
     else:
         u_B1 = torch.rand((count, 1), generator=generator, device=probs_BV.device)
     if rows is not None:
