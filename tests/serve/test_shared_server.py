@@ -22,7 +22,6 @@ from fastapi.testclient import TestClient  # noqa: E402
 import testkit  # noqa: E402  # registered by tests/conftest.py
 from testkit import serving, wait_until  # noqa: E402
 from tinkergym.backends.remote import RemoteBackend  # noqa: E402
-from tinkergym.errors import ConfigError  # noqa: E402
 from tinkergym.backends.torch.shared import LoraSessionConfig, SharedBase, SharedBaseConfig  # noqa: E402
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams  # noqa: E402
 from tinkergym.serve.auth import token_digest  # noqa: E402
@@ -99,36 +98,6 @@ def test_adapters_are_managed_with_the_servers_token_and_reached_with_their_own(
     assert http.get("/v1/adapters", headers=ADMIN).json()["memory"]["sessions_bytes"] == held - base.session_bytes(4)
     assert not (tmp_path / "adapters" / a["adapter_id"]).exists()
     assert http.delete(f"/v1/adapters/{a['adapter_id']}", headers=ADMIN).status_code == 404
-
-
-def test_the_base_its_adapters_and_their_calls_run_on_the_workers_one_thread(tiny, tmp_path) -> None:
-    """One thread runs all of a shared server's torch work (a second thread's OpenMP team slows every CPU decode)."""
-    threads: dict[str, set[threading.Thread]] = {}
-
-    def noted(name: str, function: Any) -> Any:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            threads.setdefault(name, set()).add(threading.current_thread())
-            return function(*args, **kwargs)
-        return call
-
-    def build() -> SharedBase:
-        noted("build", lambda: None)()
-        base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32"))
-        for name in ("open_session", "close_session", "forward_backward_many"):
-            setattr(base, name, noted(name, getattr(base, name)))
-        return base
-
-    app = create_shared_app(None, run_dir=tmp_path, token_digest=token_digest(TOKEN), build=build)
-    http = TestClient(app, raise_server_exceptions=False)
-    opened = http.post("/v1/adapters", headers=ADMIN, json={"lora_rank": 4, "seed": 1}).json()
-    assert Caller(http, opened["token"]).post("forward_backward", fb([1, 2, 3, 4])).status_code == 200
-    assert http.delete(f"/v1/adapters/{opened['adapter_id']}", headers=ADMIN).json() == {"closed": True}
-    worker = app.state.shared.worker
-    assert threads == {name: {worker._thread} for name in ("build", "open_session", "forward_backward_many", "close_session")}
-    assert worker._thread is not threading.main_thread()
-    worker.stop()
-    with pytest.raises(ConfigError, match="stopping"):
-        worker.run(lambda: None)
 
 
 def test_opening_past_the_servers_bounds_is_refused_with_the_reason(tiny, tmp_path) -> None:

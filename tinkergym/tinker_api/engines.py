@@ -96,8 +96,7 @@ class LocalEngine:
             raise EngineError(400, f"LoRA rank {rank} is not offered: this server takes ranks 1 to {self.max_lora_rank}")
         try:
             # alpha = 32 as Tinker's LoRA: the update is scaled by 32 / rank.
-            config = LoraSessionConfig(lora_rank=rank, lora_alpha=32.0, seed=0 if seed is None else int(seed) % 2**32)
-            return self.worker.run(lambda: self.base.open_session(config))  # on the thread of every torch call (CallWorker says why)
+            return self.base.open_session(LoraSessionConfig(lora_rank=rank, lora_alpha=32.0, seed=0 if seed is None else int(seed) % 2**32))
         except ConfigError as exc:
             raise EngineError(429, str(exc)) from exc
 
@@ -111,16 +110,12 @@ class LocalEngine:
 
     def open_sampler(self, sampler_id: str, model: str, rank: int, source: Saved | None, credential: str) -> LocalHandle:
         session = self._session(rank, 0)
-
-        def start() -> None:
-            folder = source.location  # type: ignore[union-attr]  # only called with a source
-            session.load_state(str(folder)) if (folder / "state.json").is_file() else session.load_adapter(str(folder))
-
         try:
             if source is not None:
-                self.worker.run(start)
+                folder = source.location
+                session.load_state(str(folder)) if (folder / "state.json").is_file() else session.load_adapter(str(folder))
         except Exception:
-            self.worker.run(lambda: self.base.close_session(session))
+            self.base.close_session(session)
             raise
         self.worker.add(sampler_id, session, self.root / "samplers")
         return LocalHandle(sampler_id, session, self.root / "samplers", rank)
@@ -128,7 +123,7 @@ class LocalEngine:
     def close(self, handle: LocalHandle, forget: bool = False, reason: str | None = None) -> None:
         """Free the handle's adapter; with ``forget``, its checkpoints too. ``reason`` (why it closes) is a cluster job's to keep."""
         self.worker.remove(handle.adapter_id)
-        self.worker.run(lambda: self.base.close_session(handle.session))
+        self.base.close_session(handle.session)
         if forget and handle.folder.name == handle.adapter_id:
             shutil.rmtree(handle.folder, ignore_errors=True)
 
@@ -170,16 +165,14 @@ class LocalEngine:
     def load(self, handle: LocalHandle, saved: Saved, optimizer: bool) -> None:
         """Load a training checkpoint: the weights, and with ``optimizer`` the Adam moments, step and generator too."""
         session = handle.session
-
-        def load() -> None:  # on the worker's thread, between rounds
+        with self.base._lock:
             kept = None if optimizer else (session.optimizer.state_dict(), session.step, session.generator.get_state())
-            session.load_state(str(saved.location))
-            if kept is not None:  # weights only: the optimizer, step and generator stay the run's
+        session.load_state(str(saved.location))
+        if kept is not None:  # weights only: the optimizer, step and generator stay the run's
+            with self.base._lock:
                 session.optimizer.load_state_dict(kept[0])
                 session.step = kept[1]
                 session.generator.set_state(kept[2])
-
-        self.worker.run(load)
 
     def delete(self, saved: Saved) -> None:
         shutil.rmtree(saved.location, ignore_errors=True)

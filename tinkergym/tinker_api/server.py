@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 from tinkergym.serve.training.shared import SharedWorker
 from tinkergym.tinker_api.app import create_tinker_app
@@ -26,15 +25,11 @@ def tenant_of(engine: Any) -> Any:
 
 
 def create_server(base: Any, root: Path, engine: Any, logger: logging.Logger, *, model_name: str, tokenizer_id: str | None = None,
-                  max_lora_rank: int = 64, gather_ms: float = 2.0, sample_gather_ms: float = 50.0, pass_tokens: int = 65536,
-                  build: Callable[[], Any] | None = None, **limits: Any) -> Any:
-    """The app of ``serve tinker``: ``base`` (a :class:`~tinkergym.backends.torch.shared.SharedBase`), or the base ``build()``
-    makes on the shared worker's thread (``base`` None), serves every tenant's runs; ``pass_tokens`` bounds a round of
-    calls (a larger call is worked in slices: see :class:`SharedWorker`)."""
+                  max_lora_rank: int = 64, gather_ms: float = 2.0, sample_gather_ms: float = 50.0, pass_tokens: int = 65536, **limits: Any) -> Any:
+    """The app of ``serve tinker``: ``base`` (a :class:`~tinkergym.backends.torch.shared.SharedBase`) serves every tenant's runs;
+    ``pass_tokens`` bounds a round of calls (a larger call is worked in slices: see :class:`SharedWorker`)."""
     worker = SharedWorker(base, logger, keep_states=0, pass_tokens=pass_tokens, gather_s=gather_ms / 1000.0, max_waiting=64,
                           read_gather_s=sample_gather_ms / 1000.0)
-    if build is not None:  # one thread runs all of the server's torch work (CallWorker says why)
-        base = worker.base = worker.run(build)
     local = LocalEngine(base, worker, root, model_name, tokenizer_id or str(base.model_path), max_lora_rank)
     service = TinkerService(local, logger, limits=Limits(**limits))
     return create_tinker_app(service, tenant_of(engine), logger)

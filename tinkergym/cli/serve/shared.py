@@ -110,11 +110,12 @@ def serve_shared(
             resolve_model(model)
         except ConfigError as exc:
             raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
-        logger = request_logger(run_dir.resolve())
-        app = create_shared_app(None, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=logger, keep_states=keep_states,
-                                limits=call_limits(max_num_samples, max_request_new_tokens, max_request_sequences, max_request_tokens),
-                                lease=LeaseFile(lease_file) if lease_file is not None else None, pass_tokens=pass_tokens, gather_ms=gather_ms,
-                                max_waiting_calls=max_waiting_calls, max_adapter_disk_mb=max_adapter_disk_mb, build=lambda: SharedBase(config))
+        base = SharedBase(config)
+    logger = request_logger(run_dir.resolve())
+    app = create_shared_app(base, run_dir=run_dir, token_digest=digest, max_body_mb=max_body_mb, logger=logger, keep_states=keep_states,
+                            limits=call_limits(max_num_samples, max_request_new_tokens, max_request_sequences, max_request_tokens),
+                            lease=LeaseFile(lease_file) if lease_file is not None else None, pass_tokens=pass_tokens, gather_ms=gather_ms,
+                            max_waiting_calls=max_waiting_calls, max_adapter_disk_mb=max_adapter_disk_mb)
     click.echo(f"tinkergym shared training server: {model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), idle_timeout, exit_with_parent,
                lambda: app.state.shared.last_activity(), logger, metrics_port)

@@ -138,15 +138,15 @@ def serve_tinker(
             resolve_model(model)
         except ConfigError as exc:
             raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
-        config = SharedBaseConfig(model=model, dtype=dtype, device=device, micro_batch_size=micro_batch_size, max_sample_batch=max_sample_batch,
-                                  max_lora_rank=max_lora_rank, max_sessions=max_sessions, memory_budget_mb=memory_budget_mb)
-        from tinkergym.tinker_api.server import create_server
+        base = SharedBase(SharedBaseConfig(model=model, dtype=dtype, device=device, micro_batch_size=micro_batch_size, max_sample_batch=max_sample_batch,
+                                           max_lora_rank=max_lora_rank, max_sessions=max_sessions, memory_budget_mb=memory_budget_mb))
+    from tinkergym.tinker_api.server import create_server
 
-        logger = request_logger(run_dir.resolve())
-        app = create_server(None, run_dir.resolve(), engine, logger, model_name=model_name or model, tokenizer_id=tokenizer_id,
-                            max_lora_rank=max_lora_rank, gather_ms=gather_ms, sample_gather_ms=sample_gather_ms, pass_tokens=pass_tokens,
-                            max_runs_per_tenant=max_runs_per_tenant, max_samplers_per_tenant=max_samplers_per_tenant,
-                            session_timeout_s=session_timeout, build=lambda: SharedBase(config))
+    logger = request_logger(run_dir.resolve())
+    app = create_server(base, run_dir.resolve(), engine, logger, model_name=model_name or model, tokenizer_id=tokenizer_id,
+                        max_lora_rank=max_lora_rank, gather_ms=gather_ms, sample_gather_ms=sample_gather_ms, pass_tokens=pass_tokens,
+                        max_runs_per_tenant=max_runs_per_tenant,
+                        max_samplers_per_tenant=max_samplers_per_tenant, session_timeout_s=session_timeout)
     click.echo(f"tinkergym Tinker API: {model_name or model} on http://{host}:{port} (run folder {run_dir})", err=True)
     run_server(app, host, port, connection_limits(header_timeout, body_timeout, max_connections), None, False,
                lambda: 0.0, logger, metrics_port)

@@ -31,7 +31,6 @@ export) one by one.
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import logging
 import os
@@ -44,7 +43,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from collections.abc import Callable
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from prometheus_client import Gauge
@@ -58,8 +56,7 @@ from tinkergym.serve.auth import LeaseFile, bearer_matches, bearer_token, token_
 from tinkergym.serve.metrics import TokenTally
 from tinkergym.serve.training.app import (ERRORS, PROTOCOL_VERSION, ErrorResponse, TrainingService, add_training_error_handlers, public_info,
                                           router, training_metrics)
-from tinkergym.serve.training.calls import (CallError, CallLimits, CallRecord, T, WorkerTask, call_error, run_call, sample_tokens,
-                                            wire_result)
+from tinkergym.serve.training.calls import CallError, CallLimits, CallRecord, call_error, run_call, sample_tokens, wire_result
 from tinkergym.serve.wire import WireModel
 
 #: Routes of the server's own token; every other route but /health serves one adapter.
@@ -167,28 +164,12 @@ class SharedWorker:
         self._passed_over: set[str] = set()  # adapters with a call waiting that the last round did not take
         self._last_submit = 0.0
         self._stopping = False
-        self._tasks: deque[WorkerTask] = deque()  # functions to run between rounds (run)
         self._thread: threading.Thread | None = None
         self.rounds: list[list[tuple[str, str]]] = []  # the last 64 rounds' (adapter, method), newest last
         self.rounds_run = 0  # rounds since the start
         #: ``observer(method, call, result, ok, seconds)`` after each call (the server's metrics), or None.
         self.observer: Any = None
         self.last_activity = time.monotonic()
-
-    def run(self, function: Callable[[], T]) -> T:
-        """Run ``function`` on the worker's thread between rounds and return what it returns: the base's build and each
-        adapter's opening and closing run there, so that one thread runs all of the server's torch work (a second
-        thread's OpenMP team slows every decode on a CPU: :class:`~tinkergym.serve.training.calls.CallWorker`)."""
-        if threading.current_thread() is self._thread:
-            return function()
-        task = WorkerTask(function, concurrent.futures.Future())
-        with self._cond:
-            if self._stopping:
-                raise ConfigError("the shared server is stopping")
-            self._tasks.append(task)
-            self._start_thread()
-            self._cond.notify_all()
-        return task.future.result()
 
     def add(self, adapter_id: str, session: Any, run_dir: Path) -> WorkerPort:
         with self._cond:
@@ -225,14 +206,10 @@ class SharedWorker:
                 return
             queue.records.append(record)
             self._last_submit = time.monotonic()
-            self._start_thread()
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="tinkergym-shared-worker", daemon=True)
+                self._thread.start()
             self._cond.notify_all()
-
-    def _start_thread(self) -> None:
-        """Start the thread unless it runs (under ``_cond``)."""
-        if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._loop, name="tinkergym-shared-worker", daemon=True)
-            self._thread.start()
 
     def pending(self, adapter_id: str) -> int:
         with self._cond:
@@ -254,10 +231,6 @@ class SharedWorker:
             thread = self._thread
         if thread is not None:
             thread.join(timeout)
-        with self._cond:
-            tasks, self._tasks = list(self._tasks), deque()
-        for task in tasks:
-            task.future.set_exception(ConfigError("the shared server stopped before this ran"))
 
     def _take_round(self) -> list[tuple[str, CallRecord, list[int] | None]]:
         """The next call of each adapter with one waiting, round-robin from a rotating start, within the token budget: a
@@ -314,14 +287,8 @@ class SharedWorker:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                tasks, self._tasks = list(self._tasks), deque()
-            for task in tasks:
-                task.run()
-            with self._cond:
-                while not self._stopping and not self._tasks and not any(q.records for q in self._queues.values()):
+                while not self._stopping and not any(q.records for q in self._queues.values()):
                     self._cond.wait()
-                if self._tasks and not self._stopping:
-                    continue  # run them before the next round
                 # Other adapters' calls often follow within moments (their clients step in lock-step), and a client's concurrent
                 # reads arrive one by one: wait for them until gather_s passes without a new call (at most GATHER_ROUNDS times
                 # that); with every adapter's call here, only while calls keep coming.
@@ -454,14 +421,10 @@ class SharedService:
     """The base, its adapters and the shared worker: what the routes of one shared app share."""
 
     def __init__(self, base: Any, run_dir: Path, logger: logging.Logger, keep_results: int, max_sessions: int, keep_states: int,
-                 limits: CallLimits, pass_tokens: int, gather_s: float, max_waiting: int, max_disk_bytes: int,
-                 build: Callable[[], Any] | None = None) -> None:
-        self.run_dir, self.logger = run_dir, logger
+                 limits: CallLimits, pass_tokens: int, gather_s: float, max_waiting: int, max_disk_bytes: int) -> None:
+        self.base, self.run_dir, self.logger = base, run_dir, logger
         self.keep_results, self.max_sessions, self.keep_states, self.limits = keep_results, max_sessions, keep_states, limits
         self.worker = SharedWorker(base, logger, keep_states, pass_tokens, gather_s, max_waiting, max_disk_bytes)
-        if build is not None:  # the base built on the worker's thread, which runs all of its torch work
-            self.worker.base = self.worker.run(build)
-        self.base = self.worker.base
         self.adapters: dict[str, Adapter] = {}
         self._by_digest: dict[bytes, Adapter] = {}
         self._lock = threading.Lock()
@@ -481,8 +444,13 @@ class SharedService:
             if body.source is not None:
                 start = self._export(body.source)
                 rank, alpha = start[1], start[2]
-            config = LoraSessionConfig(lora_rank=rank, lora_alpha=alpha, seed=body.seed)
-            session = self.worker.run(lambda: self._open_session(config, None if start is None else start[0]))
+            session = self.base.open_session(LoraSessionConfig(lora_rank=rank, lora_alpha=alpha, seed=body.seed))
+            if start is not None:
+                try:
+                    session.load_adapter(start[0])
+                except Exception:
+                    self.base.close_session(session)
+                    raise
             folder = self.run_dir / "adapters" / adapter_id
             folder.mkdir(parents=True, exist_ok=True)
             service = TrainingService(session, folder, self.logger, self.keep_results, self.max_sessions, self.keep_states, self.limits,
@@ -500,22 +468,11 @@ class SharedService:
                 return False
             self._by_digest.pop(adapter.digest, None)
         self.worker.remove(adapter_id)
-        self.worker.run(lambda: self.base.close_session(adapter.session))
+        self.base.close_session(adapter.session)
         if purge:
             shutil.rmtree(adapter.run_dir, ignore_errors=True)
         self.logger.info(json.dumps({"event": "adapter_closed", "adapter": adapter_id, "purged": purge}))
         return True
-
-    def _open_session(self, config: Any, adapter: str | None) -> Any:
-        """A new session of the base, started from the peft folder ``adapter`` when one is given (on the worker's thread)."""
-        session = self.base.open_session(config)
-        if adapter is not None:
-            try:
-                session.load_adapter(adapter)
-            except Exception:
-                self.base.close_session(session)
-                raise
-        return session
 
     def _export(self, source: AdapterSource) -> tuple[str, int, float]:
         """``(folder, rank, alpha)`` of an open adapter's export, checked as the export routes check names."""
@@ -643,10 +600,8 @@ def create_shared_app(
     gather_ms: float = 5.0,
     max_waiting_calls: int = 16,
     max_adapter_disk_mb: float = 0.0,
-    build: Callable[[], Any] | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving the adapters of ``base`` (a :class:`~tinkergym.backends.torch.shared.SharedBase`), or of the
-    base ``build()`` returns (``base`` None), built on the thread that will run every call.
+    """A FastAPI app serving the adapters of ``base`` (a :class:`~tinkergym.backends.torch.shared.SharedBase`).
 
     ``token_digest`` is the server's own token's (it manages adapters); ``pass_tokens`` bounds the tokens of one
     round of calls across adapters; a round waits up to ``gather_ms`` for other adapters' calls; an adapter may have
@@ -658,7 +613,7 @@ def create_shared_app(
     folder.mkdir(parents=True, exist_ok=True)
     log = logger or logging.getLogger("tinkergym.serve.training.app")
     shared = SharedService(base, folder, log, keep_results, max_sessions, keep_states, limits, pass_tokens, gather_ms / 1000,
-                           max_waiting_calls, int(max_adapter_disk_mb * 2**20), build)
+                           max_waiting_calls, int(max_adapter_disk_mb * 2**20))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
