@@ -522,10 +522,10 @@ class CallWorker:
     """One thread that runs accepted calls on the backend, strictly in the order they were submitted.
 
     Made with :meth:`building`, the same thread also builds the backend, so that one thread runs every torch operation
-    of the server: on a CPU each thread that runs torch operations gets an OpenMP team of its own, and once a process
-    holds more OpenMP threads than cores, libgomp stops spinning between parallel regions and wakes its threads by futex
-    for each one instead, so every decode slows (SmolLM2's sample calls: 1.7x, weights loaded on one thread and calls
-    run on another, against both on one).
+    of the server, as the trainer keeps its own (``TrainerThreadCalls`` in ``tinkergym.trainers.async_rollouts``): on a
+    CPU each thread that runs torch operations gets an OpenMP team of its own, and two threads that both keep running
+    torch work slow each other's decodes (1.7x measured). A model loaded once on another thread was measured not to
+    (``benchmarks/remote_step.py``: the same ratio to a local step either way), so this is the rule, not a speed-up.
     """
 
     def __init__(self, backend: Any, run_dir: Path, logger: logging.Logger, keep_states: int = 0) -> None:
