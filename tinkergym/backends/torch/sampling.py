@@ -148,8 +148,7 @@ class RowGenerators:
         self.history: list[list[Any]] = []
 
     def rand(self, rows: int, device: torch.device) -> torch.Tensor:
-        parts = [generator.rand(len(span), device) if _draws_itself(generator) else torch.rand((len(span), 1), generator=generator, device=device)
-                 for span, generator in self.segments]
+        parts = [_uniforms(generator, len(span), device) for span, generator in self.segments]
         if sum(len(span) for span, _ in self.segments) != rows:
             raise ValueError("the generators' segments must cover every row of the batch")
         return torch.cat(parts) if len(parts) > 1 else parts[0]
@@ -178,11 +177,15 @@ class RowGenerators:
             generator.set_state(start_state[i] if step < 0 else self.history[step][i])
 
 
-def _draws_itself(generator: object) -> bool:
-    """Whether ``generator`` makes its numbers itself (:class:`RowGenerators`, :class:`SeededRows`: their ``rand``) rather than
-    being a ``torch.Generator`` that ``torch.rand`` draws from. Told by the method, not the class, so that a copy of this module
-    loaded on its own (``benchmarks/decode_profile.py --baseline``) takes the streams of this one."""
-    return callable(getattr(generator, "rand", None))
+def _uniforms(generator: Any, rows: int, device: torch.device) -> torch.Tensor:
+    """``[rows, 1]`` numbers in [0, 1): from ``generator``'s own ``rand`` (:class:`RowGenerators`, :class:`SeededRows`), or
+    ``torch.rand`` with it (a ``torch.Generator``, or None: the device's). Told by the method, not the class, so that a copy
+    of this module loaded on its own (``benchmarks/decode_profile.py --baseline``) takes the streams of this one."""
+    draw_own = getattr(generator, "rand", None)
+    if callable(draw_own):
+        numbers: torch.Tensor = draw_own(rows, device)
+        return numbers
+    return torch.rand((rows, 1), generator=generator, device=device)
 
 
 def draw(probs_BV: torch.Tensor, generator: torch.Generator | RowGenerators | SeededRows | None, rows: Rows | None = None) -> torch.Tensor:
@@ -194,10 +197,7 @@ def draw(probs_BV: torch.Tensor, generator: torch.Generator | RowGenerators | Se
     """
     cdf_BV = probs_BV.cumsum(dim=-1)
     count = probs_BV.shape[0] if rows is None else rows.batch
-    if _draws_itself(generator):
-        u_B1 = generator.rand(count, probs_BV.device)  # type: ignore[union-attr]  # RowGenerators or SeededRows
-    else:
-        u_B1 = torch.rand((count, 1), generator=generator, device=probs_BV.device)
+    u_B1 = _uniforms(generator, count, probs_BV.device)
     if rows is not None:
         u_B1 = u_B1[rows.index]
     u_B1 = u_B1 * cdf_BV[:, -1:]
