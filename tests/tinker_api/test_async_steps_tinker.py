@@ -105,11 +105,10 @@ def test_cli_async_steps_resumes_with_the_setting_and_refuses_to_change_it(clust
     args = ["train", "--env", ENV, "--backend", "tinker", "--backend-url", cluster.url, "--backend-token-file", str(key), "--model", cluster.model,
             "--lora-rank", "4", "--steps", "2", "--batch-size", "2", "--group-size", "4", "--max-turns", "1", "--max-new-tokens", "4",
             "--checkpoint-every", "1", "--quiet", "--out", str(out), "--async-steps", "1"]
-    refused = CliRunner().invoke(main, args)
-    assert refused.exit_code == 2 and "--old-logprobs sampler" in refused.output, refused.output
-    done = CliRunner().invoke(main, [*args, "--old-logprobs", "sampler"], catch_exceptions=False)
+    done = CliRunner().invoke(main, args, catch_exceptions=False)  # the default correction: the trainer's logprobs, --tis-cap 2
     assert done.exit_code == 0, done.output
-    assert json.loads((out / "config.json").read_text())["async_steps"] == 1
+    saved = json.loads((out / "config.json").read_text())
+    assert (saved["async_steps"], saved["old_logprobs"], saved["tis_cap"]) == (1, "trainer", 2.0)
     changed = CliRunner().invoke(main, ["train", "--resume", str(out), "--steps", "3", "--async-steps", "0", "--backend-token-file", str(key)])
     assert changed.exit_code == 2 and "--async-steps (from 1 to 0)" in changed.output, changed.output
     more = CliRunner().invoke(main, ["train", "--resume", str(out), "--steps", "3", "--backend-token-file", str(key), "--quiet"], catch_exceptions=False)
