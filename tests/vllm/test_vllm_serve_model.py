@@ -63,8 +63,11 @@ def served(tiny: str, tmp_path_factory: pytest.TempPathFactory):
     key_file = root / "key.txt"
     key_file.write_text(KEY + "\n")
     key_file.chmod(0o600)
-    run_a = _train(tiny, root / "run_a", "--steps", "2", "--seed", "2", "--lora-rank", "8")  # a seed whose rewards differ, so the adapter moves
-    run_b = _train(tiny, root / "run_b", "--steps", "3", "--seed", "2", "--lora-rank", "16")
+    run_a = _train(tiny, root / "run_a", "--steps", "2", "--seed", "7", "--lora-rank", "8")
+    run_b = _train(tiny, root / "run_b", "--steps", "3", "--seed", "8", "--lora-rank", "16")
+    for run in (run_a, run_b):  # the seeds are ones whose groups' rewards differ, so the adapters move
+        trained = [json.loads(line)["batch/trained_sequences"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert sum(trained) > 0, f"{run.name}'s groups all had one reward ({trained} sequences trained), so its adapter never moved; take another seed"
     checkpoint_b = sorted((run_b / "checkpoints").iterdir())[-1]
     plan = plan_serving(model=tiny, adapters=[("a", str(run_a)), ("b", str(checkpoint_b))])
     engine = VLLMInferenceEngine(plan, max_model_len=1024)
