@@ -9,22 +9,15 @@ from typing import Any
 import pytest
 
 import workerkit as kit  # registered by conftest.py
-from tinkergym.backends.torch.sizing import estimate_training_memory, model_shape, shape_dict, static_estimate
+from tinkergym.backends.torch.sizing import estimate_training_memory, static_estimate
 
 GiB = 2**30
-
-
-def smollm2_config() -> Any:
-    """SmolLM2-135M's architecture (no weights: the shape is counted on the meta device)."""
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                       vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
+smollm2_config = kit.smollm2_config
 
 
 @pytest.fixture(scope="module")
 def shape() -> dict[str, Any]:
-    return shape_dict(model_shape(smollm2_config()))
+    return kit.smollm2_shape()
 
 
 @pytest.mark.parametrize(("rank", "ranks", "dtype", "device"), [(0, 1, "float32", "cpu"), (8, 1, "bfloat16", "cuda"), (0, 2, "auto", "cuda"),

@@ -88,7 +88,7 @@ def test_any_tenant_key_lists_the_workers_that_serve_it(make_client: Any, keys: 
 
 
 def test_workers_list_counts_a_device_shared_by_seats_once(make_client: Any, keys: Any, db_url: str, tmp_path: Path) -> None:
-    from tinkergym.cli.jobs.workers import DeviceCount
+    from tinkergym.cli.jobs.workers import DeviceCount, memory_text
 
     client = make_client()
     shared = {"seats": 2, "model": "tiny", "dtype": "float32", "max_lora_rank": 16}
@@ -112,3 +112,9 @@ def test_workers_list_counts_a_device_shared_by_seats_once(make_client: Any, key
              {"index": 2, "kind": "gpu", "active": False, "busy": False, "seat_of": None}]
     count = DeviceCount.of(seats)
     assert (count.devices_text(), count.busy, count.busy_seats) == ("2 GPUs (2 seats)", 1, 1)
+    assert memory_text(seats) == "-", "no server measured yet"
+    gib = 2**30
+    for seat in seats[1:3]:  # a shared server's measure is on each of its seats: shown once, by its device
+        seat.update(peak_bytes=3 * gib, memory_bytes=80 * gib)
+    seats[0]["peak_bytes"] = gib // 2
+    assert memory_text(seats) == "0: 0.5 GiB, 1: 3.0/80 GiB"

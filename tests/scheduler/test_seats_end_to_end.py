@@ -77,6 +77,20 @@ def _wait_for_checkpoints(engine: Any, clients: list[Any], epoch: int, seats: bo
         time.sleep(0.1)
 
 
+def _measured(engine: Any, seats: bool) -> list[Any]:
+    """The held seats' (``seats``) or whole devices' rows once each has a measure from its server's heartbeat."""
+    deadline = time.monotonic() + 60
+    while True:
+        with engine.connect() as conn:
+            rows = conn.execute(select(devices.c.used_bytes, devices.c.peak_bytes, devices.c.host_bytes, devices.c.base_bytes)
+                                .join(allocations, allocations.c.device_id == devices.c.id)
+                                .where(devices.c.seat_of.is_not(None) if seats else devices.c.seat_of.is_(None))).all()
+        if rows and all(r.used_bytes is not None for r in rows):
+            return rows
+        assert time.monotonic() < deadline, f"no measure reached the devices: {rows}"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
 def test_a_killed_worker_with_three_packed_jobs_of_two_tenants(db_url: str, keys: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
@@ -123,11 +137,18 @@ def test_a_killed_worker_with_three_packed_jobs_of_two_tenants(db_url: str, keys
             assert exported.status_code in (400, 404) or (exported.status_code == 200 and exported.json()["r"] == RANKS[k]), exported.text
             assert other not in httpx.get(f"{connection['url']}/v1/info", headers=bearer).text
 
+        # the seats' heartbeats carry the shared server's measured memory: on every seat of its device, above the base's
+        seat_measures = _measured(engine, seats=True)
+        assert len(seat_measures) == 3 and len({(m.used_bytes, m.base_bytes) for m in seat_measures}) == 1, seat_measures
+        assert all(0 < m.base_bytes <= m.used_bytes <= m.peak_bytes and m.host_bytes > 0 for m in seat_measures), seat_measures
+
         first.send_signal(signal.SIGKILL)
         first.wait()
         # seats to whole devices: a worker without seats takes the three jobs, each on a server of its own
         second = WorkerProcess(scheduler.url, worker_key, tmp_path / "w2", "w2", "--slots", "3", heartbeat="0.5")
         _wait_for_checkpoints(engine, clients, epoch=2, seats=False)
+        whole_measures = _measured(engine, seats=False)  # each whole server's on its own device
+        assert len(whole_measures) == 3 and all(m.used_bytes > 0 and m.base_bytes is None for m in whole_measures), whole_measures
         second.process.send_signal(signal.SIGKILL)
         second.process.wait()
         # and back: a worker with seats only takes them onto one shared server from the whole servers' checkpoints

@@ -33,6 +33,21 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def smollm2_config() -> Any:
+    """SmolLM2-135M's architecture (no weights: the shape is counted on the meta device)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                       vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=2048)
+
+
+def smollm2_shape() -> dict[str, Any]:
+    """SmolLM2-135M's shape as a worker registers it (``model_shapes``)."""
+    from tinkergym.backends.torch.sizing import model_shape, shape_dict
+
+    return shape_dict(model_shape(smollm2_config()))
+
+
 @dataclass
 class Worker:
     """A registered worker: its id, key and the client it talks through."""

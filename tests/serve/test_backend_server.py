@@ -205,8 +205,12 @@ def test_round_trip_equals_the_local_backend_bit_for_bit(tiny: str, tmp_path: Pa
     # two samples; reading it is no client activity.
     drawn = sum(len(seq["tokens"]) for answer in sampled for row in answer["sequences"] for seq in row)
     touched = http.app.state.service.last_activity()
-    assert http.get("/v1/usage", headers=AUTH).json() == {"tokens_trained": 2 * sum(len(d.tokens) for d in data),
-                                                          "tokens_sampled": drawn}
+    usage = http.get("/v1/usage", headers=AUTH).json()
+    memory = usage.pop("memory")
+    assert usage == {"tokens_trained": 2 * sum(len(d.tokens) for d in data), "tokens_sampled": drawn}
+    # its memory, measured (this test's process: the host is the device here), what the heartbeat carries for placement
+    assert 0 < memory["host_bytes"] <= memory["host_peak_bytes"] and memory["device_bytes"] == memory["host_bytes"]
+    assert memory["host_peak_bytes"] > sum(p.numel() * p.element_size() for p in served.model.parameters())
     assert http.app.state.service.last_activity() == touched
     assert http.get("/v1/usage").status_code == 401
 

@@ -95,7 +95,13 @@ def test_adapters_are_managed_with_the_servers_token_and_reached_with_their_own(
     # Closing frees the adapter's memory and ends its token.
     assert http.delete(f"/v1/adapters/{a['adapter_id']}?purge=true", headers=ADMIN).json() == {"closed": True}
     assert http.get("/v1/info", headers=ta).status_code == 401
-    assert http.get("/v1/adapters", headers=ADMIN).json()["memory"]["sessions_bytes"] == held - base.session_bytes(4)
+    after = http.get("/v1/adapters", headers=ADMIN).json()
+    assert after["memory"]["sessions_bytes"] == held - base.session_bytes(4)
+    # Measured as well as counted (what a seat's heartbeat carries): the process's memory now and at its peak, the base's
+    # alone from the start, and the adapters open.
+    measured = after["measured"]
+    assert measured["sessions"] == 1 and 0 < measured["base_bytes"] <= listing["measured"]["device_bytes"]
+    assert 0 < measured["host_bytes"] <= measured["host_peak_bytes"] and measured["device_bytes"] == measured["host_bytes"]
     assert not (tmp_path / "adapters" / a["adapter_id"]).exists()
     assert http.delete(f"/v1/adapters/{a['adapter_id']}", headers=ADMIN).status_code == 404
 

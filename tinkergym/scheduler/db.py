@@ -112,7 +112,27 @@ devices = Table(
     Column("seat_of", Integer, nullable=True),
     Column("shared", Text, nullable=True),
     Column("memory_bytes", BigInteger, nullable=True),  # what the worker said the device holds (None: not said, not checked)
+    # What the server on the device measured at its job's last heartbeat (tinkergym.plumbing.memory_use; a seat's row:
+    # its shared server's, the same on every seat of the device): device bytes now, at the peak, its size; the host's
+    # now and peak; a shared server's base alone. None: not measured yet.
+    Column("used_bytes", BigInteger, nullable=True),
+    Column("peak_bytes", BigInteger, nullable=True),
+    Column("measured_total_bytes", BigInteger, nullable=True),
+    Column("host_bytes", BigInteger, nullable=True),
+    Column("host_peak_bytes", BigInteger, nullable=True),
+    Column("base_bytes", BigInteger, nullable=True),
+    Column("measured_at", Float, nullable=True),
     UniqueConstraint("worker_id", "index", name="uq_devices_worker_index"),
+)
+
+# What a seat job really keeps on its shared server, per model: the factor its priced bytes are multiplied by
+# (tinkergym.scheduler.memory.learned_factor), learned from the servers' measures at heartbeats.
+memory_factors = Table(
+    "memory_factors", metadata,
+    Column("model", String(200), primary_key=True),
+    Column("factor", Float, nullable=False),
+    Column("samples", Integer, nullable=False),
+    Column("updated_at", Float, nullable=False),
 )
 
 jobs = Table(

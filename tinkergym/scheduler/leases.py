@@ -76,7 +76,7 @@ from collections.abc import Iterator
 from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
-from tinkergym.scheduler import memory, states
+from tinkergym.scheduler import measured, memory, states
 from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME
 from tinkergym.scheduler.bounds import WorkerBounds
 from tinkergym.scheduler.db import allocations, checkpoints, devices, events, jobs, tenants, workers
@@ -198,42 +198,45 @@ def _over_quota(conn: Connection, job: dict[str, Any], held: dict[str, int], quo
 class _SeatsElsewhere:
     """The free seats of the other live workers (:func:`free_seats_of_others`), read at a grant's first question."""
 
-    def __init__(self, conn: Connection, worker_id: str, seen_since: float) -> None:
-        self.conn, self.worker_id, self.seen_since = conn, worker_id, seen_since
-        self._seats: list[tuple[dict[str, Any], frozenset[str] | None, WorkerBounds]] | None = None
+    def __init__(self, conn: Connection, worker_id: str, seen_since: float, room: measured.SeatRoom) -> None:
+        self.conn, self.worker_id, self.seen_since, self.room = conn, worker_id, seen_since, room
+        self._seats: list[tuple[dict[str, Any], frozenset[str] | None, WorkerBounds, Any]] | None = None
 
     def fit(self, job: dict[str, Any]) -> bool:
-        """Whether a free seat of another live worker that may run ``job`` (its tenant, its model) fits it."""
+        """Whether a free seat of another live worker that may run ``job`` (its tenant, its model) fits it, its memory included."""
         if self._seats is None:
             self._seats = free_seats_of_others(self.conn, self.worker_id, self.seen_since)
         model = _model(job)
         return any(others.serves(job["tenant_id"]) and (offered is None or model in offered) and fits(shared, job["kind"], job["gpus"], job["config"])
-                   for shared, offered, others in self._seats)
+                   and self.room.refusal(row.worker_id, row, job) is None
+                   for shared, offered, others, row in self._seats)
 
 
-def free_seats_of_others(conn: Connection, worker_id: str, seen_since: float) -> list[tuple[dict[str, Any], frozenset[str] | None, WorkerBounds]]:
+def free_seats_of_others(conn: Connection, worker_id: str, seen_since: float) -> list[tuple[dict[str, Any], frozenset[str] | None, WorkerBounds, Any]]:
     """Every free seat of a worker other than ``worker_id`` that is alive (seen since ``seen_since``, not quarantined, its
-    credential standing): the seat's base, the models its worker offers within its credential, and the credential's bounds.
-    A packable job prefers such a seat to a whole device here: placement is the cluster's, not the first poller's."""
+    credential standing): the seat's base, the models its worker offers within its credential, the credential's bounds
+    and the seat's row (its device's measured memory: :data:`tinkergym.scheduler.measured.SEAT_COLUMNS`). A packable
+    job prefers such a seat to a whole device here: placement is the cluster's, not the first poller's."""
     from tinkergym.scheduler.bounds import parse_bounds
     from tinkergym.scheduler.db import api_keys
 
     rows = conn.execute(
-        select(devices.c.shared, workers.c.models, api_keys.c.worker_bounds)
+        select(devices.c.shared, workers.c.models, api_keys.c.worker_bounds, devices.c.worker_id, devices.c.seat_of, devices.c.kind,
+               devices.c.memory_bytes, *measured.SEAT_COLUMNS)
         .select_from(devices.join(workers, workers.c.id == devices.c.worker_id).join(api_keys, api_keys.c.id == workers.c.key_id))
         .where(devices.c.seat_of.is_not(None), devices.c.active.is_(True), devices.c.worker_id != worker_id,
                devices.c.id.not_in(select(allocations.c.device_id)), workers.c.last_seen_at >= seen_since,
                workers.c.quarantined_at.is_(None), api_keys.c.revoked_at.is_(None))
     ).all()
-    found: list[tuple[dict[str, Any], frozenset[str] | None, WorkerBounds]] = []
-    for shared, models, worker_bounds in rows:
-        parsed = parse_bounds(worker_bounds)
+    found: list[tuple[dict[str, Any], frozenset[str] | None, WorkerBounds, Any]] = []
+    for row in rows:
+        parsed = parse_bounds(row.worker_bounds)
         if parsed is None:
             continue
-        offered = set(json.loads(models))
+        offered = set(json.loads(row.models))
         if parsed.models is not None:
             offered &= set(parsed.models)
-        found.append((parse_shared(shared) or {}, frozenset(offered), parsed))
+        found.append((parse_shared(row.shared) or {}, frozenset(offered), parsed, row))
     return found
 
 
@@ -271,7 +274,7 @@ def grant(
     if bounds is not None and bounds.models is not None:
         models &= set(bounds.models)
     active = conn.execute(
-        select(devices.c.id, devices.c.index, devices.c.seat_of, devices.c.shared, devices.c.memory_bytes, devices.c.kind)
+        select(devices.c.id, devices.c.index, devices.c.seat_of, devices.c.shared, devices.c.memory_bytes, devices.c.kind, *measured.SEAT_COLUMNS)
         .where(devices.c.worker_id == worker_id, devices.c.active.is_(True)).order_by(devices.c.index)
     ).all()
     taken = set(conn.execute(select(allocations.c.device_id).where(allocations.c.device_id.in_([d.id for d in active]))).scalars())
@@ -285,7 +288,8 @@ def grant(
     device_memory, device_kind = memory.smallest([d.memory_bytes for d in whole]), (whole[0].kind if whole else "slot")
     held: dict[str, int] = {}
     quota: dict[str, int] = {}
-    elsewhere = _SeatsElsewhere(conn, worker_id, now - worker_timeout(settings))
+    room = measured.SeatRoom(conn)
+    elsewhere = _SeatsElsewhere(conn, worker_id, now - worker_timeout(settings), room)
     for job in queued_jobs(conn, bounds.tenants if bounds is not None else None):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
         if _model(job) not in models:
@@ -296,7 +300,7 @@ def grant(
             continue  # never fits here: it neither starts nor holds this worker's devices
         if _over_quota(conn, job, held, quota):
             continue  # over its tenant's quota: waits, blocks nobody
-        seat = next((d for d, shared in free_seats if fits(shared, kind, gpus, config)), None)
+        seat = next((d for d, shared in free_seats if fits(shared, kind, gpus, config) and room.refusal(worker_id, d, job) is None), None)
         if seat is None and on_devices and gpus <= len(free) and elsewhere.fit(job):
             continue  # a free seat of another worker fits it: the job waits for that worker's poll (it asks every few seconds)
         if seat is None and (gpus > len(free) or not on_devices):
@@ -354,9 +358,10 @@ def held_job(conn: Connection, store: JobStore, worker_id: str, job_id: str, epo
 
 
 def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, job_id: str, epoch: int,
-              usage: dict[str, int] | None = None) -> dict[str, Any]:
+              usage: dict[str, int] | None = None, memory: dict[str, Any] | None = None) -> dict[str, Any]:
     """Renew the lease for another ``lease_ttl_s``; ``{job_id, epoch, state, cancelling, expires_at}``. The job is charged
-    the device-seconds since the last renewal and the tokens its server reports in ``usage`` (:mod:`.usage`).
+    the device-seconds since the last renewal and the tokens its server reports in ``usage`` (:mod:`.usage`); the
+    memory its server measured (``memory``) is kept on its devices for placement (:mod:`.measured`).
 
     A lease already past its end is lost even before the sweeper sees it (409): the worker must stop the
     job's server. ``cancelling`` True tells it to stop the server and report ``cancelled``; a cancelling job's lease is
@@ -375,6 +380,8 @@ def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, 
         # The first heartbeat after the job was reported running: the worker runs it, its strikes end (once, not at every one).
         conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.strikes != 0).values(strikes=0))
     charge_renewal(conn, before, now, settings.lease_ttl_s, epoch, usage)  # the device-seconds and tokens since the last renewal
+    if memory:
+        measured.record(conn, worker_id, job_id, memory, now)
     _touch(conn, worker_id, now)
     return {"job_id": job_id, "epoch": epoch, "state": job["state"], "cancelling": job["state"] == states.CANCELLING,
             "expires_at": job["lease_expires_at"]}

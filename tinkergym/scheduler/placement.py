@@ -11,6 +11,8 @@ A queued job's reason is one of, first match wins:
   keeps there (:mod:`tinkergym.scheduler.memory`: the figures, and what to change);
 - ``quota``: the tenant's jobs hold its ``max_gpus`` devices (this job would go past it);
 - ``behind``: K queued jobs before it (by priority, then age) can run on the workers that can host it;
+- ``memory_held``: a seat it fits is free, but the memory its shared server measured leaves too little room for it
+  now (:func:`tinkergym.scheduler.memory.seat_refusal`: the figures); it starts when a job there ends or frees memory;
 - ``busy``: a worker could host it, but its devices (and the seats it fits) are held by other jobs;
 - ``ready``: a worker has the free devices (or a free seat) for it: it starts at that worker's next lease request.
 
@@ -34,7 +36,7 @@ from collections.abc import Iterable
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
-from tinkergym.scheduler import memory, states
+from tinkergym.scheduler import measured, memory, states
 from tinkergym.scheduler.bounds import WorkerBounds, parse_bounds
 from tinkergym.scheduler.db import allocations, api_keys, devices, tenants, workers
 from tinkergym.scheduler.repository import NotFound
@@ -42,7 +44,7 @@ from tinkergym.scheduler.seats import fits, parse_shared
 from tinkergym.scheduler.worker_registry import worker_timeout
 
 NO_WORKER, NO_MODEL, TOO_FEW_DEVICES, TOO_LITTLE_MEMORY = "no_worker", "no_model", "too_few_devices", "too_little_memory"
-QUOTA, BEHIND, BUSY, READY = "quota", "behind", "busy", "ready"
+QUOTA, BEHIND, MEMORY_HELD, BUSY, READY = "quota", "behind", "memory_held", "busy", "ready"
 #: Reasons that hold until a worker that can host the job registers: nothing the queue does starts the job.
 UNPLACEABLE = (NO_WORKER, NO_MODEL, TOO_FEW_DEVICES, TOO_LITTLE_MEMORY)
 
@@ -59,10 +61,11 @@ class Host:
     kind: str
     bounds: WorkerBounds
     alive: bool
-    seats: tuple[tuple[dict[str, Any], bool], ...] = ()
+    seats: tuple[tuple[dict[str, Any], bool, Any], ...] = ()  # (base, free, row with the device's measured memory)
     shared_devices: int = 0
     memory: int | None = None  # bytes of its smallest whole device (None: not said)
     shapes: dict[str, Any] | None = None  # model -> its shape, for the models it counted
+    room: measured.SeatRoom | None = None  # whether a free seat's device holds a job now (None: not checked)
 
     def hosts(self, job: dict[str, Any]) -> bool:
         """Whether it could ever run ``job`` (a row with kind, gpus, config): on whole devices or on a seat."""
@@ -81,8 +84,20 @@ class Host:
         return job["gpus"] <= devices and self.memory_refusal(job) is None
 
     def _seat(self, job: dict[str, Any], free_only: bool) -> bool:
-        return any(
-            (free or not free_only) and fits(shared, job["kind"], job["gpus"], job["config"]) for shared, free in self.seats)
+        return any((free or not free_only) and fits(shared, job["kind"], job["gpus"], job["config"]) and (not free_only or self.seat_refusal(row, job) is None)
+                   for shared, free, row in self.seats)
+
+    def seat_refusal(self, row: Any, job: dict[str, Any]) -> str | None:
+        """Why a free seat (its ``row``) cannot hold ``job`` now by its device's measured memory; None when it can."""
+        return None if self.room is None else self.room.refusal(self.id, row, job)
+
+    def memory_refusals(self, job: dict[str, Any]) -> list[str]:
+        """Why each free seat that ``job`` fits by the rule cannot hold it now by memory (empty: none is refused so)."""
+        found = []
+        for shared, free, row in self.seats:
+            if free and fits(shared, job["kind"], job["gpus"], job["config"]) and (why := self.seat_refusal(row, job)):
+                found.append(why)
+        return found
 
     @property
     def physical(self) -> int:
@@ -105,19 +120,20 @@ def load_hosts(conn: Connection, now: float, timeout: float) -> list[Host]:
         .select_from(workers.join(api_keys, api_keys.c.id == workers.c.key_id)).where(api_keys.c.revoked_at.is_(None))
     ).all()
     counts: dict[str, dict[str, Any]] = {}
-    for worker_id, kind, seat_of, shared, size, held in conn.execute(
+    room = measured.SeatRoom(conn)
+    for device in conn.execute(
         select(devices.c.worker_id, devices.c.kind, devices.c.seat_of, devices.c.shared, devices.c.memory_bytes,
-               devices.c.id.in_(select(allocations.c.device_id)))
+               devices.c.id.in_(select(allocations.c.device_id)).label("held"), *measured.SEAT_COLUMNS)
         .where(devices.c.active.is_(True))
     ):
-        entry = counts.setdefault(worker_id, {"devices": 0, "free": 0, "kind": kind, "seats": [], "shared": set(), "memory": []})
-        if seat_of is None:
+        entry = counts.setdefault(device.worker_id, {"devices": 0, "free": 0, "kind": device.kind, "seats": [], "shared": set(), "memory": []})
+        if device.seat_of is None:
             entry["devices"] += 1
-            entry["free"] += 0 if held else 1
-            entry["memory"].append(size)
+            entry["free"] += 0 if device.held else 1
+            entry["memory"].append(device.memory_bytes)
         else:
-            entry["seats"].append((parse_shared(shared) or {}, not held))
-            entry["shared"].add(seat_of)
+            entry["seats"].append((parse_shared(device.shared) or {}, not device.held, device))
+            entry["shared"].add(device.seat_of)
     found = []
     for row in rows:
         bounds = parse_bounds(row.worker_bounds)
@@ -129,7 +145,7 @@ def load_hosts(conn: Connection, now: float, timeout: float) -> list[Host]:
         entry = counts.get(row.id, {"devices": 0, "free": 0, "kind": bounds.kind or "device", "seats": [], "shared": set(), "memory": []})
         alive = now - row.last_seen_at <= timeout and row.quarantined_at is None
         found.append(Host(row.id, frozenset(models), entry["devices"], entry["free"], str(entry["kind"]), bounds, alive,
-                          tuple(entry["seats"]), len(entry["shared"]), memory.smallest(entry["memory"]), memory.parse_shapes(row.model_shapes)))
+                          tuple(entry["seats"]), len(entry["shared"]), memory.smallest(entry["memory"]), memory.parse_shapes(row.model_shapes), room))
     return found
 
 
@@ -216,6 +232,9 @@ class Placement:
         if k:
             return reason(BEHIND, f"behind {_plural(k, 'queued job')} that go first on the workers that can host it")
         if not any(h.has_room(job) for h in self.hosts if h.id in capable):
+            short = [why for h in self.hosts if h.id in capable for why in h.memory_refusals(job)]
+            if short:
+                return reason(MEMORY_HELD, f"a free seat fits it, but not its memory now: {short[0]}")
             if len(capable) == 1:
                 return reason(BUSY, "the 1 worker that can host it has its devices held by other jobs")
             return reason(BUSY, f"the {len(capable)} workers that can host it have their devices held by other jobs")

@@ -16,9 +16,10 @@ The placement rule (:func:`fits`), the same for the grant and for the wait reaso
   rank (the operator sizes ``--seats`` to the device's memory);
 - it asks for nothing a shared base does not offer: no LoRA dropout, no gradient checkpointing, no deterministic
   algorithms (such a job takes a whole device);
-- a seat is free (no allocation). A packable job takes a seat before a whole device, on any worker: a worker with
-  whole devices free does not take a job that a free seat of another live worker fits
-  (:func:`tinkergym.scheduler.leases.free_seats_of_others`).
+- a seat is free (no allocation), and the memory its shared server last measured leaves room for the job
+  (:func:`tinkergym.scheduler.memory.seat_refusal`; not checked before the server's first measure). A packable job
+  takes a seat before a whole device, on any worker: a worker with whole devices free does not take a job that a free
+  seat of another live worker fits, its memory included (:func:`tinkergym.scheduler.leases.free_seats_of_others`).
 
 A seat counts as one device toward the tenant's ``max_gpus``. Standard library only.
 """

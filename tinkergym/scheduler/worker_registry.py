@@ -121,7 +121,8 @@ def worker_view(conn: Connection, worker_id: str, *, now: float, timeout: float)
     busy = select(allocations.c.device_id)
     found = conn.execute(
         select(devices.c.index, devices.c.kind, devices.c.name, devices.c.active, devices.c.id.in_(busy).label("busy"), devices.c.seat_of,
-               devices.c.shared).where(devices.c.worker_id == worker_id).order_by(devices.c.index)
+               devices.c.shared, devices.c.memory_bytes, devices.c.used_bytes, devices.c.peak_bytes, devices.c.host_bytes, devices.c.host_peak_bytes,
+               devices.c.measured_at).where(devices.c.worker_id == worker_id).order_by(devices.c.index)
     ).mappings()
     return {
         "id": row["id"], "name": row["name"], "host": row["host"], "models": json.loads(row["models"]),

@@ -531,6 +531,23 @@ def static_estimate(shape: dict[str, Any], *, lora_rank: int, dtype: str, ranks:
     return estimate_from_shape(model, adapter, settings)
 
 
+def seat_estimate(shape: dict[str, Any], *, lora_rank: int, dtype: str, device: str, micro_batch_size: int, max_seq_len: int) -> tuple[int, int]:
+    """``(kept, activations)``: the bytes a LoRA job adds to a shared server's device, from a model's :func:`shape_dict`:
+    what it keeps between calls (its adapter, gradients and AdamW's two moments in float32, and autocast's copy of the
+    adapter in a half precision) and the activations of one of its micro-batches (``micro_batch_size`` rows of
+    ``max_seq_len`` tokens), which a shared server's passes hold one at a time. What the scheduler prices a seat job
+    at (:func:`tinkergym.scheduler.memory.seat_refusal`). Torch-free."""
+    model = ModelShape(**shape)
+    compute = _dtype_name(dtype, device)
+    settings = {"lora_rank": lora_rank, "lora_target_modules": "all-linear", "dtype": compute, "param_dtype": backend_param_dtype(lora_rank, compute),
+                "micro_batch_size": micro_batch_size, "max_seq_len": max_seq_len, "ranks": 1, "gradient_checkpointing": False,
+                "device": device, "attn_implementation": "auto"}
+    adapter = lora_rank * model.lora_io
+    estimate = estimate_from_shape(model, (adapter, model.lora_linears), settings)
+    kept = adapter * 4 + estimate.gradients + estimate.optimizer + (adapter * DTYPE_BYTES[compute] if DTYPE_BYTES[compute] != 4 else 0)
+    return kept, estimate.activations
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m tinkergym.backends.torch.sizing MODEL...``: each model's :func:`shape_dict` as one JSON object
     (model name -> fields; a model that cannot be counted is left out and said on standard error). A worker runs it

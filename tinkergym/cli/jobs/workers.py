@@ -17,7 +17,7 @@ from tinkergym.cli.jobs.connection import call, connect, scheduler_options
 @scheduler_options
 def workers_command(only_alive: bool, scheduler_url: str | None, api_key: str | None) -> None:
     """The workers your jobs can run on: name, status, models, devices (a device shared by seats counts once, its seats
-    beside it), how many are busy, last seen.
+    beside it), how many are busy, each device's memory at its peak as its server measured it, last seen.
 
     Any key with the read scope lists them; other tenants' jobs on them are never shown.
 
@@ -41,8 +41,23 @@ def workers_command(only_alive: bool, scheduler_url: str | None, api_key: str | 
         count = DeviceCount.of(w["devices"])
         status = w["status"] + (", quarantined" if w.get("quarantined") else "")
         busy = str(count.busy) + (f" ({count.busy_seats} of {plural(count.seats, 'seat')})" if count.seats else "")
-        rows.append((w["name"], status, ",".join(w["models"]) or "-", count.devices_text(), busy, f"{age(w['last_seen_at'], now)} ago"))
-    click.echo(table(("NAME", "STATUS", "MODELS", "DEVICES", "BUSY", "LAST SEEN"), rows))
+        rows.append((w["name"], status, ",".join(w["models"]) or "-", count.devices_text(), busy, memory_text(w["devices"]),
+                     f"{age(w['last_seen_at'], now)} ago"))
+    click.echo(table(("NAME", "STATUS", "MODELS", "DEVICES", "BUSY", "MEMORY (PEAK)", "LAST SEEN"), rows))
+
+
+def memory_text(devices: list[dict[str, Any]]) -> str:
+    """Each measured device's peak as its server's last heartbeat measured it, of its size where the worker said it
+    (``1: 3.1/24 GiB``; a shared device once, by its index); ``-`` when no server has measured one yet."""
+    seen: dict[int, str] = {}
+    for d in devices:
+        peak = d.get("peak_bytes")
+        index = d["index"] if d.get("seat_of") is None else d["seat_of"]
+        if not d["active"] or peak is None or index in seen:
+            continue
+        size = d.get("memory_bytes")
+        seen[index] = f"{index}: {peak / 2**30:.1f}" + (f"/{size / 2**30:.0f} GiB" if size else " GiB")
+    return ", ".join(seen[i] for i in sorted(seen)) or "-"
 
 
 def plural(n: int, word: str) -> str:

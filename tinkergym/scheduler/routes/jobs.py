@@ -34,7 +34,7 @@ MAX_SEQ = MAX_INT
 class WaitReason(WireModel):
     """Why a queued job waits (:mod:`tinkergym.scheduler.placement`)."""
 
-    code: Literal["no_worker", "no_model", "too_few_devices", "too_little_memory", "quota", "behind", "busy", "ready"]
+    code: Literal["no_worker", "no_model", "too_few_devices", "too_little_memory", "quota", "behind", "memory_held", "busy", "ready"]
     message: str
 
 

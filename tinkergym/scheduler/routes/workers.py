@@ -135,6 +135,12 @@ class DeviceOut(WireModel):
     busy: bool
     seat_of: int | None = Field(None, description="a seat: the device it sits on (its shared server's)")
     shared: SharedOut | None = Field(None, description="a seat: its server's base")
+    memory_bytes: int | None = Field(None, description="the device's size as the worker registered it")
+    used_bytes: int | None = Field(None, description="device memory its server used at its job's last heartbeat (a seat: its shared server's)")
+    peak_bytes: int | None = Field(None, description="device memory at that server's peak")
+    host_bytes: int | None = Field(None, description="that server's resident host memory")
+    host_peak_bytes: int | None = Field(None, description="that server's resident host memory at its peak")
+    measured_at: float | None = Field(None, description="when it was measured (null: never)")
 
 
 class Worker(WireModel):
@@ -188,8 +194,21 @@ class TokenUsage(WireModel):
     tokens_sampled: int = Field(ge=0, le=2**53, description="tokens the job's server sampled at this lease so far")
 
 
+class ServerMemory(WireModel):
+    """The job's server's memory as it measured it now (tinkergym.plumbing.memory_use; a seat's: its shared server's)."""
+
+    device_bytes: int | None = Field(None, ge=0, le=2**53, description="device memory in use now (on a CPU: the host's)")
+    device_peak_bytes: int | None = Field(None, ge=0, le=2**53, description="device memory at its peak (since the last job left a shared server)")
+    device_total_bytes: int | None = Field(None, ge=0, le=2**53, description="the device's size, where the server can tell")
+    host_bytes: int | None = Field(None, ge=0, le=2**53, description="the server's resident host memory now")
+    host_peak_bytes: int | None = Field(None, ge=0, le=2**53, description="its resident host memory at its peak")
+    base_bytes: int | None = Field(None, ge=0, le=2**53, description="a shared server: device memory in use with the base model alone")
+    sessions: int | None = Field(None, ge=0, le=4096, description="a shared server: adapters open now")
+
+
 class Heartbeat(Fenced):
     usage: TokenUsage | None = Field(None, description="the server's token counts at this lease (totals, not increments)")
+    memory: ServerMemory | None = Field(None, description="the server's memory measured now (placement of seats reads it)")
 
 
 class HeartbeatAnswer(WireModel):
@@ -346,13 +365,15 @@ def heartbeat(
     idempotency_key: str | None = IdempotencyKey,
 ) -> Any:
     """Renew the job's lease (409 when it is lost: stop the job's server). ``cancelling``: stop it and report ``cancelled``.
-    ``usage``: the tokens the job's server trained and sampled so far at this lease (the tenant's usage)."""
+    ``usage``: the tokens the job's server trained and sampled so far at this lease (the tenant's usage); ``memory``:
+    its memory measured now, kept on the job's devices (a seat's: on every seat of its device) for placement."""
     store, settings = _store(request), request.app.state.settings
     usage = body.usage.model_dump() if body.usage is not None else None
+    memory = body.memory.model_dump() if body.memory is not None else None
 
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         _own(conn, worker_id, who)
-        return 200, leases.heartbeat(conn, store, settings, worker_id, job_id, body.epoch, usage)
+        return 200, leases.heartbeat(conn, store, settings, worker_id, job_id, body.epoch, usage, memory)
 
     return respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
 

@@ -302,15 +302,16 @@ class JobRunner(threading.Thread):
         except SchedulerError as exc:
             log.warning("job %s: could not report an event: %s", self.job_id, exc)
 
-    def _usage(self) -> dict[str, int] | None:
-        """What the job's server (or adapter) trained and sampled so far at this lease, for the tenant's usage; None when it
-        cannot say now (starting, or busy past the short wait): the next heartbeat reports the totals."""
+    def _usage(self) -> tuple[dict[str, int] | None, dict[str, Any] | None]:
+        """What the job's server (or adapter) trained and sampled so far at this lease, for the tenant's usage, and the
+        server's memory measured now (a seat's: its shared server's), for placement; None each when it cannot say now
+        (starting, or busy past the short wait): the next heartbeat reports them."""
         try:
             if self.seat is not None:
-                return self.seat.usage() if self.seat.opened else None
+                return self.seat.usage() if self.seat.opened else (None, None)
             server = self.server
             if server is None:
-                return None
+                return None, None
             conn = http.client.HTTPConnection(server.host, server.port, timeout=USAGE_TIMEOUT_S)
             try:
                 conn.request("GET", "/v1/usage", headers={"Authorization": f"Bearer {self.lease['token']}"})
@@ -319,11 +320,12 @@ class JobRunner(threading.Thread):
             finally:
                 conn.close()
             if response.status != 200:
-                return None
+                return None, None
             answer = json.loads(body)
-            return {k: int(answer[k]) for k in ("tokens_trained", "tokens_sampled")}
+            memory = answer.get("memory")
+            return {k: int(answer[k]) for k in ("tokens_trained", "tokens_sampled")}, memory if isinstance(memory, dict) else None
         except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError, WorkerFault, JobFault, ServerLost):
-            return None
+            return None, None
 
     def _heartbeats(self) -> None:
         while True:
@@ -332,9 +334,9 @@ class JobRunner(threading.Thread):
             if self.done.is_set():
                 return
             try:
-                usage = self._usage()
+                usage, memory = self._usage()
                 sent = time.monotonic()
-                answer = self.beats.heartbeat(self.job_id, self.epoch, usage)
+                answer = self.beats.heartbeat(self.job_id, self.epoch, usage, memory)
                 self._renewed(sent)
                 if answer.get("cancelling"):
                     self.cancelling.set()

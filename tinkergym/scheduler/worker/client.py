@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from tinkergym.client import MAX_BACKOFF_S, SchedulerClient, SchedulerError
+from tinkergym.plumbing.memory_use import FIELDS
+
+#: What a heartbeat's ``memory`` carries: the server's measured figures, and a shared server's base and open adapters.
+MEMORY_FIELDS = (*FIELDS, "base_bytes", "sessions")
 
 _CHUNK = 1 << 20
 #: Every 5xx (and the proxies' 502/503/504) is a "not now": the worker asks again after a pause.
@@ -71,10 +75,14 @@ class WorkerClient(SchedulerClient):
         """At most one queued job that fits the free devices (None when there is none)."""
         return self._request("POST", f"/v1/workers/{_q(self.worker_id)}/lease", {})["lease"]
 
-    def heartbeat(self, job_id: str, epoch: int, usage: dict[str, int] | None = None) -> dict[str, Any]:
+    def heartbeat(self, job_id: str, epoch: int, usage: dict[str, int] | None = None, memory: dict[str, Any] | None = None) -> dict[str, Any]:
         """Renew the lease: ``{state, cancelling, expires_at}``; a 409 means it is lost. ``usage``: the tokens the job's
-        server trained and sampled so far at this lease (``tokens_trained``, ``tokens_sampled``)."""
-        return self._request("POST", f"{self._job(job_id)}/heartbeat", {"epoch": epoch, **({"usage": usage} if usage else {})})
+        server trained and sampled so far at this lease (``tokens_trained``, ``tokens_sampled``); ``memory``: the
+        server's memory measured now (:func:`tinkergym.plumbing.memory_use.measure`; a shared server's with its
+        ``base_bytes`` and ``sessions``)."""
+        memory = {k: v for k, v in (memory or {}).items() if k in MEMORY_FIELDS and isinstance(v, int) and not isinstance(v, bool)}
+        return self._request("POST", f"{self._job(job_id)}/heartbeat",
+                             {"epoch": epoch, **({"usage": usage} if usage else {}), **({"memory": memory} if memory else {})})
 
     def report_state(self, job_id: str, epoch: int, state: str, *, error: str | None = None, server_url: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"epoch": epoch, "state": state}

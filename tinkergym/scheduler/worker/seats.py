@@ -254,13 +254,16 @@ class Seat:
                 return
             self.server.call("PUT", f"/v1/adapters/{_q(self.adapter_id)}/lease", {"seconds": max(seconds, 1e-3), "epoch": self.lease["epoch"]})
 
-    def usage(self) -> dict[str, int] | None:
-        """The tokens the job's adapter trained and sampled (the shared server's listing); None when it is not listed."""
+    def usage(self) -> tuple[dict[str, int] | None, dict[str, Any] | None]:
+        """The tokens the job's adapter trained and sampled (None when it is not listed) and the shared server's memory as
+        measured now (its listing's ``measured``), for the scheduler's placement of the next seats."""
         listing = self.server.call("GET", "/v1/adapters")
+        measured = listing.get("measured")
+        memory = measured if isinstance(measured, dict) else None
         for adapter in listing.get("adapters", []):
             if adapter.get("adapter_id") == self.adapter_id:
-                return {k: int(adapter.get(k) or 0) for k in ("tokens_trained", "tokens_sampled")}
-        return None
+                return {k: int(adapter.get(k) or 0) for k in ("tokens_trained", "tokens_sampled")}, memory
+        return None, memory
 
     def idle_s(self) -> float | None:
         """Seconds since the job's client last called its adapter (0 while a call runs; None when it is not listed)."""

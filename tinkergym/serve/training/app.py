@@ -47,6 +47,7 @@ from tinkergym.serve.training.calls import (
 from tinkergym.serve.auth import LeaseFile, require_token
 from tinkergym.backends.tokenizer_files import read_tokenizer_files
 from tinkergym.errors import ConfigError
+from tinkergym.plumbing.memory_use import measure
 
 PROTOCOL_VERSION = 1
 
@@ -228,10 +229,11 @@ async def info(request: Request) -> dict[str, Any]:
 
 
 @router.get("/v1/usage", responses=ERRORS)
-async def usage(request: Request) -> dict[str, int]:
-    """Tokens this server's (or this adapter's) calls trained and sampled since it started: what its worker reports for the
-    tenant's usage. Not a sign of the client's life (the idle timeout)."""
-    return _service(request).worker.tokens.as_dict()
+async def usage(request: Request) -> dict[str, Any]:
+    """Tokens this server's (or this adapter's) calls trained and sampled since it started, and its memory measured now
+    (``memory``: :func:`tinkergym.plumbing.memory_use.measure`): what its worker reports at each heartbeat, for the
+    tenant's usage and the scheduler's placement. Not a sign of the client's life (the idle timeout)."""
+    return {**_service(request).worker.tokens.as_dict(), "memory": measure()}
 
 
 @router.get("/v1/tokenizer", response_model=TokenizerResponse, responses=ERRORS)

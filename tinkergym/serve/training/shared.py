@@ -51,6 +51,7 @@ from pydantic import Field
 from starlette.responses import JSONResponse
 
 from tinkergym.errors import ConfigError
+from tinkergym.plumbing.memory_use import measure, release_cached_memory, reset_peak
 from tinkergym.serve.asgi import BodyLimit, RequestLog, StrictJSON, WireJSON, error_response
 from tinkergym.serve.auth import LeaseFile, bearer_matches, bearer_token, token_digest
 from tinkergym.serve.metrics import TokenTally
@@ -428,6 +429,7 @@ class SharedService:
         self.adapters: dict[str, Adapter] = {}
         self._by_digest: dict[bytes, Adapter] = {}
         self._lock = threading.Lock()
+        self.base_bytes = measure()["device_bytes"]  # measured with the base alone: what the seats' growth is counted from
 
     def open(self, body: AdapterCreate) -> dict[str, Any]:
         from tinkergym.backends.torch.shared import LoraSessionConfig
@@ -469,6 +471,8 @@ class SharedService:
             self._by_digest.pop(adapter.digest, None)
         self.worker.remove(adapter_id)
         self.base.close_session(adapter.session)
+        release_cached_memory()
+        reset_peak()  # the next peak is the staying adapters': the scheduler's measure of room for another
         if purge:
             shutil.rmtree(adapter.run_dir, ignore_errors=True)
         self.logger.info(json.dumps({"event": "adapter_closed", "adapter": adapter_id, "purged": purge}))
@@ -509,7 +513,13 @@ class SharedService:
                      "step": a.session.step, "pending": self.worker.pending(a.adapter_id),
                      "idle_s": round(max(0.0, now - a.service.last_activity()), 3), **self.worker.tally(a.adapter_id).as_dict()}
                     for a in list(self.adapters.values())]
-        return {"base": public_info(self.base.info()), "memory": self.base.memory(), "adapters": adapters, "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()}
+        return {"base": public_info(self.base.info()), "memory": self.base.memory(), "measured": self.measured(), "adapters": adapters,
+                "protocol": PROTOCOL_VERSION, "limits": self.limits.as_dict()}
+
+    def measured(self) -> dict[str, Any]:
+        """The server's memory as measured now (:func:`tinkergym.plumbing.memory_use.measure`), with the base's alone
+        (``base_bytes``, at the start) and the adapters open (``sessions``): what its worker reports at each heartbeat."""
+        return {**measure(), "base_bytes": self.base_bytes, "sessions": len(self.adapters)}
 
     def last_activity(self) -> float:
         if self.worker.busy():
