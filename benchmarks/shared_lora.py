@@ -63,6 +63,8 @@ PROMPTS, SAMPLES, MAX_NEW_TOKENS, TEMPERATURE = 8, 8, 32, 1.0
 #: --quick's step, a smoke test of every layout on the tiny model (its timings compare nothing): 2 prompts x 4 samples of at most 8 new tokens.
 QUICK_PROMPTS, QUICK_SAMPLES, QUICK_MAX_NEW_TOKENS = 2, 4, 8
 LORA_RANK, LORA_ALPHA, MICRO_BATCH_SIZE, LR = 8, 16.0, 8, 1e-5
+#: A job's step may be this many times its step alone and still count as held (``capacity``).
+SLOWER = 1.5
 
 
 def memory_status() -> dict[str, int]:
@@ -216,6 +218,82 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def machine_memory() -> int:
+    """This machine's memory in bytes (``MemTotal``)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no MemTotal in /proc/meminfo")
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """``(fixed, per_job)`` of the least-squares line through ``(K, bytes)`` points (per_job 0 for one point)."""
+    if len(points) == 1:
+        return points[0][1], 0.0
+    n = len(points)
+    mean_k, mean_b = sum(k for k, _ in points) / n, sum(b for _, b in points) / n
+    slope = sum((k - mean_k) * (b - mean_b) for k, b in points) / sum((k - mean_k) ** 2 for k, _ in points)
+    return mean_b - slope * mean_k, slope
+
+
+def capacity(results: list[dict[str, Any]], budget: int, slower: float = SLOWER) -> dict[str, Any]:
+    """How many jobs this machine holds at once each way, by memory and by step time (see the module's notes).
+
+    ``shared``: one process; its peak RSS against K is a line (the base and the passes' activations once, then what each
+    job keeps), so ``floor((budget - fixed) / per_job)`` jobs fit. ``separate``: a job is a server, a process of its
+    own, each at the peak of ``separate`` K=1, so ``floor(budget / that)`` fit (the in-process line of the K
+    separate engines is reported beside it). By time: the largest measured K whose step (every job's step, since the
+    K jobs share the machine's cores either way) is at most ``slower`` times a job alone (``separate`` K=1).
+    """
+    by = {(r["layout"], r["k"]): r for r in results}
+    alone = by.get(("separate", 1)) or by.get(("shared", 1))
+    out: dict[str, Any] = {"budget_bytes": budget, "slower": slower}
+    for layout in ("shared", "separate"):
+        points = sorted((r["k"], float(r["peak_rss_bytes"])) for r in results if r["layout"] == layout)
+        if not points:
+            continue
+        fixed, per_job = _line(points)
+        row: dict[str, Any] = {"fixed_bytes": fixed, "per_job_bytes": per_job, "measured_ks": [k for k, _ in points]}
+        if layout == "shared":
+            row["most_by_memory"] = int((budget - fixed) // per_job) if per_job > 0 else None
+        else:
+            server = by[("separate", 1)]["peak_rss_bytes"] if ("separate", 1) in by else None
+            row["server_peak_bytes"] = server
+            row["most_by_memory"] = int(budget // server) if server else None
+        if alone is not None:
+            limit = slower * alone["median"]["step_s"]
+            within = [r["k"] for r in results if r["layout"] == layout and r["median"]["step_s"] <= limit]
+            row["step_limit_s"] = limit
+            row["most_by_time_measured"] = max(within) if within else 0
+            row["most_at_once"] = min(row["most_by_time_measured"], row["most_by_memory"] or 0)
+        out[layout] = row
+    if "shared" in out and "separate" in out and out["separate"].get("most_by_memory"):
+        out["memory_ratio"] = (out["shared"]["most_by_memory"] or 0) / out["separate"]["most_by_memory"]
+        if out["separate"].get("most_at_once"):
+            out["at_once_ratio"] = out["shared"]["most_at_once"] / out["separate"]["most_at_once"]
+    return out
+
+
+def print_capacity(found: dict[str, Any]) -> None:
+    gib = 2**30
+    print(f"jobs held at once in {found['budget_bytes'] / gib:.1f} GiB:")
+    for layout in ("shared", "separate"):
+        row = found.get(layout)
+        if row is None:
+            continue
+        how = (f"one process, {row['fixed_bytes'] / gib:.2f} GiB + {row['per_job_bytes'] / MIB:.0f} MiB a job" if layout == "shared"
+               else f"a process a job at {row['server_peak_bytes'] / gib:.2f} GiB (in one process: {row['per_job_bytes'] / MIB:.0f} MiB a job)"
+               if row.get("server_peak_bytes") else "")
+        text = f"  {layout:<9} by memory {row['most_by_memory']} ({how})"
+        if "most_by_time_measured" in row:
+            text += (f"; within {found['slower']:g}x a job's step alone ({row['step_limit_s']:.1f} s): K <= {row['most_by_time_measured']} "
+                     f"of K = {','.join(map(str, row['measured_ks']))}; at once {row['most_at_once']}")
+        print(text)
+    if "memory_ratio" in found:
+        print(f"  shared/separate: {found['memory_ratio']:.1f}x by memory" + (f", {found['at_once_ratio']:.1f}x at once" if "at_once_ratio" in found else ""))
+
+
 def print_table(results: list[dict[str, Any]], by_k: dict[str, dict[str, float]]) -> None:
     """One row per layout and K, then the ratios per K."""
     print(f"{'layout':<12} {'K':>2} {'step s':>7} {'sample s':>9} {'train s':>8} {'job s':>7} {'tokens s+t':>12} {'tokens/s':>9} "
@@ -249,6 +327,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="job j's adapter and sampling seed is seed + j")
     parser.add_argument("--quick", action="store_true", help="tiny model, K = 1, 2, one timed step of 2 prompts x 4 samples of at most 8 new tokens (a smoke test)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--memory-budget-gib", type=float, default=None,
+                        help="the memory the jobs-held-at-once figure fills (default: this machine's MemTotal)")
+    parser.add_argument("--report", metavar="JSON", help="print the table and figures of a saved result (this script's --json output) and exit")
     parser.add_argument("--worker", choices=(*LAYOUTS, "matmul"), help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     return parser.parse_args()
@@ -256,6 +337,15 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    budget = int(args.memory_budget_gib * 2**30) if args.memory_budget_gib else machine_memory()
+    if args.report:
+        with open(args.report) as f:
+            saved = json.loads(f.read().strip().splitlines()[-1])
+        saved["ratios"], saved["capacity"] = ratios(saved["results"]), capacity(saved["results"], budget)
+        print_table(saved["results"], saved["ratios"])
+        print_capacity(saved["capacity"])
+        print(json.dumps(saved))
+        return
     if args.worker:
         settings = json.loads(args.settings)
         result = matmul_rate("cpu", "float32") if args.worker == "matmul" else run_worker(args.worker, int(args.ks), settings)
@@ -294,10 +384,11 @@ def main() -> None:
             say(f"  {layout} K={k}: step {m['step_s']:.2f} s, {m['tokens_per_s']:.1f} tokens/s, peak RSS {results[-1]['peak_rss_bytes'] / MIB:.0f} MiB, "
                 f"other cores {m['other_cores']:.2f}")
     by_k = ratios(results)
-    report = {"settings": settings, "machine": facts, "matmul": rate, "results": results, "ratios": by_k}
+    report = {"settings": settings, "machine": facts, "matmul": rate, "results": results, "ratios": by_k, "capacity": capacity(results, budget)}
     if not args.json:
         print(f"model: {args.model} ({settings['dtype']}); CPU: {describe(facts)}; float32 matmul rate {rate['matmul_flops'] / 1e12:.3f} TFLOP/s")
         print_table(results, by_k)
+        print_capacity(report["capacity"])
     print(json.dumps(report))
 
 

@@ -6,7 +6,8 @@ between players. It enforces the env's turn order (``agent_selection``), and in 
 1. every game whose seat to move is a :class:`ScriptedPlayer` gets its move from that player's agent;
 2. every seat to move that a :class:`ModelPlayer` holds is rendered with the model's chat template, and all
    of them are sampled together: one ``sample`` call per policy per round (per distinct token budget), not
-   one per game; seats of several players that share a sampler share the call;
+   one per game; seats of several players that share a sampler share the call, and the policies that are adapters
+   of one shared base (samplers with the same ``joint``) are sampled in one decode loop (:func:`sample_calls`);
 3. every game steps its env with its move (concurrently, on the rollout's bounded thread pool).
 
 Each model seat keeps its own token-faithful :class:`~tinkergym.rollouts.Trajectory`, exactly as the
@@ -231,13 +232,15 @@ def _prepare(live: _Live, renderer: ChatRenderer, config: RolloutConfig) -> tupl
 
 
 def _sample_moves(waiting: list[tuple[_Live, _Seat]], renderer: ChatRenderer, config: RolloutConfig, round_index: int) -> dict[int, str]:
-    """Sample every waiting model seat: one call per sampler (and temperature, and token budget)."""
+    """Sample every waiting model seat: one request per sampler (and temperature, and token budget), the requests of
+    samplers that share a joint sampler (:func:`sample_calls`) in one call."""
     moves: dict[int, str] = {}
     by_policy: dict[tuple[int, float], list[tuple[_Live, _Seat]]] = {}
     for live, seat in waiting:
         player, _ = _model_seat(seat)
         temperature = config.temperature if player.temperature is None else player.temperature
         by_policy.setdefault((id(player.sampler), temperature), []).append((live, seat))
+    calls: list[tuple[Sampler, SampleRequest, list[Episode], dict[int, tuple[_Live, _Seat]]]] = []
     for policy_index, ((_, temperature), members) in enumerate(by_policy.items()):
         sampler = _model_seat(members[0][1])[0].sampler
         by_episode = {id(seat.episode): (live, seat) for live, seat in members}
@@ -247,20 +250,48 @@ def _sample_moves(waiting: list[tuple[_Live, _Seat]], renderer: ChatRenderer, co
                 stop_token_ids=list(renderer.stop_token_ids),
                 seed=None if config.seed is None else config.seed * 1_000_003 + round_index * 1009 + budget + policy_index * 7_919_009,
             )
-            response = sampler.sample(SampleRequest(prompts=[e.trajectory.tokens for e in episodes], params=params))
-            for episode, (sequence, *_) in zip(episodes, response.sequences, strict=True):
-                live, seat = by_episode[id(episode)]
-                try:
-                    moves[id(live)] = take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)
-                except Exception as exc:  # noqa: BLE001 - a template failure ends this game only
-                    _end(live, "error", f"{type(exc).__name__}: {exc}")
-                    continue
-                seat.stopped = sequence.finish_reason == "stop"
+            calls.append((sampler, SampleRequest(prompts=[e.trajectory.tokens for e in episodes], params=params), episodes, by_episode))
+    responses = sample_calls([(sampler, request) for sampler, request, _, _ in calls])
+    for (_, _, episodes, by_episode), response in zip(calls, responses):
+        for episode, (sequence, *_) in zip(episodes, response.sequences, strict=True):
+            live, seat = by_episode[id(episode)]
+            try:
+                moves[id(live)] = take_sample(episode, list(sequence.tokens), list(sequence.logprobs), renderer)
+            except Exception as exc:  # noqa: BLE001 - a template failure ends this game only
+                _end(live, "error", f"{type(exc).__name__}: {exc}")
+                continue
+            seat.stopped = sequence.finish_reason == "stop"
+    for members in by_policy.values():
         for live, seat in members:  # a budget that left nothing to sample ends the game
             _, episode = _model_seat(seat)
             if episode.state is EpisodeState.TERMINATED and not live.done:
                 _end(live, episode.trajectory.finish_reason)
     return moves
+
+
+def sample_calls(calls: list[tuple[Sampler, SampleRequest]]) -> list[Any]:
+    """Each ``(sampler, request)``'s response, in order. Samplers with the same ``joint`` attribute (the sessions of one
+    shared base: :attr:`tinkergym.backends.torch.lora_session.LoraSession.joint`) are sampled in one
+    ``joint.sample_many`` call, one decode loop with an adapter per row; a request's samples are the same either way
+    (each draws from its own seed's streams). The others call their own ``sample``. A sampler's exception is raised."""
+    responses: list[Any] = [None] * len(calls)
+    together: dict[int, tuple[Any, list[int]]] = {}
+    for i, (sampler, _) in enumerate(calls):
+        joint = getattr(sampler, "joint", None)
+        if joint is None:
+            continue
+        together.setdefault(id(joint), (joint, []))[1].append(i)
+    for joint, indexes in together.values():
+        if len(indexes) < 2:
+            continue
+        for i, outcome in zip(indexes, joint.sample_many([calls[i] for i in indexes])):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            responses[i] = outcome
+    for i, (sampler, request) in enumerate(calls):
+        if responses[i] is None:
+            responses[i] = sampler.sample(request)
+    return responses
 
 
 def _apply(live: _Live, seat: _Seat) -> None:

@@ -3,6 +3,8 @@ sample the same tokens, train alike, and each loads the other's saved state and 
 
 from __future__ import annotations
 
+import json
+
 import random
 from pathlib import Path
 
@@ -117,3 +119,10 @@ def test_a_state_of_another_adapter_or_a_full_fine_tuning_is_refused_with_the_se
     full.save_state(str(tmp_path / "full"))
     with pytest.raises(ConfigError, match="rank 0"):
         seat(base).load_state(str(tmp_path / "full"))
+    # a sharded job's state (its shards, read together by whole servers) is refused by a seat with where to load it
+    from tinkergym.backends.torch.sharded_states import SHARDED_FORMAT
+
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / "state.json").write_text(json.dumps({"format": SHARDED_FORMAT, "step": 3, "ranks": 2}))
+    with pytest.raises(ConfigError, match="sharded state .* load it on a whole server"):
+        seat(base).load_state(str(tmp_path / "sharded"))

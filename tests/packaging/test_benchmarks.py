@@ -212,8 +212,8 @@ def test_remote_step_quick() -> None:
 
 
 @pytest.mark.slow
-def test_shared_lora_quick() -> None:
-    report, _ = run_benchmark("shared_lora.py", "--quick", "--json")
+def test_shared_lora_quick(tmp_path: Path) -> None:
+    report, _ = run_benchmark("shared_lora.py", "--quick", "--json", "--memory-budget-gib", "24")
     check_machine(report["machine"])
     results = {(r["layout"], r["k"]): r for r in report["results"]}
     assert set(results) == {(layout, k) for layout in ("shared", "separate", "time_sliced") for k in (1, 2)}
@@ -221,6 +221,21 @@ def test_shared_lora_quick() -> None:
         assert r["median"]["tokens_per_s"] > 0 and r["peak_rss_bytes"] >= r["loaded_rss_bytes"] > 0
         assert len(r["median"]["job_s"]) == k and all(s > 0 for s in r["median"]["job_s"])
     assert set(report["ratios"]) == {"1", "2"} and all(v > 0 for row in report["ratios"].values() for v in row.values())
+    # jobs held at once: shared by the line through its two peaks, separate as processes at the K=1 peak each
+    held, budget = report["capacity"], 24 * 2**30
+    shared = [results[("shared", k)]["peak_rss_bytes"] for k in (1, 2)]
+    assert held["separate"]["most_by_memory"] == budget // results[("separate", 1)]["peak_rss_bytes"]
+    if shared[1] > shared[0]:
+        assert held["shared"]["most_by_memory"] == int((budget - (2 * shared[0] - shared[1])) // (shared[1] - shared[0]))
+    alone = results[("separate", 1)]["median"]["step_s"]
+    for layout in ("shared", "separate"):
+        within = [k for k in (1, 2) if results[(layout, k)]["median"]["step_s"] <= 1.5 * alone]
+        assert held[layout]["most_by_time_measured"] == max(within, default=0)
+    # a saved result is read back with the same figures
+    saved = tmp_path / "shared_lora.json"
+    saved.write_text(json.dumps(report) + "\n")
+    again, printed = run_benchmark("shared_lora.py", "--report", str(saved), "--memory-budget-gib", "24")
+    assert again["capacity"] == held and "jobs held at once in 24.0 GiB" in printed
 
 
 @pytest.mark.slow

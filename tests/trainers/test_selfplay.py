@@ -204,6 +204,26 @@ def test_a_policy_per_seat_trains_saves_and_resumes_each_seat(tmp_path) -> None:
         assert again[key] == last[key], f"{key} differs after a resume"
 
 
+@pytest.mark.slow
+def test_a_policy_per_seat_on_one_shared_base_trains_as_a_backend_each(tmp_path) -> None:
+    """``--backend shared``: every seat's policy is an adapter of one base in this process (one copy of the model; both
+    seats of a game in one decode loop, their updates in one mixed pass), and the run is the one whole backends train,
+    metric for metric (float32; the adapters start from the same draws and every sample from its own seed's streams)."""
+    separate = dict(opponents="baseline,random", trainer_args={"seat_policies": "separate"}, steps=2, dtype="float32", lora_rank=4, kl_coef=0.05)
+    whole = TrainingRun(config(tmp_path / "whole", **separate))
+    whole.run(progress=False)
+    shared = TrainingRun(config(tmp_path / "shared", backend="shared", **separate))
+    seat = shared.trainer.seat_backends["player_1"]
+    assert seat.joint is shared.backend.joint and seat is not shared.backend, "two adapters of one base"
+    shared.run(progress=False)
+    for step, (a, b) in enumerate(zip(metrics_of(tmp_path / "whole"), metrics_of(tmp_path / "shared"), strict=True)):
+        for key in ("loss", "grad_norm", "player_1/loss", "player_1/grad_norm", "reward/mean", "player_1/reward/mean", "selfplay/games"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (step, key)
+    assert (tmp_path / "shared" / "final" / "seats" / "player_1" / "adapter_config.json").is_file()
+    with pytest.raises(ConfigError, match="lora-rank above 0"):
+        TrainingRun(config(tmp_path / "full", backend="shared", **{**separate, "lora_rank": 0}))
+
+
 def test_selfplay_evaluation_plays_on_the_eval_env(tmp_path) -> None:
     # eval_env_kwargs apply over env_kwargs in self-play's games against the fixed members, as in single-agent evaluation.
     out = tmp_path / "eval-env"

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from typing import Any
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from tinkergym.plumbing import timeline
 from tinkergym.protocol.types import ForwardBackwardRequest, LossSpec, OptimParams
@@ -138,18 +138,45 @@ class GRPOTrainer:
 
     def update(self, backend: Any, trajectories: list[Trajectory], advantages: Callable[[list[float], list[bool]], list[float]] | None = None) -> dict[str, float]:
         """One gradient step of ``backend`` on ``trajectories`` (see :meth:`request`); the rollout and update metrics."""
+        return self.update_many([(backend, trajectories, advantages)])[0]
+
+    def update_many(self, jobs: Sequence[tuple[Any, list[Trajectory], Callable[[list[float], list[bool]], list[float]] | None]]) -> list[dict[str, float]]:
+        """:meth:`update` of each ``(backend, trajectories, advantages)``, in order. The ``forward_backward`` calls of
+        backends with the same ``joint`` (adapters of one shared base: ``LoraSession.joint``) run as one mixed-adapter
+        pass (``joint.forward_backward_many``: each adapter's gradient from its own rows alone); then each steps."""
         c = self.ctx.config
-        request = self.request(trajectories, advantages)
-        metrics = rollout_metrics(trajectories)
-        metrics["batch/trained_sequences"] = float(len(request.data))
-        if request.data:
-            with timeline.span("forward_backward", "backend", sequences=len(request.data)):
-                result = backend.forward_backward(request)
-            metrics.update(result.metrics)
-            params = OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
+        requests = [self.request(trajectories, advantages) for _, trajectories, advantages in jobs]
+        out = []
+        for (_, trajectories, _), request in zip(jobs, requests):
+            metrics = rollout_metrics(trajectories)
+            metrics["batch/trained_sequences"] = float(len(request.data))
+            out.append(metrics)
+        training = [i for i, request in enumerate(requests) if request.data]
+        results: dict[int, Any] = {}
+        together: dict[int, tuple[Any, list[int]]] = {}
+        for i in training:
+            joint = getattr(jobs[i][0], "joint", None)
+            if joint is not None:
+                together.setdefault(id(joint), (joint, []))[1].append(i)
+        for joint, indexes in together.values():
+            if len(indexes) < 2:
+                continue
+            with timeline.span("forward_backward", "backend", sequences=sum(len(requests[i].data) for i in indexes), adapters=len(indexes)):
+                outcomes = joint.forward_backward_many([(jobs[i][0], requests[i]) for i in indexes])
+            for i, outcome in zip(indexes, outcomes):
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results[i] = outcome
+        params = OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
+        for i in training:
+            backend = jobs[i][0]
+            if i not in results:
+                with timeline.span("forward_backward", "backend", sequences=len(requests[i].data)):
+                    results[i] = backend.forward_backward(requests[i])
+            out[i].update(results[i].metrics)
             with timeline.span("optim_step", "backend"):
-                metrics.update(backend.optim_step(params))
-        return metrics
+                out[i].update(backend.optim_step(params))
+        return out
 
     def state_dict(self) -> dict:
         """``{}``: nothing carries over between steps (prompts and sampling follow from the config, the seed and the step)."""

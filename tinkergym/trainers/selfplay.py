@@ -221,12 +221,15 @@ class SelfPlayTrainer(GRPOTrainer):
     def update_learners(self, results: list[GameResult], skip: AbstractSet[str] = frozenset()) -> dict[str, float]:
         """One update of each learner (but those in ``skip``) on its seats of ``results``; their metrics, other seats' prefixed."""
         metrics: dict[str, float] = {}
+        jobs, prefixes = [], []
         for name, backend in self.learners().items():
             trajectories, seats = learner_seats(results, {name})
             if name in skip:
                 trajectories, seats = [], []
-            prefix = "" if name == LEARNER else f"{name.split('@', 1)[1]}/"
-            metrics.update({prefix + k: v for k, v in self.update(backend, trajectories, _seat_advantages(seats, self.scale_by_std)).items()})
+            prefixes.append("" if name == LEARNER else f"{name.split('@', 1)[1]}/")
+            jobs.append((backend, trajectories, _seat_advantages(seats, self.scale_by_std)))
+        for prefix, updated in zip(prefixes, self.update_many(jobs)):  # adapters of one shared base: one mixed pass
+            metrics.update({prefix + k: v for k, v in updated.items()})
         return metrics
 
     def update_ahead(self, step: int) -> tuple[list[GameResult], list[str], dict[str, float]]:

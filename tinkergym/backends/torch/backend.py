@@ -683,7 +683,7 @@ class TorchBackend:
             raise ConfigError(f"{path} holds a LoRA adapter's state; a full fine-tuning backend cannot load it")
         lora_states.check_adapter(path, meta, self.config.lora_rank, self.config.lora_alpha)
         saved = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.device))
-        weights = {lora_states.backend_name(name): tensor for name, tensor in saved.items()}
+        weights = lora_states.named_for(saved, session=False)
         if sorted(weights) != sorted(n for n, _ in self._trainable) or any(weights[n].shape != p.shape for n, p in self._trainable):
             raise ConfigError(f"{path} holds the adapter of other layers than this backend's ({self.config.lora_target_modules}); "
                               "load it where the job's adapter targets the saved layers")

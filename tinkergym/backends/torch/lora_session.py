@@ -22,6 +22,7 @@ import torch
 from tinkergym.backends.torch import lora_states, multi_lora
 from tinkergym.backends.torch.batches import adamw_step, check_weights_finite
 from tinkergym.backends.torch.prefix_cache import PrefixCache
+from tinkergym.backends.torch.sharded_states import is_sharded_state
 from tinkergym.backends.torch.lora_states import BACKEND_STATE_FORMAT, SESSION_KIND, SESSION_STATE_FORMAT
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, write_optimizer_state
 from tinkergym.backends.torch.vision import VisionInputs
@@ -103,6 +104,12 @@ class LoraSession:
     def model(self) -> torch.nn.Module:
         """The shared base's model (a server reads its vocabulary size to refuse token ids past it before any pass)."""
         return self.base.model
+
+    @property
+    def joint(self) -> SessionBase:
+        """The base whose ``sample_many`` and ``forward_backward_many`` run this session's calls with its other sessions' in
+        one pass (:func:`tinkergym.games.sample_calls`: both seats of a game between two adapters in one decode loop)."""
+        return self.base
 
     def _check_open(self) -> None:
         if self.closed:
@@ -189,6 +196,9 @@ class LoraSession:
 
         self._check_open()
         meta = lora_states.read_meta(path)
+        if is_sharded_state(path):
+            raise ConfigError(f"{path} is a sharded state (saved by a job on several devices); a seat holds a job of one device: "
+                              "load it on a whole server (serve backend, or a sharded one), which reads its shards together")
         saved = load_file(os.path.join(path, "trainable.safetensors"), device=str(self.base.device))
         generator_state: torch.Tensor | None
         if lora_states.is_session_state(meta):
@@ -198,7 +208,7 @@ class LoraSession:
         else:  # a whole backend's state: the job trained on a server of its own and goes on here
             check_state_format(path, meta.get("format"), BACKEND_STATE_FORMAT)
             lora_states.check_adapter(path, meta, self.config.lora_rank, self.config.lora_alpha)
-            weights = {lora_states.session_name(name): tensor for name, tensor in saved.items()}
+            weights = lora_states.named_for(saved, session=True)
             generator_state = lora_states.sampler_state(load_file(os.path.join(path, "rng.safetensors")), self.base.device)
         self._check_weights(weights, path)
         optimizer_state = read_optimizer_state(path)

@@ -65,6 +65,12 @@ def backend_name(session_name: str) -> str:
     return session_name.replace(".lora_A.", f".lora_A.{ADAPTER_NAME}.").replace(".lora_B.", f".lora_B.{ADAPTER_NAME}.")
 
 
+def named_for(weights: Mapping[str, torch.Tensor], session: bool) -> dict[str, torch.Tensor]:
+    """``weights`` of either kind named as a session (``session``) or a whole backend names them."""
+    rename = session_name if session else backend_name
+    return {rename(name): tensor for name, tensor in weights.items()}
+
+
 def check_adapter(path: str, meta: Mapping[str, Any], rank: int, alpha: float) -> None:
     """Refuse a state whose adapter has another rank or alpha than the one loading it, saying which to use."""
     config = meta.get("config") or {}

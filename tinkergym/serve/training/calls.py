@@ -493,7 +493,7 @@ class CallStore:
             return self._by_id.get(request_id)
 
 
-T = TypeVar("T")
+_T = TypeVar("_T")
 
 
 def snapshots_for(backend: Any) -> Snapshots:
@@ -503,7 +503,7 @@ def snapshots_for(backend: Any) -> Snapshots:
 
 
 @dataclass
-class WorkerTask:
+class _WorkerTask:
     """A function a worker's thread runs between calls (:meth:`CallWorker.run`), and the future it answers through."""
 
     function: Callable[[], Any]
@@ -539,7 +539,7 @@ class CallWorker:
         #: ``observer(method, call, result, ok, seconds)`` after each call (the server's metrics), or None.
         self.observer: Callable[[str, Any, Any, bool, float], None] | None = None
         self.tokens = TokenTally()  # what the server's calls trained and sampled (GET /v1/usage)
-        self._queue: queue.Queue[CallRecord | WorkerTask | None] = queue.Queue()
+        self._queue: queue.Queue[CallRecord | _WorkerTask | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
@@ -551,15 +551,15 @@ class CallWorker:
         worker.snapshots = snapshots_for(worker.backend)
         return worker
 
-    def run(self, function: Callable[[], T]) -> T:
+    def run(self, function: Callable[[], _T]) -> _T:
         """Run ``function`` on the worker's thread after the calls submitted before it; return what it returns."""
         if threading.current_thread() is self._thread:
             return function()
-        task = WorkerTask(function, concurrent.futures.Future())
+        task = _WorkerTask(function, concurrent.futures.Future())
         with self._start_lock:
             self._start()
         self._queue.put(task)
-        result: T = task.future.result()
+        result: _T = task.future.result()
         return result
 
     def submit(self, record: CallRecord) -> None:
@@ -585,7 +585,7 @@ class CallWorker:
 
     def _loop(self) -> None:
         while (record := self._queue.get()) is not None:
-            if isinstance(record, WorkerTask):
+            if isinstance(record, _WorkerTask):
                 record.run()
                 continue
             start = time.perf_counter()

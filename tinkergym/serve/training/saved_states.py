@@ -62,5 +62,4 @@ def copy_weights(source: Path, dest: Path) -> None:
         return
     from safetensors.torch import load_file, save_file
 
-    rename = lora_states.session_name if as_session else lora_states.backend_name
-    save_file({rename(name): tensor for name, tensor in load_file(theirs).items()}, mine)
+    save_file(lora_states.named_for(load_file(theirs), as_session), mine)
