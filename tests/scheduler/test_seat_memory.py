@@ -91,7 +91,7 @@ def test_seats_take_jobs_by_the_memory_their_server_measures(make_client: Any, k
     # The server measures: the first job kept twice its price (factor 2), and a pass peaked within half a price of the end.
     beat(worker, first, device_bytes=base + 2 * kept, device_peak_bytes=usable - kept // 2, host_bytes=base + 2 * kept,
          host_peak_bytes=usable - kept // 2, base_bytes=base, sessions=1)
-    assert kit.query(db_url, "SELECT factor, samples FROM memory_factors WHERE model = 'smol'") == [(2.0, 1)]
+    assert kit.query(db_url, "SELECT factor, samples FROM memory_factors WHERE model = 'smol' AND worker_id = :w", w=worker.id) == [(2.0, 1)]
     why = reason(client, user, second)
     assert why["code"] == "memory_held" and "x 2.00" in why["message"] and f"{usable / GiB:.2f} GiB" in why["message"], why
     assert worker.lease() is None, "a free seat, but not the memory: no lease"
@@ -113,16 +113,27 @@ def test_seats_take_jobs_by_the_memory_their_server_measures(make_client: Any, k
     other = register(client, keys.worker(8, kind="slot"), shape, name="w2", memory_gb=16.0, whole=1, shared=False)
     taken = other.lease()
     assert taken is not None and taken["job_id"] == third and taken["seat"] is None
+    assert kit.query(db_url, "SELECT count(*) FROM memory_factors WHERE worker_id = :w", w=other.id) == [(0,)], \
+        "a worker's measures teach its own factor alone"
 
     # Both jobs measured together: the factor learns from the pair (their growth over their prices: 1), the memory frees.
-    assert kit.query(db_url, "SELECT factor, samples FROM memory_factors WHERE model = 'smol'") == [(2.0, 2)]
+    assert kit.query(db_url, "SELECT factor, samples FROM memory_factors WHERE model = 'smol' AND worker_id = :w", w=worker.id) == [(2.0, 2)]
     beat(worker, granted, device_bytes=base + 2 * kept, device_peak_bytes=base + 2 * kept + activations, base_bytes=base, sessions=2)
-    [(factor, samples)] = kit.query(db_url, "SELECT factor, samples FROM memory_factors WHERE model = 'smol'")
+    [(factor, samples)] = kit.query(db_url, "SELECT factor, samples FROM memory_factors WHERE model = 'smol' AND worker_id = :w", w=worker.id)
     assert (factor, samples) == (pytest.approx(5 / 3), 3)
     fourth = submit(client, user)
     assert reason(client, user, fourth)["code"] == "ready"
     placed = worker.lease()
     assert placed is not None and placed["job_id"] == fourth and placed["seat"] is not None
+
+    # a worker forgotten (silent, holding nothing) takes its factors with it
+    from tinkergym.scheduler.worker_registry import forget_worker
+
+    for lease in (first, granted, placed):
+        for state, extra in (("starting", {}), ("running", {"server_url": "http://127.0.0.1:9"}), ("succeeded", {})):
+            assert worker.state(lease["job_id"], lease["epoch"], state, **extra).status_code == 200
+    assert forget_worker(client.app.state.store, worker.id, seen_before=float("inf"))
+    assert kit.query(db_url, "SELECT count(*) FROM memory_factors") == [(0,)]
 
 
 def test_a_heartbeats_memory_is_checked_and_optional(make_client: Any, keys: Any, shape: dict[str, Any], db_url: str) -> None:

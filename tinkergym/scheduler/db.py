@@ -125,10 +125,12 @@ devices = Table(
     UniqueConstraint("worker_id", "index", name="uq_devices_worker_index"),
 )
 
-# What a seat job really keeps on its shared server, per model: the factor its priced bytes are multiplied by
-# (tinkergym.scheduler.memory.learned_factor), learned from the servers' measures at heartbeats.
+# What a seat job really keeps on a worker's shared servers, per model: the factor its priced bytes are multiplied by
+# (tinkergym.scheduler.memory.learned_factor), learned from that worker's measures at heartbeats (a worker's measures
+# move its own placement alone). Deleted with the worker.
 memory_factors = Table(
     "memory_factors", metadata,
+    Column("worker_id", String(64), ForeignKey("workers.id"), primary_key=True),
     Column("model", String(200), primary_key=True),
     Column("factor", Float, nullable=False),
     Column("samples", Integer, nullable=False),

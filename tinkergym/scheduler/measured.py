@@ -1,9 +1,10 @@
 """What servers measured, kept where placement reads it: a heartbeat's ``memory`` on the job's device rows, and the
-learned factor of what seat jobs really keep (:mod:`tinkergym.scheduler.memory` prices them).
+learned factor of what seat jobs really keep on each worker (:mod:`tinkergym.scheduler.memory` prices them).
 
 A whole device's server measures its own device; a seat's heartbeat carries its shared server's figures, stored on
 every seat row of that device (each seat reads its device's). A shared server's heartbeat that says how many adapters
-it holds, when that is the number of seat jobs the scheduler has there, also teaches the factor of the model: the
+it holds, when that is the number of seat jobs the scheduler has there, also teaches that worker's factor of the model
+(a worker's measures move no other worker's placement): the
 server's growth since its base alone over what those jobs were priced to keep (:func:`~tinkergym.scheduler.memory.learned_factor`).
 """
 
@@ -30,9 +31,10 @@ def device_memory(row: Any) -> memory.SharedMemory:
     return memory.SharedMemory(total=total, used=row.used_bytes, peak=row.peak_bytes, base=row.base_bytes)
 
 
-def factors(conn: Connection) -> dict[str, float]:
-    """The learned factor of each model that has one (1.0 for the others: :func:`factor_of`)."""
-    return {model: factor for model, factor in conn.execute(select(memory_factors.c.model, memory_factors.c.factor))}
+def factors(conn: Connection, worker_id: str) -> dict[str, float]:
+    """The learned factor of each model of ``worker_id`` that has one (1.0 for the others: :func:`factor_of`)."""
+    rows = conn.execute(select(memory_factors.c.model, memory_factors.c.factor).where(memory_factors.c.worker_id == worker_id))
+    return {model: factor for model, factor in rows}
 
 
 def factor_of(found: dict[str, float], model: Any) -> float:
@@ -74,7 +76,8 @@ def _learn(conn: Connection, worker_id: str, device: int, measured: dict[str, An
     parts = [memory.seat_parts(config, shapes.get(model), kind) for config in sitting]
     if not isinstance(model, str) or any(p is None for p in parts):
         return
-    row = conn.execute(select(memory_factors).where(memory_factors.c.model == model)).mappings().first()
+    mine = (memory_factors.c.worker_id == worker_id, memory_factors.c.model == model)
+    row = conn.execute(select(memory_factors).where(*mine)).mappings().first()
     factor, samples = (row["factor"], row["samples"]) if row is not None else (1.0, 0)
     learned = memory.learned_factor(factor, samples, used - base, sum(p[0] for p in parts if p is not None))
     if learned is None:
@@ -82,11 +85,11 @@ def _learn(conn: Connection, worker_id: str, device: int, measured: dict[str, An
     if row is None:
         try:
             with conn.begin_nested():  # two first measures at once: one inserts, the other's is dropped (never the heartbeat)
-                conn.execute(insert(memory_factors).values(model=model, factor=learned[0], samples=learned[1], updated_at=now))
+                conn.execute(insert(memory_factors).values(worker_id=worker_id, model=model, factor=learned[0], samples=learned[1], updated_at=now))
         except IntegrityError:
             pass
     else:
-        conn.execute(update(memory_factors).where(memory_factors.c.model == model).values(factor=learned[0], samples=learned[1], updated_at=now))
+        conn.execute(update(memory_factors).where(*mine).values(factor=learned[0], samples=learned[1], updated_at=now))
 
 
 def _model(config: Any) -> Any:
@@ -126,7 +129,7 @@ class SeatRoom:
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self._factors: dict[str, float] | None = None
+        self._factors: dict[str, dict[str, float]] = {}
         self._shapes: dict[str, dict[str, Any]] = {}
         self._devices: dict[tuple[str, int], memory.SharedMemory] = {}
 
@@ -135,14 +138,15 @@ class SeatRoom:
         None when it does or cannot be told (:func:`tinkergym.scheduler.memory.seat_refusal`)."""
         if row.used_bytes is None:
             return None  # not measured yet: the seat count alone places it
-        if self._factors is None:
-            self._factors = factors(self.conn)
+        if worker_id not in self._factors:
+            self._factors[worker_id] = factors(self.conn, worker_id)
+        found = self._factors[worker_id]
         if worker_id not in self._shapes:
             text = self.conn.execute(select(workers.c.model_shapes).where(workers.c.id == worker_id)).scalar_one_or_none()
             self._shapes[worker_id] = memory.parse_shapes(text) or {}
         key = (worker_id, row.seat_of)
         if key not in self._devices:
-            self._devices[key] = seat_memory(self.conn, worker_id, row, self._shapes[worker_id], self._factors)
+            self._devices[key] = seat_memory(self.conn, worker_id, row, self._shapes[worker_id], found)
         model = _model(job["config"])
-        return memory.seat_refusal(job["config"], self._shapes[worker_id].get(model), self._devices[key], factor_of(self._factors, model),
+        return memory.seat_refusal(job["config"], self._shapes[worker_id].get(model), self._devices[key], factor_of(found, model),
                                    row.kind, where=f" on device {row.seat_of} of worker {worker_id}")

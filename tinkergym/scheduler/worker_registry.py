@@ -13,7 +13,7 @@ from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler import states
 from tinkergym.scheduler.bounds import WorkerBounds
-from tinkergym.scheduler.db import allocations, api_keys, devices, jobs, workers
+from tinkergym.scheduler.db import allocations, api_keys, devices, jobs, memory_factors, workers
 from tinkergym.scheduler.repository import JobStore
 from tinkergym.scheduler.seats import parse_shared, seat_index, shared_json
 
@@ -219,6 +219,7 @@ def forget_worker(store: JobStore, worker_id: str, seen_before: float) -> bool:
             return False
         conn.execute(update(jobs).where(jobs.c.worker_id == worker_id).values(worker_id=None))
         conn.execute(delete(devices).where(devices.c.worker_id == worker_id))
+        conn.execute(delete(memory_factors).where(memory_factors.c.worker_id == worker_id))
         conn.execute(delete(workers).where(workers.c.id == worker_id))
     return True
 

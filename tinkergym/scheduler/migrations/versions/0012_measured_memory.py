@@ -1,5 +1,5 @@
 """Placement by measured memory: what each device's server measured at its last heartbeat (``devices.used_bytes`` and
-the rest) and what a seat job really keeps per model (``memory_factors``), read by :mod:`tinkergym.scheduler.memory`.
+the rest) and what a seat job really keeps per worker and model (``memory_factors``), read by :mod:`tinkergym.scheduler.memory`.
 
 Revision ID: 0012
 Revises: 0011
@@ -26,6 +26,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column("measured_at", sa.Float, nullable=True))
     op.create_table(
         "memory_factors",
+        sa.Column("worker_id", sa.String(64), sa.ForeignKey("workers.id"), primary_key=True),
         sa.Column("model", sa.String(200), primary_key=True),
         sa.Column("factor", sa.Float, nullable=False),
         sa.Column("samples", sa.Integer, nullable=False),
