@@ -204,7 +204,7 @@ class SelfPlayTrainer(GRPOTrainer):
                 outcome = result.outcome(seat[0])
                 if outcome is not None:
                     self.league.record(opponent, outcome)
-        metrics.update(game_metrics(results, opponents, self.league, set(self.learners())))
+        metrics.update(game_metrics(results, opponents, set(self.learners())))
         self._fixed_outcomes = (self._fixed_outcomes + fixed_outcomes(results, opponents, self.league, set(self.learners())))[-FIXED_WINDOW:]
         if len(self._fixed_outcomes) >= FIXED_WINDOW // 4:  # a win rate from a handful of games is noise, not a signal
             metrics["league/winrate_fixed"] = sum(o == 1.0 for o in self._fixed_outcomes) / len(self._fixed_outcomes)
@@ -362,8 +362,9 @@ def learner_seats(results: list[GameResult], names: AbstractSet[str] = frozenset
     return trajectories, seats
 
 
-def game_metrics(results: list[GameResult], opponents: list[str], league: League, learners: AbstractSet[str] = frozenset({LEARNER})) -> dict[str, float]:
-    """Per-step self-play figures: draw and illegal-move rates, move lengths, per-seat returns and win rates."""
+def game_metrics(results: list[GameResult], opponents: list[str], learners: AbstractSet[str] = frozenset({LEARNER})) -> dict[str, float]:
+    """Per-step self-play figures: draw and illegal-move rates, move lengths, per-seat returns and win rates
+    (``opponents``: each game's, ``learner`` for a game of the learners alone)."""
     mine = [s for r in results for s in r.seats.values() if s.player in learners]
     learner_moves = sum(s.moves for s in mine)
     illegal = sum(s.illegal_moves for s in mine)

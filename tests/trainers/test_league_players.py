@@ -1,0 +1,115 @@
+"""The league trainer: N LoRA players of one shared base, paired by their results, updated in one mixed pass.
+
+Matchmaking by the players' results (a property test), a league of one equal to self-play on the same backend, and a
+league of three that trains, checkpoints every player, resumes exactly and exports each."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("openskill")
+pytest.importorskip("tinkergym_gomoku")
+
+from tinkergym.config import TrainConfig  # noqa: E402
+from tinkergym.errors import ConfigError  # noqa: E402
+from tinkergym.trainers.players import PlayerTable  # noqa: E402
+from tinkergym.trainers.session import TrainingRun  # noqa: E402
+
+NAMES = ["p0", "p1", "p2", "p3"]
+
+
+def test_pairing_weights_follow_the_results() -> None:
+    for trial in range(40):  # random leagues: any results, any exponent
+        check_pairing(trial)
+
+
+def check_pairing(trial: int) -> None:
+    rng = random.Random(trial)
+    exponent = rng.choice([0.0, 1.0, 2.0, 3.5])
+    games = [(rng.choice(NAMES), rng.choice(NAMES), rng.choice([0.0, 0.5, 1.0])) for _ in range(rng.randrange(0, 40))]
+    table = PlayerTable(NAMES, exponent)
+    for a, b, outcome in games:
+        table.record(a, b, outcome)
+    for a in NAMES:
+        weights = table.opponent_weights(a)
+        assert set(weights) == set(NAMES) - {a} and sum(weights.values()) == pytest.approx(1.0)
+        for b in weights:  # the results are one game seen from both sides
+            assert table.win_probability(a, b) + table.win_probability(b, a) == pytest.approx(1.0)
+        ordered = sorted(weights, key=lambda b: table.win_probability(a, b))
+        if exponent > 0:  # the players a loses to most are played most
+            assert all(weights[x] >= weights[y] - 1e-12 for x, y in zip(ordered, ordered[1:]))
+        else:
+            assert len(set(round(w, 12) for w in weights.values())) == 1
+    again = PlayerTable(NAMES, exponent)
+    again.load_state_dict(json.loads(json.dumps(table.state_dict())))
+    assert again.metrics() == table.metrics() and again.opponent_weights("p0") == table.opponent_weights("p0")
+    assert [again.sample_opponent("p1", random.Random(3)) for _ in range(5)] == [table.sample_opponent("p1", random.Random(3)) for _ in range(5)]
+
+
+
+
+def test_a_player_that_keeps_losing_to_one_meets_it_most_and_ratings_order_them() -> None:
+    table = PlayerTable(["p0", "p1", "p2"])
+    for _ in range(6):
+        table.record("p0", "p1", 0.0)  # p1 beats p0
+        table.record("p0", "p2", 1.0)  # p0 beats p2
+    weights = table.opponent_weights("p0")
+    assert weights["p1"] > 0.9 and weights["p2"] < 0.05
+    assert [r["player"] for r in table.table()] == ["p1", "p0", "p2"]
+    assert table.metrics()["league/winrate_p0_vs_p1"] == 0.0 and table.metrics()["league/winrate_p0_vs_p2"] == 1.0
+    table.record("p1", "p1", 1.0)  # a player against itself counts nothing
+    assert table.metrics()["league/winrate_p0_vs_p1"] == 0.0
+    with pytest.raises(ConfigError, match="other players"):
+        PlayerTable(["p0", "p1"]).load_state_dict(table.state_dict())
+
+
+def config(out: Path, **changes) -> TrainConfig:
+    settings_ = dict(env="tinker/GomokuDuel-v0", env_kwargs={"size": 5, "win_length": 3}, model="tiny", steps=2, batch_size=2, group_size=4,
+                     max_turns=6, max_new_tokens=6, checkpoint_every=1, transcripts_every=0, out=str(out), seed=3, dtype="float32",
+                     lora_rank=4, kl_coef=0.05, backend="shared")
+    settings_.update(changes)
+    return TrainConfig(**settings_)
+
+
+def metrics_of(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_league_of_one_is_self_play_and_a_league_of_three_trains_saves_resumes_and_exports(tmp_path: Path) -> None:
+    one = tmp_path / "one"
+    TrainingRun(config(one, trainer="league", trainer_args={"players": 1})).run(progress=False)
+    selfplay = tmp_path / "selfplay"
+    TrainingRun(config(selfplay, trainer="selfplay", opponents="")).run(progress=False)
+    for step, (a, b) in enumerate(zip(metrics_of(one), metrics_of(selfplay), strict=True)):
+        for key in ("loss", "grad_norm", "reward/mean", "selfplay/games", "selfplay/moves", "selfplay/reward"):
+            assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (step, key)
+
+    three = dict(trainer="league", trainer_args={"players": 3})
+    straight = tmp_path / "three"
+    run = TrainingRun(config(straight, **three))
+    bases = {id(p.joint) for p in run.trainer.players.values()}
+    assert len(run.trainer.players) == 3 and len(bases) == 1, "three adapters of one base"
+    run.run(progress=False)
+    last = metrics_of(straight)[-1]
+    assert {"loss", "p1/loss", "p2/loss", "rating/p0", "rating/p2"} <= set(last)
+    assert any(k.startswith("league/winrate_") for k in last), "the players met each other"
+    assert (straight / "checkpoints" / "step_000001" / "players" / "p2" / "state.json").is_file()
+    assert (straight / "final" / "players" / "p1" / "adapter_config.json").is_file() and (straight / "final" / "adapter_config.json").is_file()
+
+    resumed = tmp_path / "resumed"
+    TrainingRun(config(resumed, **{**three, "steps": 1})).run(progress=False)
+    TrainingRun.resume(resumed, changes={"steps": 2}).run(progress=False)
+    again = metrics_of(resumed)[-1]
+    for key in ("loss", "p1/loss", "p2/loss", "p2/grad_norm", "rating/p0", "rating/p1", "selfplay/games"):
+        assert again[key] == pytest.approx(last[key], rel=1e-6, abs=1e-7), f"{key} differs after a resume"
+
+    with pytest.raises(ConfigError, match="--backend shared"):
+        TrainingRun(config(tmp_path / "torch", **three, backend=None))
+    with pytest.raises(ConfigError, match="players=0"):
+        TrainingRun(config(tmp_path / "none", trainer="league", trainer_args={"players": 0}))

@@ -1,0 +1,232 @@
+"""A league of trained players: N LoRA adapters of one base model, all learning at once against each other.
+
+``tinkergym train --trainer league --backend shared --env tinker/GomokuDuel-v0 --trainer-arg players=4``: the run's
+backend is player ``p0``; ``p1`` ... ``p{N-1}`` are more adapters of the same shared base (seeds ``seed + i``), so
+the base is held once whatever N. Each step plays ``batch_size * group_size`` games, then updates every player once:
+
+- **Pairing** (prioritized fictitious self-play among the players, :class:`PlayerTable`): game ``i`` is player
+  ``p{i mod N}``'s; its opponent is drawn from the other players with weight ``(1 - p) ** pfsp_exponent``, ``p`` its
+  estimated chance of beating them from their games so far (one win and one loss of prior), so a player meets most
+  often those it loses to; with probability ``self_play_share`` (and always when N = 1) it plays itself. Seats
+  alternate (``p{i mod N}`` moves first in even games), so in every round both players of a pairing have moves and
+  the players' moves are sampled in one decode loop (:func:`tinkergym.games.sample_calls`).
+- **Update**: each player on its own seats of the step's games, per-seat advantages as self-play's, every player's
+  ``forward_backward`` in one mixed-adapter pass (:meth:`~tinkergym.trainers.grpo.GRPOTrainer.update_many`), then each
+  player's own optimizer step (its own AdamW state and sampling streams; one learning rate for all).
+- **Ratings**: every finished game between two players updates their openskill ratings and results; logged as
+  ``rating/<player>`` and ``league/winrate_<a>_vs_<b>``, saved with each checkpoint (``--resume`` goes on exactly).
+
+Players beyond ``p0`` are saved in every checkpoint under ``players/<name>`` and exported to ``final/players/<name>``
+(``p0`` is the run's own export, ``final/``). A league of one is self-play on the shared backend, metric for metric.
+
+``trainer_args``: ``players`` (2), ``pfsp_exponent`` (2), ``self_play_share`` (0), ``scale_by_std`` (true).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from tinkergym.errors import ConfigError
+from tinkergym.games import Game, GameResult, ModelPlayer, play_games
+from tinkergym.plumbing import timeline
+from tinkergym.trainers.base import StepOutput, TrainingContext
+from tinkergym.trainers.grpo import GRPOTrainer, phase_times
+from tinkergym.trainers.league import _outcome_key, _plackett_luce
+from tinkergym.trainers.selfplay import LEARNER, _seat_advantages, _share, game_metrics, learner_seats
+
+#: Most players a league trains at once (each is an adapter with its optimizer state on the one base).
+MAX_PLAYERS = 64
+_STATE_VERSION = 1
+
+
+def player_name(index: int) -> str:
+    return f"p{index}"
+
+
+class PlayerTable:
+    """The players' results against each other, their openskill ratings, and whom each plays next (see the module's notes)."""
+
+    def __init__(self, names: list[str], exponent: float = 2.0) -> None:
+        if len(set(names)) != len(names) or not names:
+            raise ConfigError(f"a league needs distinct player names, got {names!r}")
+        if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not 0 <= exponent < math.inf:
+            raise ConfigError(f"pfsp_exponent must be a number >= 0 (2 plays the players one loses to most, 0 all alike), got {exponent!r}")
+        self.names, self.exponent = list(names), float(exponent)
+        self._model = _plackett_luce()
+        self._ratings = {n: self._model.rating() for n in names}
+        self._results = {a: {b: {"wins": 0, "draws": 0, "losses": 0} for b in names if b != a} for a in names}
+
+    def win_probability(self, a: str, b: str) -> float:
+        """``a``'s estimated chance of beating ``b``: their results with one win and one loss of prior."""
+        r = self._results[a][b]
+        return (r["wins"] + 0.5 * r["draws"] + 1) / (r["wins"] + r["draws"] + r["losses"] + 2)
+
+    def opponent_weights(self, a: str) -> dict[str, float]:
+        """The probability that ``a``'s next game is against each other player (sums to 1; empty for a league of one)."""
+        others = [b for b in self.names if b != a]
+        f = [(1.0 - self.win_probability(a, b)) ** self.exponent for b in others]
+        total = sum(f)
+        return {b: (x / total if total > 0 else 1.0 / len(others)) for b, x in zip(others, f)}
+
+    def sample_opponent(self, a: str, rng: random.Random) -> str:
+        weights = self.opponent_weights(a)
+        if not weights:
+            return a
+        return rng.choices(list(weights), weights=list(weights.values()), k=1)[0]
+
+    def record(self, a: str, b: str, outcome_for_a: float) -> None:
+        """A finished game of ``a`` against ``b`` (1 a win, 0.5 a draw, 0 a loss for ``a``); a player against itself counts nothing."""
+        key = _outcome_key(outcome_for_a)
+        if a == b:
+            return
+        ranks = {1.0: [0, 1], 0.5: [0, 0], 0.0: [1, 0]}[float(outcome_for_a)]
+        (new_a,), (new_b,) = self._model.rate([[self._ratings[a]], [self._ratings[b]]], ranks=ranks)
+        self._ratings[a], self._ratings[b] = new_a, new_b
+        self._results[a][b][key] += 1
+        self._results[b][a][{"wins": "losses", "losses": "wins", "draws": "draws"}[key]] += 1
+
+    def metrics(self) -> dict[str, float]:
+        """``rating/<player>`` (openskill ordinal) and ``league/winrate_<a>_vs_<b>`` of every pair that has played."""
+        out = {f"rating/{n}": float(self._ratings[n].ordinal()) for n in self.names}
+        for a in self.names:
+            for b, r in self._results[a].items():
+                games = r["wins"] + r["draws"] + r["losses"]
+                if games and a < b:
+                    out[f"league/winrate_{a}_vs_{b}"] = r["wins"] / games
+        return out
+
+    def table(self) -> list[dict[str, Any]]:
+        """Every player, best ordinal first: its rating and its results against all the others together."""
+        rows = []
+        for n in self.names:
+            totals = {k: sum(r[k] for r in self._results[n].values()) for k in ("wins", "draws", "losses")}
+            rows.append({"player": n, "ordinal": self._ratings[n].ordinal(), "mu": self._ratings[n].mu, "sigma": self._ratings[n].sigma, **totals})
+        return sorted(rows, key=lambda r: (-r["ordinal"], r["player"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": _STATE_VERSION, "names": self.names, "exponent": self.exponent,
+                "ratings": {n: [r.mu, r.sigma] for n, r in self._ratings.items()}, "results": self._results}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or state.get("names") != self.names:
+            raise ConfigError(f"the checkpoint's league is of other players ({state.get('names') if isinstance(state, dict) else state!r}) "
+                              f"than this run's {self.names}: resume with the same players")
+        self.exponent = float(state["exponent"])
+        self._ratings = {n: self._model.rating(mu=float(mu), sigma=float(sigma)) for n, (mu, sigma) in state["ratings"].items()}
+        self._results = {a: {b: {k: int(v) for k, v in r.items()} for b, r in row.items()} for a, row in state["results"].items()}
+
+
+class LeagueTrainer(GRPOTrainer):
+    """N LoRA players of one shared base trained at once against each other (see the module's notes)."""
+
+    needs_env = True
+    multi_agent = True
+    known_args = frozenset({"players", "pfsp_exponent", "self_play_share", "scale_by_std"})
+    advantage_name = "selfplay"
+
+    def __init__(self, ctx: TrainingContext) -> None:
+        super().__init__(ctx)
+        c, args = ctx.config, ctx.config.trainer_args
+        count = args.get("players", 2)
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_PLAYERS:
+            raise ConfigError(f"trainer arg players={count!r}: give a whole number of players from 1 to {MAX_PLAYERS}")
+        joint = getattr(ctx.backend, "joint", None)
+        if joint is None or not hasattr(joint, "open_session"):
+            raise ConfigError("the league trains its players as adapters of one base model held once: add --backend shared (LoRA, on this machine)")
+        if c.async_steps:
+            raise ConfigError("the league plays every step's games with the players' current adapters: leave out --async-steps")
+        self.self_play_share = _share(args, "self_play_share", 0.0)
+        self.scale_by_std = bool(args.get("scale_by_std", True))
+        from tinkergym.backends.torch.shared import LoraSessionConfig
+
+        self.players: dict[str, Any] = {player_name(0): ctx.backend}
+        for i in range(1, count):
+            self.players[player_name(i)] = joint.open_session(LoraSessionConfig(lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, seed=c.seed + i))
+        self.table = PlayerTable(list(self.players), float(args.get("pfsp_exponent", 2.0)))
+
+    def learners(self) -> dict[str, Any]:
+        """Every player by name, with its backend (a session of the shared base)."""
+        return dict(self.players)
+
+    def settings(self, seed: int | None = None) -> Any:
+        from tinkergym.rollouts import RolloutConfig
+
+        c = self.ctx.config
+        return RolloutConfig(max_turns=c.max_turns, max_new_tokens=c.max_new_tokens, max_context=c.max_context, temperature=c.temperature, seed=seed)
+
+    def schedule(self, step: int, envs: list[Any]) -> tuple[list[Game], list[tuple[str, str]]]:
+        """The step's games in ``envs`` and each one's pairing ``(player, opponent)``: a pure function of the seed, the step and the table."""
+        c = self.ctx.config
+        rng = random.Random(f"league:{c.seed}:{step}")
+        names = list(self.players)
+        games, pairs = [], []
+        for i, (env, seed) in enumerate(zip(envs, self.ctx.prompt_seeds(step, len(envs)))):
+            mine = names[i % len(names)]
+            other = mine if len(names) == 1 or rng.random() < self.self_play_share else self.table.sample_opponent(mine, rng)
+            seats = list(env.possible_agents)
+            first, second = (mine, other) if (i // len(names)) % 2 == 0 else (other, mine)
+            holders = {seats[0]: first, **{seat: second for seat in seats[1:]}}
+            games.append(Game(env, {seat: ModelPlayer(name, self.players[name]) for seat, name in holders.items()}, seed=seed))
+            pairs.append((mine, other))
+        return games, pairs
+
+    def train_step(self, step: int) -> StepOutput:
+        """Every game to its end, then one update of every player (one mixed pass), then the ratings."""
+        c = self.ctx.config
+        pool = self.ctx.env_pool
+        if pool is None:
+            raise ConfigError("the league needs a multi-agent env (--env, e.g. tinker/GomokuDuel-v0)")
+        started = time.perf_counter()
+        with pool.lend(c.batch_size * c.group_size) as envs, timeline.span("rollout", games=len(envs)):
+            games, pairs = self.schedule(step, envs)
+            results = play_games(games, self.ctx.renderer, self.settings(seed=c.seed * 100_003 + step))
+        rolled_out = time.perf_counter()
+        with timeline.span("update"):
+            metrics = self.update_players(results)
+        metrics.update(phase_times(started, rolled_out))
+        for result, (mine, other) in zip(results, pairs):
+            seat = result.seat_of(mine)
+            outcome = result.outcome(seat[0]) if seat and result.error is None else None
+            if outcome is not None:
+                self.table.record(mine, other, outcome)
+        metrics.update(game_metrics(results, [LEARNER if a == b else b for a, b in pairs], set(self.players)))
+        metrics.update(self.table.metrics())
+        every = [t for name in self.players for t in learner_seats(results, {name})[0]]
+        return StepOutput(metrics, every)
+
+    def update_players(self, results: list[GameResult]) -> dict[str, float]:
+        """One update of each player on its own seats of ``results`` (one mixed pass); ``p0``'s metrics plain, the others' prefixed."""
+        jobs, prefixes = [], []
+        for name, backend in self.players.items():
+            trajectories, seats = learner_seats(results, {name})
+            jobs.append((backend, trajectories, _seat_advantages(seats, self.scale_by_std)))
+            prefixes.append("" if name == player_name(0) else f"{name}/")
+        metrics: dict[str, float] = {}
+        for prefix, updated in zip(prefixes, self.update_many(jobs)):
+            metrics.update({prefix + k: v for k, v in updated.items()})
+        return metrics
+
+    # The session saves, restores and exports p0 (the run's backend); these do the same for the other players.
+    def save_backends(self, folder: Path) -> None:
+        for name, backend in list(self.players.items())[1:]:
+            backend.save_state(str(Path(folder) / "players" / name))
+
+    def load_backends(self, folder: Path) -> None:
+        for name, backend in list(self.players.items())[1:]:
+            backend.load_state(str(Path(folder) / "players" / name))
+
+    def export_backends(self, folder: Path) -> None:
+        for name, backend in list(self.players.items())[1:]:
+            backend.export(str(Path(folder) / "players" / name))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The players' table (ratings and results)."""
+        return {"players": self.table.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if "players" in state:
+            self.table.load_state_dict(state["players"])
