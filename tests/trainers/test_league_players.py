@@ -76,6 +76,18 @@ def config(out: Path, **changes) -> TrainConfig:
     return TrainConfig(**settings_)
 
 
+def moved(run: TrainingRun) -> TrainingRun:
+    """``run`` with every player's adapter moved off zero alike (a tiny model's games all end alike, so only the KL term
+    to the base trains, and it needs an adapter that already differs from the base)."""
+    import torch
+
+    for index, backend in enumerate(run.trainer.learners().values()):
+        with torch.no_grad():
+            for name, param in sorted(backend.params.items()):
+                param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(index * 1000 + len(name))) * 0.05)
+    return run
+
+
 def metrics_of(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
@@ -83,16 +95,17 @@ def metrics_of(folder: Path) -> list[dict]:
 @pytest.mark.slow
 def test_a_league_of_one_is_self_play_and_a_league_of_three_trains_saves_resumes_and_exports(tmp_path: Path) -> None:
     one = tmp_path / "one"
-    TrainingRun(config(one, trainer="league", trainer_args={"players": 1})).run(progress=False)
+    moved(TrainingRun(config(one, trainer="league", trainer_args={"players": 1}))).run(progress=False)
     selfplay = tmp_path / "selfplay"
-    TrainingRun(config(selfplay, trainer="selfplay", opponents="")).run(progress=False)
+    moved(TrainingRun(config(selfplay, trainer="selfplay", opponents=""))).run(progress=False)
     for step, (a, b) in enumerate(zip(metrics_of(one), metrics_of(selfplay), strict=True)):
         for key in ("loss", "grad_norm", "reward/mean", "selfplay/games", "selfplay/moves", "selfplay/reward"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (step, key)
+        assert a["grad_norm"] > 0, "the step trained"
 
-    three = dict(trainer="league", trainer_args={"players": 3})
+    three = dict(trainer="league", trainer_args={"players": 3, "learning_rates": [1e-3, 1e-3, 1e-9]})
     straight = tmp_path / "three"
-    run = TrainingRun(config(straight, **three))
+    run = moved(TrainingRun(config(straight, **three)))
     bases = {id(p.joint) for p in run.trainer.players.values()}
     assert len(run.trainer.players) == 3 and len(bases) == 1, "three adapters of one base"
     run.run(progress=False)
@@ -101,15 +114,20 @@ def test_a_league_of_one_is_self_play_and_a_league_of_three_trains_saves_resumes
     assert any(k.startswith("league/winrate_") for k in last), "the players met each other"
     assert (straight / "checkpoints" / "step_000001" / "players" / "p2" / "state.json").is_file()
     assert (straight / "final" / "players" / "p1" / "adapter_config.json").is_file() and (straight / "final" / "adapter_config.json").is_file()
+    rates = [(m["learning_rate"], m.get("p1/learning_rate"), m.get("p2/learning_rate")) for m in metrics_of(straight)]
+    assert all(r == (1e-3, 1e-3, 1e-9) for r in rates), f"each player steps at its own learning rate: {rates}"
 
     resumed = tmp_path / "resumed"
-    TrainingRun(config(resumed, **{**three, "steps": 1})).run(progress=False)
+    moved(TrainingRun(config(resumed, **{**three, "steps": 1}))).run(progress=False)
     TrainingRun.resume(resumed, changes={"steps": 2}).run(progress=False)
     again = metrics_of(resumed)[-1]
     for key in ("loss", "p1/loss", "p2/loss", "p2/grad_norm", "rating/p0", "rating/p1", "selfplay/games"):
         assert again[key] == pytest.approx(last[key], rel=1e-6, abs=1e-7), f"{key} differs after a resume"
+    assert last["p1/grad_norm"] > 0 and last["p2/grad_norm"] > 0
 
     with pytest.raises(ConfigError, match="--backend shared"):
         TrainingRun(config(tmp_path / "torch", **three, backend=None))
+    with pytest.raises(ConfigError, match="one learning rate above 0 per player"):
+        TrainingRun(config(tmp_path / "rates", trainer="league", trainer_args={"players": 2, "learning_rates": [1e-4]}))
     with pytest.raises(ConfigError, match="players=0"):
         TrainingRun(config(tmp_path / "none", trainer="league", trainer_args={"players": 0}))

@@ -140,10 +140,12 @@ class GRPOTrainer:
         """One gradient step of ``backend`` on ``trajectories`` (see :meth:`request`); the rollout and update metrics."""
         return self.update_many([(backend, trajectories, advantages)])[0]
 
-    def update_many(self, jobs: Sequence[tuple[Any, list[Trajectory], Callable[[list[float], list[bool]], list[float]] | None]]) -> list[dict[str, float]]:
-        """:meth:`update` of each ``(backend, trajectories, advantages)``, in order. The ``forward_backward`` calls of
-        backends with the same ``joint`` (adapters of one shared base: ``LoraSession.joint``) run as one mixed-adapter
-        pass (``joint.forward_backward_many``: each adapter's gradient from its own rows alone); then each steps."""
+    def update_many(self, jobs: Sequence[tuple[Any, list[Trajectory], Callable[[list[float], list[bool]], list[float]] | None]],
+                    learning_rates: Sequence[float] | None = None) -> list[dict[str, float]]:
+        """:meth:`update` of each ``(backend, trajectories, advantages)``, in order (each at its ``learning_rates`` entry, or
+        the run's ``lr``). The ``forward_backward`` calls of backends with the same ``joint`` (adapters of one shared base:
+        ``LoraSession.joint``) run as one mixed-adapter pass (``joint.forward_backward_many``: each adapter's gradient from
+        its own rows alone); then each steps."""
         c = self.ctx.config
         requests = [self.request(trajectories, advantages) for _, trajectories, advantages in jobs]
         out = []
@@ -167,9 +169,10 @@ class GRPOTrainer:
                 if isinstance(outcome, BaseException):
                     raise outcome
                 results[i] = outcome
-        params = OptimParams(learning_rate=c.lr, weight_decay=c.weight_decay, max_grad_norm=c.max_grad_norm)
         for i in training:
             backend = jobs[i][0]
+            params = OptimParams(learning_rate=c.lr if learning_rates is None else learning_rates[i], weight_decay=c.weight_decay,
+                                 max_grad_norm=c.max_grad_norm)
             if i not in results:
                 with timeline.span("forward_backward", "backend", sequences=len(requests[i].data)):
                     results[i] = backend.forward_backward(requests[i])

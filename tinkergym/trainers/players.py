@@ -12,14 +12,15 @@ the base is held once whatever N. Each step plays ``batch_size * group_size`` ga
   the players' moves are sampled in one decode loop (:func:`tinkergym.games.sample_calls`).
 - **Update**: each player on its own seats of the step's games, per-seat advantages as self-play's, every player's
   ``forward_backward`` in one mixed-adapter pass (:meth:`~tinkergym.trainers.grpo.GRPOTrainer.update_many`), then each
-  player's own optimizer step (its own AdamW state and sampling streams; one learning rate for all).
+  player's own optimizer step (its own AdamW state, sampling streams and learning rate: ``learning_rates``).
 - **Ratings**: every finished game between two players updates their openskill ratings and results; logged as
   ``rating/<player>`` and ``league/winrate_<a>_vs_<b>``, saved with each checkpoint (``--resume`` goes on exactly).
 
 Players beyond ``p0`` are saved in every checkpoint under ``players/<name>`` and exported to ``final/players/<name>``
 (``p0`` is the run's own export, ``final/``). A league of one is self-play on the shared backend, metric for metric.
 
-``trainer_args``: ``players`` (2), ``pfsp_exponent`` (2), ``self_play_share`` (0), ``scale_by_std`` (true).
+``trainer_args``: ``players`` (2), ``pfsp_exponent`` (2), ``self_play_share`` (0), ``scale_by_std`` (true),
+``learning_rates`` (one per player; default the run's ``lr`` for each).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class LeagueTrainer(GRPOTrainer):
 
     needs_env = True
     multi_agent = True
-    known_args = frozenset({"players", "pfsp_exponent", "self_play_share", "scale_by_std"})
+    known_args = frozenset({"players", "pfsp_exponent", "self_play_share", "scale_by_std", "learning_rates"})
     advantage_name = "selfplay"
 
     def __init__(self, ctx: TrainingContext) -> None:
@@ -147,6 +148,12 @@ class LeagueTrainer(GRPOTrainer):
         for i in range(1, count):
             self.players[player_name(i)] = joint.open_session(LoraSessionConfig(lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, seed=c.seed + i))
         self.table = PlayerTable(list(self.players), float(args.get("pfsp_exponent", 2.0)))
+        rates = args.get("learning_rates", [c.lr] * count)
+        if (not isinstance(rates, list) or len(rates) != count
+                or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < math.inf for r in rates)):
+            raise ConfigError(f"trainer arg learning_rates={rates!r}: give one learning rate above 0 per player ({count}), e.g. "
+                              f"learning_rates=[{', '.join(['1e-4'] * count)}]")
+        self.learning_rates = [float(r) for r in rates]
 
     def learners(self) -> dict[str, Any]:
         """Every player by name, with its backend (a session of the shared base)."""
@@ -206,7 +213,7 @@ class LeagueTrainer(GRPOTrainer):
             jobs.append((backend, trajectories, _seat_advantages(seats, self.scale_by_std)))
             prefixes.append("" if name == player_name(0) else f"{name}/")
         metrics: dict[str, float] = {}
-        for prefix, updated in zip(prefixes, self.update_many(jobs)):
+        for prefix, updated in zip(prefixes, self.update_many(jobs, self.learning_rates)):
             metrics.update({prefix + k: v for k, v in updated.items()})
         return metrics
 
