@@ -239,6 +239,20 @@ def test_shared_lora_quick(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_league_quick() -> None:
+    report, _ = run_benchmark("league.py", "--quick", "--json")
+    check_machine(report["machine"])
+    results = {(r["side"], r["players"]): r for r in report["results"]}
+    assert set(results) == {(side, n) for side in ("league", "separate") for n in (1, 2)}
+    assert all(r["games_per_step"] == 2 * n and r["median_step_s"] > 0 and r["peak_rss_bytes"] > 0 for (_, n), r in results.items())
+    assert len(results[("separate", 2)]["runs"]) == 2, "N separate runs, a process each"
+    assert results[("separate", 2)]["peak_rss_bytes"] == sum(r["peak_rss_bytes"] for r in results[("separate", 2)]["runs"])
+    row = report["ratios"]["2"]
+    assert row["league_memory_over_n1"] == results[("league", 2)]["peak_rss_bytes"] / results[("league", 1)]["peak_rss_bytes"]
+    assert row["memory_league_over_separate"] < 1, "two adapters of one base hold less than two bases"
+
+
+@pytest.mark.slow
 def test_shared_fairness_quick() -> None:
     report, _ = run_benchmark("shared_fairness.py", "--quick", "--json")
     check_machine(report["machine"])
