@@ -125,8 +125,10 @@ def test_a_league_of_one_is_self_play_and_a_league_of_three_trains_saves_resumes
         assert again[key] == pytest.approx(last[key], rel=1e-6, abs=1e-7), f"{key} differs after a resume"
     assert last["p1/grad_norm"] > 0 and last["p2/grad_norm"] > 0
 
-    with pytest.raises(ConfigError, match="--backend shared"):
-        TrainingRun(config(tmp_path / "torch", **three, backend=None))
+    with pytest.raises(ConfigError, match="--backend shared .* not --backend torch"):
+        TrainingRun(config(tmp_path / "torch", **three, backend="torch"))
+    implied = TrainingRun(config(tmp_path / "implied", **three, backend=None))  # the league's own backend when none is named
+    assert implied.config.backend == "shared" and json.loads((tmp_path / "implied" / "config.json").read_text())["backend"] == "shared"
     with pytest.raises(ConfigError, match="one learning rate above 0 per player"):
         TrainingRun(config(tmp_path / "rates", trainer="league", trainer_args={"players": 2, "learning_rates": [1e-4]}))
     with pytest.raises(ConfigError, match="players=0"):

@@ -1,7 +1,7 @@
 """A league of trained players: N LoRA adapters of one base model, all learning at once against each other.
 
-``tinkergym train --trainer league --backend shared --env tinker/GomokuDuel-v0 --trainer-arg players=4``: the run's
-backend is player ``p0``; ``p1`` ... ``p{N-1}`` are more adapters of the same shared base (seeds ``seed + i``), so
+``tinkergym train --trainer league --env tinker/GomokuDuel-v0 --trainer-arg players=4`` (its backend is ``shared``
+unless ``--backend`` says otherwise, and it must be a shared base's session): the run's backend is player ``p0``; ``p1`` ... ``p{N-1}`` are more adapters of the same shared base (seeds ``seed + i``), so
 the base is held once whatever N. Each step plays ``batch_size * group_size`` games, then updates every player once:
 
 - **Pairing** (prioritized fictitious self-play among the players, :class:`PlayerTable`): game ``i`` is player
@@ -126,6 +126,8 @@ class LeagueTrainer(GRPOTrainer):
 
     needs_env = True
     multi_agent = True
+    #: A run of this trainer without ``--backend`` (and on this machine) trains through this one.
+    default_backend = "shared"
     known_args = frozenset({"players", "pfsp_exponent", "self_play_share", "scale_by_std", "learning_rates"})
     advantage_name = "selfplay"
 
@@ -137,7 +139,8 @@ class LeagueTrainer(GRPOTrainer):
             raise ConfigError(f"trainer arg players={count!r}: give a whole number of players from 1 to {MAX_PLAYERS}")
         joint = getattr(ctx.backend, "joint", None)
         if joint is None or not hasattr(joint, "open_session"):
-            raise ConfigError("the league trains its players as adapters of one base model held once: add --backend shared (LoRA, on this machine)")
+            raise ConfigError("the league trains its players as adapters of one base model held once: train with --backend shared "
+                              "(its default; LoRA, on this machine), not --backend " + str(c.backend or "torch"))
         if c.async_steps:
             raise ConfigError("the league plays every step's games with the players' current adapters: leave out --async-steps")
         self.self_play_share = _share(args, "self_play_share", 0.0)

@@ -157,6 +157,9 @@ class TrainingRun:
 
     def _build(self, config: TrainConfig, trainer_class: type, backend: Any, start_step: int) -> None:
         """Backend, renderer and trainer, then config.json and the metrics log in the run folder."""
+        preferred = getattr(trainer_class, "default_backend", None)
+        if backend is None and preferred and not (config.backend or config.backend_url or config.scheduler_url or config.sampler != "torch"):
+            config.backend = preferred  # the trainer's own choice (the league's: shared), saved with the run for --resume
         self.backend = backend if backend is not None else self._build_backend()
         from tinkergym.chat import renderer_for
 
