@@ -103,7 +103,7 @@ def test_a_league_of_one_is_self_play_and_a_league_of_three_trains_saves_resumes
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-7), (step, key)
         assert a["grad_norm"] > 0, "the step trained"
 
-    three = dict(trainer="league", trainer_args={"players": 3, "learning_rates": [1e-3, 1e-3, 1e-9]})
+    three = dict(trainer="league", trainer_args={"players": 3, "learning_rates": [1e-3, 1e-3, 1e-9]}, eval_every=2, eval_episodes=1)
     straight = tmp_path / "three"
     run = moved(TrainingRun(config(straight, **three)))
     bases = {id(p.joint) for p in run.trainer.players.values()}
@@ -112,9 +112,11 @@ def test_a_league_of_one_is_self_play_and_a_league_of_three_trains_saves_resumes
     last = metrics_of(straight)[-1]
     assert {"loss", "p1/loss", "p2/loss", "rating/p0", "rating/p2"} <= set(last)
     assert any(k.startswith("league/winrate_") for k in last), "the players met each other"
+    evaluated = [m for m in metrics_of(straight) if "eval/win_vs_baseline" in m]  # every player against the scripted agents
+    assert evaluated and all(f"{p}eval/{o}_vs_{a}" in evaluated[-1] for p in ("", "p1/", "p2/") for o in ("win", "loss") for a in ("baseline", "random"))
     assert (straight / "checkpoints" / "step_000001" / "players" / "p2" / "state.json").is_file()
     assert (straight / "final" / "players" / "p1" / "adapter_config.json").is_file() and (straight / "final" / "adapter_config.json").is_file()
-    rates = [(m["learning_rate"], m.get("p1/learning_rate"), m.get("p2/learning_rate")) for m in metrics_of(straight)]
+    rates = [(m["learning_rate"], m.get("p1/learning_rate"), m.get("p2/learning_rate")) for m in metrics_of(straight) if "learning_rate" in m]
     assert all(r == (1e-3, 1e-3, 1e-9) for r in rates), f"each player steps at its own learning rate: {rates}"
 
     resumed = tmp_path / "resumed"

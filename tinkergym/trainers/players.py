@@ -29,10 +29,11 @@ import math
 import random
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from tinkergym.errors import ConfigError
-from tinkergym.games import Game, GameResult, ModelPlayer, play_games
+from tinkergym.games import Game, GameResult, ModelPlayer, Player, play_games
 from tinkergym.plumbing import timeline
 from tinkergym.trainers.base import StepOutput, TrainingContext
 from tinkergym.trainers.grpo import GRPOTrainer, phase_times
@@ -162,11 +163,12 @@ class LeagueTrainer(GRPOTrainer):
         """Every player by name, with its backend (a session of the shared base)."""
         return dict(self.players)
 
-    def settings(self, seed: int | None = None) -> Any:
+    def settings(self, seed: int | None = None, temperature: float | None = None) -> Any:
         from tinkergym.rollouts import RolloutConfig
 
         c = self.ctx.config
-        return RolloutConfig(max_turns=c.max_turns, max_new_tokens=c.max_new_tokens, max_context=c.max_context, temperature=c.temperature, seed=seed)
+        return RolloutConfig(max_turns=c.max_turns, max_new_tokens=c.max_new_tokens, max_context=c.max_context,
+                             temperature=c.temperature if temperature is None else temperature, seed=seed)
 
     def schedule(self, step: int, envs: list[Any]) -> tuple[list[Game], list[tuple[str, str]]]:
         """The step's games in ``envs`` and each one's pairing ``(player, opponent)``: a pure function of the seed, the step and the table."""
@@ -219,6 +221,27 @@ class LeagueTrainer(GRPOTrainer):
         for prefix, updated in zip(prefixes, self.update_many(jobs, self.learning_rates)):
             metrics.update({prefix + k: v for k, v in updated.items()})
         return metrics
+
+    def evaluate(self, step: int, seeds: list[int], make_env: Callable[[], Any] | None = None) -> tuple[dict[str, float], list[Any]]:
+        """Greedy games of every player against the env's scripted ``baseline`` and ``random`` agents, every seat in turn:
+        ``eval/<outcome>_vs_<agent>`` (``p0``'s; the others' prefixed ``p<i>/``); the trajectories are ``p0``'s."""
+        from tinkergym.trainers.matches import play_matches, scripted_opponent
+
+        c = self.ctx.config
+        make_env = make_env or self.ctx.make_env
+        if make_env is None:
+            raise ConfigError("the league needs a multi-agent env (--env, e.g. tinker/GomokuDuel-v0)")
+        opponents: dict[str, Player] = {kind: scripted_opponent(c.env, kind) for kind in ("baseline", "random")}
+        settings = self.settings(seed=c.seed, temperature=0.0)
+        metrics: dict[str, float] = {}
+        kept: list[Any] = []
+        for index, (name, backend) in enumerate(self.players.items()):
+            records, trajectories = play_matches(ModelPlayer(name, backend, temperature=0.0), opponents, make_env, seeds, self.ctx.renderer, settings)
+            prefix = "" if index == 0 else f"{name}/"
+            for kind, record in records.items():
+                metrics.update({f"{prefix}eval/{outcome}_vs_{kind}": rate for outcome, rate in record.rates().items()})
+            kept = kept or trajectories
+        return metrics, kept
 
     # The session saves, restores and exports p0 (the run's backend); these do the same for the other players.
     def save_backends(self, folder: Path) -> None:
