@@ -1,8 +1,9 @@
 """A league of trained players: N LoRA adapters of one base model, all learning at once against each other.
 
 ``tinkergym train --trainer league --env tinker/GomokuDuel-v0 --trainer-arg players=4`` (its backend is ``shared``
-unless ``--backend`` says otherwise, and it must be a shared base's session): the run's backend is player ``p0``; ``p1`` ... ``p{N-1}`` are more adapters of the same shared base (seeds ``seed + i``), so
-the base is held once whatever N. Each step plays ``batch_size * group_size`` games, then updates every player once:
+unless ``--backend`` names another, which it refuses): the run's backend is player ``p0``; ``p1`` ... ``p{N-1}`` are
+more adapters of the same shared base (seeds ``seed + i``), so the base is held once whatever N. Each step plays
+``batch_size * group_size`` games (all players' together), then updates every player once:
 
 - **Pairing** (prioritized fictitious self-play among the players, :class:`PlayerTable`): game ``i`` is player
   ``p{i mod N}``'s; its opponent is drawn from the other players with weight ``(1 - p) ** pfsp_exponent``, ``p`` its
