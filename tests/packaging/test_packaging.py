@@ -246,6 +246,6 @@ def test_the_installed_wheel_imports_every_module(tmp_path: Path) -> None:
                if "migrations" not in p.parts and p.name != "__main__.py"}
     assert set(found["modules"]) == in_tree - {"tinkergym"}
     assert all(Path(f).is_relative_to(target) for f in found["files"].values()), "imported from the wheel, not the source tree"
-    assert found["backends"] == ["remote", "scheduled", "tinker", "torch", "vllm"]
+    assert found["backends"] == ["remote", "scheduled", "shared", "tinker", "torch", "vllm"]
     shipped = {p.relative_to(target / "tinkergym").as_posix() for p in (target / "tinkergym").rglob("*") if p.is_file()}
     assert {"registry/known_packages.json", "scheduler/migrations/env.py"} <= shipped
