@@ -81,7 +81,7 @@ class League:
         self.max_snapshots = max_snapshots
         self.exponent = float(exponent)
         self._fixed_share = float(fixed_share)
-        self._model = _plackett_luce()
+        self._model = plackett_luce()
         self._members: dict[str, LeagueMember] = {}
         self._ratings = {LEARNER: self._model.rating()}
         self._results: dict[str, dict[str, int]] = {LEARNER: _no_results()}
@@ -184,7 +184,7 @@ class League:
 
     def record(self, opponent: str, outcome: float) -> None:
         """One finished game of the learner against ``opponent``: 1 a win, 0.5 a draw, 0 a loss for the learner."""
-        key = _outcome_key(outcome)
+        key = outcome_key(outcome)
         self.get(opponent)
         self._rate(LEARNER, opponent, outcome)
         self._results[opponent][key] += 1
@@ -195,7 +195,7 @@ class League:
 
         Either may be ``"learner"``, which counts as :meth:`record` of the learner's game.
         """
-        _outcome_key(outcome_for_a)
+        outcome_key(outcome_for_a)
         if a == b:
             raise ConfigError(f"a game needs two different players, got {a!r} twice.")
         if a == LEARNER:
@@ -289,7 +289,7 @@ class League:
         self._results = {name: results[name] for name in fresh._results}
 
 
-def _plackett_luce() -> Any:
+def plackett_luce() -> Any:
     try:
         from openskill.models import PlackettLuce
     except ImportError as exc:
@@ -302,7 +302,7 @@ def _check_share(share: float) -> None:
         raise ConfigError(f"fixed_share must be a fraction between 0 and 1, got {share!r}.")
 
 
-def _outcome_key(outcome: float) -> str:
+def outcome_key(outcome: float) -> str:
     try:
         return _OUTCOME_KEYS[float(outcome)]
     except (KeyError, TypeError, ValueError):

@@ -38,8 +38,8 @@ from tinkergym.games import Game, GameResult, ModelPlayer, Player, play_games
 from tinkergym.plumbing import timeline
 from tinkergym.trainers.base import StepOutput, TrainingContext
 from tinkergym.trainers.grpo import GRPOTrainer, phase_times
-from tinkergym.trainers.league import _outcome_key, _plackett_luce
-from tinkergym.trainers.selfplay import LEARNER, _seat_advantages, _share, game_metrics, learner_seats
+from tinkergym.trainers.league import outcome_key, plackett_luce
+from tinkergym.trainers.selfplay import LEARNER, seat_advantages, share_arg, game_metrics, learner_seats
 
 #: Most players a league trains at once (each is an adapter with its optimizer state on the one base).
 MAX_PLAYERS = 64
@@ -59,7 +59,7 @@ class PlayerTable:
         if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not 0 <= exponent < math.inf:
             raise ConfigError(f"pfsp_exponent must be a number >= 0 (2 plays the players one loses to most, 0 all alike), got {exponent!r}")
         self.names, self.exponent = list(names), float(exponent)
-        self._model = _plackett_luce()
+        self._model = plackett_luce()
         self._ratings = {n: self._model.rating() for n in names}
         self._results = {a: {b: {"wins": 0, "draws": 0, "losses": 0} for b in names if b != a} for a in names}
 
@@ -83,7 +83,7 @@ class PlayerTable:
 
     def record(self, a: str, b: str, outcome_for_a: float) -> None:
         """A finished game of ``a`` against ``b`` (1 a win, 0.5 a draw, 0 a loss for ``a``); a player against itself counts nothing."""
-        key = _outcome_key(outcome_for_a)
+        key = outcome_key(outcome_for_a)
         if a == b:
             return
         ranks = {1.0: [0, 1], 0.5: [0, 0], 0.0: [1, 0]}[float(outcome_for_a)]
@@ -145,7 +145,7 @@ class LeagueTrainer(GRPOTrainer):
                               "(its default; LoRA, on this machine), not --backend " + str(c.backend or "torch"))
         if c.async_steps:
             raise ConfigError("the league plays every step's games with the players' current adapters: leave out --async-steps")
-        self.self_play_share = _share(args, "self_play_share", 0.0)
+        self.self_play_share = share_arg(args, "self_play_share", 0.0)
         self.scale_by_std = bool(args.get("scale_by_std", True))
         from tinkergym.backends.torch.shared import LoraSessionConfig
 
@@ -216,7 +216,7 @@ class LeagueTrainer(GRPOTrainer):
         jobs, prefixes = [], []
         for name, backend in self.players.items():
             trajectories, seats = learner_seats(results, {name})
-            jobs.append((backend, trajectories, _seat_advantages(seats, self.scale_by_std)))
+            jobs.append((backend, trajectories, seat_advantages(seats, self.scale_by_std)))
             prefixes.append("" if name == player_name(0) else f"{name}/")
         metrics: dict[str, float] = {}
         for prefix, updated in zip(prefixes, self.update_many(jobs, self.learning_rates)):

@@ -78,10 +78,10 @@ class SelfPlayTrainer(GRPOTrainer):
     def __init__(self, ctx: TrainingContext) -> None:
         super().__init__(ctx)
         c, args = ctx.config, ctx.config.trainer_args
-        self.self_play_share = _share(args, "self_play_share", 0.5)
-        self.collapse_fixed_share = _share(args, "collapse_fixed_share", 0.5)
+        self.self_play_share = share_arg(args, "self_play_share", 0.5)
+        self.collapse_fixed_share = share_arg(args, "collapse_fixed_share", 0.5)
         max_snapshots = int(args.get("max_snapshots", 8))
-        self.league = League(max_snapshots=max_snapshots, fixed_share=_share(args, "fixed_share", 0.2), exponent=float(args.get("pfsp_exponent", 2.0)))
+        self.league = League(max_snapshots=max_snapshots, fixed_share=share_arg(args, "fixed_share", 0.2), exponent=float(args.get("pfsp_exponent", 2.0)))
         self.detector = CollapseDetector()
         self.learner = ModelPlayer(LEARNER, ctx.backend)
         self.opponents = parse_opponents(c.opponents)
@@ -227,7 +227,7 @@ class SelfPlayTrainer(GRPOTrainer):
             if name in skip:
                 trajectories, seats = [], []
             prefixes.append("" if name == LEARNER else f"{name.split('@', 1)[1]}/")
-            jobs.append((backend, trajectories, _seat_advantages(seats, self.scale_by_std)))
+            jobs.append((backend, trajectories, seat_advantages(seats, self.scale_by_std)))
         for prefix, updated in zip(prefixes, self.update_many(jobs)):  # adapters of one shared base: one mixed pass
             metrics.update({prefix + k: v for k, v in updated.items()})
         return metrics
@@ -334,14 +334,14 @@ class SelfPlayTrainer(GRPOTrainer):
             self.pipeline.reset()
 
 
-def _share(args: dict[str, Any], key: str, default: float) -> float:
+def share_arg(args: dict[str, Any], key: str, default: float) -> float:
     value = args.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(f"trainer arg {key}={value!r}: give a fraction from 0 to 1.")
     return float(value)
 
 
-def _seat_advantages(seats: list[str], scale_by_std: bool) -> Callable[[list[float], list[bool]], list[float]]:
+def seat_advantages(seats: list[str], scale_by_std: bool) -> Callable[[list[float], list[bool]], list[float]]:
     """Advantages against the rewards of the same seat (:func:`keyed_advantages`), as ``GRPOTrainer.update`` takes them."""
     return lambda rewards, valid: keyed_advantages(rewards, keys_B=seats, scale_by_std=scale_by_std, valid_B=valid)
 
