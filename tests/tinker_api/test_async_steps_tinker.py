@@ -194,7 +194,7 @@ def test_selfplay_plays_ahead_from_snapshots_within_k_versions(cluster: Any, fak
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["tinker", "torch", "scheduled"])  # remote: scheduled's worker runs the same serve backend
+@pytest.mark.parametrize("backend", ["tinker", "scheduled"])  # torch, remote: the async path itself is tests/trainers/test_async_steps*.py's
 def test_the_async_rollouts_benchmark_runs_quick(backend: str) -> None:
     import subprocess
     import sys
