@@ -90,3 +90,17 @@ def emulation_warning(side: str, dtype: str, device: str, seconds: float = 0.5) 
     return emulation_cost(side, dtype, native, rate, float32_rate)
 
 
+
+
+def worker_result(script: str, mark: str, args: list[str], what: str) -> dict[str, Any]:
+    """Run ``script`` with ``args`` in a fresh Python process and return the JSON it printed after ``mark`` (its last
+    such line); a process that printed none raises with ``what`` failed, its exit code and its output's tail."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, os.path.abspath(script), *args], capture_output=True, text=True)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(mark):
+            return json.loads(line[len(mark):])
+    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
+    raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{tail}")

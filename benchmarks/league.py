@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from bench_machine import describe, machine_facts, resolve_precision
+from bench_machine import describe, machine_facts, resolve_precision, worker_result
 
 RESULT_MARK = "LEAGUE_RESULT "
 
@@ -70,13 +68,8 @@ def run_worker(side: str, players: int, settings: dict[str, Any]) -> dict[str, A
 
 
 def spawn(side: str, players: int, settings: dict[str, Any]) -> dict[str, Any]:
-    command = [sys.executable, os.path.abspath(__file__), "--worker", side, "--players", str(players), "--settings", json.dumps(settings)]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-    raise RuntimeError(f"the {side} N={players} worker failed (exit {proc.returncode}):\n{tail}")
+    return worker_result(__file__, RESULT_MARK, ["--worker", side, "--players", str(players), "--settings", json.dumps(settings)],
+                         f"the {side} N={players} worker")
 
 
 def measure(side: str, players: int, settings: dict[str, Any]) -> dict[str, Any]:

@@ -45,16 +45,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-from bench_machine import CpuShare, _load, describe, machine_facts, matmul_rate, resolve_precision
+from bench_machine import CpuShare, _load, describe, machine_facts, matmul_rate, resolve_precision, worker_result
 
 RESULT_MARK = "SHARED_LORA_RESULT "
 LAYOUTS = ("shared", "separate", "time_sliced")
@@ -189,13 +187,7 @@ def unwrap(outcome: Any) -> Any:
 
 def spawn(layout: str, k: int, settings: dict[str, Any]) -> dict[str, Any]:
     """Run one layout and K (or the ``matmul`` rate measurement) in a fresh Python process and return its result."""
-    command = [sys.executable, os.path.abspath(__file__), "--worker", layout, "--ks", str(k), "--settings", json.dumps(settings)]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(RESULT_MARK):
-            return json.loads(line[len(RESULT_MARK):])
-    tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-30:])
-    raise RuntimeError(f"the {layout} K={k} worker failed (exit {proc.returncode}):\n{tail}")
+    return worker_result(__file__, RESULT_MARK, ["--worker", layout, "--ks", str(k), "--settings", json.dumps(settings)], f"the {layout} K={k} worker")
 
 
 def ratios(results: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
