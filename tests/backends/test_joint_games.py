@@ -116,11 +116,15 @@ def test_two_adapters_update_in_one_mixed_pass_as_each_alone(tiny: str) -> None:
     signs = lambda rewards, valid: [(-1.0) ** i for i in range(len(rewards))]  # noqa: E731 - every row trains
     trainer = GRPOTrainer(TrainingContext(TrainConfig(model=tiny, lr=0.05), a, renderer))
 
+    bystander = base.open_session(LoraSessionConfig(lora_rank=4, seed=9))  # a third adapter of the base, in no job
+    kept = {n: p.detach().clone() for n, p in bystander.params.items()}
     calls: list[int] = []
     original = base.forward_backward_many
     base.forward_backward_many = lambda jobs: calls.append(len(jobs)) or original(jobs)  # type: ignore[method-assign]
     together = trainer.update_many([(a, mine["a"], signs), (b, mine["b"], signs)])
     assert calls == [2], "one mixed pass for the two adapters"
+    assert all(torch.equal(p, kept[n]) and p.grad is None for n, p in bystander.params.items()), "no gradient reached another adapter"
+    assert not bystander.optimizer.state and bystander.step == 0, "nor its optimizer"
 
     _, a_alone, b_alone = players()
     alone = [trainer.update(a_alone, mine["a"], signs), trainer.update(b_alone, mine["b"], signs)]

@@ -31,13 +31,24 @@ def test_pairing_weights_follow_the_results() -> None:
 def check_pairing(trial: int) -> None:
     rng = random.Random(trial)
     exponent = rng.choice([0.0, 1.0, 2.0, 3.5])
-    games = [(rng.choice(NAMES), rng.choice(NAMES), rng.choice([0.0, 0.5, 1.0])) for _ in range(rng.randrange(0, 40))]
     table = PlayerTable(NAMES, exponent)
+    members = list(NAMES)
+    for step in range(rng.randrange(0, 3)):  # frozen snapshots join, the oldest retire
+        for name in NAMES[:2]:
+            members.append(f"{name}@{step + 1}")
+            table.add(members[-1])
+        table.retire(members[len(NAMES)])
+    games = [(rng.choice(members), rng.choice(members), rng.choice([0.0, 0.5, 1.0])) for _ in range(rng.randrange(0, 40))]
     for a, b, outcome in games:
         table.record(a, b, outcome)
+    active = [m for m in members if m not in table.retired]
+    assert table.active == active
     for a in NAMES:
         weights = table.opponent_weights(a)
-        assert set(weights) == set(NAMES) - {a} and sum(weights.values()) == pytest.approx(1.0)
+        assert set(weights) == set(active) - {a} and sum(weights.values()) == pytest.approx(1.0)
+        among = rng.sample(active, k=min(2, len(active)))
+        assert set(table.opponent_weights(a, among)) == set(among) - {a}
+        assert table.sample_opponent(a, random.Random(trial), among) in (set(among) - {a} or {a})
         for b in weights:  # the results are one game seen from both sides
             assert table.win_probability(a, b) + table.win_probability(b, a) == pytest.approx(1.0)
         ordered = sorted(weights, key=lambda b: table.win_probability(a, b))
@@ -47,6 +58,7 @@ def check_pairing(trial: int) -> None:
             assert len(set(round(w, 12) for w in weights.values())) == 1
     again = PlayerTable(NAMES, exponent)
     again.load_state_dict(json.loads(json.dumps(table.state_dict())))
+    assert again.active == table.active and again.table() == table.table()
     assert again.metrics() == table.metrics() and again.opponent_weights("p0") == table.opponent_weights("p0")
     assert [again.sample_opponent("p1", random.Random(3)) for _ in range(5)] == [table.sample_opponent("p1", random.Random(3)) for _ in range(5)]
 
@@ -66,6 +78,8 @@ def test_a_player_that_keeps_losing_to_one_meets_it_most_and_ratings_order_them(
     assert table.metrics()["league/winrate_p0_vs_p1"] == 0.0
     with pytest.raises(ConfigError, match="other players"):
         PlayerTable(["p0", "p1"]).load_state_dict(table.state_dict())
+    with pytest.raises(ConfigError, match="already has a member"):
+        table.add("p1")
 
 
 def config(out: Path, **changes) -> TrainConfig:
@@ -135,3 +149,45 @@ def test_a_league_of_one_is_self_play_and_a_league_of_three_trains_saves_resumes
         TrainingRun(config(tmp_path / "rates", trainer="league", trainer_args={"players": 2, "learning_rates": [1e-4]}))
     with pytest.raises(ConfigError, match="players=0"):
         TrainingRun(config(tmp_path / "none", trainer="league", trainer_args={"players": 0}))
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_roles_snapshots_and_the_match_history_of_a_league_resume_exactly(tmp_path: Path) -> None:
+    """``roles=true``: each player keeps its seat and meets only the other role; snapshots join as frozen members, the
+    oldest retire; the rating table and every game are artifacts; a resumed run plays the same games."""
+    import torch
+
+    league = dict(trainer="league", trainer_args={"players": 2, "roles": True, "max_snapshots": 2}, snapshot_every=1, steps=3)
+    straight = tmp_path / "straight"
+    run = moved(TrainingRun(config(straight, **league)))
+    run.run(progress=False)
+    games = lines(straight / "league" / "matches.jsonl")
+    assert len(games) == 3 * 8 and {g["step"] for g in games} == {0, 1, 2}
+    for game in games:  # p0 and its snapshots move first, p1 and its snapshots second
+        assert game["seats"]["player_0"].split("@")[0] == "p0" and game["seats"]["player_1"].split("@")[0] == "p1", game
+    assert any("@" in name for g in games for name in g["seats"].values()), "snapshots played"
+    table = json.loads((straight / "league" / "table.json").read_text())
+    assert {r["player"] for r in table["members"]} == {"p0", "p1", "p0@1", "p1@1", "p0@2", "p1@2", "p0@3", "p1@3"}
+    assert table["retired"] == ["p0@1", "p0@2", "p1@1", "p1@2"]
+    assert (straight / "snapshots" / "p1" / "step_000002" / "adapter_config.json").is_file()
+    snapshot = run.trainer.snapshot_folder("p0@1")
+    from safetensors.torch import load_file
+    first = load_file(str(snapshot / "adapter_model.safetensors"))
+    final = load_file(str(straight / "final" / "adapter_model.safetensors"))
+    assert any(not torch.equal(first[k], final[k]) for k in first), "the player went on after its snapshot"
+
+    resumed = tmp_path / "resumed"
+    moved(TrainingRun(config(resumed, **{**league, "steps": 2}))).run(progress=False)
+    TrainingRun.resume(resumed, changes={"steps": 3}).run(progress=False)
+    assert lines(resumed / "league" / "matches.jsonl") == games
+    assert json.loads((resumed / "league" / "table.json").read_text()) == table
+    assert metrics_of(resumed)[-1]["loss"] == pytest.approx(metrics_of(straight)[-1]["loss"], rel=1e-6, abs=1e-7)
+
+    with pytest.raises(ConfigError, match="at least 2 players"):
+        TrainingRun(config(tmp_path / "one", trainer="league", trainer_args={"players": 1, "roles": True}))
+    with pytest.raises(ConfigError, match="max_snapshots"):
+        TrainingRun(config(tmp_path / "many", trainer="league", trainer_args={"players": 2, "max_snapshots": 63}))

@@ -84,8 +84,10 @@ def play_matches(
     seeds: list[int],
     renderer: ChatRenderer,
     settings: RolloutConfig,
+    seats: list[str] | None = None,
 ) -> tuple[dict[str, Record], list[Trajectory]]:
-    """Play ``policy`` against every opponent once per seed, taking every seat in turn; all games at once.
+    """Play ``policy`` against every opponent once per seed, taking every seat in turn (or each of ``seats`` in turn); all
+    games at once.
 
     ``policy`` may map each seat to a player of its own (a policy per seat): each then plays only its seat.
     Returns the record against each opponent and the policy's trajectories (model policies only).
@@ -94,10 +96,11 @@ def play_matches(
     for name, opponent in opponents.items():
         for i, seed in enumerate(seeds):
             env = make_env()
-            seats = list(env.possible_agents)
-            mine = seats[i % len(seats)]
+            every = list(env.possible_agents)
+            taken = seats or every
+            mine = taken[i % len(taken)]
             me = policy[mine] if isinstance(policy, dict) else policy
-            games.append(Game(env, {a: me if a == mine else opponent for a in seats}, seed=seed))
+            games.append(Game(env, {a: me if a == mine else opponent for a in every}, seed=seed))
             labels.append(name)
             mine_of.append(mine)
     records = {name: Record() for name in opponents}

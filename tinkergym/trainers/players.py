@@ -26,6 +26,7 @@ Players beyond ``p0`` are saved in every checkpoint under ``players/<name>`` and
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -43,6 +44,8 @@ from tinkergym.trainers.selfplay import LEARNER, seat_advantages, share_arg, gam
 
 #: Most players a league trains at once (each is an adapter with its optimizer state on the one base).
 MAX_PLAYERS = 64
+#: Frozen snapshots in the league at once, by default (every player's, ``--snapshot-every`` steps apart).
+DEFAULT_SNAPSHOTS = 8
 _STATE_VERSION = 1
 
 
@@ -59,24 +62,47 @@ class PlayerTable:
         if isinstance(exponent, bool) or not isinstance(exponent, (int, float)) or not 0 <= exponent < math.inf:
             raise ConfigError(f"pfsp_exponent must be a number >= 0 (2 plays the players one loses to most, 0 all alike), got {exponent!r}")
         self.names, self.exponent = list(names), float(exponent)
+        self.players = list(names)  # the members it began with: a checkpoint of the table is of these
+        self.retired: set[str] = set()  # members kept in the table (ratings, results) and drawn no more
         self._model = plackett_luce()
         self._ratings = {n: self._model.rating() for n in names}
         self._results = {a: {b: {"wins": 0, "draws": 0, "losses": 0} for b in names if b != a} for a in names}
+
+    def add(self, name: str) -> None:
+        """A new member (a frozen snapshot of a player) with a fresh rating and no results yet."""
+        if name in self._ratings:
+            raise ConfigError(f"the league already has a member {name!r}")
+        for row in self._results.values():
+            row[name] = {"wins": 0, "draws": 0, "losses": 0}
+        self._results[name] = {b: {"wins": 0, "draws": 0, "losses": 0} for b in self.names}
+        self.names.append(name)
+        self._ratings[name] = self._model.rating()
+
+    def retire(self, name: str) -> None:
+        """``name`` is drawn no more (its ratings and results stay in the table)."""
+        self.retired.add(name)
+
+    @property
+    def active(self) -> list[str]:
+        """The members that may be drawn, in the order they joined."""
+        return [n for n in self.names if n not in self.retired]
 
     def win_probability(self, a: str, b: str) -> float:
         """``a``'s estimated chance of beating ``b``: their results with one win and one loss of prior."""
         r = self._results[a][b]
         return (r["wins"] + 0.5 * r["draws"] + 1) / (r["wins"] + r["draws"] + r["losses"] + 2)
 
-    def opponent_weights(self, a: str) -> dict[str, float]:
-        """The probability that ``a``'s next game is against each other player (sums to 1; empty for a league of one)."""
-        others = [b for b in self.names if b != a]
+    def opponent_weights(self, a: str, among: list[str] | None = None) -> dict[str, float]:
+        """The probability that ``a``'s next game is against each other active member, or each of ``among`` (sums to 1;
+        empty where there is none: a league of one)."""
+        others = [b for b in (self.active if among is None else among) if b != a]
         f = [(1.0 - self.win_probability(a, b)) ** self.exponent for b in others]
         total = sum(f)
         return {b: (x / total if total > 0 else 1.0 / len(others)) for b, x in zip(others, f)}
 
-    def sample_opponent(self, a: str, rng: random.Random) -> str:
-        weights = self.opponent_weights(a)
+    def sample_opponent(self, a: str, rng: random.Random, among: list[str] | None = None) -> str:
+        """An opponent for ``a`` drawn by :meth:`opponent_weights` (``a`` itself where there is no other)."""
+        weights = self.opponent_weights(a, among)
         if not weights:
             return a
         return rng.choices(list(weights), weights=list(weights.values()), k=1)[0]
@@ -93,12 +119,14 @@ class PlayerTable:
         self._results[b][a][{"wins": "losses", "losses": "wins", "draws": "draws"}[key]] += 1
 
     def metrics(self) -> dict[str, float]:
-        """``rating/<player>`` (openskill ordinal) and ``league/winrate_<a>_vs_<b>`` of every pair that has played."""
-        out = {f"rating/{n}": float(self._ratings[n].ordinal()) for n in self.names}
-        for a in self.names:
+        """``rating/<member>`` (openskill ordinal) and ``league/winrate_<a>_vs_<b>`` of every pair that has played, of the
+        active members."""
+        active = self.active
+        out = {f"rating/{n}": float(self._ratings[n].ordinal()) for n in active}
+        for a in active:
             for b, r in self._results[a].items():
                 games = r["wins"] + r["draws"] + r["losses"]
-                if games and a < b:
+                if games and a < b and b not in self.retired:
                     out[f"league/winrate_{a}_vs_{b}"] = r["wins"] / games
         return out
 
@@ -111,14 +139,19 @@ class PlayerTable:
         return sorted(rows, key=lambda r: (-r["ordinal"], r["player"]))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"version": _STATE_VERSION, "names": self.names, "exponent": self.exponent,
+        return {"version": _STATE_VERSION, "players": self.players, "names": self.names, "exponent": self.exponent, "retired": sorted(self.retired),
                 "ratings": {n: [r.mu, r.sigma] for n, r in self._ratings.items()}, "results": self._results}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if not isinstance(state, dict) or state.get("version") != _STATE_VERSION or state.get("names") != self.names:
-            raise ConfigError(f"the checkpoint's league is of other players ({state.get('names') if isinstance(state, dict) else state!r}) "
-                              f"than this run's {self.names}: resume with the same players")
+        """Restore :meth:`state_dict` of a table of the same players; the members it had added (snapshots) join."""
+        players = state.get("players", state.get("names")) if isinstance(state, dict) else None
+        names = state.get("names") if isinstance(state, dict) else None
+        if not isinstance(names, list) or state.get("version") != _STATE_VERSION or players != self.players:
+            raise ConfigError(f"the checkpoint's league is of other players ({players if players is not None else state!r}) "
+                              f"than this run's {self.players}: resume with the same players")
+        self.names = [str(n) for n in names]
         self.exponent = float(state["exponent"])
+        self.retired = {str(n) for n in state.get("retired", [])}
         self._ratings = {n: self._model.rating(mu=float(mu), sigma=float(sigma)) for n, (mu, sigma) in state["ratings"].items()}
         self._results = {a: {b: {k: int(v) for k, v in r.items()} for b, r in row.items()} for a, row in state["results"].items()}
 
@@ -130,7 +163,7 @@ class LeagueTrainer(GRPOTrainer):
     multi_agent = True
     #: A run of this trainer without ``--backend`` (and on this machine) trains through this one.
     default_backend = "shared"
-    known_args = frozenset({"players", "pfsp_exponent", "self_play_share", "scale_by_std", "learning_rates"})
+    known_args = frozenset({"players", "pfsp_exponent", "self_play_share", "scale_by_std", "learning_rates", "max_snapshots", "roles"})
     advantage_name = "selfplay"
 
     def __init__(self, ctx: TrainingContext) -> None:
@@ -139,30 +172,60 @@ class LeagueTrainer(GRPOTrainer):
         count = args.get("players", 2)
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_PLAYERS:
             raise ConfigError(f"trainer arg players={count!r}: give a whole number of players from 1 to {MAX_PLAYERS}")
-        joint = getattr(ctx.backend, "joint", None)
-        if joint is None or not hasattr(joint, "open_session"):
+        self.joint: Any = getattr(ctx.backend, "joint", None)
+        if self.joint is None or not hasattr(self.joint, "open_session"):
             raise ConfigError("the league trains its players as adapters of one base model held once: train with --backend shared "
                               "(its default; LoRA, on this machine), not --backend " + str(c.backend or "torch"))
         if c.async_steps:
             raise ConfigError("the league plays every step's games with the players' current adapters: leave out --async-steps")
         self.self_play_share = share_arg(args, "self_play_share", 0.0)
         self.scale_by_std = bool(args.get("scale_by_std", True))
-        from tinkergym.backends.torch.shared import LoraSessionConfig
-
-        self.players: dict[str, Any] = {player_name(0): ctx.backend}
-        for i in range(1, count):
-            self.players[player_name(i)] = joint.open_session(LoraSessionConfig(lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, seed=c.seed + i))
-        self.table = PlayerTable(list(self.players), float(args.get("pfsp_exponent", 2.0)))
         rates = args.get("learning_rates", [c.lr] * count)
         if (not isinstance(rates, list) or len(rates) != count
                 or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and 0 < r < math.inf for r in rates)):
             raise ConfigError(f"trainer arg learning_rates={rates!r}: give one learning rate above 0 per player ({count}), e.g. "
                               f"learning_rates=[{', '.join(['1e-4'] * count)}]")
         self.learning_rates = [float(r) for r in rates]
+        self.max_snapshots = args.get("max_snapshots", DEFAULT_SNAPSHOTS)
+        if isinstance(self.max_snapshots, bool) or not isinstance(self.max_snapshots, int) or not 0 <= self.max_snapshots <= MAX_PLAYERS:
+            raise ConfigError(f"trainer arg max_snapshots={self.max_snapshots!r}: give how many frozen snapshots play at once, "
+                              f"0 to {MAX_PLAYERS} (0: none; --snapshot-every says how often one is taken)")
+        room = getattr(getattr(self.joint, "config", None), "max_sessions", None)
+        if room is not None and count + self.max_snapshots > room:
+            raise ConfigError(f"{count} players and {self.max_snapshots} snapshots are {count + self.max_snapshots} adapters; this base "
+                              f"holds at most {room}: give fewer players or a lower max_snapshots")
+        self.seats = self._seats()
+        self.roles = bool(args.get("roles", False))
+        if self.roles and count < len(self.seats):
+            raise ConfigError(f"roles=true gives each player one seat of {self.seats} (player i the seat i mod {len(self.seats)}): "
+                              f"give at least {len(self.seats)} players")
+        if self.roles and self.self_play_share:
+            raise ConfigError("roles=true: a player keeps its seat, so it cannot play itself; leave out self_play_share")
+        from tinkergym.backends.torch.shared import LoraSessionConfig
+
+        self.players: dict[str, Any] = {player_name(0): ctx.backend}
+        for i in range(1, count):
+            self.players[player_name(i)] = self.joint.open_session(LoraSessionConfig(lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, seed=c.seed + i))
+        self.snapshots: dict[str, Any] = {}  # the open snapshots' sessions, by name (``p1@4``: p1 after 4 steps)
+        self.table = PlayerTable(list(self.players), float(args.get("pfsp_exponent", 2.0)))
+        self.matches = MatchLog(Path(c.out) / "league")
+
+    def _seats(self) -> list[str]:
+        if self.ctx.make_env is None:
+            raise ConfigError("the league needs a multi-agent env (--env, e.g. tinker/GomokuDuel-v0)")
+        env = self.ctx.make_env()
+        try:
+            return list(env.possible_agents)
+        finally:
+            env.close()
 
     def learners(self) -> dict[str, Any]:
         """Every player by name, with its backend (a session of the shared base)."""
         return dict(self.players)
+
+    def role(self, member: str) -> str:
+        """The seat a member plays with ``roles=true`` (a snapshot its player's)."""
+        return self.seats[int(member.split("@")[0][1:]) % len(self.seats)]
 
     def settings(self, seed: int | None = None, temperature: float | None = None) -> Any:
         from tinkergym.rollouts import RolloutConfig
@@ -171,24 +234,37 @@ class LeagueTrainer(GRPOTrainer):
         return RolloutConfig(max_turns=c.max_turns, max_new_tokens=c.max_new_tokens, max_context=c.max_context,
                              temperature=c.temperature if temperature is None else temperature, seed=seed)
 
-    def schedule(self, step: int, envs: list[Any]) -> tuple[list[Game], list[tuple[str, str]]]:
-        """The step's games in ``envs`` and each one's pairing ``(player, opponent)``: a pure function of the seed, the step and the table."""
+    def holders(self, index: int, mine: str, rng: random.Random) -> dict[str, str]:
+        """Who holds each seat of game ``index``, player ``mine``'s (see the module's notes)."""
+        if self.roles:
+            held = {self.role(mine): mine}
+            for seat in self.seats:
+                if seat not in held:
+                    held[seat] = self.table.sample_opponent(mine, rng, [m for m in self.table.active if self.role(m) == seat])
+            return {seat: held[seat] for seat in self.seats}
+        other = mine if len(self.players) == 1 or rng.random() < self.self_play_share else self.table.sample_opponent(mine, rng)
+        first, second = (mine, other) if (index // len(self.players)) % 2 == 0 else (other, mine)
+        return {self.seats[0]: first, **{seat: second for seat in self.seats[1:]}}
+
+    def schedule(self, step: int, envs: list[Any]) -> tuple[list[Game], list[tuple[str, dict[str, str]]]]:
+        """The step's games in ``envs`` and each one's player and seat holders: a pure function of the seed, the step and the table."""
         c = self.ctx.config
         rng = random.Random(f"league:{c.seed}:{step}")
         names = list(self.players)
         games, pairs = [], []
         for i, (env, seed) in enumerate(zip(envs, self.ctx.prompt_seeds(step, len(envs)))):
             mine = names[i % len(names)]
-            other = mine if len(names) == 1 or rng.random() < self.self_play_share else self.table.sample_opponent(mine, rng)
-            seats = list(env.possible_agents)
-            first, second = (mine, other) if (i // len(names)) % 2 == 0 else (other, mine)
-            holders = {seats[0]: first, **{seat: second for seat in seats[1:]}}
-            games.append(Game(env, {seat: ModelPlayer(name, self.players[name]) for seat, name in holders.items()}, seed=seed))
-            pairs.append((mine, other))
+            holders = self.holders(i, mine, rng)
+            games.append(Game(env, {seat: ModelPlayer(name, self.member(name)) for seat, name in holders.items()}, seed=seed))
+            pairs.append((mine, holders))
         return games, pairs
 
+    def member(self, name: str) -> Any:
+        """A player's or an open snapshot's session."""
+        return self.players[name] if name in self.players else self.snapshots[name]
+
     def train_step(self, step: int) -> StepOutput:
-        """Every game to its end, then one update of every player (one mixed pass), then the ratings."""
+        """Every game to its end, then one update of every player (one mixed pass), then the ratings and snapshots."""
         c = self.ctx.config
         pool = self.ctx.env_pool
         if pool is None:
@@ -201,13 +277,21 @@ class LeagueTrainer(GRPOTrainer):
         with timeline.span("update"):
             metrics = self.update_players(results)
         metrics.update(phase_times(started, rolled_out))
-        for result, (mine, other) in zip(results, pairs):
-            seat = result.seat_of(mine)
-            outcome = result.outcome(seat[0]) if seat and result.error is None else None
+        opponents = []
+        for result, (mine, holders) in zip(results, pairs):
+            seat = self.role(mine) if self.roles else result.seat_of(mine)[0]
+            outcome = result.outcome(seat) if result.error is None else None
+            others = sorted({name for s, name in holders.items() if s != seat})
             if outcome is not None:
-                self.table.record(mine, other, outcome)
-        metrics.update(game_metrics(results, [LEARNER if a == b else b for a, b in pairs], set(self.players)))
+                for other in others:
+                    self.table.record(mine, other, outcome)
+            opponents.append(LEARNER if others == [mine] else others[0])
+        self.matches.write(step, results, pairs)
+        metrics.update(game_metrics(results, opponents, set(self.players)))
         metrics.update(self.table.metrics())
+        if self.max_snapshots and c.snapshot_every and (step + 1) % c.snapshot_every == 0:
+            self.take_snapshots(step + 1)
+        self.matches.write_table(self.table)
         every = [t for name in self.players for t in learner_seats(results, {name})[0]]
         return StepOutput(metrics, every)
 
@@ -223,9 +307,36 @@ class LeagueTrainer(GRPOTrainer):
             metrics.update({prefix + k: v for k, v in updated.items()})
         return metrics
 
+    # ----- snapshots ---------------------------------------------------------------------------------
+    def snapshot_folder(self, name: str) -> Path:
+        player, steps = name.split("@")
+        return Path(self.ctx.config.out) / "snapshots" / player / f"step_{int(steps):06d}"
+
+    def take_snapshots(self, steps: int) -> None:
+        """Every player's adapter after ``steps`` updates, exported (a peft adapter folder, ``snapshots/<player>/step_N``) and
+        opened as a frozen member of the league (``<player>@<steps>``); past ``max_snapshots`` the oldest are retired."""
+        for name, backend in self.players.items():
+            snapshot = f"{name}@{steps}"
+            backend.export(str(self.snapshot_folder(snapshot)))
+            self.table.add(snapshot)
+            self.open_snapshot(snapshot)
+        for old in list(self.snapshots)[:max(len(self.snapshots) - self.max_snapshots, 0)]:
+            self.table.retire(old)
+            self.joint.close_session(self.snapshots.pop(old))
+
+    def open_snapshot(self, name: str) -> None:
+        from tinkergym.backends.torch.shared import LoraSessionConfig
+
+        c = self.ctx.config
+        session = self.joint.open_session(LoraSessionConfig(lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, seed=c.seed))
+        session.load_adapter(str(self.snapshot_folder(name)))
+        self.snapshots[name] = session
+
+    # ----- evaluation --------------------------------------------------------------------------------
     def evaluate(self, step: int, seeds: list[int], make_env: Callable[[], Any] | None = None) -> tuple[dict[str, float], list[Any]]:
-        """Greedy games of every player against the env's scripted ``baseline`` and ``random`` agents, every seat in turn:
-        ``eval/<outcome>_vs_<agent>`` (``p0``'s; the others' prefixed ``p<i>/``); the trajectories are ``p0``'s."""
+        """Greedy games of every player against the env's scripted ``baseline`` and ``random`` agents, every seat in turn
+        (with ``roles=true`` its own): ``eval/<outcome>_vs_<agent>`` (``p0``'s; the others' prefixed ``p<i>/``); the
+        trajectories are ``p0``'s."""
         from tinkergym.trainers.matches import play_matches, scripted_opponent
 
         c = self.ctx.config
@@ -237,7 +348,8 @@ class LeagueTrainer(GRPOTrainer):
         metrics: dict[str, float] = {}
         kept: list[Any] = []
         for index, (name, backend) in enumerate(self.players.items()):
-            records, trajectories = play_matches(ModelPlayer(name, backend, temperature=0.0), opponents, make_env, seeds, self.ctx.renderer, settings)
+            records, trajectories = play_matches(ModelPlayer(name, backend, temperature=0.0), opponents, make_env, seeds, self.ctx.renderer,
+                                                 settings, seats=[self.role(name)] if self.roles else None)
             prefix = "" if index == 0 else f"{name}/"
             for kind, record in records.items():
                 metrics.update({f"{prefix}eval/{outcome}_vs_{kind}": rate for outcome, rate in record.rates().items()})
@@ -256,11 +368,62 @@ class LeagueTrainer(GRPOTrainer):
     def export_backends(self, folder: Path) -> None:
         for name, backend in list(self.players.items())[1:]:
             backend.export(str(Path(folder) / "players" / name))
+        self.matches.write_table(self.table)
 
     def state_dict(self) -> dict[str, Any]:
-        """The players' table (ratings and results)."""
-        return {"players": self.table.state_dict()}
+        """The players' table (ratings, results, snapshots) and how many games the match history holds."""
+        return {"players": self.table.state_dict(), "matches": self.matches.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: the open snapshots load from their folders; the match history goes back to the checkpoint."""
         if "players" in state:
             self.table.load_state_dict(state["players"])
+            for name in self.table.active:
+                if name not in self.players and name not in self.snapshots:
+                    self.open_snapshot(name)
+        if "matches" in state:
+            self.matches.truncate(int(state["matches"]))
+
+    def close(self) -> None:
+        """Free the other players' and the snapshots' adapters (the run closes ``p0``, its own backend)."""
+        super().close()
+        for session in [*list(self.players.values())[1:], *self.snapshots.values()]:
+            self.joint.close_session(session)
+        self.snapshots.clear()
+
+
+class MatchLog:
+    """The league's artifacts in ``<out>/league``: ``matches.jsonl``, one line per game (step, seat holders, outcomes, moves,
+    error), and ``table.json``, the rating table (:meth:`PlayerTable.table`) as it stands."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.count = 0
+
+    @property
+    def path(self) -> Path:
+        return self.folder / "matches.jsonl"
+
+    def write(self, step: int, results: list[GameResult], pairs: list[tuple[str, dict[str, str]]]) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as out:
+            for result, (mine, holders) in zip(results, pairs):
+                outcomes = {seat: (None if result.error is not None else result.outcome(seat)) for seat in holders}
+                out.write(json.dumps({"step": step, "player": mine, "seats": holders, "outcomes": outcomes, "moves": result.moves,
+                                      "error": None if result.error is None else str(result.error)[:200]}) + "\n")
+                self.count += 1
+
+    def truncate(self, count: int) -> None:
+        """Keep the first ``count`` games (a resumed run plays the later ones again)."""
+        lines = self.path.read_text(encoding="utf-8").splitlines(keepends=True) if self.path.is_file() else []
+        if len(lines) < count:
+            raise ConfigError(f"{self.path} holds {len(lines)} games, the checkpoint counts {count}: the run's league folder was changed")
+        if lines:
+            self.path.write_text("".join(lines[:count]), encoding="utf-8")
+        self.count = count
+
+    def write_table(self, table: PlayerTable) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        tmp = self.folder / "table.json.tmp"
+        tmp.write_text(json.dumps({"members": table.table(), "retired": sorted(table.retired)}, indent=2) + "\n", encoding="utf-8")
+        tmp.replace(self.folder / "table.json")

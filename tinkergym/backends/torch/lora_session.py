@@ -58,6 +58,7 @@ class SessionBase(Protocol):
 
     def info(self) -> dict[str, Any]: ...
     def session_bytes(self, rank: int) -> int: ...
+    def close_session(self, session: LoraSession) -> None: ...
     def forward_backward_many(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]]) -> list[Outcome]: ...
     def sample_many(self, calls: Sequence[tuple[LoraSession, SampleRequest]]) -> list[Outcome]: ...
     def logprobs_many(self, calls: Sequence[tuple[LoraSession, tuple]]) -> list[Outcome]: ...
@@ -110,6 +111,11 @@ class LoraSession:
         """The base whose ``sample_many`` and ``forward_backward_many`` run this session's calls with its other sessions' in
         one pass (:func:`tinkergym.games.sample_calls`: both seats of a game between two adapters in one decode loop)."""
         return self.base
+
+    def close(self) -> None:
+        """Free this session's adapter and optimizer state on its base (its other sessions go on); safe to call twice."""
+        if not self.closed:
+            self.base.close_session(self)
 
     def _check_open(self) -> None:
         if self.closed:
