@@ -21,7 +21,10 @@ reconnects with ``Last-Event-ID`` set to the last event it yielded: no event is 
 
 from __future__ import annotations
 
+import base64
 import builtins  # builtins.list: inside SchedulerClient, `list` names its method
+import hashlib
+import hmac
 import http.client
 import json
 import os
@@ -51,6 +54,17 @@ UNPLACEABLE_HINT_S = 600.0
 UNPLACEABLE = frozenset({"no_worker", "no_model", "too_few_devices", "too_little_memory"})
 PAGE_SIZE = 500
 
+
+
+def player_token(token: str, index: int) -> str:
+    """The bearer token of player ``index`` of a league job's lease (``players`` in its config: one adapter a player on
+    one shared server): player 0's is the lease's own ``token``, the others' are derived from it (HMAC-SHA256), so the
+    job's owner and the worker holding the lease know them and nothing stores them. A player's token opens its adapter
+    alone, as every seat's does."""
+    if index == 0:
+        return token
+    digest = hmac.new(token.encode(), f"player:{index}".encode(), hashlib.sha256).digest()
+    return "tgp_" + base64.urlsafe_b64encode(digest).decode().rstrip("=")
 
 class SchedulerError(TinkergymError, RuntimeError):
     """The scheduler refused a request (``status``, ``kind`` and its message), or could not be reached (``status`` None)."""

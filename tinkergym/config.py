@@ -415,7 +415,10 @@ class TrainConfig:
         """
         keep = ("env", "trainer", "model", "lora_rank", "lora_alpha", "lora_dropout", "dtype", "seed", "micro_batch_size", "deterministic",
                 "gradient_checkpointing", "steps", "batch_size", "group_size", "max_new_tokens", "max_context")
-        return {k: getattr(self, k) for k in keep}
+        found = {k: getattr(self, k) for k in keep}
+        if self.trainer == "league":  # its players: that many adapters of one shared server (tinkergym.scheduler.seats)
+            found["players"] = self.trainer_args.get("players", 2)
+        return found
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serializable copy."""

@@ -73,6 +73,10 @@ def test_the_seat_price_and_the_learned_factor(shape: dict[str, Any]) -> None:
     assert memory.seat_refusal(JOB, shape, full, 0.5, "slot") is None, "half its price fits"
     why = memory.seat_refusal(JOB, shape, full, 1.0, "slot", where=" on device 0 of worker w")
     assert why is not None and "on device 0 of worker w" in why and "21.60 GiB" in why and "x 1.00" in why
+    roomy = memory.SharedMemory(total=24 * GiB, used=GiB, peak=int(24 * GiB * memory.HEADROOM) - 3 * kept // 2)
+    assert memory.seat_refusal(JOB, shape, roomy, 1.0, "slot") is None
+    league = memory.seat_refusal({**JOB, "players": 2}, shape, roomy, 1.0, "slot")
+    assert league is not None and "2 adapters" in league, "a league keeps an adapter a player"
     assert memory.seat_refusal(JOB, shape, memory.SharedMemory(total=24 * GiB, used=None, peak=None), 1.0, "slot") is None, "not measured: not checked"
 
 

@@ -227,3 +227,44 @@ def test_a_packable_job_waits_for_a_free_seat_on_another_worker_rather_than_take
     first.lease()  # back from silence itself: nothing is queued
     waiting = submit(setup.client, setup.user)
     assert first.lease()["job_id"] == waiting
+
+
+def test_a_league_takes_its_players_seats_of_one_server_and_counts_as_one_job(setup: Any, db_url: str) -> None:
+    """A league job (``players``: N adapters trained together) takes N seats of one shared server in one lease, never a
+    whole device; against its tenant's quota it is one job; a league larger than any server's seats is told so."""
+    from sqlalchemy import update
+
+    from tinkergym.scheduler.db import make_engine, tenants
+
+    engine = make_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(update(tenants).where(tenants.c.id == "acme").values(max_gpus=2))
+    engine.dispose()
+    worker = register(setup.client, setup.worker_key, whole=1)
+
+    def reason(job: str) -> dict[str, str]:
+        return setup.client.get(f"/v1/jobs/{job}", headers=kit.auth(setup.user)).json()["wait_reason"]
+
+    too_big = submit(setup.client, setup.user, trainer="league", players=4)
+    found = reason(too_big)
+    assert found["code"] == "too_few_devices" and "a league of 4 players takes 4 seats of one shared server" in found["message"]
+    assert "the largest such server has 3" in found["message"]
+    league = submit(setup.client, setup.user, trainer="league", players=2)
+    assert reason(league)["code"] == "ready"
+    lone = submit(setup.client, setup.user)
+    after = submit(setup.client, setup.user, trainer="league", players=2)
+    granted = worker.lease()
+    assert granted["job_id"] == league and granted["seats"] == [seat_index(1, 0), seat_index(1, 1)] and granted["devices"] == [1]
+    assert granted["seat"] == seat_index(1, 0)
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        assert leases.held_by_tenant(conn, "acme") == 1, "the league's two seats are one job toward max_gpus"
+    engine.dispose()
+    nxt = worker.lease()  # the lone job takes the third seat (the whole device stays for jobs no seat fits)
+    assert nxt["job_id"] == lone and nxt["seat"] == seat_index(1, 2) and nxt["seats"] == [seat_index(1, 2)]
+    assert worker.lease() is None, "the second league needs two seats of one server and the quota's room: it waits"
+    assert kit.job_row(db_url, after)["state"] == "queued" and reason(after)["code"] == "quota"
+    assert worker.state(league, granted["epoch"], "failed", error="x").status_code == 200
+    third = worker.lease()
+    assert third["job_id"] == after and sorted(third["seats"]) == [seat_index(1, 0), seat_index(1, 1)]
+    kit.assert_no_double_grant(db_url)

@@ -114,12 +114,15 @@ def allocated(db_url: str, job_id: str | None = None) -> list[tuple[Any, ...]]:
 
 
 def assert_no_double_grant(db_url: str) -> None:
-    """No device in two allocations, and every job holding a lease holds exactly its number of devices."""
+    """No device in two allocations, and every job holding a lease holds exactly its number of devices (a league: a seat
+    a player)."""
+    from tinkergym.scheduler.seats import players
+
     assert query(db_url, "SELECT device_id FROM allocations GROUP BY device_id HAVING COUNT(*) > 1") == []
-    rows = query(db_url, "SELECT j.id, j.gpus, j.state, COUNT(a.device_id) FROM jobs j LEFT JOIN allocations a ON a.job_id = j.id "
-                         "GROUP BY j.id, j.gpus, j.state")
-    for job_id, gpus, state, held in rows:
-        expected = gpus if state in ("leased", "starting", "running", "cancelling") else 0
+    rows = query(db_url, "SELECT j.id, j.gpus, j.state, j.config, COUNT(a.device_id) FROM jobs j LEFT JOIN allocations a ON a.job_id = j.id "
+                         "GROUP BY j.id, j.gpus, j.state, j.config")
+    for job_id, gpus, state, config, held in rows:
+        expected = max(gpus, players(config)) if state in ("leased", "starting", "running", "cancelling") else 0
         assert held == expected, (job_id, state, gpus, held)
 
 

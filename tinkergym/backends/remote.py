@@ -190,9 +190,10 @@ class RemoteBackend:
         """One optimizer step on the server."""
         return self._call("optim_step", {"params": params.to_dict()})["metrics"]
 
-    def save_state(self, path: str) -> None:
-        """Save the server's state under :func:`server_name` of ``path``; write ``remote_state.json`` into the folder ``path``."""
-        name = server_name(path)
+    def save_state(self, path: str, name: str | None = None) -> None:
+        """Save the server's state under ``name`` (default: :func:`server_name` of ``path``); write ``remote_state.json``
+        into the folder ``path``."""
+        name = server_name(name or path)
         self._call("save_state", {"name": name})
         step = self._get_json("/v1/info", "info").get("step")
         os.makedirs(path, exist_ok=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
@@ -85,11 +86,13 @@ class ScheduledBackend:
         wait_timeout: seconds to wait for the job to run (None: as long as it takes).
         say: where progress lines go (queue position, connections); default stderr.
         remote: keyword arguments for each :class:`RemoteBackend` (timeouts, retries).
+        players: a league job's players (its config's ``players``): this backend is player 0, and :attr:`joint` opens the
+            others (:class:`LeagueJoint`); None for any other job.
     """
 
     def __init__(
         self, client: Any, job_id: str, *, poll: float = 1.0, wait_timeout: float | None = None, say: Callable[[str], None] = print_stderr,
-        remote: dict[str, Any] | None = None,
+        remote: dict[str, Any] | None = None, players: int | None = None,
     ) -> None:
         self.client = client
         self.job_id = job_id
@@ -100,6 +103,9 @@ class ScheduledBackend:
         self.epoch: int | None = None
         self.last_state: str | None = None  # the name of the state last saved on the job's server
         self._remote: RemoteBackend | None = None
+        self._others: list[RemoteBackend] = []  # a league's players 1..N-1, on the same server
+        self.players = players
+        self.joint = LeagueJoint(self, players) if players is not None else None
 
     def __repr__(self) -> str:
         return f"ScheduledBackend({self.client.url!r}, job={self.job_id!r}, epoch={self.epoch})"
@@ -124,9 +130,14 @@ class ScheduledBackend:
         """Wait for the job to run and connect to its server (the wait is the run's ``queue`` span)."""
         with timeline.span("queue", "setup", epoch=after_epoch):
             connection = self.wait_running(after_epoch, same_epoch_after)
-        if self._remote is not None:
-            self._remote.close()
+        from tinkergym.client import player_token
+
+        for remote in [self._remote, *self._others]:
+            if remote is not None:
+                remote.close()
         self._remote = RemoteBackend(connection["url"], connection["token"], **self.remote_options)
+        self._others = [RemoteBackend(connection["url"], player_token(connection["token"], i), **self.remote_options)
+                        for i in range(1, self.players or 1)]
         self.epoch = int(connection["epoch"])
         self.say(f"job {self.job_id}: connected to its server at {connection['url']} (lease epoch {self.epoch})")
 
@@ -232,10 +243,15 @@ class ScheduledBackend:
 
     # ----- the Backend protocol ---------------------------------------------------------------------
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.call_player(0, method, *args, **kwargs)
+
+    def call_player(self, index: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` of player ``index``'s adapter on the job's server (0: this backend's own; a league's others 1..N-1)."""
         if self._remote is None:
             self.connect()
+        remote = self._remote if index == 0 else self._others[index - 1]
         try:
-            return getattr(self._remote, method)(*args, **kwargs)
+            return getattr(remote, method)(*args, **kwargs)
         except RemoteBackendError as exc:  # no answer after the retries: the server is gone
             raise BackendLost(f"job {self.job_id}: {exc}") from exc
         except ConfigError as exc:
@@ -249,11 +265,11 @@ class ScheduledBackend:
     def ping(self) -> None:
         """Tell the job's server its client is alive (see :meth:`RemoteBackend.ping`); never connects (nothing to keep alive
         before a connection, and a reconnection is the calls' to make)."""
-        remote = self._remote
-        if remote is None:
+        if self._remote is None:
             return
         try:
-            remote.ping()
+            for remote in [self._remote, *self._others]:
+                remote.ping()
         except RemoteBackendError as exc:
             raise BackendLost(f"job {self.job_id}: {exc}") from exc
 
@@ -289,8 +305,102 @@ class ScheduledBackend:
         self._call("export", path, merged)
 
     def close(self) -> None:
-        if self._remote is not None:
-            self._remote.close()
+        for remote in [self._remote, *self._others]:
+            if remote is not None:
+                remote.close()
+
+
+class ScheduledPlayer:
+    """Player ``index`` of a league job: its own adapter on the job's shared server, called through the job's
+    :class:`ScheduledBackend` (so a reconnection moves every player to the new server)."""
+
+    def __init__(self, backend: ScheduledBackend, index: int) -> None:
+        self.backend, self.index = backend, index
+
+    @property
+    def joint(self) -> LeagueJoint | None:
+        return self.backend.joint
+
+    def info(self) -> dict[str, Any]:
+        return {**self.backend.call_player(self.index, "info"), "job_id": self.backend.job_id, "player": self.index}
+
+    def sample(self, request: Any) -> Any:
+        return self.backend.call_player(self.index, "sample", request)
+
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[Any]] | None = None) -> list[list[float]]:
+        if images is None:
+            return self.backend.call_player(self.index, "logprobs", sequences, temperature)
+        return self.backend.call_player(self.index, "logprobs", sequences, temperature, images=images)
+
+    def forward_backward(self, request: Any) -> Any:
+        return self.backend.call_player(self.index, "forward_backward", request)
+
+    def optim_step(self, params: Any) -> dict[str, float]:
+        return self.backend.call_player(self.index, "optim_step", params)
+
+    def save_state(self, path: str) -> None:
+        """The player's state on its adapter under the checkpoint's name and its own (``step_000004.p1``: every checkpoint
+        keeps its own), noted in ``path``."""
+        folder = Path(path)
+        self.backend.call_player(self.index, "save_state", path, name=f"{server_name(folder.parent.parent)}.{server_name(folder)}")
+
+    def load_state(self, path: str) -> None:
+        try:
+            self.backend.call_player(self.index, "load_state", path)
+        except ConfigError as exc:
+            raise ConfigError(f"player {self.index} of league job {self.backend.job_id}: {exc}. A league's other players keep their "
+                              "states on the server that saved them: after a lost lease the league starts again (its checkpoints "
+                              "in the scheduler's store are player 0's)") from exc
+
+    def export(self, path: str, merged: bool = False) -> None:
+        self.backend.call_player(self.index, "export", path, merged)
+
+    def close(self) -> None:
+        """Nothing to free here: the job's end closes every player's adapter."""
+
+
+class LeagueJoint:
+    """The players of a league job together (``joint`` of each): :meth:`open_session` hands out players 1..N-1, and
+    :meth:`sample_many` / :meth:`forward_backward_many` send the players' calls at once, each on its own connection, so
+    the shared server takes them into one round (one decode loop, one mixed-adapter pass). Standard library only."""
+
+    #: Frozen snapshots would need adapters the job was not granted: a league through the scheduler plays its players alone.
+    holds_snapshots = False
+
+    def __init__(self, backend: ScheduledBackend, players: int) -> None:
+        self.backend, self.players, self.opened = backend, players, 0
+
+    @property
+    def config(self) -> Any:
+        """What a league asks of its base: the adapters it holds (``max_sessions``), the job's players."""
+        import types
+
+        return types.SimpleNamespace(max_sessions=self.players)
+
+    def open_session(self, config: Any = None) -> ScheduledPlayer:
+        """The next player (1, 2, ...): its adapter was opened by the job's worker, with the job's rank and seed + its index."""
+        if self.opened + 1 >= self.players:
+            raise ConfigError(f"league job {self.backend.job_id} has {self.players} players (adapters); all are open")
+        self.opened += 1
+        return ScheduledPlayer(self.backend, self.opened)
+
+    def close_session(self, session: Any) -> None:
+        """Nothing to free here: the job's end closes every player's adapter."""
+
+    def sample_many(self, calls: list[tuple[Any, Any]]) -> list[Any]:
+        return self._together("sample", calls)
+
+    def forward_backward_many(self, calls: list[tuple[Any, Any]]) -> list[Any]:
+        return self._together("forward_backward", calls)
+
+    @staticmethod
+    def _together(method: str, calls: list[tuple[Any, Any]]) -> list[Any]:
+        """Each call's result or the exception it raised, the calls sent at once (one thread a call)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(len(calls), 1), thread_name_prefix="league") as pool:
+            futures = [pool.submit(getattr(session, method), request) for session, request in calls]
+        return [future.exception() or future.result() for future in futures]
 
 
 # ----- the transcript event ----------------------------------------------------------------------------
@@ -399,8 +509,8 @@ def build(request: Any) -> ScheduledBackend:
     job_config = c.job_config()
     if c.scheduler_job:
         if client.show(c.scheduler_job)["state"] not in TERMINAL:
-            return ScheduledBackend(client, c.scheduler_job)  # reattach: the job waits or runs
+            return ScheduledBackend(client, c.scheduler_job, players=job_config.get("players"))  # reattach: the job waits or runs
         # The job ended (its client went quiet, or the run is extended): a new job starts from its checkpoints.
         job_config["resume_job"] = c.scheduler_job
     kind = "sft" if c.trainer == "sft" else "train"
-    return ScheduledBackend.submit(client, kind, job_config, gpus=c.gpus, name=request.name)
+    return ScheduledBackend.submit(client, kind, job_config, gpus=c.gpus, name=request.name, players=job_config.get("players"))

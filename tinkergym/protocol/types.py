@@ -333,3 +333,13 @@ _NESTED: dict[tuple[str, str], Any] = {
     ("ForwardBackwardRequest", "data"): lambda v: [Datum.from_dict(d) if isinstance(d, dict) else d for d in v],
     ("ForwardBackwardRequest", "loss"): lambda v: LossSpec.from_dict(v) if isinstance(v, dict) else v,
 }
+
+
+@dataclass
+class LoraSessionConfig(PlainData):
+    """A session's adapter on a shared base: its rank and alpha, and the seed of its initialization and sampling
+    (:class:`tinkergym.backends.torch.lora_session.LoraSession`; a league's players: ``tinkergym.trainers.players``)."""
+
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    seed: int = 0

@@ -81,7 +81,7 @@ from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME
 from tinkergym.scheduler.bounds import WorkerBounds
 from tinkergym.scheduler.db import allocations, checkpoints, devices, events, jobs, tenants, workers
 from tinkergym.scheduler.repository import Conflict, JobStore
-from tinkergym.scheduler.seats import fits, parse_shared
+from tinkergym.scheduler.seats import fits, league_seats, parse_shared, players
 from tinkergym.scheduler.usage import charge_renewal
 from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
     ALIVE, FORGET_BATCH, GONE, count_loss, locked, strike_worker, forget_worker, mark_gone, owned_worker, quarantine_worker, register_worker,
@@ -179,10 +179,12 @@ def queued_jobs(conn: Connection, tenant_ids: tuple[str, ...] | None = None) -> 
 
 
 def held_by_tenant(conn: Connection, tenant_id: str) -> int:
-    """Devices held now by the tenant's jobs."""
-    return int(conn.execute(
-        select(func.count()).select_from(allocations.join(jobs, jobs.c.id == allocations.c.job_id)).where(jobs.c.tenant_id == tenant_id)
-    ).scalar_one())
+    """Devices held now by the tenant's jobs: each whole device, and each job on seats once (a league's N seats are one job)."""
+    held = allocations.join(jobs, jobs.c.id == allocations.c.job_id).join(devices, devices.c.id == allocations.c.device_id)
+    whole = conn.execute(select(func.count()).select_from(held).where(jobs.c.tenant_id == tenant_id, devices.c.seat_of.is_(None))).scalar_one()
+    seated = conn.execute(select(func.count(func.distinct(allocations.c.job_id))).select_from(held)
+                          .where(jobs.c.tenant_id == tenant_id, devices.c.seat_of.is_not(None))).scalar_one()
+    return int(whole) + int(seated)
 
 
 def _over_quota(conn: Connection, job: dict[str, Any], held: dict[str, int], quota: dict[str, int]) -> bool:
@@ -294,20 +296,22 @@ def grant(
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
         if _model(job) not in models:
             continue
+        need = players(config)  # a league's adapters: that many seats of one shared server, never whole devices
         # Whole devices only if there are enough and they have the memory (priced only then; memory.refusal is cached).
-        on_devices = gpus <= len(whole) and memory.refusal(kind, gpus, config, shapes.get(_model(job)), device_memory, device_kind) is None
-        if not on_devices and not any(fits(shared, kind, gpus, config) for _, shared in seats):
+        on_devices = need == 1 and gpus <= len(whole) and memory.refusal(kind, gpus, config, shapes.get(_model(job)), device_memory, device_kind) is None
+        if not on_devices and not any(len(rows) >= need for rows in league_seats(seats, kind, gpus, config).values()):
             continue  # never fits here: it neither starts nor holds this worker's devices
         if _over_quota(conn, job, held, quota):
             continue  # over its tenant's quota: waits, blocks nobody
-        seat = next((d for d, shared in free_seats if fits(shared, kind, gpus, config) and room.refusal(worker_id, d, job) is None), None)
-        if seat is None and on_devices and gpus <= len(free) and elsewhere.fit(job):
+        chosen = next((rows[:need] for rows in league_seats(free_seats, kind, gpus, config).values()
+                       if len(rows) >= need and room.refusal(worker_id, rows[0], job) is None), [])
+        if not chosen and on_devices and gpus <= len(free) and elsewhere.fit(job):
             continue  # a free seat of another worker fits it: the job waits for that worker's poll (it asks every few seconds)
-        if seat is None and (gpus > len(free) or not on_devices):
+        if not chosen and (gpus > len(free) or not on_devices):
             if now - job["created_at"] > settings.backfill_age_s:
                 return None  # waited too long: the devices here drain to it, nobody behind jumps ahead
             continue  # backfill: smaller jobs behind may start
-        lease = _take(conn, store, settings, worker_id, job, [seat] if seat is not None else free[:gpus], secret, now)
+        lease = _take(conn, store, settings, worker_id, job, chosen or free[:gpus], secret, now)
         if lease is not None:
             return lease
     return None
@@ -334,16 +338,16 @@ def _take(
     for device in chosen:  # the primary key refuses a device held by another job: IntegrityError, all rolled back
         conn.execute(insert(allocations).values(device_id=device.id, job_id=job["id"], epoch=epoch, granted_at=now))
     seat = chosen[0].index if chosen[0].seat_of is not None else None
-    indexes = [device.index if device.seat_of is None else device.seat_of for device in chosen]
-    store.append_event(conn, job["id"], "lease", {"epoch": epoch, "devices": len(indexes), "expires_at": expires, "attempt": job["attempt"],
-                                                  **({"seat": seat} if seat is not None else {})})
+    indexes = [device.index for device in chosen] if seat is None else [chosen[0].seat_of]  # a league's seats: one device
+    seated = {"seat": seat, **({"seats": [device.index for device in chosen]} if len(chosen) > 1 else {})} if seat is not None else {}
+    store.append_event(conn, job["id"], "lease", {"epoch": epoch, "devices": len(indexes), "expires_at": expires, "attempt": job["attempt"], **seated})
     last = conn.execute(
         select(checkpoints.c.step, checkpoints.c.name).where(checkpoints.c.job_id == job["id"])
         .order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc()).limit(1)
     ).mappings().first()
     return {
         "job_id": job["id"], "kind": job["kind"], "config": json.loads(job["config"]), "epoch": epoch, "attempt": job["attempt"],
-        "devices": indexes, "seat": seat, "expires_at": expires, "ttl_s": settings.lease_ttl_s, "idle_timeout_s": settings.idle_timeout_s, "token": token,
+        "devices": indexes, "seat": seat, "seats": [device.index for device in chosen] if seat is not None else None, "expires_at": expires, "ttl_s": settings.lease_ttl_s, "idle_timeout_s": settings.idle_timeout_s, "token": token,
         "checkpoint": dict(last) if last is not None else None,
     }
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from tinkergym.config import DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE
 from tinkergym.errors import ConfigError
+from tinkergym.scheduler.seats import players
 
 #: Job kinds whose server trains (and so holds gradients and optimizer state).
 TRAINING_KINDS = ("train", "sft")
@@ -140,6 +141,8 @@ def seat_refusal(config: Any, shape: dict[str, Any] | None, device: SharedMemory
         return None
     assert device.total is not None and device.used is not None
     kept, activations = parts
+    count = players(config)  # a league keeps an adapter a player; its passes hold one micro-batch at a time
+    kept *= count
     need = int(kept * factor)
     peak = max(device.peak or 0, device.used)
     projected = max(peak, device.used + activations) + need
@@ -147,7 +150,7 @@ def seat_refusal(config: Any, shape: dict[str, Any] | None, device: SharedMemory
     if projected <= usable:
         return None
     return (f"the shared server{where} uses {_gib(device.used)} now and {_gib(peak)} at its peak of the {_gib(usable)} a job may plan on "
-            f"({HEADROOM:.0%} of {_gib(device.total)}); this job keeps about {_gib(need)} there (adapter, gradients and AdamW's moments "
+            f"({HEADROOM:.0%} of {_gib(device.total)}); this job keeps about {_gib(need)} there ({'adapter' if count == 1 else f'{count} adapters'}, gradients and AdamW's moments "
             f"{_gib(kept)} x {factor:.2f}, learned from what seats measured) and passes {_gib(activations)} of activations: "
             f"it starts when a seat's job ends and frees its memory, or ask for a lower lora_rank or micro_batch_size")
 

@@ -40,7 +40,7 @@ from tinkergym.scheduler import measured, memory, states
 from tinkergym.scheduler.bounds import WorkerBounds, parse_bounds
 from tinkergym.scheduler.db import allocations, api_keys, devices, tenants, workers
 from tinkergym.scheduler.repository import NotFound
-from tinkergym.scheduler.seats import fits, parse_shared
+from tinkergym.scheduler.seats import league_seats, parse_shared, players
 from tinkergym.scheduler.worker_registry import worker_timeout
 
 NO_WORKER, NO_MODEL, TOO_FEW_DEVICES, TOO_LITTLE_MEMORY = "no_worker", "no_model", "too_few_devices", "too_little_memory"
@@ -81,11 +81,19 @@ class Host:
         return memory.refusal(job["kind"], job["gpus"], job["config"], shape, self.memory, self.kind)
 
     def _whole(self, job: dict[str, Any], devices: int) -> bool:
-        return job["gpus"] <= devices and self.memory_refusal(job) is None
+        return players(job["config"]) == 1 and job["gpus"] <= devices and self.memory_refusal(job) is None
 
     def _seat(self, job: dict[str, Any], free_only: bool) -> bool:
-        return any((free or not free_only) and fits(shared, job["kind"], job["gpus"], job["config"]) and (not free_only or self.seat_refusal(row, job) is None)
-                   for shared, free, row in self.seats)
+        """Whether a shared server here has the seats ``job`` fits (a league: one a player), free ones and room for it with ``free_only``."""
+        need = players(job["config"])
+        candidates = [(row, shared) for shared, free, row in self.seats if free or not free_only]
+        return any(len(rows) >= need and (not free_only or self.seat_refusal(rows[0], job) is None)
+                   for rows in league_seats(candidates, job["kind"], job["gpus"], job["config"]).values())
+
+    def most_seats(self, job: dict[str, Any]) -> int:
+        """The most seats ``job`` fits on one shared server here."""
+        found = league_seats([(row, shared) for shared, _, row in self.seats], job["kind"], job["gpus"], job["config"])
+        return max((len(rows) for rows in found.values()), default=0)
 
     def seat_refusal(self, row: Any, job: dict[str, Any]) -> str | None:
         """Why a free seat (its ``row``) cannot hold ``job`` now by its device's measured memory; None when it can."""
@@ -94,8 +102,10 @@ class Host:
     def memory_refusals(self, job: dict[str, Any]) -> list[str]:
         """Why each free seat that ``job`` fits by the rule cannot hold it now by memory (empty: none is refused so)."""
         found = []
-        for shared, free, row in self.seats:
-            if free and fits(shared, job["kind"], job["gpus"], job["config"]) and (why := self.seat_refusal(row, job)):
+        need = players(job["config"])
+        free = [(row, shared) for shared, is_free, row in self.seats if is_free]
+        for rows in league_seats(free, job["kind"], job["gpus"], job["config"]).values():
+            if len(rows) >= need and (why := self.seat_refusal(rows[0], job)):
                 found.append(why)
         return found
 
@@ -199,6 +209,13 @@ class Placement:
                 largest = max(big_enough, key=lambda h: h.memory or 0)
                 return reason(TOO_LITTLE_MEMORY, f"no worker offering {model} has devices with the memory this job needs: on the "
                                                  f"largest, {refusals[big_enough.index(largest)]}")
+            need = players(job["config"])
+            if need > 1:
+                most = max(h.most_seats(job) for h in offering)
+                return reason(TOO_FEW_DEVICES, f"a league of {need} players takes {need} seats of one shared server serving {model} "
+                                               f"(its players share that server's passes; a league is never split over servers), and the "
+                                               f"largest such server has {most}: give fewer players, or start a worker with more seats "
+                                               f"(tinkergym worker --shared-devices 0 --seats {need})")
             largest = max(offering, key=lambda h: h.devices)
             seats = "; seats of shared servers take only LoRA train or sft jobs of one device with the server's model, dtype and " \
                     "at most its max_lora_rank" if any(h.seats for h in offering) else ""

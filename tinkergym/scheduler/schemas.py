@@ -51,6 +51,7 @@ class JobConfig(WireModel):
     resume_checkpoint: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
                                           description="the checkpoint of resume_job to start from, by name (default: its newest)")
     served_name: str | None = Field(None, pattern=SERVED_NAME.pattern, description="an inference job: the name the run is served under")
+    players: int | None = Field(None, ge=1, le=64, description="a league (train job): its players, one adapter each on seats of one shared server")
 
 
 class JobCreate(WireModel):

@@ -21,7 +21,11 @@ The placement rule (:func:`fits`), the same for the grant and for the wait reaso
   takes a seat before a whole device, on any worker: a worker with whole devices free does not take a job that a free
   seat of another live worker fits, its memory included (:func:`tinkergym.scheduler.leases.free_seats_of_others`).
 
-A seat counts as one device toward the tenant's ``max_gpus``. Standard library only.
+A league (a ``train`` job of the league trainer, its config's ``players`` above 1: N adapters of one base trained
+together) takes N seats of one shared server at once, never whole devices: its players' calls share that server's
+passes. Its N seats count as one device toward the tenant's ``max_gpus`` (one job); a league larger than any shared
+server's seats is refused at submission (``too_few_devices``), never split over servers (the players' passes could not
+be shared). Otherwise a seat counts as one device toward the tenant's ``max_gpus``. Standard library only.
 """
 
 from __future__ import annotations
@@ -73,6 +77,21 @@ def packable(kind: str, gpus: int, config: Any) -> bool:
     rank = DEFAULT_LORA_RANK if rank is None else rank
     return (kind in PACKABLE_KINDS and gpus == 1 and isinstance(rank, int) and rank > 0 and not found.get("lora_dropout")
             and not found.get("gradient_checkpointing") and not found.get("deterministic"))
+
+
+def players(config: Any) -> int:
+    """The adapters a job trains at once: its config's ``players`` (a league), else 1."""
+    found = _config(config).get("players")
+    return found if isinstance(found, int) and not isinstance(found, bool) and 1 <= found <= MAX_SEATS else 1
+
+
+def league_seats(free: list[tuple[Any, dict[str, Any]]], kind: str, gpus: int, config: Any) -> dict[int, list[Any]]:
+    """The seats of ``free`` (rows with ``seat_of``, and their bases) that a job fits, by the device they sit on, in order."""
+    found: dict[int, list[Any]] = {}
+    for row, shared in free:
+        if fits(shared, kind, gpus, config):
+            found.setdefault(row.seat_of, []).append(row)
+    return found
 
 
 def fits(shared: dict[str, Any], kind: str, gpus: int, config: Any) -> bool:

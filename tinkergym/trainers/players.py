@@ -37,6 +37,7 @@ from typing import Any
 from tinkergym.errors import ConfigError
 from tinkergym.games import Game, GameResult, ModelPlayer, Player, play_games
 from tinkergym.plumbing import timeline
+from tinkergym.protocol.types import LoraSessionConfig
 from tinkergym.trainers.base import StepOutput, TrainingContext
 from tinkergym.trainers.grpo import GRPOTrainer, phase_times
 from tinkergym.trainers.league import outcome_key, plackett_luce
@@ -186,10 +187,14 @@ class LeagueTrainer(GRPOTrainer):
             raise ConfigError(f"trainer arg learning_rates={rates!r}: give one learning rate above 0 per player ({count}), e.g. "
                               f"learning_rates=[{', '.join(['1e-4'] * count)}]")
         self.learning_rates = [float(r) for r in rates]
-        self.max_snapshots = args.get("max_snapshots", DEFAULT_SNAPSHOTS)
+        holds_snapshots = getattr(self.joint, "holds_snapshots", True)  # a league job of a scheduler holds its players alone
+        self.max_snapshots = args.get("max_snapshots", DEFAULT_SNAPSHOTS if holds_snapshots else 0)
         if isinstance(self.max_snapshots, bool) or not isinstance(self.max_snapshots, int) or not 0 <= self.max_snapshots <= MAX_PLAYERS:
             raise ConfigError(f"trainer arg max_snapshots={self.max_snapshots!r}: give how many frozen snapshots play at once, "
                               f"0 to {MAX_PLAYERS} (0: none; --snapshot-every says how often one is taken)")
+        if self.max_snapshots and not holds_snapshots:
+            raise ConfigError(f"trainer arg max_snapshots={self.max_snapshots}: a league through a scheduler holds its players' adapters "
+                              "alone (its job's seats), no frozen snapshots: leave max_snapshots out (or 0)")
         room = getattr(getattr(self.joint, "config", None), "max_sessions", None)
         if room is not None and count + self.max_snapshots > room:
             raise ConfigError(f"{count} players and {self.max_snapshots} snapshots are {count + self.max_snapshots} adapters; this base "
@@ -201,8 +206,6 @@ class LeagueTrainer(GRPOTrainer):
                               f"give at least {len(self.seats)} players")
         if self.roles and self.self_play_share:
             raise ConfigError("roles=true: a player keeps its seat, so it cannot play itself; leave out self_play_share")
-        from tinkergym.backends.torch.shared import LoraSessionConfig
-
         self.players: dict[str, Any] = {player_name(0): ctx.backend}
         for i in range(1, count):
             self.players[player_name(i)] = self.joint.open_session(LoraSessionConfig(lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, seed=c.seed + i))
@@ -325,8 +328,6 @@ class LeagueTrainer(GRPOTrainer):
             self.joint.close_session(self.snapshots.pop(old))
 
     def open_snapshot(self, name: str) -> None:
-        from tinkergym.backends.torch.shared import LoraSessionConfig
-
         c = self.ctx.config
         session = self.joint.open_session(LoraSessionConfig(lora_rank=c.lora_rank, lora_alpha=c.lora_alpha, seed=c.seed))
         session.load_adapter(str(self.snapshot_folder(name)))

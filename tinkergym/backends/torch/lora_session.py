@@ -13,7 +13,6 @@ import json
 import os
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -26,10 +25,9 @@ from tinkergym.backends.torch.sharded_states import is_sharded_state
 from tinkergym.backends.torch.lora_states import BACKEND_STATE_FORMAT, SESSION_KIND, SESSION_STATE_FORMAT
 from tinkergym.backends.torch.state_files import check_state_format, read_optimizer_state, write_optimizer_state
 from tinkergym.backends.torch.vision import VisionInputs
-from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
 from tinkergym.errors import ConfigError
 from tinkergym.plumbing.folders import fresh_tmp_dir, replace_dir
-from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, ImageData, OptimParams, SampleRequest, SampleResponse, PlainData
+from tinkergym.protocol.types import ForwardBackwardRequest, ForwardBackwardResult, ImageData, LoraSessionConfig, OptimParams, SampleRequest, SampleResponse
 
 
 T = TypeVar("T")
@@ -63,14 +61,6 @@ class SessionBase(Protocol):
     def sample_many(self, calls: Sequence[tuple[LoraSession, SampleRequest]]) -> list[Outcome]: ...
     def logprobs_many(self, calls: Sequence[tuple[LoraSession, tuple]]) -> list[Outcome]: ...
 
-
-@dataclass
-class LoraSessionConfig(PlainData):
-    """A session's adapter: its rank and alpha, and the seed of its initialization and sampling."""
-
-    lora_rank: int = DEFAULT_LORA_RANK
-    lora_alpha: float = float(DEFAULT_LORA_ALPHA)
-    seed: int = 0
 
 
 

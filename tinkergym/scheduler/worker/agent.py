@@ -103,7 +103,8 @@ class JobRunner(threading.Thread):
         shared = worker.shared.servers.get(self.devices[0]) if lease.get("seat") is not None and self.devices else None
         self.seat = Seat(shared, lease) if shared is not None else None
         self.states = self.seat.states if self.seat is not None else self.folder / "states"
-        self.places = {("seat", lease["seat"])} if lease.get("seat") is not None else {("device", i) for i in self.devices}
+        self.places = ({("seat", i) for i in lease.get("seats") or [lease["seat"]]} if lease.get("seat") is not None
+                       else {("device", i) for i in self.devices})
 
     # ----- the job ----------------------------------------------------------------------------------
     def run(self) -> None:

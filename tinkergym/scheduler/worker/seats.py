@@ -219,13 +219,17 @@ def _q(part: str) -> str:
 
 
 class Seat:
-    """One seat lease: its job's adapter on the device's shared server (see the module's notes)."""
+    """One seat lease: its job's adapter on the device's shared server (see the module's notes); a league's lease (its
+    seats: ``lease["seats"]``) one adapter a player, ``<job>.<epoch>`` for player 0 and ``<job>.<epoch>.p<i>`` for the
+    others, each opened with the player's token (:func:`tinkergym.client.player_token`) and seed ``seed + i``."""
 
     def __init__(self, server: SharedServer, lease: dict[str, Any]) -> None:
         self.server, self.lease = server, lease
         self.adapter_id = f"{lease['job_id']}.{lease['epoch']}"
+        players = len(lease.get("seats") or ()) or 1
+        self.adapter_ids = [self.adapter_id] + [f"{self.adapter_id}.p{i}" for i in range(1, players)]
         self.folder = server.folder / "run" / "adapters" / self.adapter_id
-        self.opened = False
+        self.opened: list[str] = []
         self._lock = threading.Lock()
 
     @property
@@ -233,53 +237,58 @@ class Seat:
         return self.folder / "states"
 
     def open(self, check: Callable[[], None], seconds: float) -> str:
-        """Start the server if needed and open the job's adapter (from its restored states' folder); the server's URL."""
+        """Start the server if needed and open the job's adapters (player 0's from its restored states' folder); the server's URL."""
+        from tinkergym.client import player_token
+
         config = self.lease["config"]
         if config.get("model") != self.server.spec["model"]:
             raise WorkerFault(f"seat {self.lease.get('seat')} serves {self.server.spec['model']}, not the job's {config.get('model')!r}")
         self.server.ensure(check)
-        body = {"adapter_id": self.adapter_id, "token_sha256": hashlib.sha256(self.lease["token"].encode()).hexdigest(),
-                "lora_rank": config.get("lora_rank") or DEFAULT_LORA_RANK, "lora_alpha": float(config.get("lora_alpha") or DEFAULT_LORA_ALPHA),
-                "seed": config.get("seed") or 0}
-        with self._lock:
-            self.server.call("POST", "/v1/adapters", body)
-            self.opened = True
+        for index, adapter_id in enumerate(self.adapter_ids):
+            token = player_token(self.lease["token"], index)
+            body = {"adapter_id": adapter_id, "token_sha256": hashlib.sha256(token.encode()).hexdigest(),
+                    "lora_rank": config.get("lora_rank") or DEFAULT_LORA_RANK, "lora_alpha": float(config.get("lora_alpha") or DEFAULT_LORA_ALPHA),
+                    "seed": (config.get("seed") or 0) + index}
+            with self._lock:
+                self.server.call("POST", "/v1/adapters", body)
+                self.opened.append(adapter_id)
         self.renew(seconds)
         return self.server.url
 
     def renew(self, seconds: float) -> None:
-        """Bind the adapter to the lease for ``seconds`` from now (at the lease's epoch); nothing before it opened."""
+        """Bind the adapters to the lease for ``seconds`` from now (at the lease's epoch); nothing before they opened."""
         with self._lock:
-            if not self.opened:
-                return
-            self.server.call("PUT", f"/v1/adapters/{_q(self.adapter_id)}/lease", {"seconds": max(seconds, 1e-3), "epoch": self.lease["epoch"]})
+            for adapter_id in self.opened:
+                self.server.call("PUT", f"/v1/adapters/{_q(adapter_id)}/lease", {"seconds": max(seconds, 1e-3), "epoch": self.lease["epoch"]})
+
+    def _mine(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        listing = self.server.call("GET", "/v1/adapters")
+        return [a for a in listing.get("adapters", []) if a.get("adapter_id") in self.adapter_ids], listing
 
     def usage(self) -> tuple[dict[str, int] | None, dict[str, Any] | None]:
-        """The tokens the job's adapter trained and sampled (None when it is not listed) and the shared server's memory as
+        """The tokens the job's adapters trained and sampled (None when none is listed) and the shared server's memory as
         measured now (its listing's ``measured``), for the scheduler's placement of the next seats."""
-        listing = self.server.call("GET", "/v1/adapters")
+        mine, listing = self._mine()
         measured = listing.get("measured")
         memory = measured if isinstance(measured, dict) else None
-        for adapter in listing.get("adapters", []):
-            if adapter.get("adapter_id") == self.adapter_id:
-                return {k: int(adapter.get(k) or 0) for k in ("tokens_trained", "tokens_sampled")}, memory
-        return None, memory
+        if not mine:
+            return None, memory
+        return {k: sum(int(a.get(k) or 0) for a in mine) for k in ("tokens_trained", "tokens_sampled")}, memory
 
     def idle_s(self) -> float | None:
-        """Seconds since the job's client last called its adapter (0 while a call runs; None when it is not listed)."""
-        listing = self.server.call("GET", "/v1/adapters")
-        for adapter in listing.get("adapters", []):
-            if adapter.get("adapter_id") == self.adapter_id:
-                return adapter.get("idle_s")
-        return None
+        """Seconds since the job's client last called one of its adapters (0 while a call runs; None when none is listed)."""
+        idle = [float(a["idle_s"]) for a in self._mine()[0] if a.get("idle_s") is not None]
+        return min(idle) if idle else None
 
     def close(self) -> None:
-        """Close the adapter (its waiting calls fail, its memory is freed) and delete its folder; safe to call again."""
+        """Close the adapters (their waiting calls fail, their memory is freed) and delete their folders; safe to call again."""
         with self._lock:
-            was_open, self.opened = self.opened, False
+            was_open, self.opened = self.opened, []
         if was_open and self.server.running():
-            try:
-                self.server.call("DELETE", f"/v1/adapters/{_q(self.adapter_id)}?purge=true")
-            except (WorkerFault, JobFault) as exc:
-                log.warning("job %s: could not close its adapter %s: %s", self.lease["job_id"], self.adapter_id, exc)
-        shutil.rmtree(self.folder, ignore_errors=True)
+            for adapter_id in was_open:
+                try:
+                    self.server.call("DELETE", f"/v1/adapters/{_q(adapter_id)}?purge=true")
+                except (WorkerFault, JobFault) as exc:
+                    log.warning("job %s: could not close its adapter %s: %s", self.lease["job_id"], adapter_id, exc)
+        for adapter_id in self.adapter_ids:
+            shutil.rmtree(self.folder.parent / adapter_id, ignore_errors=True)
