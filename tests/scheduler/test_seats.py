@@ -245,6 +245,10 @@ def test_a_league_takes_its_players_seats_of_one_server_and_counts_as_one_job(se
     def reason(job: str) -> dict[str, str]:
         return setup.client.get(f"/v1/jobs/{job}", headers=kit.auth(setup.user)).json()["wait_reason"]
 
+    for body in ({"kind": "train", "config": {"model": "tiny", "players": 2}}, {"kind": "sft", "config": {"model": "tiny", "trainer": "league", "players": 2}},
+                 {"kind": "train", "gpus": 2, "config": {"model": "tiny", "trainer": "league", "players": 2}}):
+        refused = setup.client.post("/v1/jobs", json=body, headers=kit.auth(setup.user))
+        assert refused.status_code in (400, 422) and "players is a league" in refused.text, body
     too_big = submit(setup.client, setup.user, trainer="league", players=4)
     found = reason(too_big)
     assert found["code"] == "too_few_devices" and "a league of 4 players takes 4 seats of one shared server" in found["message"]

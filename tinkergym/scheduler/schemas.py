@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import ConfigDict, Field
+from pydantic import ConfigDict, Field, model_validator
 from tinkergym.config import DTYPES, SERVED_NAME
 from tinkergym.scheduler.artifacts import JOB_ID
 from tinkergym.serve.wire import WireModel
@@ -63,3 +63,10 @@ class JobCreate(WireModel):
     priority: int = Field(0, ge=-100, le=100, description="higher runs first; ties by age")
     name: str = Field("", max_length=200, pattern=r"^[^\x00-\x1f\x7f]*$", description="a label; no control characters")
     max_attempts: int | None = Field(None, ge=1, le=20, description="lost leases before the job fails (default: the scheduler's)")
+
+    @model_validator(mode="after")
+    def _players_are_a_leagues(self) -> JobCreate:
+        """Only a league's train job of one device asks for players (each a seat of one shared server)."""
+        if self.config.players is not None and (self.kind != "train" or self.gpus != 1 or (self.config.model_extra or {}).get("trainer") != "league"):
+            raise ValueError("players is a league's: a train job of the league trainer (config trainer: league) on one device (gpus 1)")
+        return self
