@@ -187,6 +187,20 @@ def test_roles_snapshots_and_the_match_history_of_a_league_resume_exactly(tmp_pa
     assert json.loads((resumed / "league" / "table.json").read_text()) == table
     assert metrics_of(resumed)[-1]["loss"] == pytest.approx(metrics_of(straight)[-1]["loss"], rel=1e-6, abs=1e-7)
 
+    # any player of the finished league is a `tinkergym play` opponent
+    from click.testing import CliRunner
+
+    from tinkergym.cli import main
+
+    jsonl = tmp_path / "played.jsonl"
+    played = CliRunner().invoke(main, ["play", "tinker/GomokuDuel-v0", "--agent", "random", "--seat", "player_1", "--opponent", f"model:{straight / 'final' / 'players' / 'p1'}",
+                                       "--kwarg", "size=5", "--kwarg", "win_length=3", "--seed", "1", "--jsonl", str(jsonl)], catch_exceptions=False)
+    assert played.exit_code == 0, played.output
+    transcript = json.loads(jsonl.read_text())
+    assert transcript["turns"][0]["actor"] == "player_0" and transcript["turns"][0]["action"], "the league's player moved first"
+    missing = CliRunner().invoke(main, ["play", "tinker/GomokuDuel-v0", "--agent", "random", "--opponent", f"model:{tmp_path / 'nope'}"])
+    assert missing.exit_code == 2 and "model:PATH" in missing.output
+
     with pytest.raises(ConfigError, match="at least 2 players"):
         TrainingRun(config(tmp_path / "one", trainer="league", trainer_args={"players": 1, "roles": True}))
     with pytest.raises(ConfigError, match="max_snapshots"):

@@ -36,6 +36,44 @@ class HumanAgent:
             raise click.ClickException("input ended; the game is abandoned") from None
 
 
+class ModelAgent:
+    """A trained model or adapter (a run's ``final``, a league player's ``final/players/p1``, a snapshot) playing a
+    seat greedily: the conversation so far (the env's system prompt, each observation and reply) in the model's chat
+    template, one reply of at most ``max_new_tokens`` a move."""
+
+    def __init__(self, path: str, max_new_tokens: int = 64) -> None:
+        from tinkergym.chat import ChatTemplateRenderer
+        from tinkergym.trainers.session import load_backend_for_eval
+
+        self.backend = load_backend_for_eval(model=path)
+        self.renderer = ChatTemplateRenderer(self.backend.info()["tokenizer"])
+        self.max_new_tokens = max_new_tokens
+        self.messages: list[dict[str, Any]] = []
+
+    def __call__(self, observation: str, info: dict[str, Any]) -> str:
+        from tinkergym.protocol.types import SampleRequest, SamplingParams
+
+        if not self.messages and info.get("system_prompt"):
+            self.messages.append({"role": "system", "content": info["system_prompt"]})
+        self.messages.append({"role": "user", "content": observation})
+        params = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=0.0, stop_token_ids=list(self.renderer.stop_token_ids))
+        response = self.backend.sample(SampleRequest(prompts=[self.renderer.render(self.messages, add_generation_prompt=True)], params=params))
+        tokens = [t for t in response.sequences[0][0].tokens if t not in self.renderer.stop_token_ids]
+        reply = self.renderer.decode(tokens).strip()
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply
+
+
+def _opponent_kind(value: str) -> str:
+    """``--opponent``: baseline, random, or model:PATH (a folder that exists)."""
+    if value in ("baseline", "random"):
+        return value
+    if value.startswith("model:") and Path(value[len("model:"):]).is_dir():
+        return value
+    raise click.BadParameter(f"{value!r}: give baseline, random or model:PATH (a model or adapter folder, e.g. a league's "
+                             "model:runs/league/final/players/p1)", param_hint="--opponent")
+
+
 def _scripted(s: EnvSpec, kind: str, seed: int | None) -> Any:
     if kind == "random":
         return RandomTextAgent(seed=seed)
@@ -50,6 +88,8 @@ def play_one(s: EnvSpec, agent: str, opponent: str, seats: tuple[str, ...], seed
     def player(kind: str, seat: str, offset: int) -> Any:
         if kind == "human":
             return HumanAgent(seat)
+        if kind.startswith("model:"):
+            return ModelAgent(kind[len("model:"):])
         return _scripted(s, kind, None if seed is None else seed + offset)
 
     if s.kind == "aec":
@@ -71,7 +111,9 @@ def play_one(s: EnvSpec, agent: str, opponent: str, seats: tuple[str, ...], seed
 @click.option("--all", "play_all", is_flag=True, help="Play one episode of every installed env (needs --agent baseline or random).")
 @click.option("--agent", type=click.Choice(["human", "baseline", "random"]), default="human", show_default=True, help="Who plays: you, the package's scripted baseline, or random text.")
 @click.option("--seat", "seats", multiple=True, metavar="AGENT", help="Multi-agent envs: the seat(s) --agent plays (default player_0); --opponent plays the rest.")
-@click.option("--opponent", type=click.Choice(["baseline", "random"]), default="baseline", show_default=True, help="Multi-agent envs: who plays the other seats.")
+@click.option("--opponent", default="baseline", show_default=True, callback=lambda ctx, param, value: _opponent_kind(value), metavar="WHO",
+              help="Multi-agent envs: who plays the other seats: baseline, random, or model:PATH, a trained model or adapter folder "
+                   "playing greedily (a run's final/, a league player's final/players/p1, a snapshot).")
 @click.option("--seed", type=SEED, default=None, help="Seed of the episode (and of scripted agents).")
 @click.option("--kwarg", "kwargs", multiple=True, metavar="KEY=VALUE", help="Keyword argument for the env, e.g. size=7 (repeatable).")
 @click.option("--max-steps", default=1_000, show_default=True, type=click.IntRange(1), help="Stop an episode after this many actions.")
@@ -83,6 +125,7 @@ def play(env_id: str | None, play_all: bool, agent: str, seats: tuple[str, ...],
     Examples:
       tinkergym play tinker/Gomoku-v0 --kwarg size=7
       tinkergym play tinker/GomokuDuel-v0 --seat player_1
+      tinkergym play tinker/GomokuDuel-v0 --opponent model:runs/league/final/players/p1
       tinkergym play tinker/Math-v0 --agent baseline --seed 3
       tinkergym play --all --agent baseline --seed 0
 
