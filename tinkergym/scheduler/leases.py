@@ -81,7 +81,7 @@ from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME
 from tinkergym.scheduler.bounds import WorkerBounds
 from tinkergym.scheduler.db import allocations, checkpoints, devices, events, jobs, tenants, workers
 from tinkergym.scheduler.repository import Conflict, JobStore
-from tinkergym.scheduler.seats import fits, league_seats, parse_shared, players
+from tinkergym.scheduler.seats import fits, league_seats, model_of, parse_shared, players
 from tinkergym.scheduler.usage import charge_renewal
 from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
     ALIVE, FORGET_BATCH, GONE, count_loss, locked, strike_worker, forget_worker, mark_gone, owned_worker, quarantine_worker, register_worker,
@@ -208,7 +208,7 @@ class _SeatsElsewhere:
         """Whether a free seat of another live worker that may run ``job`` (its tenant, its model) fits it, its memory included."""
         if self._seats is None:
             self._seats = free_seats_of_others(self.conn, self.worker_id, self.seen_since)
-        model = _model(job)
+        model = model_of(job["config"])
         return any(others.serves(job["tenant_id"]) and (offered is None or model in offered) and fits(shared, job["kind"], job["gpus"], job["config"])
                    and self.room.refusal(row.worker_id, row, job) is None
                    for shared, offered, others, row in self._seats)
@@ -240,13 +240,6 @@ def free_seats_of_others(conn: Connection, worker_id: str, seen_since: float) ->
             offered &= set(parsed.models)
         found.append((parse_shared(row.shared) or {}, frozenset(offered), parsed, row))
     return found
-
-
-def _model(job: dict[str, Any]) -> Any:
-    try:
-        return json.loads(job["config"]).get("model")
-    except (ValueError, AttributeError):
-        return None
 
 
 class Quarantined(PermissionError):
@@ -294,11 +287,11 @@ def grant(
     elsewhere = _SeatsElsewhere(conn, worker_id, now - worker_timeout(settings), room)
     for job in queued_jobs(conn, bounds.tenants if bounds is not None else None):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
-        if _model(job) not in models:
+        if model_of(job["config"]) not in models:
             continue
         need = players(config)  # a league's adapters: that many seats of one shared server, never whole devices
         # Whole devices only if there are enough and they have the memory (priced only then; memory.refusal is cached).
-        on_devices = need == 1 and gpus <= len(whole) and memory.refusal(kind, gpus, config, shapes.get(_model(job)), device_memory, device_kind) is None
+        on_devices = need == 1 and gpus <= len(whole) and memory.refusal(kind, gpus, config, shapes.get(model_of(job["config"])), device_memory, device_kind) is None
         if not on_devices and not any(len(rows) >= need for rows in league_seats(seats, kind, gpus, config).values()):
             continue  # never fits here: it neither starts nor holds this worker's devices
         if _over_quota(conn, job, held, quota):

@@ -10,7 +10,6 @@ server's growth since its base alone over what those jobs were priced to keep (:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from sqlalchemy import insert, select, update
@@ -18,6 +17,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import IntegrityError
 
 from tinkergym.scheduler import memory
+from tinkergym.scheduler.seats import model_of
 from tinkergym.scheduler.db import allocations, devices, jobs, memory_factors, workers
 
 #: Heartbeat fields -> device columns.
@@ -69,7 +69,7 @@ def _learn(conn: Connection, worker_id: str, device: int, measured: dict[str, An
         return  # a job opening or closing its adapter now: the measure and the seats do not match yet
     shapes = memory.parse_shapes(conn.execute(select(workers.c.model_shapes).where(workers.c.id == worker_id)).scalar_one_or_none()) or {}
     kind = conn.execute(select(devices.c.kind).where(devices.c.worker_id == worker_id, devices.c.seat_of == device).limit(1)).scalar_one()
-    models = {_model(config) for config in sitting}
+    models = {model_of(config) for config in sitting}
     if len(models) != 1:
         return
     model = models.pop()
@@ -92,13 +92,6 @@ def _learn(conn: Connection, worker_id: str, device: int, measured: dict[str, An
         conn.execute(update(memory_factors).where(*mine).values(factor=learned[0], samples=learned[1], updated_at=now))
 
 
-def _model(config: Any) -> Any:
-    try:
-        return json.loads(config).get("model")
-    except (ValueError, AttributeError):
-        return None
-
-
 def seat_memory(conn: Connection, worker_id: str, row: Any, shapes: dict[str, Any], found: dict[str, float]) -> memory.SharedMemory:
     """A seat row's device as placement sees it: its last measure, plus what the seat jobs granted there since then are
     priced to keep (their adapters may not be open yet at the measure: two grants between heartbeats do not both see room)."""
@@ -112,7 +105,7 @@ def seat_memory(conn: Connection, worker_id: str, row: Any, shapes: dict[str, An
     ).scalars().all()
     extra = 0
     for config in pending:
-        model = _model(config)
+        model = model_of(config)
         parts = memory.seat_parts(config, shapes.get(model), row.kind)
         if parts is not None:
             extra += int(parts[0] * factor_of(found, model))
@@ -147,6 +140,6 @@ class SeatRoom:
         key = (worker_id, row.seat_of)
         if key not in self._devices:
             self._devices[key] = seat_memory(self.conn, worker_id, row, self._shapes[worker_id], found)
-        model = _model(job["config"])
+        model = model_of(job["config"])
         return memory.seat_refusal(job["config"], self._shapes[worker_id].get(model), self._devices[key], factor_of(found, model),
                                    row.kind, where=f" on device {row.seat_of} of worker {worker_id}")

@@ -24,7 +24,7 @@ from typing import Any
 
 from tinkergym.config import DEFAULT_LORA_RANK, DEFAULT_MICRO_BATCH_SIZE
 from tinkergym.errors import ConfigError
-from tinkergym.scheduler.seats import players
+from tinkergym.scheduler.seats import config_of, players
 
 #: Job kinds whose server trains (and so holds gradients and optimizer state).
 TRAINING_KINDS = ("train", "sft")
@@ -107,7 +107,7 @@ class SharedMemory:
 def seat_parts(config: Any, shape: dict[str, Any] | None, device_kind: str) -> tuple[int, int] | None:
     """``(kept, activations)`` bytes of a seat job of ``config`` (:func:`tinkergym.backends.torch.sizing.seat_estimate`);
     None when it cannot be priced (no shape, a config it cannot read)."""
-    found = _config(config)
+    found = config_of(config)
     if shape is None or found is None:
         return None
     rank, dtype = found.get("lora_rank", DEFAULT_LORA_RANK), found.get("dtype", "auto")
@@ -163,15 +163,6 @@ def learned_factor(factor: float, samples: int, observed: int, priced: int) -> t
     ratio = min(max(observed / priced, FACTOR_BOUNDS[0]), FACTOR_BOUNDS[1])
     weight = min(samples, FACTOR_WINDOW - 1)
     return (factor * weight + ratio) / (weight + 1), samples + 1
-
-
-def _config(config: Any) -> dict[str, Any] | None:
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except ValueError:
-            return None
-    return config if isinstance(config, dict) else None
 
 
 def _gib(size: float) -> str:

@@ -40,7 +40,7 @@ from tinkergym.scheduler import measured, memory, states
 from tinkergym.scheduler.bounds import WorkerBounds, parse_bounds
 from tinkergym.scheduler.db import allocations, api_keys, devices, tenants, workers
 from tinkergym.scheduler.repository import NotFound
-from tinkergym.scheduler.seats import league_seats, parse_shared, players
+from tinkergym.scheduler.seats import league_seats, model_of, parse_shared, players
 from tinkergym.scheduler.worker_registry import worker_timeout
 
 NO_WORKER, NO_MODEL, TOO_FEW_DEVICES, TOO_LITTLE_MEMORY = "no_worker", "no_model", "too_few_devices", "too_little_memory"
@@ -69,7 +69,7 @@ class Host:
 
     def hosts(self, job: dict[str, Any]) -> bool:
         """Whether it could ever run ``job`` (a row with kind, gpus, config): on whole devices or on a seat."""
-        return _model(job["config"]) in self.models and (self._whole(job, self.devices) or self._seat(job, free_only=False))
+        return model_of(job["config"]) in self.models and (self._whole(job, self.devices) or self._seat(job, free_only=False))
 
     def has_room(self, job: dict[str, Any]) -> bool:
         """Whether it could run ``job`` now: enough free whole devices, or a free seat the job fits."""
@@ -77,7 +77,7 @@ class Host:
 
     def memory_refusal(self, job: dict[str, Any]) -> str | None:
         """Why ``job`` on its devices here would not fit their memory (:func:`tinkergym.scheduler.memory.refusal`)."""
-        shape = (self.shapes or {}).get(_model(job["config"]))
+        shape = (self.shapes or {}).get(model_of(job["config"]))
         return memory.refusal(job["kind"], job["gpus"], job["config"], shape, self.memory, self.kind)
 
     def _whole(self, job: dict[str, Any], devices: int) -> bool:
@@ -113,13 +113,6 @@ class Host:
     def physical(self) -> int:
         """Its devices, whole or shared (a shared one counted once, whatever its seats)."""
         return self.devices + self.shared_devices
-
-
-def _model(config: Any) -> Any:
-    try:
-        return (json.loads(config) if isinstance(config, str) else config).get("model")
-    except (ValueError, AttributeError):
-        return None
 
 
 def load_hosts(conn: Connection, now: float, timeout: float) -> list[Host]:
@@ -193,7 +186,7 @@ class Placement:
 
     def placed(self, job: dict[str, Any]) -> dict[str, str] | None:
         """The reason of ``job`` that does not depend on the jobs ahead of it (all but ``behind``); None when those are clear."""
-        model, gpus, tenant = _model(job["config"]), job["gpus"], job["tenant_id"]
+        model, gpus, tenant = model_of(job["config"]), job["gpus"], job["tenant_id"]
         served = [h for h in self.hosts if h.bounds.serves(tenant)]
         if not served:
             return reason(NO_WORKER, f"no worker is alive to run tenant {tenant}'s jobs; start one: tinkergym worker --models {model}")

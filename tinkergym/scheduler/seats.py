@@ -62,12 +62,22 @@ def shared_json(model: str, dtype: str, max_lora_rank: int) -> str:
     return json.dumps({"model": model, "dtype": dtype, "max_lora_rank": max_lora_rank}, sort_keys=True)
 
 
-def _config(config: Any) -> dict[str, Any]:
+def config_of(config: Any) -> dict[str, Any] | None:
+    """A job's config as a dict (it is stored as JSON text); None when it is not one."""
     try:
         found = json.loads(config) if isinstance(config, str) else config
     except ValueError:
-        return {}
-    return found if isinstance(found, dict) else {}
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def model_of(config: Any) -> Any:
+    """A job config's ``model`` (None when the config cannot be read)."""
+    return (config_of(config) or {}).get("model")
+
+
+def _config(config: Any) -> dict[str, Any]:
+    return config_of(config) or {}
 
 
 def packable(kind: str, gpus: int, config: Any) -> bool:
