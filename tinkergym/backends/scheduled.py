@@ -102,6 +102,7 @@ class ScheduledBackend:
         self.remote_options = {"retries": 4, "backoff": 0.5, **(remote or {})}
         self.epoch: int | None = None
         self.last_state: str | None = None  # the name of the state last saved on the job's server
+        self.players_last_states: dict[int, str] = {}  # a league's players': the name each last saved
         self._remote: RemoteBackend | None = None
         self._others: list[RemoteBackend] = []  # a league's players 1..N-1, on the same server
         self.players = players
@@ -201,8 +202,10 @@ class ScheduledBackend:
         """
         if self.epoch is None:
             return
-        if self.last_state is not None and not self.wait_stored(self.last_state, store_timeout):
-            self.say(f"job {self.job_id}: ending the job without checkpoint {self.last_state}")
+        deadline = time.monotonic() + store_timeout
+        for name in [self.last_state, *self.players_last_states.values()]:  # a league's players' last states too
+            if name is not None and not self.wait_stored(name, max(deadline - time.monotonic(), 0.0)):
+                self.say(f"job {self.job_id}: ending the job without checkpoint {name}")
         self.client.complete(self.job_id, self.epoch, reason=reason)
 
     def wait_stored(self, name: str, timeout: float) -> bool:
@@ -342,15 +345,15 @@ class ScheduledPlayer:
         """The player's state on its adapter under the checkpoint's name and its own (``step_000004.p1``: every checkpoint
         keeps its own), noted in ``path``."""
         folder = Path(path)
-        self.backend.call_player(self.index, "save_state", path, name=f"{server_name(folder.parent.parent)}.{server_name(folder)}")
+        name = f"{server_name(folder.parent.parent)}.{server_name(folder)}"
+        self.backend.call_player(self.index, "save_state", path, name=name)
+        self.backend.players_last_states[self.index] = name
 
     def load_state(self, path: str) -> None:
         try:
             self.backend.call_player(self.index, "load_state", path)
-        except ConfigError as exc:
-            raise ConfigError(f"player {self.index} of league job {self.backend.job_id}: {exc}. A league's other players keep their "
-                              "states on the server that saved them: after a lost lease the league starts again (its checkpoints "
-                              "in the scheduler's store are player 0's)") from exc
+        except ConfigError as exc:  # e.g. a new server whose worker could not restore this player's state: an older checkpoint is tried
+            raise ConfigError(f"player {self.index} of league job {self.backend.job_id}: {exc}") from exc
 
     def export(self, path: str, merged: bool = False) -> None:
         self.backend.call_player(self.index, "export", path, merged)
@@ -368,7 +371,8 @@ class LeagueJoint:
     holds_snapshots = False
 
     def __init__(self, backend: ScheduledBackend, players: int) -> None:
-        self.backend, self.players, self.opened = backend, players, 0
+        self.backend, self.players = backend, players
+        self.free = set(range(1, players))  # players not handed out (a trainer built again after a lost lease takes them anew)
 
     @property
     def config(self) -> Any:
@@ -379,13 +383,16 @@ class LeagueJoint:
 
     def open_session(self, config: Any = None) -> ScheduledPlayer:
         """The next player (1, 2, ...): its adapter was opened by the job's worker, with the job's rank and seed + its index."""
-        if self.opened + 1 >= self.players:
+        if not self.free:
             raise ConfigError(f"league job {self.backend.job_id} has {self.players} players (adapters); all are open")
-        self.opened += 1
-        return ScheduledPlayer(self.backend, self.opened)
+        index = min(self.free)
+        self.free.discard(index)
+        return ScheduledPlayer(self.backend, index)
 
     def close_session(self, session: Any) -> None:
-        """Nothing to free here: the job's end closes every player's adapter."""
+        """Hand the player back (its adapter stays open on the server until the job ends)."""
+        if isinstance(session, ScheduledPlayer) and 0 < session.index < self.players:
+            self.free.add(session.index)
 
     def sample_many(self, calls: list[tuple[Any, Any]]) -> list[Any]:
         return self._together("sample", calls)

@@ -56,7 +56,7 @@ from tinkergym.scheduler.artifact_paths import check_relpath
 from tinkergym.scheduler.worker.job_servers import SERVING_KINDS, WorkerOptions, die_with_parent, server_command  # noqa: F401 - public here too
 from tinkergym.scheduler.worker.checks import last_line, log_tail, server_fault
 from tinkergym.scheduler.worker.faults import Cancelled, JobFault, LeaseLost, Shutdown, WorkerFault  # noqa: F401 - public here too
-from tinkergym.scheduler.worker.folders import finish_folder, prune_states, state_files, state_step
+from tinkergym.scheduler.worker.folders import PLAYER_STATE, finish_folder, prune_states, state_files, state_step
 from tinkergym.scheduler.worker.launchers import STOP_GRACE_S, JobServer, ServerLost  # noqa: F401 - STOP_GRACE_S public here too
 from tinkergym.scheduler.worker.seats import Seat
 
@@ -103,6 +103,8 @@ class JobRunner(threading.Thread):
         shared = worker.shared.servers.get(self.devices[0]) if lease.get("seat") is not None and self.devices else None
         self.seat = Seat(shared, lease) if shared is not None else None
         self.states = self.seat.states if self.seat is not None else self.folder / "states"
+        # a league's players 1..N-1 save theirs (step_N.p<i>) beside their own adapters: uploaded and restored as checkpoints too
+        self.player_states = self.seat.player_states() if self.seat is not None else []
         self.places = ({("seat", i) for i in lease.get("seats") or [lease["seat"]]} if lease.get("seat") is not None
                        else {("device", i) for i in self.devices})
 
@@ -488,11 +490,22 @@ class JobRunner(threading.Thread):
             chosen[newest["name"]] = newest
             self.served = newest["name"]
         named = (self.lease.get("checkpoint") or {}).get("name")
+        players = {c["name"]: c for c in own if PLAYER_STATE.match(c["name"])}  # a league's players' states: beside their adapters
+        own = [c for c in own if c["name"] not in players]
+        owner = PLAYER_STATE.match(named) if isinstance(named, str) and named in players else None
+        if owner is not None:
+            named = owner.group(1)  # the checkpoint the player's state belongs to
         mine = [c for c in own if c["name"] == named] or ([max(own, key=lambda c: c["step"])] if own else [])
         for checkpoint in mine:
             chosen[checkpoint["name"]] = checkpoint
-        states = self.states
+        places = {name: self.states for name in chosen}
+        for checkpoint in mine:
+            for index, folder in enumerate(self.player_states, start=1):
+                player = players.get(f"{checkpoint['name']}.p{index}")
+                if player is not None:
+                    chosen[player["name"]], places[player["name"]] = player, folder
         for name, checkpoint in chosen.items():
+            states = places[name]
             self._check()
             if not CHECKPOINT_NAME.match(name) or name.endswith(".tmp"):
                 continue
@@ -511,8 +524,11 @@ class JobRunner(threading.Thread):
             self._event("log", {"message": f"restored checkpoint {name} (step {checkpoint['step']}) of job {checkpoint['job_id']}"})
 
     def _scan(self) -> None:
-        """Upload every new complete state folder, then record it."""
-        states = self.states
+        """Upload every new complete state folder (the job's, and a league's players'), then record it."""
+        for states in [self.states, *self.player_states]:
+            self._scan_folder(states)
+
+    def _scan_folder(self, states: Path) -> None:
         if not states.is_dir():
             return
         for entry in sorted(os.scandir(states), key=lambda e: e.name):

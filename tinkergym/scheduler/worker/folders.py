@@ -16,7 +16,9 @@ import re
 import shutil
 from pathlib import Path
 
-STEP_NAME = re.compile(r"^step_(\d{1,12})$")
+STEP_NAME = re.compile(r"^step_(\d{1,12})(?:\.p\d{1,2})?$")  # a league player's state: step_N.p<i>
+#: A league player's state of a checkpoint: ``<checkpoint>.p<i>`` (``tinkergym.backends.scheduled.ScheduledPlayer``).
+PLAYER_STATE = re.compile(r"^(.+)\.p(\d{1,2})$")
 #: Server log bytes kept of a failed job, and how many failed jobs' logs a worker keeps.
 KEPT_LOG_BYTES = 1 << 20
 KEPT_FAILED = 20

@@ -236,6 +236,10 @@ class Seat:
     def states(self) -> Path:
         return self.folder / "states"
 
+    def player_states(self) -> list[Path]:
+        """The states folders of a league's players 1..N-1 (their adapters'), in order."""
+        return [self.folder.parent / adapter_id / "states" for adapter_id in self.adapter_ids[1:]]
+
     def open(self, check: Callable[[], None], seconds: float) -> str:
         """Start the server if needed and open the job's adapters (player 0's from its restored states' folder); the server's URL."""
         from tinkergym.client import player_token
