@@ -478,19 +478,22 @@ class JobRunner(threading.Thread):
         own = [c for c in found if c["job_id"] == self.job_id]
         self.recorded = {c["name"] for c in own}
         chosen: dict[str, dict[str, Any]] = {}
-        continued = [c for c in found if c["job_id"] != self.job_id]
+        continued = every = [c for c in found if c["job_id"] != self.job_id]
         config = self.lease.get("config") or {}
         wanted = config.get("resume_checkpoint")
         if wanted:  # a named checkpoint of the continued job (a Tinker sampler's snapshot, a run created from a state)
             continued = [c for c in continued if c["name"] == wanted]
             if not continued:
                 raise ValueError(f"job {config.get('resume_job')} has no checkpoint named {wanted!r} to start from")
+        elif self.player_states:  # a league's players' states (step_N.p<i>) only beside p0's: its newest is its player 0's
+            continued = [c for c in continued if not PLAYER_STATE.match(c["name"])]
         if continued:
             newest = max(continued, key=lambda c: c["step"])
             chosen[newest["name"]] = newest
             self.served = newest["name"]
         named = (self.lease.get("checkpoint") or {}).get("name")
-        players = {c["name"]: c for c in own if PLAYER_STATE.match(c["name"])}  # a league's players' states: beside their adapters
+        # a league's players' states (a continued league's, then the job's own): restored beside their players' adapters
+        players = {c["name"]: c for c in [*every, *own] if PLAYER_STATE.match(c["name"])} if self.player_states else {}
         own = [c for c in own if c["name"] not in players]
         owner = PLAYER_STATE.match(named) if isinstance(named, str) and named in players else None
         if owner is not None:
@@ -499,9 +502,9 @@ class JobRunner(threading.Thread):
         for checkpoint in mine:
             chosen[checkpoint["name"]] = checkpoint
         places = {name: self.states for name in chosen}
-        for checkpoint in mine:
+        for name in list(chosen):
             for index, folder in enumerate(self.player_states, start=1):
-                player = players.get(f"{checkpoint['name']}.p{index}")
+                player = players.get(f"{name}.p{index}")
                 if player is not None:
                     chosen[player["name"]], places[player["name"]] = player, folder
         for name, checkpoint in chosen.items():
