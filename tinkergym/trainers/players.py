@@ -1,7 +1,7 @@
 """A league of trained players: N LoRA adapters of one base model, all learning at once against each other.
 
-``tinkergym train --trainer league --env tinker/GomokuDuel-v0 --trainer-arg players=4`` (its backend is ``shared``
-unless ``--backend`` names another, which it refuses): the run's backend is player ``p0``; ``p1`` ... ``p{N-1}`` are
+``tinkergym train --trainer league --env tinker/GomokuDuel-v0 --trainer-arg players=4`` (its backend is ``shared``, or
+a scheduler's job with ``--scheduler``; another ``--backend`` is refused): the run's backend is player ``p0``; ``p1`` ... ``p{N-1}`` are
 more adapters of the same shared base (seeds ``seed + i``), so the base is held once whatever N. Each step plays
 ``batch_size * group_size`` games (all players' together), then updates every player once:
 
@@ -17,11 +17,22 @@ more adapters of the same shared base (seeds ``seed + i``), so the base is held 
 - **Ratings**: every finished game between two players updates their openskill ratings and results; logged as
   ``rating/<player>`` and ``league/winrate_<a>_vs_<b>``, saved with each checkpoint (``--resume`` goes on exactly).
 
+- **Snapshots**: every ``--snapshot-every`` steps each player's adapter is exported to ``snapshots/<player>/step_N``
+  and joins as a frozen member ``<player>@N`` (a session of the same base that never trains), drawn like a player;
+  past ``max_snapshots`` open at once the oldest retire (kept in the table, drawn no more).
+- **Roles** (``roles=true``): player ``p<i>`` always holds seat ``i mod S`` of the env's ``S`` seats and meets only
+  members of the other roles, so each adapter learns one role (first or second player, proposer or solver).
+- **Record**: ``league/matches.jsonl`` (every game: step, player, seat holders, outcomes) and ``league/table.json``
+  (the rating table), cut back to the checkpoint on ``--resume``.
+
 Players beyond ``p0`` are saved in every checkpoint under ``players/<name>`` and exported to ``final/players/<name>``
 (``p0`` is the run's own export, ``final/``). A league of one is self-play on the shared backend, metric for metric.
+Through a scheduler (``--scheduler``) the players are the job's adapters on seats of one shared server
+(:class:`tinkergym.backends.scheduled.LeagueJoint`), without snapshots.
 
 ``trainer_args``: ``players`` (2), ``pfsp_exponent`` (2), ``self_play_share`` (0), ``scale_by_std`` (true),
-``learning_rates`` (one per player; default the run's ``lr`` for each).
+``learning_rates`` (one per player; default the run's ``lr`` for each), ``max_snapshots`` (8; 0 through a scheduler),
+``roles`` (false).
 """
 
 from __future__ import annotations
