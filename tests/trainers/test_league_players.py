@@ -193,7 +193,8 @@ def test_roles_snapshots_and_the_match_history_of_a_league_resume_exactly(tmp_pa
     from tinkergym.cli import main
 
     jsonl = tmp_path / "played.jsonl"
-    played = CliRunner().invoke(main, ["play", "tinker/GomokuDuel-v0", "--agent", "random", "--seat", "player_1", "--opponent", f"model:{straight / 'final' / 'players' / 'p1'}",
+    opponent = f"model:{straight / 'final' / 'players' / 'p1'}"
+    played = CliRunner().invoke(main, ["play", "tinker/GomokuDuel-v0", "--agent", "random", "--seat", "player_1", "--opponent", opponent,
                                        "--kwarg", "size=5", "--kwarg", "win_length=3", "--seed", "1", "--jsonl", str(jsonl)], catch_exceptions=False)
     assert played.exit_code == 0, played.output
     transcript = json.loads(jsonl.read_text())

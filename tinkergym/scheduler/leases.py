@@ -291,7 +291,8 @@ def grant(
             continue
         need = players(config)  # a league's adapters: that many seats of one shared server, never whole devices
         # Whole devices only if there are enough and they have the memory (priced only then; memory.refusal is cached).
-        on_devices = need == 1 and gpus <= len(whole) and memory.refusal(kind, gpus, config, shapes.get(model_of(job["config"])), device_memory, device_kind) is None
+        on_devices = (need == 1 and gpus <= len(whole)
+                      and memory.refusal(kind, gpus, config, shapes.get(model_of(job["config"])), device_memory, device_kind) is None)
         if not on_devices and not any(len(rows) >= need for rows in league_seats(seats, kind, gpus, config).values()):
             continue  # never fits here: it neither starts nor holds this worker's devices
         if _over_quota(conn, job, held, quota):
@@ -340,7 +341,8 @@ def _take(
     ).mappings().first()
     return {
         "job_id": job["id"], "kind": job["kind"], "config": json.loads(job["config"]), "epoch": epoch, "attempt": job["attempt"],
-        "devices": indexes, "seat": seat, "seats": [device.index for device in chosen] if seat is not None else None, "expires_at": expires, "ttl_s": settings.lease_ttl_s, "idle_timeout_s": settings.idle_timeout_s, "token": token,
+        "devices": indexes, "seat": seat, "seats": [device.index for device in chosen] if seat is not None else None, "expires_at": expires,
+        "ttl_s": settings.lease_ttl_s, "idle_timeout_s": settings.idle_timeout_s, "token": token,
         "checkpoint": dict(last) if last is not None else None,
     }
 

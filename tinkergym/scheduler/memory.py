@@ -150,7 +150,8 @@ def seat_refusal(config: Any, shape: dict[str, Any] | None, device: SharedMemory
     if projected <= usable:
         return None
     return (f"the shared server{where} uses {_gib(device.used)} now and {_gib(peak)} at its peak of the {_gib(usable)} a job may plan on "
-            f"({HEADROOM:.0%} of {_gib(device.total)}); this job keeps about {_gib(need)} there ({'adapter' if count == 1 else f'{count} adapters'}, gradients and AdamW's moments "
+            f"({HEADROOM:.0%} of {_gib(device.total)}); this job keeps about {_gib(need)} there "
+            f"({'adapter' if count == 1 else f'{count} adapters'}, gradients and AdamW's moments "
             f"{_gib(kept)} x {factor:.2f}, learned from what seats measured) and passes {_gib(activations)} of activations: "
             f"it starts when a seat's job ends and frees its memory, or ask for a lower lora_rank or micro_batch_size")
 
