@@ -65,13 +65,15 @@ class ModelAgent:
 
 
 def _opponent_kind(value: str) -> str:
-    """``--opponent``: baseline, random, or model:PATH (a folder that exists)."""
-    if value in ("baseline", "random"):
+    """``--opponent``: baseline, random, or model:PATH (the folder is looked for when the game starts)."""
+    if value in ("baseline", "random") or (value.startswith("model:") and len(value) > len("model:")):
         return value
-    if value.startswith("model:") and Path(value[len("model:"):]).is_dir():
-        return value
-    raise click.BadParameter(f"{value!r}: give baseline, random or model:PATH (a model or adapter folder, e.g. a league's "
-                             "model:runs/league/final/players/p1)", param_hint="--opponent")
+    raise _bad_opponent(value)
+
+
+def _bad_opponent(value: str) -> click.BadParameter:
+    return click.BadParameter(f"{value!r}: give baseline, random or model:PATH (a model or adapter folder that exists, e.g. a "
+                              "league's model:runs/league/final/players/p1)", param_hint="--opponent")
 
 
 def _scripted(s: EnvSpec, kind: str, seed: int | None) -> Any:
@@ -89,6 +91,8 @@ def play_one(s: EnvSpec, agent: str, opponent: str, seats: tuple[str, ...], seed
         if kind == "human":
             return HumanAgent(seat)
         if kind.startswith("model:"):
+            if not Path(kind[len("model:"):]).is_dir():
+                raise _bad_opponent(kind)
             return ModelAgent(kind[len("model:"):])
         return _scripted(s, kind, None if seed is None else seed + offset)
 
