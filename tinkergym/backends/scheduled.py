@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import types
 from pathlib import Path
 from typing import Any
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from collections.abc import Callable
 from tinkergym.plumbing import timeline
 from tinkergym.backends.remote import RemoteBackend, RemoteBackendError, server_name
 from tinkergym.client import TERMINAL_STATES as TERMINAL  # noqa: F401 - importable from here
-from tinkergym.client import JobEnded, print_stderr  # noqa: F401 - JobEnded: raised by wait_running; importable from here
+from tinkergym.client import JobEnded, player_token, print_stderr  # noqa: F401 - JobEnded: raised by wait_running; importable from here
 from tinkergym.errors import ConfigError
 
 #: Seconds :meth:`ScheduledBackend.reconnect` waits for a new lease before it tries again the server of a lease the job still
@@ -131,8 +132,6 @@ class ScheduledBackend:
         """Wait for the job to run and connect to its server (the wait is the run's ``queue`` span)."""
         with timeline.span("queue", "setup", epoch=after_epoch):
             connection = self.wait_running(after_epoch, same_epoch_after)
-        from tinkergym.client import player_token
-
         for remote in [self._remote, *self._others]:
             if remote is not None:
                 remote.close()
@@ -373,13 +372,8 @@ class LeagueJoint:
     def __init__(self, backend: ScheduledBackend, players: int) -> None:
         self.backend, self.players = backend, players
         self.free = set(range(1, players))  # players not handed out (a trainer built again after a lost lease takes them anew)
-
-    @property
-    def config(self) -> Any:
-        """What a league asks of its base: the adapters it holds (``max_sessions``), the job's players."""
-        import types
-
-        return types.SimpleNamespace(max_sessions=self.players)
+        #: What a league asks of its base: the adapters it holds (``max_sessions``), the job's players.
+        self.config = types.SimpleNamespace(max_sessions=players)
 
     def open_session(self, config: Any = None) -> ScheduledPlayer:
         """The next player (1, 2, ...): its adapter was opened by the job's worker, with the job's rank and seed + its index."""

@@ -380,7 +380,6 @@ class LeagueTrainer(GRPOTrainer):
     def export_backends(self, folder: Path) -> None:
         for name, backend in list(self.players.items())[1:]:
             backend.export(str(Path(folder) / "players" / name))
-        self.matches.write_table(self.table)
 
     def state_dict(self) -> dict[str, Any]:
         """The players' table (ratings, results, snapshots) and how many games the match history holds."""

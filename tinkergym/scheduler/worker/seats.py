@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
+from tinkergym.client import player_token
 from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK
 from tinkergym.plumbing.folders import write_private_file
 from tinkergym.scheduler.worker.checks import last_line, log_tail, server_fault
@@ -242,8 +243,6 @@ class Seat:
 
     def open(self, check: Callable[[], None], seconds: float) -> str:
         """Start the server if needed and open the job's adapters (player 0's from its restored states' folder); the server's URL."""
-        from tinkergym.client import player_token
-
         config = self.lease["config"]
         if config.get("model") != self.server.spec["model"]:
             raise WorkerFault(f"seat {self.lease.get('seat')} serves {self.server.spec['model']}, not the job's {config.get('model')!r}")
