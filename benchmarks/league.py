@@ -6,7 +6,8 @@
 
 Both sides play GomokuDuel-v0 (5x5, three in a row) with the same settings per player: ``--batch-size`` x
 ``--group-size`` games a step for each player, at most ``--max-turns`` moves a seat of at most ``--max-new-tokens``
-tokens, LoRA rank 8, float32 (this script's ``--dtype``). They differ in this only:
+tokens, LoRA rank 8, float32 (this script's ``--dtype``), training passes of one group of games that share a prompt
+(``--micro-batch-size``). They differ in this only:
 
 - ``league``: one run, ``--trainer league --backend shared --trainer-arg players=N``: the base once, N adapters; a step
   plays every player's games together (the players' moves of a round in one decode loop) and updates them in one
@@ -46,8 +47,7 @@ def run_config(out: str, settings: dict[str, Any], trainer: str, players: int) -
                   steps=1 + settings["steps"], batch_size=settings["batch_size"], group_size=settings["group_size"], max_turns=settings["max_turns"],
                   max_new_tokens=settings["max_new_tokens"], lora_rank=8, checkpoint_every=1000, transcripts_every=0, out=out, seed=settings["seed"],
                   kl_coef=0.05)  # every row trains (a random policy's games tie): the update is timed whole
-    if settings.get("micro_batch_size"):
-        common["micro_batch_size"] = settings["micro_batch_size"]
+    common["micro_batch_size"] = settings["micro_batch_size"]
     if trainer == "league":  # a league step's games are the players' together: as many a player as a separate run's
         return TrainConfig(trainer="league", backend="shared", trainer_args={"players": players}, **{**common, "batch_size": settings["batch_size"] * players})
     return TrainConfig(trainer="selfplay", opponents="", **common)
@@ -111,8 +111,9 @@ def main() -> None:
     parser.add_argument("--max-turns", type=int, default=4, help="moves per seat at most")
     parser.add_argument("--max-new-tokens", type=int, default=8, help="tokens per move at most")
     parser.add_argument("--micro-batch-size", type=int, default=None,
-                        help="rows a training pass holds (default: the run's, 8); the seats of one player's step (batch x group x 2) "
-                             "holds every N's passes to N = 1's size, so what grows with N is the games in flight, not the passes")
+                        help="rows a training pass holds (default: --group-size, which with shared prompts is one group a pass at "
+                             "every N, so that a league's passes hold what N = 1's hold and what grows with N is the adapters and "
+                             "the games in flight; a larger one mixes more players' rows into a pass: faster on a GPU, more memory)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="float32", help="precision (auto: the device's native one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny model, N = 1, 2, one timed step of 1 x 2 games (a smoke test)")
@@ -136,7 +137,7 @@ def main() -> None:
 
     settings = {"model": args.model, "model_path": resolve_model(args.model), "dtype": resolve_precision(args.dtype, "cpu"), "steps": args.steps,
                 "batch_size": args.batch_size, "group_size": args.group_size, "max_turns": args.max_turns, "max_new_tokens": args.max_new_tokens,
-                "seed": args.seed, "micro_batch_size": args.micro_batch_size}
+                "seed": args.seed, "micro_batch_size": args.micro_batch_size or args.group_size}
     facts = machine_facts("cpu")
     if not args.json:
         print(f"machine: {describe(facts)}; native precision {facts['native_dtype']}", file=sys.stderr, flush=True)

@@ -12,7 +12,8 @@
 
 Writes ``summary.json`` in ``--out``: win/draw/loss with Wilson 95% intervals, and each player's change against the
 warm model over the same seeds (paired bootstrap, 95%). Run it again to go on: a finished stage is not run twice (the
-league resumes from its newest checkpoint).
+league resumes from its newest checkpoint); with more ``--steps`` than before the league goes on past its end and
+the evaluation runs again.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ def league(args: argparse.Namespace, out: Path, warm: str) -> Any:
     from tinkergym.trainers.session import TrainingRun
 
     folder = out / "league"
-    if (folder / "checkpoints").is_dir():
-        run = TrainingRun.resume(folder)
+    if (folder / "checkpoints").is_dir():  # more --steps than the run was started with go on past its end
+        steps = json.loads((folder / "config.json").read_text(encoding="utf-8"))["steps"]
+        run = TrainingRun.resume(folder, changes={"steps": args.steps} if args.steps > steps else None)
     else:
         run = TrainingRun(TrainConfig(env=ENV, env_kwargs=BOARD, trainer="league", backend="shared", model=warm, steps=args.steps,
                                       batch_size=args.batch_size, group_size=args.group_size, lr=args.lr, lora_rank=8, lora_alpha=16,
@@ -136,7 +138,7 @@ def main() -> None:
     timings["warm_up_s"] = round(time.perf_counter() - started, 1)
     run = league(args, out, warm)
     timings["league_s"] = round(time.perf_counter() - started - timings["warm_up_s"], 1)
-    summary = {**evaluate(args, run), **timings, "settings": vars(args)}
+    summary = {**evaluate(args, run), **timings, "league_steps": run.config.steps, "settings": vars(args)}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     print(f"\n{'pairing':<20} {'games':>5} {'win':>6} {'draw':>6} {'loss':>6}  win 95%         change vs warm")
     for name, row in summary["pairings"].items():

@@ -3,6 +3,7 @@ samples and logprobs of its request alone, touch no other adapter, fail one requ
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from tests.testkit import datum  # noqa: E402
-from tinkergym.backends.torch import row_adapters  # noqa: E402
+from tinkergym.backends.torch import multi_lora, row_adapters  # noqa: E402
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig  # noqa: E402
 from tinkergym.backends.torch.shared import LoraSessionConfig, SharedBase, SharedBaseConfig  # noqa: E402
 from tinkergym.errors import ConfigError  # noqa: E402
@@ -55,6 +56,13 @@ def adapters(tiny, tmp_path_factory) -> dict[int, str]:
     return out
 
 
+@pytest.fixture(params=["stacked", "segmented"])
+def lora_form(request, monkeypatch) -> str:
+    """Both ways a pass of several adapters runs (tinkergym.backends.torch.multi_lora): stacked, and gathered by adapter."""
+    monkeypatch.setattr(multi_lora, "STACK_SHARE", math.inf if request.param == "stacked" else 0.0)
+    return request.param
+
+
 def _sessions(base: SharedBase, adapters: dict[int, str]) -> list:
     sessions = []
     for rank in RANKS:
@@ -78,7 +86,7 @@ def _adapters_per_pass(base: SharedBase) -> tuple[list[int], object]:
     return seen, base.model.register_forward_pre_hook(record, with_kwargs=True)
 
 
-def test_a_shared_pass_gives_each_session_the_gradients_of_its_request_alone(tiny, adapters) -> None:
+def test_a_shared_pass_gives_each_session_the_gradients_of_its_request_alone(tiny, adapters, lora_form) -> None:
     requests = _requests(0)
     expected = []
     for rank, request in zip(RANKS, requests):
@@ -111,7 +119,7 @@ def test_a_shared_pass_gives_each_session_the_gradients_of_its_request_alone(tin
     assert all(torch.equal(before[n], p) for n, p in bystander.params.items()) and bystander.optimizer.state_dict()["state"] == {}
 
 
-def test_mixed_sampling_and_scoring_equal_each_session_alone(tiny, adapters) -> None:
+def test_mixed_sampling_and_scoring_equal_each_session_alone(tiny, adapters, lora_form) -> None:
     prompts = {4: [[11, 12, 13], [40, 41]], 8: [[11, 12, 13]], 16: [[7, 8, 9, 10, 11]]}
     # Stop ids that end rows at different steps, so that a session's rows can all stop before the batch's last step.
     params = SamplingParams(max_new_tokens=8, temperature=1.0, stop_token_ids=list(range(0, 1024, 3)))

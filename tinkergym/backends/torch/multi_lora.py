@@ -2,10 +2,16 @@
 
 :func:`inject` wraps every targeted ``nn.Linear`` of a transformers model in a :class:`MultiLoraLinear`, which
 computes ``base(x)`` once for the whole batch and adds ``scaling * B(A(x))`` to each row through the adapter
-that row belongs to (:mod:`~tinkergym.backends.torch.row_adapters` says which). Rows of one adapter are
-gathered, run through it and added back (``index_select`` / ``index_add``): the segmented form of the
-punica/S-LoRA kernels, in plain torch so that it runs (and backpropagates) on CPU and GPU alike. A batch whose
-rows all use one adapter skips the gathering.
+that row belongs to (:mod:`~tinkergym.backends.torch.row_adapters` says which), in plain torch so that it runs (and
+backpropagates) on CPU and GPU alike. A batch whose rows all use one adapter runs it on every row. A batch of a few
+adapters runs them **stacked**: their ``A`` factors as one ``[total rank, in]`` matrix and their ``B`` as one ``[out,
+total rank]``, so two matmuls serve every row, and each row keeps only its own adapter's block of ``x A^T`` (the other
+entries multiplied by 0, its own by its scaling). Nothing is gathered: a pass saves ``x`` once for every layer that
+reads it, as a single adapter's does, so a batch that mixes adapters (a league's players) holds no more activations
+than one adapter's, and a row's gradient reaches its own adapter alone (the zeros pass none to the others). The extra
+work is the other adapters' columns of the rank-sized products; past :data:`STACK_SHARE` of the base layer's own work
+(many adapters in one batch), rows are instead gathered by adapter, run through it and added back (``index_select`` /
+``index_add``): the segmented form of the punica/S-LoRA kernels.
 
 Each adapter has its own rank and alpha; its weights are float32 tensors outside the model's parameters, so
 that each owner (a :class:`~tinkergym.backends.torch.lora_session.LoraSession`) keeps its own optimizer over them and
@@ -30,6 +36,8 @@ from tinkergym.errors import ConfigError
 
 #: peft's prefix of a saved adapter's weight names (a PeftModel holds the model as ``base_model.model``).
 PEFT_PREFIX = "base_model.model."
+#: The most work stacked adapters may add to a layer, as a share of the base layer's (see the module docstring).
+STACK_SHARE = 0.5
 
 
 @dataclass
@@ -73,6 +81,15 @@ class MultiLoraLinear(torch.nn.Module):
         if plan.only is not None:
             weights = self.adapters.get(plan.only)
             return y if weights is None else y + weights.delta(x).to(y.dtype)
+        present = [(a, self.adapters[a]) for a in plan.present() if a in self.adapters]
+        if not present:
+            return y
+        total = sum(w.A.shape[0] for _, w in present)
+        if total * (self.in_features + self.out_features) <= STACK_SHARE * self.in_features * self.out_features:
+            h = torch.nn.functional.linear(x, torch.cat([w.A for _, w in present]))
+            blocks = tuple((a, w.A.shape[0], w.scaling) for a, w in present)
+            scales = plan.scales(blocks, h.device, h.dtype).view(x.shape[0], *([1] * (x.dim() - 2)), total)
+            return y + torch.nn.functional.linear(h * scales, torch.cat([w.B for _, w in present], dim=1)).to(y.dtype)
         for adapter, rows in plan.segments(x.device):
             weights = self.adapters.get(adapter)
             if weights is not None:

@@ -29,6 +29,28 @@ class RowPlan:
     adapters: tuple[int, ...]
     only: int | None = None
     _segments: list[tuple[int, torch.Tensor]] | None = field(default=None, repr=False)
+    _scales: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def present(self) -> list[int]:
+        """The distinct adapters of the call's rows, in first-appearance order."""
+        return list(dict.fromkeys(self.adapters))
+
+    def scales(self, blocks: tuple[tuple[int, int, float], ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """``[rows, total rank]`` for adapters stacked as ``blocks`` (``(adapter, rank, scaling)`` in stacking order): row
+        ``r``'s entries in its own adapter's block hold that adapter's scaling, every other entry 0. Built once per call."""
+        key = (blocks, device, dtype)
+        if key not in self._scales:
+            where, start = {}, 0
+            for adapter, rank, scaling in blocks:
+                where[adapter] = (start, rank, scaling)
+                start += rank
+            table = torch.zeros(len(self.adapters), start)
+            for row, adapter in enumerate(self.adapters):
+                if adapter in where:
+                    first, rank, scaling = where[adapter]
+                    table[row, first : first + rank] = scaling
+            self._scales[key] = table.to(device=device, dtype=dtype)
+        return self._scales[key]
 
     def segments(self, device: torch.device) -> list[tuple[int, torch.Tensor]]:
         """``[(adapter, row index on device)]`` in first-appearance order; built once per call."""
