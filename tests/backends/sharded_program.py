@@ -5,8 +5,9 @@ ShardedTorchBackend and runs the same calls; rank 0 writes what the test compare
 run, the runs one after another in the same process group, each on a backend of its own) names the model, the LoRA
 rank, a state folder to load first (``load``) and one to save after the first step (``save``), the steps and the seed of
 the first one's batch (``start``), whether the model is a vision-language model whose batches carry images (``vlm``),
-and the file rank 0 writes (``out``): the first step's loss and gradients, and the weights after every step, gathered
-whole. Several runs in one launch start the ranks (torch, transformers) once.
+and the file rank 0 writes (``out``): the first step's loss and gradients, the weights after every step, gathered
+whole, and what sampling gave after the steps (split across the ranks, the prompts each rank decoded, and in lockstep).
+Several runs in one launch start the ranks (torch, transformers) once.
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ OPTIM = OptimParams(learning_rate=1e-3)
 #: Sampled after the steps, with a seed and without (every rank samples the same: SPMD).
 SAMPLES = [SampleRequest([[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=6, seed=11), num_samples=2),
            SampleRequest([[5, 6, 7]], SamplingParams(max_new_tokens=6), num_samples=3)]
+#: A rollout round as a GRPO trainer sends it: four groups of three copies of a prompt, seeded; the ranks split it.
+ROLLOUT = SampleRequest([prompt for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13], [14]) for _ in range(3)],
+                        SamplingParams(max_new_tokens=5, seed=23))
 
 
 def main() -> None:
@@ -119,6 +123,13 @@ def run(spec: dict) -> None:
         if step == 0 and spec.get("save"):
             backend.save_state(spec["save"])
     found["samples"] = [backend.sample(request).to_dict() for request in samples(spec)]
+    found["rollout"] = backend.sample(ROLLOUT).to_dict()
+    shares: list = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, backend.last_share)  # the prompts each rank decoded
+    found["shares"] = shares
+    mode, backend.rollouts = backend.rollouts, "lockstep"  # the same seeded requests, every rank decoding all of each
+    found["lockstep_samples"] = [backend.sample(request).to_dict() for request in samples(spec) if request.params.seed is not None]
+    backend.rollouts = mode
     if spec.get("export"):
         backend.export(spec["export"])
     found["logprobs"] = backend.logprobs([[5, 6, 7, 8, 9], [1, 2, 3]], 1.0)

@@ -71,6 +71,7 @@ def single(model: str, lora: int, steps: int, load: str | None = None, start: in
         metrics = backend.optim_step(program.OPTIM)
         found["steps"].append({"grad_norm": metrics["grad_norm"], "weights": {n: p.detach().clone() for n, p in backend._trainable}})
     found["samples"] = [backend.sample(request).to_dict() for request in program.samples(spec)]
+    found["rollout"] = backend.sample(program.ROLLOUT).to_dict()
     found["logprobs"] = backend.logprobs([[5, 6, 7, 8, 9], [1, 2, 3]], 1.0)
     if export:
         backend.export(export)
@@ -81,6 +82,25 @@ def assert_close(a: dict[str, Any], b: dict[str, Any], what: str, atol: float = 
     assert sorted(a) == sorted(b), what
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=atol, msg=lambda m, name=name: f"{what} {name}: {m}")
+
+
+def tokens_of(response: dict[str, Any]) -> list[list[list[int]]]:
+    return [[s["tokens"] for s in row] for row in response["sequences"]]
+
+
+def assert_same_samples(mine: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """The same tokens, and logprobs within float32's noise (a stale copy of the weights would differ by far more)."""
+    assert tokens_of(mine) == tokens_of(theirs)
+    for row, other in zip(mine["sequences"], theirs["sequences"]):
+        for a, b in zip(row, other):
+            assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+
+
+def assert_split(shares: list[list[int]], request: Any) -> None:
+    """Every rank decoded some of the prompts, each prompt on one rank, the copies of a prompt together."""
+    assert all(shares) and sorted(i for share in shares for i in share) == list(range(len(request.prompts))), shares
+    owner = {i: r for r, share in enumerate(shares) for i in share}
+    assert all(owner[i] == owner[j] for i in owner for j in owner if request.prompts[i] == request.prompts[j]), shares
 
 
 @pytest.fixture(scope="module")
@@ -119,12 +139,14 @@ def test_two_ranks_train_as_one_process(two_ranks: dict[int, tuple[Path, dict[st
     for step in range(2):
         assert sharded["steps"][step]["grad_norm"] == pytest.approx(alone["steps"][step]["grad_norm"], rel=1e-4)
         assert_close(sharded["steps"][step]["weights"], alone["steps"][step]["weights"], f"weights after step {step}")
-    # Sampling and scoring on the sharded model (every rank the same request, in step), before training and after: the
-    # single process's tokens.
-    assert [[s["tokens"] for s in row] for row in sharded["first_sample"]["sequences"]] == \
-        [[s["tokens"] for s in row] for row in alone["first_sample"]["sequences"]]
-    assert [[[s["tokens"] for s in row] for row in r["sequences"]] for r in sharded["samples"]] == \
-        [[[s["tokens"] for s in row] for row in r["sequences"]] for r in alone["samples"]]
+    # Seeded sampling, before training and after (each rank its share of the prompts on its whole copy of the weights):
+    # the single process's tokens and logprobs; in lockstep on the sharded model too. Scoring: the single process's.
+    assert_same_samples(sharded["first_sample"], alone["first_sample"])
+    assert_same_samples(sharded["samples"][0], alone["samples"][0])  # SAMPLES[1] is unseeded: see the three-rank test
+    assert_same_samples(sharded["rollout"], alone["rollout"])
+    assert_same_samples(sharded["lockstep_samples"][0], alone["samples"][0])
+    assert tokens_of(sharded["samples"][0]) != tokens_of(sharded["first_sample"]), "two steps changed what the seeds draw"
+    assert_split(sharded["shares"], program.ROLLOUT)
     for mine, theirs in zip(sharded["logprobs"], alone["logprobs"]):
         assert mine == pytest.approx(theirs, abs=1e-5)
     # The export is one ordinary folder (peft's adapter, or a transformers model) with the single process's weights.
@@ -216,6 +238,13 @@ def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(two_ranks: dict[in
     expected = on["steps"][1]["weights"]  # the second step of the run that went on (its batch 1)
     assert_close(at_one["steps"][0]["weights"], expected, "loaded at 1 rank")
     assert_close(at_three["steps"][0]["weights"], expected, "loaded at 3 ranks")
+    # The same weights sample the same at 1, 2 and 3 ranks: seeded requests, and the unseeded one too between sharded
+    # runs (its seed is rank 0's draw from the run's generator, the same at any number of ranks).
+    assert_same_samples(at_three["rollout"], on["rollout"])
+    assert_same_samples(at_one["rollout"], on["rollout"])
+    assert_same_samples(at_three["samples"][0], at_one["samples"][0])
+    assert tokens_of(at_three["samples"][1]) == tokens_of(on["samples"][1])
+    assert_split(at_three["shares"], program.ROLLOUT)
     assert not all(torch.equal(expected[n], on["steps"][0]["weights"][n]) for n in expected)  # the step changed the weights
     # A fresh backend that loads nothing gives other weights: the load carried the adapter and Adam's moments.
     fresh = single(tiny, lora, 1, start=1)
@@ -254,6 +283,27 @@ def test_rows_are_split_by_tokens_and_groups_stay_on_one_rank() -> None:
     assert [list(p) for p in split_rows(data, 3)] == [[0, 1, 2], [3, 4, 5], [6, 7]]
     assert [list(p) for p in split_rows(data[:3], 2)] == [[0, 1, 2], []]  # one group: one rank; the other runs empty passes
     assert sum(len(p) for p in split_rows(data, 5)) == len(data)
+
+
+def test_sample_prompts_are_split_by_groups_costliest_first() -> None:
+    from tinkergym.backends.torch.sharded_rollouts import split_prompts
+
+    prompts = [[1, 2], [3], [1, 2], [4, 5, 6], [3], [1, 2]]  # groups: 0,2,5 (3 copies), 1,4 (2 copies), 3 (1 copy)
+    assert split_prompts(prompts, [], 1, 4, 2) == [[0, 2, 5], [1, 3, 4]]  # 3 copies to rank 0, then the two others to rank 1
+    assert split_prompts(prompts, [], 1, 4, 3) == [[0, 2, 5], [1, 4], [3]]
+    assert split_prompts(prompts, [], 1, 4, 5)[3:] == [[], []]  # more ranks than groups: some decode nothing
+    assert split_prompts(prompts, [], 1, 4, 1) == [list(range(6))]
+    # a prompt with images is a group of its own, even when its tokens repeat another's
+    assert split_prompts([[1], [1]], [["image"], []], 1, 4, 2) == [[0], [1]]
+
+
+def test_a_replica_that_cannot_fit_is_not_built() -> None:
+    from tinkergym.backends.torch.sharded_rollouts import replica_bytes, replica_fits
+
+    small, huge = torch.nn.Linear(4, 4), torch.nn.Linear(2**20, 2**20, bias=False, device="meta")  # 4 TiB in float32
+    assert replica_bytes(huge, torch.bfloat16) == 2 * 2**40
+    assert replica_fits(small, torch.float32, torch.device("cpu"))
+    assert not replica_fits(huge, torch.bfloat16, torch.device("cpu"))
 
 
 def serve_sharded(tiny: str, tmp_path: Path, ranks: int = 2) -> tuple[subprocess.Popen, str, str]:

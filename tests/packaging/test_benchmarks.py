@@ -253,6 +253,25 @@ def test_league_quick() -> None:
 
 
 @pytest.mark.slow
+def test_sharded_step_quick() -> None:
+    """Both modes on the tiny model: one rank of FSDP2 computes the plain loss; 1 and 2 ranks (and 2 in lockstep) draw the
+    same seeded samples, each configuration on all the cores."""
+    report, _ = run_benchmark("sharded_step.py", "--quick", "--json")
+    sharding, rollouts = report["sharding"], report["rollouts"]
+    check_machine(sharding["machine"])
+    check_machine(rollouts["machine"])
+    assert sharding["sharded"]["first_loss"] == pytest.approx(sharding["plain"]["first_loss"], abs=1e-5)
+    runs = {(r["ranks"], r["mode"]): r for r in rollouts["runs"]}
+    assert set(runs) == {(1, "split"), (2, "split"), (2, "lockstep")}
+    cores = os.cpu_count() or 1
+    assert [runs[key]["threads"] for key in sorted(runs)] == [cores, max(1, cores // 2), max(1, cores // 2)]
+    tokens = {key: [step["tokens"] for step in r["steps"]] for key, r in runs.items()}
+    assert len(set(map(tuple, tokens.values()))) == 1 and tokens[(1, "split")][0] > 0, tokens
+    assert all(r["rollout_tokens_per_s"] > 0 and r["median_train_s"] > 0 for r in runs.values())
+    assert runs[(2, "split")]["rollout_throughput_over_one_rank"] == runs[(2, "split")]["rollout_tokens_per_s"] / runs[(1, "split")]["rollout_tokens_per_s"]
+
+
+@pytest.mark.slow
 def test_shared_fairness_quick() -> None:
     report, _ = run_benchmark("shared_fairness.py", "--quick", "--json")
     check_machine(report["machine"])

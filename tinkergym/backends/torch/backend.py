@@ -348,6 +348,10 @@ class TorchBackend:
         exactly, whatever the batches and wherever it is drawn; without it, sampling draws from the global torch RNG
         (seeded by the config and saved with the state).
         """
+        return self._sample_current(request)
+
+    def _sample_current(self, request: SampleRequest) -> SampleResponse:
+        """:meth:`sample`'s work, under the lock (a sharded backend splits it across its ranks)."""
         return self._sample(request, self._sampling_model(), None)
 
     @_one_at_a_time
@@ -389,21 +393,18 @@ class TorchBackend:
                 for (_, param), weight in zip(self._trainable, live):
                     param.copy_(weight)
 
-    def _sample(self, request: SampleRequest, model: torch.nn.Module, scope: Any) -> SampleResponse:
-        """:meth:`sample` with ``model``; the prefix cache under ``scope`` (None: the model's adapters)."""
+    def _sample(self, request: SampleRequest, model: torch.nn.Module, scope: Any, seeds_by_prompt: list[list[int]] | None = None) -> SampleResponse:
+        """:meth:`sample` with ``model``; the prefix cache under ``scope`` (None: the model's adapters). ``seeds_by_prompt``:
+        each prompt's sample seeds, given (a share of a larger request's prompts) rather than computed from ``params.seed``."""
         params = request.params
-        try:
-            params.check()
-        except ValueError as exc:
-            raise ConfigError(f"params.{exc}") from None
-        check_prompts(request.prompts, request.images, self.reads_images)
-        if self.vision is not None and any(request.images):
-            self.vision.check_rows(request.prompts, request.images, "prompt")
+        self._check_sample(request)
         eos = self.tokenizer.eos_token_id
         stop_ids = list(params.stop_token_ids) or ([eos] if eos is not None else [])
         n = request.num_samples
         # A seeded request: each sample its own stream (tinkergym.protocol.seeds); else the device's default generator.
-        seeds = None if params.seed is None else RowStreams(sample_seeds(request.prompts, n, params.seed, request.images))
+        if seeds_by_prompt is None and params.seed is not None:
+            seeds_by_prompt = sample_seeds(request.prompts, n, params.seed, request.images)
+        seeds = None if seeds_by_prompt is None else RowStreams(seeds_by_prompt)
         with_images = [i for i, images in enumerate(request.images) if images]
         text_rows = [i for i in range(len(request.prompts)) if i >= len(request.images) or not request.images[i]]
         self.prefix_cache.scope = adapter_scope(model) if scope is None else scope
@@ -423,6 +424,16 @@ class TorchBackend:
                 with self._compute(), self._out_of_memory_advice([request.prompts[i]] * count, training=False):
                     sequences[i].extend(sample_with_images(model, request.prompts[i], request.images[i], self.vision, count, params, stop_ids, self.pad_id, generator))
         return SampleResponse(sequences=[sequences[i] for i in range(len(request.prompts))])
+
+    def _check_sample(self, request: SampleRequest) -> None:
+        """Refuse a request this backend cannot sample (its parameters, its prompts, their images), before any work."""
+        try:
+            request.params.check()
+        except ValueError as exc:
+            raise ConfigError(f"params.{exc}") from None
+        check_prompts(request.prompts, request.images, self.reads_images)
+        if self.vision is not None and any(request.images):
+            self.vision.check_rows(request.prompts, request.images, "prompt")
 
     def _sampling_model(self) -> torch.nn.Module:
         """The model to sample with: the policy itself, or a copy made for sampling, refreshed when the weights changed.

@@ -23,9 +23,12 @@ whole request, ``optim_step``, ``save_state``, and so on. What each rank does:
   peers never start). The vision side (every weight outside the language model and its output layer) is left out of
   FSDP like the adapter: whole on every rank; in full fine-tuning its gradients are summed over ranks before the step,
   as the adapter's are. Only the language model's decoder layers are sharded.
-- **Sampling and scoring** run on the sharded model with every rank given the same request (SPMD): the ranks draw the
-  same tokens from the same generator state, so their passes, and the weight gathers they need, line up. Each rank does
-  the whole work (no speed-up; the vLLM sampler is the fast path).
+- **Sampling** is data-parallel (:mod:`~tinkergym.backends.torch.sharded_rollouts`): each rank decodes its share of
+  the request's prompts (whole groups) on a whole copy of the model kept in step with the trained weights, each sample
+  from its own seed, and the ranks gather the samples: the same samples at any number of ranks, N ranks decoding at
+  once. A model whose copy does not fit beside the shards samples in lockstep instead (``rollouts="lockstep"``): every
+  rank decodes the whole request on the sharded model, drawing the same tokens, so the weight gathers line up.
+- **Scoring** (``logprobs``) runs on the sharded model with every rank given the same request (SPMD).
 - **Export** gathers the weights whole on rank 0's host and writes one ordinary peft or transformers folder.
 - **States** are saved with :mod:`torch.distributed.checkpoint` (``get_state_dict``: the weights and the optimizer's
   state, sharded, each rank writing its shards) plus ``state.json``, and load at any number of ranks, one included
@@ -49,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tinkergym.backends.torch import losses
+from tinkergym.backends.torch import losses, sharded_rollouts
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 from tinkergym.backends.torch.batches import request_normalizers
 from tinkergym.backends.torch.sizing import in_language_model
@@ -58,10 +61,14 @@ from tinkergym.backends.torch.sharded_states import (  # noqa: F401 - load_shard
     SHARDED_FORMAT, sharded_meta, trainable_only, dcp_folder, keep_index, load_sharded_state, trainable_weights,
 )
 from tinkergym.plumbing.folders import fresh_tmp_dir, replace_dir
-from tinkergym.protocol.types import Datum, ForwardBackwardRequest, ForwardBackwardResult
+from tinkergym.protocol.seeds import sample_seeds
+from tinkergym.protocol.types import Datum, ForwardBackwardRequest, ForwardBackwardResult, SampleRequest, SampleResponse, SampledSequence
 
 #: Seconds a collective waits for its peers before it raises (a dead rank ends the others).
 DEFAULT_TIMEOUT_S = 600.0
+
+
+log = logging.getLogger("tinkergym.sharded")
 
 
 def init_process_group(device: str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -122,12 +129,22 @@ class ShardedTorchBackend(TorchBackend):
     #: No snapshots to sample from while training (``async_steps``): a rank holds a shard of the weights only.
     sampling_snapshot = None
 
-    def __init__(self, config: TorchBackendConfig | None = None) -> None:
+    def __init__(self, config: TorchBackendConfig | None = None, rollouts: str = "auto") -> None:
+        """``rollouts``: how sample requests run (:data:`~tinkergym.backends.torch.sharded_rollouts.ROLLOUT_MODES`):
+        ``auto`` splits them across the ranks when a whole copy of the model fits on every device, else runs them in
+        lockstep; ``split`` and ``lockstep`` choose."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not dist.is_initialized():
             raise ConfigError("ShardedTorchBackend needs a process group: call init_process_group() first (torchrun sets its environment)")
+        if rollouts not in sharded_rollouts.ROLLOUT_MODES:
+            raise ConfigError(f"rollouts must be one of {', '.join(sharded_rollouts.ROLLOUT_MODES)}, not {rollouts!r}")
         super().__init__(config)
+        self.rollouts = rollouts
+        self._replica: torch.nn.Module | None = None
+        self._replica_stale = True  # the trained weights changed since the replica took them
+        #: The prompts (indices) of the last sample request this rank decoded (all of them in lockstep).
+        self.last_share: list[int] = []
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         lora = [p for _, p in self._trainable] if self.is_lora else []
         # A vision-language model's vision side runs only in the passes whose rows carry images, which differ by rank: it is
@@ -159,7 +176,7 @@ class ShardedTorchBackend(TorchBackend):
         return super()._load_base(dtype, torch.device("cpu") if device is None else device)
 
     def info(self) -> dict[str, Any]:
-        return {**super().info(), "ranks": self.world, "rank": self.rank}
+        return {**super().info(), "ranks": self.world, "rank": self.rank, "rollouts": self.rollouts}
 
     def plan(self, data: list[Datum], share_prefixes: bool | None = None) -> list[Any]:
         """Micro-batches without shared-prompt passes: a prompt computed once and reused by its completions runs each
@@ -218,6 +235,67 @@ class ShardedTorchBackend(TorchBackend):
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
 
     # ----- sampling, scoring and export -------------------------------------------------------------
+    def _weights_changed(self) -> None:
+        self._replica_stale = True
+        super()._weights_changed()
+
+    def _sample_current(self, request: SampleRequest) -> SampleResponse:
+        """Each rank samples its share of the prompts on its replica, and every rank returns all the samples (see
+        :mod:`~tinkergym.backends.torch.sharded_rollouts`); in lockstep, the whole request on the sharded model."""
+        self._check_sample(request)  # on every rank, on the whole request: no rank goes on to wait for one that refused it
+        replica = self._rollout_replica()
+        if replica is None:
+            self.last_share = list(range(len(request.prompts)))
+            return super()._sample_current(request)
+        seed = request.params.seed
+        if seed is None:  # rank 0's draw, for every rank: the samples are then seeded, whatever the ranks
+            drawn: list[Any] = [int(torch.randint(0, 2**62, (1,)).item())]  # every rank draws, so their generators stay alike
+            dist.broadcast_object_list(drawn, src=0)
+            seed = drawn[0]
+        seeds = sample_seeds(request.prompts, request.num_samples, seed, request.images)
+        mine = sharded_rollouts.split_prompts(request.prompts, request.images, request.num_samples, request.params.max_new_tokens,
+                                              self.world)[self.rank]
+        self.last_share = mine
+        outcome: tuple[list[int], list[list[SampledSequence]] | None, str | None] = (mine, [], None)
+        if mine:
+            share = SampleRequest([request.prompts[i] for i in mine], request.params, request.num_samples,
+                                  [request.images[i] for i in mine] if request.images else [])
+            try:
+                outcome = (mine, self._sample(share, replica, ("replica",), [seeds[i] for i in mine]).sequences, None)
+            except Exception as exc:  # noqa: BLE001 - every rank hears of it (below) rather than wait for this one
+                outcome = (mine, None, f"{type(exc).__name__}: {exc}")
+        everyone: list[Any] = [None] * self.world
+        dist.all_gather_object(everyone, outcome)
+        failed = [f"rank {r}: {error}" for r, (_, _, error) in enumerate(everyone) if error is not None]
+        if failed:
+            raise RuntimeError("sampling failed on " + "; ".join(failed))
+        sequences: dict[int, list[SampledSequence]] = {}
+        for indices, rows, _ in everyone:
+            sequences.update(zip(indices, rows))
+        return SampleResponse(sequences=[sequences[i] for i in range(len(request.prompts))])
+
+    def _rollout_replica(self) -> torch.nn.Module | None:
+        """This rank's whole copy of the model with the current weights (built at the first sample, refreshed after an
+        update); None where requests run in lockstep. Every rank calls it at the same point: refreshing gathers."""
+        if self.rollouts == "lockstep":
+            return None
+        if self._replica is None:
+            fits = torch.tensor([int(self.rollouts == "split" or sharded_rollouts.replica_fits(self.model, self.dtype, self.device))])
+            dist.all_reduce(fits, op=dist.ReduceOp.MIN)  # one answer for all ranks, or they would wait on each other
+            if not fits.item():
+                need = sharded_rollouts.replica_bytes(self.model, self.dtype) / 2**30
+                log.warning("a whole copy of the model (%.1f GiB) does not fit on every rank's device beside its shards: every rank "
+                            "samples the whole request in lockstep (one device's speed)", need)
+                self.rollouts = "lockstep"
+                return None
+            with torch.random.fork_rng(devices=[self.device.index or 0] if self.device.type == "cuda" else []):  # peft's own draws for the adapter it adds leave the run's generator alone
+                base = self._load_base(self.dtype, self.device)
+                self._replica = (self._add_lora(base) if self.is_lora else base).requires_grad_(False).eval()
+            self._replica_stale = True
+        if self._replica_stale:
+            sharded_rollouts.copy_weights(self.model, self._replica, trained_only=self.is_lora)  # LoRA: the base never changes
+            self._replica_stale = False
+        return self._replica
     def _sampling_model(self) -> torch.nn.Module:
         """The sharded model itself: FSDP2 gathers each layer in the compute dtype as it runs (no cast copy needed, and a
         merged copy cannot be made of shards). Every rank samples the same request in step (SPMD), so their passes, and
