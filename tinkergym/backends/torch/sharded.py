@@ -46,13 +46,14 @@ import os
 import threading
 import time
 from datetime import timedelta
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tinkergym.backends.torch import losses, sharded_rollouts
+from tinkergym.backends.torch import losses, multi_lora, sharded_rollouts
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 from tinkergym.backends.torch.batches import request_normalizers
 from tinkergym.backends.torch.sizing import in_language_model
@@ -129,18 +130,23 @@ class ShardedTorchBackend(TorchBackend):
     #: No snapshots to sample from while training (``async_steps``): a rank holds a shard of the weights only.
     sampling_snapshot = None
 
-    def __init__(self, config: TorchBackendConfig | None = None, rollouts: str = "auto") -> None:
+    def __init__(self, config: TorchBackendConfig | None = None, rollouts: str = "auto", sampler: dict[str, Any] | None = None) -> None:
         """``rollouts``: how sample requests run (:data:`~tinkergym.backends.torch.sharded_rollouts.ROLLOUT_MODES`):
         ``auto`` splits them across the ranks when a whole copy of the model fits on every device, else runs them in
-        lockstep; ``split`` and ``lockstep`` choose."""
+        lockstep; ``split`` and ``lockstep`` choose; ``vllm`` splits them across vLLM engines, one beside each rank, built
+        with ``sampler`` (fields of :class:`~tinkergym.backends.vllm.engine.VLLMSamplerConfig` but the model, device,
+        dtype and LoRA rank, which are the job's)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not dist.is_initialized():
             raise ConfigError("ShardedTorchBackend needs a process group: call init_process_group() first (torchrun sets its environment)")
         if rollouts not in sharded_rollouts.ROLLOUT_MODES:
             raise ConfigError(f"rollouts must be one of {', '.join(sharded_rollouts.ROLLOUT_MODES)}, not {rollouts!r}")
+        if sampler is not None and rollouts != "vllm":
+            raise ConfigError("sampler settings are for rollouts='vllm' (an engine beside each rank)")
         super().__init__(config)
-        self.rollouts = rollouts
+        self.rollouts, self.sampler_settings = rollouts, dict(sampler or {})
+        self._engine: sharded_rollouts.RankEngine | None = None
         self._replica: torch.nn.Module | None = None
         self._replica_stale = True  # the trained weights changed since the replica took them
         #: The prompts (indices) of the last sample request this rank decoded (all of them in lockstep).
@@ -188,6 +194,8 @@ class ShardedTorchBackend(TorchBackend):
     def forward_backward(self, request: ForwardBackwardRequest) -> ForwardBackwardResult:
         spec, data = request.loss, request.data
         self._check_data(data, spec)
+        if self._engine is not None:
+            self._engine.sampler.sleep()  # its memory to the training pass, where vLLM has sleep mode
         self.prefix_cache.clear()
         total_mask, num_sequences = request_normalizers(request)  # the whole request's, on every rank
         mine = list(split_rows(data, self.world)[self.rank])
@@ -227,6 +235,11 @@ class ShardedTorchBackend(TorchBackend):
         scored_rows = [merged[i] for i in range(len(data))] if request.return_logprobs else None
         return ForwardBackwardResult(metrics=losses.finalize_metrics(summed), logprobs=scored_rows)
 
+    def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[Any]] | None = None) -> list[list[float]]:
+        if self._engine is not None:
+            self._engine.sampler.sleep()  # scoring runs on the sharded model: a training-sized pass
+        return super().logprobs(sequences, temperature, images)
+
     def _all_reduce_grads(self) -> None:
         """Sum the gradients of the weights every rank keeps whole over ranks (a rank that trained nothing adds zeros)."""
         for param in self._replicated:
@@ -237,14 +250,16 @@ class ShardedTorchBackend(TorchBackend):
     # ----- sampling, scoring and export -------------------------------------------------------------
     def _weights_changed(self) -> None:
         self._replica_stale = True
+        if self._engine is not None:
+            self._engine.stale = True
         super()._weights_changed()
 
     def _sample_current(self, request: SampleRequest) -> SampleResponse:
         """Each rank samples its share of the prompts on its replica, and every rank returns all the samples (see
         :mod:`~tinkergym.backends.torch.sharded_rollouts`); in lockstep, the whole request on the sharded model."""
         self._check_sample(request)  # on every rank, on the whole request: no rank goes on to wait for one that refused it
-        replica = self._rollout_replica()
-        if replica is None:
+        decode = self._share_decoder()
+        if decode is None:
             self.last_share = list(range(len(request.prompts)))
             return super()._sample_current(request)
         seed = request.params.seed
@@ -261,7 +276,7 @@ class ShardedTorchBackend(TorchBackend):
             share = SampleRequest([request.prompts[i] for i in mine], request.params, request.num_samples,
                                   [request.images[i] for i in mine] if request.images else [])
             try:
-                outcome = (mine, self._sample(share, replica, ("replica",), [seeds[i] for i in mine]).sequences, None)
+                outcome = (mine, decode(share, [seeds[i] for i in mine]), None)
             except Exception as exc:  # noqa: BLE001 - every rank hears of it (below) rather than wait for this one
                 outcome = (mine, None, f"{type(exc).__name__}: {exc}")
         everyone: list[Any] = [None] * self.world
@@ -273,6 +288,43 @@ class ShardedTorchBackend(TorchBackend):
         for indices, rows, _ in everyone:
             sequences.update(zip(indices, rows))
         return SampleResponse(sequences=[sequences[i] for i in range(len(request.prompts))])
+
+    def _share_decoder(self) -> Callable[[SampleRequest, list[list[int]]], list[list[SampledSequence]]] | None:
+        """What decodes this rank's share of a request (its engine, or its replica), ready for the current weights; None in
+        lockstep. Every rank calls it at the same point: building or syncing may gather."""
+        if self.rollouts == "vllm":
+            if self._engine is None:
+                self._engine = sharded_rollouts.RankEngine(self, self.sampler_settings)
+            self._engine.prepare()
+            return self._engine.sample
+        replica = self._rollout_replica()
+        if replica is None:
+            return None
+        return lambda share, seeds: self._sample(share, replica, ("replica",), seeds).sequences
+
+    def close(self) -> None:
+        """Shut the engine beside this rank down, if any (the process group stays)."""
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+
+    def export_adapter_here(self, folder: str) -> None:
+        """This rank's adapter (whole on every rank) as a peft folder in ``folder``, written by this rank alone."""
+        params = {name.replace(".default.", "."): param for name, param in self._trainable}
+        targets = sorted({name.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for name in params})
+        multi_lora.save_adapter(folder, params, self.config.lora_rank, self.config.lora_alpha, self.model_path, targets)
+
+    def export_here(self, folder: str) -> None:
+        """The whole model as a transformers folder in ``folder`` on every rank (a collective: the weights are gathered on
+        every rank, and each writes its own folder)."""
+        state = self.full_state(rank0_only=False)
+        model = self._load_base(self.param_dtype, torch.device("cpu"))
+        if self.is_lora:
+            model = self._add_lora(model)
+        model.load_state_dict({name: tensor.cpu() for name, tensor in state.items()})
+        # transformers writes a model's files on rank 0 alone when a process group exists; this copy is this rank's own.
+        model.should_save_on_this_rank = lambda is_main_process: True  # type: ignore[method-assign]
+        self._write_export(model, folder, merged=False)
 
     def _rollout_replica(self) -> torch.nn.Module | None:
         """This rank's whole copy of the model with the current weights (built at the first sample, refreshed after an

@@ -83,6 +83,7 @@ vllm is imported inside the functions: importing this module stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import copy
 import os
@@ -90,6 +91,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from tinkergym.backends.models import is_adapter_folder, is_vision_folder, resolve_model
@@ -176,6 +178,27 @@ def image_to_pil(image: Any) -> Any:
     return Image.frombytes("RGB", (image.width, image.height), image.pixels())
 
 
+@contextlib.contextmanager
+def keeping_process_group() -> Iterator[None]:
+    """vLLM's cleanup of its distributed state, minus its last act: destroying the default process group (which it did
+    not create when the engine was built inside a job's group)."""
+    from vllm.distributed import parallel_state
+
+    original = parallel_state.destroy_distributed_environment
+
+    def keep() -> None:
+        world = getattr(parallel_state, "_WORLD", None)
+        if world is not None:
+            world.destroy()
+        parallel_state._WORLD = None
+
+    parallel_state.destroy_distributed_environment = keep
+    try:
+        yield
+    finally:
+        parallel_state.destroy_distributed_environment = original
+
+
 def completion_seeds(seed: int | None, count: int) -> list[int | None]:
     """One independent seed per completion from ``seed`` (None stays None: the engine's own random stream)."""
     if seed is None:
@@ -250,9 +273,15 @@ class VLLMSampler:
             self.vision = VisionInputs.of_folder(self.base_path, self._llm.get_tokenizer())
 
     def _build_engine(self, model_path: str) -> Any:
+        import torch.distributed as dist
         from vllm import LLM
 
-        return LLM(**engine_kwargs(self.config, model_path, self.platform, images=self.reads_images))
+        # A process group that exists before the engine (a sharded job's ranks, each with an engine beside it) is not the
+        # engine's: vLLM builds its groups within it, and shutting the engine down must leave it (see _shutdown_engine).
+        self._group_outside = dist.is_available() and dist.is_initialized() and not getattr(self, "_group_ours", False)
+        llm = LLM(**engine_kwargs(self.config, model_path, self.platform, images=self.reads_images))
+        self._group_ours = not self._group_outside
+        return llm
 
     def _resolve_full_sync(self) -> str:
         if self.config.full_sync != "auto":
@@ -305,16 +334,18 @@ class VLLMSampler:
                     f"{self.config.max_model_len}; build the sampler with a larger max_model_len"
                 )
 
-    def sample(self, request: SampleRequest, lora_request: Any = None) -> SampleResponse:
+    def sample(self, request: SampleRequest, lora_request: Any = None, seeds_by_prompt: list[list[int]] | None = None) -> SampleResponse:
         """``num_samples`` completions per prompt from the engine's current weights, or the adapter ``lora_request`` names
         (a snapshot's, see :meth:`hold`); see the module docstring.
 
-        A completion also ends with ``"length"`` when prompt plus completion reach ``max_model_len``.
+        ``seeds_by_prompt``: each prompt's completions' own seeds (a share of a larger request's prompts, whose seeds
+        :func:`tinkergym.protocol.seeds.sample_seeds` gave), each completion drawn from its own generator whatever
+        ``seeding`` says. A completion also ends with ``"length"`` when prompt plus completion reach ``max_model_len``.
         """
         with self._lock:
-            return self._sample(request, lora_request)
+            return self._sample(request, lora_request, seeds_by_prompt)
 
-    def _sample(self, request: SampleRequest, lora_request: Any) -> SampleResponse:
+    def _sample(self, request: SampleRequest, lora_request: Any, seeds_by_prompt: list[list[int]] | None = None) -> SampleResponse:
         self._check_prompts(request.prompts)
         if any(request.images):
             if self.vision is None:
@@ -326,12 +357,16 @@ class VLLMSampler:
         params, n = request.params, request.num_samples
         stop_ids = self._stop_ids(params)
         flat = [prompt for prompt in prompts for _ in range(n)]
-        if self.seeding == "batch" and params.seed is not None:
+        if seeds_by_prompt is not None:
+            seeds: list[int | None] = [seed & (2**63 - 1) for row in seeds_by_prompt for seed in row]
+            if len(seeds) != len(flat):
+                raise ValueError(f"{len(seeds)} seeds for {len(flat)} completions")
+        elif self.seeding == "batch" and params.seed is not None:
             if params.temperature > 0:  # greedy decoding draws nothing: no need to lose the prefix cache
                 # Same cache state, same schedule, same rows of noise (module docstring).
                 self._llm.reset_prefix_cache()
                 self._llm.collective_rpc("tinkergym_reseed", args=(int(params.seed),))
-            seeds: list[int | None] = [None] * len(flat)
+            seeds = [None] * len(flat)
         else:
             seeds = completion_seeds(params.seed, len(flat))
         outputs = self._llm.generate(
@@ -481,10 +516,12 @@ class VLLMSampler:
         llm, self._llm = self._llm, None
         if llm is None:
             return
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        # An engine in this process holds the distributed state; the next one initializes it again.
-        cleanup_dist_env_and_memory()
+        # An engine in this process holds the distributed state; the next one initializes it again. A process group the
+        # engine was built in belongs to the job (its ranks go on): only vLLM's own groups go.
+        with keeping_process_group() if getattr(self, "_group_outside", False) else contextlib.nullcontext():
+            llm.llm_engine.engine_core.shutdown()  # which cleans the distributed state up itself
+            del llm
+            cleanup_dist_env_and_memory()
         gc.collect()
 
     def close(self) -> None:
