@@ -285,6 +285,16 @@ def test_rows_are_split_by_tokens_and_groups_stay_on_one_rank() -> None:
     assert sum(len(p) for p in split_rows(data, 5)) == len(data)
 
 
+def test_rollouts_are_refused_for_a_server_of_one_process(tiny: str, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t" * 43)
+    token.chmod(0o600)
+    done = subprocess.run([sys.executable, "-m", "tinkergym", "serve", "backend", "--model", tiny, "--token-file", str(token), "--run-dir",
+                           str(tmp_path / "server"), "--rollouts", "split"], capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK")})
+    assert done.returncode == 2 and "--rollouts split is for a server sharded over several ranks" in done.stderr
+
+
 def test_sample_prompts_are_split_by_groups_costliest_first() -> None:
     from tinkergym.backends.torch.sharded_rollouts import split_prompts
 
@@ -306,7 +316,7 @@ def test_a_replica_that_cannot_fit_is_not_built() -> None:
     assert not replica_fits(huge, torch.bfloat16, torch.device("cpu"))
 
 
-def serve_sharded(tiny: str, tmp_path: Path, ranks: int = 2) -> tuple[subprocess.Popen, str, str]:
+def serve_sharded(tiny: str, tmp_path: Path, ranks: int = 2, rollouts: str = "auto") -> tuple[subprocess.Popen, str, str]:
     """``tinkergym serve backend`` started by torchrun on ``ranks`` gloo ranks; (process, url, token)."""
     import secrets
 
@@ -317,7 +327,7 @@ def serve_sharded(tiny: str, tmp_path: Path, ranks: int = 2) -> tuple[subprocess
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), "-m", "tinkergym", "serve", "backend", "--model", tiny, "--dtype", "float32",
                "--device", "cpu", "--seed", "3", "--micro-batch-size", "2", "--lora-rank", "8", "--token-file", str(token),
-               "--run-dir", str(tmp_path / "server"), "--port", str(port)]
+               "--run-dir", str(tmp_path / "server"), "--port", str(port), "--rollouts", rollouts]
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
                                stderr=open(tmp_path / "server.err", "w"), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -362,11 +372,11 @@ def test_serve_backend_sharded_over_two_ranks_by_torchrun(tiny: str, tmp_path: P
     brings the whole server down (torchrun ends the others), no rank left waiting in a collective."""
     from tinkergym.backends.remote import RemoteBackend
 
-    process, url, token = serve_sharded(tiny, tmp_path)
+    process, url, token = serve_sharded(tiny, tmp_path, rollouts="lockstep")
     try:
         remote = RemoteBackend(url, token)
         local = TorchBackend(program.config({"model": tiny, "lora": 8}))
-        assert remote.info()["ranks"] == 2
+        assert remote.info()["ranks"] == 2 and remote.info()["rollouts"] == "lockstep"  # every rank decodes the whole request
         for step in range(2):
             served, alone = remote.forward_backward(program.batch(step)), local.forward_backward(program.batch(step))
             assert served.metrics["loss"] == pytest.approx(alone.metrics["loss"], abs=1e-6)

@@ -55,6 +55,10 @@ from tinkergym.config import DEFAULT_LORA_ALPHA, DEFAULT_LORA_RANK, DEFAULT_MICR
 @click.option("--device-memory-gb", type=FiniteFloat(min=0), default=None, metavar="GB",
               help="Memory of each device, for the check that the model's weights, gradients and Adam state fit before it "
                    "loads (default: a GPU's own; no check on a CPU).")
+@click.option("--rollouts", type=click.Choice(["auto", "split", "lockstep", "vllm"]), default="auto", show_default=True,
+              help="How a sharded server (started by torchrun) samples: split, each rank its share of the prompts on a whole copy "
+                   "of the model; lockstep, every rank the whole request on the sharded model; auto, split where the copy fits "
+                   "on every device; vllm, a vLLM engine beside each rank (docs/training/sharded.md).")
 @EXIT_WITH_PARENT_OPTION
 @LEASE_FILE_OPTION
 @METRICS_PORT_OPTION
@@ -64,7 +68,7 @@ def serve_backend(
     model: str, lora_rank: int | None, full: bool, lora_alpha: float | None, lora_dropout: float, micro_batch_size: int,
     dtype: str, device: str, seed: int, host: str, port: int,
     token_file: Path | None, run_dir: Path, max_body_mb: float, keep_states: int, idle_timeout: float | None, deterministic: bool,
-    gradient_checkpointing: bool, prefix_cache_mb: float, lora_sampling: str, device_memory_gb: float | None, exit_with_parent: bool,
+    gradient_checkpointing: bool, prefix_cache_mb: float, lora_sampling: str, device_memory_gb: float | None, rollouts: str, exit_with_parent: bool,
     lease_file: Path | None, metrics_port: int, max_num_samples: int, max_request_new_tokens: int, max_request_sequences: int, max_request_tokens: int,
     header_timeout: float, body_timeout: float, max_connections: int,
 ) -> None:
@@ -112,9 +116,12 @@ def serve_backend(
         except ConfigError as exc:
             raise EnvironmentFault(f"model {model!r} is not available on this machine: {exc}") from exc
         ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        if rollouts != "auto" and ranks == 1:
+            raise click.UsageError(f"--rollouts {rollouts} is for a server sharded over several ranks (started by torchrun); one process "
+                                   "samples on its own model")
         check_memory(config, ranks, device_memory_gb)  # before any weight loads: a model that cannot fit says so (exit 2)
         if ranks > 1:  # started by torchrun: the model sharded over its ranks; rank 0 serves, the others follow
-            return _serve_sharded(config, ranks, run_dir, digest, max_body_mb, keep_states, host, port, idle_timeout, exit_with_parent,
+            return _serve_sharded(config, ranks, rollouts, run_dir, digest, max_body_mb, keep_states, host, port, idle_timeout, exit_with_parent,
                                   lease_file, metrics_port, (max_num_samples, max_request_new_tokens, max_request_sequences, max_request_tokens),
                                   (header_timeout, body_timeout, max_connections))
         logger = request_logger(run_dir.resolve())
@@ -174,7 +181,7 @@ def record_exit_code(path: Path) -> Iterator[None]:
                 pass
 
 
-def _serve_sharded(config: Any, ranks: int, run_dir: Path, digest: bytes, max_body_mb: float, keep_states: int, host: str, port: int,
+def _serve_sharded(config: Any, ranks: int, rollouts: str, run_dir: Path, digest: bytes, max_body_mb: float, keep_states: int, host: str, port: int,
                    idle_timeout: float | None, exit_with_parent: bool, lease_file: Path | None, metrics_port: int,
                    limits: tuple[int, int, int, int], connections: tuple[float, float, int]) -> None:
     """``serve backend`` on each rank torchrun started (``WORLD_SIZE`` > 1): every rank holds a shard of the model
@@ -193,7 +200,7 @@ def _serve_sharded(config: Any, ranks: int, run_dir: Path, digest: bytes, max_bo
 
         device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     init_process_group(device)
-    backend = ShardedTorchBackend(dataclasses.replace(config, device=device))
+    backend = ShardedTorchBackend(dataclasses.replace(config, device=device), rollouts=rollouts, sampler={} if rollouts == "vllm" else None)
     if backend.rank != 0:
         follow(backend)
         return
