@@ -7,7 +7,9 @@
    strategy (the untrained model writes no legal move). Its adapter is the league's ``--model``, merged into the base.
 2. The league (``--trainer league``, ``players=N``): N adapters of the warm model, one shared base, trained against
    each other. Each player's adapter starts at zero (LoRA's B), so every player's first snapshot is the warm model.
-3. Greedy games, all in one decode loop over one base: the warm model and every player against the random agent
+3. Greedy games, a pairing's games in one decode loop over one base (one pairing after another, so that each game's
+   conversation so far stays in the prefix cache and a turn prefills only its new tokens): the warm model and every
+   player against the random agent
    (the same seeds, each seat in turn), and the league's best player (by rating) against its first snapshot.
 
 Writes ``summary.json`` in ``--out``: win/draw/loss with Wilson 95% intervals, and each player's change against the
@@ -75,7 +77,7 @@ def league(args: argparse.Namespace, out: Path, warm: str) -> Any:
 
 
 def evaluate(args: argparse.Namespace, run: Any) -> dict[str, Any]:
-    """Every evaluated pairing's games at once (one decode loop: the players are adapters of one base)."""
+    """Each evaluated pairing's games in one decode loop (the players are adapters of one base), pairing after pairing."""
     from tinkergym.backends.torch.shared import LoraSessionConfig
     from tinkergym.games import Game, ModelPlayer, play_games
     from tinkergym.results.stats import paired_bootstrap_difference, wilson
@@ -109,7 +111,9 @@ def evaluate(args: argparse.Namespace, run: Any) -> dict[str, Any]:
             games.append(Game(env, {s: ModelPlayer(mine, policies[mine], temperature=0.0) if s == me else opponent for s in seats}, seed=seed))
             labels.append((mine, other, me))
     started = time.perf_counter()
-    results = play_games(games, trainer.ctx.renderer, match_settings(args.max_turns, args.max_new_tokens))
+    results: list[Any] = []
+    for start in range(0, len(games), len(seeds)):  # one pairing's games at a time: their conversations fit the prefix cache
+        results += play_games(games[start : start + len(seeds)], trainer.ctx.renderer, match_settings(args.max_turns, args.max_new_tokens))
     scores: dict[tuple[str, str], list[float]] = {pairing: [] for pairing in pairings}
     for result, (mine, other, seat) in zip(results, labels):
         outcome = result.outcome(seat)
