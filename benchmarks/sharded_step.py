@@ -113,9 +113,14 @@ def rollout_rank(settings: dict[str, Any]) -> None:
             first = int(os.environ["LOCAL_RANK"]) * settings["threads"]
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"{first}-{first + settings['threads'] - 1}")
     init_process_group(device)
-    engine = {"max_model_len": settings["prompt_length"] + settings["max_new_tokens"] + 8} if settings["mode"] == "vllm" else None
-    backend = ShardedTorchBackend(TorchBackendConfig(model=settings["model"], lora_rank=settings["lora_rank"], dtype=settings["dtype"], device=device,
-                                                     seed=1, micro_batch_size=settings["micro_batch_size"]), rollouts=settings["mode"], sampler=engine)
+    config = TorchBackendConfig(model=settings["model"], lora_rank=settings["lora_rank"], dtype=settings["dtype"], device=device, seed=1,
+                                micro_batch_size=settings["micro_batch_size"])
+    if settings["mode"] == "vllm":
+        from tinkergym.backends.vllm.ranks import sharded_with_vllm
+
+        backend: Any = sharded_with_vllm(config, max_model_len=settings["prompt_length"] + settings["max_new_tokens"] + 8)
+    else:
+        backend = ShardedTorchBackend(config, rollouts=settings["mode"])
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 1000, (settings["prompt_length"],), generator=generator).tolist() for _ in range(settings["prompts"])]
 

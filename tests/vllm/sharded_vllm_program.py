@@ -1,5 +1,5 @@
 """The rank program of test_vllm_sharded.py, started by ``torchrun``: a ShardedTorchBackend whose ranks each sample their
-share of a request on a vLLM engine beside them (``rollouts="vllm"``), train on the samples and sample again.
+share of a request on a vLLM engine beside them (``sharded_with_vllm``), train on the samples and sample again.
 
 ``python -m torch.distributed.run --nproc-per-node N sharded_vllm_program.py SPEC.json``: the spec names the model, the
 LoRA rank (0: full fine-tuning) and the file rank 0 writes: for each of two steps, the samples, the prompts each rank
@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from tinkergym.backends.torch.backend import TorchBackendConfig
-from tinkergym.backends.torch.sharded import ShardedTorchBackend, init_process_group
+from tinkergym.backends.torch.sharded import init_process_group
+from tinkergym.backends.vllm.ranks import sharded_with_vllm
 from tinkergym.protocol.types import Datum, ForwardBackwardRequest, LossSpec, OptimParams, SampleRequest, SamplingParams
 
 #: A rollout round: four groups of two copies of a prompt, seeded (the ranks split it by groups).
@@ -26,8 +27,8 @@ PROMPTS = [prompt for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 13], [14]) for 
 def main() -> None:
     spec = json.loads(open(sys.argv[1]).read())
     init_process_group("cpu", timeout_s=300)
-    backend = ShardedTorchBackend(TorchBackendConfig(model=spec["model"], dtype="float32", lora_rank=spec["lora"], seed=3, micro_batch_size=4),
-                                  rollouts="vllm", sampler={"max_model_len": 256})
+    backend = sharded_with_vllm(TorchBackendConfig(model=spec["model"], dtype="float32", lora_rank=spec["lora"], seed=3, micro_batch_size=4),
+                                max_model_len=256)
     found: dict = {"steps": []}
     for step in range(2):
         response = backend.sample(SampleRequest(PROMPTS, SamplingParams(max_new_tokens=6, seed=31 + step)))

@@ -130,23 +130,22 @@ class ShardedTorchBackend(TorchBackend):
     #: No snapshots to sample from while training (``async_steps``): a rank holds a shard of the weights only.
     sampling_snapshot = None
 
-    def __init__(self, config: TorchBackendConfig | None = None, rollouts: str = "auto", sampler: dict[str, Any] | None = None) -> None:
+    def __init__(self, config: TorchBackendConfig | None = None, rollouts: str = "auto", engine: Callable[[Any], Any] | None = None) -> None:
         """``rollouts``: how sample requests run (:data:`~tinkergym.backends.torch.sharded_rollouts.ROLLOUT_MODES`):
         ``auto`` splits them across the ranks when a whole copy of the model fits on every device, else runs them in
-        lockstep; ``split`` and ``lockstep`` choose; ``vllm`` splits them across vLLM engines, one beside each rank, built
-        with ``sampler`` (fields of :class:`~tinkergym.backends.vllm.engine.VLLMSamplerConfig` but the model, device,
-        dtype and LoRA rank, which are the job's)."""
+        lockstep; ``split`` and ``lockstep`` choose; ``vllm`` splits them across engines beside the ranks, each built by
+        ``engine(backend)`` at the first sample (:func:`tinkergym.backends.vllm.ranks.sharded_with_vllm` passes it)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not dist.is_initialized():
             raise ConfigError("ShardedTorchBackend needs a process group: call init_process_group() first (torchrun sets its environment)")
         if rollouts not in sharded_rollouts.ROLLOUT_MODES:
             raise ConfigError(f"rollouts must be one of {', '.join(sharded_rollouts.ROLLOUT_MODES)}, not {rollouts!r}")
-        if sampler is not None and rollouts != "vllm":
-            raise ConfigError("sampler settings are for rollouts='vllm' (an engine beside each rank)")
+        if (engine is not None) != (rollouts == "vllm"):
+            raise ConfigError("rollouts='vllm' and an engine go together: build the backend with tinkergym.backends.vllm.ranks.sharded_with_vllm")
         super().__init__(config)
-        self.rollouts, self.sampler_settings = rollouts, dict(sampler or {})
-        self._engine: sharded_rollouts.RankEngine | None = None
+        self.rollouts, self._build_engine = rollouts, engine
+        self._engine: Any = None
         self._replica: torch.nn.Module | None = None
         self._replica_stale = True  # the trained weights changed since the replica took them
         #: The prompts (indices) of the last sample request this rank decoded (all of them in lockstep).
@@ -195,7 +194,7 @@ class ShardedTorchBackend(TorchBackend):
         spec, data = request.loss, request.data
         self._check_data(data, spec)
         if self._engine is not None:
-            self._engine.sampler.sleep()  # its memory to the training pass, where vLLM has sleep mode
+            self._engine.sleep()  # its memory to the training pass, where vLLM has sleep mode
         self.prefix_cache.clear()
         total_mask, num_sequences = request_normalizers(request)  # the whole request's, on every rank
         mine = list(split_rows(data, self.world)[self.rank])
@@ -237,7 +236,7 @@ class ShardedTorchBackend(TorchBackend):
 
     def logprobs(self, sequences: list[list[int]], temperature: float = 1.0, images: list[list[Any]] | None = None) -> list[list[float]]:
         if self._engine is not None:
-            self._engine.sampler.sleep()  # scoring runs on the sharded model: a training-sized pass
+            self._engine.sleep()  # scoring runs on the sharded model: a training-sized pass
         return super().logprobs(sequences, temperature, images)
 
     def _all_reduce_grads(self) -> None:
@@ -292,9 +291,9 @@ class ShardedTorchBackend(TorchBackend):
     def _share_decoder(self) -> Callable[[SampleRequest, list[list[int]]], list[list[SampledSequence]]] | None:
         """What decodes this rank's share of a request (its engine, or its replica), ready for the current weights; None in
         lockstep. Every rank calls it at the same point: building or syncing may gather."""
-        if self.rollouts == "vllm":
+        if self._build_engine is not None:
             if self._engine is None:
-                self._engine = sharded_rollouts.RankEngine(self, self.sampler_settings)
+                self._engine = self._build_engine(self)
             self._engine.prepare()
             return self._engine.sample
         replica = self._rollout_replica()
@@ -323,7 +322,7 @@ class ShardedTorchBackend(TorchBackend):
             model = self._add_lora(model)
         model.load_state_dict({name: tensor.cpu() for name, tensor in state.items()})
         # transformers writes a model's files on rank 0 alone when a process group exists; this copy is this rank's own.
-        model.should_save_on_this_rank = lambda is_main_process: True  # type: ignore[method-assign]
+        model.should_save_on_this_rank = lambda is_main_process: True  # type: ignore[assignment]  # an instance attribute over transformers method
         self._write_export(model, folder, merged=False)
 
     def _rollout_replica(self) -> torch.nn.Module | None:
@@ -340,7 +339,8 @@ class ShardedTorchBackend(TorchBackend):
                             "samples the whole request in lockstep (one device's speed)", need)
                 self.rollouts = "lockstep"
                 return None
-            with torch.random.fork_rng(devices=[self.device.index or 0] if self.device.type == "cuda" else []):  # peft's own draws for the adapter it adds leave the run's generator alone
+            # peft's own draws for the adapter it adds leave the run's generator alone
+            with torch.random.fork_rng(devices=[self.device.index or 0] if self.device.type == "cuda" else []):
                 base = self._load_base(self.dtype, self.device)
                 self._replica = (self._add_lora(base) if self.is_lora else base).requires_grad_(False).eval()
             self._replica_stale = True

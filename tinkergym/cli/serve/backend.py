@@ -200,7 +200,12 @@ def _serve_sharded(config: Any, ranks: int, rollouts: str, run_dir: Path, digest
 
         device = f"cuda:{local}" if torch.cuda.is_available() else "cpu"
     init_process_group(device)
-    backend = ShardedTorchBackend(dataclasses.replace(config, device=device), rollouts=rollouts, sampler={} if rollouts == "vllm" else None)
+    if rollouts == "vllm":
+        from tinkergym.backends.vllm.ranks import sharded_with_vllm
+
+        backend = sharded_with_vllm(dataclasses.replace(config, device=device))
+    else:
+        backend = ShardedTorchBackend(dataclasses.replace(config, device=device), rollouts=rollouts)
     if backend.rank != 0:
         follow(backend)
         return
