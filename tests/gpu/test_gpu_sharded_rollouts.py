@@ -5,6 +5,7 @@ program torchrun starts (``python test_gpu_sharded_rollouts.py SPEC.json``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -54,6 +55,14 @@ def rank_main(spec: dict[str, Any]) -> None:
         shares: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(shares, backend.last_share)
         found[lora] = {"samples": response.to_dict(), "shares": shares, "rollouts": backend.info()["rollouts"]}
+    if importlib.util.find_spec("vllm") is not None and spec["device"] == "cuda":  # a vLLM engine beside each rank
+        from tinkergym.backends.vllm.ranks import sharded_with_vllm
+
+        backend = sharded_with_vllm(config(spec["model"], 8, device), max_model_len=128)
+        response = backend.sample(request())
+        sequences = [prompt + row[0].tokens for prompt, row in zip(PROMPTS, response.sequences)]
+        found["vllm"] = {"samples": response.to_dict(), "scored": backend.logprobs(sequences)}
+        backend.close()
     if dist.get_rank() == 0:
         Path(spec["out"]).write_text(json.dumps(found))
     dist.barrier()
@@ -94,6 +103,15 @@ def test_every_device_samples_its_share_as_one_device_would(launched: dict[str, 
         for mine, theirs in zip(row, other):
             assert mine["tokens"] == theirs["tokens"]
             assert mine["logprobs"] == pytest.approx(theirs["logprobs"], abs=1e-3)
+
+
+def test_a_vllm_engine_beside_every_device_samples_the_trainers_distribution(launched: dict[str, Any]) -> None:
+    if "vllm" not in launched:
+        pytest.skip("needs vLLM on a GPU (pip install 'tinkergym[vllm]'); tests/vllm/test_vllm_sharded.py runs it on CPU ranks")
+    found = launched["vllm"]
+    for prompt, row, scored in zip(PROMPTS, found["samples"]["sequences"], found["scored"]):
+        assert len(row[0]["tokens"]) > 0
+        assert row[0]["logprobs"] == pytest.approx(scored[len(prompt):], abs=2e-3)  # two kernels in float32, TF32 off or on
 
 
 if __name__ == "__main__":
