@@ -44,6 +44,7 @@ def main() -> None:
         backend.optim_step(OptimParams(learning_rate=1e-2))
     first = found["steps"][0]["samples"]["sequences"]
     found["rescored"] = backend.logprobs([prompt + row[0]["tokens"] for prompt, row in zip(PROMPTS, first)])
+    found["full_sync"] = backend._engine.sampler.full_sync  # how the engine took full weights: from memory, or from files
     if dist.get_rank() == 0:
         torch.save(found, spec["out"])
     backend.close()
