@@ -200,7 +200,7 @@ class ShardedTorchBackend(TorchBackend):
         mine = list(split_rows(data, self.world)[self.rank])
         rows = [data[i] for i in mine]
         plan = self.plan(rows) if rows else []
-        passes = torch.tensor([len(plan)], dtype=torch.int64)
+        passes = torch.tensor([len(plan)], dtype=torch.int64, device=self.device)  # NCCL reduces device tensors only
         dist.all_reduce(passes, op=dist.ReduceOp.MAX)
         filler = self.plan([data[0]])[0]  # a pass of zero weight for a rank with fewer micro-batches
         self.model.train()
@@ -331,7 +331,8 @@ class ShardedTorchBackend(TorchBackend):
         if self.rollouts == "lockstep":
             return None
         if self._replica is None:
-            fits = torch.tensor([int(self.rollouts == "split" or sharded_rollouts.replica_fits(self.model, self.dtype, self.device))])
+            fits = torch.tensor([int(self.rollouts == "split" or sharded_rollouts.replica_fits(self.model, self.dtype, self.device))],
+                                device=self.device)  # NCCL reduces device tensors only
             dist.all_reduce(fits, op=dist.ReduceOp.MIN)  # one answer for all ranks, or they would wait on each other
             if not fits.item():
                 need = sharded_rollouts.replica_bytes(self.model, self.dtype) / 2**30
