@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import shutil
@@ -31,12 +30,6 @@ from tinkergym.scheduler.artifact_paths import check_relpath  # noqa: E402
 from tinkergym.scheduler.worker.folders import state_files  # noqa: E402
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(ranks: int, specs: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
     """Run the program's runs on ``ranks`` processes started once by torchrun; what rank 0 wrote of each run."""
     launch = len(list(tmp_path.iterdir()))
@@ -44,7 +37,7 @@ def torchrun(ranks: int, specs: list[dict[str, Any]], tmp_path: Path) -> list[di
     spec_file = tmp_path / f"spec-{ranks}-{launch}.json"
     spec_file.write_text(json.dumps(specs))
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(PROGRAM), str(spec_file)]
+               "--master-port", str(testkit.free_port()), str(PROGRAM), str(spec_file)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return [torch.load(spec["out"]) for spec in specs]
@@ -323,9 +316,9 @@ def serve_sharded(tiny: str, tmp_path: Path, ranks: int = 2, rollouts: str = "au
     token = tmp_path / "token"
     token.write_text(secrets.token_urlsafe(32))
     token.chmod(0o600)
-    port = free_port()
+    port = testkit.free_port()
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), "-m", "tinkergym", "serve", "backend", "--model", tiny, "--dtype", "float32",
+               "--master-port", str(testkit.free_port()), "-m", "tinkergym", "serve", "backend", "--model", tiny, "--dtype", "float32",
                "--device", "cpu", "--seed", "3", "--micro-batch-size", "2", "--lora-rank", "8", "--token-file", str(token),
                "--run-dir", str(tmp_path / "server"), "--port", str(port), "--rollouts", rollouts]
     process = subprocess.Popen(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,

@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -75,15 +74,14 @@ RANKS = torch.cuda.device_count() if DEVICE_TYPE == "cuda" else 2
 @pytest.fixture(scope="module")
 def launched(tiny: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One torchrun launch over every device (both kinds of training in it): what rank 0 wrote, by LoRA rank."""
+    import testkit  # registered by tests/conftest.py (here, not at the top: torchrun runs this file as the rank program too)
+
     tmp_path = tmp_path_factory.mktemp("ranks")
     out = tmp_path / "out.json"
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"model": tiny, "device": DEVICE_TYPE, "out": str(out)}))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-addr", "127.0.0.1",
-                           "--master-port", str(port), __file__, str(spec)], capture_output=True, text=True, timeout=600,
+                           "--master-port", str(testkit.free_port()), __file__, str(spec)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return json.loads(out.read_text())

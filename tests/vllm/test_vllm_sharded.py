@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+import testkit  # registered by tests/conftest.py
 
 torch = pytest.importorskip("torch")
 
@@ -28,11 +28,8 @@ def torchrun(ranks: int, model: str, lora: int, tmp_path: Path) -> dict[str, Any
     spec = tmp_path / f"spec-{ranks}-{lora}.json"
     out = tmp_path / f"out-{ranks}-{lora}.pt"
     spec.write_text(json.dumps({"model": model, "lora": lora, "out": str(out)}))
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
-               "--master-port", str(port), str(PROGRAM), str(spec)]
+               "--master-port", str(testkit.free_port()), str(PROGRAM), str(spec)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"}, check=False)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     return torch.load(out)

@@ -53,7 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tinkergym.backends.torch import losses, multi_lora, sharded_rollouts
+from tinkergym.backends.torch import lora_states, losses, multi_lora, sharded_rollouts
 from tinkergym.backends.torch.backend import TorchBackend, TorchBackendConfig
 from tinkergym.backends.torch.batches import request_normalizers
 from tinkergym.backends.torch.sizing import in_language_model
@@ -309,21 +309,25 @@ class ShardedTorchBackend(TorchBackend):
 
     def export_adapter_here(self, folder: str) -> None:
         """This rank's adapter (whole on every rank) as a peft folder in ``folder``, written by this rank alone."""
-        params = {name.replace(".default.", "."): param for name, param in self._trainable}
+        params = lora_states.named_for(dict(self._trainable), session=True)  # peft's saved names, without the adapter's
         targets = sorted({name.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for name in params})
         multi_lora.save_adapter(folder, params, self.config.lora_rank, self.config.lora_alpha, self.model_path, targets)
 
     def export_here(self, folder: str) -> None:
         """The whole model as a transformers folder in ``folder`` on every rank (a collective: the weights are gathered on
         every rank, and each writes its own folder)."""
-        state = self.full_state(rank0_only=False)
+        model = self._whole_model(self.full_state(rank0_only=False))
+        # transformers writes a model's files on rank 0 alone when a process group exists; this copy is this rank's own.
+        model.should_save_on_this_rank = lambda is_main_process: True  # type: ignore[assignment]  # an instance attribute over transformers method
+        self._write_export(model, folder, merged=False)
+
+    def _whole_model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """A plain model on the host holding ``state``, the weights gathered whole (:meth:`full_state`)."""
         model = self._load_base(self.param_dtype, torch.device("cpu"))
         if self.is_lora:
             model = self._add_lora(model)
         model.load_state_dict({name: tensor.cpu() for name, tensor in state.items()})
-        # transformers writes a model's files on rank 0 alone when a process group exists; this copy is this rank's own.
-        model.should_save_on_this_rank = lambda is_main_process: True  # type: ignore[assignment]  # an instance attribute over transformers method
-        self._write_export(model, folder, merged=False)
+        return model
 
     def _rollout_replica(self) -> torch.nn.Module | None:
         """This rank's whole copy of the model with the current weights (built at the first sample, refreshed after an
@@ -367,11 +371,7 @@ class ShardedTorchBackend(TorchBackend):
         gathered whole on the host; every rank calls it."""
         state = self.full_state()
         if self.rank == 0:
-            model = self._load_base(self.param_dtype, torch.device("cpu"))
-            if self.is_lora:
-                model = self._add_lora(model)
-            model.load_state_dict(state)
-            self._write_export(model, path, merged)
+            self._write_export(self._whole_model(state), path, merged)
         dist.barrier()
 
     # ----- states -----------------------------------------------------------------------------------

@@ -278,10 +278,9 @@ class VLLMSampler:
 
         # A process group that exists before the engine (a sharded job's ranks, each with an engine beside it) is not the
         # engine's: vLLM builds its groups within it, and shutting the engine down must leave it (see _shutdown_engine).
-        self._group_outside = dist.is_available() and dist.is_initialized() and not getattr(self, "_group_ours", False)
-        llm = LLM(**engine_kwargs(self.config, model_path, self.platform, images=self.reads_images))
-        self._group_ours = not self._group_outside
-        return llm
+        # (A group vLLM made itself for an earlier engine was destroyed with that engine: one here is the job's.)
+        self._group_outside = dist.is_available() and dist.is_initialized()
+        return LLM(**engine_kwargs(self.config, model_path, self.platform, images=self.reads_images))
 
     def _resolve_full_sync(self) -> str:
         if self.config.full_sync != "auto":
@@ -518,7 +517,7 @@ class VLLMSampler:
             return
         # An engine in this process holds the distributed state; the next one initializes it again. A process group the
         # engine was built in belongs to the job (its ranks go on): only vLLM's own groups go.
-        with keeping_process_group() if getattr(self, "_group_outside", False) else contextlib.nullcontext():
+        with keeping_process_group() if self._group_outside else contextlib.nullcontext():
             llm.llm_engine.engine_core.shutdown()  # which cleans the distributed state up itself
             del llm
             cleanup_dist_env_and_memory()
