@@ -81,7 +81,7 @@ class MultiLoraLinear(torch.nn.Module):
         if plan.only is not None:
             weights = self.adapters.get(plan.only)
             return y if weights is None else y + weights.delta(x).to(y.dtype)
-        present = [(a, self.adapters[a]) for a in plan.present() if a in self.adapters]
+        present = [(a, self.adapters[a]) for a in plan.present if a in self.adapters]
         if not present:
             return y
         total = sum(w.A.shape[0] for _, w in present)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -31,9 +32,10 @@ class RowPlan:
     _segments: list[tuple[int, torch.Tensor]] | None = field(default=None, repr=False)
     _scales: dict[tuple, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    def present(self) -> list[int]:
-        """The distinct adapters of the call's rows, in first-appearance order."""
-        return list(dict.fromkeys(self.adapters))
+    @functools.cached_property
+    def present(self) -> tuple[int, ...]:
+        """The distinct adapters of the call's rows, in first-appearance order (read by every layer of the call)."""
+        return tuple(dict.fromkeys(self.adapters))
 
     def scales(self, blocks: tuple[tuple[int, int, float], ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """``[rows, total rank]`` for adapters stacked as ``blocks`` (``(adapter, rank, scaling)`` in stacking order): row
