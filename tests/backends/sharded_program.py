@@ -96,6 +96,10 @@ ROLLOUT = SampleRequest([prompt for prompt in ([5, 6, 7], [8, 9], [10, 11, 12, 1
                         SamplingParams(max_new_tokens=5, seed=23))
 
 
+def broken(*args: object, **kwargs: object) -> None:
+    raise RuntimeError("decode broke")
+
+
 def main() -> None:
     specs = json.loads(open(sys.argv[1]).read())
     init_process_group("cpu", timeout_s=120)
@@ -130,6 +134,17 @@ def run(spec: dict) -> None:
     mode, backend.rollouts = backend.rollouts, "lockstep"  # the same seeded requests, every rank decoding all of each
     found["lockstep_samples"] = [backend.sample(request).to_dict() for request in samples(spec) if request.params.seed is not None]
     backend.rollouts = mode
+    # A share that breaks on the last rank fails the call on every rank (none waits for it), naming the rank; the next call
+    # works. (Rank 0 must hear of it too: it is the one that answers a server's client.)
+    if dist.get_rank() == dist.get_world_size() - 1:
+        backend._sample = broken  # type: ignore[method-assign]
+    try:
+        backend.sample(ROLLOUT)
+        found["failed"] = None
+    except RuntimeError as exc:
+        found["failed"] = str(exc)
+    backend.__dict__.pop("_sample", None)
+    found["after_failure"] = backend.sample(ROLLOUT).to_dict()
     if spec.get("export"):
         backend.export(spec["export"])
     found["logprobs"] = backend.logprobs([[5, 6, 7, 8, 9], [1, 2, 3]], 1.0)

@@ -140,6 +140,8 @@ def test_two_ranks_train_as_one_process(two_ranks: dict[int, tuple[Path, dict[st
     assert_same_samples(sharded["lockstep_samples"][0], alone["samples"][0])
     assert tokens_of(sharded["samples"][0]) != tokens_of(sharded["first_sample"]), "two steps changed what the seeds draw"
     assert_split(sharded["shares"], program.ROLLOUT)
+    assert sharded["failed"] == "sampling failed on rank 1: RuntimeError: decode broke"  # heard on rank 0, no hang
+    assert_same_samples(sharded["after_failure"], sharded["rollout"])
     for mine, theirs in zip(sharded["logprobs"], alone["logprobs"]):
         assert mine == pytest.approx(theirs, abs=1e-5)
     # The export is one ordinary folder (peft's adapter, or a transformers model) with the single process's weights.
@@ -238,6 +240,7 @@ def test_a_state_saved_at_two_ranks_loads_at_one_and_at_three(two_ranks: dict[in
     assert_same_samples(at_three["samples"][0], at_one["samples"][0])
     assert tokens_of(at_three["samples"][1]) == tokens_of(on["samples"][1])
     assert_split(at_three["shares"], program.ROLLOUT)
+    assert at_three["failed"] == "sampling failed on rank 2: RuntimeError: decode broke"
     assert not all(torch.equal(expected[n], on["steps"][0]["weights"][n]) for n in expected)  # the step changed the weights
     # A fresh backend that loads nothing gives other weights: the load carried the adapter and Adam's moments.
     fresh = single(tiny, lora, 1, start=1)
