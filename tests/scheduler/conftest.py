@@ -191,6 +191,7 @@ def make_client(db_url: str, tmp_path: Path) -> Iterator[Callable[..., TestClien
     clients: list[TestClient] = []
 
     def make(background: bool = False, **overrides: Any) -> TestClient:
+        overrides.setdefault("cache_s", 0.0)  # the grant order and the wait reasons read the tables at every request
         settings = SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", **overrides)
         client = TestClient(create_app(settings, background=background))
         client.__enter__()

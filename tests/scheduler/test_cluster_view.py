@@ -53,9 +53,9 @@ def test_an_operator_key_reads_every_tenant_and_a_tenant_key_its_own(make_client
         answer = client.get(f"/v1/jobs?tenant={hostile}", headers=auth(operator))  # refused before any query
         assert answer.status_code == 400 and says in answer.json()["error"]["message"], (hostile, answer.text)
 
-    # Queue positions in the list equal each job's own (priority first, then age).
+    # Queue positions in the list equal each job's own: its place in its tenant's queue (priority first, then age).
     positions = {j["id"]: j["queue_position"] for j in listed}
-    assert positions == {mine: 1, theirs: 2, later: 3}
+    assert positions == {mine: 1, theirs: 1, later: 2}
     for job_id, position in positions.items():
         assert client.get(f"/v1/jobs/{job_id}", headers=auth(operator)).json()["queue_position"] == position
 

@@ -99,10 +99,12 @@ def test_lora_jobs_take_seats_first_and_the_rest_whole_devices(setup: Any, db_ur
     granted = [worker.lease() for _ in range(4)]
     assert worker.lease() is None
     seat_of = {g["job_id"]: g["seat"] for g in granted}
-    assert seat_of == {a: seat_index(1, 0), full: None, b: seat_index(1, 1), c: seat_index(1, 2)}, "seats first, in queue order"
+    # seats first, in the grant order: the two tenants take turns (fair share), each in its own queue order
+    assert seat_of == {a: seat_index(1, 0), b: seat_index(1, 1), full: None, d: seat_index(1, 2)}
+    assert [g["job_id"] for g in granted] == [a, b, full, d]
     assert all(g["devices"] == ([1] if g["seat"] is not None else [0]) for g in granted), "a seat's device is its server's"
-    # big (rank 32) never fits a seat, and d waits for one: both queued
-    assert kit.job_row(db_url, big)["state"] == kit.job_row(db_url, d)["state"] == "queued"
+    # big (rank 32) never fits a seat, and c waits for one: both queued
+    assert kit.job_row(db_url, big)["state"] == kit.job_row(db_url, c)["state"] == "queued"
     kit.assert_no_double_grant(db_url)
     # a seat lease's epoch fences that job alone: the other seats' jobs are untouched by its end
     lease_b = next(g for g in granted if g["job_id"] == b)
@@ -110,7 +112,7 @@ def test_lora_jobs_take_seats_first_and_the_rest_whole_devices(setup: Any, db_ur
     assert worker.state(b, lease_b["epoch"], "failed", error="x").status_code == 200
     assert worker.heartbeat(a, next(g for g in granted if g["job_id"] == a)["epoch"]).status_code == 200
     nxt = worker.lease()
-    assert nxt is not None and nxt["job_id"] == d and nxt["seat"] == seat_index(1, 1), "the freed seat goes to the next LoRA job"
+    assert nxt is not None and nxt["job_id"] == c and nxt["seat"] == seat_index(1, 1), "the freed seat goes to the next LoRA job"
     assert kit.job_row(db_url, big)["state"] == "queued"
 
 
@@ -168,7 +170,7 @@ def test_a_job_resumes_on_whichever_kind_of_place_is_free_whatever_wrote_its_che
     """A seat's job and a whole device's job lose their leases; each resumes on the other kind of place (both load each
     other's states: tinkergym.backends.torch.lora_states)."""
     worker = register(setup.client, setup.worker_key, whole=1, shared={**SHARED, "seats": 1})
-    seated, whole = submit(setup.client, setup.user), submit(setup.client, setup.other)
+    seated, whole = submit(setup.client, setup.user), submit(setup.client, setup.user)  # one tenant's: its queue order alone
     first = {g["job_id"]: g for g in (worker.lease(), worker.lease())}
     assert first[seated]["seat"] is not None and first[whole]["seat"] is None
     for job, lease in first.items():
@@ -186,7 +188,7 @@ def test_a_job_resumes_on_whichever_kind_of_place_is_free_whatever_wrote_its_che
         taken[granted["job_id"]] = granted
     assert set(taken) == {newcomer, seated}
     assert taken[newcomer]["seat"] is not None and taken[seated]["seat"] is None, "the seat's job resumes on the whole device"
-    reason = setup.client.get(f"/v1/jobs/{whole}", headers=kit.auth(setup.other)).json()["wait_reason"]
+    reason = setup.client.get(f"/v1/jobs/{whole}", headers=kit.auth(setup.user)).json()["wait_reason"]
     assert reason["code"] == "busy", reason
     # the newcomer ends; the job whose checkpoints a whole device wrote resumes on the seat it frees
     epoch = taken[newcomer]["epoch"]

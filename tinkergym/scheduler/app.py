@@ -34,6 +34,7 @@ from tinkergym.scheduler.auth import KeyLookup
 from tinkergym.scheduler.bounds import BoundsError
 from tinkergym.scheduler.deps import Forbidden, require
 from tinkergym.scheduler.db import make_engine, reader, upgrade
+from tinkergym.scheduler.fairshare import Usage
 from tinkergym.scheduler.leases import Quarantined
 from tinkergym.scheduler.metrics import SchedulerMetrics
 from tinkergym.scheduler.quotas import QuotaExceeded
@@ -97,6 +98,9 @@ class SchedulerSettings:
         gateway_max_per_tenant: Requests one tenant may have in flight through the inference gateway
             (``/v1/jobs/{id}/openai/v1/...``) at once; past it, 429 with ``Retry-After``.
         gateway_read_timeout_s: A job's server that sends nothing for this long ends the forwarded request (504).
+        cache_s: How long what is read for the grant order and the wait reasons is reused: the tenants' held devices
+            (fair share, :mod:`tinkergym.scheduler.fairshare`; between reads, grants count them up) and the live workers'
+            places. 0: read at every request.
         clock: The time source (tests move it).
     """
 
@@ -128,6 +132,7 @@ class SchedulerSettings:
     refuse_unplaceable: bool = False
     gateway_max_per_tenant: int = 64
     gateway_read_timeout_s: float = 600.0
+    cache_s: float = 1.0
     clock: Callable[[], float] = field(default=now, repr=False)
 
 
@@ -275,6 +280,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.state.started_at = settings.clock()  # a lease that ran out while no scheduler ran is no worker's fault (leases.expire)
     app.state.engine = engine
     app.state.store = JobStore(engine, settings.clock)
+    app.state.usage = Usage(settings.cache_s)
     app.state.artifacts = DirectoryStore(settings.data_dir / "jobs")
     app.state.streams = StreamHub(engine, interval_s=settings.sse_poll_s, max_streams=settings.max_streams,
                                   max_streams_per_key=settings.max_streams_per_key, logger=log)

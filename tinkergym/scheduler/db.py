@@ -65,6 +65,8 @@ tenants = Table(
     # Idempotency-Key records (stored answers) the tenant may hold at once, by count and by bytes (tinkergym.scheduler.idempotency).
     Column("max_idempotency_records", Integer, nullable=False, default=10_000, server_default="10000"),
     Column("max_idempotency_bytes", BigInteger, nullable=False, default=64 << 20, server_default=str(64 << 20)),
+    # Its share of the cluster against other tenants with work (tinkergym.scheduler.fairshare): 2 gets twice what 1 gets.
+    Column("share", Float, nullable=False, default=1.0, server_default="1"),
 )
 
 api_keys = Table(
@@ -172,6 +174,7 @@ Index("ix_jobs_queue", jobs.c.state, jobs.c.priority, jobs.c.created_at)
 Index("ix_jobs_tenant", jobs.c.tenant_id, jobs.c.created_at)
 Index("ix_jobs_lease", jobs.c.state, jobs.c.lease_expires_at)
 Index("ix_jobs_tenant_state", jobs.c.tenant_id, jobs.c.state)
+Index("ix_jobs_tenant_queue", jobs.c.tenant_id, jobs.c.state, jobs.c.priority.desc(), jobs.c.created_at, jobs.c.id)  # a tenant's queue, in order
 Index("ix_jobs_state_finished", jobs.c.state, jobs.c.finished_at)  # the retention pass: ended jobs by age
 
 allocations = Table(

@@ -109,8 +109,9 @@ def _run_as(user: pwd.struct_passwd | None, args: list[str], cwd: Path, log: Pat
 
 
 @contextlib.contextmanager
-def private_postgres() -> Iterator[PostgresServer]:
-    """Start a private cluster (see the module docstring); stopped and removed on exit. RuntimeError when it cannot start."""
+def private_postgres(settings: dict[str, str] | None = None) -> Iterator[PostgresServer]:
+    """Start a private cluster (see the module docstring), with these server ``settings`` too (``-c name=value``, such as
+    ``shared_preload_libraries``); stopped and removed on exit. RuntimeError when it cannot start."""
     bin_dir = find_pg_bin()
     if bin_dir is None:
         raise RuntimeError("PostgreSQL is not installed (no initdb/pg_ctl): run `make install` (it installs the postgresql package)")
@@ -137,6 +138,7 @@ def private_postgres() -> Iterator[PostgresServer]:
     for attempt in range(3):  # the free port can be taken between the probe and the start
         port = _free_port()
         options = f"-k {socket_dir} -p {port} -c listen_addresses=127.0.0.1 -c fsync=off -c full_page_writes=off -c max_connections=200"
+        options += "".join(f" -c {name}={value}" for name, value in (settings or {}).items())
         try:
             _run_as(user, [str(bin_dir / "pg_ctl"), "start", "-D", str(data), "-w", "-t", "60", "-l", str(log), "-o", options],
                     cwd=root, log=log)

@@ -73,16 +73,16 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
 
-from sqlalchemy import and_, delete, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
-from tinkergym.scheduler import measured, memory, states
+from tinkergym.scheduler import fairshare, measured, memory, states
 from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME
 from tinkergym.scheduler.bounds import WorkerBounds
 from tinkergym.scheduler.db import allocations, checkpoints, devices, events, jobs, tenants, workers
 from tinkergym.scheduler.repository import Conflict, JobStore
 from tinkergym.scheduler.seats import fits, league_seats, model_of, parse_shared, players
-from tinkergym.scheduler.usage import charge_renewal
+from tinkergym.scheduler.usage import charge_renewal, held_weights, token_gains
 from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' half, importable from here
     ALIVE, FORGET_BATCH, GONE, count_loss, locked, strike_worker, forget_worker, mark_gone, owned_worker, quarantine_worker, register_worker,
     release_worker, sweep_workers, worker_status, worker_timeout, worker_view,
@@ -90,6 +90,13 @@ from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' h
 
 SECRET_FILE = "scheduler.secret"
 TOKEN_PREFIX = "tgs_"
+#: The PostgreSQL advisory lock every grant takes for its transaction: grants run one at a time, whatever the number of
+#: scheduler processes. Concurrent grants would contend for the same jobs at the head of the queue and lock tenants' rows
+#: in different orders (each grant checks the quota of each job it tries under its tenant's row lock), which deadlocks
+#: under load; one at a time, a grant takes a few milliseconds and none waits on another's row locks.
+GRANT_LOCK = 0x7467_6772_616E_7400  # "tggrant\0"
+#: Free seats of other workers one lease request looks at (for a packable job it would put on a whole device), at most.
+OTHER_SEATS = 64
 #: Queued jobs one lease request considers at most (the queue is read in pages of :data:`_PAGE`).
 MAX_SCAN = 5000
 _PAGE = 200
@@ -228,7 +235,7 @@ def free_seats_of_others(conn: Connection, worker_id: str, seen_since: float) ->
         .select_from(devices.join(workers, workers.c.id == devices.c.worker_id).join(api_keys, api_keys.c.id == workers.c.key_id))
         .where(devices.c.seat_of.is_not(None), devices.c.active.is_(True), devices.c.worker_id != worker_id,
                devices.c.id.not_in(select(allocations.c.device_id)), workers.c.last_seen_at >= seen_since,
-               workers.c.quarantined_at.is_(None), api_keys.c.revoked_at.is_(None))
+               workers.c.quarantined_at.is_(None), api_keys.c.revoked_at.is_(None)).limit(OTHER_SEATS)
     ).all()
     found: list[tuple[dict[str, Any], frozenset[str] | None, WorkerBounds, Any]] = []
     for row in rows:
@@ -248,16 +255,21 @@ class Quarantined(PermissionError):
 
 def grant(
     conn: Connection, store: JobStore, settings: Any, worker_id: str, secret: bytes, bounds: WorkerBounds | None = None,
+    usage: fairshare.Usage | None = None,
 ) -> dict[str, Any] | None:
     """Lease at most one queued job to ``worker_id`` in the caller's transaction; the lease, or None when nothing fits.
 
-    Only jobs within the worker credential's ``bounds`` are considered: its tenants' queues alone are read, and its
-    models only. A quarantined worker gets :class:`Quarantined`. The lease: ``job_id, kind, config, epoch, attempt,
+    Jobs are looked at in the fair-share order (:mod:`tinkergym.scheduler.fairshare`: priority, then the tenant furthest
+    below its share, then age), a few deep in each tenant's queue; ``usage`` is the app's cache of the tenants' held
+    devices for that order (None: read now). Only jobs within the worker credential's ``bounds`` are considered: its
+    tenants' queues alone are read, and its models only. A quarantined worker gets :class:`Quarantined`. The lease: ``job_id, kind, config, epoch, attempt,
     devices`` (indexes on the worker), ``seat`` (the seat's index, or None for whole devices), ``expires_at``, ``ttl_s``, ``token`` and ``checkpoint`` (the job's last one,
     to resume from; or None). Two grants of one device raise :class:`sqlalchemy.exc.IntegrityError`: the caller rolls
     back and answers no lease.
     """
     now = store.clock()
+    if conn.dialect.name == "postgresql":  # one grant at a time (SQLite's write lock does the same): see GRANT_LOCK
+        conn.execute(select(func.pg_advisory_xact_lock(GRANT_LOCK)))
     worker = conn.execute(locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
     if worker is None:
         return None  # forgotten by the sweeper since the caller checked it: its next call is 404, and it registers again
@@ -285,7 +297,9 @@ def grant(
     quota: dict[str, int] = {}
     room = measured.SeatRoom(conn)
     elsewhere = _SeatsElsewhere(conn, worker_id, now - worker_timeout(settings), room)
-    for job in queued_jobs(conn, bounds.tenants if bounds is not None else None):
+    share = fairshare.shares(conn, list(bounds.tenants) if bounds is not None and bounds.tenants is not None else None)
+    held_now = usage.held(conn) if usage is not None else fairshare.held_devices(conn)
+    for job in fairshare.fair_queue(conn, sorted(share), held_now, share):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
         if model_of(job["config"]) not in models:
             continue
@@ -307,6 +321,8 @@ def grant(
             continue  # backfill: smaller jobs behind may start
         lease = _take(conn, store, settings, worker_id, job, chosen or free[:gpus], secret, now)
         if lease is not None:
+            if usage is not None:
+                usage.granted(job["tenant_id"], float(gpus) if not chosen else 1.0 / max(1, sum(1 for d, _ in seats if d.seat_of == chosen[0].seat_of)))
             return lease
     return None
 
@@ -384,6 +400,77 @@ def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, 
     _touch(conn, worker_id, now)
     return {"job_id": job_id, "epoch": epoch, "state": job["state"], "cancelling": job["state"] == states.CANCELLING,
             "expires_at": job["lease_expires_at"]}
+
+
+#: Leases one call of :func:`heartbeat_many` renews at most (a worker's devices and seats are bounded far below it).
+MAX_BEATS = 1024
+_RENEW = bindparam("b_id")
+
+
+def heartbeat_many(conn: Connection, store: JobStore, settings: Any, worker_id: str, beats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`heartbeat` for each of the worker's leases in ``beats`` (``job_id``, ``epoch``, optional ``usage`` and
+    ``memory``), in one transaction and a few statements whatever their number: each lease's answer as :func:`heartbeat`
+    gives it, or ``{job_id, epoch, lost: true, error}`` for a lease it no longer holds (that job's server must stop; the
+    others are renewed all the same).
+
+    One worker's call a heartbeat interval, not one per lease: the scheduler's work for 8 leases is about that of one."""
+    if len(beats) > MAX_BEATS:
+        raise ValueError(f"{len(beats)} leases in one heartbeat: at most {MAX_BEATS}")
+    now = store.clock()
+    ids = sorted({beat["job_id"] for beat in beats})
+    rows = {row["id"]: dict(row) for row in conn.execute(locked(conn, select(
+        jobs.c.id, jobs.c.state, jobs.c.lease_epoch, jobs.c.worker_id, jobs.c.lease_expires_at, jobs.c.updated_at, jobs.c.usage_reported,
+    ).where(jobs.c.id.in_(ids)).order_by(jobs.c.id))).mappings()}
+    weights = held_weights(conn, ids)
+    answers: list[dict[str, Any]] = []
+    renewals: list[dict[str, Any]] = []
+    proven_now = False
+    seen: set[str] = set()
+    for beat in beats:
+        job_id, epoch = beat["job_id"], beat["epoch"]
+        job = rows.get(job_id)
+        lost = _beat_refusal(job, job_id, epoch, worker_id, now) if job_id not in seen else f"job {job_id} is named twice in one heartbeat"
+        seen.add(job_id)
+        if lost is not None or job is None:
+            answers.append({"job_id": job_id, "epoch": epoch, "lost": True, "error": lost})
+            continue
+        expires = now + settings.lease_ttl_s
+        if job["state"] == states.CANCELLING:
+            expires = min(expires, job["updated_at"] + getattr(settings, "cancel_deadline_s", math.inf))
+        proof = job["updated_at"] + settings.lease_ttl_s
+        proven_now |= job["state"] == states.RUNNING and job["lease_expires_at"] <= proof < expires
+        elapsed = min(max(0.0, now - (float(job["lease_expires_at"]) - settings.lease_ttl_s)), settings.lease_ttl_s) if settings.lease_ttl_s > 0 else 0.0
+        trained, sampled, reported = token_gains(job, epoch, beat.get("usage"))
+        renewals.append({"b_id": job_id, "b_expires": expires, "b_seconds": elapsed * weights.get(job_id, 0.0), "b_trained": trained,
+                         "b_sampled": sampled, "b_reported": reported})
+        if beat.get("memory"):
+            measured.record(conn, worker_id, job_id, beat["memory"], now)
+        answers.append({"job_id": job_id, "epoch": epoch, "state": job["state"], "cancelling": job["state"] == states.CANCELLING,
+                        "expires_at": expires})
+    if renewals:
+        conn.execute(update(jobs).where(jobs.c.id == _RENEW).values(
+            lease_expires_at=bindparam("b_expires"), device_seconds=jobs.c.device_seconds + bindparam("b_seconds"),
+            tokens_trained=jobs.c.tokens_trained + bindparam("b_trained"), tokens_sampled=jobs.c.tokens_sampled + bindparam("b_sampled"),
+            usage_reported=func.coalesce(bindparam("b_reported"), jobs.c.usage_reported),
+        ), renewals)
+    if proven_now:  # a first heartbeat after "running": the worker runs its jobs, its strikes end
+        conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.strikes != 0).values(strikes=0))
+    _touch(conn, worker_id, now)
+    return answers
+
+
+def _beat_refusal(job: dict[str, Any] | None, job_id: str, epoch: int, worker_id: str, now: float) -> str | None:
+    """Why the worker no longer holds the lease of ``job_id`` at ``epoch`` (the messages :func:`held_job` and
+    :meth:`JobStore.renew_lease` give), or None when it does."""
+    if job is None:
+        return f"no job {job_id}"
+    if job["lease_epoch"] != epoch or job["state"] not in states.HOLDING:
+        return f"job {job_id}: lease epoch {epoch} is stale (the job is {job['state']} at epoch {job['lease_epoch']})"
+    if job["worker_id"] != worker_id:
+        return f"job {job_id} is not leased to this worker"
+    if job["lease_expires_at"] is None or job["lease_expires_at"] < now:
+        return f"job {job_id}: the lease at epoch {epoch} is lost (it ended before this heartbeat)"
+    return None
 
 
 def report_state(

@@ -31,12 +31,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
-from tinkergym.scheduler import measured, memory, states
+from tinkergym.scheduler import fairshare, measured, memory, states
 from tinkergym.scheduler.bounds import WorkerBounds, parse_bounds
 from tinkergym.scheduler.db import allocations, api_keys, devices, tenants, workers
 from tinkergym.scheduler.repository import NotFound
@@ -109,6 +109,13 @@ class Host:
                 found.append(why)
         return found
 
+    def kind_of(self) -> tuple[Any, ...]:
+        """What placement reads of it that does not change with its free places: hosts alike in it answer every
+        question but ``has_room`` alike (so one stands for all, :class:`Placement`)."""
+        seats = tuple(sorted((json.dumps(base, sort_keys=True), row.seat_of) for base, _, row in self.seats))
+        return (self.models, self.devices, self.kind, self.bounds, seats, self.shared_devices, self.memory,
+                json.dumps(self.shapes, sort_keys=True, default=str))
+
     @property
     def physical(self) -> int:
         """Its devices, whole or shared (a shared one counted once, whatever its seats)."""
@@ -163,10 +170,17 @@ def _devices(n: int, kind: str) -> str:
 class Placement:
     """One read of the cluster (workers, devices, allocations, tenants' quotas) that says why queued jobs wait."""
 
-    def __init__(self, conn: Connection, settings: Any, now: float) -> None:
+    def __init__(self, conn: Connection, settings: Any, now: float, hosts: list[Host] | None = None) -> None:
         self.conn = conn
-        self.hosts = [h for h in load_hosts(conn, now, worker_timeout(settings)) if h.alive]
+        self.hosts = hosts if hosts is not None else alive_hosts(conn, settings, now)
         self._quota: dict[str, tuple[int, int]] = {}
+        # Hosts alike (Host.kind_of) answer alike: each question is asked of one of them, whatever the cluster's size.
+        alike: dict[tuple[Any, ...], list[Host]] = {}
+        for host in self.hosts:
+            alike.setdefault(host.kind_of(), []).append(host)
+        self._kinds = [(members[0], frozenset(h.id for h in members)) for members in alike.values()]
+        self._reps = [rep for rep, _ in self._kinds]
+        self._capable_of: dict[tuple[int, ...], frozenset[str]] = {}
 
     def quota(self, tenant: str) -> tuple[int, int]:
         """(devices the tenant's jobs hold, its max_gpus)."""
@@ -182,12 +196,16 @@ class Placement:
         return held + job["gpus"] > limit
 
     def _capable(self, job: dict[str, Any]) -> frozenset[str]:
-        return frozenset(h.id for h in self.hosts if h.bounds.serves(job["tenant_id"]) and h.hosts(job))
+        kinds = tuple(i for i, (rep, _) in enumerate(self._kinds) if rep.bounds.serves(job["tenant_id"]) and rep.hosts(job))
+        found = self._capable_of.get(kinds)
+        if found is None:
+            found = self._capable_of[kinds] = frozenset().union(*(self._kinds[i][1] for i in kinds))
+        return found
 
     def placed(self, job: dict[str, Any]) -> dict[str, str] | None:
         """The reason of ``job`` that does not depend on the jobs ahead of it (all but ``behind``); None when those are clear."""
         model, gpus, tenant = model_of(job["config"]), job["gpus"], job["tenant_id"]
-        served = [h for h in self.hosts if h.bounds.serves(tenant)]
+        served = [h for h in self._reps if h.bounds.serves(tenant)]  # one host of each kind: what is asked here is alike in a kind
         if not served:
             return reason(NO_WORKER, f"no worker is alive to run tenant {tenant}'s jobs; start one: tinkergym worker --models {model}")
         offering = [h for h in served if model in h.models]
@@ -255,14 +273,57 @@ def reason(code: str, message: str) -> dict[str, str]:
     return {"code": code, "message": message}
 
 
-def wait_reasons(conn: Connection, settings: Any, now: float, queued: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
-    """The reasons of the ``queued`` jobs (rows with id, tenant_id, gpus, config, state): the queue is read up to the last."""
-    from tinkergym.scheduler.leases import queued_jobs
+#: Queued jobs a job's view reads from the front of the grant order to say why the job waits; past them it is "behind at
+#: least" that many (the sweeper's pass, which reads :data:`tinkergym.scheduler.leases.MAX_SCAN`, says more).
+VIEW_SCAN = 500
 
+
+def alive_hosts(conn: Connection, settings: Any, now: float) -> list[Host]:
+    return [h for h in load_hosts(conn, now, worker_timeout(settings)) if h.alive]
+
+
+def grant_order(conn: Connection, limit: int, page: int = 200) -> Iterator[dict[str, Any]]:
+    """The queued jobs in the order a busy cluster would start them (:func:`tinkergym.scheduler.fairshare.fair_queue` with
+    turns), the first ``limit`` at most."""
+    share = fairshare.shares(conn, None)
+    for i, job in enumerate(fairshare.fair_queue(conn, sorted(share), fairshare.held_devices(conn), share, depth=limit, page=page, turns=True)):
+        if i >= limit:
+            return
+        yield job
+
+
+def wait_reasons(conn: Connection, settings: Any, now: float, queued: list[dict[str, Any]], app: Any = None) -> dict[str, dict[str, str]]:
+    """The reasons of the ``queued`` jobs (rows with id, tenant_id, gpus, config, state): what the sweeper's last pass
+    found for them where it is recent (``app``'s), else read now from the front of the grant order, :data:`VIEW_SCAN`
+    jobs at most, with the workers read once every ``cache_s`` of the app. A view costs what its jobs do, not the
+    cluster's queue."""
     wanted = {j["id"] for j in queued if j["state"] == states.QUEUED}
     if not wanted:
         return {}
-    return Placement(conn, settings, now).reasons(queued_jobs(conn), wanted)
+    found: dict[str, dict[str, str]] = {}
+    passed = getattr(app.state, "wait_pass", None) if app is not None else None
+    if passed is not None and getattr(settings, "cache_s", 0.0) > 0 and now - passed["at"] <= passed["every"] * 2:
+        found = {job_id: passed["reasons"][job_id] for job_id in wanted if job_id in passed["reasons"]}
+    missing = wanted - set(found)
+    if missing:
+        hosts = cached_hosts(app, conn, settings, now) if app is not None else None
+        found.update(Placement(conn, settings, now, hosts).reasons(grant_order(conn, VIEW_SCAN), missing))
+        for job_id in missing - set(found):
+            found[job_id] = reason(BEHIND, f"behind at least {VIEW_SCAN} queued jobs that go first")
+    return found
+
+
+def cached_hosts(app: Any, conn: Connection, settings: Any, now: float) -> list[Host]:
+    """The live workers as placement sees them, read at most every ``settings.cache_s`` (real time) for the app."""
+    import time
+
+    cached = getattr(app.state, "hosts_cache", None)
+    ttl = getattr(settings, "cache_s", 0.0)
+    if cached is not None and time.monotonic() - cached[0] < ttl:
+        return cached[1]
+    hosts = alive_hosts(conn, settings, now)
+    app.state.hosts_cache = (time.monotonic(), hosts)
+    return hosts
 
 
 # ----- what workers have ever offered ----------------------------------------------------------------
@@ -289,21 +350,26 @@ def refusal(conn: Connection, tenant: str, model: Any, gpus: int, kind: str = "t
 
 
 # ----- the sweeper's pass ----------------------------------------------------------------------------
+#: The sweeper's pass of wait reasons takes at most this share of its time: after a pass of t seconds, the next waits
+#: t / DUTY (and at least a sweep interval), so a large cluster's passes come less often and a small one's every sweep.
+DUTY = 0.05
+
+
 def note_wait_reasons(app: Any) -> int:
     """Append a ``waiting`` event (``code``, ``message``) to each queued job whose reason code changed since the last pass;
-    how many. The last codes live in ``app.state.wait_reasons`` (memory only)."""
-    from tinkergym.scheduler.leases import MAX_SCAN, queued_jobs
+    how many. The last reasons live in ``app.state.wait_pass`` (memory only; job views read them, see :func:`wait_reasons`)."""
+    import time
+
+    from tinkergym.scheduler.leases import MAX_SCAN
 
     store = app.state.store
-    last: dict[str, str] = getattr(app.state, "wait_reasons", None) or {}
+    started = time.perf_counter()
+    last: dict[str, dict[str, str]] = (getattr(app.state, "wait_pass", None) or {}).get("reasons", {})
     with store.read() as conn:
-        queue = []
-        for job in queued_jobs(conn):
-            queue.append(job)
-            if len(queue) >= MAX_SCAN:
-                break
-        found = Placement(conn, app.state.settings, store.clock()).reasons(queue) if queue else {}
-    changed = {job_id: r for job_id, r in found.items() if last.get(job_id) != r["code"]}
+        now = store.clock()
+        queue = list(grant_order(conn, MAX_SCAN))
+        found = Placement(conn, app.state.settings, now).reasons(queue) if queue else {}
+    changed = {job_id: r for job_id, r in found.items() if last.get(job_id, {}).get("code") != r["code"]}
     noted = 0
     if changed:
         with store.transaction() as conn:
@@ -315,5 +381,13 @@ def note_wait_reasons(app: Any) -> int:
                 if queued:
                     store.append_event(conn, job_id, "waiting", r)
                     noted += 1
-    app.state.wait_reasons = {job_id: r["code"] for job_id, r in found.items()}
+    took = time.perf_counter() - started
+    app.state.wait_pass = {"at": now, "reasons": found, "took": took,
+                           "every": max(app.state.settings.sweep_interval_s, took / DUTY)}
     return noted
+
+
+def wait_pass_due(app: Any) -> bool:
+    """Whether the sweeper's next pass of wait reasons is due (:data:`DUTY`)."""
+    passed = getattr(app.state, "wait_pass", None)
+    return passed is None or app.state.store.clock() - passed["at"] >= passed["every"] - 1e-9

@@ -35,7 +35,8 @@ async def sweep_forever(app: Any) -> None:
             except Exception:  # noqa: BLE001 - as above
                 app.state.logger.exception("artifact retention pass failed")
             try:
-                await asyncio.to_thread(placement.note_wait_reasons, app)  # a `waiting` event when a queued job's reason changes
+                if placement.wait_pass_due(app):  # a `waiting` event when a queued job's reason changes; at most DUTY of the time
+                    await asyncio.to_thread(placement.note_wait_reasons, app)
             except Exception:  # noqa: BLE001 - as above
                 app.state.logger.exception("wait reason pass failed")
             try:

@@ -37,17 +37,29 @@ QUEUE_SAMPLES = 360
 
 def held_weight(conn: Connection, job_id: str) -> float:
     """The devices ``job_id`` holds, a seat counting 1 / the seats of its device."""
-    held = conn.execute(select(devices.c.worker_id, devices.c.seat_of).join(allocations, allocations.c.device_id == devices.c.id)
-                        .where(allocations.c.job_id == job_id)).all()
-    weight = 0.0
-    for worker_id, seat_of in held:
-        if seat_of is None:
-            weight += 1.0
-            continue
-        seats = conn.execute(select(func.count()).select_from(devices)
-                             .where(devices.c.worker_id == worker_id, devices.c.seat_of == seat_of, devices.c.active)).scalar_one()
-        weight += 1.0 / max(1, int(seats))
-    return weight
+    return held_weights(conn, [job_id]).get(job_id, 0.0)
+
+
+def held_weights(conn: Connection, job_ids: list[str]) -> dict[str, float]:
+    """:func:`held_weight` of each of ``job_ids`` in two queries (the jobs' places, then the seats of the devices they sit on)."""
+    if not job_ids:
+        return {}
+    held = conn.execute(select(allocations.c.job_id, devices.c.worker_id, devices.c.seat_of).join(devices, devices.c.id == allocations.c.device_id)
+                        .where(allocations.c.job_id.in_(job_ids))).all()
+    shared = {(row.worker_id, row.seat_of) for row in held if row.seat_of is not None}
+    seats: dict[tuple[str, int], int] = {}
+    if shared:
+        for worker_id, seat_of, count in conn.execute(
+            select(devices.c.worker_id, devices.c.seat_of, func.count()).where(
+                devices.c.worker_id.in_(sorted({w for w, _ in shared})), devices.c.seat_of.is_not(None), devices.c.active)
+            .group_by(devices.c.worker_id, devices.c.seat_of)
+        ):
+            seats[(worker_id, seat_of)] = int(count)
+    weights: dict[str, float] = {}
+    for row in held:
+        share = 1.0 if row.seat_of is None else 1.0 / max(1, seats.get((row.worker_id, row.seat_of), 1))
+        weights[row.job_id] = weights.get(row.job_id, 0.0) + share
+    return weights
 
 
 def charge_renewal(conn: Connection, job: dict[str, Any], now: float, ttl: float, epoch: int = 0,
@@ -70,22 +82,36 @@ def charge_renewal(conn: Connection, job: dict[str, Any], now: float, ttl: float
 def token_increments(job: dict[str, Any], epoch: int, usage: dict[str, int]) -> dict[str, Any]:
     """The column updates for a server's token totals at lease ``epoch``: each counter grows by what it gained since the
     last report at that epoch (a new epoch's server counts from 0; a repeated or older report adds nothing)."""
+    trained, sampled, reported = token_gains(job, epoch, usage)
+    values: dict[str, Any] = {}
+    if trained:
+        values["tokens_trained"] = jobs.c.tokens_trained + trained
+    if sampled:
+        values["tokens_sampled"] = jobs.c.tokens_sampled + sampled
+    if reported is not None:
+        values["usage_reported"] = reported
+    return values
+
+
+def token_gains(job: dict[str, Any], epoch: int, usage: dict[str, int] | None) -> tuple[int, int, str | None]:
+    """(tokens trained, tokens sampled) gained since the job's last report at lease ``epoch``, and the new report to keep
+    (None: nothing gained)."""
+    if not usage:
+        return 0, 0, None
     try:
         last = json.loads(job.get("usage_reported") or "{}")
     except ValueError:
         last = {}
     if last.get("epoch") != epoch:
         last = {"epoch": epoch, "tokens_trained": 0, "tokens_sampled": 0}
-    values: dict[str, Any] = {}
     reported = dict(last)
+    gains = []
     for key in ("tokens_trained", "tokens_sampled"):
         now, before = int(usage.get(key, 0)), int(last.get(key, 0))
+        gains.append(max(0, now - before))
         if now > before:
-            values[key] = getattr(jobs.c, key) + (now - before)
             reported[key] = now
-    if values:
-        values["usage_reported"] = json.dumps(reported, sort_keys=True)
-    return values
+    return gains[0], gains[1], json.dumps(reported, sort_keys=True) if any(gains) else None
 
 
 def retire_usage(conn: Connection, job: dict[str, Any]) -> None:

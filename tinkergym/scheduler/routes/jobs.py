@@ -54,7 +54,7 @@ class Job(WireModel):
     error: str | None = None
     lease_epoch: int
     server_url: str | None = None
-    queue_position: int | None = Field(None, description="1 for the next queued job to be considered; queued jobs")
+    queue_position: int | None = Field(None, description="its place in its tenant's queue, 1 for the tenant's next; queued jobs")
     seat: bool | None = Field(None, description="in GET /v1/jobs: whether the job holds a seat of a shared server (true) or "
                                                 "whole devices (false) now; null while it holds nothing")
     wait_reason: WaitReason | None = Field(None, description="why a queued job waits; queued jobs, in GET /v1/jobs and /v1/jobs/{id}")
@@ -112,23 +112,27 @@ def check_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def queue_position(conn: Any, job: dict[str, Any]) -> int | None:
-    """1 + the queued jobs considered before ``job`` (higher priority, or equal priority and older)."""
+    """1 + the queued jobs of its tenant considered before ``job`` (higher priority, or equal priority and older): its
+    place in its tenant's queue. Tenants take turns by fair share (:mod:`tinkergym.scheduler.fairshare`), so that is what
+    a tenant can move, and reading it costs what the tenant's own queue does."""
     if job["state"] != states.QUEUED:
         return None
     ahead = conn.execute(select(func.count()).select_from(jobs).where(
-        jobs.c.state == states.QUEUED,
+        jobs.c.tenant_id == job["tenant_id"], jobs.c.state == states.QUEUED,
         or_(jobs.c.priority > job["priority"], and_(jobs.c.priority == job["priority"], jobs.c.created_at < job["created_at"])),
     )).scalar_one()
     return int(ahead) + 1
 
 
 def queue_positions(conn: Any, rows: list[dict[str, Any]]) -> dict[str, int]:
-    """The queue positions of the queued jobs among ``rows`` (as :func:`queue_position` counts them), in one query."""
+    """The queue positions of the queued jobs among ``rows`` (as :func:`queue_position` counts them), in one query over
+    their tenants' queues."""
     wanted = {r["id"] for r in rows if r["state"] == states.QUEUED}
     if not wanted:
         return {}
-    ranked = select(jobs.c.id, func.rank().over(order_by=(jobs.c.priority.desc(), jobs.c.created_at)).label("position")) \
-        .where(jobs.c.state == states.QUEUED).subquery()
+    owners = sorted({r["tenant_id"] for r in rows if r["id"] in wanted})
+    ranked = select(jobs.c.id, func.rank().over(partition_by=jobs.c.tenant_id, order_by=(jobs.c.priority.desc(), jobs.c.created_at))
+                    .label("position")).where(jobs.c.state == states.QUEUED, jobs.c.tenant_id.in_(owners)).subquery()
     return {i: int(p) for i, p in conn.execute(select(ranked.c.id, ranked.c.position).where(ranked.c.id.in_(sorted(wanted))))}
 
 
@@ -238,7 +242,7 @@ def list_jobs(
     store = _store(request)
     with store.read() as conn:
         rows = [dict(r) for r in conn.execute(query).mappings()]
-        reasons = placement.wait_reasons(conn, request.app.state.settings, store.clock(), rows[:limit])
+        reasons = placement.wait_reasons(conn, request.app.state.settings, store.clock(), rows[:limit], request.app)
         positions, seats = queue_positions(conn, rows[:limit]), seats_held(conn, rows[:limit])
         page = [{**job_view(conn, r, position=positions.get(r["id"]), wait_reason=reasons.get(r["id"])), "seat": seats.get(r["id"])}
                 for r in rows[:limit]]
@@ -251,7 +255,7 @@ def show(job_id: str, request: Request, who: Principal = Depends(require("read")
     store = _store(request)
     with store.read() as conn:
         job = store.get(conn, job_id, who.tenant_filter())
-        reasons = placement.wait_reasons(conn, request.app.state.settings, store.clock(), [job])
+        reasons = placement.wait_reasons(conn, request.app.state.settings, store.clock(), [job], request.app)
         return {**job_view(conn, job, position=True, wait_reason=reasons.get(job_id)), "end_reason": end_reason(conn, job)}
 
 

@@ -15,6 +15,7 @@ A worker is listed ``alive`` or ``gone``: gone when it has made no call for the 
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
@@ -219,6 +220,28 @@ class HeartbeatAnswer(WireModel):
     expires_at: float
 
 
+class LeaseBeat(Heartbeat):
+    job_id: str = Field(max_length=40, description="a job this worker holds")
+
+
+class Heartbeats(WireModel):
+    leases: list[LeaseBeat] = Field(max_length=leases.MAX_BEATS, description="every lease the worker holds, in one call")
+
+
+class BeatAnswer(WireModel):
+    job_id: str
+    epoch: int
+    state: str | None = Field(None, description="the job's state (absent when the lease is lost)")
+    cancelling: bool = Field(False, description="true: stop the job's server and report state cancelled")
+    expires_at: float | None = None
+    lost: bool = Field(False, description="true: this worker no longer holds the lease; stop the job's server")
+    error: str | None = Field(None, description="why the lease is lost")
+
+
+class HeartbeatsAnswer(WireModel):
+    leases: list[BeatAnswer]
+
+
 class StateReport(Fenced):
     state: Literal["starting", "running", "succeeded", "failed", "cancelled"]
     error: str | None = Field(None, max_length=4000)
@@ -339,7 +362,7 @@ def lease(worker_id: str, request: Request, who: Principal = Depends(require("wo
 
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         _own(conn, worker_id, who)
-        granted = leases.grant(conn, store, settings, worker_id, secret, who.bounds)
+        granted = leases.grant(conn, store, settings, worker_id, secret, who.bounds, getattr(app.state, "usage", None))
         if granted is not None:
             granted.pop("token")  # never stored (the idempotency record keeps the answer): derived again below
             # counted once, when made (a retried poll answers the kept record); a grant whose transaction then fails to
@@ -354,9 +377,18 @@ def lease(worker_id: str, request: Request, who: Principal = Depends(require("wo
         return answer
 
     try:
-        return respond_once(request, who, idempotency_key, {"worker_id": worker_id}, handler, with_token)
+        with grant_lock(app):  # one grant at a time in this process; threads wait here, not holding a database connection
+            return respond_once(request, who, idempotency_key, {"worker_id": worker_id}, handler, with_token)
     except IntegrityError:  # a device taken by a concurrent grant: this one rolled back whole
         return {"lease": None}
+
+
+def grant_lock(app: Any) -> Any:
+    """The app's lock of grants (:data:`tinkergym.scheduler.leases.GRANT_LOCK` is the database's, across processes)."""
+    lock = getattr(app.state, "grant_lock", None)
+    if lock is None:
+        lock = app.state.grant_lock = threading.Lock()
+    return lock
 
 
 @router.post("/{worker_id}/jobs/{job_id}/heartbeat", response_model=HeartbeatAnswer, responses={404: {}, 409: {}, 422: {}})
@@ -376,6 +408,19 @@ def heartbeat(
         return 200, leases.heartbeat(conn, store, settings, worker_id, job_id, body.epoch, usage, memory)
 
     return respond_once(request, who, idempotency_key, body.model_dump(mode="json"), handler)
+
+
+@router.post("/{worker_id}/heartbeats", response_model=HeartbeatsAnswer, responses={404: {}, 422: {}})
+def heartbeats(worker_id: str, body: Heartbeats, request: Request, who: Principal = Depends(require("worker"))) -> Any:
+    """Renew every lease this worker holds in one call (what a heartbeat does for one, for each); a lease it no longer
+    holds is answered ``lost`` (stop that job's server) and the others are renewed all the same. Idempotent by itself:
+    an ``Idempotency-Key`` is accepted and not stored (a retry renews again, from its own time)."""
+    store, settings = _store(request), request.app.state.settings
+    beats = [{"job_id": b.job_id, "epoch": b.epoch, "usage": b.usage.model_dump() if b.usage is not None else None,
+              "memory": b.memory.model_dump() if b.memory is not None else None} for b in body.leases]
+    with store.transaction() as conn:
+        _own(conn, worker_id, who)
+        return {"leases": leases.heartbeat_many(conn, store, settings, worker_id, beats)}
 
 
 @router.post("/{worker_id}/jobs/{job_id}/state", response_model=StateAnswer, responses={404: {}, 409: {}, 422: {}})

@@ -1,0 +1,912 @@
+"""The scheduler at cluster scale, simulated: N workers of 8 devices, J queued jobs, T tenants, against the real scheduler.
+
+    python benchmarks/scheduler_scale.py --workers 1000 --jobs 10000 --tenants 100 --db postgresql
+    python benchmarks/scheduler_scale.py --workers 10,100,1000 --db postgresql --json      # a table, one run per N
+    python benchmarks/scheduler_scale.py --code /tmp/before --workers 100        # the scheduler of another source tree
+    python benchmarks/scheduler_scale.py --quick                                 # SQLite, 6 workers, churn (a smoke test)
+
+What runs: ``tinkergym scheduler serve`` as its own process on 127.0.0.1 (from this tree, or from ``--code``'s tree), on a
+SQLite file or on a private PostgreSQL cluster (:mod:`tinkergym.scheduler.devdb`, with ``pg_stat_statements``). This
+process plays the cluster over HTTP: N simulated workers (asyncio tasks, each with its own worker credential) register 8
+devices each (a ``--seat-share`` of them run their last device as a shared server of 4 LoRA seats), take leases, report
+``starting`` and ``running``, heartbeat at the documented interval (a third of the lease TTL; one call per worker for all
+its leases where the scheduler offers ``POST /v1/workers/{id}/heartbeats``, one call per lease otherwise), then finish,
+fail, or vanish (stop calling; they come back later and register again). T simulated tenants (each with its own key and
+quotas, their sizes skewed) submit J jobs, a mix of LoRA (packable onto seats), full fine-tuning and multi-device jobs,
+then page their job lists, look at queued jobs, stream a job's events and cancel a few while the queue drains.
+
+The run, in phases: (1) every tenant submits its jobs (submissions per second, latency p50/p99 as clients saw them);
+(2) the workers register and drain the queue. Reported: lease grant latency (p50, p99) from a place's freeing to the
+worker's next grant, counted while a quarter of the queue is still waiting (any freed place then has a job that fits it);
+heartbeat cost, from the window in which every place is held and no job has ended yet (only heartbeats arrive): the
+scheduler's CPU seconds per 1,000 lease renewals and the cores it and PostgreSQL spent; PostgreSQL's statements and rows
+read per grant (``pg_stat_statements``, over the drain); the drain time against a lower bound of the ideal packing of the
+same jobs computed offline (the place-time the runs took, whole devices and seats, over the cluster's places; never less
+than the longest job); each tenant's device-seconds against its fair share (max-min fair: at each second the places are
+water-filled among the tenants with work, each capped by its demand and its ``max_gpus``); the latency of tenants' views
+(list pages, one queued job). And the checks the CI test asserts: no lease granted twice, no place over-committed, every
+vanished worker's leases queued again within the TTL, no quota exceeded, no job waiting past the stated bound.
+
+Job durations are seconds of real time (``--duration``), so the load on the scheduler is a real cluster's at the same N
+(heartbeats and registrations) with far more grants per second than hours-long jobs make. The machine's facts (cores,
+load of other processes) are in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL = "tiny"
+SEATS = 4
+LEASE_TTL = 30.0  # the scheduler's default (--lease-ttl sets it)
+
+
+# ----- the HTTP client (keep-alive, asyncio, no dependencies) ------------------------------------------------------
+class Http:
+    """HTTP/1.1 requests to 127.0.0.1:``port`` over a pool of kept-alive connections; ``(status, json body)``."""
+
+    def __init__(self, port: int, size: int) -> None:
+        self.port = port
+        self.size = size
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+        self.slots = asyncio.Semaphore(size)
+        self.requests = 0
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 22)
+
+    async def request(self, method: str, path: str, key: str, body: Any = None, headers: dict[str, str] | None = None,
+                      timeout: float = 120.0) -> tuple[int, Any]:
+        if method == "POST" and "/v1/workers" in path and headers is None:  # the worker client keys every POST (its retries reuse it)
+            headers = {"Idempotency-Key": uuid.uuid4().hex}
+        data = b"" if body is None else json.dumps(body).encode()
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n{extra}"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
+        async with self.slots:
+            for attempt in range(3):
+                fresh = not self.idle
+                reader, writer = self.idle.pop() if self.idle else await self._connect()
+                try:
+                    writer.write(head + data)
+                    status, payload, keep = await asyncio.wait_for(_read_response(reader), timeout)
+                except (ConnectionError, asyncio.IncompleteReadError, OSError):
+                    writer.close()
+                    if fresh or attempt == 2:  # a kept-alive connection the server closed: once more on a new one
+                        raise
+                    continue
+                except asyncio.TimeoutError:
+                    writer.close()
+                    raise
+                if keep:
+                    self.idle.append((reader, writer))
+                else:
+                    writer.close()
+                self.requests += 1
+                return status, payload
+        raise RuntimeError("unreachable")
+
+    async def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+        self.idle.clear()
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, Any, bool]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            body += await reader.readexactly(size + 2)
+            if size == 0:
+                break
+    else:
+        body = await reader.readexactly(int(headers.get("content-length", "0")))
+    keep = headers.get("connection", "").lower() != "close"
+    try:
+        payload = json.loads(body) if body.strip() else None
+    except ValueError:
+        payload = body.decode(errors="replace")
+    return status, payload, keep
+
+
+# ----- the workload -------------------------------------------------------------------------------------------------
+@dataclass
+class Spec:
+    """A job a tenant submits and how the simulated worker runs it."""
+
+    tenant: str
+    kind: str  # lora (packable onto a seat), full, multi
+    gpus: int
+    duration: float
+    fail_at: float | None = None  # the fraction of its duration at which it fails (None: it succeeds)
+    cancel: bool = False
+
+    def body(self) -> dict[str, Any]:
+        config: dict[str, Any] = {"model": MODEL, "lora_rank": 8 if self.kind == "lora" else 0, "sim_duration": self.duration}
+        if self.fail_at is not None:
+            config["sim_fail_at"] = self.fail_at
+        return {"kind": "train", "gpus": self.gpus, "config": config}
+
+
+def tenant_sizes(tenants: int, jobs: int, rng: random.Random) -> list[int]:
+    """Jobs per tenant, skewed (Zipf-like: a few large tenants, a long tail), every tenant at least one, summing to ``jobs``."""
+    weights = [1.0 / (i + 1) ** 0.8 for i in range(tenants)]
+    rng.shuffle(weights)
+    total = sum(weights)
+    sizes = [max(1, int(jobs * w / total)) for w in weights]
+    i = 0
+    while sum(sizes) < jobs:
+        sizes[i % tenants] += 1
+        i += 1
+    while sum(sizes) > jobs:
+        j = max(range(tenants), key=lambda k: sizes[k])
+        sizes[j] -= 1
+    return sizes
+
+
+def workload(tenants: int, jobs: int, duration: tuple[float, float], rng: random.Random, churn: float) -> list[Spec]:
+    """Each tenant's jobs: its own mix of LoRA, full and multi-device jobs (some tenants mostly one kind), interleaved as
+    submissions from many clients arrive."""
+    specs: list[Spec] = []
+    for t, size in enumerate(tenant_sizes(tenants, jobs, rng)):
+        lora, full = [(0.7, 0.25), (0.3, 0.6), (0.5, 0.3), (0.2, 0.3)][t % 4]
+        for _ in range(size):
+            u = rng.random()
+            kind, gpus = ("lora", 1) if u < lora else ("full", 1) if u < lora + full else ("multi", rng.choice((2, 2, 4, 8)))
+            spec = Spec(f"t{t:03d}", kind, gpus, rng.uniform(*duration))
+            if rng.random() < churn:
+                spec.fail_at = rng.uniform(0.1, 0.9)
+            elif rng.random() < churn:
+                spec.cancel = True
+            specs.append(spec)
+    rng.shuffle(specs)
+    return specs
+
+
+def quotas(tenants: int, places: int) -> list[int]:
+    """Each tenant's ``max_gpus``: most may take a fifth of the cluster, every fifth tenant a small fixed quota."""
+    return [max(2, places // 50) if t % 5 == 4 else max(8, places // 5) for t in range(tenants)]
+
+
+# ----- setup (run with the scheduler's own source tree on sys.path) -------------------------------------------------
+def setup(url: str, tenants: int, workers: int, max_gpus: list[int], max_queued: list[int], out: str) -> None:
+    """Tenants with quotas and a key each, and one worker credential per worker; the keys written to ``out`` as JSON."""
+    from sqlalchemy import update
+
+    from tinkergym.scheduler.auth import create_key, ensure_tenant
+    from tinkergym.scheduler.bounds import WorkerBounds
+    from tinkergym.scheduler.credentials import create_worker_key
+    from tinkergym.scheduler.db import make_engine, tenants as tenants_table, upgrade
+
+    engine = make_engine(url)
+    upgrade(engine)
+    keys: dict[str, Any] = {"tenants": {}, "workers": [], "operator": None}
+    for t in range(tenants):
+        name = f"t{t:03d}"
+        keys["tenants"][name] = create_key(engine, name, ["read", "write"], "sim")[1]
+        with engine.begin() as conn:
+            ensure_tenant(conn, name, max_gpus=max_gpus[t], max_queued=max_queued[t])
+            conn.execute(update(tenants_table).where(tenants_table.c.id == name).values(keep_ended_jobs=100_000))
+    keys["operator"] = create_key(engine, "ops", ["read", "operator", "metrics"], "sim")[1]
+    for w in range(workers):
+        keys["workers"].append(create_worker_key(engine, WorkerBounds(devices=8 + SEATS), f"sim-{w}")[1])
+    engine.dispose()
+    Path(out).write_text(json.dumps(keys))
+
+
+def run_setup(code: Path, url: str, tenants: int, workers: int, max_gpus: list[int], max_queued: list[int]) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "keys.json"
+        args = json.dumps([url, tenants, workers, max_gpus, max_queued, str(out)])
+        script = f"import json,sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import scheduler_scale as s; s.setup(*json.loads(sys.argv[1]))"
+        subprocess.run([sys.executable, "-c", script, args], check=True, env={**os.environ, "PYTHONPATH": str(code)})
+        return json.loads(out.read_text())
+
+
+# ----- the scheduler process and the database ------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_scheduler(code: Path, url: str, data_dir: Path, settings: list[str]) -> tuple[subprocess.Popen, int]:
+    import urllib.request
+
+    port = free_port()
+    command = [sys.executable, "-m", "tinkergym", "scheduler", "serve", "--db", url, "--data-dir", str(data_dir), "--port", str(port),
+               "--lease-ttl", str(LEASE_TTL), *settings]
+    log = open(data_dir / "serve.log", "wb")  # noqa: SIM115 - the process's whole life
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(code)})
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the scheduler exited with {process.returncode}: {(data_dir / 'serve.log').read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2):
+                return process, port
+        except OSError:
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError("the scheduler did not become ready within 90 s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 when it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu() -> float:
+    """CPU seconds of every ``postgres`` process on the machine (the private cluster's, while it alone runs)."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip() in ("postgres", "postmaster"):
+                    total += cpu_seconds(int(entry.name))
+            except OSError:
+                continue
+    return total
+
+
+class Database:
+    """The database of one run: a SQLite file, or a new database on the private PostgreSQL cluster."""
+
+    def __init__(self, kind: str, scratch: Path, server: Any = None) -> None:
+        self.kind, self.server = kind, server
+        self.url = f"sqlite:///{scratch / 'scheduler.db'}" if kind == "sqlite" else server.new_database()
+
+    def statements(self) -> dict[str, Any] | None:
+        """Statements and rows so far (``pg_stat_statements``; None on SQLite): calls, rows, shared blocks read or hit."""
+        if self.kind != "postgresql":
+            return None
+        import psycopg
+
+        with psycopg.connect(self.url.replace("postgresql+psycopg://", "postgresql://")) as conn:
+            row = conn.execute("SELECT coalesce(sum(calls),0), coalesce(sum(rows),0), coalesce(sum(shared_blks_hit + shared_blks_read),0) "
+                               "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()
+            tables = conn.execute("SELECT coalesce(sum(seq_tup_read),0), coalesce(sum(idx_tup_fetch),0) FROM pg_stat_user_tables").fetchone()
+        return {"calls": int(row[0]), "rows": int(row[1]), "blocks": int(row[2]), "seq_rows": int(tables[0]), "index_rows": int(tables[1])}
+
+    def top_statements(self, n: int = 8) -> list[dict[str, Any]]:
+        if self.kind != "postgresql":
+            return []
+        import psycopg
+
+        with psycopg.connect(self.url.replace("postgresql+psycopg://", "postgresql://")) as conn:
+            rows = conn.execute("SELECT calls, rows, total_exec_time, shared_blks_hit + shared_blks_read, left(regexp_replace(query, '\\s+', ' ', 'g'), 160) "
+                                "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+                                "ORDER BY total_exec_time DESC LIMIT %s", (n,)).fetchall()
+        return [{"calls": r[0], "rows": r[1], "ms": round(r[2], 1), "blocks": r[3], "query": r[4]} for r in rows]
+
+    def reset_statements(self) -> None:
+        if self.kind != "postgresql":
+            return
+        import psycopg
+
+        with psycopg.connect(self.url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+            conn.execute("SELECT pg_stat_statements_reset()")
+
+
+def with_statements(server: Any) -> None:
+    """Make ``pg_stat_statements`` (preloaded at the cluster's start) countable in the benchmark's databases."""
+    import psycopg
+
+    from tinkergym.scheduler.devdb import PG_ROLE
+
+    # In template1, so every database made for a run has it; its reset granted to the role the scheduler connects as.
+    with psycopg.connect(host=str(server.socket_dir), port=server.port, user=server.superuser, dbname="template1", autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        conn.execute(f"GRANT EXECUTE ON FUNCTION pg_stat_statements_reset TO {PG_ROLE}")
+
+
+# ----- the simulated cluster ------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    job_id: str
+    epoch: int
+    places: tuple[int, ...]  # device indexes, or the seat's index
+    spec: Spec | None
+    granted: float
+    task: asyncio.Task | None = None
+    released: bool = False
+
+
+@dataclass
+class Stats:
+    submit_latency: list[float] = field(default_factory=list)
+    grant_latency: list[float] = field(default_factory=list)
+    view_latency: list[float] = field(default_factory=list)
+    heartbeats: int = 0  # leases renewed
+    heartbeat_calls: int = 0
+    grants: int = 0
+    empty_polls: int = 0
+    violations: list[str] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)  # every run: job, tenant, weight, start, end, outcome
+    first_wait: dict[str, float] = field(default_factory=dict)  # job -> seconds from submission to its first grant
+    vanished: list[dict[str, Any]] = field(default_factory=list)
+    requeue_delays: list[float] = field(default_factory=list)
+    failures: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    def fail(self, what: str) -> None:
+        if len(self.violations) < 50:
+            self.violations.append(what)
+
+
+class Cluster:
+    """The simulated workers and tenants, and what they saw."""
+
+    def __init__(self, http: Http, keys: dict[str, Any], specs: list[Spec], args: argparse.Namespace, rng: random.Random) -> None:
+        self.http, self.keys, self.args, self.rng = http, keys, args, rng
+        self.specs = specs
+        self.by_job: dict[str, Spec] = {}
+        self.submitted_at: dict[str, float] = {}
+        self.stats = Stats()
+        self.queued = 0  # jobs waiting, as the simulation counts them (submitted, requeued, not yet granted)
+        self.places = 0
+        self.running = 0
+        self.held: defaultdict[str, float] = defaultdict(float)  # tenant -> devices held now (a seat: 1/SEATS)
+        self.quota_held: defaultdict[str, int] = defaultdict(int)  # tenant -> devices counted against max_gpus now
+        self.max_gpus: dict[str, int] = {}
+        self.holder: dict[str, tuple[str, int]] = {}  # job -> (worker, epoch) holding it now
+        self.epochs: dict[str, int] = {}
+        self.done: set[str] = set()
+        self.stopping = False
+        self.batched = False
+        self.full_at: float | None = None
+        self.first_end: float | None = None
+        self.depth = 0  # queued jobs at the start of the drain
+
+    # -- tenants --
+    async def submit_all(self, clients: int) -> float:
+        pending = list(self.specs)
+        started = time.perf_counter()
+
+        async def client() -> None:
+            while pending:
+                spec = pending.pop()
+                key = self.keys["tenants"][spec.tenant]
+                t0 = time.perf_counter()
+                status, body = await self.http.request("POST", "/v1/jobs", key, spec.body(), {"Idempotency-Key": uuid.uuid4().hex})
+                self.stats.submit_latency.append(time.perf_counter() - t0)
+                if status != 201:
+                    self.stats.failures[f"submit {status}"] += 1
+                    continue
+                self.by_job[body["id"]] = spec
+                self.submitted_at[body["id"]] = time.time()
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+        self.queued = len(self.by_job)
+        return time.perf_counter() - started
+
+    async def tenant_views(self, tenant: str) -> None:
+        """A tenant while the queue drains: pages its jobs, looks at one queued job, streams a job's events, cancels some."""
+        key = self.keys["tenants"][tenant]
+        mine = [j for j, s in self.by_job.items() if s.tenant == tenant]
+        to_cancel = [j for j in mine if self.by_job[j].cancel]
+        await asyncio.sleep(self.rng.uniform(0, self.args.view_every))
+        while not self.stopping:
+            t0 = time.perf_counter()
+            status, page = await self.http.request("GET", "/v1/jobs?limit=50", key)
+            self.stats.view_latency.append(time.perf_counter() - t0)
+            if status != 200:
+                self.stats.failures[f"list {status}"] += 1
+            waiting = [j for j in mine if j not in self.holder and j not in self.done]
+            if waiting:
+                t0 = time.perf_counter()
+                status, _ = await self.http.request("GET", f"/v1/jobs/{self.rng.choice(waiting)}", key)
+                self.stats.view_latency.append(time.perf_counter() - t0)
+            if to_cancel:
+                job = to_cancel.pop()
+                if job not in self.done:
+                    status, body = await self.http.request("POST", f"/v1/jobs/{job}/cancel", key, {})
+                    if status == 200 and body.get("state") == "cancelled":
+                        self._ended(job, "cancelled")
+            await asyncio.sleep(self.args.view_every)
+
+    def _ended(self, job: str, outcome: str) -> None:
+        if job not in self.done:
+            self.done.add(job)
+            if job not in self.holder:
+                self.queued -= 1
+
+    # -- workers --
+    async def worker(self, index: int) -> None:
+        key = self.keys["workers"][index]
+        seats = index < round(self.args.seat_share * len(self.keys["workers"]))
+        devices = [{"index": i, "kind": "gpu", "name": "sim"} for i in range(8)]
+        if seats:
+            devices[7]["shared"] = {"seats": SEATS, "model": MODEL, "dtype": "auto", "max_lora_rank": 64}
+        wid = await self._register(key, f"sim-{index}", devices)
+        places = 7 + SEATS if seats else 8
+        self.places += places
+        held: dict[str, Run] = {}
+        busy: set[int] = set()  # places held by this worker's runs
+        freed = asyncio.Event()
+        free_times: list[float] = []
+        vanish = asyncio.Event()
+        beats = asyncio.create_task(self._batched_heartbeats(wid, key, held, vanish)) if self.batched else None
+        delay = self.args.poll
+        while not self.stopping:
+            if vanish.is_set():
+                await self._vanish(wid, held, busy, beats)
+                wid = await self._register(key, f"sim-{index}", devices)
+                vanish.clear()
+                if self.batched:
+                    beats = asyncio.create_task(self._batched_heartbeats(wid, key, held, vanish))
+                continue
+            if len(busy) < places:
+                status, body = await self.http.request("POST", f"/v1/workers/{wid}/lease", key, {})
+                if status == 200 and body.get("lease"):
+                    lease = body["lease"]
+                    self.stats.grants += 1
+                    now = time.time()
+                    if free_times:
+                        t_free, deep = free_times.pop(0)
+                        if deep:
+                            self.stats.grant_latency.append(now - t_free)
+                    run = self._granted(wid, lease, busy, now)
+                    held[run.job_id] = run
+                    run.task = asyncio.create_task(self._run(wid, key, run, held, busy, freed, free_times, vanish))
+                    delay = self.args.poll
+                    continue
+                if status != 200:
+                    self.stats.failures[f"lease {status}"] += 1
+                    delay = min(delay * 2, 30.0)
+                else:
+                    self.stats.empty_polls += 1
+            if self.args.vanish and self.rng.random() < self.args.vanish * delay / 60 and held:
+                vanish.set()
+                continue
+            freed.clear()
+            if self.batched:  # the agent asks again as soon as a place frees, else at its poll interval
+                try:
+                    await asyncio.wait_for(freed.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(delay)
+        if beats is not None:
+            beats.cancel()
+
+    async def _register(self, key: str, name: str, devices: list[dict[str, Any]]) -> str:
+        while True:
+            status, body = await self.http.request("POST", "/v1/workers", key,
+                                                   {"name": name, "host": "127.0.0.1", "devices": devices, "models": [MODEL]})
+            if status == 200:
+                return body["id"]
+            self.stats.failures[f"register {status}"] += 1
+            await asyncio.sleep(1.0)
+
+    def _granted(self, wid: str, lease: dict[str, Any], busy: set[int], now: float) -> Run:
+        job, epoch = lease["job_id"], lease["epoch"]
+        places = (lease["seat"],) if lease.get("seat") is not None else tuple(lease["devices"])
+        spec = self.by_job.get(job)
+        if job in self.holder:
+            self.stats.fail(f"job {job} granted to {wid} at epoch {epoch} while {self.holder[job]} holds it")
+        if epoch <= self.epochs.get(job, 0):
+            self.stats.fail(f"job {job} granted at epoch {epoch} after epoch {self.epochs[job]}")
+        if busy & set(places):
+            self.stats.fail(f"worker {wid}: places {sorted(busy & set(places))} granted to job {job} while held")
+        busy.update(places)
+        self.holder[job] = (wid, epoch)
+        self.epochs[job] = epoch
+        self.queued -= 1
+        self.running += 1
+        if self.full_at is None and self.running >= self.places:
+            self.full_at = time.time()
+        if spec is not None:
+            self.held[spec.tenant] += 1.0 / SEATS if lease.get("seat") is not None else spec.gpus
+            self.quota_held[spec.tenant] += 1 if lease.get("seat") is not None else spec.gpus
+            if self.quota_held[spec.tenant] > self.max_gpus[spec.tenant]:
+                self.stats.fail(f"tenant {spec.tenant} holds {self.quota_held[spec.tenant]} devices, over its max_gpus {self.max_gpus[spec.tenant]}")
+            self.stats.first_wait.setdefault(job, now - self.submitted_at[job])
+        return Run(job, epoch, places, spec, now)
+
+    def _released(self, run: Run, busy: set[int], outcome: str, now: float) -> None:
+        if run.released:
+            return
+        run.released = True
+        busy.difference_update(run.places)
+        if self.holder.get(run.job_id, ("", -1))[1] == run.epoch:
+            del self.holder[run.job_id]
+        self.running -= 1
+        if run.spec is not None:
+            seat = run.places[0] >= 1024
+            self.held[run.spec.tenant] -= 1.0 / SEATS if seat else run.spec.gpus
+            self.quota_held[run.spec.tenant] -= 1 if seat else run.spec.gpus
+            self.stats.runs.append({"job": run.job_id, "tenant": run.spec.tenant, "weight": 1.0 / SEATS if seat else run.spec.gpus,
+                                    "seat": seat, "start": run.granted, "end": now, "outcome": outcome})
+        if outcome in ("succeeded", "failed", "cancelled"):
+            self.done.add(run.job_id)
+        else:  # lost: queued again
+            self.queued += 1
+
+    async def _run(self, wid: str, key: str, run: Run, held: dict[str, Run], busy: set[int], freed: asyncio.Event,
+                   free_times: list, vanish: asyncio.Event) -> None:
+        base = f"/v1/workers/{wid}/jobs/{run.job_id}"
+        spec = run.spec
+        duration = spec.duration if spec is not None else 1.0
+        ends = run.granted + duration * (spec.fail_at if spec is not None and spec.fail_at is not None else 1.0)
+        outcome = "failed" if spec is not None and spec.fail_at is not None else "succeeded"
+        try:
+            for state in ("starting", "running"):
+                body = {"epoch": run.epoch, "state": state, **({"server_url": "http://127.0.0.1:9/"} if state == "running" else {})}
+                status, _ = await self.http.request("POST", f"{base}/state", key, body)
+                if status != 200:
+                    raise LookupError(f"state {status}")
+            interval = LEASE_TTL / 3
+            while time.time() < ends and not self.stopping:
+                await asyncio.sleep(min(interval, max(0.0, ends - time.time())))
+                if time.time() >= ends:
+                    break
+                if not self.batched:
+                    status, body = await self.http.request("POST", f"{base}/heartbeat", key, {"epoch": run.epoch})
+                    self.stats.heartbeats += 1
+                    self.stats.heartbeat_calls += 1
+                    if status != 200:
+                        raise LookupError(f"heartbeat {status}")
+                    if body.get("cancelling"):
+                        outcome = "cancelled"
+                        break
+                elif getattr(run, "cancelling", False):
+                    outcome = "cancelled"
+                    break
+                elif getattr(run, "lost", False):
+                    raise LookupError("lost")
+            status, _ = await self.http.request("POST", f"{base}/state", key, {"epoch": run.epoch, "state": outcome})
+            if status != 200:
+                raise LookupError(f"final state {status}")
+        except LookupError as exc:
+            self.stats.failures[f"run: {exc}"] += 1
+            outcome = await self._state_of(run.job_id)  # refused: the lease is gone (lost, or the job was cancelled meanwhile)
+        except asyncio.CancelledError:  # the worker vanished: nothing more is said
+            held.pop(run.job_id, None)
+            raise
+        now = time.time()
+        if self.first_end is None:
+            self.first_end = now
+        held.pop(run.job_id, None)
+        self._released(run, busy, outcome, now)
+        free_times.append((now, self.queued >= self.depth // 4))
+        freed.set()
+
+    async def _state_of(self, job: str) -> str:
+        """The job's state as its tenant sees it: an ended one's, or ``lost`` (it is queued again, or will be)."""
+        spec = self.by_job.get(job)
+        if spec is None:
+            return "lost"
+        status, body = await self.http.request("GET", f"/v1/jobs/{job}", self.keys["tenants"][spec.tenant])
+        state = body.get("state") if status == 200 else None
+        return state if state in ("succeeded", "failed", "cancelled") else "lost"
+
+    async def _batched_heartbeats(self, wid: str, key: str, held: dict[str, Run], vanish: asyncio.Event) -> None:
+        interval = LEASE_TTL / 3
+        await asyncio.sleep(self.rng.uniform(0, interval))
+        while not self.stopping:
+            runs = [r for r in held.values() if r.task is not None]
+            if runs:
+                body = {"leases": [{"job_id": r.job_id, "epoch": r.epoch} for r in runs]}
+                status, answer = await self.http.request("POST", f"/v1/workers/{wid}/heartbeats", key, body)
+                self.stats.heartbeat_calls += 1
+                if status == 200:
+                    self.stats.heartbeats += len(runs)
+                    for item in answer["leases"]:
+                        run = held.get(item["job_id"])
+                        if run is not None and item.get("cancelling"):
+                            run.cancelling = True  # type: ignore[attr-defined]
+                        if run is not None and item.get("lost"):
+                            run.lost = True  # type: ignore[attr-defined]
+                else:
+                    self.stats.failures[f"heartbeats {status}"] += 1
+            await asyncio.sleep(interval)
+
+    async def _vanish(self, wid: str, held: dict[str, Run], busy: set[int], beats: asyncio.Task | None) -> None:
+        """The worker stops calling with its leases held; it comes back (registers again) after the lease TTL and more."""
+        now = time.time()
+        if beats is not None:
+            beats.cancel()
+        runs = list(held.values())
+        for run in runs:
+            if run.task is not None:
+                run.task.cancel()
+        for run in runs:
+            self._released(run, busy, "lost", now)
+            self.stats.vanished.append({"job": run.job_id, "epoch": run.epoch, "at": now})
+        held.clear()
+        await asyncio.sleep(LEASE_TTL * self.rng.uniform(1.5, 2.5))
+
+    # -- drain --
+    async def sample_shares(self, samples: list[dict[str, Any]]) -> None:
+        """Every second: each tenant's held devices and its demand (held and queued)."""
+        while not self.stopping:
+            waiting: defaultdict[str, float] = defaultdict(float)
+            for job, spec in self.by_job.items():
+                if job not in self.done and job not in self.holder:
+                    waiting[spec.tenant] += spec.gpus if spec.kind != "lora" else 1.0
+            samples.append({"t": time.time(), "held": dict(self.held), "waiting": dict(waiting)})
+            await asyncio.sleep(1.0)
+
+
+def water_fill(capacity: float, demand: dict[str, float], cap: dict[str, float]) -> dict[str, float]:
+    """Max-min fair shares of ``capacity`` among tenants, each at most its demand and its cap."""
+    want = {t: min(d, cap.get(t, math.inf)) for t, d in demand.items() if d > 0}
+    share: dict[str, float] = {}
+    left = capacity
+    while want and left > 1e-9:
+        level = left / len(want)
+        small = {t: w for t, w in want.items() if w <= level}
+        if not small:
+            for t in want:
+                share[t] = share.get(t, 0.0) + level
+            break
+        for t, w in small.items():
+            share[t] = share.get(t, 0.0) + w
+            left -= w
+            del want[t]
+    return share
+
+
+def fairness(samples: list[dict[str, Any]], capacity: float, max_gpus: dict[str, int], until: float) -> dict[str, Any]:
+    """Each tenant's device-seconds against its max-min fair share, integrated over the samples up to ``until``."""
+    got: defaultdict[str, float] = defaultdict(float)
+    fair: defaultdict[str, float] = defaultdict(float)
+    for a, b in zip(samples, samples[1:]):
+        if a["t"] >= until:
+            break
+        dt = b["t"] - a["t"]
+        demand = {t: a["held"].get(t, 0.0) + a["waiting"].get(t, 0.0) for t in set(a["held"]) | set(a["waiting"])}
+        for t, s in water_fill(capacity, demand, {t: float(q) for t, q in max_gpus.items()}).items():
+            fair[t] += s * dt
+        for t, h in a["held"].items():
+            got[t] += h * dt
+    rows = [{"tenant": t, "device_s": round(got[t], 1), "fair_s": round(fair[t], 1), "ratio": round(got[t] / fair[t], 3)}
+            for t in sorted(fair) if fair[t] > 0]
+    errors = sorted(abs(r["ratio"] - 1) for r in rows)
+    within = sum(1 for e in errors if e <= 0.10)
+    return {"tenants": len(rows), "within_10pct": within, "worst": round(errors[-1], 3) if errors else None,
+            "median_error": round(statistics.median(errors), 3) if errors else None,
+            "rows": sorted(rows, key=lambda r: abs(r["ratio"] - 1), reverse=True)[:10]}
+
+
+def lower_bound(runs: list[dict[str, Any]], whole: int, seats: int, longest: float) -> float:
+    """A lower bound of the time to run ``runs`` (their place-time as they ran) on ``whole`` devices and ``seats`` seats:
+    every second of a run needs a place (whole-device runs a whole device each), and no job finishes before its length."""
+    full = sum((r["end"] - r["start"]) * r["weight"] for r in runs if not r["seat"])
+    seated = sum(r["end"] - r["start"] for r in runs if r["seat"])
+    lora_on_whole = 0.0  # the bound lets seat runs move to whole devices and back: places of both kinds together
+    del lora_on_whole
+    return max(full / max(1, whole), (full + seated) / max(1, whole + seats), longest)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 1)
+
+
+async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs: list[Spec], db: Database,
+                scheduler_pid: int, rng: random.Random) -> dict[str, Any]:
+    http = Http(port, args.connections)
+    cluster = Cluster(http, keys, specs, args, rng)
+    cluster.max_gpus = dict(zip(sorted(keys["tenants"]), args.max_gpus))
+    # Does this scheduler take a worker's heartbeats in one call? (404/405: only one call per lease)
+    status, _ = await http.request("POST", "/v1/workers/none/heartbeats", keys["workers"][0], {"leases": []})
+    cluster.batched = status not in (404, 405)
+    submit_s = await cluster.submit_all(args.clients)
+    report: dict[str, Any] = {"batched_heartbeats": cluster.batched, "jobs": len(cluster.by_job),
+                              "submissions_per_s": round(len(cluster.by_job) / submit_s, 1),
+                              "submit_ms": {"p50": ms(percentile(cluster.stats.submit_latency, 0.5)),
+                                            "p99": ms(percentile(cluster.stats.submit_latency, 0.99))}}
+    cluster.depth = cluster.queued
+    db.reset_statements()
+    pg0, cpu0, t0 = postgres_cpu(), cpu_seconds(scheduler_pid), time.time()
+    samples: list[dict[str, Any]] = []
+    tasks = [asyncio.create_task(cluster.worker(i)) for i in range(len(keys["workers"]))]
+    tasks += [asyncio.create_task(cluster.tenant_views(t)) for t in sorted(keys["tenants"])]
+    tasks.append(asyncio.create_task(cluster.sample_shares(samples)))
+    window: dict[str, Any] = {}
+    deadline = time.time() + args.max_drain
+    while len(cluster.done) < len(cluster.by_job) and time.time() < deadline:
+        await asyncio.sleep(0.25)
+        if cluster.full_at is not None and "start" not in window and cluster.first_end is None:
+            await asyncio.sleep(2.0)  # the last starting/running reports
+            if cluster.first_end is None:
+                window = {"start": time.time(), "cpu": cpu_seconds(scheduler_pid), "pg": postgres_cpu(), "beats": cluster.stats.heartbeats,
+                          "calls": cluster.stats.heartbeat_calls, "requests": http.requests}
+        if "start" in window and "end" not in window and cluster.first_end is not None:
+            window.update(end=time.time(), cpu_end=cpu_seconds(scheduler_pid), pg_end=postgres_cpu(), beats_end=cluster.stats.heartbeats,
+                          calls_end=cluster.stats.heartbeat_calls, requests_end=http.requests)
+    drained = len(cluster.done) >= len(cluster.by_job)
+    end = time.time()
+    cluster.stopping = True
+    cpu1, pg1 = cpu_seconds(scheduler_pid), postgres_cpu()
+    statements = db.statements()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await http.close()
+    stats = cluster.stats
+    first = min((r["start"] for r in stats.runs), default=t0)
+    whole = sum(1 for _ in keys["workers"]) * 8 - round(args.seat_share * len(keys["workers"]))
+    seat_places = round(args.seat_share * len(keys["workers"])) * SEATS
+    longest = max((s.duration for s in specs), default=0.0)
+    bound = lower_bound([r for r in stats.runs if r["outcome"] != "lost"], whole, seat_places, longest)
+    report.update({
+        "drained": drained, "drain_s": round(end - first, 1), "ideal_s": round(bound, 1), "drain_vs_ideal": round((end - first) / bound, 3) if bound else None,
+        "grants": stats.grants, "grant_ms": {"p50": ms(percentile(stats.grant_latency, 0.5)), "p99": ms(percentile(stats.grant_latency, 0.99)),
+                                             "n": len(stats.grant_latency)},
+        "empty_polls": stats.empty_polls,
+        "view_ms": {"p50": ms(percentile(stats.view_latency, 0.5)), "p99": ms(percentile(stats.view_latency, 0.99)), "n": len(stats.view_latency)},
+        "scheduler_cores_drain": round((cpu1 - cpu0) / max(1e-9, end - t0), 3),
+        "postgres_cores_drain": round((pg1 - pg0) / max(1e-9, end - t0), 3) if db.kind == "postgresql" else None,
+        "fairness": fairness(samples, whole + seat_places / SEATS, cluster.max_gpus, until=max((r["end"] for r in stats.runs), default=end)),
+        "failures": dict(stats.failures), "violations": stats.violations,
+        "max_first_wait_s": round(max(stats.first_wait.values()), 1) if stats.first_wait else None,
+        "vanished_leases": len(stats.vanished),
+    })
+    if "end" in window:
+        span = window["end"] - window["start"]
+        beats = window["beats_end"] - window["beats"]
+        report["heartbeat_window"] = {
+            "seconds": round(span, 1), "renewals": beats, "calls": window["calls_end"] - window["calls"],
+            "renewals_per_s": round(beats / span, 1),
+            "scheduler_cpu_s_per_1000": round(1000 * (window["cpu_end"] - window["cpu"]) / max(1, beats), 3),
+            "scheduler_cores": round((window["cpu_end"] - window["cpu"]) / span, 3),
+            "postgres_cores": round((window["pg_end"] - window["pg"]) / span, 3) if db.kind == "postgresql" else None,
+        }
+    else:
+        report["heartbeat_window"] = None
+    if statements is not None and stats.grants:
+        report["postgres_per_grant"] = {k: round(v / stats.grants, 1) for k, v in statements.items()}
+        report["top_statements"] = db.top_statements()
+    report["_samples_checks"] = {"runs": stats.runs, "vanished": stats.vanished}
+    return report
+
+
+# ----- checks done after the run (the CI test asserts them) ---------------------------------------------------------------
+def requeue_delays(url: str, vanished: list[dict[str, Any]]) -> list[float]:
+    """For each lease a vanished worker held: seconds from its vanishing to the job's state leaving that lease (the
+    ``state`` event that ended that epoch), from the database's events."""
+    from sqlalchemy import create_engine, text
+
+    if not vanished:
+        return []
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://"))
+    delays = []
+    with engine.connect() as conn:
+        for lost in vanished:
+            rows = conn.execute(text("SELECT created_at, data FROM events WHERE job_id = :j AND type = 'state' ORDER BY seq"), {"j": lost["job"]}).all()
+            ended = [at for at, data in rows if json.loads(data).get("epoch") == lost["epoch"]
+                     and json.loads(data).get("state") in ("queued", "failed", "cancelled", "succeeded")]
+            if ended:
+                delays.append(ended[0] - lost["at"])
+            else:
+                delays.append(math.inf)
+    engine.dispose()
+    return delays
+
+
+def one_run(args: argparse.Namespace, workers: int, db_kind: str, scratch: Path, server: Any = None) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    jobs = args.jobs if args.jobs else workers * 10
+    tenants = min(args.tenants, jobs)
+    places = workers * 8 + round(args.seat_share * workers) * (SEATS - 1)
+    specs = workload(tenants, jobs, (args.duration[0], args.duration[1]), rng, args.churn)
+    max_gpus = quotas(tenants, places)
+    per_tenant = defaultdict(int)
+    for s in specs:
+        per_tenant[s.tenant] += 1
+    max_queued = [per_tenant[f"t{t:03d}"] + 10 for t in range(tenants)]
+    db = Database(db_kind, scratch, server)
+    data_dir = scratch / f"data-{db_kind}-{workers}"
+    data_dir.mkdir()
+    settings = ["--backfill-age", str(args.backfill_age), "--max-connections", str(max(2000, args.connections * 2 + 200))]
+    started = time.time()
+    keys = run_setup(args.code, db.url, tenants, workers, max_gpus, max_queued)
+    process, port = start_scheduler(args.code, db.url, data_dir, settings)
+    args.max_gpus = max_gpus
+    try:
+        report = asyncio.run(drive(port, keys, args, specs, db, process.pid, rng))
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    checks = report.pop("_samples_checks")
+    delays = requeue_delays(db.url, checks["vanished"])
+    report.update({
+        "db": db_kind, "workers": workers, "devices": workers * 8, "places": places, "tenants": tenants,
+        "requeue_s_max": round(max(delays), 1) if delays else None, "lease_ttl_s": LEASE_TTL,
+        "total_s": round(time.time() - started, 1),
+    })
+    return report
+
+
+def main() -> None:
+    global LEASE_TTL
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", default="100", help="simulated workers of 8 devices (a comma list: one run each)")
+    parser.add_argument("--jobs", type=int, default=0, help="jobs queued (default: 10 per worker)")
+    parser.add_argument("--tenants", type=int, default=100)
+    parser.add_argument("--db", choices=("sqlite", "postgresql", "both"), default="postgresql")
+    parser.add_argument("--code", type=Path, default=Path(__file__).resolve().parents[1], help="the source tree whose scheduler runs")
+    parser.add_argument("--duration", type=float, nargs=2, default=(60.0, 90.0), metavar=("MIN", "MAX"), help="job lengths in seconds")
+    parser.add_argument("--seat-share", type=float, default=0.25, help="workers whose last device is a shared server of 4 seats")
+    parser.add_argument("--churn", type=float, default=0.02, help="the share of jobs that fail, and of jobs cancelled")
+    parser.add_argument("--vanish", type=float, default=0.0, help="chance a minute that a worker holding leases vanishes")
+    parser.add_argument("--poll", type=float, default=1.0, help="a worker's seconds between lease requests while nothing is granted")
+    parser.add_argument("--view-every", type=float, default=5.0, help="seconds between a tenant's looks at its jobs")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent submitters")
+    parser.add_argument("--connections", type=int, default=64, help="HTTP connections the simulation keeps open")
+    parser.add_argument("--backfill-age", type=float, default=600.0)
+    parser.add_argument("--lease-ttl", type=float, default=LEASE_TTL, help="the scheduler's lease TTL (heartbeats every third of it)")
+    parser.add_argument("--max-drain", type=float, default=1800.0, help="give up draining after this many seconds")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="SQLite, 6 workers, 60 jobs of 3-6 s, churn and vanishing workers")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+    args = parser.parse_args()
+    if args.quick:
+        args.workers, args.jobs, args.tenants, args.db = "6", 60, 6, "sqlite" if args.db == "postgresql" else args.db
+        args.duration, args.churn, args.vanish, args.view_every, args.backfill_age = (3.0, 6.0), 0.05, 3.0, 1.0, 5.0
+        args.lease_ttl = 4.0
+    LEASE_TTL = args.lease_ttl
+    from bench_machine import machine_facts  # noqa: PLC0415
+
+    results = []
+    counts = [int(n) for n in str(args.workers).split(",")]
+    with tempfile.TemporaryDirectory(prefix="sched-scale-") as scratch_dir:
+        scratch = Path(scratch_dir)
+        for db_kind in (("sqlite", "postgresql") if args.db == "both" else (args.db,)):
+            for n in counts:
+                if db_kind == "postgresql":
+                    from tinkergym.scheduler.devdb import private_postgres
+
+                    (scratch / f"{db_kind}-{n}").mkdir()
+                    with private_postgres({"shared_preload_libraries": "pg_stat_statements"}) as server:
+                        with_statements(server)
+                        results.append(one_run(args, n, db_kind, scratch / f"{db_kind}-{n}", server))
+                else:
+                    (scratch / f"{db_kind}-{n}").mkdir()
+                    results.append(one_run(args, n, db_kind, scratch / f"{db_kind}-{n}"))
+                if not args.json:
+                    print(json.dumps(results[-1], indent=1), flush=True)
+    report = {"runs": results, "code": str(args.code), "machine": machine_facts("cpu") if not args.quick else {"cpus": os.cpu_count()}}
+    if args.json:
+        print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()

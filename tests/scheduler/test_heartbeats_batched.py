@@ -1,0 +1,104 @@
+"""One heartbeat call for all of a worker's leases (``POST /v1/workers/{id}/heartbeats``) does what a heartbeat per lease
+does: the same expiry, device-seconds, tokens, cancel deadline and strikes; a lease it no longer holds is answered lost
+while the others are renewed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import workerkit as kit  # registered by conftest.py
+from sqlalchemy import update
+
+from tinkergym.scheduler import leases
+from tinkergym.scheduler.db import workers
+
+COLS = "state, lease_expires_at, device_seconds, tokens_trained, tokens_sampled, usage_reported"
+
+
+def _cluster(make_client: Any, keys: Any, clock: kit.Clock) -> tuple[Any, Any, str, list[str]]:
+    client = make_client(clock=clock, lease_ttl_s=30.0, cancel_deadline_s=45.0)
+    user = keys.new("acme", "read,write")
+    worker = kit.register(client, keys.new("ops", "worker"), devices=3)
+    jobs = [kit.submit(client, user) for _ in range(3)]
+    for _ in jobs:
+        assert worker.lease() is not None
+    return client, worker, user, jobs
+
+
+def _rows(db_url: str, jobs: list[str]) -> list[tuple[Any, ...]]:
+    return [kit.query(db_url, f"SELECT {COLS} FROM jobs WHERE id = :j", j=j)[0] for j in jobs]
+
+
+def test_one_call_renews_every_lease_as_one_heartbeat_each_does(make_client: Any, keys: Any, tmp_path: Any) -> None:
+    """Two clusters driven alike, one heartbeat per lease in one and one call for all in the other: the same rows."""
+    seen = []
+    for batched in (False, True):
+        clock = kit.Clock()
+        client, worker, user, jobs = _cluster(make_client, keys, clock)
+        epochs = {j: kit.job_row(client.app.state.settings.db_url, j)["lease_epoch"] for j in jobs}
+        for j in jobs:
+            assert worker.state(j, epochs[j], "starting").status_code == 200
+            assert worker.state(j, epochs[j], "running", server_url="http://127.0.0.1:9/").status_code == 200
+        assert client.post(f"/v1/jobs/{jobs[2]}/cancel", headers=kit.auth(user)).json()["state"] == "cancelling"
+        for step in range(3):
+            clock.advance(10.0)
+            usage = {"tokens_trained": 100 * (step + 1), "tokens_sampled": 7 * (step + 1)}
+            if batched:
+                answer = worker.post("/heartbeats", {"leases": [{"job_id": j, "epoch": epochs[j], "usage": usage} for j in jobs]})
+                assert answer.status_code == 200, answer.text
+                beats = answer.json()["leases"]
+            else:
+                beats = []
+                for j in jobs:
+                    response = worker.post(f"/jobs/{j}/heartbeat", {"epoch": epochs[j], "usage": usage})
+                    assert response.status_code == 200, response.text
+                    beats.append(response.json())
+            assert [b["cancelling"] for b in beats] == [False, False, True]
+            assert [b["expires_at"] for b in beats] == pytest.approx([clock() + 30.0, clock() + 30.0, min(clock() + 30.0, 1_000_000.0 + 45.0)])
+        seen.append(_rows(client.app.state.settings.db_url, jobs))
+    assert seen[0] == seen[1]
+    assert seen[1][0][2] == pytest.approx(30.0)  # 3 renewals of 10 s on one device
+    assert seen[1][0][3:5] == (300, 21)
+
+
+def test_a_lost_lease_is_answered_lost_and_the_others_are_renewed(make_client: Any, keys: Any) -> None:
+    clock = kit.Clock()
+    client, worker, user, jobs = _cluster(make_client, keys, clock)
+    db_url = client.app.state.settings.db_url
+    epochs = {j: kit.job_row(db_url, j)["lease_epoch"] for j in jobs}
+    other = kit.register(client, keys.new("ops2", "worker"), name="w2", devices=1)
+    beats = [{"job_id": jobs[0], "epoch": epochs[jobs[0]]}, {"job_id": jobs[1], "epoch": epochs[jobs[1]] + 1},
+             {"job_id": "j-none", "epoch": 1}, {"job_id": jobs[0], "epoch": epochs[jobs[0]]}]
+    answer = worker.post("/heartbeats", {"leases": beats}).json()["leases"]
+    assert [a["lost"] for a in answer] == [False, True, True, True]
+    assert "stale" in answer[1]["error"] and "no job" in answer[2]["error"] and "twice" in answer[3]["error"]
+    assert kit.job_row(db_url, jobs[0])["lease_expires_at"] == pytest.approx(clock() + 30.0)
+    # another worker naming these leases renews none of them
+    assert other.post("/heartbeats", {"leases": [{"job_id": jobs[2], "epoch": epochs[jobs[2]]}]}).json()["leases"][0]["lost"] is True
+    # past its end a lease is lost before any sweep, and the sweep then queues its job again
+    clock.advance(31.0)
+    late = worker.post("/heartbeats", {"leases": [{"job_id": j, "epoch": epochs[j]} for j in jobs]}).json()["leases"]
+    assert all(a["lost"] for a in late)
+    assert leases.sweep(client.app) == 3
+
+
+def test_heartbeats_are_the_workers_own_and_bounded(make_client: Any, keys: Any) -> None:
+    clock = kit.Clock()
+    client, worker, user, jobs = _cluster(make_client, keys, clock)
+    body = {"leases": [{"job_id": jobs[0], "epoch": 1}]}
+    assert client.post(f"/v1/workers/{worker.id}/heartbeats", json=body, headers=kit.auth(user)).status_code == 403  # a tenant's key
+    stranger = keys.new("ops3", "worker")
+    assert client.post(f"/v1/workers/{worker.id}/heartbeats", json=body, headers=kit.auth(stranger)).status_code == 404
+    too_many = {"leases": [{"job_id": jobs[0], "epoch": 1}] * (leases.MAX_BEATS + 1)}
+    assert worker.post("/heartbeats", too_many).status_code in (400, 422)
+    assert worker.post("/heartbeats", {"leases": []}).json() == {"leases": []}
+    # a worker that heartbeats proves it runs its jobs: its strikes end at its first heartbeat after "running"
+    db_url = client.app.state.settings.db_url
+    with client.app.state.store.transaction() as conn:
+        conn.execute(update(workers).where(workers.c.id == worker.id).values(strikes=1))
+    assert worker.state(jobs[0], 1, "starting").status_code == 200
+    assert worker.state(jobs[0], 1, "running", server_url="http://127.0.0.1:9/").status_code == 200
+    clock.advance(5.0)
+    assert worker.post("/heartbeats", body).status_code == 200
+    assert kit.query(db_url, "SELECT strikes FROM workers WHERE id = :w", w=worker.id) == [(0,)]
