@@ -166,15 +166,15 @@ def tenant_sizes(tenants: int, jobs: int, rng: random.Random) -> list[int]:
     return sizes
 
 
-def workload(tenants: int, jobs: int, duration: tuple[float, float], rng: random.Random, churn: float) -> list[Spec]:
-    """Each tenant's jobs: its own mix of LoRA, full and multi-device jobs (some tenants mostly one kind), interleaved as
-    submissions from many clients arrive."""
+def workload(tenants: int, jobs: int, duration: tuple[float, float], rng: random.Random, churn: float, max_gpus: list[int]) -> list[Spec]:
+    """Each tenant's jobs: its own mix of LoRA, full and multi-device jobs (some tenants mostly one kind; none larger than
+    its quota), interleaved as submissions from many clients arrive."""
     specs: list[Spec] = []
     for t, size in enumerate(tenant_sizes(tenants, jobs, rng)):
         lora, full = [(0.7, 0.25), (0.3, 0.6), (0.5, 0.3), (0.2, 0.3)][t % 4]
         for _ in range(size):
             u = rng.random()
-            kind, gpus = ("lora", 1) if u < lora else ("full", 1) if u < lora + full else ("multi", rng.choice((2, 2, 4, 8)))
+            kind, gpus = ("lora", 1) if u < lora else ("full", 1) if u < lora + full else ("multi", min(max_gpus[t], rng.choice((2, 2, 4, 8))))
             spec = Spec(f"t{t:03d}", kind, gpus, rng.uniform(*duration))
             if rng.random() < churn:
                 spec.fail_at = rng.uniform(0.1, 0.9)
@@ -481,6 +481,8 @@ class Cluster:
                     delay = min(delay * 2, 30.0)
                 else:
                     self.stats.empty_polls += 1
+                    if self.batched:  # the worker agent of the same code backs off while idle (tinkergym.scheduler.worker.pool)
+                        delay = min(delay * 2, self.args.poll * 8)
             if self.args.vanish and self.rng.random() < self.args.vanish * delay / 60 and held:
                 vanish.set()
                 continue
@@ -488,6 +490,7 @@ class Cluster:
             if self.batched:  # the agent asks again as soon as a place frees, else at its poll interval
                 try:
                     await asyncio.wait_for(freed.wait(), delay)
+                    delay = self.args.poll
                 except asyncio.TimeoutError:
                     pass
             else:
@@ -721,9 +724,10 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
     http = Http(port, args.connections)
     cluster = Cluster(http, keys, specs, args, rng)
     cluster.max_gpus = dict(zip(sorted(keys["tenants"]), args.max_gpus))
-    # Does this scheduler take a worker's heartbeats in one call? (404/405: only one call per lease)
-    status, _ = await http.request("POST", "/v1/workers/none/heartbeats", keys["workers"][0], {"leases": []})
-    cluster.batched = status not in (404, 405)
+    # Does this scheduler take a worker's heartbeats in one call? A malformed body is refused (422) by a route that exists;
+    # a scheduler without it answers 404 (then one call per lease).
+    status, _ = await http.request("POST", "/v1/workers/none/heartbeats", keys["workers"][0], {"leases": "probe"})
+    cluster.batched = status == 422
     submit_s = await cluster.submit_all(args.clients)
     report: dict[str, Any] = {"batched_heartbeats": cluster.batched, "jobs": len(cluster.by_job),
                               "submissions_per_s": round(len(cluster.by_job) / submit_s, 1),
@@ -823,8 +827,8 @@ def one_run(args: argparse.Namespace, workers: int, db_kind: str, scratch: Path,
     jobs = args.jobs if args.jobs else workers * 10
     tenants = min(args.tenants, jobs)
     places = workers * 8 + round(args.seat_share * workers) * (SEATS - 1)
-    specs = workload(tenants, jobs, (args.duration[0], args.duration[1]), rng, args.churn)
     max_gpus = quotas(tenants, places)
+    specs = workload(tenants, jobs, (args.duration[0], args.duration[1]), rng, args.churn, max_gpus)
     per_tenant = defaultdict(int)
     for s in specs:
         per_tenant[s.tenant] += 1
@@ -850,6 +854,8 @@ def one_run(args: argparse.Namespace, workers: int, db_kind: str, scratch: Path,
     report.update({
         "db": db_kind, "workers": workers, "devices": workers * 8, "places": places, "tenants": tenants,
         "requeue_s_max": round(max(delays), 1) if delays else None, "lease_ttl_s": LEASE_TTL,
+        # the stated bound on a job's wait for its first lease: the backfill age, two of the longest jobs, a TTL, 5 s of polls
+        "wait_bound_s": round(args.backfill_age + 2 * args.duration[1] + LEASE_TTL + 5.0, 1),
         "total_s": round(time.time() - started, 1),
     })
     return report
@@ -880,7 +886,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.workers, args.jobs, args.tenants, args.db = "6", 60, 6, "sqlite" if args.db == "postgresql" else args.db
-        args.duration, args.churn, args.vanish, args.view_every, args.backfill_age = (3.0, 6.0), 0.05, 3.0, 1.0, 5.0
+        args.duration, args.churn, args.vanish, args.view_every, args.backfill_age = (3.0, 6.0), 0.05, 6.0, 1.0, 5.0
         args.lease_ttl = 4.0
     LEASE_TTL = args.lease_ttl
     from bench_machine import machine_facts  # noqa: PLC0415

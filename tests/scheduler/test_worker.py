@@ -337,7 +337,7 @@ def refuse_leases(app: Any) -> CannedErrors:
 
 
 @contextlib.contextmanager
-def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Path) -> Iterator[tuple[Any, SchedulerClient, Any, Any]]:
+def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Path, poll: float = 0.1) -> Iterator[tuple[Any, SchedulerClient, Any, Any]]:
     """A scheduler on 127.0.0.1 whose app ``wrap`` wraps, an owner's client, and a worker in a thread whose servers are
     :data:`FAKE_SERVER`: ``(wrapped app, owner, worker, its thread)``, all stopped afterwards."""
     import threading
@@ -352,7 +352,7 @@ def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Pa
     server = ThreadServer(app)
     owner = SchedulerClient(server.url, keys.new("acme", "read,write"))
     options = WorkerOptions(name="fake", host="127.0.0.1", devices=[{"index": 0, "kind": "slot", "name": "s0"}], models=["tiny"],
-                            work_dir=tmp_path / "work", ports=(30000, 39999), heartbeat=0.3, poll=0.1, python=str(fake))
+                            work_dir=tmp_path / "work", ports=(30000, 39999), heartbeat=0.3, poll=poll, python=str(fake))
     worker = Worker(WorkerClient(server.url, keys.new("acme", "worker")), options)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
@@ -395,6 +395,21 @@ def test_server_exits_restores_and_uploads_with_a_fake_server(db_url: str, keys:
         owner.complete(continued, owner.show(continued)["lease_epoch"])
         wait_until("the device to be free", lambda: not worker.busy(), 15)
         assert allocations(db_url) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
+def test_a_worker_asks_for_the_next_lease_as_soon_as_a_job_frees_its_device(db_url: str, keys: Any, tmp_path: Path) -> None:
+    """A job's end wakes the worker's lease loop: the next queued job starts at once, not at the next poll (60 s here)."""
+    with fake_worker(lambda app: app, db_url, keys, tmp_path, poll=60.0) as (_, owner, worker, _thread):
+        first, second = owner.submit("train", CONFIG)["id"], owner.submit("train", CONFIG)["id"]
+        wait_until("the first job to run", lambda: owner.show(first)["state"] == "running", 60)
+        assert owner.show(second)["state"] == "queued"
+        owner.complete(first, owner.show(first)["lease_epoch"])
+        started = time.monotonic()
+        wait_until("the second job to be leased", lambda: owner.show(second)["state"] != "queued", 30)
+        assert time.monotonic() - started < 20.0, "leased at the job's end, not at the 60 s poll"
+        owner.complete(second, wait_until("the second job to run", lambda: in_state(owner, second, "running"), 60)["lease_epoch"])
 
 
 class HostileListings:

@@ -95,14 +95,14 @@ def new_key() -> tuple[str, str]:
 def ensure_tenant(
     conn: Any, tenant_id: str, max_gpus: int | None = None, max_queued: int | None = None, *, max_artifact_bytes: int | None = None,
     max_events_per_job: int | None = None, max_event_bytes: int | None = None, keep_ended_jobs: int | None = None,
-    max_idempotency_records: int | None = None, max_idempotency_bytes: int | None = None,
+    max_idempotency_records: int | None = None, max_idempotency_bytes: int | None = None, share: float | None = None,
 ) -> None:
     """Create the tenant if it does not exist; set its quotas where given (new tenants: the table's defaults for the rest)."""
     if not TENANT_PATTERN.match(tenant_id):
         raise ValueError(f"tenant {tenant_id!r}: use lowercase letters, digits, '.', '_' and '-' (at most 64)")
     given = {"max_gpus": max_gpus, "max_queued": max_queued, "max_artifact_bytes": max_artifact_bytes,
              "max_events_per_job": max_events_per_job, "max_event_bytes": max_event_bytes, "keep_ended_jobs": keep_ended_jobs,
-             "max_idempotency_records": max_idempotency_records, "max_idempotency_bytes": max_idempotency_bytes}
+             "max_idempotency_records": max_idempotency_records, "max_idempotency_bytes": max_idempotency_bytes, "share": share}
     quotas = {k: v for k, v in given.items() if v is not None}
     exists = conn.execute(select(tenants.c.id).where(tenants.c.id == tenant_id)).first()
     if exists is None:

@@ -73,7 +73,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
 
-from sqlalchemy import and_, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import and_, bindparam, case, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler import fairshare, measured, memory, states
@@ -187,11 +187,19 @@ def queued_jobs(conn: Connection, tenant_ids: tuple[str, ...] | None = None) -> 
 
 def held_by_tenant(conn: Connection, tenant_id: str) -> int:
     """Devices held now by the tenant's jobs: each whole device, and each job on seats once (a league's N seats are one job)."""
-    held = allocations.join(jobs, jobs.c.id == allocations.c.job_id).join(devices, devices.c.id == allocations.c.device_id)
-    whole = conn.execute(select(func.count()).select_from(held).where(jobs.c.tenant_id == tenant_id, devices.c.seat_of.is_(None))).scalar_one()
-    seated = conn.execute(select(func.count(func.distinct(allocations.c.job_id))).select_from(held)
-                          .where(jobs.c.tenant_id == tenant_id, devices.c.seat_of.is_not(None))).scalar_one()
-    return int(whole) + int(seated)
+    return held_by_tenants(conn, [tenant_id]).get(tenant_id, 0)
+
+
+def held_by_tenants(conn: Connection, tenant_ids: list[str] | None = None) -> dict[str, int]:
+    """:func:`held_by_tenant` of each of ``tenant_ids`` (None: every tenant holding something), in one query that reads the
+    tenants' holding jobs alone (``ix_jobs_tenant_state``), not every allocation."""
+    held = jobs.join(allocations, allocations.c.job_id == jobs.c.id).join(devices, devices.c.id == allocations.c.device_id)
+    whole = func.sum(case((devices.c.seat_of.is_(None), 1), else_=0))
+    seated = func.count(func.distinct(case((devices.c.seat_of.is_not(None), jobs.c.id), else_=None)))
+    query = select(jobs.c.tenant_id, whole, seated).select_from(held).where(jobs.c.state.in_(sorted(states.HOLDING))).group_by(jobs.c.tenant_id)
+    if tenant_ids is not None:
+        query = query.where(jobs.c.tenant_id.in_(tenant_ids))
+    return {tenant: int(w or 0) + int(n or 0) for tenant, w, n in conn.execute(query)}
 
 
 def _over_quota(conn: Connection, job: dict[str, Any], held: dict[str, int], quota: dict[str, int]) -> bool:
@@ -309,16 +317,16 @@ def grant(
                       and memory.refusal(kind, gpus, config, shapes.get(model_of(job["config"])), device_memory, device_kind) is None)
         if not on_devices and not any(len(rows) >= need for rows in league_seats(seats, kind, gpus, config).values()):
             continue  # never fits here: it neither starts nor holds this worker's devices
-        if _over_quota(conn, job, held, quota):
-            continue  # over its tenant's quota: waits, blocks nobody
         chosen = next((rows[:need] for rows in league_seats(free_seats, kind, gpus, config).values()
                        if len(rows) >= need and room.refusal(worker_id, rows[0], job) is None), [])
         if not chosen and on_devices and gpus <= len(free) and elsewhere.fit(job):
             continue  # a free seat of another worker fits it: the job waits for that worker's poll (it asks every few seconds)
         if not chosen and (gpus > len(free) or not on_devices):
-            if now - job["created_at"] > settings.backfill_age_s:
+            if now - job["created_at"] > settings.backfill_age_s and not _over_quota(conn, job, held, quota):
                 return None  # waited too long: the devices here drain to it, nobody behind jumps ahead
             continue  # backfill: smaller jobs behind may start
+        if _over_quota(conn, job, held, quota):
+            continue  # over its tenant's quota: waits, blocks nobody (its quota read once a grant, and only here)
         lease = _take(conn, store, settings, worker_id, job, chosen or free[:gpus], secret, now)
         if lease is not None:
             if usage is not None:

@@ -184,12 +184,12 @@ class Placement:
 
     def quota(self, tenant: str) -> tuple[int, int]:
         """(devices the tenant's jobs hold, its max_gpus)."""
-        if tenant not in self._quota:
-            from tinkergym.scheduler.leases import held_by_tenant
+        if not self._quota:  # every tenant's at the first question: two queries, whatever the number of tenants
+            from tinkergym.scheduler.leases import held_by_tenants
 
-            limit = self.conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == tenant)).scalar_one_or_none()
-            self._quota[tenant] = (held_by_tenant(self.conn, tenant), int(limit or 0))
-        return self._quota[tenant]
+            held = held_by_tenants(self.conn)
+            self._quota = {t: (held.get(t, 0), int(limit or 0)) for t, limit in self.conn.execute(select(tenants.c.id, tenants.c.max_gpus))}
+        return self._quota.get(tenant, (0, 0))
 
     def _over_quota(self, job: dict[str, Any]) -> bool:
         held, limit = self.quota(job["tenant_id"])

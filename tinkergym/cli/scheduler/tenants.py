@@ -57,12 +57,15 @@ def tenants_group() -> None:
                    "past it is refused (429 with Retry-After). New tenants: 10000.")
 @click.option("--max-idempotency-mb", type=click.IntRange(0, MAX_INT // 2**20), default=None, metavar="MIB",
               help="Bytes those records may hold, in MiB (2**20 bytes); a new key past it is refused (429). New tenants: 64.")
+@click.option("--share", type=FiniteFloat(min=0.01, max=1e6), default=None, metavar="W",
+              help="Its share of the cluster while other tenants have work too: free devices go to the tenant holding the least "
+                   "for its share, so a share of 2 gets twice what 1 gets (fair share). New tenants: 1.")
 @db_option
 @data_dir_option
 def tenants_set(
     tenant: str, max_gpus: int | None, max_queued: int | None, max_artifact_gb: float | None, max_events_per_job: int | None,
     max_event_kb: int | None, keep_ended_jobs: int | None, max_idempotency_records: int | None, max_idempotency_mb: int | None,
-    db: str | None, data_dir: Path,
+    share: float | None, db: str | None, data_dir: Path,
 ) -> None:
     """Create a tenant or change its quotas (the options not given keep their values).
 
@@ -70,6 +73,7 @@ def tenants_set(
     Example:
       tinkergym scheduler tenants set acme --max-gpus 4 --max-queued 50
       tinkergym scheduler tenants set acme --max-artifact-gb 0.5 --max-event-kb 128
+      tinkergym scheduler tenants set research --share 2
     """
     from sqlalchemy import select
 
@@ -84,14 +88,15 @@ def tenants_set(
                           max_artifact_bytes=None if max_artifact_gb is None else round(max_artifact_gb * GIB),
                           max_events_per_job=max_events_per_job, max_event_bytes=None if max_event_kb is None else max_event_kb * 1024,
                           keep_ended_jobs=keep_ended_jobs, max_idempotency_records=max_idempotency_records,
-                          max_idempotency_bytes=None if max_idempotency_mb is None else max_idempotency_mb << 20)
+                          max_idempotency_bytes=None if max_idempotency_mb is None else max_idempotency_mb << 20, share=share)
             row = conn.execute(select(tenants_table).where(tenants_table.c.id == tenant)).mappings().one()
     finally:
         engine.dispose()
     click.echo(f"tenant {row['id']}: max_gpus={row['max_gpus']} max_queued={row['max_queued']} "
                f"max_artifact_gb={_gib(row['max_artifact_bytes'])} max_events_per_job={row['max_events_per_job']} "
                f"max_event_kb={_kib(row['max_event_bytes'])} keep_ended_jobs={row['keep_ended_jobs']} "
-               f"max_idempotency_records={row['max_idempotency_records']} max_idempotency_mb={row['max_idempotency_bytes'] >> 20}")
+               f"max_idempotency_records={row['max_idempotency_records']} max_idempotency_mb={row['max_idempotency_bytes'] >> 20} "
+               f"share={row['share']:g}")
 
 
 def _gib(n: int) -> str:
@@ -129,6 +134,8 @@ def tenants_list(db: str | None, data_dir: Path) -> None:
     finally:
         engine.dispose()
     rows = [(t["id"], str(t["max_gpus"]), str(t["max_queued"]), _gib(t["max_artifact_bytes"]), _gib(int(stored.get(t["id"]) or 0)),
-             str(t["max_events_per_job"]), _kib(t["max_event_bytes"]), str(t["keep_ended_jobs"]), when(t["created_at"])) for t in found]
-    header = ("TENANT", "MAX_GPUS", "MAX_QUEUED", "MAX_ARTIFACT_GB", "STORED_GB", "MAX_EVENTS_PER_JOB", "MAX_EVENT_KB", "KEEP_ENDED_JOBS", "CREATED")
+             str(t["max_events_per_job"]), _kib(t["max_event_bytes"]), str(t["keep_ended_jobs"]), f"{t['share']:g}", when(t["created_at"]))
+            for t in found]
+    header = ("TENANT", "MAX_GPUS", "MAX_QUEUED", "MAX_ARTIFACT_GB", "STORED_GB", "MAX_EVENTS_PER_JOB", "MAX_EVENT_KB", "KEEP_ENDED_JOBS", "SHARE",
+              "CREATED")
     click.echo(table(header, rows) if rows else "no tenants")

@@ -23,6 +23,9 @@ from tinkergym.scheduler.worker.launchers import Launcher, ProcessLauncher
 from tinkergym.scheduler.worker.seats import SharedServers
 
 log = logging.getLogger("tinkergym.worker")
+#: An idle worker (its lease requests answered with nothing) asks at most this many poll intervals apart: a cluster of a
+#: thousand idle workers asks a few hundred times a second, not a thousand; a job's end here asks at once all the same.
+IDLE_BACKOFF = 8
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -42,6 +45,7 @@ class Worker:
         self.launcher: Launcher = launcher if launcher is not None else ProcessLauncher()
         self.runners: list[JobRunner] = []
         self.stopping = threading.Event()
+        self.freed = threading.Event()  # a place came free (a job ended): ask for a lease at once, not at the next poll
         self._lock = threading.Lock()
         self._ports: set[int] = set()
         self.shared = SharedServers(options, self.take_port, self.release_port, self.launcher)
@@ -65,6 +69,7 @@ class Worker:
         with self._lock:
             if runner in self.runners:
                 self.runners.remove(runner)
+        self.freed.set()
         log.info("job %s epoch %s: %s; its devices %s are free", runner.job_id, runner.epoch, runner.outcome, runner.devices)
         if self.metrics is not None:
             self.metrics.job_ended(runner.outcome)
@@ -93,7 +98,7 @@ class Worker:
         """Serve until SIGTERM/SIGINT (or :meth:`stop`); the exit code."""
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda *_: self.stopping.set())
+                signal.signal(sig, lambda *_: self.stop())
         self.register()
         try:  # what an earlier process of this worker left running is stopped before any new lease
             self.launcher.reconcile(self)
@@ -101,12 +106,14 @@ class Worker:
             log.exception("could not stop what an earlier process of this worker left running")
         delay = self.options.poll
         while not self.stopping.is_set():
+            self.freed.clear()
             self.shared.keepalive()
             granted = None
             if len(self.busy()) < self.options.places():
                 try:
                     granted = self.client.lease()
-                    delay = self.options.poll
+                    # nothing for it: ask less often, up to IDLE_BACKOFF polls apart (a job's end here asks at once)
+                    delay = self.options.poll if granted is not None else min(delay * 2, self.options.poll * IDLE_BACKOFF)
                     if self.metrics is not None:
                         self.metrics.polls.labels("granted" if granted is not None else "empty").inc()
                 except SchedulerError as exc:
@@ -127,12 +134,14 @@ class Worker:
                 log.info("lease: job %s epoch %s on devices %s", runner.job_id, runner.epoch, runner.devices)
                 runner.start()
                 continue  # more devices may be free: ask again at once
-            self.stopping.wait(delay)
+            if self.freed.wait(delay):  # the poll interval, or less: a job ending (or stop()) wakes it
+                delay = self.options.poll
         self._stop_all()
         return 0
 
     def stop(self) -> None:
         self.stopping.set()
+        self.freed.set()
 
     def _stop_all(self) -> None:
         with self._lock:

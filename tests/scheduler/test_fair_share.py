@@ -1,0 +1,136 @@
+"""The grant order: priority, then fair share among tenants (held devices over share), then age; and a grant's work does not
+grow with the queue."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import workerkit as kit  # registered by conftest.py
+from click.testing import CliRunner
+from sqlalchemy import event
+
+from tinkergym.cli import main
+from tinkergym.scheduler import fairshare
+
+auth = kit.auth
+
+
+def _tenants(db_url: str, keys: Any, *names: str) -> list[str]:
+    return [keys.new(name, "read,write") for name in names]
+
+
+def _owner(db_url: str, job_id: str) -> str:
+    return kit.query(db_url, "SELECT tenant_id FROM jobs WHERE id = :j", j=job_id)[0][0]
+
+
+def test_tenants_take_turns_whatever_order_they_submitted_in(make_client: Any, keys: Any, db_url: str) -> None:
+    clock = kit.Clock()
+    client = make_client(clock=clock)
+    first, late = _tenants(db_url, keys, "first", "late")
+    for key in [first] * 6 + [late] * 6:
+        kit.submit(client, key)
+        clock.advance(1.0)
+    worker = kit.register(client, keys.worker(8), devices=6)
+    owners = [_owner(db_url, worker.lease()["job_id"]) for _ in range(6)]
+    assert owners == ["first", "late"] * 3, "each free device goes to the tenant holding the least"
+
+
+def test_a_tenant_gets_the_cluster_in_proportion_to_its_share(make_client: Any, keys: Any, db_url: str) -> None:
+    client = make_client(clock=kit.Clock())
+    big, small = _tenants(db_url, keys, "big", "small")
+    ran = CliRunner().invoke(main, ["scheduler", "tenants", "set", "big", "--share", "3", "--db", db_url])
+    assert ran.exit_code == 0 and "share=3" in ran.output, ran.output
+    listed = CliRunner().invoke(main, ["scheduler", "tenants", "list", "--db", db_url]).output
+    assert "SHARE" in listed.splitlines()[0]
+    for _ in range(8):
+        kit.submit(client, small)
+        kit.submit(client, big)
+    worker = kit.register(client, keys.worker(8), devices=8)
+    owners = [_owner(db_url, worker.lease()["job_id"]) for _ in range(8)]
+    assert owners.count("big") == 6 and owners.count("small") == 2, owners
+    # a share must be positive: refused before any write
+    refused = CliRunner().invoke(main, ["scheduler", "tenants", "set", "big", "--share", "0", "--db", db_url])
+    assert refused.exit_code == 2
+
+
+def test_priority_goes_before_fair_share_and_a_tenant_alone_gets_everything(make_client: Any, keys: Any, db_url: str) -> None:
+    clock = kit.Clock()
+    client = make_client(clock=clock)
+    rich, poor = _tenants(db_url, keys, "rich", "poor")
+
+    def submit(key: str, **extra: Any) -> str:
+        clock.advance(1.0)
+        return kit.submit(client, key, **extra)
+
+    urgent = [submit(rich, priority=5) for _ in range(3)]
+    submit(poor)
+    worker = kit.register(client, keys.worker(8), devices=4)
+    assert [worker.lease()["job_id"] for _ in range(3)] == urgent  # higher priority first, though rich holds more
+    assert _owner(db_url, worker.lease()["job_id"]) == "poor"
+    alone = kit.register(client, keys.worker(8), name="w2", devices=3)
+    mine = [submit(rich) for _ in range(3)]
+    assert [alone.lease()["job_id"] for _ in range(3)] == mine  # no other tenant has work: rich takes it all, by age
+
+
+def test_held_devices_count_a_seat_as_its_share_of_the_device(make_client: Any, keys: Any, db_url: str) -> None:
+    client = make_client(clock=kit.Clock())
+    (acme,) = _tenants(db_url, keys, "acme")
+    body = {"name": "w1", "host": "127.0.0.1", "models": ["tiny"], "devices": [
+        {"index": 0, "kind": "slot"}, {"index": 1, "kind": "slot", "shared": {"seats": 4, "model": "tiny", "max_lora_rank": 64}}]}
+    key = keys.worker(8)
+    worker = kit.Worker(client, key, client.post("/v1/workers", json=body, headers=auth(key)).json()["id"])
+    for rank in (8, 0):
+        answer = client.post("/v1/jobs", json={"kind": "train", "config": {"model": "tiny", "lora_rank": rank}}, headers=auth(acme))
+        assert answer.status_code == 201, answer.text
+    assert worker.lease()["seat"] is not None and worker.lease()["seat"] is None
+    with client.app.state.store.read() as conn:
+        assert fairshare.held_devices(conn) == {"acme": pytest.approx(1.25)}
+    usage = fairshare.Usage(ttl_s=3600.0)
+    with client.app.state.store.read() as conn:
+        assert usage.held(conn) == {"acme": pytest.approx(1.25)}
+    usage.granted("acme", 2.0)
+    usage.granted("globex", 1.0)
+    with client.app.state.store.read() as conn:
+        assert usage.held(conn) == {"acme": pytest.approx(3.25), "globex": 1.0}  # counted up between reads
+
+
+def test_a_grants_statements_do_not_grow_with_the_queue(make_client: Any, keys: Any, db_url: str) -> None:
+    """A worker whose one free device fits none of the queued 2-device jobs reads a few jobs of each tenant's queue, however
+    long: the statements of its lease request, and the queued rows they read, are the same for 120 queued jobs and for 900
+    (each tenant's queue is read :data:`fairshare.DEPTH` deep at most)."""
+    client = make_client(clock=kit.Clock())
+    _tenants(db_url, keys, "a", "b", "c")
+    worker = kit.register(client, keys.worker(8), devices=1)
+    engine = client.app.state.store.engine
+
+    def one_grant() -> tuple[int, int]:
+        seen = {"statements": 0, "queued_rows": 0}
+
+        def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            seen["statements"] += 1
+
+        read = fairshare.queue_heads
+
+        def heads(*args: Any, **kwargs: Any) -> Any:
+            found = read(*args, **kwargs)
+            seen["queued_rows"] += sum(len(q) for q in found.values())
+            return found
+
+        event.listen(engine, "after_cursor_execute", count)
+        fairshare.queue_heads = heads  # type: ignore[assignment]
+        try:
+            assert worker.lease() is None
+        finally:
+            fairshare.queue_heads = read  # type: ignore[assignment]
+            event.remove(engine, "after_cursor_execute", count)
+        return seen["statements"], seen["queued_rows"]
+
+    for i in range(3 * fairshare.DEPTH + 24):
+        kit.multi_device_job(client.app, 2, tenant="abc"[i % 3])
+    small = one_grant()
+    for i in range(780 - 3 * fairshare.DEPTH):
+        kit.multi_device_job(client.app, 2, tenant="abc"[i % 3])
+    large = one_grant()
+    assert small == large, (small, large)
+    assert large[1] == 3 * fairshare.PAGE  # the head of each of the 3 queues, no more
