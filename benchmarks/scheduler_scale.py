@@ -212,6 +212,7 @@ def setup(url: str, tenants: int, workers: int, max_gpus: list[int], max_queued:
     keys["operator"] = create_key(engine, "ops", ["read", "operator", "metrics"], "sim")[1]
     for w in range(workers):
         keys["workers"].append(create_worker_key(engine, WorkerBounds(devices=8 + SEATS), f"sim-{w}")[1])
+    keys["probe"] = create_worker_key(engine, WorkerBounds(devices=8), "probe")[1]
     engine.dispose()
     Path(out).write_text(json.dumps(keys))
 
@@ -305,6 +306,19 @@ class Database:
                                 "ORDER BY total_exec_time DESC LIMIT %s", (n,)).fetchall()
         return [{"calls": r[0], "rows": r[1], "ms": round(r[2], 1), "blocks": r[3], "query": r[4]} for r in rows]
 
+    def plans(self) -> dict[str, list[str]]:
+        """``EXPLAIN ANALYZE`` of reading the queue: the head of every tenant's queue (a lease request's read) and the
+        first page of the whole queue in one order (what a scan of the queue in priority order costs)."""
+        if self.kind != "postgresql":
+            return {}
+        import psycopg
+
+        found = {}
+        with psycopg.connect(self.url.replace("postgresql+psycopg://", "postgresql://")) as conn:
+            for name, sql in PLANS.items():
+                found[name] = [row[0] for row in conn.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) " + sql)]
+        return found
+
     def reset_statements(self) -> None:
         if self.kind != "postgresql":
             return
@@ -312,6 +326,14 @@ class Database:
 
         with psycopg.connect(self.url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
             conn.execute("SELECT pg_stat_statements_reset()")
+
+
+PLANS = {
+    "tenant_heads": "SELECT head.* FROM tenants JOIN LATERAL (SELECT id, tenant_id, priority, created_at, gpus FROM jobs "
+                    "WHERE jobs.tenant_id = tenants.id AND jobs.state = 'queued' ORDER BY priority DESC, created_at, id LIMIT 8) AS head ON true",
+    "queue_page": "SELECT id, tenant_id, priority, created_at, gpus FROM jobs WHERE state = 'queued' "
+                  "ORDER BY priority DESC, created_at ASC, id ASC LIMIT 200",
+}
 
 
 def with_statements(server: Any) -> None:
@@ -522,7 +544,7 @@ class Cluster:
         self.epochs[job] = epoch
         self.queued -= 1
         self.running += 1
-        if self.full_at is None and self.running >= self.places:
+        if self.full_at is None and self.running >= 0.95 * self.places:
             self.full_at = time.time()
         if spec is not None:
             self.held[spec.tenant] += 1.0 / SEATS if lease.get("seat") is not None else spec.gpus
@@ -564,6 +586,10 @@ class Cluster:
                 status, _ = await self.http.request("POST", f"{base}/state", key, body)
                 if status != 200:
                     raise LookupError(f"state {status}")
+            if self.batched:  # a heartbeat at once after "running" proves the lease runs (what the worker agent does)
+                status, _ = await self.http.request("POST", f"/v1/workers/{wid}/heartbeats", key, {"leases": [{"job_id": run.job_id, "epoch": run.epoch}]})
+                self.stats.heartbeats += 1
+                self.stats.heartbeat_calls += 1
             interval = LEASE_TTL / 3
             while time.time() < ends and not self.stopping:
                 await asyncio.sleep(min(interval, max(0.0, ends - time.time())))
@@ -599,6 +625,32 @@ class Cluster:
         self._released(run, busy, outcome, now)
         free_times.append((now, self.queued >= self.depth // 4))
         freed.set()
+
+    async def probe(self, db: Database, grants: int = 8) -> dict[str, Any]:
+        """Before the drain, with the whole queue waiting: one more worker (8 whole devices) takes ``grants`` leases while
+        nothing else runs; the database's statements, rows and blocks per lease request, and each request's latency."""
+        key = self.keys["probe"]
+        wid = await self._register(key, "probe", [{"index": i, "kind": "gpu", "name": "probe"} for i in range(8)])
+        db.reset_statements()
+        latencies, leases = [], []
+        for _ in range(grants):
+            t0 = time.perf_counter()
+            status, body = await self.http.request("POST", f"/v1/workers/{wid}/lease", key, {})
+            latencies.append(time.perf_counter() - t0)
+            if status == 200 and body.get("lease"):
+                leases.append(body["lease"])
+        counted = db.statements()
+        for lease in leases:  # the probe's jobs end at once
+            base = f"/v1/workers/{wid}/jobs/{lease['job_id']}/state"
+            for state in ("starting", "running", "succeeded"):
+                await self.http.request("POST", base, key, {"epoch": lease["epoch"], "state": state,
+                                                            **({"server_url": "http://127.0.0.1:9/"} if state == "running" else {})})
+            self.done.add(lease["job_id"])
+            self.queued -= 1
+        found: dict[str, Any] = {"requests": grants, "granted": len(leases), "ms": [round(x * 1000, 1) for x in latencies]}
+        if counted is not None:
+            found.update({k: round(v / grants, 1) for k, v in counted.items()})
+        return found
 
     async def _state_of(self, job: str) -> str:
         """The job's state as its tenant sees it: an ended one's, or ``lost`` (it is queued again, or will be)."""
@@ -733,6 +785,8 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
                               "submissions_per_s": round(len(cluster.by_job) / submit_s, 1),
                               "submit_ms": {"p50": ms(percentile(cluster.stats.submit_latency, 0.5)),
                                             "p99": ms(percentile(cluster.stats.submit_latency, 0.99))}}
+    report["grant_probe"] = await cluster.probe(db)
+    report["plans"] = db.plans()
     cluster.depth = cluster.queued
     db.reset_statements()
     pg0, cpu0, t0 = postgres_cpu(), cpu_seconds(scheduler_pid), time.time()
@@ -793,7 +847,7 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
     else:
         report["heartbeat_window"] = None
     if statements is not None and stats.grants:
-        report["postgres_per_grant"] = {k: round(v / stats.grants, 1) for k, v in statements.items()}
+        report["postgres_drain_per_grant"] = {k: round(v / stats.grants, 1) for k, v in statements.items()}  # all traffic over grants
         report["top_statements"] = db.top_statements()
     report["_samples_checks"] = {"runs": stats.runs, "vanished": stats.vanished}
     return report
@@ -887,7 +941,7 @@ def main() -> None:
     if args.quick:
         args.workers, args.jobs, args.tenants, args.db = "6", 60, 6, "sqlite" if args.db == "postgresql" else args.db
         args.duration, args.churn, args.vanish, args.view_every, args.backfill_age = (3.0, 6.0), 0.05, 6.0, 1.0, 5.0
-        args.lease_ttl = 4.0
+        args.lease_ttl, args.max_drain = 4.0, 240.0
     LEASE_TTL = args.lease_ttl
     from bench_machine import machine_facts  # noqa: PLC0415
 

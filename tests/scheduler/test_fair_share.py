@@ -73,8 +73,31 @@ def test_priority_goes_before_fair_share_and_a_tenant_alone_gets_everything(make
     assert [alone.lease()["job_id"] for _ in range(3)] == mine  # no other tenant has work: rich takes it all, by age
 
 
+def test_a_starving_job_drains_one_worker_and_the_others_keep_backfilling(make_client: Any, keys: Any, db_url: str) -> None:
+    clock = kit.Clock()
+    client = make_client(clock=clock, backfill_age_s=60.0)
+    (acme,) = _tenants(db_url, keys, "acme")
+    one, two = kit.register(client, keys.worker(8), name="w1", devices=2), kit.register(client, keys.worker(8), name="w2", devices=2)
+    first = [kit.submit(client, acme) for _ in range(2)]
+    assert {one.lease()["job_id"], two.lease()["job_id"]} == set(first)  # one device busy on each worker
+    clock.advance(1.0)
+    big = kit.multi_device_job(client.app, 2)
+    clock.advance(1.0)
+    small = [kit.submit(client, acme) for _ in range(3)]
+    clock.advance(61.0)  # big has waited past the backfill age
+    assert one.lease() is None, "the first worker to meet the starving job drains for it"
+    assert two.lease()["job_id"] in small, "the other worker keeps backfilling"
+    assert client.app.state.reservations[big][0] == one.id
+    # the draining worker's running job ends: the big job starts there, and its reservation ends
+    job = kit.job_row(db_url, first[0])["worker_id"] == one.id and first[0] or first[1]
+    epoch = kit.job_row(db_url, job)["lease_epoch"]
+    assert one.state(job, epoch, "failed", error="done").status_code == 200
+    assert one.lease()["job_id"] == big and big not in client.app.state.reservations
+
+
 def test_held_devices_count_a_seat_as_its_share_of_the_device(make_client: Any, keys: Any, db_url: str) -> None:
-    client = make_client(clock=kit.Clock())
+    clock = kit.Clock()
+    client = make_client(clock=clock)
     (acme,) = _tenants(db_url, keys, "acme")
     body = {"name": "w1", "host": "127.0.0.1", "models": ["tiny"], "devices": [
         {"index": 0, "kind": "slot"}, {"index": 1, "kind": "slot", "shared": {"seats": 4, "model": "tiny", "max_lora_rank": 64}}]}
@@ -83,6 +106,7 @@ def test_held_devices_count_a_seat_as_its_share_of_the_device(make_client: Any, 
     for rank in (8, 0):
         answer = client.post("/v1/jobs", json={"kind": "train", "config": {"model": "tiny", "lora_rank": rank}}, headers=auth(acme))
         assert answer.status_code == 201, answer.text
+        clock.advance(1.0)
     assert worker.lease()["seat"] is not None and worker.lease()["seat"] is None
     with client.app.state.store.read() as conn:
         assert fairshare.held_devices(conn) == {"acme": pytest.approx(1.25)}

@@ -263,14 +263,16 @@ class Quarantined(PermissionError):
 
 def grant(
     conn: Connection, store: JobStore, settings: Any, worker_id: str, secret: bytes, bounds: WorkerBounds | None = None,
-    usage: fairshare.Usage | None = None,
+    usage: fairshare.Usage | None = None, reservations: dict[str, tuple[str, float]] | None = None,
 ) -> dict[str, Any] | None:
     """Lease at most one queued job to ``worker_id`` in the caller's transaction; the lease, or None when nothing fits.
 
     Jobs are looked at in the fair-share order (:mod:`tinkergym.scheduler.fairshare`: priority, then the tenant furthest
     below its share, then age), a few deep in each tenant's queue; ``usage`` is the app's cache of the tenants' held
     devices for that order (None: read now). Only jobs within the worker credential's ``bounds`` are considered: its
-    tenants' queues alone are read, and its models only. A quarantined worker gets :class:`Quarantined`. The lease: ``job_id, kind, config, epoch, attempt,
+    tenants' queues alone are read, and its models only. ``reservations`` (the app's, job -> its worker and when) holds
+    which one worker drains for each job that waited past ``backfill_age_s`` (:func:`_drains_for`); None: every worker
+    that could host it drains. A quarantined worker gets :class:`Quarantined`. The lease: ``job_id, kind, config, epoch, attempt,
     devices`` (indexes on the worker), ``seat`` (the seat's index, or None for whole devices), ``expires_at``, ``ttl_s``, ``token`` and ``checkpoint`` (the job's last one,
     to resume from; or None). Two grants of one device raise :class:`sqlalchemy.exc.IntegrityError`: the caller rolls
     back and answers no lease.
@@ -322,17 +324,40 @@ def grant(
         if not chosen and on_devices and gpus <= len(free) and elsewhere.fit(job):
             continue  # a free seat of another worker fits it: the job waits for that worker's poll (it asks every few seconds)
         if not chosen and (gpus > len(free) or not on_devices):
-            if now - job["created_at"] > settings.backfill_age_s and not _over_quota(conn, job, held, quota):
+            if now - job["created_at"] > settings.backfill_age_s and not _over_quota(conn, job, held, quota) \
+                    and _drains_for(conn, reservations, job["id"], worker_id, now - worker_timeout(settings)):
                 return None  # waited too long: the devices here drain to it, nobody behind jumps ahead
             continue  # backfill: smaller jobs behind may start
         if _over_quota(conn, job, held, quota):
             continue  # over its tenant's quota: waits, blocks nobody (its quota read once a grant, and only here)
         lease = _take(conn, store, settings, worker_id, job, chosen or free[:gpus], secret, now)
         if lease is not None:
+            if reservations is not None:
+                reservations.pop(job["id"], None)
             if usage is not None:
                 usage.granted(job["tenant_id"], float(gpus) if not chosen else 1.0 / max(1, sum(1 for d, _ in seats if d.seat_of == chosen[0].seat_of)))
             return lease
     return None
+
+
+def _drains_for(conn: Connection, reservations: dict[str, tuple[str, float]] | None, job_id: str, worker_id: str, seen_since: float) -> bool:
+    """Whether ``worker_id`` drains its devices for the starving job ``job_id`` (takes nothing after it in the order).
+
+    One worker a starving job, the first that meets it (a worker drains for one job at a time), so the rest of the cluster
+    keeps backfilling: what Slurm's backfill reserves for its top job. Its reservation moves to another worker when its
+    holder has not been seen within the worker timeout. Without ``reservations``, every worker that could host it drains."""
+    if reservations is None:
+        return True
+    holder = reservations.get(job_id)
+    if holder is not None and holder[0] != worker_id:
+        alive = conn.execute(select(workers.c.last_seen_at).where(workers.c.id == holder[0])).scalar_one_or_none()
+        if alive is not None and alive >= seen_since:
+            return False  # another worker drains for it
+    if holder is None or holder[0] != worker_id:
+        if any(w == worker_id and other != job_id for other, (w, _) in list(reservations.items())):
+            return False  # this worker drains for another job already
+        reservations[job_id] = (worker_id, seen_since)
+    return True
 
 
 def _take(

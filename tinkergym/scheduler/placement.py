@@ -381,6 +381,11 @@ def note_wait_reasons(app: Any) -> int:
                 if queued:
                     store.append_event(conn, job_id, "waiting", r)
                     noted += 1
+    reservations = getattr(app.state, "reservations", None)
+    if reservations:  # a starving job's reservation ends when it is no longer queued (started, cancelled, deleted)
+        waiting = {job["id"] for job in queue}
+        for job_id in [j for j in list(reservations) if j not in waiting and len(queue) < MAX_SCAN]:
+            reservations.pop(job_id, None)
     took = time.perf_counter() - started
     app.state.wait_pass = {"at": now, "reasons": found, "took": took,
                            "every": max(app.state.settings.sweep_interval_s, took / DUTY)}

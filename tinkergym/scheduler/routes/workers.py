@@ -362,7 +362,8 @@ def lease(worker_id: str, request: Request, who: Principal = Depends(require("wo
 
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         _own(conn, worker_id, who)
-        granted = leases.grant(conn, store, settings, worker_id, secret, who.bounds, getattr(app.state, "usage", None))
+        granted = leases.grant(conn, store, settings, worker_id, secret, who.bounds, getattr(app.state, "usage", None),
+                               getattr(app.state, "reservations", None))
         if granted is not None:
             granted.pop("token")  # never stored (the idempotency record keeps the answer): derived again below
             # counted once, when made (a retried poll answers the kept record); a grant whose transaction then fails to
