@@ -358,6 +358,7 @@ class Run:
     granted: float
     task: asyncio.Task | None = None
     released: bool = False
+    proven: bool = False  # a heartbeat after "running" was answered: the scheduler knows the job runs here
 
 
 @dataclass
@@ -475,6 +476,7 @@ class Cluster:
         vanish = asyncio.Event()
         beats = asyncio.create_task(self._batched_heartbeats(wid, key, held, vanish)) if self.batched else None
         delay = self.args.poll
+        vanished, checked = False, time.time()
         while not self.stopping:
             if vanish.is_set():
                 await self._vanish(wid, held, busy, beats)
@@ -505,8 +507,13 @@ class Cluster:
                     self.stats.empty_polls += 1
                     if self.batched:  # the worker agent of the same code backs off while idle (tinkergym.scheduler.worker.pool)
                         delay = min(delay * 2, self.args.poll * 8)
-            if self.args.vanish and self.rng.random() < self.args.vanish * delay / 60 and held:
+            # a worker vanishes (its machine dies) at most once, mid-run: holding leases that all ran (a worker that dies
+            # with leases it never ran is a strike against it, and quarantined at the second: not what is simulated)
+            elapsed, checked = time.time() - checked, time.time()
+            if self.args.vanish and not vanished and held and all(r.proven for r in held.values()) \
+                    and self.rng.random() < self.args.vanish * elapsed / 60:
                 vanish.set()
+                vanished = True
                 continue
             freed.clear()
             if self.batched:  # the agent asks again as soon as a place frees, else at its poll interval
@@ -590,6 +597,7 @@ class Cluster:
                 status, _ = await self.http.request("POST", f"/v1/workers/{wid}/heartbeats", key, {"leases": [{"job_id": run.job_id, "epoch": run.epoch}]})
                 self.stats.heartbeats += 1
                 self.stats.heartbeat_calls += 1
+                run.proven = status == 200
             interval = LEASE_TTL / 3
             while time.time() < ends and not self.stopping:
                 await asyncio.sleep(min(interval, max(0.0, ends - time.time())))
@@ -601,6 +609,7 @@ class Cluster:
                     self.stats.heartbeat_calls += 1
                     if status != 200:
                         raise LookupError(f"heartbeat {status}")
+                    run.proven = True
                     if body.get("cancelling"):
                         outcome = "cancelled"
                         break
@@ -695,7 +704,7 @@ class Cluster:
             self._released(run, busy, "lost", now)
             self.stats.vanished.append({"job": run.job_id, "epoch": run.epoch, "at": now})
         held.clear()
-        await asyncio.sleep(LEASE_TTL * self.rng.uniform(1.5, 2.5))
+        await asyncio.sleep(LEASE_TTL * self.rng.uniform(2.0, 3.0))  # back after its leases expired and were swept
 
     # -- drain --
     async def sample_shares(self, samples: list[dict[str, Any]]) -> None:
@@ -776,10 +785,10 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
     http = Http(port, args.connections)
     cluster = Cluster(http, keys, specs, args, rng)
     cluster.max_gpus = dict(zip(sorted(keys["tenants"]), args.max_gpus))
-    # Does this scheduler take a worker's heartbeats in one call? A malformed body is refused (422) by a route that exists;
+    # Does this scheduler take a worker's heartbeats in one call? A malformed body is refused (400) by a route that exists;
     # a scheduler without it answers 404 (then one call per lease).
     status, _ = await http.request("POST", "/v1/workers/none/heartbeats", keys["workers"][0], {"leases": "probe"})
-    cluster.batched = status == 422
+    cluster.batched = status in (400, 422)
     submit_s = await cluster.submit_all(args.clients)
     report: dict[str, Any] = {"batched_heartbeats": cluster.batched, "jobs": len(cluster.by_job),
                               "submissions_per_s": round(len(cluster.by_job) / submit_s, 1),
@@ -926,7 +935,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, nargs=2, default=(60.0, 90.0), metavar=("MIN", "MAX"), help="job lengths in seconds")
     parser.add_argument("--seat-share", type=float, default=0.25, help="workers whose last device is a shared server of 4 seats")
     parser.add_argument("--churn", type=float, default=0.02, help="the share of jobs that fail, and of jobs cancelled")
-    parser.add_argument("--vanish", type=float, default=0.0, help="chance a minute that a worker holding leases vanishes")
+    parser.add_argument("--vanish", type=float, default=0.0, help="chance a minute that a worker running jobs vanishes (once; it comes back after 2-3 lease TTLs)")
     parser.add_argument("--poll", type=float, default=1.0, help="a worker's seconds between lease requests while nothing is granted")
     parser.add_argument("--view-every", type=float, default=5.0, help="seconds between a tenant's looks at its jobs")
     parser.add_argument("--clients", type=int, default=16, help="concurrent submitters")
