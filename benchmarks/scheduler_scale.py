@@ -930,7 +930,7 @@ def main() -> None:
     parser.add_argument("--workers", default="100", help="simulated workers of 8 devices (a comma list: one run each)")
     parser.add_argument("--jobs", type=int, default=0, help="jobs queued (default: 10 per worker)")
     parser.add_argument("--tenants", type=int, default=100)
-    parser.add_argument("--db", choices=("sqlite", "postgresql", "both"), default="postgresql")
+    parser.add_argument("--db", choices=("sqlite", "postgresql", "both"), default=None, help="default: postgresql (--quick: sqlite)")
     parser.add_argument("--code", type=Path, default=Path(__file__).resolve().parents[1], help="the source tree whose scheduler runs")
     parser.add_argument("--duration", type=float, nargs=2, default=(60.0, 90.0), metavar=("MIN", "MAX"), help="job lengths in seconds")
     parser.add_argument("--seat-share", type=float, default=0.25, help="workers whose last device is a shared server of 4 seats")
@@ -948,10 +948,11 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
     args = parser.parse_args()
     if args.quick:
-        args.workers, args.jobs, args.tenants, args.db = "6", 60, 6, "sqlite" if args.db == "postgresql" else args.db
+        args.workers, args.jobs, args.tenants, args.db = "6", 60, 6, args.db or "sqlite"
         args.duration, args.churn, args.vanish, args.view_every, args.backfill_age = (3.0, 6.0), 0.05, 6.0, 1.0, 5.0
         args.lease_ttl, args.max_drain = 4.0, 240.0
     LEASE_TTL = args.lease_ttl
+    args.db = args.db or "postgresql"
     from bench_machine import machine_facts  # noqa: PLC0415
 
     results = []

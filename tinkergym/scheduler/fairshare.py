@@ -1,12 +1,12 @@
-"""The grant order: priority first, then fair share among tenants, then age; read a few jobs deep in each tenant's queue.
+"""The grant order: fair share among tenants, then priority and age within a tenant; a few jobs deep in each queue.
 
 A lease request (:func:`tinkergym.scheduler.leases.grant`) walks the queued jobs in this order and takes the first that
-fits the worker. Among jobs of equal priority, the job of the tenant that holds the least of the cluster now goes first:
-its held devices (a seat a quarter of one on a 4-seat server, as usage counts it) over its ``share`` (1 unless the
+fits the worker. The head of the queue of the tenant that holds the least of the cluster now goes first: its held devices (a seat a quarter of one on a 4-seat server, as usage counts it) over its ``share`` (1 unless the
 operator gave it more; ``tinkergym scheduler tenants set --share``). Every free place goes to the tenant furthest below
 its share, so tenants with work get the cluster in proportion to their shares whatever the sizes, number or order of
 their jobs (max-min fairness, as Slurm's fair-share factor and Kubernetes' queue weights give), and a tenant alone gets
-all of it. Within a tenant, jobs go by priority and then age.
+all of it. Within a tenant, jobs go by priority and then age: a job's priority (which its tenant sets) orders that
+tenant's own jobs and never puts them before another tenant's, so no tenant gets past its share by raising it.
 
 The work of one request does not grow with the queue: it reads the head of each tenant's queue (an index range,
 ``ix_jobs_tenant_queue``; one query for all tenants on PostgreSQL, a ``LATERAL`` join), then :data:`DEPTH` jobs deeper in a
@@ -150,4 +150,5 @@ def fair_queue(conn: Connection, tenant_ids: list[str], held: dict[str, float], 
 
 
 def _key(held: dict[str, float], share: dict[str, float], tenant: str, job: dict[str, Any]) -> tuple[Any, ...]:
-    return (-job["priority"], held.get(tenant, 0.0) / max(share.get(tenant, 1.0), 1e-9), job["created_at"], job["id"], tenant)
+    # a job's priority orders its tenant's own queue (the head is the tenant's most urgent job); across tenants, the share
+    return (held.get(tenant, 0.0) / max(share.get(tenant, 1.0), 1e-9), job["created_at"], job["id"], tenant)

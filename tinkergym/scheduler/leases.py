@@ -9,11 +9,12 @@ after its lease is gone.
 Granting (:func:`grant`) is pull: a worker asks, and gets at most one job that fits its free devices. A job
 gets all its devices or none: one ``allocations`` row per device is inserted in the transaction that moves
 the job ``queued -> leased``, and ``allocations.device_id`` is the primary key, so a device granted twice
-fails the transaction (all or none) whatever the code does. The queue order is priority (higher first),
-then age (older first). A job that cannot start here does not block smaller jobs behind it (backfill),
-except a job that has waited longer than ``backfill_age_s``: on every worker that could ever host it (it
-serves the model and has enough devices), no job after it in the order is granted, so the devices drain
-to it and large jobs are not starved. A job whose tenant holds ``tenants.max_gpus`` devices already waits
+fails the transaction (all or none) whatever the code does. The queue order is the fair-share order of
+:mod:`tinkergym.scheduler.fairshare` (the tenant furthest below its share; within a tenant, priority then age). A job that
+cannot start here does not block smaller jobs behind it (backfill), except a job that has waited longer than
+``backfill_age_s``: one worker that could host it (it serves the model and has enough devices; the first to meet it)
+takes no job after it in the order, so that worker's devices drain to it while the rest of the cluster backfills, and
+large jobs are not starved (Slurm's backfill reserves for its top job alike). A job whose tenant holds ``tenants.max_gpus`` devices already waits
 without blocking anyone. A LoRA job that fits a free seat of a shared training server takes that seat before a whole
 device (:mod:`tinkergym.scheduler.seats`: the placement rule); a seat is a row of ``devices`` like any device, so
 the same constraint holds it, and it counts as one device toward the tenant's quota. A LoRA job resumes on either kind
