@@ -48,7 +48,6 @@ import tempfile
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -401,7 +400,8 @@ class Cluster:
         self.epochs: dict[str, int] = {}
         self.done: set[str] = set()
         self.stopping = False
-        self.batched = False
+        self.batched = False  # heartbeats in one call per worker
+        self.agent = False  # the worker agent of a scheduler with batched heartbeats: idle backoff, a lease asked at once when a job ends
         self.full_at: float | None = None
         self.first_end: float | None = None
         self.depth = 0  # queued jobs at the start of the drain
@@ -505,7 +505,7 @@ class Cluster:
                     delay = min(delay * 2, 30.0)
                 else:
                     self.stats.empty_polls += 1
-                    if self.batched:  # the worker agent of the same code backs off while idle (tinkergym.scheduler.worker.pool)
+                    if self.agent:  # the worker agent of the same code backs off while idle (tinkergym.scheduler.worker.pool)
                         delay = min(delay * 2, self.args.poll * 8)
             # a worker vanishes (its machine dies) at most once, mid-run: holding leases that all ran (a worker that dies
             # with leases it never ran is a strike against it, and quarantined at the second: not what is simulated)
@@ -516,7 +516,7 @@ class Cluster:
                 vanished = True
                 continue
             freed.clear()
-            if self.batched:  # the agent asks again as soon as a place frees, else at its poll interval
+            if self.agent:  # the agent asks again as soon as a place frees, else at its poll interval
                 try:
                     await asyncio.wait_for(freed.wait(), delay)
                     delay = self.args.poll
@@ -593,11 +593,14 @@ class Cluster:
                 status, _ = await self.http.request("POST", f"{base}/state", key, body)
                 if status != 200:
                     raise LookupError(f"state {status}")
-            if self.batched:  # a heartbeat at once after "running" proves the lease runs (what the worker agent does)
+            # a heartbeat at once after "running" proves the lease runs (what the worker agent does)
+            if self.batched:
                 status, _ = await self.http.request("POST", f"/v1/workers/{wid}/heartbeats", key, {"leases": [{"job_id": run.job_id, "epoch": run.epoch}]})
-                self.stats.heartbeats += 1
-                self.stats.heartbeat_calls += 1
-                run.proven = status == 200
+            else:
+                status, _ = await self.http.request("POST", f"{base}/heartbeat", key, {"epoch": run.epoch})
+            self.stats.heartbeats += 1
+            self.stats.heartbeat_calls += 1
+            run.proven = status == 200
             interval = LEASE_TTL / 3
             while time.time() < ends and not self.stopping:
                 await asyncio.sleep(min(interval, max(0.0, ends - time.time())))
@@ -788,7 +791,8 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
     # Does this scheduler take a worker's heartbeats in one call? A malformed body is refused (400) by a route that exists;
     # a scheduler without it answers 404 (then one call per lease).
     status, _ = await http.request("POST", "/v1/workers/none/heartbeats", keys["workers"][0], {"leases": "probe"})
-    cluster.batched = status in (400, 422)
+    cluster.agent = status in (400, 422)
+    cluster.batched = cluster.agent and not args.per_lease_heartbeats
     submit_s = await cluster.submit_all(args.clients)
     report: dict[str, Any] = {"batched_heartbeats": cluster.batched, "jobs": len(cluster.by_job),
                               "submissions_per_s": round(len(cluster.by_job) / submit_s, 1),
@@ -935,7 +939,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, nargs=2, default=(60.0, 90.0), metavar=("MIN", "MAX"), help="job lengths in seconds")
     parser.add_argument("--seat-share", type=float, default=0.25, help="workers whose last device is a shared server of 4 seats")
     parser.add_argument("--churn", type=float, default=0.02, help="the share of jobs that fail, and of jobs cancelled")
-    parser.add_argument("--vanish", type=float, default=0.0, help="chance a minute that a worker running jobs vanishes (once; it comes back after 2-3 lease TTLs)")
+    parser.add_argument("--vanish", type=float, default=0.0,
+                        help="chance a minute that a worker running jobs vanishes (once; it comes back after 2-3 lease TTLs)")
+    parser.add_argument("--per-lease-heartbeats", action="store_true",
+                        help="one heartbeat call per lease even where the scheduler takes a worker's in one (what the worker agent sends)")
     parser.add_argument("--poll", type=float, default=1.0, help="a worker's seconds between lease requests while nothing is granted")
     parser.add_argument("--view-every", type=float, default=5.0, help="seconds between a tenant's looks at its jobs")
     parser.add_argument("--clients", type=int, default=16, help="concurrent submitters")

@@ -1,8 +1,9 @@
 """The grant order: fair share among tenants, then priority and age within a tenant; a few jobs deep in each queue.
 
 A lease request (:func:`tinkergym.scheduler.leases.grant`) walks the queued jobs in this order and takes the first that
-fits the worker. The head of the queue of the tenant that holds the least of the cluster now goes first: its held devices (a seat a quarter of one on a 4-seat server, as usage counts it) over its ``share`` (1 unless the
-operator gave it more; ``tinkergym scheduler tenants set --share``). Every free place goes to the tenant furthest below
+fits the worker. The head of the queue of the tenant that holds the least of the cluster now goes first: its held
+devices (a seat a quarter of one on a 4-seat server, as usage counts it) over its ``share`` (1 unless the operator gave
+it more; ``tinkergym scheduler tenants set --share``). Every free place goes to the tenant furthest below
 its share, so tenants with work get the cluster in proportion to their shares whatever the sizes, number or order of
 their jobs (max-min fairness, as Slurm's fair-share factor and Kubernetes' queue weights give), and a tenant alone gets
 all of it. Within a tenant, jobs go by priority and then age: a job's priority (which its tenant sets) orders that
@@ -111,8 +112,9 @@ def queue_heads(conn: Connection, tenant_ids: list[str], limit: int = PAGE) -> d
     else:  # no LATERAL: one statement of per-tenant pages (SQLite takes up to 500 terms in one compound select)
         rows = []
         for at in range(0, len(tenant_ids), 400):
-            chunk = [_tenant_page(t, None, limit).subquery().select() for t in tenant_ids[at:at + 400]]
-            rows.extend(conn.execute(union_all(*chunk) if len(chunk) > 1 else chunk[0]).mappings())
+            chunk: list[Any] = [_tenant_page(t, None, limit).subquery().select() for t in tenant_ids[at:at + 400]]
+            statement: Any = union_all(*chunk) if len(chunk) > 1 else chunk[0]
+            rows.extend(conn.execute(statement).mappings())
     for row in rows:
         found.setdefault(row["tenant_id"], []).append(dict(row))
     for queue in found.values():

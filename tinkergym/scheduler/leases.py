@@ -333,12 +333,19 @@ def grant(
             continue  # over its tenant's quota: waits, blocks nobody (its quota read once a grant, and only here)
         lease = _take(conn, store, settings, worker_id, job, chosen or free[:gpus], secret, now)
         if lease is not None:
-            if reservations is not None:
-                reservations.pop(job["id"], None)
-            if usage is not None:
-                usage.granted(job["tenant_id"], float(gpus) if not chosen else 1.0 / max(1, sum(1 for d, _ in seats if d.seat_of == chosen[0].seat_of)))
+            _count_grant(job, chosen, seats, usage, reservations)
             return lease
     return None
+
+
+def _count_grant(job: dict[str, Any], chosen: list[Any], seats: list[Any], usage: fairshare.Usage | None,
+                 reservations: dict[str, tuple[str, float]] | None) -> None:
+    """After ``job`` is granted: its reservation ends, and its tenant's held devices count it (a seat: 1 / its server's seats)."""
+    if reservations is not None:
+        reservations.pop(job["id"], None)
+    if usage is not None:
+        weight = float(job["gpus"]) if not chosen else 1.0 / max(1, sum(1 for d, _ in seats if d.seat_of == chosen[0].seat_of))
+        usage.granted(job["tenant_id"], weight)
 
 
 def _drains_for(conn: Connection, reservations: dict[str, tuple[str, float]] | None, job_id: str, worker_id: str, seen_since: float) -> bool:
@@ -438,7 +445,7 @@ def heartbeat(conn: Connection, store: JobStore, settings: Any, worker_id: str, 
 
 #: Leases one call of :func:`heartbeat_many` renews at most (a worker's devices and seats are bounded far below it).
 MAX_BEATS = 1024
-_RENEW = bindparam("b_id")
+_RENEW: Any = bindparam("b_id")
 
 
 def heartbeat_many(conn: Connection, store: JobStore, settings: Any, worker_id: str, beats: list[dict[str, Any]]) -> list[dict[str, Any]]:
