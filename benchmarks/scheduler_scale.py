@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
 import json
 import math
 import os
@@ -47,7 +48,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -574,6 +575,7 @@ class Cluster:
             self.held[run.spec.tenant] -= 1.0 / SEATS if seat else run.spec.gpus
             self.quota_held[run.spec.tenant] -= 1 if seat else run.spec.gpus
             self.stats.runs.append({"job": run.job_id, "tenant": run.spec.tenant, "weight": 1.0 / SEATS if seat else run.spec.gpus,
+                                    "gpus": run.spec.gpus, "kind": run.spec.kind,
                                     "seat": seat, "start": run.granted, "end": now, "outcome": outcome})
         if outcome in ("succeeded", "failed", "cancelled"):
             self.done.add(run.job_id)
@@ -710,6 +712,17 @@ class Cluster:
         await asyncio.sleep(LEASE_TTL * self.rng.uniform(2.0, 3.0))  # back after its leases expired and were swept
 
     # -- drain --
+    async def left(self, looked: int = 40) -> dict[str, Any]:
+        """What an undrained run left: the jobs not ended by kind and size, and the wait reasons of up to ``looked`` of them."""
+        waiting = [j for j in self.by_job if j not in self.done and j not in self.holder]
+        kinds = Counter(f"{self.by_job[j].kind}x{self.by_job[j].gpus}" for j in waiting)
+        reasons: Counter[str] = Counter()
+        for job in waiting[:looked]:
+            status, body = await self.http.request("GET", f"/v1/jobs/{job}", self.keys["tenants"][self.by_job[job].tenant])
+            reasons[(body.get("wait_reason") or {}).get("code", f"state {body.get('state')}") if status == 200 else f"http {status}"] += 1
+        return {"waiting": len(waiting), "running": len(self.holder), "kinds": dict(kinds), "reasons": dict(reasons),
+                "tenants": len({self.by_job[j].tenant for j in waiting})}
+
     async def sample_shares(self, samples: list[dict[str, Any]]) -> None:
         """Every second: each tenant's held devices and its demand (held and queued)."""
         while not self.stopping:
@@ -717,8 +730,14 @@ class Cluster:
             for job, spec in self.by_job.items():
                 if job not in self.done and job not in self.holder:
                     waiting[spec.tenant] += spec.gpus if spec.kind != "lora" else 1.0
-            samples.append({"t": time.time(), "held": dict(self.held), "waiting": dict(waiting)})
+            samples.append({"t": time.time(), "held": dict(self.held), "waiting": dict(waiting), "queued": self.queued})
             await asyncio.sleep(1.0)
+
+
+def utilization(samples: list[dict[str, Any]], capacity: float, depth: int) -> float | None:
+    """The mean share of the cluster's places held while a quarter of the queue or more still waited."""
+    busy = [sum(s["held"].values()) / capacity for s in samples if s["queued"] >= depth / 4]
+    return round(sum(busy) / len(busy), 3) if busy else None
 
 
 def water_fill(capacity: float, demand: dict[str, float], cap: dict[str, float]) -> dict[str, float]:
@@ -772,6 +791,33 @@ def lower_bound(runs: list[dict[str, Any]], whole: int, seats: int, longest: flo
     return max(full / max(1, whole), (full + seated) / max(1, whole + seats), longest)
 
 
+def packed(runs: list[dict[str, Any]], workers: int, seat_workers: int) -> float:
+    """The makespan of an offline packing of ``runs`` (as they ran: their lengths and sizes) onto the same places, knowing
+    every length in advance: longest first (by device-seconds), each onto the place where it can start soonest (a
+    multi-device run on the devices of one worker, a LoRA run on a seat or a whole device). Not a lower bound (packing is
+    NP-hard) but a schedule an offline planner reaches, which an online scheduler that knows no lengths is held to."""
+    devices = [[0.0] * (7 if w < seat_workers else 8) for w in range(workers)]  # each worker's devices' free times, sorted
+    seats = [0.0] * (SEATS * seat_workers)
+    heapq.heapify(seats)
+    end = 0.0
+    for run in sorted(runs, key=lambda r: -(r["end"] - r["start"]) * (r["gpus"] if not r["seat"] else 1.0 / SEATS)):
+        length, gpus = run["end"] - run["start"], run["gpus"]
+        if run["seat"] or run["kind"] == "lora":
+            best = min(range(workers), key=lambda w: devices[w][0])
+            if seats and seats[0] <= devices[best][0]:
+                at = heapq.heappop(seats)
+                heapq.heappush(seats, at + length)
+                end = max(end, at + length)
+                continue
+            gpus = 1
+        fits = [w for w in range(workers) if len(devices[w]) >= gpus]
+        best = min(fits, key=lambda w: devices[w][gpus - 1])
+        at = devices[best][gpus - 1]
+        devices[best] = sorted([at + length] * gpus + devices[best][gpus:])
+        end = max(end, at + length)
+    return end
+
+
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
@@ -821,6 +867,7 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
                           calls_end=cluster.stats.heartbeat_calls, requests_end=http.requests)
     drained = len(cluster.done) >= len(cluster.by_job)
     end = time.time()
+    left = await cluster.left() if not drained else None
     cluster.stopping = True
     cpu1, pg1 = cpu_seconds(scheduler_pid), postgres_cpu()
     statements = db.statements()
@@ -834,8 +881,10 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
     seat_places = round(args.seat_share * len(keys["workers"])) * SEATS
     longest = max((s.duration for s in specs), default=0.0)
     bound = lower_bound([r for r in stats.runs if r["outcome"] != "lost"], whole, seat_places, longest)
+    pack = packed([r for r in stats.runs if r["outcome"] != "lost"], len(keys["workers"]), round(args.seat_share * len(keys["workers"])))
     report.update({
         "drained": drained, "drain_s": round(end - first, 1), "ideal_s": round(bound, 1), "drain_vs_ideal": round((end - first) / bound, 3) if bound else None,
+        "packed_s": round(pack, 1), "drain_vs_packed": round((end - first) / pack, 3) if pack else None,
         "grants": stats.grants, "grant_ms": {"p50": ms(percentile(stats.grant_latency, 0.5)), "p99": ms(percentile(stats.grant_latency, 0.99)),
                                              "n": len(stats.grant_latency)},
         "empty_polls": stats.empty_polls,
@@ -845,7 +894,8 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
         "fairness": fairness(samples, whole + seat_places / SEATS, cluster.max_gpus, until=max((r["end"] for r in stats.runs), default=end)),
         "failures": dict(stats.failures), "violations": stats.violations,
         "max_first_wait_s": round(max(stats.first_wait.values()), 1) if stats.first_wait else None,
-        "vanished_leases": len(stats.vanished),
+        "vanished_leases": len(stats.vanished), "left": left,
+        "utilization": utilization(samples, whole + seat_places / SEATS, cluster.depth),
     })
     if "end" in window:
         span = window["end"] - window["start"]
@@ -901,8 +951,8 @@ def one_run(args: argparse.Namespace, workers: int, db_kind: str, scratch: Path,
         per_tenant[s.tenant] += 1
     max_queued = [per_tenant[f"t{t:03d}"] + 10 for t in range(tenants)]
     db = Database(db_kind, scratch, server)
-    data_dir = scratch / f"data-{db_kind}-{workers}"
-    data_dir.mkdir()
+    data_dir = (args.log_dir or scratch) / f"data-{db_kind}-{workers}"
+    data_dir.mkdir(parents=True, exist_ok=True)
     settings = ["--backfill-age", str(args.backfill_age), "--max-connections", str(max(2000, args.connections * 2 + 200))]
     started = time.time()
     keys = run_setup(args.code, db.url, tenants, workers, max_gpus, max_queued)
@@ -926,6 +976,26 @@ def one_run(args: argparse.Namespace, workers: int, db_kind: str, scratch: Path,
         "total_s": round(time.time() - started, 1),
     })
     return report
+
+
+def table(paths: list[Path]) -> str:
+    """The reports saved by ``--json`` (one file each) as one markdown table: a row per run."""
+    head = ("| code | N workers | J jobs | drained | drain / ideal | grant p50 / p99 ms | empty polls | heartbeat calls, renewals / s "
+            "| scheduler CPU s / 1000 renewals | scheduler cores (full), PG cores | statements / grant | view p99 ms | tenants within 10% |")
+    rows = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for path in paths:
+        report = json.loads(path.read_text().strip().splitlines()[-1])
+        for run in report["runs"]:
+            beat = run.get("heartbeat_window") or {}
+            probe, fair = run.get("grant_probe") or {}, run.get("fairness") or {}
+            span = beat.get("seconds") or 0
+            rows.append("| " + " | ".join(str(x) for x in (
+                Path(report["code"]).name, run["workers"], run["jobs"], "yes" if run["drained"] else f"no ({run['drain_s']} s)",
+                run["drain_vs_ideal"], f"{run['grant_ms']['p50']} / {run['grant_ms']['p99']}", run["empty_polls"],
+                f"{round(beat['calls'] / span, 1)}, {beat['renewals_per_s']}" if span else "-",
+                beat.get("scheduler_cpu_s_per_1000", "-"), f"{beat.get('scheduler_cores', '-')}, {beat.get('postgres_cores', '-')}",
+                probe.get("calls", "-"), run["view_ms"]["p99"], f"{fair.get('within_10pct')} of {fair.get('tenants')}")) + " |")
+    return "\n".join(rows)
 
 
 def main() -> None:
@@ -953,7 +1023,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="SQLite, 6 workers, 60 jobs of 3-6 s, churn and vanishing workers")
     parser.add_argument("--json", action="store_true", help="print the report as JSON only")
+    parser.add_argument("--log-dir", type=Path, help="keep the scheduler's data folder (its log) here")
+    parser.add_argument("--table", type=Path, nargs="+", metavar="REPORT", help="print saved --json reports as a markdown table, and exit")
     args = parser.parse_args()
+    if args.table:
+        print(table(args.table))
+        return
     if args.quick:
         args.workers, args.jobs, args.tenants, args.db = "6", 60, 6, args.db or "sqlite"
         args.duration, args.churn, args.vanish, args.view_every, args.backfill_age = (3.0, 6.0), 0.05, 6.0, 1.0, 5.0

@@ -373,7 +373,7 @@ def _take(
 ) -> dict[str, Any] | None:
     """Move ``job`` queued -> leased on ``chosen`` devices; None when another grant took it or its tenant's quota is gone."""
     if conn.dialect.name != "sqlite":  # serialise grants per tenant so concurrent ones cannot both pass the quota
-        limit = conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == job["tenant_id"]).with_for_update()).scalar_one()
+        limit = conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == job["tenant_id"]).with_for_update(key_share=True)).scalar_one()
         if held_by_tenant(conn, job["tenant_id"]) + job["gpus"] > limit:
             return None
     epoch = job["lease_epoch"] + 1

@@ -164,7 +164,7 @@ class JobStore:
         if tenant_id is not None:
             query = query.where(jobs.c.tenant_id == tenant_id)
         if for_update and conn.dialect.name != "sqlite":  # SQLite's BEGIN IMMEDIATE already holds the write lock
-            query = query.with_for_update()
+            query = query.with_for_update(key_share=True)  # NO KEY UPDATE: rows referring to it (events) are not blocked
         row = conn.execute(query).mappings().first()
         if row is None:
             raise NotFound(job_id)

@@ -19,8 +19,12 @@ from tinkergym.scheduler.seats import parse_shared, seat_index, shared_json
 
 
 def locked(conn: Connection, query: Any) -> Any:
-    """``query FOR UPDATE`` where the database has it (SQLite's ``BEGIN IMMEDIATE`` already holds the write lock)."""
-    return query if conn.dialect.name == "sqlite" else query.with_for_update()
+    """``query FOR NO KEY UPDATE`` where the database has it (SQLite's ``BEGIN IMMEDIATE`` already holds the write lock).
+
+    Not ``FOR UPDATE``: that lock also blocks the foreign-key checks of rows that refer to the locked one (``FOR KEY
+    SHARE``), so a grant holding its worker's row and a state report of another of that worker's jobs (which checks
+    ``jobs.worker_id``) deadlocked under load. Lockers still exclude each other, and a ``DELETE`` still waits for them."""
+    return query if conn.dialect.name == "sqlite" else query.with_for_update(key_share=True)
 
 
 def register_worker(
