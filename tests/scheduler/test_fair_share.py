@@ -160,3 +160,33 @@ def test_a_grants_statements_do_not_grow_with_the_queue(make_client: Any, keys: 
     large = one_grant()
     assert small == large, (small, large)
     assert large[1] == 3 * fairshare.PAGE  # the head of each of the 3 queues, no more
+
+
+def test_a_locked_worker_row_does_not_block_a_state_report_of_its_jobs(make_client: Any, keys: Any, db_url: str) -> None:
+    """The grant holds its worker's row; another of that worker's jobs meanwhile writes a row that refers to the worker
+    (the foreign-key check's KEY SHARE lock). That write must not wait for the grant: FOR UPDATE made it wait, and the two
+    deadlocked under load."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("SQLite has one writer at a time: no row locks")
+    from sqlalchemy import select, text
+
+    from tinkergym.scheduler.db import make_engine, workers
+    from tinkergym.scheduler.worker_registry import locked
+
+    client = make_client(clock=kit.Clock())
+    (acme,) = _tenants(db_url, keys, "acme")
+    worker = kit.register(client, keys.worker(8), devices=2)
+    job = kit.submit(client, acme)
+    engine = make_engine(db_url)
+    try:
+        with engine.connect() as grant, engine.connect() as report:
+            grant.begin()
+            assert grant.execute(locked(grant, select(workers.c.id).where(workers.c.id == worker.id))).first() is not None
+            report.begin()
+            report.execute(text("SET LOCAL lock_timeout = '2s'"))
+            # the state report's writes: the job points at its worker (checked against workers by the foreign key)
+            report.execute(text("UPDATE jobs SET worker_id = :w WHERE id = :j"), {"w": worker.id, "j": job})
+            report.rollback()
+            grant.rollback()
+    finally:
+        engine.dispose()
