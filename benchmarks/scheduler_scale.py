@@ -406,6 +406,7 @@ class Cluster:
         self.full_at: float | None = None
         self.first_end: float | None = None
         self.depth = 0  # queued jobs at the start of the drain
+        self.last_end = 0.0  # when the last job ended
 
     # -- tenants --
     async def submit_all(self, clients: int) -> float:
@@ -457,8 +458,20 @@ class Cluster:
     def _ended(self, job: str, outcome: str) -> None:
         if job not in self.done:
             self.done.add(job)
+            self.last_end = time.time()
             if job not in self.holder:
                 self.queued -= 1
+
+    async def reconcile(self, most: int = 50) -> None:
+        """When few jobs are left: ask the scheduler the state of each that no simulated worker holds, and count those that
+        ended unseen (a cancel answered while its lease ended, a refused final report) as done."""
+        left = [j for j in self.by_job if j not in self.done and j not in self.holder]
+        if len(left) > most:
+            return
+        for job in left:
+            state = await self._state_of(job)
+            if state != "lost" and job not in self.holder:
+                self._ended(job, state)
 
     # -- workers --
     async def worker(self, index: int) -> None:
@@ -579,6 +592,7 @@ class Cluster:
                                     "seat": seat, "start": run.granted, "end": now, "outcome": outcome})
         if outcome in ("succeeded", "failed", "cancelled"):
             self.done.add(run.job_id)
+            self.last_end = now
         else:  # lost: queued again
             self.queued += 1
 
@@ -855,8 +869,12 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
     tasks.append(asyncio.create_task(cluster.sample_shares(samples)))
     window: dict[str, Any] = {}
     deadline = time.time() + args.max_drain
+    checked = time.time()
     while len(cluster.done) < len(cluster.by_job) and time.time() < deadline:
         await asyncio.sleep(0.25)
+        if time.time() - checked > 5.0:
+            checked = time.time()
+            await cluster.reconcile()
         if cluster.full_at is not None and "start" not in window and cluster.first_end is None:
             await asyncio.sleep(2.0)  # the last starting/running reports
             if cluster.first_end is None:
@@ -866,7 +884,7 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
             window.update(end=time.time(), cpu_end=cpu_seconds(scheduler_pid), pg_end=postgres_cpu(), beats_end=cluster.stats.heartbeats,
                           calls_end=cluster.stats.heartbeat_calls, requests_end=http.requests)
     drained = len(cluster.done) >= len(cluster.by_job)
-    end = time.time()
+    end = cluster.last_end if drained else time.time()
     left = await cluster.left() if not drained else None
     cluster.stopping = True
     cpu1, pg1 = cpu_seconds(scheduler_pid), postgres_cpu()
