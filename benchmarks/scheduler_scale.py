@@ -795,14 +795,18 @@ def fairness(samples: list[dict[str, Any]], capacity: float, max_gpus: dict[str,
             "rows": sorted(rows, key=lambda r: abs(r["ratio"] - 1), reverse=True)[:10]}
 
 
-def lower_bound(runs: list[dict[str, Any]], whole: int, seats: int, longest: float) -> float:
+def lower_bound(runs: list[dict[str, Any]], whole: int, seats: int, longest: float, max_gpus: dict[str, int] | None = None) -> float:
     """A lower bound of the time to run ``runs`` (their place-time as they ran) on ``whole`` devices and ``seats`` seats:
-    every second of a run needs a place (whole-device runs a whole device each), and no job finishes before its length."""
+    every second of a run needs a place (whole-device runs a whole device each), no job finishes before its length, and
+    no tenant runs more at once than its quota (``max_gpus``: a seat counts one)."""
     full = sum((r["end"] - r["start"]) * r["weight"] for r in runs if not r["seat"])
     seated = sum(r["end"] - r["start"] for r in runs if r["seat"])
-    lora_on_whole = 0.0  # the bound lets seat runs move to whole devices and back: places of both kinds together
-    del lora_on_whole
-    return max(full / max(1, whole), (full + seated) / max(1, whole + seats), longest)
+    # seat runs may move to whole devices and back: the second term counts places of both kinds together
+    tenant_work: defaultdict[str, float] = defaultdict(float)
+    for r in runs:
+        tenant_work[r["tenant"]] += (r["end"] - r["start"]) * (1 if r["seat"] else r["gpus"])
+    by_quota = max((work / max_gpus[t] for t, work in tenant_work.items()), default=0.0) if max_gpus else 0.0
+    return max(full / max(1, whole), (full + seated) / max(1, whole + seats), longest, by_quota)
 
 
 def packed(runs: list[dict[str, Any]], workers: int, seat_workers: int) -> float:
@@ -898,7 +902,7 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
     whole = sum(1 for _ in keys["workers"]) * 8 - round(args.seat_share * len(keys["workers"]))
     seat_places = round(args.seat_share * len(keys["workers"])) * SEATS
     longest = max((s.duration for s in specs), default=0.0)
-    bound = lower_bound([r for r in stats.runs if r["outcome"] != "lost"], whole, seat_places, longest)
+    bound = lower_bound([r for r in stats.runs if r["outcome"] != "lost"], whole, seat_places, longest, cluster.max_gpus)
     pack = packed([r for r in stats.runs if r["outcome"] != "lost"], len(keys["workers"]), round(args.seat_share * len(keys["workers"])))
     report.update({
         "drained": drained, "drain_s": round(end - first, 1), "ideal_s": round(bound, 1), "drain_vs_ideal": round((end - first) / bound, 3) if bound else None,
