@@ -403,7 +403,7 @@ class Cluster:
         self.stopping = False
         self.batched = False  # heartbeats in one call per worker
         self.agent = False  # the worker agent of a scheduler with batched heartbeats: idle backoff, a lease asked at once when a job ends
-        self.full_at: float | None = None
+        self.last_grant: float | None = None  # when the last lease was granted
         self.first_end: float | None = None
         self.depth = 0  # queued jobs at the start of the drain
         self.last_end = 0.0  # when the last job ended
@@ -565,8 +565,7 @@ class Cluster:
         self.epochs[job] = epoch
         self.queued -= 1
         self.running += 1
-        if self.full_at is None and self.running >= 0.95 * self.places:
-            self.full_at = time.time()
+        self.last_grant = time.time()
         if spec is not None:
             self.held[spec.tenant] += 1.0 / SEATS if lease.get("seat") is not None else spec.gpus
             self.quota_held[spec.tenant] += 1 if lease.get("seat") is not None else spec.gpus
@@ -879,11 +878,10 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
         if time.time() - checked > 5.0:
             checked = time.time()
             await cluster.reconcile()
-        if cluster.full_at is not None and "start" not in window and cluster.first_end is None:
-            await asyncio.sleep(2.0)  # the last starting/running reports
-            if cluster.first_end is None:
-                window = {"start": time.time(), "cpu": cpu_seconds(scheduler_pid), "pg": postgres_cpu(), "beats": cluster.stats.heartbeats,
-                          "calls": cluster.stats.heartbeat_calls, "requests": http.requests}
+        # the heartbeat window: the cluster as full as the first wave fills it (no grant for 3 s), until the first job ends
+        if cluster.last_grant is not None and time.time() - cluster.last_grant > 3.0 and "start" not in window and cluster.first_end is None:
+            window = {"start": time.time(), "cpu": cpu_seconds(scheduler_pid), "pg": postgres_cpu(), "beats": cluster.stats.heartbeats,
+                      "calls": cluster.stats.heartbeat_calls, "requests": http.requests, "held": round(cluster.running / max(1, cluster.places), 3)}
         if "start" in window and "end" not in window and cluster.first_end is not None:
             window.update(end=time.time(), cpu_end=cpu_seconds(scheduler_pid), pg_end=postgres_cpu(), beats_end=cluster.stats.heartbeats,
                           calls_end=cluster.stats.heartbeat_calls, requests_end=http.requests)
@@ -924,7 +922,8 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
         beats = window["beats_end"] - window["beats"]
         report["heartbeat_window"] = {
             "seconds": round(span, 1), "renewals": beats, "calls": window["calls_end"] - window["calls"],
-            "renewals_per_s": round(beats / span, 1),
+            "renewals_per_s": round(beats / span, 1), "leases_held_of_places": window["held"],
+            "other_requests": window["requests_end"] - window["requests"] - (window["calls_end"] - window["calls"]),
             "scheduler_cpu_s_per_1000": round(1000 * (window["cpu_end"] - window["cpu"]) / max(1, beats), 3),
             "scheduler_cores": round((window["cpu_end"] - window["cpu"]) / span, 3),
             "postgres_cores": round((window["pg_end"] - window["pg"]) / span, 3) if db.kind == "postgresql" else None,
