@@ -159,7 +159,16 @@ def test_a_grants_statements_do_not_grow_with_the_queue(make_client: Any, keys: 
         kit.multi_device_job(client.app, 2, tenant="abc"[i % 3])
     large = one_grant()
     assert small == large, (small, large)
-    assert large[1] == 3 * fairshare.PAGE  # the head of each of the 3 queues, no more
+    assert large[1] == 0  # none of the jobs within DEPTH of each queue fits: the database passed over them all
+    # ... and it read DEPTH index entries of each queue at most, however long (the plan's limit on the window)
+    if db_url.startswith("postgresql"):
+        from sqlalchemy import or_, text
+
+        query = fairshare._tenant_page("a", None, fairshare.PAGE, lambda c: or_(c.gpus <= 1, c.created_at < 0.0))
+        compiled = query.compile(engine, compile_kwargs={"literal_binds": True})
+        with engine.connect() as conn:
+            plan = "\n".join(r[0] for r in conn.execute(text(f"EXPLAIN (ANALYZE, FORMAT TEXT) {compiled}")))
+        assert "Index Scan" in plan and f"rows={fairshare.DEPTH} " in plan.split("Limit")[2], plan
 
 
 def test_a_locked_worker_row_does_not_block_a_state_report_of_its_jobs(make_client: Any, keys: Any, db_url: str) -> None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sqlalchemy import and_, case, func, or_, select, true, union_all
@@ -87,32 +87,44 @@ def shares(conn: Connection, tenant_ids: list[str] | None) -> dict[str, float]:
     return {tenant: float(share or 1.0) for tenant, share in conn.execute(query)}
 
 
-def _after(last: dict[str, Any] | None) -> Any:
-    """Jobs after ``last`` in a tenant's queue order (priority desc, created_at, id)."""
+def _after(last: dict[str, Any] | None, c: Any = jobs.c) -> Any:
+    """Jobs after ``last`` in a tenant's queue order (priority desc, created_at, id); ``c``: the columns to compare."""
     if last is None:
         return true()
     p, t, i = last["priority"], last["created_at"], last["id"]
-    return or_(jobs.c.priority < p, and_(jobs.c.priority == p, or_(jobs.c.created_at > t, and_(jobs.c.created_at == t, jobs.c.id > i))))
+    return or_(c.priority < p, and_(c.priority == p, or_(c.created_at > t, and_(c.created_at == t, c.id > i))))
 
 
-def _tenant_page(tenant: Any, last: dict[str, Any] | None, limit: int) -> Any:
-    return (select(*QUEUE_COLUMNS).where(jobs.c.tenant_id == tenant, jobs.c.state == states.QUEUED, _after(last))
-            .order_by(jobs.c.priority.desc(), jobs.c.created_at.asc(), jobs.c.id.asc()).limit(limit))
+def _tenant_page(tenant: Any, last: dict[str, Any] | None, limit: int, where: Callable[[Any], Any] | None = None, depth: int = DEPTH) -> Any:
+    """The next ``limit`` queued jobs of ``tenant`` after ``last``; with ``where`` (a condition on the columns it is given),
+    only those it selects among the first ``depth`` of the queue: the database passes over the rest, and reads ``depth``
+    index entries at most, however long the queue."""
+    order = (jobs.c.priority.desc(), jobs.c.created_at.asc(), jobs.c.id.asc())
+    if where is None:
+        return select(*QUEUE_COLUMNS).where(jobs.c.tenant_id == tenant, jobs.c.state == states.QUEUED, _after(last)).order_by(*order).limit(limit)
+    window = select(*QUEUE_COLUMNS).where(jobs.c.tenant_id == tenant, jobs.c.state == states.QUEUED).order_by(*order).limit(depth)
+    if not isinstance(tenant, str):  # the LATERAL form: the window refers to the outer query's tenants row
+        window = window.correlate(tenants)
+    window = window.subquery("window")
+    w = window.c
+    return select(*w).where(where(w), _after(last, w)).order_by(w.priority.desc(), w.created_at.asc(), w.id.asc()).limit(limit)
 
 
-def queue_heads(conn: Connection, tenant_ids: list[str], limit: int = PAGE) -> dict[str, list[dict[str, Any]]]:
-    """The first ``limit`` queued jobs of each of ``tenant_ids`` (those with none are left out), each in its queue order."""
+def queue_heads(conn: Connection, tenant_ids: list[str], limit: int = PAGE, where: Callable[[Any], Any] | None = None,
+                depth: int = DEPTH) -> dict[str, list[dict[str, Any]]]:
+    """The first ``limit`` queued jobs of each of ``tenant_ids`` (those with none are left out), each in its queue order;
+    ``where``: only those it selects among the first ``depth`` of each queue (:func:`_tenant_page`)."""
     found: dict[str, list[dict[str, Any]]] = {}
     if not tenant_ids:
         return found
     if conn.dialect.name == "postgresql":
-        page = _tenant_page(tenants.c.id, None, limit).lateral("head")
+        page = _tenant_page(tenants.c.id, None, limit, where, depth).lateral("head")
         query = select(page).select_from(tenants.join(page, true())).where(tenants.c.id.in_(tenant_ids))
         rows = list(conn.execute(query).mappings())
     else:  # no LATERAL: one statement of per-tenant pages (SQLite takes up to 500 terms in one compound select)
         rows = []
         for at in range(0, len(tenant_ids), 400):
-            chunk: list[Any] = [_tenant_page(t, None, limit).subquery().select() for t in tenant_ids[at:at + 400]]
+            chunk: list[Any] = [_tenant_page(t, None, limit, where, depth).subquery().select() for t in tenant_ids[at:at + 400]]
             statement: Any = union_all(*chunk) if len(chunk) > 1 else chunk[0]
             rows.extend(conn.execute(statement).mappings())
     for row in rows:
@@ -123,13 +135,15 @@ def queue_heads(conn: Connection, tenant_ids: list[str], limit: int = PAGE) -> d
 
 
 def fair_queue(conn: Connection, tenant_ids: list[str], held: dict[str, float], share: dict[str, float],
-               depth: int = DEPTH, page: int = PAGE, turns: bool = False) -> Iterator[dict[str, Any]]:
+               depth: int = DEPTH, page: int = PAGE, turns: bool = False, where: Callable[[Any], Any] | None = None) -> Iterator[dict[str, Any]]:
     """Queued jobs of ``tenant_ids`` in grant order (see the module's notes), at most ``depth`` of each tenant's, read
     ``page`` at a time. ``turns``: as if each job were granted in turn (its tenant's held devices counted up by its size,
     so tenants alternate as grants make them): the order in which a busy cluster would start them, which the wait
-    reasons read; without it, the order of one grant (the held devices as they are)."""
+    reasons read; without it, the order of one grant (the held devices as they are). ``where`` (a grant's: the jobs that
+    may fit the worker's free places, and those waiting past the backfill age): only the jobs it selects among the first
+    ``depth`` of each queue; the database passes over the others."""
     held = dict(held)
-    heads = queue_heads(conn, tenant_ids, min(page, depth))
+    heads = queue_heads(conn, tenant_ids, min(page, depth), where, depth)
     queues = {t: (q, len(q) == min(page, depth)) for t, q in heads.items()}  # (jobs read, whether more may follow)
     seen = dict.fromkeys(heads, 0)
     heap = [_key(held, share, t, q[0]) for t, (q, _) in queues.items()]
@@ -144,7 +158,7 @@ def fair_queue(conn: Connection, tenant_ids: list[str], held: dict[str, float], 
             held[tenant] = held.get(tenant, 0.0) + float(job["gpus"])
         if not queue and more and seen[tenant] < depth:
             want = min(page, depth - seen[tenant])
-            queue = [dict(r) for r in conn.execute(_tenant_page(tenant, job, want)).mappings()]
+            queue = [dict(r) for r in conn.execute(_tenant_page(tenant, job, want, where, depth)).mappings()]
             more = len(queue) == want
         queues[tenant] = (queue, more)
         if queue and seen[tenant] < depth:

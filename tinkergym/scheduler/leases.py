@@ -310,7 +310,14 @@ def grant(
     elsewhere = _SeatsElsewhere(conn, worker_id, now - worker_timeout(settings), room)
     share = fairshare.shares(conn, list(bounds.tenants) if bounds is not None and bounds.tenants is not None else None)
     held_now = usage.held(conn) if usage is not None else fairshare.held_devices(conn)
-    for job in fairshare.fair_queue(conn, sorted(share), held_now, share):
+    # Only the jobs that may fit a free place here, and those waiting past the backfill age (this worker may drain for
+    # them), among the first DEPTH of each queue: the database passes over the rest (an empty poll reads one page a tenant).
+    fit, starved = max(len(free), 1 if free_seats else 0), now - settings.backfill_age_s
+
+    def may_fit(c: Any) -> Any:
+        return or_(c.gpus <= fit, c.created_at < starved)
+
+    for job in fairshare.fair_queue(conn, sorted(share), held_now, share, where=may_fit):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
         if model_of(job["config"]) not in models:
             continue
