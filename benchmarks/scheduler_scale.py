@@ -747,6 +747,20 @@ class Cluster:
             await asyncio.sleep(1.0)
 
 
+def wait_past_quota(cluster: Cluster) -> float | None:
+    """The longest wait for a first lease less what the job's own tenant's quota forced on it: the device-seconds of the
+    tenant's jobs submitted before it over its ``max_gpus`` (a tenant at its quota waits for its own jobs, not starved)."""
+    ahead: defaultdict[str, float] = defaultdict(float)
+    worst = None
+    for job in sorted(cluster.submitted_at, key=cluster.submitted_at.get):
+        spec = cluster.by_job[job]
+        if job in cluster.stats.first_wait:
+            past = cluster.stats.first_wait[job] - ahead[spec.tenant] / cluster.max_gpus[spec.tenant]
+            worst = past if worst is None else max(worst, past)
+        ahead[spec.tenant] += spec.gpus * spec.duration
+    return round(worst, 1) if worst is not None else None
+
+
 def utilization(samples: list[dict[str, Any]], capacity: float, depth: int) -> float | None:
     """The mean share of the cluster's places held while a quarter of the queue or more still waited."""
     busy = [sum(s["held"].values()) / capacity for s in samples if s["queued"] >= depth / 4]
@@ -914,6 +928,7 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
         "fairness": fairness(samples, whole + seat_places / SEATS, cluster.max_gpus, until=max((r["end"] for r in stats.runs), default=end)),
         "failures": dict(stats.failures), "violations": stats.violations,
         "max_first_wait_s": round(max(stats.first_wait.values()), 1) if stats.first_wait else None,
+        "max_wait_past_quota_s": wait_past_quota(cluster),
         "vanished_leases": len(stats.vanished), "left": left,
         "utilization": utilization(samples, whole + seat_places / SEATS, cluster.depth),
     })
