@@ -214,3 +214,27 @@ def test_the_progress_line_says_why_and_an_unplaceable_job_says_how_to_go_on(ser
         assert sum("keeps waiting" in line for line in lines) == 1
     finally:
         client.close()
+
+
+def test_a_view_of_a_job_past_the_sweepers_pass_reads_the_pass_not_the_queue(make_client: Any, keys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A queue longer than the sweeper's pass reads: a view of a job the pass did not reach says it is behind the pass's
+    front, from the pass, without reading the queue again (at 10,000 queued jobs that read made every view cost 500 jobs'
+    order); a job submitted after the pass is placed by a read of its own."""
+    from tinkergym.scheduler import leases, placement
+
+    client = make_client(cache_s=1.0, clock=kit.Clock())
+    user = keys.new("acme", "read,write")
+    kit.register(client, keys.worker(8), devices=1)
+    jobs = [kit.submit(client, user) for _ in range(4)]
+    client.app.state.store.clock.advance(1.0)
+    monkeypatch.setattr(leases, "MAX_SCAN", 2)
+    placement.note_wait_reasons(client.app)
+    read = []
+    order = placement.grant_order
+    monkeypatch.setattr(placement, "grant_order", lambda *a, **k: read.append(1) or order(*a, **k))
+    past = reason(client, user, jobs[3])
+    assert past["code"] == "behind" and "behind at least 2 queued jobs" in past["message"] and not read
+    assert reason(client, user, jobs[0])["code"] == "ready" and not read  # within the pass: its reason as found
+    client.app.state.store.clock.advance(1.0)
+    late = kit.submit(client, user)
+    assert reason(client, user, late)["code"] in ("behind", "busy") and read == [1], "a job newer than the pass is read now"

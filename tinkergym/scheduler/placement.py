@@ -304,6 +304,9 @@ def wait_reasons(conn: Connection, settings: Any, now: float, queued: list[dict[
     passed = getattr(app.state, "wait_pass", None) if app is not None else None
     if passed is not None and getattr(settings, "cache_s", 0.0) > 0 and now - passed["at"] <= passed["every"] * 2:
         found = {job_id: passed["reasons"][job_id] for job_id in wanted if job_id in passed["reasons"]}
+        if passed.get("cut"):  # the pass read the front of a longer queue: a job it did not reach, queued before it, is behind that front
+            found.update({j["id"]: reason(BEHIND, f"behind at least {passed['cut']} queued jobs that go first") for j in queued
+                          if j["id"] in wanted and j["id"] not in found and j.get("created_at", now) <= passed["at"]})
     missing = wanted - set(found)
     if missing:
         hosts = cached_hosts(app, conn, settings, now) if app is not None else None
@@ -387,7 +390,7 @@ def note_wait_reasons(app: Any) -> int:
         for job_id in [j for j in list(reservations) if j not in waiting and len(queue) < MAX_SCAN]:
             reservations.pop(job_id, None)
     took = time.perf_counter() - started
-    app.state.wait_pass = {"at": now, "reasons": found, "took": took,
+    app.state.wait_pass = {"at": now, "reasons": found, "took": took, "cut": len(queue) if len(queue) >= MAX_SCAN else 0,
                            "every": max(app.state.settings.sweep_interval_s, took / DUTY)}
     return noted
 
