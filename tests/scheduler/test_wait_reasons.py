@@ -225,8 +225,10 @@ def test_a_view_of_a_job_past_the_sweepers_pass_reads_the_pass_not_the_queue(mak
     client = make_client(cache_s=1.0, clock=kit.Clock())
     user = keys.new("acme", "read,write")
     kit.register(client, keys.worker(8), devices=1)
-    jobs = [kit.submit(client, user) for _ in range(4)]
-    client.app.state.store.clock.advance(1.0)
+    jobs = []
+    for _ in range(4):
+        jobs.append(kit.submit(client, user))
+        client.app.state.store.clock.advance(1.0)  # the queue's order is their age
     monkeypatch.setattr(leases, "MAX_SCAN", 2)
     placement.note_wait_reasons(client.app)
     read = []
