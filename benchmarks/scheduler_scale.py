@@ -398,6 +398,7 @@ class Cluster:
         self.quota_held: defaultdict[str, int] = defaultdict(int)  # tenant -> devices counted against max_gpus now
         self.max_gpus: dict[str, int] = {}
         self.holder: dict[str, tuple[str, int]] = {}  # job -> (worker, epoch) holding it now
+        self.expires: dict[str, float] = {}  # job -> its holder's lease end, as last granted or renewed
         self.epochs: dict[str, int] = {}
         self.done: set[str] = set()
         self.stopping = False
@@ -554,14 +555,17 @@ class Cluster:
         job, epoch = lease["job_id"], lease["epoch"]
         places = (lease["seat"],) if lease.get("seat") is not None else tuple(lease["devices"])
         spec = self.by_job.get(job)
-        if job in self.holder:
-            self.stats.fail(f"job {job} granted to {wid} at epoch {epoch} while {self.holder[job]} holds it")
+        if job in self.holder and now < self.expires.get(job, 0.0) - 0.5:  # its holder's lease, as last renewed, still runs
+            self.stats.fail(f"job {job} granted to {wid} at epoch {epoch} while {self.holder[job]} holds it until {self.expires[job]:.1f}")
+        elif job in self.holder:
+            self.stats.failures["lease expired before its holder knew"] += 1
         if epoch <= self.epochs.get(job, 0):
             self.stats.fail(f"job {job} granted at epoch {epoch} after epoch {self.epochs[job]}")
         if busy & set(places):
             self.stats.fail(f"worker {wid}: places {sorted(busy & set(places))} granted to job {job} while held")
         busy.update(places)
         self.holder[job] = (wid, epoch)
+        self.expires[job] = float(lease.get("expires_at") or now)
         self.epochs[job] = epoch
         self.queued -= 1
         self.running += 1
@@ -628,6 +632,8 @@ class Cluster:
                     if status != 200:
                         raise LookupError(f"heartbeat {status}")
                     run.proven = True
+                    if body.get("expires_at") and self.holder.get(run.job_id) == (wid, run.epoch):
+                        self.expires[run.job_id] = float(body["expires_at"])
                     if body.get("cancelling"):
                         outcome = "cancelled"
                         break
@@ -701,6 +707,8 @@ class Cluster:
                     self.stats.heartbeats += len(runs)
                     for item in answer["leases"]:
                         run = held.get(item["job_id"])
+                        if run is not None and item.get("expires_at") and self.holder.get(run.job_id) == (wid, run.epoch):
+                            self.expires[run.job_id] = float(item["expires_at"])
                         if run is not None and item.get("cancelling"):
                             run.cancelling = True  # type: ignore[attr-defined]
                         if run is not None and item.get("lost"):

@@ -14,11 +14,12 @@ A worker is listed ``alive`` or ``gone``: gone when it has made no call for the 
 
 from __future__ import annotations
 
+import asyncio
 import re
-import threading
 from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import HTTPException
 from pydantic import Field, field_validator, model_validator
 from sqlalchemy import select
@@ -355,8 +356,12 @@ def leave(worker_id: str, request: Request, who: Principal = Depends(require("wo
 
 
 @router.post("/{worker_id}/lease", response_model=LeaseAnswer, responses={403: {}, 404: {}, 409: {}, 422: {}})
-def lease(worker_id: str, request: Request, who: Principal = Depends(require("worker")), idempotency_key: str | None = IdempotencyKey) -> Any:
-    """Take at most one queued job that fits this worker's free devices and models (``{"lease": null}`` when none)."""
+async def lease(worker_id: str, request: Request, who: Principal = Depends(require("worker")), idempotency_key: str | None = IdempotencyKey) -> Any:
+    """Take at most one queued job that fits this worker's free devices and models (``{"lease": null}`` when none).
+
+    Grants go one at a time; a request waits for its turn on the event loop, not in a thread of the pool that serves
+    every route, so under a burst of lease requests heartbeats and state reports still run (with the waiters holding the
+    pool's threads, leases expired unrenewed at 1,000 workers and their workers were quarantined)."""
     store, settings, app = _store(request), request.app.state.settings, request.app
     secret = leases.app_secret(app)
 
@@ -377,19 +382,21 @@ def lease(worker_id: str, request: Request, who: Principal = Depends(require("wo
             answer = {"lease": {**granted, "token": leases.server_token(secret, granted["job_id"], granted["epoch"])}}
         return answer
 
-    try:
-        with grant_lock(app):  # one grant at a time in this process; threads wait here, not holding a database connection
-            return respond_once(request, who, idempotency_key, {"worker_id": worker_id}, handler, with_token)
-    except IntegrityError:  # a device taken by a concurrent grant: this one rolled back whole
-        return {"lease": None}
+    async with grant_gate(app):  # one grant at a time in this process
+        try:
+            return await run_in_threadpool(respond_once, request, who, idempotency_key, {"worker_id": worker_id}, handler, with_token)
+        except IntegrityError:  # a device taken by a concurrent grant: this one rolled back whole
+            return {"lease": None}
 
 
-def grant_lock(app: Any) -> Any:
-    """The app's lock of grants (:data:`tinkergym.scheduler.leases.GRANT_LOCK` is the database's, across processes)."""
-    lock = getattr(app.state, "grant_lock", None)
-    if lock is None:
-        lock = app.state.grant_lock = threading.Lock()
-    return lock
+def grant_gate(app: Any) -> asyncio.Lock:
+    """The app's turn for grants on the running event loop (:data:`tinkergym.scheduler.leases.GRANT_LOCK` is the
+    database's, across processes)."""
+    loop = asyncio.get_running_loop()
+    gate = getattr(app.state, "grant_gate", None)
+    if gate is None or gate[0] is not loop:
+        gate = app.state.grant_gate = (loop, asyncio.Lock())
+    return gate[1]
 
 
 @router.post("/{worker_id}/jobs/{job_id}/heartbeat", response_model=HeartbeatAnswer, responses={404: {}, 409: {}, 422: {}})
