@@ -625,22 +625,13 @@ class Cluster:
                 await asyncio.sleep(min(interval, max(0.0, ends - time.time())))
                 if time.time() >= ends:
                     break
-                if not self.batched:
-                    status, body = await self.http.request("POST", f"{base}/heartbeat", key, {"epoch": run.epoch})
-                    self.stats.heartbeats += 1
-                    self.stats.heartbeat_calls += 1
-                    if status != 200:
-                        raise LookupError(f"heartbeat {status}")
-                    run.proven = True
-                    if body.get("expires_at") and self.holder.get(run.job_id) == (wid, run.epoch):
-                        self.expires[run.job_id] = float(body["expires_at"])
-                    if body.get("cancelling"):
-                        outcome = "cancelled"
-                        break
-                elif getattr(run, "cancelling", False):
+                if not self.batched and await self._heartbeat(wid, key, run):
                     outcome = "cancelled"
                     break
-                elif getattr(run, "lost", False):
+                elif self.batched and getattr(run, "cancelling", False):
+                    outcome = "cancelled"
+                    break
+                elif self.batched and getattr(run, "lost", False):
                     raise LookupError("lost")
             status, _ = await self.http.request("POST", f"{base}/state", key, {"epoch": run.epoch, "state": outcome})
             if status != 200:
@@ -658,6 +649,18 @@ class Cluster:
         self._released(run, busy, outcome, now)
         free_times.append((now, self.queued >= self.depth // 4))
         freed.set()
+
+    async def _heartbeat(self, wid: str, key: str, run: Run) -> bool:
+        """One heartbeat of one lease (a scheduler without batched heartbeats); whether the job is cancelling."""
+        status, body = await self.http.request("POST", f"/v1/workers/{wid}/jobs/{run.job_id}/heartbeat", key, {"epoch": run.epoch})
+        self.stats.heartbeats += 1
+        self.stats.heartbeat_calls += 1
+        if status != 200:
+            raise LookupError(f"heartbeat {status}")
+        run.proven = True
+        if body.get("expires_at") and self.holder.get(run.job_id) == (wid, run.epoch):
+            self.expires[run.job_id] = float(body["expires_at"])
+        return bool(body.get("cancelling"))
 
     async def probe(self, db: Database, grants: int = 8) -> dict[str, Any]:
         """Before the drain, with the whole queue waiting: one more worker (8 whole devices) takes ``grants`` leases while

@@ -102,10 +102,10 @@ def _tenant_page(tenant: Any, last: dict[str, Any] | None, limit: int, where: Ca
     order = (jobs.c.priority.desc(), jobs.c.created_at.asc(), jobs.c.id.asc())
     if where is None:
         return select(*QUEUE_COLUMNS).where(jobs.c.tenant_id == tenant, jobs.c.state == states.QUEUED, _after(last)).order_by(*order).limit(limit)
-    window = select(*QUEUE_COLUMNS).where(jobs.c.tenant_id == tenant, jobs.c.state == states.QUEUED).order_by(*order).limit(depth)
+    front = select(*QUEUE_COLUMNS).where(jobs.c.tenant_id == tenant, jobs.c.state == states.QUEUED).order_by(*order).limit(depth)
     if not isinstance(tenant, str):  # the LATERAL form: the window refers to the outer query's tenants row
-        window = window.correlate(tenants)
-    window = window.subquery("window")
+        front = front.correlate(tenants)
+    window = front.subquery("window")
     w = window.c
     return select(*w).where(where(w), _after(last, w)).order_by(w.priority.desc(), w.created_at.asc(), w.id.asc()).limit(limit)
 
