@@ -387,6 +387,7 @@ class Cluster:
 
     def __init__(self, http: Http, keys: dict[str, Any], specs: list[Spec], args: argparse.Namespace, rng: random.Random) -> None:
         self.http, self.keys, self.args, self.rng = http, keys, args, rng
+        self.polls = http  # the connections lease polls take (drive gives them a pool of their own)
         self.specs = specs
         self.by_job: dict[str, Spec] = {}
         self.submitted_at: dict[str, float] = {}
@@ -501,7 +502,7 @@ class Cluster:
                     beats = asyncio.create_task(self._batched_heartbeats(wid, key, held, vanish))
                 continue
             if len(busy) < places:
-                status, body = await self.http.request("POST", f"/v1/workers/{wid}/lease", key, {})
+                status, body = await self.polls.request("POST", f"/v1/workers/{wid}/lease", key, {})
                 if status == 200 and body.get("lease"):
                     lease = body["lease"]
                     self.stats.grants += 1
@@ -875,6 +876,9 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
                 scheduler_pid: int, rng: random.Random) -> dict[str, Any]:
     http = Http(port, args.connections)
     cluster = Cluster(http, keys, specs, args, rng)
+    # lease polls on connections of their own: a worker's poll waiting for its turn does not hold up its heartbeats and
+    # state reports (a real worker's heartbeat threads have their own connections)
+    cluster.polls = Http(port, args.connections)
     cluster.max_gpus = dict(zip(sorted(keys["tenants"]), args.max_gpus))
     # Does this scheduler take a worker's heartbeats in one call? A malformed body is refused (400) by a route that exists;
     # a scheduler without it answers 404 (then one call per lease).
@@ -920,6 +924,7 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await http.close()
+    await cluster.polls.close()
     stats = cluster.stats
     first = min((r["start"] for r in stats.runs), default=t0)
     whole = sum(1 for _ in keys["workers"]) * 8 - round(args.seat_share * len(keys["workers"]))
