@@ -465,14 +465,14 @@ class Cluster:
                 self.queued -= 1
 
     async def reconcile(self, most: int = 50) -> None:
-        """When few jobs are left: ask the scheduler the state of each that no simulated worker holds, and count those that
-        ended unseen (a cancel answered while its lease ended, a refused final report) as done."""
-        left = [j for j in self.by_job if j not in self.done and j not in self.holder]
+        """When few jobs are left: ask the scheduler the state of each, and count those that ended unseen (a cancel answered
+        while its lease ended, a refused final report) as done."""
+        left = [j for j in self.by_job if j not in self.done]
         if len(left) > most:
             return
         for job in left:
             state = await self._state_of(job)
-            if state != "lost" and job not in self.holder:
+            if state != "lost" and job not in self.done:  # ended at the scheduler; a simulated run still on it stops by itself
                 self._ended(job, state)
 
     # -- workers --
@@ -595,8 +595,9 @@ class Cluster:
                                     "gpus": run.spec.gpus, "kind": run.spec.kind,
                                     "seat": seat, "start": run.granted, "end": now, "outcome": outcome})
         if outcome in ("succeeded", "failed", "cancelled"):
+            if run.job_id not in self.done:
+                self.last_end = now
             self.done.add(run.job_id)
-            self.last_end = now
         else:  # lost: queued again
             self.queued += 1
 
