@@ -240,3 +240,21 @@ def test_a_view_of_a_job_past_the_sweepers_pass_reads_the_pass_not_the_queue(mak
     client.app.state.store.clock.advance(1.0)
     late = kit.submit(client, user)
     assert reason(client, user, late)["code"] in ("behind", "busy") and read == [1], "a job newer than the pass is read now"
+
+
+def test_the_pass_writes_its_waiting_events_in_short_transactions(make_client: Any, keys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pass that finds many new reasons writes them a few jobs a transaction: one transaction for all of them held every
+    one of those jobs' rows while it wrote, and their heartbeats and state reports waited."""
+    from tinkergym.scheduler import placement
+
+    client = make_client()
+    user = keys.new("acme", "read,write")
+    jobs = [kit.submit(client, user) for _ in range(5)]
+    store = client.app.state.store
+    opened = []
+    transaction = store.transaction
+    monkeypatch.setattr(store, "transaction", lambda *a, **k: opened.append(1) or transaction(*a, **k))
+    monkeypatch.setattr(placement, "NOTE_BATCH", 2)
+    assert placement.note_wait_reasons(client.app) == 5
+    assert len(opened) == 3, "5 jobs' events, 2 a transaction"
+    assert all([e["type"] for e in events_of(client, user, j)].count("waiting") == 1 for j in jobs)

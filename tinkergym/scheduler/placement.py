@@ -356,6 +356,9 @@ def refusal(conn: Connection, tenant: str, model: Any, gpus: int, kind: str = "t
 #: The sweeper's pass of wait reasons takes at most this share of its time: after a pass of t seconds, the next waits
 #: t / DUTY (and at least a sweep interval), so a large cluster's passes come less often and a small one's every sweep.
 DUTY = 0.05
+#: Jobs whose ``waiting`` events one transaction of the pass writes: at 10,000 queued jobs one transaction for all of them
+#: held thousands of job rows for seconds, and heartbeats, state reports and grants of those jobs waited on it.
+NOTE_BATCH = 100
 
 
 def note_wait_reasons(app: Any) -> int:
@@ -374,9 +377,10 @@ def note_wait_reasons(app: Any) -> int:
         found = Placement(conn, app.state.settings, now).reasons(queue) if queue else {}
     changed = {job_id: r for job_id, r in found.items() if last.get(job_id, {}).get("code") != r["code"]}
     noted = 0
-    if changed:
+    items = list(changed.items())
+    for at in range(0, len(items), NOTE_BATCH):  # short transactions: each holds its jobs' rows only while it writes them
         with store.transaction() as conn:
-            for job_id, r in changed.items():
+            for job_id, r in items[at:at + NOTE_BATCH]:
                 try:
                     queued = store.get(conn, job_id, for_update=True)["state"] == states.QUEUED
                 except NotFound:
