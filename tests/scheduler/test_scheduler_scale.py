@@ -34,4 +34,5 @@ def test_the_simulated_cluster_under_churn_keeps_every_invariant(db: str) -> Non
     assert run["max_wait_past_quota_s"] <= run["wait_bound_s"], run
     # the only refusals the simulated workers met are the ones churn makes (a vanished worker's lost leases, quarantine)
     assert set(run["failures"]) <= {"lease 403", "run: lost", "run: final state 409", "run: state 409", "heartbeats 404"}, run["failures"]
-    assert run["grants"] >= 60 and run["submissions_per_s"] > 0 and run["grant_ms"]["n"] >= 0
+    # most jobs were granted (a job cancelled while queued never is; a lost lease's job is granted again)
+    assert run["grants"] >= 0.8 * run["jobs"] and run["submissions_per_s"] > 0
