@@ -58,17 +58,23 @@ def start_scheduler(url: str, data_dir: Path) -> tuple[subprocess.Popen, int]:
     port = free_port()
     command = [sys.executable, "-m", "tinkergym", "scheduler", "serve", "--db", url, "--data-dir", str(data_dir), "--port", str(port)]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
+    wait_ready(process, port, 60.0, lambda: " ".join(command))
+    return process, port
+
+
+def wait_ready(process: subprocess.Popen, port: int, seconds: float, said: Any) -> None:
+    """Wait for the scheduler ``process`` to answer ``/readyz`` on ``port``; ``said()``: what to show if it exits first."""
+    deadline = time.time() + seconds
     while time.time() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"the scheduler exited with {process.returncode}: {' '.join(command)}")
+            raise RuntimeError(f"the scheduler exited with {process.returncode}: {said()}")
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2):
-                return process, port
+                return
         except OSError:
             time.sleep(0.2)
     process.kill()
-    raise RuntimeError("the scheduler did not become ready within 60 s")
+    raise RuntimeError(f"the scheduler did not become ready within {seconds:g} s")
 
 
 def submit_all(port: int, key: str, count: int, clients: int) -> tuple[list[float], int, float]:

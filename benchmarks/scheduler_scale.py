@@ -234,24 +234,15 @@ def free_port() -> int:
 
 
 def start_scheduler(code: Path, url: str, data_dir: Path, settings: list[str]) -> tuple[subprocess.Popen, int]:
-    import urllib.request
+    from scheduler_load import wait_ready  # noqa: PLC0415 - a sibling script (benchmarks/ is on sys.path)
 
     port = free_port()
     command = [sys.executable, "-m", "tinkergym", "scheduler", "serve", "--db", url, "--data-dir", str(data_dir), "--port", str(port),
                "--lease-ttl", str(LEASE_TTL), *settings]
     log = open(data_dir / "serve.log", "wb")  # noqa: SIM115 - the process's whole life
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(code)})
-    deadline = time.time() + 90
-    while time.time() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the scheduler exited with {process.returncode}: {(data_dir / 'serve.log').read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2):
-                return process, port
-        except OSError:
-            time.sleep(0.3)
-    process.kill()
-    raise RuntimeError("the scheduler did not become ready within 90 s")
+    wait_ready(process, port, 90.0, lambda: (data_dir / "serve.log").read_text()[-3000:])
+    return process, port
 
 
 def cpu_seconds(pid: int) -> float:
