@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any, TypeVar
 from collections.abc import Callable
+
+from sqlalchemy.exc import OperationalError
 
 T = TypeVar("T")
 
@@ -29,6 +32,12 @@ async def in_writer_thread(request: Any, function: Callable[[], T]) -> T:
     return await anyio.to_thread.run_sync(function, limiter=state.writers)
 
 
+#: SQLSTATEs of a transaction the database rolled back for another's sake (deadlock detected, serialization failure):
+#: :func:`respond_once` runs it again, up to RETRIES times.
+RETRYABLE = ("40P01", "40001")
+RETRIES = 2
+
+
 def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: Any, finish: Any = None) -> Any:
     """Run ``handler(conn)`` in one transaction, once per ``Idempotency-Key`` when one is given; the JSON response.
 
@@ -39,9 +48,16 @@ def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: An
     from tinkergym.scheduler.idempotency import IdempotencyError, run_once
 
     try:
-        stored = run_once(request.app.state.store, tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
-                          body=body, handler=handler, ttl_s=request.app.state.settings.idempotency_ttl_s,
-                          bounded=who.bounds is None)  # a worker credential's records (every heartbeat's) are the cluster's
+        for attempt in range(RETRIES + 1):
+            try:
+                stored = run_once(request.app.state.store, tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
+                                  body=body, handler=handler, ttl_s=request.app.state.settings.idempotency_ttl_s,
+                                  bounded=who.bounds is None)  # a worker credential's records (every heartbeat's) are the cluster's
+                break
+            except OperationalError as exc:  # PostgreSQL chose this transaction to break a deadlock: it rolled back whole, run it again
+                if attempt == RETRIES or getattr(exc.orig, "sqlstate", None) not in RETRYABLE:
+                    raise
+                time.sleep(0.02 * (attempt + 1))
     except IdempotencyError as exc:
         kinds = {409: "conflict", 422: "idempotency_key_reused", 400: "invalid_request", 429: "quota"}
         headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
