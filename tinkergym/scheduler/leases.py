@@ -268,8 +268,8 @@ def grant(
 ) -> dict[str, Any] | None:
     """Lease at most one queued job to ``worker_id`` in the caller's transaction; the lease, or None when nothing fits.
 
-    Jobs are looked at in the fair-share order (:mod:`tinkergym.scheduler.fairshare`: priority, then the tenant furthest
-    below its share, then age), a few deep in each tenant's queue; ``usage`` is the app's cache of the tenants' held
+    Jobs are looked at in the fair-share order (:mod:`tinkergym.scheduler.fairshare`: the tenant furthest below its share,
+    then priority and age within a tenant), a few deep in each tenant's queue; ``usage`` is the app's cache of the tenants' held
     devices for that order (None: read now). Only jobs within the worker credential's ``bounds`` are considered: its
     tenants' queues alone are read, and its models only. ``reservations`` (the app's, job -> its worker and when) holds
     which one worker drains for each job that waited past ``backfill_age_s`` (:func:`_drains_for`); None: every worker

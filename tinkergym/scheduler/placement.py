@@ -389,9 +389,9 @@ def note_wait_reasons(app: Any) -> int:
                     store.append_event(conn, job_id, "waiting", r)
                     noted += 1
     reservations = getattr(app.state, "reservations", None)
-    if reservations:  # a starving job's reservation ends when it is no longer queued (started, cancelled, deleted)
+    if reservations and len(queue) < MAX_SCAN:  # a starving job's reservation ends when it is no longer queued (a whole pass says so)
         waiting = {job["id"] for job in queue}
-        for job_id in [j for j in list(reservations) if j not in waiting and len(queue) < MAX_SCAN]:
+        for job_id in [j for j in list(reservations) if j not in waiting]:
             reservations.pop(job_id, None)
     took = time.perf_counter() - started
     app.state.wait_pass = {"at": now, "reasons": found, "took": took, "cut": len(queue) if len(queue) >= MAX_SCAN else 0,
