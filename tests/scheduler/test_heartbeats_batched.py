@@ -4,6 +4,8 @@ while the others are renewed."""
 
 from __future__ import annotations
 
+import json
+
 from typing import Any
 
 import pytest
@@ -93,6 +95,13 @@ def test_heartbeats_are_the_workers_own_and_bounded(make_client: Any, keys: Any)
     too_many = {"leases": [{"job_id": jobs[0], "epoch": 1}] * (leases.MAX_BEATS + 1)}
     assert worker.post("/heartbeats", too_many).status_code in (400, 422)
     assert worker.post("/heartbeats", {"leases": []}).json() == {"leases": []}
+    # odd job ids and epochs are leases it does not hold, answered lost, never a 500
+    for job_id, epoch in (("job\x00x", 1), ("\ud800", 1), ("../" + jobs[0], 1), (jobs[0], 2**62)):
+        answer = client.post(f"/v1/workers/{worker.id}/heartbeats", content=json.dumps({"leases": [{"job_id": job_id, "epoch": epoch}]}),
+                             headers={**kit.auth(worker.key), "Content-Type": "application/json"})
+        assert answer.status_code in (200, 400, 422), (job_id, answer.status_code, answer.text)
+        if answer.status_code == 200:
+            assert answer.json()["leases"][0]["lost"] is True
     # a worker that heartbeats proves it runs its jobs: its strikes end at its first heartbeat after "running"
     db_url = client.app.state.settings.db_url
     with client.app.state.store.transaction() as conn:
