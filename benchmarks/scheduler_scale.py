@@ -360,6 +360,7 @@ class Stats:
     heartbeats: int = 0  # leases renewed
     heartbeat_calls: int = 0
     grants: int = 0
+    grant_requests: int = 0  # lease requests that were granted something (one or more leases)
     empty_polls: int = 0
     violations: list[str] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)  # every run: job, tenant, weight, start, end, outcome
@@ -493,18 +494,21 @@ class Cluster:
                     beats = asyncio.create_task(self._batched_heartbeats(wid, key, held, vanish))
                 continue
             if len(busy) < places:
-                status, body = await self.polls.request("POST", f"/v1/workers/{wid}/lease", key, {})
-                if status == 200 and body.get("lease"):
-                    lease = body["lease"]
-                    self.stats.grants += 1
+                most = places - len(busy) if self.args.lease_max == 0 else self.args.lease_max
+                status, body = await self.polls.request("POST", f"/v1/workers/{wid}/lease", key, {"max": most})
+                granted = (body.get("leases") or ([body["lease"]] if body.get("lease") else [])) if status == 200 else []
+                if granted:  # a scheduler that grants one a request ignores "max" and answers "lease"
+                    self.stats.grant_requests += 1
                     now = time.time()
-                    if free_times:
-                        t_free, deep = free_times.pop(0)
-                        if deep:
-                            self.stats.grant_latency.append(now - t_free)
-                    run = self._granted(wid, lease, busy, now)
-                    held[run.job_id] = run
-                    run.task = asyncio.create_task(self._run(wid, key, run, held, busy, freed, free_times, vanish))
+                    for lease in granted:
+                        self.stats.grants += 1
+                        if free_times:
+                            t_free, deep = free_times.pop(0)
+                            if deep:
+                                self.stats.grant_latency.append(now - t_free)
+                        run = self._granted(wid, lease, busy, now)
+                        held[run.job_id] = run
+                        run.task = asyncio.create_task(self._run(wid, key, run, held, busy, freed, free_times, vanish))
                     delay = self.args.poll
                     continue
                 if status != 200:
@@ -669,17 +673,32 @@ class Cluster:
             if status == 200 and body.get("lease"):
                 leases.append(body["lease"])
         counted = db.statements()
-        for lease in leases:  # the probe's jobs end at once
+        await self._end_at_once(wid, key, leases)
+        found: dict[str, Any] = {"requests": grants, "granted": len(leases), "ms": [round(x * 1000, 1) for x in latencies]}
+        if counted is not None:
+            found.update({k: round(v / grants, 1) for k, v in counted.items()})
+        # the same places filled by one request (a scheduler that grants one a request answers one)
+        db.reset_statements()
+        t0 = time.perf_counter()
+        status, body = await self.http.request("POST", f"/v1/workers/{wid}/lease", key, {"max": grants})
+        elapsed = time.perf_counter() - t0
+        filled = (body.get("leases") or ([body["lease"]] if body.get("lease") else [])) if status == 200 else []
+        counted = db.statements()
+        await self._end_at_once(wid, key, filled)
+        found["one_request"] = {"granted": len(filled), "ms": round(elapsed * 1000, 1)}
+        if counted is not None and filled:
+            found["one_request"].update({f"{k}_per_lease": round(v / len(filled), 1) for k, v in counted.items()})
+        return found
+
+    async def _end_at_once(self, wid: str, key: str, leases: list[dict[str, Any]]) -> None:
+        """The probe's jobs end at once: starting, running, succeeded."""
+        for lease in leases:
             base = f"/v1/workers/{wid}/jobs/{lease['job_id']}/state"
             for state in ("starting", "running", "succeeded"):
                 await self.http.request("POST", base, key, {"epoch": lease["epoch"], "state": state,
                                                             **({"server_url": "http://127.0.0.1:9/"} if state == "running" else {})})
             self.done.add(lease["job_id"])
             self.queued -= 1
-        found: dict[str, Any] = {"requests": grants, "granted": len(leases), "ms": [round(x * 1000, 1) for x in latencies]}
-        if counted is not None:
-            found.update({k: round(v / grants, 1) for k, v in counted.items()})
-        return found
 
     async def _state_of(self, job: str) -> str:
         """The job's state as its tenant sees it: an ended one's, or ``lost`` (it is queued again, or will be)."""
@@ -929,7 +948,7 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
         "packed_s": round(pack, 1), "drain_vs_packed": round((end - first) / pack, 3) if pack else None,
         "grants": stats.grants, "grant_ms": {"p50": ms(percentile(stats.grant_latency, 0.5)), "p99": ms(percentile(stats.grant_latency, 0.99)),
                                              "n": len(stats.grant_latency)},
-        "empty_polls": stats.empty_polls,
+        "empty_polls": stats.empty_polls, "leases_per_request": round(stats.grants / stats.grant_requests, 2) if stats.grant_requests else None,
         "view_ms": {"p50": ms(percentile(stats.view_latency, 0.5)), "p99": ms(percentile(stats.view_latency, 0.99)), "n": len(stats.view_latency)},
         "scheduler_cores_drain": round((cpu1 - cpu0) / max(1e-9, end - t0), 3),
         "postgres_cores_drain": round((pg1 - pg0) / max(1e-9, end - t0), 3) if db.kind == "postgresql" else None,
@@ -1057,6 +1076,9 @@ def main() -> None:
                         help="chance a minute that a worker running jobs vanishes (once; it comes back after 2-3 lease TTLs)")
     parser.add_argument("--per-lease-heartbeats", action="store_true",
                         help="one heartbeat call per lease even where the scheduler takes a worker's in one (what the worker agent sends)")
+    parser.add_argument("--lease-max", type=int, default=0,
+                        help="leases a worker asks for in one request (0: as many as it has free places, as the worker agent does; "
+                             "1: one a request)")
     parser.add_argument("--poll", type=float, default=1.0, help="a worker's seconds between lease requests while nothing is granted")
     parser.add_argument("--view-every", type=float, default=5.0, help="seconds between a tenant's looks at its jobs")
     parser.add_argument("--clients", type=int, default=16, help="concurrent submitters")

@@ -160,3 +160,23 @@ def test_a_heartbeats_memory_is_checked_and_optional(make_client: Any, keys: Any
     beat(whole, full, device_bytes=3 * GiB, device_peak_bytes=3 * GiB, sessions=1, base_bytes=GiB)
     assert kit.query(db_url, "SELECT used_bytes FROM devices WHERE used_bytes IS NOT NULL") == [(3 * GiB,)]
     assert kit.query(db_url, "SELECT count(*) FROM memory_factors") == [(0,)]
+
+
+def test_one_request_for_many_seats_prices_each_job_it_places(make_client: Any, keys: Any, shape: dict[str, Any]) -> None:
+    client = make_client()
+    user = keys.new("acme", "read,write")
+    worker = register(client, keys.worker(8, kind="slot"), shape)
+    kept, _ = memory.seat_parts(JOB, shape, "slot")  # type: ignore[misc]
+    usable, base = int(24 * GiB * memory.HEADROOM), GiB
+    submit(client, user)
+    first = worker.lease()
+    assert first is not None and first["seat"] is not None
+    # measured: room for exactly one more job (as above), and three seats free
+    beat(worker, first, device_bytes=base + 2 * kept, device_peak_bytes=usable - kept // 2, base_bytes=base, sessions=1)
+    beat(worker, first, device_bytes=base + 2 * kept, device_peak_bytes=usable - 2 * kept - kept // 2, base_bytes=base, sessions=1)
+    waiting = [submit(client, user) for _ in range(3)]
+    answer = worker.post("/lease", {"max": 3})
+    assert answer.status_code == 200, answer.text
+    granted = answer.json()["leases"]
+    assert [lease["job_id"] for lease in granted] == waiting[:1], "the second seat's job is priced with the first one placed"
+    assert reason(client, user, waiting[1])["code"] == "memory_held"

@@ -266,7 +266,26 @@ def grant(
     conn: Connection, store: JobStore, settings: Any, worker_id: str, secret: bytes, bounds: WorkerBounds | None = None,
     usage: fairshare.Usage | None = None, reservations: dict[str, tuple[str, float]] | None = None,
 ) -> dict[str, Any] | None:
-    """Lease at most one queued job to ``worker_id`` in the caller's transaction; the lease, or None when nothing fits.
+    """Lease at most one queued job to ``worker_id``: :func:`grant_many` with ``limit`` 1; the lease, or None."""
+    granted = grant_many(conn, store, settings, worker_id, secret, bounds, usage, reservations, limit=1)
+    return granted[0] if granted else None
+
+
+#: Leases one request takes at most (:func:`grant_many`): a worker's devices and seats are fewer.
+MAX_GRANTS = 64
+
+
+def grant_many(
+    conn: Connection, store: JobStore, settings: Any, worker_id: str, secret: bytes, bounds: WorkerBounds | None = None,
+    usage: fairshare.Usage | None = None, reservations: dict[str, tuple[str, float]] | None = None, limit: int = 1,
+) -> list[dict[str, Any]]:
+    """Lease up to ``limit`` queued jobs to ``worker_id`` in the caller's transaction, each on free places of its own; the
+    leases (empty when nothing fits).
+
+    One pass over the queue fills the worker's free places: the jobs are taken in the order one grant after another would
+    take them (each grant counts its tenant's devices up before the next job is chosen), and the worker's row, devices,
+    the tenants' shares and the queues' heads are read once, not once a job: the scheduler's work per lease falls with
+    the places a request fills (a worker of 8 devices that frees them together asks once).
 
     Jobs are looked at in the fair-share order (:mod:`tinkergym.scheduler.fairshare`: the tenant furthest below its share,
     then priority and age within a tenant), a few deep in each tenant's queue; ``usage`` is the app's cache of the tenants' held
@@ -276,14 +295,16 @@ def grant(
     that could host it drains. A quarantined worker gets :class:`Quarantined`. The lease: ``job_id, kind, config, epoch, attempt,
     devices`` (indexes on the worker), ``seat`` (the seat's index, or None for whole devices), ``expires_at``, ``ttl_s``, ``token`` and ``checkpoint`` (the job's last one,
     to resume from; or None). Two grants of one device raise :class:`sqlalchemy.exc.IntegrityError`: the caller rolls
-    back and answers no lease.
+    back and answers no lease (every lease of the request: one transaction).
     """
+    if not 1 <= limit <= MAX_GRANTS:
+        raise ValueError(f"a request takes 1 to {MAX_GRANTS} leases, not {limit}")
     now = store.clock()
     if conn.dialect.name == "postgresql":  # one grant at a time (SQLite's write lock does the same): see GRANT_LOCK
         conn.execute(select(func.pg_advisory_xact_lock(GRANT_LOCK)))
     worker = conn.execute(locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
     if worker is None:
-        return None  # forgotten by the sweeper since the caller checked it: its next call is 404, and it registers again
+        return []  # forgotten by the sweeper since the caller checked it: its next call is 404, and it registers again
     _touch(conn, worker_id, now)  # the worker's own call: alive from now on (a gone worker comes back here)
     if worker["quarantined_at"] is not None:
         why = worker["quarantine_reason"] or f"{worker['strikes']} of its leases in a row expired before the job's server came up"
@@ -301,7 +322,7 @@ def grant(
     seats = [(d, parse_shared(d.shared) or {}) for d in active if d.seat_of is not None]
     free_seats = [(d, shared) for d, shared in seats if d.id not in taken]
     if not free and not free_seats:
-        return None
+        return []
     shapes = memory.parse_shapes(worker["model_shapes"]) or {}
     device_memory, device_kind = memory.smallest([d.memory_bytes for d in whole]), (whole[0].kind if whole else "slot")
     held: dict[str, int] = {}
@@ -317,7 +338,8 @@ def grant(
     def may_fit(c: Any) -> Any:
         return or_(c.gpus <= fit, c.created_at < starved)
 
-    for job in fairshare.fair_queue(conn, sorted(share), held_now, share, where=may_fit):
+    granted: list[dict[str, Any]] = []
+    for job in fairshare.fair_queue(conn, sorted(share), held_now, share, where=may_fit, live=True):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
         if model_of(job["config"]) not in models:
             continue
@@ -334,25 +356,38 @@ def grant(
         if not chosen and (gpus > len(free) or not on_devices):
             if now - job["created_at"] > settings.backfill_age_s and not _over_quota(conn, job, held, quota) \
                     and _drains_for(conn, reservations, job["id"], worker_id, now - worker_timeout(settings)):
-                return None  # waited too long: the devices here drain to it, nobody behind jumps ahead
+                break  # waited too long: the devices here drain to it, nobody behind jumps ahead
             continue  # backfill: smaller jobs behind may start
         if _over_quota(conn, job, held, quota):
             continue  # over its tenant's quota: waits, blocks nobody (its quota read once a grant, and only here)
-        lease = _take(conn, store, settings, worker_id, job, chosen or free[:gpus], secret, now)
-        if lease is not None:
-            _count_grant(job, chosen, seats, usage, reservations)
-            return lease
-    return None
+        places = chosen or free[:gpus]
+        lease = _take(conn, store, settings, worker_id, job, places, secret, now)
+        if lease is None:
+            continue
+        granted.append(lease)
+        weight = _count_grant(job, chosen, seats, usage, reservations)
+        # the next job is chosen as the next request would choose it: these places are gone, the tenant holds more
+        held_now[job["tenant_id"]] = held_now.get(job["tenant_id"], 0.0) + weight
+        held[job["tenant_id"]] = held.get(job["tenant_id"], 0) + (1 if chosen else gpus)
+        gone = {device.id for device in places}
+        free = [d for d in free if d.id not in gone]
+        free_seats = [(d, shared) for d, shared in free_seats if d.id not in gone]
+        room.forget(worker_id, places[0])
+        if len(granted) >= limit or (not free and not free_seats):
+            break
+    return granted
 
 
 def _count_grant(job: dict[str, Any], chosen: list[Any], seats: list[Any], usage: fairshare.Usage | None,
-                 reservations: dict[str, tuple[str, float]] | None) -> None:
-    """After ``job`` is granted: its reservation ends, and its tenant's held devices count it (a seat: 1 / its server's seats)."""
+                 reservations: dict[str, tuple[str, float]] | None) -> float:
+    """After ``job`` is granted: its reservation ends, and its tenant's held devices count it (a seat: 1 / its server's
+    seats); the devices it counts for."""
     if reservations is not None:
         reservations.pop(job["id"], None)
+    weight = float(job["gpus"]) if not chosen else len(chosen) / max(1, sum(1 for d, _ in seats if d.seat_of == chosen[0].seat_of))
     if usage is not None:
-        weight = float(job["gpus"]) if not chosen else 1.0 / max(1, sum(1 for d, _ in seats if d.seat_of == chosen[0].seat_of))
         usage.granted(job["tenant_id"], weight)
+    return weight
 
 
 def _drains_for(conn: Connection, reservations: dict[str, tuple[str, float]] | None, job_id: str, worker_id: str, seen_since: float) -> bool:
@@ -378,11 +413,11 @@ def _drains_for(conn: Connection, reservations: dict[str, tuple[str, float]] | N
 def _take(
     conn: Connection, store: JobStore, settings: Any, worker_id: str, job: dict[str, Any], chosen: list[Any], secret: bytes, now: float,
 ) -> dict[str, Any] | None:
-    """Move ``job`` queued -> leased on ``chosen`` devices; None when another grant took it or its tenant's quota is gone."""
-    if conn.dialect.name != "sqlite":  # serialise grants per tenant so concurrent ones cannot both pass the quota
-        limit = conn.execute(select(tenants.c.max_gpus).where(tenants.c.id == job["tenant_id"]).with_for_update(key_share=True)).scalar_one()
-        if held_by_tenant(conn, job["tenant_id"]) + job["gpus"] > limit:
-            return None
+    """Move ``job`` queued -> leased on ``chosen`` devices; None when another grant took it.
+
+    Its quota was checked by the caller (:func:`_over_quota`) in this transaction, after the grant lock: grants run one at
+    a time (:data:`GRANT_LOCK`; SQLite's write lock, taken by the grant's first write), and only a grant adds to what a
+    tenant holds, so no other grant can have taken the tenant's room since."""
     epoch = job["lease_epoch"] + 1
     expires = now + settings.lease_ttl_s
     token = server_token(secret, job["id"], epoch)

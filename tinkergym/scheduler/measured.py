@@ -143,3 +143,8 @@ class SeatRoom:
         model = model_of(job["config"])
         return memory.seat_refusal(job["config"], self._shapes[worker_id].get(model), self._devices[key], factor_of(found, model),
                                    row.kind, where=f" on device {row.seat_of} of worker {worker_id}")
+
+    def forget(self, worker_id: str, row: Any) -> None:
+        """Read ``row``'s device again at its next question (a job was just granted a seat there: it is priced in then)."""
+        if row.seat_of is not None:
+            self._devices.pop((worker_id, row.seat_of), None)

@@ -183,8 +183,14 @@ class Lease(WireModel):
     checkpoint: Checkpoint | None = Field(None, description="the job's last checkpoint, to resume from")
 
 
+class LeaseAsk(WireModel):
+    max: int = Field(1, ge=1, le=leases.MAX_GRANTS, description="leases to take at most, each on free places of its own "
+                                                                "(a worker asks for as many as it has free places)")
+
+
 class LeaseAnswer(WireModel):
-    lease: Lease | None = Field(None, description="null when no queued job fits this worker's free devices")
+    lease: Lease | None = Field(None, description="the first lease granted; null when no queued job fits this worker's free devices")
+    leases: list[Lease] = Field(default_factory=list, description="every lease granted (up to the request's max)")
 
 
 class Fenced(WireModel):
@@ -356,37 +362,41 @@ def leave(worker_id: str, request: Request, who: Principal = Depends(require("wo
 
 
 @router.post("/{worker_id}/lease", response_model=LeaseAnswer, responses={403: {}, 404: {}, 409: {}, 422: {}})
-async def lease(worker_id: str, request: Request, who: Principal = Depends(require("worker")), idempotency_key: str | None = IdempotencyKey) -> Any:
-    """Take at most one queued job that fits this worker's free devices and models (``{"lease": null}`` when none).
+async def lease(worker_id: str, request: Request, body: LeaseAsk | None = None, who: Principal = Depends(require("worker")),
+                idempotency_key: str | None = IdempotencyKey) -> Any:
+    """Take queued jobs that fit this worker's free devices and models, up to ``max`` (default 1) in one grant: ``leases``,
+    and the first of them as ``lease`` (``{"lease": null, "leases": []}`` when none fits).
 
-    Grants go one at a time; a request waits for its turn on the event loop, not in a thread of the pool that serves
+    A worker with several free places asks for that many at once: one request fills them, in the order one request after
+    another would (:func:`tinkergym.scheduler.leases.grant_many`), for about the scheduler's work of one grant. Grants go one at a time; a request waits for its turn on the event loop, not in a thread of the pool that serves
     every route, so under a burst of lease requests heartbeats and state reports still run (with the waiters holding the
     pool's threads, leases expired unrenewed at 1,000 workers and their workers were quarantined)."""
     store, settings, app = _store(request), request.app.state.settings, request.app
     secret = leases.app_secret(app)
 
+    most = body.max if body is not None else 1
+
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         _own(conn, worker_id, who)
-        granted = leases.grant(conn, store, settings, worker_id, secret, who.bounds, getattr(app.state, "usage", None),
-                               getattr(app.state, "reservations", None))
-        if granted is not None:
-            granted.pop("token")  # never stored (the idempotency record keeps the answer): derived again below
+        granted = leases.grant_many(conn, store, settings, worker_id, secret, who.bounds, getattr(app.state, "usage", None),
+                                    getattr(app.state, "reservations", None), limit=most)
+        for one in granted:
+            one.pop("token")  # never stored (the idempotency record keeps the answer): derived again below
             # counted once, when made (a retried poll answers the kept record); a grant whose transaction then fails to
             # commit (two grants of one device: rare) is counted too
             request.app.state.metrics.leases_granted.inc()
-        return 200, {"lease": granted}
+        return 200, {"lease": granted[0] if granted else None, "leases": granted}
 
     def with_token(answer: dict[str, Any]) -> dict[str, Any]:
-        granted = answer.get("lease")
-        if granted is not None:
-            answer = {"lease": {**granted, "token": leases.server_token(secret, granted["job_id"], granted["epoch"])}}
-        return answer
+        kept = answer["leases"] if "leases" in answer else [answer["lease"]] if answer.get("lease") else []  # a record kept before "leases"
+        granted = [{**one, "token": leases.server_token(secret, one["job_id"], one["epoch"])} for one in kept]
+        return {"lease": granted[0] if granted else None, "leases": granted}
 
     async with grant_gate(app):  # one grant at a time in this process
         try:
-            return await run_in_threadpool(respond_once, request, who, idempotency_key, {"worker_id": worker_id}, handler, with_token)
+            return await run_in_threadpool(respond_once, request, who, idempotency_key, {"worker_id": worker_id, "max": most}, handler, with_token)
         except IntegrityError:  # a device taken by a concurrent grant: this one rolled back whole
-            return {"lease": None}
+            return {"lease": None, "leases": []}
 
 
 def grant_gate(app: Any) -> asyncio.Lock:

@@ -75,6 +75,12 @@ class WorkerClient(SchedulerClient):
         """At most one queued job that fits the free devices (None when there is none)."""
         return self._request("POST", f"/v1/workers/{_q(self.worker_id)}/lease", {})["lease"]
 
+    def leases(self, most: int) -> list[dict[str, Any]]:
+        """Up to ``most`` queued jobs that fit the free devices, in one grant (none: an empty list). A scheduler that grants
+        one a request answers one."""
+        answer = self._request("POST", f"/v1/workers/{_q(self.worker_id)}/lease", {"max": max(1, most)})
+        return answer["leases"] if "leases" in answer else [answer["lease"]] if answer.get("lease") else []
+
     def heartbeat(self, job_id: str, epoch: int, usage: dict[str, int] | None = None, memory: dict[str, Any] | None = None) -> dict[str, Any]:
         """Renew the lease: ``{state, cancelling, expires_at}``; a 409 means it is lost. ``usage``: the tokens the job's
         server trained and sampled so far at this lease (``tokens_trained``, ``tokens_sampled``); ``memory``: the

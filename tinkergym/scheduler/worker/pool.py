@@ -108,14 +108,15 @@ class Worker:
         while not self.stopping.is_set():
             self.freed.clear()
             self.shared.keepalive()
-            granted = None
-            if len(self.busy()) < self.options.places():
+            granted: list[dict[str, Any]] = []
+            free = self.options.places() - len(self.busy())
+            if free > 0:
                 try:
-                    granted = self.client.lease()
+                    granted = self.client.leases(free)  # every free place filled in one grant, as far as jobs fit them
                     # nothing for it: ask less often, up to IDLE_BACKOFF polls apart (a job's end here asks at once)
-                    delay = self.options.poll if granted is not None else min(delay * 2, self.options.poll * IDLE_BACKOFF)
+                    delay = self.options.poll if granted else min(delay * 2, self.options.poll * IDLE_BACKOFF)
                     if self.metrics is not None:
-                        self.metrics.polls.labels("granted" if granted is not None else "empty").inc()
+                        self.metrics.polls.labels("granted" if granted else "empty").inc()
                 except SchedulerError as exc:
                     if self.metrics is not None:
                         self.metrics.polls.labels("error").inc()
@@ -127,13 +128,14 @@ class Worker:
                     else:  # one lease's answer (a 4xx of a job, the scheduler away) never ends the worker
                         log.warning("no lease: %s", exc)
                     delay = min(delay * 2, 30.0)
-            if granted is not None:
-                runner = JobRunner(self, granted)
+            for lease in granted:
+                runner = JobRunner(self, lease)
                 with self._lock:
                     self.runners.append(runner)
                 log.info("lease: job %s epoch %s on devices %s", runner.job_id, runner.epoch, runner.devices)
                 runner.start()
-                continue  # more devices may be free: ask again at once
+            if granted:
+                continue  # more places may be free: ask again at once
             if self.freed.wait(delay):  # the poll interval, or less: a job ending (or stop()) wakes it
                 delay = self.options.poll
         self._stop_all()
