@@ -479,7 +479,7 @@ class Cluster:
         held: dict[str, Run] = {}
         busy: set[int] = set()  # places held by this worker's runs
         freed = asyncio.Event()
-        free_times: list[float] = []
+        free_times: list[tuple[float, bool]] = []
         vanish = asyncio.Event()
         beats = asyncio.create_task(self._batched_heartbeats(wid, key, held, vanish)) if self.batched else None
         delay = self.args.poll
@@ -498,14 +498,8 @@ class Cluster:
                 granted = (body.get("leases") or ([body["lease"]] if body.get("lease") else [])) if status == 200 else []
                 if granted:  # a scheduler that grants one a request ignores "max" and answers "lease"
                     self.stats.grant_requests += 1
-                    now = time.time()
                     for lease in granted:
-                        self.stats.grants += 1
-                        if free_times:
-                            t_free, deep = free_times.pop(0)
-                            if deep:
-                                self.stats.grant_latency.append(now - t_free)
-                        run = self._granted(wid, lease, busy, now)
+                        run = self._granted(wid, lease, busy, free_times)
                         held[run.job_id] = run
                         run.task = asyncio.create_task(self._run(wid, key, run, held, busy, freed, free_times, vanish))
                     delay = self.args.poll
@@ -546,7 +540,14 @@ class Cluster:
             self.stats.failures[f"register {status}"] += 1
             await asyncio.sleep(1.0)
 
-    def _granted(self, wid: str, lease: dict[str, Any], busy: set[int], now: float) -> Run:
+    def _granted(self, wid: str, lease: dict[str, Any], busy: set[int], free_times: list[tuple[float, bool]]) -> Run:
+        """A lease taken: checked against every lease seen (none granted twice, no place over-committed), counted, its run."""
+        now = time.time()
+        self.stats.grants += 1
+        if free_times:  # the latency from the oldest place freed here to this grant
+            t_free, deep = free_times.pop(0)
+            if deep:
+                self.stats.grant_latency.append(now - t_free)
         job, epoch = lease["job_id"], lease["epoch"]
         places = (lease["seat"],) if lease.get("seat") is not None else tuple(lease["devices"])
         spec = self.by_job.get(job)

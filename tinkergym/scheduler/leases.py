@@ -302,25 +302,11 @@ def grant_many(
     now = store.clock()
     if conn.dialect.name == "postgresql":  # one grant at a time (SQLite's write lock does the same): see GRANT_LOCK
         conn.execute(select(func.pg_advisory_xact_lock(GRANT_LOCK)))
-    worker = conn.execute(locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
+    worker = _asking(conn, worker_id, now)
     if worker is None:
         return []  # forgotten by the sweeper since the caller checked it: its next call is 404, and it registers again
-    _touch(conn, worker_id, now)  # the worker's own call: alive from now on (a gone worker comes back here)
-    if worker["quarantined_at"] is not None:
-        why = worker["quarantine_reason"] or f"{worker['strikes']} of its leases in a row expired before the job's server came up"
-        raise Quarantined(f"worker {worker_id} is quarantined: {why}. The operator releases it with: tinkergym scheduler workers release {worker_id}")
-    models = set(json.loads(worker["models"]))
-    if bounds is not None and bounds.models is not None:
-        models &= set(bounds.models)
-    active = conn.execute(
-        select(devices.c.id, devices.c.index, devices.c.seat_of, devices.c.shared, devices.c.memory_bytes, devices.c.kind, *measured.SEAT_COLUMNS)
-        .where(devices.c.worker_id == worker_id, devices.c.active.is_(True)).order_by(devices.c.index)
-    ).all()
-    taken = set(conn.execute(select(allocations.c.device_id).where(allocations.c.device_id.in_([d.id for d in active]))).scalars())
-    whole = [d for d in active if d.seat_of is None]
-    free = [d for d in whole if d.id not in taken]
-    seats = [(d, parse_shared(d.shared) or {}) for d in active if d.seat_of is not None]
-    free_seats = [(d, shared) for d, shared in seats if d.id not in taken]
+    models = _offered(worker, bounds)
+    whole, free, seats, free_seats = _places(conn, worker_id)
     if not free and not free_seats:
         return []
     shapes = memory.parse_shapes(worker["model_shapes"]) or {}
@@ -369,13 +355,50 @@ def grant_many(
         # the next job is chosen as the next request would choose it: these places are gone, the tenant holds more
         held_now[job["tenant_id"]] = held_now.get(job["tenant_id"], 0.0) + weight
         held[job["tenant_id"]] = held.get(job["tenant_id"], 0) + (1 if chosen else gpus)
-        gone = {device.id for device in places}
-        free = [d for d in free if d.id not in gone]
-        free_seats = [(d, shared) for d, shared in free_seats if d.id not in gone]
+        free, free_seats = _without(free, free_seats, places)
         room.forget(worker_id, places[0])
         if len(granted) >= limit or (not free and not free_seats):
             break
     return granted
+
+
+def _offered(worker: dict[str, Any], bounds: WorkerBounds | None) -> set[str]:
+    """The models the worker offers, within its credential's."""
+    models = set(json.loads(worker["models"]))
+    if bounds is not None and bounds.models is not None:
+        models &= set(bounds.models)
+    return models
+
+
+def _asking(conn: Connection, worker_id: str, now: float) -> dict[str, Any] | None:
+    """The worker's row, locked, for its lease request, and touched (alive from now on: a gone worker comes back here);
+    None when it was forgotten; :class:`Quarantined` when it is quarantined."""
+    worker = conn.execute(locked(conn, select(workers).where(workers.c.id == worker_id))).mappings().first()
+    if worker is None:
+        return None
+    _touch(conn, worker_id, now)
+    if worker["quarantined_at"] is not None:
+        why = worker["quarantine_reason"] or f"{worker['strikes']} of its leases in a row expired before the job's server came up"
+        raise Quarantined(f"worker {worker_id} is quarantined: {why}. The operator releases it with: tinkergym scheduler workers release {worker_id}")
+    return dict(worker)
+
+
+def _places(conn: Connection, worker_id: str) -> tuple[list[Any], list[Any], list[tuple[Any, dict[str, Any]]], list[tuple[Any, dict[str, Any]]]]:
+    """The worker's active places: its whole devices, the free ones, its seats (each with its server's base) and the free ones."""
+    active = conn.execute(
+        select(devices.c.id, devices.c.index, devices.c.seat_of, devices.c.shared, devices.c.memory_bytes, devices.c.kind, *measured.SEAT_COLUMNS)
+        .where(devices.c.worker_id == worker_id, devices.c.active.is_(True)).order_by(devices.c.index)
+    ).all()
+    taken = set(conn.execute(select(allocations.c.device_id).where(allocations.c.device_id.in_([d.id for d in active]))).scalars())
+    whole = [d for d in active if d.seat_of is None]
+    seats = [(d, parse_shared(d.shared) or {}) for d in active if d.seat_of is not None]
+    return whole, [d for d in whole if d.id not in taken], seats, [(d, shared) for d, shared in seats if d.id not in taken]
+
+
+def _without(free: list[Any], free_seats: list[tuple[Any, dict[str, Any]]], places: list[Any]) -> tuple[list[Any], list[tuple[Any, dict[str, Any]]]]:
+    """The free devices and seats less ``places`` (just granted)."""
+    gone = {device.id for device in places}
+    return [d for d in free if d.id not in gone], [(d, shared) for d, shared in free_seats if d.id not in gone]
 
 
 def _count_grant(job: dict[str, Any], chosen: list[Any], seats: list[Any], usage: fairshare.Usage | None,

@@ -368,7 +368,9 @@ async def lease(worker_id: str, request: Request, body: LeaseAsk | None = None, 
     and the first of them as ``lease`` (``{"lease": null, "leases": []}`` when none fits).
 
     A worker with several free places asks for that many at once: one request fills them, in the order one request after
-    another would (:func:`tinkergym.scheduler.leases.grant_many`), for about the scheduler's work of one grant. Grants go one at a time; a request waits for its turn on the event loop, not in a thread of the pool that serves
+    another would (:func:`tinkergym.scheduler.leases.grant_many`), for about the scheduler's work of one grant.
+
+    Grants go one at a time; a request waits for its turn on the event loop, not in a thread of the pool that serves
     every route, so under a burst of lease requests heartbeats and state reports still run (with the waiters holding the
     pool's threads, leases expired unrenewed at 1,000 workers and their workers were quarantined)."""
     store, settings, app = _store(request), request.app.state.settings, request.app
@@ -394,7 +396,8 @@ async def lease(worker_id: str, request: Request, body: LeaseAsk | None = None, 
 
     async with grant_gate(app):  # one grant at a time in this process
         try:
-            return await run_in_threadpool(respond_once, request, who, idempotency_key, {"worker_id": worker_id, "max": most}, handler, with_token)
+            return await run_in_threadpool(respond_once, request, who, idempotency_key, {"worker_id": worker_id, "max": most}, handler,
+                                           with_token)
         except IntegrityError:  # a device taken by a concurrent grant: this one rolled back whole
             return {"lease": None, "leases": []}
 
