@@ -337,9 +337,11 @@ def refuse_leases(app: Any) -> CannedErrors:
 
 
 @contextlib.contextmanager
-def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Path, poll: float = 0.1) -> Iterator[tuple[Any, SchedulerClient, Any, Any]]:
-    """A scheduler on 127.0.0.1 whose app ``wrap`` wraps, an owner's client, and a worker in a thread whose servers are
-    :data:`FAKE_SERVER`: ``(wrapped app, owner, worker, its thread)``, all stopped afterwards."""
+def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Path, poll: float = 0.1, devices: int = 1,
+                before: Callable[[SchedulerClient], Any] | None = None) -> Iterator[tuple[Any, SchedulerClient, Any, Any]]:
+    """A scheduler on 127.0.0.1 whose app ``wrap`` wraps, an owner's client, and a worker of ``devices`` slots in a thread
+    whose servers are :data:`FAKE_SERVER`: ``(wrapped app, owner, worker, its thread)``, all stopped afterwards.
+    ``before(owner)`` runs before the worker starts (jobs queued for its first lease request)."""
     import threading
 
     from tinkergym.scheduler.worker.pool import Worker, WorkerOptions
@@ -351,9 +353,11 @@ def fake_worker(wrap: Callable[[Any], Any], db_url: str, keys: Any, tmp_path: Pa
     app = wrap(create_app(SchedulerSettings(db_url=db_url, data_dir=tmp_path / "data", lease_ttl_s=TTL, sweep_interval_s=SWEEP)))
     server = ThreadServer(app)
     owner = SchedulerClient(server.url, keys.new("acme", "read,write"))
-    options = WorkerOptions(name="fake", host="127.0.0.1", devices=[{"index": 0, "kind": "slot", "name": "s0"}], models=["tiny"],
-                            work_dir=tmp_path / "work", ports=(30000, 39999), heartbeat=0.3, poll=poll, python=str(fake))
+    options = WorkerOptions(name="fake", host="127.0.0.1", devices=[{"index": i, "kind": "slot", "name": f"s{i}"} for i in range(devices)],
+                            models=["tiny"], work_dir=tmp_path / "work", ports=(30000, 39999), heartbeat=0.3, poll=poll, python=str(fake))
     worker = Worker(WorkerClient(server.url, keys.new("acme", "worker")), options)
+    if before is not None:
+        before(owner)
     thread = threading.Thread(target=worker.run, daemon=True)
     thread.start()
     try:
@@ -410,6 +414,58 @@ def test_a_worker_asks_for_the_next_lease_as_soon_as_a_job_frees_its_device(db_u
         wait_until("the second job to be leased", lambda: owner.show(second)["state"] != "queued", 30)
         assert time.monotonic() - started < 20.0, "leased at the job's end, not at the 60 s poll"
         owner.complete(second, wait_until("the second job to run", lambda: in_state(owner, second, "running"), 60)["lease_epoch"])
+
+
+class CountedCalls(CannedErrors):
+    """ASGI wrapper of the scheduler counting the workers' calls by their last path part (``lease``, ``heartbeat``,
+    ``heartbeats``, ...); ``count`` batched heartbeat calls are answered 404 first (a scheduler without that route)."""
+
+    def __init__(self, app: Any) -> None:
+        super().__init__(app, 404, "Not Found", lambda path: path.endswith("/heartbeats"))
+        self.calls: dict[str, int] = {}
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and path.startswith("/v1/workers/"):
+            self.calls[path.rsplit("/", 1)[-1]] = self.calls.get(path.rsplit("/", 1)[-1], 0) + 1
+        await super().__call__(scope, receive, send)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # real processes end to end: one database (see tests/scheduler/conftest.py)
+@pytest.mark.parametrize("batched", [True, False])
+def test_a_worker_fills_its_slots_in_one_request_and_heartbeats_them_together(db_url: str, keys: Any, tmp_path: Path, batched: bool) -> None:
+    """Three jobs queued for a worker of three slots: one lease request takes them all; their leases are renewed in one
+    call a heartbeat interval (0.3 s here), not one call each. Against a scheduler without the batched route (404), each
+    lease heartbeats on its own and every job runs all the same."""
+    jobs: list[str] = []
+    counted: list[CountedCalls] = []
+
+    def wrap(app: Any) -> CountedCalls:
+        counted.append(CountedCalls(app))
+        counted[0].count = 0 if batched else 10**6
+        return counted[0]
+
+    def queue(owner: SchedulerClient) -> None:
+        jobs.extend(owner.submit("train", {**CONFIG, "seed": 10 + i})["id"] for i in range(3))
+
+    with fake_worker(wrap, db_url, keys, tmp_path, devices=3, before=queue) as (_, owner, worker, _thread):
+        for job in jobs:
+            wait_until(f"job {job} to run", lambda job=job: in_state(owner, job, "running"), 60)
+        calls = counted[0].calls
+        assert calls.get("lease") == 1, f"one request filled the three slots: {calls}"
+        before = dict(calls)
+        time.sleep(3.0)  # 10 heartbeat intervals of 3 leases: 30 renewals
+        batches, singles = calls.get("heartbeats", 0) - before.get("heartbeats", 0), calls.get("heartbeat", 0) - before.get("heartbeat", 0)
+        if batched:
+            assert singles == 0 and 5 <= batches <= 20, f"{batches} batched calls and {singles} single ones for 30 renewals"
+        else:
+            # the batches already gathering when the first was refused are tried too (each then sent lease by lease)
+            assert batches <= 3 and singles >= 20, f"{batches} batched calls and {singles} single ones for 30 renewals"
+            assert 1 <= counted[0].answered <= 4, "the batched route was tried, then each lease heartbeats on its own"
+        for job in jobs:
+            owner.complete(job, owner.show(job)["lease_epoch"])
+        wait_until("the slots to be free", lambda: not worker.busy(), 15)
 
 
 class HostileListings:

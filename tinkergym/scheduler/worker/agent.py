@@ -339,7 +339,7 @@ class JobRunner(threading.Thread):
             try:
                 usage, memory = self._usage()
                 sent = time.monotonic()
-                answer = self.beats.heartbeat(self.job_id, self.epoch, usage, memory)
+                answer = self._beat(usage, memory)
                 self._renewed(sent)
                 if answer.get("cancelling"):
                     self.cancelling.set()
@@ -355,6 +355,13 @@ class JobRunner(threading.Thread):
                 log.warning("job %s epoch %s: not renewed for the lease's %gs", self.job_id, self.epoch, self.ttl)
                 self._lose()
                 return
+
+    def _beat(self, usage: dict[str, int] | None, memory: dict[str, Any] | None) -> dict[str, Any]:
+        """One heartbeat: in the worker's next batch with its other leases' (:mod:`tinkergym.scheduler.worker.beats`)."""
+        together = getattr(self.worker, "heartbeats", None)
+        if together is None:
+            return self.beats.heartbeat(self.job_id, self.epoch, usage, memory)
+        return together.heartbeat(self.beats, self.job_id, self.epoch, usage, memory, window=self.interval / 4)
 
     def _renewed(self, sent: float) -> None:
         """The scheduler renewed the lease by a call sent at ``sent`` (monotonic): it ends no sooner than ``sent + ttl``,

@@ -40,6 +40,12 @@ def file_sha256(path: Path) -> str:
     return sha.hexdigest()
 
 
+def _beat_body(epoch: int, usage: dict[str, int] | None, memory: dict[str, Any] | None) -> dict[str, Any]:
+    """A heartbeat's body: the epoch, the usage if any, and the memory fields the scheduler takes (integers)."""
+    memory = {k: v for k, v in (memory or {}).items() if k in MEMORY_FIELDS and isinstance(v, int) and not isinstance(v, bool)}
+    return {"epoch": epoch, **({"usage": usage} if usage else {}), **({"memory": memory} if memory else {})}
+
+
 class WorkerClient(SchedulerClient):
     """The worker side of the scheduler's API for the worker ``worker_id`` (set by :meth:`register`)."""
 
@@ -86,9 +92,13 @@ class WorkerClient(SchedulerClient):
         server trained and sampled so far at this lease (``tokens_trained``, ``tokens_sampled``); ``memory``: the
         server's memory measured now (:func:`tinkergym.plumbing.memory_use.measure`; a shared server's with its
         ``base_bytes`` and ``sessions``)."""
-        memory = {k: v for k, v in (memory or {}).items() if k in MEMORY_FIELDS and isinstance(v, int) and not isinstance(v, bool)}
-        return self._request("POST", f"{self._job(job_id)}/heartbeat",
-                             {"epoch": epoch, **({"usage": usage} if usage else {}), **({"memory": memory} if memory else {})})
+        return self._request("POST", f"{self._job(job_id)}/heartbeat", _beat_body(epoch, usage, memory))
+
+    def heartbeats(self, beats: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Renew several leases in one call (``job_id``, ``epoch``, optional ``usage`` and ``memory`` each, as
+        :meth:`heartbeat` takes them): each lease's answer, or ``{job_id, epoch, lost: true, error}`` for a lease lost."""
+        body = [{"job_id": b["job_id"], **_beat_body(b["epoch"], b.get("usage"), b.get("memory"))} for b in beats]
+        return self._request("POST", f"/v1/workers/{_q(self.worker_id)}/heartbeats", {"leases": body})["leases"]
 
     def report_state(self, job_id: str, epoch: int, state: str, *, error: str | None = None, server_url: str | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"epoch": epoch, "state": state}

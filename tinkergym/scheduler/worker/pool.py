@@ -17,6 +17,7 @@ from typing import Any
 
 from tinkergym.client import SchedulerError
 from tinkergym.scheduler.worker.agent import STOP_GRACE_S, JobRunner
+from tinkergym.scheduler.worker.beats import Heartbeats
 from tinkergym.scheduler.worker.client import WorkerClient
 from tinkergym.scheduler.worker.job_servers import WorkerOptions
 from tinkergym.scheduler.worker.launchers import Launcher, ProcessLauncher
@@ -50,6 +51,7 @@ class Worker:
         self._ports: set[int] = set()
         self.shared = SharedServers(options, self.take_port, self.release_port, self.launcher)
         self.metrics: Any = None  # a WorkerMetrics once count_metrics() ran (--metrics-port)
+        self.heartbeats = Heartbeats()  # its leases' heartbeats, sent together
 
     def count_metrics(self) -> Any:
         """Start counting the worker's Prometheus metrics (see :mod:`tinkergym.scheduler.worker.metrics`); their registry."""
