@@ -242,6 +242,40 @@ def test_a_view_of_a_job_past_the_sweepers_pass_reads_the_pass_not_the_queue(mak
     assert reason(client, user, late)["code"] in ("behind", "busy") and read == [1], "a job newer than the pass is read now"
 
 
+def test_views_at_the_same_time_share_one_read_of_the_grant_order(make_client: Any, keys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no sweeper's pass to read, the views that ask within ``cache_s`` share one read of the front of the grant order
+    (one view reads it, those asking meanwhile wait for it): at 20 views a second each reading it was half the
+    scheduler's work. The reasons are those a read of its own finds."""
+    from tinkergym.scheduler import placement
+
+    client = make_client(cache_s=30.0, clock=kit.Clock())
+    user, other = keys.new("acme", "read,write"), keys.new("globex", "read,write")
+    kit.register(client, keys.worker(8), devices=1)
+    jobs = []
+    for key in (user, other, user, other):
+        jobs.append(kit.submit(client, key, gpus=1))
+        client.app.state.store.clock.advance(1.0)
+    read: list[int] = []
+    order = placement.grant_order
+
+    def counted(*a: Any, **k: Any) -> Any:
+        read.append(1)
+        return order(*a, **k)
+
+    monkeypatch.setattr(placement, "grant_order", counted)
+    got: dict[str, Any] = {}
+    views = [threading.Thread(target=lambda j=j, k=k: got.__setitem__(j, reason(client, k, j))) for j, k in zip(jobs, (user, other, user, other))]
+    for view in views:
+        view.start()
+    for view in views:
+        view.join(30)
+    assert len(got) == 4 and read == [1], f"{len(read)} reads of the grant order for 4 views at once"
+    assert got[jobs[0]]["code"] == "ready" and {got[j]["code"] for j in jobs[1:]} == {"behind"}
+    assert listed_reasons(client, user) == {jobs[0]: "ready", jobs[2]: "behind"} and read == [1], "a list page reads it no more"
+    client.app.state.front_cache = None  # as cache_s later
+    assert reason(client, other, jobs[1])["code"] == "behind" and read == [1, 1]
+
+
 def test_the_pass_writes_its_waiting_events_in_short_transactions(make_client: Any, keys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pass that finds many new reasons writes them a few jobs a transaction: one transaction for all of them held every
     one of those jobs' rows while it wrote, and their heartbeats and state reports waited."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -283,6 +284,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.state.usage = Usage(settings.cache_s)
     app.state.reservations = {}  # a starving job -> the one worker that drains for it (leases.grant), in memory only
     app.state.grant_gate = None  # one grant at a time: routes.workers.grant_gate (leases.GRANT_LOCK is the database's)
+    app.state.front_lock, app.state.front_cache = threading.Lock(), None  # views' shared read of the grant order (placement.front_reasons)
     app.state.artifacts = DirectoryStore(settings.data_dir / "jobs")
     app.state.streams = StreamHub(engine, interval_s=settings.sse_poll_s, max_streams=settings.max_streams,
                                   max_streams_per_key=settings.max_streams_per_key, logger=log)
