@@ -244,23 +244,26 @@ def start_scheduler(code: Path, url: str, data_dir: Path, settings: list[str]) -
     return process, port
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (0 when it is gone)."""
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 when it is gone); ``children``: with those of its children
+    that have ended (a PostgreSQL backend's, once its connection closed, are its postmaster's)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def postgres_cpu() -> float:
-    """CPU seconds of every ``postgres`` process on the machine (the private cluster's, while it alone runs)."""
+    """CPU seconds of every ``postgres`` process on the machine (the private cluster's, while it alone runs), those of its
+    ended backends included: without them a closed connection took its CPU out of the sum."""
     total = 0.0
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 if (entry / "comm").read_text().strip() in ("postgres", "postmaster"):
-                    total += cpu_seconds(int(entry.name))
+                    total += cpu_seconds(int(entry.name), children=True)
             except OSError:
                 continue
     return total
