@@ -822,13 +822,18 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
         if time.time() - checked > 5.0:
             checked = time.time()
             await cluster.reconcile()
-        # the heartbeat window: the cluster as full as the first wave fills it (no grant for 3 s), until the first job ends
-        if cluster.last_grant is not None and time.time() - cluster.last_grant > 3.0 and "start" not in window and cluster.first_end is None:
+        # the heartbeat window: the cluster as full as the first wave fills it (no grant for 3 s, half its places held or
+        # more: a pause of grants in a cluster still filling is not it), until the first job ends
+        if cluster.last_grant is not None and time.time() - cluster.last_grant > 3.0 and "start" not in window and cluster.first_end is None \
+                and cluster.running >= cluster.places / 2:
             window = {"start": time.time(), "cpu": cpu_seconds(scheduler_pid), "pg": postgres_cpu(), "beats": cluster.stats.heartbeats,
                       "calls": cluster.stats.heartbeat_calls, "requests": http.requests, "held": round(cluster.running / max(1, cluster.places), 3)}
         if "start" in window and "end" not in window and cluster.first_end is not None:
             window.update(end=time.time(), cpu_end=cpu_seconds(scheduler_pid), pg_end=postgres_cpu(), beats_end=cluster.stats.heartbeats,
                           calls_end=cluster.stats.heartbeat_calls, requests_end=http.requests)
+    if "start" in window and "end" not in window:  # no job ended since the cluster filled (jobs longer than the run)
+        window.update(end=time.time(), cpu_end=cpu_seconds(scheduler_pid), pg_end=postgres_cpu(), beats_end=cluster.stats.heartbeats,
+                      calls_end=cluster.stats.heartbeat_calls, requests_end=http.requests)
     drained = len(cluster.done) >= len(cluster.by_job)
     end = cluster.last_end if drained else time.time()
     left = await cluster.left() if not drained else None
