@@ -840,6 +840,7 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
     cluster.stopping = True
     cpu1, pg1 = cpu_seconds(scheduler_pid), postgres_cpu()
     statements = db.statements()
+    tasks += [task for task in asyncio.all_tasks() if task is not asyncio.current_task() and task not in tasks]  # the runs too
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)

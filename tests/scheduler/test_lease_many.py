@@ -115,3 +115,24 @@ def test_quota_and_the_age_bound_hold_within_one_request(make_client: Any, keys:
     got = worker.post("/lease", {"max": 4}).json()["leases"]
     assert got == [], "two free devices drain for the starving 3-device job"
     assert kit.job_row(db_url, big)["state"] == "queued" and all(kit.job_row(db_url, j)["state"] == "queued" for j in small)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite's grants share the one writer: the same store
+def test_a_lease_request_never_waits_for_the_pool_the_other_routes_share(make_client: Any, keys: Any, db_url: str) -> None:
+    """Lease requests run on a connection of their own (grants go one at a time): with every connection of the pool that
+    state reports, heartbeats and views share held (a burst of them at 1,000 workers), a lease is granted all the same."""
+    client = make_client()
+    user = keys.new("acme", "read,write")
+    worker = kit.register(client, keys.new("ops", "worker"), devices=1)
+    job = kit.submit(client, user)
+    engine = client.app.state.engine
+    engine.pool._timeout = 3.0  # a request waiting for the shared pool fails in 3 s, not SQLAlchemy's 30
+    held = [engine.connect() for _ in range(15)]  # SQLAlchemy's pool: 5 connections and 10 more past them
+    try:
+        assert engine.pool.checkedout() == 15
+        lease = worker.lease()
+        assert lease is not None and lease["job_id"] == job
+    finally:
+        for conn in held:
+            conn.close()
+    assert kit.job_row(db_url, job)["state"] == "leased"

@@ -208,6 +208,17 @@ def _add_error_handlers(app: FastAPI, logger: logging.Logger) -> None:
         return error_response(400, "invalid_request", str(exc)[:2000])
 
 
+def _grant_store(store: JobStore, settings: SchedulerSettings) -> JobStore:
+    """The store lease requests run on: on PostgreSQL, a connection of their own (grants go one at a time), so a grant
+    never waits for a connection of the pool behind the state reports, heartbeats and views that share it (at 1,000
+    workers the pool's 15 connections served 40 threads); SQLite's one writer at a time: the same store."""
+    if store.engine.dialect.name == "sqlite":
+        return store
+    grants = JobStore(make_engine(settings.db_url, pool_size=1, max_overflow=1), settings.clock)
+    grants.owner = store.owner  # one process: its in-flight idempotency records are the same owner's
+    return grants
+
+
 def _add_health(app: FastAPI) -> None:
     @app.get("/healthz", tags=["health"])
     async def healthz() -> dict[str, str]:
@@ -275,6 +286,8 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
             await app.state.streams.aclose()
             await app.state.gateway.aclose()
             engine.dispose()
+            if app.state.grant_store.engine is not engine:
+                app.state.grant_store.engine.dispose()
 
     app = FastAPI(title="tinkergym scheduler", version="1", lifespan=lifespan, docs_url=None, redoc_url=None, default_response_class=WireJSON)
     app.state.settings = settings
@@ -284,6 +297,7 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.state.usage = Usage(settings.cache_s)
     app.state.reservations = {}  # a starving job -> the one worker that drains for it (leases.grant), in memory only
     app.state.grant_gate = None  # one grant at a time: routes.workers.grant_gate (leases.GRANT_LOCK is the database's)
+    app.state.grant_store = _grant_store(app.state.store, settings)
     app.state.front_lock, app.state.front_cache = threading.Lock(), None  # views' shared read of the grant order (placement.front_reasons)
     app.state.artifacts = DirectoryStore(settings.data_dir / "jobs")
     app.state.streams = StreamHub(engine, interval_s=settings.sse_poll_s, max_streams=settings.max_streams,

@@ -38,11 +38,12 @@ RETRYABLE = ("40P01", "40001")
 RETRIES = 2
 
 
-def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: Any, finish: Any = None) -> Any:
+def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: Any, finish: Any = None, store: Any = None) -> Any:
     """Run ``handler(conn)`` in one transaction, once per ``Idempotency-Key`` when one is given; the JSON response.
 
     ``finish(body)`` completes a successful answer, first or replayed, after it is stored (what must not be stored,
-    such as a token). A replayed answer carries ``Idempotent-Replayed: true``.
+    such as a token). A replayed answer carries ``Idempotent-Replayed: true``. ``store``: the store whose connection
+    the transaction runs on (the app's unless given: lease requests run on the app's ``grant_store``).
     """
     from tinkergym.serve.asgi import WireJSON, error_response
     from tinkergym.scheduler.idempotency import IdempotencyError, run_once
@@ -50,7 +51,7 @@ def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: An
     try:
         for attempt in range(RETRIES + 1):
             try:
-                stored = run_once(request.app.state.store, tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
+                stored = run_once(store if store is not None else request.app.state.store, tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
                                   body=body, handler=handler, ttl_s=request.app.state.settings.idempotency_ttl_s,
                                   bounded=who.bounds is None)  # a worker credential's records (every heartbeat's) are the cluster's
                 break

@@ -397,7 +397,7 @@ async def lease(worker_id: str, request: Request, body: LeaseAsk | None = None, 
     async with grant_gate(app):  # one grant at a time in this process
         try:
             return await run_in_threadpool(respond_once, request, who, idempotency_key, {"worker_id": worker_id, "max": most}, handler,
-                                           with_token)
+                                           with_token, getattr(app.state, "grant_store", None))
         except IntegrityError:  # a device taken by a concurrent grant: this one rolled back whole
             return {"lease": None, "leases": []}
 
