@@ -88,9 +88,11 @@ class Http:
                     status, payload, keep = await asyncio.wait_for(_read_response(reader), timeout)
                 except (ConnectionError, asyncio.IncompleteReadError, OSError):
                     writer.close()
-                    if fresh or attempt == 2:  # a kept-alive connection the server closed: once more on a new one
+                    if attempt == 2:
                         raise
-                    continue
+                    if fresh:  # closed unanswered (an overloaded server drops a request whose head it did not read in time):
+                        await asyncio.sleep(0.2 * (attempt + 1))  # again after a pause, as the worker's client does
+                    continue  # a kept-alive connection the server closed while idle: at once on a new one
                 except asyncio.TimeoutError:
                     writer.close()
                     raise
@@ -497,7 +499,10 @@ class Cluster:
                 continue
             if len(busy) < places:
                 most = places - len(busy) if self.args.lease_max == 0 else self.args.lease_max
-                status, body = await self.polls.request("POST", f"/v1/workers/{wid}/lease", key, {"max": most})
+                try:
+                    status, body = await self.polls.request("POST", f"/v1/workers/{wid}/lease", key, {"max": most})
+                except (OSError, asyncio.IncompleteReadError):  # dropped three times: a failed poll, backed off
+                    status, body = 0, {}
                 granted = (body.get("leases") or ([body["lease"]] if body.get("lease") else [])) if status == 200 else []
                 if granted:  # a scheduler that grants one a request ignores "max" and answers "lease"
                     self.stats.grant_requests += 1
@@ -636,8 +641,8 @@ class Cluster:
             status, _ = await self.http.request("POST", f"{base}/state", key, {"epoch": run.epoch, "state": outcome})
             if status != 200:
                 raise LookupError(f"final state {status}")
-        except LookupError as exc:
-            self.stats.failures[f"run: {exc}"] += 1
+        except (LookupError, OSError, asyncio.IncompleteReadError) as exc:  # OSError: the connection dropped three times
+            self.stats.failures[f"run: {exc}" if isinstance(exc, LookupError) else f"run: {type(exc).__name__}"] += 1
             outcome = await self._state_of(run.job_id)  # refused: the lease is gone (lost, or the job was cancelled meanwhile)
         except asyncio.CancelledError:  # the worker vanished: nothing more is said
             held.pop(run.job_id, None)
@@ -719,7 +724,10 @@ class Cluster:
             runs = [r for r in held.values() if r.task is not None]
             if runs:
                 body = {"leases": [{"job_id": r.job_id, "epoch": r.epoch} for r in runs]}
-                status, answer = await self.http.request("POST", f"/v1/workers/{wid}/heartbeats", key, body)
+                try:
+                    status, answer = await self.http.request("POST", f"/v1/workers/{wid}/heartbeats", key, body)
+                except (ConnectionError, asyncio.IncompleteReadError, OSError, asyncio.TimeoutError):
+                    status, answer = 0, None  # the next interval tries again, as the worker agent does
                 self.stats.heartbeat_calls += 1
                 if status == 200:
                     self.stats.heartbeats += len(runs)
