@@ -396,6 +396,7 @@ class Cluster:
         self.max_gpus: dict[str, int] = {}
         self.holder: dict[str, tuple[str, int]] = {}  # job -> (worker, epoch) holding it now
         self.expires: dict[str, float] = {}  # job -> its holder's lease end, as last granted or renewed
+        self.seated: dict[str, bool] = {}  # job -> whether its latest lease is on a seat (one device toward its quota)
         self.epochs: dict[str, int] = {}
         self.done: set[str] = set()
         self.stopping = False
@@ -577,10 +578,18 @@ class Cluster:
         if spec is not None:
             self.held[spec.tenant] += 1.0 / SEATS if lease.get("seat") is not None else spec.gpus
             self.quota_held[spec.tenant] += 1 if lease.get("seat") is not None else spec.gpus
-            if self.quota_held[spec.tenant] > self.max_gpus[spec.tenant]:
-                self.stats.fail(f"tenant {spec.tenant} holds {self.quota_held[spec.tenant]} devices, over its max_gpus {self.max_gpus[spec.tenant]}")
+            self.seated[job] = lease.get("seat") is not None
+            if self.quota_held[spec.tenant] > self.max_gpus[spec.tenant] and self._holding(spec.tenant, now) > self.max_gpus[spec.tenant]:
+                self.stats.fail(f"tenant {spec.tenant} holds {self._holding(spec.tenant, now)} devices, over its max_gpus {self.max_gpus[spec.tenant]}")
             self.stats.first_wait.setdefault(job, now - self.submitted_at[job])
         return Run(job, epoch, places, spec, now)
+
+    def _holding(self, tenant: str, now: float) -> int:
+        """The devices ``tenant`` holds as the scheduler counts them toward its quota: each job once, at its latest lease,
+        and not a lease past its last renewal's end (it expired unseen by its holder: the scheduler requeued the job, and
+        the holder's count of it, not yet ended, would count it twice)."""
+        return sum(1 if self.seated.get(job) else self.by_job[job].gpus for job in self.holder
+                   if job in self.by_job and self.by_job[job].tenant == tenant and self.expires.get(job, now) >= now - 1.0)
 
     def _released(self, run: Run, busy: set[int], outcome: str, now: float) -> None:
         if run.released:
