@@ -292,3 +292,31 @@ def test_the_pass_writes_its_waiting_events_in_short_transactions(make_client: A
     assert placement.note_wait_reasons(client.app) == 5
     assert len(opened) == 3, "5 jobs' events, 2 a transaction"
     assert all([e["type"] for e in events_of(client, user, j)].count("waiting") == 1 for j in jobs)
+
+
+@pytest.mark.parametrize("db_url", ["postgresql"], indirect=True)  # SQLite's writers take turns: no row is held by another
+def test_the_pass_neither_waits_for_nor_loses_a_job_another_transaction_holds(make_client: Any, keys: Any, db_url: str) -> None:
+    """A queued job whose row another transaction holds (a grant, a cancel) is passed over by the pass, which waits for
+    nobody: waiting there, it held the rows it had locked, in its own order, and a worker's heartbeats, which lock their
+    jobs in id order, deadlocked with it. The next pass notes the job it passed over."""
+    from sqlalchemy import text
+
+    from tinkergym.scheduler import placement
+
+    client = make_client()
+    user = keys.new("acme", "read,write")
+    jobs = [kit.submit(client, user) for _ in range(3)]
+    holder = make_engine(db_url)
+    try:
+        with holder.connect() as conn, conn.begin():
+            conn.execute(text("SELECT id FROM jobs WHERE id = :j FOR NO KEY UPDATE"), {"j": jobs[1]})
+            done: list[int] = []
+            passing = threading.Thread(target=lambda: done.append(placement.note_wait_reasons(client.app)))
+            passing.start()
+            passing.join(20)
+            assert done == [2], "the pass noted the two jobs nobody held, without waiting for the third"
+        assert [[e["type"] for e in events_of(client, user, j)].count("waiting") for j in jobs] == [1, 0, 1]
+        assert placement.note_wait_reasons(client.app) == 1, "the next pass notes the job it passed over, and it alone"
+        assert [[e["type"] for e in events_of(client, user, j)].count("waiting") for j in jobs] == [1, 1, 1]
+    finally:
+        holder.dispose()

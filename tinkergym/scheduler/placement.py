@@ -38,8 +38,7 @@ from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler import fairshare, measured, memory, states
 from tinkergym.scheduler.bounds import WorkerBounds, parse_bounds
-from tinkergym.scheduler.db import allocations, api_keys, devices, tenants, workers
-from tinkergym.scheduler.repository import NotFound
+from tinkergym.scheduler.db import allocations, api_keys, devices, jobs, tenants, workers
 from tinkergym.scheduler.seats import league_seats, model_of, parse_shared, players
 from tinkergym.scheduler.worker_registry import worker_timeout
 
@@ -390,31 +389,36 @@ def note_wait_reasons(app: Any) -> int:
 
     store = app.state.store
     started = time.perf_counter()
-    last: dict[str, dict[str, str]] = (getattr(app.state, "wait_pass", None) or {}).get("reasons", {})
+    before = getattr(app.state, "wait_pass", None) or {}
+    last: dict[str, dict[str, str]] = before.get("reasons", {})
+    unnoted: set[str] = before.get("unnoted", set())  # jobs the last pass could not note (held by another transaction)
     with store.read() as conn:
         now = store.clock()
         queue = list(grant_order(conn, MAX_SCAN))
         found = Placement(conn, app.state.settings, now).reasons(queue) if queue else {}
-    changed = {job_id: r for job_id, r in found.items() if last.get(job_id, {}).get("code") != r["code"]}
-    noted = 0
+    changed = {job_id: r for job_id, r in found.items() if last.get(job_id, {}).get("code") != r["code"] or job_id in unnoted}
+    noted, skipped = 0, set()
     items = list(changed.items())
     for at in range(0, len(items), NOTE_BATCH):  # short transactions: each holds its jobs' rows only while it writes them
+        batch = dict(items[at:at + NOTE_BATCH])
         with store.transaction() as conn:
-            for job_id, r in items[at:at + NOTE_BATCH]:
-                try:
-                    queued = store.get(conn, job_id, for_update=True)["state"] == states.QUEUED
-                except NotFound:
-                    continue  # deleted since the read
-                if queued:
-                    store.append_event(conn, job_id, "waiting", r)
-                    noted += 1
+            # the batch's jobs still queued, locked in id order as a worker's heartbeats lock theirs, and not waited for:
+            # a job another transaction holds is changing (granted, cancelled); the next pass notes it if it still waits
+            query = select(jobs.c.id).where(jobs.c.id.in_(sorted(batch)), jobs.c.state == states.QUEUED).order_by(jobs.c.id)
+            if conn.dialect.name != "sqlite":
+                query = query.with_for_update(key_share=True, skip_locked=True)
+            taken = list(conn.execute(query).scalars())
+            for job_id in taken:
+                store.append_event(conn, job_id, "waiting", batch[job_id])
+                noted += 1
+            skipped |= set(batch) - set(taken)
     reservations = getattr(app.state, "reservations", None)
     if reservations and len(queue) < MAX_SCAN:  # a starving job's reservation ends when it is no longer queued (a whole pass says so)
         waiting = {job["id"] for job in queue}
         for job_id in [j for j in list(reservations) if j not in waiting]:
             reservations.pop(job_id, None)
     took = time.perf_counter() - started
-    app.state.wait_pass = {"at": now, "reasons": found, "took": took, "cut": len(queue) if len(queue) >= MAX_SCAN else 0,
+    app.state.wait_pass = {"at": now, "reasons": found, "took": took, "cut": len(queue) if len(queue) >= MAX_SCAN else 0, "unnoted": skipped,
                            "every": max(app.state.settings.sweep_interval_s, took / DUTY)}
     return noted
 

@@ -38,6 +38,19 @@ RETRYABLE = ("40P01", "40001")
 RETRIES = 2
 
 
+def rerun_rolled_back(function: Callable[[], T]) -> T:
+    """``function()`` (one transaction), run again when the database rolled it back for another's sake (:data:`RETRYABLE`),
+    :data:`RETRIES` times at most."""
+    for attempt in range(RETRIES + 1):
+        try:
+            return function()
+        except OperationalError as exc:  # PostgreSQL chose this transaction to break a deadlock: it rolled back whole
+            if attempt == RETRIES or getattr(exc.orig, "sqlstate", None) not in RETRYABLE:
+                raise
+            time.sleep(0.02 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: Any, finish: Any = None, store: Any = None) -> Any:
     """Run ``handler(conn)`` in one transaction, once per ``Idempotency-Key`` when one is given; the JSON response.
 
@@ -49,16 +62,10 @@ def respond_once(request: Any, who: Any, key: str | None, body: Any, handler: An
     from tinkergym.scheduler.idempotency import IdempotencyError, run_once
 
     try:
-        for attempt in range(RETRIES + 1):
-            try:
-                stored = run_once(store if store is not None else request.app.state.store, tenant_id=who.tenant_id, method=request.method, path=request.url.path, key=key,
-                                  body=body, handler=handler, ttl_s=request.app.state.settings.idempotency_ttl_s,
-                                  bounded=who.bounds is None)  # a worker credential's records (every heartbeat's) are the cluster's
-                break
-            except OperationalError as exc:  # PostgreSQL chose this transaction to break a deadlock: it rolled back whole, run it again
-                if attempt == RETRIES or getattr(exc.orig, "sqlstate", None) not in RETRYABLE:
-                    raise
-                time.sleep(0.02 * (attempt + 1))
+        stored = rerun_rolled_back(lambda: run_once(
+            store if store is not None else request.app.state.store, tenant_id=who.tenant_id, method=request.method, path=request.url.path,
+            key=key, body=body, handler=handler, ttl_s=request.app.state.settings.idempotency_ttl_s,
+            bounded=who.bounds is None))  # a worker credential's records (every heartbeat's) are the cluster's
     except IdempotencyError as exc:
         kinds = {409: "conflict", 422: "idempotency_key_reused", 400: "invalid_request", 429: "quota"}
         headers = None if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}

@@ -31,7 +31,7 @@ from tinkergym.scheduler.auth import Principal
 from tinkergym.scheduler.bounds import parse_bounds
 from tinkergym.scheduler.db import MAX_INT, api_keys, workers
 from tinkergym.scheduler.repository import JobStore
-from tinkergym.scheduler.routes import respond_once
+from tinkergym.scheduler.routes import rerun_rolled_back, respond_once
 from tinkergym.config import DTYPES, is_model_name
 from tinkergym.serve.wire import WireModel
 from tinkergym.scheduler.seats import MAX_SEATS
@@ -439,9 +439,12 @@ def heartbeats(worker_id: str, body: Heartbeats, request: Request, who: Principa
     store, settings = _store(request), request.app.state.settings
     beats = [{"job_id": b.job_id, "epoch": b.epoch, "usage": b.usage.model_dump() if b.usage is not None else None,
               "memory": b.memory.model_dump() if b.memory is not None else None} for b in body.leases]
-    with store.transaction() as conn:
-        _own(conn, worker_id, who)
-        return {"leases": leases.heartbeat_many(conn, store, settings, worker_id, beats)}
+    def renew() -> dict[str, Any]:
+        with store.transaction() as conn:
+            _own(conn, worker_id, who)
+            return {"leases": leases.heartbeat_many(conn, store, settings, worker_id, beats)}
+
+    return rerun_rolled_back(renew)
 
 
 @router.post("/{worker_id}/jobs/{job_id}/state", response_model=StateAnswer, responses={404: {}, 409: {}, 422: {}})
