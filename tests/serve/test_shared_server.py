@@ -100,7 +100,8 @@ def test_adapters_are_managed_with_the_servers_token_and_reached_with_their_own(
     # Measured as well as counted (what a seat's heartbeat carries): the process's memory now and at its peak, the base's
     # alone from the start, and the adapters open.
     measured = after["measured"]
-    assert measured["sessions"] == 1 and 0 < measured["base_bytes"] <= listing["measured"]["device_bytes"]
+    # the base's measure against the peak since (on a CPU the process's resident memory can shrink below it by now)
+    assert measured["sessions"] == 1 and 0 < measured["base_bytes"] <= listing["measured"]["device_peak_bytes"]
     assert 0 < measured["host_bytes"] <= measured["host_peak_bytes"] and measured["device_bytes"] == measured["host_bytes"]
     assert not (tmp_path / "adapters" / a["adapter_id"]).exists()
     assert http.delete(f"/v1/adapters/{a['adapter_id']}", headers=ADMIN).status_code == 404
