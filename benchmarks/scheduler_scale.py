@@ -722,7 +722,10 @@ class Cluster:
         spec = self.by_job.get(job)
         if spec is None:
             return "lost"
-        status, body = await self.http.request("GET", f"/v1/jobs/{job}", self.keys["tenants"][spec.tenant])
+        try:
+            status, body = await self.http.request("GET", f"/v1/jobs/{job}", self.keys["tenants"][spec.tenant])
+        except (OSError, asyncio.IncompleteReadError):  # dropped three times: the reconcile of held jobs settles it later
+            return "lost"
         state = body.get("state") if status == 200 else None
         return state if state in ("succeeded", "failed", "cancelled") else "lost"
 
