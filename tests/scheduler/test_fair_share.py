@@ -204,26 +204,14 @@ def test_a_locked_worker_row_does_not_block_a_state_report_of_its_jobs(make_clie
 def test_a_request_whose_transaction_the_database_broke_for_a_deadlock_runs_again(make_client: Any, keys: Any) -> None:
     """PostgreSQL breaks a deadlock by rolling one transaction back (SQLSTATE 40P01): that request runs again, whole,
     rather than answering 500; any other database error is not retried."""
-    from sqlalchemy.exc import OperationalError
-
     from tinkergym.scheduler import idempotency
-
-    class Deadlock(Exception):
-        sqlstate = "40P01"
 
     client = make_client()
     user = keys.new("acme", "read,write")
     job = kit.submit(client, user)
     worker = kit.register(client, keys.worker(8), devices=1)
-    runs: list[int] = []
     original = idempotency.run_once
-
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        runs.append(1)
-        if len(runs) == 1:
-            raise OperationalError("UPDATE jobs ...", {}, Deadlock("deadlock detected"))
-        return original(*args, **kwargs)
-
+    flaky, runs = kit.deadlocked_once(original, "UPDATE jobs ...")
     idempotency.run_once = flaky  # type: ignore[assignment]
     try:
         lease = worker.lease()

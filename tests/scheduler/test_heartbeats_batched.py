@@ -117,23 +117,10 @@ def test_a_call_the_database_rolled_back_for_a_deadlock_runs_again(make_client: 
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """PostgreSQL breaks a deadlock by rolling one transaction back (SQLSTATE 40P01): the worker's heartbeats run again,
     whole, rather than answering 500 (its leases would then go unrenewed for an interval); another error is not retried."""
-    from sqlalchemy.exc import OperationalError
-
-    class Deadlock(Exception):
-        sqlstate = "40P01"
-
     clock = kit.Clock()
     client, worker, _, jobs = _cluster(make_client, keys, clock)
     clock.advance(10.0)
-    runs: list[int] = []
-    original = leases.heartbeat_many
-
-    def flaky(*args: Any, **kwargs: Any) -> Any:
-        runs.append(1)
-        if len(runs) == 1:
-            raise OperationalError("SELECT jobs ... FOR NO KEY UPDATE", {}, Deadlock("deadlock detected"))
-        return original(*args, **kwargs)
-
+    flaky, runs = kit.deadlocked_once(leases.heartbeat_many, "SELECT jobs ... FOR NO KEY UPDATE")
     monkeypatch.setattr(leases, "heartbeat_many", flaky)
     epochs = {j: kit.job_row(db_url, j)["lease_epoch"] for j in jobs}
     answer = worker.post("/heartbeats", {"leases": [{"job_id": j, "epoch": epochs[j]} for j in jobs]})

@@ -195,3 +195,25 @@ def shared_worker(url: str, key: str, folder: Path, cache: Path, seats: int = 3,
                "--work-dir", str(folder / "work"), "--heartbeat", "0.5", "--poll", "0.2"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(folder / "worker.log", "w"),
                             env={**os.environ, "TINKERGYM_API_KEY": key, "TINKERGYM_CACHE": str(cache), **(env or {})})
+
+
+class Deadlock(Exception):
+    """What psycopg raises when PostgreSQL breaks a deadlock by rolling this transaction back."""
+
+    sqlstate = "40P01"
+
+
+def deadlocked_once(function: Any, statement: str) -> tuple[Any, list[int]]:
+    """``function`` raising, at its first call only, the ``OperationalError`` of a transaction PostgreSQL rolled back to
+    break a deadlock in ``statement``; and the list its calls are counted in."""
+    from sqlalchemy.exc import OperationalError
+
+    runs: list[int] = []
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        runs.append(1)
+        if len(runs) == 1:
+            raise OperationalError(statement, {}, Deadlock("deadlock detected"))
+        return function(*args, **kwargs)
+
+    return flaky, runs
