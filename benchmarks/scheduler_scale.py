@@ -51,85 +51,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from scale_db import Database, cpu_seconds, postgres_cpu, with_statements  # sibling modules: benchmarks/ is on sys.path
+from scale_http import Http
 from scale_report import SEATS, fairness, lower_bound, ms, packed, percentile, table, utilization  # a sibling module: benchmarks/ is on sys.path
 
 MODEL = "tiny"
 LEASE_TTL = 30.0  # the scheduler's default (--lease-ttl sets it)
-
-
-# ----- the HTTP client (keep-alive, asyncio, no dependencies) ------------------------------------------------------
-class Http:
-    """HTTP/1.1 requests to 127.0.0.1:``port`` over a pool of kept-alive connections; ``(status, json body)``."""
-
-    def __init__(self, port: int, size: int) -> None:
-        self.port = port
-        self.size = size
-        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-        self.slots = asyncio.Semaphore(size)
-        self.requests = 0
-
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        return await asyncio.open_connection("127.0.0.1", self.port, limit=1 << 22)
-
-    async def request(self, method: str, path: str, key: str, body: Any = None, headers: dict[str, str] | None = None,
-                      timeout: float = 120.0) -> tuple[int, Any]:
-        if method == "POST" and "/v1/workers" in path and headers is None:  # the worker client keys every POST (its retries reuse it)
-            headers = {"Idempotency-Key": uuid.uuid4().hex}
-        data = b"" if body is None else json.dumps(body).encode()
-        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n{extra}"
-                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n").encode()
-        async with self.slots:
-            for attempt in range(3):
-                fresh = not self.idle
-                reader, writer = self.idle.pop() if self.idle else await self._connect()
-                try:
-                    writer.write(head + data)
-                    status, payload, keep = await asyncio.wait_for(_read_response(reader), timeout)
-                except (ConnectionError, asyncio.IncompleteReadError, OSError):
-                    writer.close()
-                    if attempt == 2:
-                        raise
-                    if fresh:  # closed unanswered (an overloaded server drops a request whose head it did not read in time):
-                        await asyncio.sleep(0.2 * (attempt + 1))  # again after a pause, as the worker's client does
-                    continue  # a kept-alive connection the server closed while idle: at once on a new one
-                except asyncio.TimeoutError:
-                    writer.close()
-                    raise
-                if keep:
-                    self.idle.append((reader, writer))
-                else:
-                    writer.close()
-                self.requests += 1
-                return status, payload
-        raise RuntimeError("unreachable")
-
-    async def close(self) -> None:
-        for _, writer in self.idle:
-            writer.close()
-        self.idle.clear()
-
-
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, Any, bool]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
-    if headers.get("transfer-encoding") == "chunked":
-        body = b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            body += await reader.readexactly(size + 2)
-            if size == 0:
-                break
-    else:
-        body = await reader.readexactly(int(headers.get("content-length", "0")))
-    keep = headers.get("connection", "").lower() != "close"
-    try:
-        payload = json.loads(body) if body.strip() else None
-    except ValueError:
-        payload = body.decode(errors="replace")
-    return status, payload, keep
 
 
 # ----- the workload -------------------------------------------------------------------------------------------------
@@ -227,7 +154,7 @@ def run_setup(code: Path, url: str, tenants: int, workers: int, max_gpus: list[i
         return json.loads(out.read_text())
 
 
-# ----- the scheduler process and the database ------------------------------------------------------------------------
+# ----- the scheduler process ---------------------------------------------------------------------------------------
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -244,103 +171,6 @@ def start_scheduler(code: Path, url: str, data_dir: Path, settings: list[str]) -
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(code)})
     wait_ready(process, port, 90.0, lambda: (data_dir / "serve.log").read_text()[-3000:])
     return process, port
-
-
-def cpu_seconds(pid: int, children: bool = False) -> float:
-    """User + system CPU seconds of process ``pid`` so far (0 when it is gone); ``children``: with those of its children
-    that have ended (a PostgreSQL backend's, once its connection closed, are its postmaster's)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    ticks = int(fields[11]) + int(fields[12]) + (int(fields[13]) + int(fields[14]) if children else 0)
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def postgres_cpu() -> float:
-    """CPU seconds of every ``postgres`` process on the machine (the private cluster's, while it alone runs), those of its
-    ended backends included: without them a closed connection took its CPU out of the sum."""
-    total = 0.0
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if (entry / "comm").read_text().strip() in ("postgres", "postmaster"):
-                    total += cpu_seconds(int(entry.name), children=True)
-            except OSError:
-                continue
-    return total
-
-
-class Database:
-    """The database of one run: a SQLite file, or a new database on the private PostgreSQL cluster."""
-
-    def __init__(self, kind: str, scratch: Path, server: Any = None) -> None:
-        self.kind, self.server = kind, server
-        self.url = f"sqlite:///{scratch / 'scheduler.db'}" if kind == "sqlite" else server.new_database()
-
-    def statements(self) -> dict[str, Any] | None:
-        """Statements and rows so far (``pg_stat_statements``; None on SQLite): calls, rows, shared blocks read or hit."""
-        if self.kind != "postgresql":
-            return None
-        import psycopg
-
-        with psycopg.connect(self.url.replace("postgresql+psycopg://", "postgresql://")) as conn:
-            row = conn.execute("SELECT coalesce(sum(calls),0), coalesce(sum(rows),0), coalesce(sum(shared_blks_hit + shared_blks_read),0) "
-                               "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())").fetchone()
-            tables = conn.execute("SELECT coalesce(sum(seq_tup_read),0), coalesce(sum(idx_tup_fetch),0) FROM pg_stat_user_tables").fetchone()
-        return {"calls": int(row[0]), "rows": int(row[1]), "blocks": int(row[2]), "seq_rows": int(tables[0]), "index_rows": int(tables[1])}
-
-    def top_statements(self, n: int = 8) -> list[dict[str, Any]]:
-        if self.kind != "postgresql":
-            return []
-        import psycopg
-
-        with psycopg.connect(self.url.replace("postgresql+psycopg://", "postgresql://")) as conn:
-            rows = conn.execute("SELECT calls, rows, total_exec_time, shared_blks_hit + shared_blks_read, left(regexp_replace(query, '\\s+', ' ', 'g'), 160) "
-                                "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
-                                "ORDER BY total_exec_time DESC LIMIT %s", (n,)).fetchall()
-        return [{"calls": r[0], "rows": r[1], "ms": round(r[2], 1), "blocks": r[3], "query": r[4]} for r in rows]
-
-    def plans(self) -> dict[str, list[str]]:
-        """``EXPLAIN ANALYZE`` of reading the queue: the head of every tenant's queue (a lease request's read) and the
-        first page of the whole queue in one order (what a scan of the queue in priority order costs)."""
-        if self.kind != "postgresql":
-            return {}
-        import psycopg
-
-        found = {}
-        with psycopg.connect(self.url.replace("postgresql+psycopg://", "postgresql://")) as conn:
-            for name, sql in PLANS.items():
-                found[name] = [row[0] for row in conn.execute("EXPLAIN (ANALYZE, BUFFERS, COSTS OFF, TIMING OFF) " + sql)]
-        return found
-
-    def reset_statements(self) -> None:
-        if self.kind != "postgresql":
-            return
-        import psycopg
-
-        with psycopg.connect(self.url.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
-            conn.execute("SELECT pg_stat_statements_reset()")
-
-
-PLANS = {
-    "tenant_heads": "SELECT head.* FROM tenants JOIN LATERAL (SELECT id, tenant_id, priority, created_at, gpus FROM jobs "
-                    "WHERE jobs.tenant_id = tenants.id AND jobs.state = 'queued' ORDER BY priority DESC, created_at, id LIMIT 8) AS head ON true",
-    "queue_page": "SELECT id, tenant_id, priority, created_at, gpus FROM jobs WHERE state = 'queued' "
-                  "ORDER BY priority DESC, created_at ASC, id ASC LIMIT 200",
-}
-
-
-def with_statements(server: Any) -> None:
-    """Make ``pg_stat_statements`` (preloaded at the cluster's start) countable in the benchmark's databases."""
-    import psycopg
-
-    from tinkergym.scheduler.devdb import PG_ROLE
-
-    # In template1, so every database made for a run has it; its reset granted to the role the scheduler connects as.
-    with psycopg.connect(host=str(server.socket_dir), port=server.port, user=server.superuser, dbname="template1", autocommit=True) as conn:
-        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
-        conn.execute(f"GRANT EXECUTE ON FUNCTION pg_stat_statements_reset TO {PG_ROLE}")
 
 
 # ----- the simulated cluster ------------------------------------------------------------------------------------------
