@@ -116,7 +116,7 @@ def test_heartbeats_are_the_workers_own_and_bounded(make_client: Any, keys: Any)
 def test_a_call_the_database_rolled_back_for_a_deadlock_runs_again(make_client: Any, keys: Any, db_url: str,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """PostgreSQL breaks a deadlock by rolling one transaction back (SQLSTATE 40P01): the worker's heartbeats run again,
-    whole, rather than answering 500 (its leases would then go unrenewed for an interval); another error is not retried."""
+    whole, rather than answering 500 (its leases would then go unrenewed for an interval)."""
     clock = kit.Clock()
     client, worker, _, jobs = _cluster(make_client, keys, clock)
     clock.advance(10.0)
@@ -126,6 +126,22 @@ def test_a_call_the_database_rolled_back_for_a_deadlock_runs_again(make_client: 
     answer = worker.post("/heartbeats", {"leases": [{"job_id": j, "epoch": epochs[j]} for j in jobs]})
     assert answer.status_code == 200 and len(runs) == 2, (answer.text, runs)
     assert all(kit.job_row(db_url, j)["lease_expires_at"] == pytest.approx(clock() + 30.0) for j in jobs)
+
+
+def test_only_a_transaction_rolled_back_for_another_runs_again() -> None:
+    """A deadlock (40P01) or a serialization failure runs the transaction again; another error of the database (here a
+    unique violation, 23505) is raised at once, not run a second time."""
+    from sqlalchemy.exc import OperationalError
+
+    from tinkergym.scheduler.routes import RETRYABLE, rerun_rolled_back
+
+    assert "40P01" in RETRYABLE and "23505" not in RETRYABLE
+    flaky, runs = kit.deadlocked_once(lambda: "done", "UPDATE jobs ...")
+    assert rerun_rolled_back(flaky) == "done" and len(runs) == 2
+    flaky, runs = kit.deadlocked_once(lambda: "done", "INSERT INTO jobs ...", sqlstate="23505")
+    with pytest.raises(OperationalError):
+        rerun_rolled_back(flaky)
+    assert len(runs) == 1
 
 
 def test_a_workers_row_is_written_at_most_once_a_second(make_client: Any, keys: Any, db_url: str) -> None:

@@ -198,14 +198,17 @@ def shared_worker(url: str, key: str, folder: Path, cache: Path, seats: int = 3,
 
 
 class Deadlock(Exception):
-    """What psycopg raises when PostgreSQL breaks a deadlock by rolling this transaction back."""
+    """What psycopg raises when PostgreSQL breaks a deadlock by rolling this transaction back (or, with another
+    ``sqlstate``, another error of the database)."""
 
-    sqlstate = "40P01"
+    def __init__(self, message: str, sqlstate: str = "40P01") -> None:
+        super().__init__(message)
+        self.sqlstate = sqlstate
 
 
-def deadlocked_once(function: Any, statement: str) -> tuple[Any, list[int]]:
+def deadlocked_once(function: Any, statement: str, sqlstate: str = "40P01") -> tuple[Any, list[int]]:
     """``function`` raising, at its first call only, the ``OperationalError`` of a transaction PostgreSQL rolled back to
-    break a deadlock in ``statement``; and the list its calls are counted in."""
+    break a deadlock in ``statement`` (another ``sqlstate``: another error); and the list its calls are counted in."""
     from sqlalchemy.exc import OperationalError
 
     runs: list[int] = []
@@ -213,7 +216,7 @@ def deadlocked_once(function: Any, statement: str) -> tuple[Any, list[int]]:
     def flaky(*args: Any, **kwargs: Any) -> Any:
         runs.append(1)
         if len(runs) == 1:
-            raise OperationalError(statement, {}, Deadlock("deadlock detected"))
+            raise OperationalError(statement, {}, Deadlock("deadlock detected", sqlstate))
         return function(*args, **kwargs)
 
     return flaky, runs

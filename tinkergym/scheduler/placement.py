@@ -29,9 +29,10 @@ restart each queued job gets one ``waiting`` event again.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
-from typing import Any
-from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
+from collections.abc import Callable, Iterable, Iterator
 
 from sqlalchemy import select
 from sqlalchemy.engine import Connection
@@ -323,29 +324,28 @@ def front_reasons(app: Any, conn: Connection, settings: Any, now: float) -> dict
     """The reasons of the first :data:`VIEW_SCAN` jobs of the grant order, read at most every ``settings.cache_s`` (real
     time) for the app, by one view at a time: the views that ask meanwhile wait for it and share what it read (at 20
     views a second, each reading the front itself was half the scheduler's work at 1,000 workers)."""
-    import time
-
     with app.state.front_lock:
-        cached = getattr(app.state, "front_cache", None)
-        if cached is not None and time.monotonic() - cached[0] < settings.cache_s:
-            return cached[1]
-        hosts = cached_hosts(app, conn, settings, now)
-        front = Placement(conn, settings, now, hosts).reasons(grant_order(conn, VIEW_SCAN))
-        app.state.front_cache = (time.monotonic(), front)
-        return front
+        return app_cached(app, "front_cache", settings.cache_s,
+                          lambda: Placement(conn, settings, now, cached_hosts(app, conn, settings, now)).reasons(grant_order(conn, VIEW_SCAN)))
 
 
 def cached_hosts(app: Any, conn: Connection, settings: Any, now: float) -> list[Host]:
     """The live workers as placement sees them, read at most every ``settings.cache_s`` (real time) for the app."""
-    import time
+    return app_cached(app, "hosts_cache", getattr(settings, "cache_s", 0.0), lambda: alive_hosts(conn, settings, now))
 
-    cached = getattr(app.state, "hosts_cache", None)
-    ttl = getattr(settings, "cache_s", 0.0)
+
+T = TypeVar("T")
+
+
+def app_cached(app: Any, name: str, ttl: float, read: Callable[[], T]) -> T:
+    """What ``read()`` gives, kept in ``app.state.<name>`` with the time it was read and given again for ``ttl`` seconds
+    of real time (0: read every time)."""
+    cached = getattr(app.state, name, None)
     if cached is not None and time.monotonic() - cached[0] < ttl:
         return cached[1]
-    hosts = alive_hosts(conn, settings, now)
-    app.state.hosts_cache = (time.monotonic(), hosts)
-    return hosts
+    value = read()
+    setattr(app.state, name, (time.monotonic(), value))
+    return value
 
 
 # ----- what workers have ever offered ----------------------------------------------------------------
@@ -383,8 +383,6 @@ NOTE_BATCH = 100
 def note_wait_reasons(app: Any) -> int:
     """Append a ``waiting`` event (``code``, ``message``) to each queued job whose reason code changed since the last pass;
     how many. The last reasons live in ``app.state.wait_pass`` (memory only; job views read them, see :func:`wait_reasons`)."""
-    import time
-
     from tinkergym.scheduler.leases import MAX_SCAN
 
     store = app.state.store
