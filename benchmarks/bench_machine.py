@@ -7,6 +7,7 @@ Imported by the scripts in this folder (run as ``python benchmarks/<script>.py``
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from typing import Any
 
@@ -17,6 +18,13 @@ from tinkergym.backends.torch.machine import (  # noqa: F401 - the benchmarks im
 _load = load_average
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def has_weights(folder: str) -> bool:

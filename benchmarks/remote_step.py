@@ -42,7 +42,6 @@ import contextlib
 import json
 import os
 import secrets
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,17 +53,11 @@ from types import SimpleNamespace
 from typing import Any
 from collections.abc import Callable, Iterator
 
-from bench_machine import CpuShare, _load, describe, emulation_warning, machine_facts, resolve_precision
+from bench_machine import CpuShare, _load, describe, emulation_warning, free_port, machine_facts, resolve_precision
 from grpo_setup import QUICK_SHAPE, BenchSettings, _timed, make_env, versions
 
 #: Metric keys that are timings (they differ between the sides by nature).
 VOLATILE = ("time/", "perf/", "timing/", "throughput/")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(model_path: str, lora_rank: int, folder: Path, threads: int, lora_alpha: int, micro_batch_size: int,

@@ -21,7 +21,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,13 +33,9 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
 
-from bench_machine import CpuShare, _load
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from bench_machine import CpuShare, _load, free_port
+from scale_db import cpu_seconds
+from scale_report import ms, percentile
 
 
 def databases(which: str, scratch: Path) -> Iterator[tuple[str, str]]:
@@ -120,12 +115,6 @@ def submit_all(port: int, key: str, count: int, clients: int) -> tuple[list[floa
     return latencies, failures[0], time.perf_counter() - start
 
 
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) a process has used so far, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def count_jobs(url: str) -> int:
     from sqlalchemy import func, select
 
@@ -137,11 +126,6 @@ def count_jobs(url: str) -> int:
             return int(conn.execute(select(func.count()).select_from(jobs)).scalar_one())
     finally:
         engine.dispose()
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
 def measure(name: str, url: str, scratch: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -161,9 +145,9 @@ def measure(name: str, url: str, scratch: Path, args: argparse.Namespace) -> dic
         submit_all(port, key, args.warmup, args.clients)
         load = {"start": _load()}
         cpu = CpuShare()
-        server_cpu = process_cpu(process.pid)
+        server_cpu = cpu_seconds(process.pid)
         latencies, failures, wall = submit_all(port, key, args.jobs, args.clients)
-        server_cpu = process_cpu(process.pid) - server_cpu
+        server_cpu = cpu_seconds(process.pid) - server_cpu
         cores = cpu.stop()
         load["end"] = _load()
     finally:
@@ -173,8 +157,8 @@ def measure(name: str, url: str, scratch: Path, args: argparse.Namespace) -> dic
     in_db = count_jobs(url)
     return {
         "database": name, "clients": args.clients, "submissions": len(latencies), "failures": failures, "wall_s": wall,
-        "per_s": acknowledged / wall, "p50_ms": 1000 * percentile(latencies, 0.50), "p90_ms": 1000 * percentile(latencies, 0.90),
-        "p99_ms": 1000 * percentile(latencies, 0.99), "max_ms": 1000 * max(latencies), "mean_ms": 1000 * statistics.mean(latencies),
+        "per_s": acknowledged / wall, "p50_ms": ms(percentile(latencies, 0.50)), "p90_ms": ms(percentile(latencies, 0.90)),
+        "p99_ms": ms(percentile(latencies, 0.99)), "max_ms": 1000 * max(latencies), "mean_ms": 1000 * statistics.mean(latencies),
         "server_cpu_ms_per_submission": 1000 * server_cpu / max(len(latencies), 1), "jobs_in_db": in_db, "expected_in_db": acknowledged + args.warmup, "other_cores": cores["other_cores"], "load": load,
     }
 

@@ -40,7 +40,6 @@ import json
 import math
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -51,7 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from scale_db import Database, cpu_seconds, postgres_cpu, with_statements  # sibling modules: benchmarks/ is on sys.path
+from bench_machine import free_port  # sibling modules: benchmarks/ is on sys.path
+from scale_db import Database, cpu_seconds, postgres_cpu, with_statements
 from scale_http import Http
 from scale_report import SEATS, fairness, lower_bound, ms, packed, percentile, table, utilization  # a sibling module: benchmarks/ is on sys.path
 
@@ -155,12 +155,6 @@ def run_setup(code: Path, url: str, tenants: int, workers: int, max_gpus: list[i
 
 
 # ----- the scheduler process ---------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_scheduler(code: Path, url: str, data_dir: Path, settings: list[str]) -> tuple[subprocess.Popen, int]:
     from scheduler_load import wait_ready  # noqa: PLC0415 - a sibling script (benchmarks/ is on sys.path)
 
