@@ -274,3 +274,107 @@ def test_full_fine_tuning_casts_each_master_weight_once_per_pass(tiny: str) -> N
     assert max(casts.counts.values()) == 1, casts.counts
     for p in backend.model.parameters():  # and the gradients reached every weight
         assert p.grad is not None
+
+
+def _resident_mib() -> float:
+    import os
+
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident memory from /proc")
+def test_freed_tensors_memory_goes_back_to_the_system() -> None:
+    """glibc keeps the memory of freed tensors of up to 32 MiB in its heap: resident, though nothing uses it, until it is
+    released."""
+    from tinkergym.backends.torch.runtime import release_free_memory
+
+    if not release_free_memory():
+        pytest.skip("the C library has no malloc_trim")
+    first = torch.ones(2**18)  # a MiB mapped and unmapped: glibc serves tensors of this size from its heap from now on
+    del first
+    held = [torch.ones(2**18) for _ in range(400)]
+    before = _resident_mib()
+    del held[::2]  # 200 MiB freed between tensors still in use: the heap cannot shrink from its top
+    kept = _resident_mib()
+    release_free_memory()
+    assert kept > before - 50, "freed heap memory stayed resident until it was released"
+    assert _resident_mib() < kept - 120
+    assert all(t.sum().item() == 2**18 for t in held)  # what is still in use is untouched
+
+
+def test_the_backends_release_memory_when_sampling_turns_to_training_and_back(tiny: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinkergym.backends.torch import runtime
+    from tinkergym.backends.torch.shared import LoraSessionConfig, SharedBase, SharedBaseConfig
+
+    released: list[int] = []
+    monkeypatch.setattr(runtime, "release_free_memory", lambda: released.append(1) or True)
+    request = SampleRequest(prompts=[[1, 5, 9]], params=SamplingParams(max_new_tokens=3, temperature=0.0))
+    backend = make(tiny, lora_rank=4, dtype="float32")
+    backend.sample(request)
+    backend.sample(request)
+    assert released == []  # passes of one phase reuse each other's memory
+    train_step(backend)
+    train_step(backend)
+    assert len(released) == 1
+    backend.sample(request)
+    assert len(released) == 2 and backend.phase_memory.releases == 2
+
+    base = SharedBase(SharedBaseConfig(model=tiny, dtype="float32"))
+    sessions = [base.open_session(LoraSessionConfig(lora_rank=4, seed=i)) for i in range(2)]
+    base.sample_many([(s, request) for s in sessions])
+    data = [Datum(tokens=[1, 5, 9, 4, 7, 3], loss_mask=[0, 0, 1, 1, 1, 1], advantages=[0, 0, 1, 1, 1, 1])]
+    base.forward_backward_many([(s, ForwardBackwardRequest(data, LossSpec(name="reinforce"))) for s in sessions])
+    assert len(released) == 3 and base.phase_memory.releases == 1
+    base.sample_many([(s, request) for s in sessions])
+    assert len(released) == 4
+
+
+def test_a_phase_releases_when_its_passes_have_crept_past_the_first_ones_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinkergym.backends.torch import runtime
+
+    resident = [0]
+    released: list[int] = []
+    monkeypatch.setattr(runtime, "resident_bytes", lambda: resident[0])
+    monkeypatch.setattr(runtime, "release_free_memory", lambda: released.append(resident[0]) or True)
+    memory = runtime.PhaseMemory(slack=0.1, min_slack=100)
+    memory.enter("train")
+    for after in (3000, 3100, 3250, 3300):  # the first pass sets the level; within 10% of it, nothing is released
+        resident[0] = after
+        memory.passed()
+    assert released == []
+    resident[0] = 3301  # past the level by more than 10%
+    memory.passed()
+    assert released == [3301] and memory.level is None
+    resident[0] = 1000  # after the release the next pass sets the level anew: 1,000 + 100 at least
+    memory.passed()
+    resident[0] = 1100
+    memory.passed()
+    assert released == [3301]
+    resident[0] = 1101
+    memory.passed()
+    memory.enter("train")  # the same phase again: no release
+    assert released == [3301, 1101]
+    memory.passed()
+    memory.enter("sample")
+    assert released == [3301, 1101, 1101] and memory.releases == 3
+
+
+def test_a_pass_larger_than_those_before_it_releases_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinkergym.backends.torch import runtime
+    from tinkergym.backends.torch.scoring import MicroBatch
+
+    released: list[int] = []
+    monkeypatch.setattr(runtime, "resident_bytes", lambda: None)
+    monkeypatch.setattr(runtime, "release_free_memory", lambda: released.append(1) or True)
+    memory = runtime.PhaseMemory(slack=0.1)
+    memory.enter("train")
+    for size in (1300, 1000, 1430):  # within 10% of the largest so far
+        memory.passing(size)
+    assert released == []
+    memory.passing(1431 + 143)  # past the largest by more than 10%: the smaller passes' pieces go first
+    assert released == [1] and memory.largest == 1574
+    memory.passing(1574)
+    assert released == [1]
+    data = [Datum(tokens=list(range(n)), loss_mask=[1] * n) for n in (10, 12, 7)]
+    assert MicroBatch([0, 1, 2]).tokens(data) == 29
+    assert MicroBatch([0, 1, 2], group_sizes=[2, 1], prefix_lens=[5, 3]).tokens(data) == 29 - 4  # the shared prompt runs once

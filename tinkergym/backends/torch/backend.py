@@ -55,6 +55,7 @@ from tinkergym.backends.torch.sampling import RowStreams, sample_batch
 from tinkergym.backends.torch.turns import TurnLock
 from tinkergym.backends.torch.runtime import (  # noqa: F401 - public here too
     DTYPES,
+    PhaseMemory,
     compute_in,
     deterministic_mode,
     enable_gradient_checkpointing,
@@ -254,6 +255,7 @@ class TorchBackend:
         self._sampling_copy: CastCopy | MergedLoraCopy | None = None  # see _sampling_model
         self._sampling_copy_stale = False  # the trainable weights changed since the copy was made or refreshed
         self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))
+        self.phase_memory = PhaseMemory()
         self._lock = TurnLock()  # one call at a time, sample calls first: the training thread's, or a snapshot's (see sampling_snapshot)
         self._last_snapshot: TorchSnapshot | None = None
         # Padding is only ever read behind the attention mask, so any id does when the tokenizer has none.
@@ -408,12 +410,14 @@ class TorchBackend:
         with_images = [i for i, images in enumerate(request.images) if images]
         text_rows = [i for i in range(len(request.prompts)) if i >= len(request.images) or not request.images[i]]
         self.prefix_cache.scope = adapter_scope(model) if scope is None else scope
+        self.phase_memory.enter("sample")
         results: list[SampledSequence] = []
         for rows in sample_batches(text_rows, n, self.config.max_sample_batch):
             chunk = [request.prompts[i] for i in rows]
             generator = None if seeds is None else seeds.take(rows)
             with self._compute(), self._out_of_memory_advice(chunk, training=False):
                 results.extend(sample_batch(model, chunk, params, stop_ids, self.pad_id, generator, self.config.share_prefixes, prefix_cache=self.prefix_cache))
+            self.phase_memory.passed()
         sequences: dict[int, list[SampledSequence]] = {i: results[k * n : (k + 1) * n] for k, i in enumerate(text_rows)}
         for i in with_images:  # each prompt with images on its own, past the prefix cache (see tinkergym.backends.torch.vision)
             assert self.vision is not None  # check_prompts refused images otherwise
@@ -553,6 +557,7 @@ class TorchBackend:
         spec, data = request.loss, request.data
         self._check_data(data, spec)
         self.prefix_cache.clear()  # its memory goes to the activations; sampling after an update starts afresh anyway
+        self.phase_memory.enter("train")
         total_mask, num_sequences = request_normalizers(request)
         self.model.train()
         # Metric sums stay on the device until every micro-batch ran: one read-back, not one per metric and micro-batch.
@@ -564,11 +569,13 @@ class TorchBackend:
             for micro in self.plan(data):
                 if self._lock.let_samplers_in():  # a snapshot sampled in between (async_steps): its env steps overlap the rest
                     self.model.train()
+                self.phase_memory.passing(micro.tokens(data))
                 sums, logprobs = self._train_micro(data, micro, spec, total_mask, num_sequences)
                 if request.return_logprobs:
                     for i, row in zip(micro.indices, logprobs.detach().float().cpu().tolist()):
                         scored[i] = row[: len(data[i].tokens)]
                 micro_sums.append(sums)
+                self.phase_memory.passed()
         totals: dict[str, float] = {}
         for floats in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were
             totals = losses.add_sums(totals, floats)

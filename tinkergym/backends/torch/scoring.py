@@ -32,6 +32,7 @@ import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -53,6 +54,10 @@ class MicroBatch:
     indices: list[int]
     group_sizes: list[int] = field(default_factory=list)
     prefix_lens: list[int] = field(default_factory=list)
+
+    def tokens(self, data: Sequence[Datum]) -> int:
+        """The tokens the pass runs through the model: its rows', a shared prompt's once (what its memory grows with)."""
+        return sum(len(data[i].tokens) for i in self.indices) - sum((n - 1) * (p - 1) for n, p in zip(self.group_sizes, self.prefix_lens))
 
 
 def host_to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -64,7 +64,7 @@ from tinkergym.backends.torch.copies import kv_token_cost
 from tinkergym.backends.torch.lora_session import LoraSession, LoraSessionConfig, Outcome
 from tinkergym.backends.torch.prefix_cache import PrefixCache
 from tinkergym.backends.torch.row_adapters import rows_through
-from tinkergym.backends.torch.runtime import DTYPES, compute_in, load_causal_lm, resolve_attn_implementation, resolve_device, resolve_dtype
+from tinkergym.backends.torch.runtime import DTYPES, PhaseMemory, compute_in, load_causal_lm, resolve_attn_implementation, resolve_device, resolve_dtype
 from tinkergym.backends.torch.sampling import RowGenerators, RowStreams, SeededRows, sample_batch
 from tinkergym.backends.torch.scoring import MicroBatch, logprobs_from, padded_length_limit, plan_micro_batches, sequence_logprobs
 from tinkergym.backends.torch.sizing import LANGUAGE_MODEL
@@ -157,6 +157,7 @@ class SharedBase:
         self.layers = multi_lora.inject(self.model, self.config.lora_target_modules, within=within)
         self.sessions: dict[int, LoraSession] = {}
         self.prefix_cache = PrefixCache(max_bytes=int(self.config.prefix_cache_mb * 2**20))
+        self.phase_memory = PhaseMemory()
         self._next_id = 1
         self._lock = threading.RLock()  # one pass at a time over the shared model
         self._given: dict[int, Any] = {}  # a sample_many call's generators, by its requests' ids
@@ -254,6 +255,7 @@ class SharedBase:
     def _forward_backward_together(self, calls: Sequence[tuple[LoraSession, ForwardBackwardRequest]]) -> list[ForwardBackwardResult]:
         for session, _ in calls:  # their prefixes' memory goes to the activations; sampling after the update starts afresh anyway
             self.prefix_cache.drop_scope(session.id)
+        self.phase_memory.enter("train")
         kv_cost = kv_token_cost(self.model.config)
         normalizers = [request_normalizers(request) for _, request in calls]
         sums: list[list[dict[str, torch.Tensor]]] = [[] for _ in calls]
@@ -269,7 +271,9 @@ class SharedBase:
                 data = [calls[k][1].data[i] for k, i in rows]
                 share = self.config.share_prefixes and not any(d.images for d in data)  # rows with images are scored on their own
                 for micro in plan_micro_batches(data, self.config.micro_batch_size, share, kv_cost, scopes=[k for k, _ in rows]):
+                    self.phase_memory.passing(micro.tokens(data))
                     self._one_pass(calls, [rows[j] for j in micro.indices], micro, temperature, normalizers, sums, scored)
+                    self.phase_memory.passed()
         results: list[ForwardBackwardResult] = []
         carried: list[tuple[FitCarry, dict[str, float]]] = []
         for (_, request), micro_sums, logprobs in zip(calls, sums, scored):
@@ -405,6 +409,7 @@ class SharedBase:
             k: self._given.get(id(r)) or (s.generator if r.params.seed is None else RowStreams(sample_seeds(r.prompts, r.num_samples, r.params.seed, r.images)))
             for k, (s, r) in enumerate(calls)}
         self.model.eval()
+        self.phase_memory.enter("sample")
         most = self.config.max_sample_batch
         for key, members in settings.items():
             # Each request's sequences in batches of max_sample_batch, as it would be batched alone (and as TorchBackend
@@ -421,6 +426,7 @@ class SharedBase:
             for pieces in batches:
                 if pieces:
                     self._sample_batch(calls, pieces, params, list(key[-1]), generators, out)
+                    self.phase_memory.passed()
         for k, (session, request) in enumerate(calls):
             for i in (i for i in range(len(request.prompts)) if request.images and request.images[i]):
                 out[k][i] = self._sample_images(session, request, i, stop_ids[k], generators[k])
