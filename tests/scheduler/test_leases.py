@@ -60,6 +60,47 @@ def test_lease_gives_job_devices_token_and_event(setup: Any, db_url: str) -> Non
     assert w.lease() is None  # nothing else queued, no device free
 
 
+def test_a_lease_is_written_in_three_statements_whatever_its_devices(setup: Any, clock: Any, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A grant writes the job's row (with its cursor moved past both events), its two events and its devices' rows: one
+    statement each, for 1 device or 4 (the general transition took five and one a device). A job leased before also
+    reads its last checkpoint."""
+    from sqlalchemy import event
+
+    engine = setup.client.app.state.grant_store.engine if getattr(setup.client.app.state, "grant_store", None) else setup.client.app.state.store.engine
+    taken: list[list[str]] = []
+    take = leases._take
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        seen: list[str] = []
+
+        def count(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+            seen.append(statement.split()[0].upper())
+
+        event.listen(engine, "after_cursor_execute", count)
+        try:
+            return take(*args, **kwargs)
+        finally:
+            event.remove(engine, "after_cursor_execute", count)
+            taken.append(seen)
+
+    monkeypatch.setattr(leases, "_take", counted)
+    w = register(setup.client, setup.worker, devices=5)
+    one, four = setup.job(gpus=1), setup.job(gpus=4, max_attempts=2)
+    assert w.lease()["job_id"] == one and w.lease()["job_id"] == four
+    assert taken == [["UPDATE", "INSERT", "INSERT"]] * 2, taken
+    events = setup.client.get(f"/v1/jobs/{four}/events", headers=kit.auth(setup.user)).json()["events"]
+    assert [e["type"] for e in events][-2:] == ["state", "lease"] and [e["seq"] for e in events] == list(range(1, len(events) + 1))
+    assert events[-2]["data"] == {"state": "leased", "attempt": 0, "epoch": 1}
+    assert events[-1]["data"] == {"epoch": 1, "devices": 4, "expires_at": pytest.approx(setup.client.app.state.settings.clock() + 30.0), "attempt": 0}
+    assert len(allocated(db_url, four)) == 4
+    for state in ("starting", "running", "succeeded"):
+        assert w.state(four, 1, state, server_url="http://127.0.0.1:9").status_code == 200
+    clock.advance(31.0)
+    assert leases.sweep(setup.client.app) == 1  # the other lost: queued again
+    assert w.lease()["job_id"] == one
+    assert taken[-1] == ["UPDATE", "INSERT", "INSERT", "SELECT"], taken  # leased before: its last checkpoint is read
+
+
 def test_job_gets_all_its_devices_or_none(setup: Any, db_url: str) -> None:
     w = register(setup.client, setup.worker, devices=2)
     setup.job(gpus=1)

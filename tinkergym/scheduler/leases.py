@@ -452,23 +452,21 @@ def _take(
     epoch = job["lease_epoch"] + 1
     expires = now + settings.lease_ttl_s
     token = server_token(secret, job["id"], epoch)
-    try:
-        store.transition(
-            conn, job["id"], states.LEASED, epoch=job["lease_epoch"], event={"epoch": epoch},
-            lease_epoch=epoch, worker_id=worker_id, lease_expires_at=expires, server_url=None, server_token_digest=token_digest(token),
-        )
-    except Conflict:
-        return None  # another worker's grant won this job
-    for device in chosen:  # the primary key refuses a device held by another job: IntegrityError, all rolled back
-        conn.execute(insert(allocations).values(device_id=device.id, job_id=job["id"], epoch=epoch, granted_at=now))
     seat = chosen[0].index if chosen[0].seat_of is not None else None
     indexes = [device.index for device in chosen] if seat is None else [chosen[0].seat_of]  # a league's seats: one device
     seated = {"seat": seat, **({"seats": [device.index for device in chosen]} if len(chosen) > 1 else {})} if seat is not None else {}
-    store.append_event(conn, job["id"], "lease", {"epoch": epoch, "devices": len(indexes), "expires_at": expires, "attempt": job["attempt"], **seated})
-    last = conn.execute(
-        select(checkpoints.c.step, checkpoints.c.name).where(checkpoints.c.job_id == job["id"])
-        .order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc()).limit(1)
-    ).mappings().first()
+    attempt = store.grant(conn, job["id"], epoch, {"epoch": epoch, "devices": len(indexes), "expires_at": expires, "attempt": job["attempt"], **seated},
+                          worker_id=worker_id, lease_expires_at=expires, server_url=None, server_token_digest=token_digest(token))
+    if attempt is None:
+        return None  # another worker's grant won this job
+    # the primary key refuses a device held by another job: IntegrityError, all rolled back
+    conn.execute(insert(allocations), [{"device_id": device.id, "job_id": job["id"], "epoch": epoch, "granted_at": now} for device in chosen])
+    last = None
+    if job["lease_epoch"] > 0:  # a checkpoint is written under a lease: a job never leased has none
+        last = conn.execute(
+            select(checkpoints.c.step, checkpoints.c.name).where(checkpoints.c.job_id == job["id"])
+            .order_by(checkpoints.c.step.desc(), checkpoints.c.id.desc()).limit(1)
+        ).mappings().first()
     return {
         "job_id": job["id"], "kind": job["kind"], "config": json.loads(job["config"]), "epoch": epoch, "attempt": job["attempt"],
         "devices": indexes, "seat": seat, "seats": [device.index for device in chosen] if seat is not None else None, "expires_at": expires,

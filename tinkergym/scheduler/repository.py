@@ -195,6 +195,28 @@ class JobStore:
         seq = self.append_event(conn, job_id, "state", {"state": to_state, "attempt": job["attempt"], **(event or {})})
         return Transition(job, seq)
 
+    def grant(self, conn: Connection, job_id: str, epoch: int, lease_event: dict[str, Any], **values: Any) -> int | None:
+        """:meth:`transition` of a queued job to ``leased`` at lease ``epoch`` (from ``epoch - 1``), with its ``state``
+        event and then its ``lease`` event (``lease_event``), in two statements where the
+        general path takes five: a grant is the scheduler's most frequent transition, made under the grant lock. The job's
+        ``attempt``; None when it is no longer queued at ``epoch - 1`` (another grant took it, or it was cancelled)."""
+        t = self.clock()
+        row = conn.execute(
+            update(jobs).where(jobs.c.id == job_id, jobs.c.state.in_(sorted(states.sources(states.LEASED))), jobs.c.lease_epoch == epoch - 1)
+            .values(state=states.LEASED, updated_at=t, lease_epoch=epoch, cursor=jobs.c.cursor + 2, **values)
+            .returning(jobs.c.cursor, jobs.c.attempt)
+        ).first()
+        if row is None:
+            return None
+        attempt = int(row.attempt)
+        conn.execute(insert(events), [
+            {"job_id": job_id, "seq": row.cursor - 1, "type": "state", "created_at": t,
+             "data": json.dumps({"state": states.LEASED, "attempt": attempt, "epoch": epoch})},
+            {"job_id": job_id, "seq": row.cursor, "type": "lease", "created_at": t,
+             "data": json.dumps(lease_event)},
+        ])
+        return attempt
+
     def check_epoch(self, conn: Connection, job_id: str, epoch: int) -> dict[str, Any]:
         """The job's row if its lease epoch is ``epoch`` and it holds a lease; :class:`Conflict` otherwise (fencing)."""
         job = self.get(conn, job_id, for_update=True)
