@@ -125,12 +125,14 @@ def test_a_grants_statements_do_not_grow_with_the_queue(make_client: Any, keys: 
     """A worker whose one free device fits none of the queued 2-device jobs reads a few jobs of each tenant's queue, however
     long: the statements of its lease request, and the queued rows they read, are the same for 120 queued jobs and for 900
     (each tenant's queue is read :data:`fairshare.DEPTH` deep at most)."""
-    client = make_client(clock=kit.Clock())
+    clock = kit.Clock()
+    client = make_client(clock=clock)
     _tenants(db_url, keys, "a", "b", "c")
     worker = kit.register(client, keys.worker(8), devices=1)
     engine = client.app.state.store.engine
 
     def one_grant() -> tuple[int, int]:
+        clock.advance(5.0)  # each request writes that the worker was seen (a second after the last write at most)
         seen = {"statements": 0, "queued_rows": 0}
 
         def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
@@ -169,6 +171,33 @@ def test_a_grants_statements_do_not_grow_with_the_queue(make_client: Any, keys: 
         with engine.connect() as conn:
             plan = "\n".join(r[0] for r in conn.execute(text(f"EXPLAIN (ANALYZE, FORMAT TEXT) {compiled}")))
         assert "Index Scan" in plan and f"rows={fairshare.DEPTH} " in plan.split("Limit")[2], plan
+
+
+def test_a_grants_short_first_read_of_each_queue_keeps_the_order(make_client: Any, keys: Any, db_url: str) -> None:
+    """A grant reads the first 2 jobs of each queue (``leases.GRANT_FIRST``), and a tenant's next when those are gone:
+    the jobs come in the order a first read of ``PAGE`` (or of 1) gives, as each is granted and its tenant's devices are
+    counted up, over queues of mixed sizes and priorities."""
+    import random
+
+    clock = kit.Clock()
+    client = make_client(clock=clock)
+    _tenants(db_url, keys, "a", "b", "c", "d")
+    rng = random.Random(7)
+    for _ in range(70):
+        kit.multi_device_job(client.app, rng.choice([1, 1, 2, 4]), tenant=rng.choice("abbcccd"), priority=rng.choice([0, 0, 1]))
+        clock.advance(1.0)
+    orders = []
+    with client.app.state.store.read() as conn:
+        share = fairshare.shares(conn, None)
+        for first in (None, 1, 2):
+            held = {"a": 3.0, "c": 1.0}
+            order = []
+            for job in fairshare.fair_queue(conn, sorted(share), held, share, live=True, first=first):
+                order.append(job["id"])
+                held[job["tenant_id"]] = held.get(job["tenant_id"], 0.0) + job["gpus"]
+            orders.append(order)
+    assert orders[0] == orders[1] == orders[2]
+    assert len(orders[0]) == 70 - max(0, kit.query(db_url, "SELECT COUNT(*) FROM jobs WHERE tenant_id = 'c'")[0][0] - fairshare.DEPTH)
 
 
 def test_a_locked_worker_row_does_not_block_a_state_report_of_its_jobs(make_client: Any, keys: Any, db_url: str) -> None:

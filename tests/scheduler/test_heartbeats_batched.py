@@ -158,7 +158,20 @@ def test_a_workers_row_is_written_at_most_once_a_second(make_client: Any, keys: 
     assert worker.heartbeat(jobs[0], epoch).status_code == 200 and seen() == pytest.approx(clock())
     first = clock()
     clock.advance(0.5)
-    assert worker.post("/heartbeats", {"leases": [{"job_id": jobs[0], "epoch": epoch}]}).status_code == 200
+    from sqlalchemy import event
+
+    writes: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if statement.lstrip().upper().startswith("UPDATE WORKERS"):
+            writes.append(statement)
+
+    event.listen(client.app.state.store.engine, "after_cursor_execute", count)
+    try:
+        assert worker.post("/heartbeats", {"leases": [{"job_id": jobs[0], "epoch": epoch}]}).status_code == 200
+    finally:
+        event.remove(client.app.state.store.engine, "after_cursor_execute", count)
     assert seen() == pytest.approx(first), "seen half a second ago: not written again"
+    assert writes == [], "nor asked about: the scheduler wrote it half a second ago"
     clock.advance(0.6)
     assert worker.heartbeat(jobs[0], epoch).status_code == 200 and seen() == pytest.approx(clock())
