@@ -173,33 +173,6 @@ def test_a_grants_statements_do_not_grow_with_the_queue(make_client: Any, keys: 
         assert "Index Scan" in plan and f"rows={fairshare.DEPTH} " in plan.split("Limit")[2], plan
 
 
-def test_a_grants_short_first_read_of_each_queue_keeps_the_order(make_client: Any, keys: Any, db_url: str) -> None:
-    """A grant reads the first 2 jobs of each queue (``leases.GRANT_FIRST``), and a tenant's next when those are gone:
-    the jobs come in the order a first read of ``PAGE`` (or of 1) gives, as each is granted and its tenant's devices are
-    counted up, over queues of mixed sizes and priorities."""
-    import random
-
-    clock = kit.Clock()
-    client = make_client(clock=clock)
-    _tenants(db_url, keys, "a", "b", "c", "d")
-    rng = random.Random(7)
-    for _ in range(70):
-        kit.multi_device_job(client.app, rng.choice([1, 1, 2, 4]), tenant=rng.choice("abbcccd"), priority=rng.choice([0, 0, 1]))
-        clock.advance(1.0)
-    orders = []
-    with client.app.state.store.read() as conn:
-        share = fairshare.shares(conn, None)
-        for first in (None, 1, 2):
-            held = {"a": 3.0, "c": 1.0}
-            order = []
-            for job in fairshare.fair_queue(conn, sorted(share), held, share, live=True, first=first):
-                order.append(job["id"])
-                held[job["tenant_id"]] = held.get(job["tenant_id"], 0.0) + job["gpus"]
-            orders.append(order)
-    assert orders[0] == orders[1] == orders[2]
-    assert len(orders[0]) == 70 - max(0, kit.query(db_url, "SELECT COUNT(*) FROM jobs WHERE tenant_id = 'c'")[0][0] - fairshare.DEPTH)
-
-
 def test_a_locked_worker_row_does_not_block_a_state_report_of_its_jobs(make_client: Any, keys: Any, db_url: str) -> None:
     """The grant holds its worker's row; another of that worker's jobs meanwhile writes a row that refers to the worker
     (the foreign-key check's KEY SHARE lock). That write must not wait for the grant: FOR UPDATE made it wait, and the two

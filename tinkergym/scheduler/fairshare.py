@@ -136,21 +136,17 @@ def queue_heads(conn: Connection, tenant_ids: list[str], limit: int = PAGE, wher
 
 def fair_queue(conn: Connection, tenant_ids: list[str], held: dict[str, float], share: dict[str, float],
                depth: int = DEPTH, page: int = PAGE, turns: bool = False, where: Callable[[Any], Any] | None = None,
-               live: bool = False, first: int | None = None) -> Iterator[dict[str, Any]]:
+               live: bool = False) -> Iterator[dict[str, Any]]:
     """Queued jobs of ``tenant_ids`` in grant order (see the module's notes), at most ``depth`` of each tenant's, read
     ``page`` at a time. ``turns``: as if each job were granted in turn (its tenant's held devices counted up by its size,
     so tenants alternate as grants make them): the order in which a busy cluster would start them, which the wait
     reasons read; without it, the order of one grant (the held devices as they are). ``where`` (a grant's: the jobs that
     may fit the worker's free places, and those waiting past the backfill age): only the jobs it selects among the first
     ``depth`` of each queue; the database passes over the others. ``live``: ``held`` is the caller's to count up between
-    jobs (a request granting many counts each job it grants), and the order follows it. ``first``: the jobs of each
-    queue the first read takes (default ``page``; a tenant's next are read when its first are gone): a grant takes a
-    job or a few from the tenants furthest below their share, so reading ``page`` of each of 100 tenants read 800 rows
-    for it where the first 2 of each serve it (the order is the same)."""
+    jobs (a request granting many counts each job it grants), and the order follows it."""
     held = held if live and not turns else dict(held)
-    opening = min(page if first is None else first, depth)
-    heads = queue_heads(conn, tenant_ids, opening, where, depth)
-    queues = {t: (q, len(q) == opening) for t, q in heads.items()}  # (jobs read, whether more may follow)
+    heads = queue_heads(conn, tenant_ids, min(page, depth), where, depth)
+    queues = {t: (q, len(q) == min(page, depth)) for t, q in heads.items()}  # (jobs read, whether more may follow)
     seen = dict.fromkeys(heads, 0)
     heap = [_key(held, share, t, q[0]) for t, (q, _) in queues.items()]
     heapq.heapify(heap)

@@ -292,8 +292,6 @@ def grant(
 
 #: Leases one request takes at most (:func:`grant_many`): a worker's devices and seats are fewer.
 MAX_GRANTS = 64
-#: Jobs of each tenant's queue a grant's first read takes (:func:`fairshare.fair_queue`'s ``first``).
-GRANT_FIRST = 2
 
 
 def grant_many(
@@ -346,7 +344,7 @@ def grant_many(
         return or_(c.gpus <= fit, c.created_at < starved)
 
     granted: list[dict[str, Any]] = []
-    for job in fairshare.fair_queue(conn, sorted(share), held_now, share, where=may_fit, live=True, first=GRANT_FIRST):
+    for job in fairshare.fair_queue(conn, sorted(share), held_now, share, where=may_fit, live=True):
         kind, gpus, config = job["kind"], job["gpus"], job["config"]
         if model_of(job["config"]) not in models:
             continue
