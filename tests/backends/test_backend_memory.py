@@ -340,21 +340,23 @@ def test_a_phase_releases_when_its_passes_have_crept_past_the_first_ones_level(m
     memory.enter("train")
     for after in (3000, 3100, 3250, 3300):  # the first pass sets the level; within 10% of it, nothing is released
         resident[0] = after
-        memory.passed()
+        memory.passed("train")
     assert released == []
-    resident[0] = 3301  # past the level by more than 10%
-    memory.passed()
-    assert released == [3301] and memory.level is None
-    resident[0] = 1000  # after the release the next pass sets the level anew: 1,000 + 100 at least
-    memory.passed()
+    resident[0] = 3301  # past the training level by more than 10%
+    memory.passed("train")
+    assert released == [3301] and memory.level == {}
+    resident[0] = 500  # after the release each phase's next pass sets its level anew (100 above it at least)
+    memory.passed("sample")
+    resident[0] = 1000
+    memory.passed("train")
     resident[0] = 1100
-    memory.passed()
+    memory.passed("train")
     assert released == [3301]
     resident[0] = 1101
-    memory.passed()
+    memory.passed("train")
     memory.enter("train")  # the same phase again: no release
     assert released == [3301, 1101]
-    memory.passed()
+    memory.passed("train")
     memory.enter("sample")
     assert released == [3301, 1101, 1101] and memory.releases == 3
 
@@ -369,11 +371,12 @@ def test_a_pass_larger_than_those_before_it_releases_first(monkeypatch: pytest.M
     memory = runtime.PhaseMemory(slack=0.1)
     memory.enter("train")
     for size in (1300, 1000, 1430):  # within 10% of the largest so far
-        memory.passing(size)
+        memory.passing("train", size)
+    memory.passing("sample", 5000)  # the other phase's passes are measured against its own
     assert released == []
-    memory.passing(1431 + 143)  # past the largest by more than 10%: the smaller passes' pieces go first
-    assert released == [1] and memory.largest == 1574
-    memory.passing(1574)
+    memory.passing("train", 1431 + 143)  # past the largest by more than 10%: the smaller passes' pieces go first
+    assert released == [1] and memory.largest == {"train": 1574}
+    memory.passing("train", 1574)
     assert released == [1]
     data = [Datum(tokens=list(range(n)), loss_mask=[1] * n) for n in (10, 12, 7)]
     assert MicroBatch([0, 1, 2]).tokens(data) == 29

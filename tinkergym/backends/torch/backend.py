@@ -417,7 +417,7 @@ class TorchBackend:
             generator = None if seeds is None else seeds.take(rows)
             with self._compute(), self._out_of_memory_advice(chunk, training=False):
                 results.extend(sample_batch(model, chunk, params, stop_ids, self.pad_id, generator, self.config.share_prefixes, prefix_cache=self.prefix_cache))
-            self.phase_memory.passed()
+            self.phase_memory.passed("sample")
         sequences: dict[int, list[SampledSequence]] = {i: results[k * n : (k + 1) * n] for k, i in enumerate(text_rows)}
         for i in with_images:  # each prompt with images on its own, past the prefix cache (see tinkergym.backends.torch.vision)
             assert self.vision is not None  # check_prompts refused images otherwise
@@ -569,13 +569,13 @@ class TorchBackend:
             for micro in self.plan(data):
                 if self._lock.let_samplers_in():  # a snapshot sampled in between (async_steps): its env steps overlap the rest
                     self.model.train()
-                self.phase_memory.passing(micro.tokens(data))
+                self.phase_memory.passing("train", micro.tokens(data))
                 sums, logprobs = self._train_micro(data, micro, spec, total_mask, num_sequences)
                 if request.return_logprobs:
                     for i, row in zip(micro.indices, logprobs.detach().float().cpu().tolist()):
                         scored[i] = row[: len(data[i].tokens)]
                 micro_sums.append(sums)
-                self.phase_memory.passed()
+                self.phase_memory.passed("train")
         totals: dict[str, float] = {}
         for floats in losses.sums_to_floats(micro_sums):  # added in micro-batch order, in float64, as they always were
             totals = losses.add_sums(totals, floats)

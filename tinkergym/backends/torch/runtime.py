@@ -74,8 +74,8 @@ class PhaseMemory:
     def __init__(self, slack: float = 0.1, min_slack: int = 256 * 2**20) -> None:
         self.slack, self.min_slack = slack, min_slack
         self.phase: str | None = None
-        self.level: int | None = None
-        self.largest = 0
+        self.level: dict[str, int] = {}  # per phase: the resident memory after its first pass since the last release
+        self.largest: dict[str, int] = {}  # per phase: its largest pass since the last release, in tokens
         self.releases = 0
 
     def enter(self, phase: str) -> None:
@@ -84,24 +84,27 @@ class PhaseMemory:
             self._release()
         self.phase = phase
 
-    def passing(self, size: int) -> None:
-        """A pass of ``size`` (tokens it runs) of the current phase starts."""
-        if self.largest and size > self.largest * (1 + self.slack):
+    def passing(self, phase: str, size: int) -> None:
+        """A pass of ``phase`` of ``size`` (tokens it runs) starts. Each phase keeps its own level and largest pass:
+        with rollouts sampled on another thread while a step trains, the two phases' passes come in turn."""
+        largest = self.largest.get(phase, 0)
+        if largest and size > largest * (1 + self.slack):
             self._release()
-        self.largest = max(self.largest, size)
+        self.largest[phase] = max(self.largest.get(phase, 0), size)
 
-    def passed(self) -> None:
-        """A pass of the current phase ended (its tensors freed)."""
+    def passed(self, phase: str) -> None:
+        """A pass of ``phase`` ended (its tensors freed)."""
         now = resident_bytes()
         if now is None:
             return
-        if self.level is None:
-            self.level = now
-        elif now > self.level + max(self.min_slack, self.slack * self.level):
+        level = self.level.get(phase)
+        if level is None:
+            self.level[phase] = now
+        elif now > level + max(self.min_slack, self.slack * level):
             self._release()
 
     def _release(self) -> None:
-        self.level, self.largest = None, 0
+        self.level, self.largest = {}, {}
         if release_free_memory():
             self.releases += 1
 

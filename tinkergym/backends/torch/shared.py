@@ -271,9 +271,9 @@ class SharedBase:
                 data = [calls[k][1].data[i] for k, i in rows]
                 share = self.config.share_prefixes and not any(d.images for d in data)  # rows with images are scored on their own
                 for micro in plan_micro_batches(data, self.config.micro_batch_size, share, kv_cost, scopes=[k for k, _ in rows]):
-                    self.phase_memory.passing(micro.tokens(data))
+                    self.phase_memory.passing("train", micro.tokens(data))
                     self._one_pass(calls, [rows[j] for j in micro.indices], micro, temperature, normalizers, sums, scored)
-                    self.phase_memory.passed()
+                    self.phase_memory.passed("train")
         results: list[ForwardBackwardResult] = []
         carried: list[tuple[FitCarry, dict[str, float]]] = []
         for (_, request), micro_sums, logprobs in zip(calls, sums, scored):
@@ -426,7 +426,7 @@ class SharedBase:
             for pieces in batches:
                 if pieces:
                     self._sample_batch(calls, pieces, params, list(key[-1]), generators, out)
-                    self.phase_memory.passed()
+                    self.phase_memory.passed("sample")
         for k, (session, request) in enumerate(calls):
             for i in (i for i in range(len(request.prompts)) if request.images and request.images[i]):
                 out[k][i] = self._sample_images(session, request, i, stop_ids[k], generators[k])
