@@ -277,9 +277,11 @@ def test_full_fine_tuning_casts_each_master_weight_once_per_pass(tiny: str) -> N
 
 
 def _resident_mib() -> float:
-    import os
+    from tinkergym.backends.torch.runtime import resident_bytes
 
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    resident = resident_bytes()
+    assert resident is not None
+    return resident / 2**20
 
 
 @pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident memory from /proc")

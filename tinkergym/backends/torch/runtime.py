@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib.util
 import json
 import os
 import warnings
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -20,7 +21,13 @@ from tinkergym.errors import ConfigError
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-_TRIM: list = []  # glibc's malloc_trim once looked up (None where the C library has none)
+@functools.cache
+def _malloc_trim() -> Callable[[ctypes.c_size_t], int] | None:
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except OSError:
+        return None
 
 
 def release_free_memory() -> bool:
@@ -32,12 +39,7 @@ def release_free_memory() -> bool:
     both phases' memory at once (a league of 8 players: 4.7 GiB after its first step where 1 GiB was live). Called where
     one phase's memory is done with; it costs milliseconds, and pages taken again later are faulted in anew.
     """
-    if not _TRIM:
-        try:
-            _TRIM.append(getattr(ctypes.CDLL(None), "malloc_trim", None))
-        except OSError:
-            _TRIM.append(None)
-    trim = _TRIM[0]
+    trim = _malloc_trim()
     if trim is None:
         return False
     trim(ctypes.c_size_t(0))
