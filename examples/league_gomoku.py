@@ -14,8 +14,8 @@
 
 Writes ``summary.json`` in ``--out``: win/draw/loss with Wilson 95% intervals, and each player's change against the
 warm model over the same seeds (paired bootstrap, 95%). Run it again to go on: a finished stage is not run twice (the
-league resumes from its newest checkpoint); with more ``--steps`` than before the league goes on past its end and
-the evaluation runs again.
+league resumes from its newest checkpoint, the evaluation from its next pairing: ``eval/steps-K/``); with more
+``--steps`` than before the league goes on past its end and the evaluation runs again.
 """
 
 from __future__ import annotations
@@ -100,24 +100,29 @@ def evaluate(args: argparse.Namespace, run: Any) -> dict[str, Any]:
     make_env = env_factory(ENV, BOARD, multi_agent=True)
     seeds = eval_seeds(0, args.eval_games)
     random_agent = scripted_opponent(ENV, "random")
-    games, labels = [], []
     pairings = [(name, "random") for name in policies] + [(best, "warm")]
-    for mine, other in pairings:
+    # each pairing's scores as it ends: a stopped evaluation goes on from the next pairing
+    done = Path(c.out).parent / "eval" / f"steps-{c.steps}"
+    done.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    scores: dict[tuple[str, str], list[float]] = {}
+    for mine, other in pairings:  # one pairing's games at a time (one decode loop): their conversations fit the prefix cache
+        saved = done / f"{mine}-vs-{other}.json"
+        if saved.is_file() and len(got := json.loads(saved.read_text(encoding="utf-8"))) == len(seeds):
+            scores[(mine, other)] = got
+            continue
+        games, seats_of = [], []
         for i, seed in enumerate(seeds):
             env = make_env()
             seats = list(env.possible_agents)
             me = seats[i % len(seats)]
             opponent = random_agent if other == "random" else ModelPlayer(other, policies[other], temperature=0.0)
             games.append(Game(env, {s: ModelPlayer(mine, policies[mine], temperature=0.0) if s == me else opponent for s in seats}, seed=seed))
-            labels.append((mine, other, me))
-    started = time.perf_counter()
-    results: list[Any] = []
-    for start in range(0, len(games), len(seeds)):  # one pairing's games at a time: their conversations fit the prefix cache
-        results += play_games(games[start : start + len(seeds)], trainer.ctx.renderer, match_settings(args.max_turns, args.max_new_tokens))
-    scores: dict[tuple[str, str], list[float]] = {pairing: [] for pairing in pairings}
-    for result, (mine, other, seat) in zip(results, labels):
-        outcome = result.outcome(seat)
-        scores[(mine, other)].append(0.0 if outcome is None else outcome)  # an error counts as a loss
+            seats_of.append(me)
+        results = play_games(games, trainer.ctx.renderer, match_settings(args.max_turns, args.max_new_tokens))
+        # an error counts as a loss
+        scores[(mine, other)] = [0.0 if (x := result.outcome(seat)) is None else x for result, seat in zip(results, seats_of)]
+        saved.write_text(json.dumps(scores[(mine, other)]) + "\n", encoding="utf-8")
     summary: dict[str, Any] = {"eval_games": args.eval_games, "eval_seconds": round(time.perf_counter() - started, 1), "best": best,
                                "ratings": trainer.table.table(), "pairings": {}}
     for (mine, other), got in scores.items():
