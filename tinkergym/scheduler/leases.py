@@ -74,7 +74,8 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Iterator
 
-from sqlalchemy import and_, bindparam, case, delete, func, insert, or_, select, update
+from sqlalchemy import BigInteger, Float, String, Text, and_, bindparam, case, cast, delete, func, insert, or_, select, update
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.engine import Connection
 
 from tinkergym.scheduler import fairshare, measured, memory, states
@@ -571,15 +572,37 @@ def heartbeat_many(conn: Connection, store: JobStore, settings: Any, worker_id: 
         answers.append({"job_id": job_id, "epoch": epoch, "state": job["state"], "cancelling": job["state"] == states.CANCELLING,
                         "expires_at": expires})
     if renewals:
-        conn.execute(update(jobs).where(jobs.c.id == _RENEW).values(
-            lease_expires_at=bindparam("b_expires"), device_seconds=jobs.c.device_seconds + bindparam("b_seconds"),
-            tokens_trained=jobs.c.tokens_trained + bindparam("b_trained"), tokens_sampled=jobs.c.tokens_sampled + bindparam("b_sampled"),
-            usage_reported=func.coalesce(bindparam("b_reported"), jobs.c.usage_reported),
-        ), renewals)
+        _renew(conn, renewals)
     if proven_now:  # a first heartbeat after "running": the worker runs its jobs, its strikes end
         conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.strikes != 0).values(strikes=0))
     _touch(conn, store, worker_id, now)
     return answers
+
+
+#: The columns of a renewal (:func:`_renew`), each with its type in PostgreSQL's arrays.
+_RENEWAL = {"b_id": String, "b_expires": Float, "b_seconds": Float, "b_trained": BigInteger, "b_sampled": BigInteger, "b_reported": Text}
+
+
+def _renew(conn: Connection, renewals: list[dict[str, Any]]) -> None:
+    """Write ``renewals`` (one a lease: its job, new expiry, device-seconds and tokens gained, the report to keep or None).
+
+    PostgreSQL: one ``UPDATE ... FROM unnest(...)`` whatever their number, each column a typed array (a ``NULL`` report is
+    a ``NULL`` of text, and the statement's text is the same for any number of leases: prepared once). SQLite, in-process:
+    one ``UPDATE`` a lease (``executemany``)."""
+    if conn.dialect.name == "postgresql":
+        rows = func.unnest(*(cast(bindparam(name, [r[name] for r in renewals]), ARRAY(kind)) for name, kind in _RENEWAL.items()))
+        new = rows.table_valued(*_RENEWAL).render_derived(name="renewal")
+        conn.execute(update(jobs).where(jobs.c.id == new.c.b_id).values(
+            lease_expires_at=new.c.b_expires, device_seconds=jobs.c.device_seconds + new.c.b_seconds,
+            tokens_trained=jobs.c.tokens_trained + new.c.b_trained, tokens_sampled=jobs.c.tokens_sampled + new.c.b_sampled,
+            usage_reported=func.coalesce(new.c.b_reported, jobs.c.usage_reported),
+        ))
+        return
+    conn.execute(update(jobs).where(jobs.c.id == _RENEW).values(
+        lease_expires_at=bindparam("b_expires"), device_seconds=jobs.c.device_seconds + bindparam("b_seconds"),
+        tokens_trained=jobs.c.tokens_trained + bindparam("b_trained"), tokens_sampled=jobs.c.tokens_sampled + bindparam("b_sampled"),
+        usage_reported=func.coalesce(bindparam("b_reported"), jobs.c.usage_reported),
+    ), renewals)
 
 
 def _beat_refusal(job: dict[str, Any] | None, job_id: str, epoch: int, worker_id: str, now: float) -> str | None:

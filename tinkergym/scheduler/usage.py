@@ -41,23 +41,16 @@ def held_weight(conn: Connection, job_id: str) -> float:
 
 
 def held_weights(conn: Connection, job_ids: list[str]) -> dict[str, float]:
-    """:func:`held_weight` of each of ``job_ids`` in two queries (the jobs' places, then the seats of the devices they sit on)."""
+    """:func:`held_weight` of each of ``job_ids`` in one query (the jobs' places, each seat with the seats of its device)."""
     if not job_ids:
         return {}
-    held = conn.execute(select(allocations.c.job_id, devices.c.worker_id, devices.c.seat_of).join(devices, devices.c.id == allocations.c.device_id)
-                        .where(allocations.c.job_id.in_(job_ids))).all()
-    shared = {(row.worker_id, row.seat_of) for row in held if row.seat_of is not None}
-    seats: dict[tuple[str, int], int] = {}
-    if shared:
-        for worker_id, seat_of, count in conn.execute(
-            select(devices.c.worker_id, devices.c.seat_of, func.count()).where(
-                devices.c.worker_id.in_(sorted({w for w, _ in shared})), devices.c.seat_of.is_not(None), devices.c.active)
-            .group_by(devices.c.worker_id, devices.c.seat_of)
-        ):
-            seats[(worker_id, seat_of)] = int(count)
+    peers = devices.alias("peers")
+    seats = select(func.count()).where(peers.c.worker_id == devices.c.worker_id, peers.c.seat_of == devices.c.seat_of, peers.c.active)
+    held = conn.execute(select(allocations.c.job_id, case((devices.c.seat_of.is_(None), None), else_=seats.scalar_subquery()).label("seats"))
+                        .join(devices, devices.c.id == allocations.c.device_id).where(allocations.c.job_id.in_(job_ids))).all()
     weights: dict[str, float] = {}
     for row in held:
-        share = 1.0 if row.seat_of is None else 1.0 / max(1, seats.get((row.worker_id, row.seat_of), 1))
+        share = 1.0 if row.seats is None else 1.0 / max(1, int(row.seats))
         weights[row.job_id] = weights.get(row.job_id, 0.0) + share
     return weights
 
