@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import workerkit as kit  # registered by conftest.py
 
-from tinkergym.scheduler import leases
+from tinkergym.scheduler import granting, leases
 
 
 @pytest.fixture
@@ -43,10 +43,10 @@ def test_one_request_takes_what_requests_one_after_another_would(make_client: An
     store, settings, secret = app.state.store, app.state.settings, leases.app_secret(app)
     with store.engine.connect() as conn:
         with conn.begin() as trans:
-            many = leases.grant_many(conn, store, settings, worker.id, secret, limit=8)
+            many = granting.grant_many(conn, store, settings, worker.id, secret, limit=8)
             trans.rollback()
         with conn.begin() as trans:
-            singles = [leases.grant(conn, store, settings, worker.id, secret) for _ in range(8)]
+            singles = [granting.grant(conn, store, settings, worker.id, secret) for _ in range(8)]
             trans.rollback()
     one_by_one = [lease for lease in singles if lease is not None]
     assert len(many) >= 4, "the queue holds jobs for most of 8 devices"
@@ -79,7 +79,7 @@ def test_the_route_answers_every_lease_with_its_token_and_keeps_it_for_its_key(m
     assert reused.status_code == 422, "the same key for another request is refused"
     assert worker.post("/lease", {"max": 4}).json() == {"lease": None, "leases": []}, "no device free"
     kit.assert_no_double_grant(db_url)
-    for bad in (0, -1, leases.MAX_GRANTS + 1, "many"):
+    for bad in (0, -1, granting.MAX_GRANTS + 1, "many"):
         refused = worker.post("/lease", {"max": bad})
         assert refused.status_code == 400 and "max" in refused.text, (bad, refused.text)
     # a worker of today's agent asks with no body, or an empty one: one lease, as ever

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import workerkit as kit  # registered by conftest.py
 
-from tinkergym.scheduler import leases
+from tinkergym.scheduler import granting, leases
 
 Clock, register, submit, job_row, allocated, query = kit.Clock, kit.register, kit.submit, kit.job_row, kit.allocated, kit.query
 
@@ -68,7 +68,7 @@ def test_a_lease_is_written_in_three_statements_whatever_its_devices(setup: Any,
 
     engine = setup.client.app.state.grant_store.engine if getattr(setup.client.app.state, "grant_store", None) else setup.client.app.state.store.engine
     taken: list[list[str]] = []
-    take = leases._take
+    take = granting._take
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         seen: list[str] = []
@@ -83,7 +83,7 @@ def test_a_lease_is_written_in_three_statements_whatever_its_devices(setup: Any,
             event.remove(engine, "after_cursor_execute", count)
             taken.append(seen)
 
-    monkeypatch.setattr(leases, "_take", counted)
+    monkeypatch.setattr(granting, "_take", counted)
     w = register(setup.client, setup.worker, devices=5)
     one, four = setup.job(gpus=1), setup.job(gpus=4, max_attempts=2)
     assert w.lease()["job_id"] == one and w.lease()["job_id"] == four

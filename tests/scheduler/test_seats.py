@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import workerkit as kit  # registered by conftest.py
 
-from tinkergym.scheduler import leases
+from tinkergym.scheduler import granting, leases
 from tinkergym.scheduler.seats import SEAT_BASE, fits, packable, seat_index
 
 SHARED = {"seats": 3, "model": "tiny", "dtype": "float32", "max_lora_rank": 16}
@@ -264,7 +264,7 @@ def test_a_league_takes_its_players_seats_of_one_server_and_counts_as_one_job(se
     assert granted["seat"] == seat_index(1, 0)
     engine = make_engine(db_url)
     with engine.connect() as conn:
-        assert leases.held_by_tenant(conn, "acme") == 1, "the league's two seats are one job toward max_gpus"
+        assert granting.held_by_tenant(conn, "acme") == 1, "the league's two seats are one job toward max_gpus"
     engine.dispose()
     nxt = worker.lease()  # the lone job takes the third seat (the whole device stays for jobs no seat fits)
     assert nxt["job_id"] == lone and nxt["seat"] == seat_index(1, 2) and nxt["seats"] == [seat_index(1, 2)]

@@ -36,7 +36,7 @@ from tinkergym.scheduler.bounds import BoundsError
 from tinkergym.scheduler.deps import Forbidden, require
 from tinkergym.scheduler.db import make_engine, reader, upgrade
 from tinkergym.scheduler.fairshare import Usage
-from tinkergym.scheduler.leases import Quarantined
+from tinkergym.scheduler.granting import Quarantined
 from tinkergym.scheduler.metrics import SchedulerMetrics
 from tinkergym.scheduler.quotas import QuotaExceeded
 from tinkergym.scheduler.repository import Conflict, JobStore, NotFound, now
@@ -295,8 +295,8 @@ def create_app(settings: SchedulerSettings, *, logger: logging.Logger | None = N
     app.state.engine = engine
     app.state.store = JobStore(engine, settings.clock)
     app.state.usage = Usage(settings.cache_s)
-    app.state.reservations = {}  # a starving job -> the one worker that drains for it (leases.grant), in memory only
-    app.state.grant_gate = None  # one grant at a time: routes.workers.grant_gate (leases.GRANT_LOCK is the database's)
+    app.state.reservations = {}  # a starving job -> the one worker that drains for it (granting.grant), in memory only
+    app.state.grant_gate = None  # one grant at a time: routes.workers.grant_gate (granting.GRANT_LOCK is the database's)
     app.state.grant_store = _grant_store(app.state.store, settings)
     app.state.front_lock, app.state.front_cache = threading.Lock(), None  # views' shared read of the grant order (placement.front_reasons)
     app.state.artifacts = DirectoryStore(settings.data_dir / "jobs")

@@ -1,6 +1,6 @@
 """The grant order: fair share among tenants, then priority and age within a tenant; a few jobs deep in each queue.
 
-A lease request (:func:`tinkergym.scheduler.leases.grant`) walks the queued jobs in this order and takes the first that
+A lease request (:func:`tinkergym.scheduler.granting.grant`) walks the queued jobs in this order and takes the first that
 fits the worker. The head of the queue of the tenant that holds the least of the cluster now goes first: its held
 devices (a seat a quarter of one on a 4-seat server, as usage counts it) over its ``share`` (1 unless the operator gave
 it more; ``tinkergym scheduler tenants set --share``). Every free place goes to the tenant furthest below

@@ -18,7 +18,7 @@ A queued job's reason is one of, first match wins:
 
 The first four are *unplaceable*: the job never starts until a worker that can host it registers. Nothing is
 stored: the reason follows the tables (workers, devices, allocations, the queue) and the clock, as
-:func:`tinkergym.scheduler.leases.grant` reads them. The app's sweeper appends a ``waiting`` event when a queued
+:func:`tinkergym.scheduler.granting.grant` reads them. The app's sweeper appends a ``waiting`` event when a queued
 job's reason changes (:func:`note_wait_reasons`), keeping the last reason of each job in memory only: after a
 restart each queued job gets one ``waiting`` event again.
 
@@ -185,7 +185,7 @@ class Placement:
     def quota(self, tenant: str) -> tuple[int, int]:
         """(devices the tenant's jobs hold, its max_gpus)."""
         if not self._quota:  # every tenant's at the first question: two queries, whatever the number of tenants
-            from tinkergym.scheduler.leases import held_by_tenants
+            from tinkergym.scheduler.granting import held_by_tenants
 
             held = held_by_tenants(self.conn)
             self._quota = {t: (held.get(t, 0), int(limit or 0)) for t, limit in self.conn.execute(select(tenants.c.id, tenants.c.max_gpus))}

@@ -95,7 +95,7 @@ class JobStore:
     def __init__(self, engine: Engine, clock: Callable[[], float] = now) -> None:
         self.engine = engine
         self.clock = clock
-        self.touched: dict[str, float] = {}  # worker -> when this store last wrote its last_seen_at (leases._touch)
+        self.touched: dict[str, float] = {}  # worker -> when this store last wrote its last_seen_at (tinkergym.scheduler.worker_registry.touch)
         #: This process's id (a fresh one per start): in-flight idempotency markers name it.
         self.owner = secrets.token_hex(8)
         #: Idempotency keys (tenant, method, path, key) whose request is running in this process (:mod:`tinkergym.scheduler.idempotency`).

@@ -19,7 +19,7 @@ The placement rule (:func:`fits`), the same for the grant and for the wait reaso
 - a seat is free (no allocation), and the memory its shared server last measured leaves room for the job
   (:func:`tinkergym.scheduler.memory.seat_refusal`; not checked before the server's first measure). A packable job
   takes a seat before a whole device, on any worker: a worker with whole devices free does not take a job that a free
-  seat of another live worker fits, its memory included (:func:`tinkergym.scheduler.leases.free_seats_of_others`).
+  seat of another live worker fits, its memory included (:func:`tinkergym.scheduler.granting.free_seats_of_others`).
 
 A league (a ``train`` job of the league trainer, its config's ``players`` above 1: N adapters of one base trained
 together) takes N seats of one shared server at once, never whole devices: its players' calls share that server's

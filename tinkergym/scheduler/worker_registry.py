@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import secrets
 from typing import Any
 
@@ -260,3 +261,26 @@ def sweep_workers(app: Any) -> dict[str, int]:
                 logger.exception("could not forget worker %s", worker_id)
     app.state.gone_workers = set(silent)
     return {"gone": len(silent), "forgotten": forgotten}
+
+
+#: A worker's ``last_seen_at`` moves at most this often (seconds): it says alive or gone against a timeout of tens of
+#: seconds, and a write of the worker's row at each of its calls was a third of PostgreSQL's time at 1,000 workers (the
+#: calls of a worker waiting on each other's row lock, and on its grant's).
+TOUCH_EVERY_S = 1.0
+
+
+#: Workers a store remembers writing the row of (:func:`touch`); past it, it forgets them all.
+MAX_TOUCHED = 100_000
+
+
+def touch(conn: Connection, store: JobStore, worker_id: str, now: float) -> None:
+    """The worker was seen at ``now``: its row is written unless it was seen within :data:`TOUCH_EVERY_S` (a row that
+    does not match is neither written nor waited for). A worker this store wrote within that time is not asked about at
+    all: the statement that matched nothing was an eighth of a batched heartbeat's time at 1,000 workers."""
+    touched = store.touched
+    if 0.0 <= now - touched.get(worker_id, -math.inf) < TOUCH_EVERY_S:
+        return
+    conn.execute(update(workers).where(workers.c.id == worker_id, workers.c.last_seen_at < now - TOUCH_EVERY_S).values(last_seen_at=now))
+    if len(touched) >= MAX_TOUCHED:  # a bound, whatever the workers registered
+        touched.clear()
+    touched[worker_id] = now

@@ -2,7 +2,7 @@
 
 Only a worker credential (:mod:`tinkergym.scheduler.credentials`, made by the operator) has the ``worker`` scope;
 a registration must fit its bounds (403 otherwise) and a lease is granted within them. A quarantined worker's
-lease request is 403 (:class:`~tinkergym.scheduler.leases.Quarantined`). A worker is registered under the key
+lease request is 403 (:class:`~tinkergym.scheduler.granting.Quarantined`). A worker is registered under the key
 that registered it: only that key may act for it (another key gets 404). Every write about a job names the lease epoch it holds; a stale epoch, or a job this worker does not
 hold, is 409 (the fence). Every POST takes an ``Idempotency-Key`` (the IETF draft's semantics); without one,
 registering, heartbeats, state reports and checkpoints are idempotent by themselves, and a lease request
@@ -24,7 +24,7 @@ from fastapi.exceptions import HTTPException
 from pydantic import Field, field_validator, model_validator
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
-from tinkergym.scheduler import leases, states
+from tinkergym.scheduler import granting, leases, states
 from tinkergym.scheduler.artifact_paths import CHECKPOINT_NAME
 from tinkergym.scheduler.deps import require
 from tinkergym.scheduler.auth import Principal
@@ -184,7 +184,7 @@ class Lease(WireModel):
 
 
 class LeaseAsk(WireModel):
-    max: int = Field(1, ge=1, le=leases.MAX_GRANTS, description="leases to take at most, each on free places of its own "
+    max: int = Field(1, ge=1, le=granting.MAX_GRANTS, description="leases to take at most, each on free places of its own "
                                                                 "(a worker asks for as many as it has free places)")
 
 
@@ -368,7 +368,7 @@ async def lease(worker_id: str, request: Request, body: LeaseAsk | None = None, 
     and the first of them as ``lease`` (``{"lease": null, "leases": []}`` when none fits).
 
     A worker with several free places asks for that many at once: one request fills them, in the order one request after
-    another would (:func:`tinkergym.scheduler.leases.grant_many`), for about the scheduler's work of one grant.
+    another would (:func:`tinkergym.scheduler.granting.grant_many`), for about the scheduler's work of one grant.
 
     Grants go one at a time; a request waits for its turn on the event loop, not in a thread of the pool that serves
     every route, so under a burst of lease requests heartbeats and state reports still run (with the waiters holding the
@@ -380,7 +380,7 @@ async def lease(worker_id: str, request: Request, body: LeaseAsk | None = None, 
 
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         _own(conn, worker_id, who)
-        granted = leases.grant_many(conn, store, settings, worker_id, secret, who.bounds, getattr(app.state, "usage", None),
+        granted = granting.grant_many(conn, store, settings, worker_id, secret, who.bounds, getattr(app.state, "usage", None),
                                     getattr(app.state, "reservations", None), limit=most)
         for one in granted:
             one.pop("token")  # never stored (the idempotency record keeps the answer): derived again below
@@ -403,7 +403,7 @@ async def lease(worker_id: str, request: Request, body: LeaseAsk | None = None, 
 
 
 def grant_gate(app: Any) -> asyncio.Lock:
-    """The app's turn for grants on the running event loop (:data:`tinkergym.scheduler.leases.GRANT_LOCK` is the
+    """The app's turn for grants on the running event loop (:data:`tinkergym.scheduler.granting.GRANT_LOCK` is the
     database's, across processes)."""
     loop = asyncio.get_running_loop()
     gate = getattr(app.state, "grant_gate", None)
