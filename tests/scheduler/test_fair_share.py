@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from sqlalchemy import event
 
 from tinkergym.cli import main
-from tinkergym.scheduler import fairshare
+from tinkergym.scheduler import fairshare, granting, leases
 
 auth = kit.auth
 
@@ -95,6 +95,47 @@ def test_a_starving_job_drains_one_worker_and_the_others_keep_backfilling(make_c
     epoch = kit.job_row(db_url, job)["lease_epoch"]
     assert one.state(job, epoch, "failed", error="done").status_code == 200
     assert one.lease()["job_id"] == big and big not in client.app.state.reservations
+
+
+def test_a_job_another_live_worker_drains_for_is_not_read_again(make_client: Any, keys: Any, db_url: str) -> None:
+    """Other workers' requests leave a starving job that a live worker drains for out of their read of the queue (not
+    read, nor its holder asked about); once the holder is gone, the next worker to meet it drains for it instead."""
+    clock = kit.Clock()
+    client = make_client(clock=clock, backfill_age_s=60.0)
+    (acme,) = _tenants(db_url, keys, "acme")
+    one, two = kit.register(client, keys.worker(8), name="w1", devices=2), kit.register(client, keys.worker(8), name="w2", devices=2)
+    first = [kit.submit(client, acme) for _ in range(2)]
+    assert {one.lease()["job_id"], two.lease()["job_id"]} == set(first)  # one device busy on each worker
+    clock.advance(1.0)
+    big = kit.multi_device_job(client.app, 2)
+    clock.advance(1.0)
+    small = [kit.submit(client, acme) for _ in range(3)]
+    clock.advance(61.0)
+    assert one.lease() is None and client.app.state.reservations[big][0] == one.id
+    statements: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        statements.append(" ".join(statement.split()))
+
+    engines = {client.app.state.store.engine, getattr(client.app.state, "grant_store", client.app.state.store).engine}  # grants' own on PostgreSQL
+    for engine in engines:
+        event.listen(engine, "after_cursor_execute", count)
+    try:
+        assert two.lease()["job_id"] in small, "the other worker keeps backfilling"
+    finally:
+        for engine in engines:
+            event.remove(engine, "after_cursor_execute", count)
+    assert any(s.startswith("SELECT head.id") or "window" in s for s in statements), "the queue was read"
+    assert not [s for s in statements if s.startswith("SELECT workers.last_seen_at")], "the holder was not asked about"
+    assert client.app.state.reservations[big][0] == one.id
+    # the holder goes silent past the worker timeout: the job is read again (the next worker to meet it asks about the
+    # holder, finds it gone, and drains for it instead: _drains_for)
+    settings = client.app.state.settings
+    store, reservations = client.app.state.store, client.app.state.reservations
+    assert granting._reserved(reservations, store, two.id, clock() - leases.worker_timeout(settings)) == (None, [big])
+    clock.advance(leases.worker_timeout(settings) + 1.0)
+    assert granting._reserved(reservations, store, two.id, clock() - leases.worker_timeout(settings)) == (None, [])
+    assert granting._reserved(reservations, store, one.id, clock() - leases.worker_timeout(settings)) == (big, [])
 
 
 def test_held_devices_count_a_seat_as_its_share_of_the_device(make_client: Any, keys: Any, db_url: str) -> None:
