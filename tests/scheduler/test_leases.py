@@ -13,6 +13,7 @@ import pytest
 import workerkit as kit  # registered by conftest.py
 
 from tinkergym.scheduler import granting, leases
+from tinkergym.scheduler.repository import Conflict
 
 Clock, register, submit, job_row, allocated, query = kit.Clock, kit.register, kit.submit, kit.job_row, kit.allocated, kit.query
 
@@ -99,6 +100,37 @@ def test_a_lease_is_written_in_three_statements_whatever_its_devices(setup: Any,
     assert leases.sweep(setup.client.app) == 1  # the other lost: queued again
     assert w.lease()["job_id"] == one
     assert taken[-1] == ["UPDATE", "INSERT", "INSERT", "SELECT"], taken  # leased before: its last checkpoint is read
+
+
+def test_a_transition_is_written_in_two_statements(setup: Any, db_url: str) -> None:
+    """A state change writes the job's row with its event number (``UPDATE ... RETURNING``) and its event: two statements
+    (it took four: the update, a read of the row, the cursor's update and the event). A refused change writes nothing."""
+    from sqlalchemy import event
+
+    store = setup.client.app.state.store
+    w = register(setup.client, setup.worker, devices=1)
+    job = setup.job()
+    lease = w.lease()
+    seen: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        seen.append(statement.split()[0].upper())
+
+    event.listen(store.engine, "after_cursor_execute", count)
+    try:
+        with store.transaction() as conn:
+            moved = store.transition(conn, job, "starting", epoch=lease["epoch"], event={"worker": w.id})
+    finally:
+        event.remove(store.engine, "after_cursor_execute", count)
+    assert [s for s in seen if s in ("UPDATE", "INSERT", "SELECT")] == ["UPDATE", "INSERT"], seen
+    assert moved.job["state"] == "starting" and moved.job["cursor"] == moved.event_seq == 4  # queued, leased, lease, starting
+    events = setup.client.get(f"/v1/jobs/{job}/events", headers=kit.auth(setup.user)).json()["events"]
+    assert events[-1]["seq"] == 4 and events[-1]["data"] == {"state": "starting", "attempt": 0, "worker": w.id}
+    with pytest.raises(Conflict, match=f"job {job} is starting: it cannot become leased"), store.transaction() as conn:
+        store.transition(conn, job, "leased")
+    with pytest.raises(Conflict, match="at lease epoch 7"), store.transaction() as conn:
+        store.transition(conn, job, "running", epoch=7)
+    assert kit.query(db_url, "SELECT cursor FROM jobs WHERE id = :j", j=job)[0][0] == 4, "a refused change moves no cursor"
 
 
 def test_job_gets_all_its_devices_or_none(setup: Any, db_url: str) -> None:

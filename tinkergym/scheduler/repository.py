@@ -81,6 +81,11 @@ def new_job_id() -> str:
     return "job_" + secrets.token_hex(12)
 
 
+def _event_row(job_id: str, seq: int, type_: str, text: str, at: float) -> dict[str, Any]:
+    """An ``events`` row: the job's event number ``seq`` (its cursor after the event), its JSON ``text``, made ``at``."""
+    return {"job_id": job_id, "seq": seq, "type": type_, "data": text, "created_at": at}
+
+
 @dataclass
 class Transition:
     """What a transition wrote: the job's new row (as a dict) and the event it appended."""
@@ -187,20 +192,24 @@ class JobStore:
             clause = and_(clause, jobs.c.lease_epoch == epoch)
         if to_state in states.TERMINAL:
             values.setdefault("finished_at", t)
-        result = conn.execute(update(jobs).where(clause).values(state=to_state, updated_at=t, **values))
-        if result.rowcount != 1:
+        # the row, its new state and its event cursor in one statement (the event's seq), then the event: two statements
+        row = conn.execute(update(jobs).where(clause).values(state=to_state, updated_at=t, cursor=jobs.c.cursor + 1, **values)
+                           .returning(*jobs.c)).mappings().first()
+        if row is None:
             current = self.get(conn, job_id)  # NotFound if there is no such job
             fenced = f" at lease epoch {epoch} (the job's epoch is {current['lease_epoch']})" if epoch is not None else ""
             raise Conflict(f"job {job_id} is {current['state']}: it cannot become {to_state}{fenced}")
-        job = self.get(conn, job_id)
-        seq = self.append_event(conn, job_id, "state", {"state": to_state, "attempt": job["attempt"], **(event or {})})
-        return Transition(job, seq)
+        job = dict(row)
+        data = json.dumps({"state": to_state, "attempt": job["attempt"], **(event or {})})
+        conn.execute(insert(events), [_event_row(job_id, job["cursor"], "state", data, t)])
+        return Transition(job, job["cursor"])
 
     def grant(self, conn: Connection, job_id: str, epoch: int, lease_event: dict[str, Any], **values: Any) -> int | None:
         """:meth:`transition` of a queued job to ``leased`` at lease ``epoch`` (from ``epoch - 1``), with its ``state``
-        event and then its ``lease`` event (``lease_event``), in two statements where the
-        general path takes five: a grant is the scheduler's most frequent transition, made under the grant lock. The job's
-        ``attempt``; None when it is no longer queued at ``epoch - 1`` (another grant took it, or it was cancelled)."""
+        event and then its ``lease`` event (``lease_event``), in two statements (the row with both events' numbers, then
+        both events) where a transition and an event more take four: a grant is the scheduler's most frequent
+        transition, made under the grant lock. The job's ``attempt``; None when it is no longer queued at ``epoch - 1``
+        (another grant took it, or it was cancelled)."""
         t = self.clock()
         row = conn.execute(
             update(jobs).where(jobs.c.id == job_id, jobs.c.state.in_(sorted(states.sources(states.LEASED))), jobs.c.lease_epoch == epoch - 1)
@@ -210,12 +219,8 @@ class JobStore:
         if row is None:
             return None
         attempt = int(row.attempt)
-        conn.execute(insert(events), [
-            {"job_id": job_id, "seq": row.cursor - 1, "type": "state", "created_at": t,
-             "data": json.dumps({"state": states.LEASED, "attempt": attempt, "epoch": epoch})},
-            {"job_id": job_id, "seq": row.cursor, "type": "lease", "created_at": t,
-             "data": json.dumps(lease_event)},
-        ])
+        conn.execute(insert(events), [_event_row(job_id, row.cursor - 1, "state", json.dumps({"state": states.LEASED, "attempt": attempt, "epoch": epoch}), t),
+                                      _event_row(job_id, row.cursor, "lease", json.dumps(lease_event), t)])
         return attempt
 
     def check_epoch(self, conn: Connection, job_id: str, epoch: int) -> dict[str, Any]:
@@ -250,7 +255,7 @@ class JobStore:
             seq = conn.execute(
                 update(jobs).where(jobs.c.id == job_id).values(cursor=jobs.c.cursor + 1).returning(jobs.c.cursor)
             ).scalar_one()
-        conn.execute(insert(events).values(job_id=job_id, seq=seq, type=type_, data=text, created_at=self.clock()))
+        conn.execute(insert(events), [_event_row(job_id, seq, type_, text, self.clock())])
         return seq
 
     def events_after(self, conn: Connection, job_id: str, after: int, limit: int = 100) -> list[dict[str, Any]]:
