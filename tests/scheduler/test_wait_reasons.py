@@ -242,6 +242,23 @@ def test_a_view_of_a_job_past_the_sweepers_pass_reads_the_pass_not_the_queue(mak
     assert reason(client, user, late)["code"] in ("behind", "busy") and read == [1], "a job newer than the pass is read now"
 
 
+def test_a_reservation_ends_with_its_job_past_the_passs_reach(make_client: Any, keys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A starving job's reservation (the worker draining for it) ends when the job is no longer queued, also when the queue
+    is longer than the sweeper's pass reads: it held its worker's drain for a job that was gone."""
+    from tinkergym.scheduler import leases, placement
+
+    client = make_client(clock=kit.Clock())
+    user = keys.new("acme", "read,write")
+    kit.register(client, keys.worker(8), devices=1)
+    jobs = [kit.submit(client, user) for _ in range(4)]
+    monkeypatch.setattr(leases, "MAX_SCAN", 2)
+    client.app.state.reservations.update({jobs[3]: ("w-1", 0.0), jobs[2]: ("w-2", 0.0)})
+    assert client.post(f"/v1/jobs/{jobs[3]}/cancel", headers=kit.auth(user)).json()["state"] == "cancelled"
+    placement.note_wait_reasons(client.app)
+    assert client.app.state.wait_pass["cut"] == 2, "the pass did not reach the reserved jobs"
+    assert set(client.app.state.reservations) == {jobs[2]}, "the cancelled job's reservation ended; the queued one's stays"
+
+
 def test_views_at_the_same_time_share_one_read_of_the_grant_order(make_client: Any, keys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """With no sweeper's pass to read, the views that ask within ``cache_s`` share one read of the front of the grant order
     (one view reads it, those asking meanwhile wait for it): at 20 views a second each reading it was half the

@@ -410,15 +410,30 @@ def note_wait_reasons(app: Any) -> int:
                 store.append_event(conn, job_id, "waiting", batch[job_id])
                 noted += 1
             skipped |= set(batch) - set(taken)
-    reservations = getattr(app.state, "reservations", None)
-    if reservations and len(queue) < MAX_SCAN:  # a starving job's reservation ends when it is no longer queued (a whole pass says so)
-        waiting = {job["id"] for job in queue}
-        for job_id in [j for j in list(reservations) if j not in waiting]:
-            reservations.pop(job_id, None)
+    _end_reservations(app, queue, len(queue) < MAX_SCAN)
     took = time.perf_counter() - started
     app.state.wait_pass = {"at": now, "reasons": found, "took": took, "cut": len(queue) if len(queue) >= MAX_SCAN else 0, "unnoted": skipped,
                            "every": max(app.state.settings.sweep_interval_s, took / DUTY)}
     return noted
+
+
+def _end_reservations(app: Any, queue: list[dict[str, Any]], whole: bool) -> None:
+    """End the reservation of each starving job no longer queued (granted elsewhere, cancelled): ``queue`` says which
+    are when it is the ``whole`` queue; past the pass's reach, the reserved jobs' states are read (one query a 500)."""
+    reservations = getattr(app.state, "reservations", None)
+    if not reservations:
+        return
+    reserved = sorted(reservations)
+    if whole:
+        waiting = {job["id"] for job in queue}
+    else:
+        waiting = set()
+        with app.state.store.read() as conn:
+            for at in range(0, len(reserved), 500):
+                waiting.update(conn.execute(select(jobs.c.id).where(jobs.c.id.in_(reserved[at:at + 500]), jobs.c.state == states.QUEUED)).scalars())
+    for job_id in reserved:
+        if job_id not in waiting:
+            reservations.pop(job_id, None)
 
 
 def wait_pass_due(app: Any) -> bool:
