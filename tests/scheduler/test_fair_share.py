@@ -97,21 +97,39 @@ def test_a_starving_job_drains_one_worker_and_the_others_keep_backfilling(make_c
     assert one.lease()["job_id"] == big and big not in client.app.state.reservations
 
 
-def test_a_job_another_live_worker_drains_for_is_not_read_again(make_client: Any, keys: Any, db_url: str) -> None:
-    """Other workers' requests leave a starving job that a live worker drains for out of their read of the queue (not
-    read, nor its holder asked about); once the holder is gone, the next worker to meet it drains for it instead."""
+def test_a_draining_worker_reads_its_job_alone_and_others_pass_it_without_a_read(
+        make_client: Any, keys: Any, db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker draining for a starving job reads no other starving job (it would take none); another worker's request
+    passes a job whose holder this scheduler saw alive without asking about the holder; once the holder is gone past the
+    worker timeout, the next worker to meet the job drains for it instead."""
     clock = kit.Clock()
     client = make_client(clock=clock, backfill_age_s=60.0)
     (acme,) = _tenants(db_url, keys, "acme")
-    one, two = kit.register(client, keys.worker(8), name="w1", devices=2), kit.register(client, keys.worker(8), name="w2", devices=2)
-    first = [kit.submit(client, acme) for _ in range(2)]
-    assert {one.lease()["job_id"], two.lease()["job_id"]} == set(first)  # one device busy on each worker
+    one, two, three = (kit.register(client, keys.worker(8), name=f"w{i}", devices=2) for i in (1, 2, 3))
+    first = [kit.submit(client, acme) for _ in range(3)]
+    assert {one.lease()["job_id"], two.lease()["job_id"], three.lease()["job_id"]} == set(first)  # one device busy on each
+    clock.advance(1.0)
+    older = kit.multi_device_job(client.app, 2)
     clock.advance(1.0)
     big = kit.multi_device_job(client.app, 2)
     clock.advance(1.0)
     small = [kit.submit(client, acme) for _ in range(3)]
     clock.advance(61.0)
-    assert one.lease() is None and client.app.state.reservations[big][0] == one.id
+    assert two.lease() is None and one.lease() is None, "each drains for a starving job"
+    reservations = client.app.state.reservations
+    assert reservations[older][0] == two.id and reservations[big][0] == one.id
+    looked: list[str] = []
+    walk = fairshare.fair_queue
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        for job in walk(*args, **kwargs):
+            looked.append(job["id"])
+            yield job
+
+    monkeypatch.setattr(fairshare, "fair_queue", recorded)
+    clock.advance(1.0)
+    assert one.lease() is None, "still draining"
+    assert looked == [big], "its own job alone: not the older one another worker drains for"
     statements: list[str] = []
 
     def count(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
@@ -121,21 +139,20 @@ def test_a_job_another_live_worker_drains_for_is_not_read_again(make_client: Any
     for engine in engines:
         event.listen(engine, "after_cursor_execute", count)
     try:
-        assert two.lease()["job_id"] in small, "the other worker keeps backfilling"
+        assert three.lease()["job_id"] in small, "a worker draining for nothing keeps backfilling"
     finally:
         for engine in engines:
             event.remove(engine, "after_cursor_execute", count)
-    assert any(s.startswith("SELECT head.id") or "window" in s for s in statements), "the queue was read"
-    assert not [s for s in statements if s.startswith("SELECT workers.last_seen_at")], "the holder was not asked about"
-    assert client.app.state.reservations[big][0] == one.id
-    # the holder goes silent past the worker timeout: the job is read again (the next worker to meet it asks about the
-    # holder, finds it gone, and drains for it instead: _drains_for)
-    settings = client.app.state.settings
-    store, reservations = client.app.state.store, client.app.state.reservations
-    assert granting._reserved(reservations, store, two.id, clock() - leases.worker_timeout(settings)) == (None, [big])
+    assert any(s.startswith("UPDATE jobs") for s in statements), "the grant's statements were seen"
+    assert not [s for s in statements if s.startswith("SELECT workers.last_seen_at")], "the holders were not asked about"
+    # the holder goes silent past the worker timeout: the next worker to meet the job drains for it
+    settings, store = client.app.state.settings, client.app.state.store
     clock.advance(leases.worker_timeout(settings) + 1.0)
-    assert granting._reserved(reservations, store, two.id, clock() - leases.worker_timeout(settings)) == (None, [])
-    assert granting._reserved(reservations, store, one.id, clock() - leases.worker_timeout(settings)) == (big, [])
+    with store.read() as conn:
+        alive_since = clock() - leases.worker_timeout(settings)
+        assert granting._drains_for(conn, store, reservations, big, three.id, None, alive_since)
+        assert reservations[big][0] == three.id
+        assert not granting._drains_for(conn, store, reservations, older, three.id, big, alive_since), "one job at a time"
 
 
 def test_held_devices_count_a_seat_as_its_share_of_the_device(make_client: Any, keys: Any, db_url: str) -> None:

@@ -179,10 +179,10 @@ def grant_many(
     # Only the jobs that may fit a free place here, and those waiting past the backfill age that this worker may drain
     # for, among the first DEPTH of each queue: the database passes over the rest (an empty poll reads one page a tenant).
     fit, starved = max(len(free), 1 if free_seats else 0), now - settings.backfill_age_s
-    mine, others = _reserved(reservations, store, worker_id, now - worker_timeout(settings))
+    mine = _draining_for(reservations, worker_id)
 
     def may_fit(c: Any) -> Any:
-        return _may_fit(c, fit, starved, max(len(whole), 1), mine, others)
+        return _may_fit(c, fit, starved, max(len(whole), 1), mine)
 
     granted: list[dict[str, Any]] = []
     for job in fairshare.fair_queue(conn, sorted(share), held_now, share, where=may_fit, live=True):
@@ -201,7 +201,7 @@ def grant_many(
             continue  # a free seat of another worker fits it: the job waits for that worker's poll (it asks every few seconds)
         if not chosen and (gpus > len(free) or not on_devices):
             if now - job["created_at"] > settings.backfill_age_s and not _over_quota(conn, job, held, quota) \
-                    and _drains_for(conn, reservations, job["id"], worker_id, now - worker_timeout(settings)):
+                    and _drains_for(conn, store, reservations, job["id"], worker_id, mine, now - worker_timeout(settings)):
                 break  # waited too long: the devices here drain to it, nobody behind jumps ahead
             continue  # backfill: smaller jobs behind may start
         if _over_quota(conn, job, held, quota):
@@ -212,6 +212,7 @@ def grant_many(
             continue
         granted.append(lease)
         weight = _count_grant(job, chosen, seats, usage, reservations)
+        mine = None if job["id"] == mine else mine  # its reservation ended with its grant
         # the next job is chosen as the next request would choose it: these places are gone, the tenant holds more
         held_now[job["tenant_id"]] = held_now.get(job["tenant_id"], 0.0) + weight
         held[job["tenant_id"]] = held.get(job["tenant_id"], 0) + (1 if chosen else gpus)
@@ -273,57 +274,45 @@ def _count_grant(job: dict[str, Any], chosen: list[Any], seats: list[Any], usage
     return weight
 
 
-def _may_fit(c: Any, fit: int, starved: float, most: int, mine: str | None, others: list[str]) -> Any:
+def _may_fit(c: Any, fit: int, starved: float, most: int, mine: str | None) -> Any:
     """The jobs (``c``: their columns) a grant reads: those of at most ``fit`` devices, and the starving ones (created
-    before ``starved``) of at most ``most`` devices this worker may drain for: the one it drains for (``mine``) if any,
-    else any that no other live worker drains for (not among ``others``)."""
-    if mine is not None:  # draining for one job: no other starving job is this worker's
+    before ``starved``) of at most ``most`` devices this worker may drain for: only the one it drains for (``mine``) if
+    it drains for one.
+
+    A worker draining for a job takes no other starving one: at 1,000 workers, with every queued job past the backfill
+    age, the requests of draining workers read the front of every tenant's queue for jobs they could not take (a hundred
+    page reads a request, under the grant lock)."""
+    if mine is not None:
         return or_(c.gpus <= fit, c.id == mine)
-    drainable = and_(c.created_at < starved, c.gpus <= most)  # more devices than the worker has: never here
-    return or_(c.gpus <= fit, and_(drainable, c.id.not_in(others)) if others else drainable)
+    return or_(c.gpus <= fit, and_(c.created_at < starved, c.gpus <= most))  # more devices than the worker has: never here
 
 
-#: Starving jobs other workers drain for that one lease request's read of the queue passes over, at most.
-MAX_PASSED = 1000
+def _draining_for(reservations: dict[str, tuple[str, float]] | None, worker_id: str) -> str | None:
+    """The starving job ``worker_id`` drains for, or None."""
+    return next((job_id for job_id, (holder, _) in list((reservations or {}).items()) if holder == worker_id), None)
 
 
-def _reserved(reservations: dict[str, tuple[str, float]] | None, store: JobStore, worker_id: str,
-              alive_since: float) -> tuple[str | None, list[str]]:
-    """The starving job ``worker_id`` drains for (None), and (up to :data:`MAX_PASSED`) those other workers drain for
-    that this scheduler saw alive since ``alive_since`` (it wrote their ``last_seen_at``: :func:`worker_registry.touch`).
-
-    A grant's read of the queue leaves both kinds out: a worker draining for a job takes no other starving one, and a job
-    another live worker drains for is not this one's (:func:`_drains_for` would say so, at a read of the holder's row a
-    job). At 1,000 workers, with every queued job past the backfill age, the requests of draining workers walked the
-    whole front of every tenant's queue for nothing: a hundred page reads a request, under the grant lock."""
-    if not reservations:
-        return None, []
-    mine: str | None = None
-    others: list[str] = []
-    touched = store.touched
-    for job_id, (holder, _) in list(reservations.items()):
-        if holder == worker_id:
-            mine = job_id
-        elif len(others) < MAX_PASSED and touched.get(holder, -math.inf) >= alive_since:
-            others.append(job_id)
-    return mine, others
-
-
-def _drains_for(conn: Connection, reservations: dict[str, tuple[str, float]] | None, job_id: str, worker_id: str, seen_since: float) -> bool:
-    """Whether ``worker_id`` drains its devices for the starving job ``job_id`` (takes nothing after it in the order).
+def _drains_for(conn: Connection, store: JobStore, reservations: dict[str, tuple[str, float]] | None, job_id: str, worker_id: str,
+                mine: str | None, seen_since: float) -> bool:
+    """Whether ``worker_id`` (draining for ``mine``, or None) drains its devices for the starving job ``job_id`` (takes
+    nothing after it in the order).
 
     One worker a starving job, the first that meets it (a worker drains for one job at a time), so the rest of the cluster
     keeps backfilling: what Slurm's backfill reserves for its top job. Its reservation moves to another worker when its
-    holder has not been seen within the worker timeout. Without ``reservations``, every worker that could host it drains."""
+    holder has not been seen since ``seen_since`` (the worker timeout ago): a holder whose ``last_seen_at`` this
+    scheduler wrote since then is alive without a read (:func:`worker_registry.touch`), another is read. Without
+    ``reservations``, every worker that could host it drains."""
     if reservations is None:
         return True
     holder = reservations.get(job_id)
     if holder is not None and holder[0] != worker_id:
+        if store.touched.get(holder[0], -math.inf) >= seen_since:
+            return False  # another worker drains for it, seen alive by this scheduler
         alive = conn.execute(select(workers.c.last_seen_at).where(workers.c.id == holder[0])).scalar_one_or_none()
         if alive is not None and alive >= seen_since:
             return False  # another worker drains for it
     if holder is None or holder[0] != worker_id:
-        if any(w == worker_id and other != job_id for other, (w, _) in list(reservations.items())):
+        if mine is not None and mine != job_id:
             return False  # this worker drains for another job already
         reservations[job_id] = (worker_id, seen_since)
     return True
