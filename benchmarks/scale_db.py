@@ -4,6 +4,8 @@ the scheduler's process and of PostgreSQL's."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -104,3 +106,25 @@ def with_statements(server: Any) -> None:
     with psycopg.connect(host=str(server.socket_dir), port=server.port, user=server.superuser, dbname="template1", autocommit=True) as conn:
         conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         conn.execute(f"GRANT EXECUTE ON FUNCTION pg_stat_statements_reset TO {PG_ROLE}")
+
+
+def requeue_delays(url: str, vanished: list[dict[str, Any]]) -> list[float]:
+    """For each lease a vanished worker held: seconds from its vanishing to the job's state leaving that lease (the
+    ``state`` event that ended that epoch), from the database's events."""
+    from sqlalchemy import create_engine, text
+
+    if not vanished:
+        return []
+    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://"))
+    delays = []
+    with engine.connect() as conn:
+        for lost in vanished:
+            rows = conn.execute(text("SELECT created_at, data FROM events WHERE job_id = :j AND type = 'state' ORDER BY seq"), {"j": lost["job"]}).all()
+            ended = [at for at, data in rows if json.loads(data).get("epoch") == lost["epoch"]
+                     and json.loads(data).get("state") in ("queued", "failed", "cancelled", "succeeded")]
+            if ended:
+                delays.append(ended[0] - lost["at"])
+            else:
+                delays.append(math.inf)
+    engine.dispose()
+    return delays

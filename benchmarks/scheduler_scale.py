@@ -37,11 +37,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -50,13 +48,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench_machine import free_port  # sibling modules: benchmarks/ is on sys.path
-from scale_db import Database, cpu_seconds, postgres_cpu, with_statements
+from scale_db import Database, cpu_seconds, postgres_cpu, requeue_delays, with_statements
 from scale_http import Http
+from scale_setup import LEASE_TTL, run_setup, start_scheduler
 from scale_report import SEATS, fairness, lower_bound, ms, packed, percentile, table, utilization  # a sibling module: benchmarks/ is on sys.path
 
 MODEL = "tiny"
-LEASE_TTL = 30.0  # the scheduler's default (--lease-ttl sets it)
 
 
 # ----- the workload -------------------------------------------------------------------------------------------------
@@ -119,54 +116,6 @@ def quotas(tenants: int, places: int) -> list[int]:
 
 
 # ----- setup (run with the scheduler's own source tree on sys.path) -------------------------------------------------
-def setup(url: str, tenants: int, workers: int, max_gpus: list[int], max_queued: list[int], out: str) -> None:
-    """Tenants with quotas and a key each, and one worker credential per worker; the keys written to ``out`` as JSON."""
-    from sqlalchemy import update
-
-    from tinkergym.scheduler.auth import create_key, ensure_tenant
-    from tinkergym.scheduler.bounds import WorkerBounds
-    from tinkergym.scheduler.credentials import create_worker_key
-    from tinkergym.scheduler.db import make_engine, tenants as tenants_table, upgrade
-
-    engine = make_engine(url)
-    upgrade(engine)
-    keys: dict[str, Any] = {"tenants": {}, "workers": [], "operator": None}
-    for t in range(tenants):
-        name = f"t{t:03d}"
-        keys["tenants"][name] = create_key(engine, name, ["read", "write"], "sim")[1]
-        with engine.begin() as conn:
-            ensure_tenant(conn, name, max_gpus=max_gpus[t], max_queued=max_queued[t])
-            conn.execute(update(tenants_table).where(tenants_table.c.id == name).values(keep_ended_jobs=100_000))
-    keys["operator"] = create_key(engine, "ops", ["read", "operator", "metrics"], "sim")[1]
-    for w in range(workers):
-        keys["workers"].append(create_worker_key(engine, WorkerBounds(devices=8 + SEATS), f"sim-{w}")[1])
-    keys["probe"] = create_worker_key(engine, WorkerBounds(devices=8), "probe")[1]
-    engine.dispose()
-    Path(out).write_text(json.dumps(keys))
-
-
-def run_setup(code: Path, url: str, tenants: int, workers: int, max_gpus: list[int], max_queued: list[int]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as scratch:
-        out = Path(scratch) / "keys.json"
-        args = json.dumps([url, tenants, workers, max_gpus, max_queued, str(out)])
-        script = f"import json,sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import scheduler_scale as s; s.setup(*json.loads(sys.argv[1]))"
-        subprocess.run([sys.executable, "-c", script, args], check=True, env={**os.environ, "PYTHONPATH": str(code)})
-        return json.loads(out.read_text())
-
-
-# ----- the scheduler process ---------------------------------------------------------------------------------------
-def start_scheduler(code: Path, url: str, data_dir: Path, settings: list[str]) -> tuple[subprocess.Popen, int]:
-    from scheduler_load import wait_ready  # noqa: PLC0415 - a sibling script (benchmarks/ is on sys.path)
-
-    port = free_port()
-    command = [sys.executable, "-m", "tinkergym", "scheduler", "serve", "--db", url, "--data-dir", str(data_dir), "--port", str(port),
-               "--lease-ttl", str(LEASE_TTL), *settings]
-    log = open(data_dir / "serve.log", "wb")  # noqa: SIM115 - the process's whole life
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(code)})
-    wait_ready(process, port, 90.0, lambda: (data_dir / "serve.log").read_text()[-3000:])
-    return process, port
-
-
 # ----- the simulated cluster ------------------------------------------------------------------------------------------
 @dataclass
 class Run:
@@ -734,28 +683,6 @@ async def drive(port: int, keys: dict[str, Any], args: argparse.Namespace, specs
 
 
 # ----- checks done after the run (the CI test asserts them) ---------------------------------------------------------------
-def requeue_delays(url: str, vanished: list[dict[str, Any]]) -> list[float]:
-    """For each lease a vanished worker held: seconds from its vanishing to the job's state leaving that lease (the
-    ``state`` event that ended that epoch), from the database's events."""
-    from sqlalchemy import create_engine, text
-
-    if not vanished:
-        return []
-    engine = create_engine(url.replace("postgresql://", "postgresql+psycopg://"))
-    delays = []
-    with engine.connect() as conn:
-        for lost in vanished:
-            rows = conn.execute(text("SELECT created_at, data FROM events WHERE job_id = :j AND type = 'state' ORDER BY seq"), {"j": lost["job"]}).all()
-            ended = [at for at, data in rows if json.loads(data).get("epoch") == lost["epoch"]
-                     and json.loads(data).get("state") in ("queued", "failed", "cancelled", "succeeded")]
-            if ended:
-                delays.append(ended[0] - lost["at"])
-            else:
-                delays.append(math.inf)
-    engine.dispose()
-    return delays
-
-
 def one_run(args: argparse.Namespace, workers: int, db_kind: str, scratch: Path, server: Any = None) -> dict[str, Any]:
     rng = random.Random(args.seed)
     jobs = args.jobs if args.jobs else workers * 10
@@ -773,7 +700,7 @@ def one_run(args: argparse.Namespace, workers: int, db_kind: str, scratch: Path,
     settings = ["--backfill-age", str(args.backfill_age), "--max-connections", str(max(2000, args.connections * 2 + 200))]
     started = time.time()
     keys = run_setup(args.code, db.url, tenants, workers, max_gpus, max_queued)
-    process, port = start_scheduler(args.code, db.url, data_dir, settings)
+    process, port = start_scheduler(args.code, db.url, data_dir, settings, LEASE_TTL)
     args.max_gpus = max_gpus
     try:
         report = asyncio.run(drive(port, keys, args, specs, db, process.pid, rng))
