@@ -91,6 +91,11 @@ class WorkerBounds:
     def serves(self, tenant_id: str) -> bool:
         return self.tenants is None or tenant_id in self.tenants
 
+    def offered(self, models_json: str) -> set[str]:
+        """The models a worker offers (its row's ``models``, JSON) within this credential's."""
+        models = set(json.loads(models_json))
+        return models & set(self.models) if self.models is not None else models
+
 
 def parse_bounds(text: str | None) -> WorkerBounds | None:
     """A key's stored bounds; None for a tenant's key (or bounds that cannot be read: such a key is no worker)."""

@@ -109,10 +109,7 @@ def free_seats_of_others(conn: Connection, worker_id: str, seen_since: float) ->
         parsed = parse_bounds(row.worker_bounds)
         if parsed is None:
             continue
-        offered = set(json.loads(row.models))
-        if parsed.models is not None:
-            offered &= set(parsed.models)
-        found.append((parse_shared(row.shared) or {}, frozenset(offered), parsed, row))
+        found.append((parse_shared(row.shared) or {}, frozenset(parsed.offered(row.models)), parsed, row))
     return found
 
 
@@ -225,10 +222,7 @@ def grant_many(
 
 def _offered(worker: dict[str, Any], bounds: WorkerBounds | None) -> set[str]:
     """The models the worker offers, within its credential's."""
-    models = set(json.loads(worker["models"]))
-    if bounds is not None and bounds.models is not None:
-        models &= set(bounds.models)
-    return models
+    return bounds.offered(worker["models"]) if bounds is not None else set(json.loads(worker["models"]))
 
 
 def _asking(conn: Connection, store: JobStore, worker_id: str, now: float) -> dict[str, Any] | None:

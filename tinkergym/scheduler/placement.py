@@ -149,9 +149,7 @@ def load_hosts(conn: Connection, now: float, timeout: float) -> list[Host]:
         bounds = parse_bounds(row.worker_bounds)
         if bounds is None:
             continue
-        models = set(json.loads(row.models))
-        if bounds.models is not None:
-            models &= set(bounds.models)
+        models = bounds.offered(row.models)
         entry = counts.get(row.id, {"devices": 0, "free": 0, "kind": bounds.kind or "device", "seats": [], "shared": set(), "memory": []})
         alive = now - row.last_seen_at <= timeout and row.quarantined_at is None
         found.append(Host(row.id, frozenset(models), entry["devices"], entry["free"], str(entry["kind"]), bounds, alive,
