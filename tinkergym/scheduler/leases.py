@@ -76,7 +76,7 @@ from tinkergym.scheduler.worker_registry import (  # noqa: F401 - the workers' h
 
 SECRET_FILE = "scheduler.secret"
 TOKEN_PREFIX = "tgs_"
-#: Leases one pass of the sweeper expires at most.
+#: Leases one pass of the sweeper expires at most, and queued jobs its pass of wait reasons reads (placement).
 MAX_SCAN = 5000
 #: A checkpoint's name: one path component inside the job's artifact folder.
 #: States a worker may report, and the events it may append.
