@@ -89,7 +89,7 @@ def test_a_starving_job_drains_one_worker_and_the_others_keep_backfilling(make_c
     clock.advance(61.0)  # big has waited past the backfill age
     assert one.lease() is None, "the first worker to meet the starving job drains for it"
     assert two.lease()["job_id"] in small, "the other worker keeps backfilling"
-    assert client.app.state.reservations[big][0] == one.id
+    assert client.app.state.reservations[big] == one.id
     # the draining worker's running job ends: the big job starts there, and its reservation ends
     job = kit.job_row(db_url, first[0])["worker_id"] == one.id and first[0] or first[1]
     epoch = kit.job_row(db_url, job)["lease_epoch"]
@@ -117,7 +117,7 @@ def test_a_draining_worker_reads_its_job_alone_and_others_pass_it_without_a_read
     clock.advance(61.0)
     assert two.lease() is None and one.lease() is None, "each drains for a starving job"
     reservations = client.app.state.reservations
-    assert reservations[older][0] == two.id and reservations[big][0] == one.id
+    assert reservations[older] == two.id and reservations[big] == one.id
     looked: list[str] = []
     walk = fairshare.fair_queue
 
@@ -151,7 +151,7 @@ def test_a_draining_worker_reads_its_job_alone_and_others_pass_it_without_a_read
     with store.read() as conn:
         alive_since = clock() - leases.worker_timeout(settings)
         assert granting._drains_for(conn, store, reservations, big, three.id, None, alive_since)
-        assert reservations[big][0] == three.id
+        assert reservations[big] == three.id
         assert not granting._drains_for(conn, store, reservations, older, three.id, big, alive_since), "one job at a time"
 
 

@@ -252,7 +252,7 @@ def test_a_reservation_ends_with_its_job_past_the_passs_reach(make_client: Any, 
     kit.register(client, keys.worker(8), devices=1)
     jobs = [kit.submit(client, user) for _ in range(4)]
     monkeypatch.setattr(leases, "MAX_SCAN", 2)
-    client.app.state.reservations.update({jobs[3]: ("w-1", 0.0), jobs[2]: ("w-2", 0.0)})
+    client.app.state.reservations.update({jobs[3]: "w-1", jobs[2]: "w-2"})
     assert client.post(f"/v1/jobs/{jobs[3]}/cancel", headers=kit.auth(user)).json()["state"] == "cancelled"
     placement.note_wait_reasons(client.app)
     assert client.app.state.wait_pass["cut"] == 2, "the pass did not reach the reserved jobs"

@@ -119,7 +119,7 @@ class Quarantined(PermissionError):
 
 def grant(
     conn: Connection, store: JobStore, settings: Any, worker_id: str, secret: bytes, bounds: WorkerBounds | None = None,
-    usage: fairshare.Usage | None = None, reservations: dict[str, tuple[str, float]] | None = None,
+    usage: fairshare.Usage | None = None, reservations: dict[str, str] | None = None,
 ) -> dict[str, Any] | None:
     """Lease at most one queued job to ``worker_id``: :func:`grant_many` with ``limit`` 1; the lease, or None."""
     granted = grant_many(conn, store, settings, worker_id, secret, bounds, usage, reservations, limit=1)
@@ -132,7 +132,7 @@ MAX_GRANTS = 64
 
 def grant_many(
     conn: Connection, store: JobStore, settings: Any, worker_id: str, secret: bytes, bounds: WorkerBounds | None = None,
-    usage: fairshare.Usage | None = None, reservations: dict[str, tuple[str, float]] | None = None, limit: int = 1,
+    usage: fairshare.Usage | None = None, reservations: dict[str, str] | None = None, limit: int = 1,
 ) -> list[dict[str, Any]]:
     """Lease up to ``limit`` queued jobs to ``worker_id`` in the caller's transaction, each on free places of its own; the
     leases (empty when nothing fits).
@@ -145,7 +145,7 @@ def grant_many(
     Jobs are looked at in the fair-share order (:mod:`tinkergym.scheduler.fairshare`: the tenant furthest below its share,
     then priority and age within a tenant), a few deep in each tenant's queue; ``usage`` is the app's cache of the tenants' held
     devices for that order (None: read now). Only jobs within the worker credential's ``bounds`` are considered: its
-    tenants' queues alone are read, and its models only. ``reservations`` (the app's, job -> its worker and when) holds
+    tenants' queues alone are read, and its models only. ``reservations`` (the app's, job -> its worker) holds
     which one worker drains for each job that waited past ``backfill_age_s`` (:func:`_drains_for`); None: every worker
     that could host it drains. A quarantined worker gets :class:`Quarantined`. The lease: ``job_id, kind, config, epoch,
     attempt, devices`` (indexes on the worker), ``seat`` (the seat's index, or None for whole devices), ``expires_at``,
@@ -170,7 +170,8 @@ def grant_many(
     held: dict[str, int] = {}
     quota: dict[str, int] = {}
     room = measured.SeatRoom(conn)
-    elsewhere = _SeatsElsewhere(conn, worker_id, now - worker_timeout(settings), room)
+    seen_since = now - worker_timeout(settings)  # a worker not seen since is gone
+    elsewhere = _SeatsElsewhere(conn, worker_id, seen_since, room)
     share = fairshare.shares(conn, list(bounds.tenants) if bounds is not None and bounds.tenants is not None else None)
     held_now = usage.held(conn) if usage is not None else fairshare.held_devices(conn)
     # Only the jobs that may fit a free place here, and those waiting past the backfill age that this worker may drain
@@ -198,7 +199,7 @@ def grant_many(
             continue  # a free seat of another worker fits it: the job waits for that worker's poll (it asks every few seconds)
         if not chosen and (gpus > len(free) or not on_devices):
             if now - job["created_at"] > settings.backfill_age_s and not _over_quota(conn, job, held, quota) \
-                    and _drains_for(conn, store, reservations, job["id"], worker_id, mine, now - worker_timeout(settings)):
+                    and _drains_for(conn, store, reservations, job["id"], worker_id, mine, seen_since):
                 break  # waited too long: the devices here drain to it, nobody behind jumps ahead
             continue  # backfill: smaller jobs behind may start
         if _over_quota(conn, job, held, quota):
@@ -257,7 +258,7 @@ def _without(free: list[Any], free_seats: list[tuple[Any, dict[str, Any]]], plac
 
 
 def _count_grant(job: dict[str, Any], chosen: list[Any], seats: list[Any], usage: fairshare.Usage | None,
-                 reservations: dict[str, tuple[str, float]] | None) -> float:
+                 reservations: dict[str, str] | None) -> float:
     """After ``job`` is granted: its reservation ends, and its tenant's held devices count it (a seat: 1 / its server's
     seats); the devices it counts for."""
     if reservations is not None:
@@ -281,12 +282,12 @@ def _may_fit(c: Any, fit: int, starved: float, most: int, mine: str | None) -> A
     return or_(c.gpus <= fit, and_(c.created_at < starved, c.gpus <= most))  # more devices than the worker has: never here
 
 
-def _draining_for(reservations: dict[str, tuple[str, float]] | None, worker_id: str) -> str | None:
+def _draining_for(reservations: dict[str, str] | None, worker_id: str) -> str | None:
     """The starving job ``worker_id`` drains for, or None."""
-    return next((job_id for job_id, (holder, _) in list((reservations or {}).items()) if holder == worker_id), None)
+    return next((job_id for job_id, holder in list((reservations or {}).items()) if holder == worker_id), None)
 
 
-def _drains_for(conn: Connection, store: JobStore, reservations: dict[str, tuple[str, float]] | None, job_id: str, worker_id: str,
+def _drains_for(conn: Connection, store: JobStore, reservations: dict[str, str] | None, job_id: str, worker_id: str,
                 mine: str | None, seen_since: float) -> bool:
     """Whether ``worker_id`` (draining for ``mine``, or None) drains its devices for the starving job ``job_id`` (takes
     nothing after it in the order).
@@ -299,16 +300,16 @@ def _drains_for(conn: Connection, store: JobStore, reservations: dict[str, tuple
     if reservations is None:
         return True
     holder = reservations.get(job_id)
-    if holder is not None and holder[0] != worker_id:
-        if store.touched.get(holder[0], -math.inf) >= seen_since:
+    if holder is not None and holder != worker_id:
+        if store.touched.get(holder, -math.inf) >= seen_since:
             return False  # another worker drains for it, seen alive by this scheduler
-        alive = conn.execute(select(workers.c.last_seen_at).where(workers.c.id == holder[0])).scalar_one_or_none()
+        alive = conn.execute(select(workers.c.last_seen_at).where(workers.c.id == holder)).scalar_one_or_none()
         if alive is not None and alive >= seen_since:
             return False  # another worker drains for it
-    if holder is None or holder[0] != worker_id:
+    if holder != worker_id:
         if mine is not None and mine != job_id:
             return False  # this worker drains for another job already
-        reservations[job_id] = (worker_id, seen_since)
+        reservations[job_id] = worker_id
     return True
 
 

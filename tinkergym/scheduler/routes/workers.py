@@ -185,7 +185,7 @@ class Lease(WireModel):
 
 class LeaseAsk(WireModel):
     max: int = Field(1, ge=1, le=granting.MAX_GRANTS, description="leases to take at most, each on free places of its own "
-                                                                "(a worker asks for as many as it has free places)")
+                                                                  "(a worker asks for as many as it has free places)")
 
 
 class LeaseAnswer(WireModel):
@@ -381,7 +381,7 @@ async def lease(worker_id: str, request: Request, body: LeaseAsk | None = None, 
     def handler(conn: Any) -> tuple[int, dict[str, Any]]:
         _own(conn, worker_id, who)
         granted = granting.grant_many(conn, store, settings, worker_id, secret, who.bounds, getattr(app.state, "usage", None),
-                                    getattr(app.state, "reservations", None), limit=most)
+                                      getattr(app.state, "reservations", None), limit=most)
         for one in granted:
             one.pop("token")  # never stored (the idempotency record keeps the answer): derived again below
             # counted once, when made (a retried poll answers the kept record); a grant whose transaction then fails to
